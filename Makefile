@@ -1,0 +1,136 @@
+# moemesh — one Makefile for the whole tree.
+#
+#   make            build the CPU binaries into build/bin
+#   make run        build and serve the default model through the whole local mesh (:8000)
+#   make test       build and run every test (last line: "N passed, N failed[, N skipped]")
+#   make asan       build with AddressSanitizer into build/asan and run the test suite there
+#   make ubsan      the same with UndefinedBehaviorSanitizer
+#   make cuda       also build kernels/cuda with nvcc (sm_90 + PTX)
+#   make hip        compile kernels/cuda for AMD (gfx90a, gfx1030) with Debian's hipcc
+#   make proto      regenerate the protobuf-c code only
+#   make deps       install the Debian packages the build needs (idempotent)
+#
+# Sources are found by wildcard: a new common/*.c, kernels/cpu/*.c, tests/**/*_test.c or
+# services/<daemon>/*.c needs no Makefile change.
+
+SHELL     := /bin/bash
+BUILD     ?= build
+SAN       ?=
+CC        ?= cc
+OPT       ?= -O2
+PORT      ?= 8000
+
+# Debian packages the build and the tests need.
+DEB_PKGS := build-essential pkg-config libnng-dev libprotobuf-c-dev protobuf-c-compiler \
+            libibverbs-dev rdma-core libuv1-dev libh2o-dev libssl-dev libjansson-dev \
+            libpcre2-dev zlib1g-dev curl python3 bc
+
+CFLAGS_BASE := -std=c11 -D_GNU_SOURCE -g $(OPT) -fPIC -pthread \
+               -Wall -Wextra -Werror -Wshadow -Wstrict-prototypes -Wmissing-prototypes -Wvla \
+               -Icommon/include -Ikernels -I$(BUILD)/gen -Iproto
+SAN_FLAGS :=
+ifeq ($(SAN),address)
+SAN_FLAGS := -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined
+endif
+ifeq ($(SAN),undefined)
+SAN_FLAGS := -fsanitize=undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer
+endif
+CFLAGS  := $(CFLAGS_BASE) $(SAN_FLAGS) $(EXTRA_CFLAGS)
+LDFLAGS := $(SAN_FLAGS) -pthread
+LDLIBS  := -lnng -lprotobuf-c -lh2o -luv -lssl -lcrypto -lz \
+           -ljansson -lpcre2-8 -libverbs -lm -ldl
+
+# ---- sources ---------------------------------------------------------------------------------
+PROTOS      := $(wildcard proto/*.proto)
+PROTO_C     := $(patsubst proto/%.proto,$(BUILD)/gen/proto/%.pb-c.c,$(PROTOS))
+PROTO_H     := $(PROTO_C:.c=.h)
+LIB_SRCS    := $(wildcard common/*.c common/transport/*.c kernels/*.c kernels/cpu/*.c)
+LIB_OBJS    := $(patsubst %.c,$(BUILD)/obj/%.o,$(LIB_SRCS)) $(PROTO_C:.c=.o)
+DAEMONS     := gateway router attention expert drafter
+DAEMON_BINS := $(patsubst %,$(BUILD)/bin/moemesh-%,$(DAEMONS))
+TOOL_SRCS   := $(wildcard tools/moemesh/*.c)
+TEST_SRCS   := $(shell find tests -name '*_test.c' 2>/dev/null | sort)
+TEST_BINS   := $(patsubst tests/%.c,$(BUILD)/tests/%,$(TEST_SRCS))
+LIB         := $(BUILD)/libmoemesh.a
+
+.PHONY: all run test asan ubsan deps proto clean cuda hip check-config test-bins
+all: deps $(DAEMON_BINS) $(BUILD)/bin/moemesh
+
+# ---- dependencies ----------------------------------------------------------------------------
+DEPS_STAMP := build/.deps-ok
+deps: $(DEPS_STAMP)
+$(DEPS_STAMP): Makefile
+	@missing=""; for p in $(DEB_PKGS); do \
+	  dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q "ok installed" || missing="$$missing $$p"; \
+	done; \
+	if [ -n "$$missing" ]; then \
+	  echo "deps: installing$$missing"; \
+	  if [ "$$(id -u)" != 0 ]; then SUDO=sudo; fi; \
+	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
+	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null || exit 1; \
+	fi
+	@command -v npm >/dev/null || { echo "deps: installing npm"; \
+	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends npm >/dev/null; }
+	@mkdir -p build && touch $@
+
+# ---- protobuf-c -------------------------------------------------------------------------------
+proto: $(PROTO_C)
+$(BUILD)/gen/proto/%.pb-c.c $(BUILD)/gen/proto/%.pb-c.h: proto/%.proto | $(DEPS_STAMP)
+	@mkdir -p $(BUILD)/gen
+	protoc-c --c_out=$(BUILD)/gen $<
+
+# ---- build id: rewritten only when the commit (or dirtiness) changes -------------------------
+BUILD_ID := 0.1.0+$(shell git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)$(shell git diff --quiet HEAD -- 2>/dev/null || echo -dirty)
+$(shell mkdir -p $(BUILD)/gen && echo '#define MM_BUILD_ID "$(BUILD_ID)"' > $(BUILD)/gen/build_id.h.tmp && \
+  (cmp -s $(BUILD)/gen/build_id.h.tmp $(BUILD)/gen/build_id.h || mv $(BUILD)/gen/build_id.h.tmp $(BUILD)/gen/build_id.h); \
+  rm -f $(BUILD)/gen/build_id.h.tmp)
+
+# ---- objects ---------------------------------------------------------------------------------
+$(BUILD)/obj/%.o: %.c $(PROTO_H) | $(DEPS_STAMP)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -MMD -MP -c $< -o $@
+
+# Generated protobuf code is not ours: compile it without -Werror's stricter warnings.
+$(BUILD)/gen/proto/%.pb-c.o: $(BUILD)/gen/proto/%.pb-c.c
+	$(CC) -std=c11 -D_GNU_SOURCE -g $(OPT) -fPIC $(SAN_FLAGS) -I$(BUILD)/gen -c $< -o $@
+
+$(LIB): $(LIB_OBJS)
+	@mkdir -p $(dir $@)
+	@rm -f $@
+	ar rcs $@ $^
+
+# ---- binaries --------------------------------------------------------------------------------
+define daemon_rule
+$(BUILD)/bin/moemesh-$(1): $(patsubst %.c,$(BUILD)/obj/%.o,$(wildcard services/$(1)/*.c)) $(LIB)
+	@mkdir -p $$(dir $$@)
+	$$(CC) $$(LDFLAGS) -o $$@ $$^ $$(LDLIBS)
+endef
+$(foreach d,$(DAEMONS),$(eval $(call daemon_rule,$(d))))
+
+$(BUILD)/bin/moemesh: $(patsubst %.c,$(BUILD)/obj/%.o,$(TOOL_SRCS)) $(LIB)
+	@mkdir -p $(dir $@)
+	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
+
+$(BUILD)/tests/%: tests/%.c tests/mm_test.h $(LIB)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -Itests -o $@ $< $(LIB) $(LDFLAGS) $(LDLIBS)
+
+test-bins: $(TEST_BINS)
+
+# ---- run and test ----------------------------------------------------------------------------
+run: all
+	$(BUILD)/bin/moemesh up --model tests/fixtures/models/qwen3moe-tiny --port $(PORT)
+
+test: all test-bins
+	@BUILD=$(BUILD) bash tests/run.sh
+
+asan:
+	$(MAKE) BUILD=build/asan SAN=address OPT=-O1 test
+
+ubsan:
+	$(MAKE) BUILD=build/ubsan SAN=undefined OPT=-O1 test
+
+clean:
+	rm -rf build
+
+-include $(shell find $(BUILD)/obj -name '*.d' 2>/dev/null)

@@ -23,7 +23,7 @@ PORT      ?= 8000
 # Debian packages the build and the tests need.
 DEB_PKGS := build-essential pkg-config libnng-dev libprotobuf-c-dev protobuf-c-compiler \
             libibverbs-dev rdma-core libuv1-dev libh2o-dev libssl-dev libjansson-dev \
-            libpcre2-dev zlib1g-dev curl python3 bc
+            libpcre2-dev libutf8proc-dev zlib1g-dev curl python3 bc
 
 CFLAGS_BASE := -std=c11 -D_GNU_SOURCE -g $(OPT) -fPIC -pthread \
                -Wall -Wextra -Werror -Wshadow -Wstrict-prototypes -Wmissing-prototypes -Wvla \
@@ -38,7 +38,7 @@ endif
 CFLAGS  := $(CFLAGS_BASE) $(SAN_FLAGS) $(EXTRA_CFLAGS)
 LDFLAGS := $(SAN_FLAGS) -pthread
 LDLIBS  := -lnng -lprotobuf-c -lh2o -luv -lssl -lcrypto -lz \
-           -ljansson -lpcre2-8 -libverbs -lm -ldl
+           -ljansson -lpcre2-8 -lutf8proc -libverbs -lm -ldl
 
 # ---- sources ---------------------------------------------------------------------------------
 PROTOS      := $(wildcard proto/*.proto)

@@ -1,0 +1,245 @@
+// SPDX-License-Identifier: MIT
+// The compute backend table (STYLE.md 5): every op the model needs, with one implementation
+// per device kind (kernels/cpu/ for the host, kernels/cuda/ for CUDA and HIP). model.c and the
+// daemons call only these entry points, so a forward pass reads the same on every device.
+//
+// Design notes:
+// - Memory. Every pointer an op takes is *backend memory* (obtained from buffer_alloc, or, when
+//   ops->host_memory is true, any host memory, including views into an mmap'd checkpoint),
+//   unless the comment says (host). Activations are f32, row-major; a "stride" is the distance
+//   in elements (not bytes) between consecutive rows, so views into wider buffers need no copy.
+// - Weights are mm_weight views: a 2-D matrix (rows = outputs, cols = inputs), row-major and
+//   contiguous, dtype BF16, F16 or F32. On the CPU backend `data` may be unaligned.
+// - Exactness (the mesh depends on it). For a given backend, every output element of every op
+//   is a pure function of that row's inputs: its reductions run in one fixed order that does
+//   not depend on n_rows, on which other rows share the call, on the thread count or on how
+//   the work is split. Never split one reduction across threads, and never change blocking
+//   with n_rows. A row computed alone and the same row inside a batch are bit-identical.
+//   Attention reads keys in position order through the block table, so its bits do not depend
+//   on where the blocks sit in the pool.
+// - Ordering and threading. Ops on one backend object are issued by one thread at a time (the
+//   owner's inference loop). Ops may run asynchronously on a device; `synchronize` waits for
+//   all issued work, and `get` is synchronous. The CPU backend runs every op to completion
+//   before returning, spread over its own pool of worker threads (created at open).
+// - Errors. Ops return MM_EINVAL for arguments outside what the op supports (e.g. an
+//   unsupported dtype) and MM_EDEVICE for a device failure; they never abort on bad input.
+// - Versioning. MM_BACKEND_V1 fixes the layout below. New members are only ever appended; a
+//   NULL optional member has the default written beside it.
+#ifndef MM_KERNELS_H
+#define MM_KERNELS_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "mm/dtype.h"
+#include "mm/err.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define MM_BACKEND_V1 1
+
+// A weight matrix: y = W x uses rows = n_out, cols = n_in. A vector (norm weight, bias) is a
+// matrix with rows = 1.
+typedef struct mm_weight {
+    enum mm_dtype dtype; // MM_DTYPE_BF16, MM_DTYPE_F16 or MM_DTYPE_F32
+    int64_t rows, cols;  // row-major, contiguous: element (r, c) at index r * cols + c
+    const void *data;    // backend memory; borrowed
+} mm_weight;
+
+// ---- RoPE ------------------------------------------------------------------------------------
+enum mm_rope_style {
+    // rotate_half (GPT-NeoX, Llama, Qwen, Mixtral, GLM partial): dim i pairs with i + rot_dim/2,
+    // frequency index i mod rot_dim/2.
+    MM_ROPE_NEOX = 0,
+    // interleaved (GPT-J, DeepSeek rope_interleave): dims 2i and 2i+1 pair, frequency index i.
+    // transformers permutes q and k the same way before rotate_half; q.k is unchanged, and
+    // this layout is what the kernel writes.
+    MM_ROPE_INTERLEAVED = 1,
+};
+
+struct mm_rope_args {
+    float *x;              // (n_rows, n_heads, ...) f32, rotated in place
+    int64_t n_rows;
+    int64_t row_stride;    // elements between rows
+    int n_heads;
+    int64_t head_stride;   // elements between heads within a row
+    int rot_offset;        // first rotated element inside a head (DeepSeek: qk_nope_head_dim)
+    int rot_dim;           // rotated elements (even); the rest of the head is left alone
+    const int32_t *pos;    // (n_rows,) token position of each row
+    const float *inv_freq; // (rot_dim/2,) angle of row r, pair i = (float)pos[r] * inv_freq[i]
+                           // (computed in f32 as torch does); carries yarn/linear scaling
+    float mscale;          // cos and sin are multiplied by this (yarn attention factor; else 1)
+    enum mm_rope_style style;
+};
+// Semantics (neox, h = rot_dim/2, c = cos(angle_i) * mscale, s = sin(angle_i) * mscale):
+//   y[i] = x[i] * c - x[i+h] * s;  y[i+h] = x[i+h] * c + x[i] * s       for i < h
+// interleaved: the same with the pair (2i, 2i+1) in place of (i, i+h).
+
+// ---- Paged KV cache view (see mm/kv_cache.h for the allocator) -------------------------------
+// One layer of the pool. Token t of a sequence lives in slot t % block_size of block
+// block_table[t / block_size]; that slot starts at
+//     base + block * block_stride + (t % block_size) * slot_stride
+// and holds K (n_kv_heads, head_dim_k) followed by V (n_kv_heads, head_dim_v), f32.
+// MLA (DeepSeek V3) is stored decompressed, as transformers computes it: n_kv_heads = n_heads,
+// head_dim_k = qk_nope + qk_rope, head_dim_v = v_head_dim.
+struct mm_kv_view {
+    float *base;            // backend memory: this layer's first slot of block 0
+    int block_size;         // tokens per block
+    int64_t block_stride;   // elements between block b and b+1 of this layer
+    int64_t slot_stride;    // elements between consecutive tokens of a block
+    int n_kv_heads, head_dim_k, head_dim_v;
+    const int32_t *block_tables; // (n_seqs, max_blocks) block ids, row per sequence
+    int max_blocks;              // row length of block_tables
+};
+
+// kv_store writes rows into the cache: row r goes to sequence row_seq[r], position
+// row_pos[r]. k: (n_rows, n_kv_heads*head_dim_k) with k_stride; v likewise with v_stride.
+struct mm_kv_store_args {
+    struct mm_kv_view kv;
+    const float *k;
+    int64_t k_stride;
+    const float *v;
+    int64_t v_stride;
+    int64_t n_rows;
+    const int32_t *row_seq; // (n_rows,) row index into kv.block_tables
+    const int32_t *row_pos; // (n_rows,) token position; its block must be in the table
+};
+
+// attention: causal softmax attention with GQA over the paged cache, for decode and prefill
+// alike. Query row r of sequence row_seq[r] at position row_pos[r] attends to that
+// sequence's keys at positions 0..row_pos[r] (inclusive), which must already be stored
+// (kv_store first, also for the rows of this same call). Head h reads kv head
+// h / (n_heads / n_kv_heads). For each (row, head):
+//   s_t = scale * dot(q, k_t) (f32, dims in order); p = softmax(s) (max-subtracted, sum in t
+//   order); out = sum_t p_t * v_t (t ascending).
+// window > 0 limits keys to positions > row_pos[r] - window (sliding window); 0 = none.
+struct mm_attn_args {
+    struct mm_kv_view kv;
+    const float *q;         // (n_rows, n_heads, head_dim_k), row stride q_stride
+    int64_t q_stride;
+    float *out;             // (n_rows, n_heads, head_dim_v), row stride out_stride
+    int64_t out_stride;
+    int64_t n_rows;
+    const int32_t *row_seq; // (n_rows,)
+    const int32_t *row_pos; // (n_rows,)
+    int n_heads;
+    float scale;            // usually head_dim_k^-0.5 (times yarn mscale^2 for DeepSeek)
+    int window;
+};
+
+// ---- MoE routing -----------------------------------------------------------------------------
+enum mm_route_score {
+    MM_ROUTE_SOFTMAX = 0, // p = softmax(logits) over all experts (Qwen, Mixtral)
+    MM_ROUTE_SIGMOID = 1, // p = sigmoid(logits) (DeepSeek V3, GLM-4.5)
+};
+
+struct mm_route_params {
+    int n_experts;
+    int top_k;
+    enum mm_route_score score;
+    const float *bias;  // (n_experts,) f32 added to p for the choice only (e_score_correction_
+                        // bias), or NULL. The weights returned are the unbiased p.
+    int n_group;        // group-limited choice (DeepSeek noaux_tc): n_experts split into n_group
+    int topk_group;     // groups; a group's score is the sum of its 2 best choice scores; the
+                        // topk_group best groups stay and the others' choice scores become 0.0
+                        // (exactly as transformers). n_group <= 1 disables it.
+    bool renorm;        // weights /= (sum of the top_k weights + renorm_eps)
+    float renorm_eps;   // 0 for Qwen/Mixtral, 1e-20 for DeepSeek/GLM
+    float scale;        // weights *= scale after renorm (routed_scaling_factor; else 1)
+};
+// route: logits (n_rows, n_experts) f32 -> ids (n_rows, top_k) int32 and weights (n_rows,
+// top_k) f32 (both backend memory), ordered by descending choice score, ties to the lower
+// expert id. Callers that dispatch on the host copy them back with get.
+
+// ---- the table -------------------------------------------------------------------------------
+struct mm_backend_ops {
+    uint32_t version;   // MM_BACKEND_V1
+    const char *name;   // "cpu", "cuda", "hip"
+    bool host_memory;   // true: backend memory is host memory (mmap'd weights used in place)
+
+    void (*close)(void *ctx); // frees the context and everything it owns; accepts NULL
+
+    // Buffers. buffer_alloc returns owned, 64-byte aligned memory of n_bytes (MM_ENOMEM,
+    // MM_EDEVICE). buffer_free accepts NULL.
+    mm_err (*buffer_alloc)(void *ctx, size_t n_bytes, void **out);
+    void (*buffer_free)(void *ctx, void *p);
+    // set copies n_bytes from host src to backend dst; get copies backend src to host dst
+    // (waits for issued work first). (optional for host_memory backends: memcpy)
+    mm_err (*set)(void *ctx, void *dst, const void *src, size_t n_bytes);
+    mm_err (*get)(void *ctx, void *dst, const void *src, size_t n_bytes);
+    mm_err (*synchronize)(void *ctx); // (optional: ops are synchronous)
+
+    // matmul: y[i, j] = sum_k x[i, k] * W[j, k] (+ bias[j]) for i < n_rows, j < w->rows,
+    // k < w->cols; x f32 with x_stride, y f32 with y_stride (y must not alias x); bias (w->rows,)
+    // f32 or NULL. Each y[i, j] is one dot product in a fixed order (see Exactness).
+    mm_err (*matmul)(void *ctx, const mm_weight *w, const float *bias, const float *x,
+                     int64_t x_stride, float *y, int64_t y_stride, int64_t n_rows);
+
+    // rmsnorm: y[i, :] = w * (x[i, :] * 1/sqrt(mean(x[i, :]^2) + eps)), dim = w->cols, w a
+    // (1, dim) vector of any weight dtype. x and y may alias. Per-head q/k norm is this op
+    // with one row per head (n_rows = tokens * heads, stride = head_dim).
+    mm_err (*rmsnorm)(void *ctx, const mm_weight *w, float eps, const float *x,
+                      int64_t x_stride, float *y, int64_t y_stride, int64_t n_rows);
+
+    mm_err (*rope)(void *ctx, const struct mm_rope_args *a);
+    mm_err (*kv_store)(void *ctx, const struct mm_kv_store_args *a);
+    mm_err (*attention)(void *ctx, const struct mm_attn_args *a);
+
+    // embed: out[i, :] = f32(table row ids[i]) for i < n_rows; ids (n_rows,) int32, each in
+    // [0, table->rows) (MM_EINVAL otherwise, checked before writing). out row stride.
+    mm_err (*embed)(void *ctx, const mm_weight *table, const int32_t *ids, int64_t n_rows,
+                    float *out, int64_t out_stride);
+
+    // swiglu: out[i, j] = silu(gate[i, j]) * up[i, j], silu(g) = g / (1 + exp(-g)), for
+    // j < dim. out may alias gate.
+    mm_err (*swiglu)(void *ctx, const float *gate, int64_t gate_stride, const float *up,
+                     int64_t up_stride, float *out, int64_t out_stride, int64_t n_rows,
+                     int64_t dim);
+
+    // route: see struct mm_route_params.
+    mm_err (*route)(void *ctx, const struct mm_route_params *p, const float *logits,
+                    int64_t logits_stride, int64_t n_rows, int32_t *ids, float *weights);
+
+    // axpy: y[i, :] += alpha[i] * x[i, :] for i < n_rows, j < dim (alpha NULL: 1). One
+    // multiply then one add per element (no fused multiply-add), so every backend rounds alike.
+    // Combine calls it once per expert in canonical order.
+    mm_err (*axpy)(void *ctx, const float *alpha, const float *x, int64_t x_stride, float *y,
+                   int64_t y_stride, int64_t n_rows, int64_t dim);
+
+    // sigmoid: x[i] = 1 / (1 + exp(-x[i])) for i < n, in place (Qwen2-MoE shared-expert gate).
+    mm_err (*sigmoid)(void *ctx, float *x, int64_t n);
+};
+
+// A backend instance: the table plus its context. Not thread-safe (one issuing thread).
+typedef struct mm_backend {
+    const struct mm_backend_ops *ops;
+    void *ctx;
+    int n_threads; // CPU worker threads (informational for device backends)
+} mm_backend;
+
+typedef struct mm_backend_params {
+    int n_threads; // CPU: worker threads including the caller; 0 = all online cores
+    int device;    // device index for GPU backends
+} mm_backend_params;
+
+// mm_backend_open creates the backend named by spec: "cpu", "cuda:N", "hip:N" (device N).
+// Returns owned *out (mm_backend_close). Errors: MM_EUNSUPP (kind not compiled in, named in
+// err), MM_EINVAL (bad spec), MM_ENOMEM, MM_EDEVICE.
+mm_err mm_backend_open(mm_backend **out, const char *spec, const mm_backend_params *p,
+                       char err[MM_ERRLEN]);
+// mm_backend_close frees the backend; accepts NULL.
+void mm_backend_close(mm_backend *be);
+
+// Constructors of the individual backends, used by mm_backend_open. A backend that is not
+// compiled in is a weak undefined symbol (NULL).
+mm_err mm_cpu_backend_open(mm_backend *be, const mm_backend_params *p, char err[MM_ERRLEN]);
+mm_err mm_cuda_backend_open(mm_backend *be, const mm_backend_params *p, char err[MM_ERRLEN]);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

@@ -211,6 +211,17 @@ struct mm_backend_ops {
 
     // sigmoid: x[i] = 1 / (1 + exp(-x[i])) for i < n, in place (Qwen2-MoE shared-expert gate).
     mm_err (*sigmoid)(void *ctx, float *x, int64_t n);
+
+    // copy_rows: dst[d(i), 0..dim) = src[s(i), 0..dim) for i < n_rows, where s(i) = src_idx[i]
+    // (or i when src_idx is NULL) and d(i) = dst_idx[i] (or i); rows are src_stride/dst_stride
+    // elements apart; indices are backend memory. Gathers rows for an expert, scatters its
+    // output, and assembles MLA keys. Regions must not overlap.
+    mm_err (*copy_rows)(void *ctx, const float *src, int64_t src_stride, const int32_t *src_idx,
+                        float *dst, int64_t dst_stride, const int32_t *dst_idx, int64_t n_rows,
+                        int64_t dim);
+
+    // fill: x[i] = value for i < n.
+    mm_err (*fill)(void *ctx, float *x, float value, int64_t n);
 };
 
 // A backend instance: the table plus its context. Not thread-safe (one issuing thread).

@@ -1,0 +1,232 @@
+// SPDX-License-Identifier: MIT
+// Data-plane transports: point-to-point, reliable, ordered frame connections chosen by URL
+// scheme from one static table (common/transport/transport.c). A frame is a mm_wire_hdr
+// (mm/wire.h) plus its payload. shm:// (same box, shared-memory rings) and tcp:// exist;
+// rdma:// and GPU peer copies plug in as one file plus one table entry each.
+//
+// Design notes:
+// - Blocking calls with deadlines, no callbacks: a mesh step is synchronous (send the rows
+//   to every owner, then gather a reply from each before a deadline). Every call that can
+//   wait takes an absolute deadline_ns on CLOCK_MONOTONIC (mm_now_ns() + budget; see
+//   mm_deadline_in_ms) and returns MM_ETIMEDOUT when it passes. MM_DEADLINE_NONE waits
+//   forever and is meant for tests and tools only.
+// - No allocation per message: mm_conn_recv writes the payload into memory the caller sized
+//   at start; senders pass their own buffers, which the transport only reads.
+// - Errors on a connection are sticky: once a conn fails (peer died, protocol violation, a
+//   deadline expiring in the middle of a frame, mm_conn_shutdown) every op in flight on it
+//   returns an error promptly and so does every later op. The cure is mm_conn_close and a
+//   new dial/accept. A deadline expiring before any byte of a frame moved is harmless: the
+//   conn stays usable.
+// - Peer death is detected by the OS (a socket closing when the process dies), so a dead
+//   peer gives MM_EPEERDOWN within milliseconds, not at the deadline. An orderly mm_conn_close
+//   on the other side gives MM_ECLOSED (frames sent before the close are delivered first).
+//   A peer that is alive but silent is only caught by the deadline (MM_ETIMEDOUT).
+// - Waiting on several connections: mm_conn_wait_any (spins briefly, then sleeps in poll()
+//   on every conn's wake fds). Gather pattern, in the caller:
+//       pending = all conns;
+//       while (pending) { mm_conn_wait_any(pending, n, deadline, &i);
+//                         mm_conn_recv(pending[i], ...); remove i from pending; }
+// - Threading: listeners and conns are not movable between processes (fork gives the child
+//   copies it must not use: it may only mm_conn_close them, see mm_conn_close). Within a
+//   process, per conn: at most one thread in send calls and at most one thread in recv /
+//   wait_any calls at a time (full duplex); mm_conn_shutdown from any thread at any time.
+//
+// Error codes used here (mm/err.h): MM_ETIMEDOUT deadline passed; MM_EPEERDOWN peer vanished
+// (process died, connection reset); MM_ECLOSED orderly close by the peer or by
+// mm_conn_shutdown here; MM_EPROTO frame failed mm_wire_hdr_check or a handshake was not ours;
+// MM_EFULL a received payload larger than the caller's buffer (frame discarded, conn usable);
+// MM_EINVAL bad URL or argument; MM_ENOENT no transport for a scheme; MM_ESYS / MM_ETRANSPORT
+// OS failures (the errno text goes into err or the log).
+#ifndef MM_TRANSPORT_H
+#define MM_TRANSPORT_H
+
+#include <poll.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/uio.h>
+
+#include "mm/err.h"
+#include "mm/time.h"
+#include "mm/wire.h"
+
+#define MM_DEADLINE_NONE UINT64_MAX
+
+// mm_deadline_in_ms returns the absolute deadline ms milliseconds from now.
+static inline uint64_t mm_deadline_in_ms(uint64_t ms) { return mm_now_ns() + ms * 1000000ull; }
+
+// ---- URLs -----------------------------------------------------------------------------------
+
+#define MM_URL_MAX 256
+
+// A parsed data-plane URL: scheme://host[:port][?key=value&...].
+//   shm://NAME[?ring_kb=N]     NAME: [A-Za-z0-9._-]{1,100}, a same-box rendezvous name
+//   tcp://HOST:PORT            HOST: IPv4 literal, [IPv6] literal or a resolvable name
+typedef struct mm_url {
+    char text[MM_URL_MAX];   // the URL as given
+    char scheme[16];         // "shm", "tcp", ...
+    char host[MM_URL_MAX];   // shm: NAME; tcp: host (without brackets)
+    int port;                // 0..65535; -1 when the URL has none
+    char query[MM_URL_MAX];  // text after '?', "" when none
+} mm_url;
+
+// mm_url_parse fills *out from s. Pure; thread-safe. Errors: MM_EINVAL naming what is wrong.
+mm_err mm_url_parse(mm_url *out, const char *s, char err[MM_ERRLEN]);
+
+// mm_url_query_u64 finds key=value in url->query. Returns MM_OK and *out, MM_ENOENT when the
+// key is absent, MM_EINVAL when the value is not a number.
+mm_err mm_url_query_u64(const mm_url *url, const char *key, uint64_t *out);
+
+// ---- objects --------------------------------------------------------------------------------
+
+typedef struct mm_listener mm_listener; // accepts conns on one URL
+typedef struct mm_conn mm_conn;         // one connected peer, full duplex
+typedef struct mm_mem_reg mm_mem_reg;   // a registered memory region (transports that need it)
+
+// mm_transport_listen opens a listener on url (binds; for tcp:// use a loopback or explicit
+// address). Returns owned *out (release with mm_listener_close). Does not block. Errors:
+// MM_ENOENT unknown scheme (err lists the known ones), MM_EINVAL bad URL, MM_EBUSY address in
+// use, MM_ESYS. Thread-safe.
+mm_err mm_transport_listen(mm_listener **out, const char *url, char err[MM_ERRLEN]);
+
+// mm_listener_accept waits until a peer dials, completes the handshake (also bounded by
+// deadline_ns) and returns an owned conn in *out (release with mm_conn_close). A peer that
+// connects but fails the handshake is dropped and reported as MM_EPROTO (the listener stays
+// usable). Errors: MM_ETIMEDOUT, MM_EPROTO, MM_ECLOSED (mm_listener_shutdown), MM_ESYS.
+// One thread at a time per listener.
+mm_err mm_listener_accept(mm_listener *l, mm_conn **out, uint64_t deadline_ns,
+                          char err[MM_ERRLEN]);
+
+// mm_listener_shutdown makes a blocked and every later accept return MM_ECLOSED. Safe from
+// any thread and from signal-free contexts at any time; idempotent.
+void mm_listener_shutdown(mm_listener *l);
+
+// mm_listener_close frees l and releases its address; accepts NULL. Conns already accepted
+// live on. Must not race with an accept in another thread (call mm_listener_shutdown first).
+void mm_listener_close(mm_listener *l);
+
+// mm_transport_dial connects to url and completes the handshake. While the listener is not
+// there yet (connection refused, no such name) it retries every few ms until deadline_ns, so
+// daemons may start in any order. Returns owned *out (mm_conn_close). Errors: MM_ETIMEDOUT,
+// MM_ENOENT unknown scheme, MM_EINVAL bad URL, MM_EPROTO the peer is not a moemesh endpoint
+// of this wire version, MM_ESYS. Thread-safe.
+mm_err mm_transport_dial(mm_conn **out, const char *url, uint64_t deadline_ns,
+                         char err[MM_ERRLEN]);
+
+// mm_conn_send sends one frame: hdr (filled by mm_wire_hdr_init; the caller's copy is only
+// read, the transport stamps magic/version/conn_seq/hdr_check on its own copy) then
+// hdr->payload_bytes bytes from payload (borrowed for the call; may be NULL when 0 bytes).
+// Blocks until the whole frame is handed to the transport (shm: in the ring; tcp: in the
+// socket buffer), i.e. payload may be reused on return; not until the peer has read it.
+// Errors: MM_EINVAL (reserved kind, header inconsistent with mm_wire_payload_bytes),
+// MM_ETIMEDOUT (before any byte went: conn still usable; mid-frame: conn broken),
+// MM_EPEERDOWN, MM_ECLOSED, MM_ETRANSPORT. One sending thread per conn.
+mm_err mm_conn_send(mm_conn *c, const mm_wire_hdr *hdr, const void *payload,
+                    uint64_t deadline_ns);
+
+// mm_conn_sendv is mm_conn_send with the payload gathered from iov[0..n_iov) (borrowed), whose
+// lengths must add up to hdr->payload_bytes (else MM_EINVAL). Lets the router send rows that
+// are not contiguous without copying them together first.
+mm_err mm_conn_sendv(mm_conn *c, const mm_wire_hdr *hdr, const struct iovec *iov, int n_iov,
+                     uint64_t deadline_ns);
+
+// mm_conn_recv waits for the next frame, validates its header (mm_wire_hdr_check), writes the
+// header to *hdr and its payload to buf (caller-owned, cap bytes). Frames arrive in the order
+// they were sent. Errors: MM_ETIMEDOUT (no frame began before deadline_ns: conn usable; a
+// frame began but did not finish: conn broken), MM_EFULL (payload_bytes > cap: *hdr is
+// filled, the payload discarded, the conn stays usable), MM_EPROTO (garbage header: conn
+// broken), MM_EPEERDOWN, MM_ECLOSED (peer closed in order, or mm_conn_shutdown here).
+// One receiving thread per conn.
+mm_err mm_conn_recv(mm_conn *c, mm_wire_hdr *hdr, void *buf, size_t cap, uint64_t deadline_ns);
+
+#define MM_CONN_WAIT_MAX 256 // most conns one mm_conn_wait_any call may watch
+
+// mm_conn_wait_any waits until one of conns[0..n) is "ready": its next mm_conn_recv will not
+// wait (a frame has begun arriving, or the conn has failed, so recv returns the error at
+// once). Writes the index to *ready. Conns may mix schemes. Idle waiting costs no CPU after a
+// short spin. Errors: MM_ETIMEDOUT, MM_EINVAL (n == 0, n > MM_CONN_WAIT_MAX or a NULL entry). The calling thread
+// counts as the receiving thread of every conn in the set.
+mm_err mm_conn_wait_any(mm_conn *const *conns, size_t n, uint64_t deadline_ns, size_t *ready);
+
+// mm_conn_shutdown fails the conn: blocked and later ops here return MM_ECLOSED, and the peer
+// sees MM_ECLOSED after the frames already sent. Does not free. Safe from any thread at any
+// time; idempotent; never blocks.
+void mm_conn_shutdown(mm_conn *c);
+
+// mm_conn_close shuts c down (as mm_conn_shutdown) and frees it; accepts NULL. No other thread
+// may be using c. In a forked child, closing the parent's conns is allowed and does not
+// disturb the parent's connection beyond dropping the child's copy of the descriptors.
+void mm_conn_close(mm_conn *c);
+
+// mm_conn_error returns the sticky error of c (MM_OK while healthy). Thread-safe.
+mm_err mm_conn_error(const mm_conn *c);
+
+// mm_conn_url returns the URL c was dialed to or accepted on (borrowed, lives as long as c).
+const char *mm_conn_url(const mm_conn *c);
+
+// mm_conn_reg_mem registers [p, p+n_bytes) with c's transport so that frames sent from or
+// received into it can move without staging (RDMA, GPU peer copies). Register once at start,
+// never per message. Returns owned *out (mm_conn_dereg_mem), or *out = NULL with MM_OK on
+// transports that need no registration (shm, tcp). Errors: MM_ENOMEM, MM_EDEVICE,
+// MM_ETRANSPORT. Not on the hot path; thread-safe against send/recv on the same conn.
+mm_err mm_conn_reg_mem(mm_conn *c, void *p, size_t n_bytes, mm_mem_reg **out,
+                       char err[MM_ERRLEN]);
+// mm_conn_dereg_mem releases a registration; accepts NULL.
+void mm_conn_dereg_mem(mm_conn *c, mm_mem_reg *reg);
+
+// mm_transport_schemes writes the registered schemes, comma-separated, into buf.
+void mm_transport_schemes(char *buf, size_t cap);
+
+// mm_transport_fini calls every initialised transport's fini. Call at process exit after all
+// listeners and conns are closed; optional.
+void mm_transport_fini(void);
+
+// Test hook (conformance suite only): writes n raw bytes into c's stream bypassing framing,
+// so tests can prove that garbage is rejected with MM_EPROTO. MM_EUNSUPP where a transport
+// cannot. Never use in services.
+mm_err mm__conn_send_raw(mm_conn *c, const void *p, size_t n, uint64_t deadline_ns);
+
+// ---- the provider interface -----------------------------------------------------------------
+// A transport implements this table in common/transport/<scheme>.c and is listed once in
+// MM_TRANSPORT_LIST in transport.c. The generic layer (transport.c) validates arguments,
+// keeps the sticky error, and implements wait_any on top of rx_ready/rx_arm/rx_disarm.
+// ctx pointers are the provider's; the generic layer never looks inside.
+
+#define MM_TRANSPORT_V1 1u
+#define MM_TRANSPORT_MAX_PFD 4 // pollfds one conn may need to sleep on
+
+struct mm_transport_ops {
+    uint32_t version;   // MM_TRANSPORT_V1; bump on any layout or semantic change
+    const char *scheme; // URL scheme this implementation serves ("shm", "tcp", "rdma")
+    mm_err (*init)(char err[MM_ERRLEN]); // (optional) once per process before first use
+    void (*fini)(void);                  // (optional) from mm_transport_fini
+    mm_err (*listen)(void **lctx, const mm_url *url, char err[MM_ERRLEN]);
+    mm_err (*accept)(void *lctx, void **cctx, uint64_t deadline_ns, char err[MM_ERRLEN]);
+    void (*listener_shutdown)(void *lctx); // any thread; wakes accept
+    void (*listener_close)(void *lctx);
+    mm_err (*dial)(void **cctx, const mm_url *url, uint64_t deadline_ns, char err[MM_ERRLEN]);
+    // (optional) default: *reg = NULL, MM_OK (no registration needed)
+    mm_err (*reg_mem)(void *cctx, void *p, size_t n_bytes, void **reg, char err[MM_ERRLEN]);
+    void (*dereg_mem)(void *cctx, void *reg); // (optional with reg_mem)
+    // send: hdr is already sealed (magic, version, conn_seq, hdr_check) and validated;
+    // iov lengths add up to hdr->payload_bytes.
+    mm_err (*sendv)(void *cctx, const mm_wire_hdr *hdr, const struct iovec *iov, int n_iov,
+                    uint64_t deadline_ns);
+    // recv: must validate the header with mm_wire_hdr_check (MM_EPROTO, conn broken), return
+    // MM_EFULL after discarding an oversize payload, and map BYE to MM_ECLOSED. The generic
+    // layer checks conn_seq.
+    mm_err (*recv)(void *cctx, mm_wire_hdr *hdr, void *buf, size_t cap, uint64_t deadline_ns);
+    // rx_ready: non-blocking; true when recv would not wait (data or failure pending).
+    bool (*rx_ready)(void *cctx);
+    // rx_arm: announce that the caller will sleep; fill up to MM_TRANSPORT_MAX_PFD pollfds
+    // that become readable when rx_ready may have turned true; returns how many. The caller
+    // re-checks rx_ready after arming (lost-wakeup rule), then polls, then calls rx_disarm.
+    int (*rx_arm)(void *cctx, struct pollfd *pfds);
+    void (*rx_disarm)(void *cctx);
+    mm_err (*status)(void *cctx); // sticky error, MM_OK while healthy; any thread
+    void (*shutdown)(void *cctx); // any thread, never blocks; wakes blocked ops
+    void (*close)(void *cctx);    // frees; no concurrent use
+    mm_err (*send_raw)(void *cctx, const void *p, size_t n, uint64_t deadline_ns); // (optional)
+};
+
+#endif

@@ -1,0 +1,25 @@
+// SPDX-License-Identifier: MIT
+// Helpers shared by the transport implementations in common/transport/ (not a public header).
+#ifndef MM_TRANSPORT_INT_H
+#define MM_TRANSPORT_INT_H
+
+#include <stdint.h>
+
+#include "mm/transport.h"
+
+// Busy-wait budget before a waiter sleeps, in ns (env MM_TRANSPORT_SPIN_US, default 50 us).
+uint64_t mm__transport_spin_ns(void);
+
+// poll() timeout in ms for an absolute deadline: -1 for none, 0 when passed, rounded up,
+// capped at 60 s (callers loop and re-check the deadline).
+int mm__deadline_timeout_ms(uint64_t deadline_ns);
+
+static inline void mm__cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+#endif

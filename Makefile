@@ -23,7 +23,8 @@ PORT      ?= 8000
 # Debian packages the build and the tests need.
 DEB_PKGS := build-essential pkg-config libnng-dev libprotobuf-c-dev protobuf-c-compiler \
             libibverbs-dev rdma-core libuv1-dev libh2o-dev libssl-dev libjansson-dev \
-            libpcre2-dev libutf8proc-dev zlib1g-dev curl python3 bc
+            libpcre2-dev libutf8proc-dev zlib1g-dev curl python3 bc \
+            docker-compose systemd
 
 CFLAGS_BASE := -std=c11 -D_GNU_SOURCE -g $(OPT) -fPIC -pthread \
                -Wall -Wextra -Werror -Wshadow -Wstrict-prototypes -Wmissing-prototypes -Wvla \
@@ -54,6 +55,7 @@ TEST_BINS   := $(patsubst tests/%.c,$(BUILD)/tests/%,$(TEST_SRCS))
 LIB         := $(BUILD)/libmoemesh.a
 
 .PHONY: all run test asan ubsan deps proto clean cuda hip check-config test-bins
+.PHONY: install
 all: deps $(DAEMON_BINS) $(BUILD)/bin/moemesh
 
 # ---- dependencies ----------------------------------------------------------------------------
@@ -129,6 +131,11 @@ asan:
 
 ubsan:
 	$(MAKE) BUILD=build/ubsan SAN=undefined OPT=-O1 test
+
+# Installs binaries, launcher, systemd units and docs (deploy/install.sh; see docs/OPERATIONS.md).
+PREFIX ?= /usr/local
+install: all
+	BIN=$(BUILD)/bin PREFIX=$(PREFIX) DESTDIR=$(DESTDIR) bash deploy/install.sh
 
 clean:
 	rm -rf build

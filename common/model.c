@@ -1,0 +1,768 @@
+// SPDX-License-Identifier: MIT
+// Weights binding and the forward-pass stages; see mm/model.h for the stage contract.
+//
+// Design notes: weights are mm_weight views into the mmap'd safetensors (host-memory
+// backends) or uploaded once into backend buffers (device backends). Small vectors that the
+// ops take as f32 (biases, routing correction bias) are converted once at open. Each stage
+// is a short, fixed sequence of backend ops on one caller-owned scratch; nothing allocates
+// after mm_model_scratch_new. Math follows transformers 5.17 modeling_<family>.py.
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "mm/model.h"
+#include "mm/safetensors.h"
+
+// ---- model ----------------------------------------------------------------------------------
+struct layer {
+    mm_weight attn_norm, ffn_norm;
+    mm_weight wq, wk, wv, wo, q_norm, k_norm;
+    float *bq, *bk, *bv;                              // (n_out,) f32 backend, or NULL
+    mm_weight wq_a, q_a_norm, wq_b, wkv_a, kv_a_norm, wkv_b; // MLA
+    mm_weight router;                                 // (n_experts, d_model)
+    float *e_bias;                                    // (n_experts,) f32 backend, or NULL
+    mm_weight *eg, *eu, *ed;                          // (n_experts) gate/up (ff, d), down (d, ff)
+    mm_weight sg, su, sd;                             // shared experts or dense MLP
+    mm_weight s_gate;                                 // Qwen2-MoE shared_expert_gate (1, d)
+    bool has_shared;
+};
+
+struct mm_model {
+    mm_model_config c;
+    mm_backend *be;
+    mm_safetensors *st;
+    mm_weight embed, norm, head;
+    float *inv_freq; // (rot_dim/2) backend
+    struct layer *layers;
+    void **owned;    // backend buffers to free
+    size_t n_owned, cap_owned;
+};
+
+const mm_model_config *mm_model_cfg(const mm_model *m) { return &m->c; }
+mm_backend *mm_model_backend(const mm_model *m) { return m->be; }
+bool mm_model_layer_is_moe(const mm_model *m, int layer) {
+    return layer >= 0 && layer < m->c.n_layers && m->c.layer_moe[layer];
+}
+bool mm_model_layer_has_shared(const mm_model *m, int layer) {
+    return layer >= 0 && layer < m->c.n_layers && m->layers[layer].has_shared;
+}
+
+static mm_err own(mm_model *m, void *p) {
+    if (m->n_owned == m->cap_owned) {
+        size_t cap = m->cap_owned ? 2 * m->cap_owned : 64;
+        void **n = realloc(m->owned, cap * sizeof(void *));
+        if (!n)
+            return MM_ENOMEM;
+        m->owned = n;
+        m->cap_owned = cap;
+    }
+    m->owned[m->n_owned++] = p;
+    return MM_OK;
+}
+
+static mm_err upload(mm_model *m, const void *src, size_t n_bytes, void **out) {
+    void *p = NULL;
+    MM_TRY(m->be->ops->buffer_alloc(m->be->ctx, n_bytes, &p));
+    mm_err rv = own(m, p);
+    if (rv != MM_OK) {
+        m->be->ops->buffer_free(m->be->ctx, p);
+        return rv;
+    }
+    MM_TRY(m->be->ops->set(m->be->ctx, p, src, n_bytes));
+    *out = p;
+    return MM_OK;
+}
+
+// bind: weight `name` of shape (rows, cols); rows == 0 means a 1-D vector of cols.
+static mm_err bind(mm_model *m, const char *name, int64_t rows, int64_t cols, mm_weight *w,
+                   char *err) {
+    const mm_st_tensor *t = NULL;
+    int64_t shape[2] = {rows, cols};
+    if (rows == 0)
+        MM_TRY(mm_safetensors_get(m->st, name, 1, &shape[1], &t, err));
+    else
+        MM_TRY(mm_safetensors_get(m->st, name, 2, shape, &t, err));
+    if (t->dtype != MM_DTYPE_BF16 && t->dtype != MM_DTYPE_F16 && t->dtype != MM_DTYPE_F32)
+        return mm_errf(err, MM_EUNSUPP, "%s: tensor %s has dtype %s (bf16, f16 or f32 needed)",
+                       mm_safetensors_file_name(m->st, t->file), name, mm_dtype_name(t->dtype));
+    *w = (mm_weight){.dtype = t->dtype, .rows = rows ? rows : 1, .cols = cols, .data = t->data};
+    if (!m->be->ops->host_memory) {
+        void *p = NULL;
+        MM_TRY(upload(m, t->data, t->n_bytes, &p));
+        w->data = p;
+    }
+    return MM_OK;
+}
+
+// bind_f32: a 1-D tensor converted to an owned f32 backend array.
+static mm_err bind_f32(mm_model *m, const char *name, int64_t n, float **out, char *err) {
+    mm_weight w;
+    MM_TRY(bind(m, name, 0, n, &w, err));
+    const mm_st_tensor *t = mm_safetensors_find(m->st, name);
+    float *tmp = malloc((size_t)n * 4);
+    if (!tmp)
+        return MM_ENOMEM;
+    for (int64_t i = 0; i < n; i++) {
+        uint16_t h;
+        switch (t->dtype) {
+        case MM_DTYPE_BF16:
+            memcpy(&h, (const char *)t->data + 2 * i, 2);
+            tmp[i] = mm_bf16_to_f32(h);
+            break;
+        case MM_DTYPE_F16:
+            memcpy(&h, (const char *)t->data + 2 * i, 2);
+            tmp[i] = mm_f16_to_f32(h);
+            break;
+        default:
+            memcpy(&tmp[i], (const char *)t->data + 4 * i, 4);
+        }
+    }
+    mm_err rv = upload(m, tmp, (size_t)n * 4, (void **)out);
+    free(tmp);
+    return rv;
+}
+
+#define LNAME(buf, l, fmt, ...) snprintf(buf, sizeof buf, "model.layers.%d." fmt, l, ##__VA_ARGS__)
+
+static mm_err bind_mlp(mm_model *m, int l, const char *prefix, int64_t ff, mm_weight *g,
+                       mm_weight *u, mm_weight *d, char *err) {
+    char n[256];
+    const int64_t D = m->c.d_model;
+    LNAME(n, l, "%s.gate_proj.weight", prefix);
+    MM_TRY(bind(m, n, ff, D, g, err));
+    LNAME(n, l, "%s.up_proj.weight", prefix);
+    MM_TRY(bind(m, n, ff, D, u, err));
+    LNAME(n, l, "%s.down_proj.weight", prefix);
+    MM_TRY(bind(m, n, D, ff, d, err));
+    return MM_OK;
+}
+
+// Experts: Hub layout (experts.N.{gate,up,down}_proj / Mixtral w1,w3,w2), or the fused
+// transformers-5 layout (experts.gate_up_proj (E, 2*ff, d), experts.down_proj (E, d, ff)).
+static mm_err bind_experts(mm_model *m, int l, const char *moe, struct layer *L, char *err) {
+    const mm_model_config *c = &m->c;
+    const int64_t D = c->d_model, F = c->d_ff_expert, E = c->n_experts;
+    L->eg = calloc((size_t)E * 3, sizeof(mm_weight));
+    if (!L->eg)
+        return MM_ENOMEM;
+    L->eu = L->eg + E;
+    L->ed = L->eg + 2 * E;
+    char n[256];
+    LNAME(n, l, "%s.experts.gate_up_proj", moe);
+    const mm_st_tensor *gu = mm_safetensors_find(m->st, n);
+    if (gu && m->be->ops->host_memory) {
+        const mm_st_tensor *t = NULL;
+        int64_t s1[3] = {E, 2 * F, D}, s2[3] = {E, D, F};
+        MM_TRY(mm_safetensors_get(m->st, n, 3, s1, &t, err));
+        LNAME(n, l, "%s.experts.down_proj", moe);
+        const mm_st_tensor *dn = NULL;
+        MM_TRY(mm_safetensors_get(m->st, n, 3, s2, &dn, err));
+        if (t->dtype != MM_DTYPE_BF16 || dn->dtype != MM_DTYPE_BF16)
+            return mm_errf(err, MM_EUNSUPP, "fused experts of layer %d must be bf16", l);
+        for (int64_t e = 0; e < E; e++) {
+            const uint16_t *b = (const uint16_t *)t->data + e * 2 * F * D;
+            L->eg[e] = (mm_weight){MM_DTYPE_BF16, F, D, b};
+            L->eu[e] = (mm_weight){MM_DTYPE_BF16, F, D, b + F * D};
+            L->ed[e] = (mm_weight){MM_DTYPE_BF16, D, F, (const uint16_t *)dn->data + e * D * F};
+        }
+        return MM_OK;
+    }
+    const bool mix = c->arch == MM_ARCH_MIXTRAL;
+    for (int64_t e = 0; e < E; e++) {
+        LNAME(n, l, "%s.experts.%lld.%s.weight", moe, (long long)e, mix ? "w1" : "gate_proj");
+        MM_TRY(bind(m, n, F, D, &L->eg[e], err));
+        LNAME(n, l, "%s.experts.%lld.%s.weight", moe, (long long)e, mix ? "w3" : "up_proj");
+        MM_TRY(bind(m, n, F, D, &L->eu[e], err));
+        LNAME(n, l, "%s.experts.%lld.%s.weight", moe, (long long)e, mix ? "w2" : "down_proj");
+        MM_TRY(bind(m, n, D, F, &L->ed[e], err));
+    }
+    return MM_OK;
+}
+
+static mm_err bind_layer(mm_model *m, int l, char *err) {
+    const mm_model_config *c = &m->c;
+    struct layer *L = &m->layers[l];
+    const int64_t D = c->d_model, H = c->n_heads, KV = c->n_kv_heads, hd = c->head_dim;
+    char n[256];
+    LNAME(n, l, "input_layernorm.weight");
+    MM_TRY(bind(m, n, 0, D, &L->attn_norm, err));
+    LNAME(n, l, "post_attention_layernorm.weight");
+    MM_TRY(bind(m, n, 0, D, &L->ffn_norm, err));
+    if (c->mla) {
+        const int64_t qk = c->qk_nope + c->qk_rope;
+        if (c->q_lora_rank > 0) {
+            LNAME(n, l, "self_attn.q_a_proj.weight");
+            MM_TRY(bind(m, n, c->q_lora_rank, D, &L->wq_a, err));
+            LNAME(n, l, "self_attn.q_a_layernorm.weight");
+            MM_TRY(bind(m, n, 0, c->q_lora_rank, &L->q_a_norm, err));
+            LNAME(n, l, "self_attn.q_b_proj.weight");
+            MM_TRY(bind(m, n, H * qk, c->q_lora_rank, &L->wq_b, err));
+        } else {
+            LNAME(n, l, "self_attn.q_proj.weight");
+            MM_TRY(bind(m, n, H * qk, D, &L->wq, err));
+        }
+        LNAME(n, l, "self_attn.kv_a_proj_with_mqa.weight");
+        MM_TRY(bind(m, n, c->kv_lora_rank + c->qk_rope, D, &L->wkv_a, err));
+        LNAME(n, l, "self_attn.kv_a_layernorm.weight");
+        MM_TRY(bind(m, n, 0, c->kv_lora_rank, &L->kv_a_norm, err));
+        LNAME(n, l, "self_attn.kv_b_proj.weight");
+        MM_TRY(bind(m, n, H * (c->qk_nope + c->v_head_dim), c->kv_lora_rank, &L->wkv_b, err));
+        LNAME(n, l, "self_attn.o_proj.weight");
+        MM_TRY(bind(m, n, D, H * c->v_head_dim, &L->wo, err));
+    } else {
+        LNAME(n, l, "self_attn.q_proj.weight");
+        MM_TRY(bind(m, n, H * hd, D, &L->wq, err));
+        LNAME(n, l, "self_attn.k_proj.weight");
+        MM_TRY(bind(m, n, KV * hd, D, &L->wk, err));
+        LNAME(n, l, "self_attn.v_proj.weight");
+        MM_TRY(bind(m, n, KV * hd, D, &L->wv, err));
+        LNAME(n, l, "self_attn.o_proj.weight");
+        MM_TRY(bind(m, n, D, H * hd, &L->wo, err));
+        if (c->qkv_bias) {
+            LNAME(n, l, "self_attn.q_proj.bias");
+            MM_TRY(bind_f32(m, n, H * hd, &L->bq, err));
+            LNAME(n, l, "self_attn.k_proj.bias");
+            MM_TRY(bind_f32(m, n, KV * hd, &L->bk, err));
+            LNAME(n, l, "self_attn.v_proj.bias");
+            MM_TRY(bind_f32(m, n, KV * hd, &L->bv, err));
+        }
+        if (c->qk_norm) {
+            LNAME(n, l, "self_attn.q_norm.weight");
+            MM_TRY(bind(m, n, 0, hd, &L->q_norm, err));
+            LNAME(n, l, "self_attn.k_norm.weight");
+            MM_TRY(bind(m, n, 0, hd, &L->k_norm, err));
+        }
+    }
+    if (!c->layer_moe[l]) {
+        L->has_shared = true;
+        return bind_mlp(m, l, "mlp", c->d_ff, &L->sg, &L->su, &L->sd, err);
+    }
+    const char *moe = c->arch == MM_ARCH_MIXTRAL ? "block_sparse_moe" : "mlp";
+    LNAME(n, l, "%s.gate.weight", moe);
+    MM_TRY(bind(m, n, c->n_experts, D, &L->router, err));
+    if (c->e_bias) {
+        LNAME(n, l, "%s.gate.e_score_correction_bias", moe);
+        if (mm_safetensors_find(m->st, n)) {
+            MM_TRY(bind_f32(m, n, c->n_experts, &L->e_bias, err));
+        } else { // transformers initialises the buffer to zeros when absent
+            float *z = calloc((size_t)c->n_experts, 4);
+            if (!z)
+                return MM_ENOMEM;
+            mm_err rv = upload(m, z, (size_t)c->n_experts * 4, (void **)&L->e_bias);
+            free(z);
+            MM_TRY(rv);
+        }
+    }
+    MM_TRY(bind_experts(m, l, moe, L, err));
+    if (c->d_ff_shared > 0) {
+        L->has_shared = true;
+        bool qwen2 = c->arch == MM_ARCH_QWEN2_MOE;
+        MM_TRY(bind_mlp(m, l, qwen2 ? "mlp.shared_expert" : "mlp.shared_experts", c->d_ff_shared,
+                        &L->sg, &L->su, &L->sd, err));
+        if (c->shared_gate) {
+            LNAME(n, l, "mlp.shared_expert_gate.weight");
+            MM_TRY(bind(m, n, 1, D, &L->s_gate, err));
+        }
+    }
+    return MM_OK;
+}
+
+mm_err mm_model_open(mm_model **out, const char *dir, mm_backend *be, char err[MM_ERRLEN]) {
+    *out = NULL;
+    mm_model *m = calloc(1, sizeof(*m));
+    if (!m)
+        return MM_ENOMEM;
+    mm_err rv = MM_OK;
+    m->be = be;
+    MM_TRY_GOTO(rv, mm_model_config_read(dir, &m->c, err), fail);
+    MM_TRY_GOTO(rv, mm_safetensors_open(&m->st, dir, err), fail);
+    const mm_model_config *c = &m->c;
+    MM_TRY_GOTO(rv, bind(m, "model.embed_tokens.weight", c->vocab, c->d_model, &m->embed, err),
+                fail);
+    MM_TRY_GOTO(rv, bind(m, "model.norm.weight", 0, c->d_model, &m->norm, err), fail);
+    if (c->tie_embeddings && !mm_safetensors_find(m->st, "lm_head.weight"))
+        m->head = m->embed;
+    else
+        MM_TRY_GOTO(rv, bind(m, "lm_head.weight", c->vocab, c->d_model, &m->head, err), fail);
+    MM_TRY_GOTO(rv, upload(m, c->inv_freq, (size_t)(c->rot_dim / 2) * 4, (void **)&m->inv_freq),
+                fail);
+    m->layers = calloc((size_t)c->n_layers, sizeof(struct layer));
+    if (!m->layers) {
+        rv = MM_ENOMEM;
+        goto fail;
+    }
+    for (int l = 0; l < c->n_layers; l++)
+        MM_TRY_GOTO(rv, bind_layer(m, l, err), fail);
+    *out = m;
+    return MM_OK;
+fail:
+    mm_model_close(m);
+    return rv;
+}
+
+void mm_model_close(mm_model *m) {
+    if (!m)
+        return;
+    for (size_t i = 0; i < m->n_owned; i++)
+        m->be->ops->buffer_free(m->be->ctx, m->owned[i]);
+    free(m->owned);
+    if (m->layers)
+        for (int l = 0; l < m->c.n_layers; l++)
+            free(m->layers[l].eg);
+    free(m->layers);
+    mm_safetensors_close(m->st);
+    free(m);
+}
+
+static double wbytes(const mm_weight *w) {
+    return w->data ? (double)w->rows * (double)w->cols * (double)mm_dtype_size(w->dtype) : 0;
+}
+
+double mm_model_decode_bytes(const mm_model *m) {
+    const mm_model_config *c = &m->c;
+    double b = wbytes(&m->head) + wbytes(&m->norm) + wbytes(&m->embed) / c->vocab;
+    for (int l = 0; l < c->n_layers; l++) {
+        const struct layer *L = &m->layers[l];
+        b += wbytes(&L->attn_norm) + wbytes(&L->ffn_norm) + wbytes(&L->wq) + wbytes(&L->wk) +
+             wbytes(&L->wv) + wbytes(&L->wo) + wbytes(&L->q_norm) + wbytes(&L->k_norm) +
+             wbytes(&L->wq_a) + wbytes(&L->q_a_norm) + wbytes(&L->wq_b) + wbytes(&L->wkv_a) +
+             wbytes(&L->kv_a_norm) + wbytes(&L->wkv_b) + wbytes(&L->router) +
+             wbytes(&L->sg) + wbytes(&L->su) + wbytes(&L->sd) + wbytes(&L->s_gate);
+        if (c->layer_moe[l])
+            b += c->top_k * (wbytes(&L->eg[0]) + wbytes(&L->eu[0]) + wbytes(&L->ed[0]));
+    }
+    return b;
+}
+
+void mm_model_kv_params(const mm_model *m, mm_kv_params *p) {
+    memset(p, 0, sizeof(*p));
+    p->n_layers = m->c.n_layers;
+    p->n_kv_heads = m->c.n_kv_heads;
+    p->head_dim_k = m->c.head_dim;
+    p->head_dim_v = m->c.head_dim_v;
+    p->block_size = 16;
+}
+
+// ---- scratch --------------------------------------------------------------------------------
+struct mm_model_scratch {
+    int64_t max_rows;
+    mm_backend *be;
+    void **bufs;
+    int n_bufs;
+    // backend f32 buffers
+    float *xn, *q, *k, *v, *ao, *tmp;       // attention
+    float *qa, *ckv, *kvn, *kvb;            // MLA
+    float *g, *u, *f;                       // FFN (rows, ff_max)
+    float *rl;                              // router logits (rows, n_experts)
+    float *acc, *alpha, *sgate;             // combine / shared gate
+    int32_t *pos_d, *seq_d, *idx_d, *idx2_d; // backend int arrays
+    int32_t *ids_d;
+    float *w_d;
+    // engine (mm_model_forward)
+    float *h, *x, *xin, *yout, *eo, *sh, *hn;
+    int32_t *ids, *cnt, *slot_list, *row_list, *want_idx; // host
+    float *wts;                                           // host
+};
+
+static mm_err sbuf(mm_model_scratch *s, size_t n_bytes, void **out) {
+    void *p = NULL;
+    MM_TRY(s->be->ops->buffer_alloc(s->be->ctx, n_bytes ? n_bytes : 4, &p));
+    s->bufs[s->n_bufs++] = p;
+    *out = p;
+    return MM_OK;
+}
+
+void mm_model_scratch_free(mm_model_scratch *s) {
+    if (!s)
+        return;
+    for (int i = 0; i < s->n_bufs; i++)
+        s->be->ops->buffer_free(s->be->ctx, s->bufs[i]);
+    free(s->bufs);
+    free(s->ids);
+    free(s->cnt);
+    free(s->slot_list);
+    free(s->row_list);
+    free(s->want_idx);
+    free(s->wts);
+    free(s);
+}
+
+mm_err mm_model_scratch_new(mm_model_scratch **out, const mm_model *m, int64_t max_rows,
+                            char err[MM_ERRLEN]) {
+    *out = NULL;
+    if (max_rows <= 0)
+        return mm_errf(err, MM_EINVAL, "scratch: max_rows must be > 0");
+    const mm_model_config *c = &m->c;
+    mm_model_scratch *s = calloc(1, sizeof(*s));
+    if (!s)
+        return MM_ENOMEM;
+    mm_err rv = MM_OK;
+    s->max_rows = max_rows;
+    s->be = m->be;
+    s->bufs = calloc(64, sizeof(void *));
+    if (!s->bufs) {
+        rv = MM_ENOMEM;
+        goto fail;
+    }
+    const size_t R = (size_t)max_rows, D = (size_t)c->d_model, H = (size_t)c->n_heads;
+    const size_t K = c->top_k > 0 ? (size_t)c->top_k : 1, E = c->n_experts > 0 ? (size_t)c->n_experts : 1;
+    size_t ff = (size_t)c->d_ff;
+    if ((size_t)c->d_ff_expert > ff)
+        ff = (size_t)c->d_ff_expert;
+    if ((size_t)c->d_ff_shared > ff)
+        ff = (size_t)c->d_ff_shared;
+    const size_t qdim = H * (size_t)c->head_dim, vdim = (size_t)c->n_kv_heads * c->head_dim_v;
+    const size_t kdim = (size_t)c->n_kv_heads * c->head_dim;
+    const size_t aodim = H * (size_t)c->head_dim_v;
+#define F32(field, n) MM_TRY_GOTO(rv, sbuf(s, (n) * 4, (void **)&s->field), fail)
+    F32(xn, R * D);
+    F32(q, R * qdim);
+    F32(k, R * kdim);
+    F32(v, R * vdim);
+    F32(ao, R * aodim);
+    F32(tmp, R * D);
+    if (c->mla) {
+        F32(qa, R * (size_t)(c->q_lora_rank > 0 ? c->q_lora_rank : 1));
+        F32(ckv, R * (size_t)(c->kv_lora_rank + c->qk_rope));
+        F32(kvn, R * (size_t)c->kv_lora_rank);
+        F32(kvb, R * H * (size_t)(c->qk_nope + c->v_head_dim));
+    }
+    F32(g, R * ff);
+    F32(u, R * ff);
+    F32(f, R * ff);
+    F32(rl, R * E);
+    F32(acc, R * D);
+    F32(alpha, R);
+    F32(sgate, R);
+    F32(pos_d, R);
+    F32(seq_d, R);
+    F32(idx_d, R * (H > K ? H : K));
+    F32(idx2_d, R * K);
+    F32(ids_d, R * K);
+    F32(w_d, R * K);
+    F32(h, R * D);
+    F32(x, R * D);
+    F32(xin, R * D);
+    F32(yout, R * D);
+    F32(eo, R * K * D);
+    F32(sh, R * D);
+    F32(hn, R * D);
+#undef F32
+    s->ids = malloc(R * K * 4);
+    s->wts = malloc(R * K * 4);
+    s->cnt = malloc((E + 1) * 4);
+    s->slot_list = malloc(R * K * 4);
+    s->row_list = malloc(R * (K > H ? K : H) * 4);
+    s->want_idx = malloc(R * 4);
+    if (!s->ids || !s->wts || !s->cnt || !s->slot_list || !s->row_list || !s->want_idx) {
+        rv = MM_ENOMEM;
+        goto fail;
+    }
+    *out = s;
+    return MM_OK;
+fail:
+    mm_model_scratch_free(s);
+    if (rv == MM_ENOMEM)
+        mm_errf(err, rv, "scratch for %lld rows: out of memory", (long long)max_rows);
+    return rv;
+}
+
+// ---- stages ---------------------------------------------------------------------------------
+#define OPS (m->be->ops)
+#define CTX (m->be->ctx)
+
+static mm_err check_rows(const mm_model_scratch *s, int64_t n) {
+    return (s && n >= 0 && n <= s->max_rows) ? MM_OK : MM_EINVAL;
+}
+
+mm_err mm_model_embed(const mm_model *m, mm_model_scratch *s, const int32_t *ids, int64_t n,
+                      float *h) {
+    MM_TRY(check_rows(s, n));
+    for (int64_t i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] >= m->c.vocab)
+            return MM_EINVAL;
+    MM_TRY(OPS->set(CTX, s->idx_d, ids, (size_t)n * 4));
+    return OPS->embed(CTX, &m->embed, s->idx_d, n, h, m->c.d_model);
+}
+
+static mm_err attn_mla(const mm_model *m, mm_model_scratch *s, const struct layer *L,
+                       int64_t n, float **q_out, float **k_out, float **v_out,
+                       int64_t *q_stride) {
+    const mm_model_config *c = &m->c;
+    const int64_t H = c->n_heads, nope = c->qk_nope, rope = c->qk_rope, vd = c->v_head_dim;
+    const int64_t qk = nope + rope, ckv_w = c->kv_lora_rank + rope;
+    if (c->q_lora_rank > 0) { // q = q_b(q_a_norm(q_a(x)))
+        MM_TRY(OPS->matmul(CTX, &L->wq_a, NULL, s->xn, c->d_model, s->qa, c->q_lora_rank, n));
+        MM_TRY(OPS->rmsnorm(CTX, &L->q_a_norm, c->eps, s->qa, c->q_lora_rank, s->qa,
+                            c->q_lora_rank, n));
+        MM_TRY(OPS->matmul(CTX, &L->wq_b, NULL, s->qa, c->q_lora_rank, s->q, H * qk, n));
+    } else {
+        MM_TRY(OPS->matmul(CTX, &L->wq, NULL, s->xn, c->d_model, s->q, H * qk, n));
+    }
+    // compressed kv = [kv_lora | k_rope]; k_pass, v = kv_b(kv_a_norm(kv_lora part))
+    MM_TRY(OPS->matmul(CTX, &L->wkv_a, NULL, s->xn, c->d_model, s->ckv, ckv_w, n));
+    MM_TRY(OPS->rmsnorm(CTX, &L->kv_a_norm, c->eps, s->ckv, ckv_w, s->kvn, c->kv_lora_rank, n));
+    MM_TRY(OPS->matmul(CTX, &L->wkv_b, NULL, s->kvn, c->kv_lora_rank, s->kvb, H * (nope + vd),
+                       n));
+    // rope on q's rope part (every head) and on the shared k_rope
+    struct mm_rope_args ra = {.x = s->q, .n_rows = n, .row_stride = H * qk, .n_heads = (int)H,
+                              .head_stride = qk, .rot_offset = (int)nope, .rot_dim = (int)rope,
+                              .pos = s->pos_d, .inv_freq = m->inv_freq,
+                              .mscale = c->rope_mscale, .style = c->rope_style};
+    MM_TRY(OPS->rope(CTX, &ra));
+    ra.x = s->ckv + c->kv_lora_rank;
+    ra.row_stride = ckv_w;
+    ra.n_heads = 1;
+    ra.rot_offset = 0;
+    MM_TRY(OPS->rope(CTX, &ra));
+    // K (n, H, nope + rope) = [k_pass_h | k_rope]; V (n, H, vd)
+    for (int64_t i = 0; i < n * H; i++)
+        s->row_list[i] = (int32_t)(i / H);
+    MM_TRY(OPS->set(CTX, s->idx_d, s->row_list, (size_t)(n * H) * 4));
+    MM_TRY(OPS->copy_rows(CTX, s->kvb, nope + vd, NULL, s->k, qk, NULL, n * H, nope));
+    MM_TRY(OPS->copy_rows(CTX, s->ckv + c->kv_lora_rank, ckv_w, s->idx_d, s->k + nope, qk, NULL,
+                          n * H, rope));
+    MM_TRY(OPS->copy_rows(CTX, s->kvb + nope, nope + vd, NULL, s->v, vd, NULL, n * H, vd));
+    *q_out = s->q;
+    *k_out = s->k;
+    *v_out = s->v;
+    *q_stride = H * qk;
+    return MM_OK;
+}
+
+static mm_err attn_std(const mm_model *m, mm_model_scratch *s, const struct layer *L, int64_t n) {
+    const mm_model_config *c = &m->c;
+    const int64_t H = c->n_heads, KV = c->n_kv_heads, hd = c->head_dim, D = c->d_model;
+    MM_TRY(OPS->matmul(CTX, &L->wq, L->bq, s->xn, D, s->q, H * hd, n));
+    MM_TRY(OPS->matmul(CTX, &L->wk, L->bk, s->xn, D, s->k, KV * hd, n));
+    MM_TRY(OPS->matmul(CTX, &L->wv, L->bv, s->xn, D, s->v, KV * hd, n));
+    if (c->qk_norm) { // per-head RMSNorm: one row per head
+        MM_TRY(OPS->rmsnorm(CTX, &L->q_norm, c->eps, s->q, hd, s->q, hd, n * H));
+        MM_TRY(OPS->rmsnorm(CTX, &L->k_norm, c->eps, s->k, hd, s->k, hd, n * KV));
+    }
+    struct mm_rope_args ra = {.x = s->q, .n_rows = n, .row_stride = H * hd, .n_heads = (int)H,
+                              .head_stride = hd, .rot_offset = 0, .rot_dim = c->rot_dim,
+                              .pos = s->pos_d, .inv_freq = m->inv_freq,
+                              .mscale = c->rope_mscale, .style = c->rope_style};
+    MM_TRY(OPS->rope(CTX, &ra));
+    ra.x = s->k;
+    ra.row_stride = KV * hd;
+    ra.n_heads = (int)KV;
+    return OPS->rope(CTX, &ra);
+}
+
+mm_err mm_model_attn_forward(const mm_model *m, mm_model_scratch *s, int layer, mm_kv_cache *kv,
+                             const mm_model_rows *rows, float *h) {
+    const mm_model_config *c = &m->c;
+    const int64_t n = rows->n_rows;
+    if (layer < 0 || layer >= c->n_layers || !kv)
+        return MM_EINVAL;
+    MM_TRY(check_rows(s, n));
+    if (n == 0)
+        return MM_OK;
+    const mm_kv_params *kp = mm_kv_cache_params(kv);
+    if (kp->n_kv_heads != c->n_kv_heads || kp->head_dim_k != c->head_dim ||
+        kp->head_dim_v != c->head_dim_v || kp->n_layers != c->n_layers)
+        return MM_EINVAL;
+    for (int64_t i = 0; i < n; i++)
+        if (rows->pos[i] < 0 || rows->pos[i] >= mm_kv_cache_seq_len(kv, rows->seq[i]))
+            return MM_EINVAL; // position not reserved
+    const struct layer *L = &m->layers[layer];
+    const int64_t D = c->d_model, H = c->n_heads;
+    MM_TRY(OPS->set(CTX, s->pos_d, rows->pos, (size_t)n * 4));
+    MM_TRY(OPS->set(CTX, s->seq_d, rows->seq, (size_t)n * 4));
+    MM_TRY(OPS->rmsnorm(CTX, &L->attn_norm, c->eps, h, D, s->xn, D, n));
+    float *q = s->q, *k = s->k, *v = s->v;
+    int64_t qs = H * c->head_dim;
+    if (c->mla)
+        MM_TRY(attn_mla(m, s, L, n, &q, &k, &v, &qs));
+    else
+        MM_TRY(attn_std(m, s, L, n));
+    struct mm_kv_store_args st = {.k = k, .k_stride = (int64_t)c->n_kv_heads * c->head_dim,
+                                  .v = v, .v_stride = (int64_t)c->n_kv_heads * c->head_dim_v,
+                                  .n_rows = n, .row_seq = s->seq_d, .row_pos = s->pos_d};
+    mm_kv_cache_view(kv, layer, &st.kv);
+    MM_TRY(OPS->kv_store(CTX, &st));
+    struct mm_attn_args aa = {.kv = st.kv, .q = q, .q_stride = qs, .out = s->ao,
+                              .out_stride = H * c->head_dim_v, .n_rows = n,
+                              .row_seq = s->seq_d, .row_pos = s->pos_d, .n_heads = (int)H,
+                              .scale = c->attn_scale, .window = c->window};
+    MM_TRY(OPS->attention(CTX, &aa));
+    MM_TRY(OPS->matmul(CTX, &L->wo, NULL, s->ao, H * c->head_dim_v, s->tmp, D, n));
+    return OPS->axpy(CTX, NULL, s->tmp, D, h, D, n, D); // residual
+}
+
+mm_err mm_model_ffn_norm(const mm_model *m, mm_model_scratch *s, int layer, const float *h,
+                         int64_t n, float *x) {
+    if (layer < 0 || layer >= m->c.n_layers)
+        return MM_EINVAL;
+    MM_TRY(check_rows(s, n));
+    return OPS->rmsnorm(CTX, &m->layers[layer].ffn_norm, m->c.eps, h, m->c.d_model, x,
+                        m->c.d_model, n);
+}
+
+mm_err mm_model_gate(const mm_model *m, mm_model_scratch *s, int layer, const float *x,
+                     int64_t n, int32_t *ids, float *weights) {
+    const mm_model_config *c = &m->c;
+    if (!mm_model_layer_is_moe(m, layer))
+        return MM_EINVAL;
+    MM_TRY(check_rows(s, n));
+    if (n == 0)
+        return MM_OK;
+    const struct layer *L = &m->layers[layer];
+    MM_TRY(OPS->matmul(CTX, &L->router, NULL, x, c->d_model, s->rl, c->n_experts, n));
+    struct mm_route_params rp = c->route;
+    rp.bias = L->e_bias;
+    MM_TRY(OPS->route(CTX, &rp, s->rl, c->n_experts, n, s->ids_d, s->w_d));
+    MM_TRY(OPS->get(CTX, ids, s->ids_d, (size_t)(n * c->top_k) * 4));
+    return OPS->get(CTX, weights, s->w_d, (size_t)(n * c->top_k) * 4);
+}
+
+static mm_err swiglu_mlp(const mm_model *m, mm_model_scratch *s, const mm_weight *g,
+                         const mm_weight *u, const mm_weight *d, const float *x, int64_t n,
+                         float *out) {
+    const int64_t D = m->c.d_model, F = g->rows;
+    MM_TRY(OPS->matmul(CTX, g, NULL, x, D, s->g, F, n));
+    MM_TRY(OPS->matmul(CTX, u, NULL, x, D, s->u, F, n));
+    MM_TRY(OPS->swiglu(CTX, s->g, F, s->u, F, s->f, F, n, F));
+    return OPS->matmul(CTX, d, NULL, s->f, F, out, D, n);
+}
+
+mm_err mm_model_expert_forward(const mm_model *m, mm_model_scratch *s, int layer, int expert,
+                               const float *x, int64_t n, float *out) {
+    if (!mm_model_layer_is_moe(m, layer) || expert < 0 || expert >= m->c.n_experts)
+        return MM_EINVAL;
+    MM_TRY(check_rows(s, n));
+    if (n == 0)
+        return MM_OK;
+    const struct layer *L = &m->layers[layer];
+    return swiglu_mlp(m, s, &L->eg[expert], &L->eu[expert], &L->ed[expert], x, n, out);
+}
+
+mm_err mm_model_shared_forward(const mm_model *m, mm_model_scratch *s, int layer,
+                               const float *x, int64_t n, float *out) {
+    if (!mm_model_layer_has_shared(m, layer))
+        return MM_EINVAL;
+    MM_TRY(check_rows(s, n));
+    if (n == 0)
+        return MM_OK;
+    const struct layer *L = &m->layers[layer];
+    const int64_t D = m->c.d_model;
+    if (!L->s_gate.data)
+        return swiglu_mlp(m, s, &L->sg, &L->su, &L->sd, x, n, out);
+    // Qwen2-MoE: sigmoid(shared_expert_gate(x)) * shared_expert(x)
+    MM_TRY(swiglu_mlp(m, s, &L->sg, &L->su, &L->sd, x, n, s->tmp));
+    MM_TRY(OPS->matmul(CTX, &L->s_gate, NULL, x, D, s->sgate, 1, n));
+    MM_TRY(OPS->sigmoid(CTX, s->sgate, n));
+    MM_TRY(OPS->fill(CTX, out, 0.0f, n * D));
+    return OPS->axpy(CTX, s->sgate, s->tmp, D, out, D, n, D);
+}
+
+mm_err mm_model_combine(const mm_model *m, mm_model_scratch *s, int layer, float *h, int64_t n,
+                        int k, const float *weights, const float *expert_out,
+                        const float *shared) {
+    const int64_t D = m->c.d_model;
+    if (layer < 0 || layer >= m->c.n_layers || k < 0 || (k > 0 && (!weights || !expert_out)) ||
+        k > (m->c.top_k > 0 ? m->c.top_k : 0))
+        return MM_EINVAL;
+    MM_TRY(check_rows(s, n));
+    if (n == 0)
+        return MM_OK;
+    MM_TRY(OPS->fill(CTX, s->acc, 0.0f, n * D));
+    for (int r = 0; r < k; r++) { // canonical order: top-k rank
+        for (int64_t i = 0; i < n; i++)
+            s->wts[i] = weights[i * k + r];
+        MM_TRY(OPS->set(CTX, s->alpha, s->wts, (size_t)n * 4));
+        MM_TRY(OPS->axpy(CTX, s->alpha, expert_out + r * D, (int64_t)k * D, s->acc, D, n, D));
+    }
+    if (shared)
+        MM_TRY(OPS->axpy(CTX, NULL, shared, D, s->acc, D, n, D));
+    return OPS->axpy(CTX, NULL, s->acc, D, h, D, n, D);
+}
+
+mm_err mm_model_final_norm(const mm_model *m, mm_model_scratch *s, const float *h, int64_t n,
+                           float *x) {
+    MM_TRY(check_rows(s, n));
+    return OPS->rmsnorm(CTX, &m->norm, m->c.eps, h, m->c.d_model, x, m->c.d_model, n);
+}
+
+mm_err mm_model_head(const mm_model *m, mm_model_scratch *s, const float *x, int64_t n,
+                     float *logits) {
+    MM_TRY(check_rows(s, n));
+    return OPS->matmul(CTX, &m->head, NULL, x, m->c.d_model, logits, m->c.vocab, n);
+}
+
+// ---- engine ---------------------------------------------------------------------------------
+// MoE FFN of one layer on the engine's rows: route, run each hit expert once on its rows
+// (gathered in row order), scatter outputs to (row, rank) slots, then combine.
+static mm_err moe_layer(const mm_model *m, mm_model_scratch *s, int l, int64_t n) {
+    const mm_model_config *c = &m->c;
+    const int K = c->top_k, E = c->n_experts;
+    const int64_t D = c->d_model;
+    MM_TRY(mm_model_gate(m, s, l, s->x, n, s->ids, s->wts + 0));
+    // counting sort of the n*K (row, rank) slots by expert, stable in slot order
+    float *w = s->wts; // gate wrote weights here; copy before combine reuses wts
+    memset(s->cnt, 0, (size_t)(E + 1) * 4);
+    for (int64_t t = 0; t < n * K; t++) {
+        if (s->ids[t] < 0 || s->ids[t] >= E)
+            return MM_EPROTO;
+        s->cnt[s->ids[t] + 1]++;
+    }
+    for (int e = 0; e < E; e++)
+        s->cnt[e + 1] += s->cnt[e];
+    for (int64_t t = 0; t < n * K; t++)
+        s->slot_list[s->cnt[s->ids[t]]++] = (int32_t)t; // cnt[e] ends at start of e+1
+    for (int e = E; e > 0; e--)
+        s->cnt[e] = s->cnt[e - 1];
+    s->cnt[0] = 0;
+    for (int e = 0; e < E; e++) {
+        int32_t b = s->cnt[e], end = s->cnt[e + 1];
+        if (end == b)
+            continue;
+        int64_t ne = end - b;
+        for (int64_t i = 0; i < ne; i++)
+            s->row_list[i] = s->slot_list[b + i] / K;
+        MM_TRY(OPS->set(CTX, s->idx_d, s->row_list, (size_t)ne * 4));
+        MM_TRY(OPS->set(CTX, s->idx2_d, s->slot_list + b, (size_t)ne * 4));
+        MM_TRY(OPS->copy_rows(CTX, s->x, D, s->idx_d, s->xin, D, NULL, ne, D));
+        MM_TRY(mm_model_expert_forward(m, s, l, e, s->xin, ne, s->yout));
+        MM_TRY(OPS->copy_rows(CTX, s->yout, D, NULL, s->eo, D, s->idx2_d, ne, D));
+    }
+    if (m->layers[l].has_shared)
+        MM_TRY(mm_model_shared_forward(m, s, l, s->x, n, s->sh));
+    // combine reads weights (n, K) while using s->wts as a column buffer: keep a copy
+    float *wcopy = (float *)s->slot_list; // slot_list is free now; same size as ids
+    memcpy(wcopy, w, (size_t)(n * K) * 4);
+    return mm_model_combine(m, s, l, s->h, n, K, wcopy, s->eo,
+                            m->layers[l].has_shared ? s->sh : NULL);
+}
+
+mm_err mm_model_forward(const mm_model *m, mm_model_scratch *s, mm_kv_cache *kv,
+                        const mm_model_rows *rows, const int32_t *ids, const bool *want_logits,
+                        float *logits) {
+    const int64_t n = rows->n_rows, D = m->c.d_model;
+    MM_TRY(check_rows(s, n));
+    if (n == 0)
+        return MM_OK;
+    MM_TRY(mm_model_embed(m, s, ids, n, s->h));
+    for (int l = 0; l < m->c.n_layers; l++) {
+        MM_TRY(mm_model_attn_forward(m, s, l, kv, rows, s->h));
+        MM_TRY(mm_model_ffn_norm(m, s, l, s->h, n, s->x));
+        if (mm_model_layer_is_moe(m, l)) {
+            MM_TRY(moe_layer(m, s, l, n));
+        } else {
+            MM_TRY(mm_model_shared_forward(m, s, l, s->x, n, s->sh));
+            MM_TRY(mm_model_combine(m, s, l, s->h, n, 0, NULL, NULL, s->sh));
+        }
+    }
+    int64_t nw = 0;
+    for (int64_t i = 0; i < n; i++)
+        if (!want_logits || want_logits[i])
+            s->want_idx[nw++] = (int32_t)i;
+    if (nw == 0)
+        return MM_OK;
+    MM_TRY(OPS->set(CTX, s->idx_d, s->want_idx, (size_t)nw * 4));
+    MM_TRY(OPS->copy_rows(CTX, s->h, D, s->idx_d, s->xin, D, NULL, nw, D));
+    MM_TRY(mm_model_final_norm(m, s, s->xin, nw, s->hn));
+    return mm_model_head(m, s, s->hn, nw, logits);
+}

@@ -226,7 +226,8 @@ static inline uint64_t tx_space(struct shm_conn *c) {
 // Wait until the rx ring holds >= need bytes (is_tx == false) or the tx ring has >= need free
 // bytes (is_tx == true). Spins, then sleeps on the matching eventfd and the socket.
 static mm_err ring_wait(struct shm_conn *c, bool is_tx, uint64_t need, uint64_t deadline_ns) {
-    uint64_t spin_end = mm_now_ns() + mm__transport_spin_ns();
+    uint64_t spin_ns = mm__transport_spin_ns();
+    uint64_t spin_end = mm_now_ns() + spin_ns;
     _Atomic uint32_t *flag = is_tx ? &c->tx->prod_waiting : &c->rx->cons_waiting;
     int efd = is_tx ? c->efd_tx : c->efd_rx;
     for (;;) {
@@ -239,7 +240,7 @@ static mm_err ring_wait(struct shm_conn *c, bool is_tx, uint64_t need, uint64_t 
         if (now >= deadline_ns)
             return MM_ETIMEDOUT;
         if (now < spin_end) {
-            mm__cpu_relax();
+            mm__spin_once(now + spin_ns - spin_end);
             continue;
         }
         atomic_store(flag, 1);

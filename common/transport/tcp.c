@@ -131,7 +131,7 @@ static void conn_free(struct tcp_conn *c) {
 // EOF -> MM_EPEERDOWN; reset -> MM_EPEERDOWN.
 static mm_err read_full(struct tcp_conn *c, uint8_t *dst, size_t n, uint64_t deadline_ns,
                         size_t *got) {
-    uint64_t spin_end = 0;
+    uint64_t spin_end = 0, spin_ns = mm__transport_spin_ns();
     while (*got < n) {
         size_t want = n - *got;
         uint8_t *to = dst ? dst + *got : c->scratch;
@@ -153,9 +153,9 @@ static mm_err read_full(struct tcp_conn *c, uint8_t *dst, size_t n, uint64_t dea
         if (now >= deadline_ns)
             return MM_ETIMEDOUT;
         if (spin_end == 0)
-            spin_end = now + mm__transport_spin_ns();
+            spin_end = now + spin_ns;
         if (now < spin_end) {
-            mm__cpu_relax();
+            mm__spin_once(now + spin_ns - spin_end);
             continue;
         }
         mm_err w = fd_wait(c->fd, POLLIN, c->efd_shut, deadline_ns);

@@ -392,7 +392,8 @@ mm_err mm_conn_wait_any(mm_conn *const *conns, size_t n, uint64_t deadline_ns, s
     for (size_t i = 0; i < n; i++)
         if (conns[i] == NULL)
             return MM_EINVAL;
-    uint64_t spin_end = mm_now_ns() + mm__transport_spin_ns();
+    uint64_t spin_ns = mm__transport_spin_ns();
+    uint64_t spin_end = mm_now_ns() + spin_ns;
     struct pollfd pfds[MM_CONN_WAIT_MAX * MM_TRANSPORT_MAX_PFD];
     for (;;) {
         for (size_t i = 0; i < n; i++) {
@@ -407,7 +408,7 @@ mm_err mm_conn_wait_any(mm_conn *const *conns, size_t n, uint64_t deadline_ns, s
         if (now >= deadline_ns)
             return MM_ETIMEDOUT;
         if (now < spin_end) {
-            mm__cpu_relax();
+            mm__spin_once(now + spin_ns - spin_end);
             continue;
         }
         // Sleep: arm every conn, re-check (a frame may have landed before arming), poll.

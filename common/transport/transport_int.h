@@ -3,6 +3,7 @@
 #ifndef MM_TRANSPORT_INT_H
 #define MM_TRANSPORT_INT_H
 
+#include <sched.h>
 #include <stdint.h>
 
 #include "mm/transport.h"
@@ -19,7 +20,27 @@ static inline void mm__cpu_relax(void) {
     __builtin_ia32_pause();
 #elif defined(__aarch64__)
     __asm__ __volatile__("yield");
+// One iteration of a waiter's bounded spin, spun_ns after it began: pause for the first few
+// microseconds (5), then sched_yield() so that a peer sharing this CPU (2-vCPU boxes run more
+// processes than cores) gets to run and answer instead of waiting for our spin to end.
+static inline void mm__spin_once(uint64_t spun_ns) {
+    if (spun_ns < 5000)
+        mm__cpu_relax();
+    else
+        sched_yield();
+}
+
 #endif
+}
+
+// One iteration of a waiter's bounded spin, spun_ns after it began: pause for the first few
+// microseconds (5), then sched_yield() so that a peer sharing this CPU (2-vCPU boxes run more
+// processes than cores) gets to run and answer instead of waiting for our spin to end.
+static inline void mm__spin_once(uint64_t spun_ns) {
+    if (spun_ns < 5000)
+        mm__cpu_relax();
+    else
+        sched_yield();
 }
 
 #endif

@@ -21,6 +21,11 @@
 //   peer gives MM_EPEERDOWN within milliseconds, not at the deadline. An orderly mm_conn_close
 //   on the other side gives MM_ECLOSED (frames sent before the close are delivered first).
 //   A peer that is alive but silent is only caught by the deadline (MM_ETIMEDOUT).
+// - Waiting: a blocked call spins for MM_TRANSPORT_SPIN_US (env, default 50 us; pause for
+//   5 us, then sched_yield so that a peer sharing the CPU can run), then sleeps in poll() on
+//   eventfds/sockets: an idle receiver costs no CPU. On boxes with dedicated cores a longer
+//   spin (200-500 us) gives the lowest latency; MM_TRANSPORT_SPIN_US=0 never spins
+//   (docs/BENCHMARKS.md has figures for each).
 // - Waiting on several connections: mm_conn_wait_any (spins briefly, then sleeps in poll()
 //   on every conn's wake fds). Gather pattern, in the caller:
 //       pending = all conns;

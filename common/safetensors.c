@@ -441,3 +441,73 @@ void mm_safetensors_close(mm_safetensors *st) {
     free(st->path);
     free(st);
 }
+
+// ---- writer ---------------------------------------------------------------------------------
+mm_err mm_safetensors_write(const char *path, const mm_st_entry *e, size_t n, mm_st_fill_fn fill,
+                            void *arg, char err[MM_ERRLEN]) {
+    json_t *h = json_object();
+    if (!h)
+        return MM_ENOMEM;
+    uint64_t off = 0;
+    for (size_t i = 0; i < n; i++) {
+        size_t es = mm_dtype_size(e[i].dtype);
+        if (!es || e[i].n_dims < 0 || e[i].n_dims > MM_ST_MAX_DIMS || (!e[i].data && !fill)) {
+            json_decref(h);
+            return mm_errf(err, MM_EINVAL, "%s: bad entry %s", path, e[i].name);
+        }
+        uint64_t bytes = es;
+        json_t *shape = json_array();
+        for (int d = 0; d < e[i].n_dims; d++) {
+            bytes *= (uint64_t)e[i].shape[d];
+            json_array_append_new(shape, json_integer(e[i].shape[d]));
+        }
+        json_t *t = json_pack("{s:s, s:o, s:[I,I]}", "dtype", mm_dtype_name(e[i].dtype), "shape",
+                              shape, "data_offsets", (json_int_t)off, (json_int_t)(off + bytes));
+        if (!t || json_object_set_new(h, e[i].name, t) != 0) {
+            json_decref(h);
+            return MM_ENOMEM;
+        }
+        off += bytes;
+    }
+    json_object_set_new(h, "__metadata__", json_pack("{s:s}", "format", "pt"));
+    char *text = json_dumps(h, JSON_COMPACT | JSON_PRESERVE_ORDER);
+    json_decref(h);
+    if (!text)
+        return MM_ENOMEM;
+    size_t tl = strlen(text), padded = (tl + 7) & ~(size_t)7;
+    mm_err rv = MM_OK;
+    FILE *f = fopen(path, "wb");
+    unsigned char *buf = malloc(1 << 20);
+    if (!f || !buf) {
+        rv = f ? MM_ENOMEM : mm_errf(err, MM_ESYS, "%s: %s", path, strerror(errno));
+        goto out;
+    }
+    unsigned char len8[8];
+    for (int i = 0; i < 8; i++)
+        len8[i] = (unsigned char)((uint64_t)padded >> (8 * i));
+    bool ok = fwrite(len8, 1, 8, f) == 8 && fwrite(text, 1, tl, f) == tl;
+    for (size_t i = tl; ok && i < padded; i++)
+        ok = fputc(' ', f) != EOF;
+    for (size_t i = 0; ok && i < n; i++) {
+        size_t bytes = mm_dtype_size(e[i].dtype);
+        for (int d = 0; d < e[i].n_dims; d++)
+            bytes *= (size_t)e[i].shape[d];
+        if (e[i].data) {
+            ok = fwrite(e[i].data, 1, bytes, f) == bytes;
+            continue;
+        }
+        for (size_t o = 0; ok && o < bytes; o += 1 << 20) {
+            size_t c = bytes - o < (1u << 20) ? bytes - o : (1u << 20);
+            fill(arg, i, o, buf, c);
+            ok = fwrite(buf, 1, c, f) == c;
+        }
+    }
+    if (!ok)
+        rv = mm_errf(err, MM_ESYS, "%s: write failed: %s", path, strerror(errno));
+out:
+    if (f && fclose(f) != 0 && rv == MM_OK)
+        rv = mm_errf(err, MM_ESYS, "%s: close: %s", path, strerror(errno));
+    free(buf);
+    free(text);
+    return rv;
+}

@@ -56,4 +56,23 @@ const mm_st_tensor *mm_safetensors_at(const mm_safetensors *st, size_t i);
 // mm_safetensors_path returns the path given to open.
 const char *mm_safetensors_path(const mm_safetensors *st);
 
+
+// ---- writing (tests, `moemesh synth`) ---------------------------------------------------------
+typedef struct mm_st_entry {
+    const char *name;
+    enum mm_dtype dtype;
+    int n_dims;
+    int64_t shape[MM_ST_MAX_DIMS];
+    const void *data; // the bytes, or NULL to have fill produce them
+} mm_st_entry;
+
+// mm_st_fill_fn writes n_bytes of entry i's data, starting at byte offset, into buf.
+typedef void (*mm_st_fill_fn)(void *arg, size_t i, size_t offset, void *buf, size_t n_bytes);
+
+// mm_safetensors_write writes a safetensors file with the n entries in order (header padded
+// to 8 bytes). Data comes from entry.data or, when NULL, from fill in chunks (so files larger
+// than memory can be written). Errors: MM_ESYS (naming path), MM_EINVAL, MM_ENOMEM.
+mm_err mm_safetensors_write(const char *path, const mm_st_entry *e, size_t n, mm_st_fill_fn fill,
+                            void *arg, char err[MM_ERRLEN]);
+
 #endif

@@ -139,6 +139,7 @@ typedef struct jv {
 typedef struct jlist {
     size_t n, cap;
     jv *v;
+    bool tuple; // prints as (a, b) like a Python tuple
 } jlist;
 
 typedef struct jdict {
@@ -215,7 +216,7 @@ typedef struct parser {
     int depth;
 } parser;
 
-#define MAX_PARSE_DEPTH 200
+#define MAX_PARSE_DEPTH 128
 
 static void push_tok(parser *ps, tok tk) {
     if (ps->ntok == ps->captok) {
@@ -668,7 +669,8 @@ static node *parse_postfix(parser *ps, node *nd);
 
 static void enter(parser *ps, int line) {
     if (++ps->depth > MAX_PARSE_DEPTH)
-        fail_at(ps->fail, MM_EFORMAT, line, "expression nesting deeper than %d", MAX_PARSE_DEPTH);
+        fail_at(ps->fail, MM_EFORMAT, line, "expression or block nesting deeper than %d",
+                MAX_PARSE_DEPTH);
 }
 
 // Parses "(args)" after the '(' was seen; fills v (values) and names (NULL = positional).
@@ -704,6 +706,7 @@ static node *parse_tuple(parser *ps, bool condexpr) {
     if (!is_op(peek(ps), ","))
         return first;
     node *l = mk(ps, N_LIST, line);
+    l->neg = true; // tuple
     add_kid(ps, l, first);
     while (is_op(peek(ps), ",")) {
         next_tok(ps);
@@ -760,7 +763,9 @@ static node *parse_primary(parser *ps) {
         if (is_op(t, "(")) {
             if (is_op(peek(ps), ")")) {
                 next_tok(ps);
-                return mk(ps, N_LIST, t->line);
+                nd = mk(ps, N_LIST, t->line);
+                nd->neg = true; // ()
+                return nd;
             }
             node *e = parse_tuple(ps, true);
             expect_op(ps, ")");
@@ -1132,7 +1137,16 @@ static node *parse_if(parser *ps, int line, block_ctx *outer) {
     return nd;
 }
 
+static node *parse_stmt_inner(parser *ps, block_ctx *outer);
+
 static node *parse_stmt(parser *ps, block_ctx *outer) {
+    enter(ps, peek(ps)->line);
+    node *nd = parse_stmt_inner(ps, outer);
+    ps->depth--;
+    return nd;
+}
+
+static node *parse_stmt_inner(parser *ps, block_ctx *outer) {
     tok *kw = next_tok(ps);
     int line = kw->line;
     if (kw->t != TK_NAME)
@@ -1453,6 +1467,7 @@ static jv v_sb(sbuf *b) { return v_str(b->p ? b->p : "", b->n); }
 static jlist *list_new(ectx *E, size_t cap) {
     jlist *l = ealloc(E, sizeof *l);
     l->n = 0;
+    l->tuple = false;
     l->cap = cap ? cap : 4;
     l->v = ealloc(E, l->cap * sizeof(jv));
     return l;
@@ -1701,13 +1716,15 @@ static void to_str(ectx *E, sbuf *b, jv x) {
     case VF: fmt_float(tmp, sizeof tmp, x.f); sb_puts(E, b, tmp); return;
     case VS: sb_put(E, b, x.s.p, x.s.n); return;
     case VL:
-        sb_putc(E, b, '[');
+        sb_putc(E, b, x.l->tuple ? '(' : '[');
         for (size_t i = 0; i < x.l->n; i++) {
             if (i)
                 sb_puts(E, b, ", ");
             repr(E, b, x.l->v[i]);
         }
-        sb_putc(E, b, ']');
+        if (x.l->tuple && x.l->n == 1)
+            sb_putc(E, b, ',');
+        sb_putc(E, b, x.l->tuple ? ')' : ']');
         return;
     case VD: case VNS:
         if (x.t == VNS)
@@ -1724,11 +1741,9 @@ static void to_str(ectx *E, sbuf *b, jv x) {
         if (x.t == VNS)
             sb_putc(E, b, '>');
         return;
-    default:
-        sb_puts(E, b, "<function ");
-        sb_puts(E, b, x.fn->name ? x.fn->name : "?");
-        sb_putc(E, b, '>');
-        return;
+    default: // Python would print an object address here: refuse rather than differ
+        EFAIL(E, MM_EUNSUPP, 0, "unsupported: rendering the function object '%s' as text",
+              x.fn->name ? x.fn->name : "?");
     }
 }
 
@@ -2253,11 +2268,13 @@ static const char *const STR_METHODS[] = {
     "startswith", "endswith", "strip", "lstrip", "rstrip", "split", "rsplit", "replace", "upper",
     "lower", "title", "capitalize", "find", "rfind", "count", "join", "splitlines", "isdigit",
     "isalpha", "isalnum", "isspace", "isupper", "islower", "format", "index", "encode", NULL};
-static const char *const DICT_METHODS[] = {"items", "keys", "values", "get", "update", "pop",
-                                           "setdefault", "clear", "copy", "popitem", NULL};
-static const char *const LIST_METHODS[] = {"append", "extend", "insert", "pop", "remove",
-                                           "clear", "sort", "reverse", "index", "count", "copy",
-                                           NULL};
+static const char *const DICT_METHODS[] = {"items", "keys", "values", "get", NULL};
+static const char *const LIST_METHODS[] = {"index", "count", NULL};
+// Methods that mutate: transformers renders in an ImmutableSandboxedEnvironment, where they
+// read as undefined and calling them is a SecurityError.
+static const char *const UNSAFE_METHODS[] = {"append", "extend", "insert", "pop", "remove",
+                                             "clear", "sort", "reverse", "update", "setdefault",
+                                             "popitem", NULL};
 
 static const char *in_list(const char *name, const char *const *list) {
     for (int i = 0; list[i]; i++)
@@ -2643,8 +2660,9 @@ static bool run_test(ectx *E, const char *name, jv x, const args *a, int line) {
         EFAIL(E, MM_EINVAL, line, "test '%s' needs an argument", name);
     if (!strcmp(name, "equalto") || !strcmp(name, "eq") || !strcmp(name, "==")) return veq(x, y);
     if (!strcmp(name, "ne") || !strcmp(name, "!=")) return !veq(x, y);
-    if (!strcmp(name, "sameas"))
+    if (!strcmp(name, "sameas")) // identity; small ints are cached objects in CPython
         return (x.t == y.t && (x.t == VN || (x.t == VB && x.b == y.b))) ||
+               (x.t == VI && y.t == VI && x.i == y.i && x.i >= -5 && x.i <= 256) ||
                (x.t == y.t && (x.t == VL || x.t == VD || x.t == VNS) && x.l == y.l);
     if (!strcmp(name, "in")) return contains(E, y, x, line);
     if (!strcmp(name, "lt") || !strcmp(name, "<") || !strcmp(name, "lessthan"))
@@ -2893,6 +2911,7 @@ static jv apply_filter(ectx *E, const char *name, jv x, const args *a, int line)
         jlist *l = list_new(E, x.d->n);
         for (size_t i = 0; i < x.d->n; i++) {
             jlist *p = list_new(E, 2);
+            p->tuple = true;
             list_push(E, p, x.d->k[i]);
             list_push(E, p, x.d->v[i]);
             list_push(E, l, v_list(p));
@@ -3353,6 +3372,7 @@ static jv eval(ectx *E, const node *nd, frame *f) {
         jlist *l = list_new(E, nd->nv);
         for (size_t i = 0; i < nd->nv; i++)
             list_push(E, l, eval(E, nd->v[i], f));
+        l->tuple = nd->neg;
         return v_list(l);
     }
     case N_DICT: {
@@ -3382,6 +3402,9 @@ static jv eval(ectx *E, const node *nd, frame *f) {
         if (nd->a->k == N_ATTR) {
             jv obj = eval(E, nd->a->a, f);
             jv callee = get_attr(E, obj, nd->a->s, nd->line);
+            if (callee.t == VU && (obj.t == VL || obj.t == VD) && in_list(nd->a->s, UNSAFE_METHODS))
+                EFAIL(E, MM_EINVAL, nd->line, "access to attribute '%s' of '%s' object is unsafe",
+                      nd->a->s, type_name(obj));
             if (callee.t == VU)
                 EFAIL(E, obj.t == VS || obj.t == VL || obj.t == VD ? MM_EUNSUPP : MM_EINVAL,
                       nd->line, "'%s' object has no method '%s'%s", type_name(obj), nd->a->s,

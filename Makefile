@@ -47,6 +47,27 @@ PROTO_C     := $(patsubst proto/%.proto,$(BUILD)/gen/proto/%.pb-c.c,$(PROTOS))
 PROTO_H     := $(PROTO_C:.c=.h)
 LIB_SRCS    := $(wildcard common/*.c common/transport/*.c kernels/*.c kernels/cpu/*.c)
 LIB_OBJS    := $(patsubst %.c,$(BUILD)/obj/%.o,$(LIB_SRCS)) $(PROTO_C:.c=.o)
+
+# ---- GPU (kernels/cuda, issue 7). The CPU build never needs nvcc: `make cuda` re-runs this
+# Makefile with CUDA=1 into build/cuda, where libmoemesh.a also holds the nvcc objects (sm_90
+# machine code + compute_90 PTX) and binaries link the CUDA runtime statically. `make hip`
+# compiles the same sources with Debian's hipcc for gfx90a and gfx1030 (a compile check).
+NVCC         ?= /usr/local/cuda/bin/nvcc
+CUDA_HOME    ?= /usr/local/cuda
+CUDA_GENCODE := -gencode arch=compute_90,code=sm_90 -gencode arch=compute_90,code=compute_90
+HIPCC        ?= hipcc
+HIP_ARCHS    := --offload-arch=gfx90a --offload-arch=gfx1030
+GPU_SRCS     := $(wildcard kernels/cuda/*.cu)
+GPU_HDRS     := $(wildcard kernels/cuda/*.h kernels/cuda/*.cuh kernels/cuda/vendor/*.h kernels/*.h)
+GPU_FLAGS    := -O3 -std=c++17 -Icommon/include -Ikernels -Ikernels/cuda -I$(BUILD)/gen
+GPU_BENCH    := $(BUILD)/bin/moemesh-gpu-bench
+ifeq ($(CUDA),1)
+LIB_OBJS     += $(patsubst %.cu,$(BUILD)/obj/%.cu.o,$(GPU_SRCS))
+CFLAGS       += -DMM_HAVE_CUDA -Ikernels/cuda
+# -u pulls the backend out of the archive: kernels.c only references it weakly.
+LDFLAGS      += -Wl,--as-needed -Wl,-u,mm_cuda_backend_open -L$(CUDA_HOME)/lib64
+LDLIBS       += -lcudart_static -lrt -lstdc++
+endif
 DAEMONS     := gateway router attention expert drafter
 DAEMON_BINS := $(patsubst %,$(BUILD)/bin/moemesh-%,$(DAEMONS))
 TOOL_SRCS   := $(wildcard tools/moemesh/*.c)
@@ -118,6 +139,37 @@ $(BUILD)/tests/%: tests/%.c tests/mm_test.h $(LIB)
 	$(CC) $(CFLAGS) -Itests -o $@ $< $(LIB) $(LDFLAGS) $(LDLIBS)
 
 test-bins: $(TEST_BINS)
+
+# ---- GPU rules ---------------------------------------------------------------------------------
+$(BUILD)/obj/%.cu.o: %.cu $(GPU_HDRS) | $(DEPS_STAMP)
+	@mkdir -p $(dir $@)
+	$(NVCC) $(GPU_FLAGS) $(CUDA_GENCODE) -Xcompiler -fPIC -c $< -o $@
+
+$(GPU_BENCH): kernels/cuda/bench/bench_gpu.cu $(GPU_HDRS) $(LIB)
+	@mkdir -p $(dir $@)
+	$(NVCC) $(GPU_FLAGS) $(CUDA_GENCODE) -o $@ $< $(LIB) -cudart static -lm
+
+cuda:
+	@test -x $(NVCC) || { echo "cuda: $(NVCC) not found (set NVCC=/path/to/nvcc)"; exit 1; }
+	$(MAKE) CUDA=1 BUILD=build/cuda all test-bins build/cuda/bin/moemesh-gpu-bench
+
+HIP_OBJS := $(patsubst %.cu,build/hip/obj/%.o,$(GPU_SRCS))
+hip: $(HIP_OBJS)
+	@rm -f build/hip/libmoemesh_hip.a
+	ar rcs build/hip/libmoemesh_hip.a $(HIP_OBJS)
+	@echo "hip: kernels/cuda compiled for gfx90a and gfx1030 into build/hip/libmoemesh_hip.a"
+
+# hipcc is only needed here, so it is installed by this target, not by `make deps`. Without
+# --offload-arch hipcc probes for a GPU and silently builds gfx803 (DEPENDENCIES.md section 5).
+build/hip/.hipcc-ok:
+	@command -v $(HIPCC) >/dev/null || { echo "hip: installing hipcc"; \
+	  if [ "$$(id -u)" != 0 ]; then SUDO=sudo; fi; \
+	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends hipcc >/dev/null; }
+	@mkdir -p $(dir $@) && touch $@
+
+build/hip/obj/%.o: %.cu $(GPU_HDRS) | build/hip/.hipcc-ok
+	@mkdir -p $(dir $@)
+	$(HIPCC) -x hip -DMM_USE_HIP $(HIP_ARCHS) $(filter-out -I$(BUILD)/gen,$(GPU_FLAGS)) -Ibuild/gen -fPIC -c $< -o $@
 
 # ---- run and test ----------------------------------------------------------------------------
 run: all

@@ -1,0 +1,252 @@
+// SPDX-License-Identifier: MIT
+// The GPU backend table (kernels.h) for CUDA and, compiled by hipcc, for HIP: device buffers,
+// copies, and every op on one stream of one device. mm_backend_open("cuda:N" / "hip:N")
+// reaches mm_cuda_backend_open through a weak symbol, so CPU-only builds simply lack it.
+//
+// Design notes:
+// - One context per backend: the device index, one non-blocking stream that orders every op,
+//   and a device error word that kernels set on bad indices (ops.cu). Ops only enqueue;
+//   `synchronize` and `get` wait, then turn a set error word into MM_EINVAL (logged once).
+// - Threading: as kernels.h says, one thread issues ops on a backend at a time. Each entry
+//   point selects the backend's device first, so backends on different devices can share a
+//   process.
+// - Nothing is allocated per op; buffers come only from buffer_alloc (cudaMalloc, 256-byte
+//   aligned, which covers the table's 64-byte promise).
+#include <stdlib.h>
+#include <string.h>
+
+#include "gpu_common.cuh"
+#include "kernels.h"
+#include "mm_gpu.h"
+
+struct gpu_ctx {
+    int dev;
+    cudaStream_t stream;
+    int *d_err; // device word: bit 1 = an op met a bad index
+};
+
+#define CTX(c) struct gpu_ctx *g = (struct gpu_ctx *)(c)
+#define ON_DEVICE() MM_GPU_CHECK(cudaSetDevice(g->dev))
+
+static mm_err check_err_word(struct gpu_ctx *g) {
+    int h = 0;
+    MM_GPU_CHECK(cudaMemcpyAsync(&h, g->d_err, sizeof(int), cudaMemcpyDeviceToHost, g->stream));
+    MM_GPU_CHECK(cudaStreamSynchronize(g->stream));
+    if (h != 0) {
+        MM_GPU_CHECK(cudaMemsetAsync(g->d_err, 0, sizeof(int), g->stream));
+        mm_log_error("gpu: an op met an index out of range (KV position/block, embedding id or "
+                     "row index); the rows concerned were skipped");
+        return MM_EINVAL;
+    }
+    return MM_OK;
+}
+
+static void gpu_close(void *ctx) {
+    CTX(ctx);
+    if (g == NULL)
+        return;
+    (void)cudaSetDevice(g->dev);
+    if (g->stream != NULL) {
+        (void)cudaStreamSynchronize(g->stream);
+        (void)cudaStreamDestroy(g->stream);
+    }
+    if (g->d_err != NULL)
+        (void)cudaFree(g->d_err);
+    free(g);
+}
+
+static mm_err gpu_buffer_alloc(void *ctx, size_t n_bytes, void **out) {
+    CTX(ctx);
+    if (out == NULL)
+        return MM_EINVAL;
+    ON_DEVICE();
+    return mm_gpu_alloc(out, n_bytes);
+}
+
+static void gpu_buffer_free(void *ctx, void *p) {
+    CTX(ctx);
+    if (p == NULL)
+        return;
+    (void)cudaSetDevice(g->dev);
+    // Work still queued may use p: cudaFree waits for the device, as the table requires.
+    (void)cudaFree(p);
+}
+
+static mm_err gpu_set(void *ctx, void *dst, const void *src, size_t n_bytes) {
+    CTX(ctx);
+    if (n_bytes == 0)
+        return MM_OK;
+    if (dst == NULL || src == NULL)
+        return MM_EINVAL;
+    ON_DEVICE();
+    MM_GPU_CHECK(cudaMemcpyAsync(dst, src, n_bytes, cudaMemcpyHostToDevice, g->stream));
+    // The caller may reuse src at once: a pageable source is staged by the runtime before the
+    // call returns, but a pinned one is not, so wait to keep the contract simple.
+    MM_GPU_CHECK(cudaStreamSynchronize(g->stream));
+    return MM_OK;
+}
+
+static mm_err gpu_get(void *ctx, void *dst, const void *src, size_t n_bytes) {
+    CTX(ctx);
+    if (n_bytes > 0 && (dst == NULL || src == NULL))
+        return MM_EINVAL;
+    ON_DEVICE();
+    if (n_bytes > 0)
+        MM_GPU_CHECK(cudaMemcpyAsync(dst, src, n_bytes, cudaMemcpyDeviceToHost, g->stream));
+    return check_err_word(g);
+}
+
+static mm_err gpu_synchronize(void *ctx) {
+    CTX(ctx);
+    ON_DEVICE();
+    return check_err_word(g);
+}
+
+static bool weight_ok(const mm_weight *w) {
+    return w != NULL && w->data != NULL && w->rows > 0 && w->cols > 0 && w->rows < INT32_MAX &&
+           w->cols < INT32_MAX &&
+           (w->dtype == MM_DTYPE_BF16 || w->dtype == MM_DTYPE_F16 || w->dtype == MM_DTYPE_F32);
+}
+
+static mm_err gpu_matmul(void *ctx, const mm_weight *w, const float *bias, const float *x,
+                         int64_t x_stride, float *y, int64_t y_stride, int64_t n_rows) {
+    CTX(ctx);
+    if (!weight_ok(w) || x == NULL || y == NULL || n_rows < 0 || n_rows > INT32_MAX)
+        return MM_EINVAL;
+    ON_DEVICE();
+    return mm_gpu_matmul(g->stream, w->dtype, w->data, (int)w->rows, (int)w->cols, bias, x, x_stride,
+                         y, y_stride, (int)n_rows, MM_GPU_PATH_AUTO);
+}
+
+static mm_err gpu_rmsnorm(void *ctx, const mm_weight *w, float eps, const float *x, int64_t xs,
+                          float *y, int64_t ys, int64_t n_rows) {
+    CTX(ctx);
+    ON_DEVICE();
+    return mm_gpu_rmsnorm(g->stream, w, eps, x, xs, y, ys, n_rows);
+}
+
+static mm_err gpu_rope(void *ctx, const struct mm_rope_args *a) {
+    CTX(ctx);
+    ON_DEVICE();
+    return mm_gpu_rope(g->stream, a);
+}
+
+static mm_err gpu_kv_store(void *ctx, const struct mm_kv_store_args *a) {
+    CTX(ctx);
+    ON_DEVICE();
+    return mm_gpu_kv_store(g->stream, a, g->d_err);
+}
+
+static mm_err gpu_attention(void *ctx, const struct mm_attn_args *a) {
+    CTX(ctx);
+    ON_DEVICE();
+    return mm_gpu_attention(g->stream, a, g->d_err);
+}
+
+static mm_err gpu_embed(void *ctx, const mm_weight *t, const int32_t *ids, int64_t n_rows,
+                        float *out, int64_t os) {
+    CTX(ctx);
+    ON_DEVICE();
+    return mm_gpu_embed(g->stream, t, ids, n_rows, out, os, g->d_err);
+}
+
+static mm_err gpu_swiglu(void *ctx, const float *gt, int64_t gs, const float *u, int64_t us,
+                         float *o, int64_t os, int64_t n_rows, int64_t dim) {
+    CTX(ctx);
+    ON_DEVICE();
+    return mm_gpu_swiglu(g->stream, gt, gs, u, us, o, os, n_rows, dim);
+}
+
+static mm_err gpu_route(void *ctx, const struct mm_route_params *p, const float *logits,
+                        int64_t ls, int64_t n_rows, int32_t *ids, float *weights) {
+    CTX(ctx);
+    ON_DEVICE();
+    return mm_gpu_route(g->stream, p, logits, ls, n_rows, ids, weights);
+}
+
+static mm_err gpu_axpy(void *ctx, const float *alpha, const float *x, int64_t xs, float *y,
+                       int64_t ys, int64_t n_rows, int64_t dim) {
+    CTX(ctx);
+    ON_DEVICE();
+    return mm_gpu_axpy(g->stream, alpha, x, xs, y, ys, n_rows, dim);
+}
+
+static mm_err gpu_sigmoid(void *ctx, float *x, int64_t n) {
+    CTX(ctx);
+    ON_DEVICE();
+    return mm_gpu_sigmoid(g->stream, x, n);
+}
+
+static mm_err gpu_copy_rows(void *ctx, const float *src, int64_t ss, const int32_t *si, float *dst,
+                            int64_t ds, const int32_t *di, int64_t n_rows, int64_t dim) {
+    CTX(ctx);
+    ON_DEVICE();
+    return mm_gpu_copy_rows(g->stream, src, ss, si, dst, ds, di, n_rows, dim, g->d_err);
+}
+
+static mm_err gpu_fill(void *ctx, float *x, float value, int64_t n) {
+    CTX(ctx);
+    ON_DEVICE();
+    return mm_gpu_fill(g->stream, x, value, n);
+}
+
+static const struct mm_backend_ops gpu_ops = {
+    .version = MM_BACKEND_V1,
+    .name = MM_GPU_VENDOR,
+    .host_memory = false,
+    .close = gpu_close,
+    .buffer_alloc = gpu_buffer_alloc,
+    .buffer_free = gpu_buffer_free,
+    .set = gpu_set,
+    .get = gpu_get,
+    .synchronize = gpu_synchronize,
+    .matmul = gpu_matmul,
+    .rmsnorm = gpu_rmsnorm,
+    .rope = gpu_rope,
+    .kv_store = gpu_kv_store,
+    .attention = gpu_attention,
+    .embed = gpu_embed,
+    .swiglu = gpu_swiglu,
+    .route = gpu_route,
+    .axpy = gpu_axpy,
+    .sigmoid = gpu_sigmoid,
+    .copy_rows = gpu_copy_rows,
+    .fill = gpu_fill,
+};
+
+extern "C" mm_err mm_cuda_backend_open(mm_backend *be, const mm_backend_params *p,
+                                       char err[MM_ERRLEN]) {
+    if (be == NULL)
+        return MM_EINVAL;
+    const int dev = p != NULL ? p->device : 0;
+    int n = 0;
+    char why[MM_ERRLEN] = "";
+    MM_TRY(mm_gpu_device_count(&n, why));
+    if (n == 0)
+        return mm_errf(err, MM_EUNSUPP, "%s:%d: %s", MM_GPU_VENDOR, dev, why);
+    if (dev < 0 || dev >= n)
+        return mm_errf(err, MM_EINVAL, "%s:%d: no such device (this host has %d)", MM_GPU_VENDOR,
+                       dev, n);
+    struct gpu_ctx *g = (struct gpu_ctx *)calloc(1, sizeof(*g));
+    if (g == NULL)
+        return MM_ENOMEM;
+    g->dev = dev;
+    mm_err rv = MM_OK;
+    cudaError_t e = cudaSetDevice(dev);
+    if (e == cudaSuccess)
+        e = cudaStreamCreateWithFlags(&g->stream, cudaStreamNonBlocking);
+    if (e == cudaSuccess)
+        e = cudaMalloc((void **)&g->d_err, sizeof(int));
+    if (e == cudaSuccess)
+        e = cudaMemset(g->d_err, 0, sizeof(int));
+    if (e != cudaSuccess) {
+        rv = mm_errf(err, MM_EDEVICE, "%s:%d: device setup failed: %s", MM_GPU_VENDOR, dev,
+                     cudaGetErrorString(e));
+        gpu_close(g);
+        return rv;
+    }
+    be->ops = &gpu_ops;
+    be->ctx = g;
+    be->n_threads = 1;
+    return MM_OK;
+}

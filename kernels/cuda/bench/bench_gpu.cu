@@ -1,0 +1,396 @@
+// SPDX-License-Identifier: MIT
+// moemesh-gpu-bench: kernel-level GPU figures for docs/BENCHMARKS.md, all measured in one run
+// against ceilings measured in the same run:
+//   copy      device-to-device copy bandwidth (bytes read + written per second): the memory ceiling
+//   gemv      bf16 decode products at Qwen3-30B-A3B shapes, batch 1..8, weights rotated over more
+//             than the L2 so every call streams from HBM; fraction of the copy bandwidth
+//   layer     one MoE layer's decode products at batch 1 (q, k, v, o, router, grouped gate/up/down
+//             of 8 routed experts out of 128), replayed from a CUDA graph; bytes read / time
+//   moe64     grouped expert products at batch 64 (512 routed rows over 128 experts)
+//   prefill   4096-token GEMMs (tensor-core tiles) in TFLOP/s; the bf16 peak is passed with
+//             --peak-tflops (measured by the caller, e.g. a torch bf16 8192^3 matmul) 
+// Usage: moemesh-gpu-bench [--device N] [--peak-tflops F] [--quick]
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "vendor.h"
+#include "mm_gpu.h"
+
+#define CK(call)                                                                                   \
+    do {                                                                                           \
+        cudaError_t e_ = (call);                                                                   \
+        if (e_ != cudaSuccess) {                                                                   \
+            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
+            exit(1);                                                                               \
+        }                                                                                          \
+    } while (0)
+#define MK(call)                                                                                   \
+    do {                                                                                           \
+        mm_err r_ = (call);                                                                        \
+        if (r_ != MM_OK) {                                                                         \
+            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, mm_strerror(r_));         \
+            exit(1);                                                                               \
+        }                                                                                          \
+    } while (0)
+
+static cudaStream_t g_stream;
+static bool g_quick;
+
+// Random bf16 (uniform [-0.5, 0.5)) filled on the device; never zeros (METHOD.md).
+__global__ void fill_bf16(uint16_t *p, size_t n, uint64_t seed) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        uint64_t z = (i + 1) * 0x9e3779b97f4a7c15ull ^ seed;
+        z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+        z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+        z ^= z >> 31;
+        const float f = (float)(z >> 40) / 16777216.0f - 0.5f;
+        p[i] = (uint16_t)(__float_as_uint(f) >> 16);
+    }
+}
+__global__ void fill_f32(float *p, size_t n, uint64_t seed) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        uint64_t z = (i + 7) * 0x9e3779b97f4a7c15ull ^ seed;
+        z = (z ^ (z >> 29)) * 0xbf58476d1ce4e5b9ull;
+        z ^= z >> 32;
+        p[i] = (float)(z >> 40) / 8388608.0f - 1.0f;
+    }
+}
+
+static void *dalloc(size_t n) {
+    void *p = NULL;
+    MK(mm_gpu_alloc(&p, n));
+    return p;
+}
+static uint16_t *rand_bf16(size_t n, uint64_t seed) {
+    uint16_t *p = (uint16_t *)dalloc(n * 2);
+    fill_bf16<<<1024, 256, 0, g_stream>>>(p, n, seed);
+    CK(cudaGetLastError());
+    return p;
+}
+static float *rand_f32(size_t n, uint64_t seed) {
+    float *p = (float *)dalloc(n * 4);
+    fill_f32<<<1024, 256, 0, g_stream>>>(p, n, seed);
+    CK(cudaGetLastError());
+    return p;
+}
+
+// Median over 5 repetitions of the mean time of `iters` calls of fn(i), in microseconds.
+template <class F>
+static double time_us(F fn, int iters) {
+    cudaEvent_t a, b;
+    CK(cudaEventCreate(&a));
+    CK(cudaEventCreate(&b));
+    for (int i = 0; i < 3; i++)
+        fn(i);
+    CK(cudaStreamSynchronize(g_stream));
+    std::vector<double> t;
+    for (int rep = 0; rep < 5; rep++) {
+        CK(cudaEventRecord(a, g_stream));
+        for (int i = 0; i < iters; i++)
+            fn(i);
+        CK(cudaEventRecord(b, g_stream));
+        CK(cudaEventSynchronize(b));
+        float ms = 0;
+        CK(cudaEventElapsedTime(&ms, a, b));
+        t.push_back(ms * 1000.0 / iters);
+    }
+    CK(cudaEventDestroy(a));
+    CK(cudaEventDestroy(b));
+    std::sort(t.begin(), t.end());
+    return t[t.size() / 2];
+}
+
+// ---- copy bandwidth ----------------------------------------------------------------------------
+static double bench_copy(void) {
+    const size_t n = (size_t)2 << 30; // 2 GiB each way
+    void *a = dalloc(n), *b = dalloc(n);
+    CK(cudaMemsetAsync(a, 1, n, g_stream));
+    double us = time_us([&](int) { CK(cudaMemcpyAsync(b, a, n, cudaMemcpyDeviceToDevice, g_stream)); }, 10);
+    mm_gpu_free(a);
+    mm_gpu_free(b);
+    const double gbs = 2.0 * n / (us * 1e-6) / 1e9;
+    printf("copy      d2d 2 GiB: %.1f us  -> %.0f GB/s (read+write)\n", us, gbs);
+    return gbs;
+}
+
+// ---- decode GEMV ---------------------------------------------------------------------------------
+struct shape {
+    const char *name;
+    int n_out, n_in;
+};
+
+static void bench_gemv(double copy_gbs) {
+    const shape shapes[] = {
+        {"q_proj", 4096, 2048}, {"k_proj", 512, 2048},       {"o_proj", 2048, 4096},
+        {"expert gate/up", 768, 2048}, {"expert down", 2048, 768}, {"router", 128, 2048},
+        {"lm_head", 151936, 2048},
+    };
+    const int batches[] = {1, 2, 4, 8};
+    printf("\ngemv bf16 (weights rotated over >= 512 MiB so each call reads HBM)\n");
+    printf("%-16s %6s %5s %10s %9s %8s\n", "shape", "n_out", "batch", "us/call", "GB/s", "of copy");
+    for (const shape &s : shapes) {
+        const size_t wn = (size_t)s.n_out * s.n_in;
+        const size_t wbytes = wn * 2;
+        int copies = (int)std::max<size_t>(1, ((size_t)512 << 20) / wbytes + 1);
+        copies = std::min(copies, 256);
+        std::vector<uint16_t *> w(copies);
+        for (int c = 0; c < copies; c++)
+            w[c] = rand_bf16(wn, 1000 + c);
+        float *x = rand_f32((size_t)8 * s.n_in, 5);
+        float *y = (float *)dalloc((size_t)8 * s.n_out * 4);
+        for (int b : batches) {
+            if (g_quick && b != 1)
+                continue;
+            int iters = std::max(20, copies * 2);
+            double us = time_us([&](int i) {
+                MK(mm_gpu_matmul(g_stream, MM_DTYPE_BF16, w[i % copies], s.n_out, s.n_in, NULL, x,
+                                 s.n_in, y, s.n_out, b, MM_GPU_PATH_AUTO));
+            }, iters);
+            const double gbs = wbytes / (us * 1e-6) / 1e9;
+            printf("%-16s %6d %5d %10.2f %9.0f %7.1f%%\n", s.name, s.n_out, b, us, gbs, 100.0 * gbs / copy_gbs);
+        }
+        for (int c = 0; c < copies; c++)
+            mm_gpu_free(w[c]);
+        mm_gpu_free(x);
+        mm_gpu_free(y);
+    }
+}
+
+// ---- one MoE layer's decode products, batch 1, from a CUDA graph ----------------------------------
+// Qwen3-30B-A3B: d_model 2048, 32 q heads x 128, 4 kv heads x 128, 128 experts (768) top-8.
+struct layer {
+    uint16_t *q, *k, *v, *o, *router;
+    uint16_t *gate[128], *up[128], *down[128];
+    void **d_gate, **d_up, **d_down; // device tables of the 128 expert pointers
+};
+
+static void bench_layer(double copy_gbs) {
+    const int D = 2048, QD = 4096, KV = 512, E = 128, F = 768, TOPK = 8;
+    const int n_layers = g_quick ? 2 : 4; // distinct layers, > L2 in total
+    std::vector<layer> L(n_layers);
+    for (int l = 0; l < n_layers; l++) {
+        layer &y = L[l];
+        uint64_t s = 100 * (l + 1);
+        y.q = rand_bf16((size_t)QD * D, s + 1);
+        y.k = rand_bf16((size_t)KV * D, s + 2);
+        y.v = rand_bf16((size_t)KV * D, s + 3);
+        y.o = rand_bf16((size_t)D * QD, s + 4);
+        y.router = rand_bf16((size_t)E * D, s + 5);
+        // one allocation per kind of expert matrix, as a loader of stacked experts would do
+        uint16_t *g = rand_bf16((size_t)E * F * D, s + 6), *u = rand_bf16((size_t)E * F * D, s + 7);
+        uint16_t *dn = rand_bf16((size_t)E * D * F, s + 8);
+        void *hg[128], *hu[128], *hd[128];
+        for (int e = 0; e < E; e++) {
+            hg[e] = y.gate[e] = g + (size_t)e * F * D;
+            hu[e] = y.up[e] = u + (size_t)e * F * D;
+            hd[e] = y.down[e] = dn + (size_t)e * D * F;
+        }
+        y.d_gate = (void **)dalloc(E * sizeof(void *));
+        y.d_up = (void **)dalloc(E * sizeof(void *));
+        y.d_down = (void **)dalloc(E * sizeof(void *));
+        MK(mm_gpu_memcpy_h2d(g_stream, y.d_gate, hg, sizeof(hg)));
+        MK(mm_gpu_memcpy_h2d(g_stream, y.d_up, hu, sizeof(hu)));
+        MK(mm_gpu_memcpy_h2d(g_stream, y.d_down, hd, sizeof(hd)));
+        MK(mm_gpu_stream_sync(g_stream));
+    }
+    float *x = rand_f32(QD, 1), *q = (float *)dalloc(QD * 4), *kv = (float *)dalloc(2 * KV * 4);
+    float *o = (float *)dalloc(D * 4), *logits = (float *)dalloc(E * 4);
+    float *rows = rand_f32((size_t)TOPK * D, 2), *h = (float *)dalloc((size_t)TOPK * F * 4 * 2);
+    float *out = (float *)dalloc((size_t)TOPK * D * 4);
+    // Routing offsets: 8 distinct experts with one row each (a different set per layer).
+    std::vector<int32_t *> d_offs(n_layers);
+    for (int l = 0; l < n_layers; l++) {
+        int32_t offs[129];
+        int chosen[128] = {0};
+        for (int t = 0; t < TOPK; t++)
+            chosen[(t * 37 + l * 11 + 5) % E] = 1;
+        offs[0] = 0;
+        for (int e = 0; e < E; e++)
+            offs[e + 1] = offs[e] + chosen[e];
+        d_offs[l] = (int32_t *)dalloc(sizeof(offs));
+        MK(mm_gpu_memcpy_h2d(g_stream, d_offs[l], offs, sizeof(offs)));
+    }
+    MK(mm_gpu_stream_sync(g_stream));
+    auto run_layer = [&](int l) {
+        layer &y = L[l];
+        MK(mm_gpu_matmul(g_stream, MM_DTYPE_BF16, y.q, QD, D, NULL, x, D, q, QD, 1, -1));
+        MK(mm_gpu_matmul(g_stream, MM_DTYPE_BF16, y.k, KV, D, NULL, x, D, kv, KV, 1, -1));
+        MK(mm_gpu_matmul(g_stream, MM_DTYPE_BF16, y.v, KV, D, NULL, x, D, kv + KV, KV, 1, -1));
+        MK(mm_gpu_matmul(g_stream, MM_DTYPE_BF16, y.o, D, QD, NULL, q, QD, o, D, 1, -1));
+        MK(mm_gpu_matmul(g_stream, MM_DTYPE_BF16, y.router, E, D, NULL, o, D, logits, E, 1, -1));
+        MK(mm_gpu_moe_matmul(g_stream, MM_DTYPE_BF16, y.d_gate, d_offs[l], E, F, D, rows, D, h, F, TOPK, -1));
+        MK(mm_gpu_moe_matmul(g_stream, MM_DTYPE_BF16, y.d_up, d_offs[l], E, F, D, rows, D, h + TOPK * F, F, TOPK, -1));
+        MK(mm_gpu_moe_matmul(g_stream, MM_DTYPE_BF16, y.d_down, d_offs[l], E, D, F, h, F, out, D, TOPK, -1));
+    };
+    const double bytes = 2.0 * ((double)QD * D + 2.0 * KV * D + (double)D * QD + (double)E * D +
+                                TOPK * 3.0 * F * D);
+    // Eager launches.
+    double us_eager = time_us([&](int i) { run_layer(i % n_layers); }, 40 * n_layers);
+    // Graph of all layers, replayed.
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    CK(cudaStreamBeginCapture(g_stream, cudaStreamCaptureModeGlobal));
+    for (int l = 0; l < n_layers; l++)
+        run_layer(l);
+    CK(cudaStreamEndCapture(g_stream, &graph));
+    CK(cudaGraphInstantiate(&exec, graph, 0));
+    double us_graph = time_us([&](int) { CK(cudaGraphLaunch(exec, g_stream)); }, 40) / n_layers;
+    printf("\nlayer     decode batch 1, one Qwen3-30B-A3B MoE layer's products (8 launches: q k v o "
+           "router + grouped gate/up/down of 8/128 experts), %.1f MB of weights\n", bytes / 1e6);
+    printf("layer     eager: %.2f us/layer -> %.0f GB/s = %.1f%% of copy\n", us_eager,
+           bytes / (us_eager * 1e-6) / 1e9, 100.0 * bytes / (us_eager * 1e-6) / 1e9 / copy_gbs);
+    printf("layer     graph: %.2f us/layer -> %.0f GB/s = %.1f%% of copy\n", us_graph,
+           bytes / (us_graph * 1e-6) / 1e9, 100.0 * bytes / (us_graph * 1e-6) / 1e9 / copy_gbs);
+    const double model_bytes = 48 * bytes + 2.0 * 151936.0 * 2048; // + lm_head
+    printf("layer     => 48 layers + lm_head: %.2f GB/token; at the graph rate %.0f tokens/s "
+           "(matmuls only; attention, norms, routing excluded)\n", model_bytes / 1e9,
+           1e6 / (48 * us_graph + 2.0 * 151936 * 2048 / (bytes / us_graph)));
+    CK(cudaGraphExecDestroy(exec));
+    CK(cudaGraphDestroy(graph));
+    for (int l = 0; l < n_layers; l++) {
+        layer &y = L[l];
+        mm_gpu_free(y.q), mm_gpu_free(y.k), mm_gpu_free(y.v), mm_gpu_free(y.o), mm_gpu_free(y.router);
+        mm_gpu_free(y.gate[0]), mm_gpu_free(y.up[0]), mm_gpu_free(y.down[0]);
+        mm_gpu_free(y.d_gate), mm_gpu_free(y.d_up), mm_gpu_free(y.d_down), mm_gpu_free(d_offs[l]);
+    }
+    mm_gpu_free(x), mm_gpu_free(q), mm_gpu_free(kv), mm_gpu_free(o), mm_gpu_free(logits);
+    mm_gpu_free(rows), mm_gpu_free(h), mm_gpu_free(out);
+}
+
+// ---- grouped expert products, batch 64 and prefill ------------------------------------------------
+static void bench_moe(double copy_gbs, double peak, int n_tok, const char *tag) {
+    const int D = 2048, E = 128, F = 768, TOPK = 8;
+    const int n_rows = n_tok * TOPK;
+    uint16_t *g = rand_bf16((size_t)E * F * D, 71), *dn = rand_bf16((size_t)E * D * F, 72);
+    void *hg[128], *hd[128];
+    for (int e = 0; e < E; e++) {
+        hg[e] = g + (size_t)e * F * D;
+        hd[e] = dn + (size_t)e * D * F;
+    }
+    void **d_g = (void **)dalloc(sizeof(hg)), **d_d = (void **)dalloc(sizeof(hd));
+    MK(mm_gpu_memcpy_h2d(g_stream, d_g, hg, sizeof(hg)));
+    MK(mm_gpu_memcpy_h2d(g_stream, d_d, hd, sizeof(hd)));
+    // Routing: each token picks 8 distinct experts (pseudo-random), rows sorted by expert.
+    std::vector<int> cnt(E, 0);
+    uint64_t r = 12345;
+    for (int t = 0; t < n_tok; t++) {
+        int picked[8];
+        for (int k = 0; k < TOPK; k++) {
+            int e;
+            bool dup;
+            do {
+                r = r * 6364136223846793005ull + 1442695040888963407ull;
+                e = (int)((r >> 33) % E);
+                dup = false;
+                for (int j = 0; j < k; j++)
+                    dup |= picked[j] == e;
+            } while (dup);
+            picked[k] = e;
+            cnt[e]++;
+        }
+    }
+    std::vector<int32_t> offs(E + 1, 0);
+    int touched = 0;
+    for (int e = 0; e < E; e++) {
+        offs[e + 1] = offs[e] + cnt[e];
+        touched += cnt[e] > 0;
+    }
+    int32_t *d_offs = (int32_t *)dalloc((E + 1) * 4);
+    MK(mm_gpu_memcpy_h2d(g_stream, d_offs, offs.data(), (E + 1) * 4));
+    float *x = rand_f32((size_t)n_rows * D, 3), *h = (float *)dalloc((size_t)n_rows * F * 4);
+    float *y = (float *)dalloc((size_t)n_rows * D * 4);
+    MK(mm_gpu_stream_sync(g_stream));
+    const int iters = n_tok >= 1024 ? 10 : 50;
+    double us_up = time_us([&](int) {
+        MK(mm_gpu_moe_matmul(g_stream, MM_DTYPE_BF16, d_g, d_offs, E, F, D, x, D, h, F, n_rows, -1));
+    }, iters);
+    double us_down = time_us([&](int) {
+        MK(mm_gpu_moe_matmul(g_stream, MM_DTYPE_BF16, d_d, d_offs, E, D, F, h, F, y, D, n_rows, -1));
+    }, iters);
+    const double flops = 2.0 * n_rows * (double)F * D;
+    const double wbytes = 2.0 * touched * (double)F * D;
+    printf("\n%-9s grouped experts, %d tokens x top-8 = %d rows over %d experts (%d touched)\n", tag,
+           n_tok, n_rows, E, touched);
+    printf("%-9s gate/up (768x2048): %8.1f us  %6.1f TFLOP/s (%.1f%% of peak)  weights %.0f GB/s (%.1f%% of copy)\n",
+           tag, us_up, flops / us_up / 1e6, 100.0 * flops / us_up / 1e6 / peak, wbytes / us_up / 1e3,
+           100.0 * wbytes / us_up / 1e3 / copy_gbs);
+    printf("%-9s down (2048x768):    %8.1f us  %6.1f TFLOP/s (%.1f%% of peak)  weights %.0f GB/s (%.1f%% of copy)\n",
+           tag, us_down, flops / us_down / 1e6, 100.0 * flops / us_down / 1e6 / peak, wbytes / us_down / 1e3,
+           100.0 * wbytes / us_down / 1e3 / copy_gbs);
+    if (n_tok <= 64)
+        printf("%-9s => one layer's routed experts (gate+up+down) for %d tokens: %.1f us\n", tag, n_tok,
+               2 * us_up + us_down);
+    mm_gpu_free(g), mm_gpu_free(dn), mm_gpu_free(d_g), mm_gpu_free(d_d), mm_gpu_free(d_offs);
+    mm_gpu_free(x), mm_gpu_free(h), mm_gpu_free(y);
+}
+
+static void bench_prefill(double peak) {
+    const int M = 4096;
+    const shape shapes[] = {{"q_proj", 4096, 2048}, {"o_proj", 2048, 4096}, {"square 4096", 4096, 4096},
+                            {"lm_head slice", 16384, 2048}};
+    printf("\nprefill   dense GEMM, %d tokens (x f32 -> bf16 in the tile loader, f32 out)\n", M);
+    printf("%-16s %6s %6s %10s %9s %8s   %s\n", "shape", "n_out", "n_in", "us", "TFLOP/s", "of peak", "path");
+    for (const shape &s : shapes) {
+        uint16_t *w = rand_bf16((size_t)s.n_out * s.n_in, 9);
+        float *x = rand_f32((size_t)M * s.n_in, 10), *y = (float *)dalloc((size_t)M * s.n_out * 4);
+        const double flops = 2.0 * M * (double)s.n_out * s.n_in;
+        const int paths[] = {MM_GPU_PATH_MMA, MM_GPU_PATH_FMA};
+        for (int p : paths) {
+            if (g_quick && p == MM_GPU_PATH_FMA)
+                continue;
+            double us = time_us([&](int) {
+                MK(mm_gpu_matmul(g_stream, MM_DTYPE_BF16, w, s.n_out, s.n_in, NULL, x, s.n_in, y, s.n_out, M, p));
+            }, p == MM_GPU_PATH_FMA ? 3 : 10);
+            printf("%-16s %6d %6d %10.1f %9.1f %7.1f%%   %s\n", s.name, s.n_out, s.n_in, us, flops / us / 1e6,
+                   100.0 * flops / us / 1e6 / peak, p == MM_GPU_PATH_MMA ? "mma.sync tiles" : "FMA tiles (HIP path)");
+        }
+        mm_gpu_free(w), mm_gpu_free(x), mm_gpu_free(y);
+    }
+}
+
+int main(int argc, char **argv) {
+    int dev = 0;
+    double peak = 989.0; // H100/H200 SXM dense bf16 datasheet; --peak-tflops overrides with a measurement
+    const char *peak_src = "datasheet";
+    for (int i = 1; i < argc; i++) {
+        if (strcmp(argv[i], "--device") == 0 && i + 1 < argc)
+            dev = atoi(argv[++i]);
+        else if (strcmp(argv[i], "--peak-tflops") == 0 && i + 1 < argc) {
+            peak = atof(argv[++i]);
+            peak_src = "measured by the caller";
+        } else if (strcmp(argv[i], "--quick") == 0)
+            g_quick = true;
+        else {
+            fprintf(stderr, "usage: %s [--device N] [--peak-tflops F] [--quick]\n", argv[0]);
+            return 2;
+        }
+    }
+    int n = 0;
+    char why[MM_ERRLEN] = "";
+    MK(mm_gpu_device_count(&n, why));
+    if (n == 0) {
+        printf("SKIP: %s\n", why);
+        return 77;
+    }
+    MK(mm_gpu_set_device(dev));
+    char name[128];
+    int n_sm = 0;
+    size_t mem = 0;
+    MK(mm_gpu_device_info(dev, name, &n_sm, &mem));
+    printf("device    %s, %d SMs, %.0f GiB; bf16 peak %.0f TFLOP/s (%s)\n", name, n_sm,
+           mem / 1073741824.0, peak, peak_src);
+    CK(cudaStreamCreateWithFlags(&g_stream, cudaStreamNonBlocking));
+    const double copy_gbs = bench_copy();
+    bench_gemv(copy_gbs);
+    bench_layer(copy_gbs);
+    bench_moe(copy_gbs, peak, 1, "moe1");
+    bench_moe(copy_gbs, peak, 64, "moe64");
+    bench_moe(copy_gbs, peak, 4096, "moe4k");
+    bench_prefill(peak);
+    CK(cudaStreamDestroy(g_stream));
+    return 0;
+}

@@ -1,0 +1,126 @@
+// SPDX-License-Identifier: MIT
+// Device management, memory and streams for the GPU kernels, and the error report behind
+// MM_GPU_CHECK. Device memory is reached only through these calls and the backend table.
+#include <stdio.h>
+#include <string.h>
+
+#include "gpu_common.cuh"
+#include "mm_gpu.h"
+
+void mm__gpu_report(const char *stmt, const char *file, int line, const char *msg) {
+    int dev = -1;
+    (void)cudaGetDevice(&dev);
+    mm_log_error("gpu: %s failed on %s:%d at %s:%d: %s", stmt, MM_GPU_VENDOR, dev, file, line, msg);
+}
+
+extern "C" mm_err mm_gpu_device_count(int *n, char why[MM_ERRLEN]) {
+    if (n == NULL)
+        return MM_EINVAL;
+    *n = 0;
+    int count = 0;
+    cudaError_t e = cudaGetDeviceCount(&count);
+    if (e == MM_GPU_ERR_NO_DRIVER || e == MM_GPU_ERR_NO_DEVICE) {
+        (void)cudaGetLastError(); // clear the sticky-looking status for later calls
+        if (why != NULL)
+            snprintf(why, MM_ERRLEN, "no %s device: %s (error %d)", MM_GPU_VENDOR,
+                     cudaGetErrorString(e), (int)e);
+        return MM_OK;
+    }
+    if (e != cudaSuccess) {
+        mm__gpu_report("cudaGetDeviceCount(&count)", __FILE__, __LINE__, cudaGetErrorString(e));
+        if (why != NULL)
+            snprintf(why, MM_ERRLEN, "%s device query failed: %s", MM_GPU_VENDOR, cudaGetErrorString(e));
+        return MM_EDEVICE;
+    }
+    *n = count;
+    if (count == 0 && why != NULL)
+        snprintf(why, MM_ERRLEN, "no %s device", MM_GPU_VENDOR);
+    return MM_OK;
+}
+
+extern "C" mm_err mm_gpu_device_info(int dev, char name[128], int *n_sm, size_t *mem_bytes) {
+    cudaDeviceProp p;
+    MM_GPU_CHECK(cudaGetDeviceProperties(&p, dev));
+    if (name != NULL)
+        snprintf(name, 128, "%s", p.name);
+    if (n_sm != NULL)
+        *n_sm = p.multiProcessorCount;
+    if (mem_bytes != NULL)
+        *mem_bytes = p.totalGlobalMem;
+    return MM_OK;
+}
+
+extern "C" mm_err mm_gpu_set_device(int dev) {
+    MM_GPU_CHECK(cudaSetDevice(dev));
+    return MM_OK;
+}
+
+extern "C" mm_err mm_gpu_alloc(void **d_out, size_t n_bytes) {
+    if (d_out == NULL)
+        return MM_EINVAL;
+    *d_out = NULL;
+    if (n_bytes == 0)
+        n_bytes = 1; // a valid, freeable pointer for empty tensors
+    cudaError_t e = cudaMalloc(d_out, n_bytes);
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        mm_log_error("gpu: cudaMalloc(%zu bytes) failed: %s", n_bytes, cudaGetErrorString(e));
+        *d_out = NULL;
+        return e == cudaErrorMemoryAllocation ? MM_ENOMEM : MM_EDEVICE;
+    }
+    return MM_OK;
+}
+
+extern "C" void mm_gpu_free(void *d) {
+    if (d != NULL)
+        (void)cudaFree(d);
+}
+
+extern "C" mm_err mm_gpu_memcpy_h2d(void *stream, void *d_dst, const void *h_src, size_t n_bytes) {
+    MM_GPU_CHECK(cudaMemcpyAsync(d_dst, h_src, n_bytes, cudaMemcpyHostToDevice, (cudaStream_t)stream));
+    return MM_OK;
+}
+
+extern "C" mm_err mm_gpu_memcpy_d2h(void *stream, void *h_dst, const void *d_src, size_t n_bytes) {
+    MM_GPU_CHECK(cudaMemcpyAsync(h_dst, d_src, n_bytes, cudaMemcpyDeviceToHost, (cudaStream_t)stream));
+    return MM_OK;
+}
+
+extern "C" mm_err mm_gpu_memcpy_d2d(void *stream, void *d_dst, const void *d_src, size_t n_bytes) {
+    MM_GPU_CHECK(cudaMemcpyAsync(d_dst, d_src, n_bytes, cudaMemcpyDeviceToDevice, (cudaStream_t)stream));
+    return MM_OK;
+}
+
+extern "C" mm_err mm_gpu_memset(void *stream, void *d_dst, int byte, size_t n_bytes) {
+    MM_GPU_CHECK(cudaMemsetAsync(d_dst, byte, n_bytes, (cudaStream_t)stream));
+    return MM_OK;
+}
+
+extern "C" mm_err mm_gpu_stream_new(void **stream) {
+    cudaStream_t s;
+    MM_GPU_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    *stream = (void *)s;
+    return MM_OK;
+}
+
+extern "C" void mm_gpu_stream_free(void *stream) {
+    if (stream != NULL)
+        (void)cudaStreamDestroy((cudaStream_t)stream);
+}
+
+extern "C" mm_err mm_gpu_stream_sync(void *stream) {
+    MM_GPU_CHECK(cudaStreamSynchronize((cudaStream_t)stream));
+    return MM_OK;
+}
+
+// Warp width of device 0's architecture, read once (32 on NVIDIA; 64 or 32 on AMD).
+int mm__gpu_warp_size(void) {
+    static int ws = 0;
+    if (ws == 0) {
+        int v = 0;
+        if (cudaDeviceGetAttribute(&v, cudaDevAttrWarpSize, 0) != cudaSuccess || v <= 0)
+            v = MM_GPU_MAX_WARP_SIZE;
+        ws = v;
+    }
+    return ws;
+}

@@ -1,0 +1,73 @@
+// SPDX-License-Identifier: MIT
+// Device helpers shared by the kernels: bf16 <-> f32 (bf16 kept as raw uint16_t so the same
+// code compiles for CUDA and HIP), warp and block reductions written for any warp width.
+#ifndef MM_GPU_COMMON_CUH
+#define MM_GPU_COMMON_CUH
+
+#include "vendor.h"
+
+__device__ __forceinline__ float mm_gpu_bf16_to_f32(uint16_t h) {
+    return __uint_as_float((uint32_t)h << 16);
+}
+
+// Round to nearest even, NaN kept quiet (same rule as the CPU backend and torch).
+__device__ __forceinline__ uint16_t mm_gpu_f32_to_bf16(float f) {
+    uint32_t u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u)
+        return (uint16_t)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+// Low and high bf16 of a 32-bit word holding two of them (little-endian: element 0 low).
+__device__ __forceinline__ float mm_bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float mm_bf16_hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
+
+__device__ __forceinline__ float mm_warp_sum(float v) {
+#pragma unroll
+    for (int m = MM_WARP_SIZE / 2; m > 0; m >>= 1)
+        v += mm_shfl_xor(v, m);
+    return v;
+}
+
+__device__ __forceinline__ float mm_warp_max(float v) {
+#pragma unroll
+    for (int m = MM_WARP_SIZE / 2; m > 0; m >>= 1)
+        v = fmaxf(v, mm_shfl_xor(v, m));
+    return v;
+}
+
+// Block-wide sum; every thread gets the result. blockDim.x <= 1024. Uses 32 floats of shared.
+__device__ __forceinline__ float mm_block_sum(float v) {
+    __shared__ float part[1024 / 32];
+    const int lane = threadIdx.x % MM_WARP_SIZE, warp = threadIdx.x / MM_WARP_SIZE;
+    const int n_warps = (blockDim.x + MM_WARP_SIZE - 1) / MM_WARP_SIZE;
+    v = mm_warp_sum(v);
+    __syncthreads();
+    if (lane == 0)
+        part[warp] = v;
+    __syncthreads();
+    float s = 0.0f;
+    for (int i = 0; i < n_warps; i++)
+        s += part[i];
+    return s;
+}
+
+__device__ __forceinline__ float mm_block_max(float v) {
+    __shared__ float part[1024 / 32];
+    const int lane = threadIdx.x % MM_WARP_SIZE, warp = threadIdx.x / MM_WARP_SIZE;
+    const int n_warps = (blockDim.x + MM_WARP_SIZE - 1) / MM_WARP_SIZE;
+    v = mm_warp_max(v);
+    __syncthreads();
+    if (lane == 0)
+        part[warp] = v;
+    __syncthreads();
+    float s = -INFINITY;
+    for (int i = 0; i < n_warps; i++)
+        s = fmaxf(s, part[i]);
+    return s;
+}
+
+static inline unsigned mm_div_up(long a, long b) { return (unsigned)((a + b - 1) / b); }
+
+#endif

@@ -1,0 +1,535 @@
+// SPDX-License-Identifier: MIT
+// Matrix products over weights in the checkpoint's (out, in) layout: the decode GEMV (few
+// rows), the tiled prefill GEMM, and their grouped forms for routed experts (all of a layer's
+// rows in one launch).
+//
+// Design notes:
+// - Exactness (kernels.h): an output's bits must not depend on n_rows or on the other rows of
+//   the call. On CUDA every bf16 product goes through the same instruction, mma.sync
+//   m16n8k16 (bf16 x bf16 -> f32), with x rounded to bf16, one accumulator per output, k in
+//   ascending 32-wide chunks, and the same k-slot mapping in both paths: inside a chunk,
+//   lane quad t feeds physical k 8t+4s..8t+4s+3 into mma step s (slots 2t,2t+1 and
+//   2t+8,2t+9). The GEMV puts W in the A operand (16 outputs x 8 tokens per mma); the GEMM
+//   puts x in A (16 tokens x 8 outputs). Each output element is the same sum of the same
+//   products either way; tests/kernels/cuda_ops_test.c checks the bits of both paths.
+// - f16/f32 weights, and every dtype on HIP (no mma there), use the FMA tiles: f32 x, one
+//   fmaf chain per output in k order, the same code for every n_rows.
+// - A "tile" is up to TM consecutive rows of x sharing one weight matrix. Grouped products
+//   find their (expert, first row) by a warp scan over the per-expert offsets inside each
+//   block: no extra launch and no workspace. Grid y is an upper bound on the tile count
+//   (n_rows/TM + active experts); blocks past the real count exit at once.
+// - Known limits: no wgmma/TMA (sm_90a) yet, so prefill runs at mma.sync rates with
+//   register-staged double buffering; x is rounded to bf16 on the CUDA path.
+#include "gpu_common.cuh"
+#include "mm_gpu.h"
+
+// ---- tile lookup ---------------------------------------------------------------------------
+struct mm_tile {
+    int e;    // expert (0 for dense)
+    int m0;   // first row of x / y
+    int mlen; // rows in this tile, 1..TM; 0: no tile
+};
+
+// Tile `y` of a grouped product with TM-row tiles. Called by one whole warp; every lane gets
+// the answer.
+__device__ __forceinline__ mm_tile mm_tile_find(const int32_t *offs, int n_experts, int tm, int y) {
+    const int lane = threadIdx.x % MM_WARP_SIZE;
+    int base = 0; // tiles before this chunk of experts
+    mm_tile t = {0, 0, 0};
+    for (int e0 = 0; e0 < n_experts; e0 += MM_WARP_SIZE) {
+        const int e = e0 + lane;
+        int lo = 0, cnt = 0;
+        if (e < n_experts) {
+            lo = offs[e];
+            cnt = offs[e + 1] - lo;
+        }
+        const int nt = cnt > 0 ? (cnt + tm - 1) / tm : 0;
+        int incl = nt;
+#pragma unroll
+        for (int d = 1; d < MM_WARP_SIZE; d <<= 1) {
+            const int v = mm_shfl_up(incl, d);
+            if (lane >= d)
+                incl += v;
+        }
+        const int excl = incl - nt;
+        const int total = mm_shfl(incl, MM_WARP_SIZE - 1);
+        int code = (y >= base + excl && y < base + incl) ? lane : -1;
+#pragma unroll
+        for (int m = MM_WARP_SIZE / 2; m > 0; m >>= 1)
+            code = max(code, mm_shfl_xor(code, m));
+        if (code >= 0) {
+            const int j = y - base - excl;
+            const int m0 = lo + j * tm, ml = min(tm, cnt - j * tm);
+            t.e = mm_shfl(e, code);
+            t.m0 = mm_shfl(m0, code);
+            t.mlen = mm_shfl(ml, code);
+            return t;
+        }
+        base += total;
+    }
+    return t;
+}
+
+// The block's tile (dense or grouped) and weight matrix; false when it has none.
+template <bool GROUPED, int TM>
+__device__ __forceinline__ bool block_tile(const void *w0, const void *const *wg, const int32_t *offs,
+                                           int n_experts, int n_rows, mm_tile *tile, const void **w) {
+    __shared__ mm_tile tile_s;
+    if (GROUPED) {
+        if (threadIdx.x < MM_WARP_SIZE) {
+            mm_tile t = mm_tile_find(offs, n_experts, TM, blockIdx.y);
+            if (threadIdx.x == 0)
+                tile_s = t;
+        }
+        __syncthreads();
+        *tile = tile_s;
+        if (tile->mlen == 0)
+            return false;
+        *w = wg[tile->e];
+        return *w != NULL;
+    }
+    tile->e = 0;
+    tile->m0 = blockIdx.y * TM;
+    tile->mlen = min(TM, n_rows - tile->m0);
+    *w = w0;
+    return tile->mlen > 0;
+}
+
+struct mm_mat_args {
+    const float *x;
+    int64_t x_stride;
+    const void *w0;           // dense weight
+    const void *const *wg;    // grouped: per-expert weights (device array)
+    const int32_t *offs;      // grouped: (n_experts + 1)
+    int n_experts;
+    int n_rows, n_in, n_out;
+    const float *bias;        // (n_out,) or NULL
+    float *y;
+    int64_t y_stride;
+    int vec;                  // 16-byte loads of x and w are legal
+};
+
+// ---- element loads -------------------------------------------------------------------------
+__device__ __forceinline__ float mm_f16_to_f32_dev(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+    if (exp == 0) {
+        if (man == 0)
+            return __uint_as_float(sign);
+        // subnormal: value = man * 2^-24
+        const float v = (float)man * 5.9604644775390625e-8f;
+        return sign ? -v : v;
+    }
+    if (exp == 31)
+        return __uint_as_float(sign | 0x7f800000u | (man << 13));
+    return __uint_as_float(sign | ((exp - 15 + 127) << 23) | (man << 13));
+}
+
+template <int DT>
+__device__ __forceinline__ float wget(const void *w, int64_t i) {
+    if (DT == MM_DTYPE_BF16)
+        return mm_gpu_bf16_to_f32(((const uint16_t *)w)[i]);
+    if (DT == MM_DTYPE_F16)
+        return mm_f16_to_f32_dev(((const uint16_t *)w)[i]);
+    return ((const float *)w)[i];
+}
+
+__device__ __forceinline__ uint32_t pack_bf16(float a, float b) {
+    return (uint32_t)mm_gpu_f32_to_bf16(a) | ((uint32_t)mm_gpu_f32_to_bf16(b) << 16);
+}
+
+#if MM_GPU_HAVE_WMMA
+// ---- mma.sync m16n8k16 (CUDA) ----------------------------------------------------------------
+// D += A (16x16, row) * B (16x8, col). a[0]: row g slots 2t..; a[1]: row g+8; a[2], a[3]: the
+// same rows at slots 2t+8..; b[0]: slots 2t.., col g; b[1]: slots 2t+8.., col g. d[0], d[1]:
+// row g cols 2t, 2t+1; d[2], d[3]: row g+8.
+__device__ __forceinline__ void mma16816(float d[4], const uint32_t a[4], const uint32_t b[2]) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// 8 bf16 of a weight row from k (zeros past n_in); fast when vec and the 8 are in range.
+__device__ __forceinline__ uint4 load_w8(const uint16_t *row, int k, int n_in, bool vec) {
+    if (vec && k + 8 <= n_in)
+        return __ldg((const uint4 *)(row + k));
+    uint16_t h[8];
+#pragma unroll
+    for (int j = 0; j < 8; j++)
+        h[j] = k + j < n_in ? row[k + j] : (uint16_t)0;
+    return make_uint4(h[0] | ((uint32_t)h[1] << 16), h[2] | ((uint32_t)h[3] << 16),
+                      h[4] | ((uint32_t)h[5] << 16), h[6] | ((uint32_t)h[7] << 16));
+}
+
+// 8 f32 of an x row from k, as 4 bf16 pairs (zeros past n_in).
+__device__ __forceinline__ uint4 load_x8(const float *row, int k, int n_in, bool vec) {
+    float v[8];
+    if (vec && k + 8 <= n_in) {
+        const float4 a = __ldg((const float4 *)(row + k)), b = __ldg((const float4 *)(row + k + 4));
+        v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+        v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+    } else {
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+            v[j] = k + j < n_in ? row[k + j] : 0.0f;
+    }
+    return make_uint4(pack_bf16(v[0], v[1]), pack_bf16(v[2], v[3]), pack_bf16(v[4], v[5]),
+                      pack_bf16(v[6], v[7]));
+}
+
+// ---- GEMV through mma: W in A (16 outputs), x^T in B (8 tokens per group) -----------------------
+#define MV_WARPS 8
+#define MV_UNROLL 4 // 32-wide k chunks in flight per warp
+
+template <int NG, bool GROUPED>
+__global__ void __launch_bounds__(MV_WARPS * 32) gemv_mma_kernel(mm_mat_args a) {
+    mm_tile tile;
+    const void *wv;
+    if (!block_tile<GROUPED, 8 * NG>(a.w0, a.wg, a.offs, a.n_experts, a.n_rows, &tile, &wv))
+        return;
+    const uint16_t *w = (const uint16_t *)wv;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int g = lane >> 2, t = lane & 3;
+    const int r0 = (blockIdx.x * MV_WARPS + warp) * 16;
+    if (r0 >= a.n_out)
+        return;
+    const uint16_t *wr0 = w + (size_t)min(r0 + g, a.n_out - 1) * a.n_in;
+    const uint16_t *wr1 = w + (size_t)min(r0 + g + 8, a.n_out - 1) * a.n_in;
+    const float *xr[NG];
+#pragma unroll
+    for (int q = 0; q < NG; q++) // token 8q+g of the tile; past mlen re-read a valid row
+        xr[q] = a.x + (size_t)(tile.m0 + min(8 * q + g, tile.mlen - 1)) * a.x_stride;
+    float acc[NG][4];
+#pragma unroll
+    for (int q = 0; q < NG; q++)
+        acc[q][0] = acc[q][1] = acc[q][2] = acc[q][3] = 0.0f;
+    const bool vec = a.vec != 0;
+    int kc = 0;
+    // Main loop: MV_UNROLL full chunks, all weight loads issued before the first mma.
+    for (; kc + 32 * MV_UNROLL <= a.n_in; kc += 32 * MV_UNROLL) {
+        uint4 w0v[MV_UNROLL], w1v[MV_UNROLL];
+#pragma unroll
+        for (int u = 0; u < MV_UNROLL; u++) {
+            w0v[u] = load_w8(wr0, kc + 32 * u + 8 * t, a.n_in, vec);
+            w1v[u] = load_w8(wr1, kc + 32 * u + 8 * t, a.n_in, vec);
+        }
+#pragma unroll
+        for (int u = 0; u < MV_UNROLL; u++) {
+#pragma unroll
+            for (int q = 0; q < NG; q++) {
+                const uint4 xv = load_x8(xr[q], kc + 32 * u + 8 * t, a.n_in, vec);
+                const uint32_t A0[4] = {w0v[u].x, w1v[u].x, w0v[u].y, w1v[u].y};
+                const uint32_t B0[2] = {xv.x, xv.y};
+                mma16816(acc[q], A0, B0);
+                const uint32_t A1[4] = {w0v[u].z, w1v[u].z, w0v[u].w, w1v[u].w};
+                const uint32_t B1[2] = {xv.z, xv.w};
+                mma16816(acc[q], A1, B1);
+            }
+        }
+    }
+    for (; kc < a.n_in; kc += 32) {
+        const uint4 w0c = load_w8(wr0, kc + 8 * t, a.n_in, vec);
+        const uint4 w1c = load_w8(wr1, kc + 8 * t, a.n_in, vec);
+#pragma unroll
+        for (int q = 0; q < NG; q++) {
+            const uint4 xv = load_x8(xr[q], kc + 8 * t, a.n_in, vec);
+            const uint32_t A0[4] = {w0c.x, w1c.x, w0c.y, w1c.y};
+            const uint32_t B0[2] = {xv.x, xv.y};
+            mma16816(acc[q], A0, B0);
+            const uint32_t A1[4] = {w0c.z, w1c.z, w0c.w, w1c.w};
+            const uint32_t B1[2] = {xv.z, xv.w};
+            mma16816(acc[q], A1, B1);
+        }
+    }
+    // acc[q][0..1]: outputs r0+g, tokens 8q+2t, 8q+2t+1; acc[q][2..3]: output r0+g+8.
+#pragma unroll
+    for (int q = 0; q < NG; q++) {
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int o = r0 + g + (i >> 1) * 8, tok = 8 * q + 2 * t + (i & 1);
+            if (o < a.n_out && tok < tile.mlen) {
+                const float b = a.bias ? a.bias[o] : 0.0f;
+                float v = acc[q][i];
+                if (a.bias)
+                    v = v + b;
+                a.y[(size_t)(tile.m0 + tok) * a.y_stride + o] = v;
+            }
+        }
+    }
+}
+
+// ---- GEMM through mma: x in A (16 tokens), W^T in B (8 outputs) ---------------------------------
+#define MM_BM 128
+#define MM_BN 128
+#define MM_BK 32
+#define MM_LD 40 // bf16 per shared row: 32 + 8 padding
+#define MM_THREADS 256 // 8 warps: 2 (m) x 4 (n), each 64 x 32
+
+template <bool GROUPED>
+__global__ void __launch_bounds__(MM_THREADS) gemm_mma_kernel(mm_mat_args a) {
+    __shared__ __align__(16) uint16_t smem[2][(MM_BM + MM_BN) * MM_LD];
+    mm_tile tile;
+    const void *wv;
+    if (!block_tile<GROUPED, MM_BM>(a.w0, a.wg, a.offs, a.n_experts, a.n_rows, &tile, &wv))
+        return;
+    const uint16_t *w = (const uint16_t *)wv;
+    const int n0 = blockIdx.x * MM_BN;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int g = lane >> 2, t = lane & 3;
+    const int wm = (warp / 4) * 64, wn = (warp % 4) * 32;
+    const bool vec = a.vec != 0;
+
+    // Staging: each thread moves 2 x 8 elements of x and 2 x 8 of w per chunk (128 rows x 4
+    // eight-element pieces = 512 pieces per operand over 256 threads).
+    uint4 xs[2], ws[2];
+    auto load = [&](int kc) {
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            const int p = threadIdx.x + i * MM_THREADS, r = p >> 2, c = (p & 3) * 8;
+            xs[i] = r < tile.mlen ? load_x8(a.x + (size_t)(tile.m0 + r) * a.x_stride, kc + c, a.n_in, vec)
+                                  : make_uint4(0, 0, 0, 0);
+            ws[i] = n0 + r < a.n_out ? load_w8(w + (size_t)(n0 + r) * a.n_in, kc + c, a.n_in, vec)
+                                     : make_uint4(0, 0, 0, 0);
+        }
+    };
+    auto store = [&](int st) {
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            const int p = threadIdx.x + i * MM_THREADS, r = p >> 2, c = (p & 3) * 8;
+            *(uint4 *)&smem[st][r * MM_LD + c] = xs[i];
+            *(uint4 *)&smem[st][(MM_BM + r) * MM_LD + c] = ws[i];
+        }
+    };
+    float acc[4][4][4];
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+            acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.0f;
+
+    load(0);
+    store(0);
+    __syncthreads();
+    int st = 0;
+    for (int kc = 0; kc < a.n_in; kc += MM_BK) {
+        const bool more = kc + MM_BK < a.n_in;
+        if (more)
+            load(kc + MM_BK);
+        const uint16_t *sx = smem[st], *sw = smem[st] + MM_BM * MM_LD;
+#pragma unroll
+        for (int s = 0; s < 2; s++) {
+            uint32_t A[4][4], B[4][2];
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const uint2 lo = *(const uint2 *)&sx[(wm + 16 * i + g) * MM_LD + 8 * t + 4 * s];
+                const uint2 hi = *(const uint2 *)&sx[(wm + 16 * i + g + 8) * MM_LD + 8 * t + 4 * s];
+                A[i][0] = lo.x; A[i][1] = hi.x; A[i][2] = lo.y; A[i][3] = hi.y;
+            }
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                const uint2 b = *(const uint2 *)&sw[(wn + 8 * j + g) * MM_LD + 8 * t + 4 * s];
+                B[j][0] = b.x; B[j][1] = b.y;
+            }
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+#pragma unroll
+                for (int j = 0; j < 4; j++)
+                    mma16816(acc[i][j], A[i], B[j]);
+        }
+        if (more)
+            store(st ^ 1);
+        __syncthreads();
+        st ^= 1;
+    }
+    // acc[i][j][0..1]: token wm+16i+g, outputs wn+8j+2t, +1; [2..3]: token +8.
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int r = wm + 16 * i + g + 8 * h;
+            if (r >= tile.mlen)
+                continue;
+            float *yr = a.y + (size_t)(tile.m0 + r) * a.y_stride;
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+#pragma unroll
+                for (int c = 0; c < 2; c++) {
+                    const int o = n0 + wn + 8 * j + 2 * t + c;
+                    if (o < a.n_out) {
+                        float v = acc[i][j][2 * h + c];
+                        if (a.bias)
+                            v = v + a.bias[o];
+                        yr[o] = v;
+                    }
+                }
+            }
+        }
+    }
+}
+#endif // MM_GPU_HAVE_WMMA
+
+// ---- tiled FMA GEMM (any dtype, any vendor) ------------------------------------------------------
+// 64x64 block tile, k chunks of 32 staged as f32, 256 threads with 4x4 outputs each; every
+// output is one fmaf chain in k order.
+#define FMA_BM 64
+#define FMA_BN 64
+#define FMA_BK 32
+#define FMA_THREADS 256
+
+template <int DT, bool GROUPED>
+__global__ void __launch_bounds__(FMA_THREADS) gemm_fma_kernel(mm_mat_args a) {
+    __shared__ float xs[FMA_BK][FMA_BM + 1];
+    __shared__ float wsm[FMA_BK][FMA_BN + 1];
+    mm_tile tile;
+    const void *w;
+    if (!block_tile<GROUPED, FMA_BM>(a.w0, a.wg, a.offs, a.n_experts, a.n_rows, &tile, &w))
+        return;
+    const int n0 = blockIdx.x * FMA_BN;
+    const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+    float acc[4][4];
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+            acc[i][j] = 0.0f;
+    for (int kc = 0; kc < a.n_in; kc += FMA_BK) {
+        for (int p = threadIdx.x; p < FMA_BM * FMA_BK; p += FMA_THREADS) {
+            const int r = p / FMA_BK, c = p % FMA_BK, k = kc + c;
+            xs[c][r] = (r < tile.mlen && k < a.n_in) ? a.x[(size_t)(tile.m0 + r) * a.x_stride + k] : 0.0f;
+            wsm[c][r] = (n0 + r < a.n_out && k < a.n_in) ? wget<DT>(w, (int64_t)(n0 + r) * a.n_in + k) : 0.0f;
+        }
+        __syncthreads();
+        const int kn = min(FMA_BK, a.n_in - kc);
+        for (int k = 0; k < kn; k++) {
+            float xa[4], wb[4];
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                xa[i] = xs[k][ty + 16 * i];
+                wb[i] = wsm[k][tx + 16 * i];
+            }
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+#pragma unroll
+                for (int j = 0; j < 4; j++)
+                    acc[i][j] = fmaf(xa[i], wb[j], acc[i][j]);
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const int r = ty + 16 * i;
+        if (r >= tile.mlen)
+            continue;
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const int o = n0 + tx + 16 * j;
+            if (o < a.n_out) {
+                float v = acc[i][j];
+                if (a.bias)
+                    v = v + a.bias[o];
+                a.y[(size_t)(tile.m0 + r) * a.y_stride + o] = v;
+            }
+        }
+    }
+}
+
+// ---- dispatch --------------------------------------------------------------------------------
+static bool aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
+
+template <bool GROUPED>
+static mm_err launch(cudaStream_t st, int path, int dtype, mm_mat_args a, int per_tile_rows) {
+    const int active = GROUPED ? min(a.n_experts, a.n_rows) : 1;
+    auto tiles = [&](int tm) -> unsigned {
+        return GROUPED ? (unsigned)(a.n_rows / tm + active) : mm_div_up(a.n_rows, tm);
+    };
+#if MM_GPU_HAVE_WMMA
+    if (dtype == MM_DTYPE_BF16 && path == MM_GPU_PATH_GEMV) {
+        const int ng = per_tile_rows <= 8 ? 1 : per_tile_rows <= 16 ? 2 : 4;
+        dim3 grid(mm_div_up(a.n_out, MV_WARPS * 16), tiles(8 * ng));
+        switch (ng) {
+        case 1: gemv_mma_kernel<1, GROUPED><<<grid, MV_WARPS * 32, 0, st>>>(a); break;
+        case 2: gemv_mma_kernel<2, GROUPED><<<grid, MV_WARPS * 32, 0, st>>>(a); break;
+        default: gemv_mma_kernel<4, GROUPED><<<grid, MV_WARPS * 32, 0, st>>>(a); break;
+        }
+        MM_GPU_CHECK(cudaGetLastError());
+        return MM_OK;
+    }
+    if (dtype == MM_DTYPE_BF16 && path == MM_GPU_PATH_MMA) {
+        dim3 grid(mm_div_up(a.n_out, MM_BN), tiles(MM_BM));
+        gemm_mma_kernel<GROUPED><<<grid, MM_THREADS, 0, st>>>(a);
+        MM_GPU_CHECK(cudaGetLastError());
+        return MM_OK;
+    }
+#endif
+    if (path != MM_GPU_PATH_FMA) {
+        mm_log_error("gpu: matmul path %d is not built for dtype %s on %s", path,
+                     dtype == MM_DTYPE_BF16 ? "bf16" : "f16/f32", MM_GPU_VENDOR);
+        return MM_EUNSUPP;
+    }
+    dim3 grid(mm_div_up(a.n_out, FMA_BN), tiles(FMA_BM));
+    switch (dtype) {
+    case MM_DTYPE_BF16: gemm_fma_kernel<MM_DTYPE_BF16, GROUPED><<<grid, FMA_THREADS, 0, st>>>(a); break;
+    case MM_DTYPE_F16: gemm_fma_kernel<MM_DTYPE_F16, GROUPED><<<grid, FMA_THREADS, 0, st>>>(a); break;
+    case MM_DTYPE_F32: gemm_fma_kernel<MM_DTYPE_F32, GROUPED><<<grid, FMA_THREADS, 0, st>>>(a); break;
+    default: return MM_EINVAL;
+    }
+    MM_GPU_CHECK(cudaGetLastError());
+    return MM_OK;
+}
+
+// The path a product of `rows_per_tile` rows takes by default. Every path of one dtype gives
+// the same bits, so this is a speed choice only.
+static int default_path(int dtype, int rows_per_tile) {
+    if (!MM_GPU_HAVE_WMMA || dtype != MM_DTYPE_BF16)
+        return MM_GPU_PATH_FMA;
+    return rows_per_tile <= 32 ? MM_GPU_PATH_GEMV : MM_GPU_PATH_MMA;
+}
+
+static bool dtype_ok(int dtype) {
+    return dtype == MM_DTYPE_BF16 || dtype == MM_DTYPE_F16 || dtype == MM_DTYPE_F32;
+}
+
+extern "C" mm_err mm_gpu_matmul(void *stream, int dtype, const void *d_w, int n_out, int n_in,
+                                const float *d_bias, const float *d_x, int64_t x_stride, float *d_y,
+                                int64_t y_stride, int n_rows, int path) {
+    if (d_w == NULL || d_x == NULL || d_y == NULL || n_rows < 0 || n_in <= 0 || n_out <= 0 ||
+        !dtype_ok(dtype) || x_stride < n_in || y_stride < n_out) {
+        mm_log_error("gpu: matmul: bad arguments (dtype=%d w=%p x=%p y=%p n_rows=%d n_in=%d "
+                     "n_out=%d x_stride=%lld y_stride=%lld)", dtype, d_w, (const void *)d_x,
+                     (void *)d_y, n_rows, n_in, n_out, (long long)x_stride, (long long)y_stride);
+        return MM_EINVAL;
+    }
+    if (n_rows == 0)
+        return MM_OK;
+    mm_mat_args a = {d_x, x_stride, d_w, NULL, NULL, 1, n_rows, n_in, n_out, d_bias, d_y, y_stride, 0};
+    a.vec = n_in % 8 == 0 && x_stride % 4 == 0 && aligned16(d_x) && aligned16(d_w);
+    if (path < 0)
+        path = default_path(dtype, n_rows);
+    return launch<false>((cudaStream_t)stream, path, dtype, a, n_rows);
+}
+
+extern "C" mm_err mm_gpu_moe_matmul(void *stream, int dtype, const void *const *d_w,
+                                    const int32_t *d_offs, int n_experts, int n_out, int n_in,
+                                    const float *d_x, int64_t x_stride, float *d_y,
+                                    int64_t y_stride, int n_rows, int path) {
+    if (d_w == NULL || d_offs == NULL || n_experts <= 0 || d_x == NULL || d_y == NULL ||
+        n_rows < 0 || n_in <= 0 || n_out <= 0 || !dtype_ok(dtype) || x_stride < n_in ||
+        y_stride < n_out) {
+        mm_log_error("gpu: moe_matmul: bad arguments (dtype=%d n_experts=%d n_rows=%d n_in=%d "
+                     "n_out=%d)", dtype, n_experts, n_rows, n_in, n_out);
+        return MM_EINVAL;
+    }
+    if (n_rows == 0)
+        return MM_OK;
+    mm_mat_args a = {d_x, x_stride, NULL, d_w, d_offs, n_experts, n_rows, n_in, n_out, NULL, d_y,
+                     y_stride, 0};
+    // Per-expert matrices must start 16-byte aligned for the vector loads (buffer_alloc and
+    // checkpoint tensors with n_in % 8 == 0 are).
+    a.vec = n_in % 8 == 0 && x_stride % 4 == 0 && aligned16(d_x);
+    const int active = min(n_experts, n_rows);
+    const int per = (n_rows + active - 1) / active;
+    if (path < 0)
+        path = default_path(dtype, per);
+    return launch<true>((cudaStream_t)stream, path, dtype, a, per);
+}

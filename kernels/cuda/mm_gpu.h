@@ -1,0 +1,92 @@
+// SPDX-License-Identifier: MIT
+// C entry points of the GPU kernels (kernels/cuda/*.cu, built by nvcc for CUDA or by hipcc for
+// AMD). The backend table (kernels/cuda/backend.cu) is written on top of these; tests and the
+// GPU bench call them directly. Every pointer named d_* is device memory; `stream` is the
+// vendor stream (cudaStream_t / hipStream_t) or NULL for the default stream. Launchers only
+// enqueue work: they never block and never allocate. Shapes are row-major, weights bf16 in
+// the checkpoint's (out, in) layout, activations f32.
+// Errors: MM_EINVAL for a bad shape or pointer (message logged), MM_EDEVICE when the launch
+// fails (statement and location logged by MM_GPU_CHECK).
+#ifndef MM_GPU_H
+#define MM_GPU_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kernels.h"
+#include "mm/err.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+// ---- devices and memory -----------------------------------------------------------------
+// mm_gpu_device_count sets *n to the number of usable devices; 0 (and MM_OK) when the host
+// has no driver or no card (cudaErrorInsufficientDriver 35 / cudaErrorNoDevice 100), with the
+// reason in why (may be NULL). Other failures return MM_EDEVICE.
+mm_err mm_gpu_device_count(int *n, char why[MM_ERRLEN]);
+// mm_gpu_device_name writes the device's marketing name and multiprocessor count.
+mm_err mm_gpu_device_info(int dev, char name[128], int *n_sm, size_t *mem_bytes);
+mm_err mm_gpu_set_device(int dev);
+// mm_gpu_alloc returns owned device memory (free with mm_gpu_free, which accepts NULL).
+mm_err mm_gpu_alloc(void **d_out, size_t n_bytes);
+void mm_gpu_free(void *d);
+mm_err mm_gpu_memcpy_h2d(void *stream, void *d_dst, const void *h_src, size_t n_bytes);
+mm_err mm_gpu_memcpy_d2h(void *stream, void *h_dst, const void *d_src, size_t n_bytes);
+mm_err mm_gpu_memcpy_d2d(void *stream, void *d_dst, const void *d_src, size_t n_bytes);
+mm_err mm_gpu_memset(void *stream, void *d_dst, int byte, size_t n_bytes);
+mm_err mm_gpu_stream_new(void **stream);
+void mm_gpu_stream_free(void *stream);
+mm_err mm_gpu_stream_sync(void *stream);
+
+// ---- matrix products ----------------------------------------------------------------------
+// Paths of a product; every path of one weight dtype gives the same bits for a row whatever
+// n_rows is (kernels.h "Exactness"), so the choice is a speed choice only.
+enum mm_gpu_path {
+    MM_GPU_PATH_AUTO = -1,
+    MM_GPU_PATH_GEMV = 0, // CUDA, bf16: W in the mma A operand, up to 32 rows per tile (decode)
+    MM_GPU_PATH_FMA = 1,  // any vendor, any dtype: 64x64 FMA tiles, f32 x
+    MM_GPU_PATH_MMA = 2,  // CUDA, bf16: 128x128 mma.sync tiles (prefill)
+};
+
+// d_y[i, j] = sum_k d_x[i, k] * W[j, k] (+ d_bias[j]) for i < n_rows, j < n_out, k < n_in.
+// W (n_out, n_in) row-major of dtype (enum mm_dtype: BF16, F16, F32); x and y f32 with row
+// strides in elements; d_bias NULL or (n_out,) f32. On CUDA bf16 products round x to bf16 and
+// run on the tensor cores; other dtypes, and HIP, use f32 FMA. path: enum mm_gpu_path.
+mm_err mm_gpu_matmul(void *stream, int dtype, const void *d_w, int n_out, int n_in,
+                     const float *d_bias, const float *d_x, int64_t x_stride, float *d_y,
+                     int64_t y_stride, int n_rows, int path);
+
+// Grouped expert product, all of a layer's routed rows in one launch. Rows of d_x are sorted
+// by expert: expert e owns rows [d_offs[e], d_offs[e+1]) (d_offs: n_experts+1 int32 on the
+// device, d_offs[0] == 0, d_offs[n_experts] == n_rows). d_w is a device array of n_experts
+// device pointers to (n_out, n_in) matrices of dtype, 16-byte aligned (NULL allowed for an
+// expert with no rows). Row r of d_y gets x_r . W_e^T, with the same bits as mm_gpu_matmul.
+mm_err mm_gpu_moe_matmul(void *stream, int dtype, const void *const *d_w, const int32_t *d_offs,
+                         int n_experts, int n_out, int n_in, const float *d_x, int64_t x_stride,
+                         float *d_y, int64_t y_stride, int n_rows, int path);
+
+// ---- row ops (kernels.h semantics; d_err: device error word set on bad indices) -----------
+mm_err mm_gpu_rmsnorm(void *stream, const mm_weight *w, float eps, const float *d_x, int64_t xs,
+                      float *d_y, int64_t ys, int64_t n_rows);
+mm_err mm_gpu_rope(void *stream, const struct mm_rope_args *a);
+mm_err mm_gpu_kv_store(void *stream, const struct mm_kv_store_args *a, int *d_err);
+mm_err mm_gpu_attention(void *stream, const struct mm_attn_args *a, int *d_err);
+mm_err mm_gpu_embed(void *stream, const mm_weight *t, const int32_t *d_ids, int64_t n_rows,
+                    float *d_out, int64_t os, int *d_err);
+mm_err mm_gpu_swiglu(void *stream, const float *d_g, int64_t gs, const float *d_u, int64_t us,
+                     float *d_o, int64_t os, int64_t n_rows, int64_t dim);
+mm_err mm_gpu_route(void *stream, const struct mm_route_params *p, const float *d_logits,
+                    int64_t ls, int64_t n_rows, int32_t *d_ids, float *d_weights);
+mm_err mm_gpu_axpy(void *stream, const float *d_alpha, const float *d_x, int64_t xs, float *d_y,
+                   int64_t ys, int64_t n_rows, int64_t dim);
+mm_err mm_gpu_sigmoid(void *stream, float *d_x, int64_t n);
+mm_err mm_gpu_copy_rows(void *stream, const float *d_src, int64_t ss, const int32_t *d_si,
+                        float *d_dst, int64_t ds, const int32_t *d_di, int64_t n_rows, int64_t dim,
+                        int *d_err);
+mm_err mm_gpu_fill(void *stream, float *d_x, float v, int64_t n);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

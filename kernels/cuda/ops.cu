@@ -1,0 +1,529 @@
+// SPDX-License-Identifier: MIT
+// Row-wise ops of the backend table on the GPU: rmsnorm, rope, paged KV store and attention,
+// embedding, SwiGLU, MoE routing, axpy, sigmoid, row copies. Semantics are kernels.h's.
+//
+// Design notes:
+// - Exactness: each output's reductions have one fixed blocking that depends on the op's
+//   dimensions only (a warp per row for norms and routing, lane-strided partials then a fixed
+//   butterfly; a block per (row, head) for attention with key chunks aligned to absolute
+//   positions), never on n_rows or the other rows of the call.
+// - Bad indices found on the device (a negative position, a block id past the table, an
+//   embedding id out of range) skip the row and set a bit in the backend's device error word
+//   (`d_err`); the backend turns it into MM_EINVAL at the next synchronize/get.
+// - Attention keeps one online-softmax chain per (row, head): 128-key chunks, chunk max, then
+//   p = exp(s - m), out = out * exp(m_old - m) + sum_t p_t v_t (t ascending). The KV cache is
+//   f32 (kernels.h), so long prefills are bandwidth-heavy; a tiled flash kernel is future work.
+#include <math.h>
+
+#include "gpu_common.cuh"
+#include "kernels.h"
+#include "mm_gpu.h"
+
+#define ERR_INDEX 1
+
+__device__ __forceinline__ void flag(int *d_err, int bit) {
+    if (d_err != NULL)
+        atomicOr(d_err, bit);
+}
+
+template <int DT>
+__device__ __forceinline__ float wload(const void *w, int64_t i) {
+    if (DT == MM_DTYPE_BF16)
+        return mm_gpu_bf16_to_f32(((const uint16_t *)w)[i]);
+    if (DT == MM_DTYPE_F16) {
+        const uint16_t h = ((const uint16_t *)w)[i];
+        const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+        const uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+        if (exp == 0) {
+            const float v = (float)man * 5.9604644775390625e-8f;
+            return sign ? -v : v;
+        }
+        if (exp == 31)
+            return __uint_as_float(sign | 0x7f800000u | (man << 13));
+        return __uint_as_float(sign | ((exp - 15 + 127) << 23) | (man << 13));
+    }
+    return ((const float *)w)[i];
+}
+
+static unsigned warp_threads(void) { return (unsigned)mm__gpu_warp_size(); }
+
+// ---- rmsnorm: one warp per row ---------------------------------------------------------------
+template <int DT>
+__global__ void rmsnorm_kernel(const void *w, int dim, float eps, const float *x, int64_t xs,
+                               float *y, int64_t ys, int64_t n_rows) {
+    const int lane = threadIdx.x % MM_WARP_SIZE;
+    const int64_t r = (int64_t)blockIdx.x * (blockDim.x / MM_WARP_SIZE) + threadIdx.x / MM_WARP_SIZE;
+    if (r >= n_rows)
+        return;
+    const float *xr = x + r * xs;
+    float *yr = y + r * ys;
+    float ss = 0.0f;
+    for (int k = lane; k < dim; k += MM_WARP_SIZE)
+        ss += xr[k] * xr[k];
+    ss = mm_warp_sum(ss);
+    const float rs = 1.0f / sqrtf(ss / (float)dim + eps);
+    for (int k = lane; k < dim; k += MM_WARP_SIZE)
+        yr[k] = wload<DT>(w, k) * (xr[k] * rs);
+}
+
+extern "C" mm_err mm_gpu_rmsnorm(void *stream, const mm_weight *w, float eps, const float *x,
+                                 int64_t xs, float *y, int64_t ys, int64_t n_rows) {
+    if (w == NULL || w->data == NULL || w->rows != 1 || w->cols <= 0 || x == NULL || y == NULL ||
+        n_rows < 0)
+        return MM_EINVAL;
+    if (n_rows == 0)
+        return MM_OK;
+    const unsigned ws = warp_threads(), rows_per_block = 256 / ws;
+    dim3 grid(mm_div_up(n_rows, rows_per_block));
+    cudaStream_t st = (cudaStream_t)stream;
+    switch (w->dtype) {
+    case MM_DTYPE_BF16: rmsnorm_kernel<MM_DTYPE_BF16><<<grid, 256, 0, st>>>(w->data, (int)w->cols, eps, x, xs, y, ys, n_rows); break;
+    case MM_DTYPE_F16: rmsnorm_kernel<MM_DTYPE_F16><<<grid, 256, 0, st>>>(w->data, (int)w->cols, eps, x, xs, y, ys, n_rows); break;
+    case MM_DTYPE_F32: rmsnorm_kernel<MM_DTYPE_F32><<<grid, 256, 0, st>>>(w->data, (int)w->cols, eps, x, xs, y, ys, n_rows); break;
+    default: return MM_EINVAL;
+    }
+    MM_GPU_CHECK(cudaGetLastError());
+    return MM_OK;
+}
+
+// ---- rope: one thread per (row, head, pair) ---------------------------------------------------
+__global__ void rope_kernel(struct mm_rope_args a) {
+    const int half = a.rot_dim / 2;
+    const int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    const int64_t total = a.n_rows * a.n_heads * half;
+    if (idx >= total)
+        return;
+    const int i = (int)(idx % half);
+    const int h = (int)((idx / half) % a.n_heads);
+    const int64_t r = idx / ((int64_t)half * a.n_heads);
+    const float ang = (float)a.pos[r] * a.inv_freq[i];
+    const float c = cosf(ang) * a.mscale, s = sinf(ang) * a.mscale;
+    float *x = a.x + r * a.row_stride + h * a.head_stride + a.rot_offset;
+    const int i0 = a.style == MM_ROPE_NEOX ? i : 2 * i;
+    const int i1 = a.style == MM_ROPE_NEOX ? i + half : 2 * i + 1;
+    const float x0 = x[i0], x1 = x[i1];
+    x[i0] = x0 * c - x1 * s;
+    x[i1] = x1 * c + x0 * s;
+}
+
+extern "C" mm_err mm_gpu_rope(void *stream, const struct mm_rope_args *a) {
+    if (a == NULL || a->x == NULL || a->pos == NULL || a->inv_freq == NULL || a->rot_dim <= 0 ||
+        (a->rot_dim & 1) || a->n_heads <= 0 || a->n_rows < 0 ||
+        (a->style != MM_ROPE_NEOX && a->style != MM_ROPE_INTERLEAVED))
+        return MM_EINVAL;
+    const int64_t total = a->n_rows * a->n_heads * (a->rot_dim / 2);
+    if (total == 0)
+        return MM_OK;
+    rope_kernel<<<mm_div_up(total, 256), 256, 0, (cudaStream_t)stream>>>(*a);
+    MM_GPU_CHECK(cudaGetLastError());
+    return MM_OK;
+}
+
+// ---- paged KV cache ---------------------------------------------------------------------------
+__device__ __forceinline__ float *kv_slot(const struct mm_kv_view &kv, int32_t seq, int32_t pos,
+                                          int *d_err) {
+    if (pos < 0 || seq < 0 || pos / kv.block_size >= kv.max_blocks) {
+        flag(d_err, ERR_INDEX);
+        return NULL;
+    }
+    const int32_t blk = kv.block_tables[(int64_t)seq * kv.max_blocks + pos / kv.block_size];
+    if (blk < 0) {
+        flag(d_err, ERR_INDEX);
+        return NULL;
+    }
+    return kv.base + (int64_t)blk * kv.block_stride + (int64_t)(pos % kv.block_size) * kv.slot_stride;
+}
+
+__global__ void kv_store_kernel(struct mm_kv_store_args a, int *d_err) {
+    const int64_t nk = (int64_t)a.kv.n_kv_heads * a.kv.head_dim_k;
+    const int64_t nv = (int64_t)a.kv.n_kv_heads * a.kv.head_dim_v;
+    const int64_t r = blockIdx.x;
+    float *slot = kv_slot(a.kv, a.row_seq[r], a.row_pos[r], d_err);
+    if (slot == NULL)
+        return;
+    for (int64_t j = threadIdx.x; j < nk + nv; j += blockDim.x)
+        slot[j] = j < nk ? a.k[r * a.k_stride + j] : a.v[r * a.v_stride + (j - nk)];
+}
+
+extern "C" mm_err mm_gpu_kv_store(void *stream, const struct mm_kv_store_args *a, int *d_err) {
+    if (a == NULL || a->kv.base == NULL || a->kv.block_tables == NULL || a->k == NULL ||
+        a->v == NULL || a->row_seq == NULL || a->row_pos == NULL || a->kv.block_size <= 0 ||
+        a->n_rows < 0)
+        return MM_EINVAL;
+    if (a->n_rows == 0)
+        return MM_OK;
+    kv_store_kernel<<<(unsigned)a->n_rows, 256, 0, (cudaStream_t)stream>>>(*a, d_err);
+    MM_GPU_CHECK(cudaGetLastError());
+    return MM_OK;
+}
+
+#define ATT_THREADS 128
+#define ATT_CHUNK 128 // keys per online-softmax step, aligned to absolute positions
+#define ATT_MAX_DV 512
+
+// One block per (row, head). Dynamic shared: q (dk) + scores (ATT_CHUNK).
+__global__ void __launch_bounds__(ATT_THREADS) attention_kernel(struct mm_attn_args a, int *d_err) {
+    extern __shared__ float sh[];
+    __shared__ const float *slots[ATT_CHUNK];
+    const struct mm_kv_view &kv = a.kv;
+    const int dk = kv.head_dim_k, dv = kv.head_dim_v;
+    float *qs = sh, *ps = sh + dk;
+    const int64_t r = blockIdx.x;
+    const int h = blockIdx.y, kvh = h / (a.n_heads / kv.n_kv_heads);
+    const int32_t seq = a.row_seq[r], pos = a.row_pos[r];
+    float *o = a.out + r * a.out_stride + (int64_t)h * dv;
+    if (pos < 0 || seq < 0 || pos / kv.block_size >= kv.max_blocks) {
+        if (threadIdx.x == 0)
+            flag(d_err, ERR_INDEX);
+        return;
+    }
+    for (int d = threadIdx.x; d < dk; d += ATT_THREADS)
+        qs[d] = a.q[r * a.q_stride + (int64_t)h * dk + d];
+    int32_t first = 0;
+    if (a.window > 0 && pos - a.window + 1 > 0)
+        first = pos - a.window + 1;
+    const int64_t v_off = (int64_t)kv.n_kv_heads * dk;
+    float acc[ATT_MAX_DV / ATT_THREADS];
+#pragma unroll
+    for (int j = 0; j < ATT_MAX_DV / ATT_THREADS; j++)
+        acc[j] = 0.0f;
+    float m = -INFINITY, l = 0.0f;
+    __syncthreads();
+    for (int32_t c0 = (first / ATT_CHUNK) * ATT_CHUNK; c0 <= pos; c0 += ATT_CHUNK) {
+        // Scores: one thread per key, dims in order.
+        const int32_t t = c0 + threadIdx.x;
+        float s = -INFINITY;
+        slots[threadIdx.x] = NULL;
+        if (t >= first && t <= pos) {
+            const float *k = kv_slot(kv, seq, t, d_err);
+            slots[threadIdx.x] = k;
+            if (k != NULL) {
+                k += (int64_t)kvh * dk;
+                float dot = 0.0f;
+                for (int d = 0; d < dk; d++)
+                    dot += qs[d] * k[d];
+                s = dot * a.scale;
+            }
+        }
+        const float cmax = mm_block_max(s);
+        const float m_new = fmaxf(m, cmax);
+        const float alpha = m == -INFINITY ? 0.0f : expf(m - m_new);
+        ps[threadIdx.x] = s == -INFINITY ? 0.0f : expf(s - m_new);
+        __syncthreads();
+        const int n_t = min(ATT_CHUNK, pos - c0 + 1);
+        float psum = 0.0f;
+        for (int j = 0; j < n_t; j++)
+            psum += ps[j];
+        l = l * alpha + psum;
+#pragma unroll
+        for (int j = 0; j < ATT_MAX_DV / ATT_THREADS; j++) {
+            const int d = threadIdx.x + j * ATT_THREADS;
+            if (d >= dv)
+                break;
+            float sum = 0.0f;
+            for (int u = 0; u < n_t; u++) {
+                const float p = ps[u];
+                const float *slot = slots[u];
+                if (p == 0.0f || slot == NULL)
+                    continue;
+                sum += p * slot[v_off + (int64_t)kvh * dv + d];
+            }
+            acc[j] = acc[j] * alpha + sum;
+        }
+        m = m_new;
+        __syncthreads();
+    }
+    const float inv = 1.0f / l;
+#pragma unroll
+    for (int j = 0; j < ATT_MAX_DV / ATT_THREADS; j++) {
+        const int d = threadIdx.x + j * ATT_THREADS;
+        if (d < dv)
+            o[d] = acc[j] * inv;
+    }
+}
+
+extern "C" mm_err mm_gpu_attention(void *stream, const struct mm_attn_args *a, int *d_err) {
+    if (a == NULL || a->q == NULL || a->out == NULL || a->row_seq == NULL || a->row_pos == NULL ||
+        a->kv.base == NULL || a->kv.block_tables == NULL || a->n_heads <= 0 ||
+        a->kv.n_kv_heads <= 0 || a->n_heads % a->kv.n_kv_heads != 0 || a->kv.block_size <= 0 ||
+        a->kv.head_dim_k <= 0 || a->kv.head_dim_v <= 0 || a->kv.head_dim_v > ATT_MAX_DV ||
+        a->kv.head_dim_k > 4096 || a->n_rows < 0)
+        return MM_EINVAL;
+    if (a->n_rows == 0)
+        return MM_OK;
+    const size_t shmem = (size_t)(a->kv.head_dim_k + ATT_CHUNK) * sizeof(float);
+    dim3 grid((unsigned)a->n_rows, (unsigned)a->n_heads);
+    attention_kernel<<<grid, ATT_THREADS, shmem, (cudaStream_t)stream>>>(*a, d_err);
+    MM_GPU_CHECK(cudaGetLastError());
+    return MM_OK;
+}
+
+// ---- embed, swiglu, axpy, sigmoid, copy_rows, fill --------------------------------------------------
+template <int DT>
+__global__ void embed_kernel(const void *table, int64_t rows, int64_t cols, const int32_t *ids,
+                             float *out, int64_t os, int *d_err) {
+    const int64_t i = blockIdx.x;
+    const int32_t id = ids[i];
+    if (id < 0 || id >= rows) {
+        if (threadIdx.x == 0)
+            flag(d_err, ERR_INDEX);
+        return;
+    }
+    for (int64_t k = threadIdx.x; k < cols; k += blockDim.x)
+        out[i * os + k] = wload<DT>(table, (int64_t)id * cols + k);
+}
+
+extern "C" mm_err mm_gpu_embed(void *stream, const mm_weight *t, const int32_t *ids, int64_t n_rows,
+                               float *out, int64_t os, int *d_err) {
+    if (t == NULL || t->data == NULL || t->rows <= 0 || t->cols <= 0 || ids == NULL || out == NULL ||
+        n_rows < 0)
+        return MM_EINVAL;
+    if (n_rows == 0)
+        return MM_OK;
+    cudaStream_t st = (cudaStream_t)stream;
+    switch (t->dtype) {
+    case MM_DTYPE_BF16: embed_kernel<MM_DTYPE_BF16><<<(unsigned)n_rows, 256, 0, st>>>(t->data, t->rows, t->cols, ids, out, os, d_err); break;
+    case MM_DTYPE_F16: embed_kernel<MM_DTYPE_F16><<<(unsigned)n_rows, 256, 0, st>>>(t->data, t->rows, t->cols, ids, out, os, d_err); break;
+    case MM_DTYPE_F32: embed_kernel<MM_DTYPE_F32><<<(unsigned)n_rows, 256, 0, st>>>(t->data, t->rows, t->cols, ids, out, os, d_err); break;
+    default: return MM_EINVAL;
+    }
+    MM_GPU_CHECK(cudaGetLastError());
+    return MM_OK;
+}
+
+__global__ void swiglu_kernel(const float *g, int64_t gs, const float *u, int64_t us, float *o,
+                              int64_t os, int64_t n_rows, int64_t dim) {
+    const int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= n_rows * dim)
+        return;
+    const int64_t i = idx / dim, j = idx % dim;
+    const float x = g[i * gs + j];
+    o[i * os + j] = x / (1.0f + expf(-x)) * u[i * us + j];
+}
+
+extern "C" mm_err mm_gpu_swiglu(void *stream, const float *g, int64_t gs, const float *u, int64_t us,
+                                float *o, int64_t os, int64_t n_rows, int64_t dim) {
+    if (g == NULL || u == NULL || o == NULL || n_rows < 0 || dim < 0)
+        return MM_EINVAL;
+    if (n_rows * dim == 0)
+        return MM_OK;
+    swiglu_kernel<<<mm_div_up(n_rows * dim, 256), 256, 0, (cudaStream_t)stream>>>(g, gs, u, us, o, os, n_rows, dim);
+    MM_GPU_CHECK(cudaGetLastError());
+    return MM_OK;
+}
+
+// One multiply then one add, never fused (kernels.h: every backend rounds alike).
+__global__ void axpy_kernel(const float *alpha, const float *x, int64_t xs, float *y, int64_t ys,
+                            int64_t n_rows, int64_t dim) {
+    const int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= n_rows * dim)
+        return;
+    const int64_t i = idx / dim, j = idx % dim;
+    const float p = alpha ? __fmul_rn(alpha[i], x[i * xs + j]) : x[i * xs + j];
+    y[i * ys + j] = __fadd_rn(y[i * ys + j], p);
+}
+
+extern "C" mm_err mm_gpu_axpy(void *stream, const float *alpha, const float *x, int64_t xs, float *y,
+                              int64_t ys, int64_t n_rows, int64_t dim) {
+    if (x == NULL || y == NULL || n_rows < 0 || dim < 0)
+        return MM_EINVAL;
+    if (n_rows * dim == 0)
+        return MM_OK;
+    axpy_kernel<<<mm_div_up(n_rows * dim, 256), 256, 0, (cudaStream_t)stream>>>(alpha, x, xs, y, ys, n_rows, dim);
+    MM_GPU_CHECK(cudaGetLastError());
+    return MM_OK;
+}
+
+__global__ void sigmoid_kernel(float *x, int64_t n) {
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n)
+        x[i] = 1.0f / (1.0f + expf(-x[i]));
+}
+
+extern "C" mm_err mm_gpu_sigmoid(void *stream, float *x, int64_t n) {
+    if (x == NULL || n < 0)
+        return MM_EINVAL;
+    if (n == 0)
+        return MM_OK;
+    sigmoid_kernel<<<mm_div_up(n, 256), 256, 0, (cudaStream_t)stream>>>(x, n);
+    MM_GPU_CHECK(cudaGetLastError());
+    return MM_OK;
+}
+
+__global__ void copy_rows_kernel(const float *src, int64_t ss, const int32_t *si, float *dst,
+                                 int64_t ds, const int32_t *di, int64_t dim, int *d_err) {
+    const int64_t i = blockIdx.x;
+    const int64_t a = si ? si[i] : i, b = di ? di[i] : i;
+    if (a < 0 || b < 0) {
+        if (threadIdx.x == 0)
+            flag(d_err, ERR_INDEX);
+        return;
+    }
+    for (int64_t k = threadIdx.x; k < dim; k += blockDim.x)
+        dst[b * ds + k] = src[a * ss + k];
+}
+
+extern "C" mm_err mm_gpu_copy_rows(void *stream, const float *src, int64_t ss, const int32_t *si,
+                                   float *dst, int64_t ds, const int32_t *di, int64_t n_rows,
+                                   int64_t dim, int *d_err) {
+    if (src == NULL || dst == NULL || n_rows < 0 || dim < 0)
+        return MM_EINVAL;
+    if (n_rows == 0 || dim == 0)
+        return MM_OK;
+    copy_rows_kernel<<<(unsigned)n_rows, 256, 0, (cudaStream_t)stream>>>(src, ss, si, dst, ds, di, dim, d_err);
+    MM_GPU_CHECK(cudaGetLastError());
+    return MM_OK;
+}
+
+__global__ void fill_kernel(float *x, float v, int64_t n) {
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n)
+        x[i] = v;
+}
+
+extern "C" mm_err mm_gpu_fill(void *stream, float *x, float v, int64_t n) {
+    if (x == NULL || n < 0)
+        return MM_EINVAL;
+    if (n == 0)
+        return MM_OK;
+    fill_kernel<<<mm_div_up(n, 256), 256, 0, (cudaStream_t)stream>>>(x, v, n);
+    MM_GPU_CHECK(cudaGetLastError());
+    return MM_OK;
+}
+
+// ---- routing: one warp per row ----------------------------------------------------------------
+#define ROUTE_MAX_EXPERTS 1024
+
+// a ranks before b: higher score, then lower id
+__device__ __forceinline__ bool better(float sa, int a, float sb, int b) {
+    return sa > sb || (sa == sb && a < b);
+}
+
+// Warp argmax of (score, id) pairs; id -1 means none. Every lane gets the winner.
+__device__ __forceinline__ void warp_best(float &s, int &id) {
+#pragma unroll
+    for (int m = MM_WARP_SIZE / 2; m > 0; m >>= 1) {
+        const float os = mm_shfl_xor(s, m);
+        const int oid = mm_shfl_xor(id, m);
+        if (oid >= 0 && (id < 0 || better(os, oid, s, id))) {
+            s = os;
+            id = oid;
+        }
+    }
+}
+
+// Dynamic shared: prob (E) f32 + choice (E) f32 + taken (E) bytes.
+__global__ void route_kernel(struct mm_route_params p, const float *logits, int64_t ls,
+                             int32_t *ids, float *weights) {
+    extern __shared__ float rsh[];
+    const int E = p.n_experts, K = p.top_k, lane = threadIdx.x;
+    float *prob = rsh, *choice = rsh + E;
+    unsigned char *taken = (unsigned char *)(rsh + 2 * E);
+    const int64_t r = blockIdx.x;
+    const float *l = logits + r * ls;
+    if (p.score == MM_ROUTE_SOFTMAX) {
+        float mx = -INFINITY;
+        for (int e = lane; e < E; e += MM_WARP_SIZE)
+            mx = fmaxf(mx, l[e]);
+        mx = mm_warp_max(mx);
+        float sum = 0.0f;
+        for (int e = lane; e < E; e += MM_WARP_SIZE) {
+            prob[e] = expf(l[e] - mx);
+            sum += prob[e];
+        }
+        sum = mm_warp_sum(sum);
+        for (int e = lane; e < E; e += MM_WARP_SIZE)
+            prob[e] /= sum;
+    } else {
+        for (int e = lane; e < E; e += MM_WARP_SIZE)
+            prob[e] = 1.0f / (1.0f + expf(-l[e]));
+    }
+    for (int e = lane; e < E; e += MM_WARP_SIZE) {
+        choice[e] = p.bias ? prob[e] + p.bias[e] : prob[e];
+        taken[e] = 0;
+    }
+    __syncthreads(); // the block is one warp
+    if (p.n_group > 1) {
+        const int G = p.n_group, per = E / G;
+        // Group scores (sum of the two best choice scores) then the kept groups, on lane 0:
+        // G is small (8 for DeepSeek V3) and the rule must match the CPU's exactly.
+        if (lane == 0) {
+            float gs[64];
+            bool keep[64];
+            for (int g = 0; g < G; g++) {
+                const float *c = choice + g * per;
+                int b0 = 0;
+                for (int i = 1; i < per; i++)
+                    if (better(c[i], i, c[b0], b0))
+                        b0 = i;
+                int b1 = b0 == 0 ? 1 : 0;
+                for (int i = 0; i < per; i++)
+                    if (i != b0 && better(c[i], i, c[b1], b1))
+                        b1 = i;
+                gs[g] = c[b0] + c[b1];
+                keep[g] = false;
+            }
+            for (int t = 0; t < p.topk_group; t++) {
+                int best = -1;
+                for (int g = 0; g < G; g++)
+                    if (!keep[g] && (best < 0 || better(gs[g], g, gs[best], best)))
+                        best = g;
+                keep[best] = true;
+            }
+            for (int e = 0; e < E; e++)
+                if (!keep[e / per])
+                    choice[e] = 0.0f;
+        }
+        __syncthreads(); // the block is one warp
+    }
+    int32_t *id = ids + r * K;
+    float *w = weights + r * K;
+    for (int t = 0; t < K; t++) {
+        float bs = 0.0f;
+        int bid = -1;
+        for (int e = lane; e < E; e += MM_WARP_SIZE)
+            if (!taken[e] && (bid < 0 || better(choice[e], e, bs, bid))) {
+                bs = choice[e];
+                bid = e;
+            }
+        warp_best(bs, bid);
+        if (lane == 0) {
+            taken[bid] = 1;
+            id[t] = bid;
+            w[t] = prob[bid];
+        }
+        __syncthreads(); // the block is one warp
+    }
+    if (lane == 0) {
+        if (p.renorm) {
+            float sum = 0.0f;
+            for (int t = 0; t < K; t++)
+                sum += w[t];
+            sum += p.renorm_eps;
+            for (int t = 0; t < K; t++)
+                w[t] /= sum;
+        }
+        if (p.scale != 1.0f && p.scale != 0.0f)
+            for (int t = 0; t < K; t++)
+                w[t] *= p.scale;
+    }
+}
+
+extern "C" mm_err mm_gpu_route(void *stream, const struct mm_route_params *p, const float *logits,
+                               int64_t ls, int64_t n_rows, int32_t *ids, float *weights) {
+    if (p == NULL || logits == NULL || ids == NULL || weights == NULL || n_rows < 0)
+        return MM_EINVAL;
+    const int E = p->n_experts, K = p->top_k;
+    if (E <= 0 || E > ROUTE_MAX_EXPERTS || K <= 0 || K > E ||
+        (p->score != MM_ROUTE_SOFTMAX && p->score != MM_ROUTE_SIGMOID))
+        return MM_EINVAL;
+    if (p->n_group > 1 && (E % p->n_group || p->n_group > 64 || p->topk_group <= 0 ||
+                           p->topk_group > p->n_group || E / p->n_group < 2))
+        return MM_EINVAL;
+    if (n_rows == 0)
+        return MM_OK;
+    const size_t shmem = (size_t)E * (2 * sizeof(float) + 1);
+    route_kernel<<<(unsigned)n_rows, warp_threads(), shmem, (cudaStream_t)stream>>>(*p, logits, ls, ids, weights);
+    MM_GPU_CHECK(cudaGetLastError());
+    return MM_OK;
+}

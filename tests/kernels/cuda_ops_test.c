@@ -1,0 +1,564 @@
+// SPDX-License-Identifier: MIT
+// Every op of the GPU backend (kernels/cuda through the kernels.h table) against the CPU
+// backend, over random and odd shapes, by normalised error (NMSE); plus the exactness rules:
+// a matmul row's bits do not depend on n_rows (GEMV vs tensor-core tiles), the grouped expert
+// product matches per-expert products bit for bit, and axpy rounds like the CPU.
+// In a build without the GPU backend (plain `make`), or on a host without a GPU, every case
+// skips and says why; `make cuda` builds this test with the backend.
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels.h"
+#include "mm/dtype.h"
+#include "mm_test.h"
+
+// Grouped expert product (kernels/cuda/mm_gpu.h); absent without the GPU backend.
+extern mm_err mm_gpu_moe_matmul(void *stream, int dtype, const void *const *d_w,
+                                const int32_t *d_offs, int n_experts, int n_out, int n_in,
+                                const float *d_x, int64_t x_stride, float *d_y, int64_t y_stride,
+                                int n_rows, int path) __attribute__((weak));
+
+static mm_backend *cpu, *gpu;
+
+static void open_backends(void) {
+    char err[MM_ERRLEN] = "";
+    mm_err rv = mm_backend_open(&gpu, "cuda:0", NULL, err);
+    if (rv == MM_EUNSUPP)
+        MM_SKIP("%s", err);
+    if (rv != MM_OK)
+        MM_TEST_FAIL_("opening cuda:0: %s (%s)", mm_strerror(rv), err);
+    mm_backend_params p = {.n_threads = 2};
+    MM_PASS(mm_backend_open(&cpu, "cpu", &p, err));
+}
+
+static void close_backends(void) {
+    mm_backend_close(gpu);
+    mm_backend_close(cpu);
+    gpu = cpu = NULL;
+}
+
+// ---- helpers -----------------------------------------------------------------------------------
+static uint64_t rng = 0x9e3779b97f4a7c15ull;
+static float frand(void) { // uniform in [-1, 1)
+    rng ^= rng << 13;
+    rng ^= rng >> 7;
+    rng ^= rng << 17;
+    return (float)((rng >> 40) & 0xffffff) / 8388608.0f - 1.0f;
+}
+
+static float *rand_f32(size_t n, float scale) {
+    float *p = malloc(n * sizeof(float) + 1);
+    MM_TRUE(p != NULL);
+    for (size_t i = 0; i < n; i++)
+        p[i] = frand() * scale;
+    return p;
+}
+
+static void *gpu_copy(const void *h, size_t n_bytes) {
+    void *d = NULL;
+    MM_PASS(gpu->ops->buffer_alloc(gpu->ctx, n_bytes, &d));
+    if (n_bytes)
+        MM_PASS(gpu->ops->set(gpu->ctx, d, h, n_bytes));
+    return d;
+}
+
+static void *gpu_get(const void *d, size_t n_bytes) {
+    void *h = malloc(n_bytes + 1);
+    MM_TRUE(h != NULL);
+    MM_PASS(gpu->ops->get(gpu->ctx, h, d, n_bytes));
+    return h;
+}
+
+static void gpu_free(void *d) { gpu->ops->buffer_free(gpu->ctx, d); }
+
+// sum (a - b)^2 / sum b^2 over n elements at stride (rows of dim within stride).
+static double nmse_rows(const float *a, const float *b, int64_t n_rows, int64_t dim, int64_t stride) {
+    double num = 0, den = 0;
+    for (int64_t i = 0; i < n_rows; i++)
+        for (int64_t j = 0; j < dim; j++) {
+            double x = a[i * stride + j], y = b[i * stride + j];
+            if (isnan(x) || isnan(y))
+                return INFINITY;
+            num += (x - y) * (x - y);
+            den += y * y;
+        }
+    return den > 0 ? num / den : num;
+}
+
+#define CHECK_NMSE(what, v, tol)                                                     \
+    do {                                                                             \
+        double v_ = (v);                                                             \
+        printf("%-48s nmse %.3e (tol %.0e)\n", what, v_, (double)(tol));            \
+        if (!(v_ <= (tol)))                                                          \
+            MM_TEST_FAIL_("%s: nmse %.3e above %.0e", what, v_, (double)(tol));    \
+    } while (0)
+
+// A weight of dtype with random values (returns host data in *h, owned).
+static mm_weight make_weight(enum mm_dtype dt, int64_t rows, int64_t cols, void **h) {
+    size_t n = (size_t)(rows * cols);
+    void *p = malloc(n * mm_dtype_size(dt) + 1);
+    MM_TRUE(p != NULL);
+    for (size_t i = 0; i < n; i++) {
+        float v = frand() * 0.5f;
+        if (dt == MM_DTYPE_BF16)
+            ((uint16_t *)p)[i] = mm_f32_to_bf16(v);
+        else if (dt == MM_DTYPE_F32)
+            ((float *)p)[i] = v;
+        else { // f16 from a value exactly representable: bf16-rounded then converted
+            float f = mm_bf16_to_f32(mm_f32_to_bf16(v));
+            uint32_t u;
+            memcpy(&u, &f, 4);
+            uint32_t sign = (u >> 16) & 0x8000u;
+            int e = (int)((u >> 23) & 0xff) - 127 + 15;
+            uint16_t h16 = (uint16_t)sign;
+            if (e > 0 && e < 31)
+                h16 = (uint16_t)(sign | ((uint32_t)e << 10) | ((u >> 13) & 0x3ffu));
+            ((uint16_t *)p)[i] = h16;
+        }
+    }
+    *h = p;
+    return (mm_weight){.dtype = dt, .rows = rows, .cols = cols, .data = p};
+}
+
+// ---- matmul ------------------------------------------------------------------------------------
+// One product on both backends; returns the NMSE. x_stride/y_stride > dims test views.
+static double matmul_case(enum mm_dtype dt, int64_t n_rows, int64_t n_in, int64_t n_out,
+                          int64_t xs, int64_t ys, bool bias) {
+    void *hw = NULL;
+    mm_weight w = make_weight(dt, n_out, n_in, &hw);
+    float *x = rand_f32((size_t)(n_rows * xs), 1.0f);
+    float *b = bias ? rand_f32((size_t)n_out, 1.0f) : NULL;
+    float *y_cpu = calloc((size_t)(n_rows * ys) + 1, sizeof(float));
+    float *y_init = calloc((size_t)(n_rows * ys) + 1, sizeof(float));
+    for (int64_t i = 0; i < n_rows * ys; i++)
+        y_init[i] = y_cpu[i] = NAN; // poison: every element in range must be written
+    MM_PASS(cpu->ops->matmul(cpu->ctx, &w, b, x, xs, y_cpu, ys, n_rows));
+
+    mm_weight dw = w;
+    dw.data = gpu_copy(hw, (size_t)(n_out * n_in) * mm_dtype_size(dt));
+    float *dx = gpu_copy(x, (size_t)(n_rows * xs) * 4);
+    float *db = bias ? gpu_copy(b, (size_t)n_out * 4) : NULL;
+    float *dy = gpu_copy(y_init, (size_t)(n_rows * ys) * 4);
+    MM_PASS(gpu->ops->matmul(gpu->ctx, &dw, db, dx, xs, dy, ys, n_rows));
+    float *y_gpu = gpu_get(dy, (size_t)(n_rows * ys) * 4);
+    double e = nmse_rows(y_gpu, y_cpu, n_rows, n_out, ys);
+    gpu_free((void *)dw.data);
+    gpu_free(dx);
+    gpu_free(db);
+    gpu_free(dy);
+    free(hw), free(x), free(b), free(y_cpu), free(y_init), free(y_gpu);
+    return e;
+}
+
+static void test_matmul_bf16(void) {
+    open_backends();
+    // decode-shaped (GEMV), odd shapes (scalar loads, partial tiles), prefill-shaped (tiles)
+    CHECK_NMSE("bf16 1x2048 -> 768", matmul_case(MM_DTYPE_BF16, 1, 2048, 768, 2048, 768, false), 1e-4);
+    CHECK_NMSE("bf16 8x768 -> 2048 +bias", matmul_case(MM_DTYPE_BF16, 8, 768, 2048, 768, 2048, true), 1e-4);
+    CHECK_NMSE("bf16 5x100 -> 33 (odd)", matmul_case(MM_DTYPE_BF16, 5, 100, 33, 100, 33, false), 1e-4);
+    CHECK_NMSE("bf16 3x2 -> 1 (tiny)", matmul_case(MM_DTYPE_BF16, 3, 2, 1, 2, 1, true), 1e-4);
+    CHECK_NMSE("bf16 20x256 -> 200 strided", matmul_case(MM_DTYPE_BF16, 20, 256, 200, 264, 210, true), 1e-4);
+    CHECK_NMSE("bf16 37x512 -> 384 (tiles)", matmul_case(MM_DTYPE_BF16, 37, 512, 384, 512, 384, false), 1e-4);
+    CHECK_NMSE("bf16 300x1000 -> 130 (odd tiles)", matmul_case(MM_DTYPE_BF16, 300, 1000, 130, 1003, 131, true), 1e-4);
+    close_backends();
+}
+
+static void test_matmul_f16_f32(void) {
+    open_backends();
+    CHECK_NMSE("f32 1x64 -> 48", matmul_case(MM_DTYPE_F32, 1, 64, 48, 64, 48, false), 1e-10);
+    CHECK_NMSE("f32 70x129 -> 65 +bias", matmul_case(MM_DTYPE_F32, 70, 129, 65, 129, 65, true), 1e-10);
+    CHECK_NMSE("f16 9x96 -> 40", matmul_case(MM_DTYPE_F16, 9, 96, 40, 96, 40, true), 1e-10);
+    close_backends();
+}
+
+// Row r computed alone (n_rows = 1: GEMV) must equal row r inside a batch of 150 (tensor-core
+// tiles) bit for bit; also a batch of 20 (GEMV with several token groups).
+static void test_matmul_bits_batch_invariant(void) {
+    open_backends();
+    const int64_t n_in = 520, n_out = 300, n = 150;
+    void *hw = NULL;
+    mm_weight w = make_weight(MM_DTYPE_BF16, n_out, n_in, &hw);
+    float *x = rand_f32((size_t)(n * n_in), 2.0f);
+    mm_weight dw = w;
+    dw.data = gpu_copy(hw, (size_t)(n_out * n_in) * 2);
+    float *dx = gpu_copy(x, (size_t)(n * n_in) * 4);
+    float *dy = NULL;
+    MM_PASS(gpu->ops->buffer_alloc(gpu->ctx, (size_t)(n * n_out) * 4, (void **)&dy));
+    MM_PASS(gpu->ops->matmul(gpu->ctx, &dw, NULL, dx, n_in, dy, n_out, n));
+    float *y_batch = gpu_get(dy, (size_t)(n * n_out) * 4);
+    MM_PASS(gpu->ops->matmul(gpu->ctx, &dw, NULL, dx, n_in, dy, n_out, 20));
+    float *y_20 = gpu_get(dy, (size_t)(20 * n_out) * 4);
+    int64_t rows[] = {0, 1, 17, 63, 64, 127, 128, 149};
+    for (size_t i = 0; i < sizeof(rows) / sizeof(rows[0]); i++) {
+        int64_t r = rows[i];
+        MM_PASS(gpu->ops->matmul(gpu->ctx, &dw, NULL, dx + r * n_in, n_in, dy, n_out, 1));
+        float *y1 = gpu_get(dy, (size_t)n_out * 4);
+        if (memcmp(y1, y_batch + r * n_out, (size_t)n_out * 4) != 0) {
+            int64_t j = 0;
+            while (y1[j] == y_batch[r * n_out + j])
+                j++;
+            MM_TEST_FAIL_("row %lld alone differs from the batch of %lld at col %lld: %.9g vs %.9g",
+                          (long long)r, (long long)n, (long long)j, y1[j], y_batch[r * n_out + j]);
+        }
+        if (r < 20 && memcmp(y1, y_20 + r * n_out, (size_t)n_out * 4) != 0)
+            MM_TEST_FAIL_("row %lld alone differs from the batch of 20", (long long)r);
+        free(y1);
+    }
+    gpu_free((void *)dw.data), gpu_free(dx), gpu_free(dy);
+    free(hw), free(x), free(y_batch), free(y_20);
+    close_backends();
+}
+
+// All routed rows of a layer in one grouped launch = per-expert table matmuls, bit for bit,
+// at decode (few rows per expert) and prefill (many) shapes.
+static void moe_case(int n_experts, int n_rows, int n_in, int n_out) {
+    void **hw = calloc((size_t)n_experts, sizeof(void *));
+    void **dws = calloc((size_t)n_experts, sizeof(void *));
+    int32_t *offs = calloc((size_t)n_experts + 1, sizeof(int32_t));
+    int32_t *cnt = calloc((size_t)n_experts, sizeof(int32_t));
+    for (int r = 0; r < n_rows; r++) // skewed assignment, some experts empty
+        cnt[(int)((frand() * 0.5f + 0.5f) * (frand() * 0.5f + 0.5f) * n_experts) % n_experts]++;
+    for (int e = 0; e < n_experts; e++)
+        offs[e + 1] = offs[e] + cnt[e];
+    for (int e = 0; e < n_experts; e++) {
+        mm_weight w = make_weight(MM_DTYPE_BF16, n_out, n_in, &hw[e]);
+        (void)w;
+        dws[e] = gpu_copy(hw[e], (size_t)n_out * n_in * 2);
+    }
+    float *x = rand_f32((size_t)n_rows * n_in, 1.0f);
+    float *dx = gpu_copy(x, (size_t)n_rows * n_in * 4);
+    void *d_wtab = gpu_copy(dws, (size_t)n_experts * sizeof(void *));
+    int32_t *d_offs = gpu_copy(offs, (size_t)(n_experts + 1) * 4);
+    float *dy = NULL, *dy_ref = NULL;
+    MM_PASS(gpu->ops->buffer_alloc(gpu->ctx, (size_t)n_rows * n_out * 4, (void **)&dy));
+    MM_PASS(gpu->ops->buffer_alloc(gpu->ctx, (size_t)n_rows * n_out * 4, (void **)&dy_ref));
+    MM_PASS(gpu->ops->fill(gpu->ctx, dy, NAN, (int64_t)n_rows * n_out));
+    MM_PASS(gpu->ops->synchronize(gpu->ctx)); // the grouped call below runs on the null stream
+    MM_PASS(mm_gpu_moe_matmul(NULL, MM_DTYPE_BF16, (const void *const *)d_wtab, d_offs, n_experts,
+                              n_out, n_in, dx, n_in, dy, n_out, n_rows, -1));
+    MM_PASS(gpu->ops->synchronize(gpu->ctx));
+    for (int e = 0; e < n_experts; e++) {
+        if (cnt[e] == 0)
+            continue;
+        mm_weight w = {.dtype = MM_DTYPE_BF16, .rows = n_out, .cols = n_in, .data = dws[e]};
+        MM_PASS(gpu->ops->matmul(gpu->ctx, &w, NULL, dx + (int64_t)offs[e] * n_in, n_in,
+                                 dy_ref + (int64_t)offs[e] * n_out, n_out, cnt[e]));
+    }
+    float *y = gpu_get(dy, (size_t)n_rows * n_out * 4);
+    float *y_ref = gpu_get(dy_ref, (size_t)n_rows * n_out * 4);
+    if (memcmp(y, y_ref, (size_t)n_rows * n_out * 4) != 0)
+        MM_TEST_FAIL_("grouped product (%d experts, %d rows) differs from per-expert products",
+                      n_experts, n_rows);
+    printf("grouped %d experts x %d rows (%dx%d): bit-identical\n", n_experts, n_rows, n_in, n_out);
+    for (int e = 0; e < n_experts; e++) {
+        gpu_free(dws[e]);
+        free(hw[e]);
+    }
+    gpu_free(dx), gpu_free(d_wtab), gpu_free(d_offs), gpu_free(dy), gpu_free(dy_ref);
+    free(hw), free(dws), free(offs), free(cnt), free(x), free(y), free(y_ref);
+}
+
+static void test_moe_matmul_grouped(void) {
+    open_backends();
+    if (!mm_gpu_moe_matmul)
+        MM_SKIP("mm_gpu_moe_matmul not linked");
+    moe_case(16, 8, 256, 96);     // decode: about one row per expert
+    moe_case(128, 512, 256, 64);  // batch 64 x top-8
+    moe_case(8, 1200, 264, 136);  // prefill: many rows per expert, odd n_out
+    close_backends();
+}
+
+// ---- row ops -------------------------------------------------------------------------------------
+static void test_rmsnorm(void) {
+    open_backends();
+    const enum mm_dtype dts[] = {MM_DTYPE_BF16, MM_DTYPE_F32, MM_DTYPE_F16};
+    const int64_t dims[] = {2048, 128, 77};
+    for (int c = 0; c < 3; c++) {
+        int64_t d = dims[c], n = 33, st = d + 3;
+        void *hw = NULL;
+        mm_weight w = make_weight(dts[c], 1, d, &hw);
+        float *x = rand_f32((size_t)(n * st), 3.0f);
+        float *y = rand_f32((size_t)(n * st), 1.0f);
+        MM_PASS(cpu->ops->rmsnorm(cpu->ctx, &w, 1e-6f, x, st, y, st, n));
+        mm_weight dw = w;
+        dw.data = gpu_copy(hw, (size_t)d * mm_dtype_size(dts[c]));
+        float *dx = gpu_copy(x, (size_t)(n * st) * 4);
+        MM_PASS(gpu->ops->rmsnorm(gpu->ctx, &dw, 1e-6f, dx, st, dx, st, n)); // in place
+        float *g = gpu_get(dx, (size_t)(n * st) * 4);
+        char what[64];
+        snprintf(what, sizeof(what), "rmsnorm dim %lld (%s, in place)", (long long)d, mm_dtype_name(dts[c]));
+        CHECK_NMSE(what, nmse_rows(g, y, n, d, st), 1e-11);
+        gpu_free((void *)dw.data), gpu_free(dx);
+        free(hw), free(x), free(y), free(g);
+    }
+    close_backends();
+}
+
+static void test_rope(void) {
+    open_backends();
+    struct { enum mm_rope_style style; int head_dim, rot_offset, rot_dim; float mscale; } cs[] = {
+        {MM_ROPE_NEOX, 128, 0, 128, 1.0f},       // Qwen3
+        {MM_ROPE_NEOX, 128, 0, 64, 1.0f},        // partial rotary (GLM)
+        {MM_ROPE_INTERLEAVED, 192, 128, 64, 1.3f}, // DeepSeek: rope part after nope, yarn mscale
+    };
+    for (int c = 0; c < 3; c++) {
+        const int64_t n = 19, heads = 5, hd = cs[c].head_dim, st = heads * hd + 4;
+        float *x = rand_f32((size_t)(n * st), 1.0f);
+        int32_t pos[19];
+        for (int i = 0; i < n; i++)
+            pos[i] = i * 977 % 40000;
+        float inv[128];
+        for (int i = 0; i < cs[c].rot_dim / 2; i++)
+            inv[i] = powf(1e6f, -2.0f * (float)i / (float)cs[c].rot_dim);
+        struct mm_rope_args a = {.x = x, .n_rows = n, .row_stride = st, .n_heads = (int)heads,
+                                 .head_stride = hd, .rot_offset = cs[c].rot_offset,
+                                 .rot_dim = cs[c].rot_dim, .pos = pos, .inv_freq = inv,
+                                 .mscale = cs[c].mscale, .style = cs[c].style};
+        float *dx = gpu_copy(x, (size_t)(n * st) * 4);
+        MM_PASS(cpu->ops->rope(cpu->ctx, &a));
+        struct mm_rope_args g = a;
+        g.x = dx;
+        g.pos = gpu_copy(pos, sizeof(pos));
+        g.inv_freq = gpu_copy(inv, sizeof(float) * (size_t)cs[c].rot_dim / 2);
+        MM_PASS(gpu->ops->rope(gpu->ctx, &g));
+        float *y = gpu_get(dx, (size_t)(n * st) * 4);
+        char what[64];
+        snprintf(what, sizeof(what), "rope %s rot %d/%d", cs[c].style == MM_ROPE_NEOX ? "neox" : "interleaved",
+                 cs[c].rot_dim, cs[c].head_dim);
+        CHECK_NMSE(what, nmse_rows(y, x, n, st, st), 1e-10);
+        gpu_free(dx), gpu_free((void *)g.pos), gpu_free((void *)g.inv_freq);
+        free(x), free(y);
+    }
+    close_backends();
+}
+
+// Paged cache with shuffled blocks: kv_store of prefill rows then attention for decode and
+// prefill rows, GQA, optional sliding window, MLA-like dk != dv.
+static void attn_case(int n_heads, int n_kv, int dk, int dv, int window) {
+    const int bs = 16, n_seqs = 3, max_blocks = 12, n_blocks = n_seqs * max_blocks;
+    const int lens[3] = {1, 77, 150};
+    const int64_t slot = (int64_t)n_kv * (dk + dv), bstride = slot * bs;
+    const size_t pool_n = (size_t)(n_blocks * bstride);
+    int32_t tables[3 * 12];
+    for (int i = 0; i < n_seqs * max_blocks; i++) // a permutation: blocks far apart
+        tables[i] = (i * 7 + 3) % n_blocks;
+    int n_rows = 0;
+    for (int s = 0; s < n_seqs; s++)
+        n_rows += lens[s];
+    int32_t *rs = malloc((size_t)n_rows * 4), *rp = malloc((size_t)n_rows * 4);
+    for (int s = 0, r = 0; s < n_seqs; s++)
+        for (int p = 0; p < lens[s]; p++, r++)
+            rs[r] = s, rp[r] = p;
+    const int64_t kst = (int64_t)n_kv * dk + 2, vst = (int64_t)n_kv * dv + 1;
+    const int64_t qst = (int64_t)n_heads * dk, ost = (int64_t)n_heads * dv;
+    float *k = rand_f32((size_t)(n_rows * kst), 1.0f), *v = rand_f32((size_t)(n_rows * vst), 1.0f);
+    float *q = rand_f32((size_t)(n_rows * qst), 1.0f);
+    float *pool = calloc(pool_n, 4), *out = calloc((size_t)(n_rows * ost), 4);
+    struct mm_kv_view kv = {.base = pool, .block_size = bs, .block_stride = bstride,
+                            .slot_stride = slot, .n_kv_heads = n_kv, .head_dim_k = dk,
+                            .head_dim_v = dv, .block_tables = tables, .max_blocks = max_blocks};
+    struct mm_kv_store_args st = {.kv = kv, .k = k, .k_stride = kst, .v = v, .v_stride = vst,
+                                  .n_rows = n_rows, .row_seq = rs, .row_pos = rp};
+    struct mm_attn_args at = {.kv = kv, .q = q, .q_stride = qst, .out = out, .out_stride = ost,
+                              .n_rows = n_rows, .row_seq = rs, .row_pos = rp, .n_heads = n_heads,
+                              .scale = 1.0f / sqrtf((float)dk), .window = window};
+    MM_PASS(cpu->ops->kv_store(cpu->ctx, &st));
+    MM_PASS(cpu->ops->attention(cpu->ctx, &at));
+
+    struct mm_kv_view dkv = kv;
+    dkv.base = gpu_copy(pool, pool_n * 4);
+    MM_PASS(gpu->ops->fill(gpu->ctx, dkv.base, 0.0f, (int64_t)pool_n));
+    dkv.block_tables = gpu_copy(tables, sizeof(tables));
+    struct mm_kv_store_args dst = st;
+    dst.kv = dkv;
+    dst.k = gpu_copy(k, (size_t)(n_rows * kst) * 4);
+    dst.v = gpu_copy(v, (size_t)(n_rows * vst) * 4);
+    dst.row_seq = gpu_copy(rs, (size_t)n_rows * 4);
+    dst.row_pos = gpu_copy(rp, (size_t)n_rows * 4);
+    struct mm_attn_args dat = at;
+    dat.kv = dkv;
+    dat.q = gpu_copy(q, (size_t)(n_rows * qst) * 4);
+    dat.out = gpu_copy(out, (size_t)(n_rows * ost) * 4);
+    dat.row_seq = dst.row_seq;
+    dat.row_pos = dst.row_pos;
+    MM_PASS(gpu->ops->kv_store(gpu->ctx, &dst));
+    MM_PASS(gpu->ops->attention(gpu->ctx, &dat));
+    float *g = gpu_get(dat.out, (size_t)(n_rows * ost) * 4);
+    float *gpool = gpu_get(dkv.base, pool_n * 4);
+    MM_TRUE(memcmp(gpool, pool, pool_n * 4) == 0); // kv_store is a copy: exact
+    char what[96];
+    snprintf(what, sizeof(what), "attention %dh/%dkv dk %d dv %d window %d", n_heads, n_kv, dk, dv, window);
+    CHECK_NMSE(what, nmse_rows(g, out, n_rows, ost, ost), 1e-10);
+    // The last row of sequence 2 alone (decode) equals its value inside the prefill call.
+    int64_t last = n_rows - 1;
+    struct mm_attn_args one = dat;
+    one.q = dat.q + last * qst;
+    one.row_seq = dst.row_seq + last;
+    one.row_pos = dst.row_pos + last;
+    one.n_rows = 1;
+    one.out = dat.out;
+    MM_PASS(gpu->ops->attention(gpu->ctx, &one));
+    float *g1 = gpu_get(dat.out, (size_t)ost * 4);
+    MM_TRUE(memcmp(g1, g + last * ost, (size_t)ost * 4) == 0);
+    gpu_free(dkv.base), gpu_free((void *)dkv.block_tables), gpu_free((void *)dst.k);
+    gpu_free((void *)dst.v), gpu_free((void *)dst.row_seq), gpu_free((void *)dst.row_pos);
+    gpu_free((void *)dat.q), gpu_free(dat.out);
+    free(rs), free(rp), free(k), free(v), free(q), free(pool), free(out), free(g), free(gpool), free(g1);
+}
+
+static void test_attention(void) {
+    open_backends();
+    attn_case(8, 2, 64, 64, 0);    // GQA 4:1
+    attn_case(4, 4, 96, 64, 0);    // MLA-like: dk != dv, n_kv = n_heads
+    attn_case(6, 3, 128, 128, 40); // sliding window
+    close_backends();
+}
+
+static void test_embed_swiglu_axpy_sigmoid_copy(void) {
+    open_backends();
+    // embed (bf16 table): exact
+    void *ht = NULL;
+    mm_weight t = make_weight(MM_DTYPE_BF16, 1000, 72, &ht);
+    int32_t ids[7] = {0, 999, 5, 5, 123, 998, 1};
+    float *o = calloc(7 * 80, 4);
+    MM_PASS(cpu->ops->embed(cpu->ctx, &t, ids, 7, o, 80));
+    mm_weight dt = t;
+    dt.data = gpu_copy(ht, 1000 * 72 * 2);
+    int32_t *dids = gpu_copy(ids, sizeof(ids));
+    float *dout = gpu_copy(o, 7 * 80 * 4);
+    MM_PASS(gpu->ops->fill(gpu->ctx, dout, 0.0f, 7 * 80));
+    MM_PASS(gpu->ops->embed(gpu->ctx, &dt, dids, 7, dout, 80));
+    float *g = gpu_get(dout, 7 * 80 * 4);
+    MM_TRUE(memcmp(g, o, 7 * 80 * 4) == 0);
+    // an id out of range is reported (at the next synchronize/get), not a crash
+    int32_t bad = 1000;
+    MM_PASS(gpu->ops->set(gpu->ctx, dids, &bad, 4));
+    MM_PASS(gpu->ops->embed(gpu->ctx, &dt, dids, 1, dout, 80));
+    MM_FAIL(gpu->ops->synchronize(gpu->ctx), MM_EINVAL);
+    MM_PASS(gpu->ops->synchronize(gpu->ctx)); // the error word was cleared
+    free(g);
+
+    // swiglu (out aliases gate) and sigmoid
+    const int64_t n = 13, d = 300, s = 301;
+    float *gt = rand_f32((size_t)(n * s), 4.0f), *up = rand_f32((size_t)(n * s), 1.0f);
+    float *dg = gpu_copy(gt, (size_t)(n * s) * 4), *du = gpu_copy(up, (size_t)(n * s) * 4);
+    MM_PASS(cpu->ops->swiglu(cpu->ctx, gt, s, up, s, gt, s, n, d));
+    MM_PASS(gpu->ops->swiglu(gpu->ctx, dg, s, du, s, dg, s, n, d));
+    g = gpu_get(dg, (size_t)(n * s) * 4);
+    CHECK_NMSE("swiglu 13x300 (in place)", nmse_rows(g, gt, n, d, s), 1e-12);
+    free(g);
+    MM_PASS(cpu->ops->sigmoid(cpu->ctx, up, n * s));
+    MM_PASS(gpu->ops->sigmoid(gpu->ctx, du, n * s));
+    g = gpu_get(du, (size_t)(n * s) * 4);
+    CHECK_NMSE("sigmoid 3913", nmse_rows(g, up, 1, n * s, n * s), 1e-12);
+    free(g);
+
+    // axpy: same rounding as the CPU, bit for bit
+    float *x = rand_f32((size_t)(n * s), 1.0f), *y = rand_f32((size_t)(n * s), 1.0f);
+    float *al = rand_f32((size_t)n, 1.0f);
+    float *dx = gpu_copy(x, (size_t)(n * s) * 4), *dy = gpu_copy(y, (size_t)(n * s) * 4);
+    float *dal = gpu_copy(al, (size_t)n * 4);
+    MM_PASS(cpu->ops->axpy(cpu->ctx, al, x, s, y, s, n, d));
+    MM_PASS(cpu->ops->axpy(cpu->ctx, NULL, x, s, y, s, n, d));
+    MM_PASS(gpu->ops->axpy(gpu->ctx, dal, dx, s, dy, s, n, d));
+    MM_PASS(gpu->ops->axpy(gpu->ctx, NULL, dx, s, dy, s, n, d));
+    g = gpu_get(dy, (size_t)(n * s) * 4);
+    MM_TRUE(memcmp(g, y, (size_t)(n * s) * 4) == 0);
+    printf("axpy: bit-identical to the CPU\n");
+    free(g);
+
+    // copy_rows: gather then scatter with indices
+    int32_t si[4] = {12, 0, 5, 5}, di[4] = {3, 1, 0, 2};
+    float *cp = calloc((size_t)(4 * s), 4);
+    MM_PASS(cpu->ops->copy_rows(cpu->ctx, x, s, si, cp, s, di, 4, d));
+    int32_t *dsi = gpu_copy(si, sizeof(si)), *ddi = gpu_copy(di, sizeof(di));
+    float *dcp = gpu_copy(cp, (size_t)(4 * s) * 4);
+    MM_PASS(gpu->ops->fill(gpu->ctx, dcp, 0.0f, 4 * s));
+    MM_PASS(gpu->ops->copy_rows(gpu->ctx, dx, s, dsi, dcp, s, ddi, 4, d));
+    g = gpu_get(dcp, (size_t)(4 * s) * 4);
+    MM_TRUE(memcmp(g, cp, (size_t)(4 * s) * 4) == 0);
+    free(g);
+
+    gpu_free((void *)dt.data), gpu_free(dids), gpu_free(dout), gpu_free(dg), gpu_free(du);
+    gpu_free(dx), gpu_free(dy), gpu_free(dal), gpu_free(dsi), gpu_free(ddi), gpu_free(dcp);
+    free(ht), free(o), free(gt), free(up), free(x), free(y), free(al), free(cp);
+    close_backends();
+}
+
+// ---- routing -----------------------------------------------------------------------------------
+static void route_case(const char *name, struct mm_route_params p, int64_t n_rows) {
+    const int E = p.n_experts, K = p.top_k;
+    const int64_t ls = E + 5;
+    float *logits = rand_f32((size_t)(n_rows * ls), 4.0f);
+    float *bias = p.bias ? rand_f32((size_t)E, 0.1f) : NULL;
+    p.bias = bias;
+    int32_t *ids = calloc((size_t)(n_rows * K), 4);
+    float *w = calloc((size_t)(n_rows * K), 4);
+    MM_PASS(cpu->ops->route(cpu->ctx, &p, logits, ls, n_rows, ids, w));
+    struct mm_route_params dp = p;
+    dp.bias = bias ? gpu_copy(bias, (size_t)E * 4) : NULL;
+    float *dl = gpu_copy(logits, (size_t)(n_rows * ls) * 4);
+    int32_t *dids = gpu_copy(ids, (size_t)(n_rows * K) * 4);
+    float *dw = gpu_copy(w, (size_t)(n_rows * K) * 4);
+    MM_PASS(gpu->ops->route(gpu->ctx, &dp, dl, ls, n_rows, dids, dw));
+    int32_t *gi = gpu_get(dids, (size_t)(n_rows * K) * 4);
+    float *gw = gpu_get(dw, (size_t)(n_rows * K) * 4);
+    for (int64_t i = 0; i < n_rows * K; i++)
+        if (gi[i] != ids[i])
+            MM_TEST_FAIL_("%s: row %lld rank %lld: gpu expert %d, cpu %d", name, (long long)(i / K),
+                          (long long)(i % K), gi[i], ids[i]);
+    CHECK_NMSE(name, nmse_rows(gw, w, n_rows, K, K), 1e-11);
+    gpu_free((void *)dp.bias), gpu_free(dl), gpu_free(dids), gpu_free(dw);
+    free(logits), free(bias), free(ids), free(w), free(gi), free(gw);
+}
+
+static void test_route(void) {
+    open_backends();
+    route_case("route softmax 128 top-8 renorm (Qwen3)",
+               (struct mm_route_params){.n_experts = 128, .top_k = 8, .score = MM_ROUTE_SOFTMAX,
+                                        .renorm = true, .scale = 1.0f}, 70);
+    route_case("route softmax 8 top-2 (Mixtral)",
+               (struct mm_route_params){.n_experts = 8, .top_k = 2, .score = MM_ROUTE_SOFTMAX,
+                                        .renorm = true, .scale = 1.0f}, 33);
+    float one = 1.0f; // non-NULL marker: route_case replaces it with a random bias
+    route_case("route sigmoid 256 groups 8/4 bias (DeepSeek V3)",
+               (struct mm_route_params){.n_experts = 256, .top_k = 8, .score = MM_ROUTE_SIGMOID,
+                                        .bias = &one, .n_group = 8, .topk_group = 4,
+                                        .renorm = true, .renorm_eps = 1e-20f, .scale = 2.5f}, 40);
+    route_case("route sigmoid 160 top-6 no renorm",
+               (struct mm_route_params){.n_experts = 160, .top_k = 6, .score = MM_ROUTE_SIGMOID,
+                                        .scale = 1.0f}, 9);
+    close_backends();
+}
+
+static void test_bad_args(void) {
+    open_backends();
+    mm_weight w = {.dtype = MM_DTYPE_I8, .rows = 4, .cols = 4, .data = (void *)16};
+    float *d = NULL;
+    MM_PASS(gpu->ops->buffer_alloc(gpu->ctx, 64, (void **)&d));
+    MM_FAIL(gpu->ops->matmul(gpu->ctx, &w, NULL, d, 4, d + 8, 4, 1), MM_EINVAL);
+    struct mm_route_params p = {.n_experts = 4, .top_k = 5};
+    MM_FAIL(gpu->ops->route(gpu->ctx, &p, d, 4, 1, (int32_t *)d, d), MM_EINVAL);
+    gpu_free(d);
+    char err[MM_ERRLEN] = "";
+    mm_backend *b = NULL;
+    MM_FAIL(mm_backend_open(&b, "cuda:999", NULL, err), MM_EINVAL);
+    printf("cuda:999 -> %s\n", err);
+    close_backends();
+}
+
+MM_TESTS = {
+    {"matmul bf16 vs cpu", test_matmul_bf16},
+    {"matmul f16 f32 vs cpu", test_matmul_f16_f32},
+    {"matmul row bits independent of batch", test_matmul_bits_batch_invariant},
+    {"grouped expert matmul equals per-expert", test_moe_matmul_grouped},
+    {"rmsnorm vs cpu", test_rmsnorm},
+    {"rope vs cpu", test_rope},
+    {"kv_store and attention vs cpu", test_attention},
+    {"embed swiglu axpy sigmoid copy_rows vs cpu", test_embed_swiglu_axpy_sigmoid_copy},
+    {"route vs cpu", test_route},
+    {"bad arguments", test_bad_args},
+    {NULL, NULL},
+};

@@ -1,0 +1,195 @@
+// SPDX-License-Identifier: MIT
+// `moemesh bench-model`: prompt and decode speed of the in-process engine, and decode's share
+// of the memory-bandwidth roofline: (weight bytes one decode token reads) x (tokens/s) divided
+// by the read bandwidth measured in the same run with all threads streaming a large buffer.
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include "cmd.h"
+#include "mm/config.h"
+#include "mm/engine.h"
+#include "mm/time.h"
+
+// ---- bandwidth: every thread sums its slice of a buffer larger than any cache ---------------
+struct bw_arg {
+    const float *p;
+    size_t n;
+    float sum;
+};
+
+#if defined(__x86_64__)
+__attribute__((target("avx2"))) static float sum_avx2(const float *p, size_t n) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    size_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        a0 = _mm256_add_ps(a0, _mm256_load_ps(p + i));
+        a1 = _mm256_add_ps(a1, _mm256_load_ps(p + i + 8));
+        a2 = _mm256_add_ps(a2, _mm256_load_ps(p + i + 16));
+        a3 = _mm256_add_ps(a3, _mm256_load_ps(p + i + 24));
+    }
+    float t[8];
+    _mm256_storeu_ps(t, _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+    float s = 0;
+    for (int k = 0; k < 8; k++)
+        s += t[k];
+    return s;
+}
+#endif
+
+static void *bw_thread(void *argp) {
+    struct bw_arg *a = argp;
+#if defined(__x86_64__)
+    if (__builtin_cpu_supports("avx2")) {
+        a->sum = sum_avx2(a->p, a->n);
+        return NULL;
+    }
+#endif
+    float s = 0;
+    for (size_t i = 0; i < a->n; i++)
+        s += a->p[i];
+    a->sum = s;
+    return NULL;
+}
+
+// read_bandwidth returns the best of `passes` full reads of a bytes-long buffer, in bytes/s.
+static double read_bandwidth(size_t bytes, int threads, int passes, double *memcpy_bw) {
+    float *buf = NULL, *dst = NULL;
+    if (posix_memalign((void **)&buf, 64, bytes) || posix_memalign((void **)&dst, 64, bytes))
+        return 0;
+    for (size_t i = 0; i < bytes / 4; i++)
+        buf[i] = (float)(i & 1023);
+    memset(dst, 0, bytes);
+    double best = 0, best_cp = 0;
+    const size_t n = bytes / 4, per = (n / (size_t)threads) & ~(size_t)31;
+    for (int r = 0; r < passes; r++) {
+        pthread_t tid[64];
+        struct bw_arg args[64];
+        uint64_t t0 = mm_now_ns();
+        for (int t = 0; t < threads; t++) {
+            args[t] = (struct bw_arg){buf + (size_t)t * per, per, 0};
+            pthread_create(&tid[t], NULL, bw_thread, &args[t]);
+        }
+        for (int t = 0; t < threads; t++)
+            pthread_join(tid[t], NULL);
+        double s = (double)(mm_now_ns() - t0) / 1e9;
+        double bw = (double)per * threads * 4 / s;
+        best = bw > best ? bw : best;
+        t0 = mm_now_ns();
+        memcpy(dst, buf, bytes);
+        s = (double)(mm_now_ns() - t0) / 1e9;
+        best_cp = bytes / s > best_cp ? bytes / s : best_cp; // bytes copied (read + write 2x)
+    }
+    free(buf);
+    free(dst);
+    *memcpy_bw = best_cp;
+    return best;
+}
+
+static int run_bench_model(int argc, char **argv) {
+    char *model = NULL, *device = NULL;
+    long long threads = 0, prompt = 128, decode = 32, bw_mb = 1024, warm = 4;
+    mm_opt opts[] = {
+        {"model", MM_OPT_STR, &model, NULL, "checkpoint directory"},
+        {"prompt-tokens", MM_OPT_INT, &prompt, "128", "prompt length for the prefill figure"},
+        {"decode-tokens", MM_OPT_INT, &decode, "32", "tokens to decode for the decode figure"},
+        {"warmup-tokens", MM_OPT_INT, &warm, "4", "decode steps before timing (pages in)"},
+        {"threads", MM_OPT_INT, &threads, "0", "CPU threads (0: all cores)"},
+        {"bw-mb", MM_OPT_INT, &bw_mb, "1024", "buffer for the bandwidth measurement (MiB)"},
+        {"device", MM_OPT_STR, &device, "cpu", "cpu, cuda:N or hip:N"},
+        {0},
+    };
+    mm_cli cli = {.prog = "moemesh bench-model",
+                  .summary = "Prompt and decode tokens/s, and decode's share of the memory "
+                             "roofline.",
+                  .opts = opts};
+    char err[MM_ERRLEN] = "";
+    int rc = 2;
+    mm_engine *e = NULL;
+    int32_t *ids = NULL;
+    if (mm_config_parse(&cli, argc, argv, err) != MM_OK) {
+        fprintf(stderr, "bench-model: %s\n", err);
+        goto done;
+    }
+    if (cli.help_shown) {
+        rc = 0;
+        goto done;
+    }
+    if (!model || prompt < 1 || decode < 1 || bw_mb < 64) {
+        fprintf(stderr, "bench-model: --model DIR is required\n");
+        goto done;
+    }
+    rc = 1;
+    mm_engine_params ep = {.device = device, .n_threads = (int)threads, .max_seqs = 2,
+                           .max_ctx = (int)(prompt + decode + warm + 8), .max_rows = 128};
+    uint64_t t0 = mm_now_ns();
+    if (mm_engine_open(&e, model, &ep, err) != MM_OK) {
+        fprintf(stderr, "bench-model: %s\n", err);
+        goto done;
+    }
+    const mm_model_config *c = mm_model_cfg(e->model);
+    printf("model %s: %s, %d layers, d_model %d, %d experts top-%d, vocab %d; %d threads; "
+           "open %.2f s\n", model, c->model_type, c->n_layers, c->d_model, c->n_experts,
+           c->top_k, c->vocab, e->be->n_threads, (double)(mm_now_ns() - t0) / 1e9);
+    ids = malloc((size_t)(prompt + decode + warm) * sizeof(int32_t));
+    float *last = malloc((size_t)c->vocab * 4);
+    if (!ids || !last) {
+        free(last);
+        goto done;
+    }
+    for (long long i = 0; i < prompt + decode + warm; i++)
+        ids[i] = (int32_t)((i * 7919 + 13) % c->vocab);
+    // warm-up: a short sequence that touches attention, head and (some) experts
+    int32_t s;
+    mm_kv_cache_seq_new(e->kv, &s);
+    for (long long i = 0; i < warm; i++)
+        if (mm_engine_prefill(e, s, ids + i, 1, NULL, last, err) != MM_OK)
+            goto fail;
+    mm_kv_cache_seq_free(e->kv, s);
+    // prompt
+    mm_kv_cache_seq_new(e->kv, &s);
+    t0 = mm_now_ns();
+    if (mm_engine_prefill(e, s, ids, prompt, NULL, last, err) != MM_OK)
+        goto fail;
+    double pt = (double)(mm_now_ns() - t0) / 1e9;
+    // decode (greedy)
+    int32_t tok = mm_engine_argmax(last, c->vocab);
+    t0 = mm_now_ns();
+    for (long long i = 0; i < decode; i++) {
+        if (mm_engine_prefill(e, s, &tok, 1, NULL, last, err) != MM_OK)
+            goto fail;
+        tok = mm_engine_argmax(last, c->vocab);
+    }
+    double dt = (double)(mm_now_ns() - t0) / 1e9;
+    free(last);
+    last = NULL;
+    double cp_bw = 0;
+    double bw = read_bandwidth((size_t)bw_mb << 20, e->be->n_threads, 5, &cp_bw);
+    double bytes = mm_model_decode_bytes(e->model), dtps = decode / dt;
+    printf("prompt: %lld tokens in %.3f s = %.1f tok/s\n", prompt, pt, prompt / pt);
+    printf("decode: %lld tokens in %.3f s = %.2f tok/s (%.1f ms/token)\n", decode, dt, dtps,
+           1e3 * dt / decode);
+    printf("weights read per decode token: %.1f MB\n", bytes / 1e6);
+    printf("memory read bandwidth (%d threads, %lld MiB buffer): %.2f GB/s; memcpy %.2f GB/s\n",
+           e->be->n_threads, bw_mb, bw / 1e9, cp_bw / 1e9);
+    printf("decode roofline: %.2f tok/s at that bandwidth; achieved %.1f%% (%.2f GB/s of "
+           "weights)\n", bw / bytes, 100.0 * dtps * bytes / bw, dtps * bytes / 1e9);
+    rc = 0;
+    goto done;
+fail:
+    fprintf(stderr, "bench-model: %s\n", err);
+    free(last);
+done:
+    free(ids);
+    mm_engine_close(e);
+    mm_config_fini(&cli);
+    return rc;
+}
+MM_COMMAND(cmd_bench_model, "bench-model", "prompt/decode tok/s and decode roofline fraction",
+           run_bench_model)

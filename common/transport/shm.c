@@ -186,9 +186,19 @@ static void conn_bind_rings(struct shm_conn *c) {
     c->rx_data = data0 + (uint64_t)(1 - c->side) * rb;
 }
 
+// A fatal error: record it (first one wins), wake our other thread so that its op fails too,
+// and mark our side closed so that the peer stops waiting on us.
 static void conn_fail(struct shm_conn *c, mm_err e) {
     int expected = 0;
-    atomic_compare_exchange_strong(&c->err, &expected, (int)e);
+    if (!atomic_compare_exchange_strong(&c->err, &expected, (int)e))
+        return;
+    efd_signal(c->efd_rx);
+    efd_signal(c->efd_tx);
+    if (c->owner_pid == getpid()) {
+        atomic_store_explicit(&c->seg->closed[c->side], 1, memory_order_release);
+        efd_signal(c->peer_rx);
+        efd_signal(c->peer_tx);
+    }
 }
 
 // Failure that ends a wait, checked only after the awaited condition was found false, so

@@ -57,9 +57,17 @@ static void close_fd(int *fd) {
     *fd = -1;
 }
 
+// A fatal error: record it (first one wins) and end the socket so that our other thread's op
+// and the peer both stop waiting.
 static void conn_fail(struct tcp_conn *c, mm_err e) {
     int expected = 0;
-    atomic_compare_exchange_strong(&c->err, &expected, (int)e);
+    if (!atomic_compare_exchange_strong(&c->err, &expected, (int)e))
+        return;
+    if (c->owner_pid == getpid())
+        shutdown(c->fd, SHUT_RDWR);
+    uint64_t one = 1;
+    ssize_t r = write(c->efd_shut, &one, sizeof(one));
+    (void)r;
 }
 
 static mm_err conn_state(struct tcp_conn *c) {

@@ -94,7 +94,7 @@ static void test_lookup_errors(void) {
     MM_NULL(c);
     char known[64];
     mm_transport_schemes(known, sizeof(known));
-    MM_STREQ(known, "shm, tcp");
+    MM_TRUE(strncmp(known, "shm, tcp", 8) == 0); // later transports append themselves
     size_t i;
     MM_FAIL(mm_conn_wait_any(NULL, 0, 0, &i), MM_EINVAL);
     mm_listener_close(NULL);

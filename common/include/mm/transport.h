@@ -20,7 +20,9 @@
 // - Peer death is detected by the OS (a socket closing when the process dies), so a dead
 //   peer gives MM_EPEERDOWN within milliseconds, not at the deadline. An orderly mm_conn_close
 //   on the other side gives MM_ECLOSED (frames sent before the close are delivered first).
-//   A peer that is alive but silent is only caught by the deadline (MM_ETIMEDOUT).
+//   A peer that is alive but silent is only caught by the deadline (MM_ETIMEDOUT). Like a
+//   socket write, a send to a peer that just died may still succeed (the frame lands in the
+//   ring or socket buffer); the recv of its reply reports MM_EPEERDOWN.
 // - Waiting: a blocked call spins for MM_TRANSPORT_SPIN_US (env, default 50 us; pause for
 //   5 us, then sched_yield so that a peer sharing the CPU can run), then sleeps in poll() on
 //   eventfds/sockets: an idle receiver costs no CPU. On boxes with dedicated cores a longer

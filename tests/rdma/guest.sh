@@ -1,0 +1,32 @@
+# SPDX-License-Identifier: MIT
+# Runs inside the soft-RoCE VM (tests/rdma/vm.sh), cwd /t, rxe0 up on eth0 (10.0.2.15).
+# Each test case runs in its own process with a time limit, like tests/run.sh; then the
+# benchmark rows (rdma://, shm://, tcp:// in the same VM). Prints "MMVM-RESULT: ..." and
+# exits non-zero when a case failed.
+#   sh guest.sh [CASE_FILTER] [bench|nobench]
+FILTER=${1:-}
+BENCH=${2:-bench}
+export MM_TEST_RDMA_HOST=127.0.0.1
+pass=0; fail=0; skip=0
+run_case() { # bin case timeout
+    case "$2" in *"$FILTER"*) ;; *) return ;; esac
+    t0=$(date +%s)
+    timeout "$3" "./$1" "$2" >/tmp/case.log 2>&1
+    rc=$?
+    dt=$(( $(date +%s) - t0 ))
+    if [ $rc -eq 0 ]; then pass=$((pass+1)); echo "ok    $1: $2 (${dt}s)"
+    elif [ $rc -eq 77 ]; then skip=$((skip+1)); echo "skip  $1: $2 ($(grep -m1 '^SKIP' /tmp/case.log))"
+    else fail=$((fail+1)); echo "FAIL  $1: $2 rc=$rc (${dt}s)"; tail -n 30 /tmp/case.log | sed 's/^/      | /'; fi
+}
+for c in $(./rdma_test --list | tr ' ' '_'); do run_case rdma_test "$(echo "$c" | tr '_' ' ')" 120; done
+./conformance_test --list | grep '^rdma: ' > /tmp/cases
+while IFS= read -r c; do run_case conformance_test "$c" 180; done < /tmp/cases
+echo "MMVM-RESULT: $pass passed, $fail failed, $skip skipped"
+if [ "$BENCH" = bench ] && [ -x ./moemesh ]; then
+    echo "MMVM-BENCH-BEGIN"
+    ./moemesh bench-hop --url rdma://127.0.0.1:24600 --iters 2000 --bytes 16384,1048576 --bw-mb 128 2>&1
+    ./moemesh bench-hop --url shm://bh --iters 2000 --bytes 16384,1048576 --bw-mb 128 2>&1
+    ./moemesh bench-hop --url tcp://127.0.0.1:24700 --iters 2000 --bytes 16384,1048576 --bw-mb 128 2>&1
+    echo "MMVM-BENCH-END"
+fi
+[ $fail -eq 0 ]

@@ -22,7 +22,7 @@
 #include "mm/transport.h"
 #include "transport_int.h"
 
-#define MM_TRANSPORT_LIST(X) X(shm) X(tcp)
+#define MM_TRANSPORT_LIST(X) X(shm) X(tcp) X(rdma)
 
 #define X(name) extern const struct mm_transport_ops mm__transport_##name;
 MM_TRANSPORT_LIST(X)

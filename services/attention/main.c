@@ -1,17 +1,15 @@
 // SPDX-License-Identifier: MIT
-// moemesh-attention: placeholder entry point until the daemon lands (see DESIGN.md, issue 2).
-#include <stdio.h>
-
-#include "mm/config.h"
-#include "mm/log.h"
+// moemesh-attention: an attention shard. The lifecycle is mm/daemon.h's; the role is
+// attention.c.
+#include "attention.h"
 
 int main(int argc, char **argv) {
-    static mm_opt opts[] = {{0}};
-    mm_cli cli = {.prog = "moemesh-attention", .summary = "moemesh attention daemon.", .opts = opts};
-    char err[MM_ERRLEN];
-    if (mm_config_parse(&cli, argc, argv, err) != MM_OK) {
-        fprintf(stderr, "moemesh-attention: %s\n", err);
-        return 2;
-    }
-    return 0;
+    mm_daemon_spec spec = {
+        .role = "attention",
+        .summary = "moemesh attention shard: attention layers and the KV cache of its sequences.",
+        .extra_opts = attention_opts,
+        .start = attention_start,
+        .stop = attention_stop,
+    };
+    return mm_daemon_main(&spec, argc, argv);
 }

@@ -1,17 +1,15 @@
 // SPDX-License-Identifier: MIT
-// moemesh-drafter: placeholder entry point until the daemon lands (see DESIGN.md, issue 2).
-#include <stdio.h>
-
-#include "mm/config.h"
-#include "mm/log.h"
+// moemesh-drafter: the draft model for speculative decoding. The lifecycle is mm/daemon.h's;
+// the role is drafter.c.
+#include "drafter.h"
 
 int main(int argc, char **argv) {
-    static mm_opt opts[] = {{0}};
-    mm_cli cli = {.prog = "moemesh-drafter", .summary = "moemesh drafter daemon.", .opts = opts};
-    char err[MM_ERRLEN];
-    if (mm_config_parse(&cli, argc, argv, err) != MM_OK) {
-        fprintf(stderr, "moemesh-drafter: %s\n", err);
-        return 2;
-    }
-    return 0;
+    mm_daemon_spec spec = {
+        .role = "drafter",
+        .summary = "moemesh drafter: proposes draft tokens for speculative decoding.",
+        .extra_opts = drafter_opts,
+        .start = drafter_start,
+        .stop = drafter_stop,
+    };
+    return mm_daemon_main(&spec, argc, argv);
 }

@@ -1,17 +1,13 @@
 // SPDX-License-Identifier: MIT
-// moemesh-expert: placeholder entry point until the daemon lands (see DESIGN.md, issue 2).
-#include <stdio.h>
-
-#include "mm/config.h"
-#include "mm/log.h"
+// moemesh-expert: an expert owner. The lifecycle is mm/daemon.h's; the role is expert.c.
+#include "expert.h"
 
 int main(int argc, char **argv) {
-    static mm_opt opts[] = {{0}};
-    mm_cli cli = {.prog = "moemesh-expert", .summary = "moemesh expert daemon.", .opts = opts};
-    char err[MM_ERRLEN];
-    if (mm_config_parse(&cli, argc, argv, err) != MM_OK) {
-        fprintf(stderr, "moemesh-expert: %s\n", err);
-        return 2;
-    }
-    return 0;
+    mm_daemon_spec spec = {
+        .role = "expert",
+        .summary = "moemesh expert owner: runs the FFNs of the experts its placement gives it.",
+        .start = expert_start,
+        .stop = expert_stop,
+    };
+    return mm_daemon_main(&spec, argc, argv);
 }

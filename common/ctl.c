@@ -1,0 +1,654 @@
+// SPDX-License-Identifier: MIT
+// Control plane codec, REP server and REQ client over nng; see mm/ctl.h.
+//
+// Design notes:
+// - Server contexts run a two-state machine (RECV -> handler -> SEND -> RECV) on their aio
+//   callback. Closing sets `closing`, stops every aio (nng_aio_stop waits for a running
+//   callback, and any later submit fails at once), then closes the socket.
+// - A synchronous call opens its own nng context, so calls from several threads never cancel
+//   each other (a REQ socket's plain send would).
+#include <arpa/inet.h>
+#include <errno.h>
+#include <nng/nng.h>
+#include <nng/protocol/reqrep0/rep.h>
+#include <nng/protocol/reqrep0/req.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+
+#include "mm/ctl.h"
+#include "mm/log.h"
+#include "mm/time.h"
+
+// ---- codec ---------------------------------------------------------------------------------
+
+mm_err mm_ctl_pack(mm_ctl_msg *env, nng_msg **out, char err[MM_ERRLEN]) {
+    env->version = MM_CTL_WIRE_VERSION;
+    size_t n = mmctl__envelope__get_packed_size(env);
+    if (n > MM_CTL_MAX_MSG_BYTES)
+        return mm_errf(err, MM_EINVAL, "control message %s is %zu bytes, over the %u limit",
+                       mm_ctl_body_name(env), n, MM_CTL_MAX_MSG_BYTES);
+    nng_msg *m = NULL;
+    if (nng_msg_alloc(&m, n) != 0)
+        return mm_errf(err, MM_ENOMEM, "nng_msg_alloc(%zu)", n);
+    mmctl__envelope__pack(env, nng_msg_body(m));
+    *out = m;
+    return MM_OK;
+}
+
+static mm_err check_str(const char *s, const char *what, char *err) {
+    if (s == NULL)
+        return mm_errf(err, MM_EPROTO, "%s missing", what);
+    if (strnlen(s, MM_CTL_MAX_STR + 1) > MM_CTL_MAX_STR)
+        return mm_errf(err, MM_EPROTO, "%s longer than %d bytes", what, MM_CTL_MAX_STR);
+    return MM_OK;
+}
+
+static mm_err check_role(const char *role, const char *what, char *err) {
+    MM_TRY(check_str(role, what, err));
+    if (mm_role_index(role) < 0)
+        return mm_errf(err, MM_EPROTO, "%s '%.40s' is not a role", what, role);
+    return MM_OK;
+}
+
+static mm_err check_identity(const Mmctl__Identity *id, const char *what, char *err) {
+    if (id == NULL)
+        return mm_errf(err, MM_EPROTO, "%s: identity missing", what);
+    MM_TRY(check_role(id->role, "identity.role", err));
+    const struct { const char *s; const char *name; size_t max; } f[] = {
+        {id->build_id, "identity.build_id", 63},
+        {id->model_fingerprint, "identity.model_fingerprint", MM_FP_LEN - 1},
+        {id->placement_fingerprint, "identity.placement_fingerprint", MM_FP_LEN - 1},
+        {id->control_addr, "identity.control_addr", MM_ADDR_LEN - 1},
+        {id->data_addr, "identity.data_addr", MM_ADDR_LEN - 1},
+        {id->host, "identity.host", 63},
+        {id->device, "identity.device", 31},
+    };
+    for (size_t i = 0; i < sizeof(f) / sizeof(f[0]); i++) {
+        MM_TRY(check_str(f[i].s, f[i].name, err));
+        if (strlen(f[i].s) > f[i].max)
+            return mm_errf(err, MM_EPROTO, "%s longer than %zu bytes", f[i].name, f[i].max);
+    }
+    if (id->instance > 65535)
+        return mm_errf(err, MM_EPROTO, "identity.instance %u out of range", id->instance);
+    return MM_OK;
+}
+
+#define NEED(ptr, name)                                                                  \
+    do {                                                                                 \
+        if ((ptr) == NULL)                                                               \
+            return mm_errf(err, MM_EPROTO, "body %s missing", name);                     \
+    } while (0)
+
+mm_err mm_ctl_validate(const mm_ctl_msg *e, char err[MM_ERRLEN]) {
+    if (e->version != MM_CTL_WIRE_VERSION)
+        return mm_errf(err, MM_EPROTO, "wire version %u, expected %u", e->version,
+                       MM_CTL_WIRE_VERSION);
+    switch (e->body_case) {
+    case MMCTL__ENVELOPE__BODY_HELLO:
+        NEED(e->hello, "hello");
+        return check_identity(e->hello->identity, "hello", err);
+    case MMCTL__ENVELOPE__BODY_WELCOME:
+        NEED(e->welcome, "welcome");
+        return check_identity(e->welcome->router, "welcome", err);
+    case MMCTL__ENVELOPE__BODY_REFUSED:
+        NEED(e->refused, "refused");
+        MM_TRY(check_str(e->refused->field, "refused.field", err));
+        MM_TRY(check_str(e->refused->router_value, "refused.router_value", err));
+        MM_TRY(check_str(e->refused->daemon_value, "refused.daemon_value", err));
+        return check_str(e->refused->reason, "refused.reason", err);
+    case MMCTL__ENVELOPE__BODY_HEARTBEAT:
+        NEED(e->heartbeat, "heartbeat");
+        MM_TRY(check_role(e->heartbeat->role, "heartbeat.role", err));
+        return check_str(e->heartbeat->detail, "heartbeat.detail", err);
+    case MMCTL__ENVELOPE__BODY_HEARTBEAT_ACK:
+        NEED(e->heartbeat_ack, "heartbeat_ack");
+        return MM_OK;
+    case MMCTL__ENVELOPE__BODY_GOODBYE:
+        NEED(e->goodbye, "goodbye");
+        MM_TRY(check_role(e->goodbye->role, "goodbye.role", err));
+        return check_str(e->goodbye->reason, "goodbye.reason", err);
+    case MMCTL__ENVELOPE__BODY_STATUS_REQUEST:
+        NEED(e->status_request, "status_request");
+        return MM_OK;
+    case MMCTL__ENVELOPE__BODY_STATUS_REPLY:
+        NEED(e->status_reply, "status_reply");
+        MM_TRY(check_identity(e->status_reply->router, "status_reply.router", err));
+        for (size_t i = 0; i < e->status_reply->n_members; i++) {
+            const Mmctl__Member *m = e->status_reply->members[i];
+            if (m == NULL)
+                return mm_errf(err, MM_EPROTO, "status_reply.members[%zu] missing", i);
+            MM_TRY(check_identity(m->identity, "status_reply.member", err));
+            MM_TRY(check_str(m->detail, "member.detail", err));
+        }
+        return MM_OK;
+    case MMCTL__ENVELOPE__BODY_SHUTDOWN:
+        NEED(e->shutdown, "shutdown");
+        return check_str(e->shutdown->reason, "shutdown.reason", err);
+    case MMCTL__ENVELOPE__BODY_DRAIN:
+        NEED(e->drain, "drain");
+        return check_str(e->drain->reason, "drain.reason", err);
+    case MMCTL__ENVELOPE__BODY_ACK:
+        NEED(e->ack, "ack");
+        return check_str(e->ack->error, "ack.error", err);
+    case MMCTL__ENVELOPE__BODY__NOT_SET:
+    default:
+        return mm_errf(err, MM_EPROTO, "envelope has no known body (case %d)", (int)e->body_case);
+    }
+}
+
+mm_err mm_ctl_unpack(const void *buf, size_t n, mm_ctl_msg **out, char err[MM_ERRLEN]) {
+    *out = NULL;
+    if (n > MM_CTL_MAX_MSG_BYTES)
+        return mm_errf(err, MM_EPROTO, "%zu bytes is over the %u limit", n, MM_CTL_MAX_MSG_BYTES);
+    mm_ctl_msg *e = mmctl__envelope__unpack(NULL, n, buf);
+    if (e == NULL)
+        return mm_errf(err, MM_EPROTO, "not a control envelope (%zu bytes that do not decode)", n);
+    mm_err rv = mm_ctl_validate(e, err);
+    if (rv != MM_OK) {
+        mmctl__envelope__free_unpacked(e, NULL);
+        return rv;
+    }
+    *out = e;
+    return MM_OK;
+}
+
+void mm_ctl_msg_free(mm_ctl_msg *env) {
+    if (env)
+        mmctl__envelope__free_unpacked(env, NULL);
+}
+
+const char *mm_ctl_body_name(const mm_ctl_msg *env) {
+    switch (env->body_case) {
+    case MMCTL__ENVELOPE__BODY_HELLO: return "hello";
+    case MMCTL__ENVELOPE__BODY_WELCOME: return "welcome";
+    case MMCTL__ENVELOPE__BODY_REFUSED: return "refused";
+    case MMCTL__ENVELOPE__BODY_HEARTBEAT: return "heartbeat";
+    case MMCTL__ENVELOPE__BODY_HEARTBEAT_ACK: return "heartbeat_ack";
+    case MMCTL__ENVELOPE__BODY_GOODBYE: return "goodbye";
+    case MMCTL__ENVELOPE__BODY_STATUS_REQUEST: return "status_request";
+    case MMCTL__ENVELOPE__BODY_STATUS_REPLY: return "status_reply";
+    case MMCTL__ENVELOPE__BODY_SHUTDOWN: return "shutdown";
+    case MMCTL__ENVELOPE__BODY_DRAIN: return "drain";
+    case MMCTL__ENVELOPE__BODY_ACK: return "ack";
+    default: return "none";
+    }
+}
+
+void mm_ctl_identity_to_pb(const mm_identity *id, Mmctl__Identity *pb) {
+    mmctl__identity__init(pb);
+    pb->protocol_version = id->protocol_version;
+    pb->build_id = (char *)id->build_id;
+    pb->model_fingerprint = (char *)id->model_fp;
+    pb->placement_fingerprint = (char *)id->placement_fp;
+    pb->role = (char *)id->role;
+    pb->instance = id->instance;
+    pb->control_addr = (char *)id->control_addr;
+    pb->data_addr = (char *)id->data_addr;
+    pb->incarnation = id->incarnation;
+    pb->pid = id->pid;
+    pb->host = (char *)id->host;
+    pb->device = (char *)id->device;
+    pb->heartbeat_ms = id->heartbeat_ms;
+}
+
+void mm_ctl_identity_from_pb(const Mmctl__Identity *pb, mm_identity *id) {
+    memset(id, 0, sizeof(*id));
+    id->protocol_version = pb->protocol_version;
+    snprintf(id->build_id, sizeof(id->build_id), "%s", pb->build_id);
+    snprintf(id->model_fp, sizeof(id->model_fp), "%s", pb->model_fingerprint);
+    snprintf(id->placement_fp, sizeof(id->placement_fp), "%s", pb->placement_fingerprint);
+    snprintf(id->role, sizeof(id->role), "%s", pb->role);
+    id->instance = pb->instance;
+    snprintf(id->control_addr, sizeof(id->control_addr), "%s", pb->control_addr);
+    snprintf(id->data_addr, sizeof(id->data_addr), "%s", pb->data_addr);
+    id->incarnation = pb->incarnation;
+    id->pid = pb->pid;
+    snprintf(id->host, sizeof(id->host), "%s", pb->host);
+    snprintf(id->device, sizeof(id->device), "%s", pb->device);
+    id->heartbeat_ms = pb->heartbeat_ms;
+}
+
+const char *mm_ctl_health_name(Mmctl__Health h) {
+    switch (h) {
+    case MMCTL__HEALTH__HEALTH_STARTING: return "starting";
+    case MMCTL__HEALTH__HEALTH_READY: return "ready";
+    case MMCTL__HEALTH__HEALTH_DRAINING: return "draining";
+    case MMCTL__HEALTH__HEALTH_DOWN: return "down";
+    default: return "unknown";
+    }
+}
+
+// ---- helpers -------------------------------------------------------------------------------
+
+mm_err mm_ctl_url_prepare(const char *url, char err[MM_ERRLEN]) {
+    if (url == NULL || !*url)
+        return mm_errf(err, MM_EINVAL, "empty control address");
+    if (strncmp(url, "ipc://", 6) != 0)
+        return MM_OK;
+    const char *path = url + 6;
+    if (strlen(path) >= sizeof(((struct sockaddr_un *)0)->sun_path))
+        return mm_errf(err, MM_EINVAL, "%s: ipc path longer than %zu bytes", url,
+                       sizeof(((struct sockaddr_un *)0)->sun_path) - 1);
+    char dir[256];
+    snprintf(dir, sizeof(dir), "%s", path);
+    for (char *p = dir + 1; *p; p++) // mkdir -p of every parent
+        if (*p == '/') {
+            *p = 0;
+            if (mkdir(dir, 0755) != 0 && errno != EEXIST)
+                return mm_errf(err, MM_ESYS, "%s: mkdir %s: %s", url, dir, strerror(errno));
+            *p = '/';
+        }
+    return MM_OK;
+}
+
+static void peer_name(nng_msg *m, char *buf, size_t n) {
+    nng_pipe p = nng_msg_get_pipe(m);
+    nng_sockaddr sa;
+    int pid = 0;
+    if (nng_pipe_get_addr(p, NNG_OPT_REMADDR, &sa) == 0) {
+        char ip[64];
+        if (sa.s_family == NNG_AF_INET) {
+            inet_ntop(AF_INET, &sa.s_in.sa_addr, ip, sizeof(ip));
+            snprintf(buf, n, "tcp %s:%u", ip, ntohs(sa.s_in.sa_port));
+            return;
+        }
+        if (sa.s_family == NNG_AF_INET6) {
+            inet_ntop(AF_INET6, sa.s_in6.sa_addr, ip, sizeof(ip));
+            snprintf(buf, n, "tcp [%s]:%u", ip, ntohs(sa.s_in6.sa_port));
+            return;
+        }
+    }
+    if (nng_pipe_get_int(p, NNG_OPT_IPC_PEER_PID, &pid) == 0) {
+        snprintf(buf, n, "ipc pid %d", pid);
+        return;
+    }
+    snprintf(buf, n, "pipe %u", (unsigned)nng_pipe_id(p));
+}
+
+static mm_err nng_to_mm(int rv) {
+    switch (rv) {
+    case 0: return MM_OK;
+    case NNG_ETIMEDOUT: return MM_ETIMEDOUT;
+    case NNG_ECLOSED: return MM_ECLOSED;
+    case NNG_ECANCELED: return MM_ECANCELED;
+    case NNG_ENOMEM: return MM_ENOMEM;
+    case NNG_EADDRINVAL: case NNG_EINVAL: case NNG_ENOTSUP: return MM_EINVAL;
+    default: return MM_ETRANSPORT;
+    }
+}
+
+static mm_err set_limits(nng_socket s, const char *url, char *err) {
+    int rv = nng_socket_set_size(s, NNG_OPT_RECVMAXSZ, MM_CTL_MAX_MSG_BYTES);
+    if (rv == 0)
+        rv = nng_socket_set_ms(s, NNG_OPT_RECONNMINT, 50);
+    if (rv == 0)
+        rv = nng_socket_set_ms(s, NNG_OPT_RECONNMAXT, 500);
+    if (rv != 0)
+        return mm_errf(err, MM_ETRANSPORT, "%s: socket options: %s", url, nng_strerror(rv));
+    return MM_OK;
+}
+
+nng_msg *mm_ctl_reply(mm_ctl_msg *env) {
+    nng_msg *m = NULL;
+    char err[MM_ERRLEN] = "";
+    if (mm_ctl_pack(env, &m, err) != MM_OK) {
+        mm_log_error("ctl: cannot pack %s reply: %s", mm_ctl_body_name(env), err);
+        return NULL;
+    }
+    return m;
+}
+
+nng_msg *mm_ctl_reply_ack(bool ok, const char *error) {
+    mm_ctl_msg env = MMCTL__ENVELOPE__INIT;
+    Mmctl__Ack ack = MMCTL__ACK__INIT;
+    char buf[MM_CTL_MAX_STR];
+    ack.ok = ok;
+    snprintf(buf, sizeof(buf), "%s", error ? error : "");
+    ack.error = buf;
+    env.body_case = MMCTL__ENVELOPE__BODY_ACK;
+    env.ack = &ack;
+    return mm_ctl_reply(&env);
+}
+
+// ---- server --------------------------------------------------------------------------------
+
+enum { SRV_RECV, SRV_SEND };
+
+struct srv_ctx {
+    mm_ctl_server *srv;
+    nng_ctx ctx;
+    nng_aio *aio;
+    int state;
+    bool ctx_open;
+};
+
+struct mm_ctl_server {
+    nng_socket sock;
+    bool sock_open;
+    atomic_bool closing;
+    mm_ctl_handler fn;
+    void *arg;
+    int n_ctx;
+    struct srv_ctx *ctxs; // (n_ctx,)
+    char url[MM_ADDR_LEN];
+};
+
+static void srv_recv(struct srv_ctx *c) {
+    c->state = SRV_RECV;
+    nng_ctx_recv(c->ctx, c->aio);
+}
+
+static void on_srv_aio(void *arg) {
+    struct srv_ctx *c = arg;
+    mm_ctl_server *s = c->srv;
+    int rv = nng_aio_result(c->aio);
+    if (c->state == SRV_SEND) {
+        if (rv != 0)
+            nng_msg_free(nng_aio_get_msg(c->aio));
+        if (atomic_load(&s->closing) || rv == NNG_ECLOSED || rv == NNG_ECANCELED)
+            return;
+        srv_recv(c);
+        return;
+    }
+    if (rv != 0) {
+        if (atomic_load(&s->closing) || rv == NNG_ECLOSED || rv == NNG_ECANCELED)
+            return;
+        mm_log_warn("ctl %s: receive failed: %s", s->url, nng_strerror(rv));
+        srv_recv(c);
+        return;
+    }
+    nng_msg *m = nng_aio_get_msg(c->aio);
+    char peer[96], err[MM_ERRLEN] = "";
+    peer_name(m, peer, sizeof(peer));
+    mm_ctl_msg *req = NULL;
+    nng_msg *reply = NULL;
+    if (mm_ctl_unpack(nng_msg_body(m), nng_msg_len(m), &req, err) != MM_OK) {
+        mm_log_warn("ctl %s: rejected a message from %s: %s", s->url, peer, err);
+        char text[MM_ERRLEN + 32];
+        snprintf(text, sizeof(text), "rejected: %s", err);
+        reply = mm_ctl_reply_ack(false, text);
+    } else {
+        s->fn(s->arg, req, peer, &reply);
+        if (reply == NULL)
+            reply = mm_ctl_reply_ack(true, NULL);
+        mm_ctl_msg_free(req);
+    }
+    nng_msg_free(m);
+    if (reply == NULL) { // could not even build an ack: let the peer's deadline fire
+        srv_recv(c);
+        return;
+    }
+    nng_aio_set_msg(c->aio, reply);
+    c->state = SRV_SEND;
+    nng_ctx_send(c->ctx, c->aio);
+}
+
+mm_err mm_ctl_server_open(mm_ctl_server **out, const char *url, int n_ctx, mm_ctl_handler fn,
+                          void *arg, char err[MM_ERRLEN]) {
+    *out = NULL;
+    MM_TRY(mm_ctl_url_prepare(url, err));
+    mm_ctl_server *s = calloc(1, sizeof(*s));
+    if (!s)
+        return MM_ENOMEM;
+    mm_err rv = MM_OK;
+    int nrv;
+    snprintf(s->url, sizeof(s->url), "%s", url);
+    s->fn = fn;
+    s->arg = arg;
+    s->n_ctx = n_ctx < 1 ? 1 : n_ctx;
+    s->ctxs = calloc((size_t)s->n_ctx, sizeof(*s->ctxs));
+    if (!s->ctxs) {
+        rv = MM_ENOMEM;
+        goto fail;
+    }
+    if ((nrv = nng_rep0_open(&s->sock)) != 0) {
+        rv = mm_errf(err, nng_to_mm(nrv), "%s: rep socket: %s", url, nng_strerror(nrv));
+        goto fail;
+    }
+    s->sock_open = true;
+    MM_TRY_GOTO(rv, set_limits(s->sock, url, err), fail);
+    for (int i = 0; i < s->n_ctx; i++) {
+        struct srv_ctx *c = &s->ctxs[i];
+        c->srv = s;
+        if ((nrv = nng_ctx_open(&c->ctx, s->sock)) != 0 ||
+            (nrv = nng_aio_alloc(&c->aio, on_srv_aio, c)) != 0) {
+            rv = mm_errf(err, nng_to_mm(nrv), "%s: context: %s", url, nng_strerror(nrv));
+            goto fail;
+        }
+        c->ctx_open = true;
+    }
+    if ((nrv = nng_listen(s->sock, url, NULL, 0)) != 0) {
+        rv = mm_errf(err, nng_to_mm(nrv) == MM_EINVAL ? MM_EINVAL : MM_ETRANSPORT,
+                     "cannot listen on %s: %s", url, nng_strerror(nrv));
+        goto fail;
+    }
+    for (int i = 0; i < s->n_ctx; i++)
+        srv_recv(&s->ctxs[i]);
+    *out = s;
+    return MM_OK;
+fail:
+    mm_ctl_server_close(s);
+    return rv;
+}
+
+void mm_ctl_server_close(mm_ctl_server *s) {
+    if (!s)
+        return;
+    atomic_store(&s->closing, true);
+    for (int i = 0; s->ctxs && i < s->n_ctx; i++)
+        if (s->ctxs[i].aio)
+            nng_aio_stop(s->ctxs[i].aio);
+    if (s->sock_open)
+        nng_close(s->sock);
+    for (int i = 0; s->ctxs && i < s->n_ctx; i++)
+        if (s->ctxs[i].aio)
+            nng_aio_free(s->ctxs[i].aio);
+    free(s->ctxs);
+    free(s);
+}
+
+// ---- client --------------------------------------------------------------------------------
+
+struct mm_ctl_client {
+    nng_socket sock;
+    char url[MM_ADDR_LEN];
+};
+
+mm_err mm_ctl_client_open(mm_ctl_client **out, const char *url, char err[MM_ERRLEN]) {
+    *out = NULL;
+    if (!url || !*url)
+        return mm_errf(err, MM_EINVAL, "empty router address");
+    mm_ctl_client *c = calloc(1, sizeof(*c));
+    if (!c)
+        return MM_ENOMEM;
+    snprintf(c->url, sizeof(c->url), "%s", url);
+    int nrv = nng_req0_open(&c->sock);
+    if (nrv != 0) {
+        free(c);
+        return mm_errf(err, MM_ETRANSPORT, "%s: req socket: %s", url, nng_strerror(nrv));
+    }
+    mm_err rv = set_limits(c->sock, url, err);
+    // Our deadlines decide; REQ's own resend (default 60 s) would only duplicate a request.
+    if (rv == MM_OK && (nrv = nng_socket_set_ms(c->sock, NNG_OPT_REQ_RESENDTIME,
+                                                NNG_DURATION_INFINITE)) != 0)
+        rv = mm_errf(err, MM_ETRANSPORT, "%s: resend time: %s", url, nng_strerror(nrv));
+    if (rv == MM_OK && (nrv = nng_dial(c->sock, url, NULL, NNG_FLAG_NONBLOCK)) != 0)
+        rv = mm_errf(err, nng_to_mm(nrv) == MM_EINVAL ? MM_EINVAL : MM_ETRANSPORT,
+                     "cannot dial %s: %s", url, nng_strerror(nrv));
+    if (rv != MM_OK) {
+        nng_close(c->sock);
+        free(c);
+        return rv;
+    }
+    *out = c;
+    return MM_OK;
+}
+
+void mm_ctl_client_abort(mm_ctl_client *c) {
+    if (c)
+        nng_close(c->sock); // a second nng_close (in mm_ctl_client_close) returns ECLOSED
+}
+
+void mm_ctl_client_close(mm_ctl_client *c) {
+    if (!c)
+        return;
+    nng_close(c->sock);
+    free(c);
+}
+
+const char *mm_ctl_client_url(const mm_ctl_client *c) { return c->url; }
+
+mm_err mm_ctl_call(mm_ctl_client *c, mm_ctl_msg *req, int timeout_ms, mm_ctl_msg **reply,
+                   char err[MM_ERRLEN]) {
+    *reply = NULL;
+    nng_msg *m = NULL;
+    MM_TRY(mm_ctl_pack(req, &m, err));
+    nng_ctx ctx;
+    nng_aio *aio = NULL;
+    int nrv;
+    mm_err rv = MM_OK;
+    if ((nrv = nng_ctx_open(&ctx, c->sock)) != 0) {
+        nng_msg_free(m);
+        return mm_errf(err, nng_to_mm(nrv), "%s: %s", c->url, nng_strerror(nrv));
+    }
+    if ((nrv = nng_aio_alloc(&aio, NULL, NULL)) != 0) {
+        nng_msg_free(m);
+        nng_ctx_close(ctx);
+        return MM_ENOMEM;
+    }
+    uint64_t deadline = mm_now_ms() + (uint64_t)(timeout_ms > 0 ? timeout_ms : 1);
+    nng_aio_set_timeout(aio, timeout_ms > 0 ? timeout_ms : 1);
+    nng_aio_set_msg(aio, m);
+    nng_ctx_send(ctx, aio);
+    nng_aio_wait(aio);
+    if ((nrv = nng_aio_result(aio)) != 0) {
+        nng_msg_free(nng_aio_get_msg(aio));
+        rv = mm_errf(err, nng_to_mm(nrv), "%s to %s: send: %s", mm_ctl_body_name(req), c->url,
+                     nrv == NNG_ETIMEDOUT ? "no peer within the deadline" : nng_strerror(nrv));
+        goto out;
+    }
+    uint64_t now = mm_now_ms();
+    nng_aio_set_timeout(aio, now >= deadline ? 1 : (nng_duration)(deadline - now));
+    nng_ctx_recv(ctx, aio);
+    nng_aio_wait(aio);
+    if ((nrv = nng_aio_result(aio)) != 0) {
+        rv = mm_errf(err, nng_to_mm(nrv), "%s to %s: no reply: %s", mm_ctl_body_name(req),
+                     c->url, nng_strerror(nrv));
+        goto out;
+    }
+    m = nng_aio_get_msg(aio);
+    char derr[MM_ERRLEN] = "";
+    rv = mm_ctl_unpack(nng_msg_body(m), nng_msg_len(m), reply, derr);
+    nng_msg_free(m);
+    if (rv != MM_OK)
+        mm_errf(err, rv, "bad reply from %s: %s", c->url, derr);
+out:
+    nng_aio_free(aio);
+    nng_ctx_close(ctx);
+    return rv;
+}
+
+// ---- async call ----------------------------------------------------------------------------
+
+struct mm_ctl_async {
+    nng_ctx ctx;
+    nng_aio *aio;
+    bool sending;
+    uint64_t deadline_ms;
+    mm_err rv;
+    char err[MM_ERRLEN];
+    mm_ctl_msg *reply;
+    mm_ctl_async_cb cb;
+    void *arg;
+    char url[MM_ADDR_LEN];
+};
+
+static void on_async(void *arg) {
+    mm_ctl_async *a = arg;
+    int nrv = nng_aio_result(a->aio);
+    if (a->sending) {
+        if (nrv != 0) {
+            nng_msg_free(nng_aio_get_msg(a->aio));
+            a->rv = mm_errf(a->err, nng_to_mm(nrv), "%s: send: %s", a->url, nng_strerror(nrv));
+            a->cb(a, a->arg);
+            return;
+        }
+        a->sending = false;
+        uint64_t now = mm_now_ms();
+        nng_aio_set_timeout(a->aio, now >= a->deadline_ms ? 1
+                                                          : (nng_duration)(a->deadline_ms - now));
+        nng_ctx_recv(a->ctx, a->aio);
+        return;
+    }
+    if (nrv != 0) {
+        a->rv = mm_errf(a->err, nng_to_mm(nrv), "%s: no reply: %s", a->url, nng_strerror(nrv));
+    } else {
+        nng_msg *m = nng_aio_get_msg(a->aio);
+        char derr[MM_ERRLEN] = "";
+        a->rv = mm_ctl_unpack(nng_msg_body(m), nng_msg_len(m), &a->reply, derr);
+        if (a->rv != MM_OK)
+            mm_errf(a->err, a->rv, "bad reply from %s: %s", a->url, derr);
+        nng_msg_free(m);
+    }
+    a->cb(a, a->arg);
+}
+
+mm_err mm_ctl_call_start(mm_ctl_client *c, mm_ctl_msg *req, int timeout_ms, mm_ctl_async_cb cb,
+                         void *arg, mm_ctl_async **out, char err[MM_ERRLEN]) {
+    *out = NULL;
+    nng_msg *m = NULL;
+    MM_TRY(mm_ctl_pack(req, &m, err));
+    mm_ctl_async *a = calloc(1, sizeof(*a));
+    if (!a) {
+        nng_msg_free(m);
+        return MM_ENOMEM;
+    }
+    int nrv;
+    if ((nrv = nng_ctx_open(&a->ctx, c->sock)) != 0) {
+        nng_msg_free(m);
+        free(a);
+        return mm_errf(err, nng_to_mm(nrv), "%s: %s", c->url, nng_strerror(nrv));
+    }
+    if (nng_aio_alloc(&a->aio, on_async, a) != 0) {
+        nng_msg_free(m);
+        nng_ctx_close(a->ctx);
+        free(a);
+        return MM_ENOMEM;
+    }
+    snprintf(a->url, sizeof(a->url), "%s", c->url);
+    a->cb = cb;
+    a->arg = arg;
+    a->sending = true;
+    if (timeout_ms < 1)
+        timeout_ms = 1;
+    a->deadline_ms = mm_now_ms() + (uint64_t)timeout_ms;
+    nng_aio_set_timeout(a->aio, timeout_ms);
+    nng_aio_set_msg(a->aio, m);
+    nng_ctx_send(a->ctx, a->aio);
+    *out = a;
+    return MM_OK;
+}
+
+mm_err mm_ctl_async_result(mm_ctl_async *a, mm_ctl_msg **reply, char err[MM_ERRLEN]) {
+    *reply = NULL;
+    if (a->rv != MM_OK) {
+        if (err)
+            snprintf(err, MM_ERRLEN, "%s", a->err);
+        return a->rv;
+    }
+    *reply = a->reply;
+    a->reply = NULL;
+    return MM_OK;
+}
+
+void mm_ctl_async_free(mm_ctl_async *a) {
+    if (!a)
+        return;
+    nng_aio_free(a->aio); // waits for a callback still running on another thread
+    nng_ctx_close(a->ctx);
+    mm_ctl_msg_free(a->reply);
+    free(a);
+}

@@ -1,0 +1,166 @@
+// SPDX-License-Identifier: MIT
+// The gateway's mesh-facing side; see gateway.h.
+//
+// Design notes (DEPENDENCIES.md section 3): an nng completion runs on an nng thread; it only
+// pushes its call on a mutex-guarded list and calls uv_async_send. on_wake, on the loop thread,
+// drains the whole list (uv_async_send coalesces wake-ups), runs the callbacks of calls that are
+// still attached and frees every call. n_inflight counts calls started and not yet freed, so
+// that close can wait for them with a deadline.
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "gateway.h"
+#include "mm/log.h"
+#include "mm/time.h"
+
+struct gw_call {
+    gw_mesh *mesh;
+    mm_ctl_async *async;
+    gw_status_cb cb;
+    void *arg;
+    bool detached;    // loop thread only
+    gw_call *next;    // in mesh->done, under mesh->mu
+};
+
+struct gw_mesh {
+    uv_loop_t *loop;
+    uv_async_t wake;
+    bool wake_open;
+    mm_ctl_client *client;
+    pthread_mutex_t mu; // guards done
+    gw_call *done;
+    int n_inflight;     // loop thread only
+};
+
+static void on_nng_done(mm_ctl_async *a, void *arg) {
+    (void)a;
+    gw_call *c = arg;
+    gw_mesh *m = c->mesh;
+    pthread_mutex_lock(&m->mu);
+    c->next = m->done;
+    m->done = c;
+    pthread_mutex_unlock(&m->mu);
+    uv_async_send(&m->wake);
+}
+
+static void finish(gw_call *c) {
+    gw_mesh *m = c->mesh;
+    mm_ctl_msg *reply = NULL;
+    char err[MM_ERRLEN] = "";
+    mm_err rv = mm_ctl_async_result(c->async, &reply, err);
+    if (!c->detached) {
+        if (rv == MM_OK && reply->body_case != MMCTL__ENVELOPE__BODY_STATUS_REPLY) {
+            rv = MM_EPROTO;
+            snprintf(err, sizeof(err), "router answered status with %s", mm_ctl_body_name(reply));
+        }
+        c->cb(c->arg, rv, rv == MM_OK ? reply->status_reply : NULL, err);
+    }
+    mm_ctl_msg_free(reply);
+    mm_ctl_async_free(c->async);
+    free(c);
+    m->n_inflight--;
+}
+
+static gw_call *take_done(gw_mesh *m) {
+    pthread_mutex_lock(&m->mu);
+    gw_call *list = m->done;
+    m->done = NULL;
+    pthread_mutex_unlock(&m->mu);
+    return list;
+}
+
+static void on_wake(uv_async_t *h) {
+    gw_mesh *m = h->data;
+    for (gw_call *c = take_done(m), *next; c; c = next) {
+        next = c->next;
+        finish(c);
+    }
+}
+
+mm_err gw_mesh_open(gw_mesh **out, uv_loop_t *loop, const char *router_url, char err[MM_ERRLEN]) {
+    *out = NULL;
+    gw_mesh *m = calloc(1, sizeof(*m));
+    if (!m)
+        return MM_ENOMEM;
+    m->loop = loop;
+    pthread_mutex_init(&m->mu, NULL);
+    mm_err rv = mm_ctl_client_open(&m->client, router_url, err);
+    if (rv != MM_OK) {
+        pthread_mutex_destroy(&m->mu);
+        free(m);
+        return rv;
+    }
+    uv_async_init(loop, &m->wake, on_wake);
+    m->wake.data = m;
+    m->wake_open = true;
+    *out = m;
+    return MM_OK;
+}
+
+mm_err gw_mesh_status(gw_mesh *m, int timeout_ms, gw_status_cb cb, void *arg, gw_call **call,
+                      char err[MM_ERRLEN]) {
+    *call = NULL;
+    gw_call *c = calloc(1, sizeof(*c));
+    if (!c)
+        return MM_ENOMEM;
+    c->mesh = m;
+    c->cb = cb;
+    c->arg = arg;
+    mm_ctl_msg env = MMCTL__ENVELOPE__INIT;
+    Mmctl__StatusRequest sr = MMCTL__STATUS_REQUEST__INIT;
+    env.body_case = MMCTL__ENVELOPE__BODY_STATUS_REQUEST;
+    env.status_request = &sr;
+    mm_err rv = mm_ctl_call_start(m->client, &env, timeout_ms, on_nng_done, c, &c->async, err);
+    if (rv != MM_OK) {
+        free(c);
+        return rv;
+    }
+    m->n_inflight++;
+    *call = c;
+    return MM_OK;
+}
+
+void gw_call_detach(gw_call *c) { c->detached = true; }
+
+const char *gw_mesh_router_url(const gw_mesh *m) { return mm_ctl_client_url(m->client); }
+
+void gw_mesh_abort(gw_mesh *m) {
+    if (m)
+        mm_ctl_client_abort(m->client);
+}
+
+void gw_mesh_close(gw_mesh *m) {
+    if (!m)
+        return;
+    mm_ctl_client_abort(m->client);
+    // Every call in flight now completes with MM_ECLOSED on an nng thread; collect them here
+    // (the loop is no longer running), bounded in case nng misbehaves.
+    uint64_t deadline = mm_now_ms() + 2000;
+    while (m->n_inflight > 0 && mm_now_ms() < deadline) {
+        gw_call *list = take_done(m);
+        if (!list) {
+            nanosleep(&(struct timespec){0, 1000000}, NULL);
+            continue;
+        }
+        for (gw_call *next; list; list = next) {
+            next = list->next;
+            list->detached = true;
+            finish(list);
+        }
+    }
+    if (m->n_inflight > 0)
+        mm_log_warn("%d router calls still in flight at shutdown", m->n_inflight);
+    if (m->wake_open)
+        uv_close((uv_handle_t *)&m->wake, NULL);
+    m->wake_open = false;
+}
+
+void gw_mesh_free(gw_mesh *m) {
+    if (!m)
+        return;
+    mm_ctl_client_close(m->client);
+    pthread_mutex_destroy(&m->mu);
+    free(m);
+}

@@ -1,0 +1,38 @@
+// SPDX-License-Identifier: MIT
+// The router's member registry: who is in the mesh, with what identity, and whether it is up.
+// It answers Hello (identity check), Heartbeat, Goodbye and StatusRequest on the router's
+// control address, and a sweep marks silent members down.
+//
+// Design notes: one mutex guards the table; handlers run on nng threads (several at once) and
+// the sweep on the main thread. The table is sized once (MM_REGISTRY_MAX_MEMBERS). A member is
+// keyed by role and instance; its incarnation (random per process start) tells a restart from a
+// retry, and a heartbeat from an unknown incarnation is told to say hello again.
+#ifndef MM_ROUTER_H
+#define MM_ROUTER_H
+
+#include <stdint.h>
+
+#include "mm/ctl.h"
+#include "mm/identity.h"
+
+#define MM_REGISTRY_MAX_MEMBERS 1024
+
+typedef struct mm_registry mm_registry;
+
+// mm_registry_new allocates an empty registry (returns owned: mm_registry_free).
+mm_err mm_registry_new(mm_registry **out);
+void mm_registry_free(mm_registry *r);
+
+// mm_registry_set_self records the router's own identity (copied) and timing. Call before the
+// control server starts.
+void mm_registry_set_self(mm_registry *r, const mm_identity *self, uint32_t heartbeat_ms,
+                          uint32_t down_after_ms);
+
+// mm_registry_handle is the router's mm_ctl_handler (arg: the registry).
+void mm_registry_handle(void *arg, const mm_ctl_msg *req, const char *peer,
+                        struct nng_msg **reply);
+
+// mm_registry_sweep marks members silent for longer than down_after_ms down (arg: registry).
+void mm_registry_sweep(void *arg);
+
+#endif

@@ -340,20 +340,23 @@ struct blocked_op {
 
 static void *blocked_op_main(void *arg) {
     struct blocked_op *b = arg;
-    static unsigned char big[4u << 20];
+    const size_t n_big = 4u << 20;
+    unsigned char *big = calloc(1, n_big); // per thread: rx and tx threads run together
+    MM_TRUE(big != NULL);
     mm_err rv;
     atomic_store(&b->started, 1);
     if (b->do_send) { // the peer never reads: this blocks once the ring/socket buffer fills
         mm_wire_hdr h;
-        MM_PASS(mm_wire_hdr_init(&h, MM_WIRE_ROWS, MM_WIRE_BYTES, 1, 0, 1, sizeof(big)));
+        MM_PASS(mm_wire_hdr_init(&h, MM_WIRE_ROWS, MM_WIRE_BYTES, 1, 0, 1, (uint32_t)n_big));
         do
             rv = mm_conn_send(b->c, &h, big, LONG_DL());
         while (rv == MM_OK);
     } else {
         mm_wire_hdr h;
-        rv = mm_conn_recv(b->c, &h, big, sizeof(big), LONG_DL());
+        rv = mm_conn_recv(b->c, &h, big, n_big, LONG_DL());
     }
     atomic_store(&b->rv, (int)rv);
+    free(big);
     return NULL;
 }
 

@@ -80,6 +80,7 @@ struct stage {
 
 struct added_tok {
     uint32_t off, len;      // match text in tk->kbytes (normalized when normalized is set)
+    uint32_t orig_off, orig_len; // content as written, for mm_tokenizer_token_id
     int32_t id;
     bool lstrip, rstrip, single_word, normalized, special;
 };
@@ -531,7 +532,7 @@ static mm_err load_vocab(struct load *ld, json_t *vocab, json_t *added) {
         return mm_errf(ld->err, MM_EFORMAT, "%s: model.vocab is empty", ld->file);
     tk->n_tokens = (size_t)max_id + 1;
     tk->tokens = calloc(tk->n_tokens, sizeof(*tk->tokens));
-    size_t n_keys = json_object_size(vocab) + json_array_size(added);
+    size_t n_keys = json_object_size(vocab);
     tk->kmask = pow2_at_least(n_keys * 2) - 1;
     tk->kslots = calloc((size_t)tk->kmask + 1, sizeof(*tk->kslots));
     if (!tk->tokens || !tk->kslots)
@@ -542,8 +543,7 @@ static mm_err load_vocab(struct load *ld, json_t *vocab, json_t *added) {
         MM_TRY(vocab_put(tk, key, n, id));
         MM_TRY(set_token(ld, id, key, n, 0));
     }
-    // Added tokens: their content decodes (and is found by token_id) in place of any vocab
-    // spelling of the same id.
+    // Added tokens: their content decodes in place of any vocab spelling of the same id.
     size_t n_added = json_array_size(added);
     for (int s = 0; s < 2; s++) {
         tk->added[s] = calloc(n_added ? n_added : 1, sizeof(struct added_tok));
@@ -556,7 +556,8 @@ static mm_err load_vocab(struct load *ld, json_t *vocab, json_t *added) {
         const char *content = json_string_value(c);
         size_t n = json_string_length(c);
         bool special = json_flag(v, "special", false);
-        MM_TRY(vocab_put(tk, content, n, id));
+        // Not in the vocab map: merges, byte symbols and unk resolve in the model's vocab
+        // only, as in tokenizers; mm_tokenizer_token_id looks at added tokens first.
         MM_TRY(set_token(ld, id, content, n, TOK_ADDED | (special ? TOK_SPECIAL : 0)));
         bool normalized = json_flag(v, "normalized", !special);
         struct added_tok a = {
@@ -575,6 +576,8 @@ static mm_err load_vocab(struct load *ld, json_t *vocab, json_t *added) {
         mm_err rv = kbytes_add(tk, norm ? (const char *)norm : content, norm_n, &a.off);
         free(norm);
         MM_TRY(rv);
+        MM_TRY(kbytes_add(tk, content, n, &a.orig_off));
+        a.orig_len = (uint32_t)n;
         a.len = (uint32_t)norm_n;
         if (a.len == 0)
             continue;
@@ -1023,7 +1026,10 @@ static mm_err load_model(struct load *ld, json_t *root) {
 
     // The normalizer first: normalized added tokens are stored normalized.
     MM_TRY(load_normalizer(ld, json_object_get(root, "normalizer")));
-    MM_TRY(load_vocab(ld, vocab, added ? added : json_array()));
+    json_t *none = added ? NULL : json_array();
+    mm_err rv = load_vocab(ld, vocab, added ? added : none);
+    json_decref(none);
+    MM_TRY(rv);
     sort_added(tk);
     MM_TRY(load_merges(ld, merges));
     MM_TRY(load_pretok(ld, json_object_get(root, "pre_tokenizer")));
@@ -1124,20 +1130,100 @@ void mm_tokenizer_close(mm_tokenizer *tk) {
 
 // ---- normalizer ------------------------------------------------------------------------------
 
+struct buf {
+    uint8_t *p;
+    size_t n, cap;
+};
+
+static bool buf_append(struct buf *b, const void *s, size_t n) {
+    if (n == 0)
+        return true;
+    if (b->n + n > b->cap) {
+        size_t c = b->cap ? b->cap : 256;
+        while (c < b->n + n)
+            c *= 2;
+        uint8_t *q = realloc(b->p, c);
+        if (!q)
+            return false;
+        b->p = q;
+        b->cap = c;
+    }
+    memcpy(b->p + b->n, s, n);
+    b->n += n;
+    return true;
+}
+
+// normalize_run normalizes one segment with utf8proc into out, through the code point
+// scratch *cps (grown as needed).
+static mm_err normalize_run(const mm_tokenizer *tk, const uint8_t *s, size_t n, struct buf *out,
+                            utf8proc_int32_t **cps, size_t *cps_cap) {
+    for (;;) {
+        utf8proc_ssize_t r = utf8proc_decompose(s, (utf8proc_ssize_t)n, *cps,
+                                                (utf8proc_ssize_t)*cps_cap, tk->norm_opts);
+        if (r < 0)
+            return r == UTF8PROC_ERROR_NOMEM ? MM_ENOMEM : MM_EINVAL;
+        if ((size_t)r > *cps_cap) {
+            size_t c = (size_t)r * 2 + 16;
+            utf8proc_int32_t *q = realloc(*cps, c * sizeof(**cps));
+            if (!q)
+                return MM_ENOMEM;
+            *cps = q;
+            *cps_cap = c;
+            continue;
+        }
+        // reencode composes/reorders and writes UTF-8 over the code point buffer
+        utf8proc_ssize_t m = utf8proc_reencode(*cps, r, tk->norm_opts);
+        if (m < 0)
+            return MM_EINVAL;
+        return buf_append(out, *cps, (size_t)m) ? MM_OK : MM_ENOMEM;
+    }
+}
+
 // normalize_text sets *out to a malloc'd normalized copy of s, or to NULL when s is unchanged
 // by the normalizer (no normalizer, or ASCII text, which every Unicode form leaves alone).
+// Only runs of non-ASCII characters, each with the ASCII character before it (a base a
+// combining mark may compose with), go through utf8proc: a boundary before an ASCII character
+// is a boundary of every normalization form, because ASCII characters are starters that never
+// compose with what precedes them.
 static mm_err normalize_text(const mm_tokenizer *tk, const uint8_t *s, size_t n, uint8_t **out,
                              size_t *out_n) {
     *out = NULL;
     *out_n = n;
     if (!tk->norm_opts || is_ascii(s, n))
         return MM_OK;
-    utf8proc_uint8_t *dst = NULL;
-    utf8proc_ssize_t r = utf8proc_map(s, (utf8proc_ssize_t)n, &dst, tk->norm_opts);
-    if (r < 0)
-        return r == UTF8PROC_ERROR_NOMEM ? MM_ENOMEM : MM_EINVAL;
-    *out = dst;
-    *out_n = (size_t)r;
+    struct buf b = {0};
+    utf8proc_int32_t *cps = NULL;
+    size_t cps_cap = 0, i = 0;
+    mm_err rv = MM_OK;
+    while (i < n && rv == MM_OK) {
+        size_t j = i;
+        while (j < n && s[j] < 0x80)
+            j++;
+        if (j == n) {
+            if (!buf_append(&b, s + i, n - i))
+                rv = MM_ENOMEM;
+            break;
+        }
+        size_t seg = j > i ? j - 1 : j;
+        if (!buf_append(&b, s + i, seg - i)) {
+            rv = MM_ENOMEM;
+            break;
+        }
+        size_t k = j;
+        while (k < n && s[k] >= 0x80)
+            k++;
+        rv = normalize_run(tk, s + seg, k - seg, &b, &cps, &cps_cap);
+        i = k;
+    }
+    free(cps);
+    if (rv != MM_OK) {
+        free(b.p);
+        return rv;
+    }
+    if (!b.p && !(b.p = malloc(1))) // empty input cannot reach here; keep *out non-NULL
+        return MM_ENOMEM;
+    *out = b.p;
+    *out_n = b.n;
     return MM_OK;
 }
 
@@ -1696,7 +1782,16 @@ mm_err mm_tokenizer_decode(const mm_tokenizer *tk, const int32_t *ids, size_t n_
 mm_err mm_tokenizer_token_id(const mm_tokenizer *tk, const char *token, int32_t *id) {
     if (!tk || !token || !id)
         return MM_EINVAL;
-    int32_t v = vocab_find(tk, token, strlen(token));
+    size_t n = strlen(token);
+    for (int set = 0; set < 2; set++)
+        for (size_t i = 0; i < tk->n_added[set]; i++) {
+            const struct added_tok *a = &tk->added[set][i];
+            if (a->orig_len == n && !memcmp(tk->kbytes + a->orig_off, token, n)) {
+                *id = a->id;
+                return MM_OK;
+            }
+        }
+    int32_t v = vocab_find(tk, token, n);
     if (v < 0)
         return MM_ENOENT;
     *id = v;

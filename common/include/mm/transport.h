@@ -38,6 +38,25 @@
 //   process, per conn: at most one thread in send calls and at most one thread in recv /
 //   wait_any calls at a time (full duplex); mm_conn_shutdown from any thread at any time.
 //
+// Typical use (router side; an expert owner is the mirror image: accept, then loop recv ->
+// compute -> send REPLY with the same step_id/layer/row_base):
+//     mm_conn *owner[N];                          // dialed once at start, e.g.
+//     mm_transport_dial(&owner[i], "shm://expert-3", mm_deadline_in_ms(5000), err);
+//     // per layer of a step:
+//     uint64_t dl = mm_deadline_in_ms(2000);
+//     for (i...) { mm_wire_hdr h;
+//                  mm_wire_hdr_init(&h, MM_WIRE_ROWS, MM_WIRE_F32, step, layer, n_rows[i],
+//                                   d_model);
+//                  h.row_base = first_row[i]; h.aux = expert_id[i];
+//                  mm_conn_send(owner[i], &h, rows[i], dl); }
+//     for (k = 0; k < N; k++) { mm_conn_wait_any(pending, n_pending, dl, &j);
+//                  mm_conn_recv(pending[j], &h, reply_buf[j], reply_cap, dl);
+//                  check h.kind == MM_WIRE_REPLY, h.step_id == step, h.layer == layer,
+//                  then place rows by h.row_base (canonical order, never arrival order);
+//                  remove j from pending; }
+//   Any error: fail the step's requests, mm_conn_close the conn, re-dial when the control
+//   plane says the peer is back.
+//
 // Error codes used here (mm/err.h): MM_ETIMEDOUT deadline passed; MM_EPEERDOWN peer vanished
 // (process died, connection reset); MM_ECLOSED orderly close by the peer or by
 // mm_conn_shutdown here; MM_EPROTO frame failed mm_wire_hdr_check or a handshake was not ours;
@@ -105,7 +124,7 @@ mm_err mm_listener_accept(mm_listener *l, mm_conn **out, uint64_t deadline_ns,
                           char err[MM_ERRLEN]);
 
 // mm_listener_shutdown makes a blocked and every later accept return MM_ECLOSED. Safe from
-// any thread and from signal-free contexts at any time; idempotent.
+// any thread at any time; idempotent; never blocks.
 void mm_listener_shutdown(mm_listener *l);
 
 // mm_listener_close frees l and releases its address; accepts NULL. Conns already accepted
@@ -140,7 +159,7 @@ mm_err mm_conn_sendv(mm_conn *c, const mm_wire_hdr *hdr, const struct iovec *iov
 // mm_conn_recv waits for the next frame, validates its header (mm_wire_hdr_check), writes the
 // header to *hdr and its payload to buf (caller-owned, cap bytes). Frames arrive in the order
 // they were sent. Errors: MM_ETIMEDOUT (no frame began before deadline_ns: conn usable; a
-// frame began but did not finish: conn broken), MM_EFULL (payload_bytes > cap: *hdr is
+// frame began but did not finish: conn broken, later ops return MM_ETRANSPORT), MM_EFULL (payload_bytes > cap: *hdr is
 // filled, the payload discarded, the conn stays usable), MM_EPROTO (garbage header: conn
 // broken), MM_EPEERDOWN, MM_ECLOSED (peer closed in order, or mm_conn_shutdown here).
 // One receiving thread per conn.

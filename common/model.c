@@ -334,6 +334,34 @@ double mm_model_decode_bytes(const mm_model *m) {
     return b;
 }
 
+static unsigned touch(const mm_weight *w) {
+    unsigned s = 0;
+    const volatile unsigned char *p = w->data;
+    size_t n = (size_t)wbytes(w);
+    for (size_t i = 0; p && i < n; i += 4096)
+        s += p[i];
+    return s;
+}
+
+unsigned mm_model_touch(const mm_model *m) {
+    unsigned s = touch(&m->embed) + touch(&m->norm) + touch(&m->head);
+    if (!m->be->ops->host_memory)
+        return s;
+    for (int l = 0; l < m->c.n_layers; l++) {
+        const struct layer *L = &m->layers[l];
+        const mm_weight *ws[] = {&L->attn_norm, &L->ffn_norm, &L->wq, &L->wk, &L->wv, &L->wo,
+                                 &L->q_norm, &L->k_norm, &L->wq_a, &L->q_a_norm, &L->wq_b,
+                                 &L->wkv_a, &L->kv_a_norm, &L->wkv_b, &L->router, &L->sg,
+                                 &L->su, &L->sd, &L->s_gate};
+        for (size_t i = 0; i < sizeof ws / sizeof ws[0]; i++)
+            s += touch(ws[i]);
+        if (m->c.layer_moe[l])
+            for (int e = 0; e < m->c.n_experts; e++)
+                s += touch(&L->eg[e]) + touch(&L->eu[e]) + touch(&L->ed[e]);
+    }
+    return s;
+}
+
 void mm_model_kv_params(const mm_model *m, mm_kv_params *p) {
     memset(p, 0, sizeof(*p));
     p->n_layers = m->c.n_layers;

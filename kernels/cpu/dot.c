@@ -111,6 +111,42 @@ AVX2 static inline float hsum8(__m256 v) {
 DEF_DOT_AVX2(1)
 DEF_DOT_AVX2(4)
 
+// One activation row against four weight rows: the per-pair operations are exactly those of
+// dot_avx2_1 (same accumulators, steps, horizontal sum and tail); only the interleaving across
+// the four independent pairs differs, which hides FMA latency when a decode step has one row.
+AVX2 static void dot_avx2_1x4(enum mm_dtype dt, const float *x, const void *const *w, int64_t K,
+                              float *out) {
+    __m256 a0[4], a1[4];
+    for (int c = 0; c < 4; c++)
+        a0[c] = a1[c] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+        __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
+        for (int c = 0; c < 4; c++) {
+            a0[c] = _mm256_fmadd_ps(x0, load8(dt, w[c], k), a0[c]);
+            a1[c] = _mm256_fmadd_ps(x1, load8(dt, w[c], k + 8), a1[c]);
+        }
+    }
+    if (k + 8 <= K) {
+        __m256 x0 = _mm256_loadu_ps(x + k);
+        for (int c = 0; c < 4; c++)
+            a0[c] = _mm256_fmadd_ps(x0, load8(dt, w[c], k), a0[c]);
+        k += 8;
+    }
+    for (int c = 0; c < 4; c++) {
+        float s = hsum8(_mm256_add_ps(a0[c], a1[c]));
+        float t = 0.0f;
+        for (int64_t kk = k; kk < K; kk++)
+            t += x[kk] * wval(dt, w[c], kk);
+        out[c] = s + t;
+    }
+}
+
+static void dot4w_avx2(enum mm_dtype dt, const float *x, const void *const *w, int64_t K,
+                       float *out) {
+    dot_avx2_1x4(dt, x, w, K, out);
+}
+
 static void dot_avx2(enum mm_dtype dt, const float *const *x, int nr, const void *w, int64_t K,
                      float *out) {
     int r = 0;
@@ -120,6 +156,22 @@ static void dot_avx2(enum mm_dtype dt, const float *const *x, int nr, const void
         dot_avx2_1(dt, x + r, w, K, out + r);
 }
 #endif
+
+static void dot4w_ref(enum mm_dtype dt, const float *x, const void *const *w, int64_t K,
+                      float *out) {
+    for (int c = 0; c < 4; c++)
+        dot_ref(dt, &x, 1, w[c], K, out + c);
+}
+
+mm__dot4w_fn mm__dot4w_select(void) {
+#if HAVE_X86
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+        __builtin_cpu_supports("f16c"))
+        return dot4w_avx2;
+#endif
+    return dot4w_ref;
+}
 
 mm__dot_fn mm__dot_select(const char **name) {
 #if HAVE_X86

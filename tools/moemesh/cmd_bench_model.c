@@ -145,6 +145,10 @@ static int run_bench_model(int argc, char **argv) {
     }
     for (long long i = 0; i < prompt + decode + warm; i++)
         ids[i] = (int32_t)((i * 7919 + 13) % c->vocab);
+    t0 = mm_now_ns();
+    unsigned ck = mm_model_touch(e->model);
+    printf("paged in all weights in %.2f s (checksum %u)\n", (double)(mm_now_ns() - t0) / 1e9,
+           ck);
     // warm-up: a short sequence that touches attention, head and (some) experts
     int32_t s;
     mm_kv_cache_seq_new(e->kv, &s);

@@ -115,6 +115,10 @@ mm_backend *mm_model_backend(const mm_model *m);
 // mm_model_weight_bytes: bytes of weights one decode token reads (attention, router, top_k
 // routed + shared experts or dense MLP per layer, embedding row, final norm, LM head).
 double mm_model_decode_bytes(const mm_model *m);
+// mm_model_touch reads one byte of every 4 KiB page of every weight, so that later token
+// steps take no page faults (an engine that will use all experts, and benchmarks; an expert
+// daemon touches only its own experts by running them). Returns a checksum to keep the reads.
+unsigned mm_model_touch(const mm_model *m);
 // mm_model_kv_params fills the KV-cache geometry this model needs (budget etc. left to caller).
 void mm_model_kv_params(const mm_model *m, mm_kv_params *p);
 

@@ -5,6 +5,11 @@
 #include <pthread.h>
 #include <signal.h>
 #include <stdatomic.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <stddef.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 
 #include "mm_test.h"
@@ -457,6 +462,76 @@ static void t_deadline(const char *scheme) {
     mm_conn *d = NULL;
     MM_FAIL(mm_transport_dial(&d, url, mm_deadline_in_ms(50), err), MM_ETIMEDOUT);
     MM_NULL(d);
+    // dial to a listener that never accepts: the handshake is bounded by the deadline too;
+    // the half-open conn it leaves behind fails at accept or at its first use, never hangs
+    l = listen_fresh(scheme, url, sizeof(url));
+    MM_FAIL(mm_transport_dial(&d, url, mm_deadline_in_ms(50), err), MM_ETIMEDOUT);
+    MM_NULL(d);
+    mm_err rv2 = mm_listener_accept(l, &c, mm_deadline_in_ms(1000), err);
+    if (rv2 == MM_OK) {
+        rv2 = mm_conn_recv(c, &h, buf, sizeof(buf), LONG_DL());
+        MM_TRUE(rv2 == MM_EPEERDOWN || rv2 == MM_ECLOSED);
+        mm_conn_close(c);
+    } else {
+        MM_FAIL(rv2, MM_EPROTO);
+    }
+    mm_listener_close(l);
+}
+
+static void round_trip(mm_conn *c, uint64_t step);
+
+// ---- a non-moemesh client at the listener -----------------------------------------------------
+
+// Connects to the listener's rendezvous without the transport and writes junk, or nothing.
+static int raw_connect(const char *scheme, const char *url) {
+    mm_url u;
+    MM_PASS(mm_url_parse(&u, url, NULL));
+    int fd = -1;
+    if (strcmp(scheme, "tcp") == 0) {
+        struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)u.port)};
+        inet_pton(AF_INET, u.host, &sa.sin_addr);
+        fd = socket(AF_INET, SOCK_STREAM, 0);
+        MM_TRUE(connect(fd, (struct sockaddr *)&sa, sizeof(sa)) == 0);
+    } else if (strcmp(scheme, "shm") == 0) { // abstract unix socket, see common/transport/shm.c
+        struct sockaddr_un sa = {.sun_family = AF_UNIX};
+        int n = snprintf(sa.sun_path + 1, sizeof(sa.sun_path) - 1, "moemesh-shm/%s", u.host);
+        fd = socket(AF_UNIX, SOCK_SEQPACKET, 0);
+        MM_TRUE(connect(fd, (struct sockaddr *)&sa,
+                        (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + (size_t)n)) == 0);
+    } else {
+        MM_SKIP("no raw client for %s:// in this test", scheme);
+    }
+    return fd;
+}
+
+static void t_handshake_garbage(const char *scheme) {
+    char url[MM_URL_MAX], err[MM_ERRLEN] = "";
+    mm_listener *l = listen_fresh(scheme, url, sizeof(url));
+    mm_conn *c = NULL;
+    // 1. junk instead of HELLO: refused with MM_EPROTO
+    int fd = raw_connect(scheme, url);
+    char junk[64];
+    memset(junk, 'x', sizeof(junk));
+    MM_EQ(write(fd, junk, sizeof(junk)), sizeof(junk));
+    MM_FAIL(mm_listener_accept(l, &c, LONG_DL(), err), MM_EPROTO);
+    MM_NULL(c);
+    close(fd);
+    // 2. a client that connects and says nothing: accept gives up at its deadline
+    fd = raw_connect(scheme, url);
+    MM_FAIL(mm_listener_accept(l, &c, mm_deadline_in_ms(100), err), MM_ETIMEDOUT);
+    close(fd);
+    // 3. the listener still serves real peers
+    pid_t pid = spawn(peer_echo, url, 1);
+    for (;;) { // the silent client of step 2 may still be queued: it fails, then ours comes
+        mm_err rv = mm_listener_accept(l, &c, LONG_DL(), err);
+        if (rv == MM_OK)
+            break;
+        MM_FAIL(rv, MM_EPROTO);
+    }
+    round_trip(c, 31);
+    MM_EQ(reap(pid), 0);
+    mm_conn_close(c);
+    mm_listener_close(l);
 }
 
 // ---- cancel / close while blocked -----------------------------------------------------------
@@ -689,12 +764,13 @@ static void t_error_fails_inflight(const char *scheme) {
 
 #define CASES(X, s)                                                                    \
     X(s, ordering) X(s, sizes) X(s, oversize) X(s, many_peers) X(s, peer_death)       \
-    X(s, deadline) X(s, cancel) X(s, reconnect) X(s, garbage) X(s, error_fails_inflight)
+    X(s, deadline) X(s, cancel) X(s, reconnect) X(s, garbage) X(s, error_fails_inflight) \
+    X(s, handshake_garbage)
 
 #define DEFINE_CASE(s, t) static void s##_##t(void) { t_##t(#s); }
 #define ROW_CASE(s, t) {#s ": " #t, s##_##t},
 // rdma:// joins by adding SCHEMES(X, rdma) below (its cases skip without a device).
-#define SCHEMES(X) CASES(X, shm) CASES(X, tcp) CASES(X, rdma)
+#define SCHEMES(X) CASES(X, shm) CASES(X, tcp)
 
 SCHEMES(DEFINE_CASE)
 

@@ -238,8 +238,9 @@ static const mm_jinja *pick(const mm_chat_template *ct, const mm_chat_render_opt
     return NULL;
 }
 
-// Copies messages, turning content given as a list of text parts into one string.
-static mm_err normalize_messages(const json_t *messages, json_t **out, char *err) {
+// Copies messages; when flatten is set, content given as a list of text parts becomes one
+// string (parts joined with "\n", as vLLM does for templates that expect string content).
+static mm_err normalize_messages(const json_t *messages, bool flatten, json_t **out, char *err) {
     if (!json_is_array(messages))
         return mm_errf(err, MM_EINVAL, "messages must be a JSON array");
     json_t *res = json_array();
@@ -256,7 +257,7 @@ static mm_err normalize_messages(const json_t *messages, json_t **out, char *err
         }
         json_t *c = json_object_get(m, "content");
         json_t *copy = json_copy(m);
-        if (json_is_array(c)) {
+        if (flatten && json_is_array(c)) {
             size_t cap = 64, len = 0, k;
             char *buf = malloc(cap);
             json_t *part;
@@ -322,7 +323,10 @@ mm_err mm_chat_template_render(const mm_chat_template *ct, const json_t *message
     if (o.extra && !json_is_object(o.extra))
         return mm_errf(err, MM_EINVAL, "extra template kwargs must be a JSON object");
     json_t *msgs = NULL;
-    MM_TRY(normalize_messages(messages, &msgs, err));
+    // A template that iterates message content itself gets the parts unchanged, exactly as
+    // transformers passes them; one that concatenates content as a string gets the text parts
+    // joined (transformers would fail there; vLLM joins the same way).
+    MM_TRY(normalize_messages(messages, !mm_jinja_iterates(t, "content"), &msgs, err));
     json_t *ctx = json_deep_copy(ct->specials);
     if (o.extra)
         json_object_update(ctx, (json_t *)o.extra);

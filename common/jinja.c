@@ -1401,6 +1401,36 @@ mm_err mm_jinja_new(const char *src, size_t n, const char *name, mm_jinja **out,
     return MM_OK;
 }
 
+static bool names_field(const node *e, const char *field) {
+    if (e == NULL)
+        return false;
+    if (e->k == N_NAME || e->k == N_ATTR)
+        return strcmp(e->s, field) == 0;
+    if (e->k == N_ITEM && e->b && e->b->k == N_LIT && e->b->lit.t == VS)
+        return e->b->lit.s.n == strlen(field) && memcmp(e->b->lit.s.p, field, e->b->lit.s.n) == 0;
+    if (e->k == N_FILTER) // "for x in content|list"
+        return names_field(e->a, field);
+    return false;
+}
+
+static bool walk_iterates(const node *nd, const char *field, int depth) {
+    if (nd == NULL || depth > 4 * MAX_PARSE_DEPTH)
+        return false;
+    if (nd->k == N_FOR && names_field(nd->a, field))
+        return true;
+    if (walk_iterates(nd->a, field, depth + 1) || walk_iterates(nd->b, field, depth + 1) ||
+        walk_iterates(nd->c, field, depth + 1) || walk_iterates(nd->d, field, depth + 1))
+        return true;
+    for (size_t i = 0; i < nd->nv; i++)
+        if (walk_iterates(nd->v[i], field, depth + 1))
+            return true;
+    return false;
+}
+
+bool mm_jinja_iterates(const mm_jinja *t, const char *field) {
+    return walk_iterates(t->root, field, 0);
+}
+
 void mm_jinja_free(mm_jinja *t) {
     if (t == NULL)
         return;

@@ -367,6 +367,26 @@ static void test_random_templates_no_crash(void) {
     MM_TRUE(n_ok > 0);
 }
 
+static void test_iterates(void) {
+    const char *yes[] = {"{% for p in m.content %}{% endfor %}",
+                         "{% if x %}{% for p in m['content'] %}{% endfor %}{% endif %}",
+                         "{% macro v(content) %}{% for i in content %}{% endfor %}{% endmacro %}"};
+    const char *no[] = {"{{ m.content }}", "{% for m in messages %}{{ m.content }}{% endfor %}"};
+    char err[MM_ERRLEN];
+    for (int i = 0; i < 3; i++) {
+        mm_jinja *t = NULL;
+        MM_PASS(mm_jinja_new(yes[i], strlen(yes[i]), "t", &t, err));
+        MM_TRUE(mm_jinja_iterates(t, "content"));
+        mm_jinja_free(t);
+    }
+    for (int i = 0; i < 2; i++) {
+        mm_jinja *t = NULL;
+        MM_PASS(mm_jinja_new(no[i], strlen(no[i]), "t", &t, err));
+        MM_TRUE(!mm_jinja_iterates(t, "content"));
+        mm_jinja_free(t);
+    }
+}
+
 MM_TESTS = {
     {"jinja_text_and_output", test_text_and_output},
     {"jinja_whitespace_control", test_whitespace_control},
@@ -386,5 +406,6 @@ MM_TESTS = {
     {"jinja_unsupported_constructs_named", test_unsupported_constructs_named},
     {"jinja_bounds_no_crash", test_bounds_no_crash},
     {"jinja_random_templates_no_crash", test_random_templates_no_crash},
+    {"jinja_iterates_detects_content_loops", test_iterates},
     {NULL, NULL},
 };

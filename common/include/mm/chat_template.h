@@ -45,9 +45,12 @@ mm_err mm_chat_template_open_source(const char *src, const json_t *special_token
 void mm_chat_template_close(mm_chat_template *ct);
 
 // mm_chat_template_render renders messages (borrowed JSON array of {"role", "content", ...}:
-// content a string, null, or a list of {"type": "text", "text": ...} parts, which are joined
-// with "\n" as vLLM does; tool_calls passed through unchanged, so function.arguments stays a
-// JSON string as the OpenAI API carries it). opts may be NULL. On MM_OK *out is an owned
+// content a string, null, or a list of parts). A template that iterates message content itself
+// (a {% for %} over content) gets the parts unchanged, as transformers passes them; for one
+// that treats content as a string, a list of {"type": "text", "text": ...} parts is joined
+// with "\n" (as vLLM does; transformers would fail there). tool_calls pass through unchanged,
+// so function.arguments stays a JSON string as the OpenAI API carries it (Qwen3's template
+// accepts a string or a mapping; DeepSeek's needs the string). opts may be NULL. On MM_OK *out is an owned
 // NUL-terminated string (free()) of *out_len bytes. Errors: MM_EINVAL (bad messages, or the
 // template raised an error, with its message and line), MM_EUNSUPP (content part types other
 // than text; unsupported template features met at render time), MM_EFULL (a render limit),

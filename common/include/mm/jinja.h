@@ -7,6 +7,7 @@
 #define MM_JINJA_H
 
 #include <jansson.h>
+#include <stdbool.h>
 #include <stddef.h>
 
 #include "mm/err.h"
@@ -28,6 +29,11 @@ typedef struct mm_jinja_limits {
 // Does not block; thread-safe (no shared state).
 mm_err mm_jinja_new(const char *src, size_t n, const char *name, mm_jinja **out,
                     char err[MM_ERRLEN]);
+// mm_jinja_iterates reports whether some {% for %} of t iterates over a value named field:
+// a variable `field`, an attribute `x.field` or an item `x['field']` (optionally filtered).
+// Chat templates use it to tell whether they walk message content parts themselves.
+bool mm_jinja_iterates(const mm_jinja *t, const char *field);
+
 // mm_jinja_free releases t; accepts NULL.
 void mm_jinja_free(mm_jinja *t);
 

@@ -4,6 +4,8 @@
 //   latency: ping-pong; hop = RTT/2 measured by the parent, and one-way = the receiver's
 //            CLOCK_MONOTONIC minus the sender's stamp in the payload (one clock on one box);
 //   bandwidth: a stream of frames then one ack from the peer.
+// With --peers N (> 1) it forks N peers and measures the mesh's per-layer pattern instead:
+// one step = send a frame to every peer, then gather every reply with mm_conn_wait_any.
 // Buffers are allocated before measuring; nothing is allocated per frame.
 #include <signal.h>
 #include <stdio.h>
@@ -125,9 +127,56 @@ static mm_err bench_size(mm_conn *c, size_t bytes, long long iters, long long wa
     return MM_OK;
 }
 
+// Fan-out + gather: step time = send to all peers, then wait_any/recv every PONG.
+static mm_err bench_fanout(mm_conn **conns, size_t n, size_t bytes, long long iters,
+                           long long warmup, unsigned char *buf, uint64_t *step, uint64_t *ow) {
+    mm_conn *pending[MM_CONN_WAIT_MAX];
+    const uint64_t dl_ms = 10000;
+    memset(buf, 0x5a, bytes);
+    for (long long i = -warmup; i < iters; i++) {
+        mm_wire_hdr h, r;
+        uint64_t t0 = mm_now_ns(), worst = 0;
+        uint64_t dl = mm_deadline_in_ms(dl_ms);
+        for (size_t k = 0; k < n; k++) {
+            MM_TRY(mm_wire_hdr_init(&h, MM_WIRE_PING, MM_WIRE_BYTES, (uint64_t)(i + warmup), 0,
+                                    1, (uint32_t)bytes));
+            h.row_base = (uint32_t)k;
+            uint64_t ts = mm_now_ns();
+            if (bytes >= 16)
+                memcpy(buf, &ts, 8);
+            MM_TRY(mm_conn_send(conns[k], &h, buf, dl));
+            pending[k] = conns[k];
+        }
+        size_t n_pending = n;
+        while (n_pending > 0) {
+            size_t j = 0;
+            MM_TRY(mm_conn_wait_any(pending, n_pending, dl, &j));
+            MM_TRY(mm_conn_recv(pending[j], &r, buf, bytes, dl));
+            if (r.kind != MM_WIRE_PONG || r.step_id != (uint64_t)(i + warmup))
+                return MM_EPROTO;
+            uint64_t d = 0;
+            if (bytes >= 16)
+                memcpy(&d, buf + 8, 8);
+            if (d > worst)
+                worst = d;
+            pending[j] = pending[--n_pending];
+        }
+        if (i >= 0) {
+            step[i] = mm_now_ns() - t0;
+            ow[i] = worst;
+        }
+    }
+    double p50 = pct_us(step, (size_t)iters, 0.50), p99 = pct_us(step, (size_t)iters, 0.99);
+    double o50 = pct_us(ow, (size_t)iters, 0.50), o99 = pct_us(ow, (size_t)iters, 0.99);
+    printf("%-10zu %8lld %6zu %11.2f %11.2f %10.2f %10.2f\n", bytes, iters, n, p50, p99, o50,
+           o99);
+    fflush(stdout);
+    return MM_OK;
+}
+
 static int run_bench_hop(int argc, char **argv) {
     char *url = NULL, *bytes_s = NULL;
-    long long iters = 0, warmup = 0, bw_mb = 0;
+    long long iters = 0, warmup = 0, bw_mb = 0, n_peers = 0;
     mm_opt opts[] = {
         {"url", MM_OPT_STR, &url, "shm://bench-hop", "transport URL to measure (shm://NAME, "
                                                      "tcp://127.0.0.1:PORT)"},
@@ -136,6 +185,8 @@ static int run_bench_hop(int argc, char **argv) {
                                                "at least 500, about iters*16KiB/size)"},
         {"warmup", MM_OPT_INT, &warmup, "1000", "ping-pongs discarded before measuring"},
         {"bw-mb", MM_OPT_INT, &bw_mb, "512", "MiB streamed per size for the bandwidth figure"},
+        {"peers", MM_OPT_INT, &n_peers, "1", "peers to fork; > 1 measures fan-out + gather "
+                                             "steps (send to all, wait_any every reply)"},
         {NULL, 0, NULL, NULL, NULL},
     };
     mm_cli cli = {.prog = "moemesh bench-hop",
@@ -169,38 +220,51 @@ static int run_bench_hop(int argc, char **argv) {
             max_bytes = (size_t)v;
         s = *end == ',' ? end + 1 : end;
     }
-    if (n_sizes == 0 || iters < 10 || warmup < 0 || bw_mb < 1) {
+    if (n_sizes == 0 || iters < 10 || warmup < 0 || bw_mb < 1 || n_peers < 1 ||
+        n_peers > 64) {
         fprintf(stderr, "moemesh bench-hop: need --bytes, --iters >= 10, --warmup >= 0, "
-                "--bw-mb >= 1\n");
+                "--bw-mb >= 1, --peers 1..64\n");
         mm_config_fini(&cli);
         return 2;
     }
     mm_listener *l = NULL;
-    mm_conn *c = NULL;
+    mm_conn *conns[64] = {NULL};
+    pid_t pids[64];
+    size_t n_conns = 0;
     unsigned char *buf = malloc(max_bytes + 64);
     uint64_t *rtt = calloc((size_t)iters, sizeof(uint64_t));
     uint64_t *ow = calloc((size_t)iters, sizeof(uint64_t));
-    pid_t pid = -1;
+    for (int k = 0; k < 64; k++)
+        pids[k] = -1;
     mm_err rv = mm_transport_listen(&l, url, err);
     if (rv != MM_OK || buf == NULL || rtt == NULL || ow == NULL) {
         fprintf(stderr, "moemesh bench-hop: listen %s: %s (%s)\n", url, mm_strerror(rv), err);
         goto out;
     }
-    fflush(NULL);
-    pid = fork();
-    if (pid == 0)
-        _exit(run_peer(url, max_bytes));
-    rv = mm_listener_accept(l, &c, mm_deadline_in_ms(10000), err);
-    if (rv != MM_OK) {
-        fprintf(stderr, "moemesh bench-hop: accept on %s: %s (%s)\n", url, mm_strerror(rv),
-                err);
-        goto out;
+    for (long long k = 0; k < n_peers; k++) {
+        fflush(NULL);
+        pids[k] = fork();
+        if (pids[k] == 0)
+            _exit(run_peer(url, max_bytes));
+    }
+    for (; n_conns < (size_t)n_peers; n_conns++) {
+        rv = mm_listener_accept(l, &conns[n_conns], mm_deadline_in_ms(10000), err);
+        if (rv != MM_OK) {
+            fprintf(stderr, "moemesh bench-hop: accept on %s: %s (%s)\n", url,
+                    mm_strerror(rv), err);
+            goto out;
+        }
     }
     const char *spin = getenv("MM_TRANSPORT_SPIN_US");
     printf("bench-hop %s  (hop = ping-pong RTT/2; one-way = peer clock - sender stamp, same "
            "CLOCK_MONOTONIC; spin %s us)\n", url, spin ? spin : "50 (default)");
-    printf("%-10s %8s %10s %10s %10s %10s %9s\n", "bytes", "iters", "hop_p50us", "hop_p99us",
-           "1way_p50", "1way_p99", "bw_GB/s");
+    if (n_peers == 1)
+        printf("%-10s %8s %10s %10s %10s %10s %9s\n", "bytes", "iters", "hop_p50us",
+               "hop_p99us", "1way_p50", "1way_p99", "bw_GB/s");
+    else
+        printf("%-10s %8s %6s %11s %11s %10s %10s   (step = send to all + gather all; 1way = "
+               "slowest peer's)\n", "bytes", "iters", "peers", "step_p50us", "step_p99us",
+               "1way_p50", "1way_p99");
     for (size_t i = 0; i < n_sizes; i++) {
         long long it = iters;
         if (sizes[i] > 16384) {
@@ -209,7 +273,11 @@ static int run_bench_hop(int argc, char **argv) {
             if (it > iters)
                 it = iters;
         }
-        rv = bench_size(c, sizes[i], it, warmup < it ? warmup : it, bw_mb, buf, rtt, ow);
+        long long wu = warmup < it ? warmup : it;
+        if (n_peers == 1)
+            rv = bench_size(conns[0], sizes[i], it, wu, bw_mb, buf, rtt, ow);
+        else
+            rv = bench_fanout(conns, n_conns, sizes[i], it, wu, buf, rtt, ow);
         if (rv != MM_OK) {
             fprintf(stderr, "moemesh bench-hop: %zu bytes: %s\n", sizes[i], mm_strerror(rv));
             goto out;
@@ -217,21 +285,24 @@ static int run_bench_hop(int argc, char **argv) {
     }
     status = 0;
 out:
-    if (c != NULL) {
+    for (size_t k = 0; k < n_conns; k++) {
         mm_wire_hdr q;
         mm_wire_hdr_init(&q, MM_WIRE_CTRL, MM_WIRE_BYTES, STEP_QUIT, 0, 0, 0);
-        mm_conn_send(c, &q, NULL, mm_deadline_in_ms(1000));
+        mm_conn_send(conns[k], &q, NULL, mm_deadline_in_ms(1000));
     }
-    if (pid > 0) {
+    for (int k = 0; k < 64; k++) {
+        if (pids[k] <= 0)
+            continue;
         int st = 0;
-        for (int i = 0; i < 300 && waitpid(pid, &st, WNOHANG) == 0; i++)
+        for (int i = 0; i < 300 && waitpid(pids[k], &st, WNOHANG) == 0; i++)
             usleep(10000);
-        if (waitpid(pid, &st, WNOHANG) == 0) {
-            kill(pid, SIGKILL);
-            waitpid(pid, &st, 0);
+        if (waitpid(pids[k], &st, WNOHANG) == 0) {
+            kill(pids[k], SIGKILL);
+            waitpid(pids[k], &st, 0);
         }
     }
-    mm_conn_close(c);
+    for (size_t k = 0; k < n_conns; k++)
+        mm_conn_close(conns[k]);
     mm_listener_close(l);
     free(buf);
     free(rtt);

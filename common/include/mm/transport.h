@@ -50,12 +50,14 @@
 //                  h.row_base = first_row[i]; h.aux = expert_id[i];
 //                  mm_conn_send(owner[i], &h, rows[i], dl); }
 //     for (k = 0; k < N; k++) { mm_conn_wait_any(pending, n_pending, dl, &j);
-//                  mm_conn_recv(pending[j], &h, reply_buf[j], reply_cap, dl);
+//                  mm_conn_recv(pending[j], &h, reply_buf, reply_cap, dl);
 //                  check h.kind == MM_WIRE_REPLY, h.step_id == step, h.layer == layer,
 //                  then place rows by h.row_base (canonical order, never arrival order);
 //                  remove j from pending; }
 //   Any error: fail the step's requests, mm_conn_close the conn, re-dial when the control
-//   plane says the peer is back.
+//   plane says the peer is back. A step that timed out leaves its late replies in the
+//   stream: they carry the old step_id, so either drop frames with step_id < step or (simpler)
+//   close the conn and re-dial; never pair replies by their position in the stream.
 //
 // Error codes used here (mm/err.h): MM_ETIMEDOUT deadline passed; MM_EPEERDOWN peer vanished
 // (process died, connection reset); MM_ECLOSED orderly close by the peer or by

@@ -1,0 +1,56 @@
+# Shared helpers of the foundation e2e tests (sourced, not run). Every test gets a private run
+# directory and HTTP port, and a trap that kills whatever it started, even on failure.
+BIN=${BIN:-build/bin}
+MODEL=${MODEL:-tests/fixtures/models/qwen3moe-tiny}
+RUN=$(mktemp -d /tmp/mm-e2e.XXXXXX)
+PIDS=()
+
+fail() { echo "FAIL: $*"; for f in "$RUN"/*.log; do [ -f "$f" ] && { echo "--- $f"; tail -n 25 "$f"; }; done; exit 1; }
+
+cleanup() {
+    for p in "${PIDS[@]}"; do kill -TERM "$p" 2>/dev/null; done
+    sleep 0.3
+    for p in "${PIDS[@]}"; do kill -KILL "$p" 2>/dev/null; done
+    # Anything left that names our run directory (children of `moemesh up`) goes too.
+    local left; left=$(pgrep -f -- "$RUN/"); [ -n "$left" ] && kill -KILL $left 2>/dev/null
+    rm -rf "$RUN"
+}
+trap cleanup EXIT
+
+# A free loopback port derived from our pid, so parallel runs do not collide.
+pick_port() {
+    local p=$((20000 + ($$ * 13) % 20000))
+    for _ in $(seq 1 50); do
+        (exec 3<>/dev/tcp/127.0.0.1/$p) 2>/dev/null || { echo $p; return; }
+        p=$((p + 1))
+    done
+    echo $p
+}
+PORT=$(pick_port)
+ROUTER="ipc://$RUN/router.ctl"
+
+http_code() { curl -s -o "$RUN/health.json" -w '%{http_code}' --max-time 3 "127.0.0.1:$PORT/health"; }
+
+# wait_health CODE SECONDS: poll /health until it answers CODE; prints the seconds it took.
+wait_health() {
+    local want=$1 limit=$2 start=$(date +%s%N) code
+    while :; do
+        code=$(http_code)
+        [ "$code" = "$want" ] && { echo $(( ($(date +%s%N) - start) / 1000000 )); return 0; }
+        [ $(( ($(date +%s%N) - start) / 1000000000 )) -ge "$limit" ] && { echo "last=$code"; return 1; }
+        sleep 0.1
+    done
+}
+
+# json EXPR: evaluates a python expression over the last /health body (bound to h).
+json() { python3 -c "import json,sys; h=json.load(open('$RUN/health.json')); print($1)"; }
+
+# start NAME ARGS...: starts a daemon in the background, logging to $RUN/NAME.log.
+start() {
+    local name=$1; shift
+    "$@" 2>"$RUN/$name.log" &
+    PIDS+=($!)
+    eval "PID_$name=$!"
+}
+
+alive() { kill -0 "$1" 2>/dev/null; }

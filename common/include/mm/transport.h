@@ -59,6 +59,9 @@
 //   stream: they carry the old step_id, so either drop frames with step_id < step or (simpler)
 //   close the conn and re-dial; never pair replies by their position in the stream.
 //
+// err arguments: optional caller buffers (MM_ERRLEN bytes, may be NULL) that receive a
+// one-line description of a failure naming the URL and the OS error; untouched on success.
+//
 // Error codes used here (mm/err.h): MM_ETIMEDOUT deadline passed; MM_EPEERDOWN peer vanished
 // (process died, connection reset); MM_ECLOSED orderly close by the peer or by
 // mm_conn_shutdown here; MM_EPROTO frame failed mm_wire_hdr_check or a handshake was not ours;
@@ -102,7 +105,7 @@ typedef struct mm_url {
 mm_err mm_url_parse(mm_url *out, const char *s, char err[MM_ERRLEN]);
 
 // mm_url_query_u64 finds key=value in url->query. Returns MM_OK and *out, MM_ENOENT when the
-// key is absent, MM_EINVAL when the value is not a number.
+// key is absent, MM_EINVAL when the value is not a number. Pure; thread-safe.
 mm_err mm_url_query_u64(const mm_url *url, const char *key, uint64_t *out);
 
 // ---- objects --------------------------------------------------------------------------------
@@ -202,7 +205,8 @@ mm_err mm_conn_reg_mem(mm_conn *c, void *p, size_t n_bytes, mm_mem_reg **out,
 // mm_conn_dereg_mem releases a registration; accepts NULL.
 void mm_conn_dereg_mem(mm_conn *c, mm_mem_reg *reg);
 
-// mm_transport_schemes writes the registered schemes, comma-separated, into buf.
+// mm_transport_schemes writes the registered schemes, comma-separated, into buf (caller's,
+// cap bytes, always NUL-terminated when cap > 0). Thread-safe.
 void mm_transport_schemes(char *buf, size_t cap);
 
 // mm_transport_fini calls every initialised transport's fini. Call at process exit after all
@@ -211,7 +215,7 @@ void mm_transport_fini(void);
 
 // Test hook (conformance suite only): writes n raw bytes into c's stream bypassing framing,
 // so tests can prove that garbage is rejected with MM_EPROTO. MM_EUNSUPP where a transport
-// cannot. Never use in services.
+// cannot. Same threading as mm_conn_send. Never use in services.
 mm_err mm__conn_send_raw(mm_conn *c, const void *p, size_t n, uint64_t deadline_ns);
 
 // ---- the provider interface -----------------------------------------------------------------

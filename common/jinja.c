@@ -152,11 +152,14 @@ typedef struct node node;
 
 enum fnkind { FN_GLOBAL, FN_METHOD, FN_MACRO };
 
+struct frame;
+
 typedef struct jfn {
     int kind;
     const char *name;
-    jv self;          // FN_METHOD
-    const node *mac;  // FN_MACRO
+    jv self;              // FN_METHOD
+    const node *mac;      // FN_MACRO
+    struct frame *scope;  // FN_MACRO: frame the macro was defined in (its closure)
 } jfn;
 
 // ---- AST -------------------------------------------------------------------------------------
@@ -2291,6 +2294,7 @@ static jv mk_fn(ectx *E, int kind, const char *name, jv self, const node *mac) {
     f->name = name;
     f->self = self;
     f->mac = mac;
+    f->scope = NULL;
     return (jv){.t = VFN, .fn = f};
 }
 
@@ -3337,12 +3341,13 @@ static args eval_args(ectx *E, const node *nd, frame *f, const char *what) {
     return a;
 }
 
-static jv call_macro(ectx *E, const node *mac, const args *a, int line) {
+static jv call_macro(ectx *E, const node *mac, frame *scope, const args *a, int line) {
     if (E->depth >= E->max_depth)
         EFAIL(E, MM_EFULL, line, "macro calls nested deeper than %d (runaway recursion?)",
               E->max_depth);
-    frame mf = {.parent = E->top};
-    mf.vars = *dict_new(E, mac->nn + 1);
+    frame *mf = ealloc(E, sizeof *mf);
+    mf->parent = scope ? scope : E->top;
+    mf->vars = *dict_new(E, mac->nn + 1);
     size_t np = n_pos(a);
     if (np > mac->nn)
         EFAIL(E, MM_EINVAL, line, "macro '%s' takes not more than %zu argument(s)", mac->s, mac->nn);
@@ -3358,14 +3363,14 @@ static jv call_macro(ectx *E, const node *mac, const args *a, int line) {
     for (size_t p = 0; p < mac->nn; p++) {
         jv v;
         if (!arg(a, (int)p, mac->names[p], &v))
-            v = mac->v[p] ? eval(E, mac->v[p], &mf) : v_undef(mac->names[p]);
-        frame_set(E, &mf, mac->names[p], v);
+            v = mac->v[p] ? eval(E, mac->v[p], mf) : v_undef(mac->names[p]);
+        frame_set(E, mf, mac->names[p], v);
     }
     sbuf *saved = E->out;
     sbuf buf = {0};
     E->out = &buf;
     E->depth++;
-    exec_body(E, mac->b, &mf);
+    exec_body(E, mac->b, mf);
     E->depth--;
     E->out = saved;
     return v_sb(&buf);
@@ -3376,7 +3381,7 @@ static jv call_value(ectx *E, jv callee, const args *a, int line, const char *na
         switch (callee.fn->kind) {
         case FN_GLOBAL: return call_global(E, callee.fn->name, a, line);
         case FN_METHOD: return call_method(E, callee.fn->self, callee.fn->name, a, line);
-        case FN_MACRO: return call_macro(E, callee.fn->mac, a, line);
+        case FN_MACRO: return call_macro(E, callee.fn->mac, callee.fn->scope, a, line);
         }
     }
     if (callee.t == VU) {
@@ -3432,6 +3437,8 @@ static jv eval(ectx *E, const node *nd, frame *f) {
         if (nd->a->k == N_ATTR) {
             jv obj = eval(E, nd->a->a, f);
             jv callee = get_attr(E, obj, nd->a->s, nd->line);
+            if (callee.t == VU && obj.t == VD && (!strcmp(nd->a->s, "cycle") || !strcmp(nd->a->s, "changed")))
+                EFAIL(E, MM_EUNSUPP, nd->line, "unsupported: loop.%s()", nd->a->s);
             if (callee.t == VU && (obj.t == VL || obj.t == VD) && in_list(nd->a->s, UNSAFE_METHODS))
                 EFAIL(E, MM_EINVAL, nd->line, "access to attribute '%s' of '%s' object is unsafe",
                       nd->a->s, type_name(obj));
@@ -3539,10 +3546,11 @@ static int exec_for(ectx *E, const node *nd, frame *f) {
     if (nd->d) { // loop filter: "for x in xs if cond"
         jlist *kept = list_new(E, items->n);
         for (size_t i = 0; i < items->n; i++) {
-            frame tf = {.parent = f};
-            tf.vars = *dict_new(E, nd->nn + 1);
-            assign_targets(E, &tf, nd, items->v[i]);
-            if (truthy(eval(E, nd->d, &tf)))
+            frame *tf = ealloc(E, sizeof *tf);
+            tf->parent = f;
+            tf->vars = *dict_new(E, nd->nn + 1);
+            assign_targets(E, tf, nd, items->v[i]);
+            if (truthy(eval(E, nd->d, tf)))
                 list_push(E, kept, items->v[i]);
         }
         items = kept;
@@ -3552,8 +3560,9 @@ static int exec_for(ectx *E, const node *nd, frame *f) {
         return exec_body(E, nd->c, f);
     for (size_t i = 0; i < n; i++) {
         step(E, nd->line);
-        frame lf = {.parent = f};
-        lf.vars = *dict_new(E, nd->nn + 2);
+        frame *lf = ealloc(E, sizeof *lf); // arena: a macro defined in the body keeps it
+        lf->parent = f;
+        lf->vars = *dict_new(E, nd->nn + 2);
         jdict *loop = dict_new(E, 12);
         dict_set_s(E, loop, "index", v_int((long long)i + 1));
         dict_set_s(E, loop, "index0", v_int((long long)i));
@@ -3568,9 +3577,9 @@ static int exec_for(ectx *E, const node *nd, frame *f) {
             dict_set_s(E, loop, "previtem", items->v[i - 1]);
         if (i + 1 < n)
             dict_set_s(E, loop, "nextitem", items->v[i + 1]);
-        frame_set(E, &lf, "loop", (jv){.t = VD, .d = loop});
-        assign_targets(E, &lf, nd, items->v[i]);
-        int r = exec_body(E, nd->b, &lf);
+        frame_set(E, lf, "loop", (jv){.t = VD, .d = loop});
+        assign_targets(E, lf, nd, items->v[i]);
+        int r = exec_body(E, nd->b, lf);
         if (r == FLOW_BREAK)
             break;
     }
@@ -3615,9 +3624,12 @@ static int exec_stmt(ectx *E, const node *nd, frame *f) {
         frame_set(E, f, nd->names[0], v_sb(&buf));
         return FLOW_NEXT;
     }
-    case N_MACRO:
-        frame_set(E, f, nd->s, mk_fn(E, FN_MACRO, nd->s, v_none(), nd));
+    case N_MACRO: {
+        jv m = mk_fn(E, FN_MACRO, nd->s, v_none(), nd);
+        m.fn->scope = f;
+        frame_set(E, f, nd->s, m);
         return FLOW_NEXT;
+    }
     case N_BREAK: return FLOW_BREAK;
     case N_CONTINUE: return FLOW_CONTINUE;
     case N_BODY: return exec_body(E, nd, f);

@@ -130,6 +130,12 @@ static void test_macros(void) {
     EXPECT("{% macro rec(n) %}{% if n > 0 %}{{ n }}{{ rec(n - 1) }}{% endif %}{% endmacro %}"
            "{{ rec(5) }}",
            "54321");
+    // A macro sees the scope it was defined in, and variables set there before the call.
+    EXPECT("{% for i in [1, 2] %}{% macro m() %}in{{ i }}{% endmacro %}{{ m() }}{% endfor %}"
+           "{% macro g() %}{{ late }}{% endmacro %}{% set late = 'L' %}{{ g() }}",
+           "in1in2L");
+    EXPECT_ERR("{% for x in [1] %}{{ loop.cycle('a', 'b') }}{% endfor %}", MM_EUNSUPP,
+               "loop.cycle");
     EXPECT_ERR("{% macro m(a) %}{% endmacro %}{{ m(1, 2) }}", MM_EINVAL, "not more than 1");
     EXPECT_ERR("{% macro m(a) %}{% endmacro %}{{ m(zz=1) }}", MM_EINVAL, "keyword argument 'zz'");
 }

@@ -770,7 +770,7 @@ static void t_error_fails_inflight(const char *scheme) {
 #define DEFINE_CASE(s, t) static void s##_##t(void) { t_##t(#s); }
 #define ROW_CASE(s, t) {#s ": " #t, s##_##t},
 // rdma:// joins by adding SCHEMES(X, rdma) below (its cases skip without a device).
-#define SCHEMES(X) CASES(X, shm) CASES(X, tcp)
+#define SCHEMES(X) CASES(X, shm) CASES(X, tcp) CASES(X, rdma)
 
 SCHEMES(DEFINE_CASE)
 

@@ -9,6 +9,7 @@
 #   make hip        compile kernels/cuda for AMD (gfx90a, gfx1030) with Debian's hipcc
 #   make proto      regenerate the protobuf-c code only
 #   make deps       install the Debian packages the build needs (idempotent)
+#   make test-rdma  rdma:// suite on soft-RoCE in a qemu VM (BENCH=1: benchmark rows too)
 #
 # Sources are found by wildcard: a new common/*.c, kernels/cpu/*.c, tests/**/*_test.c or
 # services/<daemon>/*.c needs no Makefile change.
@@ -177,6 +178,15 @@ run: all
 
 test: all test-bins
 	@BUILD=$(BUILD) bash tests/run.sh
+
+# rdma:// on soft-RoCE: boots Debian's 6.1 kernel under qemu (TCG) with rdma_rxe and runs the
+# transport conformance suite + tests/rdma there (tests/rdma/vm.sh; installs qemu-system-x86,
+# busybox-static, cpio if missing). `make test` runs the same as tests/rdma/softroce_test.sh.
+# BENCH=1 adds the rdma/shm/tcp rows of docs/BENCHMARKS.md; TESTS=substring filters cases.
+.PHONY: test-rdma
+test-rdma: all test-bins
+	tests/rdma/vm.sh --bin $(BUILD)/tests/rdma/rdma_test --bin $(BUILD)/tests/transport/conformance_test \
+	  --bin $(BUILD)/bin/moemesh tests/rdma/guest.sh "$(TESTS)" $(if $(BENCH),bench,nobench)
 
 asan:
 	$(MAKE) BUILD=build/asan SAN=address OPT=-O1 test

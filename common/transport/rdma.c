@@ -164,7 +164,16 @@ static void close_fd(int *fd) {
 
 static void conn_fail(struct rdma_conn *c, mm_err e) {
     int expected = 0;
-    atomic_compare_exchange_strong(&c->err, &expected, (int)e);
+    if (!atomic_compare_exchange_strong(&c->err, &expected, (int)e))
+        return;
+    // First failure: wake our other thread at once and tell the peer (its side channel ends).
+    if (c->owner_pid == getpid()) {
+        if (c->tcp != NULL)
+            TCP->shutdown(c->tcp);
+        uint64_t one = 1;
+        ssize_t r = write(c->efd_shut, &one, sizeof(one));
+        (void)r;
+    }
 }
 
 static mm_err conn_state(struct rdma_conn *c) {

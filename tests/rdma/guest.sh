@@ -23,10 +23,13 @@ for c in $(./rdma_test --list | tr ' ' '_'); do run_case rdma_test "$(echo "$c" 
 while IFS= read -r c; do run_case conformance_test "$c" 180; done < /tmp/cases
 echo "MMVM-RESULT: $pass passed, $fail failed, $skip skipped"
 if [ "$BENCH" = bench ] && [ -x ./moemesh ]; then
+    # Same VM, same run: rdma:// (soft-RoCE, rxe0 on eth0), shm://, tcp:// over loopback.
+    # TCG emulates every instruction: absolute figures are ~100x a real CPU's; compare rows.
     echo "MMVM-BENCH-BEGIN"
-    ./moemesh bench-hop --url rdma://127.0.0.1:24600 --iters 2000 --bytes 16384,1048576 --bw-mb 128 2>&1
-    ./moemesh bench-hop --url shm://bh --iters 2000 --bytes 16384,1048576 --bw-mb 128 2>&1
-    ./moemesh bench-hop --url tcp://127.0.0.1:24700 --iters 2000 --bytes 16384,1048576 --bw-mb 128 2>&1
+    for u in rdma://127.0.0.1:24600 shm://bh tcp://127.0.0.1:24700; do
+        ./moemesh bench-hop --url "$u" --iters 400 --warmup 40 --bytes 16384 --bw-mb 32 2>&1
+        ./moemesh bench-hop --url "$u" --iters 40 --warmup 5 --bytes 1048576 --bw-mb 32 2>&1
+    done
     echo "MMVM-BENCH-END"
 fi
 [ $fail -eq 0 ]

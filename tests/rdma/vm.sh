@@ -12,7 +12,8 @@
 # The kernel .deb and the extracted modules are cached in $MM_RDMA_CACHE (default
 # build/rdma-vm); the Debian version is found with apt-cache (override: MM_RDMA_KVER, e.g.
 # 6.1.0-57-amd64). Needs: qemu-system-x86, busybox-static, cpio (installed if missing, as root).
-# Exit status: the guest script's, 2 on a harness failure (no result line), 124 on timeout.
+# Exit status: the guest script's, 2 on a harness failure (no result line), 3 when a
+# prerequisite cannot be had (package install or kernel download failed), 124 on timeout.
 set -euo pipefail
 
 CACHE=${MM_RDMA_CACHE:-build/rdma-vm}
@@ -47,11 +48,11 @@ if [ ${#need[@]} -gt 0 ]; then
     log "installing ${need[*]}"
     SUDO=; [ "$(id -u)" = 0 ] || SUDO=sudo
     $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-        "${need[@]}" >/dev/null
+        "${need[@]}" >/dev/null || { log "cannot install ${need[*]}"; exit 3; }
 fi
 # The static busybox: busybox-static installs /bin/busybox; refuse a dynamic one.
 BUSYBOX=/bin/busybox
-if file -L "$BUSYBOX" 2>/dev/null | grep -q 'dynamically linked'; then
+if ldd "$BUSYBOX" >/dev/null 2>&1; then
     log "$BUSYBOX is dynamically linked; install busybox-static"; exit 2
 fi
 
@@ -63,7 +64,7 @@ if [ -z "$KVER" ]; then
     if [ -z "$KVER" ]; then
         KVER=$(apt-cache depends linux-image-amd64 2>/dev/null |
                grep -o 'linux-image-6\.1\.0-[0-9]*-amd64' | head -1 | sed 's/^linux-image-//')
-        [ -n "$KVER" ] || { log "apt-cache knows no linux-image-6.1.0-*-amd64 (apt-get update?)"; exit 2; }
+        [ -n "$KVER" ] || { log "apt-cache knows no linux-image-6.1.0-*-amd64 (apt-get update?)"; exit 3; }
         echo "$KVER" >"$CACHE/kver"
     fi
 fi
@@ -72,7 +73,7 @@ if [ ! -f "$KDIR/ok" ]; then
     log "fetching linux-image-$KVER"
     rm -rf "$KDIR"; mkdir -p "$KDIR/deb"
     (cd "$KDIR/deb" && apt-get download "linux-image-$KVER" >/dev/null 2>&1) ||
-        { log "apt-get download linux-image-$KVER failed"; exit 2; }
+        { log "apt-get download linux-image-$KVER failed (no network?)"; exit 3; }
     dpkg-deb -x "$KDIR"/deb/*.deb "$KDIR/root"
     rm -rf "$KDIR/deb"
     touch "$KDIR/ok"

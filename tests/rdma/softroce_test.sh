@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# timeout: 480
+# SPDX-License-Identifier: MIT
+# The rdma:// conformance suite and rdma_test on soft-RoCE: boots Debian's 6.1 kernel under
+# qemu (TCG) with rdma_rxe (tests/rdma/vm.sh) and runs tests/rdma/guest.sh there without the
+# benchmarks: the same as `make test-rdma`. About a minute on a 2-vCPU box. Skips (77) only
+# when qemu/busybox-static cannot be installed or the kernel package cannot be downloaded.
+set -u
+BUILD=${BUILD:-build}
+for b in "$BUILD/tests/rdma/rdma_test" "$BUILD/tests/transport/conformance_test"; do
+    [ -x "$b" ] || { echo "SKIP: $b is not built"; exit 77; }
+done
+tests/rdma/vm.sh --timeout 420 --bin "$BUILD/tests/rdma/rdma_test" \
+    --bin "$BUILD/tests/transport/conformance_test" tests/rdma/guest.sh "" nobench
+rc=$?
+if [ $rc -eq 3 ]; then
+    echo "SKIP: soft-RoCE VM prerequisites unavailable (see vm.sh message above)"
+    exit 77
+fi
+exit $rc

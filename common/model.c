@@ -344,9 +344,9 @@ static unsigned touch(const mm_weight *w) {
 }
 
 unsigned mm_model_touch(const mm_model *m) {
+    if (!m->be->ops->host_memory) // device weights: nothing to page in
+        return 0;
     unsigned s = touch(&m->embed) + touch(&m->norm) + touch(&m->head);
-    if (!m->be->ops->host_memory)
-        return s;
     for (int l = 0; l < m->c.n_layers; l++) {
         const struct layer *L = &m->layers[l];
         const mm_weight *ws[] = {&L->attn_norm, &L->ffn_norm, &L->wq, &L->wk, &L->wv, &L->wo,

@@ -94,12 +94,13 @@ static double read_bandwidth(size_t bytes, int threads, int passes, double *memc
 
 static int run_bench_model(int argc, char **argv) {
     char *model = NULL, *device = NULL;
-    long long threads = 0, prompt = 128, decode = 32, bw_mb = 1024, warm = 4;
+    long long threads = 0, prompt = 128, decode = 32, bw_mb = 1024, warm = 4, rounds = 3;
     mm_opt opts[] = {
         {"model", MM_OPT_STR, &model, NULL, "checkpoint directory"},
         {"prompt-tokens", MM_OPT_INT, &prompt, "128", "prompt length for the prefill figure"},
         {"decode-tokens", MM_OPT_INT, &decode, "32", "tokens to decode for the decode figure"},
         {"warmup-tokens", MM_OPT_INT, &warm, "4", "decode steps before timing (pages in)"},
+        {"rounds", MM_OPT_INT, &rounds, "3", "decode rounds (each with a bandwidth pass)"},
         {"threads", MM_OPT_INT, &threads, "0", "CPU threads (0: all cores)"},
         {"bw-mb", MM_OPT_INT, &bw_mb, "1024", "buffer for the bandwidth measurement (MiB)"},
         {"device", MM_OPT_STR, &device, "cpu", "cpu, cuda:N or hip:N"},
@@ -121,13 +122,13 @@ static int run_bench_model(int argc, char **argv) {
         rc = 0;
         goto done;
     }
-    if (!model || prompt < 1 || decode < 1 || bw_mb < 64) {
+    if (!model || prompt < 1 || decode < 1 || bw_mb < 64 || rounds < 1) {
         fprintf(stderr, "bench-model: --model DIR is required\n");
         goto done;
     }
     rc = 1;
     mm_engine_params ep = {.device = device, .n_threads = (int)threads, .max_seqs = 2,
-                           .max_ctx = (int)(prompt + decode + warm + 8), .max_rows = 128};
+                           .max_ctx = (int)(prompt + decode * rounds + warm + 8), .max_rows = 128};
     uint64_t t0 = mm_now_ns();
     if (mm_engine_open(&e, model, &ep, err) != MM_OK) {
         fprintf(stderr, "bench-model: %s\n", err);
@@ -162,28 +163,45 @@ static int run_bench_model(int argc, char **argv) {
     if (mm_engine_prefill(e, s, ids, prompt, NULL, last, err) != MM_OK)
         goto fail;
     double pt = (double)(mm_now_ns() - t0) / 1e9;
-    // decode (greedy)
+    // decode (greedy), in rounds; each round also measures the read bandwidth right before,
+    // so a busy machine shows up in both figures. The best round of each is reported.
     int32_t tok = mm_engine_argmax(last, c->vocab);
-    t0 = mm_now_ns();
-    for (long long i = 0; i < decode; i++) {
-        if (mm_engine_prefill(e, s, &tok, 1, NULL, last, err) != MM_OK)
-            goto fail;
-        tok = mm_engine_argmax(last, c->vocab);
+    double best_dtps = 0, best_bw = 0, best_cp = 0;
+    const double bytes = mm_model_decode_bytes(e->model);
+    printf("prompt: %lld tokens in %.3f s = %.1f tok/s\n", prompt, pt, prompt / pt);
+    printf("weights read per decode token: %.1f MB\n", bytes / 1e6);
+    for (long long r = 0; r < rounds; r++) {
+        double cp_bw = 0;
+        double bw = read_bandwidth((size_t)bw_mb << 20, e->be->n_threads, 3, &cp_bw);
+        if (mm_kv_cache_seq_len(e->kv, s) + decode > e->max_ctx) {
+            mm_kv_cache_seq_free(e->kv, s); // start over: the same context length each round
+            mm_kv_cache_seq_new(e->kv, &s);
+            if (mm_engine_prefill(e, s, ids, prompt, NULL, last, err) != MM_OK)
+                goto fail;
+            tok = mm_engine_argmax(last, c->vocab);
+        }
+        t0 = mm_now_ns();
+        for (long long i = 0; i < decode; i++) {
+            if (mm_engine_prefill(e, s, &tok, 1, NULL, last, err) != MM_OK)
+                goto fail;
+            tok = mm_engine_argmax(last, c->vocab);
+        }
+        double dt = (double)(mm_now_ns() - t0) / 1e9, dtps = decode / dt;
+        printf("round %lld: read bandwidth %.2f GB/s (memcpy %.2f GB/s); decode %lld tokens "
+               "%.2f tok/s (%.1f ms/token) = %.1f%% of that round's roofline\n", r + 1,
+               bw / 1e9, cp_bw / 1e9, decode, dtps, 1e3 / dtps, 100.0 * dtps * bytes / bw);
+        best_dtps = dtps > best_dtps ? dtps : best_dtps;
+        best_bw = bw > best_bw ? bw : best_bw;
+        best_cp = cp_bw > best_cp ? cp_bw : best_cp;
     }
-    double dt = (double)(mm_now_ns() - t0) / 1e9;
     free(last);
     last = NULL;
-    double cp_bw = 0;
-    double bw = read_bandwidth((size_t)bw_mb << 20, e->be->n_threads, 5, &cp_bw);
-    double bytes = mm_model_decode_bytes(e->model), dtps = decode / dt;
-    printf("prompt: %lld tokens in %.3f s = %.1f tok/s\n", prompt, pt, prompt / pt);
-    printf("decode: %lld tokens in %.3f s = %.2f tok/s (%.1f ms/token)\n", decode, dt, dtps,
-           1e3 * dt / decode);
-    printf("weights read per decode token: %.1f MB\n", bytes / 1e6);
-    printf("memory read bandwidth (%d threads, %lld MiB buffer): %.2f GB/s; memcpy %.2f GB/s\n",
-           e->be->n_threads, bw_mb, bw / 1e9, cp_bw / 1e9);
+    printf("decode: best %.2f tok/s (%.1f ms/token)\n", best_dtps, 1e3 / best_dtps);
+    printf("memory read bandwidth (%d threads, %lld MiB buffer): best %.2f GB/s; memcpy %.2f "
+           "GB/s\n", e->be->n_threads, bw_mb, best_bw / 1e9, best_cp / 1e9);
     printf("decode roofline: %.2f tok/s at that bandwidth; achieved %.1f%% (%.2f GB/s of "
-           "weights)\n", bw / bytes, 100.0 * dtps * bytes / bw, dtps * bytes / 1e9);
+           "weights)\n", best_bw / bytes, 100.0 * best_dtps * bytes / best_bw,
+           best_dtps * bytes / 1e9);
     rc = 0;
     goto done;
 fail:

@@ -119,6 +119,7 @@ struct mm_tokenizer {
     // pre-tokenizer
     struct stage stages[MAX_STAGES];
     int n_stages;
+    bool bytelevel;             // a ByteLevel pre-tokenizer was declared (it must be last)
     // added tokens: set 0 matched on raw text, set 1 on normalized text; each sorted by first
     // byte, then longest first; first[s][b]..first[s][b+1] indexes the run for byte b.
     struct added_tok *added[2];
@@ -806,7 +807,7 @@ static const char GPT2_PATTERN[] =
 
 static mm_err add_stage(struct load *ld, struct stage **st) {
     mm_tokenizer *tk = ld->tk;
-    if (tk->n_stages > 0 && tk->stages[tk->n_stages - 1].kind == ST_BYTELEVEL)
+    if (tk->bytelevel)
         return mm_errf(ld->err, MM_EUNSUPP, "%s: a pre-tokenizer after ByteLevel is not "
                        "supported", ld->file);
     if (tk->n_stages == MAX_STAGES)
@@ -868,8 +869,11 @@ static mm_err load_pretok(struct load *ld, json_t *pt) {
         st->kind = ST_BYTELEVEL;
         st->behavior = SB_ISOLATED;
         st->add_prefix_space = json_flag(pt, "add_prefix_space", true);
+        ld->tk->bytelevel = true;
         if (json_flag(pt, "use_regex", true))
             return compile_re(ld, GPT2_PATTERN, false, st);
+        if (!st->add_prefix_space)
+            ld->tk->n_stages--; // only maps bytes, which BPE on raw bytes does anyway
         return MM_OK;
     }
     if (!strcmp(type, "Digits")) {
@@ -1034,10 +1038,7 @@ static mm_err load_model(struct load *ld, json_t *root) {
     sort_added(tk);
     MM_TRY(load_merges(ld, merges));
     MM_TRY(load_pretok(ld, json_object_get(root, "pre_tokenizer")));
-    bool bytelevel = false;
-    for (int i = 0; i < tk->n_stages; i++)
-        bytelevel |= tk->stages[i].kind == ST_BYTELEVEL;
-    if (!bytelevel)
+    if (!tk->bytelevel)
         return mm_errf(ld->err, MM_EUNSUPP, "%s: BPE without a ByteLevel pre-tokenizer (e.g. "
                        "SentencePiece-style Metaspace) is not supported", ld->file);
     MM_TRY(load_post(ld, json_object_get(root, "post_processor")));

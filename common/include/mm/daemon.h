@@ -93,7 +93,8 @@ void mm_daemon_request_stop(mm_daemon *d, int code, const char *why);
 void mm_daemon_wait(mm_daemon *d, int tick_ms, void (*tick)(void *arg), void *arg);
 
 // mm_daemon_close says goodbye to the router (bounded by 500 ms), stops everything, frees the
-// daemon and returns its exit status. Accepts NULL (returns MM_EXIT_ERROR).
+// daemon and returns its exit status. It ends with nng_fini(): close every other nng socket
+// first, and call it last, just before main returns. Accepts NULL (returns MM_EXIT_ERROR).
 int mm_daemon_close(mm_daemon *d);
 
 // mm_daemon_main is the whole life of a daemon with no event loop: open, start, wait, close.

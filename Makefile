@@ -10,6 +10,8 @@
 #   make proto      regenerate the protobuf-c code only
 #   make deps       install the Debian packages the build needs (idempotent)
 #   make test-rdma  rdma:// suite on soft-RoCE in a qemu VM (BENCH=1: benchmark rows too)
+#   make install    install binaries, launcher and systemd units (PREFIX, DESTDIR; docs/OPERATIONS.md)
+#   make test-twobox  two-box rehearsal in network namespaces (root; deploy/twobox.sh)
 #
 # Sources are found by wildcard: a new common/*.c, kernels/cpu/*.c, tests/**/*_test.c or
 # services/<daemon>/*.c needs no Makefile change.
@@ -77,7 +79,7 @@ TEST_BINS   := $(patsubst tests/%.c,$(BUILD)/tests/%,$(TEST_SRCS))
 LIB         := $(BUILD)/libmoemesh.a
 
 .PHONY: all run test asan ubsan deps proto clean cuda hip check-config test-bins
-.PHONY: install
+.PHONY: install test-twobox
 all: deps $(DAEMON_BINS) $(BUILD)/bin/moemesh
 
 # ---- dependencies ----------------------------------------------------------------------------
@@ -187,6 +189,11 @@ test: all test-bins
 test-rdma: all test-bins
 	tests/rdma/vm.sh --bin $(BUILD)/tests/rdma/rdma_test --bin $(BUILD)/tests/transport/conformance_test \
 	  --bin $(BUILD)/bin/moemesh tests/rdma/guest.sh "$(TESTS)" $(if $(BENCH),bench,nobench)
+
+# Two-box rehearsal in two network namespaces (root; deploy/twobox.sh says what it shows). Exit
+# 77 there means parts did not run (printed as SKIP); make reports that as success.
+test-twobox: all
+	@BIN=$(BUILD)/bin bash deploy/twobox.sh; rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 77 ]
 
 asan:
 	$(MAKE) BUILD=build/asan SAN=address OPT=-O1 test

@@ -2,8 +2,9 @@
 # timeout: 150
 # The compose files and the Dockerfile in deploy/ (this machine has no container engine, so
 # nothing is built or started; Debian's docker-compose 1.29 validates and normalises files).
-#  1. `docker-compose config -q` passes for box-a.yml and box-b.yml, alone and with their GPU
-#     and RDMA override files, with the example env files; any stderr output fails the check.
+#  1. `docker-compose config -q` passes for box-a.yml and box-b.yml with the example env files
+#     and with their GPU and RDMA override files, box-a.yml also with no env file; any stderr
+#     output fails the check.
 #  2. The normalised config has what a box needs: host networking, unlimited memlock, the
 #     gateway healthcheck on /health, scalable owners (no container_name, no ports, a slot
 #     dir), GPU reservations and /dev/infiniband in the overrides.
@@ -24,35 +25,42 @@ python3 -c 'import yaml' 2>/dev/null || { echo "SKIP: python3-yaml not installed
 tmp=$(mktemp -d /tmp/mm-compose.XXXXXX)
 trap 'rm -rf "$tmp"' EXIT
 
-# compose_ok OUT ARGS...: docker-compose ARGS config, rc 0 and empty stderr; config to OUT.
-compose_ok() {
-    local out=$1; shift
-    local rc=0
-    (cd "$tmp" && docker-compose --project-directory "$dir" "$@" config) >"$out" 2>"$tmp/err" || rc=$?
-    if [ $rc -ne 0 ] || [ -s "$tmp/err" ]; then
-        echo "docker-compose $*: rc=$rc"; sed 's/^/    /' "$tmp/err"
-        return 1
-    fi
-    return 0
+# dc NAME ARGS...: docker-compose ARGS, in the background and in a clean environment (the
+# caller's MM_* variables must not leak into the substitution); stdout, stderr and status go to
+# $tmp/NAME.out, .err, .rc. The runs are independent, so they overlap (python start-up is most
+# of their cost).
+dc() {
+    local n=$1; shift
+    (cd "$tmp" && env -i PATH="$PATH" HOME="$tmp" docker-compose --project-directory "$dir" "$@" \
+        >"$tmp/$n.out" 2>"$tmp/$n.err"; echo $? >"$tmp/$n.rc") &
 }
+# dc_ok NAME: status 0 and nothing at all on stderr (warnings count as failures).
+dc_ok() { [ "$(cat "$tmp/$1.rc")" = 0 ] && [ ! -s "$tmp/$1.err" ]; }
+dc_show() { echo "    docker-compose ($1): rc=$(cat "$tmp/$1.rc")"; sed 's/^/    | /' "$tmp/$1.err"; }
 
-# 1. Every compose file, with and without overrides; config -q as the issue asks, too.
 files=$(cd "$dir" && ls *.yml | sort | tr '\n' ' ')
 [ "$files" = "box-a.gpu.yml box-a.rdma.yml box-a.yml box-b.gpu.yml box-b.rdma.yml box-b.yml " ] ||
     bad "unexpected compose files in deploy/compose: $files"
+sed 's/^  gateway:$/  gateway:\n    bogus_key: 1/' "$dir/box-a.yml" >"$tmp/broken.yml"
+grep -q bogus_key "$tmp/broken.yml" || bad "could not build the broken compose file"
 for box in box-a box-b; do
-    env=(--env-file "$dir/$box.env.example")
-    if (cd "$tmp" && docker-compose --project-directory "$dir" "${env[@]}" -f "$dir/$box.yml" config -q) 2>"$tmp/err" && [ ! -s "$tmp/err" ]; then
-        echo "ok: docker-compose config -q $box.yml"
-    else
-        sed 's/^/    /' "$tmp/err"; bad "docker-compose config -q $box.yml"
-    fi
-    compose_ok "$tmp/$box.json" "${env[@]}" -f "$dir/$box.yml" || bad "$box.yml"
-    compose_ok "$tmp/$box.full.json" "${env[@]}" -f "$dir/$box.yml" -f "$dir/$box.gpu.yml" -f "$dir/$box.rdma.yml" ||
-        bad "$box.yml with $box.gpu.yml and $box.rdma.yml"
+    dc "$box-q" --env-file "$dir/$box.env.example" -f "$dir/$box.yml" config -q
+    dc "$box-full" --env-file "$dir/$box.env.example" -f "$dir/$box.yml" -f "$dir/$box.gpu.yml" -f "$dir/$box.rdma.yml" config
 done
-# Box A also works with no env file at all (one box, defaults).
-compose_ok "$tmp/box-a.bare.json" -f "$dir/box-a.yml" || bad "box-a.yml without an env file"
+dc box-a-bare -f "$dir/box-a.yml" config -q           # one box, no env file at all
+dc broken -f "$tmp/broken.yml" config -q              # must fail: unknown key
+dc no-router -f "$dir/box-b.yml" config -q            # must fail: MM_ROUTER unset
+wait
+
+# 1. Every compose file passes: the bases alone (config -q, as the issue asks) and with their
+# GPU and RDMA overrides; box A also with no env file.
+for n in box-a-q box-b-q box-a-full box-b-full box-a-bare; do
+    if dc_ok $n; then echo "ok: docker-compose config ($n)"; else dc_show $n; bad "docker-compose config ($n)"; fi
+done
+for box in box-a box-b; do
+    cp "$tmp/$box-full.out" "$tmp/$box.full.json"
+    grep -qE '^ *(devices|deploy):' "$dir/$box.yml" && bad "$box.yml has devices/GPUs in the base file (they belong in the overrides)"
+done
 
 # 2. What the normalised configs must contain.
 python3 - "$tmp" <<'EOF' || fail=1
@@ -64,7 +72,7 @@ def load(name):
         return yaml.safe_load(f)
 want_services = {"box-a": {"router", "gateway", "attention", "expert"}, "box-b": {"expert", "drafter"}}
 for box, want in want_services.items():
-    for variant in ("", ".full"):
+    for variant in (".full",):
         cfg = load(box + variant)
         svcs = cfg.get("services", {})
         if set(svcs) != want:
@@ -94,14 +102,12 @@ for box, want in want_services.items():
                     errors.append(f"{where}: no nvidia GPU reservation with the gpu override")
                 if not any(str(d).startswith("/dev/infiniband") for d in s.get("devices", [])):
                     errors.append(f"{where}: no /dev/infiniband with the rdma override")
-            elif variant != ".full" and ("devices" in s or "deploy" in s):
-                errors.append(f"{where}: devices/GPUs in the base file (they belong in the overrides)")
         gw = svcs.get("gateway")
         if gw is not None:
             test = " ".join(gw.get("healthcheck", {}).get("test", []))
             if "/health" not in test or "curl" not in test:
                 errors.append(f"{box}{variant} gateway: healthcheck {test!r} does not GET /health")
-cfg = load("box-b")
+cfg = load("box-b.full")
 env = cfg["services"]["expert"]["environment"]
 if env.get("MM_ROUTER") != "tcp://10.0.0.1:7100" or env.get("MM_DATA") != "tcp://10.0.0.2:{i+7400}" \
         or env.get("MM_INSTANCE_BASE") != "4":
@@ -114,15 +120,12 @@ sys.exit(1 if errors else 0)
 EOF
 
 # 3. Negative checks: the validation must be able to fail.
-sed 's/^  gateway:$/  gateway:\n    bogus_key: 1/' "$dir/box-a.yml" >"$tmp/broken.yml"
-grep -q bogus_key "$tmp/broken.yml" || bad "could not build the broken compose file"
-if compose_ok "$tmp/x" -f "$tmp/broken.yml" >/dev/null; then
-    bad "docker-compose config accepted an unknown key"
-else echo "ok: a compose file with an unknown key is rejected"; fi
-if (cd "$tmp" && env -u MM_ROUTER docker-compose --project-directory "$dir" -f "$dir/box-b.yml" config -q) >/dev/null 2>"$tmp/err"; then
-    bad "box-b.yml accepted a missing MM_ROUTER"
-elif grep -q "set MM_ROUTER" "$tmp/err"; then echo "ok: box-b.yml without MM_ROUTER fails naming it"
-else sed 's/^/    /' "$tmp/err"; bad "box-b.yml without MM_ROUTER failed without naming MM_ROUTER"; fi
+if dc_ok broken || [ "$(cat "$tmp/broken.rc")" = 0 ]; then bad "docker-compose config accepted an unknown key"
+elif grep -q bogus_key "$tmp/broken.err"; then echo "ok: a compose file with an unknown key is rejected"
+else dc_show broken; bad "the unknown key was rejected without naming it"; fi
+if [ "$(cat "$tmp/no-router.rc")" = 0 ]; then bad "box-b.yml accepted a missing MM_ROUTER"
+elif grep -q "set MM_ROUTER" "$tmp/no-router.err"; then echo "ok: box-b.yml without MM_ROUTER fails naming it"
+else dc_show no-router; bad "box-b.yml without MM_ROUTER failed without naming MM_ROUTER"; fi
 
 # 4. Dockerfile package lists against the Makefile and the built binaries.
 df=$here/deploy/Dockerfile
@@ -151,26 +154,52 @@ for b in "$BIN"/moemesh "$BIN"/moemesh-*; do
 done | sort -u >"$tmp/libs"
 [ -s "$tmp/libs" ] || bad "ldd found no shared libraries in $BIN (not built?)"
 # What apt installs for the runtime list: the listed packages and, recursively, their
-# dependencies as this machine's dpkg knows them (same Debian 12 packages as the image).
-run_closure=$run_pkgs
-frontier=$run_pkgs
-for _ in 1 2 3 4 5 6; do
-    next=$(for p in $frontier; do dpkg-query -W -f='${Depends},${Pre-Depends}\n' "$p" 2>/dev/null; done |
-        tr ',|' '\n\n' | sed 's/([^)]*)//g; s/:any//; s/^ *//; s/ *$//' | grep -E '^[a-z0-9]' | sort -u |
-        grep -vxF -f <(echo "$run_closure") || true)
-    [ -n "$next" ] || break
-    run_closure=$(printf '%s\n%s\n' "$run_closure" "$next" | sort -u)
-    frontier=$next
-done
-while read -r lib; do
-    real=$(readlink -f "$lib")
-    pkg=$(dpkg -S "$real" 2>/dev/null || dpkg -S "$lib" 2>/dev/null || dpkg -S "*/$(basename "$lib")" 2>/dev/null || true)
-    pkg=$(head -n1 <<<"$pkg" | cut -d: -f1)
-    if [ -z "$pkg" ]; then bad "no Debian package owns $lib (linked by the binaries)"; continue; fi
-    case $pkg in libc6|libgcc-s1|libstdc++6) continue ;; esac   # in debian:12-slim already
-    if grep -qx "$pkg" <<<"$run_closure"; then echo "ok: runtime stage provides $pkg ($lib)"
-    else bad "the binaries load $lib from package $pkg, which the Dockerfile runtime stage does not install"; fi
-done <"$tmp/libs"
+# dependencies as this machine's dpkg knows them (the same Debian 12 packages as the image).
+# Which package owns each library: one `dpkg -S` over all of them.
+echo "$run_pkgs" >"$tmp/run_pkgs"
+dpkg-query -W -f='${Package}\t${Depends}, ${Pre-Depends}\n' >"$tmp/depends" 2>/dev/null
+dpkg -S $(sed 's#.*/#*/#' "$tmp/libs") >"$tmp/owners" 2>/dev/null
+python3 - "$tmp" <<'PYEOF' || fail=1
+import re, sys
+tmp = sys.argv[1]
+deps = {}
+for line in open(f"{tmp}/depends"):
+    pkg, _, rest = line.rstrip("\n").partition("\t")
+    names = set()
+    for alt in re.split(r"[,|]", rest):
+        name = re.sub(r"\(.*?\)|:any", "", alt).strip()
+        if name:
+            names.add(name)
+    deps[pkg] = names
+closure = set(open(f"{tmp}/run_pkgs").read().split())
+frontier = list(closure)
+while frontier:
+    p = frontier.pop()
+    for d in deps.get(p, ()):
+        if d not in closure:
+            closure.add(d)
+            frontier.append(d)
+owners = {}
+for line in open(f"{tmp}/owners"):
+    pkgs, _, path = line.rstrip("\n").partition(": ")
+    base = path.rsplit("/", 1)[-1]
+    for p in pkgs.split(", "):
+        owners.setdefault(base, set()).add(p.split(":")[0])
+bad = 0
+for lib in open(f"{tmp}/libs").read().split():
+    base = lib.rsplit("/", 1)[-1]
+    pkgs = owners.get(base, set())
+    if not pkgs:
+        print(f"FAIL: no Debian package owns {lib} (linked by the binaries)"); bad = 1; continue
+    if pkgs & {"libc6", "libgcc-s1", "libstdc++6"}:
+        continue  # in debian:12-slim already
+    if pkgs & closure:
+        print(f"ok: runtime stage provides {'/'.join(sorted(pkgs & closure))} ({lib})")
+    else:
+        print(f"FAIL: the binaries load {lib} from package {'/'.join(sorted(pkgs))}, which the Dockerfile runtime stage does not install")
+        bad = 1
+sys.exit(bad)
+PYEOF
 
 [ $fail -eq 0 ] && echo "compose: all checks passed"
 exit $fail

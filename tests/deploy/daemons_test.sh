@@ -19,6 +19,11 @@ model=$(pwd)/tests/fixtures/models/qwen3moe-tiny
 [ -d "$model" ] || { echo "SKIP: fixture model $model missing"; exit 77; }
 
 tmp=$(mktemp -d /tmp/mm-daemons.XXXXXX)
+# Run a snapshot of the binaries: a rebuild in the tree meanwhile must not pull them away.
+mkdir -p "$tmp/bin"
+cp "$bindir"/moemesh-* "$tmp/bin/" || { echo "FAIL: cannot copy the daemons from $bindir"; rm -rf "$tmp"; exit 1; }
+bindir=$tmp/bin
+BIN=$bindir
 pids=()
 cleanup() {
     for p in "${pids[@]}"; do kill -KILL "$p" 2>/dev/null; done

@@ -134,8 +134,16 @@ __device__ __forceinline__ float wget(const void *w, int64_t i) {
     return ((const float *)w)[i];
 }
 
+// Two f32 -> packed bf16 (a low), round to nearest even. Every path that feeds the tensor
+// cores converts through this one function, so x rounds identically everywhere.
 __device__ __forceinline__ uint32_t pack_bf16(float a, float b) {
+#if MM_GPU_HAVE_WMMA
+    uint32_t r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(b), "f"(a));
+    return r;
+#else
     return (uint32_t)mm_gpu_f32_to_bf16(a) | ((uint32_t)mm_gpu_f32_to_bf16(b) << 16);
+#endif
 }
 
 #if MM_GPU_HAVE_WMMA
@@ -178,12 +186,67 @@ __device__ __forceinline__ uint4 load_x8(const float *row, int k, int n_in, bool
                       pack_bf16(v[6], v[7]));
 }
 
+// 8 f32 of an x row from k as two float4 (zeros past n_in); converted by the caller.
+__device__ __forceinline__ void load_x8f(const float *row, int k, int n_in, bool vec, float4 &lo,
+                                         float4 &hi) {
+    if (vec && k + 8 <= n_in) {
+        lo = __ldg((const float4 *)(row + k));
+        hi = __ldg((const float4 *)(row + k + 4));
+    } else {
+        float v[8];
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+            v[j] = k + j < n_in ? row[k + j] : 0.0f;
+        lo = make_float4(v[0], v[1], v[2], v[3]);
+        hi = make_float4(v[4], v[5], v[6], v[7]);
+    }
+}
+
+// ---- K segments ------------------------------------------------------------------------------
+// Both mma paths split k into S <= 16 fixed segments of seg_len(n_in) (a multiple of 32, at
+// least 256): each segment accumulates its chunks from zero, and the segment sums are added
+// in segment order, 0 + p0 + p1 + ... . The GEMV spreads segments over warps (parallelism for
+// small matrices at batch 1); the GEMM walks them in order with a second accumulator. The
+// split depends on n_in only, so the bits do not depend on the path or on n_rows.
+#define SEG_MAX 16
+__host__ __device__ __forceinline__ int seg_len(int n_in) {
+    int l = (n_in + SEG_MAX - 1) / SEG_MAX;
+    l = (l + 31) / 32 * 32;
+    return l < 256 ? 256 : l;
+}
+
 // ---- GEMV through mma: W in A (16 outputs), x^T in B (8 tokens per group) -----------------------
+// A block of 8 warps covers 8/wpt row tiles of 16 outputs; the wpt warps of a tile take its
+// segments round-robin, park the partial sums in shared memory, and the block adds them in
+// segment order.
 #define MV_WARPS 8
-#define MV_UNROLL 4 // 32-wide k chunks in flight per warp
+#define MV_UNROLL 4 // 32-wide k chunks in flight per warp (NG = 1); two blocks per SM
+
+// Programmatic dependent launch (sm_90): a GEMV lets the next kernel launch at once, and
+// before waiting for the previous kernel it prefetches its dense weight rows into L2 (they
+// do not depend on earlier kernels), so one matrix's HBM latency hides behind the previous
+// kernel's tail. Everything the previous kernel may write (x, offsets) or read (y) is touched
+// only after griddepcontrol.wait. mm_gpu_set_pdl(0) turns it off.
+static bool g_pdl = true;
 
 template <int NG, bool GROUPED>
-__global__ void __launch_bounds__(MV_WARPS * 32) gemv_mma_kernel(mm_mat_args a) {
+__global__ void __launch_bounds__(MV_WARPS * 32, 2) gemv_mma_kernel(mm_mat_args a, int wpt) {
+    __shared__ float part[SEG_MAX][16 * 8 * NG]; // [tile * S + segment][row * 8NG + token]
+    asm volatile("griddepcontrol.launch_dependents;\n" ::);
+    if (!GROUPED) {
+        const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+        const int tpb = MV_WARPS / wpt;
+        const int r0 = (blockIdx.x * tpb + warp / wpt) * 16;
+        const int sl = seg_len(a.n_in), S = (a.n_in + sl - 1) / sl;
+        if (r0 < a.n_out) {
+            const uint16_t *w = (const uint16_t *)a.w0;
+            const int row = min(r0 + (lane & 15), a.n_out - 1);
+            for (int sg = warp % wpt; sg < S; sg += wpt) // 128-byte lines, two lanes per row
+                for (int k = sg * sl + (lane >> 4) * 64; k < min(a.n_in, (sg + 1) * sl); k += 128)
+                    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(w + (size_t)row * a.n_in + k));
+        }
+    }
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
     mm_tile tile;
     const void *wv;
     if (!block_tile<GROUPED, 8 * NG>(a.w0, a.wg, a.offs, a.n_experts, a.n_rows, &tile, &wv))
@@ -191,71 +254,78 @@ __global__ void __launch_bounds__(MV_WARPS * 32) gemv_mma_kernel(mm_mat_args a) 
     const uint16_t *w = (const uint16_t *)wv;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int g = lane >> 2, t = lane & 3;
-    const int r0 = (blockIdx.x * MV_WARPS + warp) * 16;
-    if (r0 >= a.n_out)
-        return;
+    const int tpb = MV_WARPS / wpt, tib = warp / wpt, wit = warp % wpt;
+    const int sl = seg_len(a.n_in), S = (a.n_in + sl - 1) / sl;
+    const int r0 = (blockIdx.x * tpb + tib) * 16;
     const uint16_t *wr0 = w + (size_t)min(r0 + g, a.n_out - 1) * a.n_in;
     const uint16_t *wr1 = w + (size_t)min(r0 + g + 8, a.n_out - 1) * a.n_in;
     const float *xr[NG];
 #pragma unroll
     for (int q = 0; q < NG; q++) // token 8q+g of the tile; past mlen re-read a valid row
         xr[q] = a.x + (size_t)(tile.m0 + min(8 * q + g, tile.mlen - 1)) * a.x_stride;
-    float acc[NG][4];
-#pragma unroll
-    for (int q = 0; q < NG; q++)
-        acc[q][0] = acc[q][1] = acc[q][2] = acc[q][3] = 0.0f;
     const bool vec = a.vec != 0;
-    int kc = 0;
-    // Main loop: MV_UNROLL full chunks, all weight loads issued before the first mma.
-    for (; kc + 32 * MV_UNROLL <= a.n_in; kc += 32 * MV_UNROLL) {
-        uint4 w0v[MV_UNROLL], w1v[MV_UNROLL];
+    if (r0 < a.n_out) {
+        for (int sg = wit; sg < S; sg += wpt) {
+            const int k_end = min(a.n_in, (sg + 1) * sl);
+            float acc[NG][4];
 #pragma unroll
-        for (int u = 0; u < MV_UNROLL; u++) {
-            w0v[u] = load_w8(wr0, kc + 32 * u + 8 * t, a.n_in, vec);
-            w1v[u] = load_w8(wr1, kc + 32 * u + 8 * t, a.n_in, vec);
-        }
+            for (int q = 0; q < NG; q++)
+                acc[q][0] = acc[q][1] = acc[q][2] = acc[q][3] = 0.0f;
+            // All weight and x loads of up to U chunks are issued before the first mma: the
+            // x reads (L1/L2 hits) must not serialise with the tensor-core chain.
+            constexpr int U = MV_UNROLL / NG;
+            for (int kc = sg * sl; kc < k_end; kc += 32 * U) {
+                uint4 w0v[U], w1v[U];
+                float4 xa[U][NG], xb[U][NG];
 #pragma unroll
-        for (int u = 0; u < MV_UNROLL; u++) {
+                for (int u = 0; u < U; u++) {
+                    const int k = kc + 32 * u + 8 * t;
+                    if (kc + 32 * u < k_end) {
+                        w0v[u] = load_w8(wr0, k, a.n_in, vec);
+                        w1v[u] = load_w8(wr1, k, a.n_in, vec);
 #pragma unroll
-            for (int q = 0; q < NG; q++) {
-                const uint4 xv = load_x8(xr[q], kc + 32 * u + 8 * t, a.n_in, vec);
-                const uint32_t A0[4] = {w0v[u].x, w1v[u].x, w0v[u].y, w1v[u].y};
-                const uint32_t B0[2] = {xv.x, xv.y};
-                mma16816(acc[q], A0, B0);
-                const uint32_t A1[4] = {w0v[u].z, w1v[u].z, w0v[u].w, w1v[u].w};
-                const uint32_t B1[2] = {xv.z, xv.w};
-                mma16816(acc[q], A1, B1);
+                        for (int q = 0; q < NG; q++)
+                            load_x8f(xr[q], k, a.n_in, vec, xa[u][q], xb[u][q]);
+                    }
+                }
+#pragma unroll
+                for (int u = 0; u < U; u++) {
+                    if (kc + 32 * u >= k_end)
+                        break;
+#pragma unroll
+                    for (int q = 0; q < NG; q++) {
+                        const uint32_t A0[4] = {w0v[u].x, w1v[u].x, w0v[u].y, w1v[u].y};
+                        const uint32_t B0[2] = {pack_bf16(xa[u][q].x, xa[u][q].y),
+                                                pack_bf16(xa[u][q].z, xa[u][q].w)};
+                        mma16816(acc[q], A0, B0);
+                        const uint32_t A1[4] = {w0v[u].z, w1v[u].z, w0v[u].w, w1v[u].w};
+                        const uint32_t B1[2] = {pack_bf16(xb[u][q].x, xb[u][q].y),
+                                                pack_bf16(xb[u][q].z, xb[u][q].w)};
+                        mma16816(acc[q], A1, B1);
+                    }
+                }
             }
+            // acc[q][0..1]: outputs g, tokens 8q+2t, +1; acc[q][2..3]: output g+8.
+            float *pp = part[tib * S + sg];
+#pragma unroll
+            for (int q = 0; q < NG; q++)
+#pragma unroll
+                for (int i = 0; i < 4; i++)
+                    pp[(g + (i >> 1) * 8) * (8 * NG) + 8 * q + 2 * t + (i & 1)] = acc[q][i];
         }
     }
-    for (; kc < a.n_in; kc += 32) {
-        const uint4 w0c = load_w8(wr0, kc + 8 * t, a.n_in, vec);
-        const uint4 w1c = load_w8(wr1, kc + 8 * t, a.n_in, vec);
-#pragma unroll
-        for (int q = 0; q < NG; q++) {
-            const uint4 xv = load_x8(xr[q], kc + 8 * t, a.n_in, vec);
-            const uint32_t A0[4] = {w0c.x, w1c.x, w0c.y, w1c.y};
-            const uint32_t B0[2] = {xv.x, xv.y};
-            mma16816(acc[q], A0, B0);
-            const uint32_t A1[4] = {w0c.z, w1c.z, w0c.w, w1c.w};
-            const uint32_t B1[2] = {xv.z, xv.w};
-            mma16816(acc[q], A1, B1);
-        }
-    }
-    // acc[q][0..1]: outputs r0+g, tokens 8q+2t, 8q+2t+1; acc[q][2..3]: output r0+g+8.
-#pragma unroll
-    for (int q = 0; q < NG; q++) {
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            const int o = r0 + g + (i >> 1) * 8, tok = 8 * q + 2 * t + (i & 1);
-            if (o < a.n_out && tok < tile.mlen) {
-                const float b = a.bias ? a.bias[o] : 0.0f;
-                float v = acc[q][i];
-                if (a.bias)
-                    v = v + b;
-                a.y[(size_t)(tile.m0 + tok) * a.y_stride + o] = v;
-            }
-        }
+    __syncthreads();
+    for (int i = threadIdx.x; i < tpb * 16 * 8 * NG; i += MV_WARPS * 32) {
+        const int tl = i / (16 * 8 * NG), rem = i % (16 * 8 * NG);
+        const int o = (blockIdx.x * tpb + tl) * 16 + rem / (8 * NG), tok = rem % (8 * NG);
+        if (o >= a.n_out || tok >= tile.mlen)
+            continue;
+        float v = 0.0f;
+        for (int sg = 0; sg < S; sg++)
+            v = v + part[tl * S + sg][rem];
+        if (a.bias)
+            v = v + a.bias[o];
+        a.y[(size_t)(tile.m0 + tok) * a.y_stride + o] = v;
     }
 }
 
@@ -301,12 +371,15 @@ __global__ void __launch_bounds__(MM_THREADS) gemm_mma_kernel(mm_mat_args a) {
             *(uint4 *)&smem[st][(MM_BM + r) * MM_LD + c] = ws[i];
         }
     };
-    float acc[4][4][4];
+    float acc[4][4][4], tot[4][4][4];
 #pragma unroll
     for (int i = 0; i < 4; i++)
 #pragma unroll
         for (int j = 0; j < 4; j++)
-            acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.0f;
+#pragma unroll
+            for (int c = 0; c < 4; c++)
+                acc[i][j][c] = tot[i][j][c] = 0.0f;
+    const int sl = seg_len(a.n_in);
 
     load(0);
     store(0);
@@ -337,12 +410,23 @@ __global__ void __launch_bounds__(MM_THREADS) gemm_mma_kernel(mm_mat_args a) {
                 for (int j = 0; j < 4; j++)
                     mma16816(acc[i][j], A[i], B[j]);
         }
+        if (!more || (kc + MM_BK) % sl == 0) { // end of a k segment: tot += acc, acc = 0
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+#pragma unroll
+                for (int j = 0; j < 4; j++)
+#pragma unroll
+                    for (int c = 0; c < 4; c++) {
+                        tot[i][j][c] = tot[i][j][c] + acc[i][j][c];
+                        acc[i][j][c] = 0.0f;
+                    }
+        }
         if (more)
             store(st ^ 1);
         __syncthreads();
         st ^= 1;
     }
-    // acc[i][j][0..1]: token wm+16i+g, outputs wn+8j+2t, +1; [2..3]: token +8.
+    // tot[i][j][0..1]: token wm+16i+g, outputs wn+8j+2t, +1; [2..3]: token +8.
 #pragma unroll
     for (int i = 0; i < 4; i++) {
 #pragma unroll
@@ -357,7 +441,144 @@ __global__ void __launch_bounds__(MM_THREADS) gemm_mma_kernel(mm_mat_args a) {
                 for (int c = 0; c < 2; c++) {
                     const int o = n0 + wn + 8 * j + 2 * t + c;
                     if (o < a.n_out) {
-                        float v = acc[i][j][2 * h + c];
+                        float v = tot[i][j][2 * h + c];
+                        if (a.bias)
+                            v = v + a.bias[o];
+                        yr[o] = v;
+                    }
+                }
+            }
+        }
+    }
+}
+// ---- GEMM through mma, cp.async pipeline (aligned shapes) -----------------------------------------
+// The same tiles, arithmetic and k segments as gemm_mma_kernel, fed by a MA_STAGES-deep
+// cp.async pipeline: x stays f32 in shared memory and is rounded to bf16 (pack_bf16) when the
+// A fragments are built, w is copied as is. Needs a.vec (16-byte aligned rows, n_in % 8 == 0).
+#define MA_STAGES 4
+#define MA_XLD 36 // floats per shared x row: 32 + 4 (16-byte aligned, conflict-free float4 reads)
+#define MA_WLD 40 // bf16 per shared w row: 32 + 8
+#define MA_STAGE_BYTES (MM_BM * MA_XLD * 4 + MM_BN * MA_WLD * 2)
+#define MA_SMEM (MA_STAGES * MA_STAGE_BYTES)
+
+__device__ __forceinline__ void cp_async16(void *dst, const void *src, bool valid) {
+    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    const int n = valid ? 16 : 0; // 0: nothing read, 16 zero bytes written
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(n));
+}
+__device__ __forceinline__ void cp_async_commit(void) { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait(void) { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+template <bool GROUPED>
+__global__ void __launch_bounds__(MM_THREADS) gemm_mma_async_kernel(mm_mat_args a) {
+    extern __shared__ __align__(16) unsigned char ma_smem[];
+    mm_tile tile;
+    const void *wv;
+    if (!block_tile<GROUPED, MM_BM>(a.w0, a.wg, a.offs, a.n_experts, a.n_rows, &tile, &wv))
+        return;
+    const uint16_t *w = (const uint16_t *)wv;
+    const int n0 = blockIdx.x * MM_BN;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int g = lane >> 2, t = lane & 3;
+    const int wm = (warp / 4) * 64, wn = (warp % 4) * 32;
+    const int n_k = (a.n_in + MM_BK - 1) / MM_BK;
+    auto xs = [&](int st) { return (float *)(ma_smem + st * MA_STAGE_BYTES); };
+    auto ws = [&](int st) { return (uint16_t *)(ma_smem + st * MA_STAGE_BYTES + MM_BM * MA_XLD * 4); };
+    auto load = [&](int kt, int st) {
+        const int kc = kt * MM_BK;
+        float *sx = xs(st);
+        uint16_t *sw = ws(st);
+#pragma unroll
+        for (int i = 0; i < 4; i++) { // x: 128 rows x 8 pieces of 4 floats
+            const int p = threadIdx.x + i * MM_THREADS, r = p >> 3, c = (p & 7) * 4;
+            const bool ok = r < tile.mlen && kc + c < a.n_in;
+            const float *src = ok ? a.x + (size_t)(tile.m0 + r) * a.x_stride + kc + c : a.x;
+            cp_async16(sx + r * MA_XLD + c, src, ok);
+        }
+#pragma unroll
+        for (int i = 0; i < 2; i++) { // w: 128 rows x 4 pieces of 8 bf16
+            const int p = threadIdx.x + i * MM_THREADS, r = p >> 2, c = (p & 3) * 8;
+            const bool ok = n0 + r < a.n_out && kc + c < a.n_in;
+            const uint16_t *src = ok ? w + (size_t)(n0 + r) * a.n_in + kc + c : w;
+            cp_async16(sw + r * MA_WLD + c, src, ok);
+        }
+    };
+    float acc[4][4][4], tot[4][4][4];
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+#pragma unroll
+            for (int c = 0; c < 4; c++)
+                acc[i][j][c] = tot[i][j][c] = 0.0f;
+    const int sl = seg_len(a.n_in);
+#pragma unroll
+    for (int s0 = 0; s0 < MA_STAGES - 1; s0++) {
+        if (s0 < n_k)
+            load(s0, s0);
+        cp_async_commit();
+    }
+    for (int kt = 0; kt < n_k; kt++) {
+        cp_async_wait<MA_STAGES - 2>();
+        __syncthreads(); // stage kt landed for everyone; stage kt-1 is free to refill
+        if (kt + MA_STAGES - 1 < n_k)
+            load(kt + MA_STAGES - 1, (kt + MA_STAGES - 1) % MA_STAGES);
+        cp_async_commit();
+        const float *sx = xs(kt % MA_STAGES);
+        const uint16_t *sw = ws(kt % MA_STAGES);
+#pragma unroll
+        for (int s = 0; s < 2; s++) {
+            uint32_t A[4][4], B[4][2];
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const float4 lo = *(const float4 *)&sx[(wm + 16 * i + g) * MA_XLD + 8 * t + 4 * s];
+                const float4 hi = *(const float4 *)&sx[(wm + 16 * i + g + 8) * MA_XLD + 8 * t + 4 * s];
+                A[i][0] = pack_bf16(lo.x, lo.y);
+                A[i][1] = pack_bf16(hi.x, hi.y);
+                A[i][2] = pack_bf16(lo.z, lo.w);
+                A[i][3] = pack_bf16(hi.z, hi.w);
+            }
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                const uint2 b = *(const uint2 *)&sw[(wn + 8 * j + g) * MA_WLD + 8 * t + 4 * s];
+                B[j][0] = b.x;
+                B[j][1] = b.y;
+            }
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+#pragma unroll
+                for (int j = 0; j < 4; j++)
+                    mma16816(acc[i][j], A[i], B[j]);
+        }
+        if (kt == n_k - 1 || ((kt + 1) * MM_BK) % sl == 0) {
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+#pragma unroll
+                for (int j = 0; j < 4; j++)
+#pragma unroll
+                    for (int c = 0; c < 4; c++) {
+                        tot[i][j][c] = tot[i][j][c] + acc[i][j][c];
+                        acc[i][j][c] = 0.0f;
+                    }
+        }
+    }
+    cp_async_wait<0>();
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int r = wm + 16 * i + g + 8 * h;
+            if (r >= tile.mlen)
+                continue;
+            float *yr = a.y + (size_t)(tile.m0 + r) * a.y_stride;
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+#pragma unroll
+                for (int c = 0; c < 2; c++) {
+                    const int o = n0 + wn + 8 * j + 2 * t + c;
+                    if (o < a.n_out) {
+                        float v = tot[i][j][2 * h + c];
                         if (a.bias)
                             v = v + a.bias[o];
                         yr[o] = v;
@@ -446,18 +667,39 @@ static mm_err launch(cudaStream_t st, int path, int dtype, mm_mat_args a, int pe
 #if MM_GPU_HAVE_WMMA
     if (dtype == MM_DTYPE_BF16 && path == MM_GPU_PATH_GEMV) {
         const int ng = per_tile_rows <= 8 ? 1 : per_tile_rows <= 16 ? 2 : 4;
-        dim3 grid(mm_div_up(a.n_out, MV_WARPS * 16), tiles(8 * ng));
+        const int S = (a.n_in + seg_len(a.n_in) - 1) / seg_len(a.n_in);
+        const int wpt = S >= 8 ? 8 : S >= 4 ? 4 : S >= 2 ? 2 : 1; // warps per 16-row tile
+        dim3 grid(mm_div_up(a.n_out, 16 * (MV_WARPS / wpt)), tiles(8 * ng));
+        cudaLaunchConfig_t cfg = {};
+        cudaLaunchAttribute attr[1];
+        attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        attr[0].val.programmaticStreamSerializationAllowed = 1;
+        cfg.gridDim = grid;
+        cfg.blockDim = dim3(MV_WARPS * 32);
+        cfg.stream = st;
+        cfg.attrs = attr;
+        cfg.numAttrs = g_pdl ? 1 : 0;
         switch (ng) {
-        case 1: gemv_mma_kernel<1, GROUPED><<<grid, MV_WARPS * 32, 0, st>>>(a); break;
-        case 2: gemv_mma_kernel<2, GROUPED><<<grid, MV_WARPS * 32, 0, st>>>(a); break;
-        default: gemv_mma_kernel<4, GROUPED><<<grid, MV_WARPS * 32, 0, st>>>(a); break;
+        case 1: MM_GPU_CHECK(cudaLaunchKernelEx(&cfg, gemv_mma_kernel<1, GROUPED>, a, wpt)); break;
+        case 2: MM_GPU_CHECK(cudaLaunchKernelEx(&cfg, gemv_mma_kernel<2, GROUPED>, a, wpt)); break;
+        default: MM_GPU_CHECK(cudaLaunchKernelEx(&cfg, gemv_mma_kernel<4, GROUPED>, a, wpt)); break;
         }
         MM_GPU_CHECK(cudaGetLastError());
         return MM_OK;
     }
     if (dtype == MM_DTYPE_BF16 && path == MM_GPU_PATH_MMA) {
         dim3 grid(mm_div_up(a.n_out, MM_BN), tiles(MM_BM));
-        gemm_mma_kernel<GROUPED><<<grid, MM_THREADS, 0, st>>>(a);
+        static bool attr_set[2];
+        if (a.vec) {
+            if (!attr_set[GROUPED]) { // once per process: > 48 KiB of dynamic shared memory
+                MM_GPU_CHECK(cudaFuncSetAttribute(gemm_mma_async_kernel<GROUPED>,
+                                                  cudaFuncAttributeMaxDynamicSharedMemorySize, MA_SMEM));
+                attr_set[GROUPED] = true;
+            }
+            gemm_mma_async_kernel<GROUPED><<<grid, MM_THREADS, MA_SMEM, st>>>(a);
+        } else {
+            gemm_mma_kernel<GROUPED><<<grid, MM_THREADS, 0, st>>>(a);
+        }
         MM_GPU_CHECK(cudaGetLastError());
         return MM_OK;
     }
@@ -532,4 +774,12 @@ extern "C" mm_err mm_gpu_moe_matmul(void *stream, int dtype, const void *const *
     if (path < 0)
         path = default_path(dtype, per);
     return launch<true>((cudaStream_t)stream, path, dtype, a, per);
+}
+
+extern "C" void mm_gpu_set_pdl(int on) {
+#if MM_GPU_HAVE_WMMA
+    g_pdl = on != 0;
+#else
+    (void)on;
+#endif
 }

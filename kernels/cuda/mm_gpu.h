@@ -66,6 +66,10 @@ mm_err mm_gpu_moe_matmul(void *stream, int dtype, const void *const *d_w, const 
                          int n_experts, int n_out, int n_in, const float *d_x, int64_t x_stride,
                          float *d_y, int64_t y_stride, int n_rows, int path);
 
+// mm_gpu_set_pdl turns programmatic dependent launch of the decode GEMV on (default) or off
+// (CUDA sm_90; no effect on HIP). Process-wide; call before issuing work.
+void mm_gpu_set_pdl(int on);
+
 // ---- row ops (kernels.h semantics; d_err: device error word set on bad indices) -----------
 mm_err mm_gpu_rmsnorm(void *stream, const mm_weight *w, float eps, const float *d_x, int64_t xs,
                       float *d_y, int64_t ys, int64_t n_rows);

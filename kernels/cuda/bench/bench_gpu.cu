@@ -9,7 +9,7 @@
 //   moe64     grouped expert products at batch 64 (512 routed rows over 128 experts)
 //   prefill   4096-token GEMMs (tensor-core tiles) in TFLOP/s; the bf16 peak is passed with
 //             --peak-tflops (measured by the caller, e.g. a torch bf16 8192^3 matmul) 
-// Usage: moemesh-gpu-bench [--device N] [--peak-tflops F] [--quick]
+// Usage: moemesh-gpu-bench [--device N] [--peak-tflops F] [--quick] [--only SECTION]
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -39,6 +39,8 @@
 
 static cudaStream_t g_stream;
 static bool g_quick;
+static const char *g_only; // run one section only (for profilers)
+static bool want(const char *sec) { return g_only == NULL || strcmp(g_only, sec) == 0; }
 
 // Random bf16 (uniform [-0.5, 0.5)) filled on the device; never zeros (METHOD.md).
 __global__ void fill_bf16(uint16_t *p, size_t n, uint64_t seed) {
@@ -228,8 +230,12 @@ static void bench_layer(double copy_gbs) {
     };
     const double bytes = 2.0 * ((double)QD * D + 2.0 * KV * D + (double)D * QD + (double)E * D +
                                 TOPK * 3.0 * F * D);
-    // Eager launches.
+    // Eager launches, without and with programmatic dependent launch.
+    mm_gpu_set_pdl(0);
+    double us_nopdl = time_us([&](int i) { run_layer(i % n_layers); }, 40 * n_layers);
+    mm_gpu_set_pdl(1);
     double us_eager = time_us([&](int i) { run_layer(i % n_layers); }, 40 * n_layers);
+    printf("\nlayer     eager without PDL: %.2f us/layer\n", us_nopdl);
     // Graph of all layers, replayed.
     cudaGraph_t graph;
     cudaGraphExec_t exec;
@@ -362,10 +368,12 @@ int main(int argc, char **argv) {
         else if (strcmp(argv[i], "--peak-tflops") == 0 && i + 1 < argc) {
             peak = atof(argv[++i]);
             peak_src = "measured by the caller";
-        } else if (strcmp(argv[i], "--quick") == 0)
+        } else if (strcmp(argv[i], "--quick") == 0) {
             g_quick = true;
-        else {
-            fprintf(stderr, "usage: %s [--device N] [--peak-tflops F] [--quick]\n", argv[0]);
+        } else if (strcmp(argv[i], "--only") == 0 && i + 1 < argc) {
+            g_only = argv[++i];
+        } else {
+            fprintf(stderr, "usage: %s [--device N] [--peak-tflops F] [--quick] [--only gemv|layer|moe|prefill]\n", argv[0]);
             return 2;
         }
     }
@@ -385,12 +393,17 @@ int main(int argc, char **argv) {
            mem / 1073741824.0, peak, peak_src);
     CK(cudaStreamCreateWithFlags(&g_stream, cudaStreamNonBlocking));
     const double copy_gbs = bench_copy();
-    bench_gemv(copy_gbs);
-    bench_layer(copy_gbs);
-    bench_moe(copy_gbs, peak, 1, "moe1");
-    bench_moe(copy_gbs, peak, 64, "moe64");
-    bench_moe(copy_gbs, peak, 4096, "moe4k");
-    bench_prefill(peak);
+    if (want("gemv"))
+        bench_gemv(copy_gbs);
+    if (want("layer"))
+        bench_layer(copy_gbs);
+    if (want("moe")) {
+        bench_moe(copy_gbs, peak, 1, "moe1");
+        bench_moe(copy_gbs, peak, 64, "moe64");
+        bench_moe(copy_gbs, peak, 4096, "moe4k");
+    }
+    if (want("prefill"))
+        bench_prefill(peak);
     CK(cudaStreamDestroy(g_stream));
     return 0;
 }

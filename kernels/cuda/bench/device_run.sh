@@ -37,6 +37,16 @@ echo "== memcheck (compute-sanitizer) on three cases"
 for c in "matmul bf16 vs cpu" "grouped expert matmul equals per-expert" "kv_store and attention vs cpu"; do
     timeout 240 compute-sanitizer --tool memcheck --print-limit 5 "$T" "$c" 2>&1 | grep -E "ERROR SUMMARY|Invalid|error" | head -8
 done
+if [ "${NCU:-0}" = 1 ] && command -v ncu >/dev/null; then
+    echo "== ncu (hardware counters; clocks left alone)"
+    timeout 150 ncu --clock-control none -k regex:gemm_mma_async --launch-count 1 \
+        --section SpeedOfLight --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis \
+        "$D/moemesh-gpu-bench" --only prefill --quick > "$OUT/ncu_gemm.txt" 2>&1
+    timeout 150 ncu --clock-control none -k regex:gemv_mma --launch-skip 40 --launch-count 1 \
+        --section SpeedOfLight --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis \
+        "$D/moemesh-gpu-bench" --only gemv --quick > "$OUT/ncu_gemv.txt" 2>&1
+    grep -hE "gemm_mma|gemv_mma|Duration|Throughput|Achieved Occupancy|Theoretical Occupancy|Registers|Stall|Warp Cycles|Block Limit|Issued" "$OUT"/ncu_*.txt | head -60
+fi
 echo "== bench"
 timeout 400 "$D/moemesh-gpu-bench" ${PEAK:+--peak-tflops $PEAK}
 date -u

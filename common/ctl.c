@@ -133,6 +133,30 @@ mm_err mm_ctl_validate(const mm_ctl_msg *e, char err[MM_ERRLEN]) {
     case MMCTL__ENVELOPE__BODY_ACK:
         NEED(e->ack, "ack");
         return check_str(e->ack->error, "ack.error", err);
+    case MMCTL__ENVELOPE__BODY_STEP_PLAN:
+        NEED(e->step_plan, "step_plan");
+        for (size_t i = 0; i < e->step_plan->n_seqs; i++) {
+            const Mmctl__SeqStep *q = e->step_plan->seqs[i];
+            if (q == NULL)
+                return mm_errf(err, MM_EPROTO, "step_plan.seqs[%zu] missing", i);
+            if (q->n_tokens == 0)
+                return mm_errf(err, MM_EPROTO, "step_plan.seqs[%zu] (seq %llu) has no tokens", i,
+                               (unsigned long long)q->seq_id);
+        }
+        return MM_OK;
+    case MMCTL__ENVELOPE__BODY_STEP_RESULT:
+        NEED(e->step_result, "step_result");
+        MM_TRY(check_str(e->step_result->error, "step_result.error", err));
+        for (size_t i = 0; i < e->step_result->n_results; i++) {
+            const Mmctl__SeqResult *q = e->step_result->results[i];
+            if (q == NULL)
+                return mm_errf(err, MM_EPROTO, "step_result.results[%zu] missing", i);
+            MM_TRY(check_str(q->error, "seq_result.error", err));
+            for (size_t j = 0; j < q->n_top; j++)
+                if (q->top[j] == NULL)
+                    return mm_errf(err, MM_EPROTO, "seq_result.top[%zu] missing", j);
+        }
+        return MM_OK;
     case MMCTL__ENVELOPE__BODY__NOT_SET:
     default:
         return mm_errf(err, MM_EPROTO, "envelope has no known body (case %d)", (int)e->body_case);
@@ -173,6 +197,8 @@ const char *mm_ctl_body_name(const mm_ctl_msg *env) {
     case MMCTL__ENVELOPE__BODY_SHUTDOWN: return "shutdown";
     case MMCTL__ENVELOPE__BODY_DRAIN: return "drain";
     case MMCTL__ENVELOPE__BODY_ACK: return "ack";
+    case MMCTL__ENVELOPE__BODY_STEP_PLAN: return "step_plan";
+    case MMCTL__ENVELOPE__BODY_STEP_RESULT: return "step_result";
     default: return "none";
     }
 }

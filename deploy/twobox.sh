@@ -10,14 +10,15 @@
 #   box B (10.251.N.2): owners 2-3 (control tcp://B:7300+i, data tcp://B:7400+i), drafter
 #
 # Phases, each with a bounded wait:
-#   1. every member joins the router; the box-B members are seen at their box-B addresses;
+#   1. every member joins the router; the box-B members are seen at their box-B addresses; the
+#      gateway's GET /health on box A counts the four owners up;
 #   2. a greedy request through the gateway on box A gives the same text as `moemesh generate`
 #      (the whole model in one process on one box);
 #   3. box B's owners stop (owner 2 killed with SIGKILL as in a crash, owner 3 stopped with
-#      SIGTERM as systemd does): the router marks them down / gone; a request needing them fails
-#      cleanly (HTTP error status, within a bounded time), never hangs;
-#   4. they start again (as systemd's Restart= would): they rejoin and the request is answered
-#      again with the same text.
+#      SIGTERM as systemd does): the router marks them down / gone and /health counts two owners;
+#      a request needing them fails cleanly (HTTP error status, bounded time), never hangs;
+#   4. they start again (as systemd's Restart= would): they rejoin, /health counts four owners,
+#      and the request is answered again with the same text.
 # Phases 2-4's requests need a gateway that serves (issue 5/6). Until /health answers, the
 # request checks are reported as not run and the script exits 77 ("skip") after the membership
 # checks (1, 3, 4) passed; any failure exits 1.
@@ -161,6 +162,25 @@ wait_count() {
     return 1
 }
 
+# health_up ROLE: how many members of ROLE the gateway's GET /health reports up ("" when the
+# gateway does not answer). wait_health ROLE N SECONDS: until that count is N.
+health_up() {
+    ip netns exec "$nsa" curl -sS -m 3 "http://127.0.0.1:$port/health" 2>/dev/null |
+        python3 -c 'import json,sys
+try: print(json.load(sys.stdin)["roles"][sys.argv[1]]["up"])
+except Exception: print("")' "$1"
+}
+wait_health() {
+    local got=""
+    for _ in $(seq $(($3 * 5))); do
+        got=$(health_up "$1")
+        [ "$got" = "$2" ] && return 0
+        sleep 0.2
+    done
+    echo "(gateway /health reports $1 up: '${got}')"
+    return 1
+}
+
 # Box A: router, gateway, attention shard 0, owners 0 and 1 (same-box links: ipc + shm).
 ra="MM_ROUTER=tcp://$ipa:7100"
 start router "$nsa" "$tmp/router.log" "$ra" -- router
@@ -187,6 +207,10 @@ for i in 2 3; do
     grep -qE "expert/$i joined: .*control tcp://$ipb:$((7300 + i)), data tcp://$ipb:$((7400 + i))" "$tmp/router.log" ||
         bad "expert/$i did not join with its box-B addresses: $(grep "expert/$i joined" "$tmp/router.log")"
 done
+
+# The operator's view: the gateway's /health (on box A) sees all four owners up.
+if wait_health expert 4 15; then note "ok: gateway /health on box A reports 4 owners up"
+else bad "gateway /health does not report the 4 owners up"; fi
 
 # 2. Requests (once the gateway serves).
 ids=1,2,3,4,5,6,7,8
@@ -240,6 +264,8 @@ if wait_count "$tmp/router.log" "expert/2 .*marked down" 1 10; then note "ok: ki
 else bad "the router did not mark the killed expert/2 down within 10 s"; fi
 if wait_count "$tmp/router.log" "expert/3 left" 1 10; then note "ok: stopped owner 3 said goodbye"
 else bad "the router did not see expert/3 leave within 10 s"; fi
+if wait_health expert 2 10; then note "ok: gateway /health reports 2 owners up without box B's"
+else bad "gateway /health does not show box B's owners gone"; fi
 if [ $serving = 1 ]; then
     t0=$(date +%s)
     out=$(request 30)
@@ -258,6 +284,8 @@ start_b_owner 2
 start_b_owner 3
 wait_count "$tmp/router.log" "expert/2 (re)?joined" $((joins2 + 1)) 20 && note "ok: owner 2 rejoined" || bad "expert/2 did not rejoin within 20 s"
 wait_count "$tmp/router.log" "expert/3 (re)?joined" $((joins3 + 1)) 20 && note "ok: owner 3 rejoined" || bad "expert/3 did not rejoin within 20 s"
+if wait_health expert 4 15; then note "ok: gateway /health reports 4 owners up again"
+else bad "gateway /health does not show the owners back"; fi
 if [ $serving = 1 ]; then
     out=""
     for _ in $(seq 20); do

@@ -4,6 +4,7 @@
 // Qwen3, ChatML, Mixtral-8x7B-Instruct and DeepSeek-V3 (tests/fixtures/templates/cases.json,
 // made by gen_cases.py: Jinja2 configured as transformers configures it), loading from a
 // checkpoint dir, content parts, named templates, and clear errors.
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -299,6 +300,54 @@ static void test_cli(void) {
     remove("/tmp/mm_ct_cli_msgs.json");
 }
 
+// One compiled template rendered from several threads at once gives the same text each time.
+typedef struct render_job {
+    const mm_chat_template *ct;
+    const json_t *msgs;
+    const char *want;
+    int bad;
+} render_job;
+
+static void *render_loop(void *arg) {
+    render_job *j = arg;
+    mm_chat_render_opts o = {.add_generation_prompt = true, .enable_thinking = -1};
+    for (int i = 0; i < 300; i++) {
+        char err[MM_ERRLEN], *out = NULL;
+        if (mm_chat_template_render(j->ct, j->msgs, &o, &out, NULL, err) != MM_OK ||
+            strcmp(out, j->want) != 0)
+            j->bad++;
+        free(out);
+    }
+    return NULL;
+}
+
+static void test_concurrent_renders(void) {
+    char err[MM_ERRLEN] = "";
+    mm_chat_template *ct = NULL;
+    MM_PASS(mm_chat_template_open("tests/fixtures/templates/deepseek-v3", &ct, err));
+    const char *mj = "[{\"role\":\"system\",\"content\":\"S\"},{\"role\":\"user\",\"content\":\"Hi\"}]";
+    json_t *m = NULL;
+    MM_PASS(mm_json_parse(mj, strlen(mj), "messages", &m, err));
+    mm_chat_render_opts o = {.add_generation_prompt = true, .enable_thinking = -1};
+    char *want = NULL;
+    MM_PASS(mm_chat_template_render(ct, m, &o, &want, NULL, err));
+    MM_STREQ(want, "<\xef\xbd\x9c" "begin\xe2\x96\x81of\xe2\x96\x81sentence\xef\xbd\x9c>S"
+                   "<\xef\xbd\x9cUser\xef\xbd\x9c>Hi<\xef\xbd\x9c" "Assistant\xef\xbd\x9c>");
+    render_job jobs[4];
+    pthread_t th[4];
+    for (int i = 0; i < 4; i++) {
+        jobs[i] = (render_job){.ct = ct, .msgs = m, .want = want};
+        MM_EQ(pthread_create(&th[i], NULL, render_loop, &jobs[i]), 0);
+    }
+    for (int i = 0; i < 4; i++) {
+        pthread_join(th[i], NULL);
+        MM_EQ(jobs[i].bad, 0);
+    }
+    free(want);
+    json_decref(m);
+    mm_chat_template_close(ct);
+}
+
 MM_TESTS = {
     {"chat_template_qwen3_transformers_fixtures", test_qwen3_transformers_fixtures},
     {"chat_template_qwen3_unseen_conversations", test_qwen3_unseen_conversations},
@@ -308,5 +357,6 @@ MM_TESTS = {
     {"chat_template_named_templates_and_specials", test_named_templates_and_specials},
     {"chat_template_open_errors", test_open_errors},
     {"chat_template_cli", test_cli},
+    {"chat_template_concurrent_renders", test_concurrent_renders},
     {NULL, NULL},
 };

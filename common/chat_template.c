@@ -15,6 +15,7 @@
 typedef struct named_tmpl {
     char *name;
     mm_jinja *t;
+    bool iterates_content; // the template walks message content parts itself
 } named_tmpl;
 
 struct mm_chat_template {
@@ -47,6 +48,7 @@ static mm_err add_tmpl(mm_chat_template *ct, const char *name, const char *src, 
     MM_TRY(mm_jinja_new(src, n, label, &t, err));
     ct->tmpls[ct->n_tmpls].name = strdup(name);
     ct->tmpls[ct->n_tmpls].t = t;
+    ct->tmpls[ct->n_tmpls].iterates_content = mm_jinja_iterates(t, "content");
     if (ct->tmpls[ct->n_tmpls].name == NULL) {
         mm_jinja_free(t);
         return mm_errf(err, MM_ENOMEM, "out of memory");
@@ -220,20 +222,21 @@ fail:
     return rv;
 }
 
-static const mm_jinja *pick(const mm_chat_template *ct, const mm_chat_render_opts *o, char *err) {
+static const named_tmpl *pick(const mm_chat_template *ct, const mm_chat_render_opts *o,
+                              char *err) {
     const char *want = o->template_name;
     if (want == NULL && ct->n_tmpls == 1)
-        return ct->tmpls[0].t;
+        return &ct->tmpls[0];
     if (want == NULL && o->tools) {
         for (size_t i = 0; i < ct->n_tmpls; i++)
             if (strcmp(ct->tmpls[i].name, "tool_use") == 0)
-                return ct->tmpls[i].t;
+                return &ct->tmpls[i];
     }
     if (want == NULL)
         want = "default";
     for (size_t i = 0; i < ct->n_tmpls; i++)
         if (strcmp(ct->tmpls[i].name, want) == 0)
-            return ct->tmpls[i].t;
+            return &ct->tmpls[i];
     mm_errf(err, MM_ENOENT, "no chat template named '%s'", want);
     return NULL;
 }
@@ -315,8 +318,8 @@ mm_err mm_chat_template_render(const mm_chat_template *ct, const json_t *message
                                char err[MM_ERRLEN]) {
     *out = NULL;
     mm_chat_render_opts o = opts ? *opts : (mm_chat_render_opts){.enable_thinking = -1};
-    const mm_jinja *t = pick(ct, &o, err);
-    if (t == NULL)
+    const named_tmpl *nt = pick(ct, &o, err);
+    if (nt == NULL)
         return MM_ENOENT;
     if (o.tools && !json_is_array(o.tools) && !json_is_null(o.tools))
         return mm_errf(err, MM_EINVAL, "tools must be a JSON array");
@@ -326,7 +329,7 @@ mm_err mm_chat_template_render(const mm_chat_template *ct, const json_t *message
     // A template that iterates message content itself gets the parts unchanged, exactly as
     // transformers passes them; one that concatenates content as a string gets the text parts
     // joined (transformers would fail there; vLLM joins the same way).
-    MM_TRY(normalize_messages(messages, !mm_jinja_iterates(t, "content"), &msgs, err));
+    MM_TRY(normalize_messages(messages, !nt->iterates_content, &msgs, err));
     json_t *ctx = json_deep_copy(ct->specials);
     if (o.extra)
         json_object_update(ctx, (json_t *)o.extra);
@@ -336,7 +339,7 @@ mm_err mm_chat_template_render(const mm_chat_template *ct, const json_t *message
     json_object_set(ctx, "tools", o.tools ? (json_t *)o.tools : json_null());
     json_object_set_new(ctx, "documents", json_null());
     json_object_set_new(ctx, "add_generation_prompt", json_boolean(o.add_generation_prompt));
-    mm_err rv = mm_jinja_render(t, ctx, o.limits, out, out_len, err);
+    mm_err rv = mm_jinja_render(nt->t, ctx, o.limits, out, out_len, err);
     json_decref(ctx);
     return rv;
 }

@@ -2,6 +2,8 @@
 // `moemesh generate`: greedy continuation of a prompt with the in-process engine (KV cache,
 // one token per step). Prints the new ids comma-separated on one line; with --prompt the
 // prompt is tokenized with the checkpoint's tokenizer.json and --text also prints the text.
+// --logprobs prints instead one line per token, "ID LOGPROB[ top=ID:LP,...]" (%.9g, from
+// common/sampler.c: the format `moemesh mesh-generate` prints for the mesh).
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -9,12 +11,14 @@
 #include "cmd.h"
 #include "mm/config.h"
 #include "mm/engine.h"
+#include "mm/sampler.h"
+#include "mm/step.h"
 #include "mm/tokenizer.h"
 
 static int run_generate(int argc, char **argv) {
     char *model = NULL, *ids_s = NULL, *prompt = NULL, *device = NULL;
-    long long max_tokens = 16, threads = 0;
-    bool stop_eos = false, text = false;
+    long long max_tokens = 16, threads = 0, top_logprobs = 0;
+    bool stop_eos = false, text = false, logprobs = false;
     mm_opt opts[] = {
         {"model", MM_OPT_STR, &model, NULL, "checkpoint directory (config.json + safetensors)"},
         {"ids", MM_OPT_STR, &ids_s, NULL, "prompt token ids, comma-separated"},
@@ -24,6 +28,10 @@ static int run_generate(int argc, char **argv) {
         {"text", MM_OPT_BOOL, &text, "false", "also print the decoded text on a second line"},
         {"device", MM_OPT_STR, &device, "cpu", "cpu, cuda:N or hip:N"},
         {"threads", MM_OPT_INT, &threads, "0", "CPU threads (0: all cores)"},
+        {"logprobs", MM_OPT_BOOL, &logprobs, "false",
+         "print one line per token: id and logprob (%.9g)"},
+        {"top-logprobs", MM_OPT_INT, &top_logprobs, "0",
+         "with --logprobs: also the N most likely tokens (0-20)"},
         {0},
     };
     mm_cli cli = {.prog = "moemesh generate",
@@ -32,6 +40,8 @@ static int run_generate(int argc, char **argv) {
     char err[MM_ERRLEN] = "";
     int rc = 2;
     int32_t *ids = NULL, *out = NULL;
+    float *step_logits = NULL;
+    mm_sampler *sampler = NULL;
     mm_engine *e = NULL;
     mm_tokenizer *tk = NULL;
     char *buf = NULL;
@@ -41,6 +51,11 @@ static int run_generate(int argc, char **argv) {
     }
     if (cli.help_shown) {
         rc = 0;
+        goto done;
+    }
+    if (top_logprobs < 0 || top_logprobs > MM_SAMPLER_MAX_TOP) {
+        fprintf(stderr, "generate: --top-logprobs %lld: must be 0..%d\n", top_logprobs,
+                MM_SAMPLER_MAX_TOP);
         goto done;
     }
     if (!model || !ids_s == !prompt || max_tokens < 1 || max_tokens > 1000000) {
@@ -79,14 +94,42 @@ static int run_generate(int argc, char **argv) {
     out = malloc((size_t)max_tokens * sizeof(int32_t));
     int n_out = 0;
     int32_t eos = stop_eos ? mm_model_cfg(e->model)->eos_id : -1;
-    if (!out || mm_engine_generate(e, ids, n, (int)max_tokens, eos, out, &n_out, NULL, err) !=
-                    MM_OK) {
+    const int vocab = mm_model_cfg(e->model)->vocab;
+    if (logprobs) {
+        step_logits = malloc((size_t)max_tokens * (size_t)vocab * sizeof(float));
+        if (!step_logits || mm_sampler_new(&sampler, vocab) != MM_OK) {
+            fprintf(stderr, "generate: out of memory\n");
+            goto done;
+        }
+    }
+    if (!out || mm_engine_generate(e, ids, n, (int)max_tokens, eos, out, &n_out, step_logits,
+                                   err) != MM_OK) {
         fprintf(stderr, "generate: %s\n", out ? err : "out of memory");
         goto done;
     }
-    for (int i = 0; i < n_out; i++)
-        printf(i ? ",%d" : "%d", (int)out[i]);
-    printf("\n");
+    if (logprobs) {
+        for (int i = 0; i < n_out; i++) {
+            mm_sample smp;
+            char line[1024];
+            if (mm_sampler_pick(sampler, step_logits + (size_t)i * (size_t)vocab, NULL, n + i,
+                                (uint32_t)top_logprobs, &smp, err) != MM_OK) {
+                fprintf(stderr, "generate: %s\n", err);
+                goto done;
+            }
+            if (smp.token != out[i]) { // the engine's argmax and the sampler's greedy agree
+                fprintf(stderr, "generate: sampler chose %d where the engine chose %d\n",
+                        smp.token, out[i]);
+                goto done;
+            }
+            mm_step_logprob_line(line, sizeof(line), smp.token, smp.logprob, smp.n_top,
+                                 smp.top_ids, smp.top_logprobs);
+            printf("%s\n", line);
+        }
+    } else {
+        for (int i = 0; i < n_out; i++)
+            printf(i ? ",%d" : "%d", (int)out[i]);
+        printf("\n");
+    }
     if (text) {
         size_t nb = 0, cap = (size_t)n_out * 64 + 16;
         buf = malloc(cap);
@@ -95,6 +138,8 @@ static int run_generate(int argc, char **argv) {
     }
     rc = 0;
 done:
+    mm_sampler_free(sampler);
+    free(step_logits);
     free(buf);
     free(out);
     free(ids);

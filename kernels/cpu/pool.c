@@ -1,23 +1,28 @@
 // SPDX-License-Identifier: MIT
 // CPU worker pool; see pool.h.
 //
-// Design notes: a job is published by bumping `gen` (release); workers spin briefly on it,
-// then sleep on a condition variable, so a decode step's hundreds of small ops do not pay a
-// futex wake each, while idle workers do not burn a shared machine. `pending` counts chunks
-// not yet finished; the caller spins, then yields, until it reaches zero.
+// Design notes: a job is split into more chunks than threads; the caller and the workers claim
+// chunks one at a time from a shared counter, so a worker the OS has not scheduled yet (a busy
+// or oversubscribed machine) delays nothing: the caller simply runs the chunks itself. The
+// caller then waits only for chunks already claimed (being run right now).
+// `state` packs (job generation << 32 | next chunk); a claim is a CAS that succeeds only while
+// the generation is unchanged, so a late worker can never run a chunk of a newer job with the
+// parameters of an older one. Job parameters are relaxed atomics written before the
+// generation is published (release) and re-validated by that CAS.
+// Idle workers spin briefly on the generation, then sleep on a condition variable.
 #include <pthread.h>
 #include <sched.h>
-#include <stdbool.h>
 #include <stdatomic.h>
+#include <stdbool.h>
 #include <stdlib.h>
 
 #include "pool.h"
 
-#define SPIN_ITERS 20000
+#define SPIN_ITERS 4000
+#define CHUNKS_PER_THREAD 4
 
 struct worker {
     mm__pool *pool;
-    int idx;
     pthread_t tid;
 };
 
@@ -26,15 +31,15 @@ struct mm__pool {
     struct worker *workers; // n_threads - 1
     pthread_mutex_t mu;
     pthread_cond_t cv;
-    atomic_uint_fast64_t gen;
-    atomic_int pending;
+    _Atomic uint64_t state;  // gen << 32 | next chunk to claim
+    atomic_int done;         // chunks finished in the current job
     atomic_int sleepers;
     atomic_bool stop;
-    // the current job (written before gen is bumped)
-    mm__pool_fn fn;
-    void *arg;
-    int64_t n;
-    int n_chunks;
+    // the current job
+    _Atomic(mm__pool_fn) fn;
+    _Atomic(void *) arg;
+    _Atomic int64_t n;
+    atomic_int n_chunks;
 };
 
 static inline void cpu_relax(void) {
@@ -43,42 +48,61 @@ static inline void cpu_relax(void) {
 #endif
 }
 
-static void chunk_range(const mm__pool *p, int c, int64_t *b, int64_t *e) {
-    int64_t per = p->n / p->n_chunks, rem = p->n % p->n_chunks;
+static void chunk_range(int64_t n, int n_chunks, int c, int64_t *b, int64_t *e) {
+    int64_t per = n / n_chunks, rem = n % n_chunks;
     *b = c * per + (c < rem ? c : rem);
     *e = *b + per + (c < rem ? 1 : 0);
+}
+
+// run_chunks claims and runs chunks of job gen until none is left; returns how many it ran.
+static int run_chunks(mm__pool *p, uint32_t gen) {
+    int ran = 0;
+    for (;;) {
+        uint64_t s = atomic_load_explicit(&p->state, memory_order_acquire);
+        if ((uint32_t)(s >> 32) != gen)
+            return ran;
+        mm__pool_fn fn = atomic_load_explicit(&p->fn, memory_order_relaxed);
+        void *arg = atomic_load_explicit(&p->arg, memory_order_relaxed);
+        int64_t n = atomic_load_explicit(&p->n, memory_order_relaxed);
+        int nc = atomic_load_explicit(&p->n_chunks, memory_order_relaxed);
+        uint32_t c = (uint32_t)s;
+        if ((int)c >= nc)
+            return ran;
+        if (!atomic_compare_exchange_weak_explicit(&p->state, &s, s + 1, memory_order_acq_rel,
+                                                   memory_order_relaxed))
+            continue; // another thread claimed it, or a new job started: re-read
+        int64_t b, e;
+        chunk_range(n, nc, (int)c, &b, &e);
+        if (e > b)
+            fn(arg, b, e);
+        atomic_fetch_add_explicit(&p->done, 1, memory_order_release);
+        ran++;
+    }
 }
 
 static void *worker_main(void *argp) {
     struct worker *w = argp;
     mm__pool *p = w->pool;
-    uint_fast64_t seen = 0;
+    uint32_t seen = 0;
     for (;;) {
-        uint_fast64_t g;
+        uint32_t g;
         int spins = 0;
-        while ((g = atomic_load_explicit(&p->gen, memory_order_acquire)) == seen &&
-               !atomic_load(&p->stop)) {
+        while ((g = (uint32_t)(atomic_load(&p->state) >> 32)) == seen && !atomic_load(&p->stop)) {
             if (++spins < SPIN_ITERS) {
                 cpu_relax();
                 continue;
             }
             pthread_mutex_lock(&p->mu);
             atomic_fetch_add(&p->sleepers, 1);
-            while (atomic_load(&p->gen) == seen && !atomic_load(&p->stop)) // seq_cst: Dekker
-                pthread_cond_wait(&p->cv, &p->mu);
+            while ((uint32_t)(atomic_load(&p->state) >> 32) == seen && !atomic_load(&p->stop))
+                pthread_cond_wait(&p->cv, &p->mu); // seq_cst loads: pairs with the publisher
             atomic_fetch_sub(&p->sleepers, 1);
             pthread_mutex_unlock(&p->mu);
         }
         if (atomic_load(&p->stop))
             return NULL;
         seen = g;
-        if (w->idx < p->n_chunks) {
-            int64_t b, e;
-            chunk_range(p, w->idx, &b, &e);
-            if (e > b)
-                p->fn(p->arg, b, e);
-            atomic_fetch_sub_explicit(&p->pending, 1, memory_order_release);
-        }
+        run_chunks(p, g);
     }
 }
 
@@ -100,7 +124,6 @@ mm_err mm__pool_new(mm__pool **out, int n_threads) {
     for (int i = 1; i < n_threads; i++) {
         struct worker *w = &p->workers[i - 1];
         w->pool = p;
-        w->idx = i;
         if (pthread_create(&w->tid, NULL, worker_main, w) != 0) {
             p->n_threads = i; // join the ones started
             mm__pool_free(p);
@@ -134,28 +157,27 @@ void mm__pool_run(mm__pool *p, int64_t n, int64_t min_chunk, mm__pool_fn fn, voi
     if (min_chunk < 1)
         min_chunk = 1;
     int64_t chunks = n / min_chunk;
-    if (chunks > p->n_threads)
-        chunks = p->n_threads;
-    if (chunks <= 1) {
+    if (chunks > (int64_t)p->n_threads * CHUNKS_PER_THREAD)
+        chunks = (int64_t)p->n_threads * CHUNKS_PER_THREAD;
+    if (chunks <= 1 || p->n_threads == 1) {
         fn(arg, 0, n);
         return;
     }
-    p->fn = fn;
-    p->arg = arg;
-    p->n = n;
-    p->n_chunks = (int)chunks;
-    atomic_store_explicit(&p->pending, (int)chunks - 1, memory_order_relaxed);
-    atomic_fetch_add(&p->gen, 1); // seq_cst, pairs with the sleepers check
+    atomic_store_explicit(&p->fn, fn, memory_order_relaxed);
+    atomic_store_explicit(&p->arg, arg, memory_order_relaxed);
+    atomic_store_explicit(&p->n, n, memory_order_relaxed);
+    atomic_store_explicit(&p->n_chunks, (int)chunks, memory_order_relaxed);
+    atomic_store_explicit(&p->done, 0, memory_order_relaxed);
+    uint32_t gen = (uint32_t)(atomic_load_explicit(&p->state, memory_order_relaxed) >> 32) + 1;
+    atomic_store(&p->state, (uint64_t)gen << 32); // seq_cst publish, pairs with sleepers
     if (atomic_load(&p->sleepers) > 0) {
         pthread_mutex_lock(&p->mu);
         pthread_cond_broadcast(&p->cv);
         pthread_mutex_unlock(&p->mu);
     }
-    int64_t b, e;
-    chunk_range(p, 0, &b, &e);
-    fn(arg, b, e);
+    run_chunks(p, gen);
     int spins = 0;
-    while (atomic_load_explicit(&p->pending, memory_order_acquire) > 0) {
+    while (atomic_load_explicit(&p->done, memory_order_acquire) < (int)chunks) {
         if (++spins < SPIN_ITERS)
             cpu_relax();
         else

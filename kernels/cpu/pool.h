@@ -1,8 +1,9 @@
 // SPDX-License-Identifier: MIT
 // A fixed pool of worker threads for the CPU backend: created once at open, woken per op.
-// mm__pool_run splits [0, n) into one contiguous chunk per thread (the caller takes chunk 0)
-// and returns when every chunk is done. Which thread runs a chunk never changes what it
-// computes: the kernels keep each reduction inside one element's own loop.
+// mm__pool_run splits [0, n) into contiguous chunks (a few per thread) that the caller and the
+// workers claim as they come free, and returns when every chunk is done. Which thread runs a
+// chunk never changes what it computes: the kernels keep each reduction inside one element's
+// own loop.
 // Not thread-safe: one caller at a time (the backend's issuing thread).
 #ifndef MM_CPU_POOL_H
 #define MM_CPU_POOL_H

@@ -4,6 +4,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "cmd.h"
 #include "mm/chat_template.h"
@@ -14,6 +15,7 @@ static int run_chat_template(int argc, char **argv) {
     char *tok_dir = NULL, *msgs_path = NULL, *tools_path = NULL, *thinking = NULL,
          *kwargs = NULL, *name = NULL;
     bool add_gen = false;
+    long long repeat = 0;
     mm_opt opts[] = {
         {"tokenizer", MM_OPT_STR, &tok_dir, NULL, "checkpoint dir with tokenizer_config.json "
                                                  "or chat_template.jinja"},
@@ -23,6 +25,8 @@ static int run_chat_template(int argc, char **argv) {
         {"enable-thinking", MM_OPT_STR, &thinking, NULL, "true|false; unset leaves it undefined"},
         {"kwargs", MM_OPT_STR, &kwargs, NULL, "JSON object of extra template variables"},
         {"template-name", MM_OPT_STR, &name, NULL, "named template (when the config has several)"},
+        {"repeat", MM_OPT_INT, &repeat, "0", "benchmark: render N more times, print ms/render "
+                                            "on stderr"},
         {0},
     };
     mm_cli cli = {.prog = "moemesh chat-template",
@@ -72,6 +76,24 @@ static int run_chat_template(int argc, char **argv) {
         mm_chat_template_render(ct, msgs, &ro, &out, NULL, err) != MM_OK) {
         fprintf(stderr, "chat-template: %s\n", err);
         goto done;
+    }
+    if (repeat > 0) {
+        struct timespec t0, t1;
+        clock_gettime(CLOCK_MONOTONIC, &t0);
+        for (long long i = 0; i < repeat; i++) {
+            char *again = NULL;
+            size_t n = 0;
+            if (mm_chat_template_render(ct, msgs, &ro, &again, &n, err) != MM_OK) {
+                fprintf(stderr, "chat-template: %s\n", err);
+                goto done;
+            }
+            free(again);
+        }
+        clock_gettime(CLOCK_MONOTONIC, &t1);
+        double ms = ((double)(t1.tv_sec - t0.tv_sec) * 1e3 + (double)(t1.tv_nsec - t0.tv_nsec) / 1e6) /
+                    (double)repeat;
+        fprintf(stderr, "chat-template: %lld renders, %.3f ms/render, %zu bytes, %.1f MB/s\n",
+                repeat, ms, strlen(out), (double)strlen(out) / (ms * 1e3));
     }
     fputs(out, stdout);
     rc = fflush(stdout) == 0 ? 0 : 1;

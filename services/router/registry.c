@@ -3,6 +3,7 @@
 #include <nng/nng.h>
 #include <pthread.h>
 #include <stdbool.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/time.h>
@@ -307,4 +308,20 @@ void mm_registry_sweep(void *arg) {
                     (unsigned long long)(now - m->last_seen_ms));
     }
     pthread_mutex_unlock(&r->mu);
+}
+
+bool mm_registry_peer(mm_registry *r, const char *role, uint32_t instance,
+                      char data_addr[MM_ADDR_LEN], uint64_t *incarnation) {
+    pthread_mutex_lock(&r->mu);
+    struct member *m = find(r, role, instance);
+    bool up = m && m->up && m->health != MMCTL__HEALTH__HEALTH_DOWN;
+    if (m) {
+        snprintf(data_addr, MM_ADDR_LEN, "%s", m->id.data_addr);
+        *incarnation = m->id.incarnation;
+    } else {
+        data_addr[0] = 0;
+        *incarnation = 0;
+    }
+    pthread_mutex_unlock(&r->mu);
+    return up;
 }

@@ -10,6 +10,7 @@
 #ifndef MM_ROUTER_H
 #define MM_ROUTER_H
 
+#include <stdbool.h>
 #include <stdint.h>
 
 #include "mm/ctl.h"
@@ -31,6 +32,12 @@ void mm_registry_set_self(mm_registry *r, const mm_identity *self, uint32_t hear
 // mm_registry_handle is the router's mm_ctl_handler (arg: the registry).
 void mm_registry_handle(void *arg, const mm_ctl_msg *req, const char *peer,
                         struct nng_msg **reply);
+
+// mm_registry_peer reports whether member role/instance is up, with its --data URL and
+// incarnation (copied; "" and 0 when it never joined). The step engine redials a peer whose
+// incarnation changed. Thread-safe.
+bool mm_registry_peer(mm_registry *r, const char *role, uint32_t instance,
+                      char data_addr[MM_ADDR_LEN], uint64_t *incarnation);
 
 // mm_registry_sweep marks members silent for longer than down_after_ms down (arg: registry).
 void mm_registry_sweep(void *arg);

@@ -4,6 +4,11 @@ BIN=${BIN:-build/bin}
 MODEL=${MODEL:-tests/fixtures/models/qwen3moe-tiny}
 RUN=$(mktemp -d /tmp/mm-e2e.XXXXXX)
 PIDS=()
+# Snapshot the binaries: the build id is part of the identity, and on a shared work tree a
+# rebuild in the middle of a test would otherwise start a daemon of another build.
+mkdir -p "$RUN/bin"
+cp "$BIN"/moemesh "$BIN"/moemesh-{gateway,router,attention,expert,drafter} "$RUN/bin/" || exit 1
+BIN="$RUN/bin"
 
 fail() { echo "FAIL: $*"; for f in "$RUN"/*.log; do [ -f "$f" ] && { echo "--- $f"; tail -n 25 "$f"; }; done; exit 1; }
 

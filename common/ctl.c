@@ -273,7 +273,7 @@ mm_err mm_ctl_url_prepare(const char *url, char err[MM_ERRLEN]) {
 static void peer_name(nng_msg *m, char *buf, size_t n) {
     nng_pipe p = nng_msg_get_pipe(m);
     nng_sockaddr sa;
-    int pid = 0;
+    uint64_t pid = 0;
     if (nng_pipe_get_addr(p, NNG_OPT_REMADDR, &sa) == 0) {
         char ip[64];
         if (sa.s_family == NNG_AF_INET) {
@@ -287,8 +287,8 @@ static void peer_name(nng_msg *m, char *buf, size_t n) {
             return;
         }
     }
-    if (nng_pipe_get_int(p, NNG_OPT_IPC_PEER_PID, &pid) == 0) {
-        snprintf(buf, n, "ipc pid %d", pid);
+    if (nng_pipe_get_uint64(p, NNG_OPT_IPC_PEER_PID, &pid) == 0) {
+        snprintf(buf, n, "ipc pid %llu", (unsigned long long)pid);
         return;
     }
     snprintf(buf, n, "pipe %u", (unsigned)nng_pipe_id(p));

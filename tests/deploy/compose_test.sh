@@ -70,7 +70,7 @@ errors = []
 def load(name):
     with open(f"{tmp}/{name}.json") as f:
         return yaml.safe_load(f)
-want_services = {"box-a": {"router", "gateway", "attention", "expert"}, "box-b": {"expert", "drafter"}}
+want_services = {"box-a": {"router", "gateway", "attention", "expert", "drafter"}, "box-b": {"expert", "drafter"}}
 for box, want in want_services.items():
     for variant in (".full",):
         cfg = load(box + variant)
@@ -102,6 +102,9 @@ for box, want in want_services.items():
                     errors.append(f"{where}: no nvidia GPU reservation with the gpu override")
                 if not any(str(d).startswith("/dev/infiniband") for d in s.get("devices", [])):
                     errors.append(f"{where}: no /dev/infiniband with the rdma override")
+        # box A's drafter is for one box only; on two boxes it runs on box B
+        if box == "box-a" and svcs.get("drafter", {}).get("profiles") != ["onebox"]:
+            errors.append(f"{box}{variant} drafter: not limited to the onebox profile")
         gw = svcs.get("gateway")
         if gw is not None:
             test = " ".join(gw.get("healthcheck", {}).get("test", []))

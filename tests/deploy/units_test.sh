@@ -64,7 +64,8 @@ for u in "$tmp"/units/*.service; do
               PrivateTmp=yes RuntimeDirectory=moemesh RuntimeDirectoryPreserve=yes \
               LimitMEMLOCK=infinity Restart=on-failure PartOf=moemesh.target \
               WantedBy=moemesh.target ReadOnlyPaths=-/srv/moemesh \
-              EnvironmentFile=/etc/moemesh/moemesh.env StandardOutput=journal; do
+              EnvironmentFile=/etc/moemesh/moemesh.env StandardOutput=journal \
+              "RestartPreventExitStatus=2 3"; do
         grep -qx "$kv" "$u" || bad "$n lacks $kv"
     done
     grep -q '^RestartSec=' "$u" || bad "$n lacks RestartSec="

@@ -1520,6 +1520,7 @@ typedef struct ectx {
     jarena ar;
     size_t steps, max_steps, max_out, max_range;
     int depth, max_depth;
+    int print_depth; // nesting of to_str/repr: a namespace can contain itself
     sbuf *out;
     frame *globals; // render variables
     frame *top;     // template-level assignments and macros
@@ -1674,7 +1675,19 @@ static bool is_num(jv x) { return x.t == VI || x.t == VF || x.t == VB; }
 static double num_f(jv x) { return x.t == VF ? x.f : x.t == VI ? (double)x.i : (double)x.b; }
 static long long num_i(jv x) { return x.t == VI ? x.i : (long long)x.b; }
 
-static bool veq(jv a, jv b) {
+// The render's failure target, for deep helpers that take no context (veq). Set for the
+// duration of mm_jinja_render on the rendering thread.
+static _Thread_local jfail *tl_fail;
+#define MAX_VALUE_DEPTH 10000
+
+static bool veq_d(jv a, jv b, int depth);
+
+static bool veq(jv a, jv b) { return veq_d(a, b, 0); }
+
+static bool veq_d(jv a, jv b, int depth) {
+    if (depth > MAX_VALUE_DEPTH && tl_fail)
+        fail_at(tl_fail, MM_EUNSUPP, 0, "values nested deeper than %d cannot be compared",
+                MAX_VALUE_DEPTH);
     if (is_num(a) && is_num(b)) {
         if (a.t == VF || b.t == VF)
             return num_f(a) == num_f(b);
@@ -1689,7 +1702,7 @@ static bool veq(jv a, jv b) {
         if (a.l->n != b.l->n)
             return false;
         for (size_t i = 0; i < a.l->n; i++)
-            if (!veq(a.l->v[i], b.l->v[i]))
+            if (!veq_d(a.l->v[i], b.l->v[i], depth + 1))
                 return false;
         return true;
     case VD:
@@ -1697,7 +1710,7 @@ static bool veq(jv a, jv b) {
             return false;
         for (size_t i = 0; i < a.d->n; i++) {
             long j = dict_find(b.d, a.d->k[i]);
-            if (j < 0 || !veq(a.d->v[i], b.d->v[j]))
+            if (j < 0 || !veq_d(a.d->v[i], b.d->v[j], depth + 1))
                 return false;
         }
         return true;
@@ -1810,7 +1823,17 @@ static void repr(ectx *E, sbuf *b, jv x) {
         to_str(E, b, x);
 }
 
+static void to_str_inner(ectx *E, sbuf *b, jv x);
+
 static void to_str(ectx *E, sbuf *b, jv x) {
+    if (++E->print_depth > 500)
+        EFAIL(E, MM_EUNSUPP, 0, "value nested deeper than 500 levels (self-referencing "
+              "namespace?) cannot be printed");
+    to_str_inner(E, b, x);
+    E->print_depth--;
+}
+
+static void to_str_inner(ectx *E, sbuf *b, jv x) {
     char tmp[48];
     switch (x.t) {
     case VU: return;
@@ -2557,7 +2580,18 @@ static jv frame_lookup(ectx *E, frame *f, const char *name);
 
 // ---- evaluator: operators --------------------------------------------------------------------
 
+static int vcmp_inner(ectx *E, jv a, jv b, const char *op, int line);
+
 static int vcmp(ectx *E, jv a, jv b, const char *op, int line) {
+    if (++E->print_depth > MAX_VALUE_DEPTH)
+        EFAIL(E, MM_EUNSUPP, line, "values nested deeper than %d cannot be compared",
+              MAX_VALUE_DEPTH);
+    int r = vcmp_inner(E, a, b, op, line);
+    E->print_depth--;
+    return r;
+}
+
+static int vcmp_inner(ectx *E, jv a, jv b, const char *op, int line) {
     if (is_num(a) && is_num(b)) {
         if (a.t == VF || b.t == VF) {
             double x = num_f(a), y = num_f(b);
@@ -3736,7 +3770,10 @@ mm_err mm_jinja_render(const mm_jinja *t, const json_t *ctx, const mm_jinja_limi
     E->ar.limit = lim.max_memory_bytes ? lim.max_memory_bytes : (size_t)512 << 20;
     E->ar.fail = &E->fail;
     E->ar.cached = true;
+    jfail *saved_fail = tl_fail; // renders do not nest, but keep the outer value if they did
+    tl_fail = &E->fail;
     if (setjmp(E->fail.jb)) {
+        tl_fail = saved_fail;
         mm_err code = E->fail.code;
         mm_errf(err, code, "%s: %s", t->name, E->fail.msg);
         arena_fini(&E->ar);
@@ -3760,6 +3797,7 @@ mm_err mm_jinja_render(const mm_jinja *t, const json_t *ctx, const mm_jinja_limi
     sbuf res = {0};
     E->out = &res;
     exec_body(E, t->root, top);
+    tl_fail = saved_fail;
     char *s = malloc(res.n + 1);
     if (s == NULL) {
         arena_fini(&E->ar);

@@ -303,6 +303,15 @@ static void test_bounds_no_crash(void) {
     MM_FAIL(render("{% macro r(n) %}{{ r(n + 1) }}{% endmacro %}{{ r(0) }}", NULL, NULL, &out, err),
             MM_EFULL);
     MM_TRUE(strstr(err, "nested deeper") != NULL);
+    // A namespace that contains itself cannot be printed: an error, not a stack overflow.
+    MM_FAIL(render("{% set ns = namespace() %}{% set ns.me = ns %}{{ ns }}", NULL, NULL, &out, err),
+            MM_EUNSUPP);
+    MM_TRUE(strstr(err, "nested deeper") != NULL);
+    // Deeply nested values built by a loop: compared and printed with an error, no crash.
+    MM_FAIL(render("{% set ns = namespace(l=[]) %}{% for i in range(200000) %}{% set ns.l = [ns.l] %}"
+                   "{% endfor %}{{ ns.l == ns.l }}", NULL, NULL, &out, err), MM_EUNSUPP);
+    MM_FAIL(render("{% set ns = namespace(l=[]) %}{% for i in range(200000) %}{% set ns.l = [ns.l] %}"
+                   "{% endfor %}{{ ns.l }}", NULL, NULL, &out, err), MM_EUNSUPP);
     // Output and string growth are capped.
     mm_jinja_limits small = {.max_output_bytes = 1000};
     MM_FAIL(render("{{ 'x' * 100000 }}", NULL, &small, &out, err), MM_EFULL);

@@ -280,7 +280,7 @@ mm_err mm_model_open(mm_model **out, const char *dir, mm_backend *be, char err[M
     MM_TRY_GOTO(rv, bind(m, "model.embed_tokens.weight", c->vocab, c->d_model, &m->embed, err),
                 fail);
     MM_TRY_GOTO(rv, bind(m, "model.norm.weight", 0, c->d_model, &m->norm, err), fail);
-    if (c->tie_embeddings && !mm_safetensors_find(m->st, "lm_head.weight"))
+    if (c->tie_embeddings) // transformers ties lm_head to the embedding, stored or not
         m->head = m->embed;
     else
         MM_TRY_GOTO(rv, bind(m, "lm_head.weight", c->vocab, c->d_model, &m->head, err), fail);

@@ -1,10 +1,148 @@
 // SPDX-License-Identifier: MIT
-// Expert owner role; see expert.h.
+// Expert owner role; see expert.h. The data-plane protocol is docs/MESH.md's.
+#include <errno.h>
 #include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "expert.h"
-#include "mm/json.h"
+#include "mm/dataserv.h"
 #include "mm/log.h"
+#include "mm/model.h"
+#include "mm/placement.h"
+
+static long long s_max_tokens, s_threads, s_load_ms;
+static char *s_load_csv;
+mm_opt expert_opts[] = {
+    {"max-batch-tokens", MM_OPT_INT, &s_max_tokens, "256", "rows per step (as the router's)"},
+    {"threads", MM_OPT_INT, &s_threads, "0", "CPU threads (0: all cores)"},
+    {"load-csv", MM_OPT_STR, &s_load_csv, NULL,
+     "write per-(layer, expert) token counts here (layer,expert,tokens), periodically and at "
+     "exit"},
+    {"load-interval-ms", MM_OPT_INT, &s_load_ms, "2000", "how often --load-csv is rewritten"},
+    {0},
+};
+
+#define MAX_SEG 4096
+
+static struct owner {
+    mm_backend *be;
+    mm_model *model;
+    mm_model_scratch *scratch;
+    mm_placement *pl;
+    mm_dataserv *ds;
+    int id, d_model, n_layers, n_experts;
+    uint64_t *tokens;        // (n_layers, n_experts) rows served
+    bool dirty;
+    float *out;              // (max rows, d_model) outputs
+    uint32_t seg_e[MAX_SEG], seg_n[MAX_SEG];
+    uint32_t n_seg, seg_rows;
+    uint64_t seg_step;
+    uint32_t seg_layer;
+    bool have_seg;
+    int64_t max_rows;
+} O;
+
+static void write_load(void *arg) {
+    (void)arg;
+    if (!s_load_csv || !O.dirty)
+        return;
+    char tmp[4200];
+    snprintf(tmp, sizeof(tmp), "%s.tmp", s_load_csv);
+    FILE *f = fopen(tmp, "w");
+    if (!f) {
+        mm_log_warn("cannot write %s: %s", tmp, strerror(errno));
+        return;
+    }
+    fprintf(f, "layer,expert,tokens\n");
+    for (int l = 0; l < O.n_layers; l++)
+        for (int e = 0; e < O.n_experts; e++)
+            if (mm_placement_owns(O.pl, l, e, O.id))
+                fprintf(f, "%d,%d,%llu\n", l, e,
+                        (unsigned long long)O.tokens[(size_t)l * (size_t)O.n_experts + e]);
+    if (fclose(f) != 0 || rename(tmp, s_load_csv) != 0)
+        mm_log_warn("cannot write %s: %s", s_load_csv, strerror(errno));
+    else
+        O.dirty = false;
+}
+
+// CTRL: u32 n_seg, then n_seg x {u32 expert, u32 n_rows}, experts ascending.
+static mm_err on_ctrl(mm_conn *c, const mm_wire_hdr *h, const uint8_t *p) {
+    uint32_t n;
+    O.have_seg = false;
+    if (h->payload_bytes < 4)
+        return mm_dataserv_reply_error(c, h, MM_EPROTO, "short CTRL frame");
+    memcpy(&n, p, 4);
+    if (n > MAX_SEG || h->payload_bytes != 4 + (uint64_t)n * 8)
+        return mm_dataserv_reply_error(c, h, MM_EPROTO, "bad CTRL frame (segment list)");
+    O.n_seg = n;
+    O.seg_rows = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        memcpy(&O.seg_e[i], p + 4 + i * 8, 4);
+        memcpy(&O.seg_n[i], p + 8 + i * 8, 4);
+        O.seg_rows += O.seg_n[i];
+    }
+    O.seg_step = h->step_id;
+    O.seg_layer = h->layer;
+    O.have_seg = true;
+    return MM_OK;
+}
+
+static mm_err on_frame(void *arg, mm_conn *c, const mm_wire_hdr *h, void *payload) {
+    (void)arg;
+    if (h->kind == MM_WIRE_CTRL)
+        return on_ctrl(c, h, payload);
+    if (h->kind != MM_WIRE_ROWS) {
+        mm_log_warn("data: unexpected %s frame", mm_wire_kind_name(h->kind));
+        return MM_EPROTO;
+    }
+    char msg[200];
+    if (!O.have_seg || O.seg_step != h->step_id || O.seg_layer != h->layer ||
+        O.seg_rows != h->n_rows || h->row_dim != (uint32_t)O.d_model ||
+        h->format != MM_WIRE_F32 || h->layer >= (uint32_t)O.n_layers) {
+        snprintf(msg, sizeof(msg), "step %llu layer %u: %u rows of %u that no CTRL frame "
+                 "announced", (unsigned long long)h->step_id, h->layer, h->n_rows, h->row_dim);
+        O.have_seg = false;
+        return mm_dataserv_reply_error(c, h, MM_EPROTO, msg);
+    }
+    O.have_seg = false;
+    const int L = (int)h->layer;
+    for (uint32_t i = 0; i < O.n_seg; i++) {
+        if (O.seg_e[i] >= (uint32_t)O.n_experts || !mm_placement_owns(O.pl, L, (int)O.seg_e[i], O.id)) {
+            snprintf(msg, sizeof(msg), "expert owner %d does not hold expert %u of layer %d "
+                     "(its placement names other owners for it)", O.id, O.seg_e[i], L);
+            mm_log_warn("step %llu: refused rows: %s", (unsigned long long)h->step_id, msg);
+            return mm_dataserv_reply_error(c, h, MM_EINVAL, msg);
+        }
+    }
+    const float *x = payload;
+    size_t off = 0;
+    for (uint32_t i = 0; i < O.n_seg; i++) {
+        uint32_t n = O.seg_n[i];
+        for (uint32_t done = 0; done < n;) {
+            uint32_t chunk = n - done;
+            if (chunk > (uint32_t)O.max_rows)
+                chunk = (uint32_t)O.max_rows;
+            mm_err rv = mm_model_expert_forward(O.model, O.scratch, L, (int)O.seg_e[i],
+                                                x + (off + done) * (size_t)O.d_model, chunk,
+                                                O.out + (off + done) * (size_t)O.d_model);
+            if (rv != MM_OK) {
+                snprintf(msg, sizeof(msg), "expert %u of layer %d failed: %s", O.seg_e[i], L,
+                         mm_strerror(rv));
+                return mm_dataserv_reply_error(c, h, rv, msg);
+            }
+            done += chunk;
+        }
+        O.tokens[(size_t)L * (size_t)O.n_experts + O.seg_e[i]] += n;
+        off += n;
+    }
+    O.dirty = true;
+    mm_wire_hdr r;
+    MM_TRY(mm_wire_hdr_init(&r, MM_WIRE_REPLY, MM_WIRE_F32, h->step_id, h->layer, h->n_rows,
+                            h->row_dim));
+    r.row_base = h->row_base;
+    return mm_conn_send(c, &r, O.out, mm_deadline_in_ms(2000));
+}
 
 mm_err expert_start(mm_daemon *d, void *arg, char err[MM_ERRLEN]) {
     (void)arg;
@@ -15,28 +153,42 @@ mm_err expert_start(mm_daemon *d, void *arg, char err[MM_ERRLEN]) {
     char detail[128];
     if (!c->model) {
         snprintf(detail, sizeof(detail), "owner %lld of %lld, no model", c->instance, c->owners);
-    } else if (c->placement) {
-        snprintf(detail, sizeof(detail), "owner %lld of %lld, placement %s", c->instance,
-                 c->owners, c->placement);
-    } else {
-        char path[4096];
-        json_t *cfg = NULL;
-        long long n = 0;
-        snprintf(path, sizeof(path), "%s/config.json", c->model);
-        MM_TRY(mm_json_load_file(path, &cfg, err));
-        // The expert count goes by several names across architectures.
-        const char *keys[] = {"num_experts", "n_routed_experts", "num_local_experts"};
-        for (size_t i = 0; i < 3 && n == 0; i++)
-            if (mm_json_get_int_or(cfg, keys[i], path, 0, &n, err) != MM_OK)
-                n = 0;
-        json_decref(cfg);
-        if (n <= 0)
-            return mm_errf(err, MM_EINVAL, "%s: no expert count (num_experts, n_routed_experts "
-                           "or num_local_experts)", path);
-        long long lo = n * c->instance / c->owners, hi = n * (c->instance + 1) / c->owners;
-        snprintf(detail, sizeof(detail), "experts %lld-%lld of %lld", lo, hi - 1, n);
+        mm_log_info("holding %s", detail);
+        mm_daemon_set_health(d, MMCTL__HEALTH__HEALTH_READY, detail);
+        return MM_OK;
     }
-    mm_log_info("holding %s", detail);
+    if (s_max_tokens < 1)
+        return mm_errf(err, MM_EINVAL, "--max-batch-tokens must be >= 1");
+    mm_model_config cfg;
+    MM_TRY(mm_model_config_read(c->model, &cfg, err));
+    MM_TRY(mm_placement_open(&O.pl, c->placement, &cfg, (int)c->owners, err));
+    O.id = (int)c->instance;
+    O.n_layers = cfg.n_layers;
+    O.n_experts = cfg.n_experts;
+    O.d_model = cfg.d_model;
+    long held = mm_placement_count(O.pl, O.id);
+    snprintf(detail, sizeof(detail), "owner %d of %lld, %ld (layer, expert) pairs", O.id,
+             c->owners, held);
+    if (!c->data) {
+        mm_log_info("holding %s (no --data: control plane only)", detail);
+        mm_daemon_set_health(d, MMCTL__HEALTH__HEALTH_READY, detail);
+        return MM_OK;
+    }
+    mm_backend_params bp = {.n_threads = (int)s_threads};
+    MM_TRY(mm_backend_open(&O.be, c->device ? c->device : "cpu", &bp, err));
+    MM_TRY(mm_model_open(&O.model, c->model, O.be, err));
+    O.max_rows = s_max_tokens;
+    MM_TRY(mm_model_scratch_new(&O.scratch, O.model, O.max_rows, err));
+    int64_t rows = s_max_tokens * (cfg.top_k > 0 ? cfg.top_k : 1);
+    O.out = malloc((size_t)rows * (size_t)O.d_model * 4);
+    O.tokens = calloc((size_t)O.n_layers * (size_t)O.n_experts, sizeof(uint64_t));
+    if (!O.out || !O.tokens)
+        return MM_ENOMEM;
+    O.dirty = true; // write a first (all-zero) CSV soon after start
+    size_t cap = (size_t)rows * (size_t)O.d_model * 4;
+    MM_TRY(mm_dataserv_start(&O.ds, c->data, cap, on_frame, write_load,
+                             s_load_ms > 0 ? (int)s_load_ms : 2000, NULL, err));
+    mm_log_info("holding %s; serving on %s", detail, c->data);
     mm_daemon_set_health(d, MMCTL__HEALTH__HEALTH_READY, detail);
     return MM_OK;
 }
@@ -44,4 +196,14 @@ mm_err expert_start(mm_daemon *d, void *arg, char err[MM_ERRLEN]) {
 void expert_stop(mm_daemon *d, void *arg) {
     (void)d;
     (void)arg;
+    mm_dataserv_stop(O.ds);
+    if (O.tokens)
+        write_load(NULL);
+    free(O.out);
+    free(O.tokens);
+    mm_model_scratch_free(O.scratch);
+    mm_model_close(O.model);
+    mm_backend_close(O.be);
+    mm_placement_free(O.pl);
+    memset(&O, 0, sizeof(O));
 }

@@ -6,6 +6,7 @@ int main(int argc, char **argv) {
     mm_daemon_spec spec = {
         .role = "expert",
         .summary = "moemesh expert owner: runs the FFNs of the experts its placement gives it.",
+        .extra_opts = expert_opts,
         .start = expert_start,
         .stop = expert_stop,
     };

@@ -1,0 +1,131 @@
+// SPDX-License-Identifier: MIT
+// Data-plane server thread for shards and owners (see mm/dataserv.h).
+#include "mm/dataserv.h"
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "mm/log.h"
+
+struct mm_dataserv {
+    mm_listener *l;
+    pthread_t th;
+    bool started;
+    atomic_bool stop;
+    size_t cap;
+    void *buf; // (cap) frame payloads
+    mm_dataserv_fn fn;
+    mm_dataserv_tick tick;
+    int tick_ms;
+    void *arg;
+    char url[MM_URL_MAX];
+};
+
+mm_err mm_dataserv_reply_error(mm_conn *c, const mm_wire_hdr *req, mm_err code,
+                               const char *msg) {
+    mm_wire_hdr h;
+    uint32_t n = (uint32_t)strlen(msg);
+    MM_TRY(mm_wire_hdr_init(&h, MM_WIRE_ERROR, MM_WIRE_BYTES, req->step_id, req->layer, 1, n));
+    h.aux = (uint32_t)code;
+    h.row_base = req->row_base;
+    return mm_conn_send(c, &h, msg, mm_deadline_in_ms(1000));
+}
+
+static void *serve(void *arg) {
+    mm_dataserv *s = arg;
+    uint64_t next_tick = mm_now_ms() + (uint64_t)s->tick_ms;
+    while (!atomic_load(&s->stop)) {
+        mm_conn *c = NULL;
+        char err[MM_ERRLEN] = "";
+        mm_err rv = mm_listener_accept(s->l, &c, mm_deadline_in_ms(100), err);
+        if (s->tick && mm_now_ms() >= next_tick) {
+            s->tick(s->arg);
+            next_tick = mm_now_ms() + (uint64_t)s->tick_ms;
+        }
+        if (rv == MM_ETIMEDOUT)
+            continue;
+        if (rv != MM_OK) {
+            if (rv != MM_ECLOSED)
+                mm_log_warn("data %s: accept: %s (%s)", s->url, mm_strerror(rv), err);
+            continue;
+        }
+        mm_log_info("data %s: router connected", s->url);
+        while (!atomic_load(&s->stop)) {
+            mm_wire_hdr h;
+            rv = mm_conn_recv(c, &h, s->buf, s->cap, mm_deadline_in_ms(100));
+            if (s->tick && mm_now_ms() >= next_tick) {
+                s->tick(s->arg);
+                next_tick = mm_now_ms() + (uint64_t)s->tick_ms;
+            }
+            if (rv == MM_ETIMEDOUT && mm_conn_error(c) == MM_OK)
+                continue;
+            if (rv == MM_EFULL) {
+                char msg[128];
+                snprintf(msg, sizeof(msg), "frame of %llu bytes is over this daemon's limit of "
+                         "%zu (--max-batch-tokens)", (unsigned long long)h.payload_bytes, s->cap);
+                mm_log_warn("data %s: %s", s->url, msg);
+                if (mm_dataserv_reply_error(c, &h, MM_EFULL, msg) == MM_OK)
+                    continue;
+                break;
+            }
+            if (rv != MM_OK) {
+                if (rv != MM_ECLOSED)
+                    mm_log_warn("data %s: conn ended: %s", s->url, mm_strerror(rv));
+                break;
+            }
+            if (s->fn(s->arg, c, &h, s->buf) != MM_OK)
+                break;
+        }
+        mm_conn_close(c);
+        mm_log_info("data %s: router disconnected; accepting again", s->url);
+    }
+    return NULL;
+}
+
+mm_err mm_dataserv_start(mm_dataserv **out, const char *url, size_t payload_cap,
+                         mm_dataserv_fn fn, mm_dataserv_tick tick, int tick_ms, void *arg,
+                         char err[MM_ERRLEN]) {
+    *out = NULL;
+    mm_dataserv *s = calloc(1, sizeof(*s));
+    if (!s)
+        return MM_ENOMEM;
+    s->cap = payload_cap;
+    s->buf = aligned_alloc(64, (payload_cap + 63) / 64 * 64);
+    s->fn = fn;
+    s->tick = tick;
+    s->tick_ms = tick_ms > 0 ? tick_ms : 1000;
+    s->arg = arg;
+    snprintf(s->url, sizeof(s->url), "%s", url);
+    mm_err rv = MM_OK;
+    if (!s->buf) {
+        rv = MM_ENOMEM;
+        goto fail;
+    }
+    MM_TRY_GOTO(rv, mm_transport_listen(&s->l, url, err), fail);
+    if (pthread_create(&s->th, NULL, serve, s) != 0) {
+        rv = mm_errf(err, MM_ESYS, "cannot start the data thread");
+        goto fail;
+    }
+    s->started = true;
+    *out = s;
+    return MM_OK;
+fail:
+    mm_dataserv_stop(s);
+    return rv;
+}
+
+void mm_dataserv_stop(mm_dataserv *s) {
+    if (!s)
+        return;
+    atomic_store(&s->stop, true);
+    if (s->l)
+        mm_listener_shutdown(s->l);
+    if (s->started)
+        pthread_join(s->th, NULL);
+    mm_listener_close(s->l);
+    free(s->buf);
+    free(s);
+}

@@ -1,0 +1,41 @@
+// SPDX-License-Identifier: MIT
+// The serving side of the data plane for attention shards and expert owners: one thread that
+// listens on --data, accepts the router's connection, and hands every frame to the role's
+// handler, which answers on the same conn. When the conn fails (router gone, protocol error,
+// the router closing it after a failed step) it is closed and the thread accepts again.
+//
+// Design notes: one conn at a time (the router is the only client); frames go into one buffer
+// sized at start (no allocation per frame). The handler runs on the server thread only, so role
+// state needs no lock; tick runs there too, at least every tick_ms while idle.
+#ifndef MM_DATASERV_H
+#define MM_DATASERV_H
+
+#include <stddef.h>
+
+#include "mm/transport.h"
+
+typedef struct mm_dataserv mm_dataserv;
+
+// mm_dataserv_fn handles one frame (hdr and payload borrowed for the call; payload is
+// writable scratch the handler may compute in). Returning an error closes the conn (use it
+// only for protocol violations; request failures are answered with MM_WIRE_ERROR frames).
+typedef mm_err (*mm_dataserv_fn)(void *arg, mm_conn *c, const mm_wire_hdr *hdr, void *payload);
+// mm_dataserv_tick runs between frames (periodic work such as load exports).
+typedef void (*mm_dataserv_tick)(void *arg);
+
+// mm_dataserv_start listens on url and starts the thread. payload_cap: the largest payload
+// accepted (bigger frames are answered with an MM_WIRE_ERROR naming the limit). Returns owned
+// *out (mm_dataserv_stop). Errors: those of mm_transport_listen, MM_ENOMEM, MM_ESYS.
+mm_err mm_dataserv_start(mm_dataserv **out, const char *url, size_t payload_cap,
+                         mm_dataserv_fn fn, mm_dataserv_tick tick, int tick_ms, void *arg,
+                         char err[MM_ERRLEN]);
+// mm_dataserv_stop stops the thread (bounded by its 100 ms poll), closes everything and frees.
+// Accepts NULL.
+void mm_dataserv_stop(mm_dataserv *s);
+
+// mm_dataserv_reply_error answers a request frame with MM_WIRE_ERROR (aux = code) carrying msg.
+// Returns the send's result.
+mm_err mm_dataserv_reply_error(mm_conn *c, const mm_wire_hdr *req, mm_err code,
+                               const char *msg);
+
+#endif

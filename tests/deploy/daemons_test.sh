@@ -8,7 +8,7 @@
 #  2. A router and two expert owners started through moemesh-launch, the owners with slot
 #     claims (MM_SLOT_DIR, base 4) and {i+K} addresses: each logs the instance and addresses
 #     the launcher worked out, and the router logs both owners joining. Everything is stopped
-#     with SIGTERM (as systemd does) and must exit by itself.
+#     with SIGTERM (as systemd does) and must exit by itself, with status 0.
 set -u
 BIN=${BIN:-build/bin}
 fail=0
@@ -76,11 +76,13 @@ wait_for() { # FILE REGEX SECONDS
     done
     return 1
 }
+# Data ports from the PID, so that concurrent runs (make test and make asan) do not collide.
+dport=$((20000 + $$ % 20000))
 start "$tmp/router.log" -- router
 start "$tmp/e1.log" MM_SLOT_DIR="$tmp/slots" MM_INSTANCE_BASE=4 MM_INSTANCE_MAX=5 \
-    "MM_LISTEN=ipc://$tmp/expert-{i}.ctl" 'MM_DATA=tcp://127.0.0.1:{i+17400}' -- expert
+    "MM_LISTEN=ipc://$tmp/expert-{i}.ctl" "MM_DATA=tcp://127.0.0.1:{i+$dport}" -- expert
 start "$tmp/e2.log" MM_SLOT_DIR="$tmp/slots" MM_INSTANCE_BASE=4 MM_INSTANCE_MAX=5 \
-    "MM_LISTEN=ipc://$tmp/expert-{i}.ctl" 'MM_DATA=tcp://127.0.0.1:{i+17400}' -- expert
+    "MM_LISTEN=ipc://$tmp/expert-{i}.ctl" "MM_DATA=tcp://127.0.0.1:{i+$dport}" -- expert
 for n in 4 5; do
     log=$(grep -l "config instance=$n\$" "$tmp"/e?.log 2>/dev/null | head -n1)
     if [ -z "$log" ]; then
@@ -89,7 +91,7 @@ for n in 4 5; do
     fi
     if [ -z "$log" ]; then bad "no owner logged config instance=$n"; continue; fi
     grep -qx ".*config listen=ipc://$tmp/expert-$n.ctl" "$log" || bad "owner $n: listen not expanded: $(grep 'config listen' "$log")"
-    grep -qx ".*config data=tcp://127.0.0.1:$((17400 + n))" "$log" || bad "owner $n: data not expanded: $(grep 'config data' "$log")"
+    grep -qx ".*config data=tcp://127.0.0.1:$((dport + n))" "$log" || bad "owner $n: data not expanded: $(grep 'config data' "$log")"
     if wait_for "$tmp/router.log" "expert/$n .*join" 15; then echo "ok: owner $n (slot claim) joined the router"
     else bad "the router did not log expert/$n joining"; fi
 done
@@ -100,8 +102,10 @@ for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null; done
 for p in "${pids[@]}"; do
     for _ in $(seq 100); do kill -0 "$p" 2>/dev/null || break; sleep 0.05; done
     kill -0 "$p" 2>/dev/null && bad "pid $p did not exit within 5 s of SIGTERM"
+    rc=0
+    wait "$p" 2>/dev/null || rc=$?
+    [ $rc -eq 0 ] || bad "pid $p exited with status $rc after SIGTERM (a clean stop is 0)"
 done
-wait 2>/dev/null
 pids=()
 if [ $fail -ne 0 ]; then
     for f in "$tmp"/*.log; do echo "== $f"; tail -n 15 "$f"; done

@@ -1521,6 +1521,8 @@ typedef struct ectx {
     size_t steps, max_steps, max_out, max_range;
     int depth, max_depth;
     int print_depth; // nesting of to_str/repr: a namespace can contain itself
+    uintptr_t stack_base; // address of a local of mm_jinja_render
+    size_t max_stack;     // bytes of C stack the evaluator may use below stack_base
     sbuf *out;
     frame *globals; // render variables
     frame *top;     // template-level assignments and macros
@@ -3413,10 +3415,19 @@ static const char *const UNSUPPORTED_GLOBALS[] = {"lipsum", "cycler", "joiner", 
 static jv eval(ectx *E, const node *nd, frame *f);
 static int exec_body(ectx *E, const node *body, frame *f);
 
+// Every evaluated node passes here: the step budget bounds loops, and the measured C stack
+// depth bounds recursion (macro calls inside deeply nested blocks), whatever the frame sizes
+// of this build (sanitizers make them several times larger).
 static void step(ectx *E, int line) {
     if (++E->steps > E->max_steps)
         EFAIL(E, MM_EFULL, line, "template exceeded the step limit of %zu (runaway loop?)",
               E->max_steps);
+    volatile char here = 0;
+    uintptr_t sp = (uintptr_t)&here;
+    size_t used = sp < E->stack_base ? E->stack_base - sp : sp - E->stack_base;
+    if (used > E->max_stack)
+        EFAIL(E, MM_EFULL, line, "template recursion used more than %zu bytes of stack",
+              E->max_stack);
 }
 
 static jv frame_lookup(ectx *E, frame *f, const char *name) {
@@ -3767,6 +3778,9 @@ mm_err mm_jinja_render(const mm_jinja *t, const json_t *ctx, const mm_jinja_limi
     E->max_out = lim.max_output_bytes ? lim.max_output_bytes : (size_t)64 << 20;
     E->max_depth = lim.max_call_depth ? lim.max_call_depth : 64;
     E->max_range = lim.max_range ? lim.max_range : 1000000;
+    E->max_stack = lim.max_stack_bytes ? lim.max_stack_bytes : (size_t)1 << 20;
+    volatile char base = 0;
+    E->stack_base = (uintptr_t)&base;
     E->ar.limit = lim.max_memory_bytes ? lim.max_memory_bytes : (size_t)512 << 20;
     E->ar.fail = &E->fail;
     E->ar.cached = true;

@@ -303,6 +303,20 @@ static void test_bounds_no_crash(void) {
     MM_FAIL(render("{% macro r(n) %}{{ r(n + 1) }}{% endmacro %}{{ r(0) }}", NULL, NULL, &out, err),
             MM_EFULL);
     MM_TRUE(strstr(err, "nested deeper") != NULL);
+    // Recursion through macros inside deeply nested blocks is bounded by measured stack use.
+    size_t nd = 120, kk = 0;
+    char *deep = malloc(nd * 30 + 128);
+    kk += (size_t)sprintf(deep + kk, "{%% macro r(n) %%}");
+    for (size_t i = 0; i < nd; i++)
+        kk += (size_t)sprintf(deep + kk, "{%% if true %%}");
+    kk += (size_t)sprintf(deep + kk, "{{ r(n + 1) }}");
+    for (size_t i = 0; i < nd; i++)
+        kk += (size_t)sprintf(deep + kk, "{%% endif %%}");
+    sprintf(deep + kk, "{%% endmacro %%}{{ r(0) }}");
+    mm_err drv = render(deep, NULL, NULL, &out, err);
+    MM_TRUE(drv == MM_EFULL);
+    MM_TRUE(strstr(err, "stack") != NULL || strstr(err, "nested deeper") != NULL);
+    free(deep);
     // A namespace that contains itself cannot be printed: an error, not a stack overflow.
     MM_FAIL(render("{% set ns = namespace() %}{% set ns.me = ns %}{{ ns }}", NULL, NULL, &out, err),
             MM_EUNSUPP);

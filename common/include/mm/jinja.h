@@ -21,6 +21,8 @@ typedef struct mm_jinja_limits {
     size_t max_memory_bytes; // scratch for values during one render [512 MiB]
     int max_call_depth;      // nested macro calls [64]
     size_t max_range;        // elements one range() may produce [1,000,000]
+    size_t max_stack_bytes;  // C stack the evaluator may use, measured [1 MiB]; the calling
+                             // thread needs this much stack beyond its own use
 } mm_jinja_limits;
 
 // mm_jinja_new compiles n bytes of template source. name labels errors ("chat_template").

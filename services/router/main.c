@@ -1,29 +1,61 @@
 // SPDX-License-Identifier: MIT
-// moemesh-router: the hub of the mesh. Today it admits daemons (identity check), tracks their
-// heartbeats and answers status; the step loop (embeddings, gate, dispatch, combine, LM head,
-// sampling) lands beside registry.c.
+// moemesh-router: the hub of the mesh. It admits daemons (identity check), tracks their
+// heartbeats and answers status (registry.c), and with --model runs each StepPlan's forward
+// pass across the shards and owners (step.c).
+#include <string.h>
+
 #include "mm/daemon.h"
 #include "mm/log.h"
 #include "router.h"
+#include "step.h"
 
-static long long s_down_after_ms;
+static long long s_down_after_ms, s_shards, s_max_tokens, s_max_seqs, s_threads, s_timeout_ms,
+    s_max_ctx;
 static mm_opt s_router_opts[] = {
     {"down-after-ms", MM_OPT_INT, &s_down_after_ms, "0",
      "mark a member down after this long without a heartbeat (0: 4 x --heartbeat-ms)"},
+    {"attention-shards", MM_OPT_INT, &s_shards, "1", "attention shards in the mesh"},
+    {"max-batch-tokens", MM_OPT_INT, &s_max_tokens, "256", "rows (tokens) per step"},
+    {"max-step-seqs", MM_OPT_INT, &s_max_seqs, "64", "sequences per step"},
+    {"max-ctx", MM_OPT_INT, &s_max_ctx, "4096", "longest sequence (capped by the model)"},
+    {"threads", MM_OPT_INT, &s_threads, "0", "CPU threads (0: all cores)"},
+    {"step-timeout-ms", MM_OPT_INT, &s_timeout_ms, "10000",
+     "longest wait for a shard's or owner's answer within a step"},
     {0},
 };
+
+static struct {
+    mm_registry *reg;
+    mm_step_engine *eng;
+} R;
+
+// Step plans go to the step engine; everything else to the registry.
+static void on_ctl(void *arg, const mm_ctl_msg *req, const char *peer, struct nng_msg **reply) {
+    (void)arg;
+    if (req->body_case == MMCTL__ENVELOPE__BODY_STEP_PLAN) {
+        if (R.eng) {
+            *reply = mm_step_engine_run(R.eng, req->step_plan, req->seq);
+        } else {
+            *reply = mm_ctl_reply_ack(false, "this router was started without --model: it "
+                                             "serves no steps");
+        }
+        return;
+    }
+    mm_registry_handle(R.reg, req, peer, reply);
+}
 
 int main(int argc, char **argv) {
     mm_registry *reg = NULL;
     if (mm_registry_new(&reg) != MM_OK)
         return MM_EXIT_ERROR;
+    R.reg = reg;
     mm_daemon_spec spec = {
         .role = "router",
         .summary = "moemesh router: the hub every daemon joins; admits, tracks and reports the "
                    "mesh, and runs each step's forward pass.",
         .extra_opts = s_router_opts,
-        .handler = mm_registry_handle,
-        .handler_arg = reg,
+        .handler = on_ctl,
+        .handler_arg = NULL,
         .is_hub = true,
     };
     mm_daemon *d = NULL;
@@ -38,6 +70,22 @@ int main(int argc, char **argv) {
                          (uint32_t)down_after);
     mm_log_info("members are marked down after %lld ms without a heartbeat", down_after);
     char err[MM_ERRLEN] = "";
+    if (c->model) {
+        mm_step_conf sc = {
+            .model = c->model, .placement = c->placement, .device = c->device,
+            .owners = (int)c->owners, .shards = (int)s_shards, .max_tokens = (int)s_max_tokens,
+            .max_seqs = (int)s_max_seqs, .threads = (int)s_threads,
+            .step_timeout_ms = (int)s_timeout_ms, .max_ctx = (int)s_max_ctx,
+        };
+        if (mm_step_engine_open(&R.eng, &sc, reg, err) != MM_OK) {
+            mm_log_error("cannot open the step engine: %s", err);
+            code = mm_daemon_close(d);
+            mm_registry_free(reg);
+            return code == MM_EXIT_OK ? MM_EXIT_ERROR : code;
+        }
+        mm_log_info("step engine: %lld attention shards, %lld owners, %lld tokens / %lld seqs "
+                    "per step", s_shards, c->owners, s_max_tokens, s_max_seqs);
+    }
     if (mm_daemon_start(d, err) != MM_OK) {
         mm_log_error("cannot start: %s", err);
         mm_daemon_request_stop(d, MM_EXIT_ERROR, NULL);
@@ -45,7 +93,10 @@ int main(int argc, char **argv) {
         int tick = (int)(down_after / 8 < 10 ? 10 : down_after / 8 > 100 ? 100 : down_after / 8);
         mm_daemon_wait(d, tick, mm_registry_sweep, reg);
     }
+    // The control server (and so every step in flight) stops inside mm_daemon_close; the
+    // engine goes after it.
     code = mm_daemon_close(d);
+    mm_step_engine_close(R.eng);
     mm_registry_free(reg);
     return code;
 }

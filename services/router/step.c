@@ -1,0 +1,656 @@
+// SPDX-License-Identifier: MIT
+// The router's step engine; see step.h and docs/MESH.md.
+#include "step.h"
+
+#include <nng/nng.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "mm/log.h"
+#include "mm/model.h"
+#include "mm/placement.h"
+#include "mm/sampler.h"
+#include "mm/step.h"
+#include "mm/transport.h"
+
+#define MAX_RELEASE 4096
+#define MSG_LEN 320
+
+struct peer {
+    const char *role;  // "attention" | "expert"
+    const char *what;  // "attention shard" | "expert owner"
+    int inst;
+    mm_conn *conn;
+    uint64_t inc;      // incarnation the conn was dialed for
+    bool live;         // usable this step
+    char why[MSG_LEN]; // why not live
+    // per exchange
+    int64_t off, n;    // region of the staging buffers (rows)
+    bool pending;
+};
+
+struct mm_step_engine {
+    pthread_mutex_t mu;
+    mm_step_conf c;
+    mm_registry *reg;
+    mm_backend *be;
+    mm_model *model;
+    mm_model_scratch *scratch;
+    mm_placement *pl;
+    mm_sampler *sampler;
+    const mm_model_config *cfg;
+    int D, K, E, V;
+    struct peer *shards, *owners;
+    // per-step buffers (sized at open)
+    int32_t *ids;        // (max_tokens) token ids of the active rows
+    float *h, *x, *sh;   // (max_tokens, D)
+    float *stage;        // (max_tokens, D) shard exchange
+    int32_t *gids;       // (max_tokens, K)
+    float *gw;           // (max_tokens, K)
+    float *xs, *ys;      // (max_tokens * K, D) owner exchange
+    float *eo;           // (max_tokens * K, D) expert outputs at row i*K + r
+    int32_t *slot_of;    // (max_tokens * K) slot for each staged row
+    int32_t *e_cnt;      // (owners, E) rows per (owner, expert)
+    int32_t *e_owner;    // (E) serving owner this layer
+    int32_t *e_off;      // (owners, E) write cursor
+    uint8_t *ctrl;       // CTRL frame payloads
+    float *last, *hn, *logits; // (max_seqs, D) x2, (max_seqs, V)
+    // per-seq state
+    int32_t *seq_shard, *seq_row; // (max_seqs): shard, first active row (-1: inactive)
+    bool *seq_failed;
+    char (*seq_msg)[MSG_LEN];
+    int32_t *seq_code;
+    // the reply
+    Mmctl__SeqResult *res;
+    Mmctl__SeqResult **res_p;
+    Mmctl__TopLogprob *top;
+    Mmctl__TopLogprob **top_p;
+    mm_sample *smp;
+};
+
+static const char *peer_name(const struct peer *p, char *buf, size_t n) {
+    snprintf(buf, n, "%s %d", p->what, p->inst);
+    return buf;
+}
+
+static void peer_drop(struct peer *p) {
+    mm_conn_close(p->conn);
+    p->conn = NULL;
+    p->pending = false;
+}
+
+// peer_ensure: is the peer up in the registry, with a healthy link (dialed now if needed)?
+static bool peer_ensure(mm_step_engine *e, struct peer *p) {
+    char url[MM_ADDR_LEN], name[64], err[MM_ERRLEN] = "";
+    uint64_t inc = 0;
+    bool up = mm_registry_peer(e->reg, p->role, (uint32_t)p->inst, url, &inc);
+    p->live = false;
+    if (!up) {
+        peer_drop(p);
+        snprintf(p->why, sizeof(p->why), "%s is down (not joined or no heartbeat)",
+                 peer_name(p, name, sizeof(name)));
+        return false;
+    }
+    if (p->conn && (inc != p->inc || mm_conn_error(p->conn) != MM_OK))
+        peer_drop(p);
+    if (!p->conn) {
+        if (!url[0]) {
+            snprintf(p->why, sizeof(p->why), "%s joined without a --data address",
+                     peer_name(p, name, sizeof(name)));
+            return false;
+        }
+        mm_err rv = mm_transport_dial(&p->conn, url, mm_deadline_in_ms(1000), err);
+        if (rv != MM_OK) {
+            p->conn = NULL;
+            snprintf(p->why, sizeof(p->why), "%.60s: cannot connect to %.80s: %.100s",
+                     peer_name(p, name, sizeof(name)), url, err[0] ? err : mm_strerror(rv));
+            mm_log_warn("%s", p->why);
+            return false;
+        }
+        p->inc = inc;
+        mm_log_info("linked to %s at %s", name, url);
+    }
+    p->live = true;
+    return true;
+}
+
+static int cfg_max_ctx(const mm_model_config *c, int want) {
+    return c->max_pos > 0 && want > c->max_pos ? c->max_pos : want;
+}
+
+mm_err mm_step_engine_open(mm_step_engine **out, const mm_step_conf *c, mm_registry *reg,
+                           char err[MM_ERRLEN]) {
+    *out = NULL;
+    if (c->max_tokens < 1 || c->max_seqs < 1 || c->shards < 1 || c->owners < 1 ||
+        c->step_timeout_ms < 1)
+        return mm_errf(err, MM_EINVAL, "--max-batch-tokens, --max-step-seqs, "
+                       "--attention-shards, --owners and --step-timeout-ms must be >= 1");
+    mm_step_engine *e = calloc(1, sizeof(*e));
+    if (!e)
+        return MM_ENOMEM;
+    pthread_mutex_init(&e->mu, NULL);
+    e->c = *c;
+    e->reg = reg;
+    mm_err rv = MM_OK;
+    mm_backend_params bp = {.n_threads = c->threads};
+    MM_TRY_GOTO(rv, mm_backend_open(&e->be, c->device ? c->device : "cpu", &bp, err), fail);
+    MM_TRY_GOTO(rv, mm_model_open(&e->model, c->model, e->be, err), fail);
+    e->cfg = mm_model_cfg(e->model);
+    e->D = e->cfg->d_model;
+    e->K = e->cfg->n_experts > 0 ? e->cfg->top_k : 0;
+    e->E = e->cfg->n_experts;
+    e->V = e->cfg->vocab;
+    e->c.max_ctx = cfg_max_ctx(e->cfg, c->max_ctx > 0 ? c->max_ctx : 4096);
+    if (e->E > 0)
+        MM_TRY_GOTO(rv, mm_placement_open(&e->pl, c->placement, e->cfg, c->owners, err), fail);
+    int64_t T = c->max_tokens, S = c->max_seqs, KK = e->K > 0 ? e->K : 1;
+    int64_t rows = T > S ? T : S;
+    MM_TRY_GOTO(rv, mm_model_scratch_new(&e->scratch, e->model, rows, err), fail);
+    MM_TRY_GOTO(rv, mm_sampler_new(&e->sampler, e->V), fail);
+    size_t D = (size_t)e->D;
+    e->shards = calloc((size_t)c->shards, sizeof(*e->shards));
+    e->owners = calloc((size_t)c->owners, sizeof(*e->owners));
+    e->ids = calloc((size_t)T, 4);
+    e->h = calloc((size_t)T * D, 4);
+    e->x = calloc((size_t)T * D, 4);
+    e->sh = calloc((size_t)T * D, 4);
+    e->stage = calloc((size_t)T * D, 4);
+    e->gids = calloc((size_t)(T * KK), 4);
+    e->gw = calloc((size_t)(T * KK), 4);
+    e->xs = calloc((size_t)(T * KK) * D, 4);
+    e->ys = calloc((size_t)(T * KK) * D, 4);
+    e->eo = calloc((size_t)(T * KK) * D, 4);
+    e->slot_of = calloc((size_t)(T * KK), 4);
+    e->e_cnt = calloc((size_t)c->owners * (size_t)(e->E + 1), 4);
+    e->e_off = calloc((size_t)c->owners * (size_t)(e->E + 1), 4);
+    e->e_owner = calloc((size_t)(e->E + 1), 4);
+    e->ctrl = calloc(8 + (size_t)S * 16 + MAX_RELEASE * 8 + 8 * (size_t)(e->E + 1), 1);
+    e->last = calloc((size_t)S * D, 4);
+    e->hn = calloc((size_t)S * D, 4);
+    e->logits = calloc((size_t)S * (size_t)e->V, 4);
+    e->seq_shard = calloc((size_t)S, 4);
+    e->seq_row = calloc((size_t)S, 4);
+    e->seq_failed = calloc((size_t)S, 1);
+    e->seq_msg = calloc((size_t)S, MSG_LEN);
+    e->seq_code = calloc((size_t)S, 4);
+    e->res = calloc((size_t)S, sizeof(*e->res));
+    e->res_p = calloc((size_t)S, sizeof(*e->res_p));
+    e->top = calloc((size_t)S * MM_SAMPLER_MAX_TOP, sizeof(*e->top));
+    e->top_p = calloc((size_t)S * MM_SAMPLER_MAX_TOP, sizeof(*e->top_p));
+    e->smp = calloc((size_t)S, sizeof(*e->smp));
+    if (!e->shards || !e->owners || !e->ids || !e->h || !e->x || !e->sh || !e->stage ||
+        !e->gids || !e->gw || !e->xs || !e->ys || !e->eo || !e->slot_of || !e->e_cnt ||
+        !e->e_off || !e->e_owner || !e->ctrl || !e->last || !e->hn || !e->logits ||
+        !e->seq_shard || !e->seq_row || !e->seq_failed || !e->seq_msg || !e->seq_code ||
+        !e->res || !e->res_p || !e->top || !e->top_p || !e->smp) {
+        rv = MM_ENOMEM;
+        goto fail;
+    }
+    for (int i = 0; i < c->shards; i++)
+        e->shards[i] = (struct peer){.role = "attention", .what = "attention shard", .inst = i};
+    for (int i = 0; i < c->owners; i++)
+        e->owners[i] = (struct peer){.role = "expert", .what = "expert owner", .inst = i};
+    *out = e;
+    return MM_OK;
+fail:
+    mm_step_engine_close(e);
+    return rv;
+}
+
+void mm_step_engine_close(mm_step_engine *e) {
+    if (!e)
+        return;
+    for (int i = 0; e->shards && i < e->c.shards; i++)
+        peer_drop(&e->shards[i]);
+    for (int i = 0; e->owners && i < e->c.owners; i++)
+        peer_drop(&e->owners[i]);
+    free(e->shards); free(e->owners); free(e->ids); free(e->h); free(e->x); free(e->sh);
+    free(e->stage); free(e->gids); free(e->gw); free(e->xs); free(e->ys); free(e->eo);
+    free(e->slot_of); free(e->e_cnt); free(e->e_off); free(e->e_owner); free(e->ctrl);
+    free(e->last); free(e->hn); free(e->logits); free(e->seq_shard); free(e->seq_row);
+    free(e->seq_failed); free(e->seq_msg); free(e->seq_code); free(e->res); free(e->res_p);
+    free(e->top); free(e->top_p); free(e->smp);
+    mm_sampler_free(e->sampler);
+    mm_placement_free(e->pl);
+    mm_model_scratch_free(e->scratch);
+    mm_model_close(e->model);
+    mm_backend_close(e->be);
+    pthread_mutex_destroy(&e->mu);
+    free(e);
+}
+
+// ---- exchanges ------------------------------------------------------------------------------
+
+// gather waits for the REPLY of every pending peer in ps (n of them) for (step, layer) and
+// writes its rows at buf + p->off rows. On failure: names the peer in msg, returns the error.
+static mm_err gather(mm_step_engine *e, struct peer *ps, int n, uint64_t step, uint32_t layer,
+                     float *buf, char *msg) {
+    mm_conn *set[MM_CONN_WAIT_MAX];
+    struct peer *who[MM_CONN_WAIT_MAX];
+    char name[64];
+    size_t np = 0;
+    for (int i = 0; i < n; i++)
+        if (ps[i].pending) {
+            set[np] = ps[i].conn;
+            who[np++] = &ps[i];
+        }
+    const uint64_t deadline = mm_deadline_in_ms((uint64_t)e->c.step_timeout_ms);
+    while (np > 0) {
+        uint64_t now = mm_now_ns(), slice = now + 200000000ull;
+        if (now >= deadline) {
+            snprintf(msg, MSG_LEN, "%s did not answer layer %u within %d ms (--step-timeout-ms)",
+                     peer_name(who[0], name, sizeof(name)), layer, e->c.step_timeout_ms);
+            return MM_ETIMEDOUT;
+        }
+        size_t r = 0;
+        mm_err rv = mm_conn_wait_any(set, np, slice < deadline ? slice : deadline, &r);
+        if (rv == MM_ETIMEDOUT) {
+            // Ask the registry: a peer marked down fails the step now, not at the deadline.
+            for (size_t i = 0; i < np; i++) {
+                char url[MM_ADDR_LEN];
+                uint64_t inc;
+                if (!mm_registry_peer(e->reg, who[i]->role, (uint32_t)who[i]->inst, url, &inc) ||
+                    inc != who[i]->inc) {
+                    snprintf(msg, MSG_LEN, "%s went down during layer %u",
+                             peer_name(who[i], name, sizeof(name)), layer);
+                    return MM_EPEERDOWN;
+                }
+            }
+            continue;
+        }
+        if (rv != MM_OK) {
+            snprintf(msg, MSG_LEN, "waiting for layer %u: %s", layer, mm_strerror(rv));
+            return rv;
+        }
+        struct peer *p = who[r];
+        mm_wire_hdr h;
+        size_t cap = (size_t)p->n * (size_t)e->D * 4;
+        rv = mm_conn_recv(p->conn, &h, buf + p->off * e->D, cap > 256 ? cap : 256, deadline);
+        if (rv != MM_OK) {
+            snprintf(msg, MSG_LEN, "%s: %s during layer %u", peer_name(p, name, sizeof(name)),
+                     rv == MM_EPEERDOWN ? "connection lost (process died?)" : mm_strerror(rv),
+                     layer);
+            return rv;
+        }
+        if (h.kind == MM_WIRE_ERROR) {
+            const char *t = (const char *)(buf + p->off * e->D);
+            int tl = (int)(h.payload_bytes < 200 ? h.payload_bytes : 200);
+            snprintf(msg, MSG_LEN, "%s: %.*s", peer_name(p, name, sizeof(name)), tl, t);
+            p->pending = false; // answered: the link stays in step
+            return h.aux ? (mm_err)h.aux : MM_EPROTO;
+        }
+        if (h.kind != MM_WIRE_REPLY || h.step_id != step || h.layer != layer ||
+            h.n_rows != (uint32_t)p->n || h.row_dim != (uint32_t)e->D ||
+            h.format != MM_WIRE_F32) {
+            snprintf(msg, MSG_LEN, "%s sent %s for step %llu layer %u (%u rows), expected a "
+                     "reply for step %llu layer %u (%lld rows)", peer_name(p, name, sizeof(name)),
+                     mm_wire_kind_name(h.kind), (unsigned long long)h.step_id, h.layer, h.n_rows,
+                     (unsigned long long)step, layer, (long long)p->n);
+            mm_log_warn("%s", msg);
+            return MM_EPROTO;
+        }
+        p->pending = false;
+        set[r] = set[np - 1];
+        who[r] = who[np - 1];
+        np--;
+    }
+    return MM_OK;
+}
+
+static mm_err send_frame(struct peer *p, enum mm_wire_kind kind, enum mm_wire_format fmt,
+                         uint64_t step, uint32_t layer, uint32_t n_rows, uint32_t dim,
+                         const void *payload, int timeout_ms, char *msg) {
+    mm_wire_hdr h;
+    char name[64];
+    mm_err rv = mm_wire_hdr_init(&h, kind, fmt, step, layer, n_rows, dim);
+    if (rv == MM_OK)
+        rv = mm_conn_send(p->conn, &h, payload, mm_deadline_in_ms((uint64_t)timeout_ms));
+    if (rv != MM_OK)
+        snprintf(msg, MSG_LEN, "%s: sending layer %d: %s", peer_name(p, name, sizeof(name)),
+                 layer == MM_WIRE_NO_LAYER ? -1 : (int)layer,
+                 rv == MM_EPEERDOWN ? "connection lost (process died?)" : mm_strerror(rv));
+    return rv;
+}
+
+// ---- the step -------------------------------------------------------------------------------
+
+static mm_err check_plan(mm_step_engine *e, const Mmctl__StepPlan *p, char *msg) {
+    if (p->n_seqs > (size_t)e->c.max_seqs)
+        return mm_errf(msg, MM_EINVAL, "plan has %zu seqs; this router takes at most %d per step "
+                       "(--max-step-seqs)", p->n_seqs, e->c.max_seqs);
+    if (p->n_release > MAX_RELEASE)
+        return mm_errf(msg, MM_EINVAL, "plan releases %zu seqs; at most %d per step",
+                       p->n_release, MAX_RELEASE);
+    size_t rows = 0;
+    for (size_t i = 0; i < p->n_seqs; i++) {
+        const Mmctl__SeqStep *q = p->seqs[i];
+        rows += q->n_tokens;
+        for (size_t j = 0; j < i; j++)
+            if (p->seqs[j]->seq_id == q->seq_id)
+                return mm_errf(msg, MM_EINVAL, "seq %llu appears twice in the plan",
+                               (unsigned long long)q->seq_id);
+        for (size_t t = 0; t < q->n_tokens; t++)
+            if (q->tokens[t] < 0 || q->tokens[t] >= e->V)
+                return mm_errf(msg, MM_EINVAL, "seq %llu: token %d is outside the vocab (%d)",
+                               (unsigned long long)q->seq_id, q->tokens[t], e->V);
+        if ((uint64_t)q->pos + q->n_tokens > (uint64_t)e->c.max_ctx)
+            return mm_errf(msg, MM_EINVAL, "seq %llu: positions up to %llu exceed the context "
+                           "limit %d", (unsigned long long)q->seq_id,
+                           (unsigned long long)q->pos + q->n_tokens, e->c.max_ctx);
+        if (q->logprobs > MM_SAMPLER_MAX_TOP)
+            return mm_errf(msg, MM_EINVAL, "seq %llu: logprobs %u is over %d",
+                           (unsigned long long)q->seq_id, q->logprobs, MM_SAMPLER_MAX_TOP);
+        const Mmctl__Sampling *s = q->sampling;
+        if (s && (s->presence_penalty != 0 || s->frequency_penalty != 0 ||
+                  (s->repetition_penalty != 0 && s->repetition_penalty != 1)))
+            return mm_errf(msg, MM_EUNSUPP, "seq %llu: presence/frequency/repetition penalties "
+                           "are not implemented by the router yet", (unsigned long long)q->seq_id);
+    }
+    if (rows > (size_t)e->c.max_tokens)
+        return mm_errf(msg, MM_EINVAL, "plan has %zu tokens; this router takes at most %d per "
+                       "step (--max-batch-tokens)", rows, e->c.max_tokens);
+    return MM_OK;
+}
+
+// fail_active marks every active seq failed with (code, msg).
+static void fail_active(mm_step_engine *e, const Mmctl__StepPlan *p, mm_err code, const char *m) {
+    for (size_t i = 0; i < p->n_seqs; i++)
+        if (e->seq_row[i] >= 0 && !e->seq_failed[i]) {
+            e->seq_failed[i] = true;
+            e->seq_code[i] = code;
+            snprintf(e->seq_msg[i], MSG_LEN, "%s", m);
+        }
+}
+
+static void drop_pending(struct peer *ps, int n) {
+    for (int i = 0; i < n; i++)
+        if (ps[i].pending)
+            peer_drop(&ps[i]);
+}
+
+// run_layers: the forward pass of the active rows. Returns an error (msg set) that fails them.
+static mm_err run_layers(mm_step_engine *e, const Mmctl__StepPlan *p, int64_t R, char *msg) {
+    const uint64_t step = p->step_id;
+    const int D = e->D, K = e->K, M = e->c.shards, N = e->c.owners;
+    const int tmo = e->c.step_timeout_ms;
+    // Per shard: CTRL with its seqs and the releases; then its rows' region in `stage`.
+    int64_t off = 0;
+    for (int s = 0; s < M; s++) {
+        struct peer *sp = &e->shards[s];
+        if (!sp->live)
+            continue;
+        uint32_t ns = 0, nr = (uint32_t)p->n_release;
+        uint8_t *c = e->ctrl + 8;
+        sp->off = off;
+        sp->n = 0;
+        for (size_t i = 0; i < p->n_seqs; i++) {
+            if (e->seq_row[i] < 0 || e->seq_shard[i] != s)
+                continue;
+            const Mmctl__SeqStep *q = p->seqs[i];
+            int32_t pos = (int32_t)q->pos, n = (int32_t)q->n_tokens;
+            memcpy(c, &q->seq_id, 8);
+            memcpy(c + 8, &pos, 4);
+            memcpy(c + 12, &n, 4);
+            c += 16;
+            ns++;
+            sp->n += n;
+        }
+        memcpy(e->ctrl, &ns, 4);
+        memcpy(e->ctrl + 4, &nr, 4);
+        for (size_t i = 0; i < p->n_release; i++, c += 8)
+            memcpy(c, &p->release[i], 8);
+        MM_TRY(send_frame(sp, MM_WIRE_CTRL, MM_WIRE_BYTES, step, MM_WIRE_NO_LAYER, 1,
+                          (uint32_t)(c - e->ctrl), e->ctrl, tmo, msg));
+        off += sp->n;
+    }
+    MM_TRY(mm_model_embed(e->model, e->scratch, e->ids, R, e->h));
+    for (int L = 0; L < e->cfg->n_layers; L++) {
+        // attention on the shards: gather each shard's rows (seqs in plan order), send.
+        for (int s = 0; s < M; s++) {
+            struct peer *sp = &e->shards[s];
+            if (!sp->live || sp->n == 0)
+                continue;
+            int64_t o = sp->off;
+            for (size_t i = 0; i < p->n_seqs; i++)
+                if (e->seq_row[i] >= 0 && e->seq_shard[i] == s) {
+                    int64_t n = (int64_t)p->seqs[i]->n_tokens;
+                    memcpy(e->stage + o * D, e->h + (int64_t)e->seq_row[i] * D,
+                           (size_t)(n * D) * 4);
+                    o += n;
+                }
+            MM_TRY(send_frame(sp, MM_WIRE_ROWS, MM_WIRE_F32, step, (uint32_t)L,
+                              (uint32_t)sp->n, (uint32_t)D, e->stage + sp->off * D, tmo, msg));
+            sp->pending = true;
+        }
+        MM_TRY(gather(e, e->shards, M, step, (uint32_t)L, e->stage, msg));
+        for (int s = 0; s < M; s++) {
+            struct peer *sp = &e->shards[s];
+            if (!sp->live || sp->n == 0)
+                continue;
+            int64_t o = sp->off;
+            for (size_t i = 0; i < p->n_seqs; i++)
+                if (e->seq_row[i] >= 0 && e->seq_shard[i] == s) {
+                    int64_t n = (int64_t)p->seqs[i]->n_tokens;
+                    memcpy(e->h + (int64_t)e->seq_row[i] * D, e->stage + o * D,
+                           (size_t)(n * D) * 4);
+                    o += n;
+                }
+        }
+        MM_TRY(mm_model_ffn_norm(e->model, e->scratch, L, e->h, R, e->x));
+        const bool shared = mm_model_layer_has_shared(e->model, L);
+        if (!mm_model_layer_is_moe(e->model, L)) {
+            MM_TRY(mm_model_shared_forward(e->model, e->scratch, L, e->x, R, e->sh));
+            MM_TRY(mm_model_combine(e->model, e->scratch, L, e->h, R, 0, NULL, NULL, e->sh));
+            continue;
+        }
+        MM_TRY(mm_model_gate(e->model, e->scratch, L, e->x, R, e->gids, e->gw));
+        // Serving owner per expert this layer: the first live owner of its replica list.
+        const int E = e->E;
+        memset(e->e_cnt, 0, (size_t)N * (size_t)(E + 1) * 4);
+        for (int64_t t = 0; t < R * K; t++) {
+            int32_t x = e->gids[t];
+            if (x < 0 || x >= E)
+                return mm_errf(msg, MM_EPROTO, "gate gave expert %d at layer %d", x, L);
+        }
+        for (int x = 0; x < E; x++)
+            e->e_owner[x] = -1;
+        for (int64_t t = 0; t < R * K; t++) {
+            int32_t x = e->gids[t];
+            if (e->e_owner[x] < 0) {
+                for (int r = 0; r < mm_placement_n_rep(e->pl, L, x) && e->e_owner[x] < 0; r++) {
+                    int o = mm_placement_owner(e->pl, L, x, r);
+                    if (e->owners[o].live)
+                        e->e_owner[x] = o;
+                }
+                if (e->e_owner[x] < 0) {
+                    int o0 = mm_placement_owner(e->pl, L, x, 0);
+                    return mm_errf(msg, MM_EPEERDOWN, "expert %d of layer %d has no live owner "
+                                   "(%s)", x, L, e->owners[o0].why);
+                }
+            }
+            e->e_cnt[e->e_owner[x] * (E + 1) + x]++;
+        }
+        // Layout: owners in instance order, experts ascending, (row, rank) slots in order.
+        int64_t base = 0;
+        for (int o = 0; o < N; o++) {
+            struct peer *op = &e->owners[o];
+            op->off = base;
+            op->n = 0;
+            for (int x = 0; x < E; x++) {
+                e->e_off[o * (E + 1) + x] = (int32_t)(base + op->n);
+                op->n += e->e_cnt[o * (E + 1) + x];
+            }
+            base += op->n;
+        }
+        for (int64_t t = 0; t < R * K; t++) {
+            int32_t x = e->gids[t], o = e->e_owner[x];
+            int32_t at = e->e_off[o * (E + 1) + x]++;
+            e->slot_of[at] = (int32_t)t;
+            memcpy(e->xs + (int64_t)at * D, e->x + (t / K) * D, (size_t)D * 4);
+        }
+        for (int o = 0; o < N; o++) {
+            struct peer *op = &e->owners[o];
+            if (op->n == 0)
+                continue;
+            uint32_t nseg = 0;
+            uint8_t *c = e->ctrl + 4;
+            for (int x = 0; x < E; x++) {
+                uint32_t cnt = (uint32_t)e->e_cnt[o * (E + 1) + x], ux = (uint32_t)x;
+                if (cnt == 0)
+                    continue;
+                memcpy(c, &ux, 4);
+                memcpy(c + 4, &cnt, 4);
+                c += 8;
+                nseg++;
+            }
+            memcpy(e->ctrl, &nseg, 4);
+            MM_TRY(send_frame(op, MM_WIRE_CTRL, MM_WIRE_BYTES, step, (uint32_t)L, 1,
+                              (uint32_t)(c - e->ctrl), e->ctrl, tmo, msg));
+            MM_TRY(send_frame(op, MM_WIRE_ROWS, MM_WIRE_F32, step, (uint32_t)L, (uint32_t)op->n,
+                              (uint32_t)D, e->xs + op->off * D, tmo, msg));
+            op->pending = true;
+        }
+        // The shared experts run here while the owners work.
+        if (shared)
+            MM_TRY(mm_model_shared_forward(e->model, e->scratch, L, e->x, R, e->sh));
+        MM_TRY(gather(e, e->owners, N, step, (uint32_t)L, e->ys, msg));
+        for (int64_t at = 0; at < R * K; at++)
+            memcpy(e->eo + (int64_t)e->slot_of[at] * D, e->ys + at * D, (size_t)D * 4);
+        MM_TRY(mm_model_combine(e->model, e->scratch, L, e->h, R, K, e->gw, e->eo,
+                                shared ? e->sh : NULL));
+    }
+    return MM_OK;
+}
+
+struct nng_msg *mm_step_engine_run(mm_step_engine *e, const Mmctl__StepPlan *p, uint64_t seq) {
+    pthread_mutex_lock(&e->mu);
+    char msg[MSG_LEN] = "";
+    Mmctl__StepResult sr = MMCTL__STEP_RESULT__INIT;
+    sr.step_id = p->step_id;
+    sr.error = "";
+    mm_err rv = check_plan(e, p, msg);
+    if (rv != MM_OK) {
+        mm_log_warn("step %llu refused: %s", (unsigned long long)p->step_id, msg);
+        sr.error_code = (uint32_t)rv;
+        sr.error = msg;
+        goto reply;
+    }
+    const int M = e->c.shards, N = e->c.owners;
+    for (int s = 0; s < M; s++)
+        peer_ensure(e, &e->shards[s]);
+    if (e->E > 0)
+        for (int o = 0; o < N; o++)
+            peer_ensure(e, &e->owners[o]);
+    // Active rows: the seqs of live shards, in plan order.
+    int64_t R = 0;
+    for (size_t i = 0; i < p->n_seqs; i++) {
+        const Mmctl__SeqStep *q = p->seqs[i];
+        int s = (int)(q->seq_id % (uint64_t)M);
+        e->seq_shard[i] = s;
+        e->seq_failed[i] = false;
+        e->seq_code[i] = 0;
+        e->seq_msg[i][0] = 0;
+        if (!e->shards[s].live) {
+            e->seq_row[i] = -1;
+            e->seq_failed[i] = true;
+            e->seq_code[i] = MM_EPEERDOWN;
+            snprintf(e->seq_msg[i], MSG_LEN, "%s", e->shards[s].why);
+            continue;
+        }
+        e->seq_row[i] = (int32_t)R;
+        memcpy(e->ids + R, q->tokens, q->n_tokens * 4);
+        R += (int64_t)q->n_tokens;
+    }
+    if (R > 0) {
+        uint64_t t0 = mm_now_ns();
+        rv = run_layers(e, p, R, msg);
+        if (rv != MM_OK) {
+            mm_log_warn("step %llu failed (%lld rows): %s", (unsigned long long)p->step_id,
+                        (long long)R, msg);
+            fail_active(e, p, rv, msg);
+            drop_pending(e->shards, M);
+            drop_pending(e->owners, N);
+            // A peer that failed mid-frame or answered an error is out of step: relink.
+            for (int s = 0; s < M; s++)
+                if (e->shards[s].conn && mm_conn_error(e->shards[s].conn) != MM_OK)
+                    peer_drop(&e->shards[s]);
+            for (int o = 0; o < N; o++)
+                if (e->owners[o].conn && mm_conn_error(e->owners[o].conn) != MM_OK)
+                    peer_drop(&e->owners[o]);
+        } else {
+            // final norm + head on the last row of each sampling seq, then sampling.
+            int64_t ns = 0;
+            for (size_t i = 0; i < p->n_seqs; i++)
+                if (e->seq_row[i] >= 0 && p->seqs[i]->sample) {
+                    int64_t r = e->seq_row[i] + (int64_t)p->seqs[i]->n_tokens - 1;
+                    memcpy(e->last + ns * e->D, e->h + r * e->D, (size_t)e->D * 4);
+                    ns++;
+                }
+            if (ns > 0) {
+                rv = mm_model_final_norm(e->model, e->scratch, e->last, ns, e->hn);
+                if (rv == MM_OK)
+                    rv = mm_model_head(e->model, e->scratch, e->hn, ns, e->logits);
+                if (rv != MM_OK) {
+                    snprintf(msg, MSG_LEN, "LM head failed: %s", mm_strerror(rv));
+                    fail_active(e, p, rv, msg);
+                }
+            }
+            int64_t j = 0;
+            for (size_t i = 0; i < p->n_seqs && rv == MM_OK; i++) {
+                const Mmctl__SeqStep *q = p->seqs[i];
+                if (e->seq_row[i] < 0 || !q->sample)
+                    continue;
+                mm_sampling sp;
+                mm_step_sampling_from_pb(q->sampling, &sp);
+                mm_err srv = mm_sampler_pick(e->sampler, e->logits + j * e->V, &sp,
+                                             (int64_t)q->pos + (int64_t)q->n_tokens, q->logprobs,
+                                             &e->smp[i], e->seq_msg[i]);
+                if (srv != MM_OK) {
+                    e->seq_failed[i] = true;
+                    e->seq_code[i] = srv;
+                }
+                j++;
+            }
+            mm_log_debug("step %llu: %lld rows in %.3f ms", (unsigned long long)p->step_id,
+                         (long long)R, (double)(mm_now_ns() - t0) / 1e6);
+        }
+    }
+    for (size_t i = 0; i < p->n_seqs; i++) {
+        const Mmctl__SeqStep *q = p->seqs[i];
+        Mmctl__SeqResult *r = &e->res[i];
+        mmctl__seq_result__init(r);
+        r->seq_id = q->seq_id;
+        r->token = -1;
+        r->error = "";
+        if (e->seq_failed[i]) {
+            r->error_code = (uint32_t)e->seq_code[i];
+            r->error = e->seq_msg[i];
+        } else if (q->sample) {
+            const mm_sample *s = &e->smp[i];
+            r->token = s->token;
+            r->logprob = s->logprob;
+            r->n_top = s->n_top;
+            r->top = e->top_p + i * MM_SAMPLER_MAX_TOP;
+            for (uint32_t k = 0; k < s->n_top; k++) {
+                Mmctl__TopLogprob *t = &e->top[i * MM_SAMPLER_MAX_TOP + k];
+                mmctl__top_logprob__init(t);
+                t->token = s->top_ids[k];
+                t->logprob = s->top_logprobs[k];
+                r->top[k] = t;
+            }
+        }
+        e->res_p[i] = r;
+    }
+    sr.n_results = p->n_seqs;
+    sr.results = e->res_p;
+reply:;
+    mm_ctl_msg env = MMCTL__ENVELOPE__INIT;
+    env.body_case = MMCTL__ENVELOPE__BODY_STEP_RESULT;
+    env.step_result = &sr;
+    env.seq = seq;
+    struct nng_msg *out = mm_ctl_reply(&env);
+    pthread_mutex_unlock(&e->mu);
+    return out;
+}

@@ -1,0 +1,279 @@
+// SPDX-License-Identifier: MIT
+// `moemesh mesh-generate`: a direct client of the router's step protocol (docs/MESH.md) that
+// bypasses HTTP, for tests, tools and benchmarks. It schedules like the gateway: one StepPlan
+// per step with every active sequence (prompt chunks and decode tokens together), releases
+// finished sequences in the next plan, and prints sequence 0 in the format of
+// `moemesh generate` (--logprobs: one "ID LOGPROB[ top=...]" line per token, %.9g).
+// --concurrent K adds K-1 other sequences (rotations of the prompt, admitted one per step,
+// generating different lengths) that share sequence 0's steps.
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "cmd.h"
+#include "mm/config.h"
+#include "mm/ctl.h"
+#include "mm/engine.h"
+#include "mm/step.h"
+#include "mm/time.h"
+
+struct gseq {
+    uint64_t id;
+    int32_t *prompt;
+    int64_t n_prompt, fed; // prompt tokens sent so far
+    int32_t *out;
+    float *lp;
+    int32_t (*top_id)[MM_SAMPLER_MAX_TOP];
+    float (*top_lp)[MM_SAMPLER_MAX_TOP];
+    uint32_t *n_top;
+    int max_new, n_out;
+    int start_step;
+    bool done, released, failed;
+    char err[MM_CTL_MAX_STR];
+};
+
+static int cmp_double(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+static void print_seq(const struct gseq *s, bool logprobs, int idx, bool label) {
+    if (label)
+        printf("# seq %d\n", idx);
+    if (s->failed) {
+        printf("error: %s\n", s->err);
+        return;
+    }
+    if (!logprobs) {
+        for (int i = 0; i < s->n_out; i++)
+            printf(i ? ",%d" : "%d", (int)s->out[i]);
+        printf("\n");
+        return;
+    }
+    for (int i = 0; i < s->n_out; i++) {
+        char line[1024];
+        mm_step_logprob_line(line, sizeof(line), s->out[i], s->lp[i], s->n_top[i], s->top_id[i],
+                             s->top_lp[i]);
+        printf("%s\n", line);
+    }
+}
+
+static int run_mesh_generate(int argc, char **argv) {
+    char *router = NULL, *ids_s = NULL;
+    long long max_tokens = 16, concurrent = 1, top = 0, chunk = 0, timeout_ms = 15000, seed = 0,
+              max_batch = 256;
+    double temperature = 0;
+    bool logprobs = false, all = false, timing = false;
+    mm_opt opts[] = {
+        {"router", MM_OPT_STR, &router, MM_CTL_DEFAULT_ROUTER, "the router's control URL"},
+        {"ids", MM_OPT_STR, &ids_s, NULL, "prompt token ids, comma-separated"},
+        {"max-tokens", MM_OPT_INT, &max_tokens, "16", "tokens to generate"},
+        {"logprobs", MM_OPT_BOOL, &logprobs, "false", "one line per token: id and logprob"},
+        {"top-logprobs", MM_OPT_INT, &top, "0", "with --logprobs: the N best tokens too"},
+        {"concurrent", MM_OPT_INT, &concurrent, "1", "sequences sharing the steps (1..256)"},
+        {"chunk", MM_OPT_INT, &chunk, "0", "prefill chunk in tokens (0: whole prompt)"},
+        {"max-batch-tokens", MM_OPT_INT, &max_batch, "256", "tokens per step (router's limit)"},
+        {"temperature", MM_OPT_DBL, &temperature, "0", "0: greedy; else seeded sampling"},
+        {"seed", MM_OPT_INT, &seed, "0", "sampling seed of seq 0 (seq j: seed + j)"},
+        {"all", MM_OPT_BOOL, &all, "false", "print every sequence (with '# seq J' lines)"},
+        {"timing", MM_OPT_BOOL, &timing, "false", "print step timings to stderr"},
+        {"timeout-ms", MM_OPT_INT, &timeout_ms, "15000", "deadline of one step's call"},
+        {0},
+    };
+    mm_cli cli = {.prog = "moemesh mesh-generate",
+                  .summary = "Generate through a running mesh by sending StepPlans to the router "
+                             "(no HTTP); prints like `moemesh generate`.",
+                  .opts = opts};
+    char err[MM_ERRLEN] = "";
+    int rc = 2;
+    int32_t *ids = NULL;
+    int64_t n = 0;
+    struct gseq *S = NULL;
+    mm_ctl_client *cl = NULL;
+    mm_step_builder *b = NULL;
+    double *step_ms = NULL;
+    int n_step_ms = 0;
+    if (mm_config_parse(&cli, argc, argv, err) != MM_OK) {
+        fprintf(stderr, "mesh-generate: %s\n", err);
+        goto done;
+    }
+    if (cli.help_shown) {
+        rc = 0;
+        goto done;
+    }
+    if (!ids_s || max_tokens < 1 || max_tokens > 100000 || concurrent < 1 || concurrent > 256 ||
+        top < 0 || top > MM_SAMPLER_MAX_TOP || chunk < 0 || max_batch < 1) {
+        fprintf(stderr, "mesh-generate: needs --ids 1,2,3; --max-tokens 1..100000, --concurrent "
+                        "1..256, --top-logprobs 0..%d, --chunk >= 0\n", MM_SAMPLER_MAX_TOP);
+        goto done;
+    }
+    if (mm_engine_ids_parse(ids_s, &ids, &n, err) != MM_OK) {
+        fprintf(stderr, "mesh-generate: %s\n", err);
+        goto done;
+    }
+    rc = 1;
+    const int K = (int)concurrent;
+    S = calloc((size_t)K, sizeof(*S));
+    step_ms = calloc((size_t)(max_tokens + 8) * 4 + 1024, sizeof(double));
+    if (!S || !step_ms)
+        goto oom;
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    uint64_t id_base = ((uint64_t)ts.tv_sec * 1000000ull + (uint64_t)ts.tv_nsec / 1000) << 8;
+    for (int j = 0; j < K; j++) {
+        struct gseq *s = &S[j];
+        s->id = id_base + (uint64_t)j;
+        s->n_prompt = j == 0 ? n : (n > (j % 3) ? n - (j % 3) : 1);
+        s->max_new = j == 0 ? (int)max_tokens : (int)max_tokens + (j % 4) - 1;
+        if (s->max_new < 1)
+            s->max_new = 1;
+        s->start_step = j;
+        s->prompt = malloc((size_t)s->n_prompt * 4);
+        s->out = malloc((size_t)s->max_new * 4);
+        s->lp = malloc((size_t)s->max_new * 4);
+        s->top_id = malloc((size_t)s->max_new * sizeof(*s->top_id));
+        s->top_lp = malloc((size_t)s->max_new * sizeof(*s->top_lp));
+        s->n_top = calloc((size_t)s->max_new, 4);
+        if (!s->prompt || !s->out || !s->lp || !s->top_id || !s->top_lp || !s->n_top)
+            goto oom;
+        for (int64_t t = 0; t < s->n_prompt; t++)
+            s->prompt[t] = ids[(t + j) % n];
+    }
+    if (mm_ctl_client_open(&cl, router, err) != MM_OK ||
+        mm_step_builder_new(&b, (uint32_t)K, (uint32_t)K) != MM_OK) {
+        fprintf(stderr, "mesh-generate: %s\n", err[0] ? err : "out of memory");
+        goto done;
+    }
+    uint64_t step_id = (id_base >> 8) * 16; // increasing across runs
+    for (int step = 0;; step++) {
+        mm_step_builder_reset(b, ++step_id);
+        int64_t budget = max_batch;
+        int live = 0;
+        bool decode_only = true;
+        for (int j = 0; j < K; j++) {
+            struct gseq *s = &S[j];
+            if (s->done) {
+                if (!s->released) {
+                    mm_step_builder_release(b, s->id);
+                    s->released = true;
+                }
+                continue;
+            }
+            live++;
+            if (step < s->start_step)
+                continue;
+            mm_sampling sp = {.temperature = (float)temperature, .seed = (uint64_t)seed + j};
+            if (s->fed < s->n_prompt) {
+                int64_t c = s->n_prompt - s->fed;
+                if (chunk > 0 && c > chunk)
+                    c = chunk;
+                if (c > budget)
+                    c = budget;
+                if (c <= 0)
+                    continue;
+                bool last = s->fed + c == s->n_prompt;
+                mm_step_builder_add(b, s->id, (uint32_t)s->fed, s->prompt + s->fed, (uint32_t)c,
+                                    last, &sp, logprobs ? (uint32_t)top : 0);
+                s->fed += c;
+                budget -= c;
+                decode_only = false;
+            } else if (budget > 0) {
+                mm_step_builder_add(b, s->id, (uint32_t)(s->n_prompt + s->n_out - 1),
+                                    &s->out[s->n_out - 1], 1, true, &sp,
+                                    logprobs ? (uint32_t)top : 0);
+                budget--;
+            }
+        }
+        if (live == 0 && mm_step_builder_n_seqs(b) == 0) {
+            if (b && mm_step_builder_env(b)->step_plan->n_release > 0) {
+                // one last plan carrying only releases
+                mm_ctl_msg *rep = NULL;
+                if (mm_ctl_call(cl, mm_step_builder_env(b), (int)timeout_ms, &rep, err) == MM_OK)
+                    mm_ctl_msg_free(rep);
+            }
+            break;
+        }
+        if (mm_step_builder_n_seqs(b) == 0)
+            continue;
+        uint64_t t0 = mm_now_ns();
+        mm_ctl_msg *rep = NULL;
+        const Mmctl__StepResult *res = NULL;
+        mm_err rv = mm_ctl_call(cl, mm_step_builder_env(b), (int)timeout_ms, &rep, err);
+        if (rv == MM_OK)
+            rv = mm_step_result_check(rep, step_id, mm_step_builder_n_seqs(b), &res, err);
+        if (rv != MM_OK) {
+            fprintf(stderr, "mesh-generate: step %llu: %s\n", (unsigned long long)step_id, err);
+            mm_ctl_msg_free(rep);
+            goto done;
+        }
+        double ms = (double)(mm_now_ns() - t0) / 1e6;
+        if (decode_only && n_step_ms < (int)(max_tokens + 8) * 4 + 1024)
+            step_ms[n_step_ms++] = ms;
+        for (size_t i = 0; i < res->n_results; i++) {
+            const Mmctl__SeqResult *r = res->results[i];
+            struct gseq *s = NULL;
+            for (int j = 0; j < K && !s; j++)
+                if (S[j].id == r->seq_id)
+                    s = &S[j];
+            if (!s)
+                continue;
+            if (r->error_code != 0) {
+                s->failed = s->done = true;
+                snprintf(s->err, sizeof(s->err), "%s (%s)", r->error,
+                         mm_strerror((mm_err)r->error_code));
+                continue;
+            }
+            if (r->token < 0)
+                continue;
+            s->out[s->n_out] = r->token;
+            s->lp[s->n_out] = r->logprob;
+            s->n_top[s->n_out] = (uint32_t)r->n_top;
+            for (size_t k = 0; k < r->n_top && k < MM_SAMPLER_MAX_TOP; k++) {
+                s->top_id[s->n_out][k] = r->top[k]->token;
+                s->top_lp[s->n_out][k] = r->top[k]->logprob;
+            }
+            if (++s->n_out >= s->max_new)
+                s->done = true;
+        }
+        mm_ctl_msg_free(rep);
+    }
+    for (int j = 0; j < (all ? K : 1); j++)
+        print_seq(&S[j], logprobs, j, all);
+    if (timing && n_step_ms > 0) {
+        qsort(step_ms, (size_t)n_step_ms, sizeof(double), cmp_double);
+        double sum = 0;
+        for (int i = 0; i < n_step_ms; i++)
+            sum += step_ms[i];
+        fprintf(stderr, "decode steps %d: mean %.3f ms, p50 %.3f ms, p90 %.3f ms\n", n_step_ms,
+                sum / n_step_ms, step_ms[n_step_ms / 2], step_ms[n_step_ms * 9 / 10]);
+    }
+    rc = 0;
+    for (int j = 0; j < (all ? K : 1); j++)
+        if (S[j].failed) {
+            fprintf(stderr, "mesh-generate: seq %d failed: %s\n", j, S[j].err);
+            rc = 1;
+        }
+    goto done;
+oom:
+    fprintf(stderr, "mesh-generate: out of memory\n");
+done:
+    for (int j = 0; S && j < concurrent; j++) {
+        free(S[j].prompt);
+        free(S[j].out);
+        free(S[j].lp);
+        free(S[j].top_id);
+        free(S[j].top_lp);
+        free(S[j].n_top);
+    }
+    free(S);
+    free(step_ms);
+    free(ids);
+    mm_step_builder_free(b);
+    mm_ctl_client_close(cl);
+    mm_config_fini(&cli);
+    return rc;
+}
+MM_COMMAND(cmd_mesh_generate, "mesh-generate",
+           "generate through a running mesh via StepPlans (no HTTP); prints like generate",
+           run_mesh_generate)

@@ -76,8 +76,18 @@ wait_for() { # FILE REGEX SECONDS
     done
     return 1
 }
-# Data ports from the PID, so that concurrent runs (make test and make asan) do not collide.
-dport=$((20000 + $$ % 20000))
+# Data ports: a random base whose ports base+4 and base+5 are free now (concurrent runs of this
+# test, e.g. make test and make asan, must not collide).
+dport=$(python3 -c 'import random, socket
+for _ in range(200):
+    base = random.randrange(20000, 60000)
+    try:
+        for p in (base + 4, base + 5):
+            s = socket.socket(); s.bind(("127.0.0.1", p)); s.close()
+        print(base); break
+    except OSError:
+        pass')
+[ -n "$dport" ] || { echo "FAIL: no free pair of TCP ports found"; exit 1; }
 start "$tmp/router.log" -- router
 start "$tmp/e1.log" MM_SLOT_DIR="$tmp/slots" MM_INSTANCE_BASE=4 MM_INSTANCE_MAX=5 \
     "MM_LISTEN=ipc://$tmp/expert-{i}.ctl" "MM_DATA=tcp://127.0.0.1:{i+$dport}" -- expert

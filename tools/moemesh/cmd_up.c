@@ -111,6 +111,15 @@ static int add_child(const char *bindir, const char *role, int instance, char *e
         ARG("--host"), ARG("%s", s_host), ARG("--port"), ARG("%lld", s_port);
     if (!strcmp(role, "attention"))
         ARG("--shards"), ARG("%lld", s_shards);
+    if (!strcmp(role, "router"))
+        ARG("--attention-shards"), ARG("%lld", s_shards);
+    if (!strcmp(role, "attention") || !strcmp(role, "expert")) {
+        // Data-plane address: a shm:// name unique per run dir, so meshes can run side by side.
+        uint32_t hsh = 2166136261u;
+        for (const char *q = s_run_dir; *q; q++)
+            hsh = (hsh ^ (uint8_t)*q) * 16777619u;
+        ARG("--data"), ARG("shm://mm-%08x-%c%d", hsh, role[0], instance);
+    }
     if (!strcmp(role, "drafter") && s_drafter)
         ARG("--draft-model"), ARG("%s", s_drafter);
 #undef ARG

@@ -80,6 +80,7 @@ extern const struct mm_transport_ops mm__transport_tcp;
 #define WRID_BYE 3u
 #define CLOSE_DRAIN_MS 10000 // bound for a peer that is alive but whose NIC stopped acking
 #define BYE_GRACE_MS 200  // side channel said BYE; the RDMA BYE may still be on the wire
+#define SETUP_MIN_MS 5000 // an accepted dialer's setup gets at least this long (see accept)
 #define INFO_MAGIC "MMRDMA1"
 #define ID_LEN 64
 
@@ -1216,6 +1217,13 @@ static mm_err rdma_accept(void *lctx, void **cctx, uint64_t deadline_ns, char er
     struct rdma_listener *l = lctx;
     void *tcp = NULL;
     MM_TRY(TCP->accept(l->tcp, &tcp, deadline_ns, err));
+    // The caller's deadline bounds the wait for a dialer. Once one is here, its setup (device
+    // open, ring registration, QP transitions, two round trips) gets at least SETUP_MIN_MS:
+    // servers that poll accept with short deadlines (mm_dataserv: 100 ms) would otherwise
+    // drop every rdma:// dialer on a slow box. Still bounded; the dialer's own deadline too.
+    uint64_t setup_min = mm_now_ns() + SETUP_MIN_MS * 1000000ull;
+    if (deadline_ns < setup_min)
+        deadline_ns = setup_min;
     struct rdma_conn *c = conn_new(tcp);
     if (c == NULL) {
         TCP->close(tcp);

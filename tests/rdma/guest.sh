@@ -18,9 +18,16 @@ run_case() { # bin case timeout
     elif [ $rc -eq 77 ]; then skip=$((skip+1)); echo "skip  $1: $2 ($(grep -m1 '^SKIP' /tmp/case.log))"
     else fail=$((fail+1)); echo "FAIL  $1: $2 rc=$rc (${dt}s)"; tail -n 30 /tmp/case.log | sed 's/^/      | /'; fi
 }
-for c in $(./rdma_test --list | tr ' ' '_'); do run_case rdma_test "$(echo "$c" | tr '_' ' ')" 120; done
+./rdma_test --list > /tmp/cases
+while IFS= read -r c; do run_case rdma_test "$c" 120; done < /tmp/cases
 ./conformance_test --list | grep '^rdma: ' > /tmp/cases
 while IFS= read -r c; do run_case conformance_test "$c" 180; done < /tmp/cases
+if [ -x ./owner_test ]; then # an expert owner over rdma:// vs tcp://, bit for bit
+    export MM_TEST_EXPERT_BIN=/t/moemesh-expert MM_TEST_MODEL=/t/model
+    ./owner_test --list > /tmp/cases
+    while IFS= read -r c; do run_case owner_test "$c" 180; done < /tmp/cases
+    grep '^layer' /tmp/case.log
+fi
 echo "MMVM-RESULT: $pass passed, $fail failed, $skip skipped"
 if [ "$BENCH" = bench ] && [ -x ./moemesh ]; then
     # Same VM, same run: rdma:// (soft-RoCE, rxe0 on eth0), shm://, tcp:// over loopback.

@@ -7,11 +7,7 @@
 # when qemu/busybox-static cannot be installed or the kernel package cannot be downloaded.
 set -u
 BUILD=${BUILD:-build}
-for b in "$BUILD/tests/rdma/rdma_test" "$BUILD/tests/transport/conformance_test"; do
-    [ -x "$b" ] || { echo "SKIP: $b is not built"; exit 77; }
-done
-tests/rdma/vm.sh --timeout 420 --bin "$BUILD/tests/rdma/rdma_test" \
-    --bin "$BUILD/tests/transport/conformance_test" tests/rdma/guest.sh "" nobench
+MM_RDMA_VM_TIMEOUT=420 tests/rdma/suite.sh "$BUILD" "" nobench
 rc=$?
 if [ $rc -eq 3 ]; then
     echo "SKIP: soft-RoCE VM prerequisites unavailable (see vm.sh message above)"

@@ -61,6 +61,26 @@ typedef struct jarena {
 static _Noreturn void fail_at(jfail *f, mm_err code, int line, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
 
+// Replaces bytes that do not form valid UTF-8 (a token cut by truncation, a stray byte of the
+// template) with '?', so messages can go into JSON error replies.
+static void utf8_sanitize(char *s) {
+    unsigned char *p = (unsigned char *)s;
+    while (*p) {
+        int n = *p < 0x80 ? 1 : (*p & 0xE0) == 0xC0 ? 2 : (*p & 0xF0) == 0xE0 ? 3
+              : (*p & 0xF8) == 0xF0 ? 4 : 0;
+        bool ok = n > 0;
+        for (int k = 1; ok && k < n; k++)
+            ok = (p[k] & 0xC0) == 0x80;
+        if (ok && n == 2 && *p < 0xC2)
+            ok = false; // overlong
+        if (!ok) {
+            *p++ = '?';
+            continue;
+        }
+        p += n;
+    }
+}
+
 static _Noreturn void fail_at(jfail *f, mm_err code, int line, const char *fmt, ...) {
     char tmp[MM_ERRLEN - 24];
     va_list ap;
@@ -71,6 +91,7 @@ static _Noreturn void fail_at(jfail *f, mm_err code, int line, const char *fmt, 
         snprintf(f->msg, sizeof f->msg, "line %d: %s", line, tmp);
     else
         snprintf(f->msg, sizeof f->msg, "%s", tmp);
+    utf8_sanitize(f->msg);
     f->code = code;
     longjmp(f->jb, 1);
 }
@@ -624,8 +645,11 @@ static void lex(parser *ps) {
                         break;
                     }
                 }
-                if (op == NULL)
+                if (op == NULL && (unsigned char)c < 0x80)
                     fail_at(ps->fail, MM_EFORMAT, line, "unexpected character '%c' in tag", c);
+                if (op == NULL)
+                    fail_at(ps->fail, MM_EFORMAT, line, "unexpected byte 0x%02x in tag",
+                            (unsigned char)c);
                 if (op[0] == '(' || op[0] == '[' || op[0] == '{')
                     depth++;
                 if ((op[0] == ')' || op[0] == ']' || op[0] == '}') && depth > 0)
@@ -1435,6 +1459,8 @@ mm_err mm_jinja_new(const char *src, size_t n, const char *name, mm_jinja **out,
         free(ps);
         mm_err code = t->fail.code;
         mm_errf(err, code, "%s: %s", t->name, t->fail.msg);
+        if (err)
+            utf8_sanitize(err);
         mm_jinja_free(t);
         return code;
     }
@@ -3558,10 +3584,13 @@ static jv eval(ectx *E, const node *nd, frame *f) {
             if (callee.t == VU && (obj.t == VL || obj.t == VD) && in_list(nd->a->s, UNSAFE_METHODS))
                 EFAIL(E, MM_EINVAL, nd->line, "access to attribute '%s' of '%s' object is unsafe",
                       nd->a->s, type_name(obj));
+            if (callee.t == VU && obj.t == VS) // Python str has more methods than we implement
+                EFAIL(E, MM_EUNSUPP, nd->line, "unsupported string method '%s'", nd->a->s);
+            if (callee.t == VU && obj.t == VU)
+                fail_undef(E, nd->line, obj, "(method call)");
             if (callee.t == VU)
-                EFAIL(E, obj.t == VS || obj.t == VL || obj.t == VD ? MM_EUNSUPP : MM_EINVAL,
-                      nd->line, "'%s' object has no method '%s'%s", type_name(obj), nd->a->s,
-                      obj.t == VS || obj.t == VL || obj.t == VD ? " (unsupported)" : "");
+                EFAIL(E, MM_EINVAL, nd->line, "'%s' object has no attribute '%s' to call",
+                      type_name(obj), nd->a->s);
             args a = eval_args(E, nd, f, nd->a->s);
             return call_value(E, callee, &a, nd->line, nd->a->s);
         }
@@ -3790,6 +3819,8 @@ mm_err mm_jinja_render(const mm_jinja *t, const json_t *ctx, const mm_jinja_limi
         tl_fail = saved_fail;
         mm_err code = E->fail.code;
         mm_errf(err, code, "%s: %s", t->name, E->fail.msg);
+        if (err)
+            utf8_sanitize(err);
         arena_fini(&E->ar);
         free(E);
         return code;

@@ -275,6 +275,31 @@ static void test_syntax_errors_name_line(void) {
     EXPECT_ERR("{{ a $ b }}", MM_EFORMAT, "unexpected character '$'");
 }
 
+// Error messages stay valid UTF-8 (they go into JSON replies), even when a multi-byte
+// character is cut by truncation or is the offending byte.
+static bool valid_utf8(const char *s) {
+    json_t *j = json_string(s);
+    bool ok = j != NULL;
+    json_decref(j);
+    return ok;
+}
+
+static void test_error_messages_are_utf8(void) {
+    char err[MM_ERRLEN], *out = NULL;
+    MM_FAIL(render("{{ \xc3\xa9 }}", NULL, NULL, &out, err), MM_EFORMAT);
+    MM_TRUE(strstr(err, "0xc3") != NULL);
+    MM_TRUE(valid_utf8(err));
+    char src[1024] = "{{ raise_exception('";
+    for (int i = 0; i < 150; i++)
+        strcat(src, "\xe4\xb8\xad"); // U+4E2D, 3 bytes: the message is cut mid-character
+    strcat(src, "') }}");
+    MM_FAIL(render(src, NULL, NULL, &out, err), MM_EINVAL);
+    MM_TRUE(strstr(err, "raised an exception") != NULL);
+    MM_TRUE(valid_utf8(err));
+    MM_FAIL(render("{{ [1].startswith('x') }}", NULL, NULL, &out, err), MM_EINVAL);
+    MM_TRUE(strstr(err, "'list' object has no attribute 'startswith'") != NULL);
+}
+
 static void test_unsupported_constructs_named(void) {
     EXPECT_ERR("{% include 'x' %}", MM_EUNSUPP, "unsupported construct: {% include %}");
     EXPECT_ERR("a\n{% extends 'x' %}", MM_EUNSUPP, "line 2: unsupported construct: {% extends %}");
@@ -433,6 +458,7 @@ MM_TESTS = {
     {"jinja_raise_exception_and_globals", test_raise_exception_and_globals},
     {"jinja_syntax_errors_name_line", test_syntax_errors_name_line},
     {"jinja_unsupported_constructs_named", test_unsupported_constructs_named},
+    {"jinja_error_messages_are_utf8", test_error_messages_are_utf8},
     {"jinja_bounds_no_crash", test_bounds_no_crash},
     {"jinja_random_templates_no_crash", test_random_templates_no_crash},
     {"jinja_iterates_detects_content_loops", test_iterates},

@@ -91,7 +91,7 @@ static mm_err read_load(const char *path, const mm_placement *p, double *load, c
     mm_err rv = MM_OK;
     while (fgets(line, sizeof(line), f)) {
         ln++;
-        if (line[0] == '\n' || line[0] == '#' || (ln == 1 && strncmp(line, "layer", 5) == 0))
+        if (line[0] == '\n' || line[0] == '#' || strncmp(line, "layer", 5) == 0)
             continue;
         long l, e;
         double t;

@@ -36,7 +36,7 @@ mm_err mm_placement_uniform(mm_placement **out, const mm_model_config *cfg, int 
 
 // mm_placement_balanced spreads each layer's experts over n_owners by their measured load
 // (load_csv: "layer,expert,tokens" lines as expert owners export them; a header line is
-// allowed; missing experts count 0): heaviest first onto the least-loaded owner. Then the
+// allowed, also between concatenated files; missing experts count 0): heaviest first onto the least-loaded owner. Then the
 // replicate_hot heaviest experts of each layer get one more replica on the least-loaded owner
 // that lacks them (their load split between the copies). Errors: MM_ENOENT, MM_EFORMAT (bad
 // CSV line, named), MM_EINVAL.

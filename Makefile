@@ -156,21 +156,22 @@ cuda:
 	@test -x $(NVCC) || { echo "cuda: $(NVCC) not found (set NVCC=/path/to/nvcc)"; exit 1; }
 	$(MAKE) CUDA=1 BUILD=build/cuda all test-bins build/cuda/bin/moemesh-gpu-bench
 
-HIP_OBJS := $(patsubst %.cu,build/hip/obj/%.o,$(GPU_SRCS))
+HIP_BUILD ?= build/hip
+HIP_OBJS := $(patsubst %.cu,$(HIP_BUILD)/obj/%.o,$(GPU_SRCS))
 hip: $(HIP_OBJS)
-	@rm -f build/hip/libmoemesh_hip.a
-	ar rcs build/hip/libmoemesh_hip.a $(HIP_OBJS)
-	@echo "hip: kernels/cuda compiled for gfx90a and gfx1030 into build/hip/libmoemesh_hip.a"
+	@rm -f $(HIP_BUILD)/libmoemesh_hip.a
+	ar rcs $(HIP_BUILD)/libmoemesh_hip.a $(HIP_OBJS)
+	@echo "hip: kernels/cuda compiled for gfx90a and gfx1030 into $(HIP_BUILD)/libmoemesh_hip.a"
 
 # hipcc is only needed here, so it is installed by this target, not by `make deps`. Without
 # --offload-arch hipcc probes for a GPU and silently builds gfx803 (DEPENDENCIES.md section 5).
-build/hip/.hipcc-ok:
+$(HIP_BUILD)/.hipcc-ok:
 	@command -v $(HIPCC) >/dev/null || { echo "hip: installing hipcc"; \
 	  if [ "$$(id -u)" != 0 ]; then SUDO=sudo; fi; \
 	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends hipcc >/dev/null; }
 	@mkdir -p $(dir $@) && touch $@
 
-build/hip/obj/%.o: %.cu $(GPU_HDRS) | build/hip/.hipcc-ok
+$(HIP_BUILD)/obj/%.o: %.cu $(GPU_HDRS) | $(HIP_BUILD)/.hipcc-ok
 	@mkdir -p $(dir $@)
 	$(HIPCC) -x hip -DMM_USE_HIP $(HIP_ARCHS) $(filter-out -I$(BUILD)/gen,$(GPU_FLAGS)) -Ibuild/gen -fPIC -c $< -o $@
 

@@ -452,13 +452,18 @@ __global__ void __launch_bounds__(MM_THREADS) gemm_mma_kernel(mm_mat_args a) {
     }
 }
 // ---- GEMM through mma, cp.async pipeline (aligned shapes) -----------------------------------------
-// The same tiles, arithmetic and k segments as gemm_mma_kernel, fed by a MA_STAGES-deep
-// cp.async pipeline: x stays f32 in shared memory and is rounded to bf16 (pack_bf16) when the
-// A fragments are built, w is copied as is. Needs a.vec (16-byte aligned rows, n_in % 8 == 0).
+// The same arithmetic and k segments as gemm_mma_kernel, fed by a MA_STAGES-deep cp.async
+// pipeline: x stays f32 in shared memory and is rounded to bf16 (pack_bf16) when the A
+// fragments are built, w is copied as is. Block tile 64 x 128, 8 warps of 32 x 32 each: the
+// segment sums double the accumulators, and this size keeps them under 128 registers so two
+// blocks share an SM (ncu: one block of 64x128-per-warp tiles left the schedulers idle).
+// Needs a.vec (16-byte aligned rows, n_in % 8 == 0).
 #define MA_STAGES 4
+#define MA_BM 64
+#define MA_BN 128
 #define MA_XLD 36 // floats per shared x row: 32 + 4 (16-byte aligned, conflict-free float4 reads)
 #define MA_WLD 40 // bf16 per shared w row: 32 + 8
-#define MA_STAGE_BYTES (MM_BM * MA_XLD * 4 + MM_BN * MA_WLD * 2)
+#define MA_STAGE_BYTES (MA_BM * MA_XLD * 4 + MA_BN * MA_WLD * 2)
 #define MA_SMEM (MA_STAGES * MA_STAGE_BYTES)
 
 __device__ __forceinline__ void cp_async16(void *dst, const void *src, bool valid) {
@@ -471,26 +476,26 @@ template <int N>
 __device__ __forceinline__ void cp_async_wait(void) { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
 template <bool GROUPED>
-__global__ void __launch_bounds__(MM_THREADS) gemm_mma_async_kernel(mm_mat_args a) {
+__global__ void __launch_bounds__(MM_THREADS, 2) gemm_mma_async_kernel(mm_mat_args a) {
     extern __shared__ __align__(16) unsigned char ma_smem[];
     mm_tile tile;
     const void *wv;
-    if (!block_tile<GROUPED, MM_BM>(a.w0, a.wg, a.offs, a.n_experts, a.n_rows, &tile, &wv))
+    if (!block_tile<GROUPED, MA_BM>(a.w0, a.wg, a.offs, a.n_experts, a.n_rows, &tile, &wv))
         return;
     const uint16_t *w = (const uint16_t *)wv;
-    const int n0 = blockIdx.x * MM_BN;
+    const int n0 = blockIdx.x * MA_BN;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int g = lane >> 2, t = lane & 3;
-    const int wm = (warp / 4) * 64, wn = (warp % 4) * 32;
+    const int wm = (warp / 4) * 32, wn = (warp % 4) * 32;
     const int n_k = (a.n_in + MM_BK - 1) / MM_BK;
     auto xs = [&](int st) { return (float *)(ma_smem + st * MA_STAGE_BYTES); };
-    auto ws = [&](int st) { return (uint16_t *)(ma_smem + st * MA_STAGE_BYTES + MM_BM * MA_XLD * 4); };
+    auto ws = [&](int st) { return (uint16_t *)(ma_smem + st * MA_STAGE_BYTES + MA_BM * MA_XLD * 4); };
     auto load = [&](int kt, int st) {
         const int kc = kt * MM_BK;
         float *sx = xs(st);
         uint16_t *sw = ws(st);
 #pragma unroll
-        for (int i = 0; i < 4; i++) { // x: 128 rows x 8 pieces of 4 floats
+        for (int i = 0; i < 2; i++) { // x: 64 rows x 8 pieces of 4 floats
             const int p = threadIdx.x + i * MM_THREADS, r = p >> 3, c = (p & 7) * 4;
             const bool ok = r < tile.mlen && kc + c < a.n_in;
             const float *src = ok ? a.x + (size_t)(tile.m0 + r) * a.x_stride + kc + c : a.x;
@@ -504,9 +509,9 @@ __global__ void __launch_bounds__(MM_THREADS) gemm_mma_async_kernel(mm_mat_args 
             cp_async16(sw + r * MA_WLD + c, src, ok);
         }
     };
-    float acc[4][4][4], tot[4][4][4];
+    float acc[2][4][4], tot[2][4][4];
 #pragma unroll
-    for (int i = 0; i < 4; i++)
+    for (int i = 0; i < 2; i++)
 #pragma unroll
         for (int j = 0; j < 4; j++)
 #pragma unroll
@@ -529,9 +534,9 @@ __global__ void __launch_bounds__(MM_THREADS) gemm_mma_async_kernel(mm_mat_args 
         const uint16_t *sw = ws(kt % MA_STAGES);
 #pragma unroll
         for (int s = 0; s < 2; s++) {
-            uint32_t A[4][4], B[4][2];
+            uint32_t A[2][4], B[4][2];
 #pragma unroll
-            for (int i = 0; i < 4; i++) {
+            for (int i = 0; i < 2; i++) {
                 const float4 lo = *(const float4 *)&sx[(wm + 16 * i + g) * MA_XLD + 8 * t + 4 * s];
                 const float4 hi = *(const float4 *)&sx[(wm + 16 * i + g + 8) * MA_XLD + 8 * t + 4 * s];
                 A[i][0] = pack_bf16(lo.x, lo.y);
@@ -546,14 +551,14 @@ __global__ void __launch_bounds__(MM_THREADS) gemm_mma_async_kernel(mm_mat_args 
                 B[j][1] = b.y;
             }
 #pragma unroll
-            for (int i = 0; i < 4; i++)
+            for (int i = 0; i < 2; i++)
 #pragma unroll
                 for (int j = 0; j < 4; j++)
                     mma16816(acc[i][j], A[i], B[j]);
         }
         if (kt == n_k - 1 || ((kt + 1) * MM_BK) % sl == 0) {
 #pragma unroll
-            for (int i = 0; i < 4; i++)
+            for (int i = 0; i < 2; i++)
 #pragma unroll
                 for (int j = 0; j < 4; j++)
 #pragma unroll
@@ -565,7 +570,7 @@ __global__ void __launch_bounds__(MM_THREADS) gemm_mma_async_kernel(mm_mat_args 
     }
     cp_async_wait<0>();
 #pragma unroll
-    for (int i = 0; i < 4; i++) {
+    for (int i = 0; i < 2; i++) {
 #pragma unroll
         for (int h = 0; h < 2; h++) {
             const int r = wm + 16 * i + g + 8 * h;
@@ -688,9 +693,9 @@ static mm_err launch(cudaStream_t st, int path, int dtype, mm_mat_args a, int pe
         return MM_OK;
     }
     if (dtype == MM_DTYPE_BF16 && path == MM_GPU_PATH_MMA) {
-        dim3 grid(mm_div_up(a.n_out, MM_BN), tiles(MM_BM));
         static bool attr_set[2];
         if (a.vec) {
+            dim3 grid(mm_div_up(a.n_out, MA_BN), tiles(MA_BM));
             if (!attr_set[GROUPED]) { // once per process: > 48 KiB of dynamic shared memory
                 MM_GPU_CHECK(cudaFuncSetAttribute(gemm_mma_async_kernel<GROUPED>,
                                                   cudaFuncAttributeMaxDynamicSharedMemorySize, MA_SMEM));
@@ -698,6 +703,7 @@ static mm_err launch(cudaStream_t st, int path, int dtype, mm_mat_args a, int pe
             }
             gemm_mma_async_kernel<GROUPED><<<grid, MM_THREADS, MA_SMEM, st>>>(a);
         } else {
+            dim3 grid(mm_div_up(a.n_out, MM_BN), tiles(MM_BM));
             gemm_mma_kernel<GROUPED><<<grid, MM_THREADS, 0, st>>>(a);
         }
         MM_GPU_CHECK(cudaGetLastError());

@@ -2,6 +2,10 @@
 # One device run: GPU facts, the bf16 peak through PyTorch (cuBLAS), the op tests (every case,
 # then memcheck on a few), and moemesh-gpu-bench. Binaries come prebuilt (make cuda) in $1
 # (default .dev/gpu) with any shared libraries they need under $1/lib. Output: $OUT/log.
+# Switches (env): TESTS=0 MEMCHECK=0 BENCH=0 NOPEAK=1 skip parts; NCU=1 profiles the GEMM and
+# GEMV once; PARITY=1 runs `moemesh logits --device cuda:0` on every fixture model against
+# the transformers logits; MODEL=1 synthesizes a Qwen3-30B-A3B-shaped checkpoint with
+# MODEL_LAYERS (4) layers and runs `moemesh bench-model --device cuda:0` on it.
 set -u
 D=${1:-.dev/gpu}
 OUT=${OUT:-/tmp/out}
@@ -10,8 +14,9 @@ export LD_LIBRARY_PATH="$PWD/$D/lib:${LD_LIBRARY_PATH:-}"
 exec > >(tee "$OUT/log") 2>&1
 date -u
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv
-echo "== bf16 peak (torch.matmul 8192^3, random data, mean of 20 after 5 warm-ups)"
-PEAK=$(timeout 120 python3 - <<'PY'
+PEAK=
+[ "${NOPEAK:-0}" = 1 ] || echo "== bf16 peak (torch.matmul 8192^3, random data, mean of 20 after 5 warm-ups)"
+[ "${NOPEAK:-0}" = 1 ] || PEAK=$(timeout 120 python3 - <<'PY'
 import torch
 a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
 b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
@@ -23,18 +28,18 @@ e.record(); torch.cuda.synchronize()
 print("%.1f" % (2 * 8192**3 * 20 / (s.elapsed_time(e) * 1e-3) / 1e12))
 PY
 )
-echo "peak ${PEAK:-unmeasured} TFLOP/s"
-echo "== op tests"
+[ "${NOPEAK:-0}" = 1 ] || echo "peak ${PEAK:-unmeasured} TFLOP/s"
+[ "${TESTS:-1}" = 1 ] && echo "== op tests"
 T=$D/cuda_ops_test
 pass=0; fail=0
-while IFS= read -r c; do
+[ "${TESTS:-1}" = 1 ] && while IFS= read -r c; do
     if timeout 300 "$T" "$c" > "$OUT/case.log" 2>&1; then pass=$((pass+1)); echo "ok    $c"; else
         rc=$?; fail=$((fail+1)); echo "FAIL  $c (rc=$rc)"; fi
     sed 's/^/      /' "$OUT/case.log"
 done < <("$T" --list)
-echo "op tests: $pass passed, $fail failed"
-echo "== memcheck (compute-sanitizer) on three cases"
-for c in "matmul bf16 vs cpu" "grouped expert matmul equals per-expert" "kv_store and attention vs cpu"; do
+[ "${TESTS:-1}" = 1 ] && echo "op tests: $pass passed, $fail failed"
+[ "${MEMCHECK:-1}" = 1 ] && echo "== memcheck (compute-sanitizer) on three cases"
+[ "${MEMCHECK:-1}" = 1 ] && for c in "matmul bf16 vs cpu" "grouped expert matmul equals per-expert" "kv_store and attention vs cpu"; do
     timeout 240 compute-sanitizer --tool memcheck --print-limit 5 "$T" "$c" 2>&1 | grep -E "ERROR SUMMARY|Invalid|error" | head -8
 done
 if [ "${NCU:-0}" = 1 ] && command -v ncu >/dev/null; then
@@ -47,6 +52,47 @@ if [ "${NCU:-0}" = 1 ] && command -v ncu >/dev/null; then
         "$D/moemesh-gpu-bench" --only gemv --quick > "$OUT/ncu_gemv.txt" 2>&1
     grep -hE "gemm_mma|gemv_mma|Duration|Throughput|Achieved Occupancy|Theoretical Occupancy|Registers|Stall|Warp Cycles|Block Limit|Issued" "$OUT"/ncu_*.txt | head -60
 fi
-echo "== bench"
-timeout 400 "$D/moemesh-gpu-bench" ${PEAK:+--peak-tflops $PEAK}
+if [ "${PARITY:-0}" = 1 ] && [ -x "$D/moemesh" ]; then
+    echo "== whole model on cuda:0 vs the transformers fixtures (moemesh logits --device cuda:0)"
+    for d in tests/fixtures/models/*/; do
+        [ -f "$d/reference.json" ] || continue
+        timeout 120 python3 - "$d" "$D/moemesh" <<'PY'
+import json, os, subprocess, sys
+import numpy as np
+d, mm = sys.argv[1].rstrip("/"), sys.argv[2]
+r = json.load(open(d + "/reference.json"))
+worst, nmse, agree, agree_m, tot, tot_m = 0.0, 0.0, 0, 0, 0, 0
+for p in r["prompts"]:
+    out = "/tmp/parity.f32"
+    c = subprocess.run([mm, "logits", "--model", d, "--ids", ",".join(map(str, p["ids"])),
+                        "--out", out, "--device", "cuda:0"], capture_output=True, text=True)
+    if c.returncode:
+        print("%-20s FAIL rc=%d %s" % (os.path.basename(d), c.returncode, c.stderr.strip()[-300:]))
+        sys.exit(0)
+    a = np.fromfile(out, dtype=np.float32).reshape(p["logits_shape"])
+    b = np.fromfile(d + "/" + p["logits_file"], dtype=np.float32).reshape(p["logits_shape"])
+    worst = max(worst, float(np.abs(a - b).max()))
+    nmse = max(nmse, float(((a - b) ** 2).sum() / (b ** 2).sum()))
+    eq = a.argmax(-1) == b.argmax(-1)
+    top2 = np.sort(b, axis=-1)[:, -2:]
+    m = (top2[:, 1] - top2[:, 0]) > 0.05 # positions whose reference top-2 gap exceeds 0.05
+    agree += int(eq.sum()); tot += eq.size
+    agree_m += int(eq[m].sum()); tot_m += int(m.sum())
+print("%-20s max|diff| %.3e  worst prompt nmse %.2e  argmax %d/%d (margin>0.05: %d/%d)"
+      % (os.path.basename(d), worst, nmse, agree, tot, agree_m, tot_m))
+PY
+    done
+fi
+if [ "${MODEL:-0}" = 1 ] && [ -x "$D/moemesh" ]; then
+    L=${MODEL_LAYERS:-4}
+    M=/tmp/q3-30b-a3b-L$L
+    echo "== whole-model decode: moemesh synth (Qwen3-30B-A3B shape, $L layers) + bench-model --device cuda:0"
+    timeout 240 "$D/moemesh" synth --out "$M" --layers "$L" || echo "synth failed rc=$?"
+    timeout 240 "$D/moemesh" bench-model --model "$M" --device cuda:0 --prompt-tokens 128 \
+        --decode-tokens 32 --rounds 2 --bw-mb 256 || echo "bench-model failed rc=$?"
+fi
+if [ "${BENCH:-1}" = 1 ]; then
+    echo "== bench"
+    timeout 400 "$D/moemesh-gpu-bench" ${PEAK:+--peak-tflops $PEAK}
+fi
 date -u

@@ -24,6 +24,7 @@ struct peer {
     int inst;
     mm_conn *conn;
     uint64_t inc;      // incarnation the conn was dialed for
+    uint64_t dead_inc; // incarnation known dead (its socket died, or it refused a dial)
     bool live;         // usable this step
     char why[MSG_LEN]; // why not live
     // per exchange
@@ -95,22 +96,28 @@ static bool peer_ensure(mm_step_engine *e, struct peer *p) {
     }
     if (p->conn && (inc != p->inc || mm_conn_error(p->conn) != MM_OK))
         peer_drop(p);
+    if (inc == p->dead_inc) { // its process is gone: wait for a new incarnation to join
+        snprintf(p->why, sizeof(p->why), "%s is down (its process died; waiting for it to "
+                 "rejoin)", peer_name(p, name, sizeof(name)));
+        return false;
+    }
     if (!p->conn) {
         if (!url[0]) {
             snprintf(p->why, sizeof(p->why), "%s joined without a --data address",
                      peer_name(p, name, sizeof(name)));
             return false;
         }
-        mm_err rv = mm_transport_dial(&p->conn, url, mm_deadline_in_ms(1000), err);
+        mm_err rv = mm_transport_dial(&p->conn, url, mm_deadline_in_ms(500), err);
         if (rv != MM_OK) {
             p->conn = NULL;
+            p->dead_inc = inc;
             snprintf(p->why, sizeof(p->why), "%.60s: cannot connect to %.80s: %.100s",
                      peer_name(p, name, sizeof(name)), url, err[0] ? err : mm_strerror(rv));
             mm_log_warn("%s", p->why);
             return false;
         }
         p->inc = inc;
-        mm_log_info("linked to %s at %s", name, url);
+        mm_log_info("linked to %s at %s", peer_name(p, name, sizeof(name)), url);
     }
     p->live = true;
     return true;
@@ -269,6 +276,8 @@ static mm_err gather(mm_step_engine *e, struct peer *ps, int n, uint64_t step, u
         size_t cap = (size_t)p->n * (size_t)e->D * 4;
         rv = mm_conn_recv(p->conn, &h, buf + p->off * e->D, cap > 256 ? cap : 256, deadline);
         if (rv != MM_OK) {
+            if (rv == MM_EPEERDOWN)
+                p->dead_inc = p->inc;
             snprintf(msg, MSG_LEN, "%s: %s during layer %u", peer_name(p, name, sizeof(name)),
                      rv == MM_EPEERDOWN ? "connection lost (process died?)" : mm_strerror(rv),
                      layer);
@@ -307,6 +316,8 @@ static mm_err send_frame(struct peer *p, enum mm_wire_kind kind, enum mm_wire_fo
     mm_err rv = mm_wire_hdr_init(&h, kind, fmt, step, layer, n_rows, dim);
     if (rv == MM_OK)
         rv = mm_conn_send(p->conn, &h, payload, mm_deadline_in_ms((uint64_t)timeout_ms));
+    if (rv == MM_EPEERDOWN)
+        p->dead_inc = p->inc;
     if (rv != MM_OK)
         snprintf(msg, MSG_LEN, "%s: sending layer %d: %s", peer_name(p, name, sizeof(name)),
                  layer == MM_WIRE_NO_LAYER ? -1 : (int)layer,
@@ -540,7 +551,7 @@ struct nng_msg *mm_step_engine_run(mm_step_engine *e, const Mmctl__StepPlan *p, 
     const int M = e->c.shards, N = e->c.owners;
     for (int s = 0; s < M; s++)
         peer_ensure(e, &e->shards[s]);
-    if (e->E > 0)
+    if (e->E > 0 && p->n_seqs > 0) // a plan of releases only needs no owner
         for (int o = 0; o < N; o++)
             peer_ensure(e, &e->owners[o]);
     // Active rows: the seqs of live shards, in plan order.

@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# timeout: 120
+# An expert owner or attention shard that dies mid-request: the request ends with a clear error
+# naming the daemon within 2 s; the router keeps serving (requests on the other shard succeed);
+# when the daemon is restarted (nothing else is) serving resumes, bit for bit as before.
+set -u
+source tests/e2e/mesh_lib.sh
+HB=400 # a frozen daemon is marked down after 1.6 s: the kill below comes first
+MODEL=tests/fixtures/models/qwen3moe-tiny
+IDS=4,8,15,16,23,42
+N=6
+ms() { echo $(( $(date +%s%N) / 1000000 )); }
+
+OWNERS=2; SHARDS=2
+mesh_start
+expect_same "before failures" $IDS $N --concurrent 2
+
+# --- an owner dies mid-request: freeze it so the request is surely waiting on it, then kill.
+kill -STOP "$PID_e1"
+through_mesh $IDS 40 --concurrent 2 --all >"$RUN/out1.txt" 2>"$RUN/err1.txt" &
+client=$!
+sleep 0.4
+kill -0 $client 2>/dev/null || fail "the request did not wait for the frozen owner"
+t0=$(ms)
+kill -KILL "$PID_e1"
+wait $client; rc=$?
+dt=$(( $(ms) - t0 ))
+[ $rc -ne 0 ] || fail "request survived its owner's death"
+grep -q "expert owner 1" "$RUN/out1.txt" || fail "error does not name expert owner 1: $(cat "$RUN/out1.txt" "$RUN/err1.txt")"
+[ $dt -lt 2000 ] || fail "request took $dt ms to fail after the owner died"
+echo "ok owner killed mid-request: error in $dt ms: $(grep -m1 error: "$RUN/out1.txt")"
+
+# The router keeps serving: a new request fails fast and clearly while owner 1 is down...
+t0=$(ms)
+through_mesh $IDS 2 >"$RUN/out2.txt" 2>&1 && fail "request succeeded with an owner down"
+dt=$(( $(ms) - t0 ))
+grep -q "expert owner 1" "$RUN/out2.txt" || fail "unclear error: $(cat "$RUN/out2.txt")"
+[ $dt -lt 2000 ] || fail "request with an owner down took $dt ms"
+echo "ok with the owner down a request fails in $dt ms: $(grep -m1 error: "$RUN/out2.txt")"
+# ...and resumes when the owner alone is restarted.
+start_owner 1
+wait_ready 2 2 || fail "owner 1 did not rejoin"
+expect_same "after owner 1 restarted" $IDS $N --concurrent 2
+
+# --- a shard dies mid-request: only its sequences fail; the other shard's go on.
+kill -STOP "$PID_a1"
+through_mesh $IDS 40 --concurrent 2 --all >"$RUN/out3.txt" 2>"$RUN/err3.txt" &
+client=$!
+sleep 0.4
+kill -0 $client 2>/dev/null || fail "the request did not wait for the frozen shard"
+t0=$(ms)
+kill -KILL "$PID_a1"
+wait $client; rc=$?
+dt=$(( $(ms) - t0 ))
+[ $rc -ne 0 ] || fail "request survived its shard's death"
+grep -q "attention shard 1" "$RUN/out3.txt" || fail "error does not name shard 1: $(cat "$RUN/out3.txt" "$RUN/err3.txt")"
+[ $dt -lt 2000 ] || fail "request took $dt ms to fail after the shard died"
+echo "ok shard killed mid-request: error in $dt ms: $(grep -m1 error: "$RUN/out3.txt")"
+# While shard 1 is down, the sequence on shard 0 is served, the one on shard 1 fails clearly.
+through_mesh $IDS $N --concurrent 2 --all >"$RUN/out4.txt" 2>&1
+[ "$(grep -c '^error: .*attention shard 1' "$RUN/out4.txt")" = 1 ] || fail "expected one seq failing on shard 1: $(cat "$RUN/out4.txt")"
+[ "$(grep -c '^[0-9]* -[0-9.e-]* top=' "$RUN/out4.txt")" = $N ] || fail "the seq on shard 0 was not served: $(cat "$RUN/out4.txt")"
+echo "ok with shard 1 down, shard 0's sequence is served and shard 1's fails clearly"
+start_shard 1
+wait_ready 2 2 || fail "shard 1 did not rejoin"
+expect_same "after shard 1 restarted" $IDS $N --concurrent 2
+alive() { kill -0 "$1" 2>/dev/null; }
+alive "$PID_router" || fail "router died"
+alive "$PID_a0" && alive "$PID_e0" || fail "a daemon that was not killed died"
+echo "ok router, shard 0 and owner 0 served throughout without a restart"
+echo "PASS"

@@ -89,6 +89,10 @@ mm_err mm_gpu_copy_rows(void *stream, const float *d_src, int64_t ss, const int3
                         float *d_dst, int64_t ds, const int32_t *d_di, int64_t n_rows, int64_t dim,
                         int *d_err);
 mm_err mm_gpu_fill(void *stream, float *d_x, float v, int64_t n);
+// mm_gpu_argmax: greedy sampling, d_ids[i] = argmax of row i of d_logits (n_rows, vocab) with
+// row stride ls; ties to the lower id, NaN never chosen (an all-NaN row gives 0).
+mm_err mm_gpu_argmax(void *stream, const float *d_logits, int64_t ls, int64_t n_rows, int vocab,
+                     int32_t *d_ids);
 
 #ifdef __cplusplus
 }

@@ -527,3 +527,54 @@ extern "C" mm_err mm_gpu_route(void *stream, const struct mm_route_params *p, co
     MM_GPU_CHECK(cudaGetLastError());
     return MM_OK;
 }
+
+// ---- sampling: greedy argmax, one block per row -----------------------------------------------
+// Highest logit, ties to the lower id (the engine's host argmax rule); NaN never wins.
+__global__ void argmax_kernel(const float *logits, int64_t ls, int vocab, int32_t *ids) {
+    __shared__ float bv[1024 / 32];
+    __shared__ int bi[1024 / 32];
+    const float *l = logits + (int64_t)blockIdx.x * ls;
+    float best = -INFINITY;
+    int id = -1;
+    for (int v = threadIdx.x; v < vocab; v += blockDim.x) {
+        const float x = l[v];
+        if (id < 0 ? !isnan(x) : x > best) { // strided ascending: first hit keeps the lower id
+            best = x;
+            id = v;
+        }
+    }
+#pragma unroll
+    for (int m = MM_WARP_SIZE / 2; m > 0; m >>= 1) {
+        const float ob = mm_shfl_xor(best, m);
+        const int oi = mm_shfl_xor(id, m);
+        if (oi >= 0 && (id < 0 || ob > best || (ob == best && oi < id))) {
+            best = ob;
+            id = oi;
+        }
+    }
+    const int lane = threadIdx.x % MM_WARP_SIZE, warp = threadIdx.x / MM_WARP_SIZE;
+    if (lane == 0) {
+        bv[warp] = best;
+        bi[warp] = id;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int w = 1; w < (int)(blockDim.x / MM_WARP_SIZE); w++)
+            if (bi[w] >= 0 && (id < 0 || bv[w] > best || (bv[w] == best && bi[w] < id))) {
+                best = bv[w];
+                id = bi[w];
+            }
+        ids[blockIdx.x] = id < 0 ? 0 : id;
+    }
+}
+
+extern "C" mm_err mm_gpu_argmax(void *stream, const float *logits, int64_t ls, int64_t n_rows,
+                                int vocab, int32_t *ids) {
+    if (logits == NULL || ids == NULL || n_rows < 0 || vocab <= 0 || ls < vocab)
+        return MM_EINVAL;
+    if (n_rows == 0)
+        return MM_OK;
+    argmax_kernel<<<(unsigned)n_rows, 256, 0, (cudaStream_t)stream>>>(logits, ls, vocab, ids);
+    MM_GPU_CHECK(cudaGetLastError());
+    return MM_OK;
+}

@@ -20,6 +20,11 @@ extern mm_err mm_gpu_moe_matmul(void *stream, int dtype, const void *const *d_w,
                                 const float *d_x, int64_t x_stride, float *d_y, int64_t y_stride,
                                 int n_rows, int path) __attribute__((weak));
 
+extern mm_err mm_gpu_argmax(void *stream, const float *d_logits, int64_t ls, int64_t n_rows,
+                            int vocab, int32_t *d_ids) __attribute__((weak));
+
+extern mm_err mm_gpu_stream_sync(void *stream) __attribute__((weak));
+
 static mm_backend *cpu, *gpu;
 
 static void open_backends(void) {
@@ -238,7 +243,7 @@ static void moe_case(int n_experts, int n_rows, int n_in, int n_out) {
     MM_PASS(gpu->ops->synchronize(gpu->ctx)); // the grouped call below runs on the null stream
     MM_PASS(mm_gpu_moe_matmul(NULL, MM_DTYPE_BF16, (const void *const *)d_wtab, d_offs, n_experts,
                               n_out, n_in, dx, n_in, dy, n_out, n_rows, -1));
-    MM_PASS(gpu->ops->synchronize(gpu->ctx));
+    MM_PASS(mm_gpu_stream_sync(NULL)); // the null stream does not order the backend's stream
     for (int e = 0; e < n_experts; e++) {
         if (cnt[e] == 0)
             continue;
@@ -262,7 +267,7 @@ static void moe_case(int n_experts, int n_rows, int n_in, int n_out) {
 
 static void test_moe_matmul_grouped(void) {
     open_backends();
-    if (!mm_gpu_moe_matmul)
+    if (!mm_gpu_moe_matmul || !mm_gpu_stream_sync)
         MM_SKIP("mm_gpu_moe_matmul not linked");
     moe_case(16, 8, 256, 96);     // decode: about one row per expert
     moe_case(128, 512, 256, 64);  // batch 64 x top-8
@@ -549,6 +554,39 @@ static void test_bad_args(void) {
     close_backends();
 }
 
+// Greedy sampling on the device: argmax with ties to the lower id, NaN skipped.
+static void test_argmax(void) {
+    open_backends();
+    if (!mm_gpu_argmax || !mm_gpu_stream_sync)
+        MM_SKIP("mm_gpu_argmax not linked");
+    const int64_t n = 5, vocab = 151936, ls = vocab + 3;
+    float *l = rand_f32((size_t)(n * ls), 10.0f);
+    l[0 * ls + 77] = 50.0f, l[0 * ls + 151935] = 50.0f; // tie: 77 wins
+    l[1 * ls + 0] = NAN, l[1 * ls + 5] = 60.0f;
+    l[2 * ls + 151935] = 70.0f;
+    int32_t want[5];
+    for (int64_t i = 0; i < n; i++) {
+        int32_t b = -1;
+        for (int v = 0; v < vocab; v++)
+            if (!isnan(l[i * ls + v]) && (b < 0 || l[i * ls + v] > l[i * ls + b]))
+                b = v;
+        want[i] = b;
+    }
+    MM_EQ(want[0], 77);
+    float *dl = gpu_copy(l, (size_t)(n * ls) * 4);
+    int32_t *dids = NULL;
+    MM_PASS(gpu->ops->buffer_alloc(gpu->ctx, (size_t)n * 4, (void **)&dids));
+    MM_PASS(gpu->ops->synchronize(gpu->ctx));
+    MM_PASS(mm_gpu_argmax(NULL, dl, ls, n, vocab, dids));
+    MM_PASS(mm_gpu_stream_sync(NULL));
+    int32_t *got = gpu_get(dids, (size_t)n * 4);
+    for (int64_t i = 0; i < n; i++)
+        MM_EQ(got[i], want[i]);
+    gpu_free(dl), gpu_free(dids);
+    free(l), free(got);
+    close_backends();
+}
+
 MM_TESTS = {
     {"matmul bf16 vs cpu", test_matmul_bf16},
     {"matmul f16 f32 vs cpu", test_matmul_f16_f32},
@@ -559,6 +597,7 @@ MM_TESTS = {
     {"kv_store and attention vs cpu", test_attention},
     {"embed swiglu axpy sigmoid copy_rows vs cpu", test_embed_swiglu_axpy_sigmoid_copy},
     {"route vs cpu", test_route},
+    {"argmax (greedy sampling)", test_argmax},
     {"bad arguments", test_bad_args},
     {NULL, NULL},
 };

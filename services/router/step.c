@@ -30,6 +30,7 @@ struct peer {
     // per exchange
     int64_t off, n;    // region of the staging buffers (rows)
     bool pending;
+    bool failed;       // lost during this exchange (tolerant gathers)
 };
 
 struct mm_step_engine {
@@ -53,6 +54,7 @@ struct mm_step_engine {
     float *xs, *ys;      // (max_tokens * K, D) owner exchange
     float *eo;           // (max_tokens * K, D) expert outputs at row i*K + r
     int32_t *slot_of;    // (max_tokens * K) slot for each staged row
+    uint8_t *todo;       // (max_tokens * K) slot still needs an expert output this layer
     int32_t *e_cnt;      // (owners, E) rows per (owner, expert)
     int32_t *e_owner;    // (E) serving owner this layer
     int32_t *e_off;      // (owners, E) write cursor
@@ -170,6 +172,7 @@ mm_err mm_step_engine_open(mm_step_engine **out, const mm_step_conf *c, mm_regis
     e->ys = calloc((size_t)(T * KK) * D, 4);
     e->eo = calloc((size_t)(T * KK) * D, 4);
     e->slot_of = calloc((size_t)(T * KK), 4);
+    e->todo = calloc((size_t)(T * KK), 1);
     e->e_cnt = calloc((size_t)c->owners * (size_t)(e->E + 1), 4);
     e->e_off = calloc((size_t)c->owners * (size_t)(e->E + 1), 4);
     e->e_owner = calloc((size_t)(e->E + 1), 4);
@@ -188,7 +191,7 @@ mm_err mm_step_engine_open(mm_step_engine **out, const mm_step_conf *c, mm_regis
     e->top_p = calloc((size_t)S * MM_SAMPLER_MAX_TOP, sizeof(*e->top_p));
     e->smp = calloc((size_t)S, sizeof(*e->smp));
     if (!e->shards || !e->owners || !e->ids || !e->h || !e->x || !e->sh || !e->stage ||
-        !e->gids || !e->gw || !e->xs || !e->ys || !e->eo || !e->slot_of || !e->e_cnt ||
+        !e->gids || !e->gw || !e->xs || !e->ys || !e->eo || !e->slot_of || !e->todo || !e->e_cnt ||
         !e->e_off || !e->e_owner || !e->ctrl || !e->last || !e->hn || !e->logits ||
         !e->seq_shard || !e->seq_row || !e->seq_failed || !e->seq_msg || !e->seq_code ||
         !e->res || !e->res_p || !e->top || !e->top_p || !e->smp) {
@@ -215,7 +218,7 @@ void mm_step_engine_close(mm_step_engine *e) {
         peer_drop(&e->owners[i]);
     free(e->shards); free(e->owners); free(e->ids); free(e->h); free(e->x); free(e->sh);
     free(e->stage); free(e->gids); free(e->gw); free(e->xs); free(e->ys); free(e->eo);
-    free(e->slot_of); free(e->e_cnt); free(e->e_off); free(e->e_owner); free(e->ctrl);
+    free(e->slot_of); free(e->todo); free(e->e_cnt); free(e->e_off); free(e->e_owner); free(e->ctrl);
     free(e->last); free(e->hn); free(e->logits); free(e->seq_shard); free(e->seq_row);
     free(e->seq_failed); free(e->seq_msg); free(e->seq_code); free(e->res); free(e->res_p);
     free(e->top); free(e->top_p); free(e->smp);
@@ -230,10 +233,23 @@ void mm_step_engine_close(mm_step_engine *e) {
 
 // ---- exchanges ------------------------------------------------------------------------------
 
+// lose: the peer's link is gone for this step (marked failed, not live, conn closed).
+static void lose(struct peer *p, mm_err rv, const char *why) {
+    if (rv == MM_EPEERDOWN)
+        p->dead_inc = p->inc;
+    snprintf(p->why, sizeof(p->why), "%s", why);
+    p->failed = true;
+    p->live = false;
+    peer_drop(p);
+}
+
 // gather waits for the REPLY of every pending peer in ps (n of them) for (step, layer) and
 // writes its rows at buf + p->off rows. On failure: names the peer in msg, returns the error.
+// tolerant: a peer whose link fails (died, silent past the deadline, marked down) is lost()
+// and the others are still gathered; the caller retries its rows elsewhere. An MM_WIRE_ERROR
+// answer or a protocol violation always fails.
 static mm_err gather(mm_step_engine *e, struct peer *ps, int n, uint64_t step, uint32_t layer,
-                     float *buf, char *msg) {
+                     float *buf, bool tolerant, char *msg) {
     mm_conn *set[MM_CONN_WAIT_MAX];
     struct peer *who[MM_CONN_WAIT_MAX];
     char name[64];
@@ -249,7 +265,11 @@ static mm_err gather(mm_step_engine *e, struct peer *ps, int n, uint64_t step, u
         if (now >= deadline) {
             snprintf(msg, MSG_LEN, "%s did not answer layer %u within %d ms (--step-timeout-ms)",
                      peer_name(who[0], name, sizeof(name)), layer, e->c.step_timeout_ms);
-            return MM_ETIMEDOUT;
+            if (!tolerant)
+                return MM_ETIMEDOUT;
+            for (size_t i = 0; i < np; i++)
+                lose(who[i], MM_ETIMEDOUT, msg);
+            return MM_OK;
         }
         size_t r = 0;
         mm_err rv = mm_conn_wait_any(set, np, slice < deadline ? slice : deadline, &r);
@@ -262,7 +282,13 @@ static mm_err gather(mm_step_engine *e, struct peer *ps, int n, uint64_t step, u
                     inc != who[i]->inc) {
                     snprintf(msg, MSG_LEN, "%s went down during layer %u",
                              peer_name(who[i], name, sizeof(name)), layer);
-                    return MM_EPEERDOWN;
+                    if (!tolerant)
+                        return MM_EPEERDOWN;
+                    lose(who[i], MM_ETIMEDOUT, msg);
+                    set[i] = set[np - 1];
+                    who[i] = who[np - 1];
+                    np--;
+                    i--;
                 }
             }
             continue;
@@ -281,7 +307,13 @@ static mm_err gather(mm_step_engine *e, struct peer *ps, int n, uint64_t step, u
             snprintf(msg, MSG_LEN, "%s: %s during layer %u", peer_name(p, name, sizeof(name)),
                      rv == MM_EPEERDOWN ? "connection lost (process died?)" : mm_strerror(rv),
                      layer);
-            return rv;
+            if (!tolerant || rv == MM_EFULL)
+                return rv;
+            lose(p, rv, msg);
+            set[r] = set[np - 1];
+            who[r] = who[np - 1];
+            np--;
+            continue;
         }
         if (h.kind == MM_WIRE_ERROR) {
             const char *t = (const char *)(buf + p->off * e->D);
@@ -435,7 +467,7 @@ static mm_err run_layers(mm_step_engine *e, const Mmctl__StepPlan *p, int64_t R,
                               (uint32_t)sp->n, (uint32_t)D, e->stage + sp->off * D, tmo, msg));
             sp->pending = true;
         }
-        MM_TRY(gather(e, e->shards, M, step, (uint32_t)L, e->stage, msg));
+        MM_TRY(gather(e, e->shards, M, step, (uint32_t)L, e->stage, false, msg));
         for (int s = 0; s < M; s++) {
             struct peer *sp = &e->shards[s];
             if (!sp->live || sp->n == 0)
@@ -457,78 +489,115 @@ static mm_err run_layers(mm_step_engine *e, const Mmctl__StepPlan *p, int64_t R,
             continue;
         }
         MM_TRY(mm_model_gate(e->model, e->scratch, L, e->x, R, e->gids, e->gw));
-        // Serving owner per expert this layer: the first live owner of its replica list.
+        // Expert outputs: every (row, rank) slot is served by the first live owner of its
+        // expert's replica list; a link lost during the exchange is retried on the next replica
+        // (the result bits do not depend on which replica computed them).
         const int E = e->E;
-        memset(e->e_cnt, 0, (size_t)N * (size_t)(E + 1) * 4);
         for (int64_t t = 0; t < R * K; t++) {
             int32_t x = e->gids[t];
             if (x < 0 || x >= E)
                 return mm_errf(msg, MM_EPROTO, "gate gave expert %d at layer %d", x, L);
         }
-        for (int x = 0; x < E; x++)
-            e->e_owner[x] = -1;
-        for (int64_t t = 0; t < R * K; t++) {
-            int32_t x = e->gids[t];
-            if (e->e_owner[x] < 0) {
-                for (int r = 0; r < mm_placement_n_rep(e->pl, L, x) && e->e_owner[x] < 0; r++) {
-                    int o = mm_placement_owner(e->pl, L, x, r);
-                    if (e->owners[o].live)
-                        e->e_owner[x] = o;
-                }
-                if (e->e_owner[x] < 0) {
-                    int o0 = mm_placement_owner(e->pl, L, x, 0);
-                    return mm_errf(msg, MM_EPEERDOWN, "expert %d of layer %d has no live owner "
-                                   "(%s)", x, L, e->owners[o0].why);
-                }
-            }
-            e->e_cnt[e->e_owner[x] * (E + 1) + x]++;
-        }
-        // Layout: owners in instance order, experts ascending, (row, rank) slots in order.
-        int64_t base = 0;
-        for (int o = 0; o < N; o++) {
-            struct peer *op = &e->owners[o];
-            op->off = base;
-            op->n = 0;
-            for (int x = 0; x < E; x++) {
-                e->e_off[o * (E + 1) + x] = (int32_t)(base + op->n);
-                op->n += e->e_cnt[o * (E + 1) + x];
-            }
-            base += op->n;
-        }
-        for (int64_t t = 0; t < R * K; t++) {
-            int32_t x = e->gids[t], o = e->e_owner[x];
-            int32_t at = e->e_off[o * (E + 1) + x]++;
-            e->slot_of[at] = (int32_t)t;
-            memcpy(e->xs + (int64_t)at * D, e->x + (t / K) * D, (size_t)D * 4);
-        }
-        for (int o = 0; o < N; o++) {
-            struct peer *op = &e->owners[o];
-            if (op->n == 0)
-                continue;
-            uint32_t nseg = 0;
-            uint8_t *c = e->ctrl + 4;
-            for (int x = 0; x < E; x++) {
-                uint32_t cnt = (uint32_t)e->e_cnt[o * (E + 1) + x], ux = (uint32_t)x;
-                if (cnt == 0)
+        const int64_t n_slots = R * K;
+        if (n_slots <= 0 || n_slots > (int64_t)e->c.max_tokens * K)
+            return mm_errf(msg, MM_EINVAL, "layer %d: %lld routed slots", L, (long long)n_slots);
+        memset(e->todo, 1, (size_t)n_slots);
+        int64_t n_todo = n_slots;
+        bool shared_done = false;
+        while (n_todo > 0) {
+            memset(e->e_cnt, 0, (size_t)N * (size_t)(E + 1) * 4);
+            for (int x = 0; x < E; x++)
+                e->e_owner[x] = -1;
+            for (int64_t t = 0; t < R * K; t++) {
+                if (!e->todo[t])
                     continue;
-                memcpy(c, &ux, 4);
-                memcpy(c + 4, &cnt, 4);
-                c += 8;
-                nseg++;
+                int32_t x = e->gids[t];
+                if (e->e_owner[x] < 0) {
+                    for (int r = 0; r < mm_placement_n_rep(e->pl, L, x) && e->e_owner[x] < 0;
+                         r++) {
+                        int o = mm_placement_owner(e->pl, L, x, r);
+                        if (e->owners[o].live)
+                            e->e_owner[x] = o;
+                    }
+                    if (e->e_owner[x] < 0) {
+                        int o0 = mm_placement_owner(e->pl, L, x, 0);
+                        return mm_errf(msg, MM_EPEERDOWN, "expert %d of layer %d has no live "
+                                       "owner (%s)", x, L, e->owners[o0].why);
+                    }
+                }
+                e->e_cnt[e->e_owner[x] * (E + 1) + x]++;
             }
-            memcpy(e->ctrl, &nseg, 4);
-            MM_TRY(send_frame(op, MM_WIRE_CTRL, MM_WIRE_BYTES, step, (uint32_t)L, 1,
-                              (uint32_t)(c - e->ctrl), e->ctrl, tmo, msg));
-            MM_TRY(send_frame(op, MM_WIRE_ROWS, MM_WIRE_F32, step, (uint32_t)L, (uint32_t)op->n,
-                              (uint32_t)D, e->xs + op->off * D, tmo, msg));
-            op->pending = true;
+            // Layout: owners in instance order, experts ascending, slots in order.
+            int64_t base = 0;
+            for (int o = 0; o < N; o++) {
+                struct peer *op = &e->owners[o];
+                op->off = base;
+                op->n = 0;
+                op->failed = false;
+                for (int x = 0; x < E; x++) {
+                    e->e_off[o * (E + 1) + x] = (int32_t)(base + op->n);
+                    op->n += e->e_cnt[o * (E + 1) + x];
+                }
+                base += op->n;
+            }
+            for (int64_t t = 0; t < R * K; t++) {
+                if (!e->todo[t])
+                    continue;
+                int32_t x = e->gids[t], o = e->e_owner[x];
+                int32_t at = e->e_off[o * (E + 1) + x]++;
+                e->slot_of[at] = (int32_t)t;
+                memcpy(e->xs + (int64_t)at * D, e->x + (t / K) * D, (size_t)D * 4);
+            }
+            for (int o = 0; o < N; o++) {
+                struct peer *op = &e->owners[o];
+                if (op->n == 0)
+                    continue;
+                uint32_t nseg = 0;
+                uint8_t *c = e->ctrl + 4;
+                for (int x = 0; x < E; x++) {
+                    uint32_t cnt = (uint32_t)e->e_cnt[o * (E + 1) + x], ux = (uint32_t)x;
+                    if (cnt == 0)
+                        continue;
+                    memcpy(c, &ux, 4);
+                    memcpy(c + 4, &cnt, 4);
+                    c += 8;
+                    nseg++;
+                }
+                memcpy(e->ctrl, &nseg, 4);
+                mm_err rv = send_frame(op, MM_WIRE_CTRL, MM_WIRE_BYTES, step, (uint32_t)L, 1,
+                                       (uint32_t)(c - e->ctrl), e->ctrl, tmo, msg);
+                if (rv == MM_OK)
+                    rv = send_frame(op, MM_WIRE_ROWS, MM_WIRE_F32, step, (uint32_t)L,
+                                    (uint32_t)op->n, (uint32_t)D, e->xs + op->off * D, tmo, msg);
+                if (rv == MM_EINVAL)
+                    return rv;
+                if (rv != MM_OK)
+                    lose(op, rv, msg);
+                else
+                    op->pending = true;
+            }
+            // The shared experts run here while the owners work.
+            if (shared && !shared_done)
+                MM_TRY(mm_model_shared_forward(e->model, e->scratch, L, e->x, R, e->sh));
+            shared_done = true;
+            MM_TRY(gather(e, e->owners, N, step, (uint32_t)L, e->ys, true, msg));
+            for (int o = 0; o < N; o++) {
+                struct peer *op = &e->owners[o];
+                if (op->n == 0)
+                    continue;
+                if (op->failed) {
+                    mm_log_warn("step %llu layer %d: %s; its %lld rows go to replicas",
+                                (unsigned long long)step, L, op->why, (long long)op->n);
+                    continue;
+                }
+                for (int64_t at = op->off; at < op->off + op->n; at++) {
+                    int32_t t = e->slot_of[at];
+                    memcpy(e->eo + (int64_t)t * D, e->ys + at * D, (size_t)D * 4);
+                    e->todo[t] = 0;
+                }
+                n_todo -= op->n;
+            }
         }
-        // The shared experts run here while the owners work.
-        if (shared)
-            MM_TRY(mm_model_shared_forward(e->model, e->scratch, L, e->x, R, e->sh));
-        MM_TRY(gather(e, e->owners, N, step, (uint32_t)L, e->ys, msg));
-        for (int64_t at = 0; at < R * K; at++)
-            memcpy(e->eo + (int64_t)e->slot_of[at] * D, e->ys + at * D, (size_t)D * 4);
         MM_TRY(mm_model_combine(e->model, e->scratch, L, e->h, R, K, e->gw, e->eo,
                                 shared ? e->sh : NULL));
     }

@@ -68,4 +68,30 @@ alive() { kill -0 "$1" 2>/dev/null; }
 alive "$PID_router" || fail "router died"
 alive "$PID_a0" && alive "$PID_e0" || fail "a daemon that was not killed died"
 echo "ok router, shard 0 and owner 0 served throughout without a restart"
+mesh_stop
+
+# --- replicated experts: an owner dying mid-request costs nothing; its rows go to the replica.
+python3 -c "
+import json; c = json.load(open('$MODEL/config.json'))
+L, E = c['num_hidden_layers'], c['num_experts']
+print(json.dumps({'version': 1, 'n_layers': L, 'n_experts': E, 'n_owners': 2,
+                  'experts': [[[e % 2, 1 - e % 2] for e in range(E)] for _ in range(L)]}))" > "$RUN/replicated.json"
+OWNERS=2; SHARDS=1; PLACEMENT="$RUN/replicated.json"
+mesh_start
+expect_same "every expert on both owners" $IDS $N
+kill -STOP "$PID_e0"
+want=$(reference $IDS $N)
+through_mesh $IDS $N --concurrent 2 >"$RUN/out5.txt" 2>"$RUN/err5.txt" &
+client=$!
+sleep 0.4
+kill -0 $client 2>/dev/null || fail "the request did not wait for the frozen owner"
+kill -KILL "$PID_e0"
+wait $client || fail "request failed although every expert has a live replica: $(cat "$RUN/err5.txt")"
+[ "$(cat "$RUN/out5.txt")" = "$want" ] || fail "after failover the output differs from generate"
+grep -q "go to replicas" "$RUN/router.log" || fail "the router did not log the failover"
+echo "ok owner 0 killed mid-request with replicas: the request completed, bit for bit"
+expect_same "owner 0 still down, replicas serve" $IDS $N
+start_owner 0
+wait_ready 1 2 || fail "owner 0 did not rejoin"
+expect_same "owner 0 back" $IDS $N
 echo "PASS"

@@ -101,6 +101,9 @@ $(DEPS_STAMP): Makefile
 
 # ---- protobuf-c -------------------------------------------------------------------------------
 proto: $(PROTO_C)
+# Generated code is a prerequisite of pattern rules only: keep make from deleting it as an
+# intermediate file (which made every build regenerate it and recompile everything).
+.SECONDARY: $(PROTO_C) $(PROTO_H)
 $(BUILD)/gen/proto/%.pb-c.c $(BUILD)/gen/proto/%.pb-c.h: proto/%.proto | $(DEPS_STAMP)
 	@mkdir -p $(BUILD)/gen
 	protoc-c --c_out=$(BUILD)/gen $<

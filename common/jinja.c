@@ -555,7 +555,8 @@ static void lex(parser *ps) {
                 const char *endm = is_var ? "}}" : "%}";
                 char esign = 0;
                 size_t at = pos;
-                if ((s[pos] == '-' || s[pos] == '+') && pos + 3 <= n &&
+                // "-}}", "-%}" and "+%}"; Jinja has no "+}}" (there '+' is an operator).
+                if ((s[pos] == '-' || (s[pos] == '+' && !is_var)) && pos + 3 <= n &&
                     strncmp(s + pos + 1, endm, 2) == 0) {
                     esign = s[pos];
                     at = pos + 1;
@@ -1206,7 +1207,7 @@ static bool name_in(const tok *t, const char *const *list) {
 static node *parse_if(parser *ps, int line, block_ctx *outer) {
     static const char *const ends[] = {"elif", "else", "endif", NULL};
     node *nd = mk(ps, N_IF, line);
-    nd->a = parse_expr(ps, true);
+    nd->a = parse_tuple(ps, false); // as Jinja: a tuple, no inline if-expression at top level
     expect_bend(ps, "if");
     block_ctx bc = {"if", line, ends, outer->loop_depth, outer->macro_depth};
     const char *end;
@@ -2795,9 +2796,18 @@ static jv binop(ectx *E, const char *op, jv a, jv b, int line) {
 
 // ---- evaluator: tests ------------------------------------------------------------------------
 
+static const char *const NOARG_TESTS[] = {
+    "defined", "undefined", "none", "string", "mapping", "sequence", "iterable", "number",
+    "integer", "float", "boolean", "true", "false", "callable", "odd", "even", "lower", "upper",
+    NULL};
+
 static bool run_test(ectx *E, const char *name, jv x, const args *a, int line) {
     jv y = v_undef(NULL);
     bool has = arg(a, 0, NULL, &y);
+    if (a->n > 0 && in_list(name, NOARG_TESTS))
+        EFAIL(E, MM_EINVAL, line, "test '%s' takes no argument", name);
+    if (a->n > 1)
+        EFAIL(E, MM_EINVAL, line, "test '%s' takes one argument, %zu given", name, a->n);
     if (!strcmp(name, "defined")) return x.t != VU;
     if (!strcmp(name, "undefined")) return x.t == VU;
     if (!strcmp(name, "none")) return x.t == VN;

@@ -273,6 +273,8 @@ static void test_syntax_errors_name_line(void) {
     EXPECT_ERR("{% frobnicate %}", MM_EFORMAT, "unknown tag 'frobnicate'");
     EXPECT_ERR("{% break %}", MM_EFORMAT, "'break' outside a for loop");
     EXPECT_ERR("{{ a $ b }}", MM_EFORMAT, "unexpected character '$'");
+    EXPECT_ERR("{{ 'a' +}}", MM_EFORMAT, "unexpected '}}'"); // no \"+}}\" in Jinja
+    EXPECT_ERR("{{ none is defined(1) }}", MM_EINVAL, "takes no argument");
 }
 
 // Error messages stay valid UTF-8 (they go into JSON replies), even when a multi-byte

@@ -58,48 +58,48 @@ static void *bw_thread(void *argp) {
     return NULL;
 }
 
-// read_bandwidth returns the best of `passes` full reads of a bytes-long buffer, in bytes/s.
-static double read_bandwidth(size_t bytes, int threads, int passes, double *memcpy_bw) {
-    float *buf = NULL, *dst = NULL;
-    if (posix_memalign((void **)&buf, 64, bytes) || posix_memalign((void **)&dst, 64, bytes))
-        return 0;
-    for (size_t i = 0; i < bytes / 4; i++)
-        buf[i] = (float)(i & 1023);
-    memset(dst, 0, bytes);
-    double best = 0, best_cp = 0;
+// read_bandwidth streams a bytes-long buffer with all threads for at least `seconds` and
+// returns the sustained rate in bytes/s (the average over the whole time, so a machine that
+// is busy now is measured as busy as the decode that follows). *memcpy_bw: one memcpy of the
+// buffer, bytes copied per second.
+static double read_bandwidth(float *buf, float *dst, size_t bytes, int threads, double seconds,
+                             double *memcpy_bw) {
     const size_t n = bytes / 4, per = (n / (size_t)threads) & ~(size_t)31;
-    for (int r = 0; r < passes; r++) {
+    double total = 0, t_all = 0;
+    uint64_t start = mm_now_ns();
+    do {
         pthread_t tid[64];
         struct bw_arg args[64];
-        uint64_t t0 = mm_now_ns();
         for (int t = 0; t < threads; t++) {
             args[t] = (struct bw_arg){buf + (size_t)t * per, per, 0};
             pthread_create(&tid[t], NULL, bw_thread, &args[t]);
         }
         for (int t = 0; t < threads; t++)
             pthread_join(tid[t], NULL);
-        double s = (double)(mm_now_ns() - t0) / 1e9;
-        double bw = (double)per * threads * 4 / s;
-        best = bw > best ? bw : best;
-        t0 = mm_now_ns();
-        memcpy(dst, buf, bytes);
-        s = (double)(mm_now_ns() - t0) / 1e9;
-        best_cp = bytes / s > best_cp ? bytes / s : best_cp; // bytes copied (read + write 2x)
-    }
-    free(buf);
-    free(dst);
-    *memcpy_bw = best_cp;
-    return best;
+        total += (double)per * threads * 4;
+        t_all = (double)(mm_now_ns() - start) / 1e9;
+    } while (t_all < seconds);
+    uint64_t t0 = mm_now_ns();
+    memcpy(dst, buf, bytes);
+    *memcpy_bw = bytes / ((double)(mm_now_ns() - t0) / 1e9);
+    return total / t_all;
+}
+
+static int cmp_dbl(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
 }
 
 static int run_bench_model(int argc, char **argv) {
     char *model = NULL, *device = NULL;
     long long threads = 0, prompt = 128, decode = 32, bw_mb = 1024, warm = 4, rounds = 3;
+    double bw_seconds = 2.0;
     mm_opt opts[] = {
         {"model", MM_OPT_STR, &model, NULL, "checkpoint directory"},
         {"prompt-tokens", MM_OPT_INT, &prompt, "128", "prompt length for the prefill figure"},
         {"decode-tokens", MM_OPT_INT, &decode, "32", "tokens to decode for the decode figure"},
         {"warmup-tokens", MM_OPT_INT, &warm, "4", "decode steps before timing (pages in)"},
+        {"bw-seconds", MM_OPT_DBL, &bw_seconds, "2", "bandwidth measurement time per round"},
         {"rounds", MM_OPT_INT, &rounds, "3", "decode rounds (each with a bandwidth pass)"},
         {"threads", MM_OPT_INT, &threads, "0", "CPU threads (0: all cores)"},
         {"bw-mb", MM_OPT_INT, &bw_mb, "1024", "buffer for the bandwidth measurement (MiB)"},
@@ -122,8 +122,8 @@ static int run_bench_model(int argc, char **argv) {
         rc = 0;
         goto done;
     }
-    if (!model || prompt < 1 || decode < 1 || bw_mb < 64 || rounds < 1) {
-        fprintf(stderr, "bench-model: --model DIR is required\n");
+    if (!model || prompt < 1 || decode < 1 || bw_mb < 64 || rounds < 1 || rounds > 64) {
+        fprintf(stderr, "bench-model: --model DIR is required (--rounds 1..64)\n");
         goto done;
     }
     rc = 1;
@@ -170,9 +170,21 @@ static int run_bench_model(int argc, char **argv) {
     const double bytes = mm_model_decode_bytes(e->model);
     printf("prompt: %lld tokens in %.3f s = %.1f tok/s\n", prompt, pt, prompt / pt);
     printf("weights read per decode token: %.1f MB\n", bytes / 1e6);
+    float *bwbuf = NULL, *bwdst = NULL;
+    const size_t bwb = (size_t)bw_mb << 20;
+    if (posix_memalign((void **)&bwbuf, 64, bwb) || posix_memalign((void **)&bwdst, 64, bwb)) {
+        fprintf(stderr, "bench-model: no memory for the bandwidth buffer\n");
+        free(bwbuf);
+        goto fail;
+    }
+    for (size_t i = 0; i < bwb / 4; i++)
+        bwbuf[i] = (float)(i & 1023);
+    memset(bwdst, 0, bwb);
+    double fr[64];
+    int n_fr = 0;
     for (long long r = 0; r < rounds; r++) {
         double cp_bw = 0;
-        double bw = read_bandwidth((size_t)bw_mb << 20, e->be->n_threads, 3, &cp_bw);
+        double bw = read_bandwidth(bwbuf, bwdst, bwb, e->be->n_threads, bw_seconds, &cp_bw);
         if (mm_kv_cache_seq_len(e->kv, s) + decode > e->max_ctx) {
             mm_kv_cache_seq_free(e->kv, s); // start over: the same context length each round
             mm_kv_cache_seq_new(e->kv, &s);
@@ -190,17 +202,25 @@ static int run_bench_model(int argc, char **argv) {
         printf("round %lld: read bandwidth %.2f GB/s (memcpy %.2f GB/s); decode %lld tokens "
                "%.2f tok/s (%.1f ms/token) = %.1f%% of that round's roofline\n", r + 1,
                bw / 1e9, cp_bw / 1e9, decode, dtps, 1e3 / dtps, 100.0 * dtps * bytes / bw);
+        if (n_fr < 64)
+            fr[n_fr++] = dtps * bytes / bw;
         best_dtps = dtps > best_dtps ? dtps : best_dtps;
         best_bw = bw > best_bw ? bw : best_bw;
         best_cp = cp_bw > best_cp ? cp_bw : best_cp;
     }
+    free(bwbuf);
+    free(bwdst);
     free(last);
     last = NULL;
+    qsort(fr, (size_t)n_fr, sizeof(double), cmp_dbl);
+    printf("decode share of the same round's sustained bandwidth: median %.1f%% (min %.1f%%, "
+           "max %.1f%%) over %d rounds\n", 100 * fr[n_fr / 2], 100 * fr[0], 100 * fr[n_fr - 1],
+           n_fr);
     printf("decode: best %.2f tok/s (%.1f ms/token)\n", best_dtps, 1e3 / best_dtps);
     printf("memory read bandwidth (%d threads, %lld MiB buffer): best %.2f GB/s; memcpy %.2f "
            "GB/s\n", e->be->n_threads, bw_mb, best_bw / 1e9, best_cp / 1e9);
-    printf("decode roofline: %.2f tok/s at that bandwidth; achieved %.1f%% (%.2f GB/s of "
-           "weights)\n", best_bw / bytes, 100.0 * best_dtps * bytes / best_bw,
+    printf("decode roofline at the best bandwidth: %.2f tok/s; best decode %.1f%% of it (%.2f "
+           "GB/s of weights)\n", best_bw / bytes, 100.0 * best_dtps * bytes / best_bw,
            best_dtps * bytes / 1e9);
     rc = 0;
     goto done;

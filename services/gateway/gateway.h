@@ -62,6 +62,14 @@ mm_err gw_mesh_open(gw_mesh **out, uv_loop_t *loop, const char *router_url, char
 // runs exactly once later on the loop (unless detached); *call identifies the request.
 mm_err gw_mesh_status(gw_mesh *m, int timeout_ms, gw_status_cb cb, void *arg, gw_call **call,
                       char err[MM_ERRLEN]);
+// gw_step_cb runs on the loop thread with the router's answer to a StepPlan (reply borrowed for
+// the call, NULL on error) and t_done_ns, the mm_now_ns() at which nng completed the call.
+typedef void (*gw_step_cb)(void *arg, mm_err rv, const mm_ctl_msg *reply, const char *err,
+                           uint64_t t_done_ns);
+// gw_mesh_step sends plan (borrowed; packed before this returns) to the router with a deadline
+// of timeout_ms; on MM_OK cb runs exactly once later on the loop (unless detached).
+mm_err gw_mesh_step(gw_mesh *m, mm_ctl_msg *plan, int timeout_ms, gw_step_cb cb, void *arg,
+                    gw_call **call, char err[MM_ERRLEN]);
 // gw_call_detach: the requester is gone (client disconnected); cb will not run.
 void gw_call_detach(gw_call *c);
 const char *gw_mesh_router_url(const gw_mesh *m);
@@ -87,5 +95,87 @@ int gw_health_route(void *arg, h2o_req_t *req);
 // says why) and sets *all_up. Returns owned JSON. Exposed for tests and `moemesh status`.
 json_t *gw_health_json(const Mmctl__StatusReply *reply, const mm_identity *self,
                        const char *router_url, const char *err, bool *all_up);
+
+// ---- sched.c: the step scheduler -------------------------------------------------------------
+// One owner of all sequence state, on the loop thread. At most one StepPlan is in flight; when
+// its StepResult arrives the scheduler delivers the tokens (ops.token), builds and sends the
+// next plan at once, and only then lets the HTTP side write (ops.flush), so the router computes
+// while the gateway talks to clients. Each plan: the releases of ended seqs, then every running
+// seq's decode token, then prefill chunks in admission order under the per-step token budget,
+// then newly admitted seqs (FCFS: the queue's head waits for KV and seq slots; nothing passes
+// it). A seq is admitted only when its whole KV need (prompt + max new tokens, in blocks) fits
+// its shard's free blocks, so a running seq never runs out of KV.
+#include "mm/sampler.h"
+
+typedef struct gw_sched gw_sched;
+
+typedef struct gw_sched_conf {
+    int max_waiting;          // queued seqs beyond which submit says MM_EFULL (HTTP 429)
+    int max_step_seqs;        // the router's --max-step-seqs
+    int max_step_tokens;      // the router's --max-batch-tokens
+    int shards;               // attention shards (seq -> shard: seq_id % shards)
+    int shard_max_seqs;       // the shards' --max-seqs
+    int64_t shard_kv_blocks;  // KV blocks of one shard (from --kv-mb and the model)
+    int block_size;           // tokens per KV block
+    int max_ctx;              // longest sequence (prompt + generated)
+    int step_timeout_ms;      // deadline of one StepPlan call
+} gw_sched_conf;
+
+enum gw_seq_state { GW_SEQ_NEW, GW_SEQ_WAITING, GW_SEQ_RUNNING, GW_SEQ_DONE };
+
+typedef struct gw_seq {
+    // Set by the owner before gw_sched_submit; tokens holds n_prompt ids and room for max_gen
+    // more (owned by the owner, which keeps it alive until ops.dropped).
+    int32_t *tokens;
+    int n_prompt, max_gen;
+    mm_sampling sampling;
+    uint32_t n_top;
+    void *owner;
+    int index;
+    // Scheduler state (read-only for the owner).
+    uint64_t id;
+    int shard, state;
+    int n_tokens, pos, n_gen; // tokens known, tokens in the KV, tokens generated
+    int chunk;                // tokens of this seq in the plan in flight (0: not in it)
+    bool cancelled, ever_planned;
+    int64_t kv_blocks;
+    uint64_t t_submit_ns, t_first_ns, t_last_ns;
+    struct gw_seq *next, *prev;
+} gw_seq;
+
+typedef struct gw_sched_ops {
+    // token: s sampled r->token (r borrowed for the call; t_done_ns: the StepResult's arrival).
+    // Return false when the seq is finished (eos, stop, length).
+    bool (*token)(void *arg, gw_seq *s, const Mmctl__SeqResult *r, uint64_t t_done_ns);
+    // fail: the mesh failed s (code, one-line msg); s is released.
+    void (*fail)(void *arg, gw_seq *s, mm_err code, const char *msg);
+    // dropped: the scheduler holds no reference to s any more (after finish, fail or cancel).
+    void (*dropped)(void *arg, gw_seq *s);
+    // flush: a step's results were delivered and the next plan is on its way.
+    void (*flush)(void *arg, uint64_t t_done_ns);
+} gw_sched_ops;
+
+typedef struct gw_sched_stats {
+    int running, waiting;
+    int64_t kv_blocks_used, kv_blocks_total;
+    uint64_t steps, step_errors;
+} gw_sched_stats;
+
+// gw_sched_new returns owned *out. ops and arg are borrowed. Errors: MM_EINVAL, MM_ENOMEM.
+mm_err gw_sched_new(gw_sched **out, const gw_sched_conf *c, gw_mesh *mesh,
+                    const gw_sched_ops *ops, void *arg, char err[MM_ERRLEN]);
+void gw_sched_free(gw_sched *s); // accepts NULL; call after the loop stopped
+// gw_sched_check says whether a seq with n_prompt tokens and max_gen new ones could ever run.
+// Errors: MM_EINVAL naming the limit (context, KV capacity).
+mm_err gw_sched_check(const gw_sched *s, int n_prompt, int max_gen, char err[MM_ERRLEN]);
+// gw_sched_submit queues n seqs (one request's choices) at the tail. Errors: MM_EFULL (queue
+// full: nothing queued), MM_EINVAL (gw_sched_check failed).
+mm_err gw_sched_submit(gw_sched *s, gw_seq **seqs, int n, char err[MM_ERRLEN]);
+// gw_sched_cancel: the owner lost interest in q (client gone); no more token/fail calls for it;
+// its KV is released in the next plan; ops.dropped runs (maybe before this returns).
+void gw_sched_cancel(gw_sched *s, gw_seq *q);
+void gw_sched_get_stats(const gw_sched *s, gw_sched_stats *st);
+// gw_sched_stop fails every queued and running seq with MM_ECLOSED (shutdown).
+void gw_sched_stop(gw_sched *s);
 
 #endif

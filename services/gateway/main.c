@@ -6,17 +6,40 @@
 #define H2O_USE_LIBUV 1
 #include <h2o.h>
 
+#include "api.h"
 #include "gateway.h"
 #include "mm/log.h"
 
-static char *s_host;
-static long long s_port, s_max_body_bytes, s_health_timeout_ms;
+static char *s_host, *s_model_name, *s_api_key;
+static long long s_port, s_max_body_bytes, s_health_timeout_ms, s_max_waiting, s_max_step_seqs,
+    s_max_batch_tokens, s_shards, s_shard_max_seqs, s_max_ctx, s_step_timeout_ms, s_keepalive_ms,
+    s_health_ms;
+static double s_kv_mb;
 static mm_opt s_gateway_opts[] = {
     {"host", MM_OPT_STR, &s_host, "127.0.0.1", "HTTP listen address"},
     {"port", MM_OPT_INT, &s_port, "8000", "HTTP listen port"},
     {"max-body-bytes", MM_OPT_INT, &s_max_body_bytes, "1048576", "largest request body accepted"},
     {"health-timeout-ms", MM_OPT_INT, &s_health_timeout_ms, "1000",
      "deadline of the router query behind GET /health"},
+    {"served-model-name", MM_OPT_STR, &s_model_name, "", "model name of the API (default: the "
+     "--model directory's name)"},
+    {"api-key", MM_OPT_STR, &s_api_key, "", "require Authorization: Bearer KEY (empty: none)"},
+    {"max-waiting", MM_OPT_INT, &s_max_waiting, "256",
+     "sequences waiting for admission beyond which requests get 429"},
+    {"max-step-seqs", MM_OPT_INT, &s_max_step_seqs, "64", "sequences per step (as the router's)"},
+    {"max-batch-tokens", MM_OPT_INT, &s_max_batch_tokens, "256",
+     "tokens per step (as the router's): decode tokens plus prefill chunks"},
+    {"attention-shards", MM_OPT_INT, &s_shards, "1", "attention shards in the mesh"},
+    {"shard-max-seqs", MM_OPT_INT, &s_shard_max_seqs, "64",
+     "sequences one shard holds (as the shards' --max-seqs)"},
+    {"kv-mb", MM_OPT_DBL, &s_kv_mb, "64", "KV budget of one shard in MiB (as the shards' --kv-mb)"},
+    {"max-ctx", MM_OPT_INT, &s_max_ctx, "4096", "longest sequence (capped by the model)"},
+    {"step-timeout-ms", MM_OPT_INT, &s_step_timeout_ms, "15000",
+     "deadline of one StepPlan call to the router"},
+    {"keepalive-ms", MM_OPT_INT, &s_keepalive_ms, "1000",
+     "SSE keep-alive comment interval while a stream waits (bounds disconnect detection)"},
+    {"mesh-check-ms", MM_OPT_INT, &s_health_ms, "250",
+     "how often the gateway refreshes the mesh membership (503 when a role is down)"},
     {0},
 };
 
@@ -25,6 +48,7 @@ struct gateway {
     mm_daemon *d;
     gw_http *http;
     gw_mesh *mesh;
+    gw_api *api;
     gw_health health;
     uv_poll_t sig_poll, ev_poll;
     uv_timer_t grace;
@@ -38,6 +62,7 @@ static void begin_stop(struct gateway *g) {
         return;
     g->stopping = true;
     gw_http_stop(g->http);      // no new connections; idle ones are asked to close
+    gw_api_stop(g->api);        // queued and running requests end (503 / error event)
     gw_mesh_abort(g->mesh);     // router calls in flight end now (their requests get 503)
     uv_poll_stop(&g->sig_poll);
     uv_poll_stop(&g->ev_poll);
@@ -61,7 +86,7 @@ static void close_cb(uv_handle_t *h, void *arg) {
 int main(int argc, char **argv) {
     mm_daemon_spec spec = {
         .role = "gateway",
-        .summary = "moemesh gateway: the HTTP front door (GET /health now; the OpenAI API next).",
+        .summary = "moemesh gateway: the HTTP front door (the OpenAI API, /health, /metrics).",
         .extra_opts = s_gateway_opts,
     };
     struct gateway g = {0};
@@ -75,16 +100,42 @@ int main(int argc, char **argv) {
     if (rv == MM_OK)
         rv = gw_http_open(&g.http, &g.loop, s_host, (int)s_port, (size_t)s_max_body_bytes, err);
     if (rv == MM_OK) {
+        gw_api_conf ac = {
+            .model_dir = mm_daemon_get_conf(g.d)->model,
+            .model_name = s_model_name,
+            .api_key = s_api_key,
+            .keepalive_ms = (int)s_keepalive_ms,
+            .health_ms = (int)s_health_ms,
+            .health_timeout_ms = (int)s_health_timeout_ms,
+            .kv_mb = s_kv_mb,
+            .sched = {.max_waiting = (int)s_max_waiting,
+                      .max_step_seqs = (int)s_max_step_seqs,
+                      .max_step_tokens = (int)s_max_batch_tokens,
+                      .shards = (int)s_shards,
+                      .shard_max_seqs = (int)s_shard_max_seqs,
+                      .max_ctx = (int)s_max_ctx,
+                      .step_timeout_ms = (int)s_step_timeout_ms},
+        };
+        if (s_keepalive_ms < 10 || s_health_ms < 10) {
+            rv = mm_errf(err, MM_EINVAL, "--keepalive-ms and --mesh-check-ms must be >= 10");
+        } else {
+            rv = gw_api_open(&g.api, &g.loop, g.mesh, &ac, err);
+        }
+    }
+    if (rv == MM_OK) {
         g.health = (gw_health){.mesh = g.mesh, .self = mm_daemon_get_identity(g.d),
                                .timeout_ms = (int)s_health_timeout_ms};
         gw_http_route(g.http, "GET", "/health", gw_health_route, &g.health);
-        rv = mm_daemon_start(g.d, err);
+        rv = gw_api_routes(g.api, g.http);
+        if (rv == MM_OK)
+            rv = mm_daemon_start(g.d, err);
     }
     if (rv != MM_OK) {
         mm_log_error("cannot start: %s", err);
         mm_daemon_request_stop(g.d, MM_EXIT_ERROR, NULL);
     } else {
-        mm_log_info("HTTP on http://%s:%lld (GET /health)", s_host, s_port);
+        mm_log_info("HTTP on http://%s:%lld (OpenAI API under /v1, /health, /metrics)", s_host,
+                    s_port);
         mm_daemon_set_health(g.d, MMCTL__HEALTH__HEALTH_READY, "http ready");
         uv_poll_init(&g.loop, &g.sig_poll, mm_daemon_signal_fd(g.d));
         uv_poll_init(&g.loop, &g.ev_poll, mm_daemon_event_fd(g.d));
@@ -94,6 +145,7 @@ int main(int argc, char **argv) {
         uv_run(&g.loop, UV_RUN_DEFAULT);
     }
     // Teardown: h2o first (it owns connection handles), then the mesh, then every other handle.
+    gw_api_stop(g.api);
     gw_http_close(g.http);
     gw_mesh_close(g.mesh);
     uv_walk(&g.loop, close_cb, NULL);
@@ -101,6 +153,7 @@ int main(int argc, char **argv) {
     if (uv_loop_close(&g.loop) != 0)
         mm_log_warn("event loop closed with handles still open");
     gw_http_free(g.http);
+    gw_api_free(g.api);
     gw_mesh_free(g.mesh);
     return mm_daemon_close(g.d);
 }

@@ -18,8 +18,10 @@
 struct gw_call {
     gw_mesh *mesh;
     mm_ctl_async *async;
-    gw_status_cb cb;
+    gw_status_cb cb;      // a status call
+    gw_step_cb step_cb;   // or a step call
     void *arg;
+    uint64_t t_done_ns;   // when nng completed the call (mm_now_ns, on the nng thread)
     bool detached;    // loop thread only
     gw_call *next;    // in mesh->done, under mesh->mu
 };
@@ -38,6 +40,7 @@ static void on_nng_done(mm_ctl_async *a, void *arg) {
     (void)a;
     gw_call *c = arg;
     gw_mesh *m = c->mesh;
+    c->t_done_ns = mm_now_ns();
     pthread_mutex_lock(&m->mu);
     c->next = m->done;
     m->done = c;
@@ -50,7 +53,9 @@ static void finish(gw_call *c) {
     mm_ctl_msg *reply = NULL;
     char err[MM_ERRLEN] = "";
     mm_err rv = mm_ctl_async_result(c->async, &reply, err);
-    if (!c->detached) {
+    if (!c->detached && c->step_cb) {
+        c->step_cb(c->arg, rv, rv == MM_OK ? reply : NULL, err, c->t_done_ns);
+    } else if (!c->detached) {
         if (rv == MM_OK && reply->body_case != MMCTL__ENVELOPE__BODY_STATUS_REPLY) {
             rv = MM_EPROTO;
             snprintf(err, sizeof(err), "router answered status with %s", mm_ctl_body_name(reply));
@@ -113,6 +118,25 @@ mm_err gw_mesh_status(gw_mesh *m, int timeout_ms, gw_status_cb cb, void *arg, gw
     env.body_case = MMCTL__ENVELOPE__BODY_STATUS_REQUEST;
     env.status_request = &sr;
     mm_err rv = mm_ctl_call_start(m->client, &env, timeout_ms, on_nng_done, c, &c->async, err);
+    if (rv != MM_OK) {
+        free(c);
+        return rv;
+    }
+    m->n_inflight++;
+    *call = c;
+    return MM_OK;
+}
+
+mm_err gw_mesh_step(gw_mesh *m, mm_ctl_msg *plan, int timeout_ms, gw_step_cb cb, void *arg,
+                    gw_call **call, char err[MM_ERRLEN]) {
+    *call = NULL;
+    gw_call *c = calloc(1, sizeof(*c));
+    if (!c)
+        return MM_ENOMEM;
+    c->mesh = m;
+    c->step_cb = cb;
+    c->arg = arg;
+    mm_err rv = mm_ctl_call_start(m->client, plan, timeout_ms, on_nng_done, c, &c->async, err);
     if (rv != MM_OK) {
         free(c);
         return rv;

@@ -1,0 +1,358 @@
+// SPDX-License-Identifier: MIT
+// The gateway's step scheduler; see gateway.h (sched.c section) and docs/MESH.md.
+//
+// Design notes:
+// - Everything runs on the loop thread; the only asynchronous event is the StepResult (through
+//   mesh.c's wake-up). One plan in flight at a time: the router runs one step at a time anyway.
+// - Lists: `waiting` (FCFS queue) and `running` (admission order), doubly linked through the
+//   seqs themselves; `plan_seqs` maps the plan in flight back to its seqs (plan order).
+// - Seq ids: id % shards is the seq's attention shard (docs/MESH.md), so the scheduler picks
+//   the shard with room at admission and makes the id land there: id = base * shards + shard,
+//   base increasing from the start time in microseconds (never reused, even across restarts).
+// - No allocation per step: the plan builder, plan_seqs and the release list are sized once.
+#include <stdlib.h>
+#include <string.h>
+
+#include "gateway.h"
+#include "mm/log.h"
+#include "mm/step.h"
+#include "mm/time.h"
+
+#define MAX_RELEASE 4096
+
+struct list {
+    gw_seq *head, *tail;
+    int n;
+};
+
+struct gw_sched {
+    gw_sched_conf c;
+    gw_mesh *mesh;
+    gw_sched_ops ops;
+    void *arg;
+    struct list waiting, running;
+    int *shard_seqs;          // (shards) running seqs per shard
+    int64_t *shard_free;      // (shards) free KV blocks per shard
+    uint64_t next_base, step_id;
+    mm_step_builder *b;
+    gw_seq **plan_seqs;       // (max_step_seqs) the plan in flight, plan order
+    int n_plan;
+    gw_call *inflight;        // NULL: no plan in flight
+    uint64_t release[MAX_RELEASE];
+    int n_release;
+    bool stopped;
+    uint64_t steps, step_errors;
+};
+
+static void list_push(struct list *l, gw_seq *q) {
+    q->next = NULL;
+    q->prev = l->tail;
+    if (l->tail)
+        l->tail->next = q;
+    else
+        l->head = q;
+    l->tail = q;
+    l->n++;
+}
+
+static void list_remove(struct list *l, gw_seq *q) {
+    if (q->prev)
+        q->prev->next = q->next;
+    else
+        l->head = q->next;
+    if (q->next)
+        q->next->prev = q->prev;
+    else
+        l->tail = q->prev;
+    q->next = q->prev = NULL;
+    l->n--;
+}
+
+static int64_t blocks_for(const gw_sched *s, int n_tokens) {
+    return (n_tokens + s->c.block_size - 1) / s->c.block_size;
+}
+
+mm_err gw_sched_new(gw_sched **out, const gw_sched_conf *c, gw_mesh *mesh,
+                    const gw_sched_ops *ops, void *arg, char err[MM_ERRLEN]) {
+    *out = NULL;
+    if (c->max_waiting < 0 || c->max_step_seqs < 1 || c->max_step_tokens < 1 || c->shards < 1 ||
+        c->shard_max_seqs < 1 || c->shard_kv_blocks < 1 || c->block_size < 1 ||
+        c->max_ctx < 2 || c->step_timeout_ms < 1)
+        return mm_errf(err, MM_EINVAL, "scheduler: --max-waiting >= 0, --max-step-seqs, "
+                       "--max-batch-tokens, --attention-shards, --shard-max-seqs, --kv-mb, "
+                       "--step-timeout-ms >= 1 and --max-ctx >= 2 are required");
+    gw_sched *s = calloc(1, sizeof(*s));
+    if (!s)
+        return MM_ENOMEM;
+    s->c = *c;
+    s->mesh = mesh;
+    s->ops = *ops;
+    s->arg = arg;
+    s->next_base = mm_now_ns() / 1000;
+    s->shard_seqs = calloc((size_t)c->shards, sizeof(*s->shard_seqs));
+    s->shard_free = calloc((size_t)c->shards, sizeof(*s->shard_free));
+    s->plan_seqs = calloc((size_t)c->max_step_seqs, sizeof(*s->plan_seqs));
+    if (!s->shard_seqs || !s->shard_free || !s->plan_seqs ||
+        mm_step_builder_new(&s->b, (uint32_t)c->max_step_seqs, MAX_RELEASE) != MM_OK) {
+        gw_sched_free(s);
+        return MM_ENOMEM;
+    }
+    for (int i = 0; i < c->shards; i++)
+        s->shard_free[i] = c->shard_kv_blocks;
+    *out = s;
+    return MM_OK;
+}
+
+void gw_sched_free(gw_sched *s) {
+    if (!s)
+        return;
+    if (s->inflight)
+        gw_call_detach(s->inflight);
+    mm_step_builder_free(s->b);
+    free(s->shard_seqs);
+    free(s->shard_free);
+    free(s->plan_seqs);
+    free(s);
+}
+
+mm_err gw_sched_check(const gw_sched *s, int n_prompt, int max_gen, char err[MM_ERRLEN]) {
+    if (n_prompt < 1)
+        return mm_errf(err, MM_EINVAL, "the prompt is empty (it must have at least one token)");
+    if ((int64_t)n_prompt + max_gen > s->c.max_ctx)
+        return mm_errf(err, MM_EINVAL,
+                       "this model's maximum context length is %d tokens; the request has %d "
+                       "prompt tokens and asks for %d more", s->c.max_ctx, n_prompt, max_gen);
+    if (blocks_for(s, n_prompt + max_gen) > s->c.shard_kv_blocks)
+        return mm_errf(err, MM_EINVAL,
+                       "the request needs %d tokens of KV cache; one attention shard holds %lld",
+                       n_prompt + max_gen, (long long)(s->c.shard_kv_blocks * s->c.block_size));
+    return MM_OK;
+}
+
+static void kick(gw_sched *s);
+
+mm_err gw_sched_submit(gw_sched *s, gw_seq **seqs, int n, char err[MM_ERRLEN]) {
+    if (s->stopped)
+        return mm_errf(err, MM_ECLOSED, "the gateway is shutting down");
+    if (s->waiting.n + n > s->c.max_waiting)
+        return mm_errf(err, MM_EFULL, "the request queue is full (%d waiting, --max-waiting %d)",
+                       s->waiting.n, s->c.max_waiting);
+    for (int i = 0; i < n; i++)
+        MM_TRY(gw_sched_check(s, seqs[i]->n_prompt, seqs[i]->max_gen, err));
+    uint64_t now = mm_now_ns();
+    for (int i = 0; i < n; i++) {
+        gw_seq *q = seqs[i];
+        q->state = GW_SEQ_WAITING;
+        q->n_tokens = q->n_prompt;
+        q->pos = q->n_gen = q->chunk = 0;
+        q->cancelled = q->ever_planned = false;
+        q->kv_blocks = blocks_for(s, q->n_prompt + q->max_gen);
+        q->t_submit_ns = now;
+        q->t_first_ns = q->t_last_ns = 0;
+        list_push(&s->waiting, q);
+    }
+    kick(s);
+    return MM_OK;
+}
+
+// finish: q leaves the running set (its KV is released in the next plan) and is dropped.
+static void finish(gw_sched *s, gw_seq *q) {
+    if (q->state == GW_SEQ_RUNNING) {
+        list_remove(&s->running, q);
+        s->shard_seqs[q->shard]--;
+        s->shard_free[q->shard] += q->kv_blocks;
+        if (q->ever_planned) {
+            if (s->n_release < MAX_RELEASE)
+                s->release[s->n_release++] = q->id;
+            else
+                mm_log_warn("release list full: seq %llu's KV stays until its shard restarts",
+                            (unsigned long long)q->id);
+        }
+    } else if (q->state == GW_SEQ_WAITING) {
+        list_remove(&s->waiting, q);
+    }
+    q->state = GW_SEQ_DONE;
+    s->ops.dropped(s->arg, q);
+}
+
+void gw_sched_cancel(gw_sched *s, gw_seq *q) {
+    if (q->state == GW_SEQ_DONE || q->state == GW_SEQ_NEW)
+        return;
+    q->cancelled = true;
+    if (q->chunk == 0) { // not in the plan in flight: release now
+        finish(s, q);
+        kick(s);
+    }
+}
+
+void gw_sched_get_stats(const gw_sched *s, gw_sched_stats *st) {
+    st->running = s->running.n;
+    st->waiting = s->waiting.n;
+    st->kv_blocks_total = s->c.shard_kv_blocks * s->c.shards;
+    int64_t free_blocks = 0;
+    for (int i = 0; i < s->c.shards; i++)
+        free_blocks += s->shard_free[i];
+    st->kv_blocks_used = st->kv_blocks_total - free_blocks;
+    st->steps = s->steps;
+    st->step_errors = s->step_errors;
+}
+
+// admit: the waiting head moves to running when a shard has a slot and its KV; FCFS.
+static gw_seq *admit_one(gw_sched *s) {
+    gw_seq *q = s->waiting.head;
+    if (!q || s->running.n >= s->c.shards * s->c.shard_max_seqs)
+        return NULL;
+    int best = -1;
+    for (int i = 0; i < s->c.shards; i++)
+        if (s->shard_seqs[i] < s->c.shard_max_seqs && s->shard_free[i] >= q->kv_blocks &&
+            (best < 0 || s->shard_free[i] > s->shard_free[best]))
+            best = i;
+    if (best < 0)
+        return NULL;
+    list_remove(&s->waiting, q);
+    q->shard = best;
+    q->id = s->next_base++ * (uint64_t)s->c.shards + (uint64_t)best;
+    s->shard_seqs[best]++;
+    s->shard_free[best] -= q->kv_blocks;
+    q->state = GW_SEQ_RUNNING;
+    list_push(&s->running, q);
+    return q;
+}
+
+static void on_step(void *arg, mm_err rv, const mm_ctl_msg *reply, const char *err,
+                    uint64_t t_done_ns);
+
+// plan_add puts up to *budget tokens of q in the plan.
+static void plan_add(gw_sched *s, gw_seq *q, int *budget) {
+    int want = q->n_tokens - q->pos;
+    int n = want < *budget ? want : *budget;
+    if (n <= 0 || s->n_plan >= s->c.max_step_seqs)
+        return;
+    bool sample = q->pos + n == q->n_tokens;
+    if (mm_step_builder_add(s->b, q->id, (uint32_t)q->pos, q->tokens + q->pos, (uint32_t)n,
+                            sample, &q->sampling, q->n_top) != MM_OK)
+        return;
+    q->chunk = n;
+    q->ever_planned = true;
+    s->plan_seqs[s->n_plan++] = q;
+    *budget -= n;
+}
+
+static void kick(gw_sched *s) {
+    if (s->inflight || s->stopped)
+        return;
+    mm_step_builder_reset(s->b, ++s->step_id);
+    s->n_plan = 0;
+    for (int i = 0; i < s->n_release; i++)
+        mm_step_builder_release(s->b, s->release[i]);
+    int budget = s->c.max_step_tokens;
+    // Decode tokens first (they bound inter-token latency), then prefill chunks, FCFS.
+    for (gw_seq *q = s->running.head; q && budget > 0; q = q->next)
+        if (q->n_tokens - q->pos == 1)
+            plan_add(s, q, &budget);
+    for (gw_seq *q = s->running.head; q && budget > 0; q = q->next)
+        if (q->n_tokens - q->pos > 1)
+            plan_add(s, q, &budget);
+    gw_seq *q;
+    while (budget > 0 && s->n_plan < s->c.max_step_seqs && (q = admit_one(s)))
+        plan_add(s, q, &budget);
+    if (s->n_plan == 0 && s->n_release == 0)
+        return;
+    char err[MM_ERRLEN] = "";
+    mm_err rv = gw_mesh_step(s->mesh, mm_step_builder_env(s->b), s->c.step_timeout_ms, on_step,
+                             s, &s->inflight, err);
+    if (rv != MM_OK) {
+        // Cannot even send: fail the plan's seqs as a step error would. The releases are
+        // dropped (the router cannot be told), so that this cannot loop.
+        s->inflight = NULL;
+        s->n_release = 0;
+        on_step(s, rv, NULL, err, mm_now_ns());
+        return;
+    }
+    s->n_release = 0;
+}
+
+static void fail_seq(gw_sched *s, gw_seq *q, mm_err code, const char *msg) {
+    if (!q->cancelled)
+        s->ops.fail(s->arg, q, code, msg);
+    finish(s, q);
+}
+
+static void on_step(void *arg, mm_err rv, const mm_ctl_msg *reply, const char *err,
+                    uint64_t t_done_ns) {
+    gw_sched *s = arg;
+    s->inflight = NULL;
+    s->steps++;
+    char msg[MM_ERRLEN] = "";
+    const Mmctl__StepResult *res = NULL;
+    if (rv == MM_OK) {
+        rv = mm_step_result_check(reply, s->step_id, (uint32_t)s->n_plan, &res, msg);
+        if (rv != MM_OK && !msg[0])
+            snprintf(msg, sizeof(msg), "router: %s", mm_strerror(rv));
+    } else {
+        snprintf(msg, sizeof(msg), "router call failed: %s", err && err[0] ? err : mm_strerror(rv));
+    }
+    if (rv != MM_OK) {
+        s->step_errors++;
+        mm_log_warn("step %llu failed (%d seqs): %s", (unsigned long long)s->step_id, s->n_plan,
+                    msg);
+    }
+    // The plan's releases were sent (or the router is gone, and the shards with it). Any seqs
+    // failed below are released in the next plan.
+    for (int i = 0; i < s->n_plan; i++) {
+        gw_seq *q = s->plan_seqs[i];
+        int chunk = q->chunk;
+        q->chunk = 0;
+        if (q->cancelled) {
+            finish(s, q);
+            continue;
+        }
+        if (rv != MM_OK) {
+            fail_seq(s, q, rv, msg);
+            continue;
+        }
+        const Mmctl__SeqResult *r = res->results[i];
+        if (r->seq_id != q->id) {
+            snprintf(msg, sizeof(msg), "router answered seq %llu in the place of seq %llu",
+                     (unsigned long long)r->seq_id, (unsigned long long)q->id);
+            fail_seq(s, q, MM_EPROTO, msg);
+            continue;
+        }
+        if (r->error_code != 0) {
+            fail_seq(s, q, (mm_err)r->error_code, r->error && r->error[0] ? r->error
+                                                                         : "the mesh failed");
+            continue;
+        }
+        q->pos += chunk;
+        if (q->pos < q->n_tokens)
+            continue; // more prompt to go
+        if (r->token < 0) {
+            fail_seq(s, q, MM_EPROTO, "router sampled no token for a seq that asked for one");
+            continue;
+        }
+        q->tokens[q->n_tokens++] = r->token;
+        q->n_gen++;
+        if (!q->t_first_ns)
+            q->t_first_ns = t_done_ns;
+        bool more = s->ops.token(s->arg, q, r, t_done_ns);
+        q->t_last_ns = t_done_ns; // after the call: token() sees the previous token's time
+        if (!more || q->n_gen >= q->max_gen || q->n_tokens >= s->c.max_ctx)
+            finish(s, q);
+    }
+    s->n_plan = 0;
+    kick(s);
+    s->ops.flush(s->arg, t_done_ns);
+}
+
+void gw_sched_stop(gw_sched *s) {
+    if (!s || s->stopped)
+        return;
+    for (gw_seq *q; (q = s->waiting.head);)
+        fail_seq(s, q, MM_ECLOSED, "the gateway is shutting down");
+    for (gw_seq *q = s->running.head, *next; q; q = next) {
+        next = q->next;
+        if (q->chunk == 0)
+            fail_seq(s, q, MM_ECLOSED, "the gateway is shutting down");
+    }
+    s->stopped = true;
+}

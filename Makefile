@@ -171,6 +171,7 @@ hip: $(HIP_OBJS)
 $(HIP_BUILD)/.hipcc-ok:
 	@command -v $(HIPCC) >/dev/null || { echo "hip: installing hipcc"; \
 	  if [ "$$(id -u)" != 0 ]; then SUDO=sudo; fi; \
+	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
 	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends hipcc >/dev/null; }
 	@mkdir -p $(dir $@) && touch $@
 

@@ -693,13 +693,18 @@ static mm_err launch(cudaStream_t st, int path, int dtype, mm_mat_args a, int pe
         return MM_OK;
     }
     if (dtype == MM_DTYPE_BF16 && path == MM_GPU_PATH_MMA) {
-        static bool attr_set[2];
+        // > 48 KiB of dynamic shared memory must be allowed once per device and kernel. The
+        // flag is racy only in the harmless way (two threads both set the same attribute).
+        static uint64_t attr_set[2];
         if (a.vec) {
             dim3 grid(mm_div_up(a.n_out, MA_BN), tiles(MA_BM));
-            if (!attr_set[GROUPED]) { // once per process: > 48 KiB of dynamic shared memory
+            int dev = 0;
+            MM_GPU_CHECK(cudaGetDevice(&dev));
+            const uint64_t bit = 1ull << (dev & 63);
+            if (!(attr_set[GROUPED] & bit)) {
                 MM_GPU_CHECK(cudaFuncSetAttribute(gemm_mma_async_kernel<GROUPED>,
                                                   cudaFuncAttributeMaxDynamicSharedMemorySize, MA_SMEM));
-                attr_set[GROUPED] = true;
+                attr_set[GROUPED] |= bit;
             }
             gemm_mma_async_kernel<GROUPED><<<grid, MM_THREADS, MA_SMEM, st>>>(a);
         } else {

@@ -25,7 +25,7 @@ extern "C" {
 // has no driver or no card (cudaErrorInsufficientDriver 35 / cudaErrorNoDevice 100), with the
 // reason in why (may be NULL). Other failures return MM_EDEVICE.
 mm_err mm_gpu_device_count(int *n, char why[MM_ERRLEN]);
-// mm_gpu_device_name writes the device's marketing name and multiprocessor count.
+// mm_gpu_device_info writes the device's name, multiprocessor count and memory size.
 mm_err mm_gpu_device_info(int dev, char name[128], int *n_sm, size_t *mem_bytes);
 mm_err mm_gpu_set_device(int dev);
 // mm_gpu_alloc returns owned device memory (free with mm_gpu_free, which accepts NULL).
@@ -40,13 +40,15 @@ void mm_gpu_stream_free(void *stream);
 mm_err mm_gpu_stream_sync(void *stream);
 
 // ---- matrix products ----------------------------------------------------------------------
-// Paths of a product; every path of one weight dtype gives the same bits for a row whatever
-// n_rows is (kernels.h "Exactness"), so the choice is a speed choice only.
+// Paths of a product. AUTO picks GEMV or MMA for bf16 on CUDA (they give the same bits for a
+// row whatever n_rows is, kernels.h "Exactness") and FMA otherwise; forcing FMA for bf16 on
+// CUDA gives other bits (f32 x), so only benches and tests force a path.
 enum mm_gpu_path {
     MM_GPU_PATH_AUTO = -1,
     MM_GPU_PATH_GEMV = 0, // CUDA, bf16: W in the mma A operand, up to 32 rows per tile (decode)
     MM_GPU_PATH_FMA = 1,  // any vendor, any dtype: 64x64 FMA tiles, f32 x
-    MM_GPU_PATH_MMA = 2,  // CUDA, bf16: 128x128 mma.sync tiles (prefill)
+    MM_GPU_PATH_MMA = 2,  // CUDA, bf16: mma.sync tiles (prefill): 64x128 fed by a 4-stage
+                          // cp.async pipeline, 128x128 register-staged for unaligned shapes
 };
 
 // d_y[i, j] = sum_k d_x[i, k] * W[j, k] (+ d_bias[j]) for i < n_rows, j < n_out, k < n_in.

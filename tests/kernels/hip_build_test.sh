@@ -7,7 +7,8 @@
 set -u
 if ! command -v hipcc >/dev/null; then
     SUDO=; [ "$(id -u)" != 0 ] && SUDO=sudo
-    if ! out=$($SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends hipcc 2>&1) \
+    if ! out=$( { $SUDO env DEBIAN_FRONTEND=noninteractive apt-get update -qq &&
+                 $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends hipcc; } 2>&1) \
         || ! command -v hipcc >/dev/null; then
         echo "SKIP: hipcc is not installed and apt could not install it: $(echo "$out" | tail -n 1)"
         exit 77

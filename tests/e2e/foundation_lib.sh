@@ -47,8 +47,28 @@ wait_health() {
     done
 }
 
-# json EXPR: evaluates a python expression over the last /health body (bound to h).
-json() { python3 -c "import json,sys; h=json.load(open('$RUN/health.json')); print($1)"; }
+# snap: flattens the last /health body into $RUN/facts, one "key=value" line each (one python
+# start per snapshot: on a loaded 2-core machine each start costs seconds), e.g.
+#   status=ok  missing=expert  up.expert=1  pid.expert.0=123  health.expert.0=down
+#   joins.router.0=1  control.expert.0=ipc://...  model_fp.router.0=sha256:...
+snap() {
+    python3 - "$RUN/health.json" >"$RUN/facts" <<'PY'
+import json, sys
+h = json.load(open(sys.argv[1]))
+print("status=%s" % h["status"])
+print("missing=%s" % ",".join(h["missing"]))
+for role, v in h["roles"].items():
+    print("up.%s=%d" % (role, v["up"]))
+    for k, i in enumerate(v["instances"]):
+        for key in ("pid", "health", "joins", "detail", "instance"):
+            print("%s.%s.%d=%s" % (key, role, k, i[key]))
+        print("control.%s.%d=%s" % (role, k, i["control_addr"]))
+        print("model_fp.%s.%d=%s" % (role, k, i["identity"]["model_fingerprint"]))
+        print("build.%s.%d=%s" % (role, k, i["identity"]["build_id"]))
+PY
+}
+# fact KEY: a value from the last snap.
+fact() { sed -n "s|^$1=||p" "$RUN/facts"; }
 
 # start NAME ARGS...: starts a daemon in the background, logging to $RUN/NAME.log.
 start() {

@@ -16,19 +16,20 @@ start drafter "$BIN/moemesh-drafter" "${COMMON[@]}"
 
 t=$(wait_health 200 30) || fail "/health never answered 200 ($t)"
 echo "ok /health 200 after ${t} ms"
-[ "$(json 'h["status"]')" = ok ] || fail "status is not ok"
+snap
+[ "$(fact status)" = ok ] || fail "status is not ok"
 for r in gateway router attention expert drafter; do
-    [ "$(json "h['roles']['$r']['up']")" -ge 1 ] || fail "role $r not up"
-    [ "$(json "h['roles']['$r']['instances'][0]['identity']['build_id'] != ''")" = True ] || fail "no identity for $r"
+    [ "$(fact up.$r)" -ge 1 ] || fail "role $r not up"
+    [ -n "$(fact build.$r.0)" ] || fail "no identity for $r"
 done
-[ "$(json "h['roles']['expert']['instances'][0]['control_addr']")" = "ipc://$RUN/expert-0.ctl" ] || fail "expert address"
+[ "$(fact control.expert.0)" = "ipc://$RUN/expert-0.ctl" ] || fail "expert address"
 echo "ok five roles listed with addresses and identities"
 for n in router gateway attention expert drafter; do
     grep -q "config model=$MODEL" "$RUN/$n.log" || fail "$n did not log its effective config"
 done
 
 # A drafter serving another model is refused; both sides name both fingerprints.
-fp_ok=$(json "h['roles']['router']['instances'][0]['identity']['model_fingerprint']")
+fp_ok=$(fact model_fp.router.0)
 "$BIN/moemesh-drafter" --router "$ROUTER" --model tests/fixtures/models/mixtral-tiny --owners 1 \
     --instance 1 2>"$RUN/bad.log" &
 bad=$!
@@ -50,17 +51,19 @@ others="$PID_router $PID_gateway $PID_attention $PID_drafter"
 kill -KILL "$PID_expert"
 t=$(wait_health 503 10) || fail "/health still 200 after the expert died ($t)"
 echo "ok /health 503 ${t} ms after the expert was killed (design bound 2000 ms)"
-[ "$(json "h['missing']")" = "['expert']" ] || fail "missing roles: $(json "h['missing']")"
-[ "$(json "h['roles']['expert']['instances'][0]['health']")" = down ] || fail "expert not down"
+snap
+[ "$(fact missing)" = expert ] || fail "missing roles: $(fact missing)"
+[ "$(fact health.expert.0)" = down ] || fail "expert not down"
 
 # Restart it: 200 again, nothing else restarted.
 start expert "$BIN/moemesh-expert" "${COMMON[@]}"
 t=$(wait_health 200 30) || fail "/health not 200 after the expert restarted ($t)"
 echo "ok /health 200 ${t} ms after the expert restarted"
 for p in $others; do alive "$p" || fail "pid $p died"; done
-[ "$(json "h['roles']['expert']['instances'][0]['pid']")" = "$PID_expert" ] || fail "new expert not listed"
+snap
+[ "$(fact pid.expert.0)" = "$PID_expert" ] || fail "new expert not listed"
 for r in router gateway attention drafter; do
-    [ "$(json "h['roles']['$r']['instances'][0]['joins']")" = 1 ] || fail "$r rejoined: it was restarted"
+    [ "$(fact joins.$r.0)" = 1 ] || fail "$r rejoined: it was restarted"
 done
 grep -q "expert/0 rejoined" "$RUN/router.log" || fail "router did not log the rejoin"
 echo "ok nothing else restarted"

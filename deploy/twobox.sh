@@ -12,13 +12,14 @@
 # Phases, each with a bounded wait:
 #   1. every member joins the router; the box-B members are seen at their box-B addresses; the
 #      gateway's GET /health on box A counts the four owners up;
-#   2. a greedy request through the gateway on box A gives the same text as `moemesh generate`
-#      (the whole model in one process on one box);
+#   2. a greedy request through the gateway on box A gives the same tokens as `moemesh generate`
+#      (the whole model in one process on one box): same count, each token's text equal to the
+#      reference id's, same whole text;
 #   3. box B's owners stop (owner 2 killed with SIGKILL as in a crash, owner 3 stopped with
 #      SIGTERM as systemd does): the router marks them down / gone and /health counts two owners;
 #      a request needing them fails cleanly (HTTP error status, bounded time), never hangs;
 #   4. they start again (as systemd's Restart= would): they rejoin, /health counts four owners,
-#      and the request is answered again with the same text.
+#      and the request is answered again with the same tokens.
 # Phases 2-4's requests need a gateway that serves (issue 5/6). Until /health answers, the
 # request checks are reported as not run and the script exits 77 ("skip") after the membership
 # checks (1, 3, 4) passed; any failure exits 1.
@@ -224,7 +225,7 @@ done
 # request: prints "HTTP_STATUS<TAB>TEXT" for a greedy completion of $ids from the gateway on A.
 request() {
     local body
-    body=$(printf '{"model":"%s","prompt":[%s],"max_tokens":%d,"temperature":0}' "$(basename "$model")" "$ids" "$ntok")
+    body=$(printf '{"model":"%s","prompt":[%s],"max_tokens":%d,"temperature":0,"logprobs":1}' "$(basename "$model")" "$ids" "$ntok")
     ip netns exec "$nsa" curl -sS -m "${1:-30}" -o "$tmp/resp.json" -w '%{http_code}' \
         -H 'Content-Type: application/json' -d "$body" "http://127.0.0.1:$port/v1/completions" 2>"$tmp/curl.err" >"$tmp/code"
     local rc=$?
@@ -240,6 +241,25 @@ except Exception:
 print(f"{code if rc == 0 else 'curl-rc-' + str(rc)}\t{text}")
 EOF
 }
+# same_answer: the last response ($tmp/resp.json) has exactly the reference's tokens: the same
+# number, each token's text equal to `moemesh detokenize` of the reference id at that place, and
+# the same whole text. Prints what differs.
+same_answer() {
+    python3 - "$tmp/resp.json" "$tmp/expected.json" <<'PYEOF'
+import json, sys
+try:
+    got = json.load(open(sys.argv[1]))["choices"][0]
+    toks = got.get("logprobs", {}).get("tokens")
+except Exception as e:
+    print(f"unreadable response: {e}"); sys.exit(1)
+exp = json.load(open(sys.argv[2]))
+if toks != exp["tokens"]:
+    print(f"tokens {toks!r} != reference {exp['tokens']!r}"); sys.exit(1)
+if got.get("text") != exp["text"]:
+    print(f"text {got.get('text')!r} != reference {exp['text']!r}"); sys.exit(1)
+PYEOF
+}
+
 if [ $serving = 1 ]; then
     out=$(request 60)
     if [ "${out%%$'\t'*}" = 404 ]; then
@@ -250,8 +270,18 @@ if [ $serving = 1 ]; then
             bad "moemesh generate failed: $(head -n3 "$tmp/generate.out")"
         fi
         ref=$(sed -n 2p "$tmp/generate.out")
-        if [ "${out%%$'\t'*}" = 200 ] && [ "${out#*$'\t'}" = "$ref" ]; then note "ok: two-box answer equals moemesh generate: '$ref'"
-        else bad "two-box answer '$out' differs from moemesh generate '$ref'"; fi
+        ref_ids=$(sed -n 1p "$tmp/generate.out")
+        # the reference token by token: each generated id detokenized on its own
+        : >"$tmp/ref_tokens"
+        for t in ${ref_ids//,/ }; do
+            "$bindir/moemesh" detokenize --tokenizer "$model" --ids "$t" >>"$tmp/ref_tokens" 2>>"$tmp/generate.err" ||
+                bad "moemesh detokenize --ids $t failed"
+        done
+        python3 -c 'import json,sys; t=open(sys.argv[1],encoding="utf-8",errors="replace").read().split("\n")[:-1]; json.dump({"text":sys.argv[2],"tokens":t},open(sys.argv[3],"w"))' \
+            "$tmp/ref_tokens" "$ref" "$tmp/expected.json"
+        if [ "${out%%$'\t'*}" = 200 ] && diff_msg=$(same_answer); then
+            note "ok: two-box answer equals moemesh generate token by token: ids $ref_ids, text '$ref'"
+        else bad "two-box answer '$out' differs from moemesh generate ids $ref_ids '$ref': $diff_msg"; fi
     fi
 else
     note "requests NOT RUN: the gateway on box A does not serve /health (phases 2-4 check membership only)"
@@ -293,8 +323,8 @@ if [ $serving = 1 ]; then
         [ "${out%%$'\t'*}" = 200 ] && break
         sleep 0.5
     done
-    if [ "${out%%$'\t'*}" = 200 ] && [ "${out#*$'\t'}" = "$ref" ]; then note "ok: serving resumed with the same answer"
-    else bad "after the owners returned: '$out', expected 200 with '$ref'"; fi
+    if [ "${out%%$'\t'*}" = 200 ] && diff_msg=$(same_answer); then note "ok: serving resumed with the same tokens"
+    else bad "after the owners returned: '$out', expected 200 with '$ref': ${diff_msg:-}"; fi
 fi
 
 # Every daemon still running stops on SIGTERM within 5 s.

@@ -18,8 +18,8 @@
 // - Bounds: a step budget (nodes evaluated), an output/string size cap, a scratch memory cap,
 //   a macro depth cap, a range() length cap and a parser nesting cap. Each gives MM_EFULL or
 //   MM_EFORMAT with a message, never a crash.
-// - Unsupported constructs (extends/include/import/call blocks/recursive loops/raw, unknown
-//   filters, tests and methods) are MM_EUNSUPP errors naming the construct and its line.
+// - Unsupported constructs (extends/include/import/call and filter blocks, recursive loops,
+//   unknown filters, tests and methods) are MM_EUNSUPP errors naming the construct and line.
 #include <ctype.h>
 #include <math.h>
 #include <pthread.h>
@@ -480,6 +480,87 @@ static const char *const OPS[] = {"//", "**", "==", "!=", "<=", ">=", "+", "-", 
 
 static bool is_ws(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r'; }
 
+static bool word_at(const char *s, size_t n, size_t pos, const char *w) {
+    size_t wn = strlen(w);
+    return pos + wn <= n && memcmp(s + pos, w, wn) == 0 &&
+           (pos + wn == n || !(isalnum((unsigned char)s[pos + wn]) || s[pos + wn] == '_'));
+}
+
+// {% raw %}...{% endraw %}: *pos is just after "{%" and its sign. If a raw block starts here,
+// emits its body as text with Jinja's whitespace rules (raw begin: "-%}" strips what follows,
+// no trim_blocks; endraw: like any block tag) and returns true.
+static bool lex_raw(parser *ps, size_t *pos, int *line, bool *line_starting, int tag_line) {
+    const char *s = ps->src;
+    size_t n = ps->n, p = *pos;
+    while (p < n && is_ws(s[p]))
+        p++;
+    if (!word_at(s, n, p, "raw"))
+        return false;
+    p += 3;
+    while (p < n && is_ws(s[p]))
+        p++;
+    bool strip_after = false;
+    if (p + 3 <= n && memcmp(s + p, "-%}", 3) == 0) {
+        strip_after = true;
+        p += 3;
+    } else if (p + 2 <= n && memcmp(s + p, "%}", 2) == 0) {
+        p += 2;
+    } else {
+        return false; // not a raw tag after all: let the parser report it
+    }
+    if (strip_after)
+        p += lstrip_off(s + p, n - p);
+    bool ls = s[p - 1] == '\n';
+    // Find "{%[-+]? endraw [-+]?%}".
+    size_t body = p, q = p;
+    for (;; q++) {
+        if (q + 1 >= n)
+            fail_at(ps->fail, MM_EFORMAT, tag_line, "'raw' block is never closed (expected 'endraw')");
+        if (s[q] != '{' || s[q + 1] != '%')
+            continue;
+        size_t r = q + 2;
+        char sign = (r < n && (s[r] == '-' || s[r] == '+')) ? s[r] : 0;
+        if (sign)
+            r++;
+        while (r < n && is_ws(s[r]))
+            r++;
+        if (!word_at(s, n, r, "endraw"))
+            continue;
+        r += 6;
+        while (r < n && is_ws(s[r]))
+            r++;
+        char esign = 0;
+        if (r < n && (s[r] == '-' || s[r] == '+')) {
+            esign = s[r];
+            r++;
+        }
+        if (r + 2 > n || memcmp(s + r, "%}", 2) != 0)
+            continue;
+        r += 2;
+        size_t tn = q - body;
+        if (sign == '-') {
+            tn = rstrip_len(s + body, tn);
+        } else if (sign != '+') {
+            size_t lp = tn;
+            while (lp > 0 && s[body + lp - 1] != '\n')
+                lp--;
+            if ((lp > 0 || ls) && lp < tn && lstrip_off(s + body + lp, tn - lp) == tn - lp)
+                tn = lp;
+        }
+        if (tn > 0)
+            push_tok(ps, (tok){.t = TK_TEXT, .line = *line + count_nl(s + *pos, body - *pos),
+                               .p = s + body, .n = tn});
+        if (esign == '-')
+            r += lstrip_off(s + r, n - r);
+        else if (esign != '+' && r < n && s[r] == '\n')
+            r++;
+        *line += count_nl(s + *pos, r - *pos);
+        *pos = r;
+        *line_starting = s[r - 1] == '\n';
+        return true;
+    }
+}
+
 static void lex(parser *ps) {
     const char *s = ps->src;
     size_t n = ps->n, pos = 0;
@@ -540,6 +621,8 @@ static void lex(parser *ps) {
             continue;
         }
         bool is_var = kind == '{';
+        if (!is_var && lex_raw(ps, &pos, &line, &line_starting, tag_line))
+            continue;
         push_tok(ps, (tok){.t = is_var ? TK_VBEGIN : TK_BBEGIN, .line = tag_line});
         int depth = 0;
         for (;;) {
@@ -1367,11 +1450,13 @@ static node *parse_stmt_inner(parser *ps, block_ctx *outer) {
     }
     static const char *const unsupported[] = {"extends", "include", "import", "from", "block",
                                               "call", "filter", "with", "autoescape", "do",
-                                              "raw", "trans", "pluralize", NULL};
+                                              "trans", "pluralize", NULL};
     char nm[48];
     snprintf(nm, sizeof nm, "%.*s", (int)(kw->n < 40 ? kw->n : 40), kw->p);
     if (name_in(kw, unsupported))
         fail_at(ps->fail, MM_EUNSUPP, line, "unsupported construct: {%% %s %%}", nm);
+    if (is_name(kw, "raw") || is_name(kw, "endraw")) // a well-formed raw block is lexed as text
+        fail_at(ps->fail, MM_EFORMAT, line, "malformed '%s' tag", nm);
     fail_at(ps->fail, MM_EFORMAT, line, "unknown tag '%s'", nm);
 }
 

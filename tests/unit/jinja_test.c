@@ -81,6 +81,15 @@ static void test_whitespace_control(void) {
     EXPECT("a\r\nb{% if true %}\r\nc{% endif %}\r\n", "a\nbc");
 }
 
+static void test_raw(void) {
+    EXPECT("{% raw %}{{ x }}{% endraw %}", "{{ x }}");
+    EXPECT("a\n  {% raw %}\n  {{ x }} {% if %}\n  {% endraw %}\nb", "a\n\n  {{ x }} {% if %}\nb");
+    EXPECT("a {%- raw -%}  {{ x }}  {%- endraw -%}  b", "a{{ x }}b");
+    EXPECT("a {%+ raw %}  {{ x }}  {%+ endraw +%}\n  b", "a   {{ x }}  \n  b");
+    EXPECT("{% for i in [1,2] %}{% raw %}[{{i}}]{% endraw %}{{ i }}{% endfor %}", "[{{i}}]1[{{i}}]2");
+    EXPECT_ERR("x\n{% raw %}never closed", MM_EFORMAT, "line 2: 'raw' block is never closed");
+}
+
 static void test_if_elif_else(void) {
     EXPECT("{% if n > 10 %}big{% elif n > 3 %}mid{% else %}small{% endif %}", "mid");
     EXPECT("{% if e %}x{% elif none %}y{% else %}z{% endif %}", "z");
@@ -305,7 +314,7 @@ static void test_error_messages_are_utf8(void) {
 static void test_unsupported_constructs_named(void) {
     EXPECT_ERR("{% include 'x' %}", MM_EUNSUPP, "unsupported construct: {% include %}");
     EXPECT_ERR("a\n{% extends 'x' %}", MM_EUNSUPP, "line 2: unsupported construct: {% extends %}");
-    EXPECT_ERR("{% raw %}{{ x }}{% endraw %}", MM_EUNSUPP, "{% raw %}");
+    EXPECT_ERR("{% raw x %}{% endraw %}", MM_EFORMAT, "malformed 'raw'");
     EXPECT_ERR("{% call m() %}x{% endcall %}", MM_EUNSUPP, "{% call %}");
     EXPECT_ERR("{% for x in l recursive %}{% endfor %}", MM_EUNSUPP, "recursive for loop");
     EXPECT_ERR("{{ l|nosuchfilter }}", MM_EUNSUPP, "unsupported filter 'nosuchfilter'");
@@ -446,6 +455,7 @@ static void test_iterates(void) {
 MM_TESTS = {
     {"jinja_text_and_output", test_text_and_output},
     {"jinja_whitespace_control", test_whitespace_control},
+    {"jinja_raw", test_raw},
     {"jinja_if_elif_else", test_if_elif_else},
     {"jinja_for_loops", test_for_loops},
     {"jinja_set_and_namespace", test_set_and_namespace},

@@ -33,7 +33,11 @@ cleanup() {
 trap cleanup EXIT
 
 # Until the daemons are built on the common daemon code (common/daemon.c) they take no options.
-if ! "$BIN/moemesh-router" --help 2>&1 | grep -q -- '--router'; then
+# (A --help that fails is a failure, e.g. a binary caught half-rebuilt, not a reason to skip.)
+if ! rhelp=$("$BIN/moemesh-router" --help 2>&1); then
+    echo "FAIL: $BIN/moemesh-router --help failed: $rhelp"; exit 1
+fi
+if ! grep -q -- '--router' <<<"$rhelp"; then
     echo "SKIP: moemesh-router takes no --router yet (daemons not built on common/daemon.c)"
     exit 77
 fi

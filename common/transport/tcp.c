@@ -444,6 +444,12 @@ static mm_err tcp_accept(void *lctx, void **cctx, uint64_t deadline_ns, char err
         close(s);
         return mm_errf(err, MM_ENOMEM, "tcp conn");
     }
+    // The caller's deadline bounds the wait for a dialer; once one has connected, its HELLO
+    // gets at least 2 s: servers polling accept with short deadlines (mm_dataserv: 100 ms)
+    // otherwise drop dialers on slow boxes (seen under qemu TCG: "no HELLO from peer").
+    uint64_t hs_min = mm_now_ns() + 2000ull * 1000000ull;
+    if (deadline_ns < hs_min)
+        deadline_ns = hs_min;
     mm_err rv = handshake_recv(c, deadline_ns, err);
     if (rv == MM_OK && (rv = handshake_send(c, deadline_ns)) != MM_OK)
         mm_errf(err, rv, "tcp handshake: could not answer HELLO");

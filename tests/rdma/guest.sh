@@ -28,6 +28,16 @@ if [ -x ./owner_test ]; then # an expert owner over rdma:// vs tcp://, bit for b
     while IFS= read -r c; do run_case owner_test "$c" 180; done < /tmp/cases
     grep '^layer' /tmp/case.log
 fi
+if [ -f ./mesh_guest.sh ] && [ -x ./moemesh-router ]; then # the whole mesh over rdma:// vs tcp://
+    case "mesh over rdma" in *"$FILTER"*)
+        t0=$(date +%s)
+        timeout 500 sh ./mesh_guest.sh /t /t/model ${MESH_SCHEMES:-rdma tcp} >/tmp/mesh.log 2>&1
+        rc=$?; dt=$(( $(date +%s) - t0 ))
+        if [ $rc -eq 0 ]; then pass=$((pass+1)); echo "ok    mesh over rdma:// = tcp:// = engine (${dt}s)"
+        else fail=$((fail+1)); echo "FAIL  mesh over rdma:// rc=$rc (${dt}s)"; fi
+        sed 's/^/      | /' /tmp/mesh.log | tail -n 40 ;;
+    esac
+fi
 echo "MMVM-RESULT: $pass passed, $fail failed, $skip skipped"
 if [ "$BENCH" = bench ] && [ -x ./moemesh ]; then
     # Same VM, same run: rdma:// (soft-RoCE, rxe0 on eth0), shm://, tcp:// over loopback.

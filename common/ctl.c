@@ -152,10 +152,25 @@ mm_err mm_ctl_validate(const mm_ctl_msg *e, char err[MM_ERRLEN]) {
             if (q == NULL)
                 return mm_errf(err, MM_EPROTO, "step_result.results[%zu] missing", i);
             MM_TRY(check_str(q->error, "seq_result.error", err));
+            if (q->n_more != q->n_more_logprobs)
+                return mm_errf(err, MM_EPROTO, "seq_result: %zu more tokens but %zu logprobs",
+                               q->n_more, q->n_more_logprobs);
             for (size_t j = 0; j < q->n_top; j++)
                 if (q->top[j] == NULL)
                     return mm_errf(err, MM_EPROTO, "seq_result.top[%zu] missing", j);
         }
+        return MM_OK;
+    case MMCTL__ENVELOPE__BODY_DRAFT_REQUEST:
+        NEED(e->draft_request, "draft_request");
+        for (size_t i = 0; i < e->draft_request->n_seqs; i++)
+            if (e->draft_request->seqs[i] == NULL)
+                return mm_errf(err, MM_EPROTO, "draft_request.seqs[%zu] missing", i);
+        return MM_OK;
+    case MMCTL__ENVELOPE__BODY_DRAFT_REPLY:
+        NEED(e->draft_reply, "draft_reply");
+        for (size_t i = 0; i < e->draft_reply->n_seqs; i++)
+            if (e->draft_reply->seqs[i] == NULL)
+                return mm_errf(err, MM_EPROTO, "draft_reply.seqs[%zu] missing", i);
         return MM_OK;
     case MMCTL__ENVELOPE__BODY__NOT_SET:
     default:
@@ -199,6 +214,8 @@ const char *mm_ctl_body_name(const mm_ctl_msg *env) {
     case MMCTL__ENVELOPE__BODY_ACK: return "ack";
     case MMCTL__ENVELOPE__BODY_STEP_PLAN: return "step_plan";
     case MMCTL__ENVELOPE__BODY_STEP_RESULT: return "step_result";
+    case MMCTL__ENVELOPE__BODY_DRAFT_REQUEST: return "draft_request";
+    case MMCTL__ENVELOPE__BODY_DRAFT_REPLY: return "draft_reply";
     default: return "none";
     }
 }

@@ -499,6 +499,11 @@ static void member_handle(void *arg, const mm_ctl_msg *req, const char *peer, nn
     }
 }
 
+void mm_daemon_member_handle(void *arg, const mm_ctl_msg *req, const char *peer,
+                             nng_msg **reply) {
+    member_handle(arg, req, peer, reply);
+}
+
 mm_err mm_daemon_start(mm_daemon *d, char err[MM_ERRLEN]) {
     mm_ctl_handler fn = d->spec.handler ? d->spec.handler : member_handle;
     void *arg = d->spec.handler ? d->spec.handler_arg : d;

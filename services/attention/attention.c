@@ -72,7 +72,13 @@ static mm_err on_ctrl(const mm_wire_hdr *h, const uint8_t *p) {
                        (unsigned long long)h->step_id);
     memcpy(&ns, p, 4);
     memcpy(&nr, p + 4, 4);
-    if (nb != 8 + (size_t)ns * 16 + (size_t)nr * 8 || ns > (uint32_t)s_max_tokens)
+    // Optional tail (drafting): u32 n_trunc, n_trunc x {u64 seq_id, i32 len, i32 0}: forget
+    // the positions >= len of each (rejected draft rows), after the releases.
+    size_t base = 8 + (size_t)ns * 16 + (size_t)nr * 8;
+    uint32_t nt = 0;
+    if (nb >= base + 4)
+        memcpy(&nt, p + base, 4);
+    if ((nb != base && nb != base + 4 + (size_t)nt * 16) || ns > (uint32_t)s_max_tokens)
         return mm_errf(A.step_msg, MM_EPROTO, "step %llu: CTRL frame of %zu bytes for %u seqs "
                        "and %u releases", (unsigned long long)h->step_id, nb, ns, nr);
     A.step_id = h->step_id;
@@ -85,6 +91,15 @@ static mm_err on_ctrl(const mm_wire_hdr *h, const uint8_t *p) {
         uint64_t id;
         memcpy(&id, p + 8 + (size_t)ns * 16 + (size_t)i * 8, 8);
         seq_release(id);
+    }
+    for (uint32_t i = 0; i < nt; i++) {
+        uint64_t id;
+        int32_t len;
+        memcpy(&id, p + base + 4 + (size_t)i * 16, 8);
+        memcpy(&len, p + base + 12 + (size_t)i * 16, 4);
+        int mi = map_find(id);
+        if (mi >= 0 && len >= 0 && len < mm_kv_cache_seq_len(A.kv, A.map[mi].slot))
+            mm_kv_cache_truncate(A.kv, A.map[mi].slot, len);
     }
     for (uint32_t i = 0; i < ns; i++) {
         uint64_t id;
@@ -212,8 +227,8 @@ mm_err attention_start(mm_daemon *d, void *arg, char err[MM_ERRLEN]) {
     for (int i = 0; i < s_max_seqs; i++)
         A.map[i].slot = -1;
     size_t cap = (size_t)s_max_tokens * (size_t)A.d_model * 4;
-    if (cap < 8 + (size_t)s_max_tokens * 16 + 4096)
-        cap = 8 + (size_t)s_max_tokens * 16 + 4096; // CTRL frames with their release lists
+    if (cap < 12 + (size_t)s_max_tokens * 32 + 4096) // CTRL frames with releases, truncations
+        cap = 12 + (size_t)s_max_tokens * 32 + 4096;
     MM_TRY(mm_dataserv_start(&A.ds, c->data, cap, on_frame, NULL, 1000, NULL, err));
     snprintf(detail, sizeof(detail), "shard %lld of %lld, kv %d blocks", c->instance, s_shards,
              mm_kv_cache_blocks_total(A.kv));

@@ -1,32 +1,272 @@
 // SPDX-License-Identifier: MIT
-// Drafter role; see drafter.h.
+// Drafter role; see drafter.h and docs/MESH.md (Drafting).
+#include <pthread.h>
 #include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
 #include <sys/stat.h>
 
 #include "drafter.h"
+#include "mm/engine.h"
+#include "mm/kv_cache.h"
 #include "mm/log.h"
 
+#define MAX_K 16 // most tokens proposed per seq per request
+
 static char *s_draft_model;
+static long long s_max_seqs, s_max_ctx, s_threads;
 mm_opt drafter_opts[] = {
     {"draft-model", MM_OPT_STR, &s_draft_model, NULL,
-     "draft model directory (unset: the drafter serves no drafts)"},
+     "draft model directory, or 'ngram' (prompt lookup, no model); unset: no drafts"},
+    {"max-seqs", MM_OPT_INT, &s_max_seqs, "64", "sequences the drafter tracks at once"},
+    {"max-ctx", MM_OPT_INT, &s_max_ctx, "4096", "longest sequence (capped by the model)"},
+    {"threads", MM_OPT_INT, &s_threads, "1", "CPU threads of the draft model (0: all cores)"},
     {0},
 };
+
+// One tracked sequence: tok[0, n_commit) are committed (the target's), tok[n_commit, n_have)
+// our last proposals; the draft model's KV holds tok[0, n_kv).
+struct dseq {
+    uint64_t id;
+    bool used;
+    int32_t slot; // KV slot (model kind)
+    int32_t *tok; // (max_ctx) owned
+    int32_t n_commit, n_have, n_kv;
+};
+
+static struct drafter {
+    pthread_mutex_t mu;
+    mm_daemon *d;
+    bool ngram, ready;
+    mm_engine *eng;
+    int vocab;
+    int32_t max_ctx;
+    struct dseq *seqs; // (max_seqs)
+    float *last;       // (vocab)
+    uint64_t n_req, n_proposed;
+} D = {.mu = PTHREAD_MUTEX_INITIALIZER};
+
+static struct dseq *seq_find(uint64_t id) {
+    for (long long i = 0; i < s_max_seqs; i++)
+        if (D.seqs[i].used && D.seqs[i].id == id)
+            return &D.seqs[i];
+    return NULL;
+}
+
+static void seq_forget(struct dseq *s) {
+    if (!s)
+        return;
+    if (D.eng && s->slot >= 0)
+        mm_kv_cache_seq_free(D.eng->kv, s->slot);
+    s->used = false;
+    s->slot = -1;
+    s->n_commit = s->n_have = s->n_kv = 0;
+}
+
+static struct dseq *seq_new(uint64_t id) {
+    for (long long i = 0; i < s_max_seqs; i++) {
+        struct dseq *s = &D.seqs[i];
+        if (s->used)
+            continue;
+        if (!s->tok && !(s->tok = malloc((size_t)D.max_ctx * 4))) // once per slot
+            return NULL;
+        s->slot = -1;
+        if (D.eng && mm_kv_cache_seq_new(D.eng->kv, &s->slot) != MM_OK)
+            return NULL;
+        s->id = id;
+        s->used = true;
+        s->n_commit = s->n_have = s->n_kv = 0;
+        return s;
+    }
+    return NULL;
+}
+
+// ngram: prompt lookup. The longest suffix (3, 2, then 1 tokens) of the committed sequence that
+// occurred earlier; propose what followed its latest earlier occurrence.
+static uint32_t draft_ngram(const struct dseq *s, uint32_t k, int32_t *out) {
+    const int32_t *t = s->tok;
+    int32_t n = s->n_commit;
+    for (int g = 3; g >= 1; g--) {
+        if (n < g + 1)
+            continue;
+        for (int32_t i = n - g - 1; i >= 0; i--) {
+            if (memcmp(t + i, t + n - g, (size_t)g * 4) != 0)
+                continue;
+            uint32_t m = 0;
+            for (int32_t j = i + g; j < n && m < k; j++)
+                out[m++] = t[j];
+            return m;
+        }
+    }
+    return 0;
+}
+
+// draft_model: greedy continuation with the draft model, reusing the KV of the longest prefix
+// it already holds.
+static uint32_t draft_model(struct dseq *s, uint32_t k, int32_t *out, char err[MM_ERRLEN]) {
+    int32_t keep = s->n_kv < s->n_commit - 1 ? s->n_kv : s->n_commit - 1;
+    if (keep < s->n_kv) {
+        mm_kv_cache_truncate(D.eng->kv, s->slot, keep);
+        s->n_kv = keep;
+    }
+    if (mm_engine_prefill(D.eng, s->slot, s->tok + s->n_kv, s->n_commit - s->n_kv, NULL, D.last,
+                          err) != MM_OK) {
+        mm_kv_cache_truncate(D.eng->kv, s->slot, 0);
+        s->n_kv = 0;
+        return 0;
+    }
+    s->n_kv = s->n_commit;
+    uint32_t m = 0;
+    while (m < k) {
+        int32_t t = mm_engine_argmax(D.last, D.vocab);
+        out[m++] = t;
+        s->tok[s->n_commit + m - 1] = t;
+        s->n_have = s->n_commit + (int32_t)m;
+        if (m == k)
+            break;
+        if (mm_engine_prefill(D.eng, s->slot, &t, 1, NULL, D.last, err) != MM_OK)
+            break;
+        s->n_kv++;
+    }
+    return m;
+}
+
+// on_draft answers a DraftRequest (docs/MESH.md, Drafting). Under D.mu.
+static struct nng_msg *on_draft(const Mmctl__DraftRequest *rq, uint64_t seq) {
+    size_t n = rq->n_seqs;
+    Mmctl__DraftOut *outs = calloc(n ? n : 1, sizeof(*outs));
+    Mmctl__DraftOut **outp = calloc(n ? n : 1, sizeof(*outp));
+    int32_t *toks = calloc((n ? n : 1) * MAX_K, 4);
+    struct nng_msg *reply = NULL;
+    if (!outs || !outp || !toks)
+        goto done;
+    for (size_t i = 0; i < rq->n_release; i++)
+        seq_forget(seq_find(rq->release[i]));
+    char err[MM_ERRLEN] = "";
+    for (size_t i = 0; i < n; i++) {
+        const Mmctl__DraftSeq *q = rq->seqs[i];
+        Mmctl__DraftOut *o = &outs[i];
+        mmctl__draft_out__init(o);
+        o->seq_id = q->seq_id;
+        o->resync = -1;
+        o->tokens = toks + i * MAX_K;
+        outp[i] = o;
+        struct dseq *s = seq_find(q->seq_id);
+        if (!s && q->from == 0)
+            s = seq_new(q->seq_id);
+        if (!s || (int64_t)q->from > s->n_commit) {
+            o->resync = s ? s->n_commit : 0;
+            if (!s && q->from == 0)
+                o->resync = -1; // no room: just no drafts
+            continue;
+        }
+        if ((int64_t)q->from + (int64_t)q->n_tokens + MAX_K + 1 > D.max_ctx) {
+            seq_forget(s); // too long to track: no drafts for it
+            continue;
+        }
+        // The longest run of the new tokens that we already hold (and hold KV for) is kept.
+        int32_t c = 0, from = (int32_t)q->from;
+        while (c < (int32_t)q->n_tokens && from + c < s->n_have && s->tok[from + c] == q->tokens[c])
+            c++;
+        if (s->n_kv > from + c)
+            s->n_kv = from + c; // draft_model truncates the cache to n_kv
+        memcpy(s->tok + from, q->tokens, q->n_tokens * 4);
+        s->n_commit = s->n_have = from + (int32_t)q->n_tokens;
+        uint32_t k = q->k < MAX_K ? q->k : MAX_K;
+        if (k == 0 || s->n_commit == 0)
+            continue;
+        if (D.ngram) {
+            o->n_tokens = draft_ngram(s, k, o->tokens);
+        } else {
+            if (D.eng && s->n_kv < mm_kv_cache_seq_len(D.eng->kv, s->slot))
+                mm_kv_cache_truncate(D.eng->kv, s->slot, s->n_kv);
+            o->n_tokens = draft_model(s, k, o->tokens, err);
+            if (err[0]) {
+                mm_log_warn("seq %llu: draft model: %s", (unsigned long long)q->seq_id, err);
+                err[0] = 0;
+            }
+        }
+        D.n_proposed += o->n_tokens;
+    }
+    D.n_req++;
+    Mmctl__DraftReply dr = MMCTL__DRAFT_REPLY__INIT;
+    dr.step_id = rq->step_id;
+    dr.n_seqs = n;
+    dr.seqs = outp;
+    mm_ctl_msg env = MMCTL__ENVELOPE__INIT;
+    env.body_case = MMCTL__ENVELOPE__BODY_DRAFT_REPLY;
+    env.draft_reply = &dr;
+    env.seq = seq;
+    reply = mm_ctl_reply(&env);
+done:
+    free(outs);
+    free(outp);
+    free(toks);
+    return reply ? reply : mm_ctl_reply_ack(false, "drafter: out of memory");
+}
+
+void drafter_handle(void *arg, const mm_ctl_msg *req, const char *peer, struct nng_msg **reply) {
+    (void)arg;
+    if (req->body_case != MMCTL__ENVELOPE__BODY_DRAFT_REQUEST) {
+        if (D.d)
+            mm_daemon_member_handle(D.d, req, peer, reply);
+        else
+            *reply = mm_ctl_reply_ack(false, "drafter: starting");
+        return;
+    }
+    pthread_mutex_lock(&D.mu);
+    if (!D.ready)
+        *reply = mm_ctl_reply_ack(false, "drafter: no draft model (drafting off)");
+    else
+        *reply = on_draft(req->draft_request, req->seq);
+    pthread_mutex_unlock(&D.mu);
+}
 
 mm_err drafter_start(mm_daemon *d, void *arg, char err[MM_ERRLEN]) {
     (void)arg;
     char detail[300];
-    if (s_draft_model) {
+    pthread_mutex_lock(&D.mu);
+    D.d = d;
+    pthread_mutex_unlock(&D.mu);
+    if (s_max_seqs < 1 || s_max_ctx < 16)
+        return mm_errf(err, MM_EINVAL, "--max-seqs must be >= 1 and --max-ctx >= 16");
+    const mm_daemon_conf *c = mm_daemon_get_conf(d);
+    if (!s_draft_model) {
+        snprintf(detail, sizeof(detail), "no draft model (drafting off)");
+        mm_log_info("%s", detail);
+        mm_daemon_set_health(d, MMCTL__HEALTH__HEALTH_READY, detail);
+        return MM_OK;
+    }
+    D.ngram = !strcmp(s_draft_model, "ngram");
+    D.max_ctx = (int32_t)s_max_ctx;
+    if (!D.ngram) {
         char path[4096];
         struct stat st;
         snprintf(path, sizeof(path), "%s/config.json", s_draft_model);
         if (stat(path, &st) != 0)
-            return mm_errf(err, MM_ENOENT, "--draft-model %s: no config.json", s_draft_model);
-        snprintf(detail, sizeof(detail), "draft model %.250s", s_draft_model);
-    } else {
-        snprintf(detail, sizeof(detail), "no draft model (drafting off)");
+            return mm_errf(err, MM_ENOENT, "--draft-model %s: no config.json (a model directory "
+                           "or 'ngram')", s_draft_model);
+        mm_engine_params ep = {.device = c->device, .n_threads = (int)s_threads,
+                               .max_ctx = (int)s_max_ctx, .max_seqs = (int)s_max_seqs,
+                               .max_rows = 256};
+        MM_TRY(mm_engine_open(&D.eng, s_draft_model, &ep, err));
+        D.vocab = mm_model_cfg(D.eng->model)->vocab;
+        D.max_ctx = D.eng->max_ctx;
+        if (!(D.last = malloc((size_t)D.vocab * 4)))
+            return MM_ENOMEM;
     }
-    mm_log_info("%s", detail);
+    if (!(D.seqs = calloc((size_t)s_max_seqs, sizeof(*D.seqs))))
+        return MM_ENOMEM;
+    for (long long i = 0; i < s_max_seqs; i++)
+        D.seqs[i].slot = -1;
+    if (D.ngram)
+        snprintf(detail, sizeof(detail), "ngram (prompt lookup)");
+    else
+        snprintf(detail, sizeof(detail), "draft model %.250s", s_draft_model);
+    pthread_mutex_lock(&D.mu);
+    D.ready = true;
+    pthread_mutex_unlock(&D.mu);
+    mm_log_info("drafting with %s", detail);
     mm_daemon_set_health(d, MMCTL__HEALTH__HEALTH_READY, detail);
     return MM_OK;
 }
@@ -34,4 +274,16 @@ mm_err drafter_start(mm_daemon *d, void *arg, char err[MM_ERRLEN]) {
 void drafter_stop(mm_daemon *d, void *arg) {
     (void)d;
     (void)arg;
+    pthread_mutex_lock(&D.mu);
+    D.ready = false;
+    D.d = NULL;
+    for (long long i = 0; D.seqs && i < s_max_seqs; i++)
+        free(D.seqs[i].tok);
+    free(D.seqs);
+    D.seqs = NULL;
+    free(D.last);
+    D.last = NULL;
+    mm_engine_close(D.eng);
+    D.eng = NULL;
+    pthread_mutex_unlock(&D.mu);
 }

@@ -1,6 +1,11 @@
 // SPDX-License-Identifier: MIT
-// The drafter's role logic: a small draft model proposing tokens for speculative decoding
-// (next). Today it checks its draft model and reports whether drafting is available.
+// The drafter's role logic: proposes draft tokens for speculative decoding (docs/MESH.md,
+// Drafting). Two kinds: a small dense draft model sharing the target's tokenizer (--draft-model
+// DIR: greedy continuation with its own paged KV cache, rolled back to the committed prefix at
+// each request) and prompt lookup (--draft-model ngram: no model). The router asks with a
+// DraftRequest on this daemon's --listen address before a step; the answer is one DraftOut per
+// seq. Requests are served one at a time (a mutex); buffers per tracked seq are allocated once
+// per slot, the reply per request.
 #ifndef MM_DRAFTER_H
 #define MM_DRAFTER_H
 
@@ -12,5 +17,7 @@ extern mm_opt drafter_opts[]; // --draft-model
 // Errors: MM_ENOENT naming the path.
 mm_err drafter_start(mm_daemon *d, void *arg, char err[MM_ERRLEN]);
 void drafter_stop(mm_daemon *d, void *arg);
+// drafter_handle serves DraftRequest; everything else goes to mm_daemon_member_handle.
+void drafter_handle(void *arg, const mm_ctl_msg *req, const char *peer, struct nng_msg **reply);
 
 #endif

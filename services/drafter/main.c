@@ -8,6 +8,7 @@ int main(int argc, char **argv) {
         .role = "drafter",
         .summary = "moemesh drafter: proposes draft tokens for speculative decoding.",
         .extra_opts = drafter_opts,
+        .handler = drafter_handle,
         .start = drafter_start,
         .stop = drafter_stop,
     };

@@ -9,6 +9,8 @@
 #include "router.h"
 #include "step.h"
 
+static long long s_draft_max, s_draft_timeout_ms, s_draft_rows;
+static bool s_draft_adapt;
 static long long s_down_after_ms, s_shards, s_max_tokens, s_max_seqs, s_threads, s_timeout_ms,
     s_max_ctx;
 static mm_opt s_router_opts[] = {
@@ -21,6 +23,13 @@ static mm_opt s_router_opts[] = {
     {"threads", MM_OPT_INT, &s_threads, "0", "CPU threads (0: all cores)"},
     {"step-timeout-ms", MM_OPT_INT, &s_timeout_ms, "10000",
      "longest wait for a shard's or owner's answer within a step"},
+    {"draft-max", MM_OPT_INT, &s_draft_max, "4",
+     "widest draft per seq per step (0: no drafting; at most 8)"},
+    {"draft-timeout-ms", MM_OPT_INT, &s_draft_timeout_ms, "200",
+     "longest wait for the drafter before a step (late: the step runs without drafts)"},
+    {"draft-max-rows", MM_OPT_INT, &s_draft_rows, "64", "draft rows per step, all seqs"},
+    {"draft-adapt", MM_OPT_BOOL, &s_draft_adapt, "true",
+     "choose each seq's width from measured step times and acceptance (false: --draft-max)"},
     {0},
 };
 
@@ -76,6 +85,8 @@ int main(int argc, char **argv) {
             .owners = (int)c->owners, .shards = (int)s_shards, .max_tokens = (int)s_max_tokens,
             .max_seqs = (int)s_max_seqs, .threads = (int)s_threads,
             .step_timeout_ms = (int)s_timeout_ms, .max_ctx = (int)s_max_ctx,
+            .draft_max = (int)s_draft_max, .draft_timeout_ms = (int)s_draft_timeout_ms,
+            .draft_max_rows = (int)s_draft_rows, .draft_adapt = s_draft_adapt,
         };
         if (mm_step_engine_open(&R.eng, &sc, reg, err) != MM_OK) {
             mm_log_error("cannot open the step engine: %s", err);

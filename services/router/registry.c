@@ -28,6 +28,7 @@ struct mm_registry {
     pthread_mutex_t mu;
     mm_identity self;
     uint64_t self_since_unix_ms;
+    char self_detail[MM_CTL_MAX_STR]; // the router's status detail ("hub"; drafting metrics)
     uint32_t heartbeat_ms, down_after_ms;
     struct member *members; // (MM_REGISTRY_MAX_MEMBERS,)
 };
@@ -232,7 +233,7 @@ static nng_msg *on_status(mm_registry *r, uint64_t seq) {
     ms[0].health = MMCTL__HEALTH__HEALTH_READY;
     ms[0].joins = 1;
     ms[0].up_since_unix_ms = r->self_since_unix_ms;
-    ms[0].detail = "hub";
+    ms[0].detail = r->self_detail[0] ? r->self_detail : "hub";
     mps[0] = &ms[0];
     for (int i = 0; i < n; i++) {
         struct member *m = sorted[i];
@@ -324,4 +325,26 @@ bool mm_registry_peer(mm_registry *r, const char *role, uint32_t instance,
     }
     pthread_mutex_unlock(&r->mu);
     return up;
+}
+
+bool mm_registry_peer_ctl(mm_registry *r, const char *role, uint32_t instance,
+                          char control_addr[MM_ADDR_LEN], uint64_t *incarnation) {
+    pthread_mutex_lock(&r->mu);
+    struct member *m = find(r, role, instance);
+    bool up = m && m->up && m->health == MMCTL__HEALTH__HEALTH_READY;
+    if (m) {
+        snprintf(control_addr, MM_ADDR_LEN, "%s", m->id.control_addr);
+        *incarnation = m->id.incarnation;
+    } else {
+        control_addr[0] = 0;
+        *incarnation = 0;
+    }
+    pthread_mutex_unlock(&r->mu);
+    return up;
+}
+
+void mm_registry_set_self_detail(mm_registry *r, const char *detail) {
+    pthread_mutex_lock(&r->mu);
+    snprintf(r->self_detail, sizeof(r->self_detail), "%s", detail);
+    pthread_mutex_unlock(&r->mu);
 }

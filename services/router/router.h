@@ -39,6 +39,14 @@ void mm_registry_handle(void *arg, const mm_ctl_msg *req, const char *peer,
 bool mm_registry_peer(mm_registry *r, const char *role, uint32_t instance,
                       char data_addr[MM_ADDR_LEN], uint64_t *incarnation);
 
+// mm_registry_peer_ctl: like mm_registry_peer, with the member's control (--listen) address;
+// up only when the member reports READY (the drafter: drafting available).
+bool mm_registry_peer_ctl(mm_registry *r, const char *role, uint32_t instance,
+                          char control_addr[MM_ADDR_LEN], uint64_t *incarnation);
+
+// mm_registry_set_self_detail sets the router's own status detail (copied; thread-safe).
+void mm_registry_set_self_detail(mm_registry *r, const char *detail);
+
 // mm_registry_sweep marks members silent for longer than down_after_ms down (arg: registry).
 void mm_registry_sweep(void *arg);
 

@@ -14,6 +14,7 @@
 #include "mm/sampler.h"
 #include "mm/step.h"
 #include "mm/transport.h"
+#include "step_draft.h"
 
 #define MAX_RELEASE 4096
 #define MSG_LEN 320
@@ -71,6 +72,16 @@ struct mm_step_engine {
     Mmctl__TopLogprob *top;
     Mmctl__TopLogprob **top_p;
     mm_sample *smp;
+    // drafting (step_draft.h)
+    mm_draft *dr;
+    int draft_rows;      // most draft rows per step
+    int32_t *seq_n;      // (max_seqs) rows of each seq this step: its tokens + its drafts
+    bool *active;        // (max_seqs)
+    uint32_t *n_draft;   // (max_seqs)
+    uint32_t *n_acc;     // (max_seqs) drafts accepted
+    int32_t *draft;      // (max_seqs, MM_DRAFT_MAX_K)
+    float *draft_lp;     // (max_seqs, MM_DRAFT_MAX_K) logprobs of the tokens after `token`
+    int32_t *draft_tok;  // (max_seqs, MM_DRAFT_MAX_K) those tokens
 };
 
 static const char *peer_name(const struct peer *p, char *buf, size_t n) {
@@ -176,10 +187,24 @@ mm_err mm_step_engine_open(mm_step_engine **out, const mm_step_conf *c, mm_regis
     e->e_cnt = calloc((size_t)c->owners * (size_t)(e->E + 1), 4);
     e->e_off = calloc((size_t)c->owners * (size_t)(e->E + 1), 4);
     e->e_owner = calloc((size_t)(e->E + 1), 4);
-    e->ctrl = calloc(8 + (size_t)S * 16 + MAX_RELEASE * 8 + 8 * (size_t)(e->E + 1), 1);
-    e->last = calloc((size_t)S * D, 4);
-    e->hn = calloc((size_t)S * D, 4);
-    e->logits = calloc((size_t)S * (size_t)e->V, 4);
+    mm_draft_conf dc = {.max_k = c->draft_max, .timeout_ms = c->draft_timeout_ms,
+                        .adapt = c->draft_adapt, .max_rows = c->draft_max_rows,
+                        .max_ctx = e->c.max_ctx, .vocab = e->V, .n_shards = c->shards};
+    MM_TRY_GOTO(rv, mm_draft_open(&e->dr, &dc, reg, err), fail);
+    e->draft_rows = c->draft_max > 0 ? c->draft_max_rows : 0;
+    const int64_t LR = S + e->draft_rows; // logits rows: each seq's last row + the draft rows
+    e->ctrl = calloc(8 + (size_t)S * 16 + MAX_RELEASE * 8 + 8 * (size_t)(e->E + 1) +
+                     mm_draft_ctrl_max(e->dr), 1);
+    e->last = calloc((size_t)LR * D, 4);
+    e->hn = calloc((size_t)LR * D, 4);
+    e->logits = calloc((size_t)LR * (size_t)e->V, 4);
+    e->seq_n = calloc((size_t)S, 4);
+    e->active = calloc((size_t)S, 1);
+    e->n_draft = calloc((size_t)S, 4);
+    e->n_acc = calloc((size_t)S, 4);
+    e->draft = calloc((size_t)S * MM_DRAFT_MAX_K, 4);
+    e->draft_lp = calloc((size_t)S * MM_DRAFT_MAX_K, 4);
+    e->draft_tok = calloc((size_t)S * MM_DRAFT_MAX_K, 4);
     e->seq_shard = calloc((size_t)S, 4);
     e->seq_row = calloc((size_t)S, 4);
     e->seq_failed = calloc((size_t)S, 1);
@@ -194,7 +219,8 @@ mm_err mm_step_engine_open(mm_step_engine **out, const mm_step_conf *c, mm_regis
         !e->gids || !e->gw || !e->xs || !e->ys || !e->eo || !e->slot_of || !e->todo || !e->e_cnt ||
         !e->e_off || !e->e_owner || !e->ctrl || !e->last || !e->hn || !e->logits ||
         !e->seq_shard || !e->seq_row || !e->seq_failed || !e->seq_msg || !e->seq_code ||
-        !e->res || !e->res_p || !e->top || !e->top_p || !e->smp) {
+        !e->res || !e->res_p || !e->top || !e->top_p || !e->smp || !e->seq_n || !e->active ||
+        !e->n_draft || !e->n_acc || !e->draft || !e->draft_lp || !e->draft_tok) {
         rv = MM_ENOMEM;
         goto fail;
     }
@@ -222,6 +248,9 @@ void mm_step_engine_close(mm_step_engine *e) {
     free(e->last); free(e->hn); free(e->logits); free(e->seq_shard); free(e->seq_row);
     free(e->seq_failed); free(e->seq_msg); free(e->seq_code); free(e->res); free(e->res_p);
     free(e->top); free(e->top_p); free(e->smp);
+    free(e->seq_n); free(e->active); free(e->n_draft); free(e->n_acc); free(e->draft);
+    free(e->draft_lp); free(e->draft_tok);
+    mm_draft_close(e->dr);
     mm_sampler_free(e->sampler);
     mm_placement_free(e->pl);
     mm_model_scratch_free(e->scratch);
@@ -432,7 +461,7 @@ static mm_err run_layers(mm_step_engine *e, const Mmctl__StepPlan *p, int64_t R,
             if (e->seq_row[i] < 0 || e->seq_shard[i] != s)
                 continue;
             const Mmctl__SeqStep *q = p->seqs[i];
-            int32_t pos = (int32_t)q->pos, n = (int32_t)q->n_tokens;
+            int32_t pos = (int32_t)q->pos, n = e->seq_n[i];
             memcpy(c, &q->seq_id, 8);
             memcpy(c + 8, &pos, 4);
             memcpy(c + 12, &n, 4);
@@ -444,8 +473,10 @@ static mm_err run_layers(mm_step_engine *e, const Mmctl__StepPlan *p, int64_t R,
         memcpy(e->ctrl + 4, &nr, 4);
         for (size_t i = 0; i < p->n_release; i++, c += 8)
             memcpy(c, &p->release[i], 8);
+        c += mm_draft_ctrl_tail(e->dr, s, c); // truncations of rejected draft rows
         MM_TRY(send_frame(sp, MM_WIRE_CTRL, MM_WIRE_BYTES, step, MM_WIRE_NO_LAYER, 1,
                           (uint32_t)(c - e->ctrl), e->ctrl, tmo, msg));
+        mm_draft_ctrl_sent(e->dr, s);
         off += sp->n;
     }
     MM_TRY(mm_model_embed(e->model, e->scratch, e->ids, R, e->h));
@@ -458,7 +489,7 @@ static mm_err run_layers(mm_step_engine *e, const Mmctl__StepPlan *p, int64_t R,
             int64_t o = sp->off;
             for (size_t i = 0; i < p->n_seqs; i++)
                 if (e->seq_row[i] >= 0 && e->seq_shard[i] == s) {
-                    int64_t n = (int64_t)p->seqs[i]->n_tokens;
+                    int64_t n = (int64_t)e->seq_n[i];
                     memcpy(e->stage + o * D, e->h + (int64_t)e->seq_row[i] * D,
                            (size_t)(n * D) * 4);
                     o += n;
@@ -475,7 +506,7 @@ static mm_err run_layers(mm_step_engine *e, const Mmctl__StepPlan *p, int64_t R,
             int64_t o = sp->off;
             for (size_t i = 0; i < p->n_seqs; i++)
                 if (e->seq_row[i] >= 0 && e->seq_shard[i] == s) {
-                    int64_t n = (int64_t)p->seqs[i]->n_tokens;
+                    int64_t n = (int64_t)e->seq_n[i];
                     memcpy(e->h + (int64_t)e->seq_row[i] * D, e->stage + o * D,
                            (size_t)(n * D) * 4);
                     o += n;
@@ -623,7 +654,8 @@ struct nng_msg *mm_step_engine_run(mm_step_engine *e, const Mmctl__StepPlan *p, 
     if (e->E > 0 && p->n_seqs > 0) // a plan of releases only needs no owner
         for (int o = 0; o < N; o++)
             peer_ensure(e, &e->owners[o]);
-    // Active rows: the seqs of live shards, in plan order.
+    // Active rows: the seqs of live shards, in plan order; each seq's tokens, then its drafts.
+    const uint64_t t0 = mm_now_ns();
     int64_t R = 0;
     for (size_t i = 0; i < p->n_seqs; i++) {
         const Mmctl__SeqStep *q = p->seqs[i];
@@ -632,7 +664,17 @@ struct nng_msg *mm_step_engine_run(mm_step_engine *e, const Mmctl__StepPlan *p, 
         e->seq_failed[i] = false;
         e->seq_code[i] = 0;
         e->seq_msg[i][0] = 0;
-        if (!e->shards[s].live) {
+        e->active[i] = e->shards[s].live;
+        if (e->active[i])
+            R += (int64_t)q->n_tokens;
+    }
+    mm_draft_begin(e->dr, p, e->active, (int64_t)e->c.max_tokens - R, e->n_draft, e->draft);
+    R = 0;
+    for (size_t i = 0; i < p->n_seqs; i++) {
+        const Mmctl__SeqStep *q = p->seqs[i];
+        int s = e->seq_shard[i];
+        e->n_acc[i] = 0;
+        if (!e->active[i]) {
             e->seq_row[i] = -1;
             e->seq_failed[i] = true;
             e->seq_code[i] = MM_EPEERDOWN;
@@ -640,11 +682,12 @@ struct nng_msg *mm_step_engine_run(mm_step_engine *e, const Mmctl__StepPlan *p, 
             continue;
         }
         e->seq_row[i] = (int32_t)R;
+        e->seq_n[i] = (int32_t)(q->n_tokens + e->n_draft[i]);
         memcpy(e->ids + R, q->tokens, q->n_tokens * 4);
-        R += (int64_t)q->n_tokens;
+        memcpy(e->ids + R + q->n_tokens, e->draft + i * MM_DRAFT_MAX_K, e->n_draft[i] * 4);
+        R += (int64_t)e->seq_n[i];
     }
     if (R > 0) {
-        uint64_t t0 = mm_now_ns();
         rv = run_layers(e, p, R, msg);
         if (rv != MM_OK) {
             mm_log_warn("step %llu failed (%lld rows): %s", (unsigned long long)p->step_id,
@@ -660,13 +703,15 @@ struct nng_msg *mm_step_engine_run(mm_step_engine *e, const Mmctl__StepPlan *p, 
                 if (e->owners[o].conn && mm_conn_error(e->owners[o].conn) != MM_OK)
                     peer_drop(&e->owners[o]);
         } else {
-            // final norm + head on the last row of each sampling seq, then sampling.
+            // final norm + head on the last row of each sampling seq and on its draft rows,
+            // then sampling and verification.
             int64_t ns = 0;
             for (size_t i = 0; i < p->n_seqs; i++)
                 if (e->seq_row[i] >= 0 && p->seqs[i]->sample) {
                     int64_t r = e->seq_row[i] + (int64_t)p->seqs[i]->n_tokens - 1;
-                    memcpy(e->last + ns * e->D, e->h + r * e->D, (size_t)e->D * 4);
-                    ns++;
+                    memcpy(e->last + ns * e->D, e->h + r * e->D,
+                           (size_t)e->D * 4 * (1 + e->n_draft[i]));
+                    ns += 1 + e->n_draft[i];
                 }
             if (ns > 0) {
                 rv = mm_model_final_norm(e->model, e->scratch, e->last, ns, e->hn);
@@ -684,14 +729,34 @@ struct nng_msg *mm_step_engine_run(mm_step_engine *e, const Mmctl__StepPlan *p, 
                     continue;
                 mm_sampling sp;
                 mm_step_sampling_from_pb(q->sampling, &sp);
-                mm_err srv = mm_sampler_pick(e->sampler, e->logits + j * e->V, &sp,
-                                             (int64_t)q->pos + (int64_t)q->n_tokens, q->logprobs,
-                                             &e->smp[i], e->seq_msg[i]);
+                const int64_t at = (int64_t)q->pos + (int64_t)q->n_tokens;
+                mm_err srv = mm_sampler_pick(e->sampler, e->logits + j * e->V, &sp, at,
+                                             q->logprobs, &e->smp[i], e->seq_msg[i]);
+                // Verification: draft m is accepted while it equals the token the target picks
+                // at its position; row m + 1 (draft m's) then gives the next token, picked
+                // exactly as plain decoding would (step_draft.h).
+                const int32_t *dft = e->draft + i * MM_DRAFT_MAX_K;
+                int32_t prev = e->smp[i].token;
+                uint32_t a = 0;
+                while (srv == MM_OK && a < e->n_draft[i] && prev == dft[a]) {
+                    mm_sample ms;
+                    srv = mm_sampler_pick(e->sampler, e->logits + (j + 1 + a) * e->V, &sp,
+                                          at + 1 + a, 0, &ms, e->seq_msg[i]);
+                    if (srv != MM_OK)
+                        break;
+                    e->draft_tok[i * MM_DRAFT_MAX_K + a] = ms.token;
+                    e->draft_lp[i * MM_DRAFT_MAX_K + a] = ms.logprob;
+                    prev = ms.token;
+                    a++;
+                }
                 if (srv != MM_OK) {
                     e->seq_failed[i] = true;
                     e->seq_code[i] = srv;
+                } else {
+                    e->n_acc[i] = a;
+                    mm_draft_verified(e->dr, q, e->n_draft[i], a, dft);
                 }
-                j++;
+                j += 1 + e->n_draft[i];
             }
             mm_log_debug("step %llu: %lld rows in %.3f ms", (unsigned long long)p->step_id,
                          (long long)R, (double)(mm_now_ns() - t0) / 1e6);
@@ -712,6 +777,10 @@ struct nng_msg *mm_step_engine_run(mm_step_engine *e, const Mmctl__StepPlan *p, 
             r->token = s->token;
             r->logprob = s->logprob;
             r->n_top = s->n_top;
+            r->drafted = e->n_draft[i];
+            r->n_more = r->n_more_logprobs = e->n_acc[i];
+            r->more = e->draft_tok + i * MM_DRAFT_MAX_K;
+            r->more_logprobs = e->draft_lp + i * MM_DRAFT_MAX_K;
             r->top = e->top_p + i * MM_SAMPLER_MAX_TOP;
             for (uint32_t k = 0; k < s->n_top; k++) {
                 Mmctl__TopLogprob *t = &e->top[i * MM_SAMPLER_MAX_TOP + k];
@@ -725,6 +794,7 @@ struct nng_msg *mm_step_engine_run(mm_step_engine *e, const Mmctl__StepPlan *p, 
     }
     sr.n_results = p->n_seqs;
     sr.results = e->res_p;
+    mm_draft_end(e->dr, mm_now_ns() - t0);
 reply:;
     mm_ctl_msg env = MMCTL__ENVELOPE__INIT;
     env.body_case = MMCTL__ENVELOPE__BODY_STEP_RESULT;

@@ -28,6 +28,9 @@ typedef struct mm_step_conf {
     int threads;
     int step_timeout_ms;
     int max_ctx;
+    // drafting (step_draft.h)
+    int draft_max, draft_timeout_ms, draft_max_rows;
+    bool draft_adapt;
 } mm_step_conf;
 
 typedef struct mm_step_engine mm_step_engine;

@@ -6,6 +6,8 @@
 // `moemesh generate` (--logprobs: one "ID LOGPROB[ top=...]" line per token, %.9g).
 // --concurrent K adds K-1 other sequences (rotations of the prompt, admitted one per step,
 // generating different lengths) that share sequence 0's steps.
+// --draft N lets the router verify up to N drafted tokens per seq per step (SeqStep.max_draft;
+// the tokens it accepts come back in SeqResult.more); the counts go to stderr.
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -62,7 +64,8 @@ static void print_seq(const struct gseq *s, bool logprobs, int idx, bool label) 
 static int run_mesh_generate(int argc, char **argv) {
     char *router = NULL, *ids_s = NULL;
     long long max_tokens = 16, concurrent = 1, top = 0, chunk = 0, timeout_ms = 15000, seed = 0,
-              max_batch = 256;
+              max_batch = 256, draft = 0;
+    uint64_t n_drafted = 0, n_accepted = 0, n_dsteps = 0;
     double temperature = 0;
     bool logprobs = false, all = false, timing = false;
     mm_opt opts[] = {
@@ -77,6 +80,7 @@ static int run_mesh_generate(int argc, char **argv) {
         {"temperature", MM_OPT_DBL, &temperature, "0", "0: greedy; else seeded sampling"},
         {"seed", MM_OPT_INT, &seed, "0", "sampling seed of seq 0 (seq j: seed + j)"},
         {"all", MM_OPT_BOOL, &all, "false", "print every sequence (with '# seq J' lines)"},
+        {"draft", MM_OPT_INT, &draft, "0", "drafted tokens each seq may take per step (0: off)"},
         {"timing", MM_OPT_BOOL, &timing, "false", "print step timings to stderr"},
         {"timeout-ms", MM_OPT_INT, &timeout_ms, "15000", "deadline of one step's call"},
         {0},
@@ -103,7 +107,8 @@ static int run_mesh_generate(int argc, char **argv) {
         goto done;
     }
     if (!ids_s || max_tokens < 1 || max_tokens > 100000 || concurrent < 1 || concurrent > 256 ||
-        top < 0 || top > MM_SAMPLER_MAX_TOP || chunk < 0 || max_batch < 1) {
+        top < 0 || top > MM_SAMPLER_MAX_TOP || chunk < 0 || max_batch < 1 || draft < 0 ||
+        draft > 64) {
         fprintf(stderr, "mesh-generate: needs --ids 1,2,3; --max-tokens 1..100000, --concurrent "
                         "1..256, --top-logprobs 0..%d, --chunk >= 0\n", MM_SAMPLER_MAX_TOP);
         goto done;
@@ -182,6 +187,10 @@ static int run_mesh_generate(int argc, char **argv) {
                 mm_step_builder_add(b, s->id, (uint32_t)(s->n_prompt + s->n_out - 1),
                                     &s->out[s->n_out - 1], 1, true, &sp,
                                     logprobs ? (uint32_t)top : 0);
+                if (draft > 0 && !(logprobs && top > 0)) {
+                    int left = s->max_new - s->n_out - 1;
+                    mm_step_builder_set_draft(b, (uint32_t)(left < draft ? left : draft));
+                }
                 budget--;
             }
         }
@@ -235,6 +244,16 @@ static int run_mesh_generate(int argc, char **argv) {
             }
             if (++s->n_out >= s->max_new)
                 s->done = true;
+            n_drafted += r->drafted;
+            n_accepted += r->n_more;
+            n_dsteps += r->drafted > 0;
+            for (size_t k = 0; k < r->n_more && !s->done; k++) {
+                s->out[s->n_out] = r->more[k];
+                s->lp[s->n_out] = r->more_logprobs[k];
+                s->n_top[s->n_out] = 0;
+                if (++s->n_out >= s->max_new)
+                    s->done = true;
+            }
         }
         mm_ctl_msg_free(rep);
     }
@@ -249,6 +268,10 @@ static int run_mesh_generate(int argc, char **argv) {
                 n_step_ms, sum / n_step_ms, step_ms[0], step_ms[n_step_ms / 2],
                 step_ms[n_step_ms * 9 / 10]);
     }
+    if (draft > 0)
+        fprintf(stderr, "drafting: drafted %llu accepted %llu in %llu seq-steps\n",
+                (unsigned long long)n_drafted, (unsigned long long)n_accepted,
+                (unsigned long long)n_dsteps);
     rc = 0;
     for (int j = 0; j < (all ? K : 1); j++)
         if (S[j].failed) {

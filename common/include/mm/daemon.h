@@ -56,6 +56,11 @@ typedef struct mm_daemon_spec {
     void *role_arg;
 } mm_daemon_spec;
 
+// mm_daemon_member_handle is the member default handler (status, drain, shutdown; arg: the
+// mm_daemon), for a role handler that serves more bodies and passes the rest on.
+void mm_daemon_member_handle(void *arg, const mm_ctl_msg *req, const char *peer,
+                             struct nng_msg **reply);
+
 // mm_daemon_open parses argv (--help prints and sets *exit_code 0 with *out NULL), initialises
 // logging, blocks the stop signals, computes the identity (fingerprints read --model and
 // --placement) and logs the effective configuration. On error it prints the reason to stderr,

@@ -33,6 +33,10 @@ mm_err mm_step_builder_add(mm_step_builder *b, uint64_t seq_id, uint32_t pos,
                            const int32_t *tokens, uint32_t n, bool sample, const mm_sampling *sp,
                            uint32_t n_top);
 
+// mm_step_builder_set_draft lets the router answer up to max_draft more tokens (drafted and
+// verified: SeqResult.more) for the seq added last. Only for a sampling seq with n_top 0.
+void mm_step_builder_set_draft(mm_step_builder *b, uint32_t max_draft);
+
 // mm_step_builder_release asks the shards to free seq_id's KV (before this plan's seqs run).
 // Errors: MM_EFULL.
 mm_err mm_step_builder_release(mm_step_builder *b, uint64_t seq_id);

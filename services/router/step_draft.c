@@ -1,0 +1,428 @@
+// SPDX-License-Identifier: MIT
+// The router's drafting state; see step_draft.h and docs/MESH.md (Drafting).
+#include "step_draft.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "mm/log.h"
+#include "mm/time.h"
+
+#define N_BUCKETS 8
+#define PROBE_EVERY 32
+
+struct rseq {
+    uint64_t id;
+    bool used, broken; // broken: a gap in its history (no drafting)
+    int32_t *hist;     // (max_ctx) committed tokens; owned, allocated once per table slot
+    int32_t len;       // committed tokens (= its KV length in the shards after truncation)
+    int32_t dr_from;   // tokens the drafter holds of it
+    bool trunc;        // the shards hold rejected draft rows past trunc_len
+    int32_t trunc_len;
+    float acc;         // per-draft-token acceptance (EMA)
+    uint32_t n_steps;
+};
+
+struct mm_draft {
+    mm_draft_conf c;
+    mm_registry *reg;
+    struct rseq *t;
+    int n_t;
+    mm_ctl_client *cl;
+    uint64_t cl_inc;
+    uint64_t backoff_until, backoff_ms;
+    bool warned;
+    // the request (sized at open)
+    Mmctl__DraftSeq *dq;
+    Mmctl__DraftSeq **dqp;
+    int32_t *dq_plan;  // plan index of each request seq
+    uint64_t *rel;
+    // costs: EMA step time (ms) per (context bucket, widest draft in the step)
+    double T[N_BUCKETS][MM_DRAFT_MAX_K + 1];
+    bool Tm[N_BUCKETS][MM_DRAFT_MAX_K + 1];
+    int step_w, step_bucket;
+    bool step_ok; // this step's drafter call (if any) answered
+    // metrics
+    uint64_t drafted, accepted, emitted, verified, misses, requests;
+    uint64_t pos_tried[MM_DRAFT_MAX_K], pos_ok[MM_DRAFT_MAX_K], widths[MM_DRAFT_MAX_K + 1];
+};
+
+mm_err mm_draft_open(mm_draft **out, const mm_draft_conf *c, mm_registry *reg,
+                     char err[MM_ERRLEN]) {
+    *out = NULL;
+    if (c->max_k < 0 || c->max_k > MM_DRAFT_MAX_K || c->timeout_ms < 1 || c->max_rows < 0)
+        return mm_errf(err, MM_EINVAL, "--draft-max must be 0..%d, --draft-timeout-ms >= 1, "
+                       "--draft-max-rows >= 0", MM_DRAFT_MAX_K);
+    mm_draft *d = calloc(1, sizeof(*d));
+    if (!d)
+        return MM_ENOMEM;
+    d->c = *c;
+    d->reg = reg;
+    d->n_t = 256;
+    d->t = calloc((size_t)d->n_t, sizeof(*d->t));
+    d->dq = calloc((size_t)d->n_t, sizeof(*d->dq));
+    d->dqp = calloc((size_t)d->n_t, sizeof(*d->dqp));
+    d->dq_plan = calloc((size_t)d->n_t, sizeof(*d->dq_plan));
+    d->rel = calloc(4096, sizeof(*d->rel));
+    if (!d->t || !d->dq || !d->dqp || !d->dq_plan || !d->rel) {
+        mm_draft_close(d);
+        return MM_ENOMEM;
+    }
+    d->backoff_ms = 250;
+    *out = d;
+    return MM_OK;
+}
+
+void mm_draft_close(mm_draft *d) {
+    if (!d)
+        return;
+    for (int i = 0; d->t && i < d->n_t; i++)
+        free(d->t[i].hist);
+    free(d->t);
+    free(d->dq);
+    free(d->dqp);
+    free(d->dq_plan);
+    free(d->rel);
+    mm_ctl_client_close(d->cl);
+    free(d);
+}
+
+static struct rseq *find(mm_draft *d, uint64_t id) {
+    for (int i = 0; i < d->n_t; i++)
+        if (d->t[i].used && d->t[i].id == id)
+            return &d->t[i];
+    return NULL;
+}
+
+static struct rseq *track(mm_draft *d, uint64_t id) {
+    for (int i = 0; i < d->n_t; i++) {
+        struct rseq *r = &d->t[i];
+        if (r->used)
+            continue;
+        if (!r->hist && !(r->hist = malloc((size_t)d->c.max_ctx * 4)))
+            return NULL;
+        r->id = id;
+        r->used = true;
+        r->broken = r->trunc = false;
+        r->len = r->dr_from = r->trunc_len = 0;
+        r->acc = 0.6f;
+        r->n_steps = 0;
+        return r;
+    }
+    return NULL;
+}
+
+static int bucket_of(int32_t ctx) {
+    int b = 0;
+    for (int32_t c = ctx / 64; c > 1 && b < N_BUCKETS - 1; c >>= 1)
+        b++;
+    return b;
+}
+
+// price: the step time of width w in bucket b (see step_draft.h).
+static double price(const mm_draft *d, int b, int w) {
+    int bb = -1;
+    for (int dist = 0; dist < N_BUCKETS && bb < 0; dist++)
+        for (int s = -1; s <= 1 && bb < 0; s += 2) {
+            int x = b + s * dist;
+            if (x < 0 || x >= N_BUCKETS)
+                continue;
+            for (int k = 0; k <= d->c.max_k; k++)
+                if (d->Tm[x][k])
+                    bb = x;
+        }
+    if (bb < 0)
+        return 1.0; // nothing measured yet: every width costs the same (explore wide)
+    double T = -1;
+    if (d->Tm[bb][w]) {
+        T = d->T[bb][w];
+    } else {
+        for (int dist = 1; dist <= d->c.max_k && T < 0; dist++) {
+            if (w + dist <= d->c.max_k && d->Tm[bb][w + dist])
+                T = d->T[bb][w + dist];
+            else if (w - dist >= 0 && d->Tm[bb][w - dist])
+                T = d->T[bb][w - dist];
+        }
+    }
+    for (int k = 0; k < w; k++) // never below a measured narrower width
+        if (d->Tm[bb][k] && d->T[bb][k] > T)
+            T = d->T[bb][k];
+    return T > 0 ? T : 1e-3;
+}
+
+static int choose(mm_draft *d, struct rseq *r, int maxw, int b) {
+    if (maxw <= 0)
+        return 0;
+    if (!d->c.adapt)
+        return maxw;
+    double best = -1, e = 0, ak = 1;
+    int bw = 0;
+    for (int w = 0; w <= maxw; w++) {
+        e += ak; // expected tokens: sum_{i<=w} acc^i
+        ak *= r->acc;
+        double s = e / price(d, b, w);
+        if (s > best * (1 + 1e-9)) {
+            best = s;
+            bw = w;
+        }
+    }
+    if (bw == 0 && r->n_steps % PROBE_EVERY == PROBE_EVERY - 1)
+        bw = 1; // probe: keep the acceptance measured
+    return bw;
+}
+
+static void forget(mm_draft *d, uint64_t id) {
+    struct rseq *r = find(d, id);
+    if (r)
+        r->used = false;
+}
+
+// drafter_link: the client for the drafter's current incarnation, or NULL (down, backing off).
+static mm_ctl_client *drafter_link(mm_draft *d) {
+    char url[MM_ADDR_LEN], err[MM_ERRLEN] = "";
+    uint64_t inc = 0;
+    if (!mm_registry_peer_ctl(d->reg, "drafter", 0, url, &inc) || !url[0])
+        return NULL;
+    if (!d->cl || inc != d->cl_inc) {
+        mm_ctl_client_close(d->cl);
+        d->cl = NULL;
+        if (mm_ctl_client_open(&d->cl, url, err) != MM_OK) {
+            mm_log_warn("drafter at %s: %s", url, err);
+            return NULL;
+        }
+        d->cl_inc = inc;
+        d->backoff_until = 0;
+        d->backoff_ms = 250;
+        d->warned = false;
+        for (int i = 0; i < d->n_t; i++)
+            d->t[i].dr_from = 0; // a new drafter process holds nothing
+        mm_log_info("drafting with the drafter at %s", url);
+    }
+    if (mm_now_ns() < d->backoff_until)
+        return NULL;
+    return d->cl;
+}
+
+static void drafter_failed(mm_draft *d, const char *why) {
+    d->misses++;
+    if (!d->warned)
+        mm_log_warn("drafter: %s; steps go on without drafts (retry in %llu ms)", why,
+                    (unsigned long long)d->backoff_ms);
+    else
+        mm_log_debug("drafter: %s", why);
+    d->warned = true;
+    d->backoff_until = mm_now_ns() + d->backoff_ms * 1000000ull;
+    d->backoff_ms = d->backoff_ms * 2 > 5000 ? 5000 : d->backoff_ms * 2;
+}
+
+void mm_draft_begin(mm_draft *d, const Mmctl__StepPlan *p, const bool *active, int64_t room,
+                    uint32_t *n_draft, int32_t *draft) {
+    d->step_w = 0;
+    d->step_bucket = 0;
+    d->step_ok = true;
+    for (size_t i = 0; i < p->n_release; i++)
+        forget(d, p->release[i]);
+    int32_t max_ctx_step = 0;
+    for (size_t i = 0; i < p->n_seqs; i++) {
+        const Mmctl__SeqStep *q = p->seqs[i];
+        n_draft[i] = 0;
+        struct rseq *r = find(d, q->seq_id);
+        if (q->pos == 0) {
+            if (r)
+                r->used = false;
+            r = track(d, q->seq_id);
+        }
+        if (!r)
+            continue;
+        if ((int32_t)q->pos != r->len || r->len + (int64_t)q->n_tokens > d->c.max_ctx)
+            r->broken = true;
+        if (r->broken)
+            continue;
+        memcpy(r->hist + r->len, q->tokens, q->n_tokens * 4);
+        r->len += (int32_t)q->n_tokens;
+        if (q->sample && r->len > max_ctx_step)
+            max_ctx_step = r->len;
+    }
+    if (d->c.max_k == 0)
+        return;
+    const int b = bucket_of(max_ctx_step);
+    d->step_bucket = b;
+    if (room > d->c.max_rows)
+        room = d->c.max_rows;
+    size_t nq = 0, n_tok = 0;
+    for (size_t i = 0; i < p->n_seqs && room > 0; i++) {
+        const Mmctl__SeqStep *q = p->seqs[i];
+        if (!q->sample || q->max_draft == 0 || q->logprobs != 0 || !active[i])
+            continue;
+        struct rseq *r = find(d, q->seq_id);
+        if (!r || r->broken || nq >= (size_t)d->n_t)
+            continue;
+        int maxw = d->c.max_k;
+        if ((int64_t)maxw > (int64_t)q->max_draft)
+            maxw = (int)q->max_draft;
+        if (maxw > room)
+            maxw = (int)room;
+        if (maxw > d->c.max_ctx - r->len)
+            maxw = d->c.max_ctx - r->len;
+        r->n_steps++;
+        int k = choose(d, r, maxw, b);
+        size_t add = (size_t)(r->len - r->dr_from);
+        if (k <= 0 || n_tok + add > 200000) // keep the request well under the 1 MiB limit
+            continue;
+        Mmctl__DraftSeq *s = &d->dq[nq];
+        mmctl__draft_seq__init(s);
+        s->seq_id = q->seq_id;
+        s->from = (uint32_t)r->dr_from;
+        s->tokens = r->hist + r->dr_from;
+        s->n_tokens = add;
+        s->k = (uint32_t)k;
+        d->dqp[nq] = s;
+        d->dq_plan[nq++] = (int32_t)i;
+        n_tok += add;
+        room -= k;
+    }
+    if (nq == 0)
+        return;
+    mm_ctl_client *cl = drafter_link(d);
+    if (!cl)
+        return;
+    Mmctl__DraftRequest rq = MMCTL__DRAFT_REQUEST__INIT;
+    rq.step_id = p->step_id;
+    rq.n_seqs = nq;
+    rq.seqs = d->dqp;
+    rq.n_release = p->n_release < 4096 ? p->n_release : 4096;
+    rq.release = p->release;
+    mm_ctl_msg env = MMCTL__ENVELOPE__INIT;
+    env.body_case = MMCTL__ENVELOPE__BODY_DRAFT_REQUEST;
+    env.draft_request = &rq;
+    mm_ctl_msg *rep = NULL;
+    char err[MM_ERRLEN] = "";
+    d->requests++;
+    mm_err rv = mm_ctl_call(cl, &env, d->c.timeout_ms, &rep, err);
+    if (rv != MM_OK) {
+        char why[MM_ERRLEN + 64];
+        snprintf(why, sizeof(why), "no answer within %d ms (%s)", d->c.timeout_ms,
+                 err[0] ? err : mm_strerror(rv));
+        drafter_failed(d, why);
+        d->step_ok = false;
+        return;
+    }
+    if (rep->body_case != MMCTL__ENVELOPE__BODY_DRAFT_REPLY ||
+        rep->draft_reply->n_seqs != nq) {
+        drafter_failed(d, rep->body_case == MMCTL__ENVELOPE__BODY_ACK && rep->ack->error[0]
+                              ? rep->ack->error : "a reply that is not a draft_reply for the step");
+        d->step_ok = false;
+        mm_ctl_msg_free(rep);
+        return;
+    }
+    d->backoff_ms = 250;
+    d->warned = false;
+    for (size_t j = 0; j < nq; j++) {
+        const Mmctl__DraftOut *o = rep->draft_reply->seqs[j];
+        int32_t i = d->dq_plan[j];
+        struct rseq *r = find(d, d->dq[j].seq_id);
+        if (!r || o->seq_id != d->dq[j].seq_id)
+            continue;
+        if (o->resync >= 0) {
+            r->dr_from = o->resync < r->len ? o->resync : r->len;
+            continue;
+        }
+        r->dr_from = r->len;
+        uint32_t m = 0;
+        while (m < o->n_tokens && m < d->dq[j].k && o->tokens[m] >= 0 &&
+               o->tokens[m] < d->c.vocab) {
+            draft[(size_t)i * MM_DRAFT_MAX_K + m] = o->tokens[m];
+            m++;
+        }
+        n_draft[i] = m;
+        if ((int)m > d->step_w)
+            d->step_w = (int)m;
+    }
+    mm_ctl_msg_free(rep);
+}
+
+size_t mm_draft_ctrl_max(const mm_draft *d) { return 4 + (size_t)d->n_t * 16; }
+
+size_t mm_draft_ctrl_tail(mm_draft *d, int s, uint8_t *buf) {
+    uint32_t n = 0;
+    uint8_t *c = buf + 4;
+    for (int i = 0; i < d->n_t; i++) {
+        struct rseq *r = &d->t[i];
+        if (!r->used || !r->trunc || (int)(r->id % (uint64_t)d->c.n_shards) != s)
+            continue;
+        int32_t zero = 0;
+        memcpy(c, &r->id, 8);
+        memcpy(c + 8, &r->trunc_len, 4);
+        memcpy(c + 12, &zero, 4);
+        c += 16;
+        n++;
+    }
+    if (n == 0)
+        return 0;
+    memcpy(buf, &n, 4);
+    return (size_t)(c - buf);
+}
+
+void mm_draft_ctrl_sent(mm_draft *d, int s) {
+    for (int i = 0; i < d->n_t; i++) {
+        struct rseq *r = &d->t[i];
+        if (r->used && r->trunc && (int)(r->id % (uint64_t)d->c.n_shards) == s)
+            r->trunc = false;
+    }
+}
+
+void mm_draft_verified(mm_draft *d, const Mmctl__SeqStep *q, uint32_t n_draft,
+                       uint32_t accepted, const int32_t *drafts) {
+    d->emitted += accepted + 1;
+    d->widths[n_draft <= MM_DRAFT_MAX_K ? n_draft : MM_DRAFT_MAX_K]++;
+    if (n_draft == 0)
+        return;
+    struct rseq *r = find(d, q->seq_id);
+    if (!r)
+        return;
+    memcpy(r->hist + r->len, drafts, accepted * 4);
+    r->len += (int32_t)accepted;
+    if (accepted < n_draft) {
+        r->trunc = true;
+        r->trunc_len = r->len;
+    }
+    for (uint32_t m = 0; m < n_draft && m <= accepted; m++) {
+        bool ok = m < accepted;
+        d->pos_tried[m]++;
+        d->pos_ok[m] += ok;
+        r->acc += 0.15f * ((ok ? 1.0f : 0.0f) - r->acc);
+    }
+    d->drafted += n_draft;
+    d->accepted += accepted;
+    d->verified++;
+}
+
+void mm_draft_end(mm_draft *d, uint64_t step_ns) {
+    if (d->c.max_k == 0)
+        return;
+    if (d->step_ok) {
+        double ms = (double)step_ns / 1e6;
+        double *T = &d->T[d->step_bucket][d->step_w];
+        bool *m = &d->Tm[d->step_bucket][d->step_w];
+        *T = *m ? 0.8 * *T + 0.2 * ms : ms;
+        *m = true;
+    }
+    char buf[MM_CTL_MAX_STR];
+    int n = snprintf(buf, sizeof(buf), "hub; drafting: drafted=%llu accepted=%llu emitted=%llu "
+                     "rate=%.3f mean_accepted=%.3f drafter_misses=%llu by_pos=",
+                     (unsigned long long)d->drafted, (unsigned long long)d->accepted,
+                     (unsigned long long)d->emitted,
+                     d->drafted ? (double)d->accepted / (double)d->drafted : 0.0,
+                     d->verified ? (double)d->accepted / (double)d->verified : 0.0,
+                     (unsigned long long)d->misses);
+    for (int k = 0; k < d->c.max_k && n < (int)sizeof(buf) - 32; k++)
+        n += snprintf(buf + n, sizeof(buf) - (size_t)n, "%s%.3f", k ? "/" : "",
+                      d->pos_tried[k] ? (double)d->pos_ok[k] / (double)d->pos_tried[k] : 0.0);
+    n += snprintf(buf + n, sizeof(buf) - (size_t)n, " widths=");
+    for (int k = 0; k <= d->c.max_k && n < (int)sizeof(buf) - 32; k++)
+        n += snprintf(buf + n, sizeof(buf) - (size_t)n, "%s%d:%llu", k ? "," : "", k,
+                      (unsigned long long)d->widths[k]);
+    mm_registry_set_self_detail(d->reg, buf);
+}

@@ -1,0 +1,74 @@
+// SPDX-License-Identifier: MIT
+// The router's side of speculative decoding (docs/MESH.md, Drafting): it keeps each seq's
+// committed tokens, asks the drafter for proposals before a step (one DraftRequest with a
+// deadline; a dead, late or refusing drafter means this step has no drafts), chooses each seq's
+// draft width from measured step times and acceptance, queues KV truncations of rejected draft
+// rows for the shards, and keeps the metrics.
+//
+// Design notes:
+// - Who asks whom: the router asks the drafter (its --listen control address, from the
+//   registry) because only the router sees every committed token of every seq (plans carry the
+//   inputs, results the accepted drafts) and it must know the drafts before the forward pass.
+// - Verification lives in step.c: draft rows are more rows of their seq in the same forward
+//   pass; each row's token is picked by mm_sampler_pick exactly as without drafting (greedy:
+//   argmax; sampled: the inverse CDF at u(seed, position)), and a draft is accepted while it
+//   equals the picked token. With a deterministic drafter (q one-hot) this is speculative
+//   sampling: the draft x is accepted with probability p(x) = min(1, p(x)/q(x)), and on
+//   rejection the token is distributed as p without x, renormalised (the residual
+//   max(0, p - q)); so the output is the target's distribution, and for a given seed the very
+//   tokens of plain decoding, whatever the widths.
+// - Width: per seq, the w in [0, max] maximising E[tokens](w) / T(w), where E = sum_{i<=w}
+//   a^i with a the seq's measured per-token acceptance (EMA), and T(w) the measured step time
+//   (EMA) of steps whose widest draft was w, per context-length range (log2 buckets of the
+//   longest context in the step). An unmeasured width is priced as the nearest measured one,
+//   and never below a measured narrower one. Width 0 every 32nd step becomes a probe of 1.
+// - State per tracked seq (allocated once per table slot, not per token). One thread: all
+//   calls are made under the step engine's mutex.
+#ifndef MM_ROUTER_STEP_DRAFT_H
+#define MM_ROUTER_STEP_DRAFT_H
+
+#include <stdint.h>
+
+#include "mm/ctl.h"
+#include "router.h"
+
+#define MM_DRAFT_MAX_K 8 // widest draft per seq per step
+
+typedef struct mm_draft_conf {
+    int max_k;          // --draft-max (0: drafting off)
+    int timeout_ms;     // --draft-timeout-ms
+    bool adapt;         // --draft-adapt (false: always max_k)
+    int max_rows;       // --draft-max-rows: draft rows per step
+    int max_ctx, vocab, n_shards;
+} mm_draft_conf;
+
+typedef struct mm_draft mm_draft;
+
+mm_err mm_draft_open(mm_draft **out, const mm_draft_conf *c, mm_registry *reg,
+                     char err[MM_ERRLEN]);
+void mm_draft_close(mm_draft *d); // accepts NULL
+
+// mm_draft_begin runs before a step: forgets released seqs, records each seq's input tokens,
+// and (for sampling seqs that allow it: max_draft > 0, logprobs 0, active[i]) asks the drafter.
+// Writes n_draft[i] (0..MM_DRAFT_MAX_K) and draft[i * MM_DRAFT_MAX_K ...] for each plan seq;
+// the total never exceeds room rows.
+void mm_draft_begin(mm_draft *d, const Mmctl__StepPlan *p, const bool *active, int64_t room,
+                    uint32_t *n_draft, int32_t *draft);
+
+// mm_draft_ctrl_tail writes shard s's pending truncations as the CTRL tail (u32 n, n x {u64
+// seq, i32 len, i32 0}) at buf and returns its bytes (0 when none). mm_draft_ctrl_sent marks
+// them sent once the frame went out.
+size_t mm_draft_ctrl_tail(mm_draft *d, int s, uint8_t *buf);
+void mm_draft_ctrl_sent(mm_draft *d, int s);
+size_t mm_draft_ctrl_max(const mm_draft *d); // largest tail in bytes
+
+// mm_draft_verified records seq i's outcome: accepted of n_draft drafts (the shards hold
+// n_draft rows past its inputs; the rejected ones are truncated at the next step).
+void mm_draft_verified(mm_draft *d, const Mmctl__SeqStep *q, uint32_t n_draft,
+                       uint32_t accepted, const int32_t *drafts);
+
+// mm_draft_end closes the step: its wall time feeds the width costs; metrics are published in
+// the router's status detail.
+void mm_draft_end(mm_draft *d, uint64_t step_ns);
+
+#endif

@@ -87,6 +87,7 @@ struct choice {
     float *top_lp;
     uint32_t *n_top;
     int n_lp_sent;        // stream: entries sent
+    size_t lp_off;        // stream: text_offset of the next entry
     // chat parsing
     int mode;
     size_t parsed;        // bytes of text parsed into reasoning/content/tools
@@ -780,11 +781,10 @@ static void stream_choice(struct greq *g, struct choice *c) {
         any = to > from;
     }
     if (g->want_lp && c->n_lp_sent < c->seq.n_gen) {
-        size_t off = 0;
         json_object_set_new(ch, "logprobs",
                             g->kind == API_CHAT
                                 ? chat_logprobs(g, c, c->n_lp_sent, c->seq.n_gen)
-                                : cmpl_logprobs(g, c, c->n_lp_sent, c->seq.n_gen, &off));
+                                : cmpl_logprobs(g, c, c->n_lp_sent, c->seq.n_gen, &c->lp_off));
         c->n_lp_sent = c->seq.n_gen;
         any = true;
     } else {

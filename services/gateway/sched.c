@@ -88,7 +88,9 @@ mm_err gw_sched_new(gw_sched **out, const gw_sched_conf *c, gw_mesh *mesh,
     s->mesh = mesh;
     s->ops = *ops;
     s->arg = arg;
-    s->next_base = mm_now_ns() / 1000;
+    // Ids from the start time in microseconds x 256: a restarted (or second) gateway never
+    // reuses an id the shards may still hold.
+    s->next_base = (mm_now_ns() / 1000) << 8;
     s->shard_seqs = calloc((size_t)c->shards, sizeof(*s->shard_seqs));
     s->shard_free = calloc((size_t)c->shards, sizeof(*s->shard_free));
     s->plan_seqs = calloc((size_t)c->max_step_seqs, sizeof(*s->plan_seqs));
@@ -256,8 +258,13 @@ static void kick(gw_sched *s) {
     gw_seq *q;
     while (budget > 0 && s->n_plan < s->c.max_step_seqs && (q = admit_one(s)))
         plan_add(s, q, &budget);
-    if (s->n_plan == 0 && s->n_release == 0)
+    // Releases ride with a plan that has seqs: the router only reaches the shards when a step
+    // has rows to run (services/router/step.c), so a releases-only plan would be lost. The
+    // admission accounting frees the KV at once; the shards free it before the next step runs.
+    if (s->n_plan == 0)
         return;
+    mm_log_debug("step %llu: %d seqs, %d releases", (unsigned long long)s->step_id, s->n_plan,
+                 s->n_release);
     char err[MM_ERRLEN] = "";
     mm_err rv = gw_mesh_step(s->mesh, mm_step_builder_env(s->b), s->c.step_timeout_ms, on_step,
                              s, &s->inflight, err);

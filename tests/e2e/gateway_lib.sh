@@ -52,3 +52,6 @@ jq_out() { python3 -c "import json,sys; j=json.load(open('$RUN/out.json')); prin
 expect() { # expect STATUS WHAT
     [ "$CODE" = "$1" ] || fail "$2: status $CODE, want $1: $(head -c 400 "$RUN/out.json")"
 }
+
+# hjson EXPR: a python expression over the last /health body (bound to h).
+hjson() { python3 -c "import json,sys; h=json.load(open('$RUN/health.json')); print($1)"; }

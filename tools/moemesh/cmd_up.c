@@ -54,7 +54,8 @@ static mm_opt s_opts[] = {
     {"model", MM_OPT_STR, &s_model, NULL, "model directory (config.json + *.safetensors)"},
     {"owners", MM_OPT_INT, &s_owners, "2", "expert owners to start"},
     {"attention-shards", MM_OPT_INT, &s_shards, "1", "attention shards to start"},
-    {"drafter", MM_OPT_STR, &s_drafter, NULL, "draft model directory for the drafter"},
+    {"drafter", MM_OPT_STR, &s_drafter, NULL,
+     "drafting: a draft model directory (same tokenizer as --model) or 'ngram' (prompt lookup)"},
     {"host", MM_OPT_STR, &s_host, "127.0.0.1", "gateway HTTP address"},
     {"port", MM_OPT_INT, &s_port, "8000", "gateway HTTP port"},
     {"run-dir", MM_OPT_STR, &s_run_dir, "/tmp/moemesh", "directory of the ipc sockets"},
@@ -311,6 +312,16 @@ static int run_up(int argc, char **argv) {
                         "--attention-shards >= 1, --heartbeat-ms >= 10, --restart-max-ms >= 250\n");
         mm_config_fini(&cli);
         return 2;
+    }
+    if (s_drafter && strcmp(s_drafter, "ngram") != 0) {
+        char cfgp[PATH_MAX];
+        snprintf(cfgp, sizeof(cfgp), "%s/config.json", s_drafter);
+        if (access(cfgp, R_OK) != 0) {
+            fprintf(stderr, "moemesh up: --drafter %s: no config.json there (a draft model "
+                            "directory, or 'ngram')\n", s_drafter);
+            mm_config_fini(&cli);
+            return 2;
+        }
     }
     mm_log_init("moemesh-up", (enum mm_log_level)level);
     // Block the signals before any thread exists (nng starts some), so that only the signalfd

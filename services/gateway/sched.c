@@ -234,6 +234,11 @@ static void plan_add(gw_sched *s, gw_seq *q, int *budget) {
     if (mm_step_builder_add(s->b, q->id, (uint32_t)q->pos, q->tokens + q->pos, (uint32_t)n,
                             sample, &q->sampling, q->n_top) != MM_OK)
         return;
+    if (sample && q->n_top == 0) { // drafting: the router may answer more tokens (SeqResult.more)
+        long left = (long)q->max_gen - q->n_gen - 1, room = (long)s->c.max_ctx - q->n_tokens - 1;
+        left = left < room ? left : room;
+        mm_step_builder_set_draft(s->b, left < 8 ? (left > 0 ? (uint32_t)left : 0) : 8);
+    }
     q->chunk = n;
     q->ever_planned = true;
     s->plan_seqs[s->n_plan++] = q;
@@ -342,6 +347,19 @@ static void on_step(void *arg, mm_err rv, const mm_ctl_msg *reply, const char *e
         if (!q->t_first_ns)
             q->t_first_ns = t_done_ns;
         bool more = s->ops.token(s->arg, q, r, t_done_ns);
+        // Accepted drafts: more tokens of the same step, each reported as its own result.
+        for (size_t k = 0; k < r->n_more && more && q->n_gen < q->max_gen &&
+                           q->n_tokens < s->c.max_ctx; k++) {
+            Mmctl__SeqResult x = *r;
+            x.token = r->more[k];
+            x.logprob = r->more_logprobs[k];
+            x.n_top = 0;
+            x.n_more = x.n_more_logprobs = 0;
+            q->pos++; // the previous token's KV is in the shards: it was a verified draft row
+            q->tokens[q->n_tokens++] = x.token;
+            q->n_gen++;
+            more = s->ops.token(s->arg, q, &x, t_done_ns);
+        }
         q->t_last_ns = t_done_ns; // after the call: token() sees the previous token's time
         if (!more || q->n_gen >= q->max_gen || q->n_tokens >= s->c.max_ctx)
             finish(s, q);

@@ -20,7 +20,6 @@
 struct cpu_ctx {
     mm__pool *pool;
     mm__dot_fn dot;
-    mm__dot4w_fn dot4w;
     const char *dot_name;
 };
 
@@ -69,20 +68,7 @@ static void matmul_chunk(void *arg, int64_t j0, int64_t j1) {
     float out[4];
     for (int64_t i0 = 0; i0 < m->n; i0 += m->tile) { // x tiles that stay in cache
         int64_t i1 = i0 + m->tile < m->n ? i0 + m->tile : m->n;
-        int64_t j = j0;
-        if (i1 - i0 < 4) { // few rows (decode): four weight rows per pass, same arithmetic
-            for (; j + 4 <= j1; j += 4) {
-                const void *wr4[4];
-                for (int c = 0; c < 4; c++)
-                    wr4[c] = (const char *)m->w->data + (size_t)(j + c) * row_bytes;
-                for (int64_t i = i0; i < i1; i++) {
-                    m->c->dot4w(m->w->dtype, m->x + i * m->xs, wr4, m->w->cols, out);
-                    for (int c = 0; c < 4; c++)
-                        m->y[i * m->ys + j + c] = m->bias ? out[c] + m->bias[j + c] : out[c];
-                }
-            }
-        }
-        for (; j < j1; j++) {
+        for (int64_t j = j0; j < j1; j++) {
             const void *wr = (const char *)m->w->data + (size_t)j * row_bytes;
             float b = m->bias ? m->bias[j] : 0.0f;
             for (int64_t i = i0; i < i1; i += 4) {
@@ -468,7 +454,6 @@ mm_err mm_cpu_backend_open(mm_backend *be, const mm_backend_params *p, char err[
         return mm_errf(err, rv, "cpu backend: cannot start %d worker threads", n);
     }
     c->dot = mm__dot_select(&c->dot_name);
-    c->dot4w = mm__dot4w_select();
     be->ops = &cpu_ops;
     be->ctx = c;
     be->n_threads = n;

@@ -12,12 +12,6 @@
 typedef void (*mm__dot_fn)(enum mm_dtype dt, const float *const *x, int nr, const void *w,
                            int64_t K, float *out);
 
-// out[c] = dot(x[0..K), w[c][0..K)) for c < 4: four weight rows, one activation row, each
-// result bit-identical to the mm__dot_fn one.
-typedef void (*mm__dot4w_fn)(enum mm_dtype dt, const float *x, const void *const *w, int64_t K,
-                             float *out);
-mm__dot4w_fn mm__dot4w_select(void);
-
 // mm__dot_select picks the best variant this CPU supports (once, at backend open).
 mm__dot_fn mm__dot_select(const char **name);
 // mm__wget reads element k of a weight row as f32.

@@ -12,6 +12,7 @@
 #include "mm/model.h"
 #include "mm/placement.h"
 #include "mm/sampler.h"
+#include "mm/spec.h"
 #include "mm/step.h"
 #include "mm/transport.h"
 #include "step_draft.h"
@@ -25,7 +26,8 @@ struct peer {
     int inst;
     mm_conn *conn;
     uint64_t inc;      // incarnation the conn was dialed for
-    uint64_t dead_inc; // incarnation known dead (its socket died, or it refused a dial)
+    uint64_t dead_inc; // incarnation known dead (its socket died under a link)
+    uint64_t retry_ns; // after a failed dial: no new dial before this (mm_now_ns)
     bool live;         // usable this step
     char why[MSG_LEN]; // why not live
     // per exchange
@@ -114,6 +116,8 @@ static bool peer_ensure(mm_step_engine *e, struct peer *p) {
                  "rejoin)", peer_name(p, name, sizeof(name)));
         return false;
     }
+    if (!p->conn && mm_now_ns() < p->retry_ns) // a dial just failed: fail fast, retry soon
+        return false;
     if (!p->conn) {
         if (!url[0]) {
             snprintf(p->why, sizeof(p->why), "%s joined without a --data address",
@@ -123,7 +127,7 @@ static bool peer_ensure(mm_step_engine *e, struct peer *p) {
         mm_err rv = mm_transport_dial(&p->conn, url, mm_deadline_in_ms(500), err);
         if (rv != MM_OK) {
             p->conn = NULL;
-            p->dead_inc = inc;
+            p->retry_ns = mm_now_ns() + 300000000ull;
             snprintf(p->why, sizeof(p->why), "%.60s: cannot connect to %.80s: %.100s",
                      peer_name(p, name, sizeof(name)), url, err[0] ? err : mm_strerror(rv));
             mm_log_warn("%s", p->why);
@@ -730,25 +734,14 @@ struct nng_msg *mm_step_engine_run(mm_step_engine *e, const Mmctl__StepPlan *p, 
                 mm_sampling sp;
                 mm_step_sampling_from_pb(q->sampling, &sp);
                 const int64_t at = (int64_t)q->pos + (int64_t)q->n_tokens;
-                mm_err srv = mm_sampler_pick(e->sampler, e->logits + j * e->V, &sp, at,
-                                             q->logprobs, &e->smp[i], e->seq_msg[i]);
-                // Verification: draft m is accepted while it equals the token the target picks
-                // at its position; row m + 1 (draft m's) then gives the next token, picked
-                // exactly as plain decoding would (step_draft.h).
+                // Verification of the draft rows (mm/spec.h): plain decoding's picks, drafts
+                // accepted while they equal them.
                 const int32_t *dft = e->draft + i * MM_DRAFT_MAX_K;
-                int32_t prev = e->smp[i].token;
                 uint32_t a = 0;
-                while (srv == MM_OK && a < e->n_draft[i] && prev == dft[a]) {
-                    mm_sample ms;
-                    srv = mm_sampler_pick(e->sampler, e->logits + (j + 1 + a) * e->V, &sp,
-                                          at + 1 + a, 0, &ms, e->seq_msg[i]);
-                    if (srv != MM_OK)
-                        break;
-                    e->draft_tok[i * MM_DRAFT_MAX_K + a] = ms.token;
-                    e->draft_lp[i * MM_DRAFT_MAX_K + a] = ms.logprob;
-                    prev = ms.token;
-                    a++;
-                }
+                mm_err srv = mm_spec_verify(e->sampler, e->logits + j * e->V, e->V, &sp, at,
+                                            q->logprobs, dft, e->n_draft[i], &e->smp[i],
+                                            e->draft_tok + i * MM_DRAFT_MAX_K,
+                                            e->draft_lp + i * MM_DRAFT_MAX_K, &a, e->seq_msg[i]);
                 if (srv != MM_OK) {
                     e->seq_failed[i] = true;
                     e->seq_code[i] = srv;

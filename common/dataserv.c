@@ -40,7 +40,11 @@ static void *serve(void *arg) {
     while (!atomic_load(&s->stop)) {
         mm_conn *c = NULL;
         char err[MM_ERRLEN] = "";
-        mm_err rv = mm_listener_accept(s->l, &c, mm_deadline_in_ms(100), err);
+        // A long accept deadline: a dialer that arrives near its end still gets time for the
+        // handshake, and mm_listener_shutdown wakes the accept at once when stopping.
+        uint64_t wait_ms = s->tick ? (uint64_t)s->tick_ms : 1000;
+        mm_err rv = mm_listener_accept(s->l, &c, mm_deadline_in_ms(wait_ms < 1000 ? 1000 : wait_ms),
+                                       err);
         if (s->tick && mm_now_ms() >= next_tick) {
             s->tick(s->arg);
             next_tick = mm_now_ms() + (uint64_t)s->tick_ms;

@@ -29,7 +29,8 @@ typedef void (*mm_dataserv_tick)(void *arg);
 mm_err mm_dataserv_start(mm_dataserv **out, const char *url, size_t payload_cap,
                          mm_dataserv_fn fn, mm_dataserv_tick tick, int tick_ms, void *arg,
                          char err[MM_ERRLEN]);
-// mm_dataserv_stop stops the thread (bounded by its 100 ms poll), closes everything and frees.
+// mm_dataserv_stop stops the thread (bounded by its 100 ms recv poll; an idle accept is woken
+// by mm_listener_shutdown), closes everything and frees.
 // Accepts NULL.
 void mm_dataserv_stop(mm_dataserv *s);
 

@@ -187,13 +187,13 @@ test: all test-bins
 	@BUILD=$(BUILD) bash tests/run.sh
 
 # rdma:// on soft-RoCE: boots Debian's 6.1 kernel under qemu (TCG) with rdma_rxe and runs the
-# transport conformance suite + tests/rdma there (tests/rdma/vm.sh; installs qemu-system-x86,
-# busybox-static, cpio if missing). `make test` runs the same as tests/rdma/softroce_test.sh.
+# transport conformance suite, tests/rdma and the whole mesh over rdma:// there
+# (tests/rdma/suite.sh, vm.sh; installs qemu-system-x86, busybox-static, cpio if missing).
+# `make test` runs it without the mesh as tests/rdma/softroce_test.sh.
 # BENCH=1 adds the rdma/shm/tcp rows of docs/BENCHMARKS.md; TESTS=substring filters cases.
 .PHONY: test-rdma
 test-rdma: all test-bins
-	tests/rdma/vm.sh --bin $(BUILD)/tests/rdma/rdma_test --bin $(BUILD)/tests/transport/conformance_test \
-	  --bin $(BUILD)/bin/moemesh tests/rdma/guest.sh "$(TESTS)" $(if $(BENCH),bench,nobench)
+	tests/rdma/suite.sh $(BUILD) "$(TESTS)" $(if $(BENCH),bench,nobench) mesh
 
 # Two-box rehearsal in two network namespaces (root; deploy/twobox.sh says what it shows). Exit
 # 77 there means parts did not run (printed as SKIP); make reports that as success.

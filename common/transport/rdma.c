@@ -6,7 +6,8 @@
 //
 // Design notes:
 // - Setup: a tcp:// conn (tcp.c, used through its ops table, HELLO handshake included) carries
-//   one CTRL frame each way: identity string, GID/LID, QP number, PSN, rkey, the address and
+//   one CTRL frame each way: identity string (default "moemesh-data/v1/rdma1", or ?id=),
+//   GID/LID, QP number, PSN, rkey, the address and
 //   geometry of the receive ring and of the credit word, MTU. Identities must be equal
 //   (MM_EIDENTITY names both). The dialer sends first, the acceptor answers once its QP is
 //   ready to receive (RTR), and the dialer confirms with a READY frame once it is, so
@@ -58,7 +59,6 @@
 #include <sys/eventfd.h>
 #include <unistd.h>
 
-#include "mm/build.h"
 #include "mm/log.h"
 #include "mm/transport.h"
 #include "transport_int.h"
@@ -231,7 +231,10 @@ static mm_err parse_params(const mm_url *url, struct rdma_params *p, char err[MM
     p->gid_index = -1;
     p->n_slots = DEF_SLOTS;
     p->slot_bytes = DEF_SLOT_KB << 10;
-    snprintf(p->id, sizeof(p->id), "moemesh-data/%u/%s", MM_WIRE_V1, mm_build_id());
+    // Default identity: a moemesh rdma:// endpoint of this wire version. The daemons' build,
+    // model and placement are checked by the control plane before the router dials a data
+    // URL; a deployment can pin more here with ?id= (e.g. a mesh name), which must match.
+    snprintf(p->id, sizeof(p->id), "moemesh-data/v%u/rdma1", MM_WIRE_V1);
     if (url->port < 0)
         return mm_errf(err, MM_EINVAL, "rdma URL '%s' needs a side-channel port "
                        "(rdma://HOST:PORT)", url->text);

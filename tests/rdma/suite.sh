@@ -4,11 +4,12 @@
 # boots the VM (tests/rdma/vm.sh) with the test binaries, moemesh (benchmarks, generate,
 # mesh-generate), the router/attention/expert daemons and the tiny model fixture (owner_test,
 # mesh_guest.sh), and runs tests/rdma/guest.sh there.
-#   tests/rdma/suite.sh BUILD [CASE_FILTER] [bench|nobench]
+#   tests/rdma/suite.sh BUILD [CASE_FILTER] [bench|nobench] [mesh|nomesh]
 set -u
 BUILD=${1:-build}
 FILTER=${2:-}
 BENCH=${3:-nobench}
+MESH=${4:-mesh}
 model=tests/fixtures/models/qwen3moe-tiny
 args=()
 for b in "$BUILD/tests/rdma/rdma_test" "$BUILD/tests/transport/conformance_test" \
@@ -19,4 +20,4 @@ for b in "$BUILD/tests/rdma/rdma_test" "$BUILD/tests/transport/conformance_test"
 done
 for f in config.json model.safetensors; do args+=(--file "$model/$f=/t/model/$f"); done
 args+=(--file tests/rdma/mesh_guest.sh=/t/mesh_guest.sh)
-exec tests/rdma/vm.sh --timeout "${MM_RDMA_VM_TIMEOUT:-600}" "${args[@]}" tests/rdma/guest.sh "$FILTER" "$BENCH"
+exec tests/rdma/vm.sh --timeout "${MM_RDMA_VM_TIMEOUT:-600}" "${args[@]}" tests/rdma/guest.sh "$FILTER" "$BENCH" "$MESH"

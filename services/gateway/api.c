@@ -933,8 +933,14 @@ static void on_dropped(void *arg, gw_seq *s) {
     greq_unref(g);
 }
 
-static void on_flush(void *arg, uint64_t t_done_ns) {
+static void on_flush(void *arg, uint64_t t_done_ns, uint64_t t_loop, uint64_t t_tokens,
+                     uint64_t t_sent) {
     gw_api *a = arg;
+    if (t_done_ns) {
+        gw_hist_add(&a->m.handoff, (double)(t_loop - t_done_ns) / 1e9);
+        gw_hist_add(&a->m.tokens, (double)(t_tokens - t_loop) / 1e9);
+        gw_hist_add(&a->m.plan, (double)(t_sent - t_tokens) / 1e9);
+    }
     struct greq *list = a->dirty;
     a->dirty = NULL;
     for (struct greq *g = list, *next; g; g = next) {
@@ -1830,7 +1836,7 @@ void gw_api_stop(gw_api *a) {
         uv_timer_stop(&a->health_timer);
     }
     gw_sched_stop(a->sched);
-    on_flush(a, 0);
+    on_flush(a, 0, 0, 0, 0);
 }
 
 void gw_api_free(gw_api *a) {

@@ -28,7 +28,7 @@ void gw_hist_add(gw_hist *h, double v);
 double gw_hist_quantile(const gw_hist *h, double q);
 
 typedef struct gw_metrics {
-    gw_hist ttft, itl, e2e, overhead, prompt_len, gen_len;
+    gw_hist ttft, itl, e2e, overhead, handoff, tokens, plan, prompt_len, gen_len;
     uint64_t prompt_tokens, generation_tokens;
     uint64_t req_ok[4];      // finish reasons: stop, length, tool_calls, abort (cancelled)
     uint64_t req_failed;

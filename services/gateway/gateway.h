@@ -66,7 +66,8 @@ mm_err gw_mesh_status(gw_mesh *m, int timeout_ms, gw_status_cb cb, void *arg, gw
 // the call, NULL on error) and t_done_ns, the mm_now_ns() at which nng completed the call.
 typedef void (*gw_step_cb)(void *arg, mm_err rv, const mm_ctl_msg *reply, const char *err,
                            uint64_t t_done_ns);
-// gw_mesh_step sends plan (borrowed; packed before this returns) to the router with a deadline
+// gw_mesh_step sends plan (borrowed until cb runs: the sender thread packs it) to the router
+// with a deadline
 // of timeout_ms; on MM_OK cb runs exactly once later on the loop (unless detached).
 mm_err gw_mesh_step(gw_mesh *m, mm_ctl_msg *plan, int timeout_ms, gw_step_cb cb, void *arg,
                     gw_call **call, char err[MM_ERRLEN]);
@@ -151,8 +152,11 @@ typedef struct gw_sched_ops {
     void (*fail)(void *arg, gw_seq *s, mm_err code, const char *msg);
     // dropped: the scheduler holds no reference to s any more (after finish, fail or cancel).
     void (*dropped)(void *arg, gw_seq *s);
-    // flush: a step's results were delivered and the next plan is on its way.
-    void (*flush)(void *arg, uint64_t t_done_ns);
+    // flush: a step's results were delivered and the next plan is on its way. Times (mm_now_ns):
+    // t_done the StepResult's arrival (nng thread), t_loop when the loop took it up, t_tokens
+    // when every token was delivered, t_sent when the next plan had been handed to nng.
+    void (*flush)(void *arg, uint64_t t_done, uint64_t t_loop, uint64_t t_tokens,
+                  uint64_t t_sent);
 } gw_sched_ops;
 
 typedef struct gw_sched_stats {

@@ -22,6 +22,11 @@ struct gw_call {
     gw_step_cb step_cb;   // or a step call
     void *arg;
     uint64_t t_done_ns;   // when nng completed the call (mm_now_ns, on the nng thread)
+    // step calls start on the sender thread: the plan (borrowed) and a start failure
+    mm_ctl_msg *plan;
+    int timeout_ms;
+    mm_err start_rv;
+    char start_err[MM_ERRLEN];
     bool detached;    // loop thread only
     gw_call *next;    // in mesh->done, under mesh->mu
 };
@@ -34,6 +39,12 @@ struct gw_mesh {
     pthread_mutex_t mu; // guards done
     gw_call *done;
     int n_inflight;     // loop thread only
+    // The sender thread hands step plans to nng (packing and nng_ctx_send cost about 100 us
+    // on the 2-core VM), so the loop writes the last step's tokens to the clients meanwhile.
+    pthread_t sender;
+    bool sender_running, sender_stop;
+    pthread_cond_t cv;  // under mu
+    gw_call *to_send;   // under mu: at most one step plan waiting for the sender
 };
 
 static void on_nng_done(mm_ctl_async *a, void *arg) {
@@ -52,7 +63,9 @@ static void finish(gw_call *c) {
     gw_mesh *m = c->mesh;
     mm_ctl_msg *reply = NULL;
     char err[MM_ERRLEN] = "";
-    mm_err rv = mm_ctl_async_result(c->async, &reply, err);
+    mm_err rv = c->async ? mm_ctl_async_result(c->async, &reply, err) : c->start_rv;
+    if (!c->async)
+        snprintf(err, sizeof(err), "%s", c->start_err);
     if (!c->detached && c->step_cb) {
         c->step_cb(c->arg, rv, rv == MM_OK ? reply : NULL, err, c->t_done_ns);
     } else if (!c->detached) {
@@ -84,6 +97,32 @@ static void on_wake(uv_async_t *h) {
     }
 }
 
+static void *sender_main(void *arg) {
+    gw_mesh *m = arg;
+    pthread_mutex_lock(&m->mu);
+    for (;;) {
+        while (!m->to_send && !m->sender_stop)
+            pthread_cond_wait(&m->cv, &m->mu);
+        if (m->sender_stop && !m->to_send)
+            break;
+        gw_call *c = m->to_send;
+        m->to_send = NULL;
+        pthread_mutex_unlock(&m->mu);
+        c->start_rv = m->sender_stop ? MM_ECLOSED
+                                     : mm_ctl_call_start(m->client, c->plan, c->timeout_ms,
+                                                         on_nng_done, c, &c->async, c->start_err);
+        if (c->start_rv != MM_OK) {
+            if (m->sender_stop)
+                snprintf(c->start_err, sizeof(c->start_err), "the gateway is shutting down");
+            c->async = NULL;
+            on_nng_done(NULL, c); // completes through the loop like any failed call
+        }
+        pthread_mutex_lock(&m->mu);
+    }
+    pthread_mutex_unlock(&m->mu);
+    return NULL;
+}
+
 mm_err gw_mesh_open(gw_mesh **out, uv_loop_t *loop, const char *router_url, char err[MM_ERRLEN]) {
     *out = NULL;
     gw_mesh *m = calloc(1, sizeof(*m));
@@ -100,6 +139,13 @@ mm_err gw_mesh_open(gw_mesh **out, uv_loop_t *loop, const char *router_url, char
     uv_async_init(loop, &m->wake, on_wake);
     m->wake.data = m;
     m->wake_open = true;
+    pthread_cond_init(&m->cv, NULL);
+    // MM_GATEWAY_SEND_THREAD=1 hands plans to a sender thread, so that packing and nng's send
+    // overlap the loop's socket writes. Off by default: on the 2-vCPU VM under load the thread
+    // wake-up cost more than the send it moved (docs/BENCHMARKS.md, gateway overhead).
+    const char *st = getenv("MM_GATEWAY_SEND_THREAD");
+    if (st && st[0] == '1' && pthread_create(&m->sender, NULL, sender_main, m) == 0)
+        m->sender_running = true;
     *out = m;
     return MM_OK;
 }
@@ -136,10 +182,21 @@ mm_err gw_mesh_step(gw_mesh *m, mm_ctl_msg *plan, int timeout_ms, gw_step_cb cb,
     c->mesh = m;
     c->step_cb = cb;
     c->arg = arg;
-    mm_err rv = mm_ctl_call_start(m->client, plan, timeout_ms, on_nng_done, c, &c->async, err);
-    if (rv != MM_OK) {
-        free(c);
-        return rv;
+    c->plan = plan;
+    c->timeout_ms = timeout_ms;
+    if (!m->sender_running) {
+        mm_err rv = mm_ctl_call_start(m->client, plan, timeout_ms, on_nng_done, c, &c->async,
+                                      err);
+        if (rv != MM_OK) {
+            free(c);
+            return rv;
+        }
+    } else {
+        pthread_mutex_lock(&m->mu);
+        MM_ASSERT(m->to_send == NULL); // one step in flight at a time (sched.c)
+        m->to_send = c;
+        pthread_cond_signal(&m->cv);
+        pthread_mutex_unlock(&m->mu);
     }
     m->n_inflight++;
     *call = c;
@@ -155,9 +212,21 @@ void gw_mesh_abort(gw_mesh *m) {
         mm_ctl_client_abort(m->client);
 }
 
+static void sender_join(gw_mesh *m) {
+    if (!m->sender_running)
+        return;
+    pthread_mutex_lock(&m->mu);
+    m->sender_stop = true;
+    pthread_cond_signal(&m->cv);
+    pthread_mutex_unlock(&m->mu);
+    pthread_join(m->sender, NULL);
+    m->sender_running = false;
+}
+
 void gw_mesh_close(gw_mesh *m) {
     if (!m)
         return;
+    sender_join(m); // a plan still waiting completes with MM_ECLOSED
     mm_ctl_client_abort(m->client);
     // Every call in flight now completes with MM_ECLOSED on an nng thread; collect them here
     // (the loop is no longer running), bounded in case nng misbehaves.
@@ -184,7 +253,9 @@ void gw_mesh_close(gw_mesh *m) {
 void gw_mesh_free(gw_mesh *m) {
     if (!m)
         return;
+    sender_join(m);
     mm_ctl_client_close(m->client);
+    pthread_cond_destroy(&m->cv);
     pthread_mutex_destroy(&m->mu);
     free(m);
 }

@@ -48,6 +48,9 @@ void gw_metrics_init(gw_metrics *m) {
     gw_hist_init(&m->e2e, k_lat, (int)(sizeof(k_lat) / sizeof(k_lat[0])));
     gw_hist_init(&m->itl, k_itl, (int)(sizeof(k_itl) / sizeof(k_itl[0])));
     gw_hist_init(&m->overhead, k_ovh, (int)(sizeof(k_ovh) / sizeof(k_ovh[0])));
+    gw_hist_init(&m->handoff, k_ovh, (int)(sizeof(k_ovh) / sizeof(k_ovh[0])));
+    gw_hist_init(&m->tokens, k_ovh, (int)(sizeof(k_ovh) / sizeof(k_ovh[0])));
+    gw_hist_init(&m->plan, k_ovh, (int)(sizeof(k_ovh) / sizeof(k_ovh[0])));
     gw_hist_init(&m->prompt_len, k_len, (int)(sizeof(k_len) / sizeof(k_len[0])));
     gw_hist_init(&m->gen_len, k_len, (int)(sizeof(k_len) / sizeof(k_len[0])));
 }
@@ -149,6 +152,15 @@ int gw_metrics_route(void *arg, h2o_req_t *req) {
     hist(&o, "gateway_token_overhead_seconds",
          "Gateway time per delivery: the router's StepResult arrival (nng) to the client socket "
          "write.", lab, &m->overhead);
+    hist(&o, "gateway_step_handoff_seconds",
+         "Per step: StepResult arrival on the nng thread to the loop taking it up.", lab,
+         &m->handoff);
+    hist(&o, "gateway_step_tokens_seconds",
+         "Per step: delivering its tokens to the requests (detokenize, stop strings, events).",
+         lab, &m->tokens);
+    hist(&o, "gateway_step_plan_seconds",
+         "Per step: building and handing the next StepPlan to nng (before any socket write).",
+         lab, &m->plan);
     char *copy = h2o_mem_alloc_pool(&req->pool, o.len ? o.len : 1);
     memcpy(copy, o.p, o.len);
     free(o.p);

@@ -293,6 +293,7 @@ static void fail_seq(gw_sched *s, gw_seq *q, mm_err code, const char *msg) {
 static void on_step(void *arg, mm_err rv, const mm_ctl_msg *reply, const char *err,
                     uint64_t t_done_ns) {
     gw_sched *s = arg;
+    uint64_t t_loop = mm_now_ns();
     s->inflight = NULL;
     s->steps++;
     char msg[MM_ERRLEN] = "";
@@ -365,8 +366,9 @@ static void on_step(void *arg, mm_err rv, const mm_ctl_msg *reply, const char *e
             finish(s, q);
     }
     s->n_plan = 0;
+    uint64_t t_tokens = mm_now_ns();
     kick(s);
-    s->ops.flush(s->arg, t_done_ns);
+    s->ops.flush(s->arg, t_done_ns, t_loop, t_tokens, mm_now_ns());
 }
 
 void gw_sched_stop(gw_sched *s) {

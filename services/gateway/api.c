@@ -147,7 +147,7 @@ struct gw_api {
     bool timers_open;
     // mesh health as last seen
     bool mesh_ok;
-    char mesh_why[MM_ERRLEN];
+    char mesh_why[MM_ERRLEN + 32]; // room for "router unreachable: " + an mm_err text
     gw_call *health_call;
     bool stopping;
 };

@@ -385,11 +385,12 @@ struct mm_model_scratch {
     float *acc, *alpha, *sgate;             // combine / shared gate
     int32_t *pos_d, *seq_d, *idx_d, *idx2_d; // backend int arrays
     int32_t *ids_d;
-    float *w_d;
     // engine (mm_model_forward)
     float *h, *x, *xin, *yout, *eo, *sh, *hn;
     int32_t *ids, *cnt, *slot_list, *row_list, *want_idx; // host
     float *wts;                                           // host
+    int32_t *offs2;                                       // host (E+1): a chunk's offsets
+    int32_t *rt;                                          // host (2, R, K): routing result
 };
 
 static mm_err sbuf(mm_model_scratch *s, size_t n_bytes, void **out) {
@@ -412,6 +413,8 @@ void mm_model_scratch_free(mm_model_scratch *s) {
     free(s->row_list);
     free(s->want_idx);
     free(s->wts);
+    free(s->offs2);
+    free(s->rt);
     free(s);
 }
 
@@ -460,14 +463,13 @@ mm_err mm_model_scratch_new(mm_model_scratch **out, const mm_model *m, int64_t m
     F32(f, R * ff);
     F32(rl, R * E);
     F32(acc, R * D);
-    F32(alpha, R);
+    F32(alpha, R * K); // combine: rank r's weights at alpha + r * n
     F32(sgate, R);
     F32(pos_d, R);
     F32(seq_d, R);
     F32(idx_d, R * (H > K ? H : K));
     F32(idx2_d, R * K);
-    F32(ids_d, R * K);
-    F32(w_d, R * K);
+    F32(ids_d, 2 * R * K); // gate: ids (n, K) then their weights (n, K), read in one get
     F32(h, R * D);
     F32(x, R * D);
     F32(xin, R * D);
@@ -482,7 +484,10 @@ mm_err mm_model_scratch_new(mm_model_scratch **out, const mm_model *m, int64_t m
     s->slot_list = malloc(R * K * 4);
     s->row_list = malloc(R * (K > H ? K : H) * 4);
     s->want_idx = malloc(R * 4);
-    if (!s->ids || !s->wts || !s->cnt || !s->slot_list || !s->row_list || !s->want_idx) {
+    s->offs2 = malloc((E + 1) * 4);
+    s->rt = malloc(2 * R * K * 4);
+    if (!s->ids || !s->wts || !s->cnt || !s->slot_list || !s->row_list || !s->want_idx ||
+        !s->offs2 || !s->rt) {
         rv = MM_ENOMEM;
         goto fail;
     }
@@ -641,9 +646,14 @@ mm_err mm_model_gate(const mm_model *m, mm_model_scratch *s, int layer, const fl
     MM_TRY(OPS->matmul(CTX, &L->router, NULL, x, c->d_model, s->rl, c->n_experts, n));
     struct mm_route_params rp = c->route;
     rp.bias = L->e_bias;
-    MM_TRY(OPS->route(CTX, &rp, s->rl, c->n_experts, n, s->ids_d, s->w_d));
-    MM_TRY(OPS->get(CTX, ids, s->ids_d, (size_t)(n * c->top_k) * 4));
-    return OPS->get(CTX, weights, s->w_d, (size_t)(n * c->top_k) * 4);
+    // ids and weights side by side in one backend buffer: one get (one stream drain on a
+    // device) brings both back
+    const size_t nk = (size_t)(n * c->top_k);
+    MM_TRY(OPS->route(CTX, &rp, s->rl, c->n_experts, n, s->ids_d, (float *)(s->ids_d + nk)));
+    MM_TRY(OPS->get(CTX, s->rt, s->ids_d, 2 * nk * 4));
+    memcpy(ids, s->rt, nk * 4);
+    memcpy(weights, s->rt + nk, nk * 4);
+    return MM_OK;
 }
 
 static mm_err swiglu_mlp(const mm_model *m, mm_model_scratch *s, const mm_weight *g,
@@ -665,6 +675,32 @@ mm_err mm_model_expert_forward(const mm_model *m, mm_model_scratch *s, int layer
         return MM_OK;
     const struct layer *L = &m->layers[layer];
     return swiglu_mlp(m, s, &L->eg[expert], &L->eu[expert], &L->ed[expert], x, n, out);
+}
+
+mm_err mm_model_experts_forward(const mm_model *m, mm_model_scratch *s, int layer,
+                                const int32_t *offs, const float *x, int64_t n, float *out) {
+    const int E = m->c.n_experts;
+    if (!mm_model_layer_is_moe(m, layer) || !offs || offs[0] != 0 || offs[E] != n)
+        return MM_EINVAL;
+    MM_TRY(check_rows(s, n));
+    for (int e = 0; e < E; e++)
+        if (offs[e + 1] < offs[e])
+            return MM_EINVAL;
+    if (n == 0)
+        return MM_OK;
+    const struct layer *L = &m->layers[layer];
+    const int64_t D = m->c.d_model, F = m->c.d_ff_expert;
+    if (!OPS->moe_matmul) { // one expert at a time: the same per-row arithmetic
+        for (int e = 0; e < E; e++)
+            if (offs[e + 1] > offs[e])
+                MM_TRY(swiglu_mlp(m, s, &L->eg[e], &L->eu[e], &L->ed[e], x + offs[e] * D,
+                                  offs[e + 1] - offs[e], out + offs[e] * D));
+        return MM_OK;
+    }
+    MM_TRY(OPS->moe_matmul(CTX, L->eg, offs, E, x, D, s->g, F, n));
+    MM_TRY(OPS->moe_matmul(CTX, L->eu, offs, E, x, D, s->u, F, n));
+    MM_TRY(OPS->swiglu(CTX, s->g, F, s->u, F, s->f, F, n, F));
+    return OPS->moe_matmul(CTX, L->ed, offs, E, s->f, F, out, D, n);
 }
 
 mm_err mm_model_shared_forward(const mm_model *m, mm_model_scratch *s, int layer,
@@ -697,12 +733,15 @@ mm_err mm_model_combine(const mm_model *m, mm_model_scratch *s, int layer, float
     if (n == 0)
         return MM_OK;
     MM_TRY(OPS->fill(CTX, s->acc, 0.0f, n * D));
-    for (int r = 0; r < k; r++) { // canonical order: top-k rank
+    // the weights by rank (column r at wts + r * n), copied to the backend once
+    for (int r = 0; r < k; r++)
         for (int64_t i = 0; i < n; i++)
-            s->wts[i] = weights[i * k + r];
-        MM_TRY(OPS->set(CTX, s->alpha, s->wts, (size_t)n * 4));
-        MM_TRY(OPS->axpy(CTX, s->alpha, expert_out + r * D, (int64_t)k * D, s->acc, D, n, D));
-    }
+            s->wts[r * n + i] = weights[i * k + r];
+    if (k > 0)
+        MM_TRY(OPS->set(CTX, s->alpha, s->wts, (size_t)(n * k) * 4));
+    for (int r = 0; r < k; r++) // canonical order: top-k rank
+        MM_TRY(OPS->axpy(CTX, s->alpha + r * n, expert_out + r * D, (int64_t)k * D, s->acc, D,
+                         n, D));
     if (shared)
         MM_TRY(OPS->axpy(CTX, NULL, shared, D, s->acc, D, n, D));
     return OPS->axpy(CTX, NULL, s->acc, D, h, D, n, D);
@@ -721,8 +760,9 @@ mm_err mm_model_head(const mm_model *m, mm_model_scratch *s, const float *x, int
 }
 
 // ---- engine ---------------------------------------------------------------------------------
-// MoE FFN of one layer on the engine's rows: route, run each hit expert once on its rows
-// (gathered in row order), scatter outputs to (row, rank) slots, then combine.
+// MoE FFN of one layer on the engine's rows: route (one read of the routing result), sort the
+// (row, rank) slots by expert, run all of them through mm_model_experts_forward (one grouped
+// product per projection where the backend has one), scatter outputs to the slots, combine.
 static mm_err moe_layer(const mm_model *m, mm_model_scratch *s, int l, int64_t n) {
     const mm_model_config *c = &m->c;
     const int K = c->top_k, E = c->n_experts;
@@ -743,17 +783,21 @@ static mm_err moe_layer(const mm_model *m, mm_model_scratch *s, int l, int64_t n
     for (int e = E; e > 0; e--)
         s->cnt[e] = s->cnt[e - 1];
     s->cnt[0] = 0;
-    for (int e = 0; e < E; e++) {
-        int32_t b = s->cnt[e], end = s->cnt[e + 1];
-        if (end == b)
-            continue;
-        int64_t ne = end - b;
+    // all routed slots at once, in chunks of at most max_rows sorted slots: gather their x
+    // rows, run every expert's rows in one stage call, scatter to the (row, rank) slots
+    for (int64_t c0 = 0; c0 < n * K; c0 += s->max_rows) {
+        const int64_t c1 = c0 + s->max_rows < n * K ? c0 + s->max_rows : n * K, ne = c1 - c0;
+        for (int e = 0; e <= E; e++) {
+            int64_t o = s->cnt[e] < c0 ? c0 : s->cnt[e] > c1 ? c1 : s->cnt[e];
+            s->offs2[e] = (int32_t)(o - c0);
+        }
+        s->offs2[0] = 0, s->offs2[E] = (int32_t)ne;
         for (int64_t i = 0; i < ne; i++)
-            s->row_list[i] = s->slot_list[b + i] / K;
+            s->row_list[i] = s->slot_list[c0 + i] / K;
         MM_TRY(OPS->set(CTX, s->idx_d, s->row_list, (size_t)ne * 4));
-        MM_TRY(OPS->set(CTX, s->idx2_d, s->slot_list + b, (size_t)ne * 4));
+        MM_TRY(OPS->set(CTX, s->idx2_d, s->slot_list + c0, (size_t)ne * 4));
         MM_TRY(OPS->copy_rows(CTX, s->x, D, s->idx_d, s->xin, D, NULL, ne, D));
-        MM_TRY(mm_model_expert_forward(m, s, l, e, s->xin, ne, s->yout));
+        MM_TRY(mm_model_experts_forward(m, s, l, s->offs2, s->xin, ne, s->yout));
         MM_TRY(OPS->copy_rows(CTX, s->yout, D, NULL, s->eo, D, s->idx2_d, ne, D));
     }
     if (m->layers[l].has_shared)

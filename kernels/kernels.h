@@ -222,6 +222,17 @@ struct mm_backend_ops {
 
     // fill: x[i] = value for i < n.
     mm_err (*fill)(void *ctx, float *x, float value, int64_t n);
+
+    // moe_matmul (optional; NULL: call matmul once per expert with rows): the grouped expert
+    // product, all of a layer's routed rows in one call. Rows of x are sorted by expert:
+    // expert e owns rows [offs[e], offs[e+1]) (offs (host): n_experts+1 int32, offs[0] == 0,
+    // offs[n_experts] == n_rows, non-decreasing). experts (host array of n_experts) are
+    // weights of one shape (rows, cols) and dtype; an expert with no rows may have data NULL.
+    // y[i, :] = W_e x[i, :] with exactly the bits matmul gives that row (see Exactness), so a
+    // grouped call and per-expert calls are interchangeable. No bias.
+    mm_err (*moe_matmul)(void *ctx, const mm_weight *experts, const int32_t *offs,
+                         int n_experts, const float *x, int64_t x_stride, float *y,
+                         int64_t y_stride, int64_t n_rows);
 };
 
 // A backend instance: the table plus its context. Not thread-safe (one issuing thread).

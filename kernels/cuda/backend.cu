@@ -19,10 +19,22 @@
 #include "kernels.h"
 #include "mm_gpu.h"
 
+// Grouped expert products copy their expert pointer table and row offsets to the device in
+// one copy per call, into one of MOE_SLOTS staging slots used in turn (a slot is rewritten
+// only after the stream has run the launches that read it: copies and launches share the
+// stream). The host staging is pageable memory, so the runtime has read it when the copy
+// returns (see gpu_set) and it can be rewritten at once.
+#define MOE_SLOTS 8
+
 struct gpu_ctx {
     int dev;
     cudaStream_t stream;
     int *d_err; // device word: bit 1 = an op met a bad index
+    // moe_matmul staging: slot = moe_cap pointers then moe_cap + 1 int32 offsets
+    int moe_cap;         // experts a slot holds (0: not allocated yet)
+    size_t moe_slot;     // bytes per slot (multiple of 256)
+    int moe_next;        // next slot to use
+    char *d_moe, *h_moe; // MOE_SLOTS slots on the device; one slot on the host
 };
 
 #define CTX(c) struct gpu_ctx *g = (struct gpu_ctx *)(c)
@@ -52,6 +64,9 @@ static void gpu_close(void *ctx) {
     }
     if (g->d_err != NULL)
         (void)cudaFree(g->d_err);
+    if (g->d_moe != NULL)
+        (void)cudaFree(g->d_moe);
+    free(g->h_moe);
     free(g);
 }
 
@@ -118,6 +133,69 @@ static mm_err gpu_matmul(void *ctx, const mm_weight *w, const float *bias, const
     ON_DEVICE();
     return mm_gpu_matmul(g->stream, w->dtype, w->data, (int)w->rows, (int)w->cols, bias, x, x_stride,
                          y, y_stride, (int)n_rows, MM_GPU_PATH_AUTO);
+}
+
+// Grows the staging to hold n experts; allocates only when a layer has more experts than
+// any before (once per model in practice), after draining the stream (slots may be in use).
+static mm_err moe_staging(struct gpu_ctx *g, int n) {
+    if (n <= g->moe_cap)
+        return MM_OK;
+    size_t slot = ((size_t)n * sizeof(void *) + ((size_t)n + 1) * 4 + 255) & ~(size_t)255;
+    char *h = (char *)malloc(slot);
+    if (h == NULL)
+        return MM_ENOMEM;
+    char *d = NULL;
+    cudaError_t e = cudaStreamSynchronize(g->stream);
+    if (e == cudaSuccess)
+        e = cudaMalloc((void **)&d, slot * MOE_SLOTS);
+    if (e != cudaSuccess) {
+        free(h);
+        mm_log_error("gpu: moe_matmul staging for %d experts: %s", n, cudaGetErrorString(e));
+        return MM_EDEVICE;
+    }
+    if (g->d_moe != NULL)
+        (void)cudaFree(g->d_moe);
+    free(g->h_moe);
+    g->d_moe = d, g->h_moe = h, g->moe_cap = n, g->moe_slot = slot, g->moe_next = 0;
+    return MM_OK;
+}
+
+static mm_err gpu_moe_matmul(void *ctx, const mm_weight *experts, const int32_t *offs,
+                             int n_experts, const float *x, int64_t x_stride, float *y,
+                             int64_t y_stride, int64_t n_rows) {
+    CTX(ctx);
+    if (experts == NULL || offs == NULL || n_experts <= 0 || x == NULL || y == NULL ||
+        n_rows < 0 || n_rows > INT32_MAX || offs[0] != 0 || offs[n_experts] != n_rows)
+        return MM_EINVAL;
+    if (n_rows == 0)
+        return MM_OK;
+    const mm_weight *w0 = NULL; // shape and dtype: the first expert with rows
+    for (int e = 0; e < n_experts; e++) {
+        if (offs[e + 1] < offs[e])
+            return MM_EINVAL;
+        if (offs[e + 1] > offs[e]) {
+            if (!weight_ok(&experts[e]))
+                return MM_EINVAL;
+            if (w0 == NULL)
+                w0 = &experts[e];
+            else if (experts[e].rows != w0->rows || experts[e].cols != w0->cols ||
+                     experts[e].dtype != w0->dtype)
+                return MM_EINVAL;
+        }
+    }
+    ON_DEVICE();
+    MM_TRY(moe_staging(g, n_experts));
+    const void **hp = (const void **)g->h_moe;
+    for (int e = 0; e < n_experts; e++)
+        hp[e] = offs[e + 1] > offs[e] ? experts[e].data : NULL;
+    const size_t pb = (size_t)n_experts * sizeof(void *), ob = ((size_t)n_experts + 1) * 4;
+    memcpy(g->h_moe + pb, offs, ob);
+    char *d = g->d_moe + (size_t)g->moe_next * g->moe_slot;
+    g->moe_next = (g->moe_next + 1) % MOE_SLOTS;
+    MM_GPU_CHECK(cudaMemcpyAsync(d, g->h_moe, pb + ob, cudaMemcpyHostToDevice, g->stream));
+    return mm_gpu_moe_matmul(g->stream, w0->dtype, (const void *const *)d,
+                             (const int32_t *)(d + pb), n_experts, (int)w0->rows, (int)w0->cols,
+                             x, x_stride, y, y_stride, (int)n_rows, MM_GPU_PATH_AUTO);
 }
 
 static mm_err gpu_rmsnorm(void *ctx, const mm_weight *w, float eps, const float *x, int64_t xs,
@@ -214,6 +292,7 @@ static const struct mm_backend_ops gpu_ops = {
     .sigmoid = gpu_sigmoid,
     .copy_rows = gpu_copy_rows,
     .fill = gpu_fill,
+    .moe_matmul = gpu_moe_matmul,
 };
 
 extern "C" mm_err mm_cuda_backend_open(mm_backend *be, const mm_backend_params *p,

@@ -256,6 +256,26 @@ static void moe_case(int n_experts, int n_rows, int n_in, int n_out) {
     if (memcmp(y, y_ref, (size_t)n_rows * n_out * 4) != 0)
         MM_TEST_FAIL_("grouped product (%d experts, %d rows) differs from per-expert products",
                       n_experts, n_rows);
+    // the same through the backend table (host weight views and offsets)
+    if (gpu->ops->moe_matmul) {
+        mm_weight *wv = calloc((size_t)n_experts, sizeof(mm_weight));
+        for (int e = 0; e < n_experts; e++)
+            wv[e] = (mm_weight){.dtype = MM_DTYPE_BF16, .rows = n_out, .cols = n_in,
+                                .data = cnt[e] ? dws[e] : NULL};
+        MM_PASS(gpu->ops->fill(gpu->ctx, dy, NAN, (int64_t)n_rows * n_out));
+        MM_PASS(gpu->ops->moe_matmul(gpu->ctx, wv, offs, n_experts, dx, n_in, dy, n_out, n_rows));
+        float *y2 = gpu_get(dy, (size_t)n_rows * n_out * 4);
+        if (memcmp(y2, y_ref, (size_t)n_rows * n_out * 4) != 0)
+            MM_TEST_FAIL_("table moe_matmul (%d experts, %d rows) differs from per-expert products",
+                          n_experts, n_rows);
+        offs[n_experts] += 1; // offsets that do not end at n_rows are refused
+        MM_EQ(gpu->ops->moe_matmul(gpu->ctx, wv, offs, n_experts, dx, n_in, dy, n_out, n_rows),
+              MM_EINVAL);
+        offs[n_experts] -= 1;
+        free(wv), free(y2);
+    } else {
+        MM_TEST_FAIL_("the CUDA backend table has no moe_matmul");
+    }
     printf("grouped %d experts x %d rows (%dx%d): bit-identical\n", n_experts, n_rows, n_in, n_out);
     for (int e = 0; e < n_experts; e++) {
         gpu_free(dws[e]);

@@ -157,6 +157,13 @@ mm_err mm_model_gate(const mm_model *m, mm_model_scratch *s, int layer, const fl
 // contiguous rows x (n, d_model). Pure per row.
 mm_err mm_model_expert_forward(const mm_model *m, mm_model_scratch *s, int layer, int expert,
                                const float *x, int64_t n, float *out);
+// out (n, d_model) = the routed experts of layer on rows sorted by expert: expert e's rows are
+// x rows [offs[e], offs[e+1]) (offs host, n_experts+1 int32, offs[0] == 0, offs[n_experts] ==
+// n, non-decreasing). Each row's bits equal mm_model_expert_forward's for that row and expert.
+// Uses the backend's grouped product (moe_matmul: 3 products for the whole layer) when it has
+// one, else one expert at a time. The engine calls this; an owner may call either.
+mm_err mm_model_experts_forward(const mm_model *m, mm_model_scratch *s, int layer,
+                                const int32_t *offs, const float *x, int64_t n, float *out);
 // Whether layer has a shared path: shared expert(s) on an MoE layer, the MLP on a dense one.
 bool mm_model_layer_has_shared(const mm_model *m, int layer);
 // out (n, d_model) = shared experts (times sigmoid gate for Qwen2-MoE) or the dense MLP.

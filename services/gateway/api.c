@@ -25,6 +25,7 @@
 #include <time.h>
 
 #include "api.h"
+#include "parse.h"
 #include "mm/json.h"
 #include "mm/log.h"
 #include "mm/model.h"
@@ -38,36 +39,6 @@
 
 enum { API_COMPLETION, API_CHAT };
 enum { FIN_NONE, FIN_STOP, FIN_LENGTH, FIN_TOOLS };
-enum { MODE_CONTENT, MODE_THINK, MODE_TOOL };
-
-struct sbuf {
-    char *p;
-    size_t len, cap;
-};
-
-static bool sb_reserve(struct sbuf *b, size_t more) {
-    if (b->len + more + 1 <= b->cap)
-        return true;
-    size_t cap = b->cap ? b->cap : 256;
-    while (cap < b->len + more + 1)
-        cap *= 2;
-    char *p = realloc(b->p, cap);
-    if (!p)
-        return false;
-    b->p = p;
-    b->cap = cap;
-    return true;
-}
-
-static void sb_add(struct sbuf *b, const char *s, size_t n) {
-    if (!n || !sb_reserve(b, n))
-        return;
-    memcpy(b->p + b->len, s, n);
-    b->len += n;
-    b->p[b->len] = 0;
-}
-
-static void sb_adds(struct sbuf *b, const char *s) { sb_add(b, s, strlen(s)); }
 
 struct greq;
 
@@ -76,7 +47,7 @@ struct choice {
     struct greq *g;
     int prompt_index;
     mm_detok_stream ds;
-    struct sbuf text;     // visible generated text (cut at a stop string)
+    gw_buf text;     // visible generated text (cut at a stop string)
     size_t safe;          // bytes of text that are final
     size_t sent;          // completions stream: bytes of text sent
     int finish;
@@ -89,11 +60,8 @@ struct choice {
     int n_lp_sent;        // stream: entries sent
     size_t lp_off;        // stream: text_offset of the next entry
     // chat parsing
-    int mode;
-    size_t parsed;        // bytes of text parsed into reasoning/content/tools
-    struct sbuf reasoning, content, tool_text;
+    gw_chat_parse cp;
     size_t r_sent, c_sent;
-    json_t *tool_calls;   // array (owned)
     size_t tools_sent;
     bool role_sent;
 };
@@ -119,7 +87,7 @@ struct greq {
     int fail_status;
     char fail_msg[MM_ERRLEN];
     mm_err fail_code;
-    struct sbuf pend, flight;
+    gw_buf pend, flight;
     char id[48];
     long long created;
     uint64_t t_arrive_ns, t_last_write_ns, t_tok_done_ns;
@@ -216,7 +184,7 @@ static json_t *utf8_json(const char *s, size_t n) {
     json_t *j = json_stringn(s, n);
     if (j)
         return j;
-    struct sbuf b = {0};
+    gw_buf b = {0};
     size_t i = 0;
     while (i < n) {
         unsigned char c = (unsigned char)s[i];
@@ -226,10 +194,10 @@ static json_t *utf8_json(const char *s, size_t n) {
         for (size_t k = 1; ok && k < len; k++)
             ok = ((unsigned char)s[i + k] & 0xC0) == 0x80;
         if (ok) {
-            sb_add(&b, s + i, len);
+            gw_buf_add(&b, s + i, len);
             i += len;
         } else {
-            sb_adds(&b, "\xEF\xBF\xBD");
+            gw_buf_adds(&b, "\xEF\xBF\xBD");
             i++;
         }
     }
@@ -283,10 +251,7 @@ static void greq_free(struct greq *g) {
         struct choice *c = &g->ch[i];
         mm_detok_stream_fini(&c->ds);
         free(c->text.p);
-        free(c->reasoning.p);
-        free(c->content.p);
-        free(c->tool_text.p);
-        json_decref(c->tool_calls);
+        gw_chat_parse_fini(&c->cp);
         free(c->lp);
         free(c->top_id);
         free(c->top_lp);
@@ -385,7 +350,7 @@ static void flush_stream(struct greq *g) {
     }
     if (g->pend.len == 0)
         return;
-    struct sbuf t = g->flight;
+    gw_buf t = g->flight;
     g->flight = g->pend;
     g->pend = t;
     g->pend.len = 0;
@@ -400,7 +365,7 @@ static void end_stream(struct greq *g, const char *tail) {
     if (!g->req || g->final_sent)
         return;
     start_stream(g);
-    sb_adds(&g->pend, tail);
+    gw_buf_adds(&g->pend, tail);
     g->ending = true;
     flush_stream(g); // now, or from proceed when a write is in flight
 }
@@ -410,9 +375,9 @@ static void sse_event(struct greq *g, json_t *obj) {
     json_decref(obj);
     if (!s)
         return;
-    sb_adds(&g->pend, "data: ");
-    sb_adds(&g->pend, s);
-    sb_adds(&g->pend, "\n\n");
+    gw_buf_adds(&g->pend, "data: ");
+    gw_buf_adds(&g->pend, s);
+    gw_buf_adds(&g->pend, "\n\n");
     free(s);
 }
 
@@ -519,21 +484,21 @@ static void record_done(struct greq *g) {
 
 static json_t *chat_message(struct choice *c) {
     json_t *msg = json_pack("{s:s}", "role", "assistant");
-    bool has_tools = c->tool_calls && json_array_size(c->tool_calls) > 0;
+    bool has_tools = c->cp.tool_calls && json_array_size(c->cp.tool_calls) > 0;
     // Content that is only whitespace around tool calls is no content.
     bool blank = true;
-    for (size_t i = 0; i < c->content.len; i++)
-        if (!strchr(" \t\r\n", c->content.p[i]))
+    for (size_t i = 0; i < c->cp.content.len; i++)
+        if (!strchr(" \t\r\n", c->cp.content.p[i]))
             blank = false;
-    if (c->content.len && !(has_tools && blank))
-        json_object_set_new(msg, "content", utf8_json(c->content.p, c->content.len));
+    if (c->cp.content.len && !(has_tools && blank))
+        json_object_set_new(msg, "content", utf8_json(c->cp.content.p, c->cp.content.len));
     else
         json_object_set_new(msg, "content", has_tools ? json_null() : json_string(""));
-    if (c->reasoning.len)
+    if (c->cp.reasoning.len)
         json_object_set_new(msg, "reasoning_content",
-                            utf8_json(c->reasoning.p, c->reasoning.len));
+                            utf8_json(c->cp.reasoning.p, c->cp.reasoning.len));
     if (has_tools)
-        json_object_set(msg, "tool_calls", c->tool_calls);
+        json_object_set(msg, "tool_calls", c->cp.tool_calls);
     return msg;
 }
 
@@ -577,10 +542,10 @@ static void respond(struct greq *g) {
                            g->want_lp ? chat_logprobs(g, c, 0, c->seq.n_gen) : json_null(),
                            "finish_reason", finish_name(c->finish));
         } else {
-            struct sbuf t = {0};
+            gw_buf t = {0};
             const char *pt = g->echo ? g->prompt_text[c->prompt_index] : "";
-            sb_adds(&t, pt);
-            sb_add(&t, c->text.p ? c->text.p : "", c->text.len);
+            gw_buf_adds(&t, pt);
+            gw_buf_add(&t, c->text.p ? c->text.p : "", c->text.len);
             size_t off = strlen(pt);
             ch = json_pack("{s:i, s:o, s:o, s:s}", "index", i, "text",
                            utf8_json(t.p ? t.p : "", t.len), "logprobs",
@@ -621,111 +586,6 @@ static size_t suffix_hold(const struct greq *g, const char *t, size_t n) {
     return best;
 }
 
-static size_t tag_hold(const char *t, size_t n, const char *tag) {
-    size_t tl = strlen(tag);
-    for (size_t k = tl - 1; k > 0; k--)
-        if (k <= n && memcmp(t + n - k, tag, k) == 0)
-            return k;
-    return 0;
-}
-
-static void add_tool_call(struct greq *g, struct choice *c, const char *s, size_t n) {
-    json_t *j = NULL;
-    json_error_t je;
-    j = json_loadb(s, n, 0, &je);
-    const char *name = j ? json_string_value(json_object_get(j, "name")) : NULL;
-    if (!name) {
-        // Not a tool call we can read: keep it as content, as the model wrote it.
-        sb_adds(&c->content, "<tool_call>");
-        sb_add(&c->content, s, n);
-        sb_adds(&c->content, "</tool_call>");
-        json_decref(j);
-        return;
-    }
-    json_t *args = json_object_get(j, "arguments");
-    char *args_s = args ? (json_is_string(args) ? strdup(json_string_value(args))
-                                                : json_dumps(args, JSON_COMPACT))
-                        : strdup("{}");
-    if (!c->tool_calls)
-        c->tool_calls = json_array();
-    char id[48];
-    snprintf(id, sizeof(id), "call_%s_%d_%zu", g->id + 9, c->seq.index,
-             json_array_size(c->tool_calls));
-    json_array_append_new(c->tool_calls,
-                          json_pack("{s:s, s:s, s:{s:s, s:s}}", "id", id, "type", "function",
-                                    "function", "name", name, "arguments",
-                                    args_s ? args_s : "{}"));
-    free(args_s);
-    json_decref(j);
-}
-
-// chat_parse moves text[parsed, limit) into reasoning / content / tool calls. final: nothing
-// more will come, so held-back tag prefixes are text.
-static void chat_parse(struct greq *g, struct choice *c, size_t limit, bool final) {
-    static const char *T_OPEN = "<think>", *T_CLOSE = "</think>", *C_OPEN = "<tool_call>",
-                      *C_CLOSE = "</tool_call>";
-    const char *t = c->text.p;
-    while (c->parsed < limit) {
-        const char *p = t + c->parsed;
-        size_t n = limit - c->parsed;
-        if (c->mode == MODE_THINK) {
-            const char *e = memmem(p, n, T_CLOSE, strlen(T_CLOSE));
-            if (e) {
-                sb_add(&c->reasoning, p, (size_t)(e - p));
-                c->parsed += (size_t)(e - p) + strlen(T_CLOSE);
-                c->mode = MODE_CONTENT;
-                // the template's own blank line after </think>
-                while (c->parsed < limit && t[c->parsed] == '\n')
-                    c->parsed++;
-                continue;
-            }
-            size_t hold = final ? 0 : tag_hold(p, n, T_CLOSE);
-            sb_add(&c->reasoning, p, n - hold);
-            c->parsed += n - hold;
-            return;
-        }
-        if (c->mode == MODE_TOOL) {
-            const char *e = memmem(p, n, C_CLOSE, strlen(C_CLOSE));
-            if (!e) {
-                if (final) { // unterminated: the model's text as it is
-                    sb_adds(&c->content, C_OPEN);
-                    sb_add(&c->content, p, n);
-                    c->parsed = limit;
-                }
-                return;
-            }
-            add_tool_call(g, c, p, (size_t)(e - p));
-            c->parsed += (size_t)(e - p) + strlen(C_CLOSE);
-            c->mode = MODE_CONTENT;
-            continue;
-        }
-        const char *th = memmem(p, n, T_OPEN, strlen(T_OPEN));
-        const char *tc = g->parse_tools ? memmem(p, n, C_OPEN, strlen(C_OPEN)) : NULL;
-        const char *e = th && (!tc || th < tc) ? th : tc;
-        if (e) {
-            sb_add(&c->content, p, (size_t)(e - p));
-            bool think = e == th;
-            c->parsed += (size_t)(e - p) + strlen(think ? T_OPEN : C_OPEN);
-            c->mode = think ? MODE_THINK : MODE_TOOL;
-            if (think)
-                while (c->parsed < limit && t[c->parsed] == '\n')
-                    c->parsed++;
-            continue;
-        }
-        size_t hold = 0;
-        if (!final) {
-            hold = tag_hold(p, n, T_OPEN);
-            if (g->parse_tools) {
-                size_t h2 = tag_hold(p, n, C_OPEN);
-                hold = h2 > hold ? h2 : hold;
-            }
-        }
-        sb_add(&c->content, p, n - hold);
-        c->parsed += n - hold;
-        return;
-    }
-}
-
 // stream_choice appends the events for c's new output (tokens since the last event).
 static void stream_choice(struct greq *g, struct choice *c) {
     json_t *delta = NULL;
@@ -739,33 +599,33 @@ static void stream_choice(struct greq *g, struct choice *c) {
             c->role_sent = true;
             any = true;
         }
-        if (c->reasoning.len > c->r_sent) {
+        if (c->cp.reasoning.len > c->r_sent) {
             json_object_set_new(delta, "reasoning_content",
-                                utf8_json(c->reasoning.p + c->r_sent,
-                                          c->reasoning.len - c->r_sent));
-            c->r_sent = c->reasoning.len;
+                                utf8_json(c->cp.reasoning.p + c->r_sent,
+                                          c->cp.reasoning.len - c->r_sent));
+            c->r_sent = c->cp.reasoning.len;
             any = true;
         }
-        if (c->content.len > c->c_sent) {
+        if (c->cp.content.len > c->c_sent) {
             bool blank = true;
-            for (size_t i = c->c_sent; i < c->content.len; i++)
-                if (!strchr(" \t\r\n", c->content.p[i]))
+            for (size_t i = c->c_sent; i < c->cp.content.len; i++)
+                if (!strchr(" \t\r\n", c->cp.content.p[i]))
                     blank = false;
             bool hold = blank && !c->done; // whitespace before a tool call: wait
-            bool drop = blank && c->done && c->tool_calls;
+            bool drop = blank && c->done && c->cp.tool_calls;
             if (!hold && !drop) {
-                json_object_set_new(delta, "content", utf8_json(c->content.p + c->c_sent,
-                                                                c->content.len - c->c_sent));
+                json_object_set_new(delta, "content", utf8_json(c->cp.content.p + c->c_sent,
+                                                                c->cp.content.len - c->c_sent));
                 any = true;
             }
             if (!hold)
-                c->c_sent = c->content.len;
+                c->c_sent = c->cp.content.len;
         }
-        size_t nt = c->tool_calls ? json_array_size(c->tool_calls) : 0;
+        size_t nt = c->cp.tool_calls ? json_array_size(c->cp.tool_calls) : 0;
         if (nt > c->tools_sent) {
             json_t *arr = json_array();
             for (size_t i = c->tools_sent; i < nt; i++) {
-                json_t *tc = json_deep_copy(json_array_get(c->tool_calls, i));
+                json_t *tc = json_deep_copy(json_array_get(c->cp.tool_calls, i));
                 json_object_set_new(tc, "index", json_integer((json_int_t)i));
                 json_array_append_new(arr, tc);
             }
@@ -814,12 +674,12 @@ static void choice_end(struct greq *g, struct choice *c) {
         char tail[16];
         size_t n = 0;
         if (mm_detok_stream_flush(&c->ds, tail, sizeof(tail), &n) == MM_OK && n)
-            sb_add(&c->text, tail, n);
+            gw_buf_add(&c->text, tail, n);
     }
     c->safe = c->text.len;
     if (g->kind == API_CHAT) {
-        chat_parse(g, c, c->text.len, true);
-        if (c->tool_calls && json_array_size(c->tool_calls) > 0 && c->finish == FIN_STOP)
+        gw_chat_parse_feed(&c->cp, c->text.p ? c->text.p : "", c->text.len, true);
+        if (c->cp.tool_calls && json_array_size(c->cp.tool_calls) > 0 && c->finish == FIN_STOP)
             c->finish = FIN_TOOLS;
     }
     c->done = true;
@@ -862,7 +722,7 @@ static bool on_token(void *arg, gw_seq *s, const Mmctl__SeqResult *r, uint64_t t
     size_t n = 0;
     if (mm_detok_stream_feed(&c->ds, r->token, piece, sizeof(piece), &n) == MM_OK && n) {
         size_t before = c->text.len;
-        sb_add(&c->text, piece, n);
+        gw_buf_add(&c->text, piece, n);
         if (g->n_stops) {
             size_t from = before > g->max_stop ? before - g->max_stop : 0;
             const char *best = NULL;
@@ -892,7 +752,7 @@ static bool on_token(void *arg, gw_seq *s, const Mmctl__SeqResult *r, uint64_t t
     }
     c->safe = c->text.len - suffix_hold(g, c->text.p ? c->text.p : "", c->text.len);
     if (g->kind == API_CHAT)
-        chat_parse(g, c, c->safe, false);
+        gw_chat_parse_feed(&c->cp, c->text.p ? c->text.p : "", c->safe, false);
     if (g->stream && g->req) {
         start_stream(g);
         stream_choice(g, c);
@@ -1108,7 +968,7 @@ static bool parse_common(gw_api *a, struct greq *g, const json_t *body, struct c
     return true;
 }
 
-static bool parse_ids(const json_t *arr, int vocab, struct sbuf *ids_out, const char *param,
+static bool parse_ids(const json_t *arr, int vocab, gw_buf *ids_out, const char *param,
                       struct perr *e) {
     size_t n = json_array_size(arr);
     for (size_t i = 0; i < n; i++) {
@@ -1118,15 +978,15 @@ static bool parse_ids(const json_t *arr, int vocab, struct sbuf *ids_out, const 
             return bad(e, 400, param, "'%s' token ids must be integers in 0..%d", param,
                        vocab - 1);
         int32_t id = (int32_t)json_integer_value(v);
-        sb_add(ids_out, (const char *)&id, sizeof(id));
+        gw_buf_add(ids_out, (const char *)&id, sizeof(id));
     }
     return true;
 }
 
 // add_prompt appends one prompt (text or ids) to g.
 static bool add_prompt(struct greq *g, const char *text, size_t text_len, const json_t *ids,
-                       struct sbuf *all, struct sbuf *offs, struct sbuf *lens,
-                       struct sbuf *texts, struct perr *e) {
+                       gw_buf *all, gw_buf *offs, gw_buf *lens,
+                       gw_buf *texts, struct perr *e) {
     gw_api *a = g->api;
     size_t before = all->len / sizeof(int32_t);
     char *echo = NULL;
@@ -1143,7 +1003,7 @@ static bool add_prompt(struct greq *g, const char *text, size_t text_len, const 
             echo[0] = 0;
     } else {
         size_t cap = text_len + 16, n = 0;
-        if (!sb_reserve(all, cap * sizeof(int32_t)))
+        if (!gw_buf_reserve(all, cap * sizeof(int32_t)))
             return bad(e, 500, NULL, "out of memory");
         char err[MM_ERRLEN] = "";
         mm_err rv = mm_tokenizer_encode(a->tk, text, text_len, false,
@@ -1154,9 +1014,9 @@ static bool add_prompt(struct greq *g, const char *text, size_t text_len, const 
         echo = strndup(text, text_len);
     }
     int off = (int)before, len = (int)(all->len / sizeof(int32_t) - before);
-    sb_add(offs, (const char *)&off, sizeof(off));
-    sb_add(lens, (const char *)&len, sizeof(len));
-    sb_add(texts, (const char *)&echo, sizeof(echo));
+    gw_buf_add(offs, (const char *)&off, sizeof(off));
+    gw_buf_add(lens, (const char *)&len, sizeof(len));
+    gw_buf_add(texts, (const char *)&echo, sizeof(echo));
     g->n_prompts++;
     return true;
 }
@@ -1215,7 +1075,9 @@ static void submit(gw_api *a, struct greq *g, const struct common *o, struct per
         int p = i / g->n;
         c->g = g;
         c->prompt_index = p;
-        c->mode = g->think_open ? MODE_THINK : MODE_CONTENT;
+        char idp[64];
+        snprintf(idp, sizeof(idp), "call_%s_%d", g->id + 9, i);
+        gw_chat_parse_init(&c->cp, g->think_open, g->parse_tools, idp);
         int np = g->prompt_len[p];
         long long max_gen = o->max_tokens >= 0 ? o->max_tokens : a->max_ctx - np;
         if (max_gen < 1)
@@ -1317,8 +1179,8 @@ static json_t *parse_body(gw_api *a, h2o_req_t *req) {
     return body;
 }
 
-static bool take_prompts(struct greq *g, struct sbuf *all, struct sbuf *offs, struct sbuf *lens,
-                         struct sbuf *texts) {
+static bool take_prompts(struct greq *g, gw_buf *all, gw_buf *offs, gw_buf *lens,
+                         gw_buf *texts) {
     g->prompt_ids = (int32_t *)all->p;
     g->prompt_off = (int *)offs->p;
     g->prompt_len = (int *)lens->p;
@@ -1334,7 +1196,7 @@ static int route_completions(void *arg, h2o_req_t *req) {
     struct greq *g = greq_new(a, req, API_COMPLETION);
     struct perr e = {0};
     struct common o;
-    struct sbuf all = {0}, offs = {0}, lens = {0}, texts = {0};
+    gw_buf all = {0}, offs = {0}, lens = {0}, texts = {0};
     bool ok = parse_common(a, g, body, &o, &e);
     long long lp = -1;
     if (ok)
@@ -1540,7 +1402,7 @@ static int route_chat(void *arg, h2o_req_t *req) {
     struct greq *g = greq_new(a, req, API_CHAT);
     struct perr e = {0};
     struct common o;
-    struct sbuf all = {0}, offs = {0}, lens = {0}, texts = {0};
+    gw_buf all = {0}, offs = {0}, lens = {0}, texts = {0};
     bool ok = parse_common(a, g, body, &o, &e);
     long long mct = -1, top = -1;
     if (ok)
@@ -1600,7 +1462,7 @@ static int route_tokenize(void *arg, h2o_req_t *req) {
         return 0;
     struct perr e = {0};
     struct greq *g = greq_new(a, req, API_COMPLETION);
-    struct sbuf all = {0}, offs = {0}, lens = {0}, texts = {0};
+    gw_buf all = {0}, offs = {0}, lens = {0}, texts = {0};
     bool ok = true, add_special = false;
     json_t *model = json_object_get(body, "model");
     if (model && !json_is_null(model) &&
@@ -1628,7 +1490,7 @@ static int route_tokenize(void *arg, h2o_req_t *req) {
         else {
             size_t cap = json_string_length(prompt) + 16, n = 0;
             char err[MM_ERRLEN] = "";
-            if (!sb_reserve(&all, cap * 4))
+            if (!gw_buf_reserve(&all, cap * 4))
                 ok = bad(&e, 500, NULL, "out of memory");
             else if (mm_tokenizer_encode(a->tk, json_string_value(prompt),
                                          json_string_length(prompt), add_special,
@@ -1659,7 +1521,7 @@ static int route_detokenize(void *arg, h2o_req_t *req) {
     if (!body)
         return 0;
     struct perr e = {0};
-    struct sbuf ids = {0};
+    gw_buf ids = {0};
     json_t *t = json_object_get(body, "tokens");
     bool ok = json_is_array(t)
                   ? parse_ids(t, (int)mm_tokenizer_vocab_size(a->tk), &ids, "tokens", &e)
@@ -1697,7 +1559,7 @@ static void on_ka(uv_timer_t *t) {
         if (now - last < gap)
             continue;
         start_stream(g);
-        sb_adds(&g->pend, ": keep-alive\n\n");
+        gw_buf_adds(&g->pend, ": keep-alive\n\n");
         g->t_last_write_ns = now;
         flush_stream(g);
     }

@@ -1,0 +1,42 @@
+// SPDX-License-Identifier: MIT
+// Splitting a chat model's output text (parse.c): reasoning inside <think>...</think>, tool
+// calls in Qwen3's (Hermes) <tool_call>{"name": ..., "arguments": ...}</tool_call> blocks, and
+// the rest as content. Incremental: text arrives in pieces (streaming) and a tag prefix at the
+// end of what is known is held back until the next piece or the end says what it is.
+// Depends only on jansson and libc, so tests include parse.c directly.
+#ifndef MM_GATEWAY_PARSE_H
+#define MM_GATEWAY_PARSE_H
+
+#include <jansson.h>
+#include <stdbool.h>
+#include <stddef.h>
+
+typedef struct gw_buf { // growable byte buffer, NUL-terminated when non-empty
+    char *p;
+    size_t len, cap;
+} gw_buf;
+
+bool gw_buf_reserve(gw_buf *b, size_t more);
+void gw_buf_add(gw_buf *b, const char *s, size_t n); // drops the bytes when out of memory
+void gw_buf_adds(gw_buf *b, const char *s);
+
+enum { GW_PARSE_CONTENT, GW_PARSE_THINK, GW_PARSE_TOOL };
+
+typedef struct gw_chat_parse {
+    int mode;
+    size_t parsed;        // bytes of the text consumed
+    bool tools;           // parse <tool_call> blocks (the request offered tools)
+    bool skip_nl;         // drop newlines that open a block (they may arrive later)
+    gw_buf reasoning, content;
+    json_t *tool_calls;   // owned array of {"id", "type": "function", "function": {...}}
+    char id_prefix[64];   // tool call ids: <prefix>_<n>
+} gw_chat_parse;
+
+// gw_chat_parse_init: think_open when the prompt itself opened a <think> block.
+void gw_chat_parse_init(gw_chat_parse *p, bool think_open, bool tools, const char *id_prefix);
+// gw_chat_parse_feed consumes text[p->parsed, limit) (text: the whole output so far). final:
+// no more text will come, so held-back tag prefixes and an unterminated block are text.
+void gw_chat_parse_feed(gw_chat_parse *p, const char *text, size_t limit, bool final);
+void gw_chat_parse_fini(gw_chat_parse *p);
+
+#endif

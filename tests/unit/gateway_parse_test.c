@@ -1,0 +1,105 @@
+// SPDX-License-Identifier: MIT
+// The gateway's chat output splitting (services/gateway/parse.c): reasoning out of <think>
+// blocks, Qwen3 <tool_call> blocks into OpenAI tool_calls, the same result whether the text
+// arrives whole or one byte at a time (streaming), and malformed blocks kept as text.
+#include <string.h>
+
+#include "../../services/gateway/parse.c"
+#include "mm_test.h"
+
+// run feeds text whole (step 0) or in pieces of step bytes, then ends it.
+static void run(gw_chat_parse *p, const char *text, size_t step, bool think_open, bool tools) {
+    gw_chat_parse_init(p, think_open, tools, "call_x");
+    size_t n = strlen(text);
+    if (step)
+        for (size_t k = step; k < n; k += step)
+            gw_chat_parse_feed(p, text, k, false);
+    gw_chat_parse_feed(p, text, n, true);
+}
+
+static const char *str(const gw_buf *b) { return b->p ? b->p : ""; }
+
+static void test_think(void) {
+    const char *t = "<think>\nLet me see.\n</think>\n\nThe answer is 4.";
+    for (size_t step = 0; step <= 3; step++) {
+        gw_chat_parse p;
+        run(&p, t, step, false, false);
+        MM_STREQ(str(&p.reasoning), "Let me see.\n");
+        MM_STREQ(str(&p.content), "The answer is 4.");
+        MM_TRUE(p.tool_calls == NULL);
+        gw_chat_parse_fini(&p);
+    }
+    // A template that opened the block in the prompt: the output starts inside it.
+    gw_chat_parse p;
+    run(&p, "hmm</think>\n\nok", 1, true, false);
+    MM_STREQ(str(&p.reasoning), "hmm");
+    MM_STREQ(str(&p.content), "ok");
+    gw_chat_parse_fini(&p);
+    // Unterminated reasoning stays reasoning.
+    run(&p, "<think>still thinking", 2, false, false);
+    MM_STREQ(str(&p.reasoning), "still thinking");
+    MM_STREQ(str(&p.content), "");
+    gw_chat_parse_fini(&p);
+}
+
+static void test_tools(void) {
+    const char *t = "I will call it.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": "
+                    "{\"city\": \"Paris\", \"days\": 2}}\n</tool_call>\n<tool_call>\n{\"name\": "
+                    "\"now\", \"arguments\": {}}\n</tool_call>";
+    for (size_t step = 0; step <= 5; step++) {
+        gw_chat_parse p;
+        run(&p, t, step, false, true);
+        MM_STREQ(str(&p.content), "I will call it.\n\n");
+        MM_EQ(json_array_size(p.tool_calls), 2);
+        json_t *c0 = json_array_get(p.tool_calls, 0);
+        MM_STREQ(json_string_value(json_object_get(c0, "id")), "call_x_0");
+        MM_STREQ(json_string_value(json_object_get(c0, "type")), "function");
+        json_t *f = json_object_get(c0, "function");
+        MM_STREQ(json_string_value(json_object_get(f, "name")), "get_weather");
+        // arguments is a JSON string, as OpenAI carries it
+        MM_STREQ(json_string_value(json_object_get(f, "arguments")),
+                 "{\"city\":\"Paris\",\"days\":2}");
+        f = json_object_get(json_array_get(p.tool_calls, 1), "function");
+        MM_STREQ(json_string_value(json_object_get(f, "name")), "now");
+        MM_STREQ(json_string_value(json_object_get(f, "arguments")), "{}");
+        gw_chat_parse_fini(&p);
+    }
+}
+
+static void test_tools_off_and_malformed(void) {
+    gw_chat_parse p;
+    // Without tools in the request the block is content.
+    run(&p, "<tool_call>{\"name\": \"f\"}</tool_call>", 1, false, false);
+    MM_STREQ(str(&p.content), "<tool_call>{\"name\": \"f\"}</tool_call>");
+    MM_TRUE(p.tool_calls == NULL);
+    gw_chat_parse_fini(&p);
+    // Not JSON, or no name: kept as the model wrote it.
+    run(&p, "a<tool_call>not json</tool_call>b", 0, false, true);
+    MM_STREQ(str(&p.content), "a<tool_call>not json</tool_call>b");
+    MM_TRUE(p.tool_calls == NULL);
+    gw_chat_parse_fini(&p);
+    // Unterminated block: text.
+    run(&p, "x<tool_call>{\"name\"", 3, false, true);
+    MM_STREQ(str(&p.content), "x<tool_call>{\"name\"");
+    gw_chat_parse_fini(&p);
+    // A tag prefix at the very end is text once the output ends.
+    run(&p, "a <tool_ca", 1, false, true);
+    MM_STREQ(str(&p.content), "a <tool_ca");
+    gw_chat_parse_fini(&p);
+    // Reasoning then a tool call.
+    run(&p, "<think>plan</think><tool_call>{\"name\":\"g\",\"arguments\":\"{\\\"a\\\":1}\"}</tool_call>",
+        4, false, true);
+    MM_STREQ(str(&p.reasoning), "plan");
+    MM_STREQ(str(&p.content), "");
+    MM_STREQ(json_string_value(json_object_get(
+                 json_object_get(json_array_get(p.tool_calls, 0), "function"), "arguments")),
+             "{\"a\":1}");
+    gw_chat_parse_fini(&p);
+}
+
+MM_TESTS = {
+    {"think blocks become reasoning (whole and streamed)", test_think},
+    {"tool_call blocks become tool_calls (whole and streamed)", test_tools},
+    {"tool blocks without tools, malformed, unterminated", test_tools_off_and_malformed},
+    {NULL, NULL},
+};

@@ -57,6 +57,14 @@ struct gateway {
 
 static void on_grace(uv_timer_t *t) { uv_stop(t->loop); }
 
+// Without --model the gateway still reports the mesh (/health) but serves no API.
+static int no_model_route(void *arg, h2o_req_t *req) {
+    (void)arg;
+    gw_http_send_error(req, 503, "Service Unavailable", "service_unavailable_error",
+                       "this gateway was started without --model: it serves /health only");
+    return 0;
+}
+
 static void begin_stop(struct gateway *g) {
     if (g->stopping)
         return;
@@ -118,6 +126,8 @@ int main(int argc, char **argv) {
         };
         if (s_keepalive_ms < 10 || s_health_ms < 10) {
             rv = mm_errf(err, MM_EINVAL, "--keepalive-ms and --mesh-check-ms must be >= 10");
+        } else if (!ac.model_dir || !ac.model_dir[0]) {
+            mm_log_warn("no --model: serving /health only (the API answers 503)");
         } else {
             rv = gw_api_open(&g.api, &g.loop, g.mesh, &ac, err);
         }
@@ -126,7 +136,14 @@ int main(int argc, char **argv) {
         g.health = (gw_health){.mesh = g.mesh, .self = mm_daemon_get_identity(g.d),
                                .timeout_ms = (int)s_health_timeout_ms};
         gw_http_route(g.http, "GET", "/health", gw_health_route, &g.health);
-        rv = gw_api_routes(g.api, g.http);
+        if (g.api) {
+            rv = gw_api_routes(g.api, g.http);
+        } else {
+            static const char *paths[] = {"/v1/completions", "/v1/chat/completions",
+                                          "/v1/models", "/tokenize", "/detokenize", "/metrics"};
+            for (size_t i = 0; i < sizeof(paths) / sizeof(paths[0]); i++)
+                gw_http_route(g.http, NULL, paths[i], no_model_route, NULL);
+        }
         if (rv == MM_OK)
             rv = mm_daemon_start(g.d, err);
     }

@@ -200,11 +200,18 @@ test-rdma: all test-bins
 test-twobox: all
 	@BIN=$(BUILD)/bin bash deploy/twobox.sh; rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 77 ]
 
+# Sanitizer suites (not part of `make test`): every case's limit is scaled (ASan+UBSan at -O1
+# runs the model math several times slower), and any sanitizer report from any process of a case
+# — a daemon's LeakSanitizer report at its exit included — fails that case (tests/run.sh).
+SAN_ASAN_OPTIONS  := detect_leaks=1:abort_on_error=1
+SAN_UBSAN_OPTIONS := print_stacktrace=1:halt_on_error=1
 asan:
-	$(MAKE) BUILD=build/asan SAN=address OPT=-O1 test
+	ASAN_OPTIONS=$(SAN_ASAN_OPTIONS) UBSAN_OPTIONS=$(SAN_UBSAN_OPTIONS) MM_TEST_SANITIZER=1 \
+	MM_TEST_TIMEOUT_SCALE=$${MM_TEST_TIMEOUT_SCALE:-4} $(MAKE) BUILD=build/asan SAN=address OPT=-O1 test
 
 ubsan:
-	$(MAKE) BUILD=build/ubsan SAN=undefined OPT=-O1 test
+	UBSAN_OPTIONS=$(SAN_UBSAN_OPTIONS) MM_TEST_SANITIZER=1 \
+	MM_TEST_TIMEOUT_SCALE=$${MM_TEST_TIMEOUT_SCALE:-2} $(MAKE) BUILD=build/ubsan SAN=undefined OPT=-O1 test
 
 # Installs binaries, launcher, systemd units and docs (deploy/install.sh; see docs/OPERATIONS.md).
 PREFIX ?= /usr/local

@@ -112,7 +112,7 @@ static int add_child(const char *bindir, const char *role, int instance, char *e
         ARG("--host"), ARG("%s", s_host), ARG("--port"), ARG("%lld", s_port);
     if (!strcmp(role, "attention"))
         ARG("--shards"), ARG("%lld", s_shards);
-    if (!strcmp(role, "router"))
+    if (!strcmp(role, "router") || !strcmp(role, "gateway"))
         ARG("--attention-shards"), ARG("%lld", s_shards);
     if (!strcmp(role, "attention") || !strcmp(role, "expert")) {
         // Data-plane address: a shm:// name unique per run dir, so meshes can run side by side.

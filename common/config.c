@@ -105,13 +105,14 @@ out:
     return rv;
 }
 
-mm_err mm_config_parse(mm_cli *cli, int argc, char **argv, char err[MM_ERRLEN]) {
+static mm_err parse(mm_cli *cli, int argc, char **argv, char err[MM_ERRLEN]) {
     cli->n_args = 0;
     cli->args = NULL;
     cli->help_shown = false;
-    for (mm_opt *o = cli->opts; o->name; o++) {
+    for (mm_opt *o = cli->opts; o->name; o++)
         if (o->type == MM_OPT_STR)
             *(char **)o->dst = NULL;
+    for (mm_opt *o = cli->opts; o->name; o++) {
         if (o->def)
             MM_TRY(set_value(o, o->def, "the default", err));
         else if (o->type == MM_OPT_BOOL)
@@ -193,6 +194,13 @@ mm_err mm_config_parse(mm_cli *cli, int argc, char **argv, char err[MM_ERRLEN]) 
     if (first_pos >= 0 && cli->n_args > 0)
         cli->args = argv + first_pos;
     return MM_OK;
+}
+
+mm_err mm_config_parse(mm_cli *cli, int argc, char **argv, char err[MM_ERRLEN]) {
+    mm_err rv = parse(cli, argc, argv, err);
+    if (rv != MM_OK)
+        mm_config_fini(cli); // a failed parse owns nothing: the strings set so far are freed
+    return rv;
 }
 
 void mm_config_usage(const mm_cli *cli) {

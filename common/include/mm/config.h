@@ -36,7 +36,8 @@ typedef struct mm_cli {
 
 // mm_config_parse resolves every option of cli->opts. Errors: MM_EINVAL naming the option
 // and the offending value or source (bad number, unknown flag, missing value, bad config
-// file). Not thread-safe; call at start. Free the strings with mm_config_fini.
+// file); then no string is left owned. Not thread-safe; call at start. Free the strings of a
+// successful parse with mm_config_fini.
 mm_err mm_config_parse(mm_cli *cli, int argc, char **argv, char err[MM_ERRLEN]);
 
 // mm_config_usage prints --help text for cli to stdout.

@@ -39,6 +39,7 @@ static struct attn {
     struct seq_map *map;     // (max_seqs)
     struct step_seq *cur;    // (max_tokens) this step's seqs
     int32_t *row_seq, *row_pos; // (max_tokens)
+    float *d_h;              // (max_tokens, d_model) backend copy of the rows (device backends)
     int n_cur, n_rows;
     uint64_t step_id;
     uint32_t next_layer;     // the layer whose rows come next
@@ -174,7 +175,14 @@ static mm_err on_frame(void *arg, mm_conn *c, const mm_wire_hdr *h, void *payloa
         return mm_dataserv_reply_error(c, h, MM_EPROTO, msg);
     }
     mm_model_rows rows = {.n_rows = A.n_rows, .seq = A.row_seq, .pos = A.row_pos};
-    mm_err rv = mm_model_attn_forward(A.model, A.scratch, (int)h->layer, A.kv, &rows, payload);
+    // device backends: the rows go through the backend copy d_h and come back in place
+    const size_t nb = (size_t)A.n_rows * (size_t)A.d_model * 4;
+    mm_err rv = A.d_h ? A.be->ops->set(A.be->ctx, A.d_h, payload, nb) : MM_OK;
+    if (rv == MM_OK)
+        rv = mm_model_attn_forward(A.model, A.scratch, (int)h->layer, A.kv, &rows,
+                                   A.d_h ? A.d_h : (float *)payload);
+    if (rv == MM_OK && A.d_h)
+        rv = A.be->ops->get(A.be->ctx, payload, A.d_h, nb);
     if (rv != MM_OK) {
         A.step_err = rv;
         snprintf(A.step_msg, sizeof(A.step_msg), "attention layer %u failed: %s", h->layer,
@@ -224,6 +232,9 @@ mm_err attention_start(mm_daemon *d, void *arg, char err[MM_ERRLEN]) {
     A.row_pos = calloc((size_t)s_max_tokens, sizeof(int32_t));
     if (!A.map || !A.cur || !A.row_seq || !A.row_pos)
         return MM_ENOMEM;
+    if (!A.be->ops->host_memory)
+        MM_TRY(A.be->ops->buffer_alloc(A.be->ctx, (size_t)s_max_tokens * (size_t)A.d_model * 4,
+                                       (void **)&A.d_h));
     for (int i = 0; i < s_max_seqs; i++)
         A.map[i].slot = -1;
     size_t cap = (size_t)s_max_tokens * (size_t)A.d_model * 4;
@@ -245,6 +256,8 @@ void attention_stop(mm_daemon *d, void *arg) {
     free(A.cur);
     free(A.row_seq);
     free(A.row_pos);
+    if (A.be)
+        A.be->ops->buffer_free(A.be->ctx, A.d_h);
     mm_model_scratch_free(A.scratch);
     mm_kv_cache_free(A.kv);
     mm_model_close(A.model);

@@ -35,6 +35,7 @@ static struct owner {
     uint64_t *tokens;        // (n_layers, n_experts) rows served
     bool dirty;
     float *out;              // (max rows, d_model) outputs
+    float *d_x, *d_out;      // backend copies of the rows and outputs (device backends)
     uint32_t seg_e[MAX_SEG], seg_n[MAX_SEG];
     uint32_t n_seg, seg_rows;
     uint64_t seg_step;
@@ -116,6 +117,15 @@ static mm_err on_frame(void *arg, mm_conn *c, const mm_wire_hdr *h, void *payloa
         }
     }
     const float *x = payload;
+    float *y = O.out;
+    // device backends: all rows in one copy, outputs back in one copy after the experts
+    const size_t nb = (size_t)h->n_rows * (size_t)O.d_model * 4;
+    if (O.d_x) {
+        mm_err rv = O.be->ops->set(O.be->ctx, O.d_x, payload, nb);
+        if (rv != MM_OK)
+            return mm_dataserv_reply_error(c, h, rv, "copy of the rows to the device failed");
+        x = O.d_x, y = O.d_out;
+    }
     size_t off = 0;
     for (uint32_t i = 0; i < O.n_seg; i++) {
         uint32_t n = O.seg_n[i];
@@ -125,7 +135,7 @@ static mm_err on_frame(void *arg, mm_conn *c, const mm_wire_hdr *h, void *payloa
                 chunk = (uint32_t)O.max_rows;
             mm_err rv = mm_model_expert_forward(O.model, O.scratch, L, (int)O.seg_e[i],
                                                 x + (off + done) * (size_t)O.d_model, chunk,
-                                                O.out + (off + done) * (size_t)O.d_model);
+                                                y + (off + done) * (size_t)O.d_model);
             if (rv != MM_OK) {
                 snprintf(msg, sizeof(msg), "expert %u of layer %d failed: %s", O.seg_e[i], L,
                          mm_strerror(rv));
@@ -137,6 +147,11 @@ static mm_err on_frame(void *arg, mm_conn *c, const mm_wire_hdr *h, void *payloa
         off += n;
     }
     O.dirty = true;
+    if (O.d_x) {
+        mm_err rv = O.be->ops->get(O.be->ctx, O.out, O.d_out, nb);
+        if (rv != MM_OK)
+            return mm_dataserv_reply_error(c, h, rv, "copy of the outputs from the device failed");
+    }
     mm_wire_hdr r;
     MM_TRY(mm_wire_hdr_init(&r, MM_WIRE_REPLY, MM_WIRE_F32, h->step_id, h->layer, h->n_rows,
                             h->row_dim));
@@ -184,6 +199,12 @@ mm_err expert_start(mm_daemon *d, void *arg, char err[MM_ERRLEN]) {
     O.tokens = calloc((size_t)O.n_layers * (size_t)O.n_experts, sizeof(uint64_t));
     if (!O.out || !O.tokens)
         return MM_ENOMEM;
+    if (!O.be->ops->host_memory) {
+        MM_TRY(O.be->ops->buffer_alloc(O.be->ctx, (size_t)rows * (size_t)O.d_model * 4,
+                                       (void **)&O.d_x));
+        MM_TRY(O.be->ops->buffer_alloc(O.be->ctx, (size_t)rows * (size_t)O.d_model * 4,
+                                       (void **)&O.d_out));
+    }
     O.dirty = true; // write a first (all-zero) CSV soon after start
     size_t cap = (size_t)rows * (size_t)O.d_model * 4;
     MM_TRY(mm_dataserv_start(&O.ds, c->data, cap, on_frame, write_load,
@@ -201,6 +222,10 @@ void expert_stop(mm_daemon *d, void *arg) {
         write_load(NULL);
     free(O.out);
     free(O.tokens);
+    if (O.be) {
+        O.be->ops->buffer_free(O.be->ctx, O.d_x);
+        O.be->ops->buffer_free(O.be->ctx, O.d_out);
+    }
     mm_model_scratch_free(O.scratch);
     mm_model_close(O.model);
     mm_backend_close(O.be);

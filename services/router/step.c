@@ -63,6 +63,10 @@ struct mm_step_engine {
     int32_t *e_off;      // (owners, E) write cursor
     uint8_t *ctrl;       // CTRL frame payloads
     float *last, *hn, *logits; // (max_seqs, D) x2, (max_seqs, V)
+    // device backends (not host_memory): backend copies of the arrays the stages work on; the
+    // host arrays above stay the exchange buffers, copied in and out around each stage group
+    bool dev;
+    float *d_h, *d_x, *d_sh, *d_eo, *d_last, *d_hn, *d_logits;
     // per-seq state
     int32_t *seq_shard, *seq_row; // (max_seqs): shard, first active row (-1: inactive)
     bool *seq_failed;
@@ -197,6 +201,18 @@ mm_err mm_step_engine_open(mm_step_engine **out, const mm_step_conf *c, mm_regis
     MM_TRY_GOTO(rv, mm_draft_open(&e->dr, &dc, reg, err), fail);
     e->draft_rows = c->draft_max > 0 ? c->draft_max_rows : 0;
     const int64_t LR = S + e->draft_rows; // logits rows: each seq's last row + the draft rows
+    e->dev = !e->be->ops->host_memory;
+    if (e->dev) {
+        void *ctx = e->be->ctx;
+        mm_err (*alloc)(void *, size_t, void **) = e->be->ops->buffer_alloc;
+        MM_TRY_GOTO(rv, alloc(ctx, (size_t)T * D * 4, (void **)&e->d_h), fail);
+        MM_TRY_GOTO(rv, alloc(ctx, (size_t)T * D * 4, (void **)&e->d_x), fail);
+        MM_TRY_GOTO(rv, alloc(ctx, (size_t)T * D * 4, (void **)&e->d_sh), fail);
+        MM_TRY_GOTO(rv, alloc(ctx, (size_t)(T * KK) * D * 4, (void **)&e->d_eo), fail);
+        MM_TRY_GOTO(rv, alloc(ctx, (size_t)LR * D * 4, (void **)&e->d_last), fail);
+        MM_TRY_GOTO(rv, alloc(ctx, (size_t)LR * D * 4, (void **)&e->d_hn), fail);
+        MM_TRY_GOTO(rv, alloc(ctx, (size_t)LR * (size_t)e->V * 4, (void **)&e->d_logits), fail);
+    }
     e->ctrl = calloc(8 + (size_t)S * 16 + MAX_RELEASE * 8 + 8 * (size_t)(e->E + 1) +
                      mm_draft_ctrl_max(e->dr), 1);
     e->last = calloc((size_t)LR * D, 4);
@@ -259,9 +275,25 @@ void mm_step_engine_close(mm_step_engine *e) {
     mm_placement_free(e->pl);
     mm_model_scratch_free(e->scratch);
     mm_model_close(e->model);
+    if (e->be) {
+        float *dv[] = {e->d_h, e->d_x, e->d_sh, e->d_eo, e->d_last, e->d_hn, e->d_logits};
+        for (size_t i = 0; i < sizeof(dv) / sizeof(dv[0]); i++)
+            e->be->ops->buffer_free(e->be->ctx, dv[i]);
+    }
     mm_backend_close(e->be);
     pthread_mutex_destroy(&e->mu);
     free(e);
+}
+
+// ---- device staging (backends whose memory is not host memory) -----------------------------
+// DP: the array a stage works on (the backend copy on a device); to_dev/to_host copy n floats
+// between the host exchange array and its backend copy (nothing on host-memory backends).
+#define DP(e, f) ((e)->dev ? (e)->d_##f : (e)->f)
+static mm_err to_dev(mm_step_engine *e, float *d, const float *h, int64_t n) {
+    return e->dev && n > 0 ? e->be->ops->set(e->be->ctx, d, h, (size_t)n * 4) : MM_OK;
+}
+static mm_err to_host(mm_step_engine *e, float *h, const float *d, int64_t n) {
+    return e->dev && n > 0 ? e->be->ops->get(e->be->ctx, h, d, (size_t)n * 4) : MM_OK;
 }
 
 // ---- exchanges ------------------------------------------------------------------------------
@@ -483,7 +515,8 @@ static mm_err run_layers(mm_step_engine *e, const Mmctl__StepPlan *p, int64_t R,
         mm_draft_ctrl_sent(e->dr, s);
         off += sp->n;
     }
-    MM_TRY(mm_model_embed(e->model, e->scratch, e->ids, R, e->h));
+    MM_TRY(mm_model_embed(e->model, e->scratch, e->ids, R, DP(e, h)));
+    MM_TRY(to_host(e, e->h, e->d_h, R * D));
     for (int L = 0; L < e->cfg->n_layers; L++) {
         // attention on the shards: gather each shard's rows (seqs in plan order), send.
         for (int s = 0; s < M; s++) {
@@ -516,14 +549,18 @@ static mm_err run_layers(mm_step_engine *e, const Mmctl__StepPlan *p, int64_t R,
                     o += n;
                 }
         }
-        MM_TRY(mm_model_ffn_norm(e->model, e->scratch, L, e->h, R, e->x));
+        MM_TRY(to_dev(e, e->d_h, e->h, R * D));
+        MM_TRY(mm_model_ffn_norm(e->model, e->scratch, L, DP(e, h), R, DP(e, x)));
         const bool shared = mm_model_layer_has_shared(e->model, L);
         if (!mm_model_layer_is_moe(e->model, L)) {
-            MM_TRY(mm_model_shared_forward(e->model, e->scratch, L, e->x, R, e->sh));
-            MM_TRY(mm_model_combine(e->model, e->scratch, L, e->h, R, 0, NULL, NULL, e->sh));
+            MM_TRY(mm_model_shared_forward(e->model, e->scratch, L, DP(e, x), R, DP(e, sh)));
+            MM_TRY(mm_model_combine(e->model, e->scratch, L, DP(e, h), R, 0, NULL, NULL,
+                                    DP(e, sh)));
+            MM_TRY(to_host(e, e->h, e->d_h, R * D));
             continue;
         }
-        MM_TRY(mm_model_gate(e->model, e->scratch, L, e->x, R, e->gids, e->gw));
+        MM_TRY(mm_model_gate(e->model, e->scratch, L, DP(e, x), R, e->gids, e->gw));
+        MM_TRY(to_host(e, e->x, e->d_x, R * D)); // the owners' rows are gathered on the host
         // Expert outputs: every (row, rank) slot is served by the first live owner of its
         // expert's replica list; a link lost during the exchange is retried on the next replica
         // (the result bits do not depend on which replica computed them).
@@ -613,7 +650,7 @@ static mm_err run_layers(mm_step_engine *e, const Mmctl__StepPlan *p, int64_t R,
             }
             // The shared experts run here while the owners work.
             if (shared && !shared_done)
-                MM_TRY(mm_model_shared_forward(e->model, e->scratch, L, e->x, R, e->sh));
+                MM_TRY(mm_model_shared_forward(e->model, e->scratch, L, DP(e, x), R, DP(e, sh)));
             shared_done = true;
             MM_TRY(gather(e, e->owners, N, step, (uint32_t)L, e->ys, true, msg));
             for (int o = 0; o < N; o++) {
@@ -633,8 +670,10 @@ static mm_err run_layers(mm_step_engine *e, const Mmctl__StepPlan *p, int64_t R,
                 n_todo -= op->n;
             }
         }
-        MM_TRY(mm_model_combine(e->model, e->scratch, L, e->h, R, K, e->gw, e->eo,
-                                shared ? e->sh : NULL));
+        MM_TRY(to_dev(e, e->d_eo, e->eo, R * K * D));
+        MM_TRY(mm_model_combine(e->model, e->scratch, L, DP(e, h), R, K, e->gw, DP(e, eo),
+                                shared ? DP(e, sh) : NULL));
+        MM_TRY(to_host(e, e->h, e->d_h, R * D));
     }
     return MM_OK;
 }
@@ -718,9 +757,13 @@ struct nng_msg *mm_step_engine_run(mm_step_engine *e, const Mmctl__StepPlan *p, 
                     ns += 1 + e->n_draft[i];
                 }
             if (ns > 0) {
-                rv = mm_model_final_norm(e->model, e->scratch, e->last, ns, e->hn);
+                rv = to_dev(e, e->d_last, e->last, ns * e->D);
                 if (rv == MM_OK)
-                    rv = mm_model_head(e->model, e->scratch, e->hn, ns, e->logits);
+                    rv = mm_model_final_norm(e->model, e->scratch, DP(e, last), ns, DP(e, hn));
+                if (rv == MM_OK)
+                    rv = mm_model_head(e->model, e->scratch, DP(e, hn), ns, DP(e, logits));
+                if (rv == MM_OK)
+                    rv = to_host(e, e->logits, e->d_logits, ns * (int64_t)e->V);
                 if (rv != MM_OK) {
                     snprintf(msg, MSG_LEN, "LM head failed: %s", mm_strerror(rv));
                     fail_active(e, p, rv, msg);

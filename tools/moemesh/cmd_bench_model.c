@@ -105,9 +105,71 @@ static int cmp_dbl(const void *a, const void *b) {
     return x < y ? -1 : x > y;
 }
 
+// batch_decode: `batch` sequences (a short prompt each) then `steps` decode steps in which
+// every sequence adds one token, all in one forward pass per step (logits for every row).
+// The fed ids are a fixed sequence (no sampling: reading batch x vocab logits back would time
+// the copy, not the model); a step ends when the backend has finished it (synchronize).
+static int batch_decode(mm_engine *e, long long batch, long long plen, long long steps,
+                        char *err) {
+    const mm_model_config *c = mm_model_cfg(e->model);
+    int32_t seqs[256], pos[256], sq[256], ids[256];
+    int n_seq = 0, rc = 1;
+    float *last = malloc((size_t)c->vocab * 4);
+    int32_t *pids = malloc((size_t)plen * 4);
+    if (!last || !pids)
+        goto out;
+    for (long long i = 0; i < plen; i++)
+        pids[i] = (int32_t)((i * 104729 + 7) % c->vocab);
+    for (; n_seq < batch; n_seq++) {
+        if (mm_kv_cache_seq_new(e->kv, &seqs[n_seq]) != MM_OK) {
+            snprintf(err, MM_ERRLEN, "kv cache: no slot for sequence %d", n_seq);
+            goto out;
+        }
+        pids[0] = (int32_t)(n_seq % c->vocab); // distinct prompts
+        if (mm_engine_prefill(e, seqs[n_seq], pids, plen, NULL, last, err) != MM_OK) {
+            n_seq++;
+            goto out;
+        }
+    }
+    double dt = 0;
+    for (long long t = -2; t < steps; t++) { // two warm-up steps
+        for (int i = 0; i < n_seq; i++) {
+            pos[i] = mm_kv_cache_seq_len(e->kv, seqs[i]);
+            sq[i] = seqs[i];
+            ids[i] = (int32_t)((t * 7919 + i * 31 + 5 + 2 * 7919) % c->vocab);
+            if (mm_kv_cache_reserve(e->kv, seqs[i], pos[i] + 1) != MM_OK) {
+                snprintf(err, MM_ERRLEN, "kv cache: cannot grow sequence %d", i);
+                goto out;
+            }
+        }
+        mm_model_rows rows = {.n_rows = n_seq, .seq = sq, .pos = pos};
+        uint64_t t0 = mm_now_ns();
+        mm_err rv = mm_model_forward(e->model, e->scratch, e->kv, &rows, ids, NULL, e->logits);
+        if (rv == MM_OK && e->be->ops->synchronize)
+            rv = e->be->ops->synchronize(e->be->ctx);
+        if (rv != MM_OK) {
+            snprintf(err, MM_ERRLEN, "batch decode step failed: %s", mm_strerror(rv));
+            goto out;
+        }
+        if (t >= 0)
+            dt += (double)(mm_now_ns() - t0) / 1e9;
+    }
+    printf("batch %lld decode: %lld steps in %.3f s = %.2f ms/step, %.1f tokens/s (prompts of "
+           "%lld tokens, logits of every row computed, no sampling)\n", batch, steps, dt,
+           1e3 * dt / steps, batch * steps / dt, plen);
+    rc = 0;
+out:
+    for (int i = 0; i < n_seq; i++)
+        mm_kv_cache_seq_free(e->kv, seqs[i]);
+    free(last);
+    free(pids);
+    return rc;
+}
+
 static int run_bench_model(int argc, char **argv) {
     char *model = NULL, *device = NULL;
     long long threads = 0, prompt = 128, decode = 32, bw_mb = 1024, warm = 4, rounds = 3;
+    long long batch = 1;
     double bw_seconds = 2.0;
     bool paired = true;
     mm_opt opts[] = {
@@ -122,6 +184,8 @@ static int run_bench_model(int argc, char **argv) {
         {"threads", MM_OPT_INT, &threads, "0", "CPU threads (0: all cores)"},
         {"bw-mb", MM_OPT_INT, &bw_mb, "1024", "buffer for the bandwidth measurement (MiB)"},
         {"device", MM_OPT_STR, &device, "cpu", "cpu, cuda:N or hip:N"},
+        {"batch", MM_OPT_INT, &batch, "1",
+         "also decode this many sequences together (2..128: one forward pass per step)"},
         {0},
     };
     mm_cli cli = {.prog = "moemesh bench-model",
@@ -140,12 +204,14 @@ static int run_bench_model(int argc, char **argv) {
         rc = 0;
         goto done;
     }
-    if (!model || prompt < 1 || decode < 1 || bw_mb < 64 || rounds < 1 || rounds > 64) {
-        fprintf(stderr, "bench-model: --model DIR is required (--rounds 1..64)\n");
+    if (!model || prompt < 1 || decode < 1 || bw_mb < 64 || rounds < 1 || rounds > 64 ||
+        batch < 1 || batch > 128) {
+        fprintf(stderr, "bench-model: --model DIR is required (--rounds 1..64, --batch 1..128)\n");
         goto done;
     }
     rc = 1;
-    mm_engine_params ep = {.device = device, .n_threads = (int)threads, .max_seqs = 2,
+    mm_engine_params ep = {.device = device, .n_threads = (int)threads,
+                           .max_seqs = batch > 1 ? (int)batch + 1 : 2,
                            .max_ctx = (int)(prompt + decode * rounds + warm + 8), .max_rows = 128};
     uint64_t t0 = mm_now_ns();
     if (mm_engine_open(&e, model, &ep, err) != MM_OK) {
@@ -255,6 +321,11 @@ static int run_bench_model(int argc, char **argv) {
     printf("decode roofline at the best bandwidth: %.2f tok/s; best decode %.1f%% of it (%.2f "
            "GB/s of weights)\n", best_bw / bytes, 100.0 * best_dtps * bytes / best_bw,
            best_dtps * bytes / 1e9);
+    if (batch > 1) {
+        mm_kv_cache_seq_free(e->kv, s);
+        if (batch_decode(e, batch, prompt < 32 ? prompt : 32, decode, err) != 0)
+            goto fail;
+    }
     rc = 0;
     goto done;
 fail:

@@ -1,0 +1,204 @@
+#!/usr/bin/env bash
+# One device run of everything issue 7 asks to show, side by side, with prebuilt binaries (this
+# script builds nothing). Prepare here:
+#     make cuda && bash kernels/cuda/device_run.sh --stage .dev/gpu-mesh
+# (copies build/cuda's binaries and the non-glibc .so files they need into that folder,
+# which .git/info/exclude ignores), then on the GPU machine, from the repo root, carrying it:
+#     bash kernels/cuda/device_run.sh .dev/gpu-mesh
+# Sections, each with its own time limit, in this order (SKIP="ops parity ..." leaves some out):
+#   ops       tests/kernels/cuda_ops_test, every case
+#   synth     moemesh synth (Qwen3-30B-A3B shape, MODEL_LAYERS=4 layers) into /tmp, started in
+#             the background at once so that it overlaps the op tests
+#   copy      device-to-device copy bandwidth (moemesh-gpu-bench --only none): the ceiling
+#   bench     moemesh bench-model --device cuda:0, batch 1 and batch BATCH (64)
+#   invariance the mesh on the GPU (router, shards, owners all --device cuda:0) vs moemesh
+#             generate --device cuda:0: greedy tokens and logprobs bit for bit, 1, 2, 3 owners
+#   meshstep  the mesh on the synthetic checkpoint: decode step time (mesh-generate --timing)
+#   parity    moemesh logits --device cuda:0 on every fixture vs the transformers logits
+# Output: $OUT/log (also stdout). Exit 0 when every section that ran passed; 1 otherwise;
+# 2 when the binaries are missing. Without a GPU every section fails with its reason.
+set -u
+if [ "${1:-}" = "--stage" ]; then
+    D=${2:-.dev/gpu-mesh}
+    B=${BUILD_CUDA:-build/cuda}
+    mkdir -p "$D/lib" || exit 2
+    for f in bin/moemesh bin/moemesh-router bin/moemesh-attention bin/moemesh-expert \
+             bin/moemesh-gpu-bench tests/kernels/cuda_ops_test; do
+        [ -x "$B/$f" ] || { echo "stage: $B/$f missing (make cuda first)"; exit 2; }
+        strip -o "$D/$(basename "$f")" "$B/$f" || exit 2
+    done
+    # every shared library of the binaries except glibc's own and the dynamic loader
+    ldd "$D"/moemesh* "$D"/cuda_ops_test | awk '/=> \// {print $3}' | sort -u |
+        grep -vE '/(libc|libm|libpthread|libdl|librt|ld-linux[^/]*|libresolv|libgcc_s|libstdc\+\+)\.so' |
+        while read -r so; do cp -L "$so" "$D/lib/"; done
+    du -sh "$D"
+    exit 0
+fi
+
+D=${1:-.dev/gpu-mesh}
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export LD_LIBRARY_PATH="$PWD/$D/lib:${LD_LIBRARY_PATH:-}"
+exec > >(tee "$OUT/log") 2>&1
+SKIP=${SKIP:-}
+L=${MODEL_LAYERS:-4}
+BATCH=${BATCH:-64}
+M=/tmp/q3-30b-a3b-L$L
+FAILED=()
+T0=$(date +%s)
+for b in moemesh moemesh-router moemesh-attention moemesh-expert cuda_ops_test moemesh-gpu-bench; do
+    [ -x "$D/$b" ] || { echo "missing $D/$b: stage the binaries first (--stage)"; exit 2; }
+done
+# ldd must resolve everything, or every section below would fail the same way
+if ldd "$D/moemesh" | grep -q "not found"; then
+    ldd "$D/moemesh" | grep "not found"; echo "libraries missing"; exit 2
+fi
+skip() { case " $SKIP " in *" $1 "*) return 0 ;; esac; return 1; }
+section() { echo; echo "== $1 (t+$(( $(date +%s) - T0 )) s)"; }
+date -u
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 | head -3
+
+if ! skip synth; then
+    # background: CPU and disk work while the GPU runs the op tests
+    ( timeout 200 "$D/moemesh" synth --out "$M" --layers "$L" > "$OUT/synth.txt" 2>&1
+      echo "rc=$?" >> "$OUT/synth.txt" ) &
+    SYNTH_PID=$!
+fi
+
+if ! skip ops; then
+    section "op tests (tests/kernels/cuda_ops_test)"
+    pass=0; fail=0
+    while IFS= read -r c; do
+        if timeout 90 "$D/cuda_ops_test" "$c" > "$OUT/case.txt" 2>&1; then pass=$((pass+1)); echo "ok    $c"
+        else rc=$?; fail=$((fail+1)); echo "FAIL  $c (rc=$rc)"; fi
+        grep -E "bit-identical|nmse|NMSE|differs|FAIL|error|SKIP" "$OUT/case.txt" | head -6 | sed 's/^/      /'
+    done < <(timeout 20 "$D/cuda_ops_test" --list)
+    echo "op tests: $pass passed, $fail failed"
+    [ $fail -eq 0 ] && [ $pass -gt 0 ] || FAILED+=(ops)
+fi
+
+COPY=
+if ! skip copy; then
+    section "copy bandwidth (moemesh-gpu-bench --only none)"
+    timeout 60 "$D/moemesh-gpu-bench" --only none 2>&1 | tee "$OUT/copy.txt" | head -8
+    COPY=$(grep -oE '[0-9.]+ GB/s' "$OUT/copy.txt" | head -1 | cut -d' ' -f1)
+    echo "copy bandwidth: ${COPY:-unmeasured} GB/s"
+fi
+
+if ! skip synth; then
+    wait "$SYNTH_PID"
+    cat "$OUT/synth.txt"
+    grep -q "^rc=0" "$OUT/synth.txt" || FAILED+=(synth)
+fi
+
+if ! skip bench && [ -f "$M/config.json" ]; then
+    section "bench-model --device cuda:0 (batch 1, then batch $BATCH)"
+    timeout 150 "$D/moemesh" bench-model --model "$M" --device cuda:0 --prompt-tokens 128 \
+        --decode-tokens 32 --rounds 2 --bw-mb 64 --batch "$BATCH" > "$OUT/bench.txt" 2>&1 ||
+        { echo "bench-model failed rc=$?"; FAILED+=(bench); }
+    grep -vE "^round|roofline|memory read" "$OUT/bench.txt"
+    MB=$(grep -oE 'weights read per decode token: [0-9.]+' "$OUT/bench.txt" | grep -oE '[0-9.]+$')
+    TPS=$(grep -oE 'decode: best [0-9.]+' "$OUT/bench.txt" | grep -oE '[0-9.]+$')
+    if [ -n "$COPY" ] && [ -n "$MB" ] && [ -n "$TPS" ]; then
+        awk -v c="$COPY" -v mb="$MB" -v t="$TPS" 'BEGIN { printf "batch 1 decode: %.1f tok/s x %.1f MB = %.0f GB/s = %.1f%% of the copy bandwidth (%s GB/s)\n", t, mb, t * mb / 1000, 100 * t * mb / 1000 / c, c }'
+    fi
+fi
+
+# ---- the mesh on the GPU: router, shards and owners all on cuda:0 ---------------------------
+if ! skip invariance || ! skip meshstep; then
+    BIN=$D
+    source tests/e2e/mesh_lib.sh
+    trap 'mesh_stop; rm -rf "$RUN" "$M"' EXIT
+    common() {
+        echo --router "$ROUTER" --model "$MODEL" --owners "$OWNERS" --heartbeat-ms $HB --threads 1 \
+            --device cuda:0 ${PLACEMENT:+--placement "$PLACEMENT"}
+    }
+    reference() { "$BIN/moemesh" generate --model "$MODEL" --ids "$1" --max-tokens "$2" --logprobs \
+        --top-logprobs 3 --threads 1 --device cuda:0; }
+    wait_ready() { # GPU daemons load the model onto the device first: up to 90 s
+        for _ in $(seq 1 900); do
+            "$BIN/moemesh" status --router "$ROUTER" 2>/dev/null | grep -q "attention: $1 ready, expert: $2 ready" && return 0
+            sleep 0.1
+        done
+        return 1
+    }
+    # mesh_lib's fail exits; here a failed check fails its section only: checks run in a
+    # subshell (exit ends it), mesh_start in this shell (return)
+    fail() {
+        echo "FAIL: $*"
+        for f in "$RUN"/*.log; do [ -f "$f" ] && { echo "--- $f"; tail -n 8 "$f"; }; done
+        [ "$BASH_SUBSHELL" -gt 0 ] && exit 1
+        return 1
+    }
+fi
+
+if ! skip invariance; then
+    section "mesh invariance on cuda:0 (qwen3moe-tiny): mesh-generate vs generate --device cuda:0"
+    MODEL=tests/fixtures/models/qwen3moe-tiny
+    ok=1
+    for o in 1 2 3; do
+        s=1; [ $o = 3 ] && s=2
+        OWNERS=$o SHARDS=$s mesh_start || { ok=0; mesh_stop; break; }
+        ( expect_same "$o owners, $s shards" 11,42,7,300,5,99,18 8 ) || ok=0
+        if [ $o = 2 ]; then ( expect_same "$o owners, prompt in chunks of 3" 11,42,7,300,5,99,18 8 --chunk 3 ) || ok=0; fi
+        if [ $o = 3 ]; then ( expect_same "$o owners, among 8 concurrent" 11,42,7,300,5,99,18 8 --concurrent 9 ) || ok=0; fi
+        grep -h "joined" "$RUN"/router.log 2>/dev/null | sed 's/^/    /' | head -5
+        mesh_stop
+    done
+    [ $ok = 1 ] && echo "mesh invariance on cuda:0: PASS" || { echo "mesh invariance on cuda:0: FAIL"; FAILED+=(invariance); }
+fi
+
+if ! skip meshstep && [ -f "$M/config.json" ]; then
+    section "mesh decode step vs the engine, synthetic Qwen3-30B-A3B shape ($L layers), one GPU"
+    MODEL=$M
+    for o in 1 3; do
+        OWNERS=$o SHARDS=1 mesh_start || { FAILED+=(meshstep); mesh_stop; break; }
+        ids=$(seq -s, 11 1 42)
+        timeout 60 "$BIN/moemesh" mesh-generate --router "$ROUTER" --ids "$ids" --max-tokens 40 \
+            --timing > /dev/null 2> "$RUN/timing.txt" || { cat "$RUN/timing.txt"; FAILED+=(meshstep); }
+        echo "mesh, $o owner(s), 1 shard: $(grep -E 'decode steps' "$RUN/timing.txt")"
+        mesh_stop
+    done
+    grep -E "decode: best|batch .* decode" "$OUT/bench.txt" 2>/dev/null | sed 's/^/engine (same run): /'
+fi
+
+if ! skip parity; then
+    section "whole model on cuda:0 vs the transformers fixtures (moemesh logits --device cuda:0)"
+    for d in tests/fixtures/models/*/; do
+        [ -f "$d/reference.json" ] || continue
+        timeout 60 python3 - "$d" "$D/moemesh" <<'PY' || FAILED+=(parity)
+import json, os, subprocess, sys
+import numpy as np
+d, mm = sys.argv[1].rstrip("/"), sys.argv[2]
+r = json.load(open(d + "/reference.json"))
+worst, nmse, agree, agree_m, tot, tot_m = 0.0, 0.0, 0, 0, 0, 0
+for p in r["prompts"]:
+    out = "/tmp/parity.f32"
+    c = subprocess.run([mm, "logits", "--model", d, "--ids", ",".join(map(str, p["ids"])),
+                        "--out", out, "--device", "cuda:0"], capture_output=True, text=True)
+    if c.returncode:
+        print("%-20s FAIL rc=%d %s" % (os.path.basename(d), c.returncode, c.stderr.strip()[-300:]))
+        sys.exit(1)
+    a = np.fromfile(out, dtype=np.float32).reshape(p["logits_shape"])
+    b = np.fromfile(d + "/" + p["logits_file"], dtype=np.float32).reshape(p["logits_shape"])
+    worst = max(worst, float(np.abs(a - b).max()))
+    nmse = max(nmse, float(((a - b) ** 2).sum() / (b ** 2).sum()))
+    eq = a.argmax(-1) == b.argmax(-1)
+    top2 = np.sort(b, axis=-1)[:, -2:]
+    m = (top2[:, 1] - top2[:, 0]) > 0.05 # positions whose reference top-2 gap exceeds 0.05
+    agree += int(eq.sum()); tot += eq.size
+    agree_m += int(eq[m].sum()); tot_m += int(m.sum())
+print("%-20s max|diff| %.3e  worst prompt nmse %.2e  argmax %d/%d (margin>0.05: %d/%d)"
+      % (os.path.basename(d), worst, nmse, agree, tot, agree_m, tot_m))
+# bf16 activations on the tensor cores: the GPU's tolerance (docs/BENCHMARKS.md)
+sys.exit(0 if nmse < 5e-2 else 1)
+PY
+    done
+fi
+
+rm -rf "$M"
+echo
+date -u
+echo "total $(( $(date +%s) - T0 )) s"
+if [ ${#FAILED[@]} -gt 0 ]; then echo "FAILED sections: ${FAILED[*]}"; exit 1; fi
+echo "all sections passed"

@@ -12,7 +12,7 @@
 //   (MM_EIDENTITY names both). The dialer sends first, the acceptor answers once its QP is
 //   ready to receive (RTR), and the dialer confirms with a READY frame once it is, so
 //   neither side writes into a QP that cannot take it yet. Every step has the caller's
-//   deadline.
+//   deadline (accept: once a dialer is connected, its setup gets at least SETUP_MIN_MS).
 // - Memory: each conn registers, once at setup, a receive region (credit word + ring of
 //   `slots` slots of `slot_kb` KiB, remote-writable) and a send staging ring of the peer's
 //   geometry (local only). Nothing is registered per message. A frame (64-byte mm_wire_hdr +
@@ -24,8 +24,9 @@
 // - Flow control: the receiver counts slots it has copied out and RDMA-writes that
 //   cumulative count (8 bytes, inline) into the sender's credit word: after every frame and
 //   every quarter ring inside a large frame. A sender posts slot k only when
-//   k < min(credit, send completions) + slots, so a slow receiver is never overwritten and a
-//   frame larger than the ring streams through it.
+//   k < min(credit, send completions) + slots (and keeps at most its own `slots` writes in
+//   flight, which sizes its send queue), so a slow receiver is never overwritten and a frame
+//   larger than the ring streams through it.
 // - Waiting: poll the CQ for a bounded spin (MM_TRANSPORT_SPIN_US), then arm the CQ's
 //   completion channel and sleep in poll() on it, on the side-channel socket and on a
 //   shutdown eventfd, bounded by the deadline. Credits arrive as plain writes with no
@@ -41,7 +42,9 @@
 //   thread also posts credit writes; the send CQ is polled under scq_mu by either thread.
 //   ibv_post_send/recv are thread-safe in rdma-core providers.
 // - Memory path: rows are staged through pinned host memory. Registering GPU memory
-//   (dma-buf / nvidia-peermem) is not implemented: mm_conn_reg_mem registers host memory only.
+//   (dma-buf / nvidia-peermem) is not implemented: mm_conn_reg_mem registers host memory
+//   only, and the send path does not use registrations yet (every frame is staged: one copy
+//   on each side; docs/BENCHMARKS.md says what that costs on a real NIC).
 // - Fork: verbs objects belong to the process that made them; a forked child only frees its
 //   copies (no verbs calls), like tcp.c.
 #include <arpa/inet.h>

@@ -26,7 +26,7 @@ while IFS= read -r c; do run_case conformance_test "$c" 180; done < /tmp/cases
 if [ -x ./owner_test ]; then # an expert owner over rdma:// vs tcp://, bit for bit
     export MM_TEST_EXPERT_BIN=/t/moemesh-expert MM_TEST_MODEL=/t/model
     ./owner_test --list > /tmp/cases
-    while IFS= read -r c; do run_case owner_test "$c" 180; done < /tmp/cases
+    while IFS= read -r c; do run_case owner_test "$c" 300; done < /tmp/cases
     grep '^layer' /tmp/case.log 2>/dev/null
 fi
 if [ "$MESH" = mesh ] && [ -f ./mesh_guest.sh ] && [ -x ./moemesh-router ]; then # the whole mesh over rdma:// vs tcp://

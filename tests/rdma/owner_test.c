@@ -123,12 +123,12 @@ static void test_owner_rdma_equals_tcp(void) {
     }
     pid_t tcp_pid = start_owner(tcp_url, dir, "expert-tcp");
     mm_conn *ct = NULL, *cr = NULL;
-    mm_err rv = mm_transport_dial(&ct, tcp_url, mm_deadline_in_ms(60000), err);
+    mm_err rv = mm_transport_dial(&ct, tcp_url, mm_deadline_in_ms(180000), err);
     if (rv != MM_OK) {
         dump_logs(dir);
         MM_TEST_FAIL_("dial %s: %s (%s)", tcp_url, mm_strerror(rv), err);
     }
-    rv = mm_transport_dial(&cr, rdma_url, mm_deadline_in_ms(60000), err);
+    rv = mm_transport_dial(&cr, rdma_url, mm_deadline_in_ms(180000), err);
     if (rv != MM_OK) {
         dump_logs(dir);
         MM_TEST_FAIL_("dial %s: %s (%s)", rdma_url, mm_strerror(rv), err);

@@ -1079,7 +1079,10 @@ static void submit(gw_api *a, struct greq *g, const struct common *o, struct per
         snprintf(idp, sizeof(idp), "call_%s_%d", g->id + 9, i);
         gw_chat_parse_init(&c->cp, g->think_open, g->parse_tools, idp);
         int np = g->prompt_len[p];
-        long long max_gen = o->max_tokens >= 0 ? o->max_tokens : a->max_ctx - np;
+        // Without max_tokens: the rest of the context, or of what one shard's KV holds.
+        long long room = gw_sched_seq_kv_tokens(a->sched) < a->max_ctx
+                             ? gw_sched_seq_kv_tokens(a->sched) : a->max_ctx;
+        long long max_gen = o->max_tokens >= 0 ? o->max_tokens : room - np;
         if (max_gen < 1)
             max_gen = 1;
         char err[MM_ERRLEN] = "";

@@ -172,6 +172,8 @@ void gw_sched_free(gw_sched *s); // accepts NULL; call after the loop stopped
 // gw_sched_check says whether a seq with n_prompt tokens and max_gen new ones could ever run.
 // Errors: MM_EINVAL naming the limit (context, KV capacity).
 mm_err gw_sched_check(const gw_sched *s, int n_prompt, int max_gen, char err[MM_ERRLEN]);
+// gw_sched_seq_kv_tokens: the most tokens (prompt + generated) one seq's KV can hold.
+int64_t gw_sched_seq_kv_tokens(const gw_sched *s);
 // gw_sched_submit queues n seqs (one request's choices) at the tail. Errors: MM_EFULL (queue
 // full: nothing queued), MM_EINVAL (gw_sched_check failed).
 mm_err gw_sched_submit(gw_sched *s, gw_seq **seqs, int n, char err[MM_ERRLEN]);

@@ -131,6 +131,10 @@ mm_err gw_sched_check(const gw_sched *s, int n_prompt, int max_gen, char err[MM_
     return MM_OK;
 }
 
+int64_t gw_sched_seq_kv_tokens(const gw_sched *s) {
+    return s->c.shard_kv_blocks * s->c.block_size;
+}
+
 static void kick(gw_sched *s);
 
 mm_err gw_sched_submit(gw_sched *s, gw_seq **seqs, int n, char err[MM_ERRLEN]) {

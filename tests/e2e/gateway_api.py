@@ -115,6 +115,16 @@ if d["prompt"] != g["choices"][0]["text"]:
     fail("completion text %r != /detokenize of its ids %r" % (g["choices"][0]["text"], d["prompt"]))
 full = g["choices"][0]["text"]
 
+# A prompt longer than one step's token budget (256): chunked prefill, still equal to generate.
+LONG = [(i * 37 + 11) % 500 + 3 for i in range(300)]
+want = subprocess.run([os.environ["BIN"] + "/moemesh", "generate", "--model", os.environ["MODEL"],
+                       "--ids", ",".join(map(str, LONG)), "--max-tokens", "6"],
+                      capture_output=True, text=True, check=True).stdout.strip()
+g = expect(200, post("/v1/completions", {"prompt": LONG, "max_tokens": 6, "temperature": 0,
+                                         "ignore_eos": True, "return_token_ids": True}),
+           "chunked prefill")
+if ",".join(map(str, g["choices"][0]["token_ids"])) != want:
+    fail("chunked prefill: %s != moemesh generate %s" % (g["choices"][0]["token_ids"], want))
 expect(200, post("/v1/completions", {"prompt": "Hello world", "max_tokens": 3, "temperature": 0}),
        "text prompt")
 j = expect(200, post("/v1/completions", {"prompt": ["Hello", "world"], "max_tokens": 3, "n": 2,

@@ -151,6 +151,7 @@ static int run_mesh_generate(int argc, char **argv) {
         goto done;
     }
     uint64_t step_id = (id_base >> 8) * 16; // increasing across runs
+    const uint64_t t_start = mm_now_ns();
     for (int step = 0;; step++) {
         mm_step_builder_reset(b, ++step_id);
         int64_t budget = max_batch;
@@ -267,6 +268,14 @@ static int run_mesh_generate(int argc, char **argv) {
         fprintf(stderr, "decode steps %d: mean %.3f ms, min %.3f ms, p50 %.3f ms, p90 %.3f ms\n",
                 n_step_ms, sum / n_step_ms, step_ms[0], step_ms[n_step_ms / 2],
                 step_ms[n_step_ms * 9 / 10]);
+    }
+    if (timing) {
+        long long tok = 0;
+        for (int j = 0; j < K; j++)
+            tok += S[j].n_out;
+        double sec = (double)(mm_now_ns() - t_start) / 1e9;
+        fprintf(stderr, "generated %lld tokens in %.3f s: %.1f tokens/s (prefill included)\n",
+                tok, sec, sec > 0 ? (double)tok / sec : 0.0);
     }
     if (draft > 0)
         fprintf(stderr, "drafting: drafted %llu accepted %llu in %llu seq-steps\n",

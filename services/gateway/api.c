@@ -101,6 +101,7 @@ struct gw_api {
     gw_sched *sched;
     gw_api_conf c;
     char model_name[256];
+    char model_name_json[1600]; // escaped for a JSON string
     mm_tokenizer *tk;
     mm_chat_template *ct;
     char ct_err[MM_ERRLEN];
@@ -586,8 +587,109 @@ static size_t suffix_hold(const struct greq *g, const char *t, size_t n) {
     return best;
 }
 
+// json_escape_into appends s[0, n) as the inside of a JSON string: quotes, backslashes and
+// control characters escaped, invalid UTF-8 replaced by U+FFFD.
+static void json_escape_into(gw_buf *b, const char *s, size_t n) {
+    if (!gw_buf_reserve(b, n * 6 + 1))
+        return;
+    char *o = b->p + b->len;
+    for (size_t i = 0; i < n;) {
+        unsigned char c = (unsigned char)s[i];
+        if (c == '"' || c == '\\') {
+            *o++ = '\\';
+            *o++ = (char)c;
+            i++;
+        } else if (c < 0x20) {
+            static const char hex[] = "0123456789abcdef";
+            if (c == '\n') {
+                *o++ = '\\';
+                *o++ = 'n';
+            } else {
+                memcpy(o, "\\u00", 4);
+                o[4] = hex[c >> 4];
+                o[5] = hex[c & 15];
+                o += 6;
+            }
+            i++;
+        } else if (c < 0x80) {
+            *o++ = (char)c;
+            i++;
+        } else {
+            size_t len = (c & 0xE0) == 0xC0 ? 2 : (c & 0xF0) == 0xE0 ? 3 : (c & 0xF8) == 0xF0 ? 4 : 0;
+            bool ok = len > 0 && i + len <= n && c >= 0xC2 && c <= 0xF4;
+            for (size_t k = 1; ok && k < len; k++)
+                ok = ((unsigned char)s[i + k] & 0xC0) == 0x80;
+            if (ok && len == 3) { // no overlongs, no surrogates
+                unsigned char d = (unsigned char)s[i + 1];
+                ok = !(c == 0xE0 && d < 0xA0) && !(c == 0xED && d >= 0xA0);
+            } else if (ok && len == 4) {
+                unsigned char d = (unsigned char)s[i + 1];
+                ok = !(c == 0xF0 && d < 0x90) && !(c == 0xF4 && d >= 0x90);
+            }
+            if (ok) {
+                memcpy(o, s + i, len);
+                o += len;
+                i += len;
+            } else {
+                memcpy(o, "\xEF\xBF\xBD", 3);
+                o += 3;
+                i++;
+            }
+        }
+    }
+    b->len = (size_t)(o - b->p);
+    b->p[b->len] = 0;
+}
+
+// stream_text_fast appends the common event (a text or content delta, nothing else) without
+// building JSON objects: the per-token path of most streams. Returns false when the event needs
+// more (role, reasoning, tool calls, logprobs, the end) and the general path must build it.
+static bool stream_text_fast(struct greq *g, struct choice *c) {
+    if (g->want_lp || c->done)
+        return false;
+    const char *t;
+    size_t n;
+    if (g->kind == API_CHAT) {
+        if (!c->role_sent || c->cp.reasoning.len > c->r_sent ||
+            (c->cp.tool_calls && json_array_size(c->cp.tool_calls) > c->tools_sent))
+            return false;
+        if (c->cp.content.len == c->c_sent)
+            return true; // nothing new
+        t = c->cp.content.p + c->c_sent;
+        n = c->cp.content.len - c->c_sent;
+        bool blank = true;
+        for (size_t i = 0; i < n && blank; i++)
+            blank = strchr(" \t\r\n", t[i]) != NULL;
+        if (blank && c->cp.tools)
+            return true; // whitespace before a possible tool call: wait (as the general path)
+        c->c_sent = c->cp.content.len;
+    } else {
+        if (c->safe == c->sent)
+            return true;
+        t = c->text.p + c->sent;
+        n = c->safe - c->sent;
+        c->sent = c->safe;
+    }
+    gw_buf *b = &g->pend;
+    char head[512];
+    int hn = snprintf(head, sizeof(head),
+                      "data: {\"id\":\"%s\",\"object\":\"%s\",\"created\":%lld,\"model\":\"%s\","
+                      "\"choices\":[{\"index\":%d,%s\"", g->id,
+                      g->kind == API_CHAT ? "chat.completion.chunk" : "text_completion",
+                      g->created, g->api->model_name_json, c->seq.index,
+                      g->kind == API_CHAT ? "\"delta\":{\"content\":" : "\"text\":");
+    gw_buf_add(b, head, (size_t)hn);
+    json_escape_into(b, t, n);
+    gw_buf_adds(b, g->kind == API_CHAT ? "\"},\"logprobs\":null,\"finish_reason\":null}]"
+                                       : "\",\"logprobs\":null,\"finish_reason\":null}]");
+    gw_buf_adds(b, g->include_usage ? ",\"usage\":null}\n\n" : "}\n\n");
+    return true;
+}
+
 // stream_choice appends the events for c's new output (tokens since the last event).
 static void stream_choice(struct greq *g, struct choice *c) {
+    if (stream_text_fast(g, c))
+        return;
     json_t *delta = NULL;
     json_t *ch = json_pack("{s:i}", "index", c->seq.index);
     bool any = false;
@@ -1636,6 +1738,12 @@ mm_err gw_api_open(gw_api **out, uv_loop_t *loop, gw_mesh *mesh, const gw_api_co
         while (n > 1 && tmp[n - 1] == '/')
             tmp[--n] = 0;
         snprintf(a->model_name, sizeof(a->model_name), "%s", basename(tmp));
+    }
+    {
+        gw_buf mb = {0};
+        json_escape_into(&mb, a->model_name, strlen(a->model_name));
+        snprintf(a->model_name_json, sizeof(a->model_name_json), "%s", mb.p ? mb.p : "");
+        free(mb.p);
     }
     mm_err rv;
     mm_model_config cfg;

@@ -295,11 +295,14 @@ void mm_registry_handle(void *arg, const mm_ctl_msg *req, const char *peer, nng_
 
 void mm_registry_sweep(void *arg) {
     mm_registry *r = arg;
-    uint64_t now = mm_now_ms();
     pthread_mutex_lock(&r->mu);
+    // Read the clock under the lock: a heartbeat handled between an earlier reading and the
+    // lock would stamp last_seen_ms after `now`, and the unsigned difference would wrap.
+    uint64_t now = mm_now_ms();
     for (int i = 0; i < MM_REGISTRY_MAX_MEMBERS; i++) {
         struct member *m = &r->members[i];
-        if (!m->used || !m->up || now - m->last_seen_ms <= r->down_after_ms)
+        if (!m->used || !m->up || m->last_seen_ms >= now ||
+            now - m->last_seen_ms <= r->down_after_ms)
             continue;
         m->up = false;
         m->health = MMCTL__HEALTH__HEALTH_DOWN;

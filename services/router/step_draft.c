@@ -2,15 +2,14 @@
 // The router's drafting state; see step_draft.h and docs/MESH.md (Drafting).
 #include "step_draft.h"
 
-#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "mm/log.h"
+#include "mm/spec.h"
 #include "mm/time.h"
 
-#define N_BUCKETS 8
 #define PROBE_EVERY 32
 
 struct rseq {
@@ -39,9 +38,7 @@ struct mm_draft {
     Mmctl__DraftSeq **dqp;
     int32_t *dq_plan;  // plan index of each request seq
     uint64_t *rel;
-    // costs: EMA step time (ms) per (context bucket, widest draft in the step)
-    double T[N_BUCKETS][MM_DRAFT_MAX_K + 1];
-    bool Tm[N_BUCKETS][MM_DRAFT_MAX_K + 1];
+    mm_spec_costs costs; // step time per (context bucket, widest draft in the step)
     int step_w, step_bucket;
     bool step_ok; // this step's drafter call (if any) answered
     // metrics
@@ -114,60 +111,12 @@ static struct rseq *track(mm_draft *d, uint64_t id) {
     return NULL;
 }
 
-static int bucket_of(int32_t ctx) {
-    int b = 0;
-    for (int32_t c = ctx / 64; c > 1 && b < N_BUCKETS - 1; c >>= 1)
-        b++;
-    return b;
-}
-
-// price: the step time of width w in bucket b (see step_draft.h).
-static double price(const mm_draft *d, int b, int w) {
-    int bb = -1;
-    for (int dist = 0; dist < N_BUCKETS && bb < 0; dist++)
-        for (int s = -1; s <= 1 && bb < 0; s += 2) {
-            int x = b + s * dist;
-            if (x < 0 || x >= N_BUCKETS)
-                continue;
-            for (int k = 0; k <= d->c.max_k; k++)
-                if (d->Tm[x][k])
-                    bb = x;
-        }
-    if (bb < 0)
-        return 1.0; // nothing measured yet: every width costs the same (explore wide)
-    double T = -1;
-    if (d->Tm[bb][w]) {
-        T = d->T[bb][w];
-    } else {
-        for (int dist = 1; dist <= d->c.max_k && T < 0; dist++) {
-            if (w + dist <= d->c.max_k && d->Tm[bb][w + dist])
-                T = d->T[bb][w + dist];
-            else if (w - dist >= 0 && d->Tm[bb][w - dist])
-                T = d->T[bb][w - dist];
-        }
-    }
-    for (int k = 0; k < w; k++) // never below a measured narrower width
-        if (d->Tm[bb][k] && d->T[bb][k] > T)
-            T = d->T[bb][k];
-    return T > 0 ? T : 1e-3;
-}
-
 static int choose(mm_draft *d, struct rseq *r, int maxw, int b) {
     if (maxw <= 0)
         return 0;
     if (!d->c.adapt)
         return maxw;
-    double best = -1, e = 0, ak = 1;
-    int bw = 0;
-    for (int w = 0; w <= maxw; w++) {
-        e += ak; // expected tokens: sum_{i<=w} acc^i
-        ak *= r->acc;
-        double s = e / price(d, b, w);
-        if (s > best * (1 + 1e-9)) {
-            best = s;
-            bw = w;
-        }
-    }
+    int bw = mm_spec_width(&d->costs, b, maxw, (double)r->acc);
     if (bw == 0 && r->n_steps % PROBE_EVERY == PROBE_EVERY - 1)
         bw = 1; // probe: keep the acceptance measured
     return bw;
@@ -247,7 +196,7 @@ void mm_draft_begin(mm_draft *d, const Mmctl__StepPlan *p, const bool *active, i
     }
     if (d->c.max_k == 0)
         return;
-    const int b = bucket_of(max_ctx_step);
+    const int b = mm_spec_bucket(max_ctx_step);
     d->step_bucket = b;
     if (room > d->c.max_rows)
         room = d->c.max_rows;
@@ -402,13 +351,8 @@ void mm_draft_verified(mm_draft *d, const Mmctl__SeqStep *q, uint32_t n_draft,
 void mm_draft_end(mm_draft *d, uint64_t step_ns) {
     if (d->c.max_k == 0)
         return;
-    if (d->step_ok) {
-        double ms = (double)step_ns / 1e6;
-        double *T = &d->T[d->step_bucket][d->step_w];
-        bool *m = &d->Tm[d->step_bucket][d->step_w];
-        *T = *m ? 0.8 * *T + 0.2 * ms : ms;
-        *m = true;
-    }
+    if (d->step_ok)
+        mm_spec_cost_add(&d->costs, d->step_bucket, d->step_w, (double)step_ns / 1e6);
     char buf[MM_CTL_MAX_STR];
     int n = snprintf(buf, sizeof(buf), "hub; drafting: drafted=%llu accepted=%llu emitted=%llu "
                      "rate=%.3f mean_accepted=%.3f drafter_misses=%llu by_pos=",

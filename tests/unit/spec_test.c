@@ -157,7 +157,44 @@ static void test_spec_distribution(void) {
     mm_sampler_free(s);
 }
 
+// Width from measured costs: nothing measured -> the widest; drafting that does not pay -> 0;
+// unmeasured widths priced as the nearest measured one and never below a narrower one.
+static void test_spec_width(void) {
+    mm_spec_costs c;
+    memset(&c, 0, sizeof(c));
+    MM_EQ(mm_spec_width(&c, 0, 4, 0.5), 4); // explore: every width costs the same
+    MM_EQ(mm_spec_width(&c, 0, 0, 0.9), 0);
+    mm_spec_cost_add(&c, 0, 0, 10.0);
+    mm_spec_cost_add(&c, 0, 4, 30.0);
+    // unmeasured 1..3: nearest measured (1 -> 0's 10 ms, 2 -> tie: the wider, 4's 30 ms)
+    MM_NEAR(mm_spec_price(&c, 0, 1, 4), 10.0, 1e-9);
+    MM_NEAR(mm_spec_price(&c, 0, 2, 4), 30.0, 1e-9);
+    MM_NEAR(mm_spec_price(&c, 0, 3, 4), 30.0, 1e-9);
+    // never below a measured narrower width: a width-2 step measured faster than width 0
+    mm_spec_cost_add(&c, 0, 2, 5.0);
+    MM_NEAR(mm_spec_price(&c, 0, 2, 4), 10.0, 1e-9);
+    // acceptance 0: nothing beats not drafting
+    MM_EQ(mm_spec_width(&c, 0, 4, 0.0), 0);
+    // acceptance 1: width 2 (measured 5 ms, priced at width 0's 10 ms) gives 3 tokens per
+    // 10 ms; width 4 gives 5 per 30 ms: 2 is the best
+    MM_EQ(mm_spec_width(&c, 0, 4, 1.0), 2);
+    mm_spec_cost_add(&c, 0, 1, 25.0); // measured: width 1 is dear
+    MM_EQ(mm_spec_width(&c, 0, 4, 1.0), 4);
+    MM_EQ(mm_spec_width(&c, 0, 4, 0.1), 0); // low acceptance: not worth 2.5x
+    // another context range with nothing measured borrows the nearest measured range
+    MM_NEAR(mm_spec_price(&c, 5, 4, 4), 30.0, 1e-9);
+    // the EMA follows new measurements
+    for (int i = 0; i < 50; i++)
+        mm_spec_cost_add(&c, 0, 4, 12.0);
+    MM_NEAR(c.T[0][4], 12.0, 1e-3);
+    MM_NEAR(mm_spec_price(&c, 0, 4, 4), 25.0, 1e-9); // never below width 1's 25 ms
+    MM_EQ(mm_spec_bucket(10), 0);
+    MM_EQ(mm_spec_bucket(300), 2);
+    MM_EQ(mm_spec_bucket(1 << 30), MM_SPEC_BUCKETS - 1);
+}
+
 MM_TESTS = {
+    {"spec width from measured costs and acceptance", test_spec_width},
     {"spec verify greedy: longest agreeing prefix, plain decoding's bits", test_spec_greedy},
     {"spec verify seeded: same seed same tokens, plain decoding's", test_spec_seeded_same_tokens},
     {"spec verify sampled: output distribution is the target's (chi-square)",

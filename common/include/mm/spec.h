@@ -15,6 +15,7 @@
 #ifndef MM_SPEC_H
 #define MM_SPEC_H
 
+#include <stdbool.h>
 #include <stdint.h>
 
 #include "mm/sampler.h"
@@ -28,5 +29,29 @@ mm_err mm_spec_verify(mm_sampler *s, const float *logits, int vocab, const mm_sa
                       int64_t at, uint32_t n_top, const int32_t *draft, uint32_t n_draft,
                       mm_sample *first, int32_t *tok, float *lp, uint32_t *accepted,
                       char err[MM_ERRLEN]);
+
+// ---- draft width from measured costs --------------------------------------------------------
+// The step time of each width (the widest draft in a step), kept per context-length range
+// (log2 buckets of 64 tokens), as an EMA; the width maximising expected tokens per second.
+
+#define MM_SPEC_MAX_W 8
+#define MM_SPEC_BUCKETS 8
+
+typedef struct mm_spec_costs {
+    double T[MM_SPEC_BUCKETS][MM_SPEC_MAX_W + 1]; // ms
+    bool measured[MM_SPEC_BUCKETS][MM_SPEC_MAX_W + 1];
+} mm_spec_costs;
+
+// mm_spec_bucket: the context-length range of a step whose longest seq has ctx tokens.
+int mm_spec_bucket(int32_t ctx);
+// mm_spec_cost_add records a step of width w (0..MM_SPEC_MAX_W) that took ms.
+void mm_spec_cost_add(mm_spec_costs *c, int bucket, int w, double ms);
+// mm_spec_price: the step time of width w in bucket (the nearest bucket with measurements).
+// Measured: its EMA. Unmeasured: the nearest measured width's (the wider on a tie), and never
+// below a measured narrower width's. Nothing measured at all: 1 for every width.
+double mm_spec_price(const mm_spec_costs *c, int bucket, int w, int max_w);
+// mm_spec_width: the w in [0, max_w] maximising (sum_{i<=w} acc^i) / price(w); 0 when no
+// width beats not drafting.
+int mm_spec_width(const mm_spec_costs *c, int bucket, int max_w, double acc);
 
 #endif

@@ -15,6 +15,9 @@
 #             generate --device cuda:0: greedy tokens and logprobs bit for bit, 1, 2, 3 owners
 #   meshstep  the mesh on the synthetic checkpoint: decode step time (mesh-generate --timing)
 #   parity    moemesh logits --device cuda:0 on every fixture vs the transformers logits
+# MPS=1 runs the mesh sections under the CUDA Multi-Process Service (nvidia-cuda-mps-control -d,
+# pipe and log directories in /tmp; quit at the end), so that the daemons' contexts share the
+# GPU without time-slicing; the engine sections run without it.
 # Output: $OUT/log (also stdout). Exit 0 when every section that ran passed; 1 otherwise;
 # 2 when the binaries are missing. Without a GPU every section fails with its reason.
 set -u
@@ -117,6 +120,7 @@ if ! skip invariance || ! skip meshstep; then
         --top-logprobs 3 --threads 1 --device cuda:0; }
     wait_ready() { # GPU daemons load the model onto the device first: up to 90 s
         for _ in $(seq 1 900); do
+            for p in "${PIDS[@]}"; do kill -0 "$p" 2>/dev/null || return 1; done # one died
             "$BIN/moemesh" status --router "$ROUTER" 2>/dev/null | grep -q "attention: $1 ready, expert: $2 ready" && return 0
             sleep 0.1
         done
@@ -130,6 +134,18 @@ if ! skip invariance || ! skip meshstep; then
         [ "$BASH_SUBSHELL" -gt 0 ] && exit 1
         return 1
     }
+fi
+
+MPS_ON=0
+if [ "${MPS:-0}" = 1 ] && { ! skip invariance || ! skip meshstep; }; then
+    section "CUDA MPS for the mesh sections"
+    export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    if command -v nvidia-cuda-mps-control >/dev/null && nvidia-cuda-mps-control -d; then
+        MPS_ON=1; echo "MPS control daemon started"
+    else
+        echo "MPS not available: the mesh sections run without it"
+    fi
 fi
 
 if ! skip invariance; then
@@ -196,6 +212,9 @@ PY
     done
 fi
 
+if [ $MPS_ON = 1 ]; then
+    echo quit | nvidia-cuda-mps-control && echo "MPS control daemon stopped"
+fi
 rm -rf "$M"
 echo
 date -u

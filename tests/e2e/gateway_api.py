@@ -341,7 +341,7 @@ g2 = subprocess.Popen([os.environ["BIN"] + "/moemesh-gateway", "--router", os.en
                        "--model", os.environ["MODEL"], "--owners", os.environ["OWNERS"],
                        "--listen", "ipc://%s/gateway-1.ctl" % RUN, "--instance", "1",
                        "--port", str(port2), "--api-key", "sekret", "--shard-max-seqs", "1",
-                       "--max-waiting", "1", "--heartbeat-ms", "100"],
+                       "--max-waiting", "1", "--heartbeat-ms", "100", "--keepalive-ms", "20"],
                       stderr=open(RUN + "/gateway2.log", "w"))
 try:
     for _ in range(100):
@@ -375,6 +375,36 @@ try:
     if len(n429) < 1 or len(n200) < 2 or any(r[1] != "1" for r in n429) or \
             any(r[2]["error"]["type"] != "rate_limit_error" for r in n429):
         fail("one running + a queue of one, 4 requests: %s" % [(r[0], r[1]) for r in res])
+    # Keep-alive comments while a stream waits in the queue, and a client that leaves while
+    # queued is noticed (through them) and dropped from the queue at once.
+    long_done = []
+    t = threading.Thread(target=lambda: long_done.append(post(
+        C, {"prompt": "x", "max_tokens": 400, "ignore_eos": True}, port=port2, headers=AUTH)[0]))
+    t.start()
+    time.sleep(0.1)
+    c2 = http.client.HTTPConnection(U.hostname, port2, timeout=30)
+    c2.request("POST", C, body=json.dumps({"prompt": "y", "max_tokens": 5, "stream": True}),
+               headers=dict(AUTH, **{"Content-Type": "application/json"}))
+    r2 = c2.getresponse()
+    first = r2.readline().rstrip(b"\r\n")  # de-chunked
+    if r2.status != 200 or first != b": keep-alive":
+        fail("queued stream: status %d, first line %r (want a keep-alive comment)" % (r2.status, first))
+    c2.sock.shutdown(socket.SHUT_RDWR)
+    c2.close()
+    for _ in range(100):
+        m2 = {}
+        for line in req("GET", "/metrics", port=port2)[1].splitlines():
+            if line.startswith("moemesh:num_requests_waiting"):
+                m2["waiting"] = float(line.rsplit(" ", 1)[1])
+        if m2.get("waiting") == 0:
+            break
+        time.sleep(0.02)
+    if m2.get("waiting") != 0 or long_done:
+        fail("a queued stream whose client left still waits (%s), or the running request "
+             "ended first (%s)" % (m2, long_done))
+    t.join()
+    if long_done != [200]:
+        fail("the running request: %s" % long_done)
 finally:
     g2.send_signal(signal.SIGTERM)
     g2.wait(5)

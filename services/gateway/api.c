@@ -63,7 +63,7 @@ struct choice {
     gw_chat_parse cp;
     size_t r_sent, c_sent;
     size_t tools_sent;
-    bool role_sent;
+    bool role_sent, echo_sent;
 };
 
 struct greq {
@@ -645,7 +645,7 @@ static void json_escape_into(gw_buf *b, const char *s, size_t n) {
 // building JSON objects: the per-token path of most streams. Returns false when the event needs
 // more (role, reasoning, tool calls, logprobs, the end) and the general path must build it.
 static bool stream_text_fast(struct greq *g, struct choice *c) {
-    if (g->want_lp || c->done)
+    if (g->want_lp || c->done || (g->echo && !c->echo_sent))
         return false;
     const char *t;
     size_t n;
@@ -738,9 +738,18 @@ static void stream_choice(struct greq *g, struct choice *c) {
         json_object_set_new(ch, "delta", delta);
     } else {
         size_t from = c->sent, to = c->safe;
-        json_object_set_new(ch, "text", utf8_json(c->text.p ? c->text.p + from : "", to - from));
+        gw_buf t = {0};
+        if (g->echo && !c->echo_sent) { // the prompt comes first, as OpenAI streams it
+            gw_buf_adds(&t, g->prompt_text[c->prompt_index] ? g->prompt_text[c->prompt_index]
+                                                            : "");
+            c->echo_sent = true;
+            any = true;
+        }
+        gw_buf_add(&t, c->text.p ? c->text.p + from : "", to - from);
+        json_object_set_new(ch, "text", utf8_json(t.p ? t.p : "", t.len));
+        free(t.p);
         c->sent = to;
-        any = to > from;
+        any = any || to > from;
     }
     if (g->want_lp && c->n_lp_sent < c->seq.n_gen) {
         json_object_set_new(ch, "logprobs",

@@ -165,6 +165,14 @@ if js[-1]["choices"] != [] or js[-1]["usage"]["completion_tokens"] != 12 or \
     fail("completion stream: %s" % ev[-3:])
 if "".join(x["choices"][0]["text"] for x in js[:-1]) != full:
     fail("streamed text != the whole text")
+# echo while streaming: the prompt's text comes first
+st, ev = stream("/v1/completions", {"prompt": "Hello world", "max_tokens": 3, "stream": True,
+                                    "echo": True, "seed": 5})
+j = expect(200, post("/v1/completions", {"prompt": "Hello world", "max_tokens": 3, "echo": True,
+                                         "seed": 5}), "echo")
+if "".join(json.loads(e)["choices"][0]["text"] for e in ev[:-1]) != j["choices"][0]["text"] or \
+        not j["choices"][0]["text"].startswith("Hello world"):
+    fail("streamed echo %s != %s" % (ev, j))
 
 # ---- chat ----------------------------------------------------------------------------------
 j = expect(200, post("/v1/chat/completions", {

@@ -1,7 +1,22 @@
 # Shared helpers of the gateway e2e tests (sourced, not run): a real mesh (router with the step
 # engine, attention shard, expert owners, gateway) on private sockets, data ports and HTTP port,
 # cleaned up by foundation_lib.sh's trap.
+SRC_BIN=${BIN:-build/bin}
 . tests/e2e/foundation_lib.sh
+# The snapshot can catch a binary that another build on the shared tree is relinking (not yet
+# executable, or half written): copy again until every copy is executable and equal to its
+# source.
+for _ in 1 2 3 4 5 6 7 8 9 10; do
+    ok=1
+    for b in moemesh moemesh-gateway moemesh-router moemesh-attention moemesh-expert; do
+        if ! [ -x "$SRC_BIN/$b" ] || ! [ -x "$BIN/$b" ] || ! cmp -s "$SRC_BIN/$b" "$BIN/$b"; then
+            ok=0
+            cp "$SRC_BIN/$b" "$BIN/$b" 2>/dev/null
+        fi
+    done
+    [ $ok = 1 ] && break
+    sleep 1
+done
 
 # A second free port range for the data plane (tcp://), away from the HTTP port.
 free_port() {

@@ -69,19 +69,34 @@ double mm_spec_price(const mm_spec_costs *c, int b, int w, int max_w) {
     return T > 0 ? T : 1e-3;
 }
 
-int mm_spec_width(const mm_spec_costs *c, int bucket, int max_w, double acc) {
+int mm_spec_width_sum(const mm_spec_costs *c, int bucket, int max_w, const double *e) {
     if (max_w > MM_SPEC_MAX_W)
         max_w = MM_SPEC_MAX_W;
-    double best = -1, e = 0, ak = 1;
+    double best = -1;
     int bw = 0;
     for (int w = 0; w <= max_w; w++) {
-        e += ak;
-        ak *= acc;
-        double s = e / mm_spec_price(c, bucket, w, max_w);
+        double s = e[w] / mm_spec_price(c, bucket, w, max_w);
         if (s > best * (1 + 1e-9)) {
             best = s;
             bw = w;
         }
     }
     return bw;
+}
+
+void mm_spec_expect_add(double *e, int max_w, int cap, double acc) {
+    double sum = 0, ak = 1;
+    for (int w = 0; w <= max_w && w <= MM_SPEC_MAX_W; w++) {
+        if (w <= cap) {
+            sum += ak;
+            ak *= acc;
+        }
+        e[w] += sum;
+    }
+}
+
+int mm_spec_width(const mm_spec_costs *c, int bucket, int max_w, double acc) {
+    double e[MM_SPEC_MAX_W + 1] = {0};
+    mm_spec_expect_add(e, max_w, max_w, acc);
+    return mm_spec_width_sum(c, bucket, max_w, e);
 }

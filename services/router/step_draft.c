@@ -111,17 +111,6 @@ static struct rseq *track(mm_draft *d, uint64_t id) {
     return NULL;
 }
 
-static int choose(mm_draft *d, struct rseq *r, int maxw, int b) {
-    if (maxw <= 0)
-        return 0;
-    if (!d->c.adapt)
-        return maxw;
-    int bw = mm_spec_width(&d->costs, b, maxw, (double)r->acc);
-    if (bw == 0 && r->n_steps % PROBE_EVERY == PROBE_EVERY - 1)
-        bw = 1; // probe: keep the acceptance measured
-    return bw;
-}
-
 static void forget(mm_draft *d, uint64_t id) {
     struct rseq *r = find(d, id);
     if (r)
@@ -200,25 +189,51 @@ void mm_draft_begin(mm_draft *d, const Mmctl__StepPlan *p, const bool *active, i
     d->step_bucket = b;
     if (room > d->c.max_rows)
         room = d->c.max_rows;
-    size_t nq = 0, n_tok = 0;
-    for (size_t i = 0; i < p->n_seqs && room > 0; i++) {
+    // The step's width W: the seqs' expected tokens (each by its own acceptance) per measured
+    // step time; each eligible seq then drafts min(W, its cap), except a seq whose acceptance
+    // has fallen below 5% (it drafts 0, but probes W every PROBE_EVERY of its steps).
+    double ex[MM_SPEC_MAX_W + 1] = {0};
+    int maxw_step = 0;
+    for (size_t i = 0; i < p->n_seqs; i++) {
         const Mmctl__SeqStep *q = p->seqs[i];
+        n_draft[i] = 0;
         if (!q->sample || q->max_draft == 0 || q->logprobs != 0 || !active[i])
             continue;
         struct rseq *r = find(d, q->seq_id);
-        if (!r || r->broken || nq >= (size_t)d->n_t)
+        if (!r || r->broken)
             continue;
-        int maxw = d->c.max_k;
-        if ((int64_t)maxw > (int64_t)q->max_draft)
-            maxw = (int)q->max_draft;
-        if (maxw > room)
-            maxw = (int)room;
-        if (maxw > d->c.max_ctx - r->len)
-            maxw = d->c.max_ctx - r->len;
+        int cap = d->c.max_k;
+        if ((int64_t)cap > (int64_t)q->max_draft)
+            cap = (int)q->max_draft;
+        if (cap > d->c.max_ctx - r->len)
+            cap = d->c.max_ctx - r->len;
+        if (cap <= 0)
+            continue;
+        n_draft[i] = (uint32_t)cap; // the cap, for the pass below
         r->n_steps++;
-        int k = choose(d, r, maxw, b);
+        mm_spec_expect_add(ex, d->c.max_k, cap, (double)r->acc);
+        if (cap > maxw_step)
+            maxw_step = cap;
+    }
+    int W = d->c.adapt ? mm_spec_width_sum(&d->costs, b, maxw_step, ex) : maxw_step;
+    size_t nq = 0, n_tok = 0;
+    for (size_t i = 0; i < p->n_seqs; i++) {
+        const Mmctl__SeqStep *q = p->seqs[i];
+        int cap = (int)n_draft[i];
+        n_draft[i] = 0;
+        if (cap == 0)
+            continue;
+        struct rseq *r = find(d, q->seq_id);
+        bool probe = r->n_steps % PROBE_EVERY == PROBE_EVERY - 1;
+        int k = cap < W ? cap : W;
+        if (d->c.adapt && r->acc < 0.05f && !probe)
+            k = 0;
+        if (d->c.adapt && W == 0 && probe)
+            k = 1;
+        if (k > room)
+            k = (int)room;
         size_t add = (size_t)(r->len - r->dr_from);
-        if (k <= 0 || n_tok + add > 200000) // keep the request well under the 1 MiB limit
+        if (k <= 0 || nq >= (size_t)d->n_t || n_tok + add > 200000) // well under 1 MiB
             continue;
         Mmctl__DraftSeq *s = &d->dq[nq];
         mmctl__draft_seq__init(s);

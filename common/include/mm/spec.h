@@ -53,5 +53,11 @@ double mm_spec_price(const mm_spec_costs *c, int bucket, int w, int max_w);
 // mm_spec_width: the w in [0, max_w] maximising (sum_{i<=w} acc^i) / price(w); 0 when no
 // width beats not drafting.
 int mm_spec_width(const mm_spec_costs *c, int bucket, int max_w, double acc);
+// For a step's shared width: mm_spec_expect_add adds to e[w] (w = 0..max_w) the expected tokens
+// of a seq with per-token acceptance acc drafting min(w, cap); mm_spec_width_sum picks the w
+// maximising e[w] / price(w). (The step's time depends on its widest draft, so the seqs share
+// one width, each weighted by its own acceptance.)
+void mm_spec_expect_add(double *e, int max_w, int cap, double acc);
+int mm_spec_width_sum(const mm_spec_costs *c, int bucket, int max_w, const double *e);
 
 #endif

@@ -5,7 +5,7 @@
 // docs/MESH.md protocol) go to both and the REPLY rows must be bit-identical. Without an RDMA
 // device the rdma:// owner must refuse to start (exit non-zero); with one (soft-RoCE in the VM
 // of `make test-rdma`) the comparison runs.
-//   env: MM_TEST_EXPERT_BIN (default build/bin/moemesh-expert),
+//   env: MM_TEST_EXPERT_BIN (default $BIN/moemesh-expert, BIN default build/bin),
 //        MM_TEST_MODEL (default tests/fixtures/models/qwen3moe-tiny)
 #include <signal.h>
 #include <sys/wait.h>
@@ -24,7 +24,10 @@ static const char *env_or(const char *name, const char *def) {
 }
 
 static pid_t start_owner(const char *data_url, const char *dir, const char *log) {
-    const char *bin = env_or("MM_TEST_EXPERT_BIN", "build/bin/moemesh-expert");
+    // tests/run.sh sets BIN=$BUILD/bin: make asan/ubsan start their own instrumented owner
+    char def_bin[512];
+    snprintf(def_bin, sizeof(def_bin), "%s/moemesh-expert", env_or("BIN", "build/bin"));
+    const char *bin = env_or("MM_TEST_EXPERT_BIN", def_bin);
     const char *model = env_or("MM_TEST_MODEL", "tests/fixtures/models/qwen3moe-tiny");
     char router[256], listen[256];
     snprintf(router, sizeof(router), "ipc://%s/router.ctl", dir);

@@ -12,6 +12,7 @@
 #include <nng/nng.h>
 #include <nng/protocol/reqrep0/rep.h>
 #include <nng/protocol/reqrep0/req.h>
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
@@ -477,10 +478,7 @@ fail:
     return rv;
 }
 
-void mm_ctl_server_close(mm_ctl_server *s) {
-    if (!s)
-        return;
-    atomic_store(&s->closing, true);
+static void server_teardown(mm_ctl_server *s) {
     for (int i = 0; s->ctxs && i < s->n_ctx; i++)
         if (s->ctxs[i].aio)
             nng_aio_stop(s->ctxs[i].aio);
@@ -491,6 +489,85 @@ void mm_ctl_server_close(mm_ctl_server *s) {
             nng_aio_free(s->ctxs[i].aio);
     free(s->ctxs);
     free(s);
+}
+
+// nng 1.5.2 can park nng_close forever when a peer disconnects while an aio of the socket is
+// being scheduled (nanomsg/nng#1813, fixed upstream in 1.8). A stopping daemon must not hang on
+// it, so the teardown runs on a helper thread and close waits for it at most this long; past
+// that the socket is abandoned to the process exit (logged), which reclaims it.
+#define SERVER_CLOSE_WAIT_MS 2000
+
+struct server_closer {
+    mm_ctl_server *srv;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    bool done, abandoned;
+};
+
+static void *server_closer_main(void *arg) {
+    struct server_closer *c = arg;
+    server_teardown(c->srv);
+    pthread_mutex_lock(&c->mu);
+    c->done = true;
+    bool abandoned = c->abandoned;
+    pthread_cond_signal(&c->cv);
+    pthread_mutex_unlock(&c->mu);
+    if (abandoned) { // the waiter gave up and left the closer to us
+        pthread_mutex_destroy(&c->mu);
+        pthread_cond_destroy(&c->cv);
+        free(c);
+    }
+    return NULL;
+}
+
+void mm_ctl_server_close(mm_ctl_server *s) {
+    if (!s)
+        return;
+    atomic_store(&s->closing, true);
+    struct server_closer *c = calloc(1, sizeof(*c));
+    pthread_condattr_t ca;
+    pthread_t th;
+    if (!c) {
+        server_teardown(s);
+        return;
+    }
+    c->srv = s;
+    pthread_mutex_init(&c->mu, NULL);
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&c->cv, &ca);
+    pthread_condattr_destroy(&ca);
+    if (pthread_create(&th, NULL, server_closer_main, c) != 0) {
+        server_teardown(s);
+        c->done = true;
+    } else {
+        pthread_detach(th);
+    }
+    struct timespec until;
+    clock_gettime(CLOCK_MONOTONIC, &until);
+    until.tv_sec += SERVER_CLOSE_WAIT_MS / 1000;
+    until.tv_nsec += (long)(SERVER_CLOSE_WAIT_MS % 1000) * 1000000L;
+    if (until.tv_nsec >= 1000000000L) {
+        until.tv_sec++;
+        until.tv_nsec -= 1000000000L;
+    }
+    pthread_mutex_lock(&c->mu);
+    while (!c->done)
+        if (pthread_cond_timedwait(&c->cv, &c->mu, &until) == ETIMEDOUT)
+            break;
+    bool done = c->done;
+    if (!done)
+        c->abandoned = true;
+    pthread_mutex_unlock(&c->mu);
+    if (!done) {
+        mm_log_warn("control server close did not finish in %d ms (nng 1.5.2 close race, "
+                    "nanomsg/nng#1813); leaving the socket to the process exit",
+                    SERVER_CLOSE_WAIT_MS);
+        return;
+    }
+    pthread_mutex_destroy(&c->mu);
+    pthread_cond_destroy(&c->cv);
+    free(c);
 }
 
 // ---- client --------------------------------------------------------------------------------

@@ -71,7 +71,8 @@ typedef void (*mm_ctl_handler)(void *arg, const mm_ctl_msg *req, const char *pee
 // MM_ENOMEM. The handler may run before this returns.
 mm_err mm_ctl_server_open(mm_ctl_server **out, const char *url, int n_ctx, mm_ctl_handler fn,
                           void *arg, char err[MM_ERRLEN]);
-// mm_ctl_server_close stops every context (waiting for running handlers), closes the socket
+// mm_ctl_server_close stops every context (waiting for running handlers, at most 2 s: past
+// that, an nng 1.5.2 close race is assumed and the socket is left to the process exit), closes the socket
 // and frees the server. Accepts NULL. Must not be called from a handler.
 void mm_ctl_server_close(mm_ctl_server *srv);
 

@@ -417,6 +417,49 @@ finally:
     g2.send_signal(signal.SIGTERM)
     g2.wait(5)
 
+# ---- admission bounded by KV: a gateway whose shard holds 25 blocks (400 tokens) ------------
+port3 = int(os.environ["PORT2"]) + 1
+g3 = subprocess.Popen([os.environ["BIN"] + "/moemesh-gateway", "--router", os.environ["ROUTER"],
+                       "--model", os.environ["MODEL"], "--owners", os.environ["OWNERS"],
+                       "--listen", "ipc://%s/gateway-2.ctl" % RUN, "--instance", "2",
+                       "--port", str(port3), "--kv-mb", "0.4", "--heartbeat-ms", "100"],
+                      stderr=open(RUN + "/gateway3.log", "w"))
+try:
+    for _ in range(100):
+        try:
+            req("GET", "/v1/models", port=port3)
+            break
+        except OSError:
+            time.sleep(0.1)
+    j = expect(400, post(C, {"prompt": "x", "max_tokens": 450}, port=port3), "KV need over a shard")
+    if "KV" not in j["error"]["message"]:
+        fail("KV 400: %s" % j)
+    res3 = [None, None]
+
+    def run3(i):
+        res3[i] = post(C, {"prompt": [5], "max_tokens": 300, "ignore_eos": True}, port=port3)[0]
+
+    ts = [threading.Thread(target=run3, args=(i,)) for i in range(2)]
+    for t in ts:
+        t.start()
+    seen = {}
+    while any(t.is_alive() for t in ts):
+        for line in req("GET", "/metrics", port=port3)[1].splitlines():
+            for k in ("num_requests_waiting", "num_requests_running", "kv_cache_usage_perc"):
+                if line.startswith("moemesh:" + k + "{"):
+                    v = float(line.rsplit(" ", 1)[1])
+                    seen[k] = max(seen.get(k, 0), v)
+        time.sleep(0.01)
+    for t in ts:
+        t.join()
+    # 301 tokens = 19 blocks each: the second waits for the first's KV, never runs beside it.
+    if res3 != [200, 200] or seen.get("num_requests_waiting") != 1 or \
+            seen.get("num_requests_running") != 1 or not 0.5 < seen.get("kv_cache_usage_perc", 0) < 1:
+        fail("KV-bounded admission: %s, metrics seen %s" % (res3, seen))
+finally:
+    g3.send_signal(signal.SIGTERM)
+    g3.wait(5)
+
 # ---- 503: a stream failing midway, a request while an owner is down, then rejoin -------------
 def kill_owner_after_3(events, conn):
     if len(events) == 3:

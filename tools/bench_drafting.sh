@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # Drafting benchmark: decode tok/s with and without drafting through a local mesh (CPU).
 # usage: tools/bench_drafting.sh ADAPT(true|false)   (after make; private run dir, cleaned on exit)
-# Prints tokens/s of 3 runs per case (mesh-generate --timing: 128 tokens per seq, prefill
-# included) and "acc A/D": drafts accepted of drafted; then the router's drafting metrics.
+# For each drafter (self-draft: the target itself; the tiny dense drafter) and concurrency
+# (1, 16): 4 rounds of [no drafting, drafting] back to back (the VM's load drifts: only
+# neighbouring runs compare), each mesh-generate --timing (128 tokens per seq, prefill
+# included) printing tokens/s and "acc A/D" (drafts accepted of drafted); then the router's
+# drafting metrics.
 set -u
 cd "$(dirname "$0")/.."
 B=build/bin; M=tests/fixtures/models/qwen3moe-tiny; T=tests/fixtures/models/qwen3-tiny-drafter
@@ -14,20 +17,21 @@ $B/moemesh-router $C --listen $RT --attention-shards 1 --draft-adapt $1 --draft-
 $B/moemesh-attention $C --instance 0 --shards 1 --data shm://$TAG-a0 --kv-mb 32 > $R/a.log 2>&1 & PIDS+=($!)
 $B/moemesh-expert $C --instance 0 --data shm://$TAG-e0 > $R/e.log 2>&1 & PIDS+=($!)
 sleep 1.5
-run() { # label args...
-    local label=$1; shift
-    for rep in 1 2 3; do
-        $B/moemesh mesh-generate --router $RT --ids 4,8,15,16,23,42 --max-tokens 128 --timing "$@" 2>&1 >/dev/null \
-          | sed -n 's/.*: \([0-9.]*\) tokens\/s.*/\1/p; s/^drafting: drafted \([0-9]*\) accepted \([0-9]*\).*/acc \2\/\1/p' | tr '\n' ' '
-        echo
-    done | awk -v l="$label" '{print l": "$0}'
+one() {
+    $B/moemesh mesh-generate --router $RT --ids 4,8,15,16,23,42 --max-tokens 128 --timing "$@" 2>&1 >/dev/null \
+      | sed -n 's/.*: \([0-9.]*\) tokens\/s.*/\1/p; s/^drafting: drafted \([0-9]*\) accepted \([0-9]*\).*/acc \2\/\1/p' | tr '\n' ' '
 }
-for c in 1 16; do run "c=$c no-draft" --concurrent $c; done
+# warm up the daemons (first touches of the weights)
+one --concurrent 16 >/dev/null; one >/dev/null
 for d in self tiny; do
     [ $d = self ] && DM=$M || DM=$T
     $B/moemesh-drafter $C --draft-model $DM --threads 1 --max-ctx 512 > $R/d.log 2>&1 & DP=$!; PIDS+=($DP)
     sleep 1.5
-    for c in 1 16; do run "c=$c draft=$d adapt=$1" --concurrent $c --draft 4; done
+    for c in 1 16; do
+        for rep in 1 2 3 4; do
+            echo "c=$c draft=$d adapt=$1: off $(one --concurrent $c) | on $(one --concurrent $c --draft 4)"
+        done
+    done
     $B/moemesh status --router $RT | grep -o "drafting:.*"
     kill $DP; sleep 0.8
 done

@@ -40,6 +40,7 @@ struct mm_draft {
     uint64_t *rel;
     mm_spec_costs costs; // step time per (context bucket, widest draft in the step)
     int step_w, step_bucket;
+    uint64_t n_steps; // steps with a seq that allowed drafting (probes: every PROBE_EVERY-th)
     bool step_ok; // this step's drafter call (if any) answered
     // metrics
     uint64_t drafted, accepted, emitted, verified, misses, requests;
@@ -191,7 +192,8 @@ void mm_draft_begin(mm_draft *d, const Mmctl__StepPlan *p, const bool *active, i
         room = d->c.max_rows;
     // The step's width W: the seqs' expected tokens (each by its own acceptance) per measured
     // step time; each eligible seq then drafts min(W, its cap), except a seq whose acceptance
-    // has fallen below 5% (it drafts 0, but probes W every PROBE_EVERY of its steps).
+    // has fallen below 5% (it drafts 0; every PROBE_EVERY-th step all such seqs probe at once,
+    // so that probing costs one drafter call per PROBE_EVERY steps).
     double ex[MM_SPEC_MAX_W + 1] = {0};
     int maxw_step = 0;
     for (size_t i = 0; i < p->n_seqs; i++) {
@@ -215,6 +217,8 @@ void mm_draft_begin(mm_draft *d, const Mmctl__StepPlan *p, const bool *active, i
         if (cap > maxw_step)
             maxw_step = cap;
     }
+    if (maxw_step > 0)
+        d->n_steps++;
     int W = d->c.adapt ? mm_spec_width_sum(&d->costs, b, maxw_step, ex) : maxw_step;
     size_t nq = 0, n_tok = 0;
     for (size_t i = 0; i < p->n_seqs; i++) {
@@ -224,7 +228,7 @@ void mm_draft_begin(mm_draft *d, const Mmctl__StepPlan *p, const bool *active, i
         if (cap == 0)
             continue;
         struct rseq *r = find(d, q->seq_id);
-        bool probe = r->n_steps % PROBE_EVERY == PROBE_EVERY - 1;
+        bool probe = d->n_steps % PROBE_EVERY == 0; // all seqs in the same step: one call
         int k = cap < W ? cap : W;
         if (d->c.adapt && r->acc < 0.05f && !probe)
             k = 0;

@@ -32,12 +32,16 @@ DEB_PKGS := build-essential pkg-config libnng-dev libprotobuf-c-dev protobuf-c-c
 CFLAGS_BASE := -std=c11 -D_GNU_SOURCE -g $(OPT) -fPIC -pthread \
                -Wall -Wextra -Werror -Wshadow -Wstrict-prototypes -Wmissing-prototypes -Wvla \
                -Icommon/include -Ikernels -I$(BUILD)/gen -Iproto
+# GCC leaves float-cast-overflow (a float out of an integer's range converted to it: undefined
+# behaviour, e.g. a NaN logit turned into an index) out of -fsanitize=undefined; both builds add it.
 SAN_FLAGS :=
 ifeq ($(SAN),address)
-SAN_FLAGS := -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined
+SAN_FLAGS := -fsanitize=address,undefined,float-cast-overflow -fno-omit-frame-pointer \
+             -fno-sanitize-recover=undefined,float-cast-overflow
 endif
 ifeq ($(SAN),undefined)
-SAN_FLAGS := -fsanitize=undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer
+SAN_FLAGS := -fsanitize=undefined,float-cast-overflow \
+             -fno-sanitize-recover=undefined,float-cast-overflow -fno-omit-frame-pointer
 endif
 CFLAGS  := $(CFLAGS_BASE) $(SAN_FLAGS) $(EXTRA_CFLAGS)
 LDFLAGS := $(SAN_FLAGS) -pthread
@@ -113,14 +117,20 @@ BUILD_ID := 0.1.0+$(shell git rev-parse --short=12 HEAD 2>/dev/null || echo unkn
 $(shell mkdir -p $(BUILD)/gen && echo '#define MM_BUILD_ID "$(BUILD_ID)"' > $(BUILD)/gen/build_id.h.tmp && \
   (cmp -s $(BUILD)/gen/build_id.h.tmp $(BUILD)/gen/build_id.h || mv $(BUILD)/gen/build_id.h.tmp $(BUILD)/gen/build_id.h); \
   rm -f $(BUILD)/gen/build_id.h.tmp)
+# The same for the compile flags: objects depend on this file, so changed flags (SAN_FLAGS, OPT,
+# EXTRA_CFLAGS) rebuild them instead of linking objects compiled with the old ones.
+FLAGS_STAMP := $(BUILD)/gen/flags
+$(shell mkdir -p $(BUILD)/gen && echo '$(CFLAGS)' > $(FLAGS_STAMP).tmp && \
+  (cmp -s $(FLAGS_STAMP).tmp $(FLAGS_STAMP) || mv $(FLAGS_STAMP).tmp $(FLAGS_STAMP)); \
+  rm -f $(FLAGS_STAMP).tmp)
 
 # ---- objects ---------------------------------------------------------------------------------
-$(BUILD)/obj/%.o: %.c $(PROTO_H) | $(DEPS_STAMP)
+$(BUILD)/obj/%.o: %.c $(PROTO_H) $(FLAGS_STAMP) | $(DEPS_STAMP)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -MMD -MP -c $< -o $@
 
 # Generated protobuf code is not ours: compile it without -Werror's stricter warnings.
-$(BUILD)/gen/proto/%.pb-c.o: $(BUILD)/gen/proto/%.pb-c.c
+$(BUILD)/gen/proto/%.pb-c.o: $(BUILD)/gen/proto/%.pb-c.c $(FLAGS_STAMP)
 	$(CC) -std=c11 -D_GNU_SOURCE -g $(OPT) -fPIC $(SAN_FLAGS) -I$(BUILD)/gen -c $< -o $@
 
 $(LIB): $(LIB_OBJS)

@@ -12,6 +12,7 @@ struct mm_sampler {
     int vocab;
     int32_t *idx; // (vocab) candidate ids, sorted by logit (seeded sampling with filters)
     float *p;     // (vocab) candidate weights
+    float *y;     // (vocab) the penalised row
 };
 
 mm_err mm_sampler_new(mm_sampler **out, int vocab) {
@@ -24,7 +25,8 @@ mm_err mm_sampler_new(mm_sampler **out, int vocab) {
     s->vocab = vocab;
     s->idx = malloc((size_t)vocab * sizeof(*s->idx));
     s->p = malloc((size_t)vocab * sizeof(*s->p));
-    if (s->idx == NULL || s->p == NULL) {
+    s->y = malloc((size_t)vocab * sizeof(*s->y));
+    if (s->idx == NULL || s->p == NULL || s->y == NULL) {
         mm_sampler_free(s);
         return MM_ENOMEM;
     }
@@ -37,11 +39,17 @@ void mm_sampler_free(mm_sampler *s) {
         return;
     free(s->idx);
     free(s->p);
+    free(s->y);
     free(s);
 }
 
 int mm_sampler_is_greedy(const mm_sampling *sp) {
     return sp == NULL || !(sp->temperature > 0.0f) || sp->top_k == 1;
+}
+
+int mm_sampling_has_penalty(const mm_sampling *sp) {
+    return sp != NULL && (sp->presence_penalty != 0 || sp->frequency_penalty != 0 ||
+                          (sp->repetition_penalty != 0 && sp->repetition_penalty != 1));
 }
 
 // "a before b": larger logit first, lower id on ties.
@@ -76,6 +84,11 @@ mm_err mm_sampler_pick(mm_sampler *s, const float *x, const mm_sampling *sp, int
                        sp->top_p < 0 || isnan(sp->min_p) || sp->min_p < 0 || sp->min_p > 1))
         return mm_errf(err, MM_EINVAL, "bad sampling values (temperature %g, top_p %g, min_p %g)",
                        (double)sp->temperature, (double)sp->top_p, (double)sp->min_p);
+    if (sp != NULL && (!(sp->repetition_penalty >= 0) || !isfinite(sp->repetition_penalty) ||
+                       !isfinite(sp->presence_penalty) || !isfinite(sp->frequency_penalty)))
+        return mm_errf(err, MM_EINVAL, "bad penalties (presence %g, frequency %g, repetition %g)",
+                       (double)sp->presence_penalty, (double)sp->frequency_penalty,
+                       (double)sp->repetition_penalty);
     // log-softmax of the raw row: max, then the sum in index order in double.
     int32_t arg = 0;
     for (int32_t i = 0; i < V; i++) {
@@ -89,25 +102,48 @@ mm_err mm_sampler_pick(mm_sampler *s, const float *x, const mm_sampling *sp, int
     for (int32_t i = 0; i < V; i++)
         sum += exp((double)(x[i] - m));
     const float lse = (float)log(sum);
+    const float *raw = x; // logprobs come from the raw row; the choice from the penalised one
+    if (mm_sampling_has_penalty(sp) && sp->hist != NULL && sp->hist->n > 0) {
+        const float rp = sp->repetition_penalty == 0 ? 1.0f : sp->repetition_penalty;
+        memcpy(s->y, x, (size_t)V * sizeof(*x));
+        for (uint32_t k = 0; k < sp->hist->n; k++) {
+            const mm_tok_count *c = &sp->hist->tok[k];
+            if (c->token < 0 || c->token >= V)
+                return mm_errf(err, MM_EINVAL, "penalty history token %d is outside the vocab",
+                               c->token);
+            float v = s->y[c->token];
+            if (rp != 1.0f && (c->prompt > 0 || c->output > 0))
+                v = v > 0 ? v / rp : v * rp;
+            v -= sp->frequency_penalty * (float)c->output;
+            if (c->output > 0)
+                v -= sp->presence_penalty;
+            s->y[c->token] = v;
+        }
+        x = s->y;
+        arg = 0;
+        for (int32_t i = 1; i < V; i++)
+            if (x[i] > x[arg])
+                arg = i;
+    }
 
     // top-n alternatives: insertion into a short sorted list.
     uint32_t nt = n_top < (uint32_t)V ? n_top : (uint32_t)V;
     for (int32_t i = 0; i < V && nt > 0; i++) {
         uint32_t k = out->n_top;
-        if (k == nt && !better(x, i, out->top_ids[k - 1]))
+        if (k == nt && !better(raw, i, out->top_ids[k - 1]))
             continue;
         if (k < nt)
             out->n_top++;
         else
             k--;
-        while (k > 0 && better(x, i, out->top_ids[k - 1])) {
+        while (k > 0 && better(raw, i, out->top_ids[k - 1])) {
             out->top_ids[k] = out->top_ids[k - 1];
             k--;
         }
         out->top_ids[k] = i;
     }
     for (uint32_t j = 0; j < out->n_top; j++)
-        out->top_logprobs[j] = (x[out->top_ids[j]] - m) - lse;
+        out->top_logprobs[j] = (raw[out->top_ids[j]] - m) - lse;
 
     int32_t tok = arg;
     if (!mm_sampler_is_greedy(sp)) {
@@ -124,7 +160,7 @@ mm_err mm_sampler_pick(mm_sampler *s, const float *x, const mm_sampling *sp, int
                 n = (int32_t)sp->top_k;
         }
         // weights softmax(x / T) over the candidates (the first is the max).
-        const float mt = x[s->idx[0]] > m ? x[s->idx[0]] : m;
+        const float mt = x[s->idx[0]] > x[arg] ? x[s->idx[0]] : x[arg];
         double z = 0.0;
         for (int32_t j = 0; j < n; j++) {
             s->p[j] = (float)exp((double)((x[s->idx[j]] - mt) * inv_t));
@@ -166,6 +202,6 @@ mm_err mm_sampler_pick(mm_sampler *s, const float *x, const mm_sampling *sp, int
         }
     }
     out->token = tok;
-    out->logprob = (x[tok] - m) - lse;
+    out->logprob = (raw[tok] - m) - lse;
     return MM_OK;
 }

@@ -82,6 +82,9 @@ mm_err mm_step_builder_add(mm_step_builder *b, uint64_t seq_id, uint32_t pos,
         s->top_k = sp->top_k;
         s->min_p = sp->min_p;
         s->seed = sp->seed;
+        s->presence_penalty = sp->presence_penalty;
+        s->frequency_penalty = sp->frequency_penalty;
+        s->repetition_penalty = sp->repetition_penalty;
         q->sampling = s;
     }
     b->seq_ptrs[i] = q;
@@ -135,6 +138,9 @@ void mm_step_sampling_from_pb(const Mmctl__Sampling *pb, mm_sampling *sp) {
     sp->top_k = pb->top_k;
     sp->min_p = pb->min_p;
     sp->seed = pb->seed;
+    sp->presence_penalty = pb->presence_penalty;
+    sp->frequency_penalty = pb->frequency_penalty;
+    sp->repetition_penalty = pb->repetition_penalty;
 }
 
 int mm_step_logprob_line(char *buf, size_t cap, int32_t token, float logprob, uint32_t n_top,

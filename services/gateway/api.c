@@ -1031,18 +1031,6 @@ static bool parse_common(gw_api *a, struct greq *g, const json_t *body, struct c
         o->seed = json_integer_value(seed);
         o->has_seed = true;
     }
-    if (o->presence != 0)
-        return bad(e, 400, "presence_penalty",
-                   "'presence_penalty' %g is not supported by this mesh's sampler (only 0)",
-                   o->presence);
-    if (o->frequency != 0)
-        return bad(e, 400, "frequency_penalty",
-                   "'frequency_penalty' %g is not supported by this mesh's sampler (only 0)",
-                   o->frequency);
-    if (o->repetition != 1)
-        return bad(e, 400, "repetition_penalty",
-                   "'repetition_penalty' %g is not supported by this mesh's sampler (only 1)",
-                   o->repetition);
     json_t *so = json_object_get(body, "stream_options");
     if (so && !json_is_null(so)) {
         if (!json_is_object(so))
@@ -1216,6 +1204,9 @@ static void submit(gw_api *a, struct greq *g, const struct common *o, struct per
                                         .top_p = (float)o->top_p,
                                         .top_k = o->top_k > 0 ? (uint32_t)o->top_k : 0,
                                         .min_p = (float)o->min_p,
+                                        .presence_penalty = (float)o->presence,
+                                        .frequency_penalty = (float)o->frequency,
+                                        .repetition_penalty = (float)o->repetition,
                                         .seed = o->has_seed ? (uint64_t)o->seed + (uint64_t)(i % g->n)
                                                             : random_seed()};
         mm_detok_stream_init(&c->ds, a->tk, true);

@@ -15,10 +15,12 @@
 #include "mm/spec.h"
 #include "mm/step.h"
 #include "mm/transport.h"
+#include "penalty.h"
 #include "step_draft.h"
 
 #define MAX_RELEASE 4096
 #define MSG_LEN 320
+#define PEN_SLOTS 256 // most running seqs with penalties (penalty.h)
 
 struct peer {
     const char *role;  // "attention" | "expert"
@@ -45,6 +47,7 @@ struct mm_step_engine {
     mm_model_scratch *scratch;
     mm_placement *pl;
     mm_sampler *sampler;
+    mm_pen_table *pen;   // token counts of the seqs with penalties
     const mm_model_config *cfg;
     int D, K, E, V;
     struct peer *shards, *owners;
@@ -177,6 +180,7 @@ mm_err mm_step_engine_open(mm_step_engine **out, const mm_step_conf *c, mm_regis
     int64_t rows = T > S ? T : S;
     MM_TRY_GOTO(rv, mm_model_scratch_new(&e->scratch, e->model, rows, err), fail);
     MM_TRY_GOTO(rv, mm_sampler_new(&e->sampler, e->V), fail);
+    MM_TRY_GOTO(rv, mm_pen_table_new(&e->pen, PEN_SLOTS, e->c.max_ctx), fail);
     size_t D = (size_t)e->D;
     e->shards = calloc((size_t)c->shards, sizeof(*e->shards));
     e->owners = calloc((size_t)c->owners, sizeof(*e->owners));
@@ -272,6 +276,7 @@ void mm_step_engine_close(mm_step_engine *e) {
     free(e->draft_lp); free(e->draft_tok);
     mm_draft_close(e->dr);
     mm_sampler_free(e->sampler);
+    mm_pen_table_free(e->pen);
     mm_placement_free(e->pl);
     mm_model_scratch_free(e->scratch);
     mm_model_close(e->model);
@@ -451,10 +456,13 @@ static mm_err check_plan(mm_step_engine *e, const Mmctl__StepPlan *p, char *msg)
             return mm_errf(msg, MM_EINVAL, "seq %llu: logprobs %u is over %d",
                            (unsigned long long)q->seq_id, q->logprobs, MM_SAMPLER_MAX_TOP);
         const Mmctl__Sampling *s = q->sampling;
-        if (s && (s->presence_penalty != 0 || s->frequency_penalty != 0 ||
-                  (s->repetition_penalty != 0 && s->repetition_penalty != 1)))
-            return mm_errf(msg, MM_EUNSUPP, "seq %llu: presence/frequency/repetition penalties "
-                           "are not implemented by the router yet", (unsigned long long)q->seq_id);
+        if (s && (!(s->repetition_penalty >= 0) || !(s->repetition_penalty < 1e30f) ||
+                  !(s->presence_penalty > -1e30f && s->presence_penalty < 1e30f) ||
+                  !(s->frequency_penalty > -1e30f && s->frequency_penalty < 1e30f)))
+            return mm_errf(msg, MM_EINVAL, "seq %llu: bad penalties (presence %g, frequency %g, "
+                           "repetition %g)", (unsigned long long)q->seq_id,
+                           (double)s->presence_penalty, (double)s->frequency_penalty,
+                           (double)s->repetition_penalty);
     }
     if (rows > (size_t)e->c.max_tokens)
         return mm_errf(msg, MM_EINVAL, "plan has %zu tokens; this router takes at most %d per "
@@ -691,6 +699,8 @@ struct nng_msg *mm_step_engine_run(mm_step_engine *e, const Mmctl__StepPlan *p, 
         sr.error = msg;
         goto reply;
     }
+    for (size_t i = 0; i < p->n_release; i++)
+        mm_pen_table_release(e->pen, p->release[i]);
     const int M = e->c.shards, N = e->c.owners;
     for (int s = 0; s < M; s++)
         peer_ensure(e, &e->shards[s]);
@@ -772,11 +782,29 @@ struct nng_msg *mm_step_engine_run(mm_step_engine *e, const Mmctl__StepPlan *p, 
             int64_t j = 0;
             for (size_t i = 0; i < p->n_seqs && rv == MM_OK; i++) {
                 const Mmctl__SeqStep *q = p->seqs[i];
-                if (e->seq_row[i] < 0 || !q->sample)
+                if (e->seq_row[i] < 0)
                     continue;
                 mm_sampling sp;
                 mm_step_sampling_from_pb(q->sampling, &sp);
                 const int64_t at = (int64_t)q->pos + (int64_t)q->n_tokens;
+                // Penalties: the seq's token counts (its fed tokens first), per seq only.
+                mm_pen_slot *ps = NULL;
+                if (mm_sampling_has_penalty(&sp)) {
+                    mm_err prv = mm_pen_table_get(e->pen, q->seq_id, &ps, e->seq_msg[i]);
+                    if (prv == MM_OK)
+                        prv = mm_pen_slot_feed(ps, q->pos, q->tokens, (uint32_t)q->n_tokens,
+                                               e->seq_msg[i]);
+                    if (prv != MM_OK) {
+                        e->seq_failed[i] = true;
+                        e->seq_code[i] = prv;
+                        if (q->sample)
+                            j += 1 + e->n_draft[i];
+                        continue;
+                    }
+                    sp.hist = mm_pen_slot_hist(ps);
+                }
+                if (!q->sample)
+                    continue;
                 // Verification of the draft rows (mm/spec.h): plain decoding's picks, drafts
                 // accepted while they equal them.
                 const int32_t *dft = e->draft + i * MM_DRAFT_MAX_K;
@@ -791,6 +819,13 @@ struct nng_msg *mm_step_engine_run(mm_step_engine *e, const Mmctl__StepPlan *p, 
                 } else {
                     e->n_acc[i] = a;
                     mm_draft_verified(e->dr, q, e->n_draft[i], a, dft);
+                    if (ps != NULL) { // (no drafts for these seqs: step_draft.c)
+                        srv = mm_pen_slot_sampled(ps, at, e->smp[i].token, e->seq_msg[i]);
+                        if (srv != MM_OK) {
+                            e->seq_failed[i] = true;
+                            e->seq_code[i] = srv;
+                        }
+                    }
                 }
                 j += 1 + e->n_draft[i];
             }

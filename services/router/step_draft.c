@@ -199,7 +199,10 @@ void mm_draft_begin(mm_draft *d, const Mmctl__StepPlan *p, const bool *active, i
     for (size_t i = 0; i < p->n_seqs; i++) {
         const Mmctl__SeqStep *q = p->seqs[i];
         n_draft[i] = 0;
-        if (!q->sample || q->max_draft == 0 || q->logprobs != 0 || !active[i])
+        const Mmctl__Sampling *sa = q->sampling; // penalties: counts change per token
+        bool pen = sa && (sa->presence_penalty != 0 || sa->frequency_penalty != 0 ||
+                          (sa->repetition_penalty != 0 && sa->repetition_penalty != 1));
+        if (!q->sample || q->max_draft == 0 || q->logprobs != 0 || !active[i] || pen)
             continue;
         struct rseq *r = find(d, q->seq_id);
         if (!r || r->broken)

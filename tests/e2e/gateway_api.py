@@ -145,6 +145,47 @@ a = expect(200, post("/v1/completions", seeded), "seeded")["choices"][0]["token_
 b = expect(200, post("/v1/completions", seeded), "seeded")["choices"][0]["token_ids"]
 if a != b:
     fail("same seed, different tokens: %s %s" % (a, b))
+
+# penalties (vLLM's semantics, common/sampler.c): frequency counts output tokens only, so a
+# greedy run equals the plain one up to the first token the plain run repeats; strong penalties
+# repeat less; logprobs stay those of the raw logits; the same request gives the same tokens.
+def toks(extra):
+    body = {"prompt": IDS, "max_tokens": 24, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True, "logprobs": 1}
+    body.update(extra)
+    c = expect(200, post("/v1/completions", body), "penalties %s" % extra)["choices"][0]
+    return c["token_ids"], c["logprobs"]["token_logprobs"]
+
+
+def repeats(t):
+    return len(t) - len(set(t))
+
+
+base, base_lp = toks({})
+first = next((k for k in range(len(base)) if base[k] in base[:k]), None)
+if first is None:
+    fail("penalties: the plain greedy run repeats no token, nothing to test: %s" % base)
+seen = []
+for extra in ({"frequency_penalty": 2}, {"presence_penalty": 2},
+              {"repetition_penalty": 5, "frequency_penalty": 1.5}):
+    t, lp = toks(extra)
+    seen.append(repeats(t))
+    if toks(extra)[0] != t:
+        fail("penalties %s: the same request gave other tokens" % extra)
+    if repeats(t) >= repeats(base):
+        fail("penalties %s: %d repeats, plain %d: %s vs %s" % (extra, repeats(t), repeats(base),
+                                                             t, base))
+    if "repetition_penalty" not in extra:
+        if t[:first] != base[:first] or t[first] == base[first] or lp[:first] != base_lp[:first]:
+            fail("penalties %s: %s (logprobs %s) vs plain %s (%s), first repeat at %d" %
+                 (extra, t, lp, base, base_lp, first))
+sp = {"prompt": "abc", "max_tokens": 8, "temperature": 0.9, "seed": 5, "return_token_ids": True,
+      "frequency_penalty": 1, "repetition_penalty": 1.3, "presence_penalty": -0.5}
+if expect(200, post("/v1/completions", sp), "seeded penalties")["choices"][0]["token_ids"] != \
+        expect(200, post("/v1/completions", sp), "seeded penalties")["choices"][0]["token_ids"]:
+    fail("seeded sampling with penalties: same request, different tokens")
+print("penalties: plain %d repeats in %d tokens; penalised %s; deterministic: ok"
+      % (repeats(base), len(base), seen))
 # stop strings: the text ends just before the first one
 s = expect(200, post("/v1/completions", {"prompt": IDS, "max_tokens": 12, "temperature": 0,
                                          "ignore_eos": True, "stop": ["never-there", full[3:5]]}),
@@ -240,8 +281,11 @@ BAD = [
     (C, {"prompt": "x", "echo": 1}, "echo"), (C, {"prompt": "x", "stream": "yes"}, "stream"),
     (C, {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
     (C, {"prompt": "x", "presence_penalty": 3}, "presence_penalty"),
-    (C, {"prompt": "x", "frequency_penalty": 0.5}, "frequency_penalty"),
-    (C, {"prompt": "x", "repetition_penalty": 1.2}, "repetition_penalty"),
+    (C, {"prompt": "x", "presence_penalty": -2.5}, "presence_penalty"),
+    (C, {"prompt": "x", "frequency_penalty": 2.5}, "frequency_penalty"),
+    (C, {"prompt": "x", "frequency_penalty": "lots"}, "frequency_penalty"),
+    (C, {"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+    (C, {"prompt": "x", "repetition_penalty": -1.2}, "repetition_penalty"),
     (C, {"prompt": "x", "model": 5}, "model"),
     (H, {"messages": []}, "messages"), (H, {"messages": [{"role": "wizard", "content": "x"}]},
                                         "messages"),

@@ -9,6 +9,11 @@
 // - Seeded: the uniform number for a token is a pure function of (seed, pos), pos being the
 //   position the sampled token will occupy, so a seeded request gives the same tokens whatever
 //   shares its steps. Filters apply in the order top_k, top_p, min_p on softmax(logits / T).
+// - Penalties (vLLM's semantics) change a copy of the row before greedy argmax, temperature and
+//   the filters, from the token counts in sp->hist: repetition (token seen in prompt or output):
+//   logit > 0 divided by it, otherwise multiplied; then frequency * output count and presence
+//   (output count > 0) are subtracted. Logprobs stay those of the raw row (vLLM's default
+//   logprobs_mode "raw_logprobs").
 // - An mm_sampler holds scratch sized once for the vocab: no allocation per token. One thread.
 #ifndef MM_SAMPLER_H
 #define MM_SAMPLER_H
@@ -19,12 +24,28 @@
 
 #define MM_SAMPLER_MAX_TOP 20 // most top logprobs one token reports (OpenAI's limit)
 
+// One distinct token of a sequence's history and how often it occurred.
+typedef struct mm_tok_count {
+    int32_t token;
+    uint32_t prompt; // occurrences in the prompt (every token fed that was not sampled)
+    uint32_t output; // occurrences in the generated output
+} mm_tok_count;
+
+typedef struct mm_penalty_hist {
+    const mm_tok_count *tok; // (n) distinct tokens, any order
+    uint32_t n;
+} mm_penalty_hist;
+
 typedef struct mm_sampling {
     float temperature; // <= 0: greedy
     float top_p;       // 0 or >= 1: off
     uint32_t top_k;    // 0: off
     float min_p;       // 0: off
     uint64_t seed;
+    float presence_penalty;   // 0: off
+    float frequency_penalty;  // 0: off
+    float repetition_penalty; // 0 or 1: off; else > 0
+    const mm_penalty_hist *hist; // borrowed; the counts penalties apply to (NULL: none)
 } mm_sampling;
 
 typedef struct mm_sample {
@@ -51,5 +72,8 @@ mm_err mm_sampler_pick(mm_sampler *s, const float *logits, const mm_sampling *sp
 
 // mm_sampler_greedy reports whether sp selects greedy decoding.
 int mm_sampler_is_greedy(const mm_sampling *sp);
+
+// mm_sampling_has_penalty reports whether sp asks for a non-neutral penalty.
+int mm_sampling_has_penalty(const mm_sampling *sp);
 
 #endif

@@ -14,7 +14,14 @@ fail() { echo "FAIL: $*"; for f in "$RUN"/*.log; do [ -f "$f" ] && { echo "--- $
 
 cleanup() {
     for p in "${PIDS[@]}"; do kill -TERM "$p" 2>/dev/null; done
-    sleep 0.3
+    # Let them exit on their own (3 s at most): a sanitizer build checks for leaks at exit.
+    local alive
+    for _ in $(seq 1 60); do
+        alive=0
+        for p in "${PIDS[@]}"; do kill -0 "$p" 2>/dev/null && alive=1; done
+        [ $alive = 0 ] && break
+        sleep 0.05
+    done
     for p in "${PIDS[@]}"; do kill -KILL "$p" 2>/dev/null; done
     # Anything left that names our run directory (children of `moemesh up`) goes too.
     local left; left=$(pgrep -f -- "$RUN/"); [ -n "$left" ] && kill -KILL $left 2>/dev/null

@@ -131,7 +131,11 @@ static bool peer_ensure(mm_step_engine *e, struct peer *p) {
                      peer_name(p, name, sizeof(name)));
             return false;
         }
-        mm_err rv = mm_transport_dial(&p->conn, url, mm_deadline_in_ms(500), err);
+        // The registry says the peer is up, so its listener exists; a loaded box can still take
+        // longer than a few hundred ms to finish the handshake (seen under load and under
+        // qemu TCG), and failing here fails the whole step. 1.5 s keeps a stale peer's
+        // failure inside the 2 s bound users see.
+        mm_err rv = mm_transport_dial(&p->conn, url, mm_deadline_in_ms(1500), err);
         if (rv != MM_OK) {
             p->conn = NULL;
             p->retry_ns = mm_now_ns() + 300000000ull;

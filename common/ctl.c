@@ -497,6 +497,10 @@ static void server_teardown(mm_ctl_server *s) {
 // that the socket is abandoned to the process exit (logged), which reclaims it.
 #define SERVER_CLOSE_WAIT_MS 2000
 
+static atomic_bool g_close_abandoned;
+
+bool mm_ctl_close_abandoned(void) { return atomic_load(&g_close_abandoned); }
+
 struct server_closer {
     mm_ctl_server *srv;
     pthread_mutex_t mu;
@@ -560,6 +564,7 @@ void mm_ctl_server_close(mm_ctl_server *s) {
         c->abandoned = true;
     pthread_mutex_unlock(&c->mu);
     if (!done) {
+        atomic_store(&g_close_abandoned, true);
         mm_log_warn("control server close did not finish in %d ms (nng 1.5.2 close race, "
                     "nanomsg/nng#1813); leaving the socket to the process exit",
                     SERVER_CLOSE_WAIT_MS);

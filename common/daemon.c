@@ -549,7 +549,10 @@ int mm_daemon_close(mm_daemon *d) {
     pthread_mutex_destroy(&d->wait_mu);
     pthread_cond_destroy(&d->wait_cv);
     free(d);
-    nng_fini(); // the daemon's last act: joins nng's threads so leak checkers see a clean exit
+    // The daemon's last act: joins nng's threads so leak checkers see a clean exit. Skipped when
+    // a socket close was abandoned (mm_ctl_server_close): nng_fini would park on it too.
+    if (!mm_ctl_close_abandoned())
+        nng_fini();
     return code;
 }
 

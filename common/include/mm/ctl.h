@@ -75,6 +75,9 @@ mm_err mm_ctl_server_open(mm_ctl_server **out, const char *url, int n_ctx, mm_ct
 // that, an nng 1.5.2 close race is assumed and the socket is left to the process exit), closes the socket
 // and frees the server. Accepts NULL. Must not be called from a handler.
 void mm_ctl_server_close(mm_ctl_server *srv);
+// mm_ctl_close_abandoned: has some mm_ctl_server_close given up on its socket in this process?
+// Then nng_fini() would park too, so the process should exit without it. Thread-safe.
+bool mm_ctl_close_abandoned(void);
 
 // mm_ctl_reply_ack builds an Ack reply (ok, or an error text) for a handler.
 struct nng_msg *mm_ctl_reply_ack(bool ok, const char *error);

@@ -390,8 +390,10 @@ static void on_srv_aio(void *arg) {
     mm_ctl_server *s = c->srv;
     int rv = nng_aio_result(c->aio);
     if (c->state == SRV_SEND) {
-        if (rv != 0)
+        if (rv != 0) {
             nng_msg_free(nng_aio_get_msg(c->aio));
+            nng_aio_set_msg(c->aio, NULL);
+        }
         if (atomic_load(&s->closing) || rv == NNG_ECLOSED || rv == NNG_ECANCELED)
             return;
         srv_recv(c);
@@ -405,6 +407,7 @@ static void on_srv_aio(void *arg) {
         return;
     }
     nng_msg *m = nng_aio_get_msg(c->aio);
+    nng_aio_set_msg(c->aio, NULL); // ours now: the aio must not point at it once freed
     char peer[96], err[MM_ERRLEN] = "";
     peer_name(m, peer, sizeof(peer));
     mm_ctl_msg *req = NULL;
@@ -482,6 +485,16 @@ static void server_teardown(mm_ctl_server *s) {
     for (int i = 0; s->ctxs && i < s->n_ctx; i++)
         if (s->ctxs[i].aio)
             nng_aio_stop(s->ctxs[i].aio);
+    // A handler that was running when close began hands its reply to nng_ctx_send on an aio
+    // that is already stopped: nng then returns without a callback and the reply stays on the
+    // aio. Free it here (callbacks clear the aio's message whenever they take one).
+    for (int i = 0; s->ctxs && i < s->n_ctx; i++)
+        if (s->ctxs[i].aio) {
+            nng_msg *left = nng_aio_get_msg(s->ctxs[i].aio);
+            nng_aio_set_msg(s->ctxs[i].aio, NULL);
+            if (left != NULL)
+                nng_msg_free(left);
+        }
     if (s->sock_open)
         nng_close(s->sock);
     for (int i = 0; s->ctxs && i < s->n_ctx; i++)

@@ -1670,9 +1670,9 @@ static void on_ka(uv_timer_t *t) {
     }
 }
 
-static void on_health(void *arg, mm_err rv, const Mmctl__StatusReply *reply, const char *err) {
+void gw_api_note_status(void *arg, mm_err rv, const Mmctl__StatusReply *reply,
+                        const char *err) {
     gw_api *a = arg;
-    a->health_call = NULL;
     if (rv != MM_OK) {
         a->mesh_ok = false;
         snprintf(a->mesh_why, sizeof(a->mesh_why), "router unreachable: %s", err);
@@ -1692,6 +1692,12 @@ static void on_health(void *arg, mm_err rv, const Mmctl__StatusReply *reply, con
     }
     a->mesh_ok = why[0] == 0;
     snprintf(a->mesh_why, sizeof(a->mesh_why), "%s", why);
+}
+
+static void on_health(void *arg, mm_err rv, const Mmctl__StatusReply *reply, const char *err) {
+    gw_api *a = arg;
+    a->health_call = NULL;
+    gw_api_note_status(a, rv, reply, err);
 }
 
 static void on_health_timer(uv_timer_t *t) {

@@ -59,6 +59,12 @@ mm_err gw_api_open(gw_api **out, uv_loop_t *loop, gw_mesh *mesh, const gw_api_co
                    char err[MM_ERRLEN]);
 // gw_api_routes registers every route of the API on h.
 mm_err gw_api_routes(gw_api *a, gw_http *h);
+
+// gw_api_note_status updates the API's view of the mesh (arg: gw_api) from a status answer of
+// the router (rv != MM_OK: unreachable, err says why). The API's own periodic check and every
+// GET /health answer go through it, so the two never disagree for long. Loop thread only.
+void gw_api_note_status(void *arg, mm_err rv, const Mmctl__StatusReply *reply,
+                        const char *err);
 // gw_api_stop ends every request (503 / error event) and stops the timers (shutdown).
 void gw_api_stop(gw_api *a);
 void gw_api_free(gw_api *a); // after the loop has closed every handle

@@ -86,6 +86,10 @@ typedef struct gw_health {
     gw_mesh *mesh;
     const mm_identity *self; // the gateway's own identity (for answers without a router)
     int timeout_ms;          // deadline of the status call to the router
+    // (optional) also told every status answer /health gets, so that the API's view of the
+    // mesh is never older than what /health last reported. Runs on the loop thread.
+    void (*on_status)(void *arg, mm_err rv, const Mmctl__StatusReply *reply, const char *err);
+    void *on_status_arg;
 } gw_health;
 
 // gw_health_route handles GET /health (arg: gw_health): 200 when every role has at least one

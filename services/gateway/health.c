@@ -91,6 +91,8 @@ static void answer(h2o_req_t *req, gw_health *h, const Mmctl__StatusReply *reply
 static void on_status(void *arg, mm_err rv, const Mmctl__StatusReply *reply, const char *err) {
     struct health_req *hr = arg;
     hr->call = NULL; // answered: the dispose guard has nothing left to detach
+    if (hr->h->on_status)
+        hr->h->on_status(hr->h->on_status_arg, rv, reply, err);
     char text[MM_ERRLEN + 64];
     if (rv != MM_OK)
         snprintf(text, sizeof(text), "router unreachable: %s", err);

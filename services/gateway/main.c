@@ -134,7 +134,9 @@ int main(int argc, char **argv) {
     }
     if (rv == MM_OK) {
         g.health = (gw_health){.mesh = g.mesh, .self = mm_daemon_get_identity(g.d),
-                               .timeout_ms = (int)s_health_timeout_ms};
+                               .timeout_ms = (int)s_health_timeout_ms,
+                               .on_status = g.api ? gw_api_note_status : NULL,
+                               .on_status_arg = g.api};
         gw_http_route(g.http, "GET", "/health", gw_health_route, &g.health);
         if (g.api) {
             rv = gw_api_routes(g.api, g.http);

@@ -22,15 +22,20 @@ ROUTER="ipc://$RUN/up/router.ctl"
 UP=$!
 PIDS+=($UP)
 wait_ready 1 1 || fail "moemesh up: mesh not ready"
-for _ in $(seq 1 100); do
-    curl -s -o /dev/null -w "%{http_code}" "http://127.0.0.1:$port/health" | grep -q 200 && break
+healthy=0 # sanitizer builds start slower: MM_TEST_TIMEOUT_SCALE stretches the wait
+for _ in $(seq 1 $((300 * ${MM_TEST_TIMEOUT_SCALE:-1}))); do
+    curl -s -o /dev/null -w "%{http_code}" "http://127.0.0.1:$port/health" | grep -q 200 &&
+        { healthy=1; break; }
     sleep 0.1
 done
+[ $healthy = 1 ] || fail "gateway /health never 200: $(curl -s "http://127.0.0.1:$port/health" | head -c 400)"
 req() { curl -s "http://127.0.0.1:$port/v1/completions" -H 'content-type: application/json' \
     -d "{\"model\":\"qwen3moe-tiny\",\"prompt\":[4,8,15,16,23,42],\"max_tokens\":24,\"temperature\":0$1}"; }
 text() { python3 -c 'import json,sys; print(json.load(sys.stdin)["choices"][0]["text"])'; }
-plain=$(req ',"logprobs":1' | text) || fail "completion with logprobs failed"
-drafted=$(req '' | text) || fail "completion without logprobs failed"
+body=$(req ',"logprobs":1')
+plain=$(echo "$body" | text) || fail "completion with logprobs failed: $body"
+body=$(req '')
+drafted=$(echo "$body" | text) || fail "completion without logprobs failed: $body"
 [ -n "$plain" ] || fail "empty completion"
 [ "$plain" == "$drafted" ] || fail "drafted completion differs: '$drafted' vs '$plain'"
 "$BIN/moemesh" status --router "$ROUTER" | grep -q "drafting: drafted=[1-9][0-9]* accepted=[1-9]" \

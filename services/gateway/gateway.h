@@ -93,11 +93,13 @@ typedef struct gw_health {
 } gw_health;
 
 // gw_health_route handles GET /health (arg: gw_health): 200 when every role has at least one
-// ready instance, 503 otherwise, with each role's instances, addresses, identities and health.
+// ready instance ("status":"ok") or only the optional drafter is missing ("degraded"), 503
+// otherwise, with each role's instances, addresses, identities and health.
 int gw_health_route(void *arg, h2o_req_t *req);
 
 // gw_health_json builds the /health body from a status reply (NULL: router unreachable, err
-// says why) and sets *all_up. Returns owned JSON. Exposed for tests and `moemesh status`.
+// says why) and sets *all_up (every required role up; the drafter is optional). Returns owned
+// JSON. Exposed for tests and `moemesh status`.
 json_t *gw_health_json(const Mmctl__StatusReply *reply, const mm_identity *self,
                        const char *router_url, const char *err, bool *all_up);
 

@@ -63,14 +63,23 @@ json_t *gw_health_json(const Mmctl__StatusReply *reply, const mm_identity *self,
         json_array_append_new(json_object_get(role, "instances"), member_json(&m));
         json_object_set_new(role, "up", json_integer(++n_up[0]));
     }
+    // The drafter is optional: without one, steps go on without drafts and output is the same
+    // (DESIGN.md failure behaviour), so a mesh missing only its drafter still serves: 200 with
+    // "status":"degraded", so that a load balancer keeps it in rotation. Any other role missing
+    // means requests would fail: 503.
     json_t *missing = json_array();
     *all_up = true;
+    bool degraded = false;
     for (int r = 0; r < MM_N_ROLES; r++)
         if (n_up[r] == 0) {
-            *all_up = false;
+            if (!strcmp(mm_roles[r], "drafter"))
+                degraded = true;
+            else
+                *all_up = false;
             json_array_append_new(missing, json_string(mm_roles[r]));
         }
-    json_t *out = json_pack("{s:s, s:s, s:o, s:o}", "status", *all_up ? "ok" : "unavailable",
+    const char *status = !*all_up ? "unavailable" : degraded ? "degraded" : "ok";
+    json_t *out = json_pack("{s:s, s:s, s:o, s:o}", "status", status,
                             "router", router_url ? router_url : "", "missing", missing, "roles",
                             roles);
     if (reply)

@@ -24,11 +24,12 @@ PIDS+=($UP)
 wait_ready 1 1 || fail "moemesh up: mesh not ready"
 healthy=0 # sanitizer builds start slower: MM_TEST_TIMEOUT_SCALE stretches the wait
 for _ in $(seq 1 $((300 * ${MM_TEST_TIMEOUT_SCALE:-1}))); do
-    curl -s -o /dev/null -w "%{http_code}" "http://127.0.0.1:$port/health" | grep -q 200 &&
+    # "ok", not "degraded": the drafter itself must have joined before the drafted request
+    curl -s "http://127.0.0.1:$port/health" | grep -q '"status":"ok"' &&
         { healthy=1; break; }
     sleep 0.1
 done
-[ $healthy = 1 ] || fail "gateway /health never 200: $(curl -s "http://127.0.0.1:$port/health" | head -c 400)"
+[ $healthy = 1 ] || fail "gateway /health never ok: $(curl -s "http://127.0.0.1:$port/health" | head -c 400)"
 req() { curl -s "http://127.0.0.1:$port/v1/completions" -H 'content-type: application/json' \
     -d "{\"model\":\"qwen3moe-tiny\",\"prompt\":[4,8,15,16,23,42],\"max_tokens\":24,\"temperature\":0$1}"; }
 text() { python3 -c 'import json,sys; print(json.load(sys.stdin)["choices"][0]["text"])'; }

@@ -22,51 +22,97 @@ mm_err mm_spec_verify(mm_sampler *s, const float *logits, int vocab, const mm_sa
     return MM_OK;
 }
 
-int mm_spec_bucket(int32_t ctx) {
+static int log2_range(int64_t x, int n) {
     int b = 0;
-    for (int32_t c = ctx / 64; c > 1 && b < MM_SPEC_BUCKETS - 1; c >>= 1)
+    for (int64_t c = x; c > 1 && b < n - 1; c >>= 1)
         b++;
     return b;
+}
+
+int mm_spec_bucket(int32_t ctx, int64_t rows) {
+    return log2_range(ctx / 64, MM_SPEC_CTX_BUCKETS) * MM_SPEC_ROW_BUCKETS +
+           log2_range(rows, MM_SPEC_ROW_BUCKETS);
 }
 
 void mm_spec_cost_add(mm_spec_costs *c, int bucket, int w, double ms) {
     if (bucket < 0 || bucket >= MM_SPEC_BUCKETS || w < 0 || w > MM_SPEC_MAX_W || !(ms >= 0))
         return;
     double *T = &c->T[bucket][w];
-    *T = c->measured[bucket][w] ? 0.8 * *T + 0.2 * ms : ms;
-    c->measured[bucket][w] = true;
+    if (c->n[bucket][w] == 0) {
+        *T = ms;
+    } else {
+        if (ms > 3 * *T)
+            ms = 3 * *T;
+        *T = 0.75 * *T + 0.25 * ms;
+    }
+    c->n[bucket][w]++;
+    c->at[bucket][w] = ++c->ticks[bucket];
+}
+
+static bool any_measured(const mm_spec_costs *c, int b, int max_w) {
+    for (int k = 0; k <= max_w; k++)
+        if (c->n[b][k])
+            return true;
+    return false;
+}
+
+// nearest_bucket: b if it has measurements, else the nearest that has (distance: ranges apart,
+// the row range counting double, so that a step of the same size is preferred), or -1.
+static int nearest_bucket(const mm_spec_costs *c, int b, int max_w) {
+    if (any_measured(c, b, max_w))
+        return b;
+    const int bc = b / MM_SPEC_ROW_BUCKETS, br = b % MM_SPEC_ROW_BUCKETS;
+    int best = -1, best_d = 1 << 30;
+    for (int x = 0; x < MM_SPEC_BUCKETS; x++) {
+        if (!any_measured(c, x, max_w))
+            continue;
+        int dc = x / MM_SPEC_ROW_BUCKETS - bc, dr = x % MM_SPEC_ROW_BUCKETS - br;
+        int dist = (dc < 0 ? -dc : dc) + 2 * (dr < 0 ? -dr : dr);
+        if (dist < best_d) {
+            best_d = dist;
+            best = x;
+        }
+    }
+    return best;
 }
 
 double mm_spec_price(const mm_spec_costs *c, int b, int w, int max_w) {
     if (max_w > MM_SPEC_MAX_W)
         max_w = MM_SPEC_MAX_W;
-    int bb = -1;
-    for (int dist = 0; dist < MM_SPEC_BUCKETS && bb < 0; dist++)
-        for (int s = -1; s <= 1 && bb < 0; s += 2) {
-            int x = b + s * dist;
-            if (x < 0 || x >= MM_SPEC_BUCKETS)
-                continue;
-            for (int k = 0; k <= max_w; k++)
-                if (c->measured[x][k])
-                    bb = x;
-        }
+    if (b < 0 || b >= MM_SPEC_BUCKETS || w < 0 || w > max_w)
+        return 1.0;
+    int bb = nearest_bucket(c, b, max_w);
     if (bb < 0)
         return 1.0;
+    if (c->n[bb][w])
+        return c->T[bb][w] > 0 ? c->T[bb][w] : 1e-3;
     double T = -1;
-    if (c->measured[bb][w]) {
-        T = c->T[bb][w];
-    } else {
-        for (int dist = 1; dist <= max_w && T < 0; dist++) {
-            if (w + dist <= max_w && c->measured[bb][w + dist])
-                T = c->T[bb][w + dist];
-            else if (w - dist >= 0 && c->measured[bb][w - dist])
-                T = c->T[bb][w - dist];
-        }
+    for (int dist = 1; dist <= max_w && T < 0; dist++) {
+        if (w + dist <= max_w && c->n[bb][w + dist])
+            T = c->T[bb][w + dist];
+        else if (w - dist >= 0 && c->n[bb][w - dist])
+            T = c->T[bb][w - dist];
     }
     for (int k = 0; k < w; k++) // never below a measured narrower width
-        if (c->measured[bb][k] && c->T[bb][k] > T)
+        if (c->n[bb][k] && c->T[bb][k] > T)
             T = c->T[bb][k];
     return T > 0 ? T : 1e-3;
+}
+
+int mm_spec_explore(const mm_spec_costs *c, int b, int w, int max_w, uint64_t stale) {
+    if (max_w > MM_SPEC_MAX_W)
+        max_w = MM_SPEC_MAX_W;
+    if (b < 0 || b >= MM_SPEC_BUCKETS || max_w <= 0)
+        return -1;
+    int cand[3] = {0, w - 1, w + 1};
+    for (int i = 0; i < 3; i++)
+        if (cand[i] >= 0 && cand[i] <= max_w && cand[i] != w && c->n[b][cand[i]] == 0)
+            return cand[i];
+    for (int i = 0; i < 3; i++)
+        if (cand[i] >= 0 && cand[i] <= max_w && cand[i] != w &&
+            c->ticks[b] - c->at[b][cand[i]] > stale)
+            return cand[i];
+    return -1;
 }
 
 int mm_spec_width_sum(const mm_spec_costs *c, int bucket, int max_w, const double *e) {

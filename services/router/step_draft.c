@@ -10,7 +10,9 @@
 #include "mm/spec.h"
 #include "mm/time.h"
 
-#define PROBE_EVERY 32
+#define PROBE_EVERY 64   // low-acceptance seqs draft again (1 token) every PROBE_EVERY-th step
+#define EXPLORE_EVERY 8  // every EXPLORE_EVERY-th drafting step may measure another width
+#define STALE 64         // a width's price older than STALE samples of its range is re-measured
 
 struct rseq {
     uint64_t id;
@@ -20,8 +22,11 @@ struct rseq {
     int32_t dr_from;   // tokens the drafter holds of it
     bool trunc;        // the shards hold rejected draft rows past trunc_len
     int32_t trunc_len;
-    float acc;         // per-draft-token acceptance (EMA)
+    float acc;         // per-draft-token acceptance (EMA); a draft asked for and not given
+                       // counts as rejected
     uint32_t n_steps;
+    uint32_t asked;    // drafts asked for this step
+    uint64_t last_step; // the step (mm_draft.step_no) it was last in
 };
 
 struct mm_draft {
@@ -38,10 +43,13 @@ struct mm_draft {
     Mmctl__DraftSeq **dqp;
     int32_t *dq_plan;  // plan index of each request seq
     uint64_t *rel;
-    mm_spec_costs costs; // step time per (context bucket, widest draft in the step)
-    int step_w, step_bucket;
+    mm_spec_costs costs; // step time per (step range, widest draft asked for in the step)
+    int step_w, step_bucket; // this step's: widest draft asked for; range (mm_spec_bucket)
     uint64_t n_steps; // steps with a seq that allowed drafting (probes: every PROBE_EVERY-th)
-    bool step_ok; // this step's drafter call (if any) answered
+    bool step_ok;     // this step's drafter call (if any) answered
+    bool step_cost;   // this step's period is a sample of its width's cost
+    uint64_t step_no, step_t0; // steps begun; when this one began (ns)
+    uint64_t explored;
     // metrics
     uint64_t drafted, accepted, emitted, verified, misses, requests;
     uint64_t pos_tried[MM_DRAFT_MAX_K], pos_ok[MM_DRAFT_MAX_K], widths[MM_DRAFT_MAX_K + 1];
@@ -107,6 +115,8 @@ static struct rseq *track(mm_draft *d, uint64_t id) {
         r->len = r->dr_from = r->trunc_len = 0;
         r->acc = 0.6f;
         r->n_steps = 0;
+        r->asked = 0;
+        r->last_step = 0;
         return r;
     }
     return NULL;
@@ -158,15 +168,33 @@ static void drafter_failed(mm_draft *d, const char *why) {
 
 void mm_draft_begin(mm_draft *d, const Mmctl__StepPlan *p, const bool *active, int64_t room,
                     uint32_t *n_draft, int32_t *draft) {
+    // The previous step's cost: the period from its start to this one's, when this step goes
+    // on with a seq of it (the gateway sent this plan as soon as it had that step's result; not
+    // after an idle gap). The period holds all the step's costs: the drafter's round trip, the
+    // forward pass over the draft rows, verification, the gateway's work on more tokens.
+    const uint64_t now = mm_now_ns();
+    bool goes_on = false;
+    for (size_t i = 0; i < p->n_seqs && !goes_on; i++) {
+        const struct rseq *r = p->seqs[i]->pos > 0 ? find(d, p->seqs[i]->seq_id) : NULL;
+        goes_on = r && r->last_step == d->step_no;
+    }
+    if (d->step_cost && goes_on && d->c.max_k > 0)
+        mm_spec_cost_add(&d->costs, d->step_bucket, d->step_w, (double)(now - d->step_t0) / 1e6);
+    d->step_no++;
+    d->step_t0 = now;
     d->step_w = 0;
     d->step_bucket = 0;
     d->step_ok = true;
+    d->step_cost = false;
     for (size_t i = 0; i < p->n_release; i++)
         forget(d, p->release[i]);
     int32_t max_ctx_step = 0;
+    int64_t rows = 0;
     for (size_t i = 0; i < p->n_seqs; i++) {
         const Mmctl__SeqStep *q = p->seqs[i];
         n_draft[i] = 0;
+        if (active[i])
+            rows += (int64_t)q->n_tokens;
         struct rseq *r = find(d, q->seq_id);
         if (q->pos == 0) {
             if (r)
@@ -175,6 +203,8 @@ void mm_draft_begin(mm_draft *d, const Mmctl__StepPlan *p, const bool *active, i
         }
         if (!r)
             continue;
+        r->last_step = d->step_no;
+        r->asked = 0;
         if ((int32_t)q->pos != r->len || r->len + (int64_t)q->n_tokens > d->c.max_ctx)
             r->broken = true;
         if (r->broken)
@@ -186,14 +216,16 @@ void mm_draft_begin(mm_draft *d, const Mmctl__StepPlan *p, const bool *active, i
     }
     if (d->c.max_k == 0)
         return;
-    const int b = mm_spec_bucket(max_ctx_step);
+    const int b = mm_spec_bucket(max_ctx_step, rows);
     d->step_bucket = b;
     if (room > d->c.max_rows)
         room = d->c.max_rows;
     // The step's width W: the seqs' expected tokens (each by its own acceptance) per measured
     // step time; each eligible seq then drafts min(W, its cap), except a seq whose acceptance
     // has fallen below 5% (it drafts 0; every PROBE_EVERY-th step all such seqs probe at once,
-    // so that probing costs one drafter call per PROBE_EVERY steps).
+    // so that probing costs one drafter call per PROBE_EVERY steps). Every EXPLORE_EVERY-th
+    // step W may be another width whose price is unmeasured or stale (mm_spec_explore): 0
+    // above all, which the choice itself never tries once a width that drafts is measured.
     double ex[MM_SPEC_MAX_W + 1] = {0};
     int maxw_step = 0;
     for (size_t i = 0; i < p->n_seqs; i++) {
@@ -223,6 +255,14 @@ void mm_draft_begin(mm_draft *d, const Mmctl__StepPlan *p, const bool *active, i
     if (maxw_step > 0)
         d->n_steps++;
     int W = d->c.adapt ? mm_spec_width_sum(&d->costs, b, maxw_step, ex) : maxw_step;
+    if (d->c.adapt && maxw_step > 0 && d->n_steps % EXPLORE_EVERY == 0) {
+        int x = mm_spec_explore(&d->costs, b, W, maxw_step, STALE);
+        if (x >= 0) {
+            W = x;
+            d->explored++;
+        }
+    }
+    d->step_cost = maxw_step > 0; // a step where no seq may draft says nothing of widths
     size_t nq = 0, n_tok = 0;
     for (size_t i = 0; i < p->n_seqs; i++) {
         const Mmctl__SeqStep *q = p->seqs[i];
@@ -242,6 +282,9 @@ void mm_draft_begin(mm_draft *d, const Mmctl__StepPlan *p, const bool *active, i
         size_t add = (size_t)(r->len - r->dr_from);
         if (k <= 0 || nq >= (size_t)d->n_t || n_tok + add > 200000) // well under 1 MiB
             continue;
+        r->asked = (uint32_t)k;
+        if (k > d->step_w)
+            d->step_w = k;
         Mmctl__DraftSeq *s = &d->dq[nq];
         mmctl__draft_seq__init(s);
         s->seq_id = q->seq_id;
@@ -257,8 +300,12 @@ void mm_draft_begin(mm_draft *d, const Mmctl__StepPlan *p, const bool *active, i
     if (nq == 0)
         return;
     mm_ctl_client *cl = drafter_link(d);
-    if (!cl)
+    if (!cl) { // drafter down or backing off: this step is a width-0 step after all
+        for (size_t j = 0; j < nq; j++)
+            find(d, d->dq[j].seq_id)->asked = 0;
+        d->step_w = 0;
         return;
+    }
     Mmctl__DraftRequest rq = MMCTL__DRAFT_REQUEST__INIT;
     rq.step_id = p->step_id;
     rq.n_seqs = nq;
@@ -278,6 +325,7 @@ void mm_draft_begin(mm_draft *d, const Mmctl__StepPlan *p, const bool *active, i
                  err[0] ? err : mm_strerror(rv));
         drafter_failed(d, why);
         d->step_ok = false;
+        d->step_cost = false;
         return;
     }
     if (rep->body_case != MMCTL__ENVELOPE__BODY_DRAFT_REPLY ||
@@ -285,6 +333,7 @@ void mm_draft_begin(mm_draft *d, const Mmctl__StepPlan *p, const bool *active, i
         drafter_failed(d, rep->body_case == MMCTL__ENVELOPE__BODY_ACK && rep->ack->error[0]
                               ? rep->ack->error : "a reply that is not a draft_reply for the step");
         d->step_ok = false;
+        d->step_cost = false;
         mm_ctl_msg_free(rep);
         return;
     }
@@ -298,6 +347,7 @@ void mm_draft_begin(mm_draft *d, const Mmctl__StepPlan *p, const bool *active, i
             continue;
         if (o->resync >= 0) {
             r->dr_from = o->resync < r->len ? o->resync : r->len;
+            r->asked = 0; // the drafter lost its history: not the drafts' fault
             continue;
         }
         r->dr_from = r->len;
@@ -308,8 +358,6 @@ void mm_draft_begin(mm_draft *d, const Mmctl__StepPlan *p, const bool *active, i
             m++;
         }
         n_draft[i] = m;
-        if ((int)m > d->step_w)
-            d->step_w = (int)m;
     }
     mm_ctl_msg_free(rep);
 }
@@ -348,10 +396,10 @@ void mm_draft_verified(mm_draft *d, const Mmctl__SeqStep *q, uint32_t n_draft,
                        uint32_t accepted, const int32_t *drafts) {
     d->emitted += accepted + 1;
     d->widths[n_draft <= MM_DRAFT_MAX_K ? n_draft : MM_DRAFT_MAX_K]++;
-    if (n_draft == 0)
-        return;
     struct rseq *r = find(d, q->seq_id);
-    if (!r)
+    if (r && accepted == n_draft && r->asked > n_draft) // asked for more than the drafter had:
+        r->acc += 0.15f * (0.0f - r->acc);               // the chain ended there
+    if (n_draft == 0 || !r)
         return;
     memcpy(r->hist + r->len, drafts, accepted * 4);
     r->len += (int32_t)accepted;
@@ -371,10 +419,9 @@ void mm_draft_verified(mm_draft *d, const Mmctl__SeqStep *q, uint32_t n_draft,
 }
 
 void mm_draft_end(mm_draft *d, uint64_t step_ns) {
+    (void)step_ns;
     if (d->c.max_k == 0)
         return;
-    if (d->step_ok)
-        mm_spec_cost_add(&d->costs, d->step_bucket, d->step_w, (double)step_ns / 1e6);
     char buf[MM_CTL_MAX_STR];
     int n = snprintf(buf, sizeof(buf), "hub; drafting: drafted=%llu accepted=%llu emitted=%llu "
                      "rate=%.3f mean_accepted=%.3f drafter_misses=%llu by_pos=",

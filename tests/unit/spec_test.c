@@ -158,7 +158,8 @@ static void test_spec_distribution(void) {
 }
 
 // Width from measured costs: nothing measured -> the widest; drafting that does not pay -> 0;
-// unmeasured widths priced as the nearest measured one and never below a narrower one.
+// a measured width at its EMA; unmeasured widths priced as the nearest measured one and never
+// below a measured narrower one; exploration re-measures 0 and the neighbours of the choice.
 static void test_spec_width(void) {
     mm_spec_costs c;
     memset(&c, 0, sizeof(c));
@@ -170,27 +171,56 @@ static void test_spec_width(void) {
     MM_NEAR(mm_spec_price(&c, 0, 1, 4), 10.0, 1e-9);
     MM_NEAR(mm_spec_price(&c, 0, 2, 4), 30.0, 1e-9);
     MM_NEAR(mm_spec_price(&c, 0, 3, 4), 30.0, 1e-9);
-    // never below a measured narrower width: a width-2 step measured faster than width 0
-    mm_spec_cost_add(&c, 0, 2, 5.0);
-    MM_NEAR(mm_spec_price(&c, 0, 2, 4), 10.0, 1e-9);
     // acceptance 0: nothing beats not drafting
     MM_EQ(mm_spec_width(&c, 0, 4, 0.0), 0);
-    // acceptance 1: width 2 (measured 5 ms, priced at width 0's 10 ms) gives 3 tokens per
-    // 10 ms; width 4 gives 5 per 30 ms: 2 is the best
-    MM_EQ(mm_spec_width(&c, 0, 4, 1.0), 2);
+    // acceptance 1: width 1 (unmeasured, priced at width 0's 10 ms) gives 2 tokens per 10 ms
+    MM_EQ(mm_spec_width(&c, 0, 4, 1.0), 1);
     mm_spec_cost_add(&c, 0, 1, 25.0); // measured: width 1 is dear
-    MM_EQ(mm_spec_width(&c, 0, 4, 1.0), 4);
-    MM_EQ(mm_spec_width(&c, 0, 4, 0.1), 0); // low acceptance: not worth 2.5x
-    // another context range with nothing measured borrows the nearest measured range
-    MM_NEAR(mm_spec_price(&c, 5, 4, 4), 30.0, 1e-9);
-    // the EMA follows new measurements
-    for (int i = 0; i < 50; i++)
+    // 2 and 3 unmeasured: nearest is 1 or 4 -> at least 25 (never below width 1's 25 ms)
+    MM_NEAR(mm_spec_price(&c, 0, 2, 4), 25.0, 1e-9);
+    MM_NEAR(mm_spec_price(&c, 0, 3, 4), 30.0, 1e-9);
+    MM_EQ(mm_spec_width(&c, 0, 4, 1.0), 4);  // 5 tokens per 30 ms
+    MM_EQ(mm_spec_width(&c, 0, 4, 0.1), 0);  // low acceptance: not worth 2.5x
+    MM_EQ(mm_spec_width(&c, 0, 4, 0.7), 0); // 2.77 tokens per 30 ms < 1 per 10 ms
+    // a measured width is priced at its own EMA, even below a narrower one's
+    mm_spec_cost_add(&c, 0, 2, 5.0);
+    MM_NEAR(mm_spec_price(&c, 0, 2, 4), 5.0, 1e-9);
+    MM_EQ(mm_spec_width(&c, 0, 4, 1.0), 2);
+    // another range with nothing measured borrows the nearest measured one: the same rows first
+    int b5 = mm_spec_bucket(64 << 5, 1);
+    MM_NEAR(mm_spec_price(&c, b5, 4, 4), 30.0, 1e-9);
+    int b16 = mm_spec_bucket(10, 16);
+    mm_spec_cost_add(&c, b16, 0, 40.0);
+    MM_NEAR(mm_spec_price(&c, b16, 4, 4), 40.0, 1e-9);
+    MM_NEAR(mm_spec_price(&c, mm_spec_bucket(200, 16), 0, 4), 40.0, 1e-9);
+    MM_NEAR(mm_spec_price(&c, mm_spec_bucket(200, 1), 0, 4), 10.0, 1e-9);
+    // the EMA follows new measurements; one outlier counts as 3x the estimate at most
+    for (int i = 0; i < 60; i++)
         mm_spec_cost_add(&c, 0, 4, 12.0);
     MM_NEAR(c.T[0][4], 12.0, 1e-3);
-    MM_NEAR(mm_spec_price(&c, 0, 4, 4), 25.0, 1e-9); // never below width 1's 25 ms
-    MM_EQ(mm_spec_bucket(10), 0);
-    MM_EQ(mm_spec_bucket(300), 2);
-    MM_EQ(mm_spec_bucket(1 << 30), MM_SPEC_BUCKETS - 1);
+    mm_spec_cost_add(&c, 0, 4, 1200.0);
+    MM_NEAR(c.T[0][4], 12.0 * 0.75 + 36.0 * 0.25, 1e-3);
+    // ranges: context (log2 of 64 tokens) x input rows (log2)
+    MM_EQ(mm_spec_bucket(10, 1), 0);
+    MM_EQ(mm_spec_bucket(300, 1), 2 * MM_SPEC_ROW_BUCKETS);
+    MM_EQ(mm_spec_bucket(10, 16), 4);
+    MM_EQ(mm_spec_bucket(1 << 30, 1 << 30), MM_SPEC_BUCKETS - 1);
+    // exploration: unmeasured 0 first, then the neighbours, then stale ones
+    mm_spec_costs e;
+    memset(&e, 0, sizeof(e));
+    mm_spec_cost_add(&e, 3, 4, 20.0);
+    MM_EQ(mm_spec_explore(&e, 3, 4, 4, 64), 0);
+    mm_spec_cost_add(&e, 3, 0, 10.0);
+    MM_EQ(mm_spec_explore(&e, 3, 4, 4, 64), 3);
+    mm_spec_cost_add(&e, 3, 3, 15.0);
+    MM_EQ(mm_spec_explore(&e, 3, 4, 4, 64), -1); // all fresh (5 unavailable: max 4)
+    for (int i = 0; i < 65; i++)
+        mm_spec_cost_add(&e, 3, 4, 20.0);
+    MM_EQ(mm_spec_explore(&e, 3, 4, 4, 64), 0); // 0 is stale
+    mm_spec_cost_add(&e, 3, 0, 10.0);
+    MM_EQ(mm_spec_explore(&e, 3, 4, 4, 64), 3);
+    MM_EQ(mm_spec_explore(&e, 3, 0, 4, 64), 1); // choice 0: 1 never measured
+    MM_EQ(mm_spec_explore(&e, 3, 4, 0, 64), -1); // nothing may draft
 }
 
 MM_TESTS = {

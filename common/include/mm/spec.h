@@ -31,24 +31,37 @@ mm_err mm_spec_verify(mm_sampler *s, const float *logits, int vocab, const mm_sa
                       char err[MM_ERRLEN]);
 
 // ---- draft width from measured costs --------------------------------------------------------
-// The step time of each width (the widest draft in a step), kept per context-length range
-// (log2 buckets of 64 tokens), as an EMA; the width maximising expected tokens per second.
+// The step time of each width (the widest draft asked for in a step), kept per range of the
+// step's shape: the context length (log2 buckets of 64 tokens) and the step's input rows (log2
+// buckets: 1, 2-3, 4-7, ...; a step of 16 decode seqs costs another time than a step of 1), as
+// an EMA; the width maximising expected tokens per second. The caller measures "step time" as
+// it likes; the router uses the whole period from one step's start to the next step's start
+// (its own forward pass, the drafter's round trip, the gateway's work on the result), so that
+// every cost drafting adds is charged to the width that added it.
 
 #define MM_SPEC_MAX_W 8
-#define MM_SPEC_BUCKETS 8
+#define MM_SPEC_CTX_BUCKETS 8
+#define MM_SPEC_ROW_BUCKETS 8
+#define MM_SPEC_BUCKETS (MM_SPEC_CTX_BUCKETS * MM_SPEC_ROW_BUCKETS)
 
 typedef struct mm_spec_costs {
-    double T[MM_SPEC_BUCKETS][MM_SPEC_MAX_W + 1]; // ms
-    bool measured[MM_SPEC_BUCKETS][MM_SPEC_MAX_W + 1];
+    double T[MM_SPEC_BUCKETS][MM_SPEC_MAX_W + 1];   // ms (EMA)
+    uint32_t n[MM_SPEC_BUCKETS][MM_SPEC_MAX_W + 1]; // samples taken (0: unmeasured)
+    uint64_t at[MM_SPEC_BUCKETS][MM_SPEC_MAX_W + 1]; // ticks[bucket] at the last sample
+    uint64_t ticks[MM_SPEC_BUCKETS];                // samples taken in the bucket
 } mm_spec_costs;
 
-// mm_spec_bucket: the context-length range of a step whose longest seq has ctx tokens.
-int mm_spec_bucket(int32_t ctx);
-// mm_spec_cost_add records a step of width w (0..MM_SPEC_MAX_W) that took ms.
+// mm_spec_bucket: the range of a step whose longest seq has ctx tokens and that has rows input
+// rows (drafts not counted). Buckets are ctx_range * MM_SPEC_ROW_BUCKETS + rows_range.
+int mm_spec_bucket(int32_t ctx, int64_t rows);
+// mm_spec_cost_add records a step of width w (0..MM_SPEC_MAX_W) that took ms. The EMA weighs
+// a new sample 1/4 (the first sample is taken as is); a sample over 3x the current estimate
+// counts as 3x (one preempted step on a shared machine must not set the price).
 void mm_spec_cost_add(mm_spec_costs *c, int bucket, int w, double ms);
-// mm_spec_price: the step time of width w in bucket (the nearest bucket with measurements).
-// Measured: its EMA. Unmeasured: the nearest measured width's (the wider on a tie), and never
-// below a measured narrower width's. Nothing measured at all: 1 for every width.
+// mm_spec_price: the step time of width w in bucket (or, when nothing is measured there, in
+// the nearest bucket with measurements: same row range first). Measured: its EMA. Unmeasured:
+// the nearest measured width's (the wider on a tie), and never below a measured narrower
+// width's. Nothing measured at all: 1 for every width.
 double mm_spec_price(const mm_spec_costs *c, int bucket, int w, int max_w);
 // mm_spec_width: the w in [0, max_w] maximising (sum_{i<=w} acc^i) / price(w); 0 when no
 // width beats not drafting.
@@ -59,5 +72,11 @@ int mm_spec_width(const mm_spec_costs *c, int bucket, int max_w, double acc);
 // one width, each weighted by its own acceptance.)
 void mm_spec_expect_add(double *e, int max_w, int cap, double acc);
 int mm_spec_width_sum(const mm_spec_costs *c, int bucket, int max_w, const double *e);
+// mm_spec_explore: a width to measure this step instead of the chosen w, or -1. Prices of
+// unmeasured wider widths are optimistic (those of narrower ones), so the choice itself tries
+// them; narrower widths, not drafting (0) above all, are never tried that way. Candidates: 0,
+// w - 1 and w + 1 (<= max_w), in that order; the first that is unmeasured in bucket, else the
+// first whose last sample is more than stale samples of the bucket old.
+int mm_spec_explore(const mm_spec_costs *c, int bucket, int w, int max_w, uint64_t stale);
 
 #endif

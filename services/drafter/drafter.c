@@ -32,6 +32,10 @@ struct dseq {
     int32_t slot; // KV slot (model kind)
     int32_t *tok; // (max_ctx) owned
     int32_t n_commit, n_have, n_kv;
+    // this request's batch (model kind)
+    uint32_t k;   // drafts wanted
+    uint32_t m;   // drafts made
+    int32_t *out; // the reply's tokens (k room)
 };
 
 static struct drafter {
@@ -42,8 +46,13 @@ static struct drafter {
     int vocab;
     int32_t max_ctx;
     struct dseq *seqs; // (max_seqs)
-    float *last;       // (vocab)
-    uint64_t n_req, n_proposed;
+    // one batched forward pass (model kind), sized once: rows of all seqs of a request
+    int64_t max_rows;
+    int32_t *row_seq, *row_pos, *row_id; // (max_rows)
+    struct dseq **row_of;               // (max_rows) whose row; NULL: not a wanted row
+    bool *want;                          // (max_rows)
+    struct dseq **batch;                 // (max_seqs) the seqs drafting in this request
+    uint64_t n_req, n_proposed, n_forwards;
 } D = {.mu = PTHREAD_MUTEX_INITIALIZER};
 
 static struct dseq *seq_find(uint64_t id) {
@@ -101,34 +110,120 @@ static uint32_t draft_ngram(const struct dseq *s, uint32_t k, int32_t *out) {
     return 0;
 }
 
-// draft_model: greedy continuation with the draft model, reusing the KV of the longest prefix
-// it already holds.
-static uint32_t draft_model(struct dseq *s, uint32_t k, int32_t *out, char err[MM_ERRLEN]) {
-    int32_t keep = s->n_kv < s->n_commit - 1 ? s->n_kv : s->n_commit - 1;
-    if (keep < s->n_kv) {
+// batch_run runs the n rows in D.row_* through the draft model in one forward pass and, for
+// each wanted row (D.want), appends the argmax of its logits to its seq's drafts.
+static mm_err batch_run(int64_t n, char err[MM_ERRLEN]) {
+    if (n == 0)
+        return MM_OK;
+    mm_model_rows rows = {.n_rows = n, .seq = D.row_seq, .pos = D.row_pos};
+    mm_err rv = mm_model_forward(D.eng->model, D.eng->scratch, D.eng->kv, &rows, D.row_id, D.want,
+                                 D.eng->logits);
+    D.n_forwards++;
+    if (rv != MM_OK)
+        return mm_errf(err, rv, "draft model forward pass of %lld rows: %s", (long long)n,
+                       mm_strerror(rv));
+    int64_t nw = 0;
+    for (int64_t i = 0; i < n; i++)
+        nw += D.want[i];
+    if (nw == 0)
+        return MM_OK;
+    const size_t row_bytes = (size_t)D.vocab * 4;
+    rv = D.eng->be->ops->get(D.eng->be->ctx, D.eng->h_logits, D.eng->logits, (size_t)nw * row_bytes);
+    if (rv != MM_OK)
+        return mm_errf(err, rv, "draft model logits: %s", mm_strerror(rv));
+    int64_t j = 0;
+    for (int64_t i = 0; i < n; i++) {
+        if (!D.want[i])
+            continue;
+        struct dseq *s = D.row_of[i];
+        s->out[s->m++] = mm_engine_argmax(D.eng->h_logits + j * D.vocab, D.vocab);
+        j++;
+    }
+    return MM_OK;
+}
+
+// draft_batch: greedy continuations of the nb seqs in D.batch (each wants s->k >= 1 drafts into
+// s->out) with the draft model, all seqs in the same forward passes: first one pass (or more,
+// max_rows at a time) over every seq's tokens its KV lacks, whose last row gives each its first
+// draft; then one pass per further draft position, one row per seq still drafting. Each seq's
+// KV keeps the longest prefix it already holds. A failed pass ends drafting for the whole
+// request (the drafts made so far stand; the KV is cut back to what is certainly right).
+static void draft_batch(int nb, char err[MM_ERRLEN]) {
+    uint32_t max_k = 0;
+    int nok = 0;
+    for (int b = 0; b < nb; b++) {
+        struct dseq *s = D.batch[b];
+        int32_t keep = s->n_kv < s->n_commit - 1 ? s->n_kv : s->n_commit - 1;
         mm_kv_cache_truncate(D.eng->kv, s->slot, keep);
         s->n_kv = keep;
+        s->m = 0;
+        if (mm_kv_cache_reserve(D.eng->kv, s->slot, s->n_commit + (int32_t)s->k - 1) != MM_OK) {
+            mm_log_warn("seq %llu: draft model KV full: no drafts", (unsigned long long)s->id);
+            s->k = 0;
+            continue;
+        }
+        D.batch[nok++] = s;
+        if (s->k > max_k)
+            max_k = s->k;
     }
-    if (mm_engine_prefill(D.eng, s->slot, s->tok + s->n_kv, s->n_commit - s->n_kv, NULL, D.last,
-                          err) != MM_OK) {
-        mm_kv_cache_truncate(D.eng->kv, s->slot, 0);
-        s->n_kv = 0;
-        return 0;
+    nb = nok;
+    // catch-up: the rows each seq's KV lacks (at least its last committed token)
+    int64_t n = 0;
+    mm_err rv = MM_OK;
+    for (int b = 0; b < nb && rv == MM_OK; b++) {
+        struct dseq *s = D.batch[b];
+        for (int32_t p = s->n_kv; p < s->n_commit && rv == MM_OK; p++) {
+            D.row_seq[n] = s->slot;
+            D.row_pos[n] = p;
+            D.row_id[n] = s->tok[p];
+            D.want[n] = p == s->n_commit - 1;
+            D.row_of[n] = s;
+            if (++n == D.max_rows) {
+                rv = batch_run(n, err);
+                n = 0;
+            }
+        }
     }
-    s->n_kv = s->n_commit;
-    uint32_t m = 0;
-    while (m < k) {
-        int32_t t = mm_engine_argmax(D.last, D.vocab);
-        out[m++] = t;
-        s->tok[s->n_commit + m - 1] = t;
-        s->n_have = s->n_commit + (int32_t)m;
-        if (m == k)
+    if (rv == MM_OK)
+        rv = batch_run(n, err);
+    if (rv != MM_OK) {
+        for (int b = 0; b < nb; b++) {
+            mm_kv_cache_truncate(D.eng->kv, D.batch[b]->slot, 0);
+            D.batch[b]->n_kv = 0;
+            D.batch[b]->m = 0;
+        }
+        return;
+    }
+    for (int b = 0; b < nb; b++)
+        D.batch[b]->n_kv = D.batch[b]->n_commit;
+    // draft positions 1 .. max_k - 1: each drafting seq feeds its latest draft
+    for (uint32_t m = 1; m < max_k; m++) {
+        n = 0;
+        for (int b = 0; b < nb; b++) {
+            struct dseq *s = D.batch[b];
+            if (s->k <= m || s->m != m)
+                continue;
+            D.row_seq[n] = s->slot;
+            D.row_pos[n] = s->n_commit + (int32_t)m - 1;
+            D.row_id[n] = s->out[m - 1];
+            D.want[n] = true;
+            D.row_of[n] = s;
+            n++; // nb <= max_seqs <= max_rows (drafter_start)
+        }
+        if (n == 0)
             break;
-        if (mm_engine_prefill(D.eng, s->slot, &t, 1, NULL, D.last, err) != MM_OK)
+        if (batch_run(n, err) != MM_OK)
             break;
-        s->n_kv++;
+        for (int b = 0; b < nb; b++)
+            if (D.batch[b]->m == m + 1)
+                D.batch[b]->n_kv++;
     }
-    return m;
+    for (int b = 0; b < nb; b++) {
+        struct dseq *s = D.batch[b];
+        mm_kv_cache_truncate(D.eng->kv, s->slot, s->n_kv);
+        memcpy(s->tok + s->n_commit, s->out, s->m * 4);
+        s->n_have = s->n_commit + (int32_t)s->m;
+    }
 }
 
 // on_draft answers a DraftRequest (docs/MESH.md, Drafting). Under D.mu.
@@ -143,6 +238,7 @@ static struct nng_msg *on_draft(const Mmctl__DraftRequest *rq, uint64_t seq) {
     for (size_t i = 0; i < rq->n_release; i++)
         seq_forget(seq_find(rq->release[i]));
     char err[MM_ERRLEN] = "";
+    int nb = 0;
     for (size_t i = 0; i < n; i++) {
         const Mmctl__DraftSeq *q = rq->seqs[i];
         Mmctl__DraftOut *o = &outs[i];
@@ -169,7 +265,7 @@ static struct nng_msg *on_draft(const Mmctl__DraftRequest *rq, uint64_t seq) {
         while (c < (int32_t)q->n_tokens && from + c < s->n_have && s->tok[from + c] == q->tokens[c])
             c++;
         if (s->n_kv > from + c)
-            s->n_kv = from + c; // draft_model truncates the cache to n_kv
+            s->n_kv = from + c; // draft_batch truncates the cache to n_kv
         memcpy(s->tok + from, q->tokens, q->n_tokens * 4);
         s->n_commit = s->n_have = from + (int32_t)q->n_tokens;
         uint32_t k = q->k < MAX_K ? q->k : MAX_K;
@@ -177,16 +273,28 @@ static struct nng_msg *on_draft(const Mmctl__DraftRequest *rq, uint64_t seq) {
             continue;
         if (D.ngram) {
             o->n_tokens = draft_ngram(s, k, o->tokens);
-        } else {
-            if (D.eng && s->n_kv < mm_kv_cache_seq_len(D.eng->kv, s->slot))
-                mm_kv_cache_truncate(D.eng->kv, s->slot, s->n_kv);
-            o->n_tokens = draft_model(s, k, o->tokens, err);
-            if (err[0]) {
-                mm_log_warn("seq %llu: draft model: %s", (unsigned long long)q->seq_id, err);
-                err[0] = 0;
-            }
+            D.n_proposed += o->n_tokens;
+        } else if (nb < s_max_seqs) { // (a seq named twice in a request drafts once)
+            bool dup = false;
+            for (int b = 0; b < nb; b++)
+                dup |= D.batch[b] == s;
+            if (dup)
+                continue;
+            s->k = k;
+            s->out = o->tokens;
+            D.batch[nb++] = s;
         }
-        D.n_proposed += o->n_tokens;
+    }
+    if (nb > 0) {
+        draft_batch(nb, err);
+        if (err[0])
+            mm_log_warn("draft model: %s", err);
+        for (size_t i = 0; i < n; i++)
+            for (int b = 0; b < nb; b++)
+                if (outs[i].tokens == D.batch[b]->out) {
+                    outs[i].n_tokens = D.batch[b]->m;
+                    D.n_proposed += D.batch[b]->m;
+                }
     }
     D.n_req++;
     Mmctl__DraftReply dr = MMCTL__DRAFT_REPLY__INIT;
@@ -248,11 +356,18 @@ mm_err drafter_start(mm_daemon *d, void *arg, char err[MM_ERRLEN]) {
                            "or 'ngram')", s_draft_model);
         mm_engine_params ep = {.device = c->device, .n_threads = (int)s_threads,
                                .max_ctx = (int)s_max_ctx, .max_seqs = (int)s_max_seqs,
-                               .max_rows = 256};
+                               .max_rows = s_max_seqs > 256 ? s_max_seqs : 256};
         MM_TRY(mm_engine_open(&D.eng, s_draft_model, &ep, err));
         D.vocab = mm_model_cfg(D.eng->model)->vocab;
         D.max_ctx = D.eng->max_ctx;
-        if (!(D.last = malloc((size_t)D.vocab * 4)))
+        D.max_rows = D.eng->max_rows;
+        D.row_seq = malloc((size_t)D.max_rows * 4);
+        D.row_pos = malloc((size_t)D.max_rows * 4);
+        D.row_id = malloc((size_t)D.max_rows * 4);
+        D.row_of = malloc((size_t)D.max_rows * sizeof(*D.row_of));
+        D.want = malloc((size_t)D.max_rows);
+        D.batch = malloc((size_t)s_max_seqs * sizeof(*D.batch));
+        if (!D.row_seq || !D.row_pos || !D.row_id || !D.row_of || !D.want || !D.batch)
             return MM_ENOMEM;
     }
     if (!(D.seqs = calloc((size_t)s_max_seqs, sizeof(*D.seqs))))
@@ -281,8 +396,15 @@ void drafter_stop(mm_daemon *d, void *arg) {
         free(D.seqs[i].tok);
     free(D.seqs);
     D.seqs = NULL;
-    free(D.last);
-    D.last = NULL;
+    free(D.row_seq);
+    free(D.row_pos);
+    free(D.row_id);
+    free(D.row_of);
+    free(D.want);
+    free(D.batch);
+    D.row_seq = D.row_pos = D.row_id = NULL;
+    D.row_of = D.batch = NULL;
+    D.want = NULL;
     mm_engine_close(D.eng);
     D.eng = NULL;
     pthread_mutex_unlock(&D.mu);

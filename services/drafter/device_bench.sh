@@ -1,0 +1,141 @@
+#!/usr/bin/env bash
+# Drafting benchmark (issue 10): decode tokens/s through the gateway (`moemesh bench`) with and
+# without speculative decoding, at concurrency 1 and 16, for each drafter kind:
+#   none   moemesh up without --drafter (no drafting)
+#   self   the target as its own draft model (every greedy draft accepted: the upper bound)
+#   small  a small dense draft model (--drafter DRAFT)
+#   ngram  prompt lookup (--drafter ngram)
+# Each case is its own `moemesh up` (router, gateway, 1 attention shard, OWNERS owners, drafter,
+# all on DEVICE); ROUNDS rounds of all cases, interleaved (a shared machine's load drifts: only
+# neighbouring runs compare). Greedy requests (--temperature 0, ignore_eos), random prompt ids.
+# After each case the router's drafting metrics (drafted/accepted, by position, widths chosen).
+#
+# On the GPU machine (prebuilt binaries; this script builds nothing). Prepare here:
+#     make CUDA=1 BUILD=build/cuda-x -j2 all && BUILD_CUDA=build/cuda-x bash kernels/cuda/device_run.sh --stage .dev/gpu-x
+# then there, from the repo root, carrying .dev/gpu-x:
+#     bash services/drafter/device_bench.sh .dev/gpu-x
+# which synthesizes the target (moemesh synth, Qwen3-30B-A3B shape, LAYERS=4 layers) and a small
+# dense drafter (Qwen3 dense, DRAFT_SHAPE=qwen3-0.6b, DRAFT_LAYERS=4, same vocabulary) into /tmp.
+# On this CPU VM:
+#     DEVICE=cpu TARGET=tests/fixtures/models/qwen3moe-tiny \
+#       DRAFT=tests/fixtures/models/qwen3-tiny-drafter bash services/drafter/device_bench.sh build/bin
+# Env: DEVICE (cuda:0), TARGET / DRAFT (model dirs; unset: synthesized), CASES ("none self small
+# ngram"), CONCS ("1 16"), ROUNDS (2), MAX_TOKENS (64), PROMPT (32), REQS1 (4) / REQS16 (32)
+# requests at concurrency 1 / 16, OWNERS (1), THREADS (1: CPU threads per daemon), VOCAB (256:
+# prompt ids drawn below it), OUT (/tmp/out: logs). Output: a table on stdout (and $OUT/table).
+set -u
+D=${1:-.dev/gpu-drafter}
+DEVICE=${DEVICE:-cuda:0}
+OUT=${OUT:-/tmp/out}
+CASES=${CASES:-none self small ngram}
+CONCS=${CONCS:-1 16}
+ROUNDS=${ROUNDS:-2}
+MAX_TOKENS=${MAX_TOKENS:-64}
+PROMPT=${PROMPT:-32}
+OWNERS=${OWNERS:-1}
+LAYERS=${LAYERS:-4}
+mkdir -p "$OUT" || exit 2
+[ -d "$D/lib" ] && export LD_LIBRARY_PATH="$PWD/$D/lib:${LD_LIBRARY_PATH:-}"
+for b in moemesh moemesh-router moemesh-gateway moemesh-attention moemesh-expert moemesh-drafter; do
+    [ -x "$D/$b" ] || { echo "missing $D/$b (stage the binaries first: device_run.sh --stage)"; exit 2; }
+done
+export MM_THREADS=${THREADS:-1} # every daemon's --threads
+RUN=$(mktemp -d /tmp/mm-dbench.XXXX)
+UP=
+cleanup() {
+    [ -n "$UP" ] && kill -TERM "$UP" 2>/dev/null && wait "$UP" 2>/dev/null
+    rm -rf "$RUN" ${SYNTH_DIRS:-}
+}
+trap cleanup EXIT
+date -u
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+
+SYNTH_DIRS=
+if [ -z "${TARGET:-}" ]; then
+    TARGET=/tmp/mm-dbench-target-L$LAYERS
+    SYNTH_DIRS="$SYNTH_DIRS $TARGET"
+    timeout 300 "$D/moemesh" synth --out "$TARGET" --shape qwen3-30b-a3b --layers "$LAYERS" ||
+        { echo "synth of the target failed"; exit 1; }
+fi
+if [ -z "${DRAFT:-}" ] && [[ " $CASES " == *" small "* ]]; then
+    DRAFT=/tmp/mm-dbench-draft
+    SYNTH_DIRS="$SYNTH_DIRS $DRAFT"
+    timeout 300 "$D/moemesh" synth --out "$DRAFT" --family qwen3 --shape "${DRAFT_SHAPE:-qwen3-0.6b}" \
+        --layers "${DRAFT_LAYERS:-4}" --seed 2 --tokenizer-from "$TARGET" ||
+        { echo "synth of the drafter failed"; exit 1; }
+fi
+VOCAB=${VOCAB:-256}
+
+port=$((20000 + ($$ * 7) % 20000))
+# mesh_up CASE: starts moemesh up for CASE and waits until the gateway's /health says ok.
+mesh_up() {
+    local dr=()
+    case $1 in
+    self) dr=(--drafter "$TARGET") ;;
+    small) dr=(--drafter "$DRAFT") ;;
+    ngram) dr=(--drafter ngram) ;;
+    esac
+    rm -rf "$RUN/up"
+    "$D/moemesh" up --model "$TARGET" --owners "$OWNERS" --device "$DEVICE" --run-dir "$RUN/up" \
+        --port $port "${dr[@]}" > "$OUT/up-$1.log" 2>&1 &
+    UP=$!
+    for _ in $(seq 1 1200); do
+        curl -s "http://127.0.0.1:$port/health" 2>/dev/null | grep -q '"status":"ok"' && return 0
+        kill -0 $UP 2>/dev/null || break
+        sleep 0.1
+    done
+    echo "mesh for $1 not ready: $(tail -3 "$OUT/up-$1.log")"
+    return 1
+}
+mesh_down() {
+    kill -TERM "$UP" 2>/dev/null
+    wait "$UP" 2>/dev/null
+    UP=
+}
+# bench C: prints tokens/s of `moemesh bench` at concurrency C (empty on failure)
+bench() {
+    local n=${REQS1:-4}
+    [ "$1" -ge 16 ] && n=${REQS16:-32}
+    [ "$1" -gt 1 ] && [ "$1" -lt 16 ] && n=$(( $1 * 2 ))
+    "$D/moemesh" bench --url "http://127.0.0.1:$port" --concurrency "$1" --requests "$n" \
+        --prompt-tokens "$PROMPT" --max-tokens "$MAX_TOKENS" --temperature 0 --vocab "$VOCAB" \
+        --quiet > "$OUT/bench.txt" 2>&1
+    sed -n 's/^output tokens\/s: *\([0-9.]*\).*/\1/p' "$OUT/bench.txt"
+}
+declare -A TPS ACC
+for r in $(seq 1 "$ROUNDS"); do
+    for c in $CASES; do
+        mesh_up "$c" || continue
+        bench 4 > /dev/null # warm-up: first touches of the weights, the width costs
+        for n in $CONCS; do
+            t=$(bench "$n")
+            TPS[$c,$n]="${TPS[$c,$n]:-}${TPS[$c,$n]:+ }${t:-fail}"
+            echo "round $r $c c=$n: ${t:-failed: $(tail -2 "$OUT/bench.txt")} tok/s"
+        done
+        m=$("$D/moemesh" status --router "ipc://$RUN/up/router.ctl" 2>/dev/null | grep -o "drafting:.*")
+        [ -n "$m" ] && echo "   $m"
+        ACC[$c]=$(echo "$m" | grep -o "rate=[0-9.]* mean_accepted=[0-9.]*")
+        mesh_down
+    done
+done
+{
+    echo
+    echo "device $DEVICE, target $TARGET, drafter ${DRAFT:-}, prompt $PROMPT, $MAX_TOKENS tokens per request, greedy"
+    printf "| %-6s |" drafter
+    for n in $CONCS; do printf " c=%-3s tok/s (rounds) | vs none |" "$n"; done
+    printf " acceptance (last round) |\n|---|"
+    for n in $CONCS; do printf -- "---|---|"; done
+    printf -- "---|\n"
+    for c in $CASES; do
+        printf "| %-6s |" "$c"
+        for n in $CONCS; do
+            v=${TPS[$c,$n]:-}
+            base=${TPS[none,$n]:-}
+            ratio=$(awk -v a="$v" -v b="$base" 'BEGIN { n = split(a, x, " "); m = split(b, y, " ");
+                s = 0; k = 0; for (i = 1; i <= n && i <= m; i++) if (x[i] > 0 && y[i] > 0) { s += x[i] / y[i]; k++ }
+                if (k) printf "%.2fx", s / k; else printf "-" }')
+            printf " %s | %s |" "${v:--}" "$ratio"
+        done
+        printf " %s |\n" "${ACC[$c]:--}"
+    done
+} | tee "$OUT/table"

@@ -72,7 +72,9 @@ ifeq ($(CUDA),1)
 LIB_OBJS     += $(patsubst %.cu,$(BUILD)/obj/%.cu.o,$(GPU_SRCS))
 CFLAGS       += -DMM_HAVE_CUDA -Ikernels/cuda
 # -u pulls the backend out of the archive: kernels.c only references it weakly.
-LDFLAGS      += -Wl,--as-needed -Wl,-u,mm_cuda_backend_open -L$(CUDA_HOME)/lib64
+# -u mm_gpu_ipc_mem_export: the same for kernels/cuda/ipc.cu (cudaipc.c's references are weak).
+LDFLAGS      += -Wl,--as-needed -Wl,-u,mm_cuda_backend_open -Wl,-u,mm_gpu_ipc_mem_export \
+                -L$(CUDA_HOME)/lib64
 LDLIBS       += -lcudart_static -lrt -lstdc++
 endif
 DAEMONS     := gateway router attention expert drafter

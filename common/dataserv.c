@@ -17,6 +17,8 @@ struct mm_dataserv {
     atomic_bool stop;
     size_t cap;
     void *buf; // (cap) frame payloads
+    void *d_buf; // (d_cap) device frames' payloads (the role's device buffer), or NULL
+    size_t d_cap;
     mm_dataserv_fn fn;
     mm_dataserv_tick tick;
     int tick_ms;
@@ -59,7 +61,14 @@ static void *serve(void *arg) {
         mm_log_info("data %s: router connected", s->url);
         while (!atomic_load(&s->stop)) {
             mm_wire_hdr h;
-            rv = mm_conn_recv(c, &h, s->buf, s->cap, mm_deadline_in_ms(100));
+            bool on_dev = false;
+            if (s->d_buf != NULL && mm_conn_dev(c)) {
+                struct iovec dv = {.iov_base = s->d_buf, .iov_len = s->d_cap};
+                rv = mm_conn_recv_dev(c, &h, s->buf, s->cap, &dv, 1, &on_dev,
+                                      mm_deadline_in_ms(100));
+            } else {
+                rv = mm_conn_recv(c, &h, s->buf, s->cap, mm_deadline_in_ms(100));
+            }
             if (s->tick && mm_now_ms() >= next_tick) {
                 s->tick(s->arg);
                 next_tick = mm_now_ms() + (uint64_t)s->tick_ms;
@@ -69,7 +78,8 @@ static void *serve(void *arg) {
             if (rv == MM_EFULL) {
                 char msg[128];
                 snprintf(msg, sizeof(msg), "frame of %llu bytes is over this daemon's limit of "
-                         "%zu (--max-batch-tokens)", (unsigned long long)h.payload_bytes, s->cap);
+                         "%zu (--max-batch-tokens)", (unsigned long long)h.payload_bytes,
+                         on_dev ? s->d_cap : s->cap);
                 mm_log_warn("data %s: %s", s->url, msg);
                 if (mm_dataserv_reply_error(c, &h, MM_EFULL, msg) == MM_OK)
                     continue;
@@ -80,7 +90,7 @@ static void *serve(void *arg) {
                     mm_log_warn("data %s: conn ended: %s", s->url, mm_strerror(rv));
                 break;
             }
-            if (s->fn(s->arg, c, &h, s->buf) != MM_OK)
+            if (s->fn(s->arg, c, &h, on_dev ? s->d_buf : s->buf) != MM_OK)
                 break;
         }
         mm_conn_close(c);
@@ -92,11 +102,19 @@ static void *serve(void *arg) {
 mm_err mm_dataserv_start(mm_dataserv **out, const char *url, size_t payload_cap,
                          mm_dataserv_fn fn, mm_dataserv_tick tick, int tick_ms, void *arg,
                          char err[MM_ERRLEN]) {
+    return mm_dataserv_start_dev(out, url, payload_cap, NULL, 0, fn, tick, tick_ms, arg, err);
+}
+
+mm_err mm_dataserv_start_dev(mm_dataserv **out, const char *url, size_t payload_cap, void *d_buf,
+                             size_t d_cap, mm_dataserv_fn fn, mm_dataserv_tick tick, int tick_ms,
+                             void *arg, char err[MM_ERRLEN]) {
     *out = NULL;
     mm_dataserv *s = calloc(1, sizeof(*s));
     if (!s)
         return MM_ENOMEM;
     s->cap = payload_cap;
+    s->d_buf = d_buf;
+    s->d_cap = d_buf ? d_cap : 0;
     s->buf = aligned_alloc(64, (payload_cap + 63) / 64 * 64);
     s->fn = fn;
     s->tick = tick;

@@ -491,6 +491,18 @@ static void shm_rx_disarm(void *ctx) {
         check_sock(c, p.revents);
 }
 
+// ---- for transports built on shm (cudaipc.c) ------------------------------------------------
+
+// The second half of the control page is free for a transport layered on a shm conn: both
+// processes map it (zeroed by the dialer's ftruncate). *side: 0 dialer, 1 listener.
+void *mm__shm_conn_extra(void *ctx, int *side, size_t *n_bytes) {
+    struct shm_conn *c = ctx;
+    static_assert(sizeof(struct seg) <= SEG_CTL_BYTES / 2, "shm control page: extra half");
+    *side = c->side;
+    *n_bytes = SEG_CTL_BYTES / 2;
+    return (uint8_t *)c->seg + SEG_CTL_BYTES / 2;
+}
+
 // ---- lifecycle ------------------------------------------------------------------------------
 
 static mm_err shm_status(void *ctx) {

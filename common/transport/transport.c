@@ -22,7 +22,7 @@
 #include "mm/transport.h"
 #include "transport_int.h"
 
-#define MM_TRANSPORT_LIST(X) X(shm) X(tcp) X(rdma)
+#define MM_TRANSPORT_LIST(X) X(shm) X(tcp) X(rdma) X(cudaipc)
 
 #define X(name) extern const struct mm_transport_ops mm__transport_##name;
 MM_TRANSPORT_LIST(X)
@@ -364,6 +364,72 @@ mm_err mm_conn_send(mm_conn *c, const mm_wire_hdr *hdr, const void *payload,
         return MM_EINVAL;
     struct iovec iov = {.iov_base = (void *)payload, .iov_len = (size_t)hdr->payload_bytes};
     return mm_conn_sendv(c, hdr, &iov, hdr->payload_bytes ? 1 : 0, deadline_ns);
+}
+
+bool mm_conn_dev(const mm_conn *c) {
+    return c != NULL && c->ops->dev_ok != NULL && c->ops->dev_ok(c->ctx);
+}
+
+mm_err mm_conn_sendv_dev(mm_conn *c, const mm_wire_hdr *hdr, const struct iovec *d_iov,
+                         int n_iov, uint64_t deadline_ns) {
+    if (c == NULL || hdr == NULL || n_iov < 0 || (n_iov > 0 && d_iov == NULL))
+        return MM_EINVAL;
+    if (!mm_conn_dev(c) || c->ops->sendv_dev == NULL)
+        return MM_EUNSUPP;
+    mm_err g = (mm_err)atomic_load(&c->gerr);
+    if (g != MM_OK)
+        return g;
+    if (hdr->kind < MM_WIRE_ROWS || hdr->kind > MM_WIRE_KIND_USER_MAX)
+        return MM_EINVAL;
+    uint64_t want = 0, have = 0;
+    if (mm_wire_payload_bytes((enum mm_wire_format)hdr->format, hdr->n_rows, hdr->row_dim,
+                              &want) != MM_OK ||
+        want != hdr->payload_bytes)
+        return MM_EINVAL;
+    for (int i = 0; i < n_iov; i++) {
+        if (d_iov[i].iov_len > 0 && d_iov[i].iov_base == NULL)
+            return MM_EINVAL;
+        have += d_iov[i].iov_len;
+    }
+    if (have != want)
+        return MM_EINVAL;
+    mm_wire_hdr h = *hdr;
+    mm__wire_hdr_seal(&h, c->tx_seq);
+    mm_err rv = c->ops->sendv_dev(c->ctx, &h, d_iov, n_iov, deadline_ns);
+    if (rv == MM_OK)
+        c->tx_seq++;
+    return rv;
+}
+
+// The generic half of every receive: the provider's result, then the conn_seq check.
+static mm_err recv_done(mm_conn *c, const mm_wire_hdr *hdr, mm_err rv) {
+    if (rv != MM_OK && rv != MM_EFULL)
+        return rv;
+    if (hdr->conn_seq != c->rx_seq) {
+        mm_log_warn("transport %s: frame conn_seq %llu, expected %llu: frames lost or "
+                    "duplicated", c->url, (unsigned long long)hdr->conn_seq,
+                    (unsigned long long)c->rx_seq);
+        conn_break(c, MM_EPROTO);
+        return MM_EPROTO;
+    }
+    c->rx_seq++;
+    return rv;
+}
+
+mm_err mm_conn_recv_dev(mm_conn *c, mm_wire_hdr *hdr, void *buf, size_t cap,
+                        const struct iovec *d_iov, int n_iov, bool *on_dev,
+                        uint64_t deadline_ns) {
+    if (c == NULL || hdr == NULL || on_dev == NULL || (cap > 0 && buf == NULL) || n_iov < 0 ||
+        (n_iov > 0 && d_iov == NULL))
+        return MM_EINVAL;
+    *on_dev = false;
+    mm_err g = (mm_err)atomic_load(&c->gerr);
+    if (g != MM_OK)
+        return g;
+    if (c->ops->recv_dev == NULL)
+        return recv_done(c, hdr, c->ops->recv(c->ctx, hdr, buf, cap, deadline_ns));
+    return recv_done(c, hdr,
+                     c->ops->recv_dev(c->ctx, hdr, buf, cap, d_iov, n_iov, on_dev, deadline_ns));
 }
 
 mm_err mm_conn_recv(mm_conn *c, mm_wire_hdr *hdr, void *buf, size_t cap, uint64_t deadline_ns) {

@@ -8,6 +8,10 @@
 
 #include "mm/transport.h"
 
+// shm.c, for transports layered on a shm conn (cudaipc.c): a spare area of the shared control
+// page (both processes see it; zero at the handshake) and which side this conn is.
+void *mm__shm_conn_extra(void *shm_ctx, int *side, size_t *n_bytes);
+
 // Busy-wait budget before a waiter sleeps, in ns (env MM_TRANSPORT_SPIN_US, default 50 us).
 uint64_t mm__transport_spin_ns(void);
 

@@ -331,3 +331,13 @@ extern "C" mm_err mm_cuda_backend_open(mm_backend *be, const mm_backend_params *
     be->n_threads = 1;
     return MM_OK;
 }
+
+// The backend's stream and device, for the cudaipc:// transport (mm_gpu.h).
+extern "C" mm_err mm_gpu_backend_stream(void *backend_ctx, void **stream, int *dev) {
+    CTX(backend_ctx);
+    if (g == NULL || stream == NULL || dev == NULL)
+        return MM_EINVAL;
+    *stream = (void *)g->stream;
+    *dev = g->dev;
+    return MM_OK;
+}

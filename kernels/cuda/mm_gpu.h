@@ -96,6 +96,36 @@ mm_err mm_gpu_fill(void *stream, float *d_x, float v, int64_t n);
 mm_err mm_gpu_argmax(void *stream, const float *d_logits, int64_t ls, int64_t n_rows, int vocab,
                      int32_t *d_ids);
 
+// ---- inter-process memory and events (kernels/cuda/ipc.cu; the cudaipc:// transport) ----------
+// Handles are opaque MM_GPU_IPC_HANDLE_BYTES blobs to ship to another process of the same host.
+#define MM_GPU_IPC_HANDLE_BYTES 64
+// mm_gpu_ipc_mem_export writes the handle of d_ptr (the base of a mm_gpu_alloc buffer).
+mm_err mm_gpu_ipc_mem_export(const void *d_ptr, void *handle);
+// mm_gpu_ipc_mem_open maps another process's exported buffer; *d_out is released with
+// mm_gpu_ipc_mem_close (accepts NULL). Peer access is enabled lazily for another device.
+mm_err mm_gpu_ipc_mem_open(const void *handle, void **d_out);
+void mm_gpu_ipc_mem_close(void *d_ptr);
+// mm_gpu_ipc_event_new returns an owned interprocess event (mm_gpu_event_free) and its handle;
+// mm_gpu_ipc_event_open opens another process's (also freed with mm_gpu_event_free).
+mm_err mm_gpu_ipc_event_new(void **ev, void *handle);
+mm_err mm_gpu_ipc_event_open(const void *handle, void **ev);
+void mm_gpu_event_free(void *ev);
+// record ev on stream; make stream wait for ev's latest record (enqueue only, never block).
+mm_err mm_gpu_event_record(void *ev, void *stream);
+mm_err mm_gpu_stream_wait_event(void *stream, void *ev);
+mm_err mm_gpu_event_sync(void *ev); // blocks until ev's latest record has run
+// mm_gpu_memcpy_any: stream-ordered copy between any device pointers (also IPC-mapped ones of
+// another device: a peer copy).
+mm_err mm_gpu_memcpy_any(void *stream, void *d_dst, const void *d_src, size_t n_bytes);
+// The PCI bus id of device dev (identifies a GPU across processes), and the calling thread's
+// current device.
+mm_err mm_gpu_device_pci_id(int dev, char id[32]);
+mm_err mm_gpu_current_device(int *dev);
+// mm_gpu_backend_stream: the stream and device of a GPU backend context (mm_backend.ctx of a
+// "cuda:N"/"hip:N" backend; kernels/cuda/backend.cu), so that a transport can order its copies
+// with the backend's ops.
+mm_err mm_gpu_backend_stream(void *backend_ctx, void **stream, int *dev);
+
 #ifdef __cplusplus
 }
 #endif

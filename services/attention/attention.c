@@ -175,13 +175,15 @@ static mm_err on_frame(void *arg, mm_conn *c, const mm_wire_hdr *h, void *payloa
         return mm_dataserv_reply_error(c, h, MM_EPROTO, msg);
     }
     mm_model_rows rows = {.n_rows = A.n_rows, .seq = A.row_seq, .pos = A.row_pos};
-    // device backends: the rows go through the backend copy d_h and come back in place
+    // device backends: the rows go through the backend copy d_h and come back in place; a
+    // device frame (cudaipc://) already landed in d_h and its reply leaves from there
+    const bool on_dev = A.d_h != NULL && payload == (void *)A.d_h;
     const size_t nb = (size_t)A.n_rows * (size_t)A.d_model * 4;
-    mm_err rv = A.d_h ? A.be->ops->set(A.be->ctx, A.d_h, payload, nb) : MM_OK;
+    mm_err rv = A.d_h && !on_dev ? A.be->ops->set(A.be->ctx, A.d_h, payload, nb) : MM_OK;
     if (rv == MM_OK)
         rv = mm_model_attn_forward(A.model, A.scratch, (int)h->layer, A.kv, &rows,
                                    A.d_h ? A.d_h : (float *)payload);
-    if (rv == MM_OK && A.d_h)
+    if (rv == MM_OK && A.d_h && !on_dev)
         rv = A.be->ops->get(A.be->ctx, payload, A.d_h, nb);
     if (rv != MM_OK) {
         A.step_err = rv;
@@ -194,6 +196,10 @@ static mm_err on_frame(void *arg, mm_conn *c, const mm_wire_hdr *h, void *payloa
     MM_TRY(mm_wire_hdr_init(&r, MM_WIRE_REPLY, MM_WIRE_F32, h->step_id, h->layer, h->n_rows,
                             h->row_dim));
     r.row_base = h->row_base;
+    if (on_dev) {
+        struct iovec dv = {.iov_base = A.d_h, .iov_len = nb};
+        return mm_conn_sendv_dev(c, &r, &dv, 1, mm_deadline_in_ms(2000));
+    }
     return mm_conn_send(c, &r, payload, mm_deadline_in_ms(2000));
 }
 
@@ -232,15 +238,23 @@ mm_err attention_start(mm_daemon *d, void *arg, char err[MM_ERRLEN]) {
     A.row_pos = calloc((size_t)s_max_tokens, sizeof(int32_t));
     if (!A.map || !A.cur || !A.row_seq || !A.row_pos)
         return MM_ENOMEM;
-    if (!A.be->ops->host_memory)
-        MM_TRY(A.be->ops->buffer_alloc(A.be->ctx, (size_t)s_max_tokens * (size_t)A.d_model * 4,
-                                       (void **)&A.d_h));
+    const size_t d_cap = (size_t)s_max_tokens * (size_t)A.d_model * 4;
+    bool dev_frames = false;
+    if (!A.be->ops->host_memory) {
+        MM_TRY(A.be->ops->buffer_alloc(A.be->ctx, d_cap, (void **)&A.d_h));
+        // rows between GPU daemons in device memory where the data plane can (cudaipc://)
+        char gerr[MM_ERRLEN] = "";
+        dev_frames = mm_transport_gpu_use_backend(A.be->ctx, gerr) == MM_OK;
+        if (!dev_frames)
+            mm_log_info("data plane: host frames only (%s)", gerr);
+    }
     for (int i = 0; i < s_max_seqs; i++)
         A.map[i].slot = -1;
     size_t cap = (size_t)s_max_tokens * (size_t)A.d_model * 4;
     if (cap < 12 + (size_t)s_max_tokens * 32 + 4096) // CTRL frames with releases, truncations
         cap = 12 + (size_t)s_max_tokens * 32 + 4096;
-    MM_TRY(mm_dataserv_start(&A.ds, c->data, cap, on_frame, NULL, 1000, NULL, err));
+    MM_TRY(mm_dataserv_start_dev(&A.ds, c->data, cap, dev_frames ? A.d_h : NULL, d_cap, on_frame,
+                                 NULL, 1000, NULL, err));
     snprintf(detail, sizeof(detail), "shard %lld of %lld, kv %d blocks", c->instance, s_shards,
              mm_kv_cache_blocks_total(A.kv));
     mm_log_info("serving attention %s on %s", detail, c->data);

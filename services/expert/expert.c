@@ -36,6 +36,8 @@ static struct owner {
     bool dirty;
     float *out;              // (max rows, d_model) outputs
     float *d_x, *d_out;      // backend copies of the rows and outputs (device backends)
+    int32_t *offs;           // (n_experts + 1) row offsets of one grouped call
+    bool dev_frames;         // the data plane may deliver rows in device memory (cudaipc://)
     uint32_t seg_e[MAX_SEG], seg_n[MAX_SEG];
     uint32_t n_seg, seg_rows;
     uint64_t seg_step;
@@ -118,44 +120,57 @@ static mm_err on_frame(void *arg, mm_conn *c, const mm_wire_hdr *h, void *payloa
     }
     const float *x = payload;
     float *y = O.out;
-    // device backends: all rows in one copy, outputs back in one copy after the experts
+    // device backends: the rows are already in O.d_x when they came as a device frame
+    // (cudaipc://); otherwise all rows in one copy, outputs back in one copy after the experts
+    const bool on_dev = O.d_x != NULL && payload == (void *)O.d_x;
     const size_t nb = (size_t)h->n_rows * (size_t)O.d_model * 4;
     if (O.d_x) {
-        mm_err rv = O.be->ops->set(O.be->ctx, O.d_x, payload, nb);
+        mm_err rv = on_dev ? MM_OK : O.be->ops->set(O.be->ctx, O.d_x, payload, nb);
         if (rv != MM_OK)
             return mm_dataserv_reply_error(c, h, rv, "copy of the rows to the device failed");
         x = O.d_x, y = O.d_out;
     }
-    size_t off = 0;
-    for (uint32_t i = 0; i < O.n_seg; i++) {
-        uint32_t n = O.seg_n[i];
-        for (uint32_t done = 0; done < n;) {
-            uint32_t chunk = n - done;
-            if (chunk > (uint32_t)O.max_rows)
-                chunk = (uint32_t)O.max_rows;
-            mm_err rv = mm_model_expert_forward(O.model, O.scratch, L, (int)O.seg_e[i],
-                                                x + (off + done) * (size_t)O.d_model, chunk,
-                                                y + (off + done) * (size_t)O.d_model);
-            if (rv != MM_OK) {
-                snprintf(msg, sizeof(msg), "expert %u of layer %d failed: %s", O.seg_e[i], L,
-                         mm_strerror(rv));
-                return mm_dataserv_reply_error(c, h, rv, msg);
-            }
-            done += chunk;
+    // All of this frame's experts in grouped calls (mm_model_experts_forward: 3 products per
+    // call on a backend with moe_matmul), at most max_rows rows per call; each row's bits are
+    // mm_model_expert_forward's. Segments are in ascending expert order, so a chunk of rows
+    // [c0, c1) maps to offsets by clamping each expert's first row into the chunk.
+    const int64_t R = (int64_t)O.seg_rows;
+    for (int64_t c0 = 0; c0 < R; c0 += O.max_rows) {
+        const int64_t c1 = c0 + O.max_rows < R ? c0 + O.max_rows : R;
+        int64_t start = 0;
+        uint32_t si = 0;
+        for (int e = 0; e <= O.n_experts; e++) {
+            while (si < O.n_seg && (int)O.seg_e[si] < e)
+                start += O.seg_n[si++];
+            int64_t at = start < c0 ? c0 : start > c1 ? c1 : start;
+            O.offs[e] = (int32_t)(at - c0);
         }
-        O.tokens[(size_t)L * (size_t)O.n_experts + O.seg_e[i]] += n;
-        off += n;
+        O.offs[O.n_experts] = (int32_t)(c1 - c0);
+        mm_err rv = mm_model_experts_forward(O.model, O.scratch, L, O.offs,
+                                             x + c0 * (int64_t)O.d_model, c1 - c0,
+                                             y + c0 * (int64_t)O.d_model);
+        if (rv != MM_OK) {
+            snprintf(msg, sizeof(msg), "experts of layer %d (rows %lld..%lld) failed: %s", L,
+                     (long long)c0, (long long)c1, mm_strerror(rv));
+            return mm_dataserv_reply_error(c, h, rv, msg);
+        }
     }
+    for (uint32_t i = 0; i < O.n_seg; i++)
+        O.tokens[(size_t)L * (size_t)O.n_experts + O.seg_e[i]] += O.seg_n[i];
     O.dirty = true;
+    mm_wire_hdr r;
+    MM_TRY(mm_wire_hdr_init(&r, MM_WIRE_REPLY, MM_WIRE_F32, h->step_id, h->layer, h->n_rows,
+                            h->row_dim));
+    r.row_base = h->row_base;
+    if (on_dev) { // outputs straight from the device into the router's ring
+        struct iovec dv = {.iov_base = O.d_out, .iov_len = nb};
+        return mm_conn_sendv_dev(c, &r, &dv, 1, mm_deadline_in_ms(2000));
+    }
     if (O.d_x) {
         mm_err rv = O.be->ops->get(O.be->ctx, O.out, O.d_out, nb);
         if (rv != MM_OK)
             return mm_dataserv_reply_error(c, h, rv, "copy of the outputs from the device failed");
     }
-    mm_wire_hdr r;
-    MM_TRY(mm_wire_hdr_init(&r, MM_WIRE_REPLY, MM_WIRE_F32, h->step_id, h->layer, h->n_rows,
-                            h->row_dim));
-    r.row_base = h->row_base;
     return mm_conn_send(c, &r, O.out, mm_deadline_in_ms(2000));
 }
 
@@ -197,18 +212,23 @@ mm_err expert_start(mm_daemon *d, void *arg, char err[MM_ERRLEN]) {
     int64_t rows = s_max_tokens * (cfg.top_k > 0 ? cfg.top_k : 1);
     O.out = malloc((size_t)rows * (size_t)O.d_model * 4);
     O.tokens = calloc((size_t)O.n_layers * (size_t)O.n_experts, sizeof(uint64_t));
-    if (!O.out || !O.tokens)
+    O.offs = calloc((size_t)O.n_experts + 1, sizeof(int32_t));
+    if (!O.out || !O.tokens || !O.offs)
         return MM_ENOMEM;
+    size_t cap = (size_t)rows * (size_t)O.d_model * 4;
     if (!O.be->ops->host_memory) {
-        MM_TRY(O.be->ops->buffer_alloc(O.be->ctx, (size_t)rows * (size_t)O.d_model * 4,
-                                       (void **)&O.d_x));
-        MM_TRY(O.be->ops->buffer_alloc(O.be->ctx, (size_t)rows * (size_t)O.d_model * 4,
-                                       (void **)&O.d_out));
+        MM_TRY(O.be->ops->buffer_alloc(O.be->ctx, cap, (void **)&O.d_x));
+        MM_TRY(O.be->ops->buffer_alloc(O.be->ctx, cap, (void **)&O.d_out));
+        // rows between GPU daemons in device memory where the data plane can (cudaipc://)
+        char gerr[MM_ERRLEN] = "";
+        O.dev_frames = mm_transport_gpu_use_backend(O.be->ctx, gerr) == MM_OK;
+        if (!O.dev_frames)
+            mm_log_info("data plane: host frames only (%s)", gerr);
     }
     O.dirty = true; // write a first (all-zero) CSV soon after start
-    size_t cap = (size_t)rows * (size_t)O.d_model * 4;
-    MM_TRY(mm_dataserv_start(&O.ds, c->data, cap, on_frame, write_load,
-                             s_load_ms > 0 ? (int)s_load_ms : 2000, NULL, err));
+    MM_TRY(mm_dataserv_start_dev(&O.ds, c->data, cap, O.dev_frames ? O.d_x : NULL, cap,
+                                 on_frame, write_load, s_load_ms > 0 ? (int)s_load_ms : 2000,
+                                 NULL, err));
     mm_log_info("holding %s; serving on %s", detail, c->data);
     mm_daemon_set_health(d, MMCTL__HEALTH__HEALTH_READY, detail);
     return MM_OK;
@@ -222,6 +242,7 @@ void expert_stop(mm_daemon *d, void *arg) {
         write_load(NULL);
     free(O.out);
     free(O.tokens);
+    free(O.offs);
     if (O.be) {
         O.be->ops->buffer_free(O.be->ctx, O.d_x);
         O.be->ops->buffer_free(O.be->ctx, O.d_out);

@@ -4,6 +4,7 @@
 
 #include <nng/nng.h>
 #include <pthread.h>
+#include <sys/uio.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -32,8 +33,12 @@ struct peer {
     uint64_t retry_ns; // after a failed dial: no new dial before this (mm_now_ns)
     bool live;         // usable this step
     char why[MSG_LEN]; // why not live
+    bool gpu;          // conn carries device frames (cudaipc:// between GPU daemons)
     // per exchange
     int64_t off, n;    // region of the staging buffers (rows)
+    struct iovec *iov; // gpu: device segments the rows leave from and the reply lands in
+    int n_iov;
+    struct iovec one;  // storage when one segment does
     bool pending;
     bool failed;       // lost during this exchange (tolerant gathers)
 };
@@ -70,6 +75,12 @@ struct mm_step_engine {
     // host arrays above stay the exchange buffers, copied in and out around each stage group
     bool dev;
     float *d_h, *d_x, *d_sh, *d_eo, *d_last, *d_hn, *d_logits;
+    // device data plane (peers with gpu links): owner rows gathered on the device (d_xs, by
+    // copy_rows with d_xsrc), replies landing in d_ys and scattered into d_eo by d_slot
+    float *d_xs, *d_ys;
+    int32_t *d_xsrc, *d_slot; // (max_tokens * K) device copies of xsrc / slot_of
+    int32_t *xsrc;            // (max_tokens * K) source row of each staged slot
+    struct iovec *iov;        // (max_seqs + shards) shards' device segments
     // per-seq state
     int32_t *seq_shard, *seq_row; // (max_seqs): shard, first active row (-1: inactive)
     bool *seq_failed;
@@ -102,6 +113,7 @@ static void peer_drop(struct peer *p) {
     mm_conn_close(p->conn);
     p->conn = NULL;
     p->pending = false;
+    p->gpu = false;
 }
 
 // peer_ensure: is the peer up in the registry, with a healthy link (dialed now if needed)?
@@ -145,7 +157,9 @@ static bool peer_ensure(mm_step_engine *e, struct peer *p) {
             return false;
         }
         p->inc = inc;
-        mm_log_info("linked to %s at %s", peer_name(p, name, sizeof(name)), url);
+        p->gpu = e->dev && mm_conn_dev(p->conn);
+        mm_log_info("linked to %s at %s%s", peer_name(p, name, sizeof(name)), url,
+                    p->gpu ? " (rows device to device)" : "");
     }
     p->live = true;
     return true;
@@ -220,7 +234,17 @@ mm_err mm_step_engine_open(mm_step_engine **out, const mm_step_conf *c, mm_regis
         MM_TRY_GOTO(rv, alloc(ctx, (size_t)LR * D * 4, (void **)&e->d_last), fail);
         MM_TRY_GOTO(rv, alloc(ctx, (size_t)LR * D * 4, (void **)&e->d_hn), fail);
         MM_TRY_GOTO(rv, alloc(ctx, (size_t)LR * (size_t)e->V * 4, (void **)&e->d_logits), fail);
+        MM_TRY_GOTO(rv, alloc(ctx, (size_t)(T * KK) * D * 4, (void **)&e->d_xs), fail);
+        MM_TRY_GOTO(rv, alloc(ctx, (size_t)(T * KK) * D * 4, (void **)&e->d_ys), fail);
+        MM_TRY_GOTO(rv, alloc(ctx, (size_t)(T * KK) * 4, (void **)&e->d_xsrc), fail);
+        MM_TRY_GOTO(rv, alloc(ctx, (size_t)(T * KK) * 4, (void **)&e->d_slot), fail);
+        // rows to and from GPU daemons device to device where the link allows (cudaipc://)
+        char gerr[MM_ERRLEN] = "";
+        if (mm_transport_gpu_use_backend(e->be->ctx, gerr) != MM_OK)
+            mm_log_info("data plane: host frames only (%s)", gerr);
     }
+    e->xsrc = calloc((size_t)(T * KK), 4);
+    e->iov = calloc((size_t)S + (size_t)c->shards, sizeof(struct iovec));
     e->ctrl = calloc(8 + (size_t)S * 16 + MAX_RELEASE * 8 + 8 * (size_t)(e->E + 1) +
                      mm_draft_ctrl_max(e->dr), 1);
     e->last = calloc((size_t)LR * D, 4);
@@ -248,7 +272,8 @@ mm_err mm_step_engine_open(mm_step_engine **out, const mm_step_conf *c, mm_regis
         !e->e_off || !e->e_owner || !e->ctrl || !e->last || !e->hn || !e->logits ||
         !e->seq_shard || !e->seq_row || !e->seq_failed || !e->seq_msg || !e->seq_code ||
         !e->res || !e->res_p || !e->top || !e->top_p || !e->smp || !e->seq_n || !e->active ||
-        !e->n_draft || !e->n_acc || !e->draft || !e->draft_lp || !e->draft_tok) {
+        !e->n_draft || !e->n_acc || !e->draft || !e->draft_lp || !e->draft_tok || !e->xsrc ||
+        !e->iov) {
         rv = MM_ENOMEM;
         goto fail;
     }
@@ -277,7 +302,7 @@ void mm_step_engine_close(mm_step_engine *e) {
     free(e->seq_failed); free(e->seq_msg); free(e->seq_code); free(e->res); free(e->res_p);
     free(e->top); free(e->top_p); free(e->smp);
     free(e->seq_n); free(e->active); free(e->n_draft); free(e->n_acc); free(e->draft);
-    free(e->draft_lp); free(e->draft_tok);
+    free(e->draft_lp); free(e->draft_tok); free(e->xsrc); free(e->iov);
     mm_draft_close(e->dr);
     mm_sampler_free(e->sampler);
     mm_pen_table_free(e->pen);
@@ -285,7 +310,8 @@ void mm_step_engine_close(mm_step_engine *e) {
     mm_model_scratch_free(e->scratch);
     mm_model_close(e->model);
     if (e->be) {
-        float *dv[] = {e->d_h, e->d_x, e->d_sh, e->d_eo, e->d_last, e->d_hn, e->d_logits};
+        float *dv[] = {e->d_h, e->d_x, e->d_sh, e->d_eo, e->d_last, e->d_hn, e->d_logits,
+                       e->d_xs, e->d_ys, (float *)e->d_xsrc, (float *)e->d_slot};
         for (size_t i = 0; i < sizeof(dv) / sizeof(dv[0]); i++)
             e->be->ops->buffer_free(e->be->ctx, dv[i]);
     }
@@ -374,7 +400,12 @@ static mm_err gather(mm_step_engine *e, struct peer *ps, int n, uint64_t step, u
         struct peer *p = who[r];
         mm_wire_hdr h;
         size_t cap = (size_t)p->n * (size_t)e->D * 4;
-        rv = mm_conn_recv(p->conn, &h, buf + p->off * e->D, cap > 256 ? cap : 256, deadline);
+        bool on_dev = false; // gpu links: the reply's rows land in p->iov on the device
+        if (p->gpu)
+            rv = mm_conn_recv_dev(p->conn, &h, buf + p->off * e->D, cap > 256 ? cap : 256, p->iov,
+                                  p->n_iov, &on_dev, deadline);
+        else
+            rv = mm_conn_recv(p->conn, &h, buf + p->off * e->D, cap > 256 ? cap : 256, deadline);
         if (rv != MM_OK) {
             if (rv == MM_EPEERDOWN)
                 p->dead_inc = p->inc;
@@ -406,6 +437,13 @@ static mm_err gather(mm_step_engine *e, struct peer *ps, int n, uint64_t step, u
             mm_log_warn("%s", msg);
             return MM_EPROTO;
         }
+        if (p->gpu && !on_dev) { // answered through host memory: put the rows where they belong
+            const uint8_t *src = (const uint8_t *)(buf + p->off * e->D);
+            for (int k = 0; k < p->n_iov; k++) {
+                MM_TRY(e->be->ops->set(e->be->ctx, p->iov[k].iov_base, src, p->iov[k].iov_len));
+                src += p->iov[k].iov_len;
+            }
+        }
         p->pending = false;
         set[r] = set[np - 1];
         who[r] = who[np - 1];
@@ -427,6 +465,24 @@ static mm_err send_frame(struct peer *p, enum mm_wire_kind kind, enum mm_wire_fo
     if (rv != MM_OK)
         snprintf(msg, MSG_LEN, "%s: sending layer %d: %s", peer_name(p, name, sizeof(name)),
                  layer == MM_WIRE_NO_LAYER ? -1 : (int)layer,
+                 rv == MM_EPEERDOWN ? "connection lost (process died?)" : mm_strerror(rv));
+    return rv;
+}
+
+static mm_err send_frame_dev(struct peer *p, enum mm_wire_kind kind, uint64_t step,
+                             uint32_t layer, uint32_t n_rows, uint32_t dim, int timeout_ms,
+                             char *msg) {
+    mm_wire_hdr h;
+    char name[64];
+    mm_err rv = mm_wire_hdr_init(&h, kind, MM_WIRE_F32, step, layer, n_rows, dim);
+    if (rv == MM_OK)
+        rv = mm_conn_sendv_dev(p->conn, &h, p->iov, p->n_iov,
+                               mm_deadline_in_ms((uint64_t)timeout_ms));
+    if (rv == MM_EPEERDOWN)
+        p->dead_inc = p->inc;
+    if (rv != MM_OK)
+        snprintf(msg, MSG_LEN, "%s: sending layer %d rows device to device: %s",
+                 peer_name(p, name, sizeof(name)), (int)layer,
                  rv == MM_EPEERDOWN ? "connection lost (process died?)" : mm_strerror(rv));
     return rv;
 }
@@ -491,12 +547,17 @@ static void drop_pending(struct peer *ps, int n) {
 }
 
 // run_layers: the forward pass of the active rows. Returns an error (msg set) that fails them.
+// On a device backend, a peer whose link carries device frames (p->gpu, cudaipc://) gets its
+// rows straight from the backend arrays and answers into them (no host copy, no drain); other
+// peers go through the host exchange arrays as before (one `get` per stage group).
 static mm_err run_layers(mm_step_engine *e, const Mmctl__StepPlan *p, int64_t R, char *msg) {
     const uint64_t step = p->step_id;
     const int D = e->D, K = e->K, M = e->c.shards, N = e->c.owners;
     const int tmo = e->c.step_timeout_ms;
     // Per shard: CTRL with its seqs and the releases; then its rows' region in `stage`.
     int64_t off = 0;
+    int n_iov = 0;
+    bool sh_host = false; // some shard takes host rows: keep e->h current on the host
     for (int s = 0; s < M; s++) {
         struct peer *sp = &e->shards[s];
         if (!sp->live)
@@ -505,6 +566,8 @@ static mm_err run_layers(mm_step_engine *e, const Mmctl__StepPlan *p, int64_t R,
         uint8_t *c = e->ctrl + 8;
         sp->off = off;
         sp->n = 0;
+        sp->iov = e->iov + n_iov;
+        sp->n_iov = 0;
         for (size_t i = 0; i < p->n_seqs; i++) {
             if (e->seq_row[i] < 0 || e->seq_shard[i] != s)
                 continue;
@@ -516,7 +579,19 @@ static mm_err run_layers(mm_step_engine *e, const Mmctl__StepPlan *p, int64_t R,
             c += 16;
             ns++;
             sp->n += n;
+            if (sp->gpu) { // device segments of d_h, contiguous seqs merged
+                uint8_t *at = (uint8_t *)(e->d_h + (int64_t)e->seq_row[i] * D);
+                size_t len = (size_t)n * (size_t)D * 4;
+                struct iovec *last = sp->n_iov ? &sp->iov[sp->n_iov - 1] : NULL;
+                if (last && (uint8_t *)last->iov_base + last->iov_len == at)
+                    last->iov_len += len;
+                else
+                    sp->iov[sp->n_iov++] = (struct iovec){.iov_base = at, .iov_len = len};
+            }
         }
+        n_iov += sp->n_iov;
+        if (!sp->gpu && sp->n > 0)
+            sh_host = true;
         memcpy(e->ctrl, &ns, 4);
         memcpy(e->ctrl + 4, &nr, 4);
         for (size_t i = 0; i < p->n_release; i++, c += 8)
@@ -528,13 +603,24 @@ static mm_err run_layers(mm_step_engine *e, const Mmctl__StepPlan *p, int64_t R,
         off += sp->n;
     }
     MM_TRY(mm_model_embed(e->model, e->scratch, e->ids, R, DP(e, h)));
-    MM_TRY(to_host(e, e->h, e->d_h, R * D));
-    for (int L = 0; L < e->cfg->n_layers; L++) {
+    if (sh_host)
+        MM_TRY(to_host(e, e->h, e->d_h, R * D));
+    const int n_layers = e->cfg->n_layers;
+    for (int L = 0; L < n_layers; L++) {
+        // h back on the host after this layer: for host-path shards, and after the last layer
+        // (the sampled rows are read from e->h)
+        const bool h_out = sh_host || L == n_layers - 1;
         // attention on the shards: gather each shard's rows (seqs in plan order), send.
         for (int s = 0; s < M; s++) {
             struct peer *sp = &e->shards[s];
             if (!sp->live || sp->n == 0)
                 continue;
+            if (sp->gpu) {
+                MM_TRY(send_frame_dev(sp, MM_WIRE_ROWS, step, (uint32_t)L, (uint32_t)sp->n,
+                                      (uint32_t)D, tmo, msg));
+                sp->pending = true;
+                continue;
+            }
             int64_t o = sp->off;
             for (size_t i = 0; i < p->n_seqs; i++)
                 if (e->seq_row[i] >= 0 && e->seq_shard[i] == s) {
@@ -550,29 +636,31 @@ static mm_err run_layers(mm_step_engine *e, const Mmctl__StepPlan *p, int64_t R,
         MM_TRY(gather(e, e->shards, M, step, (uint32_t)L, e->stage, false, msg));
         for (int s = 0; s < M; s++) {
             struct peer *sp = &e->shards[s];
-            if (!sp->live || sp->n == 0)
+            if (!sp->live || sp->n == 0 || sp->gpu) // gpu: the reply already landed in d_h
                 continue;
             int64_t o = sp->off;
             for (size_t i = 0; i < p->n_seqs; i++)
                 if (e->seq_row[i] >= 0 && e->seq_shard[i] == s) {
                     int64_t n = (int64_t)e->seq_n[i];
-                    memcpy(e->h + (int64_t)e->seq_row[i] * D, e->stage + o * D,
-                           (size_t)(n * D) * 4);
+                    float *hr = e->h + (int64_t)e->seq_row[i] * D;
+                    memcpy(hr, e->stage + o * D, (size_t)(n * D) * 4);
+                    if (e->dev && n > 0) // only this shard's rows: gpu shards' are in d_h
+                        MM_TRY(to_dev(e, e->d_h + (int64_t)e->seq_row[i] * D, hr, n * D));
                     o += n;
                 }
         }
-        MM_TRY(to_dev(e, e->d_h, e->h, R * D));
         MM_TRY(mm_model_ffn_norm(e->model, e->scratch, L, DP(e, h), R, DP(e, x)));
         const bool shared = mm_model_layer_has_shared(e->model, L);
         if (!mm_model_layer_is_moe(e->model, L)) {
             MM_TRY(mm_model_shared_forward(e->model, e->scratch, L, DP(e, x), R, DP(e, sh)));
             MM_TRY(mm_model_combine(e->model, e->scratch, L, DP(e, h), R, 0, NULL, NULL,
                                     DP(e, sh)));
-            MM_TRY(to_host(e, e->h, e->d_h, R * D));
+            if (h_out)
+                MM_TRY(to_host(e, e->h, e->d_h, R * D));
             continue;
         }
         MM_TRY(mm_model_gate(e->model, e->scratch, L, DP(e, x), R, e->gids, e->gw));
-        MM_TRY(to_host(e, e->x, e->d_x, R * D)); // the owners' rows are gathered on the host
+        bool x_host = !e->dev; // e->x holds this layer's rows (fetched when a host owner needs)
         // Expert outputs: every (row, rank) slot is served by the first live owner of its
         // expert's replica list; a link lost during the exchange is retried on the next replica
         // (the result bits do not depend on which replica computed them).
@@ -613,6 +701,7 @@ static mm_err run_layers(mm_step_engine *e, const Mmctl__StepPlan *p, int64_t R,
             }
             // Layout: owners in instance order, experts ascending, slots in order.
             int64_t base = 0;
+            bool ow_host = false, ow_dev = false;
             for (int o = 0; o < N; o++) {
                 struct peer *op = &e->owners[o];
                 op->off = base;
@@ -623,6 +712,14 @@ static mm_err run_layers(mm_step_engine *e, const Mmctl__StepPlan *p, int64_t R,
                     op->n += e->e_cnt[o * (E + 1) + x];
                 }
                 base += op->n;
+                if (op->n > 0 && !op->gpu)
+                    ow_host = true;
+                if (op->n > 0 && op->gpu)
+                    ow_dev = true;
+            }
+            if (ow_host && !x_host) { // host-path owners read the rows from e->x
+                MM_TRY(to_host(e, e->x, e->d_x, R * D));
+                x_host = true;
             }
             for (int64_t t = 0; t < R * K; t++) {
                 if (!e->todo[t])
@@ -630,7 +727,17 @@ static mm_err run_layers(mm_step_engine *e, const Mmctl__StepPlan *p, int64_t R,
                 int32_t x = e->gids[t], o = e->e_owner[x];
                 int32_t at = e->e_off[o * (E + 1) + x]++;
                 e->slot_of[at] = (int32_t)t;
-                memcpy(e->xs + (int64_t)at * D, e->x + (t / K) * D, (size_t)D * 4);
+                e->xsrc[at] = (int32_t)(t / K);
+                if (x_host && !(e->dev && e->owners[o].gpu))
+                    memcpy(e->xs + (int64_t)at * D, e->x + (t / K) * D, (size_t)D * 4);
+            }
+            if (e->dev) {
+                // slot tables on the device; gpu owners' rows gathered there in one launch
+                MM_TRY(e->be->ops->set(e->be->ctx, e->d_slot, e->slot_of, (size_t)base * 4));
+                MM_TRY(e->be->ops->set(e->be->ctx, e->d_xsrc, e->xsrc, (size_t)base * 4));
+                if (ow_dev)
+                    MM_TRY(e->be->ops->copy_rows(e->be->ctx, e->d_x, D, e->d_xsrc, e->d_xs, D,
+                                                 NULL, base, D));
             }
             for (int o = 0; o < N; o++) {
                 struct peer *op = &e->owners[o];
@@ -650,9 +757,19 @@ static mm_err run_layers(mm_step_engine *e, const Mmctl__StepPlan *p, int64_t R,
                 memcpy(e->ctrl, &nseg, 4);
                 mm_err rv = send_frame(op, MM_WIRE_CTRL, MM_WIRE_BYTES, step, (uint32_t)L, 1,
                                        (uint32_t)(c - e->ctrl), e->ctrl, tmo, msg);
-                if (rv == MM_OK)
+                if (rv == MM_OK && op->gpu) {
+                    // rows leave from d_xs; the reply lands in d_ys at the same place
+                    op->one = (struct iovec){.iov_base = e->d_xs + op->off * D,
+                                             .iov_len = (size_t)op->n * (size_t)D * 4};
+                    op->iov = &op->one;
+                    op->n_iov = 1;
+                    rv = send_frame_dev(op, MM_WIRE_ROWS, step, (uint32_t)L, (uint32_t)op->n,
+                                        (uint32_t)D, tmo, msg);
+                    op->one.iov_base = e->d_ys + op->off * D;
+                } else if (rv == MM_OK) {
                     rv = send_frame(op, MM_WIRE_ROWS, MM_WIRE_F32, step, (uint32_t)L,
                                     (uint32_t)op->n, (uint32_t)D, e->xs + op->off * D, tmo, msg);
+                }
                 if (rv == MM_EINVAL)
                     return rv;
                 if (rv != MM_OK)
@@ -674,18 +791,28 @@ static mm_err run_layers(mm_step_engine *e, const Mmctl__StepPlan *p, int64_t R,
                                 (unsigned long long)step, L, op->why, (long long)op->n);
                     continue;
                 }
+                if (e->dev) {
+                    // host replies first up to d_ys, then every reply's rows to their slots
+                    if (!op->gpu)
+                        MM_TRY(to_dev(e, e->d_ys + op->off * D, e->ys + op->off * D,
+                                      op->n * D));
+                    MM_TRY(e->be->ops->copy_rows(e->be->ctx, e->d_ys + op->off * D, D,
+                                                 NULL, e->d_eo, D, e->d_slot + op->off, op->n,
+                                                 D));
+                }
                 for (int64_t at = op->off; at < op->off + op->n; at++) {
                     int32_t t = e->slot_of[at];
-                    memcpy(e->eo + (int64_t)t * D, e->ys + at * D, (size_t)D * 4);
+                    if (!e->dev)
+                        memcpy(e->eo + (int64_t)t * D, e->ys + at * D, (size_t)D * 4);
                     e->todo[t] = 0;
                 }
                 n_todo -= op->n;
             }
         }
-        MM_TRY(to_dev(e, e->d_eo, e->eo, R * K * D));
         MM_TRY(mm_model_combine(e->model, e->scratch, L, DP(e, h), R, K, e->gw, DP(e, eo),
                                 shared ? DP(e, sh) : NULL));
-        MM_TRY(to_host(e, e->h, e->d_h, R * D));
+        if (h_out)
+            MM_TRY(to_host(e, e->h, e->d_h, R * D));
     }
     return MM_OK;
 }

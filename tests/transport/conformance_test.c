@@ -45,7 +45,7 @@ static mm_listener *listen_fresh(const char *scheme, char *url, size_t cap) {
         mm_err rv = mm_transport_listen(&l, url, err);
         if (rv == MM_OK)
             return l;
-        if (rv == MM_EUNSUPP) // rdma:// on a host without an RDMA device
+        if (rv == MM_EUNSUPP) // rdma:// without an RDMA device, cudaipc:// without GPU support
             MM_SKIP("%s", err);
         if (rv != MM_EBUSY)
             MM_TEST_FAIL_("listen %s: %s (%s)", url, mm_strerror(rv), err);
@@ -778,7 +778,9 @@ static void t_error_fails_inflight(const char *scheme) {
 #define DEFINE_CASE(s, t) static void s##_##t(void) { t_##t(#s); }
 #define ROW_CASE(s, t) {#s ": " #t, s##_##t},
 // rdma:// joins by adding SCHEMES(X, rdma) below (its cases skip without a device).
-#define SCHEMES(X) CASES(X, shm) CASES(X, tcp) CASES(X, rdma)
+// cudaipc:// runs the suite with host frames (these processes declare no GPU); a build without
+// GPU support skips it (MM_EUNSUPP); tests/transport/cudaipc_test.c covers device frames.
+#define SCHEMES(X) CASES(X, shm) CASES(X, tcp) CASES(X, rdma) CASES(X, cudaipc)
 
 SCHEMES(DEFINE_CASE)
 

@@ -92,6 +92,7 @@ static inline uint64_t mm_deadline_in_ms(uint64_t ms) { return mm_now_ns() + ms 
 
 // A parsed data-plane URL: scheme://host[:port][?key=value&...].
 //   shm://NAME[?ring_kb=N]     NAME: [A-Za-z0-9._-]{1,100}, a same-box rendezvous name
+//   cudaipc://NAME[?ring_kb=N&ring_mb=M]  shm:// plus device frames between GPU processes
 //   tcp://HOST:PORT            HOST: IPv4 literal, [IPv6] literal or a resolvable name
 typedef struct mm_url {
     char text[MM_URL_MAX];   // the URL as given
@@ -205,6 +206,48 @@ mm_err mm_conn_reg_mem(mm_conn *c, void *p, size_t n_bytes, mm_mem_reg **out,
 // mm_conn_dereg_mem releases a registration; accepts NULL.
 void mm_conn_dereg_mem(mm_conn *c, mm_mem_reg *reg);
 
+// ---- device payloads (cudaipc://) ------------------------------------------------------------
+// cudaipc://NAME[?ring_mb=N] is shm:// (same rendezvous rules, frames, liveness, deadlines) plus
+// a device path: when both processes have declared a GPU (mm_transport_gpu_use) the sender
+// copies a frame's rows straight from its device memory into a ring of device memory that the
+// receiver exported (CUDA/HIP IPC), on its own stream, and records an interprocess event; the
+// receiver's stream waits for that event and copies the rows out into its device buffers. No
+// host copy and no stream drain on either side. Where either end has no GPU the conn carries
+// host frames only (mm_conn_dev false), exactly like shm://. A build without GPU support
+// refuses cudaipc:// URLs with MM_EUNSUPP ("this build has no GPU support").
+
+// mm_transport_gpu_use declares, once per process and before dialing or listening on cudaipc://,
+// the device and the stream (cudaStream_t/hipStream_t, e.g. mm_gpu_backend_stream's) that
+// device frames are copied on; their copies are ordered with the caller's work on that stream.
+// Errors: MM_EUNSUPP (no GPU support in this build), MM_EINVAL.
+mm_err mm_transport_gpu_use(int dev, void *stream, char err[MM_ERRLEN]);
+
+// mm_transport_gpu_use_backend: mm_transport_gpu_use with the device and stream of a GPU
+// backend (backend_ctx: mm_backend.ctx of a "cuda:N"/"hip:N" backend), so that device frames are
+// ordered with the backend's ops. Errors: MM_EUNSUPP without GPU support, MM_EINVAL.
+mm_err mm_transport_gpu_use_backend(void *backend_ctx, char err[MM_ERRLEN]);
+
+// mm_conn_dev: true when c can carry device frames (cudaipc:// with a GPU on both ends).
+bool mm_conn_dev(const mm_conn *c);
+
+// mm_conn_sendv_dev sends one frame whose payload is gathered from device memory d_iov[0..n)
+// (borrowed; lengths add up to hdr->payload_bytes). The copies are enqueued on the declared
+// stream after the work already there, and the call returns once the frame is announced: the
+// caller may overwrite the sources with work enqueued later on the same stream. Errors: as
+// mm_conn_sendv; MM_EUNSUPP when !mm_conn_dev(c); MM_EINVAL for a frame larger than the
+// receiver's ring (ring_mb); MM_EDEVICE.
+mm_err mm_conn_sendv_dev(mm_conn *c, const mm_wire_hdr *hdr, const struct iovec *d_iov,
+                         int n_iov, uint64_t deadline_ns);
+
+// mm_conn_recv_dev is mm_conn_recv that also takes device frames: a host frame's payload goes
+// to buf (cap bytes) and *on_dev = false; a device frame's payload is copied, in order, into
+// the device segments d_iov[0..n) (MM_EFULL when they hold less than payload_bytes) by copies
+// enqueued on the declared stream (work enqueued later on it sees the rows) and *on_dev = true.
+// With n_iov == 0 a device frame is copied into buf and waited for (a host receiver).
+mm_err mm_conn_recv_dev(mm_conn *c, mm_wire_hdr *hdr, void *buf, size_t cap,
+                        const struct iovec *d_iov, int n_iov, bool *on_dev,
+                        uint64_t deadline_ns);
+
 // mm_transport_schemes writes the registered schemes, comma-separated, into buf (caller's,
 // cap bytes, always NUL-terminated when cap > 0). Thread-safe.
 void mm_transport_schemes(char *buf, size_t cap);
@@ -259,6 +302,13 @@ struct mm_transport_ops {
     void (*shutdown)(void *cctx); // any thread, never blocks; wakes blocked ops
     void (*close)(void *cctx);    // frees; no concurrent use
     mm_err (*send_raw)(void *cctx, const void *p, size_t n, uint64_t deadline_ns); // (optional)
+    // Device frames (optional, appended; NULL: the transport has none; see mm_conn_dev).
+    bool (*dev_ok)(void *cctx);
+    mm_err (*sendv_dev)(void *cctx, const mm_wire_hdr *hdr, const struct iovec *d_iov,
+                        int n_iov, uint64_t deadline_ns);
+    mm_err (*recv_dev)(void *cctx, mm_wire_hdr *hdr, void *buf, size_t cap,
+                       const struct iovec *d_iov, int n_iov, bool *on_dev,
+                       uint64_t deadline_ns);
 };
 
 #endif

@@ -75,6 +75,11 @@
 #define cudaIpcOpenMemHandle        hipIpcOpenMemHandle
 #define cudaIpcCloseMemHandle       hipIpcCloseMemHandle
 #define cudaIpcMemLazyEnablePeerAccess hipIpcMemLazyEnablePeerAccess
+#define cudaIpcEventHandle_t        hipIpcEventHandle_t
+#define cudaIpcGetEventHandle       hipIpcGetEventHandle
+#define cudaIpcOpenEventHandle      hipIpcOpenEventHandle
+#define cudaEventInterprocess       hipEventInterprocess
+#define cudaDeviceGetPCIBusId       hipDeviceGetPCIBusId
 
 #define MM_GPU_ERR_NO_DRIVER hipErrorInsufficientDriver
 #define MM_GPU_ERR_NO_DEVICE hipErrorNoDevice

@@ -1,0 +1,606 @@
+// SPDX-License-Identifier: MIT
+// cudaipc://NAME: shm:// plus device frames between GPU processes of one host (mm/transport.h).
+//
+// Design notes:
+// - Layering: a cudaipc conn is a shm conn (rendezvous "gpu.NAME", frames, liveness, deadlines,
+//   wait_any all come from shm.c) plus, per direction, a ring of device memory that the
+//   receiver allocates and exports (IPC memory handle) and the sender maps. Host frames travel
+//   through the shm ring unchanged. A device frame travels as a descriptor in the shm ring (a
+//   frame marked by the reserved conn_seq DESC_SEQ, carrying the real sealed header and where
+//   its rows lie in the device ring); its rows are copied by the sender's stream into the
+//   receiver's device ring.
+// - Ordering without host waits, per direction, with two interprocess events:
+//     data: the sender records it on its stream after copying a frame's rows, before the
+//           descriptor is published; the receiver's stream waits for it before copying out.
+//     free: the receiver records it on its stream after its copy-out is enqueued, then
+//           advances `freed` (bytes of the device ring it is done with) in the shm control
+//           page; before writing over ring bytes it has used before, the sender's stream waits
+//           for it. A wait on an IPC event covers its latest record made before the wait, and
+//           each record here happens before the counter or descriptor that makes the other
+//           side wait, so each wait covers what it must (later records only add work).
+// - Ring space: the sender allocates frames (padded to 256 bytes, never wrapping) from the
+//   device ring by `head`; space is head - freed. A sender short of space polls `freed` until
+//   its deadline (the receiver frees at each receive, so this only waits on a receiver that is
+//   behind). A frame larger than the ring is refused (MM_EINVAL, naming ring_mb).
+// - Handshake (after shm's): each side sends HELLO_SEQ {has GPU, device, PCI id, ring handle,
+//   data/free event handles}, opens the peer's handles when both have a GPU, then sends
+//   ACK_SEQ {opened ok}; the device path is on only when both opened everything, so the two
+//   ends always agree on it. Without a GPU on one side the conn carries host frames only.
+// - The GPU calls (kernels/cuda/ipc.cu) are weak symbols: a build without GPU support has
+//   none, and cudaipc:// URLs are refused with MM_EUNSUPP.
+// - Death: the peer's death is shm's (socket hang-up: MM_EPEERDOWN). A conn closed or
+//   inherited through fork() frees its device resources only in the process that made it.
+#include <errno.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "mm/log.h"
+#include "mm/transport.h"
+#include "transport_int.h"
+
+// ---- the GPU entry points (kernels/cuda/mm_gpu.h), weak: NULL in a build without them ----------
+#define HANDLE_BYTES 64 // MM_GPU_IPC_HANDLE_BYTES
+#define W __attribute__((weak))
+extern mm_err mm_gpu_ipc_mem_export(const void *d_ptr, void *handle) W;
+extern mm_err mm_gpu_ipc_mem_open(const void *handle, void **d_out) W;
+extern void mm_gpu_ipc_mem_close(void *d_ptr) W;
+extern mm_err mm_gpu_ipc_event_new(void **ev, void *handle) W;
+extern mm_err mm_gpu_ipc_event_open(const void *handle, void **ev) W;
+extern void mm_gpu_event_free(void *ev) W;
+extern mm_err mm_gpu_event_record(void *ev, void *stream) W;
+extern mm_err mm_gpu_stream_wait_event(void *stream, void *ev) W;
+extern mm_err mm_gpu_memcpy_any(void *stream, void *d_dst, const void *d_src, size_t n) W;
+extern mm_err mm_gpu_stream_sync(void *stream) W;
+extern mm_err mm_gpu_device_pci_id(int dev, char id[32]) W;
+extern mm_err mm_gpu_set_device(int dev) W;
+extern mm_err mm_gpu_alloc(void **d_out, size_t n_bytes) W;
+extern void mm_gpu_free(void *d) W;
+extern mm_err mm_gpu_backend_stream(void *backend_ctx, void **stream, int *dev) W;
+#undef W
+
+extern const struct mm_transport_ops mm__transport_shm;
+#define SHM (&mm__transport_shm)
+
+#define DESC_SEQ UINT64_MAX         // conn_seq of a device-frame descriptor
+#define HELLO_SEQ (UINT64_MAX - 1)  // conn_seq of the handshake frames
+#define ACK_SEQ (UINT64_MAX - 2)
+#define IPC_MAGIC 0x43504955u       // "UIPC"
+#define IPC_VERSION 1u
+#define RING_DEFAULT_MB 64
+#define RING_MAX_MB 4096
+#define ALIGN 256u
+
+static const char *const NO_GPU = "this build has no GPU support (build with make cuda or make hip)";
+
+static bool have_gpu_code(void) {
+    return mm_gpu_ipc_mem_export && mm_gpu_ipc_mem_open && mm_gpu_ipc_mem_close &&
+           mm_gpu_ipc_event_new && mm_gpu_ipc_event_open && mm_gpu_event_free &&
+           mm_gpu_event_record && mm_gpu_stream_wait_event && mm_gpu_memcpy_any &&
+           mm_gpu_stream_sync && mm_gpu_device_pci_id && mm_gpu_set_device && mm_gpu_alloc &&
+           mm_gpu_free;
+}
+
+// The process's GPU (mm_transport_gpu_use).
+static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
+static bool g_set;
+static int g_dev;
+static void *g_stream;
+static char g_pci[32];
+
+mm_err mm_transport_gpu_use(int dev, void *stream, char err[MM_ERRLEN]) {
+    if (!have_gpu_code())
+        return mm_errf(err, MM_EUNSUPP, "cudaipc: %s", NO_GPU);
+    if (dev < 0)
+        return mm_errf(err, MM_EINVAL, "cudaipc: bad device %d", dev);
+    char pci[32] = "";
+    if (mm_gpu_device_pci_id(dev, pci) != MM_OK)
+        return mm_errf(err, MM_EDEVICE, "cudaipc: cannot read the PCI id of device %d", dev);
+    pthread_mutex_lock(&g_mu);
+    g_set = true;
+    g_dev = dev;
+    g_stream = stream;
+    snprintf(g_pci, sizeof(g_pci), "%s", pci);
+    pthread_mutex_unlock(&g_mu);
+    return MM_OK;
+}
+
+mm_err mm_transport_gpu_use_backend(void *backend_ctx, char err[MM_ERRLEN]) {
+    if (!have_gpu_code() || !mm_gpu_backend_stream)
+        return mm_errf(err, MM_EUNSUPP, "cudaipc: %s", NO_GPU);
+    void *stream = NULL;
+    int dev = -1;
+    if (mm_gpu_backend_stream(backend_ctx, &stream, &dev) != MM_OK)
+        return mm_errf(err, MM_EINVAL, "cudaipc: not a GPU backend");
+    return mm_transport_gpu_use(dev, stream, err);
+}
+
+// Shared counters in the spare half of shm's control page: freed[s] = bytes of side s's
+// device rx ring that side s is done with (written by side s only).
+struct ipc_ctl {
+    _Alignas(64) _Atomic uint64_t freed[2];
+};
+
+struct hello {
+    uint32_t magic, version;
+    uint32_t has_gpu;
+    int32_t dev;
+    char pci[32];
+    uint64_t ring_bytes;
+    int32_t pid;
+    uint32_t pad_;
+    uint8_t ring[HANDLE_BYTES];    // my rx ring
+    uint8_t ev_data[HANDLE_BYTES]; // recorded by me after writing into the peer's ring
+    uint8_t ev_free[HANDLE_BYTES]; // recorded by me after reading my ring
+};
+
+struct ack {
+    uint32_t magic;
+    uint32_t ok; // 1: I opened every handle of yours
+};
+
+struct desc {
+    mm_wire_hdr hdr; // the real frame's header, sealed by the generic layer
+    uint64_t off;    // rows at ring + off
+    uint64_t end;    // the sender's head after this frame (absolute bytes, wrap skips included)
+};
+
+struct ipc_conn {
+    void *shm;
+    pid_t owner_pid;
+    bool dev;            // device frames on
+    int gpu;             // device index
+    void *stream;
+    struct ipc_ctl *ctl;
+    int side;
+    // rx: my ring, the peer's data event (opened), my free event
+    void *rx_ring;
+    uint64_t rx_bytes;
+    void *rx_ev_data, *rx_ev_free;
+    // tx: the peer's ring (mapped), my data event, the peer's free event (opened)
+    void *tx_ring;
+    uint64_t tx_bytes, tx_head;
+    void *tx_ev_data, *tx_ev_free;
+    struct desc scratch; // descriptor landing place when the caller's buffer is smaller
+};
+
+struct ipc_listener {
+    void *shm;
+    mm_url url; // its ring_mb sizes the rings of accepted conns
+};
+
+// ---- helpers --------------------------------------------------------------------------------
+
+// The shm URL under a cudaipc URL: the same query, name "gpu.NAME" (its own rendezvous).
+static mm_err shm_url(const mm_url *u, mm_url *out, char err[MM_ERRLEN]) {
+    char text[MM_URL_MAX];
+    int n = snprintf(text, sizeof(text), "shm://gpu.%s%s%s", u->host, u->query[0] ? "?" : "",
+                     u->query);
+    if (n < 0 || (size_t)n >= sizeof(text))
+        return mm_errf(err, MM_EINVAL, "cudaipc URL '%s' too long", u->text);
+    if (u->port != -1)
+        return mm_errf(err, MM_EINVAL, "cudaipc URL '%s': a name takes no port", u->text);
+    return mm_url_parse(out, text, err);
+}
+
+static mm_err ring_mb(const mm_url *u, uint64_t *bytes, char err[MM_ERRLEN]) {
+    uint64_t mb = RING_DEFAULT_MB;
+    mm_err q = mm_url_query_u64(u, "ring_mb", &mb);
+    if (q == MM_EINVAL || (q == MM_OK && (mb == 0 || mb > RING_MAX_MB)))
+        return mm_errf(err, MM_EINVAL, "cudaipc URL '%s': ring_mb must be 1..%d", u->text,
+                       RING_MAX_MB);
+    *bytes = mb << 20;
+    return MM_OK;
+}
+
+static void conn_free(struct ipc_conn *c) {
+    if (c == NULL)
+        return;
+    if (c->owner_pid == getpid() && have_gpu_code()) {
+        if (c->gpu >= 0)
+            (void)mm_gpu_set_device(c->gpu);
+        if (c->stream != NULL && (c->tx_ring != NULL || c->rx_ring != NULL))
+            (void)mm_gpu_stream_sync(c->stream); // copies into the peer's ring are done
+        mm_gpu_ipc_mem_close(c->tx_ring);
+        mm_gpu_event_free(c->tx_ev_free);
+        mm_gpu_event_free(c->rx_ev_data);
+        mm_gpu_event_free(c->tx_ev_data);
+        mm_gpu_event_free(c->rx_ev_free);
+        mm_gpu_free(c->rx_ring);
+    }
+    if (c->shm != NULL)
+        SHM->close(c->shm);
+    free(c);
+}
+
+static mm_err send_internal(struct ipc_conn *c, uint64_t seq, const void *p, uint32_t n,
+                            uint64_t deadline_ns) {
+    mm_wire_hdr h;
+    MM_TRY(mm_wire_hdr_init(&h, MM_WIRE_CTRL, MM_WIRE_BYTES, 0, MM_WIRE_NO_LAYER, 1, n));
+    mm__wire_hdr_seal(&h, seq);
+    struct iovec iov = {.iov_base = (void *)p, .iov_len = n};
+    return SHM->sendv(c->shm, &h, &iov, 1, deadline_ns);
+}
+
+static mm_err recv_internal(struct ipc_conn *c, uint64_t seq, void *p, uint32_t n,
+                            uint64_t deadline_ns, char err[MM_ERRLEN]) {
+    mm_wire_hdr h;
+    mm_err rv = SHM->recv(c->shm, &h, p, n, deadline_ns);
+    if (rv != MM_OK)
+        return mm_errf(err, rv, "cudaipc handshake: %s", mm_strerror(rv));
+    if (h.conn_seq != seq || h.payload_bytes != n)
+        return mm_errf(err, MM_EPROTO, "cudaipc handshake: the peer is not a cudaipc endpoint "
+                       "of this version");
+    return MM_OK;
+}
+
+// Both sides: exchange HELLO, open the peer's handles when both have a GPU, exchange ACK.
+static mm_err handshake(struct ipc_conn *c, const mm_url *u, uint64_t deadline_ns,
+                        char err[MM_ERRLEN]) {
+    size_t extra = 0;
+    c->ctl = mm__shm_conn_extra(c->shm, &c->side, &extra);
+    static_assert(sizeof(struct ipc_ctl) <= 2048, "cudaipc control block");
+    struct hello me, peer;
+    memset(&me, 0, sizeof(me));
+    me.magic = IPC_MAGIC;
+    me.version = IPC_VERSION;
+    me.pid = (int32_t)getpid();
+    pthread_mutex_lock(&g_mu);
+    bool gpu = g_set;
+    c->gpu = gpu ? g_dev : -1;
+    c->stream = g_stream;
+    snprintf(me.pci, sizeof(me.pci), "%s", g_pci);
+    pthread_mutex_unlock(&g_mu);
+    mm_err rv = MM_OK;
+    if (gpu) {
+        uint64_t rb = 0;
+        MM_TRY(ring_mb(u, &rb, err));
+        c->rx_bytes = rb;
+        if (mm_gpu_set_device(c->gpu) != MM_OK || mm_gpu_alloc(&c->rx_ring, rb) != MM_OK ||
+            mm_gpu_ipc_mem_export(c->rx_ring, me.ring) != MM_OK ||
+            mm_gpu_ipc_event_new(&c->tx_ev_data, me.ev_data) != MM_OK ||
+            mm_gpu_ipc_event_new(&c->rx_ev_free, me.ev_free) != MM_OK) {
+            mm_log_warn("cudaipc %s: cannot set up the device ring (%llu MiB) on device %d: "
+                        "host frames only", u->text, (unsigned long long)(rb >> 20), c->gpu);
+            gpu = false;
+        }
+        me.has_gpu = gpu;
+        me.dev = c->gpu;
+        me.ring_bytes = rb;
+    }
+    rv = send_internal(c, HELLO_SEQ, &me, sizeof(me), deadline_ns);
+    if (rv != MM_OK)
+        return mm_errf(err, rv, "cudaipc %s handshake: %s", u->text, mm_strerror(rv));
+    MM_TRY(recv_internal(c, HELLO_SEQ, &peer, sizeof(peer), deadline_ns, err));
+    if (peer.magic != IPC_MAGIC || peer.version != IPC_VERSION)
+        return mm_errf(err, MM_EPROTO, "cudaipc %s handshake: peer speaks version %u, this "
+                       "build %u", u->text, peer.version, IPC_VERSION);
+    struct ack a = {.magic = IPC_MAGIC, .ok = 0};
+    if (gpu && peer.has_gpu) {
+        if (peer.ring_bytes < ALIGN || peer.ring_bytes > ((uint64_t)RING_MAX_MB << 20))
+            return mm_errf(err, MM_EPROTO, "cudaipc %s handshake: peer ring of %llu bytes",
+                           u->text, (unsigned long long)peer.ring_bytes);
+        c->tx_bytes = peer.ring_bytes;
+        if (mm_gpu_ipc_mem_open(peer.ring, &c->tx_ring) == MM_OK &&
+            mm_gpu_ipc_event_open(peer.ev_data, &c->rx_ev_data) == MM_OK &&
+            mm_gpu_ipc_event_open(peer.ev_free, &c->tx_ev_free) == MM_OK)
+            a.ok = 1;
+        else
+            mm_log_warn("cudaipc %s: cannot open the device ring of pid %d (device %s): host "
+                        "frames only", u->text, peer.pid, peer.pci);
+    }
+    rv = send_internal(c, ACK_SEQ, &a, sizeof(a), deadline_ns);
+    if (rv != MM_OK)
+        return mm_errf(err, rv, "cudaipc %s handshake: %s", u->text, mm_strerror(rv));
+    struct ack pa;
+    MM_TRY(recv_internal(c, ACK_SEQ, &pa, sizeof(pa), deadline_ns, err));
+    c->dev = a.ok && pa.ok && pa.magic == IPC_MAGIC;
+    mm_log_debug("cudaipc %s: %s (my device %s, peer pid %d device %s)", u->text,
+                 c->dev ? "device frames" : "host frames only", me.pci, peer.pid, peer.pci);
+    return MM_OK;
+}
+
+static struct ipc_conn *conn_alloc(void *shm) {
+    struct ipc_conn *c = calloc(1, sizeof(*c));
+    if (c == NULL)
+        return NULL;
+    c->shm = shm;
+    c->gpu = -1;
+    c->owner_pid = getpid();
+    return c;
+}
+
+// ---- listener / dial ------------------------------------------------------------------------
+
+static mm_err ipc_listen(void **lctx, const mm_url *url, char err[MM_ERRLEN]) {
+    if (!have_gpu_code())
+        return mm_errf(err, MM_EUNSUPP, "cudaipc URL '%s': %s", url->text, NO_GPU);
+    mm_url su;
+    uint64_t rb;
+    MM_TRY(shm_url(url, &su, err));
+    MM_TRY(ring_mb(url, &rb, err));
+    struct ipc_listener *l = calloc(1, sizeof(*l));
+    if (l == NULL)
+        return mm_errf(err, MM_ENOMEM, "cudaipc listener");
+    mm_err rv = SHM->listen(&l->shm, &su, err);
+    if (rv != MM_OK) {
+        free(l);
+        return rv;
+    }
+    l->url = *url;
+    *lctx = l;
+    return MM_OK;
+}
+
+static mm_err ipc_accept(void *lctx, void **cctx, uint64_t deadline_ns, char err[MM_ERRLEN]) {
+    struct ipc_listener *l = lctx;
+    void *s = NULL;
+    MM_TRY(SHM->accept(l->shm, &s, deadline_ns, err));
+    struct ipc_conn *c = conn_alloc(s);
+    if (c == NULL) {
+        SHM->close(s);
+        return mm_errf(err, MM_ENOMEM, "cudaipc conn");
+    }
+    // A handshake that fails is the dialer's problem: drop the conn, the listener stays usable.
+    uint64_t hs = mm_deadline_in_ms(2000);
+    mm_err rv = handshake(c, &l->url, hs < deadline_ns ? hs : deadline_ns, err);
+    if (rv != MM_OK) {
+        conn_free(c);
+        return rv == MM_ETIMEDOUT || rv == MM_ECLOSED || rv == MM_EPEERDOWN ? MM_EPROTO : rv;
+    }
+    *cctx = c;
+    return MM_OK;
+}
+
+static void ipc_listener_shutdown(void *lctx) {
+    struct ipc_listener *l = lctx;
+    SHM->listener_shutdown(l->shm);
+}
+
+static void ipc_listener_close(void *lctx) {
+    struct ipc_listener *l = lctx;
+    if (l == NULL)
+        return;
+    SHM->listener_close(l->shm);
+    free(l);
+}
+
+static mm_err ipc_dial(void **cctx, const mm_url *url, uint64_t deadline_ns,
+                       char err[MM_ERRLEN]) {
+    if (!have_gpu_code())
+        return mm_errf(err, MM_EUNSUPP, "cudaipc URL '%s': %s", url->text, NO_GPU);
+    mm_url su;
+    uint64_t rb;
+    MM_TRY(shm_url(url, &su, err));
+    MM_TRY(ring_mb(url, &rb, err));
+    void *s = NULL;
+    MM_TRY(SHM->dial(&s, &su, deadline_ns, err));
+    struct ipc_conn *c = conn_alloc(s);
+    if (c == NULL) {
+        SHM->close(s);
+        return mm_errf(err, MM_ENOMEM, "cudaipc conn");
+    }
+    mm_err rv = handshake(c, url, deadline_ns, err);
+    if (rv != MM_OK) {
+        conn_free(c);
+        return rv;
+    }
+    *cctx = c;
+    return MM_OK;
+}
+
+// ---- frames ---------------------------------------------------------------------------------
+
+static bool ipc_dev_ok(void *ctx) {
+    struct ipc_conn *c = ctx;
+    return c->dev;
+}
+
+static mm_err ipc_sendv(void *ctx, const mm_wire_hdr *hdr, const struct iovec *iov, int n_iov,
+                        uint64_t deadline_ns) {
+    struct ipc_conn *c = ctx;
+    return SHM->sendv(c->shm, hdr, iov, n_iov, deadline_ns);
+}
+
+static void nap_us(long us) {
+    struct timespec ts = {.tv_sec = 0, .tv_nsec = us * 1000};
+    nanosleep(&ts, NULL);
+}
+
+static mm_err ipc_sendv_dev(void *ctx, const mm_wire_hdr *hdr, const struct iovec *d_iov,
+                            int n_iov, uint64_t deadline_ns) {
+    struct ipc_conn *c = ctx;
+    if (!c->dev)
+        return MM_EUNSUPP;
+    mm_err f = SHM->status(c->shm);
+    if (f != MM_OK)
+        return f;
+    const uint64_t n = hdr->payload_bytes, padded = (n + ALIGN - 1) / ALIGN * ALIGN;
+    if (padded > c->tx_bytes) {
+        mm_log_warn("cudaipc: a frame of %llu bytes is larger than the peer's device ring "
+                    "(%llu MiB; raise ring_mb)", (unsigned long long)n,
+                    (unsigned long long)(c->tx_bytes >> 20));
+        return MM_EINVAL;
+    }
+    // Where the frame goes: after head, or at the ring's start when it would wrap.
+    uint64_t start = c->tx_head;
+    uint64_t pos = start % c->tx_bytes;
+    if (pos + padded > c->tx_bytes)
+        start += c->tx_bytes - pos, pos = 0;
+    const uint64_t end = start + padded;
+    _Atomic uint64_t *freed = &c->ctl->freed[1 - c->side];
+    uint64_t spin_end = mm_now_ns() + mm__transport_spin_ns();
+    while (end - atomic_load_explicit(freed, memory_order_acquire) > c->tx_bytes) {
+        uint64_t now = mm_now_ns();
+        if (now >= deadline_ns)
+            return MM_ETIMEDOUT; // nothing sent yet: the conn stays usable
+        f = SHM->status(c->shm);
+        if (f != MM_OK)
+            return f;
+        if (now < spin_end)
+            mm__spin_once(now + mm__transport_spin_ns() - spin_end);
+        else
+            nap_us(20);
+    }
+    mm_err rv = mm_gpu_set_device(c->gpu);
+    // Bytes used before: let our stream wait until the receiver's reads of them have run.
+    if (rv == MM_OK && end > c->tx_bytes)
+        rv = mm_gpu_stream_wait_event(c->stream, c->tx_ev_free);
+    uint64_t o = 0;
+    for (int i = 0; i < n_iov && rv == MM_OK; i++) {
+        rv = mm_gpu_memcpy_any(c->stream, (uint8_t *)c->tx_ring + pos + o, d_iov[i].iov_base,
+                               d_iov[i].iov_len);
+        o += d_iov[i].iov_len;
+    }
+    if (rv == MM_OK)
+        rv = mm_gpu_event_record(c->tx_ev_data, c->stream);
+    if (rv != MM_OK)
+        return MM_EDEVICE; // nothing announced: the ring bytes are simply not used
+    struct desc d = {.hdr = *hdr, .off = pos, .end = end};
+    rv = send_internal(c, DESC_SEQ, &d, sizeof(d), deadline_ns);
+    if (rv == MM_OK)
+        c->tx_head = end;
+    return rv;
+}
+
+static mm_err ipc_recv_dev(void *ctx, mm_wire_hdr *hdr, void *buf, size_t cap,
+                           const struct iovec *d_iov, int n_iov, bool *on_dev,
+                           uint64_t deadline_ns) {
+    struct ipc_conn *c = ctx;
+    *on_dev = false;
+    // Descriptors need sizeof(struct desc) bytes: land in the scratch when buf is smaller.
+    const bool small = cap < sizeof(struct desc);
+    uint8_t *land = small ? (uint8_t *)&c->scratch : buf;
+    size_t land_cap = small ? sizeof(struct desc) : cap;
+    mm_err rv = SHM->recv(c->shm, hdr, land, land_cap, deadline_ns);
+    if (rv != MM_OK && rv != MM_EFULL)
+        return rv;
+    if (hdr->conn_seq != DESC_SEQ) { // a host frame
+        if (hdr->conn_seq == HELLO_SEQ || hdr->conn_seq == ACK_SEQ) {
+            SHM->shutdown(c->shm);
+            return MM_EPROTO;
+        }
+        if (small && rv == MM_OK) {
+            if (hdr->payload_bytes > cap)
+                return MM_EFULL;
+            if (hdr->payload_bytes > 0)
+                memcpy(buf, land, (size_t)hdr->payload_bytes);
+        }
+        return rv;
+    }
+    struct desc d;
+    if (rv != MM_OK || hdr->payload_bytes != sizeof(d)) {
+        SHM->shutdown(c->shm);
+        return MM_EPROTO;
+    }
+    memcpy(&d, land, sizeof(d));
+    *hdr = d.hdr;
+    const uint64_t n = hdr->payload_bytes;
+    if (!c->dev || mm_wire_hdr_check(hdr, NULL) != MM_OK || d.off + n > c->rx_bytes ||
+        d.end < n) {
+        mm_log_warn("cudaipc: bad device-frame descriptor (offset %llu, %llu bytes)",
+                    (unsigned long long)d.off, (unsigned long long)n);
+        SHM->shutdown(c->shm);
+        return MM_EPROTO;
+    }
+    uint64_t have = 0;
+    for (int i = 0; i < n_iov; i++)
+        have += d_iov[i].iov_len;
+    const bool to_host = n_iov == 0;
+    const bool fits = to_host ? n <= cap : n <= have;
+    rv = mm_gpu_set_device(c->gpu);
+    if (rv == MM_OK && fits && n > 0)
+        rv = mm_gpu_stream_wait_event(c->stream, c->rx_ev_data);
+    const uint8_t *src = (const uint8_t *)c->rx_ring + d.off;
+    if (rv == MM_OK && fits && to_host && n > 0) {
+        rv = mm_gpu_memcpy_any(c->stream, buf, src, (size_t)n);
+        if (rv == MM_OK)
+            rv = mm_gpu_stream_sync(c->stream);
+    } else if (rv == MM_OK && fits) {
+        uint64_t o = 0;
+        for (int i = 0; i < n_iov && o < n && rv == MM_OK; i++) {
+            uint64_t take = d_iov[i].iov_len < n - o ? d_iov[i].iov_len : n - o;
+            rv = mm_gpu_memcpy_any(c->stream, d_iov[i].iov_base, src + o, (size_t)take);
+            o += take;
+        }
+    }
+    if (rv == MM_OK)
+        rv = mm_gpu_event_record(c->rx_ev_free, c->stream);
+    if (rv != MM_OK) {
+        SHM->shutdown(c->shm); // the ring's state is unknown: the conn is done
+        return MM_EDEVICE;
+    }
+    atomic_store_explicit(&c->ctl->freed[c->side], d.end, memory_order_release);
+    *on_dev = !to_host;
+    return fits ? MM_OK : MM_EFULL;
+}
+
+static mm_err ipc_recv(void *ctx, mm_wire_hdr *hdr, void *buf, size_t cap,
+                       uint64_t deadline_ns) {
+    bool on_dev;
+    return ipc_recv_dev(ctx, hdr, buf, cap, NULL, 0, &on_dev, deadline_ns);
+}
+
+static bool ipc_rx_ready(void *ctx) {
+    struct ipc_conn *c = ctx;
+    return SHM->rx_ready(c->shm);
+}
+
+static int ipc_rx_arm(void *ctx, struct pollfd *pfds) {
+    struct ipc_conn *c = ctx;
+    return SHM->rx_arm(c->shm, pfds);
+}
+
+static void ipc_rx_disarm(void *ctx) {
+    struct ipc_conn *c = ctx;
+    SHM->rx_disarm(c->shm);
+}
+
+static mm_err ipc_status(void *ctx) {
+    struct ipc_conn *c = ctx;
+    return SHM->status(c->shm);
+}
+
+static void ipc_shutdown(void *ctx) {
+    struct ipc_conn *c = ctx;
+    SHM->shutdown(c->shm);
+}
+
+static void ipc_close(void *ctx) {
+    struct ipc_conn *c = ctx;
+    if (c == NULL)
+        return;
+    SHM->shutdown(c->shm);
+    conn_free(c);
+}
+
+static mm_err ipc_send_raw(void *ctx, const void *p, size_t n, uint64_t deadline_ns) {
+    struct ipc_conn *c = ctx;
+    return SHM->send_raw(c->shm, p, n, deadline_ns);
+}
+
+const struct mm_transport_ops mm__transport_cudaipc = {
+    .version = MM_TRANSPORT_V1,
+    .scheme = "cudaipc",
+    .listen = ipc_listen,
+    .accept = ipc_accept,
+    .listener_shutdown = ipc_listener_shutdown,
+    .listener_close = ipc_listener_close,
+    .dial = ipc_dial,
+    .sendv = ipc_sendv,
+    .recv = ipc_recv,
+    .rx_ready = ipc_rx_ready,
+    .rx_arm = ipc_rx_arm,
+    .rx_disarm = ipc_rx_disarm,
+    .status = ipc_status,
+    .shutdown = ipc_shutdown,
+    .close = ipc_close,
+    .send_raw = ipc_send_raw,
+    .dev_ok = ipc_dev_ok,
+    .sendv_dev = ipc_sendv_dev,
+    .recv_dev = ipc_recv_dev,
+};

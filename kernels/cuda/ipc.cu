@@ -1,0 +1,120 @@
+// SPDX-License-Identifier: MIT
+// Inter-process device memory and events for the cudaipc:// data-plane transport
+// (common/transport/cudaipc.c): exporting a device buffer and an event to another process of the
+// same host, opening them there, stream-ordered copies into the mapped memory, and the
+// cross-process ordering (record an event on one process's stream, make another process's
+// stream wait for it). Compiled by nvcc (cudaIpc*) or hipcc (hipIpc*, vendor/hip.h).
+//
+// Design notes:
+// - Handles are opaque 64-byte blobs (cudaIpcMemHandle_t / cudaIpcEventHandle_t are 64 bytes;
+//   hipIpc* likewise); the transport ships them in its handshake and never looks inside.
+// - Events are created with cudaEventInterprocess | cudaEventDisableTiming (required for IPC).
+//   A cudaStreamWaitEvent on an opened event waits for the most recent record made before the
+//   call, in whichever process made it: the transport records before it publishes a frame, and
+//   waits only after it has seen the frame, so the wait always covers the data.
+// - Nothing here blocks except mm_gpu_event_sync; every other call only enqueues.
+#include <string.h>
+
+#include "gpu_common.cuh"
+#include "mm_gpu.h"
+
+static_assert(sizeof(cudaIpcMemHandle_t) <= MM_GPU_IPC_HANDLE_BYTES, "IPC memory handle size");
+static_assert(sizeof(cudaIpcEventHandle_t) <= MM_GPU_IPC_HANDLE_BYTES, "IPC event handle size");
+
+extern "C" mm_err mm_gpu_ipc_mem_export(const void *d_ptr, void *handle) {
+    if (d_ptr == NULL || handle == NULL)
+        return MM_EINVAL;
+    cudaIpcMemHandle_t h;
+    MM_GPU_CHECK(cudaIpcGetMemHandle(&h, (void *)d_ptr));
+    memset(handle, 0, MM_GPU_IPC_HANDLE_BYTES);
+    memcpy(handle, &h, sizeof(h));
+    return MM_OK;
+}
+
+extern "C" mm_err mm_gpu_ipc_mem_open(const void *handle, void **d_out) {
+    if (handle == NULL || d_out == NULL)
+        return MM_EINVAL;
+    *d_out = NULL;
+    cudaIpcMemHandle_t h;
+    memcpy(&h, handle, sizeof(h));
+    MM_GPU_CHECK(cudaIpcOpenMemHandle(d_out, h, cudaIpcMemLazyEnablePeerAccess));
+    return MM_OK;
+}
+
+extern "C" void mm_gpu_ipc_mem_close(void *d_ptr) {
+    if (d_ptr != NULL)
+        (void)cudaIpcCloseMemHandle(d_ptr);
+}
+
+extern "C" mm_err mm_gpu_ipc_event_new(void **ev, void *handle) {
+    if (ev == NULL || handle == NULL)
+        return MM_EINVAL;
+    *ev = NULL;
+    cudaEvent_t e;
+    MM_GPU_CHECK(cudaEventCreateWithFlags(&e, cudaEventInterprocess | cudaEventDisableTiming));
+    cudaIpcEventHandle_t h;
+    cudaError_t rc = cudaIpcGetEventHandle(&h, e);
+    if (rc != cudaSuccess) {
+        mm__gpu_report("cudaIpcGetEventHandle(&h, e)", __FILE__, __LINE__, cudaGetErrorString(rc));
+        (void)cudaEventDestroy(e);
+        return MM_EDEVICE;
+    }
+    memset(handle, 0, MM_GPU_IPC_HANDLE_BYTES);
+    memcpy(handle, &h, sizeof(h));
+    *ev = (void *)e;
+    return MM_OK;
+}
+
+extern "C" mm_err mm_gpu_ipc_event_open(const void *handle, void **ev) {
+    if (handle == NULL || ev == NULL)
+        return MM_EINVAL;
+    *ev = NULL;
+    cudaIpcEventHandle_t h;
+    memcpy(&h, handle, sizeof(h));
+    cudaEvent_t e;
+    MM_GPU_CHECK(cudaIpcOpenEventHandle(&e, h));
+    *ev = (void *)e;
+    return MM_OK;
+}
+
+extern "C" void mm_gpu_event_free(void *ev) {
+    if (ev != NULL)
+        (void)cudaEventDestroy((cudaEvent_t)ev);
+}
+
+extern "C" mm_err mm_gpu_event_record(void *ev, void *stream) {
+    MM_GPU_CHECK(cudaEventRecord((cudaEvent_t)ev, (cudaStream_t)stream));
+    return MM_OK;
+}
+
+extern "C" mm_err mm_gpu_stream_wait_event(void *stream, void *ev) {
+    MM_GPU_CHECK(cudaStreamWaitEvent((cudaStream_t)stream, (cudaEvent_t)ev, 0));
+    return MM_OK;
+}
+
+extern "C" mm_err mm_gpu_event_sync(void *ev) {
+    MM_GPU_CHECK(cudaEventSynchronize((cudaEvent_t)ev));
+    return MM_OK;
+}
+
+extern "C" mm_err mm_gpu_memcpy_any(void *stream, void *d_dst, const void *d_src, size_t n_bytes) {
+    if (n_bytes == 0)
+        return MM_OK;
+    // cudaMemcpyDefault: unified addressing picks device-to-device or peer (another GPU).
+    MM_GPU_CHECK(cudaMemcpyAsync(d_dst, d_src, n_bytes, cudaMemcpyDefault, (cudaStream_t)stream));
+    return MM_OK;
+}
+
+extern "C" mm_err mm_gpu_device_pci_id(int dev, char id[32]) {
+    if (id == NULL)
+        return MM_EINVAL;
+    MM_GPU_CHECK(cudaDeviceGetPCIBusId(id, 32, dev));
+    return MM_OK;
+}
+
+extern "C" mm_err mm_gpu_current_device(int *dev) {
+    if (dev == NULL)
+        return MM_EINVAL;
+    MM_GPU_CHECK(cudaGetDevice(dev));
+    return MM_OK;
+}

@@ -117,6 +117,7 @@ struct gw_api {
     // mesh health as last seen
     bool mesh_ok;
     char mesh_why[MM_ERRLEN + 32]; // room for "router unreachable: " + an mm_err text
+    char router_detail[MM_CTL_MAX_STR]; // the router's status detail (drafting metrics)
     gw_call *health_call;
     bool stopping;
 };
@@ -1678,6 +1679,8 @@ void gw_api_note_status(void *arg, mm_err rv, const Mmctl__StatusReply *reply,
         snprintf(a->mesh_why, sizeof(a->mesh_why), "router unreachable: %s", err);
         return;
     }
+    if (reply->n_members > 0 && !strcmp(reply->members[0]->identity->role, "router"))
+        snprintf(a->router_detail, sizeof(a->router_detail), "%s", reply->members[0]->detail);
     static const char *need[] = {"attention", "expert"};
     char why[MM_ERRLEN] = "";
     for (size_t k = 0; k < 2; k++) {
@@ -1830,3 +1833,5 @@ void gw_api_free(gw_api *a) {
 const gw_metrics *gw_api_metrics(const gw_api *a) { return &a->m; }
 void gw_api_sched_stats(const gw_api *a, gw_sched_stats *st) { gw_sched_get_stats(a->sched, st); }
 const char *gw_api_model_name(const gw_api *a) { return a->model_name; }
+
+const char *gw_api_router_detail(const gw_api *a) { return a->router_detail; }

@@ -74,5 +74,8 @@ int gw_metrics_route(void *arg, h2o_req_t *req);
 const gw_metrics *gw_api_metrics(const gw_api *a);
 void gw_api_sched_stats(const gw_api *a, gw_sched_stats *st);
 const char *gw_api_model_name(const gw_api *a);
+// gw_api_router_detail: the router's status detail as of the last status answer ("" before
+// one): its drafting counters (step_draft.c), which /metrics exposes.
+const char *gw_api_router_detail(const gw_api *a);
 
 #endif

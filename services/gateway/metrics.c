@@ -3,6 +3,7 @@
 // metric families vLLM users know, named moemesh:...; see api.h.
 #define H2O_USE_LIBUV 1
 #include <h2o.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "api.h"
@@ -105,6 +106,125 @@ static void one(struct out *o, const char *type, const char *name, const char *h
          type, name, labels, v);
 }
 
+// ---- drafting: the router's counters, from its status detail ---------------------------------
+// The router publishes them in its status detail (services/router/step_draft.c, mm_draft_end):
+// "... drafting: drafted=D accepted=A emitted=E ... drafter_misses=X drafts=V ...
+// pos_drafted=t0/t1/.. pos_accepted=a0/a1/.. widths=0:n0,1:n1,..". The gateway holds the
+// detail of its last status answer (its periodic mesh check, or a GET /health), so these figures
+// are as fresh as that.
+
+#define SPEC_MAX_POS 16
+
+typedef struct spec_counters {
+    unsigned long long drafted, accepted, emitted, misses, drafts;
+    unsigned long long pos_drafted[SPEC_MAX_POS], pos_accepted[SPEC_MAX_POS];
+    unsigned long long widths[SPEC_MAX_POS + 1];
+    int n_pos, n_widths;
+} spec_counters;
+
+// spec_field: the text after " key=" in the drafting part of detail, or NULL.
+static const char *spec_field(const char *d, const char *key) {
+    size_t kl = strlen(key);
+    for (const char *p = strstr(d, key); p; p = strstr(p + 1, key))
+        if ((p == d || p[-1] == ' ') && p[kl] == '=')
+            return p + kl + 1;
+    return NULL;
+}
+
+static unsigned long long spec_num(const char *d, const char *key) {
+    const char *v = spec_field(d, key);
+    return v ? strtoull(v, NULL, 10) : 0;
+}
+
+// spec_list reads "n0/n1/..." after key into out (max entries); returns the count.
+static int spec_list(const char *d, const char *key, unsigned long long *out, int max) {
+    const char *v = spec_field(d, key);
+    int n = 0;
+    while (v && n < max && *v >= '0' && *v <= '9') {
+        char *end;
+        out[n++] = strtoull(v, &end, 10);
+        v = *end == '/' ? end + 1 : NULL;
+    }
+    return n;
+}
+
+static void spec_parse(const char *detail, spec_counters *c) {
+    memset(c, 0, sizeof(*c));
+    const char *d = strstr(detail, "drafting:");
+    if (!d)
+        return;
+    c->drafted = spec_num(d, "drafted");
+    c->accepted = spec_num(d, "accepted");
+    c->emitted = spec_num(d, "emitted");
+    c->misses = spec_num(d, "drafter_misses");
+    c->drafts = spec_num(d, "drafts");
+    int a = spec_list(d, "pos_drafted", c->pos_drafted, SPEC_MAX_POS);
+    int b = spec_list(d, "pos_accepted", c->pos_accepted, SPEC_MAX_POS);
+    c->n_pos = a < b ? a : b;
+    const char *w = spec_field(d, "widths"); // "0:n0,1:n1,..."
+    while (w && *w >= '0' && *w <= '9') {
+        char *end;
+        unsigned long k = strtoul(w, &end, 10);
+        if (*end != ':' || k > SPEC_MAX_POS)
+            break;
+        c->widths[k] = strtoull(end + 1, &end, 10);
+        if ((int)k + 1 > c->n_widths)
+            c->n_widths = (int)k + 1;
+        w = *end == ',' ? end + 1 : NULL;
+    }
+}
+
+static void spec_metrics(struct out *o, const char *lab, const char *bare, const char *detail) {
+    spec_counters c;
+    spec_parse(detail, &c);
+    one(o, "counter", "spec_decode_num_drafts_total",
+        "Speculative decoding: verifications of drafts (a seq's step with at least one draft).",
+        bare, (double)c.drafts);
+    one(o, "counter", "spec_decode_num_draft_tokens_total",
+        "Speculative decoding: drafted tokens verified by the target.", bare, (double)c.drafted);
+    one(o, "counter", "spec_decode_num_accepted_tokens_total",
+        "Speculative decoding: drafted tokens accepted (each one a token without its own step).",
+        bare, (double)c.accepted);
+    one(o, "counter", "spec_decode_num_emitted_tokens_total",
+        "Speculative decoding: tokens emitted by decode steps of drafting-capable seqs "
+        "(accepted drafts plus the target's own token per seq and step).", bare,
+        (double)c.emitted);
+    one(o, "counter", "spec_decode_drafter_misses_total",
+        "Speculative decoding: steps that went on without drafts (drafter down, late or "
+        "refusing).", bare, (double)c.misses);
+    one(o, "gauge", "spec_decode_acceptance_rate",
+        "Speculative decoding: accepted / drafted tokens so far.", bare,
+        c.drafted ? (double)c.accepted / (double)c.drafted : 0);
+    one(o, "gauge", "spec_decode_mean_accepted_length",
+        "Speculative decoding: accepted tokens per verification so far.", bare,
+        c.drafts ? (double)c.accepted / (double)c.drafts : 0);
+    outf(o, "# HELP moemesh:spec_decode_num_draft_tokens_per_pos_total Speculative decoding: "
+            "drafts verified at each position (0: the first draft of a step; position i is "
+            "verified only when 0..i-1 were accepted).\n"
+            "# TYPE moemesh:spec_decode_num_draft_tokens_per_pos_total counter\n");
+    for (int i = 0; i < c.n_pos; i++)
+        outf(o, "moemesh:spec_decode_num_draft_tokens_per_pos_total{%sposition=\"%d\"} %llu\n",
+             lab, i, c.pos_drafted[i]);
+    outf(o, "# HELP moemesh:spec_decode_num_accepted_tokens_per_pos_total Speculative decoding: "
+            "drafts accepted at each position.\n"
+            "# TYPE moemesh:spec_decode_num_accepted_tokens_per_pos_total counter\n");
+    for (int i = 0; i < c.n_pos; i++)
+        outf(o, "moemesh:spec_decode_num_accepted_tokens_per_pos_total{%sposition=\"%d\"} %llu\n",
+             lab, i, c.pos_accepted[i]);
+    outf(o, "# HELP moemesh:spec_decode_acceptance_rate_per_pos Speculative decoding: accepted / "
+            "verified drafts at each position.\n"
+            "# TYPE moemesh:spec_decode_acceptance_rate_per_pos gauge\n");
+    for (int i = 0; i < c.n_pos; i++)
+        outf(o, "moemesh:spec_decode_acceptance_rate_per_pos{%sposition=\"%d\"} %.9g\n", lab, i,
+             c.pos_drafted[i] ? (double)c.pos_accepted[i] / (double)c.pos_drafted[i] : 0);
+    outf(o, "# HELP moemesh:spec_decode_width_chosen_total Speculative decoding: seq steps by "
+            "the draft width chosen for them (0: no drafts asked).\n"
+            "# TYPE moemesh:spec_decode_width_chosen_total counter\n");
+    for (int i = 0; i < c.n_widths; i++)
+        outf(o, "moemesh:spec_decode_width_chosen_total{%swidth=\"%d\"} %llu\n", lab, i,
+             c.widths[i]);
+}
+
 int gw_metrics_route(void *arg, h2o_req_t *req) {
     gw_api *a = arg;
     const gw_metrics *m = gw_api_metrics(a);
@@ -161,6 +281,7 @@ int gw_metrics_route(void *arg, h2o_req_t *req) {
     hist(&o, "gateway_step_plan_seconds",
          "Per step: building and handing the next StepPlan to nng (before any socket write).",
          lab, &m->plan);
+    spec_metrics(&o, lab, bare, gw_api_router_detail(a));
     char *copy = h2o_mem_alloc_pool(&req->pool, o.len ? o.len : 1);
     memcpy(copy, o.p, o.len);
     free(o.p);

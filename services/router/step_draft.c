@@ -395,8 +395,9 @@ void mm_draft_ctrl_sent(mm_draft *d, int s) {
 void mm_draft_verified(mm_draft *d, const Mmctl__SeqStep *q, uint32_t n_draft,
                        uint32_t accepted, const int32_t *drafts) {
     d->emitted += accepted + 1;
-    d->widths[n_draft <= MM_DRAFT_MAX_K ? n_draft : MM_DRAFT_MAX_K]++;
     struct rseq *r = find(d, q->seq_id);
+    uint32_t chosen = r && r->last_step == d->step_no ? r->asked : 0;
+    d->widths[chosen <= MM_DRAFT_MAX_K ? chosen : MM_DRAFT_MAX_K]++;
     if (r && accepted == n_draft && r->asked > n_draft) // asked for more than the drafter had:
         r->acc += 0.15f * (0.0f - r->acc);               // the chain ended there
     if (n_draft == 0 || !r)
@@ -424,18 +425,37 @@ void mm_draft_end(mm_draft *d, uint64_t step_ns) {
         return;
     char buf[MM_CTL_MAX_STR];
     int n = snprintf(buf, sizeof(buf), "hub; drafting: drafted=%llu accepted=%llu emitted=%llu "
-                     "rate=%.3f mean_accepted=%.3f drafter_misses=%llu by_pos=",
+                     "rate=%.3f mean_accepted=%.3f drafter_misses=%llu drafts=%llu by_pos=",
                      (unsigned long long)d->drafted, (unsigned long long)d->accepted,
                      (unsigned long long)d->emitted,
                      d->drafted ? (double)d->accepted / (double)d->drafted : 0.0,
                      d->verified ? (double)d->accepted / (double)d->verified : 0.0,
-                     (unsigned long long)d->misses);
+                     (unsigned long long)d->misses, (unsigned long long)d->verified);
     for (int k = 0; k < d->c.max_k && n < (int)sizeof(buf) - 32; k++)
         n += snprintf(buf + n, sizeof(buf) - (size_t)n, "%s%.3f", k ? "/" : "",
                       d->pos_tried[k] ? (double)d->pos_ok[k] / (double)d->pos_tried[k] : 0.0);
+    n += snprintf(buf + n, sizeof(buf) - (size_t)n, " pos_drafted=");
+    for (int k = 0; k < d->c.max_k && n < (int)sizeof(buf) - 32; k++)
+        n += snprintf(buf + n, sizeof(buf) - (size_t)n, "%s%llu", k ? "/" : "",
+                      (unsigned long long)d->pos_tried[k]);
+    n += snprintf(buf + n, sizeof(buf) - (size_t)n, " pos_accepted=");
+    for (int k = 0; k < d->c.max_k && n < (int)sizeof(buf) - 32; k++)
+        n += snprintf(buf + n, sizeof(buf) - (size_t)n, "%s%llu", k ? "/" : "",
+                      (unsigned long long)d->pos_ok[k]);
     n += snprintf(buf + n, sizeof(buf) - (size_t)n, " widths=");
     for (int k = 0; k <= d->c.max_k && n < (int)sizeof(buf) - 32; k++)
         n += snprintf(buf + n, sizeof(buf) - (size_t)n, "%s%d:%llu", k ? "," : "", k,
                       (unsigned long long)d->widths[k]);
+    // the step-time prices (ms) of the last step's range, '-' where unmeasured
+    n += snprintf(buf + n, sizeof(buf) - (size_t)n, " range=%d prices_ms=", d->step_bucket);
+    for (int k = 0; k <= d->c.max_k && n < (int)sizeof(buf) - 32; k++) {
+        if (d->costs.n[d->step_bucket][k])
+            n += snprintf(buf + n, sizeof(buf) - (size_t)n, "%s%.2f", k ? "/" : "",
+                          d->costs.T[d->step_bucket][k]);
+        else
+            n += snprintf(buf + n, sizeof(buf) - (size_t)n, "%s-", k ? "/" : "");
+    }
+    n += snprintf(buf + n, sizeof(buf) - (size_t)n, " explored=%llu",
+                  (unsigned long long)d->explored);
     mm_registry_set_self_detail(d->reg, buf);
 }

@@ -42,6 +42,27 @@ drafted=$(echo "$body" | text) || fail "completion without logprobs failed: $bod
 "$BIN/moemesh" status --router "$ROUTER" | grep -q "drafting: drafted=[1-9][0-9]* accepted=[1-9]" \
     || fail "no drafts in the router's metrics: $("$BIN/moemesh" status --router "$ROUTER" | grep -o 'hub.*')"
 echo "ok up --drafter: gateway completion with drafting equals it without ($("$BIN/moemesh" status --router "$ROUTER" | grep -o 'drafted=[0-9]* accepted=[0-9]*'))"
+# The gateway's /metrics has the router's drafting counters (as of its last status answer: a
+# GET /health refreshes it), as moemesh:spec_decode_* families that agree with the router's.
+curl -s "http://127.0.0.1:$port/health" >/dev/null
+st=$("$BIN/moemesh" status --router "$ROUTER" | grep -o 'drafting:.*')
+met=$(curl -s "http://127.0.0.1:$port/metrics")
+mval() { echo "$met" | grep "^moemesh:$1{" | grep "${2:-}" | head -1 | awk '{print $2}'; }
+sval() { echo "$st" | grep -o " $1=[0-9]*" | cut -d= -f2; }
+[ -n "$(mval spec_decode_num_accepted_tokens_total)" ] || fail "/metrics has no drafting counters: $(echo "$met" | grep -c spec_decode) spec_decode lines"
+for f in drafted:num_draft_tokens_total accepted:num_accepted_tokens_total \
+         emitted:num_emitted_tokens_total drafts:num_drafts_total; do
+    [ "$(sval ${f%%:*})" == "$(mval spec_decode_${f#*:})" ] ||
+        fail "/metrics spec_decode_${f#*:} = '$(mval spec_decode_${f#*:})', router ${f%%:*} = '$(sval ${f%%:*})'"
+done
+[ "$(mval spec_decode_num_accepted_tokens_total)" -gt 0 ] || fail "/metrics: no accepted drafts"
+p0=$(mval spec_decode_num_accepted_tokens_per_pos_total 'position="0"')
+[ -n "$p0" ] && [ "$p0" -gt 0 ] || fail "/metrics: no accepted drafts at position 0: '$p0'"
+# every seq step is counted once by its chosen width: their sum is emitted - accepted
+wsum=$(echo "$met" | grep '^moemesh:spec_decode_width_chosen_total{' | awk '{s += $2} END {print s}')
+[ "$wsum" == "$(( $(sval emitted) - $(sval accepted) ))" ] ||
+    fail "/metrics widths chosen sum to $wsum, expected emitted - accepted = $(( $(sval emitted) - $(sval accepted) ))"
+echo "ok /metrics: moemesh:spec_decode_* agree with the router (accepted $(sval accepted), widths sum $wsum)"
 off=$("$BIN/moemesh" mesh-generate --router "$ROUTER" --ids 21,22,23,24 --max-tokens 20 --logprobs --concurrent 3 --all) \
     || fail "mesh-generate failed"
 on=$("$BIN/moemesh" mesh-generate --router "$ROUTER" --ids 21,22,23,24 --max-tokens 20 --logprobs --concurrent 3 --all --draft 4 2>"$RUN/on.err") \

@@ -26,6 +26,7 @@ if [ "${1:-}" = "--stage" ]; then
     B=${BUILD_CUDA:-build/cuda}
     mkdir -p "$D/lib" || exit 2
     for f in bin/moemesh bin/moemesh-router bin/moemesh-attention bin/moemesh-expert \
+             bin/moemesh-drafter bin/moemesh-gateway \
              bin/moemesh-gpu-bench tests/kernels/cuda_ops_test; do
         [ -x "$B/$f" ] || { echo "stage: $B/$f missing (make cuda first)"; exit 2; }
         strip -o "$D/$(basename "$f")" "$B/$f" || exit 2

@@ -28,6 +28,9 @@ static const struct shape shapes[] = {
     {"qwen3_moe", "tiny", 512, 64, 4, 2, 16, 128, 16, 4, 32, 1e4, 512},
     {"mixtral", "mixtral-8x7b", 32000, 4096, 32, 8, 128, 14336, 8, 2, 14336, 1e6, 32768},
     {"mixtral", "tiny", 512, 64, 4, 2, 16, 96, 8, 2, 96, 1e6, 512},
+    // dense (draft models for the MoE shapes of the same vocabulary): d_ff is the MLP's
+    {"qwen3", "qwen3-0.6b", 151936, 1024, 16, 8, 128, 3072, 0, 0, 0, 1e6, 40960},
+    {"qwen3", "tiny", 512, 64, 4, 2, 16, 128, 0, 0, 0, 1e4, 512},
 };
 
 // ---- deterministic weights: a counter-based hash, so any byte range can be made alone --------
@@ -115,6 +118,16 @@ static mm_err write_config(const char *dir, const struct shape *s, int layers, c
                       "rope_theta", s->rope_theta, "hidden_act", "silu",
                       "max_position_embeddings", s->max_pos, "tie_word_embeddings", 0,
                       "attention_bias", 0, "torch_dtype", "bfloat16");
+    else if (strcmp(s->family, "qwen3") == 0)
+        j = json_pack("{s:[s], s:s, s:i, s:i, s:i, s:i, s:i, s:i, s:i, s:f, s:f, s:s, s:i, s:b,"
+                      " s:b, s:s}",
+                      "architectures", "Qwen3ForCausalLM", "model_type", "qwen3",
+                      "vocab_size", s->vocab, "hidden_size", s->d_model, "num_hidden_layers",
+                      layers, "num_attention_heads", s->n_heads, "num_key_value_heads",
+                      s->n_kv_heads, "head_dim", s->head_dim, "intermediate_size", s->d_ff,
+                      "rms_norm_eps", 1e-6, "rope_theta", s->rope_theta, "hidden_act", "silu",
+                      "max_position_embeddings", s->max_pos, "tie_word_embeddings", 0,
+                      "attention_bias", 0, "torch_dtype", "bfloat16");
     else
         j = json_pack("{s:[s], s:s, s:i, s:i, s:i, s:i, s:i, s:i, s:i, s:i, s:i, s:f, s:f, s:s,"
                       " s:i, s:b, s:n, s:s}",
@@ -139,9 +152,9 @@ static int run_synth(int argc, char **argv) {
     char *family = NULL, *shape_name = NULL, *out = NULL, *tok_from = NULL;
     long long layers = 2, seed = 1;
     mm_opt opts[] = {
-        {"family", MM_OPT_STR, &family, "qwen3_moe", "qwen3_moe or mixtral"},
+        {"family", MM_OPT_STR, &family, "qwen3_moe", "qwen3_moe, mixtral or qwen3 (dense)"},
         {"shape", MM_OPT_STR, &shape_name, "qwen3-30b-a3b",
-         "qwen3-30b-a3b, qwen3-235b-a22b, mixtral-8x7b or tiny"},
+         "qwen3-30b-a3b, qwen3-235b-a22b, mixtral-8x7b, qwen3-0.6b (qwen3) or tiny"},
         {"layers", MM_OPT_INT, &layers, "2", "decoder layers to write"},
         {"seed", MM_OPT_INT, &seed, "1", "weights seed"},
         {"out", MM_OPT_STR, &out, NULL, "output directory (created)"},
@@ -179,6 +192,7 @@ static int run_synth(int argc, char **argv) {
         goto done;
     }
     const bool mix = strcmp(s->family, "mixtral") == 0;
+    const bool dense = strcmp(s->family, "qwen3") == 0;
     const int64_t D = s->d_model, H = s->n_heads, KV = s->n_kv_heads, hd = s->head_dim;
     const int64_t E = s->n_experts, F = s->d_ff_expert;
     size_t cap = 8 + (size_t)layers * (size_t)(16 + 3 * E);
@@ -207,6 +221,12 @@ static int run_synth(int argc, char **argv) {
         if (!mix) {
             add(e, norm, &n, L("self_attn.q_norm.weight"), 0, hd, 1);
             add(e, norm, &n, L("self_attn.k_norm.weight"), 0, hd, 1);
+        }
+        if (dense) {
+            add(e, norm, &n, L("mlp.gate_proj.weight"), s->d_ff, D, 0);
+            add(e, norm, &n, L("mlp.up_proj.weight"), s->d_ff, D, 0);
+            add(e, norm, &n, L("mlp.down_proj.weight"), D, s->d_ff, 0);
+            continue;
         }
         const char *moe = mix ? "block_sparse_moe" : "mlp";
         add(e, norm, &n, L("%s.gate.weight", moe), E, D, 0);

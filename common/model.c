@@ -6,10 +6,22 @@
 // ops take as f32 (biases, routing correction bias) are converted once at open. Each stage
 // is a short, fixed sequence of backend ops on one caller-owned scratch; nothing allocates
 // after mm_model_scratch_new. Math follows transformers 5.17 modeling_<family>.py.
+//
+// The device path of the engine (mm_model_forward on a backend with route_plan and
+// moe_matmul_dev): the step's inputs (ids, positions, sequences, wanted rows) go to the
+// backend in one copy; routing is planned on the device (route_plan), the grouped products
+// read expert pointer tables uploaded once at open, and combine reads the rank-major weights
+// the plan wrote, so a step issues no read-back. On device backends each expert's gate and up
+// matrices share one buffer ([gate; up], rows 2F), and the engine runs them as one grouped
+// product of 2F outputs: an output's bits depend only on its own row and n_in (kernels.h
+// Exactness), so this equals the separate products the mesh's owners run. With capture_begin
+// the whole step is recorded once per (rows, wanted rows) shape as a graph and replayed
+// (MM_GPU_GRAPHS=0 turns that off; MM_DEVICE_ROUTING=0 turns the whole device path off).
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "mm/log.h"
 #include "mm/model.h"
 #include "mm/safetensors.h"
 
@@ -25,6 +37,9 @@ struct layer {
     mm_weight sg, su, sd;                             // shared experts or dense MLP
     mm_weight s_gate;                                 // Qwen2-MoE shared_expert_gate (1, d)
     bool has_shared;
+    bool gu_fused;                                    // eg[e], eu[e] contiguous: [gate; up]
+    const void *const *egu_tab, *const *eg_tab, *const *eu_tab, *const *ed_tab; // device path:
+                                                      // backend arrays of E expert pointers
 };
 
 struct mm_model {
@@ -36,6 +51,7 @@ struct mm_model {
     struct layer *layers;
     void **owned;    // backend buffers to free
     size_t n_owned, cap_owned;
+    bool dev;        // the engine's device path (see the design notes)
 };
 
 const mm_model_config *mm_model_cfg(const mm_model *m) { return &m->c; }
@@ -137,6 +153,82 @@ static mm_err bind_mlp(mm_model *m, int l, const char *prefix, int64_t ff, mm_we
     return MM_OK;
 }
 
+// upload_cat: one owned backend buffer holding a's bytes then b's (b may be NULL).
+static mm_err upload_cat(mm_model *m, const void *a, size_t na, const void *b, size_t nb,
+                         void **out) {
+    void *p = NULL;
+    MM_TRY(m->be->ops->buffer_alloc(m->be->ctx, na + nb, &p));
+    mm_err rv = own(m, p);
+    if (rv != MM_OK) {
+        m->be->ops->buffer_free(m->be->ctx, p);
+        return rv;
+    }
+    MM_TRY(m->be->ops->set(m->be->ctx, p, a, na));
+    if (b)
+        MM_TRY(m->be->ops->set(m->be->ctx, (char *)p + na, b, nb));
+    *out = p;
+    return MM_OK;
+}
+
+// Experts on a device backend: expert e's gate and up rows in one buffer, gate first, so
+// that eg[e] and eu[e] are views of it and the engine can run both as one product. Hub layout
+// (per-expert tensors, gate and up of one dtype) or the fused transformers-5 layout (whose
+// gate_up_proj slice of an expert already is [gate; up]).
+static mm_err bind_experts_dev(mm_model *m, int l, const char *moe, struct layer *L,
+                               const mm_st_tensor *gu, char *err) {
+    const mm_model_config *c = &m->c;
+    const int64_t D = c->d_model, F = c->d_ff_expert, E = c->n_experts;
+    const bool mix = c->arch == MM_ARCH_MIXTRAL;
+    char n[256];
+    const mm_st_tensor *dn = NULL;
+    if (gu) {
+        const mm_st_tensor *t = NULL;
+        int64_t s1[3] = {E, 2 * F, D}, s2[3] = {E, D, F};
+        LNAME(n, l, "%s.experts.gate_up_proj", moe);
+        MM_TRY(mm_safetensors_get(m->st, n, 3, s1, &t, err));
+        LNAME(n, l, "%s.experts.down_proj", moe);
+        MM_TRY(mm_safetensors_get(m->st, n, 3, s2, &dn, err));
+        if (t->dtype != MM_DTYPE_BF16 || dn->dtype != MM_DTYPE_BF16)
+            return mm_errf(err, MM_EUNSUPP, "fused experts of layer %d must be bf16", l);
+        gu = t;
+    }
+    for (int64_t e = 0; e < E; e++) {
+        void *p = NULL;
+        enum mm_dtype dt = MM_DTYPE_BF16;
+        size_t half = 0;
+        if (gu) {
+            half = (size_t)(F * D) * 2;
+            MM_TRY(upload_cat(m, (const char *)gu->data + (size_t)e * 2 * half, 2 * half, NULL,
+                              0, &p));
+            void *q = NULL;
+            MM_TRY(upload_cat(m, (const char *)dn->data + (size_t)e * half, half, NULL, 0, &q));
+            L->ed[e] = (mm_weight){MM_DTYPE_BF16, D, F, q};
+        } else {
+            const mm_st_tensor *tg = NULL, *tu = NULL;
+            int64_t sh[2] = {F, D};
+            LNAME(n, l, "%s.experts.%lld.%s.weight", moe, (long long)e, mix ? "w1" : "gate_proj");
+            MM_TRY(mm_safetensors_get(m->st, n, 2, sh, &tg, err));
+            LNAME(n, l, "%s.experts.%lld.%s.weight", moe, (long long)e, mix ? "w3" : "up_proj");
+            MM_TRY(mm_safetensors_get(m->st, n, 2, sh, &tu, err));
+            dt = tg->dtype;
+            if (tu->dtype != dt || (dt != MM_DTYPE_BF16 && dt != MM_DTYPE_F16 &&
+                                    dt != MM_DTYPE_F32))
+                return mm_errf(err, MM_EUNSUPP, "%s: experts.%lld gate and up of layer %d have "
+                               "dtypes %s and %s (one of bf16, f16, f32 needed)",
+                               mm_safetensors_file_name(m->st, tg->file), (long long)e, l,
+                               mm_dtype_name(dt), mm_dtype_name(tu->dtype));
+            half = tg->n_bytes;
+            MM_TRY(upload_cat(m, tg->data, tg->n_bytes, tu->data, tu->n_bytes, &p));
+            LNAME(n, l, "%s.experts.%lld.%s.weight", moe, (long long)e, mix ? "w2" : "down_proj");
+            MM_TRY(bind(m, n, D, F, &L->ed[e], err));
+        }
+        L->eg[e] = (mm_weight){dt, F, D, p};
+        L->eu[e] = (mm_weight){dt, F, D, (const char *)p + half};
+    }
+    L->gu_fused = true;
+    return MM_OK;
+}
+
 // Experts: Hub layout (experts.N.{gate,up,down}_proj / Mixtral w1,w3,w2), or the fused
 // transformers-5 layout (experts.gate_up_proj (E, 2*ff, d), experts.down_proj (E, d, ff)).
 static mm_err bind_experts(mm_model *m, int l, const char *moe, struct layer *L, char *err) {
@@ -168,6 +260,8 @@ static mm_err bind_experts(mm_model *m, int l, const char *moe, struct layer *L,
         return MM_OK;
     }
     const bool mix = c->arch == MM_ARCH_MIXTRAL;
+    if (!m->be->ops->host_memory) // device: [gate; up] of each expert in one buffer
+        return bind_experts_dev(m, l, moe, L, gu, err);
     for (int64_t e = 0; e < E; e++) {
         LNAME(n, l, "%s.experts.%lld.%s.weight", moe, (long long)e, mix ? "w1" : "gate_proj");
         MM_TRY(bind(m, n, F, D, &L->eg[e], err));
@@ -267,6 +361,58 @@ static mm_err bind_layer(mm_model *m, int l, char *err) {
     return MM_OK;
 }
 
+// upload_ptrs: an owned backend array of the n data pointers of ws (the expert table the
+// device path's grouped products read), or of base + off for each (off in bytes).
+static mm_err upload_ptrs(mm_model *m, const mm_weight *ws, int n, const void *const **out) {
+    const void **h = malloc((size_t)n * sizeof(void *));
+    if (!h)
+        return MM_ENOMEM;
+    for (int i = 0; i < n; i++)
+        h[i] = ws[i].data;
+    mm_err rv = upload(m, h, (size_t)n * sizeof(void *), (void **)out);
+    free(h);
+    return rv;
+}
+
+static bool env_off(const char *name) {
+    const char *v = getenv(name);
+    return v && (strcmp(v, "0") == 0 || strcmp(v, "off") == 0 || strcmp(v, "false") == 0);
+}
+
+// The device path needs a device backend with route_plan and moe_matmul_dev, and every
+// layer's experts in one dtype; then each MoE layer gets its expert pointer tables.
+static mm_err bind_dev_tables(mm_model *m) {
+    const struct mm_backend_ops *ops = m->be->ops;
+    const mm_model_config *c = &m->c;
+    m->dev = !ops->host_memory && ops->route_plan && ops->moe_matmul_dev &&
+             !env_off("MM_DEVICE_ROUTING");
+    for (int l = 0; m->dev && l < c->n_layers; l++) {
+        const struct layer *L = &m->layers[l];
+        if (!c->layer_moe[l])
+            continue;
+        for (int e = 1; e < c->n_experts; e++)
+            if (L->eg[e].dtype != L->eg[0].dtype || L->ed[e].dtype != L->ed[0].dtype ||
+                L->eu[e].dtype != L->eu[0].dtype)
+                m->dev = false;
+    }
+    if (!m->dev)
+        return MM_OK;
+    for (int l = 0; l < c->n_layers; l++) {
+        struct layer *L = &m->layers[l];
+        if (!c->layer_moe[l])
+            continue;
+        const int E = c->n_experts;
+        if (L->gu_fused) {
+            MM_TRY(upload_ptrs(m, L->eg, E, &L->egu_tab));
+        } else {
+            MM_TRY(upload_ptrs(m, L->eg, E, &L->eg_tab));
+            MM_TRY(upload_ptrs(m, L->eu, E, &L->eu_tab));
+        }
+        MM_TRY(upload_ptrs(m, L->ed, E, &L->ed_tab));
+    }
+    return MM_OK;
+}
+
 mm_err mm_model_open(mm_model **out, const char *dir, mm_backend *be, char err[MM_ERRLEN]) {
     *out = NULL;
     mm_model *m = calloc(1, sizeof(*m));
@@ -293,6 +439,7 @@ mm_err mm_model_open(mm_model **out, const char *dir, mm_backend *be, char err[M
     }
     for (int l = 0; l < c->n_layers; l++)
         MM_TRY_GOTO(rv, bind_layer(m, l, err), fail);
+    MM_TRY_GOTO(rv, bind_dev_tables(m), fail);
     *out = m;
     return MM_OK;
 fail:
@@ -372,6 +519,8 @@ void mm_model_kv_params(const mm_model *m, mm_kv_params *p) {
 }
 
 // ---- scratch --------------------------------------------------------------------------------
+#define MM_MODEL_GRAPHS 8
+
 struct mm_model_scratch {
     int64_t max_rows;
     mm_backend *be;
@@ -391,6 +540,22 @@ struct mm_model_scratch {
     float *wts;                                           // host
     int32_t *offs2;                                       // host (E+1): a chunk's offsets
     int32_t *rt;                                          // host (2, R, K): routing result
+    // device path (mm_model.dev): the step's inputs, [ids | pos | seq | wanted rows], R each
+    // (pos_d and seq_d point into it), filled from h_in by one set per step
+    bool dev;
+    int32_t *in_d, *h_in;
+    int32_t *offs_d, *src_d, *dst_d, *tok_d; // routing plan (E+1, R*K, R*K), argmax (R)
+    float *wt_d;                             // rank-major routing weights (K, R)
+    // recorded steps, keyed by shape and the buffers baked into them
+    struct step_graph {
+        int64_t n, nw;
+        const void *kv, *logits;
+        void *graph;
+        uint64_t used;
+    } graphs[MM_MODEL_GRAPHS];
+    struct step_graph last; // the previous step's key (a shape seen twice gets recorded)
+    uint64_t tick;
+    bool no_graphs;         // capture failed once, or MM_GPU_GRAPHS=0
 };
 
 static mm_err sbuf(mm_model_scratch *s, size_t n_bytes, void **out) {
@@ -404,9 +569,13 @@ static mm_err sbuf(mm_model_scratch *s, size_t n_bytes, void **out) {
 void mm_model_scratch_free(mm_model_scratch *s) {
     if (!s)
         return;
+    for (int i = 0; i < MM_MODEL_GRAPHS; i++)
+        if (s->graphs[i].graph)
+            s->be->ops->graph_free(s->be->ctx, s->graphs[i].graph);
     for (int i = 0; i < s->n_bufs; i++)
         s->be->ops->buffer_free(s->be->ctx, s->bufs[i]);
     free(s->bufs);
+    free(s->h_in);
     free(s->ids);
     free(s->cnt);
     free(s->slot_list);
@@ -442,6 +611,12 @@ mm_err mm_model_scratch_new(mm_model_scratch **out, const mm_model *m, int64_t m
         ff = (size_t)c->d_ff_expert;
     if ((size_t)c->d_ff_shared > ff)
         ff = (size_t)c->d_ff_shared;
+    // device path: all n*K routed rows in one grouped call (no chunks), gate and up side by
+    // side in g (2F wide)
+    s->dev = m->dev;
+    const size_t RX = s->dev ? R * K : R, Fe = (size_t)c->d_ff_expert;
+    const size_t g_n = s->dev && RX * 2 * Fe > R * ff ? RX * 2 * Fe : R * ff;
+    const size_t uf_n = s->dev && RX * Fe > R * ff ? RX * Fe : R * ff;
     const size_t qdim = H * (size_t)c->head_dim, vdim = (size_t)c->n_kv_heads * c->head_dim_v;
     const size_t kdim = (size_t)c->n_kv_heads * c->head_dim;
     const size_t aodim = H * (size_t)c->head_dim_v;
@@ -458,22 +633,31 @@ mm_err mm_model_scratch_new(mm_model_scratch **out, const mm_model *m, int64_t m
         F32(kvn, R * (size_t)c->kv_lora_rank);
         F32(kvb, R * H * (size_t)(c->qk_nope + c->v_head_dim));
     }
-    F32(g, R * ff);
-    F32(u, R * ff);
-    F32(f, R * ff);
+    F32(g, g_n);
+    F32(u, uf_n);
+    F32(f, uf_n);
     F32(rl, R * E);
     F32(acc, R * D);
     F32(alpha, R * K); // combine: rank r's weights at alpha + r * n
     F32(sgate, R);
-    F32(pos_d, R);
-    F32(seq_d, R);
+    F32(in_d, 4 * R);
+    s->pos_d = s->in_d + R;
+    s->seq_d = s->in_d + 2 * R;
     F32(idx_d, R * (H > K ? H : K));
     F32(idx2_d, R * K);
     F32(ids_d, 2 * R * K); // gate: ids (n, K) then their weights (n, K), read in one get
     F32(h, R * D);
     F32(x, R * D);
-    F32(xin, R * D);
-    F32(yout, R * D);
+    F32(xin, RX * D);
+    F32(yout, RX * D);
+    if (s->dev) {
+        F32(offs_d, E + 1);
+        F32(src_d, R * K);
+        F32(dst_d, R * K);
+        F32(wt_d, R * K);
+    }
+    if (m->be->ops->argmax)
+        F32(tok_d, R);
     F32(eo, R * K * D);
     F32(sh, R * D);
     F32(hn, R * D);
@@ -486,8 +670,10 @@ mm_err mm_model_scratch_new(mm_model_scratch **out, const mm_model *m, int64_t m
     s->want_idx = malloc(R * 4);
     s->offs2 = malloc((E + 1) * 4);
     s->rt = malloc(2 * R * K * 4);
+    s->h_in = malloc(4 * R * 4);
+    s->no_graphs = !m->be->ops->capture_begin || env_off("MM_GPU_GRAPHS");
     if (!s->ids || !s->wts || !s->cnt || !s->slot_list || !s->row_list || !s->want_idx ||
-        !s->offs2 || !s->rt) {
+        !s->offs2 || !s->rt || !s->h_in) {
         rv = MM_ENOMEM;
         goto fail;
     }
@@ -584,6 +770,24 @@ static mm_err attn_std(const mm_model *m, mm_model_scratch *s, const struct laye
     return OPS->rope(CTX, &ra);
 }
 
+// check_attn_rows: the cache fits the model and every row's position is reserved.
+static mm_err check_attn_rows(const mm_model *m, const mm_kv_cache *kv, const mm_model_rows *rows) {
+    const mm_model_config *c = &m->c;
+    const mm_kv_params *kp = mm_kv_cache_params(kv);
+    if (kp->n_kv_heads != c->n_kv_heads || kp->head_dim_k != c->head_dim ||
+        kp->head_dim_v != c->head_dim_v || kp->n_layers != c->n_layers)
+        return MM_EINVAL;
+    for (int64_t i = 0; i < rows->n_rows; i++)
+        if (rows->pos[i] < 0 || rows->pos[i] >= mm_kv_cache_seq_len(kv, rows->seq[i]))
+            return MM_EINVAL; // position not reserved
+    return MM_OK;
+}
+
+// attn_core: the attention of layer on n rows whose positions and sequences are in s->pos_d
+// and s->seq_d already.
+static mm_err attn_core(const mm_model *m, mm_model_scratch *s, int layer, mm_kv_cache *kv,
+                        int64_t n, float *h);
+
 mm_err mm_model_attn_forward(const mm_model *m, mm_model_scratch *s, int layer, mm_kv_cache *kv,
                              const mm_model_rows *rows, float *h) {
     const mm_model_config *c = &m->c;
@@ -593,17 +797,17 @@ mm_err mm_model_attn_forward(const mm_model *m, mm_model_scratch *s, int layer, 
     MM_TRY(check_rows(s, n));
     if (n == 0)
         return MM_OK;
-    const mm_kv_params *kp = mm_kv_cache_params(kv);
-    if (kp->n_kv_heads != c->n_kv_heads || kp->head_dim_k != c->head_dim ||
-        kp->head_dim_v != c->head_dim_v || kp->n_layers != c->n_layers)
-        return MM_EINVAL;
-    for (int64_t i = 0; i < n; i++)
-        if (rows->pos[i] < 0 || rows->pos[i] >= mm_kv_cache_seq_len(kv, rows->seq[i]))
-            return MM_EINVAL; // position not reserved
-    const struct layer *L = &m->layers[layer];
-    const int64_t D = c->d_model, H = c->n_heads;
+    MM_TRY(check_attn_rows(m, kv, rows));
     MM_TRY(OPS->set(CTX, s->pos_d, rows->pos, (size_t)n * 4));
     MM_TRY(OPS->set(CTX, s->seq_d, rows->seq, (size_t)n * 4));
+    return attn_core(m, s, layer, kv, n, h);
+}
+
+static mm_err attn_core(const mm_model *m, mm_model_scratch *s, int layer, mm_kv_cache *kv,
+                        int64_t n, float *h) {
+    const mm_model_config *c = &m->c;
+    const struct layer *L = &m->layers[layer];
+    const int64_t D = c->d_model, H = c->n_heads;
     MM_TRY(OPS->rmsnorm(CTX, &L->attn_norm, c->eps, h, D, s->xn, D, n));
     float *q = s->q, *k = s->k, *v = s->v;
     int64_t qs = H * c->head_dim;
@@ -722,29 +926,36 @@ mm_err mm_model_shared_forward(const mm_model *m, mm_model_scratch *s, int layer
     return OPS->axpy(CTX, s->sgate, s->tmp, D, out, D, n, D);
 }
 
+// combine_core: h += sum over ranks r (in order) of alpha[r*n + i] * expert_out[i*k + r], then
+// + shared; alpha (k, n) backend memory.
+static mm_err combine_core(const mm_model *m, mm_model_scratch *s, float *h, int64_t n, int k,
+                           const float *alpha, const float *expert_out, const float *shared) {
+    const int64_t D = m->c.d_model;
+    MM_TRY(OPS->fill(CTX, s->acc, 0.0f, n * D));
+    for (int r = 0; r < k; r++) // canonical order: top-k rank
+        MM_TRY(OPS->axpy(CTX, alpha + r * n, expert_out + r * D, (int64_t)k * D, s->acc, D, n,
+                         D));
+    if (shared)
+        MM_TRY(OPS->axpy(CTX, NULL, shared, D, s->acc, D, n, D));
+    return OPS->axpy(CTX, NULL, s->acc, D, h, D, n, D);
+}
+
 mm_err mm_model_combine(const mm_model *m, mm_model_scratch *s, int layer, float *h, int64_t n,
                         int k, const float *weights, const float *expert_out,
                         const float *shared) {
-    const int64_t D = m->c.d_model;
     if (layer < 0 || layer >= m->c.n_layers || k < 0 || (k > 0 && (!weights || !expert_out)) ||
         k > (m->c.top_k > 0 ? m->c.top_k : 0))
         return MM_EINVAL;
     MM_TRY(check_rows(s, n));
     if (n == 0)
         return MM_OK;
-    MM_TRY(OPS->fill(CTX, s->acc, 0.0f, n * D));
     // the weights by rank (column r at wts + r * n), copied to the backend once
     for (int r = 0; r < k; r++)
         for (int64_t i = 0; i < n; i++)
             s->wts[r * n + i] = weights[i * k + r];
     if (k > 0)
         MM_TRY(OPS->set(CTX, s->alpha, s->wts, (size_t)(n * k) * 4));
-    for (int r = 0; r < k; r++) // canonical order: top-k rank
-        MM_TRY(OPS->axpy(CTX, s->alpha + r * n, expert_out + r * D, (int64_t)k * D, s->acc, D,
-                         n, D));
-    if (shared)
-        MM_TRY(OPS->axpy(CTX, NULL, shared, D, s->acc, D, n, D));
-    return OPS->axpy(CTX, NULL, s->acc, D, h, D, n, D);
+    return combine_core(m, s, h, n, k, s->alpha, expert_out, shared);
 }
 
 mm_err mm_model_final_norm(const mm_model *m, mm_model_scratch *s, const float *h, int64_t n,
@@ -809,6 +1020,154 @@ static mm_err moe_layer(const mm_model *m, mm_model_scratch *s, int l, int64_t n
                             m->layers[l].has_shared ? s->sh : NULL);
 }
 
+// ---- the engine's device path -----------------------------------------------------------------
+// moe_layer_dev: moe_layer with the plan made on the device: route, plan, gather the routed
+// rows in expert order, [gate; up] (or gate, up) and down as grouped products over device
+// expert tables, scatter to the (row, rank) slots, combine with the plan's rank-major weights.
+static mm_err moe_layer_dev(const mm_model *m, mm_model_scratch *s, int l, int64_t n) {
+    const mm_model_config *c = &m->c;
+    const struct layer *L = &m->layers[l];
+    const int K = c->top_k, E = c->n_experts;
+    const int64_t D = c->d_model, F = c->d_ff_expert, nk = n * K;
+    MM_TRY(OPS->matmul(CTX, &L->router, NULL, s->x, D, s->rl, E, n));
+    struct mm_route_params rp = c->route;
+    rp.bias = L->e_bias;
+    float *wts_d = (float *)(s->ids_d + nk);
+    MM_TRY(OPS->route(CTX, &rp, s->rl, E, n, s->ids_d, wts_d));
+    MM_TRY(OPS->route_plan(CTX, s->ids_d, wts_d, n, K, E, s->offs_d, s->src_d, s->dst_d,
+                           s->wt_d));
+    MM_TRY(OPS->copy_rows(CTX, s->x, D, s->src_d, s->xin, D, NULL, nk, D));
+    const enum mm_dtype dg = L->eg[0].dtype, dd = L->ed[0].dtype;
+    if (L->gu_fused) {
+        MM_TRY(OPS->moe_matmul_dev(CTX, (const void *const *)L->egu_tab, dg, 2 * F, D, E,
+                                   s->offs_d, s->xin, D, s->g, 2 * F, nk));
+        MM_TRY(OPS->swiglu(CTX, s->g, 2 * F, s->g + F, 2 * F, s->f, F, nk, F));
+    } else {
+        MM_TRY(OPS->moe_matmul_dev(CTX, (const void *const *)L->eg_tab, dg, F, D, E, s->offs_d,
+                                   s->xin, D, s->g, F, nk));
+        MM_TRY(OPS->moe_matmul_dev(CTX, (const void *const *)L->eu_tab, L->eu[0].dtype, F, D, E,
+                                   s->offs_d, s->xin, D, s->u, F, nk));
+        MM_TRY(OPS->swiglu(CTX, s->g, F, s->u, F, s->f, F, nk, F));
+    }
+    MM_TRY(OPS->moe_matmul_dev(CTX, (const void *const *)L->ed_tab, dd, D, F, E, s->offs_d, s->f,
+                               F, s->yout, D, nk));
+    MM_TRY(OPS->copy_rows(CTX, s->yout, D, NULL, s->eo, D, s->dst_d, nk, D));
+    if (L->has_shared)
+        MM_TRY(mm_model_shared_forward(m, s, l, s->x, n, s->sh));
+    return combine_core(m, s, s->h, n, K, s->wt_d, s->eo, L->has_shared ? s->sh : NULL);
+}
+
+// forward_dev_ops: the whole step from the inputs in s->in_d; issues ops only (no set, get
+// or synchronize), so it can be recorded as a graph. MLA's key assembly sets an index list:
+// MLA models are not recorded (see forward_dev).
+static mm_err forward_dev_ops(const mm_model *m, mm_model_scratch *s, mm_kv_cache *kv, int64_t n,
+                              int64_t nw, float *logits) {
+    const int64_t D = m->c.d_model, R = s->max_rows;
+    MM_TRY(OPS->embed(CTX, &m->embed, s->in_d, n, s->h, D));
+    for (int l = 0; l < m->c.n_layers; l++) {
+        MM_TRY(attn_core(m, s, l, kv, n, s->h));
+        MM_TRY(mm_model_ffn_norm(m, s, l, s->h, n, s->x));
+        if (mm_model_layer_is_moe(m, l)) {
+            MM_TRY(moe_layer_dev(m, s, l, n));
+        } else {
+            MM_TRY(mm_model_shared_forward(m, s, l, s->x, n, s->sh));
+            MM_TRY(combine_core(m, s, s->h, n, 0, NULL, NULL, s->sh));
+        }
+    }
+    if (nw == 0)
+        return MM_OK;
+    MM_TRY(OPS->copy_rows(CTX, s->h, D, s->in_d + 3 * R, s->xin, D, NULL, nw, D));
+    MM_TRY(mm_model_final_norm(m, s, s->xin, nw, s->hn));
+    return mm_model_head(m, s, s->hn, nw, logits);
+}
+
+static bool same_key(const struct step_graph *g, int64_t n, int64_t nw, const void *kv,
+                     const void *logits) {
+    return g->n == n && g->nw == nw && g->kv == kv && g->logits == logits;
+}
+
+// forward_dev: checks on the host, the inputs in one copy, then the step: replayed when this
+// shape was recorded, recorded when it repeats the previous step's shape (decode), else
+// issued op by op.
+static mm_err forward_dev(const mm_model *m, mm_model_scratch *s, mm_kv_cache *kv,
+                          const mm_model_rows *rows, const int32_t *ids, const bool *want_logits,
+                          float *logits) {
+    const int64_t n = rows->n_rows, R = s->max_rows;
+    if (!kv)
+        return MM_EINVAL;
+    for (int64_t i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] >= m->c.vocab)
+            return MM_EINVAL;
+    MM_TRY(check_attn_rows(m, kv, rows));
+    int64_t nw = 0;
+    for (int64_t i = 0; i < n; i++) {
+        s->h_in[i] = ids[i];
+        s->h_in[R + i] = rows->pos[i];
+        s->h_in[2 * R + i] = rows->seq[i];
+        if (!want_logits || want_logits[i])
+            s->h_in[3 * R + nw++] = (int32_t)i;
+    }
+    MM_TRY(OPS->set(CTX, s->in_d, s->h_in, (size_t)(3 * R + (nw > 0 ? nw : 0)) * 4));
+    if (s->no_graphs || m->c.mla)
+        return forward_dev_ops(m, s, kv, n, nw, logits);
+    s->tick++;
+    for (int i = 0; i < MM_MODEL_GRAPHS; i++) {
+        struct step_graph *g = &s->graphs[i];
+        if (g->graph && same_key(g, n, nw, kv, logits)) {
+            g->used = s->tick;
+            return OPS->graph_launch(CTX, g->graph);
+        }
+    }
+    if (!same_key(&s->last, n, nw, kv, logits)) {
+        s->last = (struct step_graph){.n = n, .nw = nw, .kv = kv, .logits = logits};
+        return forward_dev_ops(m, s, kv, n, nw, logits);
+    }
+    // the same shape twice in a row: record it (nothing runs while recording), then run it
+    MM_TRY(OPS->capture_begin(CTX));
+    mm_err rv = forward_dev_ops(m, s, kv, n, nw, logits);
+    void *graph = NULL;
+    mm_err rc = OPS->capture_end(CTX, &graph);
+    if (rv != MM_OK || rc != MM_OK) {
+        if (graph)
+            OPS->graph_free(CTX, graph);
+        mm_log_warn("model: recording a step of %lld rows failed (%s); steps run op by op from "
+                    "now on", (long long)n, mm_strerror(rv != MM_OK ? rv : rc));
+        s->no_graphs = true;
+        return forward_dev_ops(m, s, kv, n, nw, logits);
+    }
+    struct step_graph *slot = &s->graphs[0]; // a free slot, else the least recently used
+    for (int i = 0; i < MM_MODEL_GRAPHS; i++) {
+        if (!s->graphs[i].graph) {
+            slot = &s->graphs[i];
+            break;
+        }
+        if (s->graphs[i].used < slot->used)
+            slot = &s->graphs[i];
+    }
+    if (slot->graph)
+        OPS->graph_free(CTX, slot->graph);
+    *slot = (struct step_graph){.n = n, .nw = nw, .kv = kv, .logits = logits, .graph = graph,
+                                .used = s->tick};
+    return OPS->graph_launch(CTX, graph);
+}
+
+bool mm_model_scratch_graphs(mm_model_scratch *s, bool on) {
+    const bool was = !s->no_graphs;
+    s->no_graphs = !on || !s->dev || !s->be->ops->capture_begin;
+    return was;
+}
+
+mm_err mm_model_argmax(const mm_model *m, mm_model_scratch *s, const float *logits, int64_t n,
+                       int32_t *ids) {
+    MM_TRY(check_rows(s, n));
+    if (!OPS->argmax || !s->tok_d)
+        return MM_EUNSUPP;
+    if (n == 0)
+        return MM_OK;
+    MM_TRY(OPS->argmax(CTX, logits, m->c.vocab, n, m->c.vocab, s->tok_d));
+    return OPS->get(CTX, ids, s->tok_d, (size_t)n * 4);
+}
+
 mm_err mm_model_forward(const mm_model *m, mm_model_scratch *s, mm_kv_cache *kv,
                         const mm_model_rows *rows, const int32_t *ids, const bool *want_logits,
                         float *logits) {
@@ -816,6 +1175,8 @@ mm_err mm_model_forward(const mm_model *m, mm_model_scratch *s, mm_kv_cache *kv,
     MM_TRY(check_rows(s, n));
     if (n == 0)
         return MM_OK;
+    if (s->dev)
+        return forward_dev(m, s, kv, rows, ids, want_logits, logits);
     MM_TRY(mm_model_embed(m, s, ids, n, s->h));
     for (int l = 0; l < m->c.n_layers; l++) {
         MM_TRY(mm_model_attn_forward(m, s, l, kv, rows, s->h));

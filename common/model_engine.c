@@ -67,8 +67,10 @@ int32_t mm_engine_argmax(const float *x, int64_t n) {
     return (int32_t)b;
 }
 
-mm_err mm_engine_prefill(mm_engine *e, int32_t seq, const int32_t *ids, int64_t n,
-                         float *logits, float *last, char err[MM_ERRLEN]) {
+// prefill: mm_engine_prefill, and when next is not NULL the greedy next token after the last
+// position (on the backend when it has argmax: one int comes back instead of the logits).
+static mm_err prefill(mm_engine *e, int32_t seq, const int32_t *ids, int64_t n, float *logits,
+                      float *last, int32_t *next, char err[MM_ERRLEN]) {
     const mm_model_config *c = mm_model_cfg(e->model);
     int32_t p0 = mm_kv_cache_seq_len(e->kv, seq);
     if (n <= 0)
@@ -92,7 +94,7 @@ mm_err mm_engine_prefill(mm_engine *e, int32_t seq, const int32_t *ids, int64_t 
         for (int64_t i = 0; i < cn; i++) {
             posbuf[i] = (int32_t)(p0 + b + i);
             seqbuf[i] = seq;
-            want[i] = logits != NULL || (last != NULL && b + i == n - 1);
+            want[i] = logits != NULL || ((last != NULL || next != NULL) && b + i == n - 1);
         }
         mm_model_rows rows = {.n_rows = cn, .seq = seqbuf, .pos = posbuf};
         int64_t nw = 0;
@@ -102,13 +104,33 @@ mm_err mm_engine_prefill(mm_engine *e, int32_t seq, const int32_t *ids, int64_t 
         if (nw == 0)
             continue;
         size_t row_bytes = (size_t)c->vocab * 4;
+        if (next && !logits && !last && b + cn == n) { // greedy only: the id, not the logits
+            mm_err rv2 = mm_model_argmax(e->model, e->scratch, e->logits + (nw - 1) * c->vocab,
+                                         1, next);
+            if (rv2 != MM_EUNSUPP)
+                return rv2;
+        }
         MM_TRY(e->be->ops->get(e->be->ctx, e->h_logits, e->logits, (size_t)nw * row_bytes));
         if (logits)
             memcpy(logits + b * c->vocab, e->h_logits, (size_t)nw * row_bytes);
         if (last && b + cn == n)
             memcpy(last, e->h_logits + (nw - 1) * c->vocab, row_bytes);
+        if (next && b + cn == n)
+            *next = mm_engine_argmax(e->h_logits + (nw - 1) * c->vocab, c->vocab);
     }
     return MM_OK;
+}
+
+mm_err mm_engine_prefill(mm_engine *e, int32_t seq, const int32_t *ids, int64_t n,
+                         float *logits, float *last, char err[MM_ERRLEN]) {
+    return prefill(e, seq, ids, n, logits, last, NULL, err);
+}
+
+mm_err mm_engine_prefill_greedy(mm_engine *e, int32_t seq, const int32_t *ids, int64_t n,
+                                int32_t *next, char err[MM_ERRLEN]) {
+    if (!next)
+        return mm_errf(err, MM_EINVAL, "prefill_greedy: no place for the next token");
+    return prefill(e, seq, ids, n, NULL, NULL, next, err);
 }
 
 mm_err mm_engine_generate(mm_engine *e, const int32_t *prompt, int64_t n_prompt, int max_new,
@@ -120,20 +142,23 @@ mm_err mm_engine_generate(mm_engine *e, const int32_t *prompt, int64_t n_prompt,
     mm_err rv = mm_kv_cache_seq_new(e->kv, &seq);
     if (rv != MM_OK)
         return mm_errf(err, rv, "kv cache: no free sequence slot");
-    float *last = malloc((size_t)c->vocab * 4);
-    if (!last) {
+    // without step_logits only the greedy ids are needed: the backend picks them (argmax)
+    float *last = step_logits ? malloc((size_t)c->vocab * 4) : NULL;
+    if (step_logits && !last) {
         mm_kv_cache_seq_free(e->kv, seq);
         return MM_ENOMEM;
     }
-    MM_TRY_GOTO(rv, mm_engine_prefill(e, seq, prompt, n_prompt, NULL, last, err), out);
+    int32_t tok = 0;
+    MM_TRY_GOTO(rv, prefill(e, seq, prompt, n_prompt, NULL, last, last ? NULL : &tok, err), out);
     for (int t = 0; t < max_new; t++) {
-        if (step_logits)
+        if (step_logits) {
             memcpy(step_logits + (size_t)t * c->vocab, last, (size_t)c->vocab * 4);
-        int32_t tok = mm_engine_argmax(last, c->vocab);
+            tok = mm_engine_argmax(last, c->vocab);
+        }
         out[(*n_out)++] = tok;
         if ((eos >= 0 && tok == eos) || t + 1 == max_new)
             break;
-        MM_TRY_GOTO(rv, mm_engine_prefill(e, seq, &tok, 1, NULL, last, err), out);
+        MM_TRY_GOTO(rv, prefill(e, seq, &tok, 1, NULL, last, last ? NULL : &tok, err), out);
     }
 out:
     free(last);

@@ -233,6 +233,40 @@ struct mm_backend_ops {
     mm_err (*moe_matmul)(void *ctx, const mm_weight *experts, const int32_t *offs,
                          int n_experts, const float *x, int64_t x_stride, float *y,
                          int64_t y_stride, int64_t n_rows);
+
+    // ---- optional: a decode step that stays on the device (NULL: the host path) ----------
+    // route_plan: the grouped product's plan from route's result, on the device. ids (n_rows,
+    // top_k) int32 and weights (n_rows, top_k) f32 in; the n_rows*top_k (row, rank) slots
+    // t = i*top_k + r sorted by expert, stable (one expert's slots in slot order), out:
+    // offs (n_experts+1) int32 as moe_matmul's offsets; src_row[p] = the x row (t / top_k) of
+    // sorted slot p; dst_slot[p] = t; wt (top_k, n_rows) f32 = weights by rank (rank r's
+    // weights at wt + r * n_rows), or NULL. All backend memory. An id outside [0, n_experts)
+    // counts as expert 0 and makes the next synchronize/get return MM_EINVAL.
+    mm_err (*route_plan)(void *ctx, const int32_t *ids, const float *weights, int64_t n_rows,
+                         int top_k, int n_experts, int32_t *offs, int32_t *src_row,
+                         int32_t *dst_slot, float *wt);
+    // moe_matmul_dev: moe_matmul with its expert table and offsets in backend memory, so that
+    // no host copy is needed: experts holds n_experts pointers (backend memory, built once at
+    // load) to matrices of one shape (rows, cols) and dtype; offs as route_plan writes them;
+    // n_rows == offs[n_experts] (the caller knows it: n * top_k). Same bits as moe_matmul.
+    mm_err (*moe_matmul_dev)(void *ctx, const void *const *experts, enum mm_dtype dtype,
+                             int64_t rows, int64_t cols, int n_experts, const int32_t *offs,
+                             const float *x, int64_t x_stride, float *y, int64_t y_stride,
+                             int64_t n_rows);
+    // argmax: ids[i] = index of the largest of logits row i (vocab values, row stride), the
+    // lowest on ties, NaN never chosen; ids (n_rows,) int32 backend memory. Greedy decoding
+    // copies back n_rows ids instead of n_rows * vocab logits.
+    mm_err (*argmax)(void *ctx, const float *logits, int64_t stride, int64_t n_rows, int vocab,
+                     int32_t *ids);
+    // Graphs: capture_begin starts recording the ops issued next (nothing runs; no set, get
+    // or synchronize may be issued until capture_end); capture_end returns the recording as
+    // an owned *graph (graph_free) or an error (the ops were dropped, the backend is usable).
+    // graph_launch runs the recorded ops again with the same arguments: pointers are fixed,
+    // the data behind them is read when the graph runs.
+    mm_err (*capture_begin)(void *ctx);
+    mm_err (*capture_end)(void *ctx, void **graph);
+    mm_err (*graph_launch)(void *ctx, void *graph);
+    void (*graph_free)(void *ctx, void *graph);
 };
 
 // A backend instance: the table plus its context. Not thread-safe (one issuing thread).

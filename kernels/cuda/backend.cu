@@ -12,6 +12,15 @@
 //   process.
 // - Nothing is allocated per op; buffers come only from buffer_alloc (cudaMalloc, 256-byte
 //   aligned, which covers the table's 64-byte promise).
+// - Small host-to-device copies (`set` of at most STAGE_MAX bytes, the grouped product's
+//   expert table) go through a pinned ring (STAGE_BYTES in STAGE_PARTS parts): memcpy into the
+//   ring, then a true async DMA. Entering a part waits for the event recorded when that part
+//   was last left (the copies out of it have run), so the caller may reuse src at once and the
+//   wait is rare (a part holds thousands of decode-step copies). Larger copies go straight from
+//   the caller's (pageable) memory as before.
+// - Graphs (capture_begin/end, graph_launch): the stream is recorded in thread-local capture
+//   mode; set/get/synchronize are refused while recording (they would record host addresses
+//   or wait for work that does not run).
 #include <stdlib.h>
 #include <string.h>
 
@@ -25,6 +34,9 @@
 // stream). The host staging is pageable memory, so the runtime has read it when the copy
 // returns (see gpu_set) and it can be rewritten at once.
 #define MOE_SLOTS 8
+#define STAGE_BYTES (1u << 20)
+#define STAGE_PARTS 4
+#define STAGE_MAX (64u << 10)
 
 struct gpu_ctx {
     int dev;
@@ -35,6 +47,12 @@ struct gpu_ctx {
     size_t moe_slot;     // bytes per slot (multiple of 256)
     int moe_next;        // next slot to use
     char *d_moe, *h_moe; // MOE_SLOTS slots on the device; one slot on the host
+    // pinned staging ring for small copies (NULL: pinned memory unavailable, copy directly)
+    char *h_stage;
+    size_t stage_off;                   // next free byte
+    cudaEvent_t stage_ev[STAGE_PARTS];  // recorded when the part was left
+    bool stage_live[STAGE_PARTS];       // its event has been recorded
+    bool capturing;                     // between capture_begin and capture_end
 };
 
 #define CTX(c) struct gpu_ctx *g = (struct gpu_ctx *)(c)
@@ -67,7 +85,43 @@ static void gpu_close(void *ctx) {
     if (g->d_moe != NULL)
         (void)cudaFree(g->d_moe);
     free(g->h_moe);
+    for (int i = 0; i < STAGE_PARTS; i++)
+        if (g->stage_ev[i] != NULL)
+            (void)cudaEventDestroy(g->stage_ev[i]);
+    if (g->h_stage != NULL)
+        (void)cudaFreeHost(g->h_stage);
     free(g);
+}
+
+// h2d: an ordered host-to-device copy after which src may be reused at once; small copies go
+// through the pinned ring (see the design notes).
+static mm_err h2d(struct gpu_ctx *g, void *dst, const void *src, size_t n_bytes) {
+    if (g->h_stage == NULL || n_bytes > STAGE_MAX) {
+        MM_GPU_CHECK(cudaMemcpyAsync(dst, src, n_bytes, cudaMemcpyHostToDevice, g->stream));
+        return MM_OK;
+    }
+    const size_t part = STAGE_BYTES / STAGE_PARTS;
+    int cur = (int)(g->stage_off / part);
+    if (g->stage_off + n_bytes > (size_t)(cur + 1) * part) { // leave this part for the next
+        MM_GPU_CHECK(cudaEventRecord(g->stage_ev[cur], g->stream));
+        g->stage_live[cur] = true;
+        cur = (cur + 1) % STAGE_PARTS;
+        if (g->stage_live[cur])
+            MM_GPU_CHECK(cudaEventSynchronize(g->stage_ev[cur]));
+        g->stage_off = (size_t)cur * part;
+    }
+    char *h = g->h_stage + g->stage_off;
+    memcpy(h, src, n_bytes);
+    MM_GPU_CHECK(cudaMemcpyAsync(dst, h, n_bytes, cudaMemcpyHostToDevice, g->stream));
+    g->stage_off += (n_bytes + 63) & ~(size_t)63;
+    return MM_OK;
+}
+
+static mm_err not_capturing(struct gpu_ctx *g, const char *what) {
+    if (!g->capturing)
+        return MM_OK;
+    mm_log_error("gpu: %s while a graph is being captured", what);
+    return MM_EINVAL;
 }
 
 static mm_err gpu_buffer_alloc(void *ctx, size_t n_bytes, void **out) {
@@ -93,20 +147,20 @@ static mm_err gpu_set(void *ctx, void *dst, const void *src, size_t n_bytes) {
         return MM_OK;
     if (dst == NULL || src == NULL)
         return MM_EINVAL;
+    MM_TRY(not_capturing(g, "set"));
     ON_DEVICE();
-    // The caller may reuse src at once. Host memory reaches this table only as pageable memory
-    // (malloc, mmap'd checkpoints: the table has no pinned allocator), and an async copy from
-    // pageable memory returns only after the runtime has staged the source, so no wait is
-    // needed; the copy stays ordered with the ops on the stream. (A wait here cost one stream
-    // drain per call: the engine's combine sets 8 small vectors per MoE layer.)
-    MM_GPU_CHECK(cudaMemcpyAsync(dst, src, n_bytes, cudaMemcpyHostToDevice, g->stream));
-    return MM_OK;
+    // The caller may reuse src at once: small copies are staged in the pinned ring; larger
+    // ones come from pageable memory (malloc, mmap'd checkpoints), and an async copy from
+    // pageable memory returns only after the runtime has staged the source. Either way no
+    // stream drain; the copy stays ordered with the ops on the stream.
+    return h2d(g, dst, src, n_bytes);
 }
 
 static mm_err gpu_get(void *ctx, void *dst, const void *src, size_t n_bytes) {
     CTX(ctx);
     if (n_bytes > 0 && (dst == NULL || src == NULL))
         return MM_EINVAL;
+    MM_TRY(not_capturing(g, "get"));
     ON_DEVICE();
     if (n_bytes > 0)
         MM_GPU_CHECK(cudaMemcpyAsync(dst, src, n_bytes, cudaMemcpyDeviceToHost, g->stream));
@@ -115,6 +169,7 @@ static mm_err gpu_get(void *ctx, void *dst, const void *src, size_t n_bytes) {
 
 static mm_err gpu_synchronize(void *ctx) {
     CTX(ctx);
+    MM_TRY(not_capturing(g, "synchronize"));
     ON_DEVICE();
     return check_err_word(g);
 }
@@ -192,7 +247,7 @@ static mm_err gpu_moe_matmul(void *ctx, const mm_weight *experts, const int32_t 
     memcpy(g->h_moe + pb, offs, ob);
     char *d = g->d_moe + (size_t)g->moe_next * g->moe_slot;
     g->moe_next = (g->moe_next + 1) % MOE_SLOTS;
-    MM_GPU_CHECK(cudaMemcpyAsync(d, g->h_moe, pb + ob, cudaMemcpyHostToDevice, g->stream));
+    MM_TRY(h2d(g, d, g->h_moe, pb + ob));
     return mm_gpu_moe_matmul(g->stream, w0->dtype, (const void *const *)d,
                              (const int32_t *)(d + pb), n_experts, (int)w0->rows, (int)w0->cols,
                              x, x_stride, y, y_stride, (int)n_rows, MM_GPU_PATH_AUTO);
@@ -270,6 +325,90 @@ static mm_err gpu_fill(void *ctx, float *x, float value, int64_t n) {
     return mm_gpu_fill(g->stream, x, value, n);
 }
 
+static mm_err gpu_route_plan(void *ctx, const int32_t *ids, const float *weights, int64_t n_rows,
+                             int top_k, int n_experts, int32_t *offs, int32_t *src_row,
+                             int32_t *dst_slot, float *wt) {
+    CTX(ctx);
+    ON_DEVICE();
+    return mm_gpu_route_plan(g->stream, ids, weights, n_rows, top_k, n_experts, offs, src_row,
+                             dst_slot, wt, g->d_err);
+}
+
+static mm_err gpu_moe_matmul_dev(void *ctx, const void *const *experts, enum mm_dtype dtype,
+                                 int64_t rows, int64_t cols, int n_experts, const int32_t *offs,
+                                 const float *x, int64_t x_stride, float *y, int64_t y_stride,
+                                 int64_t n_rows) {
+    CTX(ctx);
+    if (experts == NULL || offs == NULL || rows <= 0 || cols <= 0 || rows >= INT32_MAX ||
+        cols >= INT32_MAX || n_rows < 0 || n_rows > INT32_MAX ||
+        (dtype != MM_DTYPE_BF16 && dtype != MM_DTYPE_F16 && dtype != MM_DTYPE_F32))
+        return MM_EINVAL;
+    if (n_rows == 0)
+        return MM_OK;
+    ON_DEVICE();
+    return mm_gpu_moe_matmul(g->stream, dtype, experts, offs, n_experts, (int)rows, (int)cols, x,
+                             x_stride, y, y_stride, (int)n_rows, MM_GPU_PATH_AUTO);
+}
+
+static mm_err gpu_argmax(void *ctx, const float *logits, int64_t stride, int64_t n_rows,
+                         int vocab, int32_t *ids) {
+    CTX(ctx);
+    ON_DEVICE();
+    return mm_gpu_argmax(g->stream, logits, stride, n_rows, vocab, ids);
+}
+
+static mm_err gpu_capture_begin(void *ctx) {
+    CTX(ctx);
+    if (g->capturing)
+        return MM_EINVAL;
+    ON_DEVICE();
+    MM_GPU_CHECK(cudaStreamBeginCapture(g->stream, cudaStreamCaptureModeThreadLocal));
+    g->capturing = true;
+    return MM_OK;
+}
+
+static mm_err gpu_capture_end(void *ctx, void **graph) {
+    CTX(ctx);
+    if (graph == NULL || !g->capturing)
+        return MM_EINVAL;
+    *graph = NULL;
+    ON_DEVICE();
+    g->capturing = false;
+    cudaGraph_t gr = NULL;
+    cudaError_t e = cudaStreamEndCapture(g->stream, &gr);
+    cudaGraphExec_t ex = NULL;
+    if (e == cudaSuccess && gr == NULL)
+        e = cudaErrorUnknown;
+    if (e == cudaSuccess)
+        e = cudaGraphInstantiateWithFlags(&ex, gr, 0);
+    if (gr != NULL)
+        (void)cudaGraphDestroy(gr);
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError(); // a failed capture leaves no sticky error behind
+        mm_log_warn("gpu: graph capture failed: %s", cudaGetErrorString(e));
+        return MM_EDEVICE;
+    }
+    *graph = (void *)ex;
+    return MM_OK;
+}
+
+static mm_err gpu_graph_launch(void *ctx, void *graph) {
+    CTX(ctx);
+    if (graph == NULL || g->capturing)
+        return MM_EINVAL;
+    ON_DEVICE();
+    MM_GPU_CHECK(cudaGraphLaunch((cudaGraphExec_t)graph, g->stream));
+    return MM_OK;
+}
+
+static void gpu_graph_free(void *ctx, void *graph) {
+    CTX(ctx);
+    if (graph == NULL)
+        return;
+    (void)cudaSetDevice(g->dev);
+    (void)cudaGraphExecDestroy((cudaGraphExec_t)graph);
+}
+
 static const struct mm_backend_ops gpu_ops = {
     .version = MM_BACKEND_V1,
     .name = MM_GPU_VENDOR,
@@ -293,6 +432,13 @@ static const struct mm_backend_ops gpu_ops = {
     .copy_rows = gpu_copy_rows,
     .fill = gpu_fill,
     .moe_matmul = gpu_moe_matmul,
+    .route_plan = gpu_route_plan,
+    .moe_matmul_dev = gpu_moe_matmul_dev,
+    .argmax = gpu_argmax,
+    .capture_begin = gpu_capture_begin,
+    .capture_end = gpu_capture_end,
+    .graph_launch = gpu_graph_launch,
+    .graph_free = gpu_graph_free,
 };
 
 extern "C" mm_err mm_cuda_backend_open(mm_backend *be, const mm_backend_params *p,
@@ -320,6 +466,12 @@ extern "C" mm_err mm_cuda_backend_open(mm_backend *be, const mm_backend_params *
         e = cudaMalloc((void **)&g->d_err, sizeof(int));
     if (e == cudaSuccess)
         e = cudaMemset(g->d_err, 0, sizeof(int));
+    for (int i = 0; i < STAGE_PARTS && e == cudaSuccess; i++)
+        e = cudaEventCreateWithFlags(&g->stage_ev[i], cudaEventDisableTiming);
+    if (e == cudaSuccess && cudaMallocHost((void **)&g->h_stage, STAGE_BYTES) != cudaSuccess) {
+        (void)cudaGetLastError(); // no pinned memory: small copies go direct (slower, correct)
+        g->h_stage = NULL;
+    }
     if (e != cudaSuccess) {
         rv = mm_errf(err, MM_EDEVICE, "%s:%d: device setup failed: %s", MM_GPU_VENDOR, dev,
                      cudaGetErrorString(e));

@@ -95,6 +95,12 @@ mm_err mm_gpu_fill(void *stream, float *d_x, float v, int64_t n);
 // row stride ls; ties to the lower id, NaN never chosen (an all-NaN row gives 0).
 mm_err mm_gpu_argmax(void *stream, const float *d_logits, int64_t ls, int64_t n_rows, int vocab,
                      int32_t *d_ids);
+// mm_gpu_route_plan: the grouped product's plan from route's ids/weights (kernels.h
+// route_plan), one launch; d_wt may be NULL (then d_weights may be too). Out-of-range ids count
+// as expert 0 and set d_err. n_experts <= 4096.
+mm_err mm_gpu_route_plan(void *stream, const int32_t *d_ids, const float *d_weights,
+                         int64_t n_rows, int top_k, int n_experts, int32_t *d_offs,
+                         int32_t *d_src_row, int32_t *d_dst_slot, float *d_wt, int *d_err);
 
 // ---- inter-process memory and events (kernels/cuda/ipc.cu; the cudaipc:// transport) ----------
 // Handles are opaque MM_GPU_IPC_HANDLE_BYTES blobs to ship to another process of the same host.

@@ -237,8 +237,9 @@ static int run_bench_model(int argc, char **argv) {
     // warm-up: a short sequence that touches attention, head and (some) experts
     int32_t s;
     mm_kv_cache_seq_new(e->kv, &s);
+    int32_t tok = 0;
     for (long long i = 0; i < warm; i++)
-        if (mm_engine_prefill(e, s, ids + i, 1, NULL, last, err) != MM_OK)
+        if (mm_engine_prefill_greedy(e, s, ids + i, 1, &tok, err) != MM_OK)
             goto fail;
     mm_kv_cache_seq_free(e->kv, s);
     // prompt
@@ -249,7 +250,7 @@ static int run_bench_model(int argc, char **argv) {
     double pt = (double)(mm_now_ns() - t0) / 1e9;
     // decode (greedy), in rounds; each round also measures the read bandwidth right before,
     // so a busy machine shows up in both figures. The best round of each is reported.
-    int32_t tok = mm_engine_argmax(last, c->vocab);
+    tok = mm_engine_argmax(last, c->vocab);
     double best_dtps = 0, best_bw = 0, best_cp = 0;
     const double bytes = mm_model_decode_bytes(e->model);
     printf("prompt: %lld tokens in %.3f s = %.1f tok/s\n", prompt, pt, prompt / pt);
@@ -282,9 +283,9 @@ static int run_bench_model(int argc, char **argv) {
         double dt = 0, bw_t = 0, bw_bytes = 0;
         for (long long i = 0; i < decode; i++) {
             t0 = mm_now_ns();
-            if (mm_engine_prefill(e, s, &tok, 1, NULL, last, err) != MM_OK)
+            // greedy: the backend picks the token when it can (one id read back per step)
+            if (mm_engine_prefill_greedy(e, s, &tok, 1, &tok, err) != MM_OK)
                 goto fail;
-            tok = mm_engine_argmax(last, c->vocab);
             dt += (double)(mm_now_ns() - t0) / 1e9;
             if (paired) {
                 bw_t += read_pass(bwbuf, bwb, e->be->n_threads);
@@ -321,6 +322,24 @@ static int run_bench_model(int argc, char **argv) {
     printf("decode roofline at the best bandwidth: %.2f tok/s; best decode %.1f%% of it (%.2f "
            "GB/s of weights)\n", best_bw / bytes, 100.0 * best_dtps * bytes / best_bw,
            best_dtps * bytes / 1e9);
+    // a device backend replays recorded steps (graphs): one more round op by op shows what
+    // the recording saves (launch cost)
+    if (mm_model_scratch_graphs(e->scratch, false)) {
+        mm_kv_cache_seq_free(e->kv, s);
+        mm_kv_cache_seq_new(e->kv, &s);
+        if (mm_engine_prefill_greedy(e, s, ids, prompt, &tok, err) != MM_OK)
+            goto fail;
+        double dt = 0;
+        for (long long i = 0; i < decode; i++) {
+            t0 = mm_now_ns();
+            if (mm_engine_prefill_greedy(e, s, &tok, 1, &tok, err) != MM_OK)
+                goto fail;
+            dt += (double)(mm_now_ns() - t0) / 1e9;
+        }
+        mm_model_scratch_graphs(e->scratch, true);
+        printf("decode op by op (no graph replay): %.2f tok/s (%.1f ms/token)\n", decode / dt,
+               1e3 * dt / decode);
+    }
     if (batch > 1) {
         mm_kv_cache_seq_free(e->kv, s);
         if (batch_decode(e, batch, prompt < 32 ? prompt : 32, decode, err) != 0)

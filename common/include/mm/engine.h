@@ -42,6 +42,11 @@ void mm_engine_close(mm_engine *e); // accepts NULL
 mm_err mm_engine_prefill(mm_engine *e, int32_t seq, const int32_t *ids, int64_t n,
                          float *logits, float *last, char err[MM_ERRLEN]);
 
+// mm_engine_prefill_greedy: mm_engine_prefill, then *next = the greedy token after the last
+// position, picked on the backend when it has argmax (one id comes back, not the logits).
+mm_err mm_engine_prefill_greedy(mm_engine *e, int32_t seq, const int32_t *ids, int64_t n,
+                                int32_t *next, char err[MM_ERRLEN]);
+
 // mm_engine_argmax: index of the largest of n values (the first on ties, as torch.argmax).
 int32_t mm_engine_argmax(const float *x, int64_t n);
 

@@ -187,8 +187,19 @@ mm_err mm_model_head(const mm_model *m, mm_model_scratch *s, const float *x, int
 // logits (n, vocab) into logits (backend memory). Only the rows with want_logits == NULL or
 // want_logits[i] get logits computed (the others' logits rows are left untouched); they are
 // packed: logits row j is the j-th wanted row. Uses only the stage functions above.
+// On a device backend with route_plan and moe_matmul_dev the step stays on the device (one
+// copy of the inputs, routing planned there, no read-back); with graphs, a shape repeated in
+// consecutive calls (decode) is recorded once and replayed. Same bits either way.
 mm_err mm_model_forward(const mm_model *m, mm_model_scratch *s, mm_kv_cache *kv,
                         const mm_model_rows *rows, const int32_t *ids, const bool *want_logits,
                         float *logits);
+// mm_model_scratch_graphs turns the recording/replay of steps on or off for scratch s (on
+// only where the device path and the backend's graphs exist); returns whether it was on.
+bool mm_model_scratch_graphs(mm_model_scratch *s, bool on);
+// mm_model_argmax: greedy ids (n, host) of the first n rows of logits (backend memory, rows
+// vocab apart; ties to the lower id), computed on the backend: n ints come back, not the
+// logits. MM_EUNSUPP when the backend has no argmax (read the logits and pick on the host).
+mm_err mm_model_argmax(const mm_model *m, mm_model_scratch *s, const float *logits, int64_t n,
+                       int32_t *ids);
 
 #endif

@@ -75,6 +75,16 @@
 #define cudaIpcOpenMemHandle        hipIpcOpenMemHandle
 #define cudaIpcCloseMemHandle       hipIpcCloseMemHandle
 #define cudaIpcMemLazyEnablePeerAccess hipIpcMemLazyEnablePeerAccess
+#define cudaErrorUnknown            hipErrorUnknown
+#define cudaGraph_t                 hipGraph_t
+#define cudaGraphExec_t             hipGraphExec_t
+#define cudaStreamBeginCapture      hipStreamBeginCapture
+#define cudaStreamEndCapture        hipStreamEndCapture
+#define cudaStreamCaptureModeThreadLocal hipStreamCaptureModeThreadLocal
+#define cudaGraphInstantiateWithFlags hipGraphInstantiateWithFlags
+#define cudaGraphLaunch             hipGraphLaunch
+#define cudaGraphDestroy            hipGraphDestroy
+#define cudaGraphExecDestroy        hipGraphExecDestroy
 #define cudaIpcEventHandle_t        hipIpcEventHandle_t
 #define cudaIpcGetEventHandle       hipIpcGetEventHandle
 #define cudaIpcOpenEventHandle      hipIpcOpenEventHandle

@@ -1,0 +1,99 @@
+// SPDX-License-Identifier: MIT
+// The grouped expert product's plan, made on the device from route's result (kernels.h
+// route_plan): per-expert offsets, the sorted slot order (which x row each sorted slot reads,
+// which (row, rank) slot it writes) and the rank-major weights combine reads. With it the
+// engine's MoE layer needs no copy to the host, so a decode step runs without a drain.
+//
+// Design notes:
+// - One block does the whole plan (a decode step has n_rows * top_k = 8..2048 slots): a
+//   shared-memory histogram, an exclusive scan by one thread (n_experts <= PLAN_MAX_E), then
+//   the slots in chunks of the block width; within a chunk a slot's rank among the earlier
+//   slots of its expert is counted from a shared copy of the chunk's ids, so the order is
+//   stable (slot order inside each expert), exactly the host counting sort's.
+// - The plan only permutes rows: the products' bits do not depend on it (kernels.h
+//   Exactness), but a stable order keeps the layout identical to the host path's anyway.
+// - An id outside [0, n_experts) is counted as expert 0 (the plan stays well formed) and
+//   sets the backend's error word.
+#include "gpu_common.cuh"
+#include "kernels.h"
+#include "mm_gpu.h"
+
+#define PLAN_THREADS 256
+#define PLAN_MAX_E 4096
+
+__global__ void __launch_bounds__(PLAN_THREADS) route_plan_kernel(
+    const int32_t *ids, const float *weights, int n_rows, int top_k, int n_experts, int32_t *offs,
+    int32_t *src_row, int32_t *dst_slot, float *wt, int *d_err) {
+    extern __shared__ int32_t base[]; // n_experts counts, then running starts
+    __shared__ int32_t chunk[PLAN_THREADS];
+    const int nk = n_rows * top_k, tid = threadIdx.x;
+    for (int e = tid; e < n_experts; e += blockDim.x)
+        base[e] = 0;
+    __syncthreads();
+    for (int t = tid; t < nk; t += blockDim.x) {
+        int e = ids[t];
+        if (e < 0 || e >= n_experts) {
+            if (d_err != NULL)
+                atomicOr(d_err, 1);
+            e = 0;
+        }
+        atomicAdd(&base[e], 1);
+    }
+    __syncthreads();
+    if (tid == 0) {
+        int run = 0;
+        for (int e = 0; e < n_experts; e++) {
+            const int c = base[e];
+            base[e] = run;
+            offs[e] = run;
+            run += c;
+        }
+        offs[n_experts] = run;
+    }
+    __syncthreads();
+    for (int c0 = 0; c0 < nk; c0 += blockDim.x) {
+        const int t = c0 + tid;
+        int e = -1;
+        if (t < nk) {
+            e = ids[t];
+            if (e < 0 || e >= n_experts)
+                e = 0;
+        }
+        chunk[tid] = e;
+        __syncthreads();
+        if (e >= 0) {
+            int rank = 0;
+            for (int j = 0; j < tid; j++)
+                rank += chunk[j] == e;
+            const int p = base[e] + rank;
+            src_row[p] = t / top_k;
+            dst_slot[p] = t;
+        }
+        __syncthreads(); // every read of base[] for this chunk is done
+        if (e >= 0)
+            atomicAdd(&base[e], 1);
+        __syncthreads();
+    }
+    if (wt != NULL)
+        for (int t = tid; t < nk; t += blockDim.x)
+            wt[(int64_t)(t % top_k) * n_rows + t / top_k] = weights[t];
+}
+
+extern "C" mm_err mm_gpu_route_plan(void *stream, const int32_t *d_ids, const float *d_weights,
+                                    int64_t n_rows, int top_k, int n_experts, int32_t *d_offs,
+                                    int32_t *d_src_row, int32_t *d_dst_slot, float *d_wt,
+                                    int *d_err) {
+    if (d_ids == NULL || d_offs == NULL || d_src_row == NULL || d_dst_slot == NULL ||
+        (d_wt != NULL && d_weights == NULL) || n_rows < 0 || top_k <= 0 || n_experts <= 0 ||
+        n_experts > PLAN_MAX_E || n_rows * top_k > INT32_MAX) {
+        mm_log_error("gpu: route_plan: bad arguments (n_rows=%lld top_k=%d n_experts=%d, at most "
+                     "%d experts)", (long long)n_rows, top_k, n_experts, PLAN_MAX_E);
+        return MM_EINVAL;
+    }
+    const size_t shmem = (size_t)n_experts * sizeof(int32_t);
+    route_plan_kernel<<<1, PLAN_THREADS, shmem, (cudaStream_t)stream>>>(
+        d_ids, d_weights, (int)n_rows, top_k, n_experts, d_offs, d_src_row, d_dst_slot, d_wt,
+        d_err);
+    MM_GPU_CHECK(cudaGetLastError());
+    return MM_OK;
+}

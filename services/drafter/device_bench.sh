@@ -112,6 +112,7 @@ for r in $(seq 1 "$ROUNDS"); do
             TPS[$c,$n]="${TPS[$c,$n]:-}${TPS[$c,$n]:+ }${t:-fail}"
             echo "round $r $c c=$n: ${t:-failed: $(tail -2 "$OUT/bench.txt")} tok/s"
         done
+        [ -n "${SHOW:-}" ] && cat "$OUT/bench.txt"
         m=$("$D/moemesh" status --router "ipc://$RUN/up/router.ctl" 2>/dev/null | grep -o "drafting:.*")
         [ -n "$m" ] && echo "   $m"
         ACC[$c]=$(echo "$m" | grep -o "rate=[0-9.]* mean_accepted=[0-9.]*")

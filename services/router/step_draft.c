@@ -50,6 +50,7 @@ struct mm_draft {
     bool step_cost;   // this step's period is a sample of its width's cost
     uint64_t step_no, step_t0; // steps begun; when this one began (ns)
     uint64_t explored;
+    float acc_all; // per-draft-token acceptance over all seqs (slow EMA): a new seq's start
     // metrics
     uint64_t drafted, accepted, emitted, verified, misses, requests;
     uint64_t pos_tried[MM_DRAFT_MAX_K], pos_ok[MM_DRAFT_MAX_K], widths[MM_DRAFT_MAX_K + 1];
@@ -77,6 +78,7 @@ mm_err mm_draft_open(mm_draft **out, const mm_draft_conf *c, mm_registry *reg,
         return MM_ENOMEM;
     }
     d->backoff_ms = 250;
+    d->acc_all = 0.6f;
     *out = d;
     return MM_OK;
 }
@@ -113,8 +115,8 @@ static struct rseq *track(mm_draft *d, uint64_t id) {
         r->used = true;
         r->broken = r->trunc = false;
         r->len = r->dr_from = r->trunc_len = 0;
-        r->acc = 0.6f;
-        r->n_steps = 0;
+        r->acc = d->acc_all; // not a fixed guess: a new seq of a drafter that never agrees
+        r->n_steps = 0;      // would draft (and lose) until its own EMA fell
         r->asked = 0;
         r->last_step = 0;
         return r;
@@ -398,8 +400,10 @@ void mm_draft_verified(mm_draft *d, const Mmctl__SeqStep *q, uint32_t n_draft,
     struct rseq *r = find(d, q->seq_id);
     uint32_t chosen = r && r->last_step == d->step_no ? r->asked : 0;
     d->widths[chosen <= MM_DRAFT_MAX_K ? chosen : MM_DRAFT_MAX_K]++;
-    if (r && accepted == n_draft && r->asked > n_draft) // asked for more than the drafter had:
-        r->acc += 0.15f * (0.0f - r->acc);               // the chain ended there
+    if (r && accepted == n_draft && r->asked > n_draft) { // asked for more than it had:
+        r->acc += 0.15f * (0.0f - r->acc);                // the chain ended there
+        d->acc_all += 0.02f * (0.0f - d->acc_all);
+    }
     if (n_draft == 0 || !r)
         return;
     memcpy(r->hist + r->len, drafts, accepted * 4);
@@ -413,6 +417,7 @@ void mm_draft_verified(mm_draft *d, const Mmctl__SeqStep *q, uint32_t n_draft,
         d->pos_tried[m]++;
         d->pos_ok[m] += ok;
         r->acc += 0.15f * ((ok ? 1.0f : 0.0f) - r->acc);
+        d->acc_all += 0.02f * ((ok ? 1.0f : 0.0f) - d->acc_all);
     }
     d->drafted += n_draft;
     d->accepted += accepted;

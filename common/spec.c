@@ -43,7 +43,10 @@ void mm_spec_cost_add(mm_spec_costs *c, int bucket, int w, double ms) {
     } else {
         if (ms > 3 * *T)
             ms = 3 * *T;
-        *T = 0.75 * *T + 0.25 * ms;
+        double a = 1.0 / (double)(c->n[bucket][w] + 1); // the mean of the first 4 samples
+        if (a < 0.25)
+            a = 0.25;
+        *T += a * (ms - *T);
     }
     c->n[bucket][w]++;
     c->at[bucket][w] = ++c->ticks[bucket];
@@ -112,7 +115,16 @@ int mm_spec_explore(const mm_spec_costs *c, int b, int w, int max_w, uint64_t st
         if (cand[i] >= 0 && cand[i] <= max_w && cand[i] != w &&
             c->ticks[b] - c->at[b][cand[i]] > stale)
             return cand[i];
-    return -1;
+    // any other measured width whose price is older than 2 x stale (a wide width priced on an
+    // unlucky sample would never be chosen, so never measured again)
+    int best = -1;
+    uint64_t age = 2 * stale;
+    for (int k = 0; k <= max_w; k++)
+        if (k != w && c->n[b][k] && c->ticks[b] - c->at[b][k] > age) {
+            age = c->ticks[b] - c->at[b][k];
+            best = k;
+        }
+    return best;
 }
 
 int mm_spec_width_sum(const mm_spec_costs *c, int bucket, int max_w, const double *e) {

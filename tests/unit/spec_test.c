@@ -221,6 +221,29 @@ static void test_spec_width(void) {
     MM_EQ(mm_spec_explore(&e, 3, 4, 4, 64), 3);
     MM_EQ(mm_spec_explore(&e, 3, 0, 4, 64), 1); // choice 0: 1 never measured
     MM_EQ(mm_spec_explore(&e, 3, 4, 0, 64), -1); // nothing may draft
+    // a width far from the choice, priced long ago, is re-measured (after 2 x stale): the
+    // choice stays 4, its neighbours 0 and 3 are kept fresh, 1 was priced once at the start
+    mm_spec_costs f;
+    memset(&f, 0, sizeof(f));
+    mm_spec_cost_add(&f, 0, 1, 30.0);
+    for (int i = 0; i < 200; i++) {
+        mm_spec_cost_add(&f, 0, 4, 20.0);
+        if (i % 8 == 0) {
+            mm_spec_cost_add(&f, 0, 0, 10.0);
+            mm_spec_cost_add(&f, 0, 3, 15.0);
+        }
+        if (i == 79) // 1 is 100 samples old: stale, but not 2 x stale
+            MM_EQ(mm_spec_explore(&f, 0, 4, 4, 64), -1);
+    }
+    MM_EQ(mm_spec_explore(&f, 0, 4, 4, 64), 1); // 250 samples old
+    // the first samples are averaged, then the EMA
+    mm_spec_costs m;
+    memset(&m, 0, sizeof(m));
+    mm_spec_cost_add(&m, 0, 2, 10.0);
+    mm_spec_cost_add(&m, 0, 2, 20.0);
+    MM_NEAR(m.T[0][2], 15.0, 1e-9);
+    mm_spec_cost_add(&m, 0, 2, 30.0);
+    MM_NEAR(m.T[0][2], 20.0, 1e-9);
 }
 
 MM_TESTS = {

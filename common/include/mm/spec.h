@@ -54,9 +54,10 @@ typedef struct mm_spec_costs {
 // mm_spec_bucket: the range of a step whose longest seq has ctx tokens and that has rows input
 // rows (drafts not counted). Buckets are ctx_range * MM_SPEC_ROW_BUCKETS + rows_range.
 int mm_spec_bucket(int32_t ctx, int64_t rows);
-// mm_spec_cost_add records a step of width w (0..MM_SPEC_MAX_W) that took ms. The EMA weighs
-// a new sample 1/4 (the first sample is taken as is); a sample over 3x the current estimate
-// counts as 3x (one preempted step on a shared machine must not set the price).
+// mm_spec_cost_add records a step of width w (0..MM_SPEC_MAX_W) that took ms. The price is the
+// mean of the first 4 samples, then an EMA weighing a new sample 1/4; a sample over 3x the
+// current estimate counts as 3x (one preempted step on a shared machine must not set the
+// price).
 void mm_spec_cost_add(mm_spec_costs *c, int bucket, int w, double ms);
 // mm_spec_price: the step time of width w in bucket (or, when nothing is measured there, in
 // the nearest bucket with measurements: same row range first). Measured: its EMA. Unmeasured:
@@ -76,7 +77,8 @@ int mm_spec_width_sum(const mm_spec_costs *c, int bucket, int max_w, const doubl
 // unmeasured wider widths are optimistic (those of narrower ones), so the choice itself tries
 // them; narrower widths, not drafting (0) above all, are never tried that way. Candidates: 0,
 // w - 1 and w + 1 (<= max_w), in that order; the first that is unmeasured in bucket, else the
-// first whose last sample is more than stale samples of the bucket old.
+// first whose last sample is more than stale samples of the bucket old; else the width
+// (any other measured one) with the oldest price, when older than 2 x stale.
 int mm_spec_explore(const mm_spec_costs *c, int bucket, int w, int max_w, uint64_t stale);
 
 #endif

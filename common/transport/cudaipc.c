@@ -18,8 +18,9 @@
 //           for it. A wait on an IPC event covers its latest record made before the wait, and
 //           each record here happens before the counter or descriptor that makes the other
 //           side wait, so each wait covers what it must (later records only add work).
-// - Ring space: the sender allocates frames (padded to 256 bytes, never wrapping) from the
-//   device ring by `head`; space is head - freed. A sender short of space polls `freed` until
+// - Ring space: the sender allocates frames (padded to 256 bytes, never wrapping: a frame that
+//   would is placed at the ring's start, the tail skipped) from the device ring by `head`; a
+//   frame may be written once the bytes one lap before it are freed (or were never written). A sender short of space polls `freed` until
 //   its deadline (the receiver frees at each receive, so this only waits on a receiver that is
 //   behind). A frame larger than the ring is refused (MM_EINVAL, naming ring_mb).
 // - Handshake (after shm's): each side sends HELLO_SEQ {has GPU, device, PCI id, ring handle,
@@ -432,9 +433,14 @@ static mm_err ipc_sendv_dev(void *ctx, const mm_wire_hdr *hdr, const struct iove
     if (pos + padded > c->tx_bytes)
         start += c->tx_bytes - pos, pos = 0;
     const uint64_t end = start + padded;
+    // Free when every byte one lap before [start, end) was freed; bytes at or past the old
+    // head were never written (the skipped tail), so at most the old head must be freed.
+    uint64_t need = end > c->tx_bytes ? end - c->tx_bytes : 0;
+    if (need > c->tx_head)
+        need = c->tx_head;
     _Atomic uint64_t *freed = &c->ctl->freed[1 - c->side];
     uint64_t spin_end = mm_now_ns() + mm__transport_spin_ns();
-    while (end - atomic_load_explicit(freed, memory_order_acquire) > c->tx_bytes) {
+    while (atomic_load_explicit(freed, memory_order_acquire) < need) {
         uint64_t now = mm_now_ns();
         if (now >= deadline_ns)
             return MM_ETIMEDOUT; // nothing sent yet: the conn stays usable

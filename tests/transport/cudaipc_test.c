@@ -186,7 +186,7 @@ static void device_frames_roundtrip(void) {
     void *d_src = NULL, *d_dst = NULL;
     MM_TRUE(src && back);
     MM_PASS(mm_gpu_alloc(&d_src, MAX_BYTES));
-    MM_PASS(mm_gpu_alloc(&d_dst, MAX_BYTES));
+    MM_PASS(mm_gpu_alloc(&d_dst, 2 * MAX_BYTES));
     // 24 frames of 1..600 KiB through a 1 MiB ring: it wraps many times; rows gathered from
     // three device segments and scattered into two.
     for (int k = 0; k < 24; k++) {
@@ -196,7 +196,7 @@ static void device_frames_roundtrip(void) {
         const size_t nb = (size_t)rows * 1024 * 4;
         fill(src, nb, (uint32_t)k);
         MM_PASS(mm_gpu_memcpy_h2d(stream, d_src, src, nb));
-        MM_PASS(mm_gpu_memset(stream, d_dst, 0xee, MAX_BYTES));
+        MM_PASS(mm_gpu_memset(stream, d_dst, 0xee, 2 * MAX_BYTES));
         mm_wire_hdr h, r;
         // a host frame first (CTRL), as the router sends before rows
         MM_PASS(mm_wire_hdr_init(&h, MM_WIRE_CTRL, MM_WIRE_BYTES, (uint64_t)k, 0, 1, 12));
@@ -215,7 +215,7 @@ static void device_frames_roundtrip(void) {
         MM_EQ(r.payload_bytes, 12);
         MM_TRUE(memcmp(txt, "control-msg!", 12) == 0);
         const size_t half = nb / 2 / 4 * 4;
-        struct iovec dv[2] = {{d_dst, half}, {(uint8_t *)d_dst + 300000, MAX_BYTES - 300000}};
+        struct iovec dv[2] = {{d_dst, half}, {(uint8_t *)d_dst + MAX_BYTES, MAX_BYTES}};
         if (k % 4 == 3) { // a host receiver of a device frame
             MM_PASS(mm_conn_recv_dev(c, &r, back, MAX_BYTES, NULL, 0, &on_dev,
                                      mm_deadline_in_ms(5000)));
@@ -225,7 +225,7 @@ static void device_frames_roundtrip(void) {
                                      mm_deadline_in_ms(5000)));
             MM_TRUE(on_dev);
             MM_PASS(mm_gpu_memcpy_d2h(stream, back, d_dst, half));
-            MM_PASS(mm_gpu_memcpy_d2h(stream, back + half, (uint8_t *)d_dst + 300000, nb - half));
+            MM_PASS(mm_gpu_memcpy_d2h(stream, back + half, (uint8_t *)d_dst + MAX_BYTES, nb - half));
             MM_PASS(mm_gpu_stream_sync(stream));
         }
         MM_EQ(r.kind, MM_WIRE_REPLY);
@@ -236,6 +236,36 @@ static void device_frames_roundtrip(void) {
         MM_EQ(r.payload_bytes, nb);
         if (memcmp(src, back, nb) != 0)
             MM_TEST_FAIL_("frame %d (%zu bytes): rows differ after the device round trip", k, nb);
+    }
+    // pipelined: 4 frames of 400 KiB sent before any reply is read; the 1 MiB rings fill, so
+    // the server's replies wait for ring space (freed as this side reads) and reuse ring bytes
+    // ordered by the free event
+    {
+        const size_t nb = 100u * 4096;
+        for (int k = 0; k < 4; k++) {
+            fill(src, nb, 1000u + (uint32_t)k);
+            MM_PASS(mm_gpu_memcpy_h2d(stream, (uint8_t *)d_dst + (size_t)k * nb, src, nb));
+        }
+        for (int k = 0; k < 4; k++) {
+            mm_wire_hdr h;
+            MM_PASS(mm_wire_hdr_init(&h, MM_WIRE_ROWS, MM_WIRE_F32, 500u + (uint64_t)k, 0, 100,
+                                     1024));
+            struct iovec sv = {(uint8_t *)d_dst + (size_t)k * nb, nb};
+            MM_PASS(mm_conn_sendv_dev(c, &h, &sv, 1, mm_deadline_in_ms(5000)));
+        }
+        for (int k = 0; k < 4; k++) {
+            mm_wire_hdr r;
+            bool on_dev = false;
+            struct iovec dv = {d_src, MAX_BYTES};
+            MM_PASS(mm_conn_recv_dev(c, &r, back, 64, &dv, 1, &on_dev, mm_deadline_in_ms(5000)));
+            MM_TRUE(on_dev);
+            MM_EQ(r.step_id, 500u + (uint64_t)k);
+            MM_PASS(mm_gpu_memcpy_d2h(stream, back, d_src, nb));
+            MM_PASS(mm_gpu_stream_sync(stream));
+            fill(src, nb, 1000u + (uint32_t)k);
+            if (memcmp(src, back, nb) != 0)
+                MM_TEST_FAIL_("pipelined frame %d: rows differ", k);
+        }
     }
     // a frame larger than the peer's ring is refused, and the conn still works afterwards
     {

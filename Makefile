@@ -56,12 +56,13 @@ LIB_SRCS    := $(wildcard common/*.c common/transport/*.c kernels/*.c kernels/cp
 LIB_OBJS    := $(patsubst %.c,$(BUILD)/obj/%.o,$(LIB_SRCS)) $(PROTO_C:.c=.o)
 
 # ---- GPU (kernels/cuda, issue 7). The CPU build never needs nvcc: `make cuda` re-runs this
-# Makefile with CUDA=1 into build/cuda, where libmoemesh.a also holds the nvcc objects (sm_90
-# machine code + compute_90 PTX) and binaries link the CUDA runtime statically. `make hip`
-# compiles the same sources with Debian's hipcc for gfx90a and gfx1030 (a compile check).
+# Makefile with CUDA=1 into build/cuda, where libmoemesh.a also holds the nvcc objects (sm_90a
+# machine code, for wgmma, + compute_90 PTX for newer parts) and binaries link the CUDA runtime
+# statically. `make hip` compiles the same sources with Debian's hipcc for gfx90a and gfx1030
+# (a compile check).
 NVCC         ?= /usr/local/cuda/bin/nvcc
 CUDA_HOME    ?= /usr/local/cuda
-CUDA_GENCODE := -gencode arch=compute_90,code=sm_90 -gencode arch=compute_90,code=compute_90
+CUDA_GENCODE := -gencode arch=compute_90a,code=sm_90a -gencode arch=compute_90,code=compute_90
 HIPCC        ?= hipcc
 HIP_ARCHS    := --offload-arch=gfx90a --offload-arch=gfx1030
 GPU_SRCS     := $(wildcard kernels/cuda/*.cu)

@@ -18,8 +18,13 @@
 //   find their (expert, first row) by a warp scan over the per-expert offsets inside each
 //   block: no extra launch and no workspace. Grid y is an upper bound on the tile count
 //   (n_rows/TM + active experts); blocks past the real count exit at once.
-// - Known limits: no wgmma/TMA (sm_90a) yet, so prefill runs at mma.sync rates with
-//   register-staged double buffering; x is rounded to bf16 on the CUDA path.
+// - Prefill on sm_90 (H100/H200) runs on wgmma (gemm_wg.cuh): x converted once per product
+//   into a stream-ordered bf16 workspace with the k slots permuted so that each k16 wgmma sums
+//   the products one GEMV mma sums. Other CUDA parts, or no workspace memory, take the
+//   mma.sync tiles. No TMA yet (cp.async rings); x is rounded to bf16 on every CUDA path.
+#include <stdlib.h>
+#include <string.h>
+
 #include "gpu_common.cuh"
 #include "mm_gpu.h"
 
@@ -593,6 +598,7 @@ __global__ void __launch_bounds__(MM_THREADS, 2) gemm_mma_async_kernel(mm_mat_ar
         }
     }
 }
+#include "gemm_wg.cuh"
 #endif // MM_GPU_HAVE_WMMA
 
 // ---- tiled FMA GEMM (any dtype, any vendor) ------------------------------------------------------
@@ -663,6 +669,102 @@ __global__ void __launch_bounds__(FMA_THREADS) gemm_fma_kernel(mm_mat_args a) {
 // ---- dispatch --------------------------------------------------------------------------------
 static bool aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
 
+#if MM_GPU_HAVE_WMMA
+static int g_wg_tile = 2; // wgmma block variant (mm_gpu_set_gemm_tile)
+
+// The wgmma kernel runs on compute capability 9.0 only (the sm_90a image; newer parts run
+// the compute_90 PTX, where it has no body). Cached per device.
+static bool wg_device_ok(void) {
+    static signed char ok[64]; // 0 unknown, 1 yes, -1 no
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64)
+        return false;
+    if (ok[dev] == 0) {
+        int major = 0, minor = 0;
+        if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+            cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess)
+            return false;
+        // MM_GPU_WGMMA=0 turns the path off (diagnosis; the mma.sync tiles give the same bits)
+        const char *env = getenv("MM_GPU_WGMMA");
+        ok[dev] = (major == 9 && minor == 0 && !(env && strcmp(env, "0") == 0)) ? 1 : -1;
+    }
+    return ok[dev] > 0;
+}
+
+static bool wg_usable(const mm_mat_args &a) {
+    const uintptr_t wa = (uintptr_t)a.w0;
+    return a.n_in % 2 == 0 && (a.wg != NULL || (wa & 3u) == 0) && wg_device_ok();
+}
+
+// Converts x into a stream-ordered workspace (bf16, permuted; gemm_wg.cuh) and runs the
+// wgmma tiles. *ran is false, with MM_OK, when the workspace could not be had: the caller
+// then takes the mma.sync path, which gives the same bits. The workspace comes from the
+// device's default memory pool (cudaMallocAsync, released with cudaFreeAsync on the same
+// stream), which keeps up to 512 MiB reserved between products so that steady-state
+// prefill does not map memory.
+template <bool GROUPED, int NWG, int BN>
+static mm_err launch_wg_kernel(cudaStream_t st, const mm_wg_args &w, uint64_t bit) {
+    static uint64_t attr_set; // > 48 KiB of dynamic shared memory, allowed once per device
+    const int active = GROUPED ? min(w.n_experts, w.n_rows) : 1;
+    const unsigned tiles_y = GROUPED ? (unsigned)(w.n_rows / BN + active) : mm_div_up(w.n_rows, BN);
+    if (!(attr_set & bit)) {
+        MM_GPU_CHECK(cudaFuncSetAttribute(gemm_wg_kernel<GROUPED, NWG, BN>,
+                                          cudaFuncAttributeMaxDynamicSharedMemorySize, wg_smem_bytes(NWG, BN)));
+        attr_set |= bit;
+    }
+    dim3 grid(mm_div_up(w.n_out, 64 * NWG), tiles_y);
+    gemm_wg_kernel<GROUPED, NWG, BN><<<grid, NWG * 128, wg_smem_bytes(NWG, BN), st>>>(w);
+    MM_GPU_CHECK(cudaGetLastError());
+    return MM_OK;
+}
+
+// Converts x into a stream-ordered workspace (bf16, permuted; gemm_wg.cuh) and runs the
+// wgmma tiles. *ran is false, with MM_OK, when the workspace could not be had: the caller
+// then takes the mma.sync path, which gives the same bits. The workspace comes from the
+// device's default memory pool (cudaMallocAsync, released with cudaFreeAsync on the same
+// stream), which keeps up to 512 MiB reserved between products so that steady-state
+// prefill does not map memory.
+template <bool GROUPED>
+static mm_err launch_wg(cudaStream_t st, const mm_mat_args &a, bool *ran) {
+    static uint64_t pool_set;
+    *ran = false;
+    int dev = 0;
+    MM_GPU_CHECK(cudaGetDevice(&dev));
+    const uint64_t bit = 1ull << (dev & 63);
+    if (!(pool_set & bit)) {
+        cudaMemPool_t pool;
+        MM_GPU_CHECK(cudaDeviceGetDefaultMemPool(&pool, dev));
+        uint64_t keep = 512ull << 20;
+        MM_GPU_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
+        pool_set |= bit;
+    }
+    const int64_t ldx = (a.n_in + WG_BK - 1) / WG_BK * WG_BK;
+    const size_t bytes = (size_t)a.n_rows * (size_t)ldx * 2;
+    void *ws = NULL;
+    if (cudaMallocAsync(&ws, bytes, st) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return MM_OK;
+    }
+    const int64_t pieces = (int64_t)a.n_rows * (ldx / 8);
+    const int64_t cb = (pieces + 255) / 256;
+    const unsigned cblocks = (unsigned)(cb < 132 * 16 ? cb : 132 * 16);
+    wg_convert_x_kernel<<<cblocks, 256, 0, st>>>(a.x, a.x_stride, a.n_rows, a.n_in, (uint16_t *)ws, ldx);
+    MM_GPU_CHECK(cudaGetLastError());
+    mm_wg_args w = {(const uint16_t *)ws, ldx, a.w0, a.wg, a.offs, a.n_experts, a.n_rows, a.n_in,
+                    a.n_out, a.bias, a.y, a.y_stride};
+    mm_err rv;
+    switch (g_wg_tile) {
+    case 3: rv = launch_wg_kernel<GROUPED, 3, 128>(st, w, bit); break;
+    case 4: rv = launch_wg_kernel<GROUPED, 2, 192>(st, w, bit); break;
+    default: rv = launch_wg_kernel<GROUPED, 2, 128>(st, w, bit); break;
+    }
+    MM_GPU_CHECK(cudaFreeAsync(ws, st));
+    if (rv == MM_OK)
+        *ran = true;
+    return rv;
+}
+#endif
+
 template <bool GROUPED>
 static mm_err launch(cudaStream_t st, int path, int dtype, mm_mat_args a, int per_tile_rows) {
     const int active = GROUPED ? min(a.n_experts, a.n_rows) : 1;
@@ -691,6 +793,18 @@ static mm_err launch(cudaStream_t st, int path, int dtype, mm_mat_args a, int pe
         }
         MM_GPU_CHECK(cudaGetLastError());
         return MM_OK;
+    }
+    if (dtype == MM_DTYPE_BF16 && path == MM_GPU_PATH_WG) {
+        if (!wg_usable(a)) {
+            mm_log_error("gpu: matmul path wgmma needs an sm_90 device, even n_in and 4-byte "
+                         "aligned weights (n_in=%d)", a.n_in);
+            return MM_EUNSUPP;
+        }
+        bool ran = false;
+        const mm_err rv = launch_wg<GROUPED>(st, a, &ran);
+        if (rv != MM_OK || ran)
+            return rv;
+        path = MM_GPU_PATH_MMA; // no workspace memory: the mma.sync tiles give the same bits
     }
     if (dtype == MM_DTYPE_BF16 && path == MM_GPU_PATH_MMA) {
         // > 48 KiB of dynamic shared memory must be allowed once per device and kernel. The
@@ -739,6 +853,18 @@ static int default_path(int dtype, int rows_per_tile) {
     return rows_per_tile <= 32 ? MM_GPU_PATH_GEMV : MM_GPU_PATH_MMA;
 }
 
+// default_path, with the wgmma tiles for prefill where this device and shape allow them.
+static int auto_path(int dtype, int rows_per_tile, const mm_mat_args &a) {
+    const int p = default_path(dtype, rows_per_tile);
+#if MM_GPU_HAVE_WMMA
+    if (p == MM_GPU_PATH_MMA && wg_usable(a))
+        return MM_GPU_PATH_WG;
+#else
+    (void)a;
+#endif
+    return p;
+}
+
 static bool dtype_ok(int dtype) {
     return dtype == MM_DTYPE_BF16 || dtype == MM_DTYPE_F16 || dtype == MM_DTYPE_F32;
 }
@@ -758,7 +884,7 @@ extern "C" mm_err mm_gpu_matmul(void *stream, int dtype, const void *d_w, int n_
     mm_mat_args a = {d_x, x_stride, d_w, NULL, NULL, 1, n_rows, n_in, n_out, d_bias, d_y, y_stride, 0};
     a.vec = n_in % 8 == 0 && x_stride % 4 == 0 && aligned16(d_x) && aligned16(d_w);
     if (path < 0)
-        path = default_path(dtype, n_rows);
+        path = auto_path(dtype, n_rows, a);
     return launch<false>((cudaStream_t)stream, path, dtype, a, n_rows);
 }
 
@@ -783,8 +909,16 @@ extern "C" mm_err mm_gpu_moe_matmul(void *stream, int dtype, const void *const *
     const int active = min(n_experts, n_rows);
     const int per = (n_rows + active - 1) / active;
     if (path < 0)
-        path = default_path(dtype, per);
+        path = auto_path(dtype, per, a);
     return launch<true>((cudaStream_t)stream, path, dtype, a, per);
+}
+
+extern "C" void mm_gpu_set_gemm_tile(int variant) {
+#if MM_GPU_HAVE_WMMA
+    g_wg_tile = (variant == 3 || variant == 4) ? variant : 2;
+#else
+    (void)variant;
+#endif
 }
 
 extern "C" void mm_gpu_set_pdl(int on) {

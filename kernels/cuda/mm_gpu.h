@@ -49,6 +49,9 @@ enum mm_gpu_path {
     MM_GPU_PATH_FMA = 1,  // any vendor, any dtype: 64x64 FMA tiles, f32 x
     MM_GPU_PATH_MMA = 2,  // CUDA, bf16: mma.sync tiles (prefill): 64x128 fed by a 4-stage
                           // cp.async pipeline, 128x128 register-staged for unaligned shapes
+    MM_GPU_PATH_WG = 3,   // CUDA sm_90, bf16, even n_in: wgmma tiles (prefill, AUTO's choice
+                          // there); x goes through a stream-ordered workspace (cudaMallocAsync
+                          // on `stream`, freed on it; MMA when none can be had). Same bits.
 };
 
 // d_y[i, j] = sum_k d_x[i, k] * W[j, k] (+ d_bias[j]) for i < n_rows, j < n_out, k < n_in.
@@ -71,6 +74,10 @@ mm_err mm_gpu_moe_matmul(void *stream, int dtype, const void *const *d_w, const 
 // mm_gpu_set_pdl turns programmatic dependent launch of the decode GEMV on (default) or off
 // (CUDA sm_90; no effect on HIP). Process-wide; call before issuing work.
 void mm_gpu_set_pdl(int on);
+
+// mm_gpu_set_gemm_tile picks the wgmma block (benches): 2 (default) 128 outputs x 128 tokens,
+// 3: 192 x 128, 4: 128 x 192. Same bits in all. Process-wide; call before issuing work.
+void mm_gpu_set_gemm_tile(int variant);
 
 // ---- row ops (kernels.h semantics; d_err: device error word set on bad indices) -----------
 mm_err mm_gpu_rmsnorm(void *stream, const mm_weight *w, float eps, const float *d_x, int64_t xs,

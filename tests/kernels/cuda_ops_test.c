@@ -25,6 +25,13 @@ extern mm_err mm_gpu_argmax(void *stream, const float *d_logits, int64_t ls, int
 
 extern mm_err mm_gpu_stream_sync(void *stream) __attribute__((weak));
 
+// Dense product with a forced path (kernels/cuda/mm_gpu.h: 0 GEMV, 2 mma.sync tiles, 3 wgmma).
+extern mm_err mm_gpu_matmul(void *stream, int dtype, const void *d_w, int n_out, int n_in,
+                            const float *d_bias, const float *d_x, int64_t x_stride, float *d_y,
+                            int64_t y_stride, int n_rows, int path) __attribute__((weak));
+// wgmma block variant (2: 128 outputs x 128 tokens, 3: 192 x 128, 4: 128 x 192).
+extern void mm_gpu_set_gemm_tile(int variant) __attribute__((weak));
+
 static mm_backend *cpu, *gpu;
 
 static void open_backends(void) {
@@ -216,6 +223,115 @@ static void test_matmul_bits_batch_invariant(void) {
     close_backends();
 }
 
+// Every path of a bf16 product gives each row the GEMV's bits: the wgmma tiles (sm_90) and the
+// mma.sync tiles against the GEMV forced over the whole batch, over random and odd shapes
+// (several k segments, a segment ending inside a 64-wide k-step, a partial 32-chunk, n_in not a
+// multiple of 8, partial row and output tiles, strided x/y, bias). On a mismatch it prints how
+// many elements differ and by how much (an accumulation-order difference shows as a few ulp
+// with a small NMSE; a kernel bug as a large one).
+static int bits_compare(const char *what, const float *a, const float *ref, int64_t n_rows,
+                        int64_t n_out, int64_t ys) {
+    int64_t diff = 0, first = -1;
+    double num = 0, den = 0;
+    for (int64_t i = 0; i < n_rows; i++)
+        for (int64_t j = 0; j < n_out; j++) {
+            float x = a[i * ys + j], y = ref[i * ys + j];
+            if (memcmp(&x, &y, 4) != 0) {
+                if (first < 0)
+                    first = i * ys + j;
+                diff++;
+            }
+            num += ((double)x - y) * ((double)x - y);
+            den += (double)y * y;
+        }
+    if (diff == 0) {
+        printf("%-44s bit-identical to the GEMV\n", what);
+        return 0;
+    }
+    printf("%-44s %lld of %lld differ from the GEMV (first at row %lld col %lld: %.9g vs %.9g), "
+           "nmse %.3e\n", what, (long long)diff, (long long)(n_rows * n_out),
+           (long long)(first / ys), (long long)(first % ys), a[first], ref[first], num / den);
+    return 1;
+}
+
+static int path_bits_case(int64_t n_rows, int64_t n_in, int64_t n_out, int64_t xs, int64_t ys,
+                          bool bias, int *wg_ran) {
+    void *hw = NULL;
+    (void)make_weight(MM_DTYPE_BF16, n_out, n_in, &hw);
+    float *x = rand_f32((size_t)(n_rows * xs), 2.0f);
+    float *b = bias ? rand_f32((size_t)n_out, 1.0f) : NULL;
+    void *dw = gpu_copy(hw, (size_t)(n_out * n_in) * 2);
+    float *dx = gpu_copy(x, (size_t)(n_rows * xs) * 4);
+    float *db = bias ? gpu_copy(b, (size_t)n_out * 4) : NULL;
+    enum { NP = 5 };
+    float *dy[NP] = {NULL};
+    const int paths[NP] = {0, 2, 3, 3, 3};   // GEMV, MMA, WG (three block variants)
+    const int variant[NP] = {2, 2, 2, 3, 4}; // mm_gpu_set_gemm_tile
+    const char *names[NP] = {"gemv", "mma.sync", "wgmma 128x128", "wgmma 192x128", "wgmma 128x192"};
+    mm_err rv[NP];
+    MM_PASS(gpu->ops->synchronize(gpu->ctx));
+    for (int p = 0; p < NP; p++) {
+        MM_PASS(gpu->ops->buffer_alloc(gpu->ctx, (size_t)(n_rows * ys) * 4, (void **)&dy[p]));
+        MM_PASS(gpu->ops->fill(gpu->ctx, dy[p], NAN, n_rows * ys));
+        MM_PASS(gpu->ops->synchronize(gpu->ctx));
+        if (mm_gpu_set_gemm_tile)
+            mm_gpu_set_gemm_tile(variant[p]);
+        rv[p] = mm_gpu_matmul(NULL, MM_DTYPE_BF16, dw, (int)n_out, (int)n_in, db, dx, xs, dy[p], ys,
+                              (int)n_rows, paths[p]);
+        MM_PASS(mm_gpu_stream_sync(NULL));
+    }
+    if (mm_gpu_set_gemm_tile)
+        mm_gpu_set_gemm_tile(2);
+    MM_PASS(rv[0]);
+    MM_PASS(rv[1]);
+    float *y[NP];
+    int bad = 0;
+    for (int p = 0; p < NP; p++)
+        y[p] = gpu_get(dy[p], (size_t)(n_rows * ys) * 4);
+    for (int64_t i = 0; i < n_rows; i++) // every element in range written, finite
+        for (int64_t j = 0; j < n_out; j++)
+            if (!isfinite(y[0][i * ys + j]))
+                MM_TEST_FAIL_("GEMV output row %lld col %lld is %g", (long long)i, (long long)j,
+                              y[0][i * ys + j]);
+    for (int p = 1; p < NP; p++) {
+        if (rv[p] == MM_EUNSUPP && paths[p] == 3)
+            continue; // no wgmma on this device
+        if (rv[p] != MM_OK)
+            MM_TEST_FAIL_("%s path: %s", names[p], mm_strerror(rv[p]));
+        char what[96];
+        snprintf(what, sizeof(what), "%s %lldx%lld -> %lld", names[p], (long long)n_rows,
+                 (long long)n_in, (long long)n_out);
+        bad |= bits_compare(what, y[p], y[0], n_rows, n_out, ys);
+        if (paths[p] == 3)
+            *wg_ran = 1;
+    }
+    for (int p = 0; p < NP; p++) {
+        gpu_free(dy[p]);
+        free(y[p]);
+    }
+    gpu_free(dw), gpu_free(dx), gpu_free(db);
+    free(hw), free(x), free(b);
+    return bad;
+}
+
+static void test_matmul_paths_bits(void) {
+    open_backends();
+    if (!mm_gpu_matmul || !mm_gpu_stream_sync)
+        MM_SKIP("mm_gpu_matmul not linked");
+    int bad = 0, wg = 0;
+    bad |= path_bits_case(300, 2048, 384, 2048, 384, true, &wg);   // 8 k segments
+    bad |= path_bits_case(257, 520, 300, 520, 300, false, &wg);    // partial 32-chunk, 3 segments
+    bad |= path_bits_case(130, 130, 77, 136, 80, true, &wg);       // n_in % 8 != 0, strides
+    bad |= path_bits_case(64, 4160, 136, 4160, 136, false, &wg);   // segment ends mid k-step
+    bad |= path_bits_case(40, 768, 2048, 768, 2048, false, &wg);   // down_proj-shaped, few rows
+    bad |= path_bits_case(129, 4096, 200, 4100, 201, true, &wg);   // 16 segments, row tile + 1
+    if (bad)
+        MM_TEST_FAIL_("a tensor-core path gave other bits than the GEMV (see above)");
+    if (!wg)
+        printf("wgmma path not available on this device (needs compute capability 9.0)\n");
+    close_backends();
+}
+
 // All routed rows of a layer in one grouped launch = per-expert table matmuls, bit for bit,
 // at decode (few rows per expert) and prefill (many) shapes.
 static void moe_case(int n_experts, int n_rows, int n_in, int n_out) {
@@ -292,6 +408,7 @@ static void test_moe_matmul_grouped(void) {
     moe_case(16, 8, 256, 96);     // decode: about one row per expert
     moe_case(128, 512, 256, 64);  // batch 64 x top-8
     moe_case(8, 1200, 264, 136);  // prefill: many rows per expert, odd n_out
+    moe_case(6, 900, 2048, 200);  // prefill, 8 k segments (wgmma tiles on sm_90)
     close_backends();
 }
 
@@ -611,6 +728,7 @@ MM_TESTS = {
     {"matmul bf16 vs cpu", test_matmul_bf16},
     {"matmul f16 f32 vs cpu", test_matmul_f16_f32},
     {"matmul row bits independent of batch", test_matmul_bits_batch_invariant},
+    {"matmul paths bits equal gemv", test_matmul_paths_bits},
     {"grouped expert matmul equals per-expert", test_moe_matmul_grouped},
     {"rmsnorm vs cpu", test_rmsnorm},
     {"rope vs cpu", test_rope},

@@ -7,8 +7,9 @@
 //   layer     one MoE layer's decode products at batch 1 (q, k, v, o, router, grouped gate/up/down
 //             of 8 routed experts out of 128), replayed from a CUDA graph; bytes read / time
 //   moe64     grouped expert products at batch 64 (512 routed rows over 128 experts)
-//   prefill   4096-token GEMMs (tensor-core tiles) in TFLOP/s; the bf16 peak is passed with
-//             --peak-tflops (measured by the caller, e.g. a torch bf16 8192^3 matmul) 
+//   prefill   4096-token GEMMs in TFLOP/s per path (wgmma tiles, two block sizes; mma.sync
+//             tiles; FMA), and the default path's bits against the decode GEMV; the bf16 peak
+//             is passed with --peak-tflops (measured by the caller: torch bf16 8192^3 matmul)
 // Usage: moemesh-gpu-bench [--device N] [--peak-tflops F] [--quick] [--only SECTION]
 #include <stdio.h>
 #include <stdlib.h>
@@ -317,6 +318,15 @@ static void bench_moe(double copy_gbs, double peak, int n_tok, const char *tag) 
     double us_down = time_us([&](int) {
         MK(mm_gpu_moe_matmul(g_stream, MM_DTYPE_BF16, d_d, d_offs, E, D, F, h, F, y, D, n_rows, -1));
     }, iters);
+    double us_up_mma = 0, us_down_mma = 0;
+    if (n_tok >= 1024) { // prefill: the mma.sync tiles beside the default (wgmma on sm_90)
+        us_up_mma = time_us([&](int) {
+            MK(mm_gpu_moe_matmul(g_stream, MM_DTYPE_BF16, d_g, d_offs, E, F, D, x, D, h, F, n_rows, MM_GPU_PATH_MMA));
+        }, iters);
+        us_down_mma = time_us([&](int) {
+            MK(mm_gpu_moe_matmul(g_stream, MM_DTYPE_BF16, d_d, d_offs, E, D, F, h, F, y, D, n_rows, MM_GPU_PATH_MMA));
+        }, iters);
+    }
     const double flops = 2.0 * n_rows * (double)F * D;
     const double wbytes = 2.0 * touched * (double)F * D;
     printf("\n%-9s grouped experts, %d tokens x top-8 = %d rows over %d experts (%d touched)\n", tag,
@@ -327,6 +337,10 @@ static void bench_moe(double copy_gbs, double peak, int n_tok, const char *tag) 
     printf("%-9s down (2048x768):    %8.1f us  %6.1f TFLOP/s (%.1f%% of peak)  weights %.0f GB/s (%.1f%% of copy)\n",
            tag, us_down, flops / us_down / 1e6, 100.0 * flops / us_down / 1e6 / peak, wbytes / us_down / 1e3,
            100.0 * wbytes / us_down / 1e3 / copy_gbs);
+    if (us_up_mma > 0)
+        printf("%-9s mma.sync tiles:     gate/up %8.1f us %6.1f TFLOP/s (%.1f%%), down %8.1f us %6.1f TFLOP/s (%.1f%%)\n",
+               tag, us_up_mma, flops / us_up_mma / 1e6, 100.0 * flops / us_up_mma / 1e6 / peak, us_down_mma,
+               flops / us_down_mma / 1e6, 100.0 * flops / us_down_mma / 1e6 / peak);
     if (n_tok <= 64)
         printf("%-9s => one layer's routed experts (gate+up+down) for %d tokens: %.1f us\n", tag, n_tok,
                2 * us_up + us_down);
@@ -338,23 +352,55 @@ static void bench_prefill(double peak) {
     const int M = 4096;
     const shape shapes[] = {{"q_proj", 4096, 2048}, {"o_proj", 2048, 4096}, {"square 4096", 4096, 4096},
                             {"lm_head slice", 16384, 2048}};
-    printf("\nprefill   dense GEMM, %d tokens (x f32 -> bf16 in the tile loader, f32 out)\n", M);
+    printf("\nprefill   dense GEMM, %d tokens, f32 x and y; wgmma times include converting x to bf16\n", M);
     printf("%-16s %6s %6s %10s %9s %8s   %s\n", "shape", "n_out", "n_in", "us", "TFLOP/s", "of peak", "path");
+    struct variant {
+        int path, tile;
+        const char *name;
+    };
+    const variant vs[] = {{MM_GPU_PATH_WG, 2, "wgmma 128 out x 128 tok (default)"},
+                          {MM_GPU_PATH_WG, 3, "wgmma 192 out x 128 tok"},
+                          {MM_GPU_PATH_WG, 4, "wgmma 128 out x 192 tok"},
+                          {MM_GPU_PATH_MMA, 0, "mma.sync 64x128 tiles"},
+                          {MM_GPU_PATH_FMA, 0, "FMA tiles (HIP path)"}};
     for (const shape &s : shapes) {
         uint16_t *w = rand_bf16((size_t)s.n_out * s.n_in, 9);
         float *x = rand_f32((size_t)M * s.n_in, 10), *y = (float *)dalloc((size_t)M * s.n_out * 4);
+        float *y_ref = (float *)dalloc((size_t)M * s.n_out * 4);
         const double flops = 2.0 * M * (double)s.n_out * s.n_in;
-        const int paths[] = {MM_GPU_PATH_MMA, MM_GPU_PATH_FMA};
-        for (int p : paths) {
-            if (g_quick && p == MM_GPU_PATH_FMA)
+        for (const variant &v : vs) {
+            if (g_quick && v.path == MM_GPU_PATH_FMA)
                 continue;
+            if (v.path == MM_GPU_PATH_FMA && s.n_out > 4096)
+                continue;
+            mm_gpu_set_gemm_tile(v.tile ? v.tile : 2);
+            if (mm_gpu_matmul(g_stream, MM_DTYPE_BF16, w, s.n_out, s.n_in, NULL, x, s.n_in, y, s.n_out, M,
+                              v.path) != MM_OK) {
+                printf("%-16s %6d %6d %10s   %s: not available here\n", s.name, s.n_out, s.n_in, "-", v.name);
+                (void)cudaGetLastError();
+                continue;
+            }
             double us = time_us([&](int) {
-                MK(mm_gpu_matmul(g_stream, MM_DTYPE_BF16, w, s.n_out, s.n_in, NULL, x, s.n_in, y, s.n_out, M, p));
-            }, p == MM_GPU_PATH_FMA ? 3 : 10);
+                MK(mm_gpu_matmul(g_stream, MM_DTYPE_BF16, w, s.n_out, s.n_in, NULL, x, s.n_in, y, s.n_out, M, v.path));
+            }, v.path == MM_GPU_PATH_FMA ? 3 : 10);
             printf("%-16s %6d %6d %10.1f %9.1f %7.1f%%   %s\n", s.name, s.n_out, s.n_in, us, flops / us / 1e6,
-                   100.0 * flops / us / 1e6 / peak, p == MM_GPU_PATH_MMA ? "mma.sync tiles" : "FMA tiles (HIP path)");
+                   100.0 * flops / us / 1e6 / peak, v.name);
         }
-        mm_gpu_free(w), mm_gpu_free(x), mm_gpu_free(y);
+        mm_gpu_set_gemm_tile(2);
+        // bits: the default path (AUTO) against the decode GEMV forced over the same rows
+        MK(mm_gpu_matmul(g_stream, MM_DTYPE_BF16, w, s.n_out, s.n_in, NULL, x, s.n_in, y, s.n_out, M, MM_GPU_PATH_AUTO));
+        MK(mm_gpu_matmul(g_stream, MM_DTYPE_BF16, w, s.n_out, s.n_in, NULL, x, s.n_in, y_ref, s.n_out, M,
+                         MM_GPU_PATH_GEMV));
+        std::vector<float> a((size_t)M * s.n_out), b((size_t)M * s.n_out);
+        CK(cudaMemcpyAsync(a.data(), y, a.size() * 4, cudaMemcpyDeviceToHost, g_stream));
+        CK(cudaMemcpyAsync(b.data(), y_ref, b.size() * 4, cudaMemcpyDeviceToHost, g_stream));
+        CK(cudaStreamSynchronize(g_stream));
+        size_t diff = 0;
+        for (size_t i = 0; i < a.size(); i++)
+            diff += memcmp(&a[i], &b[i], 4) != 0;
+        printf("%-16s bits: default path vs decode GEMV over %d rows: %zu of %zu elements differ\n", s.name, M,
+               diff, a.size());
+        mm_gpu_free(w), mm_gpu_free(x), mm_gpu_free(y), mm_gpu_free(y_ref);
     }
 }
 

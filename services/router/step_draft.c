@@ -50,6 +50,8 @@ struct mm_draft {
     bool step_cost;   // this step's period is a sample of its width's cost
     uint64_t step_no, step_t0; // steps begun; when this one began (ns)
     uint64_t explored;
+    int prev_w;              // the widest draft asked for in the step before (-1: no sample)
+    int explore_w, explore_left; // a width being measured, for explore_left more steps
     float acc_all; // per-draft-token acceptance over all seqs (slow EMA): a new seq's start
     // metrics
     uint64_t drafted, accepted, emitted, verified, misses, requests;
@@ -79,6 +81,7 @@ mm_err mm_draft_open(mm_draft **out, const mm_draft_conf *c, mm_registry *reg,
     }
     d->backoff_ms = 250;
     d->acc_all = 0.6f;
+    d->prev_w = -1;
     *out = d;
     return MM_OK;
 }
@@ -173,15 +176,20 @@ void mm_draft_begin(mm_draft *d, const Mmctl__StepPlan *p, const bool *active, i
     // The previous step's cost: the period from its start to this one's, when this step goes
     // on with a seq of it (the gateway sent this plan as soon as it had that step's result; not
     // after an idle gap). The period holds all the step's costs: the drafter's round trip, the
-    // forward pass over the draft rows, verification, the gateway's work on more tokens.
+    // forward pass over the draft rows, verification, the gateway's work on more tokens. Only
+    // when the step before it had the same width: the gateway hands the next plan to the router
+    // before it writes the tokens of a result to the clients, so a step's period also holds the
+    // delivery of the previous step's tokens (a width-0 step after a width-4 step would be
+    // charged for 5 tokens per seq; exploration therefore runs 2 steps of its width).
     const uint64_t now = mm_now_ns();
     bool goes_on = false;
     for (size_t i = 0; i < p->n_seqs && !goes_on; i++) {
         const struct rseq *r = p->seqs[i]->pos > 0 ? find(d, p->seqs[i]->seq_id) : NULL;
         goes_on = r && r->last_step == d->step_no;
     }
-    if (d->step_cost && goes_on && d->c.max_k > 0)
+    if (d->step_cost && goes_on && d->c.max_k > 0 && d->step_w == d->prev_w)
         mm_spec_cost_add(&d->costs, d->step_bucket, d->step_w, (double)(now - d->step_t0) / 1e6);
+    d->prev_w = d->step_cost && goes_on ? d->step_w : -1;
     d->step_no++;
     d->step_t0 = now;
     d->step_w = 0;
@@ -257,10 +265,14 @@ void mm_draft_begin(mm_draft *d, const Mmctl__StepPlan *p, const bool *active, i
     if (maxw_step > 0)
         d->n_steps++;
     int W = d->c.adapt ? mm_spec_width_sum(&d->costs, b, maxw_step, ex) : maxw_step;
-    if (d->c.adapt && maxw_step > 0 && d->n_steps % EXPLORE_EVERY == 0) {
+    if (d->c.adapt && maxw_step > 0 && d->explore_left > 0) {
+        W = d->explore_w < maxw_step ? d->explore_w : maxw_step;
+        d->explore_left--;
+    } else if (d->c.adapt && maxw_step > 0 && d->n_steps % EXPLORE_EVERY == 0) {
         int x = mm_spec_explore(&d->costs, b, W, maxw_step, STALE);
         if (x >= 0) {
-            W = x;
+            W = d->explore_w = x;
+            d->explore_left = 1; // the next step too: its period is the sample
             d->explored++;
         }
     }

@@ -17,11 +17,17 @@
 //   rejection the token is distributed as p without x, renormalised (the residual
 //   max(0, p - q)); so the output is the target's distribution, and for a given seed the very
 //   tokens of plain decoding, whatever the widths.
-// - Width: per seq, the w in [0, max] maximising E[tokens](w) / T(w), where E = sum_{i<=w}
-//   a^i with a the seq's measured per-token acceptance (EMA), and T(w) the measured step time
-//   (EMA) of steps whose widest draft was w, per context-length range (log2 buckets of the
-//   longest context in the step). An unmeasured width is priced as the nearest measured one,
-//   and never below a measured narrower one. Width 0 every 32nd step becomes a probe of 1.
+// - Width (mm/spec.h): one width W per step (the step's time depends on its widest draft):
+//   the w maximising the seqs' expected tokens (sum over seqs of sum_{i<=min(w,cap)} a^i, a the
+//   seq's per-token acceptance EMA; a new seq starts from the EMA over all seqs) per price T(w).
+//   T(w) is the EMA of the period from a step's start to the next step's start (all a step
+//   costs: drafter round trip, draft rows, the gateway's work on the tokens), counted only when
+//   the next step goes on with a seq of it (no idle gap) and the step before had the same width
+//   (the gateway delivers a result's tokens while the next step runs), per range of context
+//   length x input rows. Unmeasured widths: the nearest measured one's price, never below a
+//   measured narrower one. Every 8th drafting step may explore (2 steps) width 0 or the
+//   choice's neighbours when unmeasured or stale. Seqs under 5% acceptance draft 0 (probing
+//   1 draft together every 64th step).
 // - State per tracked seq (allocated once per table slot, not per token). One thread: all
 //   calls are made under the step engine's mutex.
 #ifndef MM_ROUTER_STEP_DRAFT_H

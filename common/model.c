@@ -16,7 +16,9 @@
 // product of 2F outputs: an output's bits depend only on its own row and n_in (kernels.h
 // Exactness), so this equals the separate products the mesh's owners run. With capture_begin
 // the whole step is recorded once per (rows, wanted rows) shape as a graph and replayed
-// (MM_GPU_GRAPHS=0 turns that off; MM_DEVICE_ROUTING=0 turns the whole device path off).
+// (MM_GPU_GRAPHS=0 turns that off; MM_DEVICE_ROUTING=0 turns the whole device path off). On
+// device backends q, k and v share one buffer too and run as one product, followed by one
+// head_norm_rope launch (MM_FUSED_QKV=0: separate products, norms and ropes).
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -29,7 +31,10 @@
 struct layer {
     mm_weight attn_norm, ffn_norm;
     mm_weight wq, wk, wv, wo, q_norm, k_norm;
-    float *bq, *bk, *bv;                              // (n_out,) f32 backend, or NULL
+    mm_weight wqkv;                                   // device: [wq; wk; wv] in one buffer (wq,
+                                                      // wk, wv are views), or data NULL
+    float *bq, *bk, *bv;                              // (n_out,) f32 backend, or NULL; with
+                                                      // wqkv, bq is [bq; bk; bv] contiguous
     mm_weight wq_a, q_a_norm, wq_b, wkv_a, kv_a_norm, wkv_b; // MLA
     mm_weight router;                                 // (n_experts, d_model)
     float *e_bias;                                    // (n_experts,) f32 backend, or NULL
@@ -273,6 +278,94 @@ static mm_err bind_experts(mm_model *m, int l, const char *moe, struct layer *L,
     return MM_OK;
 }
 
+// f32_of: a 1-D tensor of n values converted to f32 into dst (host).
+static mm_err f32_of(mm_model *m, const char *name, int64_t n, float *dst, char *err) {
+    const mm_st_tensor *t = NULL;
+    MM_TRY(mm_safetensors_get(m->st, name, 1, &n, &t, err));
+    for (int64_t i = 0; i < n; i++) {
+        uint16_t h;
+        switch (t->dtype) {
+        case MM_DTYPE_BF16:
+            memcpy(&h, (const char *)t->data + 2 * i, 2);
+            dst[i] = mm_bf16_to_f32(h);
+            break;
+        case MM_DTYPE_F16:
+            memcpy(&h, (const char *)t->data + 2 * i, 2);
+            dst[i] = mm_f16_to_f32(h);
+            break;
+        case MM_DTYPE_F32:
+            memcpy(&dst[i], (const char *)t->data + 4 * i, 4);
+            break;
+        default:
+            return mm_errf(err, MM_EUNSUPP, "%s: tensor %s has dtype %s (bf16, f16 or f32 "
+                           "needed)", mm_safetensors_file_name(m->st, t->file), name,
+                           mm_dtype_name(t->dtype));
+        }
+    }
+    return MM_OK;
+}
+
+// Device backends: q, k and v of a layer in one buffer ([wq; wk; wv], rows (H + 2 KV) hd), so
+// that the engine and the attention daemon run one product (an output's bits depend only on
+// its own weight row, kernels.h Exactness); wq, wk, wv stay views of it. Biases likewise in one
+// f32 array. Checkpoints whose q/k/v differ in dtype keep separate buffers.
+static mm_err bind_qkv_dev(mm_model *m, int l, struct layer *L, char *err) {
+    const mm_model_config *c = &m->c;
+    const int64_t D = c->d_model, H = c->n_heads, KV = c->n_kv_heads, hd = c->head_dim;
+    const char *nm[3] = {"q_proj", "k_proj", "v_proj"};
+    const int64_t rows[3] = {H * hd, KV * hd, KV * hd};
+    const mm_st_tensor *t[3];
+    char n[256];
+    for (int i = 0; i < 3; i++) {
+        int64_t sh[2] = {rows[i], D};
+        LNAME(n, l, "self_attn.%s.weight", nm[i]);
+        MM_TRY(mm_safetensors_get(m->st, n, 2, sh, &t[i], err));
+    }
+    const enum mm_dtype dt = t[0]->dtype;
+    mm_weight *w[3] = {&L->wq, &L->wk, &L->wv};
+    if (t[1]->dtype != dt || t[2]->dtype != dt ||
+        (dt != MM_DTYPE_BF16 && dt != MM_DTYPE_F16 && dt != MM_DTYPE_F32)) {
+        for (int i = 0; i < 3; i++) {
+            LNAME(n, l, "self_attn.%s.weight", nm[i]);
+            MM_TRY(bind(m, n, rows[i], D, w[i], err));
+        }
+    } else {
+        void *p = NULL;
+        const size_t tot = t[0]->n_bytes + t[1]->n_bytes + t[2]->n_bytes;
+        MM_TRY(m->be->ops->buffer_alloc(m->be->ctx, tot, &p));
+        mm_err rv = own(m, p);
+        if (rv != MM_OK) {
+            m->be->ops->buffer_free(m->be->ctx, p);
+            return rv;
+        }
+        size_t off = 0;
+        for (int i = 0; i < 3; i++) {
+            MM_TRY(m->be->ops->set(m->be->ctx, (char *)p + off, t[i]->data, t[i]->n_bytes));
+            *w[i] = (mm_weight){dt, rows[i], D, (const char *)p + off};
+            off += t[i]->n_bytes;
+        }
+        L->wqkv = (mm_weight){dt, rows[0] + rows[1] + rows[2], D, p};
+    }
+    if (!c->qkv_bias)
+        return MM_OK;
+    const int64_t nb = rows[0] + rows[1] + rows[2];
+    float *tmp = malloc((size_t)nb * 4);
+    if (!tmp)
+        return MM_ENOMEM;
+    mm_err rv = MM_OK;
+    for (int i = 0, off = 0; i < 3 && rv == MM_OK; off += (int)rows[i], i++) {
+        LNAME(n, l, "self_attn.%s.bias", nm[i]);
+        rv = f32_of(m, n, rows[i], tmp + off, err);
+    }
+    if (rv == MM_OK)
+        rv = upload(m, tmp, (size_t)nb * 4, (void **)&L->bq);
+    free(tmp);
+    MM_TRY(rv);
+    L->bk = L->bq + rows[0];
+    L->bv = L->bk + rows[1];
+    return MM_OK;
+}
+
 static mm_err bind_layer(mm_model *m, int l, char *err) {
     const mm_model_config *c = &m->c;
     struct layer *L = &m->layers[l];
@@ -303,6 +396,16 @@ static mm_err bind_layer(mm_model *m, int l, char *err) {
         MM_TRY(bind(m, n, H * (c->qk_nope + c->v_head_dim), c->kv_lora_rank, &L->wkv_b, err));
         LNAME(n, l, "self_attn.o_proj.weight");
         MM_TRY(bind(m, n, D, H * c->v_head_dim, &L->wo, err));
+    } else if (!m->be->ops->host_memory) {
+        MM_TRY(bind_qkv_dev(m, l, L, err));
+        LNAME(n, l, "self_attn.o_proj.weight");
+        MM_TRY(bind(m, n, D, H * hd, &L->wo, err));
+        if (c->qk_norm) {
+            LNAME(n, l, "self_attn.q_norm.weight");
+            MM_TRY(bind(m, n, 0, hd, &L->q_norm, err));
+            LNAME(n, l, "self_attn.k_norm.weight");
+            MM_TRY(bind(m, n, 0, hd, &L->k_norm, err));
+        }
     } else {
         LNAME(n, l, "self_attn.q_proj.weight");
         MM_TRY(bind(m, n, H * hd, D, &L->wq, err));
@@ -528,6 +631,7 @@ struct mm_model_scratch {
     int n_bufs;
     // backend f32 buffers
     float *xn, *q, *k, *v, *ao, *tmp;       // attention
+    float *qkv;                             // fused q/k/v rows (device backends) or NULL
     float *qa, *ckv, *kvn, *kvb;            // MLA
     float *g, *u, *f;                       // FFN (rows, ff_max)
     float *rl;                              // router logits (rows, n_experts)
@@ -624,6 +728,8 @@ mm_err mm_model_scratch_new(mm_model_scratch **out, const mm_model *m, int64_t m
     F32(xn, R * D);
     F32(q, R * qdim);
     F32(k, R * kdim);
+    if (!m->be->ops->host_memory && !c->mla && !env_off("MM_FUSED_QKV"))
+        F32(qkv, R * (qdim + 2 * kdim));
     F32(v, R * vdim);
     F32(ao, R * aodim);
     F32(tmp, R * D);
@@ -749,9 +855,28 @@ static mm_err attn_mla(const mm_model *m, mm_model_scratch *s, const struct laye
     return MM_OK;
 }
 
-static mm_err attn_std(const mm_model *m, mm_model_scratch *s, const struct layer *L, int64_t n) {
+// attn_std: q, k, v of n rows, normed and rotated; their rows are *qs / *kvs apart. With the
+// layer's fused q/k/v weight and the backend's head_norm_rope: one product and one launch,
+// q, k and v side by side in s->qkv.
+static mm_err attn_std(const mm_model *m, mm_model_scratch *s, const struct layer *L, int64_t n,
+                       float **q, float **k, float **v, int64_t *qs, int64_t *kvs) {
     const mm_model_config *c = &m->c;
     const int64_t H = c->n_heads, KV = c->n_kv_heads, hd = c->head_dim, D = c->d_model;
+    if (L->wqkv.data && s->qkv && OPS->head_norm_rope) {
+        const int64_t W = (H + 2 * KV) * hd;
+        MM_TRY(OPS->matmul(CTX, &L->wqkv, L->bq, s->xn, D, s->qkv, W, n));
+        struct mm_rope_args ra = {.rot_offset = 0, .rot_dim = c->rot_dim, .pos = s->pos_d,
+                                  .inv_freq = m->inv_freq, .mscale = c->rope_mscale,
+                                  .style = c->rope_style};
+        MM_TRY(OPS->head_norm_rope(CTX, s->qkv, n, W, (int)H, (int)KV, H * hd, (int)hd,
+                                   c->qk_norm ? &L->q_norm : NULL,
+                                   c->qk_norm ? &L->k_norm : NULL, c->eps, &ra));
+        *q = s->qkv, *k = s->qkv + H * hd, *v = s->qkv + (H + KV) * hd;
+        *qs = *kvs = W;
+        return MM_OK;
+    }
+    *q = s->q, *k = s->k, *v = s->v;
+    *qs = H * hd, *kvs = KV * hd;
     MM_TRY(OPS->matmul(CTX, &L->wq, L->bq, s->xn, D, s->q, H * hd, n));
     MM_TRY(OPS->matmul(CTX, &L->wk, L->bk, s->xn, D, s->k, KV * hd, n));
     MM_TRY(OPS->matmul(CTX, &L->wv, L->bv, s->xn, D, s->v, KV * hd, n));
@@ -810,13 +935,15 @@ static mm_err attn_core(const mm_model *m, mm_model_scratch *s, int layer, mm_kv
     const int64_t D = c->d_model, H = c->n_heads;
     MM_TRY(OPS->rmsnorm(CTX, &L->attn_norm, c->eps, h, D, s->xn, D, n));
     float *q = s->q, *k = s->k, *v = s->v;
-    int64_t qs = H * c->head_dim;
-    if (c->mla)
+    int64_t qs = H * c->head_dim, ks = (int64_t)c->n_kv_heads * c->head_dim;
+    int64_t vs = (int64_t)c->n_kv_heads * c->head_dim_v;
+    if (c->mla) {
         MM_TRY(attn_mla(m, s, L, n, &q, &k, &v, &qs));
-    else
-        MM_TRY(attn_std(m, s, L, n));
-    struct mm_kv_store_args st = {.k = k, .k_stride = (int64_t)c->n_kv_heads * c->head_dim,
-                                  .v = v, .v_stride = (int64_t)c->n_kv_heads * c->head_dim_v,
+    } else {
+        MM_TRY(attn_std(m, s, L, n, &q, &k, &v, &qs, &ks));
+        vs = ks;
+    }
+    struct mm_kv_store_args st = {.k = k, .k_stride = ks, .v = v, .v_stride = vs,
                                   .n_rows = n, .row_seq = s->seq_d, .row_pos = s->pos_d};
     mm_kv_cache_view(kv, layer, &st.kv);
     MM_TRY(OPS->kv_store(CTX, &st));
@@ -931,6 +1058,8 @@ mm_err mm_model_shared_forward(const mm_model *m, mm_model_scratch *s, int layer
 static mm_err combine_core(const mm_model *m, mm_model_scratch *s, float *h, int64_t n, int k,
                            const float *alpha, const float *expert_out, const float *shared) {
     const int64_t D = m->c.d_model;
+    if (OPS->combine) // one launch, the same operations
+        return OPS->combine(CTX, alpha, k, expert_out, D, shared, D, h, D, n, D);
     MM_TRY(OPS->fill(CTX, s->acc, 0.0f, n * D));
     for (int r = 0; r < k; r++) // canonical order: top-k rank
         MM_TRY(OPS->axpy(CTX, alpha + r * n, expert_out + r * D, (int64_t)k * D, s->acc, D, n,

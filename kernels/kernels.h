@@ -267,6 +267,24 @@ struct mm_backend_ops {
     mm_err (*capture_end)(void *ctx, void **graph);
     mm_err (*graph_launch)(void *ctx, void *graph);
     void (*graph_free)(void *ctx, void *graph);
+    // combine (optional; NULL: fill, then axpy per rank, shared, residual): for i < n_rows,
+    // j < dim: acc = 0; acc += alpha[r * n_rows + i] * x[(i * k + r) * x_stride + j] for
+    // r = 0..k-1 in order; acc += shared[i * shared_stride + j] (shared may be NULL);
+    // h[i * h_stride + j] += acc. Each step one multiply then one add, rounded (no fused
+    // multiply-add): exactly the bits of that sequence of axpys, in one launch.
+    mm_err (*combine)(void *ctx, const float *alpha, int k, const float *x, int64_t x_stride,
+                      const float *shared, int64_t shared_stride, float *h, int64_t h_stride,
+                      int64_t n_rows, int64_t dim);
+    // head_norm_rope (optional; NULL: rmsnorm with one row per head, then rope): a layer's q
+    // and k heads prepared in place in one launch. Row r of x (row stride `stride`) holds n_a
+    // heads of head_dim from x + r * stride, then n_b heads from x + r * stride + b_offset
+    // (q then k of a fused q/k/v product). Group a's heads get rmsnorm with wa, group b's with
+    // wb (either NULL: no norm), with exactly rmsnorm's bits; then every head gets rope with
+    // rope's pos, inv_freq, rot_offset, rot_dim, mscale and style (its other fields are
+    // ignored), with exactly rope's bits.
+    mm_err (*head_norm_rope)(void *ctx, float *x, int64_t n_rows, int64_t stride, int n_a,
+                             int n_b, int64_t b_offset, int head_dim, const mm_weight *wa,
+                             const mm_weight *wb, float eps, const struct mm_rope_args *rope);
 };
 
 // A backend instance: the table plus its context. Not thread-safe (one issuing thread).

@@ -49,7 +49,8 @@ struct gpu_ctx {
     char *d_moe, *h_moe; // MOE_SLOTS slots on the device; one slot on the host
     // pinned staging ring for small copies (NULL: pinned memory unavailable, copy directly)
     char *h_stage;
-    size_t stage_off;                   // next free byte
+    int stage_part;                     // the part in use
+    size_t stage_off;                   // next free byte inside it
     cudaEvent_t stage_ev[STAGE_PARTS];  // recorded when the part was left
     bool stage_live[STAGE_PARTS];       // its event has been recorded
     bool capturing;                     // between capture_begin and capture_end
@@ -101,16 +102,17 @@ static mm_err h2d(struct gpu_ctx *g, void *dst, const void *src, size_t n_bytes)
         return MM_OK;
     }
     const size_t part = STAGE_BYTES / STAGE_PARTS;
-    int cur = (int)(g->stage_off / part);
-    if (g->stage_off + n_bytes > (size_t)(cur + 1) * part) { // leave this part for the next
+    if (g->stage_off + n_bytes > part) { // leave this part for the next
+        int cur = g->stage_part;
         MM_GPU_CHECK(cudaEventRecord(g->stage_ev[cur], g->stream));
         g->stage_live[cur] = true;
         cur = (cur + 1) % STAGE_PARTS;
         if (g->stage_live[cur])
             MM_GPU_CHECK(cudaEventSynchronize(g->stage_ev[cur]));
-        g->stage_off = (size_t)cur * part;
+        g->stage_part = cur;
+        g->stage_off = 0;
     }
-    char *h = g->h_stage + g->stage_off;
+    char *h = g->h_stage + (size_t)g->stage_part * part + g->stage_off;
     memcpy(h, src, n_bytes);
     MM_GPU_CHECK(cudaMemcpyAsync(dst, h, n_bytes, cudaMemcpyHostToDevice, g->stream));
     g->stage_off += (n_bytes + 63) & ~(size_t)63;
@@ -409,6 +411,23 @@ static void gpu_graph_free(void *ctx, void *graph) {
     (void)cudaGraphExecDestroy((cudaGraphExec_t)graph);
 }
 
+static mm_err gpu_combine(void *ctx, const float *alpha, int k, const float *x, int64_t xs,
+                          const float *shared, int64_t ss, float *h, int64_t hs, int64_t n_rows,
+                          int64_t dim) {
+    CTX(ctx);
+    ON_DEVICE();
+    return mm_gpu_combine(g->stream, alpha, k, x, xs, shared, ss, h, hs, n_rows, dim);
+}
+
+static mm_err gpu_head_norm_rope(void *ctx, float *x, int64_t n_rows, int64_t stride, int n_a,
+                                 int n_b, int64_t b_off, int head_dim, const mm_weight *wa,
+                                 const mm_weight *wb, float eps, const struct mm_rope_args *ra) {
+    CTX(ctx);
+    ON_DEVICE();
+    return mm_gpu_head_norm_rope(g->stream, x, n_rows, stride, n_a, n_b, b_off, head_dim, wa, wb,
+                                 eps, ra);
+}
+
 static const struct mm_backend_ops gpu_ops = {
     .version = MM_BACKEND_V1,
     .name = MM_GPU_VENDOR,
@@ -439,6 +458,8 @@ static const struct mm_backend_ops gpu_ops = {
     .capture_end = gpu_capture_end,
     .graph_launch = gpu_graph_launch,
     .graph_free = gpu_graph_free,
+    .combine = gpu_combine,
+    .head_norm_rope = gpu_head_norm_rope,
 };
 
 extern "C" mm_err mm_cuda_backend_open(mm_backend *be, const mm_backend_params *p,

@@ -108,6 +108,16 @@ mm_err mm_gpu_argmax(void *stream, const float *d_logits, int64_t ls, int64_t n_
 mm_err mm_gpu_route_plan(void *stream, const int32_t *d_ids, const float *d_weights,
                          int64_t n_rows, int top_k, int n_experts, int32_t *d_offs,
                          int32_t *d_src_row, int32_t *d_dst_slot, float *d_wt, int *d_err);
+// mm_gpu_combine: kernels.h combine (rank-ordered weighted sum + shared + residual, the axpy
+// sequence's bits) in one launch.
+mm_err mm_gpu_combine(void *stream, const float *d_alpha, int k, const float *d_x, int64_t xs,
+                      const float *d_shared, int64_t ss, float *d_h, int64_t hs, int64_t n_rows,
+                      int64_t dim);
+// mm_gpu_head_norm_rope: kernels.h head_norm_rope (per-head rmsnorm then rope of q and k
+// heads in place, the separate launches' bits) in one launch.
+mm_err mm_gpu_head_norm_rope(void *stream, float *d_x, int64_t n_rows, int64_t stride, int n_a,
+                             int n_b, int64_t b_off, int head_dim, const mm_weight *wa,
+                             const mm_weight *wb, float eps, const struct mm_rope_args *ra);
 
 // ---- inter-process memory and events (kernels/cuda/ipc.cu; the cudaipc:// transport) ----------
 // Handles are opaque MM_GPU_IPC_HANDLE_BYTES blobs to ship to another process of the same host.

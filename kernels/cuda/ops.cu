@@ -13,6 +13,10 @@
 // - Attention keeps one online-softmax chain per (row, head): 128-key chunks, chunk max, then
 //   p = exp(s - m), out = out * exp(m_old - m) + sum_t p_t v_t (t ascending). The KV cache is
 //   f32 (kernels.h), so long prefills are bandwidth-heavy; a tiled flash kernel is future work.
+//   At decode only n_heads blocks run, so the kernel is latency-bound: each thread's score
+//   reads its key in 16-byte loads, 32 floats in flight, and the value sums load 16 keys'
+//   values before accumulating them in t order (one fmaf each, as before: the arithmetic does
+//   not change with the loads' grouping).
 #include <math.h>
 
 #include "gpu_common.cuh"
@@ -58,10 +62,12 @@ __global__ void rmsnorm_kernel(const void *w, int dim, float eps, const float *x
     const float *xr = x + r * xs;
     float *yr = y + r * ys;
     float ss = 0.0f;
+#pragma unroll 8 // loads of 8 steps in flight (a decode row is one warp: latency-bound)
     for (int k = lane; k < dim; k += MM_WARP_SIZE)
         ss += xr[k] * xr[k];
     ss = mm_warp_sum(ss);
     const float rs = 1.0f / sqrtf(ss / (float)dim + eps);
+#pragma unroll 8
     for (int k = lane; k < dim; k += MM_WARP_SIZE)
         yr[k] = wload<DT>(w, k) * (xr[k] * rs);
 }
@@ -115,6 +121,77 @@ extern "C" mm_err mm_gpu_rope(void *stream, const struct mm_rope_args *a) {
     if (total == 0)
         return MM_OK;
     rope_kernel<<<mm_div_up(total, 256), 256, 0, (cudaStream_t)stream>>>(*a);
+    MM_GPU_CHECK(cudaGetLastError());
+    return MM_OK;
+}
+
+// ---- q/k head preparation in one launch: per-head rmsnorm, then rope ----------------------------
+// One warp per (row, head): group a (n_a heads from the row start), then group b (n_b heads
+// from b_off). The norm is rmsnorm_kernel's arithmetic for that head row (same lane-strided
+// sum, butterfly, scale), the rope is rope_kernel's per pair, so the bits equal the separate
+// launches'. A block's warps meet at one barrier between the two phases.
+__device__ __forceinline__ float wload_rt(int dt, const void *w, int64_t i) {
+    return dt == MM_DTYPE_BF16 ? wload<MM_DTYPE_BF16>(w, i)
+           : dt == MM_DTYPE_F16 ? wload<MM_DTYPE_F16>(w, i) : wload<MM_DTYPE_F32>(w, i);
+}
+
+__global__ void head_norm_rope_kernel(float *x, int64_t n_rows, int64_t stride, int n_a, int n_b,
+                                      int64_t b_off, int hd, const void *wa, int wa_dt,
+                                      const void *wb, int wb_dt, float eps, struct mm_rope_args ra) {
+    const int lane = threadIdx.x % MM_WARP_SIZE;
+    const int64_t wid = (int64_t)blockIdx.x * (blockDim.x / MM_WARP_SIZE) + threadIdx.x / MM_WARP_SIZE;
+    const int nh = n_a + n_b;
+    const bool active = wid < n_rows * nh;
+    const int64_t r = active ? wid / nh : 0;
+    const int h = active ? (int)(wid % nh) : 0;
+    float *xr = x + r * stride + (h < n_a ? (int64_t)h * hd : b_off + (int64_t)(h - n_a) * hd);
+    const void *w = h < n_a ? wa : wb;
+    const int dt = h < n_a ? wa_dt : wb_dt;
+    if (active && w != NULL) {
+        float ss = 0.0f;
+#pragma unroll 8
+        for (int k = lane; k < hd; k += MM_WARP_SIZE)
+            ss += xr[k] * xr[k];
+        ss = mm_warp_sum(ss);
+        const float rs = 1.0f / sqrtf(ss / (float)hd + eps);
+#pragma unroll 8
+        for (int k = lane; k < hd; k += MM_WARP_SIZE)
+            xr[k] = wload_rt(dt, w, k) * (xr[k] * rs);
+    }
+    __syncthreads();
+    if (!active)
+        return;
+    const int half = ra.rot_dim / 2;
+    float *xh = xr + ra.rot_offset;
+    for (int i = lane; i < half; i += MM_WARP_SIZE) {
+        const float ang = (float)ra.pos[r] * ra.inv_freq[i];
+        const float c = cosf(ang) * ra.mscale, sn = sinf(ang) * ra.mscale;
+        const int i0 = ra.style == MM_ROPE_NEOX ? i : 2 * i;
+        const int i1 = ra.style == MM_ROPE_NEOX ? i + half : 2 * i + 1;
+        const float x0 = xh[i0], x1 = xh[i1];
+        xh[i0] = x0 * c - x1 * sn;
+        xh[i1] = x1 * c + x0 * sn;
+    }
+}
+
+extern "C" mm_err mm_gpu_head_norm_rope(void *stream, float *d_x, int64_t n_rows, int64_t stride,
+                                        int n_a, int n_b, int64_t b_off, int head_dim,
+                                        const mm_weight *wa, const mm_weight *wb, float eps,
+                                        const struct mm_rope_args *ra) {
+    if (d_x == NULL || ra == NULL || ra->pos == NULL || ra->inv_freq == NULL || n_rows < 0 ||
+        n_a < 0 || n_b < 0 || head_dim <= 0 || ra->rot_dim <= 0 || (ra->rot_dim & 1) ||
+        ra->rot_offset < 0 || ra->rot_offset + ra->rot_dim > head_dim ||
+        (ra->style != MM_ROPE_NEOX && ra->style != MM_ROPE_INTERLEAVED) ||
+        (wa != NULL && (wa->data == NULL || wa->cols != head_dim)) ||
+        (wb != NULL && (wb->data == NULL || wb->cols != head_dim)))
+        return MM_EINVAL;
+    const int64_t warps = n_rows * (n_a + n_b);
+    if (warps == 0)
+        return MM_OK;
+    const unsigned per_block = 256 / warp_threads();
+    head_norm_rope_kernel<<<mm_div_up(warps, per_block), 256, 0, (cudaStream_t)stream>>>(
+        d_x, n_rows, stride, n_a, n_b, b_off, head_dim, wa ? wa->data : NULL,
+        wa ? (int)wa->dtype : 0, wb ? wb->data : NULL, wb ? (int)wb->dtype : 0, eps, *ra);
     MM_GPU_CHECK(cudaGetLastError());
     return MM_OK;
 }
@@ -200,8 +277,28 @@ __global__ void __launch_bounds__(ATT_THREADS) attention_kernel(struct mm_attn_a
             if (k != NULL) {
                 k += (int64_t)kvh * dk;
                 float dot = 0.0f;
-                for (int d = 0; d < dk; d++)
-                    dot += qs[d] * k[d];
+                if ((dk & 3) == 0 && ((uintptr_t)k & 15) == 0) {
+                    for (int d0 = 0; d0 < dk; d0 += 32) {
+                        float4 kk[8];
+#pragma unroll
+                        for (int q = 0; q < 8; q++)
+                            kk[q] = d0 + 4 * q < dk ? *(const float4 *)(k + d0 + 4 * q)
+                                                    : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+                        for (int q = 0; q < 8; q++) {
+                            const int d = d0 + 4 * q;
+                            if (d < dk) {
+                                dot = fmaf(qs[d], kk[q].x, dot);
+                                dot = fmaf(qs[d + 1], kk[q].y, dot);
+                                dot = fmaf(qs[d + 2], kk[q].z, dot);
+                                dot = fmaf(qs[d + 3], kk[q].w, dot);
+                            }
+                        }
+                    }
+                } else {
+                    for (int d = 0; d < dk; d++)
+                        dot = fmaf(qs[d], k[d], dot);
+                }
                 s = dot * a.scale;
             }
         }
@@ -221,12 +318,20 @@ __global__ void __launch_bounds__(ATT_THREADS) attention_kernel(struct mm_attn_a
             if (d >= dv)
                 break;
             float sum = 0.0f;
-            for (int u = 0; u < n_t; u++) {
-                const float p = ps[u];
-                const float *slot = slots[u];
-                if (p == 0.0f || slot == NULL)
-                    continue;
-                sum += p * slot[v_off + (int64_t)kvh * dv + d];
+            const int64_t vo = v_off + (int64_t)kvh * dv + d;
+            for (int u0 = 0; u0 < n_t; u0 += 16) {
+                float vv[16];
+#pragma unroll
+                for (int q = 0; q < 16; q++) {
+                    const float *slot = u0 + q < n_t ? slots[u0 + q] : NULL;
+                    vv[q] = slot != NULL ? slot[vo] : 0.0f;
+                }
+#pragma unroll
+                for (int q = 0; q < 16; q++) {
+                    const int u = u0 + q;
+                    if (u < n_t && ps[u] != 0.0f && slots[u] != NULL)
+                        sum = fmaf(ps[u], vv[q], sum);
+                }
             }
             acc[j] = acc[j] * alpha + sum;
         }

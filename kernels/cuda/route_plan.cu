@@ -2,7 +2,9 @@
 // The grouped expert product's plan, made on the device from route's result (kernels.h
 // route_plan): per-expert offsets, the sorted slot order (which x row each sorted slot reads,
 // which (row, rank) slot it writes) and the rank-major weights combine reads. With it the
-// engine's MoE layer needs no copy to the host, so a decode step runs without a drain.
+// engine's MoE layer needs no copy to the host, so a decode step runs without a drain. Also
+// the fused combine (kernels.h combine): the rank-ordered weighted sum, the shared path and
+// the residual in one launch instead of k + 3.
 //
 // Design notes:
 // - One block does the whole plan (a decode step has n_rows * top_k = 8..2048 slots): a
@@ -94,6 +96,36 @@ extern "C" mm_err mm_gpu_route_plan(void *stream, const int32_t *d_ids, const fl
     route_plan_kernel<<<1, PLAN_THREADS, shmem, (cudaStream_t)stream>>>(
         d_ids, d_weights, (int)n_rows, top_k, n_experts, d_offs, d_src_row, d_dst_slot, d_wt,
         d_err);
+    MM_GPU_CHECK(cudaGetLastError());
+    return MM_OK;
+}
+
+// ---- combine: one thread per (row, element), the axpy sequence's exact operations ------------
+__global__ void combine_kernel(const float *alpha, int k, const float *x, int64_t xs,
+                               const float *shared, int64_t ss, float *h, int64_t hs,
+                               int64_t n_rows, int64_t dim) {
+    const int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= n_rows * dim)
+        return;
+    const int64_t i = idx / dim, j = idx % dim;
+    float acc = 0.0f;
+    for (int r = 0; r < k; r++)
+        acc = __fadd_rn(acc, __fmul_rn(alpha[(int64_t)r * n_rows + i], x[(i * k + r) * xs + j]));
+    if (shared != NULL)
+        acc = __fadd_rn(acc, shared[i * ss + j]);
+    h[i * hs + j] = __fadd_rn(h[i * hs + j], acc);
+}
+
+extern "C" mm_err mm_gpu_combine(void *stream, const float *d_alpha, int k, const float *d_x,
+                                 int64_t xs, const float *d_shared, int64_t ss, float *d_h,
+                                 int64_t hs, int64_t n_rows, int64_t dim) {
+    if (k < 0 || (k > 0 && (d_alpha == NULL || d_x == NULL)) || d_h == NULL || n_rows < 0 ||
+        dim < 0)
+        return MM_EINVAL;
+    if (n_rows * dim == 0)
+        return MM_OK;
+    combine_kernel<<<mm_div_up(n_rows * dim, 256), 256, 0, (cudaStream_t)stream>>>(
+        d_alpha, k, d_x, xs, d_shared, ss, d_h, hs, n_rows, dim);
     MM_GPU_CHECK(cudaGetLastError());
     return MM_OK;
 }

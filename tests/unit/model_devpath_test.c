@@ -7,10 +7,12 @@
 // equal the plain CPU path's bit for bit (prefill, decode steps, a batch of three; MoE with
 // and without shared experts, MLA), recorded steps must be replayed, and the device argmax
 // must pick the host argmax's ids.
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "mm_test.h"
+#include "mm/dtype.h"
 #include "mm/kv_cache.h"
 #include "mm/model.h"
 
@@ -303,6 +305,79 @@ static mm_err w_argmax(void *ctx, const float *l, int64_t ls, int64_t n, int voc
     RECORD(t_argmax, a);
 }
 
+// combine on the host: the axpy sequence's operations, one multiply then one add each
+struct a_combine {
+    const float *alpha;
+    int k;
+    const float *x;
+    int64_t xs;
+    const float *sh;
+    int64_t ss;
+    float *h;
+    int64_t hs, n, dim;
+};
+static int g_combines;
+static mm_err t_combine(void *ctx, const void *b) {
+    (void)ctx;
+    const struct a_combine *a = b;
+    for (int64_t i = 0; i < a->n; i++)
+        for (int64_t j = 0; j < a->dim; j++) {
+            float acc = 0.0f;
+            for (int r = 0; r < a->k; r++) {
+                const float p = a->alpha[r * a->n + i] * a->x[(i * a->k + r) * a->xs + j];
+                acc = acc + p;
+            }
+            if (a->sh)
+                acc = acc + a->sh[i * a->ss + j];
+            a->h[i * a->hs + j] = a->h[i * a->hs + j] + acc;
+        }
+    return MM_OK;
+}
+static mm_err w_combine(void *ctx, const float *alpha, int k, const float *x, int64_t xs,
+                        const float *sh, int64_t ss, float *h, int64_t hs, int64_t n,
+                        int64_t dim) {
+    g_combines++;
+    struct a_combine a = {alpha, k, x, xs, sh, ss, h, hs, n, dim};
+    RECORD(t_combine, a);
+}
+
+// head_norm_rope on the host: the CPU rmsnorm (one row per head) and rope, row by row
+struct a_hnr {
+    float *x;
+    int64_t n, stride;
+    int na, nb;
+    int64_t boff;
+    int hd;
+    const mm_weight *wa, *wb;
+    float eps;
+    struct mm_rope_args ra;
+};
+static int g_hnrs;
+static mm_err t_hnr(void *ctx, const void *b) {
+    const struct a_hnr *a = b;
+    for (int64_t r = 0; r < a->n; r++) {
+        float *xa = a->x + r * a->stride, *xb = xa + a->boff;
+        if (a->wa)
+            MM_TRY(g_cpu->rmsnorm(ctx, a->wa, a->eps, xa, a->hd, xa, a->hd, a->na));
+        if (a->wb)
+            MM_TRY(g_cpu->rmsnorm(ctx, a->wb, a->eps, xb, a->hd, xb, a->hd, a->nb));
+        struct mm_rope_args ra = a->ra;
+        ra.x = xa, ra.n_rows = 1, ra.row_stride = a->stride, ra.n_heads = a->na;
+        ra.head_stride = a->hd, ra.pos = a->ra.pos + r;
+        MM_TRY(g_cpu->rope(ctx, &ra));
+        ra.x = xb, ra.n_heads = a->nb;
+        MM_TRY(g_cpu->rope(ctx, &ra));
+    }
+    return MM_OK;
+}
+static mm_err w_hnr(void *ctx, float *x, int64_t n, int64_t stride, int na, int nb, int64_t boff,
+                    int hd, const mm_weight *wa, const mm_weight *wb, float eps,
+                    const struct mm_rope_args *ra) {
+    g_hnrs++;
+    struct a_hnr a = {x, n, stride, na, nb, boff, hd, wa, wb, eps, *ra};
+    RECORD(t_hnr, a);
+}
+
 static mm_err w_set(void *ctx, void *dst, const void *src, size_t n) {
     return g_rec ? MM_EINVAL : g_cpu->set(ctx, dst, src, n);
 }
@@ -353,6 +428,7 @@ static void dev_table(struct mm_backend_ops *o, bool graphs) {
     o->attention = w_attention, o->embed = w_embed, o->swiglu = w_swiglu, o->route = w_route;
     o->axpy = w_axpy, o->sigmoid = w_sigmoid, o->copy_rows = w_copy, o->fill = w_fill;
     o->route_plan = w_plan, o->moe_matmul_dev = w_moe, o->argmax = w_argmax;
+    o->combine = w_combine, o->head_norm_rope = w_hnr;
     if (graphs) {
         o->capture_begin = w_capture_begin, o->capture_end = w_capture_end;
         o->graph_launch = w_graph_launch, o->graph_free = w_graph_free;
@@ -455,7 +531,7 @@ static void check(const char *name, bool graphs) {
     struct mm_backend_ops dev;
     dev_table(&dev, graphs);
     be->ops = &dev;
-    g_captures = g_launches = g_plans = 0;
+    g_captures = g_launches = g_plans = g_combines = g_hnrs = 0;
     float *got = run(dir, be, true, got_ids, &n_dev);
     be->ops = g_cpu;
     MM_EQ(n_ref, n_dev);
@@ -471,6 +547,9 @@ static void check(const char *name, bool graphs) {
     for (int t = 0; t < STEPS; t++)
         MM_EQ(got_ids[t], want_ids[t]);
     MM_TRUE(g_plans > 0); // the device routing plan was used
+    MM_TRUE(g_combines > 0);
+    if (strstr(name, "deepseek") == NULL)
+        MM_TRUE(g_hnrs > 0); // the fused q/k/v path was taken
     printf("%s%s: %zu logits equal bit for bit; %d plans, %d graphs recorded, %d replays\n",
            name, graphs ? " with graphs" : "", n_ref, g_plans, g_captures, g_launches);
     if (graphs && strstr(name, "deepseek") == NULL) {
@@ -480,6 +559,11 @@ static void check(const char *name, bool graphs) {
     }
     free(ref), free(got);
     mm_backend_close(be);
+}
+
+static float frand_u(unsigned *s) {
+    *s = *s * 1664525u + 1013904223u;
+    return (float)((*s >> 8) & 0xffff) / 32768.0f - 1.0f;
 }
 
 // ---- on a real GPU (a `make cuda` build on a machine with one; skipped otherwise) --------------
@@ -572,6 +656,97 @@ static void test_gpu_plan(void) {
     void *bufs[] = {d_ids, d_w, d_offs, d_src, d_dst, d_wt};
     for (int i = 0; i < 6; i++)
         be->ops->buffer_free(be->ctx, bufs[i]);
+    // combine in one launch == fill + an axpy per rank + shared + residual, bit for bit
+    if (be->ops->combine) {
+        const int64_t D = 1000, kk = 8, rows = 5;
+        float *hx = malloc((size_t)(rows * kk * D) * 4), *hs = malloc((size_t)(rows * D) * 4);
+        float *hh = malloc((size_t)(rows * D) * 4), *ha = malloc((size_t)(rows * kk) * 4);
+        float *r1 = malloc((size_t)(rows * D) * 4), *r2 = malloc((size_t)(rows * D) * 4);
+        for (int64_t i = 0; i < rows * kk * D; i++)
+            hx[i] = frand_u(&seed) * 3.0f;
+        for (int64_t i = 0; i < rows * D; i++)
+            hs[i] = frand_u(&seed), hh[i] = frand_u(&seed) * 10.0f;
+        for (int64_t i = 0; i < rows * kk; i++)
+            ha[i] = frand_u(&seed);
+        float *dx = NULL, *dsh = NULL, *dh = NULL, *da = NULL, *dacc = NULL;
+        MM_PASS(be->ops->buffer_alloc(be->ctx, (size_t)(rows * kk * D) * 4, (void **)&dx));
+        MM_PASS(be->ops->buffer_alloc(be->ctx, (size_t)(rows * D) * 4, (void **)&dsh));
+        MM_PASS(be->ops->buffer_alloc(be->ctx, (size_t)(rows * D) * 4, (void **)&dh));
+        MM_PASS(be->ops->buffer_alloc(be->ctx, (size_t)(rows * kk) * 4, (void **)&da));
+        MM_PASS(be->ops->buffer_alloc(be->ctx, (size_t)(rows * D) * 4, (void **)&dacc));
+        MM_PASS(be->ops->set(be->ctx, dx, hx, (size_t)(rows * kk * D) * 4));
+        MM_PASS(be->ops->set(be->ctx, dsh, hs, (size_t)(rows * D) * 4));
+        MM_PASS(be->ops->set(be->ctx, da, ha, (size_t)(rows * kk) * 4));
+        MM_PASS(be->ops->set(be->ctx, dh, hh, (size_t)(rows * D) * 4));
+        MM_PASS(be->ops->fill(be->ctx, dacc, 0.0f, rows * D));
+        for (int r = 0; r < kk; r++)
+            MM_PASS(be->ops->axpy(be->ctx, da + r * rows, dx + r * D, kk * D, dacc, D, rows, D));
+        MM_PASS(be->ops->axpy(be->ctx, NULL, dsh, D, dacc, D, rows, D));
+        MM_PASS(be->ops->axpy(be->ctx, NULL, dacc, D, dh, D, rows, D));
+        MM_PASS(be->ops->get(be->ctx, r1, dh, (size_t)(rows * D) * 4));
+        MM_PASS(be->ops->set(be->ctx, dh, hh, (size_t)(rows * D) * 4));
+        MM_PASS(be->ops->combine(be->ctx, da, (int)kk, dx, D, dsh, D, dh, D, rows, D));
+        MM_PASS(be->ops->get(be->ctx, r2, dh, (size_t)(rows * D) * 4));
+        MM_TRUE(memcmp(r1, r2, (size_t)(rows * D) * 4) == 0);
+        printf("combine in one launch == the axpy sequence, %lld values bit for bit\n",
+               (long long)(rows * D));
+        void *cb[] = {dx, dsh, dh, da, dacc};
+        for (int i = 0; i < 5; i++)
+            be->ops->buffer_free(be->ctx, cb[i]);
+        free(hx), free(hs), free(hh), free(ha), free(r1), free(r2);
+    }
+    // head_norm_rope in one launch == per-head rmsnorm + rope launches, bit for bit
+    if (be->ops->head_norm_rope) {
+        const int64_t rows = 3, H = 4, KV = 2, hd = 128, W = (H + 2 * KV) * hd;
+        float *hx = malloc((size_t)(rows * W) * 4), *r1 = malloc((size_t)(rows * W) * 4);
+        float *r2 = malloc((size_t)(rows * W) * 4), freq[64];
+        uint16_t wq[128], wk[128];
+        int32_t pos[3] = {0, 17, 4000};
+        for (int64_t i = 0; i < rows * W; i++)
+            hx[i] = frand_u(&seed) * 4.0f;
+        for (int i = 0; i < 128; i++)
+            wq[i] = mm_f32_to_bf16(1.0f + 0.5f * frand_u(&seed)),
+            wk[i] = mm_f32_to_bf16(1.0f + 0.5f * frand_u(&seed));
+        for (int i = 0; i < 64; i++)
+            freq[i] = 1.0f / powf(10000.0f, (float)i / 64.0f);
+        void *dx = NULL, *dwq = NULL, *dwk = NULL, *dpos = NULL, *dfreq = NULL;
+        MM_PASS(be->ops->buffer_alloc(be->ctx, (size_t)(rows * W) * 4, &dx));
+        MM_PASS(be->ops->buffer_alloc(be->ctx, 256, &dwq));
+        MM_PASS(be->ops->buffer_alloc(be->ctx, 256, &dwk));
+        MM_PASS(be->ops->buffer_alloc(be->ctx, 12, &dpos));
+        MM_PASS(be->ops->buffer_alloc(be->ctx, 256, &dfreq));
+        MM_PASS(be->ops->set(be->ctx, dwq, wq, 256));
+        MM_PASS(be->ops->set(be->ctx, dwk, wk, 256));
+        MM_PASS(be->ops->set(be->ctx, dpos, pos, 12));
+        MM_PASS(be->ops->set(be->ctx, dfreq, freq, 256));
+        mm_weight mq = {MM_DTYPE_BF16, 1, hd, dwq}, mk = {MM_DTYPE_BF16, 1, hd, dwk};
+        float *x = dx;
+        MM_PASS(be->ops->set(be->ctx, dx, hx, (size_t)(rows * W) * 4));
+        for (int64_t r = 0; r < rows; r++) {
+            MM_PASS(be->ops->rmsnorm(be->ctx, &mq, 1e-6f, x + r * W, hd, x + r * W, hd, H));
+            MM_PASS(be->ops->rmsnorm(be->ctx, &mk, 1e-6f, x + r * W + H * hd, hd,
+                                     x + r * W + H * hd, hd, KV));
+        }
+        struct mm_rope_args ra = {.x = x, .n_rows = rows, .row_stride = W, .n_heads = (int)H,
+                                  .head_stride = hd, .rot_offset = 0, .rot_dim = 128,
+                                  .pos = dpos, .inv_freq = dfreq, .mscale = 1.0f,
+                                  .style = MM_ROPE_NEOX};
+        MM_PASS(be->ops->rope(be->ctx, &ra));
+        ra.x = x + H * hd, ra.n_heads = (int)KV;
+        MM_PASS(be->ops->rope(be->ctx, &ra));
+        MM_PASS(be->ops->get(be->ctx, r1, dx, (size_t)(rows * W) * 4));
+        MM_PASS(be->ops->set(be->ctx, dx, hx, (size_t)(rows * W) * 4));
+        MM_PASS(be->ops->head_norm_rope(be->ctx, x, rows, W, (int)H, (int)KV, H * hd, (int)hd,
+                                        &mq, &mk, 1e-6f, &ra));
+        MM_PASS(be->ops->get(be->ctx, r2, dx, (size_t)(rows * W) * 4));
+        MM_TRUE(memcmp(r1, r2, (size_t)(rows * W) * 4) == 0);
+        MM_TRUE(memcmp(r1, hx, (size_t)(rows * W) * 4) != 0); // it did something
+        printf("head_norm_rope in one launch == rmsnorm + rope launches, bit for bit\n");
+        void *hb[] = {dx, dwq, dwk, dpos, dfreq};
+        for (int i = 0; i < 5; i++)
+            be->ops->buffer_free(be->ctx, hb[i]);
+        free(hx), free(r1), free(r2);
+    }
     free(ids), free(offs), free(src), free(dst), free(w), free(wt);
     free(a.offs), free(a.src), free(a.dst), free(a.wt);
     mm_backend_close(be);
@@ -591,7 +766,7 @@ MM_TESTS = {
     {"device path with graphs == cpu path bits (mixtral)", test_mixtral_graphs},
     {"device path with graphs == cpu path bits (glm4_moe)", test_glm4moe_graphs},
     {"device path == cpu path bits (MLA: not recorded)", test_deepseek},
-    {"cuda: route_plan == host stable sort, bad id reported", test_gpu_plan},
+    {"cuda: route_plan == host sort, bad id reported; combine, head_norm_rope bits", test_gpu_plan},
     {"cuda: device path == host-routed path bits (qwen3_moe)", test_gpu_qwen3moe},
     {"cuda: device path == host-routed path bits (qwen2_moe)", test_gpu_qwen2moe},
     {"cuda: device path == host-routed path bits (mixtral)", test_gpu_mixtral},

@@ -1,5 +1,12 @@
 // SPDX-License-Identifier: MIT
-// cudaipc://NAME: shm:// plus device frames between GPU processes of one host (mm/transport.h).
+// cudaipc://NAME and shm://NAME: shm plus device frames between GPU processes of one host
+// (mm/transport.h).
+//
+// Selection: shm:// is this layer in "auto" mode: device frames between two processes that
+// both declared a GPU (mm_transport_gpu_use), host frames otherwise; in a build without GPU
+// support, or with ?gpu=0 in the URL (both ends use the same URL), it is the raw shm transport
+// and nothing more (no handshake of its own). cudaipc://NAME is the explicit form: rendezvous
+// "gpu.NAME", refused (MM_EUNSUPP) in a build without GPU support.
 //
 // Design notes:
 // - Layering: a cudaipc conn is a shm conn (rendezvous "gpu.NAME", frames, liveness, deadlines,
@@ -64,8 +71,8 @@ extern void mm_gpu_free(void *d) W;
 extern mm_err mm_gpu_backend_stream(void *backend_ctx, void **stream, int *dev) W;
 #undef W
 
-extern const struct mm_transport_ops mm__transport_shm;
-#define SHM (&mm__transport_shm)
+extern const struct mm_transport_ops mm__transport_shm_raw;
+#define SHM (&mm__transport_shm_raw)
 
 #define DESC_SEQ UINT64_MAX         // conn_seq of a device-frame descriptor
 #define HELLO_SEQ (UINT64_MAX - 1)  // conn_seq of the handshake frames
@@ -152,6 +159,7 @@ struct desc {
 
 struct ipc_conn {
     void *shm;
+    bool plain;          // shm:// without the layer: every call goes to the raw shm
     pid_t owner_pid;
     bool dev;            // device frames on
     int gpu;             // device index
@@ -171,28 +179,46 @@ struct ipc_conn {
 
 struct ipc_listener {
     void *shm;
+    bool plain;
     mm_url url; // its ring_mb sizes the rings of accepted conns
 };
 
 // ---- helpers --------------------------------------------------------------------------------
 
-// The shm URL under a cudaipc URL: the same query, name "gpu.NAME" (its own rendezvous).
+// The shm URL under a cudaipc URL: the same query, name "gpu.NAME" (its own rendezvous); under a
+// shm URL, the URL itself.
 static mm_err shm_url(const mm_url *u, mm_url *out, char err[MM_ERRLEN]) {
     char text[MM_URL_MAX];
-    int n = snprintf(text, sizeof(text), "shm://gpu.%s%s%s", u->host, u->query[0] ? "?" : "",
-                     u->query);
+    const bool explicit_ = strcmp(u->scheme, "cudaipc") == 0;
+    int n = snprintf(text, sizeof(text), "shm://%s%s%s%s", explicit_ ? "gpu." : "", u->host,
+                     u->query[0] ? "?" : "", u->query);
     if (n < 0 || (size_t)n >= sizeof(text))
         return mm_errf(err, MM_EINVAL, "cudaipc URL '%s' too long", u->text);
     if (u->port != -1)
-        return mm_errf(err, MM_EINVAL, "cudaipc URL '%s': a name takes no port", u->text);
+        return mm_errf(err, MM_EINVAL, "%s URL '%s': a name takes no port", u->scheme, u->text);
     return mm_url_parse(out, text, err);
+}
+
+// Whether a URL's conns skip this layer: shm:// in a build without GPU support or with ?gpu=0.
+static mm_err plain_mode(const mm_url *u, bool *plain, char err[MM_ERRLEN]) {
+    uint64_t gpu = 1;
+    mm_err q = mm_url_query_u64(u, "gpu", &gpu);
+    if (q == MM_EINVAL || (q == MM_OK && gpu > 1))
+        return mm_errf(err, MM_EINVAL, "%s URL '%s': gpu must be 0 or 1", u->scheme, u->text);
+    const bool explicit_ = strcmp(u->scheme, "cudaipc") == 0;
+    if (explicit_ && !have_gpu_code())
+        return mm_errf(err, MM_EUNSUPP, "cudaipc URL '%s': %s", u->text, NO_GPU);
+    if (explicit_ && gpu == 0)
+        return mm_errf(err, MM_EINVAL, "cudaipc URL '%s': gpu=0 (use shm://)", u->text);
+    *plain = !explicit_ && (!have_gpu_code() || gpu == 0);
+    return MM_OK;
 }
 
 static mm_err ring_mb(const mm_url *u, uint64_t *bytes, char err[MM_ERRLEN]) {
     uint64_t mb = RING_DEFAULT_MB;
     mm_err q = mm_url_query_u64(u, "ring_mb", &mb);
     if (q == MM_EINVAL || (q == MM_OK && (mb == 0 || mb > RING_MAX_MB)))
-        return mm_errf(err, MM_EINVAL, "cudaipc URL '%s': ring_mb must be 1..%d", u->text,
+        return mm_errf(err, MM_EINVAL, "%s URL '%s': ring_mb must be 1..%d", u->scheme, u->text,
                        RING_MAX_MB);
     *bytes = mb << 20;
     return MM_OK;
@@ -318,10 +344,10 @@ static struct ipc_conn *conn_alloc(void *shm) {
 // ---- listener / dial ------------------------------------------------------------------------
 
 static mm_err ipc_listen(void **lctx, const mm_url *url, char err[MM_ERRLEN]) {
-    if (!have_gpu_code())
-        return mm_errf(err, MM_EUNSUPP, "cudaipc URL '%s': %s", url->text, NO_GPU);
     mm_url su;
     uint64_t rb;
+    bool plain = false;
+    MM_TRY(plain_mode(url, &plain, err));
     MM_TRY(shm_url(url, &su, err));
     MM_TRY(ring_mb(url, &rb, err));
     struct ipc_listener *l = calloc(1, sizeof(*l));
@@ -333,6 +359,7 @@ static mm_err ipc_listen(void **lctx, const mm_url *url, char err[MM_ERRLEN]) {
         return rv;
     }
     l->url = *url;
+    l->plain = plain;
     *lctx = l;
     return MM_OK;
 }
@@ -345,6 +372,11 @@ static mm_err ipc_accept(void *lctx, void **cctx, uint64_t deadline_ns, char err
     if (c == NULL) {
         SHM->close(s);
         return mm_errf(err, MM_ENOMEM, "cudaipc conn");
+    }
+    c->plain = l->plain;
+    if (c->plain) {
+        *cctx = c;
+        return MM_OK;
     }
     // A handshake that fails is the dialer's problem: drop the conn, the listener stays usable.
     uint64_t hs = mm_deadline_in_ms(2000);
@@ -372,10 +404,10 @@ static void ipc_listener_close(void *lctx) {
 
 static mm_err ipc_dial(void **cctx, const mm_url *url, uint64_t deadline_ns,
                        char err[MM_ERRLEN]) {
-    if (!have_gpu_code())
-        return mm_errf(err, MM_EUNSUPP, "cudaipc URL '%s': %s", url->text, NO_GPU);
     mm_url su;
     uint64_t rb;
+    bool plain = false;
+    MM_TRY(plain_mode(url, &plain, err));
     MM_TRY(shm_url(url, &su, err));
     MM_TRY(ring_mb(url, &rb, err));
     void *s = NULL;
@@ -384,6 +416,11 @@ static mm_err ipc_dial(void **cctx, const mm_url *url, uint64_t deadline_ns,
     if (c == NULL) {
         SHM->close(s);
         return mm_errf(err, MM_ENOMEM, "cudaipc conn");
+    }
+    c->plain = plain;
+    if (plain) {
+        *cctx = c;
+        return MM_OK;
     }
     mm_err rv = handshake(c, url, deadline_ns, err);
     if (rv != MM_OK) {
@@ -478,6 +515,8 @@ static mm_err ipc_recv_dev(void *ctx, mm_wire_hdr *hdr, void *buf, size_t cap,
                            uint64_t deadline_ns) {
     struct ipc_conn *c = ctx;
     *on_dev = false;
+    if (c->plain)
+        return SHM->recv(c->shm, hdr, buf, cap, deadline_ns);
     // Descriptors need sizeof(struct desc) bytes: land in the scratch when buf is smaller.
     const bool small = cap < sizeof(struct desc);
     uint8_t *land = small ? (uint8_t *)&c->scratch : buf;
@@ -588,6 +627,29 @@ static mm_err ipc_send_raw(void *ctx, const void *p, size_t n, uint64_t deadline
     struct ipc_conn *c = ctx;
     return SHM->send_raw(c->shm, p, n, deadline_ns);
 }
+
+// shm:// (auto: device frames where both ends have a GPU) and cudaipc:// (explicit).
+const struct mm_transport_ops mm__transport_shm = {
+    .version = MM_TRANSPORT_V1,
+    .scheme = "shm",
+    .listen = ipc_listen,
+    .accept = ipc_accept,
+    .listener_shutdown = ipc_listener_shutdown,
+    .listener_close = ipc_listener_close,
+    .dial = ipc_dial,
+    .sendv = ipc_sendv,
+    .recv = ipc_recv,
+    .rx_ready = ipc_rx_ready,
+    .rx_arm = ipc_rx_arm,
+    .rx_disarm = ipc_rx_disarm,
+    .status = ipc_status,
+    .shutdown = ipc_shutdown,
+    .close = ipc_close,
+    .send_raw = ipc_send_raw,
+    .dev_ok = ipc_dev_ok,
+    .sendv_dev = ipc_sendv_dev,
+    .recv_dev = ipc_recv_dev,
+};
 
 const struct mm_transport_ops mm__transport_cudaipc = {
     .version = MM_TRANSPORT_V1,

@@ -829,7 +829,9 @@ fail:
     return rv;
 }
 
-const struct mm_transport_ops mm__transport_shm = {
+// The raw shm transport; the table's shm:// is common/transport/cudaipc.c's layer over it (which
+// is exactly this when the build has no GPU support).
+const struct mm_transport_ops mm__transport_shm_raw = {
     .version = MM_TRANSPORT_V1,
     .scheme = "shm",
     .listen = shm_listen,

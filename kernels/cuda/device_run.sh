@@ -13,11 +13,12 @@
 #   bench     moemesh bench-model --device cuda:0, batch 1 and batch BATCH (64)
 #   invariance the mesh on the GPU (router, shards, owners all --device cuda:0) vs moemesh
 #             generate --device cuda:0: greedy tokens and logprobs bit for bit, 1, 2, 3 owners,
-#             for each data plane in INV_SCHEMES (default "cudaipc")
+#             for each data plane in INV_SCHEMES (default "shm": device to device)
 #   meshstep  the mesh on the synthetic checkpoint: decode step time (mesh-generate --timing),
 #             batch 1 with 1 and 3 owners, and BATCH concurrent sequences with 1 owner, once per
-#             data plane in MESH_SCHEMES (default "shm cudaipc": rows through host memory, then
-#             device to device through CUDA IPC)
+#             data plane in MESH_SCHEMES (default "host shm": host = shm://NAME?gpu=0, rows through
+#             host memory; shm = shm://NAME, rows device to device through CUDA IPC, as GPU
+#             daemons get by default; cudaipc = the explicit cudaipc://NAME)
 #   parity    moemesh logits --device cuda:0 on every fixture vs the transformers logits
 # MPS=1 runs the mesh sections under the CUDA Multi-Process Service (nvidia-cuda-mps-control -d,
 # pipe and log directories in /tmp; quit at the end), so that the daemons' contexts share the
@@ -117,13 +118,15 @@ if ! skip invariance || ! skip meshstep; then
     BIN=$D
     source tests/e2e/mesh_lib.sh
     trap 'mesh_stop; rm -rf "$RUN" "$M"' EXIT
-    # the data plane of shards and owners: SCHEME cudaipc (device to device) or shm (host)
-    SCHEME=cudaipc
+    # the data plane of shards and owners (SCHEME): host (shm://NAME?gpu=0: rows through host
+    # memory), shm (shm://NAME: device to device between GPU daemons), cudaipc (explicit)
+    SCHEME=shm
     KV_MB=16
+    data_url() { case $SCHEME in host) echo "shm://$1?gpu=0" ;; *) echo "$SCHEME://$1" ;; esac; }
     start_shard() { start "a$1" "$BIN/moemesh-attention" $(common) --instance "$1" --shards "$SHARDS" \
-        --data "$SCHEME://$TAG-$GEN-a$1" --kv-mb "$KV_MB" --max-seqs 256; }
+        --data "$(data_url "$TAG-$GEN-a$1")" --kv-mb "$KV_MB" --max-seqs 256; }
     start_owner() { start "e$1" "$BIN/moemesh-expert" $(common) --instance "$1" \
-        --data "$SCHEME://$TAG-$GEN-e$1" --load-csv "$RUN/load-$1.csv" --load-interval-ms 200; }
+        --data "$(data_url "$TAG-$GEN-e$1")" --load-csv "$RUN/load-$1.csv" --load-interval-ms 200; }
     common() {
         echo --router "$ROUTER" --model "$MODEL" --owners "$OWNERS" --heartbeat-ms $HB --threads 1 \
             --device cuda:0 ${PLACEMENT:+--placement "$PLACEMENT"}
@@ -164,8 +167,8 @@ if ! skip invariance; then
     section "mesh invariance on cuda:0 (qwen3moe-tiny): mesh-generate vs generate --device cuda:0"
     MODEL=tests/fixtures/models/qwen3moe-tiny
     ok=1
-    for SCHEME in ${INV_SCHEMES:-cudaipc}; do
-    echo "data plane $SCHEME://"
+    for SCHEME in ${INV_SCHEMES:-shm}; do
+    echo "data plane $(data_url NAME)"
     for o in 1 2 3; do
         s=1; [ $o = 3 ] && s=2
         OWNERS=$o SHARDS=$s mesh_start || { ok=0; mesh_stop; break; }
@@ -183,18 +186,18 @@ if ! skip meshstep && [ -f "$M/config.json" ]; then
     section "mesh decode step vs the engine, synthetic Qwen3-30B-A3B shape ($L layers), one GPU"
     MODEL=$M
     KV_MB=1024
-    for SCHEME in ${MESH_SCHEMES:-shm cudaipc}; do
+    for SCHEME in ${MESH_SCHEMES:-host shm}; do
     for o in 1 3; do
         OWNERS=$o SHARDS=1 mesh_start || { FAILED+=(meshstep); mesh_stop; break; }
         ids=$(seq -s, 11 1 42)
         timeout 60 "$BIN/moemesh" mesh-generate --router "$ROUTER" --ids "$ids" --max-tokens 40 \
             --timing > /dev/null 2> "$RUN/timing.txt" || { cat "$RUN/timing.txt"; FAILED+=(meshstep); }
-        echo "mesh $SCHEME://, $o owner(s), 1 shard, batch 1: $(grep -E 'decode steps' "$RUN/timing.txt")"
+        echo "mesh $(data_url NAME), $o owner(s), 1 shard, batch 1: $(grep -E 'decode steps' "$RUN/timing.txt")"
         if [ $o = 1 ]; then # BATCH sequences (admitted one per step; decode-only steps timed)
             timeout 90 "$BIN/moemesh" mesh-generate --router "$ROUTER" --ids 11,12,13,14 \
                 --max-tokens 96 --concurrent "$BATCH" --timing > /dev/null 2> "$RUN/timing.txt" ||
                 { cat "$RUN/timing.txt"; FAILED+=(meshstep); }
-            echo "mesh $SCHEME://, $o owner(s), 1 shard, $BATCH concurrent: $(grep -E 'decode steps|generated' "$RUN/timing.txt" | tr '\n' ' ')"
+            echo "mesh $(data_url NAME), $o owner(s), 1 shard, $BATCH concurrent: $(grep -E 'decode steps|generated' "$RUN/timing.txt" | tr '\n' ' ')"
         fi
         grep -h "linked" "$RUN"/router.log 2>/dev/null | sed 's/^/    /' | head -4
         mesh_stop

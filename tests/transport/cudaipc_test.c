@@ -7,7 +7,8 @@
 //   them, frames that wrap the device ring many times (ring_mb=1), a frame larger than the
 //   ring (refused), receives replies into device segments and into host memory, and checks
 //   every byte. A peer without a GPU gives host frames only. A peer killed while the client
-//   waits gives MM_EPEERDOWN at once, not at the deadline.
+//   waits gives MM_EPEERDOWN at once, not at the deadline. shm:// between two processes that
+//   declared a GPU carries device frames by itself; shm://NAME?gpu=0 does not.
 // The GPU cases skip, saying why, without GPU support or without a device.
 #include <signal.h>
 #include <stdint.h>
@@ -39,6 +40,10 @@ static char url[128];
 
 static void make_url(const char *tag) {
     snprintf(url, sizeof(url), "cudaipc://t%d-%s?ring_mb=1", (int)getpid(), tag);
+}
+
+static void make_shm_url(const char *tag, const char *query) {
+    snprintf(url, sizeof(url), "shm://t%d-%s?%s", (int)getpid(), tag, query);
 }
 
 // ---- without GPU support ---------------------------------------------------------------------
@@ -186,7 +191,7 @@ static void device_frames_roundtrip(void) {
     void *d_src = NULL, *d_dst = NULL;
     MM_TRUE(src && back);
     MM_PASS(mm_gpu_alloc(&d_src, MAX_BYTES));
-    MM_PASS(mm_gpu_alloc(&d_dst, 2 * MAX_BYTES));
+    MM_PASS(mm_gpu_alloc(&d_dst, 3 * MAX_BYTES));
     // 24 frames of 1..600 KiB through a 1 MiB ring: it wraps many times; rows gathered from
     // three device segments and scattered into two.
     for (int k = 0; k < 24; k++) {
@@ -308,6 +313,52 @@ static void peer_without_gpu_host_frames(void) {
     MM_EQ(wait_child(child), 0);
 }
 
+// shm:// between two processes that declared a GPU carries device frames by itself; with
+// ?gpu=0 it does not (host frames, the conn still works).
+static void auto_shm(const char *query, bool want_dev) {
+    make_shm_url(want_dev ? "auto" : "off", query);
+    g_server_gpu = true;
+    pid_t child = fork_server(serve_echo);
+    need_gpu(child);
+    void *stream = gpu_setup(true);
+    mm_conn *c = NULL;
+    MM_PASS(mm_transport_dial(&c, url, mm_deadline_in_ms(20000), NULL));
+    MM_EQ(mm_conn_dev(c), want_dev);
+    const size_t nb = 64u * 4096;
+    uint8_t *src = malloc(nb), *back = malloc(nb);
+    void *d = NULL;
+    MM_TRUE(src && back);
+    MM_PASS(mm_gpu_alloc(&d, nb));
+    fill(src, nb, 77);
+    mm_wire_hdr h, r;
+    MM_PASS(mm_wire_hdr_init(&h, MM_WIRE_ROWS, MM_WIRE_F32, 7, 1, 64, 1024));
+    bool on_dev = false;
+    if (want_dev) {
+        MM_PASS(mm_gpu_memcpy_h2d(stream, d, src, nb));
+        struct iovec sv = {d, nb};
+        MM_PASS(mm_conn_sendv_dev(c, &h, &sv, 1, mm_deadline_in_ms(5000)));
+        MM_PASS(mm_gpu_memset(stream, d, 0, nb));
+        MM_PASS(mm_conn_recv_dev(c, &r, back, 64, &sv, 1, &on_dev, mm_deadline_in_ms(5000)));
+        MM_TRUE(on_dev);
+        MM_PASS(mm_gpu_memcpy_d2h(stream, back, d, nb));
+        MM_PASS(mm_gpu_stream_sync(stream));
+    } else {
+        MM_PASS(mm_conn_send(c, &h, src, mm_deadline_in_ms(5000)));
+        MM_PASS(mm_conn_recv_dev(c, &r, back, nb, NULL, 0, &on_dev, mm_deadline_in_ms(5000)));
+        MM_TRUE(!on_dev);
+    }
+    MM_EQ(r.step_id, 7);
+    MM_TRUE(memcmp(src, back, nb) == 0);
+    mm_conn_close(c);
+    MM_EQ(wait_child(child), 0);
+    mm_gpu_free(d);
+    free(src);
+    free(back);
+}
+
+static void shm_between_gpus_is_device_to_device(void) { auto_shm("ring_mb=1", true); }
+static void shm_gpu_0_is_host_frames(void) { auto_shm("gpu=0", false); }
+
 static void serve_then_hang(void) {
     if (!have_gpu_quiet())
         _exit(77);
@@ -350,6 +401,8 @@ MM_TESTS = {
     {"no_gpu_build_refuses", no_gpu_build_refuses},
     {"device_frames_roundtrip", device_frames_roundtrip},
     {"peer_without_gpu_host_frames", peer_without_gpu_host_frames},
+    {"shm_between_gpus_is_device_to_device", shm_between_gpus_is_device_to_device},
+    {"shm_gpu_0_is_host_frames", shm_gpu_0_is_host_frames},
     {"dead_peer_is_an_error_not_a_hang", dead_peer_is_an_error_not_a_hang},
     {NULL, NULL},
 };

@@ -92,7 +92,8 @@ static inline uint64_t mm_deadline_in_ms(uint64_t ms) { return mm_now_ns() + ms 
 
 // A parsed data-plane URL: scheme://host[:port][?key=value&...].
 //   shm://NAME[?ring_kb=N]     NAME: [A-Za-z0-9._-]{1,100}, a same-box rendezvous name
-//   cudaipc://NAME[?ring_kb=N&ring_mb=M]  shm:// plus device frames between GPU processes
+//     (also ?gpu=0: no device frames; ?ring_mb=M: device ring size; see "device payloads")
+//   cudaipc://NAME[?ring_kb=N&ring_mb=M]  explicit device frames between GPU processes
 //   tcp://HOST:PORT            HOST: IPv4 literal, [IPv6] literal or a resolvable name
 typedef struct mm_url {
     char text[MM_URL_MAX];   // the URL as given
@@ -206,14 +207,17 @@ mm_err mm_conn_reg_mem(mm_conn *c, void *p, size_t n_bytes, mm_mem_reg **out,
 // mm_conn_dereg_mem releases a registration; accepts NULL.
 void mm_conn_dereg_mem(mm_conn *c, mm_mem_reg *reg);
 
-// ---- device payloads (cudaipc://) ------------------------------------------------------------
-// cudaipc://NAME[?ring_mb=N] is shm:// (same rendezvous rules, frames, liveness, deadlines) plus
-// a device path: when both processes have declared a GPU (mm_transport_gpu_use) the sender
-// copies a frame's rows straight from its device memory into a ring of device memory that the
+// ---- device payloads (shm:// between GPU processes, cudaipc://) ------------------------------
+// Between two processes of one host that both declared a GPU (mm_transport_gpu_use), shm:// conns
+// carry device frames as well (selected automatically at the handshake; ?gpu=0 in the URL turns
+// it off, for both ends, since they use the same URL). cudaipc://NAME[?ring_mb=N] is the explicit
+// form (its own rendezvous name; refused without GPU support). The device path: the sender
+// copies a frame's rows straight from its device memory into a ring of device memory (ring_mb,
+// default 64 MiB per direction) that the
 // receiver exported (CUDA/HIP IPC), on its own stream, and records an interprocess event; the
 // receiver's stream waits for that event and copies the rows out into its device buffers. No
 // host copy and no stream drain on either side. Where either end has no GPU the conn carries
-// host frames only (mm_conn_dev false), exactly like shm://. A build without GPU support
+// host frames only (mm_conn_dev false). A build without GPU support has plain shm:// and
 // refuses cudaipc:// URLs with MM_EUNSUPP ("this build has no GPU support").
 
 // mm_transport_gpu_use declares, once per process and before dialing or listening on cudaipc://,

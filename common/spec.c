@@ -142,6 +142,16 @@ int mm_spec_width_sum(const mm_spec_costs *c, int bucket, int max_w, const doubl
     return bw;
 }
 
+int mm_spec_width_hold(const mm_spec_costs *c, int bucket, int max_w, const double *e, int prev,
+                       double margin) {
+    int w = mm_spec_width_sum(c, bucket, max_w, e);
+    if (prev < 0 || prev > max_w || prev > MM_SPEC_MAX_W || prev == w)
+        return w;
+    double sw = e[w] / mm_spec_price(c, bucket, w, max_w);
+    double sp = e[prev] / mm_spec_price(c, bucket, prev, max_w);
+    return sw > sp * (1 + margin) ? w : prev;
+}
+
 void mm_spec_expect_add(double *e, int max_w, int cap, double acc) {
     double sum = 0, ak = 1;
     for (int w = 0; w <= max_w && w <= MM_SPEC_MAX_W; w++) {

@@ -10,7 +10,9 @@
 #include "mm/spec.h"
 #include "mm/time.h"
 
-#define PROBE_EVERY 64   // low-acceptance seqs draft again (1 token) every PROBE_EVERY-th step
+#define PROBE_EVERY 64   // low-acceptance seqs draft again (1 token) every PROBE_EVERY-th step,
+                         // doubling (up to 16x) while they stay under 5%
+#define HOLD 0.10        // the width changes only for a 10% better expected tokens/s
 #define EXPLORE_EVERY 8  // every EXPLORE_EVERY-th drafting step may measure another width
 #define STALE 64         // a width's price older than STALE samples of its range is re-measured
 
@@ -27,6 +29,7 @@ struct rseq {
     uint32_t n_steps;
     uint32_t asked;    // drafts asked for this step
     uint64_t last_step; // the step (mm_draft.step_no) it was last in
+    uint32_t probes;    // probes while under 5% acceptance (the interval doubles with each)
 };
 
 struct mm_draft {
@@ -52,6 +55,7 @@ struct mm_draft {
     uint64_t explored;
     int prev_w;              // the widest draft asked for in the step before (-1: no sample)
     int explore_w, explore_left; // a width being measured, for explore_left more steps
+    int choice;              // the last width chosen by price (not exploring), -1: none
     float acc_all; // per-draft-token acceptance over all seqs (slow EMA): a new seq's start
     // metrics
     uint64_t drafted, accepted, emitted, verified, misses, requests;
@@ -82,6 +86,7 @@ mm_err mm_draft_open(mm_draft **out, const mm_draft_conf *c, mm_registry *reg,
     d->backoff_ms = 250;
     d->acc_all = 0.6f;
     d->prev_w = -1;
+    d->choice = -1;
     *out = d;
     return MM_OK;
 }
@@ -122,6 +127,7 @@ static struct rseq *track(mm_draft *d, uint64_t id) {
         r->n_steps = 0;      // would draft (and lose) until its own EMA fell
         r->asked = 0;
         r->last_step = 0;
+        r->probes = 0;
         return r;
     }
     return NULL;
@@ -264,7 +270,9 @@ void mm_draft_begin(mm_draft *d, const Mmctl__StepPlan *p, const bool *active, i
     }
     if (maxw_step > 0)
         d->n_steps++;
-    int W = d->c.adapt ? mm_spec_width_sum(&d->costs, b, maxw_step, ex) : maxw_step;
+    int W = maxw_step;
+    if (d->c.adapt && maxw_step > 0)
+        W = d->choice = mm_spec_width_hold(&d->costs, b, maxw_step, ex, d->choice, HOLD);
     if (d->c.adapt && maxw_step > 0 && d->explore_left > 0) {
         W = d->explore_w < maxw_step ? d->explore_w : maxw_step;
         d->explore_left--;
@@ -285,12 +293,18 @@ void mm_draft_begin(mm_draft *d, const Mmctl__StepPlan *p, const bool *active, i
         if (cap == 0)
             continue;
         struct rseq *r = find(d, q->seq_id);
-        bool probe = d->n_steps % PROBE_EVERY == 0; // all seqs in the same step: one call
         int k = cap < W ? cap : W;
-        if (d->c.adapt && r->acc < 0.05f && !probe)
-            k = 0;
-        if (d->c.adapt && W == 0 && probe)
-            k = 1;
+        if (d->c.adapt && r->acc < 0.05f) {
+            // all such seqs probe in the same steps (one call): every PROBE_EVERY-th drafting
+            // step, the interval doubling per probe that kept it under 5% (a probe after
+            // steps without drafts makes the drafter catch up on all their tokens)
+            uint64_t every = (uint64_t)PROBE_EVERY << (r->probes < 4 ? r->probes : 4);
+            bool probe = d->n_steps % every == 0;
+            k = probe ? (k > 0 ? k : 1) : 0;
+            r->probes += probe;
+        } else {
+            r->probes = 0;
+        }
         if (k > room)
             k = (int)room;
         size_t add = (size_t)(r->len - r->dr_from);

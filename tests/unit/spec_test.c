@@ -236,6 +236,18 @@ static void test_spec_width(void) {
             MM_EQ(mm_spec_explore(&f, 0, 4, 4, 64), -1);
     }
     MM_EQ(mm_spec_explore(&f, 0, 4, 4, 64), 1); // 250 samples old
+    // hold: the last choice stays unless the best beats it by the margin
+    mm_spec_costs h;
+    memset(&h, 0, sizeof(h));
+    mm_spec_cost_add(&h, 0, 0, 10.0);
+    mm_spec_cost_add(&h, 0, 1, 19.0);
+    double e1[MM_SPEC_MAX_W + 1] = {0};
+    mm_spec_expect_add(e1, 1, 1, 1.0); // e = 1, 2: width 1 scores 2/19 vs 1/10 (5% better)
+    MM_EQ(mm_spec_width_sum(&h, 0, 1, e1), 1);
+    MM_EQ(mm_spec_width_hold(&h, 0, 1, e1, 0, 0.10), 0);  // within 10%: keep 0
+    MM_EQ(mm_spec_width_hold(&h, 0, 1, e1, 0, 0.01), 1);  // beyond 1%: change
+    MM_EQ(mm_spec_width_hold(&h, 0, 1, e1, -1, 0.10), 1); // no last choice
+    MM_EQ(mm_spec_width_hold(&h, 0, 1, e1, 3, 0.10), 1);  // last choice out of range
     // the first samples are averaged, then the EMA
     mm_spec_costs m;
     memset(&m, 0, sizeof(m));

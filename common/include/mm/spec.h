@@ -73,6 +73,13 @@ int mm_spec_width(const mm_spec_costs *c, int bucket, int max_w, double acc);
 // one width, each weighted by its own acceptance.)
 void mm_spec_expect_add(double *e, int max_w, int cap, double acc);
 int mm_spec_width_sum(const mm_spec_costs *c, int bucket, int max_w, const double *e);
+// mm_spec_width_hold: mm_spec_width_sum's choice, unless prev (the last choice; -1: none) is
+// within margin of it (score(best) <= score(prev) * (1 + margin)): then prev. Changing width
+// has costs no price shows (the drafter catching up on the tokens of the steps it was not
+// asked; samples of a width only count after a step of the same width), and prices measured
+// on a shared machine are noisy: a near tie must not flip the width step after step.
+int mm_spec_width_hold(const mm_spec_costs *c, int bucket, int max_w, const double *e, int prev,
+                       double margin);
 // mm_spec_explore: a width to measure this step instead of the chosen w, or -1. Prices of
 // unmeasured wider widths are optimistic (those of narrower ones), so the choice itself tries
 // them; narrower widths, not drafting (0) above all, are never tried that way. Candidates: 0,

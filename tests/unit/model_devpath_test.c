@@ -648,6 +648,7 @@ static void test_gpu_plan(void) {
     MM_TRUE(memcmp(dst, a.dst, nk * 4) == 0);
     MM_TRUE(memcmp(wt, a.wt, nk * 4) == 0);
     ids[5] = E + 3; // out of range: reported at the next read
+    printf("an out-of-range expert id next: the backend logs one 'index out of range' error\n");
     MM_PASS(be->ops->set(be->ctx, d_ids, ids, nk * 4));
     MM_PASS(be->ops->route_plan(be->ctx, d_ids, d_w, n, K, E, d_offs, d_src, d_dst, d_wt));
     MM_FAIL(be->ops->get(be->ctx, offs, d_offs, (E + 1) * 4), MM_EINVAL);

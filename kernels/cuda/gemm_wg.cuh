@@ -17,23 +17,25 @@
 // Tiling: a block is NWG warpgroups; warpgroup i computes 64 outputs x BN tokens (outputs as
 // the wgmma M dimension, tokens as N), so the block covers 64*NWG outputs x BN tokens.
 // Per k-step of 64: W tile (64*NWG rows x 128 bytes) and x tile (BN rows x 128 bytes), both
-// in the 128-byte swizzle, WG_STAGES deep in a cp.async ring; up to two k-steps of wgmmas in
-// flight. Accumulators: BN/2 per thread for the running segment and BN/2 for the total; at a
+// in the 128-byte swizzle, in a cp.async ring; up to one stage of wgmmas in flight past the
+// one being issued. Accumulators: BN/2 per thread for the running segment and BN/2 for the total; at a
 // segment end the warpgroup drains its wgmmas and adds (ptxas serialises every wgmma if
 // accumulators are read while others are in flight, so there is no second segment buffer).
-// Variants (mm_gpu_set_gemm_tile): NWG 2 or 3, BN 128 or 192.
+// Variants (mm_gpu_set_gemm_tile): NWG 2 or 3, BN 128 or 192, k per stage 64 or 128, fence.
 #ifndef MM_GEMM_WG_CUH
 #define MM_GEMM_WG_CUH
 
-#define WG_BK 64      // k per stage: one 128-byte swizzle row
-#define WG_STAGES 5   // ring depth; loads run WG_STAGES - 2 k-steps ahead
+#define WG_LDX 128    // workspace rows are padded to a multiple of this (>= any stage's k)
+// A stage holds KB (64 or 128) of k as KB/64 sub-tiles of one 128-byte swizzle row per matrix
+// row: [W sub 0 | W sub 1 | x sub 0 | x sub 1]; the ring is ST stages deep and loads run ST - 2
+// stages ahead.
 __host__ __device__ constexpr int wg_w_bytes(int nwg) { return 64 * nwg * 128; }
-__host__ __device__ constexpr int wg_stage_bytes(int nwg, int bn) { return wg_w_bytes(nwg) + bn * 128; }
-__host__ __device__ constexpr int wg_smem_bytes(int nwg, int bn) { return WG_STAGES * wg_stage_bytes(nwg, bn) + 1024; }
+__host__ __device__ constexpr int wg_stage_bytes(int nwg, int bn, int kb) { return kb / 64 * (wg_w_bytes(nwg) + bn * 128); }
+__host__ __device__ constexpr int wg_smem_bytes(int nwg, int bn, int kb, int st) { return st * wg_stage_bytes(nwg, bn, kb) + 1024; }
 
 struct mm_wg_args {
     const uint16_t *xb; // workspace: (n_rows, ldx) bf16, k permuted per 32-chunk, zeros past n_in
-    int64_t ldx;        // multiple of WG_BK
+    int64_t ldx;        // multiple of WG_LDX
     const void *w0;
     const void *const *wg;
     const int32_t *offs;
@@ -137,11 +139,15 @@ __device__ __forceinline__ void cp_async4(uint32_t dst, const void *src, bool va
 }
 #endif
 
-template <bool GROUPED, int NWG, int BN>
+// FN: the fence between the cp.async writes and the wgmma reads: 0 fence.proxy.async (both
+// directions), 1 the generic-to-async release fence (sm_90, PTX 8.6), 2 none (a bench-only
+// diagnostic that measures what the fence costs: it leaves a cross-proxy race, never default).
+template <bool GROUPED, int NWG, int BN, int KB, int ST, int FN>
 __global__ void __launch_bounds__(NWG * 128, 1) gemm_wg_kernel(mm_wg_args a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     extern __shared__ __align__(1024) unsigned char wg_smem_raw[];
-    constexpr int THREADS = NWG * 128, WB = wg_w_bytes(NWG), SB = wg_stage_bytes(NWG, BN);
+    constexpr int THREADS = NWG * 128, WB = wg_w_bytes(NWG), XB = BN * 128, SB = wg_stage_bytes(NWG, BN, KB);
+    constexpr int NSUB = KB / 64;
     mm_tile tile;
     const void *wv;
     if (!block_tile<GROUPED, BN>(a.w0, a.wg, a.offs, a.n_experts, a.n_rows, &tile, &wv))
@@ -153,7 +159,7 @@ __global__ void __launch_bounds__(NWG * 128, 1) gemm_wg_kernel(mm_wg_args a) {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wgi = warp >> 2;
     const int g = lane >> 2, t = lane & 3;
     const int n0 = blockIdx.x * (64 * NWG);
-    const int n_k = (a.n_in + WG_BK - 1) / WG_BK;
+    const int n_k = (a.n_in + KB - 1) / KB;
 
     // W: 64*NWG rows x 32 words per k-step, one row's 128 bytes per warp and instruction: lane
     // l copies physical k0 + 2l, +1 to its slot position (wg_perm32) inside the swizzled row.
@@ -163,23 +169,26 @@ __global__ void __launch_bounds__(NWG * 128, 1) gemm_wg_kernel(mm_wg_args a) {
     const uint16_t *wsrc = w + (size_t)(n0 + warp) * a.n_in + 2 * lane;
     const int w_rows = a.n_out - n0 - warp; // copies with row offset >= this are zero-filled
     auto load = [&](int kt, int st) {
-        const int k0 = kt * WG_BK;
-        const uint32_t sw = sbase + st * SB, sx = sw + WB;
-        const bool kok = k0 + 2 * lane < a.n_in;
 #pragma unroll
-        for (int i = 0; i < 64 * NWG / RSTEP; i++) {
-            const int r = warp + i * RSTEP;
-            const bool ok = kok && i * RSTEP < w_rows;
-            const uint16_t *src = ok ? wsrc + (size_t)(i * RSTEP) * a.n_in + k0 : w;
-            cp_async4(sw + r * 128 + ((((wpos >> 3) ^ (r & 7)) << 4) | ((wpos & 7) * 2)), src, ok);
-        }
-        // x: BN token rows x 8 pieces of 16 bytes, already permuted in the workspace.
+        for (int sub = 0; sub < NSUB; sub++) {
+            const int k0 = kt * KB + 64 * sub;
+            const uint32_t sw = sbase + st * SB + sub * WB, sx = sbase + st * SB + NSUB * WB + sub * XB;
+            const bool kok = k0 + 2 * lane < a.n_in;
 #pragma unroll
-        for (int p = tid; p < BN * 8; p += THREADS) {
-            const int r = p >> 3, c = p & 7;
-            const bool ok = r < tile.mlen;
-            const uint16_t *src = ok ? a.xb + (size_t)(tile.m0 + r) * a.ldx + k0 + 8 * c : a.xb;
-            cp_async16_s(sx + r * 128 + ((c ^ (r & 7)) << 4), src, ok);
+            for (int i = 0; i < 64 * NWG / RSTEP; i++) {
+                const int r = warp + i * RSTEP;
+                const bool ok = kok && i * RSTEP < w_rows;
+                const uint16_t *src = ok ? wsrc + (size_t)(i * RSTEP) * a.n_in + k0 : w;
+                cp_async4(sw + r * 128 + ((((wpos >> 3) ^ (r & 7)) << 4) | ((wpos & 7) * 2)), src, ok);
+            }
+            // x: BN token rows x 8 pieces of 16 bytes, already permuted in the workspace.
+#pragma unroll
+            for (int p = tid; p < BN * 8; p += THREADS) {
+                const int r = p >> 3, c = p & 7;
+                const bool ok = r < tile.mlen;
+                const uint16_t *src = ok ? a.xb + (size_t)(tile.m0 + r) * a.ldx + k0 + 8 * c : a.xb;
+                cp_async16_s(sx + r * 128 + ((c ^ (r & 7)) << 4), src, ok);
+            }
         }
     };
 
@@ -190,28 +199,32 @@ __global__ void __launch_bounds__(NWG * 128, 1) gemm_wg_kernel(mm_wg_args a) {
         acc[i] = tot[i] = 0.0f;
     const int sl = seg_len(a.n_in);
 #pragma unroll
-    for (int s0 = 0; s0 < WG_STAGES - 2; s0++) {
+    for (int s0 = 0; s0 < ST - 2; s0++) {
         if (s0 < n_k)
             load(s0, s0);
         cp_async_commit();
     }
     for (int kt = 0; kt < n_k; kt++) {
-        cp_async_wait<WG_STAGES - 3>();
+        cp_async_wait<ST - 3>();
         // cp.async wrote stage kt through the generic proxy; wgmma reads it through the async
         // proxy: each writing thread fences before the barrier.
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-        __syncthreads(); // stage kt landed; stage kt - 2's wgmmas finished (wait<2> below)
-        if (kt + WG_STAGES - 2 < n_k)
-            load(kt + WG_STAGES - 2, (kt + WG_STAGES - 2) % WG_STAGES);
+        if constexpr (FN == 0)
+            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        else if constexpr (FN == 1)
+            asm volatile("fence.proxy.async::generic.release.sync_restrict::shared::cta.cluster;\n" ::: "memory");
+        __syncthreads(); // stage kt landed; stage kt - 2's wgmmas finished (wait below)
+        if (kt + ST - 2 < n_k)
+            load(kt + ST - 2, (kt + ST - 2) % ST);
         cp_async_commit();
-        const uint32_t sw = sbase + (kt % WG_STAGES) * SB + wgi * (64 * 128), sx = sbase + (kt % WG_STAGES) * SB + WB;
-        const uint64_t da = wg_desc(sw), db = wg_desc(sx);
+        const uint32_t stage = sbase + (kt % ST) * SB;
 #pragma unroll
-        for (int cc = 0; cc < 2; cc++) {
-            const int kc = kt * WG_BK + 32 * cc;
+        for (int cc = 0; cc < KB / 32; cc++) {
+            const int kc = kt * KB + 32 * cc;
             if (kc >= a.n_in)
                 break;
-            const uint64_t a0 = da + (uint64_t)(4 * cc), b0 = db + (uint64_t)(4 * cc); // +64cc bytes
+            // chunk cc: sub-tile cc / 2, bytes 64 (cc % 2) of its rows (descriptor units: 16 bytes)
+            const uint64_t a0 = wg_desc(stage + (cc >> 1) * WB + wgi * (64 * 128)) + (uint64_t)(4 * (cc & 1));
+            const uint64_t b0 = wg_desc(stage + NSUB * WB + (cc >> 1) * XB) + (uint64_t)(4 * (cc & 1));
             wg_fence();
             wgmma_tile<BN>(acc, a0, b0);
             wgmma_tile<BN>(acc, a0 + 2, b0 + 2); // +32 bytes: the chunk's second k16
@@ -226,7 +239,7 @@ __global__ void __launch_bounds__(NWG * 128, 1) gemm_wg_kernel(mm_wg_args a) {
                 }
             }
         }
-        wg_wait<2>(); // k-step kt - 1 done: its stage may be refilled after the next barrier
+        wg_wait<KB / 32>(); // stage kt - 1 done: its slot may be refilled after the next barrier
     }
     wg_wait<0>();
     cp_async_wait<0>();

@@ -670,7 +670,7 @@ __global__ void __launch_bounds__(FMA_THREADS) gemm_fma_kernel(mm_mat_args a) {
 static bool aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
 
 #if MM_GPU_HAVE_WMMA
-static int g_wg_tile = 2; // wgmma block variant (mm_gpu_set_gemm_tile)
+static int g_wg_tile = 0; // wgmma block variant (mm_gpu_set_gemm_tile); 0: per product kind
 
 // The wgmma kernel runs on compute capability 9.0 only (the sm_90a image; newer parts run
 // the compute_90 PTX, where it has no body). Cached per device.
@@ -702,18 +702,19 @@ static bool wg_usable(const mm_mat_args &a) {
 // device's default memory pool (cudaMallocAsync, released with cudaFreeAsync on the same
 // stream), which keeps up to 512 MiB reserved between products so that steady-state
 // prefill does not map memory.
-template <bool GROUPED, int NWG, int BN>
+template <bool GROUPED, int NWG, int BN, int KB, int ST, int FN = 0>
 static mm_err launch_wg_kernel(cudaStream_t st, const mm_wg_args &w, uint64_t bit) {
     static uint64_t attr_set; // > 48 KiB of dynamic shared memory, allowed once per device
     const int active = GROUPED ? min(w.n_experts, w.n_rows) : 1;
     const unsigned tiles_y = GROUPED ? (unsigned)(w.n_rows / BN + active) : mm_div_up(w.n_rows, BN);
     if (!(attr_set & bit)) {
-        MM_GPU_CHECK(cudaFuncSetAttribute(gemm_wg_kernel<GROUPED, NWG, BN>,
-                                          cudaFuncAttributeMaxDynamicSharedMemorySize, wg_smem_bytes(NWG, BN)));
+        MM_GPU_CHECK(cudaFuncSetAttribute(gemm_wg_kernel<GROUPED, NWG, BN, KB, ST, FN>,
+                                          cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          wg_smem_bytes(NWG, BN, KB, ST)));
         attr_set |= bit;
     }
     dim3 grid(mm_div_up(w.n_out, 64 * NWG), tiles_y);
-    gemm_wg_kernel<GROUPED, NWG, BN><<<grid, NWG * 128, wg_smem_bytes(NWG, BN), st>>>(w);
+    gemm_wg_kernel<GROUPED, NWG, BN, KB, ST, FN><<<grid, NWG * 128, wg_smem_bytes(NWG, BN, KB, ST), st>>>(w);
     MM_GPU_CHECK(cudaGetLastError());
     return MM_OK;
 }
@@ -738,7 +739,7 @@ static mm_err launch_wg(cudaStream_t st, const mm_mat_args &a, bool *ran) {
         MM_GPU_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
         pool_set |= bit;
     }
-    const int64_t ldx = (a.n_in + WG_BK - 1) / WG_BK * WG_BK;
+    const int64_t ldx = (a.n_in + WG_LDX - 1) / WG_LDX * WG_LDX;
     const size_t bytes = (size_t)a.n_rows * (size_t)ldx * 2;
     void *ws = NULL;
     if (cudaMallocAsync(&ws, bytes, st) != cudaSuccess) {
@@ -753,10 +754,16 @@ static mm_err launch_wg(cudaStream_t st, const mm_mat_args &a, bool *ran) {
     mm_wg_args w = {(const uint16_t *)ws, ldx, a.w0, a.wg, a.offs, a.n_experts, a.n_rows, a.n_in,
                     a.n_out, a.bias, a.y, a.y_stride};
     mm_err rv;
-    switch (g_wg_tile) {
-    case 3: rv = launch_wg_kernel<GROUPED, 3, 128>(st, w, bit); break;
-    case 4: rv = launch_wg_kernel<GROUPED, 2, 192>(st, w, bit); break;
-    default: rv = launch_wg_kernel<GROUPED, 2, 128>(st, w, bit); break;
+    // Default (H200, 2026-11-29, kernels/cuda/bench/NOTES.md): dense products on 128 outputs x
+    // 192 tokens (q_proj 242 vs 220 TFLOP/s for 128 x 128); grouped products on 128 x 128
+    // (experts hold ~256 rows each at a 4K prefill, so 192-token tiles would run half empty).
+    switch (g_wg_tile ? g_wg_tile : GROUPED ? 2 : 4) {
+    case 3: rv = launch_wg_kernel<GROUPED, 3, 128, 64, 5>(st, w, bit); break;
+    case 4: rv = launch_wg_kernel<GROUPED, 2, 192, 64, 5>(st, w, bit); break;
+    case 5: rv = launch_wg_kernel<GROUPED, 2, 128, 128, 3>(st, w, bit); break;
+    case 6: rv = launch_wg_kernel<GROUPED, 2, 128, 64, 5, 1>(st, w, bit); break;
+    case 7: rv = launch_wg_kernel<GROUPED, 2, 128, 64, 5, 2>(st, w, bit); break; // diagnostic
+    default: rv = launch_wg_kernel<GROUPED, 2, 128, 64, 5>(st, w, bit); break;
     }
     MM_GPU_CHECK(cudaFreeAsync(ws, st));
     if (rv == MM_OK)
@@ -915,7 +922,7 @@ extern "C" mm_err mm_gpu_moe_matmul(void *stream, int dtype, const void *const *
 
 extern "C" void mm_gpu_set_gemm_tile(int variant) {
 #if MM_GPU_HAVE_WMMA
-    g_wg_tile = (variant == 3 || variant == 4) ? variant : 2;
+    g_wg_tile = (variant >= 2 && variant <= 7) ? variant : 0;
 #else
     (void)variant;
 #endif

@@ -75,8 +75,10 @@ mm_err mm_gpu_moe_matmul(void *stream, int dtype, const void *const *d_w, const 
 // (CUDA sm_90; no effect on HIP). Process-wide; call before issuing work.
 void mm_gpu_set_pdl(int on);
 
-// mm_gpu_set_gemm_tile picks the wgmma block (benches): 2 (default) 128 outputs x 128 tokens,
-// 3: 192 x 128, 4: 128 x 192. Same bits in all. Process-wide; call before issuing work.
+// mm_gpu_set_gemm_tile picks the wgmma block (benches, tests): 0 (default) per product kind
+// (dense 4, grouped 2); 2: 128 outputs x 128 tokens, 3: 192 x 128, 4: 128 x 192, 5: 128 x 128
+// with 128-wide k stages, 6: 2 with the one-way release proxy fence. Same bits in all. 7: a
+// bench-only diagnostic without the proxy fence (racy; never for results). Process-wide.
 void mm_gpu_set_gemm_tile(int variant);
 
 // ---- row ops (kernels.h semantics; d_err: device error word set on bad indices) -----------

@@ -29,7 +29,8 @@ extern mm_err mm_gpu_stream_sync(void *stream) __attribute__((weak));
 extern mm_err mm_gpu_matmul(void *stream, int dtype, const void *d_w, int n_out, int n_in,
                             const float *d_bias, const float *d_x, int64_t x_stride, float *d_y,
                             int64_t y_stride, int n_rows, int path) __attribute__((weak));
-// wgmma block variant (2: 128 outputs x 128 tokens, 3: 192 x 128, 4: 128 x 192).
+// wgmma variant (2: 128 outputs x 128 tokens, 3: 192 x 128, 4: 128 x 192, 5: 128-wide k, 6: release
+// fence).
 extern void mm_gpu_set_gemm_tile(int variant) __attribute__((weak));
 
 static mm_backend *cpu, *gpu;
@@ -263,11 +264,12 @@ static int path_bits_case(int64_t n_rows, int64_t n_in, int64_t n_out, int64_t x
     void *dw = gpu_copy(hw, (size_t)(n_out * n_in) * 2);
     float *dx = gpu_copy(x, (size_t)(n_rows * xs) * 4);
     float *db = bias ? gpu_copy(b, (size_t)n_out * 4) : NULL;
-    enum { NP = 5 };
+    enum { NP = 7 };
     float *dy[NP] = {NULL};
-    const int paths[NP] = {0, 2, 3, 3, 3};   // GEMV, MMA, WG (three block variants)
-    const int variant[NP] = {2, 2, 2, 3, 4}; // mm_gpu_set_gemm_tile
-    const char *names[NP] = {"gemv", "mma.sync", "wgmma 128x128", "wgmma 192x128", "wgmma 128x192"};
+    const int paths[NP] = {0, 2, 3, 3, 3, 3, 3};   // GEMV, MMA, WG (five variants)
+    const int variant[NP] = {2, 2, 2, 3, 4, 5, 6}; // mm_gpu_set_gemm_tile
+    const char *names[NP] = {"gemv", "mma.sync", "wgmma 128x128", "wgmma 192x128", "wgmma 128x192",
+                             "wgmma 128x128 k128", "wgmma 128x128 rel.fence"};
     mm_err rv[NP];
     MM_PASS(gpu->ops->synchronize(gpu->ctx));
     for (int p = 0; p < NP; p++) {
@@ -281,7 +283,7 @@ static int path_bits_case(int64_t n_rows, int64_t n_in, int64_t n_out, int64_t x
         MM_PASS(mm_gpu_stream_sync(NULL));
     }
     if (mm_gpu_set_gemm_tile)
-        mm_gpu_set_gemm_tile(2);
+        mm_gpu_set_gemm_tile(0);
     MM_PASS(rv[0]);
     MM_PASS(rv[1]);
     float *y[NP];

@@ -358,9 +358,12 @@ static void bench_prefill(double peak) {
         int path, tile;
         const char *name;
     };
-    const variant vs[] = {{MM_GPU_PATH_WG, 2, "wgmma 128 out x 128 tok (default)"},
+    const variant vs[] = {{MM_GPU_PATH_WG, 2, "wgmma 128 out x 128 tok"},
                           {MM_GPU_PATH_WG, 3, "wgmma 192 out x 128 tok"},
-                          {MM_GPU_PATH_WG, 4, "wgmma 128 out x 192 tok"},
+                          {MM_GPU_PATH_WG, 4, "wgmma 128 out x 192 tok (default)"},
+                          {MM_GPU_PATH_WG, 5, "wgmma 128 x 128, k 128 per stage"},
+                          {MM_GPU_PATH_WG, 6, "wgmma 128 x 128, one-way release fence"},
+                          {MM_GPU_PATH_WG, 7, "wgmma 128 x 128, no proxy fence (diagnostic, racy)"},
                           {MM_GPU_PATH_MMA, 0, "mma.sync 64x128 tiles"},
                           {MM_GPU_PATH_FMA, 0, "FMA tiles (HIP path)"}};
     for (const shape &s : shapes) {
@@ -373,7 +376,7 @@ static void bench_prefill(double peak) {
                 continue;
             if (v.path == MM_GPU_PATH_FMA && s.n_out > 4096)
                 continue;
-            mm_gpu_set_gemm_tile(v.tile ? v.tile : 2);
+            mm_gpu_set_gemm_tile(v.tile);
             if (mm_gpu_matmul(g_stream, MM_DTYPE_BF16, w, s.n_out, s.n_in, NULL, x, s.n_in, y, s.n_out, M,
                               v.path) != MM_OK) {
                 printf("%-16s %6d %6d %10s   %s: not available here\n", s.name, s.n_out, s.n_in, "-", v.name);
@@ -386,7 +389,7 @@ static void bench_prefill(double peak) {
             printf("%-16s %6d %6d %10.1f %9.1f %7.1f%%   %s\n", s.name, s.n_out, s.n_in, us, flops / us / 1e6,
                    100.0 * flops / us / 1e6 / peak, v.name);
         }
-        mm_gpu_set_gemm_tile(2);
+        mm_gpu_set_gemm_tile(0);
         // bits: the default path (AUTO) against the decode GEMV forced over the same rows
         MK(mm_gpu_matmul(g_stream, MM_DTYPE_BF16, w, s.n_out, s.n_in, NULL, x, s.n_in, y, s.n_out, M, MM_GPU_PATH_AUTO));
         MK(mm_gpu_matmul(g_stream, MM_DTYPE_BF16, w, s.n_out, s.n_in, NULL, x, s.n_in, y_ref, s.n_out, M,

@@ -653,7 +653,8 @@ struct mm_model_scratch {
     // recorded steps, keyed by shape and the buffers baked into them
     struct step_graph {
         int64_t n, nw;
-        const void *kv, *logits;
+        const void *kv, *pool, *tables, *logits; // the cache, and its buffers (a cache freed
+                                                 // and another made at the same address)
         void *graph;
         uint64_t used;
     } graphs[MM_MODEL_GRAPHS];
@@ -1210,9 +1211,17 @@ static mm_err forward_dev_ops(const mm_model *m, mm_model_scratch *s, mm_kv_cach
     return mm_model_head(m, s, s->hn, nw, logits);
 }
 
-static bool same_key(const struct step_graph *g, int64_t n, int64_t nw, const void *kv,
-                     const void *logits) {
-    return g->n == n && g->nw == nw && g->kv == kv && g->logits == logits;
+static struct step_graph step_key(int64_t n, int64_t nw, const mm_kv_cache *kv,
+                                  const void *logits) {
+    struct mm_kv_view v;
+    mm_kv_cache_view(kv, 0, &v);
+    return (struct step_graph){.n = n, .nw = nw, .kv = kv, .pool = v.base,
+                               .tables = v.block_tables, .logits = logits};
+}
+
+static bool same_key(const struct step_graph *g, const struct step_graph *k) {
+    return g->n == k->n && g->nw == k->nw && g->kv == k->kv && g->pool == k->pool &&
+           g->tables == k->tables && g->logits == k->logits;
 }
 
 // forward_dev: checks on the host, the inputs in one copy, then the step: replayed when this
@@ -1240,15 +1249,16 @@ static mm_err forward_dev(const mm_model *m, mm_model_scratch *s, mm_kv_cache *k
     if (s->no_graphs || m->c.mla)
         return forward_dev_ops(m, s, kv, n, nw, logits);
     s->tick++;
+    const struct step_graph key = step_key(n, nw, kv, logits);
     for (int i = 0; i < MM_MODEL_GRAPHS; i++) {
         struct step_graph *g = &s->graphs[i];
-        if (g->graph && same_key(g, n, nw, kv, logits)) {
+        if (g->graph && same_key(g, &key)) {
             g->used = s->tick;
             return OPS->graph_launch(CTX, g->graph);
         }
     }
-    if (!same_key(&s->last, n, nw, kv, logits)) {
-        s->last = (struct step_graph){.n = n, .nw = nw, .kv = kv, .logits = logits};
+    if (!same_key(&s->last, &key)) {
+        s->last = key;
         return forward_dev_ops(m, s, kv, n, nw, logits);
     }
     // the same shape twice in a row: record it (nothing runs while recording), then run it
@@ -1275,8 +1285,9 @@ static mm_err forward_dev(const mm_model *m, mm_model_scratch *s, mm_kv_cache *k
     }
     if (slot->graph)
         OPS->graph_free(CTX, slot->graph);
-    *slot = (struct step_graph){.n = n, .nw = nw, .kv = kv, .logits = logits, .graph = graph,
-                                .used = s->tick};
+    *slot = key;
+    slot->graph = graph;
+    slot->used = s->tick;
     return OPS->graph_launch(CTX, graph);
 }
 

@@ -696,12 +696,7 @@ static bool wg_usable(const mm_mat_args &a) {
     return a.n_in % 2 == 0 && (a.wg != NULL || (wa & 3u) == 0) && wg_device_ok();
 }
 
-// Converts x into a stream-ordered workspace (bf16, permuted; gemm_wg.cuh) and runs the
-// wgmma tiles. *ran is false, with MM_OK, when the workspace could not be had: the caller
-// then takes the mma.sync path, which gives the same bits. The workspace comes from the
-// device's default memory pool (cudaMallocAsync, released with cudaFreeAsync on the same
-// stream), which keeps up to 512 MiB reserved between products so that steady-state
-// prefill does not map memory.
+// One wgmma variant's launch (NWG warpgroups, BN tokens, KB k per stage, ST stages, fence FN).
 template <bool GROUPED, int NWG, int BN, int KB, int ST, int FN = 0>
 static mm_err launch_wg_kernel(cudaStream_t st, const mm_wg_args &w, uint64_t bit) {
     static uint64_t attr_set; // > 48 KiB of dynamic shared memory, allowed once per device
@@ -720,8 +715,8 @@ static mm_err launch_wg_kernel(cudaStream_t st, const mm_wg_args &w, uint64_t bi
 }
 
 // Converts x into a stream-ordered workspace (bf16, permuted; gemm_wg.cuh) and runs the
-// wgmma tiles. *ran is false, with MM_OK, when the workspace could not be had: the caller
-// then takes the mma.sync path, which gives the same bits. The workspace comes from the
+// wgmma tiles. *ran is false, with MM_OK, when the workspace could not be had or the stream is
+// capturing: the caller then takes the mma.sync path, which gives the same bits. The workspace comes from the
 // device's default memory pool (cudaMallocAsync, released with cudaFreeAsync on the same
 // stream), which keeps up to 512 MiB reserved between products so that steady-state
 // prefill does not map memory.
@@ -729,6 +724,15 @@ template <bool GROUPED>
 static mm_err launch_wg(cudaStream_t st, const mm_mat_args &a, bool *ran) {
     static uint64_t pool_set;
     *ran = false;
+    // Inside a stream capture (decode graphs) take the mma.sync tiles: no allocation nodes or
+    // pool calls in captured graphs. Same bits.
+    cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(st, &cs) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return MM_OK;
+    }
+    if (cs != cudaStreamCaptureStatusNone)
+        return MM_OK;
     int dev = 0;
     MM_GPU_CHECK(cudaGetDevice(&dev));
     const uint64_t bit = 1ull << (dev & 63);

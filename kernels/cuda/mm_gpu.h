@@ -51,7 +51,8 @@ enum mm_gpu_path {
                           // cp.async pipeline, 128x128 register-staged for unaligned shapes
     MM_GPU_PATH_WG = 3,   // CUDA sm_90, bf16, even n_in: wgmma tiles (prefill, AUTO's choice
                           // there); x goes through a stream-ordered workspace (cudaMallocAsync
-                          // on `stream`, freed on it; MMA when none can be had). Same bits.
+                          // on `stream`, freed on it; MMA when none can be had or the
+                          // stream is capturing). Same bits.
 };
 
 // d_y[i, j] = sum_k d_x[i, k] * W[j, k] (+ d_bias[j]) for i < n_rows, j < n_out, k < n_in.

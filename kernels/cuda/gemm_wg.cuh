@@ -16,12 +16,13 @@
 //
 // Tiling: a block is NWG warpgroups; warpgroup i computes 64 outputs x BN tokens (outputs as
 // the wgmma M dimension, tokens as N), so the block covers 64*NWG outputs x BN tokens.
-// Per k-step of 64: W tile (64*NWG rows x 128 bytes) and x tile (BN rows x 128 bytes), both
-// in the 128-byte swizzle, in a cp.async ring; up to one stage of wgmmas in flight past the
-// one being issued. Accumulators: BN/2 per thread for the running segment and BN/2 for the total; at a
-// segment end the warpgroup drains its wgmmas and adds (ptxas serialises every wgmma if
-// accumulators are read while others are in flight, so there is no second segment buffer).
-// Variants (mm_gpu_set_gemm_tile): NWG 2 or 3, BN 128 or 192, k per stage 64 or 128, fence.
+// Per 64 of k: a W tile (64*NWG rows x 128 bytes) and an x tile (BN rows x 128 bytes), both
+// in the 128-byte swizzle, in a cp.async ring; up to one stage of wgmmas stays in flight past
+// the one being issued. Accumulators: BN/2 per thread for the running segment and BN/2 for
+// the total; at a segment end the warpgroup drains its wgmmas and adds (ptxas serialises every
+// wgmma when accumulators are read while others are in flight, so there is no second segment
+// buffer). Variants (mm_gpu_set_gemm_tile): NWG 2 or 3, BN 128 or 192, k per stage 64 or 128,
+// fence kind. Measured limits and next steps: kernels/cuda/bench/NOTES.md.
 #ifndef MM_GEMM_WG_CUH
 #define MM_GEMM_WG_CUH
 

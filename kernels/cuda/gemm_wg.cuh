@@ -31,8 +31,12 @@
 // row: [W sub 0 | W sub 1 | x sub 0 | x sub 1]; the ring is ST stages deep and loads run ST - 2
 // stages ahead.
 __host__ __device__ constexpr int wg_w_bytes(int nwg) { return 64 * nwg * 128; }
-__host__ __device__ constexpr int wg_stage_bytes(int nwg, int bn, int kb) { return kb / 64 * (wg_w_bytes(nwg) + bn * 128); }
-__host__ __device__ constexpr int wg_smem_bytes(int nwg, int bn, int kb, int st) { return st * wg_stage_bytes(nwg, bn, kb) + 1024; }
+__host__ __device__ constexpr int wg_stage_bytes(int nwg, int bn, int kb) {
+    return kb / 64 * (wg_w_bytes(nwg) + bn * 128);
+}
+__host__ __device__ constexpr int wg_smem_bytes(int nwg, int bn, int kb, int st) {
+    return st * wg_stage_bytes(nwg, bn, kb) + 1024; // + slack for 1024-byte alignment
+}
 
 struct mm_wg_args {
     const uint16_t *xb; // workspace: (n_rows, ldx) bf16, k permuted per 32-chunk, zeros past n_in
@@ -81,10 +85,16 @@ __device__ __forceinline__ uint64_t wg_desc(uint32_t saddr) {
     return (uint64_t)((saddr & 0x3ffff) >> 4) | ((uint64_t)(16 >> 4) << 16) |
            ((uint64_t)(1024 >> 4) << 32) | (1ull << 62);
 }
-__device__ __forceinline__ void wg_fence(void) { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wg_commit(void) { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_fence(void) {
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void wg_commit(void) {
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
 template <int N>
-__device__ __forceinline__ void wg_wait(void) { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
+__device__ __forceinline__ void wg_wait(void) {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
 // Keeps the compiler from moving accumulator reads/writes across the asynchronous wgmma.
 template <int N>
 __device__ __forceinline__ void wg_fence_regs(float (&d)[N]) {
@@ -96,33 +106,50 @@ __device__ __forceinline__ void wg_fence_regs(float (&d)[N]) {
 __device__ __forceinline__ void wgmma_m64n128k16(float d[64], uint64_t da, uint64_t db) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
+                 " %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
+                 " %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
+                 " %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+                 "%64, %65, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+          "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+          "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
+          "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+          "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),
+          "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
+          "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]),
+          "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]),
+          "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
         : "l"(da), "l"(db), "r"(1));
 }
 __device__ __forceinline__ void wgmma_m64n192k16(float d[96], uint64_t da, uint64_t db) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %98, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n192k16.f32.bf16.bf16 "
-                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95}, %96, %97, p, 1, 1, 0, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
-          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
-          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
-          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
-          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95])
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
+                 " %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
+                 " %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
+                 " %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63,"
+                 " %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79,"
+                 " %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95}, "
+                 "%96, %97, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+          "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+          "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
+          "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+          "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),
+          "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
+          "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]),
+          "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]),
+          "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]),
+          "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]),
+          "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]),
+          "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]),
+          "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95])
         : "l"(da), "l"(db), "r"(1));
 }
 template <int BN>
@@ -133,10 +160,12 @@ __device__ __forceinline__ void wgmma_tile(float (&d)[BN / 2], uint64_t da, uint
         wgmma_m64n128k16(d, da, db);
 }
 __device__ __forceinline__ void cp_async16_s(uint32_t dst, const void *src, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+                 "r"(valid ? 16 : 0));
 }
 __device__ __forceinline__ void cp_async4(uint32_t dst, const void *src, bool valid) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 4 : 0));
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src),
+                 "r"(valid ? 4 : 0));
 }
 #endif
 
@@ -147,7 +176,8 @@ template <bool GROUPED, int NWG, int BN, int KB, int ST, int FN>
 __global__ void __launch_bounds__(NWG * 128, 1) gemm_wg_kernel(mm_wg_args a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     extern __shared__ __align__(1024) unsigned char wg_smem_raw[];
-    constexpr int THREADS = NWG * 128, WB = wg_w_bytes(NWG), XB = BN * 128, SB = wg_stage_bytes(NWG, BN, KB);
+    constexpr int THREADS = NWG * 128, WB = wg_w_bytes(NWG), XB = BN * 128;
+    constexpr int SB = wg_stage_bytes(NWG, BN, KB);
     constexpr int NSUB = KB / 64;
     mm_tile tile;
     const void *wv;
@@ -173,14 +203,16 @@ __global__ void __launch_bounds__(NWG * 128, 1) gemm_wg_kernel(mm_wg_args a) {
 #pragma unroll
         for (int sub = 0; sub < NSUB; sub++) {
             const int k0 = kt * KB + 64 * sub;
-            const uint32_t sw = sbase + st * SB + sub * WB, sx = sbase + st * SB + NSUB * WB + sub * XB;
+            const uint32_t sw = sbase + st * SB + sub * WB;
+            const uint32_t sx = sbase + st * SB + NSUB * WB + sub * XB;
             const bool kok = k0 + 2 * lane < a.n_in;
 #pragma unroll
             for (int i = 0; i < 64 * NWG / RSTEP; i++) {
                 const int r = warp + i * RSTEP;
                 const bool ok = kok && i * RSTEP < w_rows;
                 const uint16_t *src = ok ? wsrc + (size_t)(i * RSTEP) * a.n_in + k0 : w;
-                cp_async4(sw + r * 128 + ((((wpos >> 3) ^ (r & 7)) << 4) | ((wpos & 7) * 2)), src, ok);
+                const int chunk = (wpos >> 3) ^ (r & 7); // 128-byte swizzle
+                cp_async4(sw + r * 128 + (chunk << 4) + (wpos & 7) * 2, src, ok);
             }
             // x: BN token rows x 8 pieces of 16 bytes, already permuted in the workspace.
 #pragma unroll
@@ -212,7 +244,8 @@ __global__ void __launch_bounds__(NWG * 128, 1) gemm_wg_kernel(mm_wg_args a) {
         if constexpr (FN == 0)
             asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
         else if constexpr (FN == 1)
-            asm volatile("fence.proxy.async::generic.release.sync_restrict::shared::cta.cluster;\n" ::: "memory");
+            asm volatile("fence.proxy.async::generic.release.sync_restrict::shared::cta.cluster;\n"
+                         ::: "memory");
         __syncthreads(); // stage kt landed; stage kt - 2's wgmmas finished (wait below)
         if (kt + ST - 2 < n_k)
             load(kt + ST - 2, (kt + ST - 2) % ST);
@@ -224,8 +257,9 @@ __global__ void __launch_bounds__(NWG * 128, 1) gemm_wg_kernel(mm_wg_args a) {
             if (kc >= a.n_in)
                 break;
             // chunk cc: sub-tile cc / 2, bytes 64 (cc % 2) of its rows (descriptor units: 16 bytes)
-            const uint64_t a0 = wg_desc(stage + (cc >> 1) * WB + wgi * (64 * 128)) + (uint64_t)(4 * (cc & 1));
-            const uint64_t b0 = wg_desc(stage + NSUB * WB + (cc >> 1) * XB) + (uint64_t)(4 * (cc & 1));
+            const uint64_t half = (uint64_t)(4 * (cc & 1));
+            const uint64_t a0 = wg_desc(stage + (cc >> 1) * WB + wgi * (64 * 128)) + half;
+            const uint64_t b0 = wg_desc(stage + NSUB * WB + (cc >> 1) * XB) + half;
             wg_fence();
             wgmma_tile<BN>(acc, a0, b0);
             wgmma_tile<BN>(acc, a0 + 2, b0 + 2); // +32 bytes: the chunk's second k16

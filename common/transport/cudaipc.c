@@ -9,8 +9,8 @@
 // "gpu.NAME", refused (MM_EUNSUPP) in a build without GPU support.
 //
 // Design notes:
-// - Layering: a cudaipc conn is a shm conn (rendezvous "gpu.NAME", frames, liveness, deadlines,
-//   wait_any all come from shm.c) plus, per direction, a ring of device memory that the
+// - Layering: a conn is a shm conn (frames, liveness, deadlines, wait_any all come from shm.c)
+//   plus, per direction, a ring of device memory that the
 //   receiver allocates and exports (IPC memory handle) and the sender maps. Host frames travel
 //   through the shm ring unchanged. A device frame travels as a descriptor in the shm ring (a
 //   frame marked by the reserved conn_seq DESC_SEQ, carrying the real sealed header and where
@@ -27,9 +27,10 @@
 //           side wait, so each wait covers what it must (later records only add work).
 // - Ring space: the sender allocates frames (padded to 256 bytes, never wrapping: a frame that
 //   would is placed at the ring's start, the tail skipped) from the device ring by `head`; a
-//   frame may be written once the bytes one lap before it are freed (or were never written). A sender short of space polls `freed` until
-//   its deadline (the receiver frees at each receive, so this only waits on a receiver that is
-//   behind). A frame larger than the ring is refused (MM_EINVAL, naming ring_mb).
+//   frame may be written once the bytes one lap before it are freed (or were never written). A
+//   sender short of space polls `freed` until its deadline (the receiver frees at each receive,
+//   so this only waits on a receiver that is behind). A frame larger than the ring is refused
+//   (MM_EINVAL, naming ring_mb).
 // - Handshake (after shm's): each side sends HELLO_SEQ {has GPU, device, PCI id, ring handle,
 //   data/free event handles}, opens the peer's handles when both have a GPU, then sends
 //   ACK_SEQ {opened ok}; the device path is on only when both opened everything, so the two
@@ -38,6 +39,12 @@
 //   none, and cudaipc:// URLs are refused with MM_EUNSUPP.
 // - Death: the peer's death is shm's (socket hang-up: MM_EPEERDOWN). A conn closed or
 //   inherited through fork() frees its device resources only in the process that made it.
+//   Known gap: a stream wait is enqueued only for a frame whose descriptor arrived (its data
+//   event recorded), but if the sender dies before its GPU runs that record, the receiver's
+//   stream may wait on it for good (CUDA leaves an IPC event of a dead process undefined), and
+//   the receiver's next stream drain has no deadline (the backend's get). Closing that needs
+//   flags the receiver can release itself (stream wait-value on memory it owns) or drains with
+//   deadlines in the backend.
 #include <errno.h>
 #include <pthread.h>
 #include <stdatomic.h>

@@ -54,6 +54,7 @@ struct mm_draft {
     uint64_t step_no, step_t0; // steps begun; when this one began (ns)
     uint64_t explored;
     int prev_w;              // the widest draft asked for in the step before (-1: no sample)
+    int same_w;              // steps before this one in a row with its width (prev_w's run)
     int explore_w, explore_left; // a width being measured, for explore_left more steps
     int choice;              // the last width chosen by price (not exploring), -1: none
     float acc_all; // per-draft-token acceptance over all seqs (slow EMA): a new seq's start
@@ -183,19 +184,22 @@ void mm_draft_begin(mm_draft *d, const Mmctl__StepPlan *p, const bool *active, i
     // on with a seq of it (the gateway sent this plan as soon as it had that step's result; not
     // after an idle gap). The period holds all the step's costs: the drafter's round trip, the
     // forward pass over the draft rows, verification, the gateway's work on more tokens. Only
-    // when the step before it had the same width: the gateway hands the next plan to the router
-    // before it writes the tokens of a result to the clients, so a step's period also holds the
-    // delivery of the previous step's tokens (a width-0 step after a width-4 step would be
-    // charged for 5 tokens per seq; exploration therefore runs 2 steps of its width).
+    // when the 2 steps before it had the same width: the gateway hands the next plan to the
+    // router before it writes the tokens of a result to the clients (and the clients read them
+    // on the same cores later still), so a step's period also holds work on the tokens of the
+    // steps before it (a width-0 step right after width-4 steps would be charged for 5 tokens
+    // per seq; exploration therefore runs 3 steps of its width and the last one is the sample).
     const uint64_t now = mm_now_ns();
     bool goes_on = false;
     for (size_t i = 0; i < p->n_seqs && !goes_on; i++) {
         const struct rseq *r = p->seqs[i]->pos > 0 ? find(d, p->seqs[i]->seq_id) : NULL;
         goes_on = r && r->last_step == d->step_no;
     }
-    if (d->step_cost && goes_on && d->c.max_k > 0 && d->step_w == d->prev_w)
+    if (d->step_cost && goes_on && d->c.max_k > 0 && d->step_w == d->prev_w && d->same_w >= 2)
         mm_spec_cost_add(&d->costs, d->step_bucket, d->step_w, (double)(now - d->step_t0) / 1e6);
-    d->prev_w = d->step_cost && goes_on ? d->step_w : -1;
+    int w_now = d->step_cost && goes_on ? d->step_w : -1;
+    d->same_w = w_now >= 0 && w_now == d->prev_w ? d->same_w + 1 : 1;
+    d->prev_w = w_now;
     d->step_no++;
     d->step_t0 = now;
     d->step_w = 0;
@@ -280,7 +284,7 @@ void mm_draft_begin(mm_draft *d, const Mmctl__StepPlan *p, const bool *active, i
         int x = mm_spec_explore(&d->costs, b, W, maxw_step, STALE);
         if (x >= 0) {
             W = d->explore_w = x;
-            d->explore_left = 1; // the next step too: its period is the sample
+            d->explore_left = 2; // the next 2 steps too: the last one's period is the sample
             d->explored++;
         }
     }

@@ -22,10 +22,10 @@
 //   seq's per-token acceptance EMA; a new seq starts from the EMA over all seqs) per price T(w).
 //   T(w) is the EMA of the period from a step's start to the next step's start (all a step
 //   costs: drafter round trip, draft rows, the gateway's work on the tokens), counted only when
-//   the next step goes on with a seq of it (no idle gap) and the step before had the same width
-//   (the gateway delivers a result's tokens while the next step runs), per range of context
+//   the next step goes on with a seq of it (no idle gap) and the 2 steps before had the same
+//   width (the gateway delivers a result's tokens while the next step runs), per range of context
 //   length x input rows. Unmeasured widths: the nearest measured one's price, never below a
-//   measured narrower one. Every 8th drafting step may explore (2 steps) width 0 or the
+//   measured narrower one. Every 8th drafting step may explore (3 steps) width 0 or the
 //   choice's neighbours when unmeasured or stale. Seqs under 5% acceptance draft 0 (probing
 //   1 draft together every 64th step).
 // - State per tracked seq (allocated once per table slot, not per token). One thread: all

@@ -106,6 +106,7 @@ static bool g_set;
 static int g_dev;
 static void *g_stream;
 static char g_pci[32];
+static uint64_t g_ring_min; // bytes: twice the largest frame the process expects (0: none)
 
 mm_err mm_transport_gpu_use(int dev, void *stream, char err[MM_ERRLEN]) {
     if (!have_gpu_code())
@@ -124,14 +125,19 @@ mm_err mm_transport_gpu_use(int dev, void *stream, char err[MM_ERRLEN]) {
     return MM_OK;
 }
 
-mm_err mm_transport_gpu_use_backend(void *backend_ctx, char err[MM_ERRLEN]) {
+mm_err mm_transport_gpu_use_backend(void *backend_ctx, size_t max_frame_bytes,
+                                    char err[MM_ERRLEN]) {
     if (!have_gpu_code() || !mm_gpu_backend_stream)
         return mm_errf(err, MM_EUNSUPP, "cudaipc: %s", NO_GPU);
     void *stream = NULL;
     int dev = -1;
     if (mm_gpu_backend_stream(backend_ctx, &stream, &dev) != MM_OK)
         return mm_errf(err, MM_EINVAL, "cudaipc: not a GPU backend");
-    return mm_transport_gpu_use(dev, stream, err);
+    MM_TRY(mm_transport_gpu_use(dev, stream, err));
+    pthread_mutex_lock(&g_mu);
+    g_ring_min = 2 * (uint64_t)max_frame_bytes;
+    pthread_mutex_unlock(&g_mu);
+    return MM_OK;
 }
 
 // Shared counters in the spare half of shm's control page: freed[s] = bytes of side s's
@@ -288,11 +294,16 @@ static mm_err handshake(struct ipc_conn *c, const mm_url *u, uint64_t deadline_n
     c->gpu = gpu ? g_dev : -1;
     c->stream = g_stream;
     snprintf(me.pci, sizeof(me.pci), "%s", g_pci);
+    const uint64_t ring_min = g_ring_min;
     pthread_mutex_unlock(&g_mu);
     mm_err rv = MM_OK;
     if (gpu) {
         uint64_t rb = 0;
         MM_TRY(ring_mb(u, &rb, err));
+        if (rb < ring_min) // room for two of the largest frames this process expects
+            rb = (ring_min + (1u << 20) - 1) >> 20 << 20;
+        if (rb > ((uint64_t)RING_MAX_MB << 20))
+            rb = (uint64_t)RING_MAX_MB << 20;
         c->rx_bytes = rb;
         if (mm_gpu_set_device(c->gpu) != MM_OK || mm_gpu_alloc(&c->rx_ring, rb) != MM_OK ||
             mm_gpu_ipc_mem_export(c->rx_ring, me.ring) != MM_OK ||

@@ -244,7 +244,7 @@ mm_err attention_start(mm_daemon *d, void *arg, char err[MM_ERRLEN]) {
         MM_TRY(A.be->ops->buffer_alloc(A.be->ctx, d_cap, (void **)&A.d_h));
         // rows between GPU daemons in device memory where the data plane can (cudaipc://)
         char gerr[MM_ERRLEN] = "";
-        dev_frames = mm_transport_gpu_use_backend(A.be->ctx, gerr) == MM_OK;
+        dev_frames = mm_transport_gpu_use_backend(A.be->ctx, d_cap, gerr) == MM_OK;
         if (!dev_frames)
             mm_log_info("data plane: host frames only (%s)", gerr);
     }

@@ -221,7 +221,7 @@ mm_err expert_start(mm_daemon *d, void *arg, char err[MM_ERRLEN]) {
         MM_TRY(O.be->ops->buffer_alloc(O.be->ctx, cap, (void **)&O.d_out));
         // rows between GPU daemons in device memory where the data plane can (cudaipc://)
         char gerr[MM_ERRLEN] = "";
-        O.dev_frames = mm_transport_gpu_use_backend(O.be->ctx, gerr) == MM_OK;
+        O.dev_frames = mm_transport_gpu_use_backend(O.be->ctx, cap, gerr) == MM_OK;
         if (!O.dev_frames)
             mm_log_info("data plane: host frames only (%s)", gerr);
     }

@@ -240,7 +240,7 @@ mm_err mm_step_engine_open(mm_step_engine **out, const mm_step_conf *c, mm_regis
         MM_TRY_GOTO(rv, alloc(ctx, (size_t)(T * KK) * 4, (void **)&e->d_slot), fail);
         // rows to and from GPU daemons device to device where the link allows (cudaipc://)
         char gerr[MM_ERRLEN] = "";
-        if (mm_transport_gpu_use_backend(e->be->ctx, gerr) != MM_OK)
+        if (mm_transport_gpu_use_backend(e->be->ctx, (size_t)(T * KK) * D * 4, gerr) != MM_OK)
             mm_log_info("data plane: host frames only (%s)", gerr);
     }
     e->xsrc = calloc((size_t)(T * KK), 4);

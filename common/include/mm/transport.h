@@ -228,8 +228,11 @@ mm_err mm_transport_gpu_use(int dev, void *stream, char err[MM_ERRLEN]);
 
 // mm_transport_gpu_use_backend: mm_transport_gpu_use with the device and stream of a GPU
 // backend (backend_ctx: mm_backend.ctx of a "cuda:N"/"hip:N" backend), so that device frames are
-// ordered with the backend's ops. Errors: MM_EUNSUPP without GPU support, MM_EINVAL.
-mm_err mm_transport_gpu_use_backend(void *backend_ctx, char err[MM_ERRLEN]);
+// ordered with the backend's ops. max_frame_bytes: the largest frame this process will receive;
+// its device rings hold at least two (more than ring_mb when needed, up to 4 GiB). Errors:
+// MM_EUNSUPP without GPU support, MM_EINVAL.
+mm_err mm_transport_gpu_use_backend(void *backend_ctx, size_t max_frame_bytes,
+                                    char err[MM_ERRLEN]);
 
 // mm_conn_dev: true when c can carry device frames (cudaipc:// with a GPU on both ends).
 bool mm_conn_dev(const mm_conn *c);

@@ -20,7 +20,8 @@
 #     DEVICE=cpu TARGET=tests/fixtures/models/qwen3moe-tiny \
 #       DRAFT=tests/fixtures/models/qwen3-tiny-drafter bash services/drafter/device_bench.sh build/bin
 # Env: DEVICE (cuda:0), TARGET / DRAFT (model dirs; unset: synthesized), CASES ("none self small
-# ngram"), CONCS ("1 16"), ROUNDS (2), MAX_TOKENS (64), PROMPT (32), REQS1 (4) / REQS16 (32)
+# ngram"), CONCS ("1 16"), ROUNDS (2 on the CPU, 1 on a GPU: each case loads the model anew),
+# MAX_TOKENS (128), PROMPT (32), REQS1 (8) / REQS16 (64)
 # requests at concurrency 1 / 16, OWNERS (1), THREADS (1: CPU threads per daemon), VOCAB (256:
 # prompt ids drawn below it), OUT (/tmp/out: logs). Output: a table on stdout (and $OUT/table).
 set -u
@@ -29,8 +30,8 @@ DEVICE=${DEVICE:-cuda:0}
 OUT=${OUT:-/tmp/out}
 CASES=${CASES:-none self small ngram}
 CONCS=${CONCS:-1 16}
-ROUNDS=${ROUNDS:-2}
-MAX_TOKENS=${MAX_TOKENS:-64}
+ROUNDS=${ROUNDS:-$([ "$DEVICE" = cpu ] && echo 2 || echo 1)}
+MAX_TOKENS=${MAX_TOKENS:-128}
 PROMPT=${PROMPT:-32}
 OWNERS=${OWNERS:-1}
 LAYERS=${LAYERS:-4}
@@ -79,7 +80,7 @@ mesh_up() {
     "$D/moemesh" up --model "$TARGET" --owners "$OWNERS" --device "$DEVICE" --run-dir "$RUN/up" \
         --port $port "${dr[@]}" > "$OUT/up-$1.log" 2>&1 &
     UP=$!
-    for _ in $(seq 1 1200); do
+    for _ in $(seq 1 3000); do # 300 s: a GPU mesh loads the checkpoint in every daemon
         curl -s "http://127.0.0.1:$port/health" 2>/dev/null | grep -q '"status":"ok"' && return 0
         kill -0 $UP 2>/dev/null || break
         sleep 0.1
@@ -94,8 +95,8 @@ mesh_down() {
 }
 # bench C: prints tokens/s of `moemesh bench` at concurrency C (empty on failure)
 bench() {
-    local n=${REQS1:-4}
-    [ "$1" -ge 16 ] && n=${REQS16:-32}
+    local n=${REQS1:-8}
+    [ "$1" -ge 16 ] && n=${REQS16:-64}
     [ "$1" -gt 1 ] && [ "$1" -lt 16 ] && n=$(( $1 * 2 ))
     "$D/moemesh" bench --url "http://127.0.0.1:$port" --concurrency "$1" --requests "$n" \
         --prompt-tokens "$PROMPT" --max-tokens "$MAX_TOKENS" --temperature 0 --vocab "$VOCAB" \

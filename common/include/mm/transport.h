@@ -1,8 +1,9 @@
 // SPDX-License-Identifier: MIT
 // Data-plane transports: point-to-point, reliable, ordered frame connections chosen by URL
 // scheme from one static table (common/transport/transport.c). A frame is a mm_wire_hdr
-// (mm/wire.h) plus its payload. shm:// (same box, shared-memory rings) and tcp:// exist;
-// rdma:// and GPU peer copies plug in as one file plus one table entry each.
+// (mm/wire.h) plus its payload. shm:// (same box, shared-memory rings; rows device to device
+// between GPU processes, see "device payloads"), cudaipc:// (the explicit GPU form), tcp:// and
+// rdma:// exist, one file plus one table entry each.
 //
 // Design notes:
 // - Blocking calls with deadlines, no callbacks: a mesh step is synchronous (send the rows

@@ -21,6 +21,14 @@
 // - Graphs (capture_begin/end, graph_launch): the stream is recorded in thread-local capture
 //   mode; set/get/synchronize are refused while recording (they would record host addresses
 //   or wait for work that does not run).
+// - Per-op timer (env MM_GPU_OPTIME=1, a profile without nsys): every table op is bracketed
+//   by a pair of events on the stream; the backend then offers no graphs (so the model issues
+//   op by op). Pairs are read when the pool fills, at each get and at close, and summed per
+//   op name (products per weight shape) and per step class (a step starts at `embed`; its
+//   class is embed's row count, so prefill and decode are apart). The table goes to stderr
+//   at close, or through mm_gpu_optime_report. An op's time runs from the end of the op
+//   before it to its own end on the GPU, so it includes the launch gap in front of it.
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -37,6 +45,25 @@
 #define STAGE_BYTES (1u << 20)
 #define STAGE_PARTS 4
 #define STAGE_MAX (64u << 10)
+#define AMAX_ROWS 1024 // argmax workspace rows (more rows run in several launches)
+
+#define OT_POOL 2048  // event pairs between two reads
+#define OT_KEYS 64    // op names (products by weight shape)
+#define OT_CLASSES 6  // step classes (embed row counts); the last takes the rest
+#define OT_NAME 48
+
+struct optime {
+    cudaEvent_t ev[2 * OT_POOL];
+    int key[OT_POOL], cls[OT_POOL]; // of each recorded pair
+    int used;                       // pairs recorded since the last read
+    int n_keys;
+    char name[OT_KEYS][OT_NAME];
+    double us[OT_CLASSES][OT_KEYS];
+    long calls[OT_CLASSES][OT_KEYS];
+    long steps[OT_CLASSES];
+    int64_t rows[OT_CLASSES]; // embed rows of the class; -1: unused; class 0: outside steps
+    int cur;                  // class of the ops issued now
+};
 
 struct gpu_ctx {
     int dev;
@@ -54,7 +81,173 @@ struct gpu_ctx {
     cudaEvent_t stage_ev[STAGE_PARTS];  // recorded when the part was left
     bool stage_live[STAGE_PARTS];       // its event has been recorded
     bool capturing;                     // between capture_begin and capture_end
+    struct optime *ot;                  // per-op timer (MM_GPU_OPTIME=1), else NULL
+    struct mm_backend_ops ops_timed;    // the table without graphs, when ot is on
+    // argmax workspace: per row a 64-bit (value, id) key and an arrival count, zero between
+    // launches (each launch's last block clears its rows)
+    void *d_amax;
 };
+
+// ---- per-op timer ------------------------------------------------------------------------------
+static void ot_read(struct gpu_ctx *g) {
+    struct optime *t = g->ot;
+    if (t == NULL || t->used == 0)
+        return;
+    if (cudaEventSynchronize(t->ev[2 * t->used - 1]) != cudaSuccess) {
+        (void)cudaGetLastError();
+        t->used = 0;
+        return;
+    }
+    for (int i = 0; i < t->used; i++) {
+        float ms = 0.0f;
+        if (cudaEventElapsedTime(&ms, t->ev[2 * i], t->ev[2 * i + 1]) != cudaSuccess) {
+            (void)cudaGetLastError();
+            continue;
+        }
+        t->us[t->cls[i]][t->key[i]] += 1e3 * (double)ms;
+        t->calls[t->cls[i]][t->key[i]]++;
+    }
+    t->used = 0;
+}
+
+static void ot_begin(struct gpu_ctx *g) {
+    struct optime *t = g->ot;
+    if (t == NULL)
+        return;
+    if (t->used == OT_POOL)
+        ot_read(g);
+    (void)cudaEventRecord(t->ev[2 * t->used], g->stream);
+}
+
+static void ot_end(struct gpu_ctx *g, const char *name) {
+    struct optime *t = g->ot;
+    if (t == NULL)
+        return;
+    int k = 0;
+    while (k < t->n_keys && strcmp(t->name[k], name) != 0)
+        k++;
+    if (k == t->n_keys) {
+        if (t->n_keys < OT_KEYS) {
+            snprintf(t->name[k], OT_NAME, "%s", name);
+            t->n_keys++;
+        } else {
+            k = OT_KEYS - 1; // "other"
+            snprintf(t->name[k], OT_NAME, "%s", "(other ops)");
+        }
+    }
+    (void)cudaEventRecord(t->ev[2 * t->used + 1], g->stream);
+    t->key[t->used] = k;
+    t->cls[t->used] = t->cur;
+    t->used++;
+}
+
+// A step begins: its ops count in the class of n_rows.
+static void ot_step(struct gpu_ctx *g, int64_t n_rows) {
+    struct optime *t = g->ot;
+    if (t == NULL)
+        return;
+    int c = 1;
+    while (c < OT_CLASSES - 1 && t->rows[c] >= 0 && t->rows[c] != n_rows)
+        c++;
+    if (t->rows[c] < 0)
+        t->rows[c] = n_rows;
+    else if (t->rows[c] != n_rows)
+        t->rows[c] = -2; // the last class: every other row count
+    t->cur = c;
+    t->steps[c]++;
+}
+
+static void ot_print(struct gpu_ctx *g) {
+    struct optime *t = g->ot;
+    for (int c = 0; c < OT_CLASSES; c++) {
+        double tot = 0.0;
+        long n_calls = 0;
+        for (int k = 0; k < t->n_keys; k++)
+            tot += t->us[c][k], n_calls += t->calls[c][k];
+        if (n_calls == 0)
+            continue;
+        const double steps = c == 0 || t->steps[c] == 0 ? 1.0 : (double)t->steps[c];
+        if (c == 0)
+            fprintf(stderr, "gpu optime %s:%d: ops outside steps (before the first embed), "
+                    "%.1f us in all\n", MM_GPU_VENDOR, g->dev, tot);
+        else if (t->rows[c] == -2)
+            fprintf(stderr, "gpu optime %s:%d: %ld steps of other row counts, %.1f us of op "
+                    "time per step\n", MM_GPU_VENDOR, g->dev, t->steps[c], tot / steps);
+        else
+            fprintf(stderr, "gpu optime %s:%d: %ld steps of %lld row(s), %.1f us of op time "
+                    "per step\n", MM_GPU_VENDOR, g->dev, t->steps[c], (long long)t->rows[c],
+                    tot / steps);
+        fprintf(stderr, "  %-32s %10s %9s %9s %6s\n", "op", "calls/step", "us/call", "us/step",
+                "share");
+        bool done[OT_KEYS] = {false};
+        for (;;) { // by time, largest first
+            int b = -1;
+            for (int k = 0; k < t->n_keys; k++)
+                if (!done[k] && t->calls[c][k] > 0 && (b < 0 || t->us[c][k] > t->us[c][b]))
+                    b = k;
+            if (b < 0)
+                break;
+            done[b] = true;
+            fprintf(stderr, "  %-32s %10.2f %9.2f %9.1f %5.1f%%\n", t->name[b],
+                    (double)t->calls[c][b] / steps, t->us[c][b] / (double)t->calls[c][b],
+                    t->us[c][b] / steps, tot > 0 ? 100.0 * t->us[c][b] / tot : 0.0);
+        }
+    }
+}
+
+static void ot_reset(struct optime *t) {
+    memset(t->us, 0, sizeof(t->us));
+    memset(t->calls, 0, sizeof(t->calls));
+    memset(t->steps, 0, sizeof(t->steps));
+    for (int c = 0; c < OT_CLASSES; c++)
+        t->rows[c] = -1;
+    t->rows[0] = 0;
+    t->cur = 0;
+}
+
+static void ot_close(struct gpu_ctx *g) {
+    struct optime *t = g->ot;
+    if (t == NULL)
+        return;
+    ot_read(g);
+    ot_print(g);
+    for (int i = 0; i < 2 * OT_POOL; i++)
+        if (t->ev[i] != NULL)
+            (void)cudaEventDestroy(t->ev[i]);
+    free(t);
+    g->ot = NULL;
+}
+
+static bool ot_open(struct gpu_ctx *g) {
+    struct optime *t = (struct optime *)calloc(1, sizeof(*t));
+    if (t == NULL)
+        return false;
+    for (int i = 0; i < 2 * OT_POOL; i++)
+        if (cudaEventCreate(&t->ev[i]) != cudaSuccess) {
+            (void)cudaGetLastError();
+            for (int j = 0; j < i; j++)
+                (void)cudaEventDestroy(t->ev[j]);
+            free(t);
+            return false;
+        }
+    ot_reset(t);
+    g->ot = t;
+    return true;
+}
+
+// Brackets one op: TIMED("name", expression returning mm_err).
+#define TIMED(name, call)                                                                  \
+    do {                                                                                   \
+        ot_begin(g);                                                                       \
+        const mm_err rv_ = (call);                                                         \
+        ot_end(g, (name));                                                                 \
+        return rv_;                                                                        \
+    } while (0)
+
+static const char *shape_name(char buf[OT_NAME], const char *op, int64_t rows, int64_t cols) {
+    snprintf(buf, OT_NAME, "%s %lldx%lld", op, (long long)rows, (long long)cols);
+    return buf;
+}
 
 #define CTX(c) struct gpu_ctx *g = (struct gpu_ctx *)(c)
 #define ON_DEVICE() MM_GPU_CHECK(cudaSetDevice(g->dev))
@@ -77,10 +270,13 @@ static void gpu_close(void *ctx) {
     if (g == NULL)
         return;
     (void)cudaSetDevice(g->dev);
+    ot_close(g);
     if (g->stream != NULL) {
         (void)cudaStreamSynchronize(g->stream);
         (void)cudaStreamDestroy(g->stream);
     }
+    if (g->d_amax != NULL)
+        (void)cudaFree(g->d_amax);
     if (g->d_err != NULL)
         (void)cudaFree(g->d_err);
     if (g->d_moe != NULL)
@@ -155,7 +351,7 @@ static mm_err gpu_set(void *ctx, void *dst, const void *src, size_t n_bytes) {
     // ones come from pageable memory (malloc, mmap'd checkpoints), and an async copy from
     // pageable memory returns only after the runtime has staged the source. Either way no
     // stream drain; the copy stays ordered with the ops on the stream.
-    return h2d(g, dst, src, n_bytes);
+    TIMED("set", h2d(g, dst, src, n_bytes));
 }
 
 static mm_err gpu_get(void *ctx, void *dst, const void *src, size_t n_bytes) {
@@ -164,16 +360,23 @@ static mm_err gpu_get(void *ctx, void *dst, const void *src, size_t n_bytes) {
         return MM_EINVAL;
     MM_TRY(not_capturing(g, "get"));
     ON_DEVICE();
-    if (n_bytes > 0)
+    if (n_bytes > 0) {
+        ot_begin(g);
         MM_GPU_CHECK(cudaMemcpyAsync(dst, src, n_bytes, cudaMemcpyDeviceToHost, g->stream));
-    return check_err_word(g);
+        ot_end(g, "get");
+    }
+    const mm_err rv = check_err_word(g);
+    ot_read(g); // the stream has drained: reading the pairs waits for nothing
+    return rv;
 }
 
 static mm_err gpu_synchronize(void *ctx) {
     CTX(ctx);
     MM_TRY(not_capturing(g, "synchronize"));
     ON_DEVICE();
-    return check_err_word(g);
+    const mm_err rv = check_err_word(g);
+    ot_read(g);
+    return rv;
 }
 
 static bool weight_ok(const mm_weight *w) {
@@ -188,8 +391,10 @@ static mm_err gpu_matmul(void *ctx, const mm_weight *w, const float *bias, const
     if (!weight_ok(w) || x == NULL || y == NULL || n_rows < 0 || n_rows > INT32_MAX)
         return MM_EINVAL;
     ON_DEVICE();
-    return mm_gpu_matmul(g->stream, w->dtype, w->data, (int)w->rows, (int)w->cols, bias, x, x_stride,
-                         y, y_stride, (int)n_rows, MM_GPU_PATH_AUTO);
+    char nm[OT_NAME];
+    TIMED(g->ot ? shape_name(nm, "matmul", w->rows, w->cols) : "",
+          mm_gpu_matmul(g->stream, w->dtype, w->data, (int)w->rows, (int)w->cols, bias, x,
+                        x_stride, y, y_stride, (int)n_rows, MM_GPU_PATH_AUTO));
 }
 
 // Grows the staging to hold n experts; allocates only when a layer has more experts than
@@ -242,6 +447,8 @@ static mm_err gpu_moe_matmul(void *ctx, const mm_weight *experts, const int32_t 
     }
     ON_DEVICE();
     MM_TRY(moe_staging(g, n_experts));
+    char nm[OT_NAME];
+    ot_begin(g);
     const void **hp = (const void **)g->h_moe;
     for (int e = 0; e < n_experts; e++)
         hp[e] = offs[e + 1] > offs[e] ? experts[e].data : NULL;
@@ -249,82 +456,87 @@ static mm_err gpu_moe_matmul(void *ctx, const mm_weight *experts, const int32_t 
     memcpy(g->h_moe + pb, offs, ob);
     char *d = g->d_moe + (size_t)g->moe_next * g->moe_slot;
     g->moe_next = (g->moe_next + 1) % MOE_SLOTS;
-    MM_TRY(h2d(g, d, g->h_moe, pb + ob));
-    return mm_gpu_moe_matmul(g->stream, w0->dtype, (const void *const *)d,
-                             (const int32_t *)(d + pb), n_experts, (int)w0->rows, (int)w0->cols,
-                             x, x_stride, y, y_stride, (int)n_rows, MM_GPU_PATH_AUTO);
+    mm_err rv = h2d(g, d, g->h_moe, pb + ob);
+    if (rv == MM_OK)
+        rv = mm_gpu_moe_matmul(g->stream, w0->dtype, (const void *const *)d,
+                               (const int32_t *)(d + pb), n_experts, (int)w0->rows,
+                               (int)w0->cols, x, x_stride, y, y_stride, (int)n_rows,
+                               MM_GPU_PATH_AUTO);
+    ot_end(g, g->ot ? shape_name(nm, "moe_matmul", w0->rows, w0->cols) : "");
+    return rv;
 }
 
 static mm_err gpu_rmsnorm(void *ctx, const mm_weight *w, float eps, const float *x, int64_t xs,
                           float *y, int64_t ys, int64_t n_rows) {
     CTX(ctx);
     ON_DEVICE();
-    return mm_gpu_rmsnorm(g->stream, w, eps, x, xs, y, ys, n_rows);
+    TIMED("rmsnorm", mm_gpu_rmsnorm(g->stream, w, eps, x, xs, y, ys, n_rows));
 }
 
 static mm_err gpu_rope(void *ctx, const struct mm_rope_args *a) {
     CTX(ctx);
     ON_DEVICE();
-    return mm_gpu_rope(g->stream, a);
+    TIMED("rope", mm_gpu_rope(g->stream, a));
 }
 
 static mm_err gpu_kv_store(void *ctx, const struct mm_kv_store_args *a) {
     CTX(ctx);
     ON_DEVICE();
-    return mm_gpu_kv_store(g->stream, a, g->d_err);
+    TIMED("kv_store", mm_gpu_kv_store(g->stream, a, g->d_err));
 }
 
 static mm_err gpu_attention(void *ctx, const struct mm_attn_args *a) {
     CTX(ctx);
     ON_DEVICE();
-    return mm_gpu_attention(g->stream, a, g->d_err);
+    TIMED("attention", mm_gpu_attention(g->stream, a, g->d_err));
 }
 
 static mm_err gpu_embed(void *ctx, const mm_weight *t, const int32_t *ids, int64_t n_rows,
                         float *out, int64_t os) {
     CTX(ctx);
     ON_DEVICE();
-    return mm_gpu_embed(g->stream, t, ids, n_rows, out, os, g->d_err);
+    ot_step(g, n_rows);
+    TIMED("embed", mm_gpu_embed(g->stream, t, ids, n_rows, out, os, g->d_err));
 }
 
 static mm_err gpu_swiglu(void *ctx, const float *gt, int64_t gs, const float *u, int64_t us,
                          float *o, int64_t os, int64_t n_rows, int64_t dim) {
     CTX(ctx);
     ON_DEVICE();
-    return mm_gpu_swiglu(g->stream, gt, gs, u, us, o, os, n_rows, dim);
+    TIMED("swiglu", mm_gpu_swiglu(g->stream, gt, gs, u, us, o, os, n_rows, dim));
 }
 
 static mm_err gpu_route(void *ctx, const struct mm_route_params *p, const float *logits,
                         int64_t ls, int64_t n_rows, int32_t *ids, float *weights) {
     CTX(ctx);
     ON_DEVICE();
-    return mm_gpu_route(g->stream, p, logits, ls, n_rows, ids, weights);
+    TIMED("route", mm_gpu_route(g->stream, p, logits, ls, n_rows, ids, weights));
 }
 
 static mm_err gpu_axpy(void *ctx, const float *alpha, const float *x, int64_t xs, float *y,
                        int64_t ys, int64_t n_rows, int64_t dim) {
     CTX(ctx);
     ON_DEVICE();
-    return mm_gpu_axpy(g->stream, alpha, x, xs, y, ys, n_rows, dim);
+    TIMED("axpy", mm_gpu_axpy(g->stream, alpha, x, xs, y, ys, n_rows, dim));
 }
 
 static mm_err gpu_sigmoid(void *ctx, float *x, int64_t n) {
     CTX(ctx);
     ON_DEVICE();
-    return mm_gpu_sigmoid(g->stream, x, n);
+    TIMED("sigmoid", mm_gpu_sigmoid(g->stream, x, n));
 }
 
 static mm_err gpu_copy_rows(void *ctx, const float *src, int64_t ss, const int32_t *si, float *dst,
                             int64_t ds, const int32_t *di, int64_t n_rows, int64_t dim) {
     CTX(ctx);
     ON_DEVICE();
-    return mm_gpu_copy_rows(g->stream, src, ss, si, dst, ds, di, n_rows, dim, g->d_err);
+    TIMED("copy_rows", mm_gpu_copy_rows(g->stream, src, ss, si, dst, ds, di, n_rows, dim, g->d_err));
 }
 
 static mm_err gpu_fill(void *ctx, float *x, float value, int64_t n) {
     CTX(ctx);
     ON_DEVICE();
-    return mm_gpu_fill(g->stream, x, value, n);
+    TIMED("fill", mm_gpu_fill(g->stream, x, value, n));
 }
 
 static mm_err gpu_route_plan(void *ctx, const int32_t *ids, const float *weights, int64_t n_rows,
@@ -332,8 +544,8 @@ static mm_err gpu_route_plan(void *ctx, const int32_t *ids, const float *weights
                              int32_t *dst_slot, float *wt) {
     CTX(ctx);
     ON_DEVICE();
-    return mm_gpu_route_plan(g->stream, ids, weights, n_rows, top_k, n_experts, offs, src_row,
-                             dst_slot, wt, g->d_err);
+    TIMED("route_plan", mm_gpu_route_plan(g->stream, ids, weights, n_rows, top_k, n_experts,
+                                          offs, src_row, dst_slot, wt, g->d_err));
 }
 
 static mm_err gpu_moe_matmul_dev(void *ctx, const void *const *experts, enum mm_dtype dtype,
@@ -348,15 +560,18 @@ static mm_err gpu_moe_matmul_dev(void *ctx, const void *const *experts, enum mm_
     if (n_rows == 0)
         return MM_OK;
     ON_DEVICE();
-    return mm_gpu_moe_matmul(g->stream, dtype, experts, offs, n_experts, (int)rows, (int)cols, x,
-                             x_stride, y, y_stride, (int)n_rows, MM_GPU_PATH_AUTO);
+    char nm[OT_NAME];
+    TIMED(g->ot ? shape_name(nm, "moe_matmul_dev", rows, cols) : "",
+          mm_gpu_moe_matmul(g->stream, dtype, experts, offs, n_experts, (int)rows, (int)cols, x,
+                            x_stride, y, y_stride, (int)n_rows, MM_GPU_PATH_AUTO));
 }
 
 static mm_err gpu_argmax(void *ctx, const float *logits, int64_t stride, int64_t n_rows,
                          int vocab, int32_t *ids) {
     CTX(ctx);
     ON_DEVICE();
-    return mm_gpu_argmax(g->stream, logits, stride, n_rows, vocab, ids);
+    TIMED("argmax", mm_gpu_argmax_ws(g->stream, logits, stride, n_rows, vocab, ids, g->d_amax,
+                                     AMAX_ROWS));
 }
 
 static mm_err gpu_capture_begin(void *ctx) {
@@ -416,7 +631,7 @@ static mm_err gpu_combine(void *ctx, const float *alpha, int k, const float *x, 
                           int64_t dim) {
     CTX(ctx);
     ON_DEVICE();
-    return mm_gpu_combine(g->stream, alpha, k, x, xs, shared, ss, h, hs, n_rows, dim);
+    TIMED("combine", mm_gpu_combine(g->stream, alpha, k, x, xs, shared, ss, h, hs, n_rows, dim));
 }
 
 static mm_err gpu_head_norm_rope(void *ctx, float *x, int64_t n_rows, int64_t stride, int n_a,
@@ -424,8 +639,8 @@ static mm_err gpu_head_norm_rope(void *ctx, float *x, int64_t n_rows, int64_t st
                                  const mm_weight *wb, float eps, const struct mm_rope_args *ra) {
     CTX(ctx);
     ON_DEVICE();
-    return mm_gpu_head_norm_rope(g->stream, x, n_rows, stride, n_a, n_b, b_off, head_dim, wa, wb,
-                                 eps, ra);
+    TIMED("head_norm_rope", mm_gpu_head_norm_rope(g->stream, x, n_rows, stride, n_a, n_b, b_off,
+                                                  head_dim, wa, wb, eps, ra));
 }
 
 static const struct mm_backend_ops gpu_ops = {
@@ -489,6 +704,10 @@ extern "C" mm_err mm_cuda_backend_open(mm_backend *be, const mm_backend_params *
         e = cudaMemset(g->d_err, 0, sizeof(int));
     for (int i = 0; i < STAGE_PARTS && e == cudaSuccess; i++)
         e = cudaEventCreateWithFlags(&g->stage_ev[i], cudaEventDisableTiming);
+    if (e == cudaSuccess)
+        e = cudaMalloc(&g->d_amax, MM_GPU_ARGMAX_WS_BYTES(AMAX_ROWS));
+    if (e == cudaSuccess)
+        e = cudaMemset(g->d_amax, 0, MM_GPU_ARGMAX_WS_BYTES(AMAX_ROWS));
     if (e == cudaSuccess && cudaMallocHost((void **)&g->h_stage, STAGE_BYTES) != cudaSuccess) {
         (void)cudaGetLastError(); // no pinned memory: small copies go direct (slower, correct)
         g->h_stage = NULL;
@@ -500,6 +719,21 @@ extern "C" mm_err mm_cuda_backend_open(mm_backend *be, const mm_backend_params *
         return rv;
     }
     be->ops = &gpu_ops;
+    const char *ot = getenv("MM_GPU_OPTIME");
+    if (ot != NULL && strcmp(ot, "0") != 0 && ot[0] != '\0') {
+        if (ot_open(g)) { // op by op: a graph would hide the ops from the events
+            g->ops_timed = gpu_ops;
+            g->ops_timed.capture_begin = NULL;
+            g->ops_timed.capture_end = NULL;
+            g->ops_timed.graph_launch = NULL;
+            g->ops_timed.graph_free = NULL;
+            be->ops = &g->ops_timed;
+            mm_log_info("gpu: %s:%d times every op (MM_GPU_OPTIME; no graphs)", MM_GPU_VENDOR,
+                        dev);
+        } else {
+            mm_log_warn("gpu: MM_GPU_OPTIME: no memory or events for the timer; not timing");
+        }
+    }
     be->ctx = g;
     be->n_threads = 1;
     return MM_OK;
@@ -513,4 +747,16 @@ extern "C" mm_err mm_gpu_backend_stream(void *backend_ctx, void **stream, int *d
     *stream = (void *)g->stream;
     *dev = g->dev;
     return MM_OK;
+}
+
+// Prints the per-op timer's table (MM_GPU_OPTIME) so far to stderr and starts a new one;
+// waits for the stream. No effect when the timer is off.
+extern "C" void mm_gpu_optime_report(void *backend_ctx) {
+    CTX(backend_ctx);
+    if (g == NULL || g->ot == NULL)
+        return;
+    (void)cudaSetDevice(g->dev);
+    ot_read(g);
+    ot_print(g);
+    ot_reset(g->ot);
 }

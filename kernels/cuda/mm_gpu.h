@@ -105,6 +105,14 @@ mm_err mm_gpu_fill(void *stream, float *d_x, float v, int64_t n);
 // row stride ls; ties to the lower id, NaN never chosen (an all-NaN row gives 0).
 mm_err mm_gpu_argmax(void *stream, const float *d_logits, int64_t ls, int64_t n_rows, int vocab,
                      int32_t *d_ids);
+// mm_gpu_argmax_ws: the same result from many blocks per row (one pass; each block's best
+// (value, id) meets the others' in a 64-bit atomic max, the row's last block writes the id).
+// d_ws: MM_GPU_ARGMAX_WS_BYTES(ws_rows) bytes of device memory, zero before the first call;
+// every call leaves it zero again. Calls that share d_ws must be ordered (one stream). More
+// rows than ws_rows run in several launches.
+#define MM_GPU_ARGMAX_WS_BYTES(ws_rows) ((size_t)(ws_rows) * 12u)
+mm_err mm_gpu_argmax_ws(void *stream, const float *d_logits, int64_t ls, int64_t n_rows,
+                        int vocab, int32_t *d_ids, void *d_ws, int ws_rows);
 // mm_gpu_route_plan: the grouped product's plan from route's ids/weights (kernels.h
 // route_plan), one launch; d_wt may be NULL (then d_weights may be too). Out-of-range ids count
 // as expert 0 and set d_err. n_experts <= 4096.
@@ -151,6 +159,9 @@ mm_err mm_gpu_current_device(int *dev);
 // "cuda:N"/"hip:N" backend; kernels/cuda/backend.cu), so that a transport can order its copies
 // with the backend's ops.
 mm_err mm_gpu_backend_stream(void *backend_ctx, void **stream, int *dev);
+// mm_gpu_optime_report: with MM_GPU_OPTIME=1 the backend times every op (backend.cu); this
+// prints the table so far to stderr and starts a new one. No effect otherwise.
+void mm_gpu_optime_report(void *backend_ctx);
 
 #ifdef __cplusplus
 }

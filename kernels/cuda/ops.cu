@@ -4,8 +4,8 @@
 //
 // Design notes:
 // - Exactness: each output's reductions have one fixed blocking that depends on the op's
-//   dimensions only (a warp per row for norms and routing, lane-strided partials then a fixed
-//   butterfly; a block per (row, head) for attention with key chunks aligned to absolute
+//   dimensions only (norms and routing: lane-strided partials of one warp then a fixed
+//   butterfly, whether a warp or a block loads the row; a block per (row, head) for attention with key chunks aligned to absolute
 //   positions), never on n_rows or the other rows of the call.
 // - Bad indices found on the device (a negative position, a block id past the table, an
 //   embedding id out of range) skip the row and set a bit in the backend's device error word
@@ -14,7 +14,7 @@
 //   p = exp(s - m), out = out * exp(m_old - m) + sum_t p_t v_t (t ascending). The KV cache is
 //   f32 (kernels.h), so long prefills are bandwidth-heavy; a tiled flash kernel is future work.
 //   At decode only n_heads blocks run, so the kernel is latency-bound: each thread's score
-//   reads its key in 16-byte loads, 32 floats in flight, and the value sums load 16 keys'
+//   reads its key in 16-byte loads, 64 floats in flight, and the value sums load 32 keys'
 //   values before accumulating them in t order (one fmaf each, as before: the arithmetic does
 //   not change with the loads' grouping).
 #include <math.h>
@@ -51,7 +51,45 @@ __device__ __forceinline__ float wload(const void *w, int64_t i) {
 
 static unsigned warp_threads(void) { return (unsigned)mm__gpu_warp_size(); }
 
-// ---- rmsnorm: one warp per row ---------------------------------------------------------------
+// ---- rmsnorm ---------------------------------------------------------------------------------
+// The sum of squares is one fixed order: lane l of a warp sums x[l], x[l + W], x[l + 2W], ...
+// (W the warp width) in turn, then the lanes meet in a butterfly (every lane gets the same
+// sum). rmsnorm_row_kernel keeps that order but first loads the row into shared memory with a
+// whole block (a decode row of 2048 is 8 loads per thread, all in flight, instead of 64 per
+// lane in rounds of 8), then one warp sums from shared memory and every thread scales its
+// elements: the bits of rmsnorm_kernel (one warp per row), which stays for rows too long for
+// shared memory and as the reference of the op test.
+#define RMS_THREADS 256
+#define RMS_MAX_DIM 8192
+
+template <int DT>
+__global__ void __launch_bounds__(RMS_THREADS) rmsnorm_row_kernel(const void *w, int dim, float eps,
+                                                                  const float *x, int64_t xs,
+                                                                  float *y, int64_t ys) {
+    extern __shared__ float xsh[]; // dim
+    __shared__ float rs_sh;
+    const int64_t r = blockIdx.x;
+    const float *xr = x + r * xs;
+    float *yr = y + r * ys;
+    for (int k = threadIdx.x; k < dim; k += RMS_THREADS)
+        xsh[k] = xr[k];
+    __syncthreads();
+    if (threadIdx.x < MM_WARP_SIZE) {
+        const int lane = threadIdx.x;
+        float ss = 0.0f;
+#pragma unroll 8
+        for (int k = lane; k < dim; k += MM_WARP_SIZE)
+            ss += xsh[k] * xsh[k];
+        ss = mm_warp_sum(ss);
+        if (lane == 0)
+            rs_sh = 1.0f / sqrtf(ss / (float)dim + eps);
+    }
+    __syncthreads();
+    const float rs = rs_sh;
+    for (int k = threadIdx.x; k < dim; k += RMS_THREADS)
+        yr[k] = wload<DT>(w, k) * (xsh[k] * rs);
+}
+
 template <int DT>
 __global__ void rmsnorm_kernel(const void *w, int dim, float eps, const float *x, int64_t xs,
                                float *y, int64_t ys, int64_t n_rows) {
@@ -72,8 +110,36 @@ __global__ void rmsnorm_kernel(const void *w, int dim, float eps, const float *x
         yr[k] = wload<DT>(w, k) * (xr[k] * rs);
 }
 
+// rmsnorm with a warp per row whatever the shape (the op test's reference for the bits of the
+// block-per-row kernel). Not declared in mm_gpu.h: tests declare it themselves.
+extern "C" mm_err mm_gpu_rmsnorm_warp(void *stream, const mm_weight *w, float eps, const float *x,
+                                      int64_t xs, float *y, int64_t ys, int64_t n_rows);
+
 extern "C" mm_err mm_gpu_rmsnorm(void *stream, const mm_weight *w, float eps, const float *x,
                                  int64_t xs, float *y, int64_t ys, int64_t n_rows) {
+    if (w == NULL || w->data == NULL || w->rows != 1 || w->cols <= 0 || x == NULL || y == NULL ||
+        n_rows < 0)
+        return MM_EINVAL;
+    if (n_rows == 0)
+        return MM_OK;
+    if (w->cols > RMS_MAX_DIM || n_rows > INT32_MAX)
+        return mm_gpu_rmsnorm_warp(stream, w, eps, x, xs, y, ys, n_rows);
+    const int dim = (int)w->cols;
+    const size_t shmem = (size_t)dim * sizeof(float);
+    const unsigned grid = (unsigned)n_rows;
+    cudaStream_t st = (cudaStream_t)stream;
+    switch (w->dtype) {
+    case MM_DTYPE_BF16: rmsnorm_row_kernel<MM_DTYPE_BF16><<<grid, RMS_THREADS, shmem, st>>>(w->data, dim, eps, x, xs, y, ys); break;
+    case MM_DTYPE_F16: rmsnorm_row_kernel<MM_DTYPE_F16><<<grid, RMS_THREADS, shmem, st>>>(w->data, dim, eps, x, xs, y, ys); break;
+    case MM_DTYPE_F32: rmsnorm_row_kernel<MM_DTYPE_F32><<<grid, RMS_THREADS, shmem, st>>>(w->data, dim, eps, x, xs, y, ys); break;
+    default: return MM_EINVAL;
+    }
+    MM_GPU_CHECK(cudaGetLastError());
+    return MM_OK;
+}
+
+extern "C" mm_err mm_gpu_rmsnorm_warp(void *stream, const mm_weight *w, float eps, const float *x,
+                                      int64_t xs, float *y, int64_t ys, int64_t n_rows) {
     if (w == NULL || w->data == NULL || w->rows != 1 || w->cols <= 0 || x == NULL || y == NULL ||
         n_rows < 0)
         return MM_EINVAL;
@@ -237,8 +303,15 @@ extern "C" mm_err mm_gpu_kv_store(void *stream, const struct mm_kv_store_args *a
 #define ATT_THREADS 128
 #define ATT_CHUNK 128 // keys per online-softmax step, aligned to absolute positions
 #define ATT_MAX_DV 512
+// Loads in flight (the arithmetic and its order do not depend on them): a key's score reads
+// ATT_K_VEC float4 per round (a 128-dim key in 2 rounds), the value sums ATT_V_KEYS keys'
+// values per round.
+// (The previous grouping, 8 and 16, stays as mm_gpu_attention_ref for the op test's bit check.)
+#define ATT_K_VEC_DEF 16
+#define ATT_V_KEYS_DEF 32
 
 // One block per (row, head). Dynamic shared: q (dk) + scores (ATT_CHUNK).
+template <int ATT_K_VEC, int ATT_V_KEYS>
 __global__ void __launch_bounds__(ATT_THREADS) attention_kernel(struct mm_attn_args a, int *d_err) {
     extern __shared__ float sh[];
     __shared__ const float *slots[ATT_CHUNK];
@@ -278,14 +351,14 @@ __global__ void __launch_bounds__(ATT_THREADS) attention_kernel(struct mm_attn_a
                 k += (int64_t)kvh * dk;
                 float dot = 0.0f;
                 if ((dk & 3) == 0 && ((uintptr_t)k & 15) == 0) {
-                    for (int d0 = 0; d0 < dk; d0 += 32) {
-                        float4 kk[8];
+                    for (int d0 = 0; d0 < dk; d0 += 4 * ATT_K_VEC) {
+                        float4 kk[ATT_K_VEC];
 #pragma unroll
-                        for (int q = 0; q < 8; q++)
+                        for (int q = 0; q < ATT_K_VEC; q++)
                             kk[q] = d0 + 4 * q < dk ? *(const float4 *)(k + d0 + 4 * q)
                                                     : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll
-                        for (int q = 0; q < 8; q++) {
+                        for (int q = 0; q < ATT_K_VEC; q++) {
                             const int d = d0 + 4 * q;
                             if (d < dk) {
                                 dot = fmaf(qs[d], kk[q].x, dot);
@@ -319,15 +392,15 @@ __global__ void __launch_bounds__(ATT_THREADS) attention_kernel(struct mm_attn_a
                 break;
             float sum = 0.0f;
             const int64_t vo = v_off + (int64_t)kvh * dv + d;
-            for (int u0 = 0; u0 < n_t; u0 += 16) {
-                float vv[16];
+            for (int u0 = 0; u0 < n_t; u0 += ATT_V_KEYS) {
+                float vv[ATT_V_KEYS];
 #pragma unroll
-                for (int q = 0; q < 16; q++) {
+                for (int q = 0; q < ATT_V_KEYS; q++) {
                     const float *slot = u0 + q < n_t ? slots[u0 + q] : NULL;
                     vv[q] = slot != NULL ? slot[vo] : 0.0f;
                 }
 #pragma unroll
-                for (int q = 0; q < 16; q++) {
+                for (int q = 0; q < ATT_V_KEYS; q++) {
                     const int u = u0 + q;
                     if (u < n_t && ps[u] != 0.0f && slots[u] != NULL)
                         sum = fmaf(ps[u], vv[q], sum);
@@ -347,7 +420,7 @@ __global__ void __launch_bounds__(ATT_THREADS) attention_kernel(struct mm_attn_a
     }
 }
 
-extern "C" mm_err mm_gpu_attention(void *stream, const struct mm_attn_args *a, int *d_err) {
+static mm_err attention_launch(void *stream, const struct mm_attn_args *a, int *d_err, bool ref) {
     if (a == NULL || a->q == NULL || a->out == NULL || a->row_seq == NULL || a->row_pos == NULL ||
         a->kv.base == NULL || a->kv.block_tables == NULL || a->n_heads <= 0 ||
         a->kv.n_kv_heads <= 0 || a->n_heads % a->kv.n_kv_heads != 0 || a->kv.block_size <= 0 ||
@@ -358,9 +431,24 @@ extern "C" mm_err mm_gpu_attention(void *stream, const struct mm_attn_args *a, i
         return MM_OK;
     const size_t shmem = (size_t)(a->kv.head_dim_k + ATT_CHUNK) * sizeof(float);
     dim3 grid((unsigned)a->n_rows, (unsigned)a->n_heads);
-    attention_kernel<<<grid, ATT_THREADS, shmem, (cudaStream_t)stream>>>(*a, d_err);
+    if (ref)
+        attention_kernel<8, 16><<<grid, ATT_THREADS, shmem, (cudaStream_t)stream>>>(*a, d_err);
+    else
+        attention_kernel<ATT_K_VEC_DEF, ATT_V_KEYS_DEF>
+            <<<grid, ATT_THREADS, shmem, (cudaStream_t)stream>>>(*a, d_err);
     MM_GPU_CHECK(cudaGetLastError());
     return MM_OK;
+}
+
+extern "C" mm_err mm_gpu_attention(void *stream, const struct mm_attn_args *a, int *d_err) {
+    return attention_launch(stream, a, d_err, false);
+}
+
+// The attention with the earlier load grouping (tests: the bits must not depend on it). Not
+// declared in mm_gpu.h.
+extern "C" mm_err mm_gpu_attention_ref(void *stream, const struct mm_attn_args *a, int *d_err);
+extern "C" mm_err mm_gpu_attention_ref(void *stream, const struct mm_attn_args *a, int *d_err) {
+    return attention_launch(stream, a, d_err, true);
 }
 
 // ---- embed, swiglu, axpy, sigmoid, copy_rows, fill --------------------------------------------------
@@ -671,6 +759,99 @@ __global__ void argmax_kernel(const float *logits, int64_t ls, int vocab, int32_
             }
         ids[blockIdx.x] = id < 0 ? 0 : id;
     }
+}
+
+// ---- argmax over many blocks per row: one pass, 64-bit atomic max -------------------------------
+// Each block takes AMAX_SPAN consecutive logits of its row and finds its best (value, id)
+// with argmax_kernel's rules; the pair becomes a 64-bit key ordered like the rule (value bits
+// made monotone in the high word, -0 taken as +0 since the comparisons tie them; the inverted
+// id in the low word, so equal values prefer the lower id) and meets the other blocks' in an
+// atomicMax on the row's word. The row's last block to arrive (a counter after a fence) reads
+// the winner, writes the id and zeroes the word and the counter for the next call. Key 0 is
+// below every real key: a row of NaN only keeps 0 and gives id 0, as argmax_kernel does.
+#define AMAX_THREADS 256
+#define AMAX_PER_THREAD 8
+#define AMAX_SPAN (AMAX_THREADS * AMAX_PER_THREAD)
+
+__device__ __forceinline__ unsigned long long amax_key(float x, int id) {
+    uint32_t u = x == 0.0f ? 0u : __float_as_uint(x);
+    u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+    return ((unsigned long long)u << 32) | (unsigned long long)(~(uint32_t)id);
+}
+
+__global__ void __launch_bounds__(AMAX_THREADS) argmax_ws_kernel(const float *logits, int64_t ls,
+                                                                 int vocab, int32_t *ids,
+                                                                 unsigned long long *key,
+                                                                 unsigned *arrived) {
+    __shared__ float bv[1024 / 32];
+    __shared__ int bi[1024 / 32];
+    const int64_t r = blockIdx.y;
+    const float *l = logits + r * ls;
+    const int v0 = blockIdx.x * AMAX_SPAN + threadIdx.x;
+    float xv[AMAX_PER_THREAD];
+#pragma unroll
+    for (int j = 0; j < AMAX_PER_THREAD; j++) { // all loads in flight
+        const int v = v0 + j * AMAX_THREADS;
+        xv[j] = v < vocab ? l[v] : 0.0f;
+    }
+    float best = -INFINITY;
+    int id = -1;
+#pragma unroll
+    for (int j = 0; j < AMAX_PER_THREAD; j++) {
+        const int v = v0 + j * AMAX_THREADS;
+        const float x = xv[j];
+        if (v < vocab && (id < 0 ? !isnan(x) : x > best)) { // ascending: ties keep the lower id
+            best = x;
+            id = v;
+        }
+    }
+#pragma unroll
+    for (int m = MM_WARP_SIZE / 2; m > 0; m >>= 1) {
+        const float ob = mm_shfl_xor(best, m);
+        const int oi = mm_shfl_xor(id, m);
+        if (oi >= 0 && (id < 0 || ob > best || (ob == best && oi < id))) {
+            best = ob;
+            id = oi;
+        }
+    }
+    const int lane = threadIdx.x % MM_WARP_SIZE, warp = threadIdx.x / MM_WARP_SIZE;
+    if (lane == 0) {
+        bv[warp] = best;
+        bi[warp] = id;
+    }
+    __syncthreads();
+    if (threadIdx.x != 0)
+        return;
+    for (int w = 1; w < (int)(blockDim.x / MM_WARP_SIZE); w++)
+        if (bi[w] >= 0 && (id < 0 || bv[w] > best || (bv[w] == best && bi[w] < id))) {
+            best = bv[w];
+            id = bi[w];
+        }
+    if (id >= 0)
+        atomicMax(&key[r], amax_key(best, id));
+    __threadfence();
+    if (atomicAdd(&arrived[r], 1u) != gridDim.x - 1)
+        return;
+    const unsigned long long k = atomicExch(&key[r], 0ull); // every block's max is in
+    arrived[r] = 0;
+    ids[r] = k == 0 ? 0 : (int32_t)~(uint32_t)k;
+}
+
+extern "C" mm_err mm_gpu_argmax_ws(void *stream, const float *logits, int64_t ls, int64_t n_rows,
+                                   int vocab, int32_t *ids, void *d_ws, int ws_rows) {
+    if (logits == NULL || ids == NULL || d_ws == NULL || ws_rows <= 0 || ws_rows > 65535 ||
+        n_rows < 0 || vocab <= 0 || ls < vocab)
+        return MM_EINVAL;
+    unsigned long long *key = (unsigned long long *)d_ws;
+    unsigned *arrived = (unsigned *)(key + ws_rows);
+    const unsigned blocks = mm_div_up(vocab, AMAX_SPAN);
+    for (int64_t r0 = 0; r0 < n_rows; r0 += ws_rows) {
+        const int64_t nr = n_rows - r0 < ws_rows ? n_rows - r0 : ws_rows;
+        argmax_ws_kernel<<<dim3(blocks, (unsigned)nr), AMAX_THREADS, 0, (cudaStream_t)stream>>>(
+            logits + r0 * ls, ls, vocab, ids + r0, key, arrived);
+        MM_GPU_CHECK(cudaGetLastError());
+    }
+    return MM_OK;
 }
 
 extern "C" mm_err mm_gpu_argmax(void *stream, const float *logits, int64_t ls, int64_t n_rows,

@@ -8,7 +8,7 @@
 //
 // Design notes:
 // - One block does the whole plan (a decode step has n_rows * top_k = 8..2048 slots): a
-//   shared-memory histogram, an exclusive scan by one thread (n_experts <= PLAN_MAX_E), then
+//   shared-memory histogram, an exclusive scan over the block (n_experts <= PLAN_MAX_E), then
 //   the slots in chunks of the block width; within a chunk a slot's rank among the earlier
 //   slots of its expert is counted from a shared copy of the chunk's ids, so the order is
 //   stable (slot order inside each expert), exactly the host counting sort's.
@@ -28,6 +28,7 @@ __global__ void __launch_bounds__(PLAN_THREADS) route_plan_kernel(
     int32_t *src_row, int32_t *dst_slot, float *wt, int *d_err) {
     extern __shared__ int32_t base[]; // n_experts counts, then running starts
     __shared__ int32_t chunk[PLAN_THREADS];
+    __shared__ int32_t wsum[PLAN_THREADS / 32];
     const int nk = n_rows * top_k, tid = threadIdx.x;
     for (int e = tid; e < n_experts; e += blockDim.x)
         base[e] = 0;
@@ -42,15 +43,35 @@ __global__ void __launch_bounds__(PLAN_THREADS) route_plan_kernel(
         atomicAdd(&base[e], 1);
     }
     __syncthreads();
-    if (tid == 0) {
-        int run = 0;
-        for (int e = 0; e < n_experts; e++) {
+    { // exclusive scan: thread t owns a run of consecutive experts; the runs' sums are
+      // scanned across the warp with shuffles, then across the warps
+        const int per = (n_experts + PLAN_THREADS - 1) / PLAN_THREADS;
+        const int e0 = tid * per, e1 = min(n_experts, e0 + per);
+        int sum = 0;
+        for (int e = e0; e < e1; e++)
+            sum += base[e];
+        const int lane = tid % MM_WARP_SIZE, warp = tid / MM_WARP_SIZE;
+        int incl = sum;
+#pragma unroll
+        for (int d = 1; d < MM_WARP_SIZE; d <<= 1) {
+            const int v = mm_shfl_up(incl, d);
+            if (lane >= d)
+                incl += v;
+        }
+        if (lane == MM_WARP_SIZE - 1)
+            wsum[warp] = incl;
+        __syncthreads();
+        int run = incl - sum;
+        for (int w = 0; w < warp; w++)
+            run += wsum[w];
+        if (tid == PLAN_THREADS - 1)
+            offs[n_experts] = run + sum;
+        for (int e = e0; e < e1; e++) {
             const int c = base[e];
             base[e] = run;
             offs[e] = run;
             run += c;
         }
-        offs[n_experts] = run;
     }
     __syncthreads();
     for (int c0 = 0; c0 < nk; c0 += blockDim.x) {

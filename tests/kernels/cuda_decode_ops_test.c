@@ -1,0 +1,314 @@
+// SPDX-License-Identifier: MIT
+// The decode-step kernels that were widened for batch-1 latency keep their results exactly:
+// the multi-block argmax (mm_gpu_argmax_ws, the backend's argmax) picks the same ids as the
+// one-block kernel and the host rule (ties to the lower id across blocks, -0 ties +0, NaN
+// never chosen, an all-NaN row gives 0, more rows than its workspace, a workspace left clean
+// for the next call); rmsnorm with a block per row has the bits of the warp-per-row kernel;
+// attention with more loads in flight has the bits of the earlier load grouping; the per-op
+// timer (MM_GPU_OPTIME=1) gives a table without graphs and the same results.
+// Without the GPU backend (plain `make`) or without a GPU, every case skips and says why.
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels.h"
+#include "mm/dtype.h"
+#include "mm_test.h"
+
+extern mm_err mm_gpu_argmax(void *stream, const float *d_logits, int64_t ls, int64_t n_rows,
+                            int vocab, int32_t *d_ids) __attribute__((weak));
+extern mm_err mm_gpu_argmax_ws(void *stream, const float *d_logits, int64_t ls, int64_t n_rows,
+                               int vocab, int32_t *d_ids, void *d_ws, int ws_rows)
+    __attribute__((weak));
+extern mm_err mm_gpu_rmsnorm(void *stream, const mm_weight *w, float eps, const float *d_x,
+                             int64_t xs, float *d_y, int64_t ys, int64_t n_rows)
+    __attribute__((weak));
+extern mm_err mm_gpu_rmsnorm_warp(void *stream, const mm_weight *w, float eps, const float *d_x,
+                                  int64_t xs, float *d_y, int64_t ys, int64_t n_rows)
+    __attribute__((weak));
+extern mm_err mm_gpu_attention(void *stream, const struct mm_attn_args *a, int *d_err)
+    __attribute__((weak));
+extern mm_err mm_gpu_attention_ref(void *stream, const struct mm_attn_args *a, int *d_err)
+    __attribute__((weak));
+extern mm_err mm_gpu_stream_sync(void *stream) __attribute__((weak));
+extern void mm_gpu_optime_report(void *backend_ctx) __attribute__((weak));
+
+static mm_backend *gpu;
+
+static void open_gpu(void) {
+    char err[MM_ERRLEN] = "";
+    if (!mm_gpu_argmax_ws || !mm_gpu_stream_sync)
+        MM_SKIP("GPU kernels not linked (plain build; `make cuda` builds this test with them)");
+    mm_err rv = mm_backend_open(&gpu, "cuda:0", NULL, err);
+    if (rv == MM_EUNSUPP)
+        MM_SKIP("%s", err);
+    if (rv != MM_OK)
+        MM_TEST_FAIL_("opening cuda:0: %s (%s)", mm_strerror(rv), err);
+}
+
+static void close_gpu(void) {
+    mm_backend_close(gpu);
+    gpu = NULL;
+}
+
+static uint64_t rng = 0x2545f4914f6cdd1dull;
+static float frand(void) { // uniform in [-1, 1)
+    rng ^= rng << 13;
+    rng ^= rng >> 7;
+    rng ^= rng << 17;
+    return (float)((rng >> 40) & 0xffffff) / 8388608.0f - 1.0f;
+}
+
+// Device memory of n_bytes holding h's bytes (h NULL: left as it is).
+static void *dev_copy(const void *h, size_t n_bytes) {
+    void *d = NULL;
+    MM_PASS(gpu->ops->buffer_alloc(gpu->ctx, n_bytes ? n_bytes : 4, &d));
+    if (n_bytes && h != NULL)
+        MM_PASS(gpu->ops->set(gpu->ctx, d, h, n_bytes));
+    return d;
+}
+
+static void *dev_get(const void *d, size_t n_bytes) {
+    void *h = malloc(n_bytes + 1);
+    MM_TRUE(h != NULL);
+    MM_PASS(gpu->ops->get(gpu->ctx, h, d, n_bytes));
+    return h;
+}
+
+// The host rule: highest value, ties to the lower id (== ties -0 and +0), NaN skipped, 0 when
+// every value is NaN.
+static int32_t host_argmax(const float *l, int vocab) {
+    int32_t b = -1;
+    for (int v = 0; v < vocab; v++)
+        if (!isnan(l[v]) && (b < 0 || l[v] > l[b]))
+            b = v;
+    return b < 0 ? 0 : b;
+}
+
+static void argmax_case(int vocab, int ws_rows) {
+    const int64_t n = 9, ls = vocab + 5;
+    float *l = malloc((size_t)(n * ls) * 4);
+    MM_TRUE(l != NULL);
+    for (int64_t i = 0; i < n * ls; i++)
+        l[i] = frand() * 10.0f;
+    const int hi = vocab - 1, mid = vocab / 2;
+    l[0 * ls + 0] = 50.0f, l[0 * ls + hi] = 50.0f; // tie between the first and last block
+    l[1 * ls + 0] = NAN, l[1 * ls + mid] = 60.0f;
+    l[2 * ls + hi] = 70.0f;
+    for (int v = 0; v < vocab; v++) { // row 3: all negative but a -0 (low id) and a +0
+        l[3 * ls + v] = -1.0f - (float)(v % 7);
+        l[4 * ls + v] = NAN;     // row 4: all NaN
+        l[5 * ls + v] = -INFINITY; // row 5: NaN first, then -inf only
+    }
+    l[3 * ls + hi] = 0.0f, l[3 * ls + mid / 2] = -0.0f;
+    l[5 * ls + 0] = NAN;
+    for (int v = 0; v < vocab; v++) // row 6: many equal maxima; the lowest id wins
+        l[6 * ls + v] = (v % 1000 == 999) ? 9.5f : l[6 * ls + v];
+    int32_t want[9];
+    for (int64_t i = 0; i < n; i++)
+        want[i] = host_argmax(l + i * ls, vocab);
+    float *dl = dev_copy(l, (size_t)(n * ls) * 4);
+    int32_t *d1 = dev_copy(NULL, (size_t)n * 4), *d2 = dev_copy(NULL, (size_t)n * 4);
+    void *ws = NULL;
+    MM_PASS(gpu->ops->buffer_alloc(gpu->ctx, (size_t)ws_rows * 12, &ws));
+    const int32_t zero[64] = {0};
+    for (int i = 0; i < ws_rows * 3; i += 16)
+        MM_PASS(gpu->ops->set(gpu->ctx, (int32_t *)ws + i,
+                              zero, (size_t)(ws_rows * 3 - i < 16 ? ws_rows * 3 - i : 16) * 4));
+    MM_PASS(gpu->ops->synchronize(gpu->ctx));
+    MM_PASS(mm_gpu_argmax(NULL, dl, ls, n, vocab, d1));
+    for (int rep = 0; rep < 3; rep++) { // the workspace must be clean again after each call
+        MM_PASS(mm_gpu_argmax_ws(NULL, dl, ls, n, vocab, d2, ws, ws_rows));
+        MM_PASS(mm_gpu_stream_sync(NULL));
+        int32_t *g1 = dev_get(d1, (size_t)n * 4), *g2 = dev_get(d2, (size_t)n * 4);
+        for (int64_t i = 0; i < n; i++) {
+            MM_EQ(g1[i], want[i]);
+            MM_EQ(g2[i], want[i]);
+        }
+        free(g1), free(g2);
+    }
+    // through the table (the backend's own workspace)
+    MM_PASS(gpu->ops->fill(gpu->ctx, (float *)d2, 0.0f, n));
+    MM_PASS(gpu->ops->argmax(gpu->ctx, dl, ls, n, vocab, d2));
+    int32_t *g2 = dev_get(d2, (size_t)n * 4);
+    for (int64_t i = 0; i < n; i++)
+        MM_EQ(g2[i], want[i]);
+    int32_t *gw = dev_get(ws, (size_t)ws_rows * 12);
+    for (int i = 0; i < ws_rows * 3; i++)
+        MM_EQ(gw[i], 0);
+    printf("argmax vocab %d, %lld rows, workspace %d rows: ids equal the host rule and the "
+           "one-block kernel\n", vocab, (long long)n, ws_rows);
+    free(g2), free(gw), free(l);
+    gpu->ops->buffer_free(gpu->ctx, dl);
+    gpu->ops->buffer_free(gpu->ctx, d1);
+    gpu->ops->buffer_free(gpu->ctx, d2);
+    gpu->ops->buffer_free(gpu->ctx, ws);
+}
+
+static void test_argmax_blocks(void) {
+    open_gpu();
+    argmax_case(151936, 64); // Qwen3's vocab: 75 blocks per row
+    argmax_case(2048, 64);   // exactly one block
+    argmax_case(2049, 4);    // one element into a second block; 9 rows in 3 launches
+    argmax_case(7, 1);       // one row per launch
+    close_gpu();
+}
+
+static void test_rmsnorm_bits(void) {
+    open_gpu();
+    if (!mm_gpu_rmsnorm || !mm_gpu_rmsnorm_warp)
+        MM_SKIP("rmsnorm kernels not linked");
+    const int dims[] = {1, 31, 128, 2048, 2050, 5000, 8192, 8193};
+    const int rows[] = {1, 3, 70};
+    const enum mm_dtype dts[] = {MM_DTYPE_BF16, MM_DTYPE_F32};
+    for (size_t a = 0; a < sizeof(dims) / sizeof(dims[0]); a++)
+        for (size_t b = 0; b < sizeof(rows) / sizeof(rows[0]); b++)
+            for (size_t c = 0; c < 2; c++) {
+                const int d = dims[a], n = rows[b];
+                const int64_t st = d + 3;
+                float *x = malloc((size_t)(n * st) * 4);
+                MM_TRUE(x != NULL);
+                for (int64_t i = 0; i < n * st; i++)
+                    x[i] = frand() * 3.0f;
+                void *hw = malloc((size_t)d * 4);
+                for (int k = 0; k < d; k++) {
+                    const float v = 1.0f + frand() * 0.5f;
+                    if (dts[c] == MM_DTYPE_BF16)
+                        ((uint16_t *)hw)[k] = mm_f32_to_bf16(v);
+                    else
+                        ((float *)hw)[k] = v;
+                }
+                void *dw = dev_copy(hw, (size_t)d * mm_dtype_size(dts[c]));
+                mm_weight w = {.data = dw, .dtype = dts[c], .rows = 1, .cols = d};
+                float *dx = dev_copy(x, (size_t)(n * st) * 4);
+                float *dy1 = dev_copy(x, (size_t)(n * st) * 4);
+                float *dy2 = dev_copy(x, (size_t)(n * st) * 4);
+                MM_PASS(gpu->ops->synchronize(gpu->ctx));
+                MM_PASS(mm_gpu_rmsnorm_warp(NULL, &w, 1e-6f, dx, st, dy1, st, n));
+                MM_PASS(mm_gpu_rmsnorm(NULL, &w, 1e-6f, dx, st, dy2, st, n));
+                MM_PASS(mm_gpu_stream_sync(NULL));
+                MM_PASS(gpu->ops->rmsnorm(gpu->ctx, &w, 1e-6f, dx, st, dx, st, n)); // in place
+                float *y1 = dev_get(dy1, (size_t)(n * st) * 4);
+                float *y2 = dev_get(dy2, (size_t)(n * st) * 4);
+                float *y3 = dev_get(dx, (size_t)(n * st) * 4);
+                MM_TRUE(memcmp(y1, y2, (size_t)(n * st) * 4) == 0);
+                MM_TRUE(memcmp(y1, y3, (size_t)(n * st) * 4) == 0);
+                free(x), free(hw), free(y1), free(y2), free(y3);
+                gpu->ops->buffer_free(gpu->ctx, dw);
+                gpu->ops->buffer_free(gpu->ctx, dx);
+                gpu->ops->buffer_free(gpu->ctx, dy1);
+                gpu->ops->buffer_free(gpu->ctx, dy2);
+            }
+    printf("rmsnorm: block per row bit-identical to warp per row (8 dims x 3 row counts x "
+           "bf16/f32, in place too)\n");
+    close_gpu();
+}
+
+// Attention over a paged cache: the widened loads against the earlier grouping, bit for bit.
+static void attn_bits_case(int n_heads, int n_kv, int dk, int dv, int window) {
+    const int bs = 16, n_seqs = 3, max_blocks = 20, n_blocks = n_seqs * max_blocks;
+    const int lens[3] = {1, 77, 300};
+    const int64_t slot = (int64_t)n_kv * (dk + dv), bstride = slot * bs;
+    const size_t pool_n = (size_t)(n_blocks * bstride);
+    int32_t tables[3 * 20];
+    for (int i = 0; i < n_seqs * max_blocks; i++)
+        tables[i] = (i * 7 + 3) % n_blocks;
+    int n_rows = 0;
+    for (int s = 0; s < n_seqs; s++)
+        n_rows += lens[s];
+    int32_t *rs = malloc((size_t)n_rows * 4), *rp = malloc((size_t)n_rows * 4);
+    for (int s = 0, r = 0; s < n_seqs; s++)
+        for (int p = 0; p < lens[s]; p++, r++)
+            rs[r] = s, rp[r] = p;
+    const int64_t kst = (int64_t)n_kv * dk, vst = (int64_t)n_kv * dv;
+    const int64_t qst = (int64_t)n_heads * dk, ost = (int64_t)n_heads * dv;
+    float *k = malloc((size_t)(n_rows * kst) * 4), *v = malloc((size_t)(n_rows * vst) * 4);
+    float *q = malloc((size_t)(n_rows * qst) * 4);
+    for (int64_t i = 0; i < n_rows * kst; i++)
+        k[i] = frand();
+    for (int64_t i = 0; i < n_rows * vst; i++)
+        v[i] = frand();
+    for (int64_t i = 0; i < n_rows * qst; i++)
+        q[i] = frand() * 2.0f;
+    struct mm_kv_view kv = {.base = NULL, .block_size = bs, .block_stride = bstride,
+                            .slot_stride = slot, .n_kv_heads = n_kv, .head_dim_k = dk,
+                            .head_dim_v = dv, .block_tables = NULL, .max_blocks = max_blocks};
+    MM_PASS(gpu->ops->buffer_alloc(gpu->ctx, pool_n * 4, (void **)&kv.base));
+    MM_PASS(gpu->ops->fill(gpu->ctx, kv.base, 0.0f, (int64_t)pool_n));
+    kv.block_tables = dev_copy(tables, sizeof(tables));
+    struct mm_kv_store_args st = {.kv = kv, .k = dev_copy(k, (size_t)(n_rows * kst) * 4),
+                                  .k_stride = kst, .v = dev_copy(v, (size_t)(n_rows * vst) * 4),
+                                  .v_stride = vst, .n_rows = n_rows,
+                                  .row_seq = dev_copy(rs, (size_t)n_rows * 4),
+                                  .row_pos = dev_copy(rp, (size_t)n_rows * 4)};
+    MM_PASS(gpu->ops->kv_store(gpu->ctx, &st));
+    struct mm_attn_args at = {.kv = kv, .q = dev_copy(q, (size_t)(n_rows * qst) * 4),
+                              .q_stride = qst, .out_stride = ost, .n_rows = n_rows,
+                              .row_seq = st.row_seq, .row_pos = st.row_pos, .n_heads = n_heads,
+                              .scale = 1.0f / sqrtf((float)dk), .window = window};
+    float *o1 = NULL, *o2 = NULL;
+    MM_PASS(gpu->ops->buffer_alloc(gpu->ctx, (size_t)(n_rows * ost) * 4, (void **)&o1));
+    MM_PASS(gpu->ops->buffer_alloc(gpu->ctx, (size_t)(n_rows * ost) * 4, (void **)&o2));
+    MM_PASS(gpu->ops->synchronize(gpu->ctx));
+    at.out = o1;
+    MM_PASS(mm_gpu_attention_ref(NULL, &at, NULL));
+    at.out = o2;
+    MM_PASS(mm_gpu_attention(NULL, &at, NULL));
+    MM_PASS(mm_gpu_stream_sync(NULL));
+    float *g1 = dev_get(o1, (size_t)(n_rows * ost) * 4), *g2 = dev_get(o2, (size_t)(n_rows * ost) * 4);
+    MM_TRUE(memcmp(g1, g2, (size_t)(n_rows * ost) * 4) == 0);
+    printf("attention %dh/%dkv dk %d dv %d window %d, %d rows: bits equal the earlier load "
+           "grouping\n", n_heads, n_kv, dk, dv, window, n_rows);
+    free(g1), free(g2), free(k), free(v), free(q), free(rs), free(rp);
+    void *bufs[] = {kv.base, (void *)kv.block_tables, (void *)st.k, (void *)st.v,
+                    (void *)st.row_seq, (void *)st.row_pos, (void *)at.q, o1, o2};
+    for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++)
+        gpu->ops->buffer_free(gpu->ctx, bufs[i]);
+}
+
+static void test_attention_bits(void) {
+    open_gpu();
+    if (!mm_gpu_attention || !mm_gpu_attention_ref)
+        MM_SKIP("attention kernels not linked");
+    attn_bits_case(32, 4, 128, 128, 0); // Qwen3-30B-A3B's heads
+    attn_bits_case(8, 2, 64, 64, 0);
+    attn_bits_case(4, 4, 96, 64, 0);    // dk != dv, dk not a multiple of 64
+    attn_bits_case(6, 3, 128, 128, 40); // sliding window
+    attn_bits_case(2, 1, 36, 20, 0);    // odd small dims
+    close_gpu();
+}
+
+// MM_GPU_OPTIME=1: the backend offers no graphs and its ops give the same results.
+static void test_optime(void) {
+    if (!mm_gpu_argmax_ws || !mm_gpu_optime_report)
+        MM_SKIP("GPU kernels not linked (plain build)");
+    setenv("MM_GPU_OPTIME", "1", 1);
+    open_gpu();
+    unsetenv("MM_GPU_OPTIME");
+    MM_TRUE(gpu->ops->capture_begin == NULL && gpu->ops->graph_launch == NULL);
+    const int vocab = 5000;
+    float *l = malloc((size_t)vocab * 4);
+    for (int v = 0; v < vocab; v++)
+        l[v] = frand();
+    l[4321] = 3.0f;
+    float *dl = dev_copy(l, (size_t)vocab * 4);
+    int32_t *d = dev_copy(NULL, 4);
+    for (int i = 0; i < 3; i++)
+        MM_PASS(gpu->ops->argmax(gpu->ctx, dl, vocab, 1, vocab, d));
+    int32_t *g = dev_get(d, 4);
+    MM_EQ(g[0], 4321);
+    mm_gpu_optime_report(gpu->ctx); // a table on stderr: argmax 3 calls, set, get
+    free(g), free(l);
+    gpu->ops->buffer_free(gpu->ctx, dl);
+    gpu->ops->buffer_free(gpu->ctx, d);
+    close_gpu();
+}
+
+MM_TESTS = {
+    {"argmax over many blocks equals the host rule", test_argmax_blocks},
+    {"rmsnorm block per row: warp kernel's bits", test_rmsnorm_bits},
+    {"attention wider loads: same bits", test_attention_bits},
+    {"per-op timer: no graphs, same results", test_optime},
+    {NULL, NULL},
+};

@@ -397,8 +397,9 @@ static mm_err ipc_accept(void *lctx, void **cctx, uint64_t deadline_ns, char err
         return MM_OK;
     }
     // A handshake that fails is the dialer's problem: drop the conn, the listener stays usable.
-    uint64_t hs = mm_deadline_in_ms(2000);
-    mm_err rv = handshake(c, &l->url, hs < deadline_ns ? hs : deadline_ns, err);
+    // A peer that got through shm's handshake gets at least 1 s for ours (as shm's HELLO).
+    uint64_t hs = mm_deadline_in_ms(1000);
+    mm_err rv = handshake(c, &l->url, deadline_ns > hs ? deadline_ns : hs, err);
     if (rv != MM_OK) {
         conn_free(c);
         return rv == MM_ETIMEDOUT || rv == MM_ECLOSED || rv == MM_EPEERDOWN ? MM_EPROTO : rv;

@@ -50,6 +50,7 @@
 #define RING_MAX_BYTES (1u << 30)
 #define PUBLISH_CHUNK (64u << 10)
 #define N_HELLO_FDS 5 // memfd, listener rx/tx eventfds, dialer rx/tx eventfds
+#define HANDSHAKE_MIN_MS 1000 // a dialed peer's HELLO gets at least this long
 
 struct ring {
     _Alignas(64) _Atomic uint64_t head; // bytes produced; producer stores (release)
@@ -686,7 +687,13 @@ static mm_err shm_accept(void *lctx, void **cctx, uint64_t deadline_ns, char err
     c->side = 1;
     c->sock = s;
     mm_wire_hdr h;
-    MM_TRY_GOTO(rv, hello_recv(s, l->efd_shut, deadline_ns, &h, fds, &n_fds, err), fail);
+    // A peer that connected before the deadline gets at least HANDSHAKE_MIN_MS for its HELLO:
+    // a dialer arriving just before an accept loop's deadline (dataserv's 1 s turns) was
+    // dropped mid-handshake under load ("HELLO: Broken pipe" on its side).
+    uint64_t hs = mm_deadline_in_ms(HANDSHAKE_MIN_MS);
+    if (deadline_ns > hs)
+        hs = deadline_ns;
+    MM_TRY_GOTO(rv, hello_recv(s, l->efd_shut, hs, &h, fds, &n_fds, err), fail);
     if (n_fds != N_HELLO_FDS) {
         rv = mm_errf(err, MM_EPROTO, "shm handshake: HELLO carried %d descriptors, expected %d",
                      n_fds, N_HELLO_FDS);

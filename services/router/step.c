@@ -4,7 +4,9 @@
 
 #include <nng/nng.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <sys/uio.h>
+#include <unistd.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -22,6 +24,8 @@
 #define MAX_RELEASE 4096
 #define MSG_LEN 320
 #define PEN_SLOTS 256 // most running seqs with penalties (penalty.h)
+#define MAX_SAMPLE_WORKERS 7 // sampling threads besides the step's own
+#define POOL_MIN_SEQS 4      // fewer sampling seqs than this are sampled inline
 
 struct peer {
     const char *role;  // "attention" | "expert"
@@ -41,6 +45,30 @@ struct peer {
     struct iovec one;  // storage when one segment does
     bool pending;
     bool failed;       // lost during this exchange (tolerant gathers)
+};
+
+// Sampling pool: the picks of a step's seqs are independent (each a pure function of its logits
+// row, sampling values and position), so they run on several threads, each with its own sampler
+// scratch; the bits do not depend on which thread picked. Workers sleep on `go` between steps.
+struct sample_pool;
+struct pool_arg {
+    struct sample_pool *pl;
+    int k; // this worker's sampler
+};
+struct sample_pool {
+    pthread_t th[MAX_SAMPLE_WORKERS];
+    mm_sampler *smp[MAX_SAMPLE_WORKERS];
+    struct pool_arg arg[MAX_SAMPLE_WORKERS];
+    int n;                 // workers started
+    pthread_mutex_t mu;
+    pthread_cond_t go, done;
+    uint64_t gen;          // bumped per job (0: none yet)
+    int finished;          // workers done with the current job
+    bool stop;
+    atomic_int next;       // next item of the current job
+    int n_items;
+    struct mm_step_engine *e;
+    const Mmctl__StepPlan *plan;
 };
 
 struct mm_step_engine {
@@ -92,6 +120,15 @@ struct mm_step_engine {
     Mmctl__TopLogprob *top;
     Mmctl__TopLogprob **top_p;
     mm_sample *smp;
+    // sampling of a step's seqs (prepared in order, picked in parallel, applied in order)
+    struct sample_pool pool;
+    bool pool_up;
+    mm_sampling *sp_of;  // (max_seqs) sampling values of each seq
+    int64_t *lrow;       // (max_seqs) logits row of its first pick
+    int32_t *items;      // (max_seqs) seqs to pick this step
+    int32_t *srv_of;     // (max_seqs) mm_spec_verify's result
+    uint32_t *acc_of;    // (max_seqs) drafts accepted
+    mm_pen_slot **ps_of; // (max_seqs) penalty slot of each seq this step (NULL: none)
     // drafting (step_draft.h)
     mm_draft *dr;
     int draft_rows;      // most draft rows per step
@@ -163,6 +200,123 @@ static bool peer_ensure(mm_step_engine *e, struct peer *p) {
     }
     p->live = true;
     return true;
+}
+
+// ---- sampling pool ---------------------------------------------------------------------------
+
+// pick_one verifies seq i's rows (plain decoding's picks; mm/spec.h) with sampler scratch smp.
+// Writes only seq i's outputs.
+static void pick_one(mm_step_engine *e, const Mmctl__StepPlan *p, int32_t i, mm_sampler *smp) {
+    const Mmctl__SeqStep *q = p->seqs[i];
+    const int64_t at = (int64_t)q->pos + (int64_t)q->n_tokens;
+    uint32_t a = 0;
+    e->srv_of[i] = (int32_t)mm_spec_verify(smp, e->logits + e->lrow[i] * e->V, e->V, &e->sp_of[i],
+                                           at, q->logprobs, e->draft + i * MM_DRAFT_MAX_K,
+                                           e->n_draft[i], &e->smp[i],
+                                           e->draft_tok + i * MM_DRAFT_MAX_K,
+                                           e->draft_lp + i * MM_DRAFT_MAX_K, &a, e->seq_msg[i]);
+    e->acc_of[i] = a;
+}
+
+static void pool_take(struct sample_pool *pl, mm_sampler *smp) {
+    for (;;) {
+        int k = atomic_fetch_add(&pl->next, 1);
+        if (k >= pl->n_items)
+            return;
+        pick_one(pl->e, pl->plan, pl->e->items[k], smp);
+    }
+}
+
+static void *pool_worker(void *arg) {
+    struct sample_pool *pl = ((struct pool_arg *)arg)->pl;
+    const int me = ((struct pool_arg *)arg)->k;
+    uint64_t seen = 0; // jobs start at gen 1: a worker started late still takes the first
+    for (;;) {
+        pthread_mutex_lock(&pl->mu);
+        while (!pl->stop && pl->gen == seen)
+            pthread_cond_wait(&pl->go, &pl->mu);
+        if (pl->stop) {
+            pthread_mutex_unlock(&pl->mu);
+            return NULL;
+        }
+        seen = pl->gen;
+        pthread_mutex_unlock(&pl->mu);
+        pool_take(pl, pl->smp[me]);
+        pthread_mutex_lock(&pl->mu);
+        if (++pl->finished == pl->n)
+            pthread_cond_signal(&pl->done);
+        pthread_mutex_unlock(&pl->mu);
+    }
+}
+
+// pool_run picks the n seqs in e->items on the pool and the calling thread; returns when all are
+// done. Fewer than POOL_MIN_SEQS (or no workers): inline.
+static void pool_run(mm_step_engine *e, const Mmctl__StepPlan *p, int n) {
+    struct sample_pool *pl = &e->pool;
+    if (!e->pool_up || pl->n == 0 || n < POOL_MIN_SEQS) {
+        for (int k = 0; k < n; k++)
+            pick_one(e, p, e->items[k], e->sampler);
+        return;
+    }
+    pthread_mutex_lock(&pl->mu);
+    pl->e = e;
+    pl->plan = p;
+    pl->n_items = n;
+    atomic_store(&pl->next, 0);
+    pl->finished = 0;
+    pl->gen++;
+    pthread_cond_broadcast(&pl->go);
+    pthread_mutex_unlock(&pl->mu);
+    pool_take(pl, e->sampler);
+    pthread_mutex_lock(&pl->mu);
+    while (pl->finished < pl->n)
+        pthread_cond_wait(&pl->done, &pl->mu);
+    pthread_mutex_unlock(&pl->mu);
+}
+
+// pool_start: min(MAX_SAMPLE_WORKERS, online cores - 1) workers, each with its own sampler.
+// Failing to start one only means fewer.
+static void pool_start(mm_step_engine *e) {
+    struct sample_pool *pl = &e->pool;
+    pthread_mutex_init(&pl->mu, NULL);
+    pthread_cond_init(&pl->go, NULL);
+    pthread_cond_init(&pl->done, NULL);
+    e->pool_up = true;
+    long cores = sysconf(_SC_NPROCESSORS_ONLN);
+    int want = cores > 1 ? (int)(cores - 1) : 0;
+    if (want > MAX_SAMPLE_WORKERS)
+        want = MAX_SAMPLE_WORKERS;
+    for (int k = 0; k < want; k++) {
+        if (mm_sampler_new(&pl->smp[k], e->V) != MM_OK)
+            break;
+        pl->arg[k] = (struct pool_arg){.pl = pl, .k = k};
+        int rc = pthread_create(&pl->th[k], NULL, pool_worker, &pl->arg[k]);
+        if (rc == 0)
+            pl->n++; // no job runs before open returns, so n is final when one does
+        if (rc != 0) {
+            mm_sampler_free(pl->smp[k]);
+            pl->smp[k] = NULL;
+            break;
+        }
+    }
+}
+
+static void pool_stop(mm_step_engine *e) {
+    struct sample_pool *pl = &e->pool;
+    if (!e->pool_up)
+        return;
+    pthread_mutex_lock(&pl->mu);
+    pl->stop = true;
+    pthread_cond_broadcast(&pl->go);
+    pthread_mutex_unlock(&pl->mu);
+    for (int k = 0; k < pl->n; k++)
+        pthread_join(pl->th[k], NULL);
+    for (int k = 0; k < MAX_SAMPLE_WORKERS; k++)
+        mm_sampler_free(pl->smp[k]);
+    pthread_cond_destroy(&pl->go);
+    pthread_cond_destroy(&pl->done);
+    pthread_mutex_destroy(&pl->mu);
+    e->pool_up = false;
 }
 
 static int cfg_max_ctx(const mm_model_config *c, int want) {
@@ -267,13 +421,20 @@ mm_err mm_step_engine_open(mm_step_engine **out, const mm_step_conf *c, mm_regis
     e->top = calloc((size_t)S * MM_SAMPLER_MAX_TOP, sizeof(*e->top));
     e->top_p = calloc((size_t)S * MM_SAMPLER_MAX_TOP, sizeof(*e->top_p));
     e->smp = calloc((size_t)S, sizeof(*e->smp));
+    e->sp_of = calloc((size_t)S, sizeof(*e->sp_of));
+    e->lrow = calloc((size_t)S, sizeof(*e->lrow));
+    e->items = calloc((size_t)S, sizeof(*e->items));
+    e->srv_of = calloc((size_t)S, sizeof(*e->srv_of));
+    e->acc_of = calloc((size_t)S, sizeof(*e->acc_of));
+    e->ps_of = calloc((size_t)S, sizeof(*e->ps_of));
     if (!e->shards || !e->owners || !e->ids || !e->h || !e->x || !e->sh || !e->stage ||
         !e->gids || !e->gw || !e->xs || !e->ys || !e->eo || !e->slot_of || !e->todo || !e->e_cnt ||
         !e->e_off || !e->e_owner || !e->ctrl || !e->last || !e->hn || !e->logits ||
         !e->seq_shard || !e->seq_row || !e->seq_failed || !e->seq_msg || !e->seq_code ||
         !e->res || !e->res_p || !e->top || !e->top_p || !e->smp || !e->seq_n || !e->active ||
         !e->n_draft || !e->n_acc || !e->draft || !e->draft_lp || !e->draft_tok || !e->xsrc ||
-        !e->iov) {
+        !e->iov || !e->sp_of || !e->lrow || !e->items || !e->srv_of || !e->acc_of ||
+        !e->ps_of) {
         rv = MM_ENOMEM;
         goto fail;
     }
@@ -281,6 +442,7 @@ mm_err mm_step_engine_open(mm_step_engine **out, const mm_step_conf *c, mm_regis
         e->shards[i] = (struct peer){.role = "attention", .what = "attention shard", .inst = i};
     for (int i = 0; i < c->owners; i++)
         e->owners[i] = (struct peer){.role = "expert", .what = "expert owner", .inst = i};
+    pool_start(e);
     *out = e;
     return MM_OK;
 fail:
@@ -302,7 +464,10 @@ void mm_step_engine_close(mm_step_engine *e) {
     free(e->seq_failed); free(e->seq_msg); free(e->seq_code); free(e->res); free(e->res_p);
     free(e->top); free(e->top_p); free(e->smp);
     free(e->seq_n); free(e->active); free(e->n_draft); free(e->n_acc); free(e->draft);
+    pool_stop(e);
     free(e->draft_lp); free(e->draft_tok); free(e->xsrc); free(e->iov);
+    free(e->sp_of); free(e->lrow); free(e->items); free(e->srv_of); free(e->acc_of);
+    free(e->ps_of);
     mm_draft_close(e->dr);
     mm_sampler_free(e->sampler);
     mm_pen_table_free(e->pen);
@@ -910,14 +1075,18 @@ struct nng_msg *mm_step_engine_run(mm_step_engine *e, const Mmctl__StepPlan *p, 
                     fail_active(e, p, rv, msg);
                 }
             }
+            // Sampling in three passes: prepare each seq in order (penalty counts, its logits
+            // row), pick them all (in parallel: independent, same bits), apply in order (draft
+            // state, penalty counts of the sampled token).
             int64_t j = 0;
+            int n_items = 0;
             for (size_t i = 0; i < p->n_seqs && rv == MM_OK; i++) {
                 const Mmctl__SeqStep *q = p->seqs[i];
+                e->lrow[i] = -1;
                 if (e->seq_row[i] < 0)
                     continue;
                 mm_sampling sp;
                 mm_step_sampling_from_pb(q->sampling, &sp);
-                const int64_t at = (int64_t)q->pos + (int64_t)q->n_tokens;
                 // Penalties: the seq's token counts (its fed tokens first), per seq only.
                 mm_pen_slot *ps = NULL;
                 if (mm_sampling_has_penalty(&sp)) {
@@ -936,29 +1105,37 @@ struct nng_msg *mm_step_engine_run(mm_step_engine *e, const Mmctl__StepPlan *p, 
                 }
                 if (!q->sample)
                     continue;
-                // Verification of the draft rows (mm/spec.h): plain decoding's picks, drafts
-                // accepted while they equal them.
-                const int32_t *dft = e->draft + i * MM_DRAFT_MAX_K;
-                uint32_t a = 0;
-                mm_err srv = mm_spec_verify(e->sampler, e->logits + j * e->V, e->V, &sp, at,
-                                            q->logprobs, dft, e->n_draft[i], &e->smp[i],
-                                            e->draft_tok + i * MM_DRAFT_MAX_K,
-                                            e->draft_lp + i * MM_DRAFT_MAX_K, &a, e->seq_msg[i]);
+                e->sp_of[i] = sp;
+                e->ps_of[i] = ps;
+                e->lrow[i] = j;
+                e->items[n_items++] = (int32_t)i;
+                j += 1 + e->n_draft[i];
+            }
+            // Verification of the draft rows (mm/spec.h): plain decoding's picks, drafts
+            // accepted while they equal them.
+            if (rv == MM_OK)
+                pool_run(e, p, n_items);
+            for (int k = 0; k < n_items; k++) {
+                const int32_t i = e->items[k];
+                const Mmctl__SeqStep *q = p->seqs[i];
+                const mm_err srv = (mm_err)e->srv_of[i];
                 if (srv != MM_OK) {
                     e->seq_failed[i] = true;
                     e->seq_code[i] = srv;
-                } else {
-                    e->n_acc[i] = a;
-                    mm_draft_verified(e->dr, q, e->n_draft[i], a, dft);
-                    if (ps != NULL) { // (no drafts for these seqs: step_draft.c)
-                        srv = mm_pen_slot_sampled(ps, at, e->smp[i].token, e->seq_msg[i]);
-                        if (srv != MM_OK) {
-                            e->seq_failed[i] = true;
-                            e->seq_code[i] = srv;
-                        }
+                    continue;
+                }
+                e->n_acc[i] = e->acc_of[i];
+                mm_draft_verified(e->dr, q, e->n_draft[i], e->acc_of[i],
+                                  e->draft + i * MM_DRAFT_MAX_K);
+                if (e->ps_of[i] != NULL) { // penalties (no drafts for these: step_draft.c)
+                    const int64_t at = (int64_t)q->pos + (int64_t)q->n_tokens;
+                    mm_err prv = mm_pen_slot_sampled(e->ps_of[i], at, e->smp[i].token,
+                                                     e->seq_msg[i]);
+                    if (prv != MM_OK) {
+                        e->seq_failed[i] = true;
+                        e->seq_code[i] = prv;
                     }
                 }
-                j += 1 + e->n_draft[i];
             }
             mm_log_debug("step %llu: %lld rows in %.3f ms", (unsigned long long)p->step_id,
                          (long long)R, (double)(mm_now_ns() - t0) / 1e6);

@@ -123,8 +123,8 @@ typedef struct mm_mem_reg mm_mem_reg;   // a registered memory region (transport
 // use, MM_ESYS. Thread-safe.
 mm_err mm_transport_listen(mm_listener **out, const char *url, char err[MM_ERRLEN]);
 
-// mm_listener_accept waits until a peer dials, completes the handshake (also bounded by
-// deadline_ns) and returns an owned conn in *out (release with mm_conn_close). A peer that
+// mm_listener_accept waits until a peer dials, completes the handshake (bounded by deadline_ns,
+// but a peer that dialed before it gets at least 1 s on shm://) and returns an owned conn in *out (release with mm_conn_close). A peer that
 // connects but fails the handshake is dropped and reported as MM_EPROTO (the listener stays
 // usable). Errors: MM_ETIMEDOUT, MM_EPROTO, MM_ECLOSED (mm_listener_shutdown), MM_ESYS.
 // One thread at a time per listener.

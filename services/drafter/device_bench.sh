@@ -19,7 +19,8 @@
 # On this CPU VM:
 #     DEVICE=cpu TARGET=tests/fixtures/models/qwen3moe-tiny \
 #       DRAFT=tests/fixtures/models/qwen3-tiny-drafter bash services/drafter/device_bench.sh build/bin
-# Env: DEVICE (cuda:0), TARGET / DRAFT (model dirs; unset: synthesized), CASES ("none self small
+# Env: DEVICE (cuda:0), TARGET / DRAFT (model dirs; unset: synthesized, shapes TARGET_SHAPE /
+# DRAFT_SHAPE, LAYERS / DRAFT_LAYERS; "tiny" for both tries the script on a CPU), CASES ("none self small
 # ngram"), CONCS ("1 16"), ROUNDS (2 on the CPU, 1 on a GPU: each case loads the model anew),
 # MAX_TOKENS (128), PROMPT (32), REQS1 (8) / REQS16 (64)
 # requests at concurrency 1 / 16, OWNERS (1), THREADS (1: CPU threads per daemon), VOCAB (256:
@@ -55,7 +56,7 @@ SYNTH_DIRS=
 if [ -z "${TARGET:-}" ]; then
     TARGET=/tmp/mm-dbench-target-L$LAYERS
     SYNTH_DIRS="$SYNTH_DIRS $TARGET"
-    timeout 300 "$D/moemesh" synth --out "$TARGET" --shape qwen3-30b-a3b --layers "$LAYERS" ||
+    timeout 300 "$D/moemesh" synth --out "$TARGET" --shape "${TARGET_SHAPE:-qwen3-30b-a3b}" --layers "$LAYERS" ||
         { echo "synth of the target failed"; exit 1; }
 fi
 if [ -z "${DRAFT:-}" ] && [[ " $CASES " == *" small "* ]]; then

@@ -28,6 +28,9 @@
 //   class is embed's row count, so prefill and decode are apart). The table goes to stderr
 //   at close, or through mm_gpu_optime_report. An op's time runs from the end of the op
 //   before it to its own end on the GPU, so it includes the launch gap in front of it.
+//   MM_GPU_OLD_DECODE=1 runs the earlier argmax (one block per row), rmsnorm (a warp per row)
+//   and attention load grouping, and no early launch of the products (process-wide), for
+//   before/after figures in one run (same results).
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -86,6 +89,7 @@ struct gpu_ctx {
     // argmax workspace: per row a 64-bit (value, id) key and an arrival count, zero between
     // launches (each launch's last block clears its rows)
     void *d_amax;
+    bool old_kernels; // MM_GPU_OLD_DECODE=1: the earlier argmax/rmsnorm/attention (A/B runs)
 };
 
 // ---- per-op timer ------------------------------------------------------------------------------
@@ -248,6 +252,11 @@ static const char *shape_name(char buf[OT_NAME], const char *op, int64_t rows, i
     snprintf(buf, OT_NAME, "%s %lldx%lld", op, (long long)rows, (long long)cols);
     return buf;
 }
+
+// The earlier decode kernels, kept for A/B runs (ops.cu; same results).
+extern "C" mm_err mm_gpu_rmsnorm_warp(void *stream, const mm_weight *w, float eps, const float *x,
+                                      int64_t xs, float *y, int64_t ys, int64_t n_rows);
+extern "C" mm_err mm_gpu_attention_ref(void *stream, const struct mm_attn_args *a, int *d_err);
 
 #define CTX(c) struct gpu_ctx *g = (struct gpu_ctx *)(c)
 #define ON_DEVICE() MM_GPU_CHECK(cudaSetDevice(g->dev))
@@ -470,6 +479,8 @@ static mm_err gpu_rmsnorm(void *ctx, const mm_weight *w, float eps, const float 
                           float *y, int64_t ys, int64_t n_rows) {
     CTX(ctx);
     ON_DEVICE();
+    if (g->old_kernels)
+        TIMED("rmsnorm", mm_gpu_rmsnorm_warp(g->stream, w, eps, x, xs, y, ys, n_rows));
     TIMED("rmsnorm", mm_gpu_rmsnorm(g->stream, w, eps, x, xs, y, ys, n_rows));
 }
 
@@ -488,6 +499,8 @@ static mm_err gpu_kv_store(void *ctx, const struct mm_kv_store_args *a) {
 static mm_err gpu_attention(void *ctx, const struct mm_attn_args *a) {
     CTX(ctx);
     ON_DEVICE();
+    if (g->old_kernels)
+        TIMED("attention", mm_gpu_attention_ref(g->stream, a, g->d_err));
     TIMED("attention", mm_gpu_attention(g->stream, a, g->d_err));
 }
 
@@ -570,6 +583,8 @@ static mm_err gpu_argmax(void *ctx, const float *logits, int64_t stride, int64_t
                          int vocab, int32_t *ids) {
     CTX(ctx);
     ON_DEVICE();
+    if (g->old_kernels)
+        TIMED("argmax", mm_gpu_argmax(g->stream, logits, stride, n_rows, vocab, ids));
     TIMED("argmax", mm_gpu_argmax_ws(g->stream, logits, stride, n_rows, vocab, ids, g->d_amax,
                                      AMAX_ROWS));
 }
@@ -719,6 +734,10 @@ extern "C" mm_err mm_cuda_backend_open(mm_backend *be, const mm_backend_params *
         return rv;
     }
     be->ops = &gpu_ops;
+    const char *old = getenv("MM_GPU_OLD_DECODE"); // A/B: same results, earlier kernels
+    g->old_kernels = old != NULL && old[0] != '\0' && strcmp(old, "0") != 0;
+    if (g->old_kernels)
+        mm_gpu_set_early_launch(0); // process-wide, as the earlier kernels ran
     const char *ot = getenv("MM_GPU_OPTIME");
     if (ot != NULL && strcmp(ot, "0") != 0 && ot[0] != '\0') {
         if (ot_open(g)) { // op by op: a graph would hide the ops from the events

@@ -75,6 +75,10 @@ mm_err mm_gpu_moe_matmul(void *stream, int dtype, const void *const *d_w, const 
 // mm_gpu_set_pdl turns programmatic dependent launch of the decode GEMV on (default) or off
 // (CUDA sm_90; no effect on HIP). Process-wide; call before issuing work.
 void mm_gpu_set_pdl(int on);
+// mm_gpu_set_early_launch: the kernels that feed a product (rmsnorm, attention, copy_rows,
+// swiglu) let the product's dependent launch start at their own start (default on; ops.cu).
+// Process-wide; same results either way.
+void mm_gpu_set_early_launch(int on);
 
 // mm_gpu_set_gemm_tile picks the wgmma block (benches, tests): 0 (default) per product kind
 // (dense 4, grouped 2); 2: 128 outputs x 128 tokens, 3: 192 x 128, 4: 128 x 192, 5: 128 x 128

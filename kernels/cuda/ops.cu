@@ -51,6 +51,27 @@ __device__ __forceinline__ float wload(const void *w, int64_t i) {
 
 static unsigned warp_threads(void) { return (unsigned)mm__gpu_warp_size(); }
 
+// ---- early launch of the product that follows ----------------------------------------------------
+// The decode GEMV is launched as a programmatic dependent (matmul.cu, sm_90): it may start as
+// soon as the kernel before it signals launch_dependents, prefetch its weight rows into L2
+// and then wait (griddepcontrol.wait) for that kernel to finish before it touches x or y. The
+// kernels that feed a product (rmsnorm, attention, copy_rows, swiglu) signal at their start,
+// so the product's launch and weight fetch overlap them. The signal changes no result (the
+// product still waits for the whole kernel); without a dependent launch it does nothing.
+// mm_gpu_set_early_launch(0) turns it off (A/B runs).
+static int g_early = 1;
+
+extern "C" void mm_gpu_set_early_launch(int on) { g_early = on != 0; }
+
+__device__ __forceinline__ void early_launch(int on) {
+#if MM_GPU_HAVE_WMMA && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (on)
+        asm volatile("griddepcontrol.launch_dependents;\n" ::);
+#else
+    (void)on;
+#endif
+}
+
 // ---- rmsnorm ---------------------------------------------------------------------------------
 // The sum of squares is one fixed order: lane l of a warp sums x[l], x[l + W], x[l + 2W], ...
 // (W the warp width) in turn, then the lanes meet in a butterfly (every lane gets the same
@@ -65,9 +86,10 @@ static unsigned warp_threads(void) { return (unsigned)mm__gpu_warp_size(); }
 template <int DT>
 __global__ void __launch_bounds__(RMS_THREADS) rmsnorm_row_kernel(const void *w, int dim, float eps,
                                                                   const float *x, int64_t xs,
-                                                                  float *y, int64_t ys) {
+                                                                  float *y, int64_t ys, int early) {
     extern __shared__ float xsh[]; // dim
     __shared__ float rs_sh;
+    early_launch(early);
     const int64_t r = blockIdx.x;
     const float *xr = x + r * xs;
     float *yr = y + r * ys;
@@ -92,7 +114,8 @@ __global__ void __launch_bounds__(RMS_THREADS) rmsnorm_row_kernel(const void *w,
 
 template <int DT>
 __global__ void rmsnorm_kernel(const void *w, int dim, float eps, const float *x, int64_t xs,
-                               float *y, int64_t ys, int64_t n_rows) {
+                               float *y, int64_t ys, int64_t n_rows, int early) {
+    early_launch(early);
     const int lane = threadIdx.x % MM_WARP_SIZE;
     const int64_t r = (int64_t)blockIdx.x * (blockDim.x / MM_WARP_SIZE) + threadIdx.x / MM_WARP_SIZE;
     if (r >= n_rows)
@@ -129,9 +152,9 @@ extern "C" mm_err mm_gpu_rmsnorm(void *stream, const mm_weight *w, float eps, co
     const unsigned grid = (unsigned)n_rows;
     cudaStream_t st = (cudaStream_t)stream;
     switch (w->dtype) {
-    case MM_DTYPE_BF16: rmsnorm_row_kernel<MM_DTYPE_BF16><<<grid, RMS_THREADS, shmem, st>>>(w->data, dim, eps, x, xs, y, ys); break;
-    case MM_DTYPE_F16: rmsnorm_row_kernel<MM_DTYPE_F16><<<grid, RMS_THREADS, shmem, st>>>(w->data, dim, eps, x, xs, y, ys); break;
-    case MM_DTYPE_F32: rmsnorm_row_kernel<MM_DTYPE_F32><<<grid, RMS_THREADS, shmem, st>>>(w->data, dim, eps, x, xs, y, ys); break;
+    case MM_DTYPE_BF16: rmsnorm_row_kernel<MM_DTYPE_BF16><<<grid, RMS_THREADS, shmem, st>>>(w->data, dim, eps, x, xs, y, ys, g_early); break;
+    case MM_DTYPE_F16: rmsnorm_row_kernel<MM_DTYPE_F16><<<grid, RMS_THREADS, shmem, st>>>(w->data, dim, eps, x, xs, y, ys, g_early); break;
+    case MM_DTYPE_F32: rmsnorm_row_kernel<MM_DTYPE_F32><<<grid, RMS_THREADS, shmem, st>>>(w->data, dim, eps, x, xs, y, ys, g_early); break;
     default: return MM_EINVAL;
     }
     MM_GPU_CHECK(cudaGetLastError());
@@ -149,9 +172,9 @@ extern "C" mm_err mm_gpu_rmsnorm_warp(void *stream, const mm_weight *w, float ep
     dim3 grid(mm_div_up(n_rows, rows_per_block));
     cudaStream_t st = (cudaStream_t)stream;
     switch (w->dtype) {
-    case MM_DTYPE_BF16: rmsnorm_kernel<MM_DTYPE_BF16><<<grid, 256, 0, st>>>(w->data, (int)w->cols, eps, x, xs, y, ys, n_rows); break;
-    case MM_DTYPE_F16: rmsnorm_kernel<MM_DTYPE_F16><<<grid, 256, 0, st>>>(w->data, (int)w->cols, eps, x, xs, y, ys, n_rows); break;
-    case MM_DTYPE_F32: rmsnorm_kernel<MM_DTYPE_F32><<<grid, 256, 0, st>>>(w->data, (int)w->cols, eps, x, xs, y, ys, n_rows); break;
+    case MM_DTYPE_BF16: rmsnorm_kernel<MM_DTYPE_BF16><<<grid, 256, 0, st>>>(w->data, (int)w->cols, eps, x, xs, y, ys, n_rows, g_early); break;
+    case MM_DTYPE_F16: rmsnorm_kernel<MM_DTYPE_F16><<<grid, 256, 0, st>>>(w->data, (int)w->cols, eps, x, xs, y, ys, n_rows, g_early); break;
+    case MM_DTYPE_F32: rmsnorm_kernel<MM_DTYPE_F32><<<grid, 256, 0, st>>>(w->data, (int)w->cols, eps, x, xs, y, ys, n_rows, g_early); break;
     default: return MM_EINVAL;
     }
     MM_GPU_CHECK(cudaGetLastError());
@@ -312,7 +335,9 @@ extern "C" mm_err mm_gpu_kv_store(void *stream, const struct mm_kv_store_args *a
 
 // One block per (row, head). Dynamic shared: q (dk) + scores (ATT_CHUNK).
 template <int ATT_K_VEC, int ATT_V_KEYS>
-__global__ void __launch_bounds__(ATT_THREADS) attention_kernel(struct mm_attn_args a, int *d_err) {
+__global__ void __launch_bounds__(ATT_THREADS) attention_kernel(struct mm_attn_args a, int *d_err,
+                                                                int early) {
+    early_launch(early);
     extern __shared__ float sh[];
     __shared__ const float *slots[ATT_CHUNK];
     const struct mm_kv_view &kv = a.kv;
@@ -432,10 +457,10 @@ static mm_err attention_launch(void *stream, const struct mm_attn_args *a, int *
     const size_t shmem = (size_t)(a->kv.head_dim_k + ATT_CHUNK) * sizeof(float);
     dim3 grid((unsigned)a->n_rows, (unsigned)a->n_heads);
     if (ref)
-        attention_kernel<8, 16><<<grid, ATT_THREADS, shmem, (cudaStream_t)stream>>>(*a, d_err);
+        attention_kernel<8, 16><<<grid, ATT_THREADS, shmem, (cudaStream_t)stream>>>(*a, d_err, g_early);
     else
         attention_kernel<ATT_K_VEC_DEF, ATT_V_KEYS_DEF>
-            <<<grid, ATT_THREADS, shmem, (cudaStream_t)stream>>>(*a, d_err);
+            <<<grid, ATT_THREADS, shmem, (cudaStream_t)stream>>>(*a, d_err, g_early);
     MM_GPU_CHECK(cudaGetLastError());
     return MM_OK;
 }
@@ -485,7 +510,8 @@ extern "C" mm_err mm_gpu_embed(void *stream, const mm_weight *t, const int32_t *
 }
 
 __global__ void swiglu_kernel(const float *g, int64_t gs, const float *u, int64_t us, float *o,
-                              int64_t os, int64_t n_rows, int64_t dim) {
+                              int64_t os, int64_t n_rows, int64_t dim, int early) {
+    early_launch(early);
     const int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= n_rows * dim)
         return;
@@ -500,7 +526,7 @@ extern "C" mm_err mm_gpu_swiglu(void *stream, const float *g, int64_t gs, const 
         return MM_EINVAL;
     if (n_rows * dim == 0)
         return MM_OK;
-    swiglu_kernel<<<mm_div_up(n_rows * dim, 256), 256, 0, (cudaStream_t)stream>>>(g, gs, u, us, o, os, n_rows, dim);
+    swiglu_kernel<<<mm_div_up(n_rows * dim, 256), 256, 0, (cudaStream_t)stream>>>(g, gs, u, us, o, os, n_rows, dim, g_early);
     MM_GPU_CHECK(cudaGetLastError());
     return MM_OK;
 }
@@ -544,7 +570,9 @@ extern "C" mm_err mm_gpu_sigmoid(void *stream, float *x, int64_t n) {
 }
 
 __global__ void copy_rows_kernel(const float *src, int64_t ss, const int32_t *si, float *dst,
-                                 int64_t ds, const int32_t *di, int64_t dim, int *d_err) {
+                                 int64_t ds, const int32_t *di, int64_t dim, int *d_err,
+                                 int early) {
+    early_launch(early);
     const int64_t i = blockIdx.x;
     const int64_t a = si ? si[i] : i, b = di ? di[i] : i;
     if (a < 0 || b < 0) {
@@ -563,7 +591,7 @@ extern "C" mm_err mm_gpu_copy_rows(void *stream, const float *src, int64_t ss, c
         return MM_EINVAL;
     if (n_rows == 0 || dim == 0)
         return MM_OK;
-    copy_rows_kernel<<<(unsigned)n_rows, 256, 0, (cudaStream_t)stream>>>(src, ss, si, dst, ds, di, dim, d_err);
+    copy_rows_kernel<<<(unsigned)n_rows, 256, 0, (cudaStream_t)stream>>>(src, ss, si, dst, ds, di, dim, d_err, g_early);
     MM_GPU_CHECK(cudaGetLastError());
     return MM_OK;
 }

@@ -32,6 +32,7 @@ struct dseq {
     int32_t slot; // KV slot (model kind)
     int32_t *tok; // (max_ctx) owned
     int32_t n_commit, n_have, n_kv;
+    uint64_t used_at; // the request (D.n_req) that last named it
     // this request's batch (model kind)
     uint32_t k;   // drafts wanted
     uint32_t m;   // drafts made
@@ -73,6 +74,20 @@ static void seq_forget(struct dseq *s) {
 }
 
 static struct dseq *seq_new(uint64_t id) {
+    // Full: the seq named longest ago makes room, unless this request named it (a release the
+    // router could not pass on, e.g. dropped in a step we missed, must not block new seqs).
+    struct dseq *lru = NULL;
+    for (long long i = 0; i < s_max_seqs; i++) {
+        struct dseq *s = &D.seqs[i];
+        if (!s->used) {
+            lru = NULL;
+            break;
+        }
+        if (s->used_at != D.n_req && (!lru || s->used_at < lru->used_at))
+            lru = s;
+    }
+    if (lru)
+        seq_forget(lru);
     for (long long i = 0; i < s_max_seqs; i++) {
         struct dseq *s = &D.seqs[i];
         if (s->used)
@@ -250,6 +265,8 @@ static struct nng_msg *on_draft(const Mmctl__DraftRequest *rq, uint64_t seq) {
         struct dseq *s = seq_find(q->seq_id);
         if (!s && q->from == 0)
             s = seq_new(q->seq_id);
+        if (s)
+            s->used_at = D.n_req;
         if (!s || (int64_t)q->from > s->n_commit) {
             o->resync = s ? s->n_commit : 0;
             if (!s && q->from == 0)

@@ -12,6 +12,7 @@
 
 #define PROBE_EVERY 64   // low-acceptance seqs draft again (1 token) every PROBE_EVERY-th step,
                          // doubling (up to 16x) while they stay under 5%
+#define MAX_REL 4096     // releases kept for the drafter's next request (older ones dropped)
 #define HOLD 0.10        // the width changes only for a 10% better expected tokens/s
 #define EXPLORE_EVERY 8  // every EXPLORE_EVERY-th drafting step may measure another width
 #define STALE 64         // a width's price older than STALE samples of its range is re-measured
@@ -45,7 +46,8 @@ struct mm_draft {
     Mmctl__DraftSeq *dq;
     Mmctl__DraftSeq **dqp;
     int32_t *dq_plan;  // plan index of each request seq
-    uint64_t *rel;
+    uint64_t *rel; // (MAX_REL) released seqs the drafter has not been told of yet
+    size_t n_rel;
     mm_spec_costs costs; // step time per (step range, widest draft asked for in the step)
     int step_w, step_bucket; // this step's: widest draft asked for; range (mm_spec_bucket)
     uint64_t n_steps; // steps with a seq that allowed drafting (probes: every PROBE_EVERY-th)
@@ -79,7 +81,7 @@ mm_err mm_draft_open(mm_draft **out, const mm_draft_conf *c, mm_registry *reg,
     d->dq = calloc((size_t)d->n_t, sizeof(*d->dq));
     d->dqp = calloc((size_t)d->n_t, sizeof(*d->dqp));
     d->dq_plan = calloc((size_t)d->n_t, sizeof(*d->dq_plan));
-    d->rel = calloc(4096, sizeof(*d->rel));
+    d->rel = calloc(MAX_REL, sizeof(*d->rel));
     if (!d->t || !d->dq || !d->dqp || !d->dq_plan || !d->rel) {
         mm_draft_close(d);
         return MM_ENOMEM;
@@ -159,6 +161,7 @@ static mm_ctl_client *drafter_link(mm_draft *d) {
         d->warned = false;
         for (int i = 0; i < d->n_t; i++)
             d->t[i].dr_from = 0; // a new drafter process holds nothing
+        d->n_rel = 0;
         mm_log_info("drafting with the drafter at %s", url);
     }
     if (mm_now_ns() < d->backoff_until)
@@ -206,8 +209,17 @@ void mm_draft_begin(mm_draft *d, const Mmctl__StepPlan *p, const bool *active, i
     d->step_bucket = 0;
     d->step_ok = true;
     d->step_cost = false;
-    for (size_t i = 0; i < p->n_release; i++)
+    for (size_t i = 0; i < p->n_release; i++) {
         forget(d, p->release[i]);
+        // The drafter learns of releases with its next request, which may be many steps away
+        // (steps of width 0 ask nothing): kept until then, or its seq table fills with ended
+        // seqs and it drafts for no new one. Full (4096 pending): the oldest are dropped.
+        if (d->n_rel == MAX_REL) {
+            memmove(d->rel, d->rel + 1, (MAX_REL - 1) * sizeof(*d->rel));
+            d->n_rel--;
+        }
+        d->rel[d->n_rel++] = p->release[i];
+    }
     int32_t max_ctx_step = 0;
     int64_t rows = 0;
     for (size_t i = 0; i < p->n_seqs; i++) {
@@ -342,8 +354,8 @@ void mm_draft_begin(mm_draft *d, const Mmctl__StepPlan *p, const bool *active, i
     rq.step_id = p->step_id;
     rq.n_seqs = nq;
     rq.seqs = d->dqp;
-    rq.n_release = p->n_release < 4096 ? p->n_release : 4096;
-    rq.release = p->release;
+    rq.n_release = d->n_rel;
+    rq.release = d->rel;
     mm_ctl_msg env = MMCTL__ENVELOPE__INIT;
     env.body_case = MMCTL__ENVELOPE__BODY_DRAFT_REQUEST;
     env.draft_request = &rq;
@@ -371,6 +383,7 @@ void mm_draft_begin(mm_draft *d, const Mmctl__StepPlan *p, const bool *active, i
     }
     d->backoff_ms = 250;
     d->warned = false;
+    d->n_rel = 0; // the drafter has them
     for (size_t j = 0; j < nq; j++) {
         const Mmctl__DraftOut *o = rep->draft_reply->seqs[j];
         int32_t i = d->dq_plan[j];

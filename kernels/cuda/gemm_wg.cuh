@@ -61,6 +61,10 @@ __host__ __device__ __forceinline__ int wg_perm32(int p) {
 // x (f32, any stride) -> xb (bf16, permuted, ldx per row, zeros from n_in to ldx). One thread
 // per 16 bytes of xb: slot positions 8q'..8q'+7 of a chunk hold physical 8t + 4s + 2h + {0,1}
 // for t = 0..3 (s, h fixed by q').
+// TILED (gemm_wp.cuh): k-block major instead, block kb (64 k) of row r at (kb * n_rows + r) * 64,
+// its 16-byte pieces already in the 128-byte swizzle (piece c at c ^ (r & 7)), so a tile of
+// rows starting at a multiple of 8 is one contiguous run in the layout wgmma reads.
+template <bool TILED>
 __global__ void wg_convert_x_kernel(const float *x, int64_t xs, int n_rows, int n_in, uint16_t *xb,
                                     int64_t ldx) {
     const int64_t per_row = ldx / 8, n = (int64_t)n_rows * per_row;
@@ -75,7 +79,9 @@ __global__ void wg_convert_x_kernel(const float *x, int64_t xs, int n_rows, int 
             const int k = 32 * c + 8 * t + 4 * s + 2 * h;
             v[t] = pack_bf16(k < n_in ? xr[k] : 0.0f, k + 1 < n_in ? xr[k + 1] : 0.0f);
         }
-        *(uint4 *)(xb + r * ldx + 8 * (int64_t)q) = make_uint4(v[0], v[1], v[2], v[3]);
+        uint16_t *dst = TILED ? xb + ((int64_t)(q >> 3) * n_rows + r) * 64 + 8 * ((q & 7) ^ (r & 7))
+                              : xb + r * ldx + 8 * (int64_t)q;
+        *(uint4 *)dst = make_uint4(v[0], v[1], v[2], v[3]);
     }
 }
 

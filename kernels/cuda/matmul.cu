@@ -27,6 +27,9 @@
 
 #include "gpu_common.cuh"
 #include "mm_gpu.h"
+#if MM_GPU_HAVE_WMMA
+#include <cudaTypedefs.h> // cuTensorMapEncodeTiled's type (TMA maps for gemm_wp.cuh)
+#endif
 
 // ---- tile lookup ---------------------------------------------------------------------------
 struct mm_tile {
@@ -599,6 +602,7 @@ __global__ void __launch_bounds__(MM_THREADS, 2) gemm_mma_async_kernel(mm_mat_ar
     }
 }
 #include "gemm_wg.cuh"
+#include "gemm_wp.cuh"
 #endif // MM_GPU_HAVE_WMMA
 
 // ---- tiled FMA GEMM (any dtype, any vendor) ------------------------------------------------------
@@ -714,6 +718,56 @@ static mm_err launch_wg_kernel(cudaStream_t st, const mm_wg_args &w, uint64_t bi
     return MM_OK;
 }
 
+// The warp-specialised kernel (gemm_wp.cuh): producer warp + two consumer warpgroups, BN
+// tokens, ST stages.
+// WT: W through a TMA tensor map (encoded per call through the driver's
+// cuTensorMapEncodeTiled); false when the driver offers none (the caller then takes WT false).
+static PFN_cuTensorMapEncodeTiled_v12000 wp_encode_fn(void) {
+    static PFN_cuTensorMapEncodeTiled_v12000 fn;
+    static int tried;
+    if (!tried) {
+        void *p = NULL;
+        cudaDriverEntryPointQueryResult q;
+        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault,
+                                             &q) == cudaSuccess && q == cudaDriverEntryPointSuccess)
+            fn = (PFN_cuTensorMapEncodeTiled_v12000)p;
+        else
+            (void)cudaGetLastError();
+        tried = 1;
+    }
+    return fn;
+}
+
+template <int BN, int ST, bool WT>
+static mm_err launch_wp_kernel(cudaStream_t st, const mm_wg_args &w, uint64_t bit) {
+    static uint64_t attr_set;
+    CUtensorMap map;
+    memset(&map, 0, sizeof(map));
+    if (WT) {
+        PFN_cuTensorMapEncodeTiled_v12000 enc = wp_encode_fn();
+        if (enc == NULL)
+            return launch_wp_kernel<BN, ST, false>(st, w, bit);
+        const cuuint64_t dims[2] = {(cuuint64_t)w.n_in, (cuuint64_t)w.n_out};
+        const cuuint64_t strides[1] = {(cuuint64_t)w.n_in * 2};
+        const cuuint32_t box[2] = {64, 128}, estr[2] = {1, 1};
+        const CUresult r = enc(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, (void *)w.w0, dims, strides,
+                               box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
+                               CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+        if (r != CUDA_SUCCESS) // same bits through the row copies
+            return launch_wp_kernel<BN, ST, false>(st, w, bit);
+    }
+    if (!(attr_set & bit)) {
+        MM_GPU_CHECK(cudaFuncSetAttribute(gemm_wp_kernel<BN, ST, WT>,
+                                          cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          wp_smem_bytes(BN, ST)));
+        attr_set |= bit;
+    }
+    dim3 grid(mm_div_up(w.n_out, 128), mm_div_up(w.n_rows, BN));
+    gemm_wp_kernel<BN, ST, WT><<<grid, WP_THREADS, wp_smem_bytes(BN, ST), st>>>(w, map);
+    MM_GPU_CHECK(cudaGetLastError());
+    return MM_OK;
+}
+
 // Converts x into a stream-ordered workspace (bf16, permuted; gemm_wg.cuh) and runs the
 // wgmma tiles. *ran is false, with MM_OK, when the workspace could not be had or the stream is
 // capturing: the caller then takes the mma.sync path, which gives the same bits. The workspace comes from the
@@ -750,18 +804,33 @@ static mm_err launch_wg(cudaStream_t st, const mm_mat_args &a, bool *ran) {
         (void)cudaGetLastError();
         return MM_OK;
     }
+    // Variant: the explicit one (mm_gpu_set_gemm_tile), else dense 4 and grouped 2. The
+    // warp-specialised kernels (8, 9: gemm_wp.cuh, experimental: 8 measured at 58 TFLOP/s on
+    // q_proj, its bits and 9 not yet run on a device) take dense products with n_in % 8 == 0
+    // and 16-byte aligned W (bulk copies); others run the dense default of gemm_wg.cuh (4).
+    int var = g_wg_tile ? g_wg_tile : GROUPED ? 2 : 4;
+    const bool wp_ok = !GROUPED && a.n_in % 8 == 0 && aligned16(a.w0);
+    if (var >= 8 && !wp_ok)
+        var = 4;
+    const bool tiled = var >= 8;
     const int64_t pieces = (int64_t)a.n_rows * (ldx / 8);
     const int64_t cb = (pieces + 255) / 256;
     const unsigned cblocks = (unsigned)(cb < 132 * 16 ? cb : 132 * 16);
-    wg_convert_x_kernel<<<cblocks, 256, 0, st>>>(a.x, a.x_stride, a.n_rows, a.n_in, (uint16_t *)ws, ldx);
+    if (tiled)
+        wg_convert_x_kernel<true><<<cblocks, 256, 0, st>>>(a.x, a.x_stride, a.n_rows, a.n_in, (uint16_t *)ws, ldx);
+    else
+        wg_convert_x_kernel<false><<<cblocks, 256, 0, st>>>(a.x, a.x_stride, a.n_rows, a.n_in, (uint16_t *)ws, ldx);
     MM_GPU_CHECK(cudaGetLastError());
     mm_wg_args w = {(const uint16_t *)ws, ldx, a.w0, a.wg, a.offs, a.n_experts, a.n_rows, a.n_in,
                     a.n_out, a.bias, a.y, a.y_stride};
     mm_err rv;
     // Default (H200, 2026-11-29, kernels/cuda/bench/NOTES.md): dense products on 128 outputs x
-    // 192 tokens (q_proj 242 vs 220 TFLOP/s for 128 x 128); grouped products on 128 x 128
+    // 192 tokens (q_proj 242 vs 220 TFLOP/s for 128 x 128; 239 again at 21:52 UTC, where the
+    // warp-specialised 128 x 128 gave 58); grouped products on 128 x 128
     // (experts hold ~256 rows each at a 4K prefill, so 192-token tiles would run half empty).
-    switch (g_wg_tile ? g_wg_tile : GROUPED ? 2 : 4) {
+    switch (var) {
+    case 8: rv = launch_wp_kernel<128, 6, false>(st, w, bit); break;
+    case 9: rv = launch_wp_kernel<128, 6, true>(st, w, bit); break;
     case 3: rv = launch_wg_kernel<GROUPED, 3, 128, 64, 5>(st, w, bit); break;
     case 4: rv = launch_wg_kernel<GROUPED, 2, 192, 64, 5>(st, w, bit); break;
     case 5: rv = launch_wg_kernel<GROUPED, 2, 128, 128, 3>(st, w, bit); break;
@@ -926,7 +995,7 @@ extern "C" mm_err mm_gpu_moe_matmul(void *stream, int dtype, const void *const *
 
 extern "C" void mm_gpu_set_gemm_tile(int variant) {
 #if MM_GPU_HAVE_WMMA
-    g_wg_tile = (variant >= 2 && variant <= 7) ? variant : 0;
+    g_wg_tile = (variant >= 2 && variant <= 9) ? variant : 0;
 #else
     (void)variant;
 #endif

@@ -1,0 +1,292 @@
+// SPDX-License-Identifier: MIT
+// Prefill GEMM on wgmma with warp specialisation (sm_90a), included by matmul.cu after
+// gemm_wg.cuh (whose helpers, wg_perm32 order and descriptors it shares). Dense products only.
+//
+// Same bits as the decode GEMV (kernels.h), by the same argument as gemm_wg.cuh, with one
+// change in how W reaches the tensor cores: W is the A operand *from registers*. The A
+// fragment of wgmma m64nNk16 is, per warp of the warpgroup (16 rows each), the fragment of
+// mma.sync m16n8k16; each consumer thread loads, per row g and g+8 and 32-chunk of k, the 16
+// bytes at physical k 8t..8t+7 (ld.shared.v4) and feeds words {0, 1} to k16 step 0 and {2, 3}
+// to step 1 in the slots the GEMV gives them (a0a1 = row g word 2s, a2a3 = row g+8, a4a5 = row
+// g word 2s+1, a6a7 = row g+8): the GEMV's A registers, unchanged. So W can sit in shared
+// memory in its physical order, and arrives there by bulk copies (cp.async.bulk, one
+// 128-byte row piece per copy, no per-element work). x (the B operand) comes from shared
+// memory in the GEMV's slot order as before; the conversion kernel writes it k-block major
+// and already 128-byte swizzled (wg_convert_x_kernel<true>), so one bulk copy brings a whole
+// x tile (BN token rows x 64 k) into the layout wgmma reads.
+//
+// Block: 9 warps. Warpgroups 0 and 1 are the consumers, each 64 outputs x BN tokens; warp 8
+// is the producer (it issues every copy). BN is 128: the accumulators take BN registers per
+// thread and ptxas allocates at most 168 here (BN 192 built with __maxnreg__(224) did not
+// launch on the H200: "too many resources requested for launch", run of 21:52 UTC; with a
+// producer warpgroup and setmaxnreg, ptxas still allocates for 65536 / 384 = 168 and
+// spills). Accumulators accumulators as in gemm_wg.cuh (running segment + total, drained at
+// segment ends). Ring of ST stages of 64 k: full[s] (transaction-count mbarrier the copies
+// complete) and empty[s] (one arrival per consumer warp once the wgmmas reading stage s are
+// done).
+#ifndef MM_GEMM_WP_CUH
+#define MM_GEMM_WP_CUH
+
+__host__ __device__ constexpr int wp_x_bytes(int bn) { return bn * 128; }
+__host__ __device__ constexpr int wp_stage_bytes(int bn) { return bn * 128 + 128 * 128; }
+__host__ __device__ constexpr int wp_smem_bytes(int bn, int st) {
+    return st * wp_stage_bytes(bn) + 1024 + 2 * st * 8; // + alignment slack + barriers
+}
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+__device__ __forceinline__ void wgmma_rs_m64n128k16(float d[64], const uint32_t a[4], uint64_t db) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
+                 " %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
+                 " %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
+                 " %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+                 "{%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+          "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+          "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
+          "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+          "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),
+          "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
+          "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]),
+          "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]),
+          "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+}
+__device__ __forceinline__ void wgmma_rs_m64n192k16(float d[96], const uint32_t a[4], uint64_t db) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %101, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n192k16.f32.bf16.bf16 "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
+                 " %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
+                 " %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
+                 " %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63,"
+                 " %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79,"
+                 " %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95}, "
+                 "{%96, %97, %98, %99}, %100, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+          "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+          "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
+          "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+          "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),
+          "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
+          "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]),
+          "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]),
+          "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]),
+          "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]),
+          "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]),
+          "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]),
+          "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+}
+template <int BN>
+__device__ __forceinline__ void wgmma_rs_tile(float (&d)[BN / 2], const uint32_t (&a)[4], uint64_t db) {
+    if constexpr (BN == 192)
+        wgmma_rs_m64n192k16(d, a, db);
+    else
+        wgmma_rs_m64n128k16(d, a, db);
+}
+__device__ __forceinline__ void wp_bar_init(uint32_t bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void wp_bar_expect(uint32_t bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void wp_bar_arrive(uint32_t bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// Waits for the completion of the barrier's phase with this parity. A wait longer than ~4 s
+// means a broken ring (a bug): trap rather than hang the stream.
+__device__ __forceinline__ void wp_bar_wait(uint32_t bar, uint32_t parity) {
+    uint32_t done = 0;
+    uint64_t t0 = 0;
+    for (uint32_t n = 0;; n++) {
+        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                     "selp.u32 %0, 1, 0, p;\n}\n"
+                     : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+        if (done)
+            return;
+        if ((n & 0xffffu) == 0) {
+            uint64_t now;
+            asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(now));
+            if (n == 0)
+                t0 = now;
+            else if (now - t0 > 4000000000ull)
+                __trap();
+        }
+    }
+}
+// bytes (multiple of 16) from global src to shared dst, completing on mbarrier bar.
+__device__ __forceinline__ void wp_bulk(uint32_t dst, const void *src, uint32_t bytes, uint32_t bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+                 ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+// Pins A-fragment registers in place (no instruction): their definition stays before the
+// wgmma.fence, and nothing moves into the pipeline stage that reads them.
+__device__ __forceinline__ void wp_fence_regs(uint32_t (&r)[8]) {
+#pragma unroll
+    for (int i = 0; i < 8; i++)
+        asm volatile("" : "+r"(r[i])::"memory");
+}
+
+__device__ __forceinline__ uint4 wp_lds128(uint32_t addr) {
+    uint4 v;
+    asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr) : "memory");
+    return v;
+}
+#endif
+
+// a.xb: the k-block-major swizzled workspace (wg_convert_x_kernel<true>); dense; n_in % 8 == 0
+// and W 16-byte aligned (bulk copies).
+#define WP_THREADS 288
+// WT: W by one TMA tile copy per stage (wmap: W as a 2-d tensor, 64 k x 128 rows boxes, no
+// swizzle, zeros out of bounds) instead of 128 row copies.
+template <int BN, int ST, bool WT>
+__global__ void __launch_bounds__(WP_THREADS, 1) gemm_wp_kernel(mm_wg_args a, const __grid_constant__ CUtensorMap wmap) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    static_assert(BN == 128, "accumulators for BN > 128 do not fit the 168 registers of 288 threads");
+    extern __shared__ __align__(1024) unsigned char wp_smem_raw[];
+    constexpr int SB = wp_stage_bytes(BN), XB = wp_x_bytes(BN);
+    const uint32_t raw = (uint32_t)__cvta_generic_to_shared(wp_smem_raw);
+    const uint32_t sbase = (raw + 1023u) & ~1023u;
+    const uint32_t full0 = sbase + ST * SB, empty0 = full0 + 8 * ST;
+    const int m0 = blockIdx.y * BN, mlen = min(BN, a.n_rows - m0);
+    const int n0 = blockIdx.x * 128;
+    const int n_k = (a.n_in + 63) / 64;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    if (tid == 0) {
+        for (int s = 0; s < ST; s++) {
+            wp_bar_init(full0 + 8 * s, 1);
+            wp_bar_init(empty0 + 8 * s, 8); // one arrival per consumer warp
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+    if (mlen <= 0)
+        return;
+    if (warp == 8) { // producer warp
+        const uint16_t *w = (const uint16_t *)a.w0;
+        const int wrows = min(128, a.n_out - n0);
+        for (int kt = 0; kt < n_k; kt++) {
+            const int s = kt % ST;
+            if (kt >= ST)
+                wp_bar_wait(empty0 + 8 * s, (uint32_t)((kt / ST - 1) & 1));
+            const int k0 = 64 * kt;
+            const uint32_t wbytes = (uint32_t)min(64, a.n_in - k0) * 2;
+            const uint32_t xbytes = (uint32_t)mlen * 128;
+            const uint32_t full = full0 + 8 * s, st = sbase + s * SB;
+            if (WT) { // the box's bytes count in full, zeros included
+                if (lane == 0) {
+                    wp_bar_expect(full, xbytes + 128 * 128);
+                    wp_bulk(st, a.xb + ((size_t)kt * a.n_rows + m0) * 64, xbytes, full);
+                    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+                                 " [%0], [%1, {%2, %3}], [%4];\n"
+                                 ::"r"(st + XB), "l"((uint64_t)&wmap), "r"(k0), "r"(n0), "r"(full)
+                                 : "memory");
+                }
+                continue;
+            }
+            if (lane == 0) {
+                wp_bar_expect(full, xbytes + (uint32_t)wrows * wbytes);
+                wp_bulk(st, a.xb + ((size_t)kt * a.n_rows + m0) * 64, xbytes, full);
+            }
+            __syncwarp();
+            for (int r = lane; r < wrows; r += 32)
+                wp_bulk(st + XB + r * 128, w + (size_t)(n0 + r) * a.n_in + k0, wbytes, full);
+        }
+        return;
+    }
+    const int wgi = warp >> 2, wl = warp & 3, g = lane >> 2, t = lane & 3;
+    constexpr int NA = BN / 2;
+    float acc[NA], tot[NA];
+#pragma unroll
+    for (int i = 0; i < NA; i++)
+        acc[i] = tot[i] = 0.0f;
+    const int sl = seg_len(a.n_in);
+    // this thread's W row g of its warp's 16, chunk t of a 32-chunk's 64 bytes
+    const uint32_t wrow = (uint32_t)(XB + (64 * wgi + 16 * wl + g) * 128 + 16 * t);
+    // One stage per iteration: every wgmma of the stage before has completed when this
+    // stage's W registers are written (ptxas serialises wgmmas whose register operands are
+    // defined while wgmmas are in flight: C7513), so each consumer keeps one stage (4 k16
+    // wgmmas) in flight at a time and the other consumer warpgroup fills the gaps.
+    for (int kt = 0; kt < n_k; kt++) {
+        const int s = kt % ST;
+        const uint32_t st = sbase + s * SB;
+        wp_bar_wait(full0 + 8 * s, (uint32_t)((kt / ST) & 1));
+        wg_wait<0>();
+        if (kt >= 1) { // stage kt - 1's wgmmas are done: release it to the producer
+            __syncwarp();
+            if (lane == 0)
+                wp_bar_arrive(empty0 + 8 * ((kt - 1) % ST));
+        }
+        uint32_t fr[2][8]; // [chunk][a-fragment of k16 step 0 | step 1]
+#pragma unroll
+        for (int cc = 0; cc < 2; cc++) {
+            uint4 u0 = wp_lds128(st + wrow + 64 * cc), u1 = wp_lds128(st + wrow + 8 * 128 + 64 * cc);
+            if (64 * kt + 32 * cc + 8 * t >= a.n_in) // past n_in (n_in % 8 == 0): zeros, as the GEMV
+                u0 = u1 = make_uint4(0, 0, 0, 0);
+            fr[cc][0] = u0.x, fr[cc][1] = u1.x, fr[cc][2] = u0.y, fr[cc][3] = u1.y;
+            fr[cc][4] = u0.z, fr[cc][5] = u1.z, fr[cc][6] = u0.w, fr[cc][7] = u1.w;
+            wp_fence_regs(fr[cc]);
+        }
+#pragma unroll
+        for (int cc = 0; cc < 2; cc++) {
+            const int kc = 64 * kt + 32 * cc;
+            if (kc >= a.n_in)
+                break;
+            const uint64_t b0 = wg_desc(st) + (uint64_t)(4 * cc);
+            const uint32_t fa[4] = {fr[cc][0], fr[cc][1], fr[cc][2], fr[cc][3]};
+            const uint32_t fb[4] = {fr[cc][4], fr[cc][5], fr[cc][6], fr[cc][7]};
+            wg_fence();
+            wgmma_rs_tile<BN>(acc, fa, b0);
+            wgmma_rs_tile<BN>(acc, fb, b0 + 2); // +32 bytes: the chunk's second k16
+            wg_commit();
+            if (kc + 32 >= a.n_in || (kc + 32) % sl == 0) { // end of a k segment: drain, add
+                wg_wait<0>();
+                wg_fence_regs<NA>(acc);
+#pragma unroll
+                for (int i = 0; i < NA; i++) {
+                    tot[i] = tot[i] + acc[i];
+                    acc[i] = 0.0f;
+                }
+            }
+        }
+        wp_fence_regs(fr[0]);
+        wp_fence_regs(fr[1]);
+    }
+    wg_wait<0>();
+    // tot[4j + 2h + c]: output row 64wgi + 16wl + g + 8h, token 8j + 2t + c.
+    const int orow = n0 + 64 * wgi + 16 * wl + g;
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int o = orow + 8 * h;
+        if (o >= a.n_out)
+            continue;
+        const float b = a.bias ? a.bias[o] : 0.0f;
+#pragma unroll
+        for (int j = 0; j < BN / 8; j++)
+#pragma unroll
+            for (int c = 0; c < 2; c++) {
+                const int tok = 8 * j + 2 * t + c;
+                if (tok < mlen) {
+                    float v = tot[4 * j + 2 * h + c];
+                    if (a.bias)
+                        v = v + b;
+                    a.y[(size_t)(m0 + tok) * a.y_stride + o] = v;
+                }
+            }
+    }
+#else
+    (void)a;
+    (void)wmap;
+    __trap(); // the host launches this only on sm_90 parts, whose sm_90a image has the body
+#endif
+}
+
+#endif

@@ -3,7 +3,8 @@
 # then memcheck on a few), and moemesh-gpu-bench. Binaries come prebuilt (make cuda) in $1
 # (default .dev/gpu) with any shared libraries they need under $1/lib. Output: $OUT/log.
 # Switches (env): TESTS=0 MEMCHECK=0 BENCH=0 NOPEAK=1 skip parts; NCU=1 profiles the GEMM and
-# GEMV once; PARITY=1 runs `moemesh logits --device cuda:0` on every fixture model against
+# GEMV once (NCU_GEMM: the GEMM kernel's name regex, default gemm_wg_kernel; gemm_wp_kernel for
+# the warp-specialised one, selected in the bench by its variant); PARITY=1 runs `moemesh logits --device cuda:0` on every fixture model against
 # the transformers logits; MODEL=1 synthesizes a Qwen3-30B-A3B-shaped checkpoint with
 # MODEL_LAYERS (4) layers and runs `moemesh bench-model --device cuda:0` on it.
 set -u
@@ -44,7 +45,7 @@ done < <("$T" --list)
 done
 if [ "${NCU:-0}" = 1 ] && command -v ncu >/dev/null; then
     echo "== ncu (hardware counters; clocks left alone)"
-    timeout 150 ncu --clock-control none -k regex:gemm_mma_async --launch-count 1 \
+    timeout 150 ncu --clock-control none -k "regex:${NCU_GEMM:-gemm_wg_kernel}" --launch-count 1 \
         --section SpeedOfLight --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis \
         "$D/moemesh-gpu-bench" --only prefill --quick > "$OUT/ncu_gemm.txt" 2>&1
     timeout 150 ncu --clock-control none -k regex:gemv_mma --launch-skip 40 --launch-count 1 \

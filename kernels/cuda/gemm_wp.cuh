@@ -145,9 +145,16 @@ __device__ __forceinline__ uint4 wp_lds128(uint32_t addr) {
 // a.xb: the k-block-major swizzled workspace (wg_convert_x_kernel<true>); dense; n_in % 8 == 0
 // and W 16-byte aligned (bulk copies).
 #define WP_THREADS 288
-// WT: W by one TMA tile copy per stage (wmap: W as a 2-d tensor, 64 k x 128 rows boxes, no
-// swizzle, zeros out of bounds) instead of 128 row copies.
-template <int BN, int ST, bool WT>
+// WM, how W reaches shared memory: WP_W_ROWS one bulk copy per row (128 per stage); WP_W_TMA one
+// TMA tile copy per stage (wmap: W as a 2-d tensor, 64 k x 128 row boxes, no swizzle, zeros out
+// of bounds); WP_W_CPASYNC 16-byte cp.async by the producer's 32 lanes (32 each per stage,
+// zero-filled out of range), each lane's completion arriving on the stage's full barrier
+// (cp.async.mbarrier.arrive.noinc). W is read by ld.shared (generic proxy), so the cp.async
+// writes need no proxy fence; x still comes by bulk copy.
+#define WP_W_ROWS 0
+#define WP_W_TMA 1
+#define WP_W_CPASYNC 2
+template <int BN, int ST, int WM>
 __global__ void __launch_bounds__(WP_THREADS, 1) gemm_wp_kernel(mm_wg_args a, const __grid_constant__ CUtensorMap wmap) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     static_assert(BN == 128, "accumulators for BN > 128 do not fit the 168 registers of 288 threads");
@@ -162,7 +169,8 @@ __global__ void __launch_bounds__(WP_THREADS, 1) gemm_wp_kernel(mm_wg_args a, co
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     if (tid == 0) {
         for (int s = 0; s < ST; s++) {
-            wp_bar_init(full0 + 8 * s, 1);
+            // the producer's expect_tx arrival, plus one per lane for cp.async W
+            wp_bar_init(full0 + 8 * s, WM == WP_W_CPASYNC ? 1 + 32 : 1);
             wp_bar_init(empty0 + 8 * s, 8); // one arrival per consumer warp
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -181,7 +189,26 @@ __global__ void __launch_bounds__(WP_THREADS, 1) gemm_wp_kernel(mm_wg_args a, co
             const uint32_t wbytes = (uint32_t)min(64, a.n_in - k0) * 2;
             const uint32_t xbytes = (uint32_t)mlen * 128;
             const uint32_t full = full0 + 8 * s, st = sbase + s * SB;
-            if (WT) { // the box's bytes count in full, zeros included
+            if (WM == WP_W_CPASYNC) {
+                if (lane == 0) {
+                    wp_bar_expect(full, xbytes);
+                    wp_bulk(st, a.xb + ((size_t)kt * a.n_rows + m0) * 64, xbytes, full);
+                }
+                // lane l: rows l, l + 32, l + 64, l + 96, all 8 pieces of 16 bytes
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    const int r = lane + 32 * i;
+#pragma unroll
+                    for (int c = 0; c < 8; c++) {
+                        const bool ok = r < wrows && k0 + 8 * c < a.n_in;
+                        const uint16_t *src = ok ? w + (size_t)(n0 + r) * a.n_in + k0 + 8 * c : w;
+                        cp_async16_s(st + XB + r * 128 + 16 * c, src, ok);
+                    }
+                }
+                asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(full) : "memory");
+                continue;
+            }
+            if (WM == WP_W_TMA) { // the box's bytes count in full, zeros included
                 if (lane == 0) {
                     wp_bar_expect(full, xbytes + 128 * 128);
                     wp_bulk(st, a.xb + ((size_t)kt * a.n_rows + m0) * 64, xbytes, full);

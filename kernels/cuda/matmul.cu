@@ -720,8 +720,8 @@ static mm_err launch_wg_kernel(cudaStream_t st, const mm_wg_args &w, uint64_t bi
 
 // The warp-specialised kernel (gemm_wp.cuh): producer warp + two consumer warpgroups, BN
 // tokens, ST stages.
-// WT: W through a TMA tensor map (encoded per call through the driver's
-// cuTensorMapEncodeTiled); false when the driver offers none (the caller then takes WT false).
+// WP_W_TMA: W through a TMA tensor map, encoded per call through the driver's
+// cuTensorMapEncodeTiled; NULL when the driver offers none (then W comes by row copies).
 static PFN_cuTensorMapEncodeTiled_v12000 wp_encode_fn(void) {
     static PFN_cuTensorMapEncodeTiled_v12000 fn;
     static int tried;
@@ -738,15 +738,15 @@ static PFN_cuTensorMapEncodeTiled_v12000 wp_encode_fn(void) {
     return fn;
 }
 
-template <int BN, int ST, bool WT>
+template <int BN, int ST, int WM>
 static mm_err launch_wp_kernel(cudaStream_t st, const mm_wg_args &w, uint64_t bit) {
     static uint64_t attr_set;
     CUtensorMap map;
     memset(&map, 0, sizeof(map));
-    if (WT) {
+    if (WM == WP_W_TMA) {
         PFN_cuTensorMapEncodeTiled_v12000 enc = wp_encode_fn();
         if (enc == NULL)
-            return launch_wp_kernel<BN, ST, false>(st, w, bit);
+            return launch_wp_kernel<BN, ST, WP_W_ROWS>(st, w, bit);
         const cuuint64_t dims[2] = {(cuuint64_t)w.n_in, (cuuint64_t)w.n_out};
         const cuuint64_t strides[1] = {(cuuint64_t)w.n_in * 2};
         const cuuint32_t box[2] = {64, 128}, estr[2] = {1, 1};
@@ -754,16 +754,16 @@ static mm_err launch_wp_kernel(cudaStream_t st, const mm_wg_args &w, uint64_t bi
                                box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
                                CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
         if (r != CUDA_SUCCESS) // same bits through the row copies
-            return launch_wp_kernel<BN, ST, false>(st, w, bit);
+            return launch_wp_kernel<BN, ST, WP_W_ROWS>(st, w, bit);
     }
     if (!(attr_set & bit)) {
-        MM_GPU_CHECK(cudaFuncSetAttribute(gemm_wp_kernel<BN, ST, WT>,
+        MM_GPU_CHECK(cudaFuncSetAttribute(gemm_wp_kernel<BN, ST, WM>,
                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
                                           wp_smem_bytes(BN, ST)));
         attr_set |= bit;
     }
     dim3 grid(mm_div_up(w.n_out, 128), mm_div_up(w.n_rows, BN));
-    gemm_wp_kernel<BN, ST, WT><<<grid, WP_THREADS, wp_smem_bytes(BN, ST), st>>>(w, map);
+    gemm_wp_kernel<BN, ST, WM><<<grid, WP_THREADS, wp_smem_bytes(BN, ST), st>>>(w, map);
     MM_GPU_CHECK(cudaGetLastError());
     return MM_OK;
 }
@@ -805,8 +805,8 @@ static mm_err launch_wg(cudaStream_t st, const mm_mat_args &a, bool *ran) {
         return MM_OK;
     }
     // Variant: the explicit one (mm_gpu_set_gemm_tile), else dense 4 and grouped 2. The
-    // warp-specialised kernels (8, 9: gemm_wp.cuh, experimental: 8 measured at 58 TFLOP/s on
-    // q_proj, its bits and 9 not yet run on a device) take dense products with n_in % 8 == 0
+    // warp-specialised kernels (8, 9, 10: gemm_wp.cuh, experimental: 8 measured at 58 TFLOP/s
+    // on q_proj, its bits and 9, 10 not yet run on a device) take dense products with n_in % 8 == 0
     // and 16-byte aligned W (bulk copies); others run the dense default of gemm_wg.cuh (4).
     int var = g_wg_tile ? g_wg_tile : GROUPED ? 2 : 4;
     const bool wp_ok = !GROUPED && a.n_in % 8 == 0 && aligned16(a.w0);
@@ -829,8 +829,9 @@ static mm_err launch_wg(cudaStream_t st, const mm_mat_args &a, bool *ran) {
     // warp-specialised 128 x 128 gave 58); grouped products on 128 x 128
     // (experts hold ~256 rows each at a 4K prefill, so 192-token tiles would run half empty).
     switch (var) {
-    case 8: rv = launch_wp_kernel<128, 6, false>(st, w, bit); break;
-    case 9: rv = launch_wp_kernel<128, 6, true>(st, w, bit); break;
+    case 8: rv = launch_wp_kernel<128, 6, WP_W_ROWS>(st, w, bit); break;
+    case 9: rv = launch_wp_kernel<128, 6, WP_W_TMA>(st, w, bit); break;
+    case 10: rv = launch_wp_kernel<128, 6, WP_W_CPASYNC>(st, w, bit); break;
     case 3: rv = launch_wg_kernel<GROUPED, 3, 128, 64, 5>(st, w, bit); break;
     case 4: rv = launch_wg_kernel<GROUPED, 2, 192, 64, 5>(st, w, bit); break;
     case 5: rv = launch_wg_kernel<GROUPED, 2, 128, 128, 3>(st, w, bit); break;
@@ -995,7 +996,7 @@ extern "C" mm_err mm_gpu_moe_matmul(void *stream, int dtype, const void *const *
 
 extern "C" void mm_gpu_set_gemm_tile(int variant) {
 #if MM_GPU_HAVE_WMMA
-    g_wg_tile = (variant >= 2 && variant <= 9) ? variant : 0;
+    g_wg_tile = (variant >= 2 && variant <= 10) ? variant : 0;
 #else
     (void)variant;
 #endif

@@ -30,7 +30,7 @@ extern mm_err mm_gpu_matmul(void *stream, int dtype, const void *d_w, int n_out,
                             const float *d_bias, const float *d_x, int64_t x_stride, float *d_y,
                             int64_t y_stride, int n_rows, int path) __attribute__((weak));
 // wgmma variant (2: 128 outputs x 128 tokens, 3: 192 x 128, 4: 128 x 192, 5: 128-wide k, 6: release
-// fence, 8: warp-specialised 128 x 128, 9: 8 with W by TMA).
+// fence, 8: warp-specialised 128 x 128, 9: 8 with W by TMA, 10: 8 with W by cp.async).
 extern void mm_gpu_set_gemm_tile(int variant) __attribute__((weak));
 
 static mm_backend *cpu, *gpu;
@@ -264,15 +264,16 @@ static int path_bits_case(int64_t n_rows, int64_t n_in, int64_t n_out, int64_t x
     void *dw = gpu_copy(hw, (size_t)(n_out * n_in) * 2);
     float *dx = gpu_copy(x, (size_t)(n_rows * xs) * 4);
     float *db = bias ? gpu_copy(b, (size_t)n_out * 4) : NULL;
-    enum { NP = 9 };
+    enum { NP = 10 };
     float *dy[NP] = {NULL};
-    const int paths[NP] = {0, 2, 3, 3, 3, 3, 3, 3, 3};   // GEMV, MMA, WG (seven variants)
-    const int variant[NP] = {2, 2, 2, 3, 4, 5, 6, 8, 9}; // mm_gpu_set_gemm_tile
-    // 8, 9: the warp-specialised kernel (producer warp, W from registers; W by row bulk copies
-    // or, 9, one TMA tile; dense, n_in % 8 == 0, else the 128x192 kernel runs in its place)
+    const int paths[NP] = {0, 2, 3, 3, 3, 3, 3, 3, 3, 3};    // GEMV, MMA, WG (eight variants)
+    const int variant[NP] = {2, 2, 2, 3, 4, 5, 6, 8, 9, 10}; // mm_gpu_set_gemm_tile
+    // 8, 9, 10: the warp-specialised kernel (producer warp, W from registers; W by row bulk
+    // copies, one TMA tile, or 16-byte cp.async; dense, n_in % 8 == 0, else the 128x192 kernel
+    // runs in its place)
     const char *names[NP] = {"gemv", "mma.sync", "wgmma 128x128", "wgmma 192x128", "wgmma 128x192",
                              "wgmma 128x128 k128", "wgmma 128x128 rel.fence", "wgmma ws 128x128",
-                             "wgmma ws 128x128 W tma"};
+                             "wgmma ws 128x128 W tma", "wgmma ws 128x128 W cp.async"};
     mm_err rv[NP];
     MM_PASS(gpu->ops->synchronize(gpu->ctx));
     for (int p = 0; p < NP; p++) {

@@ -368,7 +368,8 @@ static void bench_prefill(double peak) {
                           {MM_GPU_PATH_FMA, 0, "FMA tiles (HIP path)"},
                           // last: a fault in the new kernel leaves the figures above printed
                           {MM_GPU_PATH_WG, 8, "wgmma warp-specialised 128 x 128, W row copies"},
-                          {MM_GPU_PATH_WG, 9, "wgmma warp-specialised 128 x 128, W by TMA"}};
+                          {MM_GPU_PATH_WG, 9, "wgmma warp-specialised 128 x 128, W by TMA"},
+                          {MM_GPU_PATH_WG, 10, "wgmma warp-specialised 128 x 128, W by cp.async"}};
     for (const shape &s : shapes) {
         uint16_t *w = rand_bf16((size_t)s.n_out * s.n_in, 9);
         float *x = rand_f32((size_t)M * s.n_in, 10), *y = (float *)dalloc((size_t)M * s.n_out * 4);

@@ -316,7 +316,7 @@ void mm_draft_begin(mm_draft *d, const Mmctl__StepPlan *p, const bool *active, i
             // steps without drafts makes the drafter catch up on all their tokens)
             uint64_t every = (uint64_t)PROBE_EVERY << (r->probes < 4 ? r->probes : 4);
             bool probe = d->n_steps % every == 0;
-            k = probe ? (k > 0 ? k : 1) : 0;
+            k = probe ? 1 : 0; // 1 draft tells whether it still misses
             r->probes += probe;
         } else {
             r->probes = 0;

@@ -71,6 +71,7 @@ struct optime {
 struct gpu_ctx {
     int dev;
     cudaStream_t stream;
+    bool lost; // a drain timed out: the stream is blocked for good (mm__gpu_drain)
     int *d_err; // device word: bit 1 = an op met a bad index
     // moe_matmul staging: slot = moe_cap pointers then moe_cap + 1 int32 offsets
     int moe_cap;         // experts a slot holds (0: not allocated yet)
@@ -262,9 +263,17 @@ extern "C" mm_err mm_gpu_attention_ref(void *stream, const struct mm_attn_args *
 #define ON_DEVICE() MM_GPU_CHECK(cudaSetDevice(g->dev))
 
 static mm_err check_err_word(struct gpu_ctx *g) {
+    if (g->lost) {
+        mm_log_error("gpu: device context lost after a drain timed out; restart the process");
+        return MM_EDEVICE;
+    }
     int h = 0;
     MM_GPU_CHECK(cudaMemcpyAsync(&h, g->d_err, sizeof(int), cudaMemcpyDeviceToHost, g->stream));
-    MM_GPU_CHECK(cudaStreamSynchronize(g->stream));
+    const mm_err drained = mm__gpu_drain(g->stream, "backend drain");
+    if (drained != MM_OK) {
+        g->lost = drained == MM_ETIMEDOUT; // the stream stays blocked: refuse further drains
+        return drained;
+    }
     if (h != 0) {
         MM_GPU_CHECK(cudaMemsetAsync(g->d_err, 0, sizeof(int), g->stream));
         mm_log_error("gpu: an op met an index out of range (KV position/block, embedding id or "
@@ -281,7 +290,8 @@ static void gpu_close(void *ctx) {
     (void)cudaSetDevice(g->dev);
     ot_close(g);
     if (g->stream != NULL) {
-        (void)cudaStreamSynchronize(g->stream);
+        if (!g->lost) // a lost stream never drains: leave it to process exit
+            (void)mm__gpu_drain(g->stream, "close");
         (void)cudaStreamDestroy(g->stream);
     }
     if (g->d_amax != NULL)
@@ -312,8 +322,13 @@ static mm_err h2d(struct gpu_ctx *g, void *dst, const void *src, size_t n_bytes)
         MM_GPU_CHECK(cudaEventRecord(g->stage_ev[cur], g->stream));
         g->stage_live[cur] = true;
         cur = (cur + 1) % STAGE_PARTS;
-        if (g->stage_live[cur])
-            MM_GPU_CHECK(cudaEventSynchronize(g->stage_ev[cur]));
+        if (g->stage_live[cur]) {
+            const mm_err w = mm__gpu_wait_event(g->stage_ev[cur], "pinned staging");
+            if (w != MM_OK) {
+                g->lost = w == MM_ETIMEDOUT;
+                return w;
+            }
+        }
         g->stage_part = cur;
         g->stage_off = 0;
     }
@@ -416,9 +431,11 @@ static mm_err moe_staging(struct gpu_ctx *g, int n) {
     if (h == NULL)
         return MM_ENOMEM;
     char *d = NULL;
-    cudaError_t e = cudaStreamSynchronize(g->stream);
-    if (e == cudaSuccess)
-        e = cudaMalloc((void **)&d, slot * MOE_SLOTS);
+    if (mm__gpu_drain(g->stream, "moe staging") != MM_OK) {
+        free(h);
+        return MM_EDEVICE;
+    }
+    cudaError_t e = cudaMalloc((void **)&d, slot * MOE_SLOTS);
     if (e != cudaSuccess) {
         free(h);
         mm_log_error("gpu: moe_matmul staging for %d experts: %s", n, cudaGetErrorString(e));

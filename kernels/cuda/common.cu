@@ -2,6 +2,8 @@
 // Device management, memory and streams for the GPU kernels, and the error report behind
 // MM_GPU_CHECK. Device memory is reached only through these calls and the backend table.
 #include <stdio.h>
+#include <stdlib.h>
+#include <time.h>
 #include <string.h>
 
 #include "gpu_common.cuh"
@@ -109,8 +111,70 @@ extern "C" void mm_gpu_stream_free(void *stream) {
 }
 
 extern "C" mm_err mm_gpu_stream_sync(void *stream) {
-    MM_GPU_CHECK(cudaStreamSynchronize((cudaStream_t)stream));
+    return mm__gpu_drain((cudaStream_t)stream, "stream sync");
+}
+
+static int drain_timeout_ms(void) {
+    static int ms = 0;
+    if (ms == 0) {
+        const char *v = getenv("MM_GPU_DRAIN_TIMEOUT_MS");
+        long n = v != NULL ? strtol(v, NULL, 10) : 0;
+        ms = n > 0 && n < 86400000L ? (int)n : 30000;
+    }
+    return ms;
+}
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+// Polls the stream (ev NULL) or the event until done, a device error or the deadline.
+static mm_err poll_done(cudaStream_t stream, cudaEvent_t ev, const char *what) {
+    const double t0 = now_s(), limit = 1e-3 * drain_timeout_ms();
+    for (;;) {
+        const cudaError_t e = ev != NULL ? cudaEventQuery(ev) : cudaStreamQuery(stream);
+        if (e == cudaSuccess)
+            return MM_OK;
+        if (e != cudaErrorNotReady) {
+            mm__gpu_report(ev != NULL ? "cudaEventQuery" : "cudaStreamQuery", __FILE__, __LINE__, cudaGetErrorString(e));
+            return MM_EDEVICE;
+        }
+        const double t = now_s() - t0;
+        if (t > limit) {
+            mm_log_error("gpu: %s: the device stream has not finished after %d ms "
+                         "(MM_GPU_DRAIN_TIMEOUT_MS): work waiting on a peer that died mid-copy "
+                         "never completes; this process's device context is lost, restart it",
+                         what, drain_timeout_ms());
+            return MM_ETIMEDOUT;
+        }
+        if (t > 2e-3) {
+            const struct timespec nap = {0, 10000};
+            nanosleep(&nap, NULL);
+        }
+    }
+}
+
+static void hold_fn(void *arg) {
+    const long ms = (long)(intptr_t)arg;
+    const struct timespec ts = {ms / 1000, (ms % 1000) * 1000000L};
+    nanosleep(&ts, NULL);
+}
+
+extern "C" mm_err mm_gpu_stream_hold(void *stream, int ms) {
+    if (ms < 0)
+        return MM_EINVAL;
+    MM_GPU_CHECK(cudaLaunchHostFunc((cudaStream_t)stream, hold_fn, (void *)(intptr_t)ms));
     return MM_OK;
+}
+
+mm_err mm__gpu_drain(cudaStream_t stream, const char *what) {
+    return poll_done(stream, NULL, what);
+}
+
+mm_err mm__gpu_wait_event(cudaEvent_t ev, const char *what) {
+    return poll_done(NULL, ev, what);
 }
 
 // Warp width of device 0's architecture, read once (32 on NVIDIA; 64 or 32 on AMD).

@@ -93,8 +93,8 @@ extern "C" mm_err mm_gpu_stream_wait_event(void *stream, void *ev) {
 }
 
 extern "C" mm_err mm_gpu_event_sync(void *ev) {
-    MM_GPU_CHECK(cudaEventSynchronize((cudaEvent_t)ev));
-    return MM_OK;
+    // bounded: an interprocess event of a peer that died may never complete
+    return mm__gpu_wait_event((cudaEvent_t)ev, "interprocess event");
 }
 
 extern "C" mm_err mm_gpu_memcpy_any(void *stream, void *d_dst, const void *d_src, size_t n_bytes) {

@@ -37,7 +37,10 @@ mm_err mm_gpu_memcpy_d2d(void *stream, void *d_dst, const void *d_src, size_t n_
 mm_err mm_gpu_memset(void *stream, void *d_dst, int byte, size_t n_bytes);
 mm_err mm_gpu_stream_new(void **stream);
 void mm_gpu_stream_free(void *stream);
-mm_err mm_gpu_stream_sync(void *stream);
+mm_err mm_gpu_stream_sync(void *stream); // bounded: MM_ETIMEDOUT after MM_GPU_DRAIN_TIMEOUT_MS
+// mm_gpu_stream_hold enqueues a host function that sleeps ms milliseconds: the stream's later
+// work waits for it (tests of the bounded drains use it to stand for a peer that never frees).
+mm_err mm_gpu_stream_hold(void *stream, int ms);
 
 // ---- matrix products ----------------------------------------------------------------------
 // Paths of a product. AUTO picks GEMV or MMA for bf16 on CUDA (they give the same bits for a

@@ -27,6 +27,16 @@ void mm__gpu_report(const char *stmt, const char *file, int line, const char *ms
 // mm__gpu_warp_size is the warp width of the device architecture (host side, cached).
 int mm__gpu_warp_size(void);
 
+// mm__gpu_drain waits for every op issued on stream, with a deadline (MM_GPU_DRAIN_TIMEOUT_MS,
+// default 30000): it polls (spinning for the first 2 ms, then sleeping 10 us between polls)
+// instead of blocking in the driver, so work that can never finish (a copy waiting on an
+// interprocess event of a peer that died mid-frame) gives MM_ETIMEDOUT, logged with `what`,
+// instead of a hang. Device errors give MM_EDEVICE. After a timeout the stream is still
+// blocked: callers treat the device context as lost (kernels/cuda/common.cu).
+mm_err mm__gpu_drain(cudaStream_t stream, const char *what);
+// mm__gpu_wait_event: the same wait for one recorded event.
+mm_err mm__gpu_wait_event(cudaEvent_t ev, const char *what);
+
 // MM_GPU_CHECK evaluates a runtime call; on failure it logs and returns MM_EDEVICE from the
 // enclosing function (which must return mm_err). Library code never aborts on a device error.
 #define MM_GPU_CHECK(call)                                                          \

@@ -9,6 +9,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "kernels.h"
 #include "mm/dtype.h"
@@ -24,6 +25,9 @@ extern mm_err mm_gpu_argmax(void *stream, const float *d_logits, int64_t ls, int
                             int vocab, int32_t *d_ids) __attribute__((weak));
 
 extern mm_err mm_gpu_stream_sync(void *stream) __attribute__((weak));
+extern mm_err mm_gpu_stream_hold(void *stream, int ms) __attribute__((weak));
+extern mm_err mm_gpu_stream_new(void **stream) __attribute__((weak));
+extern void mm_gpu_stream_free(void *stream) __attribute__((weak));
 
 // Dense product with a forced path (kernels/cuda/mm_gpu.h: 0 GEMV, 2 mma.sync tiles, 3 wgmma).
 extern mm_err mm_gpu_matmul(void *stream, int dtype, const void *d_w, int n_out, int n_in,
@@ -730,6 +734,25 @@ static void test_argmax(void) {
     close_backends();
 }
 
+// Drains have a deadline: a stream held longer than MM_GPU_DRAIN_TIMEOUT_MS gives MM_ETIMEDOUT
+// (not a hang), and drains once the hold has passed.
+static void test_drain_deadline(void) {
+    setenv("MM_GPU_DRAIN_TIMEOUT_MS", "300", 1); // read at the first drain of this process
+    open_backends();
+    if (!mm_gpu_stream_hold || !mm_gpu_stream_new || !mm_gpu_stream_sync)
+        MM_SKIP("mm_gpu_stream_hold not linked");
+    void *s = NULL;
+    MM_PASS(mm_gpu_stream_new(&s));
+    MM_PASS(mm_gpu_stream_hold(s, 1500));
+    MM_FAIL(mm_gpu_stream_sync(s), MM_ETIMEDOUT);
+    MM_PASS(mm_gpu_stream_hold(s, 0));
+    struct timespec ts = {1, 600000000L};
+    nanosleep(&ts, NULL);
+    MM_PASS(mm_gpu_stream_sync(s));
+    mm_gpu_stream_free(s);
+    close_backends();
+}
+
 MM_TESTS = {
     {"matmul bf16 vs cpu", test_matmul_bf16},
     {"matmul f16 f32 vs cpu", test_matmul_f16_f32},
@@ -743,5 +766,6 @@ MM_TESTS = {
     {"route vs cpu", test_route},
     {"argmax (greedy sampling)", test_argmax},
     {"bad arguments", test_bad_args},
+    {"drains have a deadline", test_drain_deadline},
     {NULL, NULL},
 };

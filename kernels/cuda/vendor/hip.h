@@ -59,6 +59,10 @@
 #define cudaStreamNonBlocking       hipStreamNonBlocking
 #define cudaStreamDestroy           hipStreamDestroy
 #define cudaStreamSynchronize       hipStreamSynchronize
+#define cudaStreamQuery             hipStreamQuery
+#define cudaErrorNotReady           hipErrorNotReady
+#define cudaEventQuery              hipEventQuery
+#define cudaLaunchHostFunc          hipLaunchHostFunc
 #define cudaStreamWaitEvent         hipStreamWaitEvent
 #define cudaEvent_t                 hipEvent_t
 #define cudaEventCreate             hipEventCreate

@@ -12,6 +12,7 @@
 
 #define PROBE_EVERY 64   // low-acceptance seqs draft again (1 token) every PROBE_EVERY-th step,
                          // doubling (up to 16x) while they stay under 5%
+#define CATCHUP_MAX 512  // tokens the drafter catches up on per request (beyond the first seq)
 #define MAX_REL 4096     // releases kept for the drafter's next request (older ones dropped)
 #define HOLD 0.10        // the width changes only for a 10% better expected tokens/s
 #define EXPLORE_EVERY 8  // every EXPLORE_EVERY-th drafting step may measure another width
@@ -324,7 +325,12 @@ void mm_draft_begin(mm_draft *d, const Mmctl__StepPlan *p, const bool *active, i
         if (k > room)
             k = (int)room;
         size_t add = (size_t)(r->len - r->dr_from);
-        if (k <= 0 || nq >= (size_t)d->n_t || n_tok + add > 200000) // well under 1 MiB
+        // The drafter's forward passes over tokens it lacks (a seq back from steps of width 0, a
+        // probe) are bounded per request, or one request of 16 long catch-ups outlasts the
+        // deadline and stalls the step: the first seq always goes, the others while the total
+        // stays under CATCHUP_MAX (the rest catch up in later steps, drafting then).
+        if (k <= 0 || nq >= (size_t)d->n_t || add > 200000 ||
+            (nq > 0 && n_tok + add > CATCHUP_MAX))
             continue;
         r->asked = (uint32_t)k;
         if (k > d->step_w)

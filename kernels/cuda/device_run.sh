@@ -6,7 +6,8 @@
 # which .git/info/exclude ignores), then on the GPU machine, from the repo root, carrying it:
 #     bash kernels/cuda/device_run.sh .dev/gpu-mesh
 # Sections, each with its own time limit, in this order (SKIP="ops parity ..." leaves some out):
-#   ops       tests/kernels/cuda_ops_test, every case
+#   ops       every case of the GPU tests: cuda_ops_test, cuda_decode_ops_test,
+#             model_devpath_test, cudaipc_test
 #   synth     moemesh synth (Qwen3-30B-A3B shape, MODEL_LAYERS=4 layers) into /tmp, started in
 #             the background at once so that it overlaps the op tests
 #   copy      device-to-device copy bandwidth (moemesh-gpu-bench --only none): the ceiling
@@ -23,6 +24,8 @@
 # MPS=1 runs the mesh sections under the CUDA Multi-Process Service (nvidia-cuda-mps-control -d,
 # pipe and log directories in /tmp; quit at the end), so that the daemons' contexts share the
 # GPU without time-slicing; the engine sections run without it.
+# KEEP_MODEL=1 leaves the synthetic checkpoint in /tmp for a later script (e.g.
+# TARGET=/tmp/q3-30b-a3b-L4 bash services/drafter/device_bench.sh DIR).
 # Output: $OUT/log (also stdout). Exit 0 when every section that ran passed; 1 otherwise;
 # 2 when the binaries are missing. Without a GPU every section fails with its reason.
 set -u
@@ -32,7 +35,8 @@ if [ "${1:-}" = "--stage" ]; then
     mkdir -p "$D/lib" || exit 2
     for f in bin/moemesh bin/moemesh-router bin/moemesh-attention bin/moemesh-expert \
              bin/moemesh-drafter bin/moemesh-gateway \
-             bin/moemesh-gpu-bench tests/kernels/cuda_ops_test; do
+             bin/moemesh-gpu-bench tests/kernels/cuda_ops_test tests/kernels/cuda_decode_ops_test \
+             tests/unit/model_devpath_test tests/transport/cudaipc_test; do
         [ -x "$B/$f" ] || { echo "stage: $B/$f missing (make cuda first)"; exit 2; }
         strip -o "$D/$(basename "$f")" "$B/$f" || exit 2
     done
@@ -75,14 +79,17 @@ if ! skip synth; then
 fi
 
 if ! skip ops; then
-    section "op tests (tests/kernels/cuda_ops_test)"
+    section "GPU tests (cuda_ops_test, cuda_decode_ops_test, model_devpath_test, cudaipc_test)"
     pass=0; fail=0
-    while IFS= read -r c; do
-        if timeout 90 "$D/cuda_ops_test" "$c" > "$OUT/case.txt" 2>&1; then pass=$((pass+1)); echo "ok    $c"
-        else rc=$?; fail=$((fail+1)); echo "FAIL  $c (rc=$rc)"; fi
-        grep -E "bit-identical|nmse|NMSE|differs|FAIL|error|SKIP" "$OUT/case.txt" | head -6 | sed 's/^/      /'
-    done < <(timeout 20 "$D/cuda_ops_test" --list)
-    echo "op tests: $pass passed, $fail failed"
+    for t in cuda_ops_test cuda_decode_ops_test model_devpath_test cudaipc_test; do
+        [ -x "$D/$t" ] || { echo "MISSING $t (stage again)"; fail=$((fail+1)); continue; }
+        while IFS= read -r c; do
+            if timeout 90 "$D/$t" "$c" > "$OUT/case.txt" 2>&1; then pass=$((pass+1)); echo "ok    $t: $c"
+            else rc=$?; fail=$((fail+1)); echo "FAIL  $t: $c (rc=$rc)"; fi
+            grep -E "bit-identical|nmse|NMSE|differs|FAIL|error|SKIP" "$OUT/case.txt" | head -6 | sed 's/^/      /'
+        done < <(timeout 20 "$D/$t" --list)
+    done
+    echo "GPU tests: $pass passed, $fail failed"
     [ $fail -eq 0 ] && [ $pass -gt 0 ] || FAILED+=(ops)
 fi
 
@@ -117,7 +124,7 @@ fi
 if ! skip invariance || ! skip meshstep; then
     BIN=$D
     source tests/e2e/mesh_lib.sh
-    trap 'mesh_stop; rm -rf "$RUN" "$M"' EXIT
+    trap 'mesh_stop; rm -rf "$RUN"; [ "${KEEP_MODEL:-0}" = 1 ] || rm -rf "$M"' EXIT
     # the data plane of shards and owners (SCHEME): host (shm://NAME?gpu=0: rows through host
     # memory), shm (shm://NAME: device to device between GPU daemons), cudaipc (explicit)
     SCHEME=shm
@@ -243,7 +250,7 @@ fi
 if [ $MPS_ON = 1 ]; then
     echo quit | nvidia-cuda-mps-control && echo "MPS control daemon stopped"
 fi
-rm -rf "$M"
+[ "${KEEP_MODEL:-0}" = 1 ] || rm -rf "$M" # KEEP_MODEL=1: left for a later script (drafting bench)
 echo
 date -u
 echo "total $(( $(date +%s) - T0 )) s"

@@ -91,6 +91,11 @@ mm_err mm_step_builder_add(mm_step_builder *b, uint64_t seq_id, uint32_t pos,
     return MM_OK;
 }
 
+void mm_step_builder_set_no_logprob(mm_step_builder *b) {
+    if (b->plan.n_seqs > 0)
+        b->seqs[b->plan.n_seqs - 1].no_logprob = true;
+}
+
 void mm_step_builder_set_draft(mm_step_builder *b, uint32_t max_draft) {
     if (b->plan.n_seqs > 0)
         b->seqs[b->plan.n_seqs - 1].max_draft = max_draft;

@@ -52,6 +52,7 @@ static struct drafter {
     int32_t *row_seq, *row_pos, *row_id; // (max_rows)
     struct dseq **row_of;               // (max_rows) whose row; NULL: not a wanted row
     bool *want;                          // (max_rows)
+    int32_t *ids;                        // (max_rows) greedy drafts picked on the backend
     struct dseq **batch;                 // (max_seqs) the seqs drafting in this request
     uint64_t n_req, n_proposed, n_forwards;
 } D = {.mu = PTHREAD_MUTEX_INITIALIZER};
@@ -142,8 +143,16 @@ static mm_err batch_run(int64_t n, char err[MM_ERRLEN]) {
         nw += D.want[i];
     if (nw == 0)
         return MM_OK;
-    const size_t row_bytes = (size_t)D.vocab * 4;
-    rv = D.eng->be->ops->get(D.eng->be->ctx, D.eng->h_logits, D.eng->logits, (size_t)nw * row_bytes);
+    // Greedy drafts: the backend picks them where it can (a GPU returns nw ids instead of nw
+    // rows of vocab logits: 600 KB per row for a Qwen3 vocabulary, then a host scan), else the
+    // host reads the logits and picks. Same ids either way (ties to the lower id, NaN skipped).
+    rv = mm_model_argmax(D.eng->model, D.eng->scratch, D.eng->logits, nw, D.ids);
+    const bool on_host = rv == MM_EUNSUPP;
+    if (on_host) {
+        const size_t row_bytes = (size_t)D.vocab * 4;
+        rv = D.eng->be->ops->get(D.eng->be->ctx, D.eng->h_logits, D.eng->logits,
+                                 (size_t)nw * row_bytes);
+    }
     if (rv != MM_OK)
         return mm_errf(err, rv, "draft model logits: %s", mm_strerror(rv));
     int64_t j = 0;
@@ -151,7 +160,8 @@ static mm_err batch_run(int64_t n, char err[MM_ERRLEN]) {
         if (!D.want[i])
             continue;
         struct dseq *s = D.row_of[i];
-        s->out[s->m++] = mm_engine_argmax(D.eng->h_logits + j * D.vocab, D.vocab);
+        s->out[s->m++] = on_host ? mm_engine_argmax(D.eng->h_logits + j * D.vocab, D.vocab)
+                                 : D.ids[j];
         j++;
     }
     return MM_OK;
@@ -383,8 +393,9 @@ mm_err drafter_start(mm_daemon *d, void *arg, char err[MM_ERRLEN]) {
         D.row_id = malloc((size_t)D.max_rows * 4);
         D.row_of = malloc((size_t)D.max_rows * sizeof(*D.row_of));
         D.want = malloc((size_t)D.max_rows);
+        D.ids = malloc((size_t)D.max_rows * 4);
         D.batch = malloc((size_t)s_max_seqs * sizeof(*D.batch));
-        if (!D.row_seq || !D.row_pos || !D.row_id || !D.row_of || !D.want || !D.batch)
+        if (!D.row_seq || !D.row_pos || !D.row_id || !D.row_of || !D.want || !D.ids || !D.batch)
             return MM_ENOMEM;
     }
     if (!(D.seqs = calloc((size_t)s_max_seqs, sizeof(*D.seqs))))
@@ -418,6 +429,7 @@ void drafter_stop(mm_daemon *d, void *arg) {
     free(D.row_id);
     free(D.row_of);
     free(D.want);
+    free(D.ids);
     free(D.batch);
     D.row_seq = D.row_pos = D.row_id = NULL;
     D.row_of = D.batch = NULL;

@@ -1201,6 +1201,7 @@ static void submit(gw_api *a, struct greq *g, const struct common *o, struct per
         c->seq.owner = c;
         c->seq.index = i;
         c->seq.n_top = g->n_top;
+        c->seq.want_lp = g->want_lp;
         c->seq.sampling = (mm_sampling){.temperature = (float)o->temperature,
                                         .top_p = (float)o->top_p,
                                         .top_k = o->top_k > 0 ? (uint32_t)o->top_k : 0,

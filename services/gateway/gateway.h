@@ -137,6 +137,7 @@ typedef struct gw_seq {
     int n_prompt, max_gen;
     mm_sampling sampling;
     uint32_t n_top;
+    bool want_lp; // the request reads logprobs (else the router may pick on the device)
     void *owner;
     int index;
     // Scheduler state (read-only for the owner).

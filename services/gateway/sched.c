@@ -238,6 +238,8 @@ static void plan_add(gw_sched *s, gw_seq *q, int *budget) {
     if (mm_step_builder_add(s->b, q->id, (uint32_t)q->pos, q->tokens + q->pos, (uint32_t)n,
                             sample, &q->sampling, q->n_top) != MM_OK)
         return;
+    if (sample && !q->want_lp)
+        mm_step_builder_set_no_logprob(s->b);
     if (sample && q->n_top == 0) { // drafting: the router may answer more tokens (SeqResult.more)
         long left = (long)q->max_gen - q->n_gen - 1, room = (long)s->c.max_ctx - q->n_tokens - 1;
         left = left < room ? left : room;

@@ -126,6 +126,8 @@ struct mm_step_engine {
     mm_sampling *sp_of;  // (max_seqs) sampling values of each seq
     int64_t *lrow;       // (max_seqs) logits row of its first pick
     int32_t *items;      // (max_seqs) seqs to pick this step
+    int32_t *pick_ids;   // (LR) greedy ids picked on the device (SeqStep.no_logprob)
+    int64_t scratch_rows; // rows the model scratch holds
     int32_t *srv_of;     // (max_seqs) mm_spec_verify's result
     uint32_t *acc_of;    // (max_seqs) drafts accepted
     mm_pen_slot **ps_of; // (max_seqs) penalty slot of each seq this step (NULL: none)
@@ -203,6 +205,28 @@ static bool peer_ensure(mm_step_engine *e, struct peer *p) {
 }
 
 // ---- sampling pool ---------------------------------------------------------------------------
+
+// pick_dev: pick_one for a greedy seq whose ids were picked on the device (e->pick_ids):
+// the same tokens and the same acceptance as mm_spec_verify's greedy picks; logprobs 0 (the
+// sender reads none: SeqStep.no_logprob).
+static void pick_dev(mm_step_engine *e, int32_t i) {
+    const int32_t *ids = e->pick_ids + e->lrow[i];
+    const int32_t *draft = e->draft + (size_t)i * MM_DRAFT_MAX_K;
+    mm_sample *s = &e->smp[i];
+    s->token = ids[0];
+    s->logprob = 0;
+    s->n_top = 0;
+    uint32_t a = 0;
+    int32_t prev = ids[0];
+    while (a < e->n_draft[i] && prev == draft[a]) {
+        e->draft_tok[(size_t)i * MM_DRAFT_MAX_K + a] = ids[a + 1];
+        e->draft_lp[(size_t)i * MM_DRAFT_MAX_K + a] = 0;
+        prev = ids[a + 1];
+        a++;
+    }
+    e->acc_of[i] = a;
+    e->srv_of[i] = MM_OK;
+}
 
 // pick_one verifies seq i's rows (plain decoding's picks; mm/spec.h) with sampler scratch smp.
 // Writes only seq i's outputs.
@@ -351,6 +375,7 @@ mm_err mm_step_engine_open(mm_step_engine **out, const mm_step_conf *c, mm_regis
     int64_t T = c->max_tokens, S = c->max_seqs, KK = e->K > 0 ? e->K : 1;
     int64_t rows = T > S ? T : S;
     MM_TRY_GOTO(rv, mm_model_scratch_new(&e->scratch, e->model, rows, err), fail);
+    e->scratch_rows = rows;
     MM_TRY_GOTO(rv, mm_sampler_new(&e->sampler, e->V), fail);
     MM_TRY_GOTO(rv, mm_pen_table_new(&e->pen, PEN_SLOTS, e->c.max_ctx), fail);
     size_t D = (size_t)e->D;
@@ -404,6 +429,7 @@ mm_err mm_step_engine_open(mm_step_engine **out, const mm_step_conf *c, mm_regis
     e->last = calloc((size_t)LR * D, 4);
     e->hn = calloc((size_t)LR * D, 4);
     e->logits = calloc((size_t)LR * (size_t)e->V, 4);
+    e->pick_ids = calloc((size_t)LR, 4);
     e->seq_n = calloc((size_t)S, 4);
     e->active = calloc((size_t)S, 1);
     e->n_draft = calloc((size_t)S, 4);
@@ -429,7 +455,7 @@ mm_err mm_step_engine_open(mm_step_engine **out, const mm_step_conf *c, mm_regis
     e->ps_of = calloc((size_t)S, sizeof(*e->ps_of));
     if (!e->shards || !e->owners || !e->ids || !e->h || !e->x || !e->sh || !e->stage ||
         !e->gids || !e->gw || !e->xs || !e->ys || !e->eo || !e->slot_of || !e->todo || !e->e_cnt ||
-        !e->e_off || !e->e_owner || !e->ctrl || !e->last || !e->hn || !e->logits ||
+        !e->e_off || !e->e_owner || !e->ctrl || !e->last || !e->hn || !e->logits || !e->pick_ids ||
         !e->seq_shard || !e->seq_row || !e->seq_failed || !e->seq_msg || !e->seq_code ||
         !e->res || !e->res_p || !e->top || !e->top_p || !e->smp || !e->seq_n || !e->active ||
         !e->n_draft || !e->n_acc || !e->draft || !e->draft_lp || !e->draft_tok || !e->xsrc ||
@@ -460,7 +486,7 @@ void mm_step_engine_close(mm_step_engine *e) {
     free(e->shards); free(e->owners); free(e->ids); free(e->h); free(e->x); free(e->sh);
     free(e->stage); free(e->gids); free(e->gw); free(e->xs); free(e->ys); free(e->eo);
     free(e->slot_of); free(e->todo); free(e->e_cnt); free(e->e_off); free(e->e_owner); free(e->ctrl);
-    free(e->last); free(e->hn); free(e->logits); free(e->seq_shard); free(e->seq_row);
+    free(e->last); free(e->hn); free(e->logits); free(e->pick_ids); free(e->seq_shard); free(e->seq_row);
     free(e->seq_failed); free(e->seq_msg); free(e->seq_code); free(e->res); free(e->res_p);
     free(e->top); free(e->top_p); free(e->smp);
     free(e->seq_n); free(e->active); free(e->n_draft); free(e->n_acc); free(e->draft);
@@ -1062,13 +1088,34 @@ struct nng_msg *mm_step_engine_run(mm_step_engine *e, const Mmctl__StepPlan *p, 
                            (size_t)e->D * 4 * (1 + e->n_draft[i]));
                     ns += 1 + e->n_draft[i];
                 }
+            // On a device, a step whose sampling seqs are all greedy, without penalties and
+            // read no logprobs is picked there: ns ids come back instead of ns x vocab logits
+            // (48 MB for 80 rows of a Qwen3 vocabulary) and no host scan runs.
+            bool dev_pick = e->dev && ns > 0 && ns <= e->scratch_rows;
+            for (size_t i = 0; i < p->n_seqs && dev_pick; i++) {
+                const Mmctl__SeqStep *q = p->seqs[i];
+                if (e->seq_row[i] < 0 || !q->sample)
+                    continue;
+                mm_sampling sp;
+                mm_step_sampling_from_pb(q->sampling, &sp);
+                dev_pick = q->no_logprob && q->logprobs == 0 && mm_sampler_is_greedy(&sp) &&
+                           !mm_sampling_has_penalty(&sp);
+            }
             if (ns > 0) {
                 rv = to_dev(e, e->d_last, e->last, ns * e->D);
                 if (rv == MM_OK)
                     rv = mm_model_final_norm(e->model, e->scratch, DP(e, last), ns, DP(e, hn));
                 if (rv == MM_OK)
                     rv = mm_model_head(e->model, e->scratch, DP(e, hn), ns, DP(e, logits));
-                if (rv == MM_OK)
+                if (rv == MM_OK && dev_pick) {
+                    const mm_err arv =
+                        mm_model_argmax(e->model, e->scratch, DP(e, logits), ns, e->pick_ids);
+                    if (arv == MM_EUNSUPP)
+                        dev_pick = false; // no argmax on this backend: the host picks
+                    else
+                        rv = arv;
+                }
+                if (rv == MM_OK && !dev_pick)
                     rv = to_host(e, e->logits, e->d_logits, ns * (int64_t)e->V);
                 if (rv != MM_OK) {
                     snprintf(msg, MSG_LEN, "LM head failed: %s", mm_strerror(rv));
@@ -1113,7 +1160,10 @@ struct nng_msg *mm_step_engine_run(mm_step_engine *e, const Mmctl__StepPlan *p, 
             }
             // Verification of the draft rows (mm/spec.h): plain decoding's picks, drafts
             // accepted while they equal them.
-            if (rv == MM_OK)
+            if (rv == MM_OK && dev_pick)
+                for (int k = 0; k < n_items; k++)
+                    pick_dev(e, e->items[k]);
+            else if (rv == MM_OK)
                 pool_run(e, p, n_items);
             for (int k = 0; k < n_items; k++) {
                 const int32_t i = e->items[k];

@@ -37,6 +37,10 @@ mm_err mm_step_builder_add(mm_step_builder *b, uint64_t seq_id, uint32_t pos,
 // verified: SeqResult.more) for the seq added last. Only for a sampling seq with n_top 0.
 void mm_step_builder_set_draft(mm_step_builder *b, uint32_t max_draft);
 
+// mm_step_builder_set_no_logprob says the sender will not read the logprobs of the seq added
+// last (SeqStep.no_logprob): the router may pick its greedy tokens on the device.
+void mm_step_builder_set_no_logprob(mm_step_builder *b);
+
 // mm_step_builder_release asks the shards to free seq_id's KV (before this plan's seqs run).
 // Errors: MM_EFULL.
 mm_err mm_step_builder_release(mm_step_builder *b, uint64_t seq_id);

@@ -61,6 +61,8 @@ struct mm_draft {
     int explore_w, explore_left; // a width being measured, for explore_left more steps
     int choice;              // the last width chosen by price (not exploring), -1: none
     float acc_all; // per-draft-token acceptance over all seqs (slow EMA): a new seq's start
+    uint32_t probes_failed; // probes missed in a row over all seqs (0..4): a new seq's start, so
+                            // that short requests of a drafter that never agrees probe rarely
     // metrics
     uint64_t drafted, accepted, emitted, verified, misses, requests;
     uint64_t pos_tried[MM_DRAFT_MAX_K], pos_ok[MM_DRAFT_MAX_K], widths[MM_DRAFT_MAX_K + 1];
@@ -131,7 +133,7 @@ static struct rseq *track(mm_draft *d, uint64_t id) {
         r->n_steps = 0;      // would draft (and lose) until its own EMA fell
         r->asked = 0;
         r->last_step = 0;
-        r->probes = 0;
+        r->probes = d->probes_failed;
         return r;
     }
     return NULL;
@@ -455,6 +457,10 @@ void mm_draft_verified(mm_draft *d, const Mmctl__SeqStep *q, uint32_t n_draft,
     }
     if (n_draft == 0 || !r)
         return;
+    if (accepted > 0)
+        d->probes_failed = 0;
+    else if (r->acc < 0.05f && d->probes_failed < 4) // a probe (1 draft) that missed
+        d->probes_failed++;
     memcpy(r->hist + r->len, drafts, accepted * 4);
     r->len += (int32_t)accepted;
     if (accepted < n_draft) {

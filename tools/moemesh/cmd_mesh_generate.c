@@ -181,6 +181,8 @@ static int run_mesh_generate(int argc, char **argv) {
                 bool last = s->fed + c == s->n_prompt;
                 mm_step_builder_add(b, s->id, (uint32_t)s->fed, s->prompt + s->fed, (uint32_t)c,
                                     last, &sp, logprobs ? (uint32_t)top : 0);
+                if (last && !logprobs)
+                    mm_step_builder_set_no_logprob(b);
                 s->fed += c;
                 budget -= c;
                 decode_only = false;
@@ -188,6 +190,8 @@ static int run_mesh_generate(int argc, char **argv) {
                 mm_step_builder_add(b, s->id, (uint32_t)(s->n_prompt + s->n_out - 1),
                                     &s->out[s->n_out - 1], 1, true, &sp,
                                     logprobs ? (uint32_t)top : 0);
+                if (!logprobs) // none printed: the router may pick greedy tokens on the device
+                    mm_step_builder_set_no_logprob(b);
                 if (draft > 0 && !(logprobs && top > 0)) {
                     int left = s->max_new - s->n_out - 1;
                     mm_step_builder_set_draft(b, (uint32_t)(left < draft ? left : draft));

@@ -61,6 +61,7 @@ struct mm_draft {
     int explore_w, explore_left; // a width being measured, for explore_left more steps
     int choice;              // the last width chosen by price (not exploring), -1: none
     float acc_all; // per-draft-token acceptance over all seqs (slow EMA): a new seq's start
+    uint32_t acc_n; // samples in acc_all (its first 50 are averaged: the 0.6 start is a guess)
     uint32_t probes_failed; // probes missed in a row over all seqs (0..4): a new seq's start, so
                             // that short requests of a drafter that never agrees probe rarely
     // metrics
@@ -445,6 +446,15 @@ void mm_draft_ctrl_sent(mm_draft *d, int s) {
     }
 }
 
+// acc_all_add: one draft token's outcome into the all-seqs acceptance: the mean of the first 50
+// (a drafter that never agrees no longer spends ~120 drafted tokens wearing the 0.6 start
+// down), then an EMA of rate 0.02.
+static void acc_all_add(mm_draft *d, float ok) {
+    float a = d->acc_n < 49 ? 1.0f / (float)(d->acc_n + 2) : 0.02f;
+    d->acc_all += a * (ok - d->acc_all);
+    d->acc_n++;
+}
+
 void mm_draft_verified(mm_draft *d, const Mmctl__SeqStep *q, uint32_t n_draft,
                        uint32_t accepted, const int32_t *drafts) {
     d->emitted += accepted + 1;
@@ -453,7 +463,7 @@ void mm_draft_verified(mm_draft *d, const Mmctl__SeqStep *q, uint32_t n_draft,
     d->widths[chosen <= MM_DRAFT_MAX_K ? chosen : MM_DRAFT_MAX_K]++;
     if (r && accepted == n_draft && r->asked > n_draft) { // asked for more than it had:
         r->acc += 0.15f * (0.0f - r->acc);                // the chain ended there
-        d->acc_all += 0.02f * (0.0f - d->acc_all);
+        acc_all_add(d, 0.0f);
     }
     if (n_draft == 0 || !r)
         return;
@@ -472,7 +482,7 @@ void mm_draft_verified(mm_draft *d, const Mmctl__SeqStep *q, uint32_t n_draft,
         d->pos_tried[m]++;
         d->pos_ok[m] += ok;
         r->acc += 0.15f * ((ok ? 1.0f : 0.0f) - r->acc);
-        d->acc_all += 0.02f * ((ok ? 1.0f : 0.0f) - d->acc_all);
+        acc_all_add(d, ok ? 1.0f : 0.0f);
     }
     d->drafted += n_draft;
     d->accepted += accepted;

@@ -5,6 +5,8 @@
 #   self   the target as its own draft model (every greedy draft accepted: the upper bound)
 #   small  a small dense draft model (--drafter DRAFT)
 #   ngram  prompt lookup (--drafter ngram)
+#   skip   (only when CASES names it) the target's first SKIP_LAYERS (1) layers as the draft
+#          model: layer-skip self-speculation, sharing the target's embedding and LM head
 # Each case is its own `moemesh up` (router, gateway, 1 attention shard, OWNERS owners, drafter,
 # all on DEVICE); ROUNDS rounds of all cases, interleaved (a shared machine's load drifts: only
 # neighbouring runs compare). Greedy requests (--temperature 0, ignore_eos), random prompt ids.
@@ -66,6 +68,19 @@ if [ -z "${DRAFT:-}" ] && [[ " $CASES " == *" small "* ]]; then
         --layers "${DRAFT_LAYERS:-4}" --seed 2 --tokenizer-from "$TARGET" ||
         { echo "synth of the drafter failed"; exit 1; }
 fi
+# skip: a layer-skip self-draft (self-speculative decoding): the target's own checkpoint read
+# with only its first SKIP_LAYERS decoder layers (config.json changed, the weight files linked:
+# the loader binds the layers the config names), so it shares the embedding and LM head.
+if [[ " $CASES " == *" skip "* ]]; then
+    SKIPD=/tmp/mm-dbench-skip
+    SYNTH_DIRS="$SYNTH_DIRS $SKIPD"
+    rm -rf "$SKIPD" && mkdir -p "$SKIPD" || exit 1
+    for f in "$TARGET"/*; do
+        [ "$(basename "$f")" = config.json ] || ln -s "$(readlink -f "$f")" "$SKIPD/"
+    done
+    python3 -c 'import json, sys; c = json.load(open(sys.argv[1])); c["num_hidden_layers"] = int(sys.argv[3]); json.dump(c, open(sys.argv[2], "w"), indent=1)' \
+        "$TARGET/config.json" "$SKIPD/config.json" "${SKIP_LAYERS:-1}" || { echo "skip drafter config failed"; exit 1; }
+fi
 VOCAB=${VOCAB:-256}
 
 port=$((20000 + ($$ * 7) % 20000))
@@ -75,6 +90,7 @@ mesh_up() {
     case $1 in
     self) dr=(--drafter "$TARGET") ;;
     small) dr=(--drafter "$DRAFT") ;;
+    skip) dr=(--drafter "$SKIPD") ;;
     ngram) dr=(--drafter ngram) ;;
     esac
     rm -rf "$RUN/up"

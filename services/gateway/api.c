@@ -1682,6 +1682,8 @@ void gw_api_note_status(void *arg, mm_err rv, const Mmctl__StatusReply *reply,
     }
     if (reply->n_members > 0 && !strcmp(reply->members[0]->identity->role, "router"))
         snprintf(a->router_detail, sizeof(a->router_detail), "%s", reply->members[0]->detail);
+    gw_sched_router_limits(a->sched, reply->max_step_seqs, reply->max_batch_tokens,
+                           reply->attention_shards);
     static const char *need[] = {"attention", "expert"};
     char why[MM_ERRLEN] = "";
     for (size_t k = 0; k < 2; k++) {

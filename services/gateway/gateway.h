@@ -172,6 +172,12 @@ typedef struct gw_sched_stats {
     uint64_t steps, step_errors;
 } gw_sched_stats;
 
+// gw_sched_router_limits lowers the plan limits to the router's (StatusReply; 0: unknown),
+// logging the mismatch of the flags once per change; a different shard count is logged as an
+// error (KV admission per shard cannot be fixed at run time). Loop thread only.
+void gw_sched_router_limits(gw_sched *s, uint32_t max_step_seqs, uint32_t max_batch_tokens,
+                            uint32_t shards);
+
 // gw_sched_new returns owned *out. ops and arg are borrowed. Errors: MM_EINVAL, MM_ENOMEM.
 mm_err gw_sched_new(gw_sched **out, const gw_sched_conf *c, gw_mesh *mesh,
                     const gw_sched_ops *ops, void *arg, char err[MM_ERRLEN]);

@@ -41,6 +41,7 @@ struct gw_sched {
     uint64_t release[MAX_RELEASE];
     int n_release;
     bool stopped;
+    bool shards_warned; // the router's shard count differs (gw_sched_router_limits)
     uint64_t steps, step_errors;
 };
 
@@ -179,6 +180,30 @@ static void finish(gw_sched *s, gw_seq *q) {
     }
     q->state = GW_SEQ_DONE;
     s->ops.dropped(s->arg, q);
+}
+
+void gw_sched_router_limits(gw_sched *s, uint32_t max_step_seqs, uint32_t max_batch_tokens,
+                            uint32_t shards) {
+    // Plans within the router's limits: a plan above them would be refused whole (every seq in
+    // it failed). Only ever lowered (the plan arrays are sized by the configured values).
+    if (max_step_seqs > 0 && (int64_t)max_step_seqs < s->c.max_step_seqs) {
+        mm_log_warn("gateway --max-step-seqs %d is above the router's %u: planning %u seqs per "
+                    "step (set the gateway's flag to the router's)",
+                    s->c.max_step_seqs, max_step_seqs, max_step_seqs);
+        s->c.max_step_seqs = (int)max_step_seqs;
+    }
+    if (max_batch_tokens > 0 && (int64_t)max_batch_tokens < s->c.max_step_tokens) {
+        mm_log_warn("gateway --max-batch-tokens %d is above the router's %u: planning %u tokens "
+                    "per step (set the gateway's flag to the router's)",
+                    s->c.max_step_tokens, max_batch_tokens, max_batch_tokens);
+        s->c.max_step_tokens = (int)max_batch_tokens;
+    }
+    if (shards > 0 && (int)shards != s->c.shards && !s->shards_warned) {
+        s->shards_warned = true; // KV admission per shard would be wrong: said once, loudly
+        mm_log_error("gateway --attention-shards %d differs from the router's %u: KV admission "
+                     "counts the wrong shards; restart the gateway with --attention-shards %u",
+                     s->c.shards, shards, shards);
+    }
 }
 
 void gw_sched_cancel(gw_sched *s, gw_seq *q) {

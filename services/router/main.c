@@ -96,6 +96,8 @@ int main(int argc, char **argv) {
         }
         mm_log_info("step engine: %lld attention shards, %lld owners, %lld tokens / %lld seqs "
                     "per step", s_shards, c->owners, s_max_tokens, s_max_seqs);
+        mm_registry_set_limits(reg, (uint32_t)s_max_seqs, (uint32_t)s_max_tokens,
+                               (uint32_t)s_shards);
     }
     if (mm_daemon_start(d, err) != MM_OK) {
         mm_log_error("cannot start: %s", err);

@@ -30,8 +30,18 @@ struct mm_registry {
     uint64_t self_since_unix_ms;
     char self_detail[MM_CTL_MAX_STR]; // the router's status detail ("hub"; drafting metrics)
     uint32_t heartbeat_ms, down_after_ms;
+    uint32_t max_step_seqs, max_batch_tokens, shards; // step limits for StatusReply (0: none)
     struct member *members; // (MM_REGISTRY_MAX_MEMBERS,)
 };
+
+void mm_registry_set_limits(mm_registry *r, uint32_t max_step_seqs, uint32_t max_batch_tokens,
+                            uint32_t shards) {
+    pthread_mutex_lock(&r->mu);
+    r->max_step_seqs = max_step_seqs;
+    r->max_batch_tokens = max_batch_tokens;
+    r->shards = shards;
+    pthread_mutex_unlock(&r->mu);
+}
 
 static uint64_t unix_ms(void) {
     struct timeval tv;
@@ -255,6 +265,9 @@ static nng_msg *on_status(mm_registry *r, uint64_t seq) {
     sr.n_members = (size_t)n + 1;
     sr.members = mps;
     sr.down_after_ms = r->down_after_ms;
+    sr.max_step_seqs = r->max_step_seqs;
+    sr.max_batch_tokens = r->max_batch_tokens;
+    sr.attention_shards = r->shards;
     mm_ctl_msg env = MMCTL__ENVELOPE__INIT;
     env.body_case = MMCTL__ENVELOPE__BODY_STATUS_REPLY;
     env.status_reply = &sr;

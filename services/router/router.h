@@ -44,6 +44,10 @@ bool mm_registry_peer(mm_registry *r, const char *role, uint32_t instance,
 bool mm_registry_peer_ctl(mm_registry *r, const char *role, uint32_t instance,
                           char control_addr[MM_ADDR_LEN], uint64_t *incarnation);
 
+// mm_registry_set_limits records the step limits StatusReply reports (thread-safe).
+void mm_registry_set_limits(mm_registry *r, uint32_t max_step_seqs, uint32_t max_batch_tokens,
+                            uint32_t shards);
+
 // mm_registry_set_self_detail sets the router's own status detail (copied; thread-safe).
 void mm_registry_set_self_detail(mm_registry *r, const char *detail);
 

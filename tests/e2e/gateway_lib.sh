@@ -26,12 +26,13 @@ free_port() {
 BASE="http://127.0.0.1:$PORT"
 OWNERS=${OWNERS:-2}
 
-# mesh_start [gateway flags...]: router, one attention shard, $OWNERS expert owners and the
-# gateway; waits until the gateway can serve a completion. Sets DATA_A and DATA_E<i>.
+# mesh_start [gateway flags...]: router (extra flags in $ROUTER_FLAGS), one attention shard,
+# $OWNERS expert owners and the gateway; waits until the gateway can serve a completion. Sets DATA_A and DATA_E<i>.
 mesh_start() {
     local common=(--router "$ROUTER" --model "$MODEL" --owners "$OWNERS" --heartbeat-ms 100
                   --log-level info)
-    start router "$BIN/moemesh-router" "${common[@]}" --down-after-ms 600 --threads 1
+    # shellcheck disable=SC2086  # ROUTER_FLAGS: extra router flags, word-split on purpose
+    start router "$BIN/moemesh-router" "${common[@]}" --down-after-ms 600 --threads 1 ${ROUTER_FLAGS:-}
     for _ in $(seq 1 50); do [ -S "$RUN/router.ctl" ] && break; sleep 0.1; done
     DATA_A="tcp://127.0.0.1:$(free_port)"
     start attention "$BIN/moemesh-attention" "${common[@]}" --listen "ipc://$RUN/attention-0.ctl" \

@@ -67,6 +67,17 @@ int32_t mm_engine_argmax(const float *x, int64_t n) {
     return (int32_t)b;
 }
 
+mm_err mm_engine_greedy(mm_engine *e, const float *logits, int64_t n, int32_t *ids) {
+    const int vocab = mm_model_cfg(e->model)->vocab;
+    mm_err rv = mm_model_argmax(e->model, e->scratch, logits, n, ids);
+    if (rv != MM_EUNSUPP)
+        return rv;
+    MM_TRY(e->be->ops->get(e->be->ctx, e->h_logits, logits, (size_t)n * (size_t)vocab * 4));
+    for (int64_t i = 0; i < n; i++)
+        ids[i] = mm_engine_argmax(e->h_logits + i * vocab, vocab);
+    return MM_OK;
+}
+
 // prefill: mm_engine_prefill, and when next is not NULL the greedy next token after the last
 // position (on the backend when it has argmax: one int comes back instead of the logits).
 static mm_err prefill(mm_engine *e, int32_t seq, const int32_t *ids, int64_t n, float *logits,
@@ -104,12 +115,8 @@ static mm_err prefill(mm_engine *e, int32_t seq, const int32_t *ids, int64_t n, 
         if (nw == 0)
             continue;
         size_t row_bytes = (size_t)c->vocab * 4;
-        if (next && !logits && !last && b + cn == n) { // greedy only: the id, not the logits
-            mm_err rv2 = mm_model_argmax(e->model, e->scratch, e->logits + (nw - 1) * c->vocab,
-                                         1, next);
-            if (rv2 != MM_EUNSUPP)
-                return rv2;
-        }
+        if (next && !logits && !last && b + cn == n) // greedy only: the id, not the logits
+            return mm_engine_greedy(e, e->logits + (nw - 1) * c->vocab, 1, next);
         MM_TRY(e->be->ops->get(e->be->ctx, e->h_logits, e->logits, (size_t)nw * row_bytes));
         if (logits)
             memcpy(logits + b * c->vocab, e->h_logits, (size_t)nw * row_bytes);

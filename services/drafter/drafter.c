@@ -44,7 +44,6 @@ static struct drafter {
     mm_daemon *d;
     bool ngram, ready;
     mm_engine *eng;
-    int vocab;
     int32_t max_ctx;
     struct dseq *seqs; // (max_seqs)
     // one batched forward pass (model kind), sized once: rows of all seqs of a request
@@ -143,16 +142,9 @@ static mm_err batch_run(int64_t n, char err[MM_ERRLEN]) {
         nw += D.want[i];
     if (nw == 0)
         return MM_OK;
-    // Greedy drafts: the backend picks them where it can (a GPU returns nw ids instead of nw
-    // rows of vocab logits: 600 KB per row for a Qwen3 vocabulary, then a host scan), else the
-    // host reads the logits and picks. Same ids either way (ties to the lower id, NaN skipped).
-    rv = mm_model_argmax(D.eng->model, D.eng->scratch, D.eng->logits, nw, D.ids);
-    const bool on_host = rv == MM_EUNSUPP;
-    if (on_host) {
-        const size_t row_bytes = (size_t)D.vocab * 4;
-        rv = D.eng->be->ops->get(D.eng->be->ctx, D.eng->h_logits, D.eng->logits,
-                                 (size_t)nw * row_bytes);
-    }
+    // Greedy drafts, picked on the backend where it can (a GPU returns nw ids instead of nw
+    // rows of vocab logits).
+    rv = mm_engine_greedy(D.eng, D.eng->logits, nw, D.ids);
     if (rv != MM_OK)
         return mm_errf(err, rv, "draft model logits: %s", mm_strerror(rv));
     int64_t j = 0;
@@ -160,9 +152,7 @@ static mm_err batch_run(int64_t n, char err[MM_ERRLEN]) {
         if (!D.want[i])
             continue;
         struct dseq *s = D.row_of[i];
-        s->out[s->m++] = on_host ? mm_engine_argmax(D.eng->h_logits + j * D.vocab, D.vocab)
-                                 : D.ids[j];
-        j++;
+        s->out[s->m++] = D.ids[j++];
     }
     return MM_OK;
 }
@@ -385,7 +375,6 @@ mm_err drafter_start(mm_daemon *d, void *arg, char err[MM_ERRLEN]) {
                                .max_ctx = (int)s_max_ctx, .max_seqs = (int)s_max_seqs,
                                .max_rows = s_max_seqs > 256 ? s_max_seqs : 256};
         MM_TRY(mm_engine_open(&D.eng, s_draft_model, &ep, err));
-        D.vocab = mm_model_cfg(D.eng->model)->vocab;
         D.max_ctx = D.eng->max_ctx;
         D.max_rows = D.eng->max_rows;
         D.row_seq = malloc((size_t)D.max_rows * 4);

@@ -50,6 +50,11 @@ mm_err mm_engine_prefill_greedy(mm_engine *e, int32_t seq, const int32_t *ids, i
 // mm_engine_argmax: index of the largest of n values (the first on ties, as torch.argmax).
 int32_t mm_engine_argmax(const float *x, int64_t n);
 
+// mm_engine_greedy: the greedy ids (host, n) of n logits rows at logits (backend memory inside
+// e->logits, rows vocab apart; n <= max_rows): picked on the backend when it has argmax (n ints
+// come back), else the rows are read into e->h_logits and scanned with mm_engine_argmax.
+mm_err mm_engine_greedy(mm_engine *e, const float *logits, int64_t n, int32_t *ids);
+
 // mm_engine_generate: prefill prompt into a fresh sequence, then greedy-decode max_new tokens
 // one at a time with the KV cache; out (max_new) receives them. If eos >= 0 it stops after
 // emitting eos; *n_out is the count. If step_logits (host, (max_new, vocab)) is not NULL it

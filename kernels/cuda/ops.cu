@@ -751,19 +751,12 @@ extern "C" mm_err mm_gpu_route(void *stream, const struct mm_route_params *p, co
 
 // ---- sampling: greedy argmax, one block per row -----------------------------------------------
 // Highest logit, ties to the lower id (the engine's host argmax rule); NaN never wins.
-__global__ void argmax_kernel(const float *logits, int64_t ls, int vocab, int32_t *ids) {
+// block_argmax combines every thread's (best, id) of one block (id -1: none yet): the larger
+// value wins, ties go to the lower id. All threads call it; the result is in thread 0's
+// (best, id), and it returns true there only.
+__device__ __forceinline__ bool block_argmax(float &best, int &id) {
     __shared__ float bv[1024 / 32];
     __shared__ int bi[1024 / 32];
-    const float *l = logits + (int64_t)blockIdx.x * ls;
-    float best = -INFINITY;
-    int id = -1;
-    for (int v = threadIdx.x; v < vocab; v += blockDim.x) {
-        const float x = l[v];
-        if (id < 0 ? !isnan(x) : x > best) { // strided ascending: first hit keeps the lower id
-            best = x;
-            id = v;
-        }
-    }
 #pragma unroll
     for (int m = MM_WARP_SIZE / 2; m > 0; m >>= 1) {
         const float ob = mm_shfl_xor(best, m);
@@ -779,14 +772,29 @@ __global__ void argmax_kernel(const float *logits, int64_t ls, int vocab, int32_
         bi[warp] = id;
     }
     __syncthreads();
-    if (threadIdx.x == 0) {
-        for (int w = 1; w < (int)(blockDim.x / MM_WARP_SIZE); w++)
-            if (bi[w] >= 0 && (id < 0 || bv[w] > best || (bv[w] == best && bi[w] < id))) {
-                best = bv[w];
-                id = bi[w];
-            }
-        ids[blockIdx.x] = id < 0 ? 0 : id;
+    if (threadIdx.x != 0)
+        return false;
+    for (int w = 1; w < (int)(blockDim.x / MM_WARP_SIZE); w++)
+        if (bi[w] >= 0 && (id < 0 || bv[w] > best || (bv[w] == best && bi[w] < id))) {
+            best = bv[w];
+            id = bi[w];
+        }
+    return true;
+}
+
+__global__ void argmax_kernel(const float *logits, int64_t ls, int vocab, int32_t *ids) {
+    const float *l = logits + (int64_t)blockIdx.x * ls;
+    float best = -INFINITY;
+    int id = -1;
+    for (int v = threadIdx.x; v < vocab; v += blockDim.x) {
+        const float x = l[v];
+        if (id < 0 ? !isnan(x) : x > best) { // strided ascending: first hit keeps the lower id
+            best = x;
+            id = v;
+        }
     }
+    if (block_argmax(best, id))
+        ids[blockIdx.x] = id < 0 ? 0 : id;
 }
 
 // ---- argmax over many blocks per row: one pass, 64-bit atomic max -------------------------------
@@ -811,8 +819,6 @@ __global__ void __launch_bounds__(AMAX_THREADS) argmax_ws_kernel(const float *lo
                                                                  int vocab, int32_t *ids,
                                                                  unsigned long long *key,
                                                                  unsigned *arrived) {
-    __shared__ float bv[1024 / 32];
-    __shared__ int bi[1024 / 32];
     const int64_t r = blockIdx.y;
     const float *l = logits + r * ls;
     const int v0 = blockIdx.x * AMAX_SPAN + threadIdx.x;
@@ -833,28 +839,8 @@ __global__ void __launch_bounds__(AMAX_THREADS) argmax_ws_kernel(const float *lo
             id = v;
         }
     }
-#pragma unroll
-    for (int m = MM_WARP_SIZE / 2; m > 0; m >>= 1) {
-        const float ob = mm_shfl_xor(best, m);
-        const int oi = mm_shfl_xor(id, m);
-        if (oi >= 0 && (id < 0 || ob > best || (ob == best && oi < id))) {
-            best = ob;
-            id = oi;
-        }
-    }
-    const int lane = threadIdx.x % MM_WARP_SIZE, warp = threadIdx.x / MM_WARP_SIZE;
-    if (lane == 0) {
-        bv[warp] = best;
-        bi[warp] = id;
-    }
-    __syncthreads();
-    if (threadIdx.x != 0)
+    if (!block_argmax(best, id))
         return;
-    for (int w = 1; w < (int)(blockDim.x / MM_WARP_SIZE); w++)
-        if (bi[w] >= 0 && (id < 0 || bv[w] > best || (bv[w] == best && bi[w] < id))) {
-            best = bv[w];
-            id = bi[w];
-        }
     if (id >= 0)
         atomicMax(&key[r], amax_key(best, id));
     __threadfence();

@@ -328,10 +328,11 @@ static void conn_break(mm_conn *c, mm_err e) {
     c->ops->shutdown(c->ctx); // wakes the other direction; the peer sees the conn end
 }
 
-mm_err mm_conn_sendv(mm_conn *c, const mm_wire_hdr *hdr, const struct iovec *iov, int n_iov,
-                     uint64_t deadline_ns) {
-    if (c == NULL || hdr == NULL || n_iov < 0 || (n_iov > 0 && iov == NULL))
-        return MM_EINVAL;
+// send_check: what every send checks before the provider sees the frame (host or device
+// iov alike): the conn is not broken, the kind is a frame kind, the header's payload size is
+// its rows' size and the iov add up to it.
+static mm_err send_check(mm_conn *c, const mm_wire_hdr *hdr, const struct iovec *iov,
+                         int n_iov) {
     mm_err g = (mm_err)atomic_load(&c->gerr);
     if (g != MM_OK)
         return g;
@@ -348,8 +349,14 @@ mm_err mm_conn_sendv(mm_conn *c, const mm_wire_hdr *hdr, const struct iovec *iov
             return MM_EINVAL;
         have += iov[i].iov_len;
     }
-    if (have != want)
+    return have == want ? MM_OK : MM_EINVAL;
+}
+
+mm_err mm_conn_sendv(mm_conn *c, const mm_wire_hdr *hdr, const struct iovec *iov, int n_iov,
+                     uint64_t deadline_ns) {
+    if (c == NULL || hdr == NULL || n_iov < 0 || (n_iov > 0 && iov == NULL))
         return MM_EINVAL;
+    MM_TRY(send_check(c, hdr, iov, n_iov));
     mm_wire_hdr h = *hdr;
     mm__wire_hdr_seal(&h, c->tx_seq);
     mm_err rv = c->ops->sendv(c->ctx, &h, iov, n_iov, deadline_ns);
@@ -376,23 +383,7 @@ mm_err mm_conn_sendv_dev(mm_conn *c, const mm_wire_hdr *hdr, const struct iovec 
         return MM_EINVAL;
     if (!mm_conn_dev(c) || c->ops->sendv_dev == NULL)
         return MM_EUNSUPP;
-    mm_err g = (mm_err)atomic_load(&c->gerr);
-    if (g != MM_OK)
-        return g;
-    if (hdr->kind < MM_WIRE_ROWS || hdr->kind > MM_WIRE_KIND_USER_MAX)
-        return MM_EINVAL;
-    uint64_t want = 0, have = 0;
-    if (mm_wire_payload_bytes((enum mm_wire_format)hdr->format, hdr->n_rows, hdr->row_dim,
-                              &want) != MM_OK ||
-        want != hdr->payload_bytes)
-        return MM_EINVAL;
-    for (int i = 0; i < n_iov; i++) {
-        if (d_iov[i].iov_len > 0 && d_iov[i].iov_base == NULL)
-            return MM_EINVAL;
-        have += d_iov[i].iov_len;
-    }
-    if (have != want)
-        return MM_EINVAL;
+    MM_TRY(send_check(c, hdr, d_iov, n_iov));
     mm_wire_hdr h = *hdr;
     mm__wire_hdr_seal(&h, c->tx_seq);
     mm_err rv = c->ops->sendv_dev(c->ctx, &h, d_iov, n_iov, deadline_ns);

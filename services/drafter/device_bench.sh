@@ -24,7 +24,8 @@
 # Env: DEVICE (cuda:0), TARGET / DRAFT (model dirs; unset: synthesized, shapes TARGET_SHAPE /
 # DRAFT_SHAPE, LAYERS / DRAFT_LAYERS; "tiny" for both tries the script on a CPU), CASES ("none self small
 # ngram"), CONCS ("1 16"), ROUNDS (2 on the CPU, 1 on a GPU: each case loads the model anew),
-# MAX_TOKENS (128), PROMPT (32), REQS1 (8) / REQS16 (64)
+# MAX_TOKENS (128), PROMPT (32), REQS1 (8) / REQS16 (64), RESIDUAL_SCALE (unset; e.g. 0.1: the
+# synthesized target's layers from SKIP_LAYERS on are scaled down so the skip drafter agrees),
 # requests at concurrency 1 / 16, OWNERS (1), THREADS (1: CPU threads per daemon), VOCAB (256:
 # prompt ids drawn below it), OUT (/tmp/out: logs). Output: a table on stdout (and $OUT/table).
 set -u
@@ -58,7 +59,11 @@ SYNTH_DIRS=
 if [ -z "${TARGET:-}" ]; then
     TARGET=/tmp/mm-dbench-target-L$LAYERS
     SYNTH_DIRS="$SYNTH_DIRS $TARGET"
-    timeout 300 "$D/moemesh" synth --out "$TARGET" --shape "${TARGET_SHAPE:-qwen3-30b-a3b}" --layers "$LAYERS" ||
+    # RESIDUAL_SCALE: the target's layers from SKIP_LAYERS on add little to the residual stream,
+    # so the skip drafter agrees with it often (moemesh synth --residual-scale)
+    res=()
+    [ -n "${RESIDUAL_SCALE:-}" ] && res=(--residual-scale "$RESIDUAL_SCALE" --residual-from "${SKIP_LAYERS:-1}")
+    timeout 300 "$D/moemesh" synth --out "$TARGET" --shape "${TARGET_SHAPE:-qwen3-30b-a3b}" --layers "$LAYERS" "${res[@]}" ||
         { echo "synth of the target failed"; exit 1; }
 fi
 if [ -z "${DRAFT:-}" ] && [[ " $CASES " == *" small "* ]]; then

@@ -45,6 +45,26 @@ got=$("$BIN/moemesh" generate --model "$d" --prompt "$text" --max-tokens 8) || f
 "$BIN/moemesh" generate --model "$tmp/syn" --ids 1,2,3 --max-tokens 4 | grep -Eq '^[0-9]+(,[0-9]+){3}$' || fail "synth model does not generate"
 "$BIN/moemesh" bench-model --model "$tmp/syn" --prompt-tokens 8 --decode-tokens 4 --bw-mb 64 | grep -q "decode roofline" || fail bench-model
 
+# --residual-scale: with the output projections of layers 1.. scaled down, the first layer alone
+# (a layer-skip draft model: same weight files, config naming 1 layer) greedily continues like
+# the whole 4-layer model; unscaled, it does not (seeded weights: both are fixed)
+skip_agrees() { # DIR: the first 8 greedy ids of DIR and of its 1-layer view equal?
+    mkdir -p "$1-skip"
+    for f in "$1"/*; do [ "$(basename "$f")" = config.json ] || ln -sf "$(readlink -f "$f")" "$1-skip/"; done
+    sed 's/"num_hidden_layers": *[0-9]*/"num_hidden_layers": 1/' "$1/config.json" > "$1-skip/config.json"
+    local a b
+    a=$("$BIN/moemesh" generate --model "$1" --ids 5,17,300,42 --max-tokens 8) || fail "generate $1"
+    b=$("$BIN/moemesh" generate --model "$1-skip" --ids 5,17,300,42 --max-tokens 8) || fail "generate $1-skip"
+    [ "$a" = "$b" ]
+}
+"$BIN/moemesh" synth --family qwen3_moe --shape tiny --layers 4 --out "$tmp/syn4" >/dev/null 2>&1 || fail "synth 4 layers"
+"$BIN/moemesh" synth --family qwen3_moe --shape tiny --layers 4 --residual-scale 0.1 --out "$tmp/syn4d" 2>/dev/null |
+    grep -q "layers 1.. scaled by 0.1" || fail "synth --residual-scale"
+skip_agrees "$tmp/syn4" && fail "unscaled: the first layer alone agrees (the scaled case would prove nothing)"
+skip_agrees "$tmp/syn4d" || fail "--residual-scale 0.1: the first layer alone does not agree with the target"
+out=$("$BIN/moemesh" synth --shape tiny --residual-scale 0 --out "$tmp/bad" 2>&1) && fail "--residual-scale 0 accepted"
+echo "$out" | grep -q "residual-scale" || fail "no flag named in: $out"
+
 # bad input is refused with a message
 out=$("$BIN/moemesh" logits --model /nonexistent --ids 1 --out "$tmp/x" 2>&1) && fail "missing model accepted"
 echo "$out" | grep -q "/nonexistent/config.json" || fail "no path in: $out"

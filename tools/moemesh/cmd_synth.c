@@ -2,7 +2,10 @@
 // `moemesh synth`: write a synthetic checkpoint in Hugging Face layout (config.json, sharded
 // safetensors with model.safetensors.index.json, a tokenizer copied from a fixture) with
 // deterministic random bf16 weights, in the shape of a real model with fewer layers. For
-// benchmarks and load tests; the weights mean nothing.
+// benchmarks and load tests; the weights mean nothing. --residual-scale S --residual-from L
+// multiplies the output projections (o_proj, down_proj) of layers >= L by S: the later layers then
+// add little to the residual stream, so the target's first L layers (a layer-skip draft model)
+// agree with it often, a stand-in for a trained draft model when none can be downloaded.
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -38,6 +41,7 @@ struct gen {
     uint64_t seed;
     const mm_st_entry *e;
     const uint8_t *is_norm; // per entry: 1 = RMSNorm weight (ones)
+    const float *scale;     // per entry: factor on the random values (--residual-scale)
 };
 
 static inline uint64_t mix64(uint64_t x) { // splitmix64 finaliser
@@ -64,7 +68,7 @@ static void fill(void *arg, size_t i, size_t offset, void *buf, size_t n_bytes) 
     }
     const uint64_t key = mix64(g->seed ^ ((uint64_t)i << 40));
     // uniform in [-0.0346, 0.0346]: std 0.02, as initializer_range
-    const float scale = 0.0346f / 32768.0f;
+    const float scale = 0.0346f / 32768.0f * g->scale[i];
     for (size_t k = 0; k < n; k++) {
         size_t idx = first + k;
         uint64_t h = mix64(key + (idx >> 2));
@@ -73,17 +77,31 @@ static void fill(void *arg, size_t i, size_t offset, void *buf, size_t n_bytes) 
     }
 }
 
-static int add(mm_st_entry *e, uint8_t *norm, int *n, const char *name, int64_t r, int64_t c,
-               int is_norm) {
-    e[*n] = (mm_st_entry){.name = strdup(name), .dtype = MM_DTYPE_BF16, .n_dims = r ? 2 : 1};
+// The entries being listed: names and shapes, and per entry how fill() makes its values.
+struct ents {
+    mm_st_entry *e;
+    uint8_t *norm;   // 1 = RMSNorm weight (ones)
+    float *scale;    // factor on the random values
+    int n;
+    float out_scale; // scale of the output projections of the layer being listed
+};
+
+static int add(struct ents *t, const char *name, int64_t r, int64_t c, int is_norm) {
+    mm_st_entry *e = &t->e[t->n];
+    *e = (mm_st_entry){.name = strdup(name), .dtype = MM_DTYPE_BF16, .n_dims = r ? 2 : 1};
     if (r) {
-        e[*n].shape[0] = r;
-        e[*n].shape[1] = c;
+        e->shape[0] = r;
+        e->shape[1] = c;
     } else {
-        e[*n].shape[0] = c;
+        e->shape[0] = c;
     }
-    norm[*n] = (uint8_t)is_norm;
-    return (*n)++;
+    size_t len = strlen(name);
+    bool out_proj = (len > 14 && strcmp(name + len - 14, ".o_proj.weight") == 0) ||
+                    (len > 17 && strcmp(name + len - 17, ".down_proj.weight") == 0) ||
+                    (len > 10 && strcmp(name + len - 10, ".w2.weight") == 0);
+    t->norm[t->n] = (uint8_t)is_norm;
+    t->scale[t->n] = out_proj ? t->out_scale : 1.0f;
+    return t->n++;
 }
 
 static mm_err copy_file(const char *src, const char *dst, char *err) {
@@ -150,13 +168,18 @@ static mm_err write_config(const char *dir, const struct shape *s, int layers, c
 
 static int run_synth(int argc, char **argv) {
     char *family = NULL, *shape_name = NULL, *out = NULL, *tok_from = NULL;
-    long long layers = 2, seed = 1;
+    long long layers = 2, seed = 1, res_from = 1;
+    double res_scale = 1.0;
     mm_opt opts[] = {
         {"family", MM_OPT_STR, &family, "qwen3_moe", "qwen3_moe, mixtral or qwen3 (dense)"},
         {"shape", MM_OPT_STR, &shape_name, "qwen3-30b-a3b",
          "qwen3-30b-a3b, qwen3-235b-a22b, mixtral-8x7b, qwen3-0.6b (qwen3) or tiny"},
         {"layers", MM_OPT_INT, &layers, "2", "decoder layers to write"},
         {"seed", MM_OPT_INT, &seed, "1", "weights seed"},
+        {"residual-scale", MM_OPT_DBL, &res_scale, "1",
+         "factor on the output projections (o_proj, down_proj) of layers >= --residual-from: "
+         "below 1, the first layers decide most tokens (an agreeing layer-skip draft model)"},
+        {"residual-from", MM_OPT_INT, &res_from, "1", "first layer --residual-scale applies to"},
         {"out", MM_OPT_STR, &out, NULL, "output directory (created)"},
         {"tokenizer-from", MM_OPT_STR, &tok_from, "tests/fixtures/models/qwen3moe-tiny",
          "directory whose tokenizer.json / tokenizer_config.json are copied"},
@@ -166,9 +189,8 @@ static int run_synth(int argc, char **argv) {
                   .summary = "Write a synthetic HF checkpoint with random bf16 weights.",
                   .opts = opts};
     char err[MM_ERRLEN] = "";
-    int rc = 2, n = 0;
-    mm_st_entry *e = NULL;
-    uint8_t *norm = NULL;
+    int rc = 2;
+    struct ents t = {.out_scale = 1.0f};
     if (mm_config_parse(&cli, argc, argv, err) != MM_OK) {
         fprintf(stderr, "synth: %s\n", err);
         goto done;
@@ -186,6 +208,11 @@ static int run_synth(int argc, char **argv) {
                         "(family '%s' shape '%s' unknown)\n", family, shape_name);
         goto done;
     }
+    if (!(res_scale > 0 && res_scale <= 1) || res_from < 0) {
+        fprintf(stderr, "synth: --residual-scale must be in (0, 1] (got %g) and --residual-from "
+                        ">= 0 (got %lld)\n", res_scale, res_from);
+        goto done;
+    }
     rc = 1;
     if (mkdir(out, 0755) != 0 && errno != EEXIST) {
         fprintf(stderr, "synth: %s: %s\n", out, strerror(errno));
@@ -196,52 +223,55 @@ static int run_synth(int argc, char **argv) {
     const int64_t D = s->d_model, H = s->n_heads, KV = s->n_kv_heads, hd = s->head_dim;
     const int64_t E = s->n_experts, F = s->d_ff_expert;
     size_t cap = 8 + (size_t)layers * (size_t)(16 + 3 * E);
-    e = calloc(cap, sizeof(*e));
-    norm = calloc(cap, 1);
-    if (!e || !norm) {
+    t.e = calloc(cap, sizeof(*t.e));
+    t.norm = calloc(cap, 1);
+    t.scale = calloc(cap, sizeof(*t.scale));
+    if (!t.e || !t.norm || !t.scale) {
         fprintf(stderr, "synth: out of memory\n");
         goto done;
     }
     // shard 0: embeddings, final norm, head; shard l+1: layer l
     int shard_start[258], n_shards = 0;
-    shard_start[n_shards++] = n;
-    add(e, norm, &n, "model.embed_tokens.weight", s->vocab, D, 0);
-    add(e, norm, &n, "model.norm.weight", 0, D, 1);
-    add(e, norm, &n, "lm_head.weight", s->vocab, D, 0);
+    shard_start[n_shards++] = t.n;
+    add(&t, "model.embed_tokens.weight", s->vocab, D, 0);
+    add(&t, "model.norm.weight", 0, D, 1);
+    add(&t, "lm_head.weight", s->vocab, D, 0);
     char nm[256];
     for (int l = 0; l < layers; l++) {
-        shard_start[n_shards++] = n;
+        shard_start[n_shards++] = t.n;
+        t.out_scale = l >= res_from ? (float)res_scale : 1.0f;
 #define L(fmt, ...) (snprintf(nm, sizeof nm, "model.layers.%d." fmt, l, ##__VA_ARGS__), nm)
-        add(e, norm, &n, L("input_layernorm.weight"), 0, D, 1);
-        add(e, norm, &n, L("post_attention_layernorm.weight"), 0, D, 1);
-        add(e, norm, &n, L("self_attn.q_proj.weight"), H * hd, D, 0);
-        add(e, norm, &n, L("self_attn.k_proj.weight"), KV * hd, D, 0);
-        add(e, norm, &n, L("self_attn.v_proj.weight"), KV * hd, D, 0);
-        add(e, norm, &n, L("self_attn.o_proj.weight"), D, H * hd, 0);
+        add(&t, L("input_layernorm.weight"), 0, D, 1);
+        add(&t, L("post_attention_layernorm.weight"), 0, D, 1);
+        add(&t, L("self_attn.q_proj.weight"), H * hd, D, 0);
+        add(&t, L("self_attn.k_proj.weight"), KV * hd, D, 0);
+        add(&t, L("self_attn.v_proj.weight"), KV * hd, D, 0);
+        add(&t, L("self_attn.o_proj.weight"), D, H * hd, 0);
         if (!mix) {
-            add(e, norm, &n, L("self_attn.q_norm.weight"), 0, hd, 1);
-            add(e, norm, &n, L("self_attn.k_norm.weight"), 0, hd, 1);
+            add(&t, L("self_attn.q_norm.weight"), 0, hd, 1);
+            add(&t, L("self_attn.k_norm.weight"), 0, hd, 1);
         }
         if (dense) {
-            add(e, norm, &n, L("mlp.gate_proj.weight"), s->d_ff, D, 0);
-            add(e, norm, &n, L("mlp.up_proj.weight"), s->d_ff, D, 0);
-            add(e, norm, &n, L("mlp.down_proj.weight"), D, s->d_ff, 0);
+            add(&t, L("mlp.gate_proj.weight"), s->d_ff, D, 0);
+            add(&t, L("mlp.up_proj.weight"), s->d_ff, D, 0);
+            add(&t, L("mlp.down_proj.weight"), D, s->d_ff, 0);
             continue;
         }
         const char *moe = mix ? "block_sparse_moe" : "mlp";
-        add(e, norm, &n, L("%s.gate.weight", moe), E, D, 0);
+        add(&t, L("%s.gate.weight", moe), E, D, 0);
         for (int64_t x = 0; x < E; x++) {
-            add(e, norm, &n, L("%s.experts.%lld.%s.weight", moe, (long long)x,
+            add(&t, L("%s.experts.%lld.%s.weight", moe, (long long)x,
                                mix ? "w1" : "gate_proj"), F, D, 0);
-            add(e, norm, &n, L("%s.experts.%lld.%s.weight", moe, (long long)x,
+            add(&t, L("%s.experts.%lld.%s.weight", moe, (long long)x,
                                mix ? "w3" : "up_proj"), F, D, 0);
-            add(e, norm, &n, L("%s.experts.%lld.%s.weight", moe, (long long)x,
+            add(&t, L("%s.experts.%lld.%s.weight", moe, (long long)x,
                                mix ? "w2" : "down_proj"), D, F, 0);
         }
 #undef L
     }
-    shard_start[n_shards] = n;
-    struct gen g = {.seed = (uint64_t)seed, .e = e, .is_norm = norm};
+    shard_start[n_shards] = t.n;
+    mm_st_entry *e = t.e;
+    struct gen g = {.seed = (uint64_t)seed, .e = e, .is_norm = t.norm, .scale = t.scale};
     json_t *wm = json_object();
     double total = 0;
     for (int sh = 0; sh < n_shards; sh++) {
@@ -250,7 +280,8 @@ static int run_synth(int argc, char **argv) {
         snprintf(path, sizeof path, "%s/%s", out, fname);
         struct gen gs = g;
         gs.e = e + shard_start[sh];
-        gs.is_norm = norm + shard_start[sh];
+        gs.is_norm = t.norm + shard_start[sh];
+        gs.scale = t.scale + shard_start[sh];
         // fill() indexes entries from the shard's first one; offset the seed by it so weights
         // do not depend on how the checkpoint is sharded
         gs.seed = g.seed + (uint64_t)shard_start[sh] * 0x1000193ull;
@@ -287,14 +318,18 @@ static int run_synth(int argc, char **argv) {
         if (copy_file(a, b, err) != MM_OK)
             fprintf(stderr, "synth: warning: no tokenizer copied: %s\n", err);
     }
-    printf("%s: %s %s, %lld layers, %.2f GB of bf16 weights in %d shards\n", out, s->family,
+    printf("%s: %s %s, %lld layers, %.2f GB of bf16 weights in %d shards", out, s->family,
            s->name, layers, total / 1e9, n_shards);
+    if (res_scale != 1.0 && res_from < layers)
+        printf(", output projections of layers %lld.. scaled by %g", res_from, res_scale);
+    printf("\n");
     rc = 0;
 done:
-    for (int i = 0; i < n; i++)
-        free((char *)e[i].name);
-    free(e);
-    free(norm);
+    for (int i = 0; i < t.n; i++)
+        free((char *)t.e[i].name);
+    free(t.e);
+    free(t.norm);
+    free(t.scale);
     mm_config_fini(&cli);
     return rc;
 }

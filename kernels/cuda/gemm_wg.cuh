@@ -109,7 +109,8 @@ __device__ __forceinline__ void wg_fence_regs(float (&d)[N]) {
         asm volatile("" : "+f"(d[i])::"memory");
 }
 // D (64 x BN, f32) += A (64 x 16, bf16) * B (16 x BN, bf16), both from shared memory.
-__device__ __forceinline__ void wgmma_m64n128k16(float d[64], uint64_t da, uint64_t db) {
+__device__ __forceinline__ void wgmma_m64n128k16(float d[64], uint64_t da, uint64_t db,
+                                                 int scale_d = 1) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
                  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
@@ -128,9 +129,10 @@ __device__ __forceinline__ void wgmma_m64n128k16(float d[64], uint64_t da, uint6
           "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]),
           "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]),
           "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "l"(da), "l"(db), "r"(1));
+        : "l"(da), "l"(db), "r"(scale_d));
 }
-__device__ __forceinline__ void wgmma_m64n192k16(float d[96], uint64_t da, uint64_t db) {
+__device__ __forceinline__ void wgmma_m64n192k16(float d[96], uint64_t da, uint64_t db,
+                                                 int scale_d = 1) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %98, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n192k16.f32.bf16.bf16 "
                  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
@@ -156,14 +158,15 @@ __device__ __forceinline__ void wgmma_m64n192k16(float d[96], uint64_t da, uint6
           "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]),
           "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]),
           "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95])
-        : "l"(da), "l"(db), "r"(1));
+        : "l"(da), "l"(db), "r"(scale_d));
 }
+// scale_d 0: D = A * B (the accumulator's old value is not read)
 template <int BN>
-__device__ __forceinline__ void wgmma_tile(float (&d)[BN / 2], uint64_t da, uint64_t db) {
+__device__ __forceinline__ void wgmma_tile(float (&d)[BN / 2], uint64_t da, uint64_t db, int scale_d = 1) {
     if constexpr (BN == 192)
-        wgmma_m64n192k16(d, da, db);
+        wgmma_m64n192k16(d, da, db, scale_d);
     else
-        wgmma_m64n128k16(d, da, db);
+        wgmma_m64n128k16(d, da, db, scale_d);
 }
 __device__ __forceinline__ void cp_async16_s(uint32_t dst, const void *src, bool valid) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),

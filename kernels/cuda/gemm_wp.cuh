@@ -121,6 +121,20 @@ __device__ __forceinline__ void wp_bar_wait(uint32_t bar, uint32_t parity) {
         }
     }
 }
+// The same wait as one asm block: the loop stays invisible to the compiler, so code after it is
+// not a divergent path (ptxas serialises wgmmas that follow a compiler-inserted warpgroup
+// arrive in a divergent path, C7520). Traps after 2^26 polls (a broken ring).
+__device__ __forceinline__ void wp_bar_wait_asm(uint32_t bar, uint32_t parity) {
+    asm volatile("{\n.reg .pred p;\n.reg .u32 n;\nmov.u32 n, 0;\n"
+                 "WS_WAIT:\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+                 "@p bra WS_DONE;\n"
+                 "add.u32 n, n, 1;\n"
+                 "setp.lt.u32 p, n, 67108864;\n"
+                 "@p bra WS_WAIT;\n"
+                 "trap;\n"
+                 "WS_DONE:\n}\n" ::"r"(bar), "r"(parity) : "memory");
+}
 // bytes (multiple of 16) from global src to shared dst, completing on mbarrier bar.
 __device__ __forceinline__ void wp_bulk(uint32_t dst, const void *src, uint32_t bytes, uint32_t bar) {
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
@@ -312,6 +326,219 @@ __global__ void __launch_bounds__(WP_THREADS, 1) gemm_wp_kernel(mm_wg_args a, co
 #else
     (void)a;
     (void)wmap;
+    __trap(); // the host launches this only on sm_90 parts, whose sm_90a image has the body
+#endif
+}
+
+// ---- gemm_ws: warp-specialised, both operands from shared memory, both by bulk copies ------
+// The same shared-memory contents as gemm_wg_kernel (W and x both in the GEMV's slot order,
+// wg_perm32 inside every 32-chunk, 128-byte swizzle), so the same wgmma instructions sum the
+// same products in the same order: the same bits. What changes is how they get there: W is
+// permuted once per product into a workspace (wg_convert_w_kernel, ~9 us for q_proj's 16.8 MB)
+// in the k-block-major swizzled layout wg_convert_x_kernel<true> gives x, so one stage is two
+// contiguous runs (128 W rows x 128 bytes, BN x rows x 128 bytes), each one bulk copy issued by
+// one producer thread and completing on the stage's full mbarrier (async proxy to async proxy:
+// no proxy fence). The consumer warpgroups (0 and 1, 64 outputs x BN tokens each) only wait,
+// issue wgmmas and release stages; they do not synchronise with each other.
+// The producer is a whole warpgroup (warps 8-11, 384 threads) that gives its registers to the
+// consumers with setmaxnreg (producer 40, consumers 232; the roles are the two branches of one
+// if/else, else ptxas allocates for the entry cap of 168 and spills). One producer warp (288
+// threads) caps every thread at 168 (9 warps put 3 on one scheduler, whose 16384 registers
+// give 170 each: also why gemm_wp's 128 x 192 form did not launch with 224) and, built here,
+// had ptxas serialise its wgmmas (C7520).
+// DUAL: two running accumulators (segment j in acc[j & 1]), so a segment end does not drain
+// the tensor pipe: segment j - 1's sum is added to the total after the first chunk of segment j
+// is issued and everything before it has completed (wgmma.wait_group 1); the sums are still
+// added in segment order, each from zero.
+// W workspace (wg_convert_w_kernel): k block kb (64 k) of output row r at (kb * n_out + r) * 64
+// elements, its 16-byte pieces at c ^ (r & 7), slots permuted per 32-chunk, zeros past n_in.
+__global__ void wg_convert_w_kernel(const uint16_t *w, int n_out, int n_in, uint16_t *wb, int64_t ldx) {
+    const int64_t per_row = ldx / 8, n = (int64_t)n_out * per_row;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
+         i += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t r = i / per_row;
+        const int q = (int)(i % per_row), c = q >> 2, s = (q >> 1) & 1, h = q & 1;
+        const uint16_t *wr = w + r * n_in;
+        uint32_t v[4];
+#pragma unroll
+        for (int t = 0; t < 4; t++) { // n_in even, W 4-byte aligned: k < n_in means k + 1 < n_in
+            const int k = 32 * c + 8 * t + 4 * s + 2 * h;
+            v[t] = k < n_in ? *(const uint32_t *)(wr + k) : 0u;
+        }
+        uint16_t *dst = wb + ((int64_t)(q >> 3) * n_out + r) * 64 + 8 * ((q & 7) ^ (int)(r & 7));
+        *(uint4 *)dst = make_uint4(v[0], v[1], v[2], v[3]);
+    }
+}
+
+__host__ __device__ constexpr int ws_stage_bytes(int bn) { return 128 * 128 + bn * 128; }
+__host__ __device__ constexpr int ws_smem_bytes(int bn, int st) {
+    return st * ws_stage_bytes(bn) + 1024 + 2 * st * 8; // + alignment slack + barriers
+}
+#define WS_THREADS 384
+
+// a.xb: x workspace (wg_convert_x_kernel<true>); wb: W workspace (wg_convert_w_kernel).
+template <int BN, int ST, bool DUAL>
+__global__ void __launch_bounds__(WS_THREADS, 1) gemm_ws_kernel(mm_wg_args a, const uint16_t *wb) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    extern __shared__ __align__(1024) unsigned char ws_smem_raw[];
+    constexpr int SB = ws_stage_bytes(BN), WB = 128 * 128, NA = BN / 2;
+    const uint32_t raw = (uint32_t)__cvta_generic_to_shared(ws_smem_raw);
+    const uint32_t sbase = (raw + 1023u) & ~1023u;
+    const uint32_t full0 = sbase + ST * SB, empty0 = full0 + 8 * ST;
+    const int m0 = blockIdx.y * BN, mlen = min(BN, a.n_rows - m0);
+    const int n0 = blockIdx.x * 128;
+    const int n_k = (a.n_in + 63) / 64;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    if (tid == 0) {
+        for (int s = 0; s < ST; s++) {
+            wp_bar_init(full0 + 8 * s, 1);  // the producer's expect_tx arrival
+            wp_bar_init(empty0 + 8 * s, 8); // one arrival per consumer warp
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+    if (warp >= 8) { // producer
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+        if (warp == 8 && lane == 0) {
+            const uint32_t xbytes = (uint32_t)mlen * 128;
+            const uint32_t wbytes = (uint32_t)min(128, a.n_out - n0) * 128;
+            for (int kt = 0; kt < n_k; kt++) {
+                const int s = kt % ST;
+                if (kt >= ST)
+                    wp_bar_wait(empty0 + 8 * s, (uint32_t)((kt / ST - 1) & 1));
+                const uint32_t full = full0 + 8 * s, st = sbase + s * SB;
+                wp_bar_expect(full, wbytes + xbytes);
+                wp_bulk(st, wb + ((size_t)kt * a.n_out + n0) * 64, wbytes, full);
+                wp_bulk(st + WB, a.xb + ((size_t)kt * a.n_rows + m0) * 64, xbytes, full);
+            }
+        }
+    } else { // consumers: warpgroups 0 and 1
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+        const int wgi = warp >> 2;
+        const int sl = seg_len(a.n_in);
+        float tot[NA];
+#pragma unroll
+        for (int i = 0; i < NA; i++)
+            tot[i] = 0.0f;
+        auto release = [&](int kt) { // every wgmma reading stage kt has completed
+            __syncwarp();
+            if (lane == 0)
+                wp_bar_arrive(empty0 + 8 * (kt % ST));
+        };
+        // chunk ch (32 k): wait for its stage, 2 wgmmas; fresh: the first ignores acc (D = A * B)
+        auto issue = [&](float (&acc)[NA], int ch, bool fresh = false) {
+            const int kt = ch >> 1, cc = ch & 1, s = kt % ST;
+            if (cc == 0)
+                wp_bar_wait_asm(full0 + 8 * s, (uint32_t)((kt / ST) & 1));
+            const uint32_t stage = sbase + s * SB;
+            const uint64_t half = (uint64_t)(4 * cc);
+            const uint64_t a0 = wg_desc(stage + wgi * (64 * 128)) + half;
+            const uint64_t b0 = wg_desc(stage + WB) + half;
+            wg_fence();
+            wgmma_tile<BN>(acc, a0, b0, fresh ? 0 : 1);
+            wgmma_tile<BN>(acc, a0 + 2, b0 + 2); // +32 bytes: the chunk's second k16
+        };
+        auto add = [&](float (&acc)[NA]) {
+            wg_fence_regs<NA>(acc);
+#pragma unroll
+            for (int i = 0; i < NA; i++) {
+                tot[i] = tot[i] + acc[i];
+                if constexpr (!DUAL)
+                    acc[i] = 0.0f;
+            }
+        };
+        const int nch = (a.n_in + 31) / 32;
+        if constexpr (!DUAL) {
+            float acc[NA];
+#pragma unroll
+            for (int i = 0; i < NA; i++)
+                acc[i] = 0.0f;
+            for (int kt = 0; kt < n_k; kt++) {
+#pragma unroll
+                for (int cc = 0; cc < 2; cc++) {
+                    const int ch = 2 * kt + cc;
+                    if (ch >= nch)
+                        break;
+                    issue(acc, ch);
+                    if (32 * (ch + 1) >= a.n_in || (32 * (ch + 1)) % sl == 0) { // segment end: drain
+                        wg_commit();
+                        wg_wait<0>();
+                        add(acc);
+                    }
+                }
+                wg_commit();
+                wg_wait<1>(); // stage kt - 1's wgmmas are done
+                if (kt >= 1)
+                    release(kt - 1);
+            }
+            wg_wait<0>();
+        } else {
+            // No instruction but wgmma writes acc0/acc1 (ptxas serialises every wgmma when
+            // one does while wgmmas are in flight, C7515): a segment's first wgmma ignores the
+            // old value (scale-d 0, D = A * B) instead of a zeroed accumulator. The sum is the
+            // same except that an exactly-zero segment sum may be -0 instead of +0, which
+            // the total (from +0, round to nearest) turns into the same +0.
+            float acc0[NA], acc1[NA];
+            const int cps = sl / 32; // chunks per segment
+            // One segment into `cur`; `prev` holds the segment before (none when first).
+            auto segment = [&](float (&cur)[NA], float (&prev)[NA], int c0, bool first) {
+                const int c1 = min(nch, c0 + cps);
+                for (int ch = c0; ch < c1; ch++) {
+                    issue(cur, ch, ch == c0);
+                    wg_commit();
+                    if (ch == c0) {
+                        wg_wait<1>(); // everything before this chunk, so the previous segment
+                        if (!first)
+                            add(prev);
+                    } else {
+                        wg_wait<2>();
+                    }
+                    // chunk ch - 1 (or ch - 2) completed: release its stage once both its chunks have
+                    if ((ch & 1) == 1 && ch >= 3)
+                        release((ch >> 1) - 1);
+                }
+            };
+            bool last_odd = false;
+            for (int seg = 0; seg * cps < nch; seg += 2) {
+                segment(acc0, acc1, seg * cps, seg == 0);
+                last_odd = false;
+                if ((seg + 1) * cps >= nch)
+                    break;
+                segment(acc1, acc0, (seg + 1) * cps, false);
+                last_odd = true;
+            }
+            wg_wait<0>();
+            if (last_odd)
+                add(acc1);
+            else
+                add(acc0);
+        }
+        // tot[4j + 2h + c]: output row 64wgi + 16(warp%4) + g + 8h, token 8j + 2t + c.
+        const int g = lane >> 2, t = lane & 3;
+        const int orow = n0 + 64 * wgi + 16 * (warp & 3) + g;
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int o = orow + 8 * h;
+            if (o >= a.n_out)
+                continue;
+            const float b = a.bias ? a.bias[o] : 0.0f;
+#pragma unroll
+            for (int j = 0; j < BN / 8; j++)
+#pragma unroll
+                for (int c = 0; c < 2; c++) {
+                    const int tok = 8 * j + 2 * t + c;
+                    if (tok < mlen) {
+                        float v = tot[4 * j + 2 * h + c];
+                        if (a.bias)
+                            v = v + b;
+                        a.y[(size_t)(m0 + tok) * a.y_stride + o] = v;
+                    }
+                }
+        }
+    }
+#else
+    (void)a;
+    (void)wb;
     __trap(); // the host launches this only on sm_90 parts, whose sm_90a image has the body
 #endif
 }

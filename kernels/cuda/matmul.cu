@@ -768,6 +768,23 @@ static mm_err launch_wp_kernel(cudaStream_t st, const mm_wg_args &w, uint64_t bi
     return MM_OK;
 }
 
+// gemm_ws (gemm_wp.cuh): W permuted into a workspace, both operands by bulk copies, BN tokens,
+// ST stages, two running accumulators (DUAL) or a drain at each segment end.
+template <int BN, int ST, bool DUAL>
+static mm_err launch_ws_kernel(cudaStream_t st, const mm_wg_args &w, const uint16_t *wb, uint64_t bit) {
+    static uint64_t attr_set;
+    if (!(attr_set & bit)) {
+        MM_GPU_CHECK(cudaFuncSetAttribute(gemm_ws_kernel<BN, ST, DUAL>,
+                                          cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          ws_smem_bytes(BN, ST)));
+        attr_set |= bit;
+    }
+    dim3 grid(mm_div_up(w.n_out, 128), mm_div_up(w.n_rows, BN));
+    gemm_ws_kernel<BN, ST, DUAL><<<grid, WS_THREADS, ws_smem_bytes(BN, ST), st>>>(w, wb);
+    MM_GPU_CHECK(cudaGetLastError());
+    return MM_OK;
+}
+
 // Converts x into a stream-ordered workspace (bf16, permuted; gemm_wg.cuh) and runs the
 // wgmma tiles. *ran is false, with MM_OK, when the workspace could not be had or the stream is
 // capturing: the caller then takes the mma.sync path, which gives the same bits. The workspace comes from the
@@ -798,21 +815,27 @@ static mm_err launch_wg(cudaStream_t st, const mm_mat_args &a, bool *ran) {
         pool_set |= bit;
     }
     const int64_t ldx = (a.n_in + WG_LDX - 1) / WG_LDX * WG_LDX;
-    const size_t bytes = (size_t)a.n_rows * (size_t)ldx * 2;
+    // Variant: the explicit one (mm_gpu_set_gemm_tile), else dense 4 and grouped 2. The
+    // warp-specialised kernels (8, 9, 10: gemm_wp.cuh, experimental: 8 measured at 58 TFLOP/s
+    // on q_proj, its bits and 9, 10 not yet run on a device) take dense products with n_in % 8 == 0
+    // and 16-byte aligned W (bulk copies); others run the dense default of gemm_wg.cuh (4).
+    // 11, 12, 13 (gemm_ws_kernel: W permuted into the workspace too, both operands by bulk
+    // copies) take any dense product wg_usable allows.
+    int var = g_wg_tile ? g_wg_tile : GROUPED ? 2 : 4;
+    const bool wp_ok = !GROUPED && a.n_in % 8 == 0 && aligned16(a.w0);
+    if (var >= 8 && var <= 10 && !wp_ok)
+        var = 4;
+    if (var >= 11 && GROUPED)
+        var = 2;
+    const bool tiled = var >= 8, wperm = var >= 11;
+    const size_t xbytes = (size_t)a.n_rows * (size_t)ldx * 2;
+    const size_t bytes = xbytes + (wperm ? (size_t)a.n_out * (size_t)ldx * 2 : 0);
     void *ws = NULL;
     if (cudaMallocAsync(&ws, bytes, st) != cudaSuccess) {
         (void)cudaGetLastError();
         return MM_OK;
     }
-    // Variant: the explicit one (mm_gpu_set_gemm_tile), else dense 4 and grouped 2. The
-    // warp-specialised kernels (8, 9, 10: gemm_wp.cuh, experimental: 8 measured at 58 TFLOP/s
-    // on q_proj, its bits and 9, 10 not yet run on a device) take dense products with n_in % 8 == 0
-    // and 16-byte aligned W (bulk copies); others run the dense default of gemm_wg.cuh (4).
-    int var = g_wg_tile ? g_wg_tile : GROUPED ? 2 : 4;
-    const bool wp_ok = !GROUPED && a.n_in % 8 == 0 && aligned16(a.w0);
-    if (var >= 8 && !wp_ok)
-        var = 4;
-    const bool tiled = var >= 8;
+    const uint16_t *wb = (const uint16_t *)((char *)ws + xbytes); // W workspace (wperm)
     const int64_t pieces = (int64_t)a.n_rows * (ldx / 8);
     const int64_t cb = (pieces + 255) / 256;
     const unsigned cblocks = (unsigned)(cb < 132 * 16 ? cb : 132 * 16);
@@ -821,6 +844,12 @@ static mm_err launch_wg(cudaStream_t st, const mm_mat_args &a, bool *ran) {
     else
         wg_convert_x_kernel<false><<<cblocks, 256, 0, st>>>(a.x, a.x_stride, a.n_rows, a.n_in, (uint16_t *)ws, ldx);
     MM_GPU_CHECK(cudaGetLastError());
+    if (wperm) {
+        const int64_t wp = (int64_t)a.n_out * (ldx / 8), wcb = (wp + 255) / 256;
+        wg_convert_w_kernel<<<(unsigned)(wcb < 132 * 16 ? wcb : 132 * 16), 256, 0, st>>>(
+            (const uint16_t *)a.w0, a.n_out, a.n_in, (uint16_t *)wb, ldx);
+        MM_GPU_CHECK(cudaGetLastError());
+    }
     mm_wg_args w = {(const uint16_t *)ws, ldx, a.w0, a.wg, a.offs, a.n_experts, a.n_rows, a.n_in,
                     a.n_out, a.bias, a.y, a.y_stride};
     mm_err rv;
@@ -832,6 +861,9 @@ static mm_err launch_wg(cudaStream_t st, const mm_mat_args &a, bool *ran) {
     case 8: rv = launch_wp_kernel<128, 6, WP_W_ROWS>(st, w, bit); break;
     case 9: rv = launch_wp_kernel<128, 6, WP_W_TMA>(st, w, bit); break;
     case 10: rv = launch_wp_kernel<128, 6, WP_W_CPASYNC>(st, w, bit); break;
+    case 11: rv = launch_ws_kernel<128, 6, false>(st, w, wb, bit); break;
+    case 12: rv = launch_ws_kernel<192, 5, false>(st, w, wb, bit); break;
+    case 13: rv = launch_ws_kernel<128, 6, true>(st, w, wb, bit); break;
     case 3: rv = launch_wg_kernel<GROUPED, 3, 128, 64, 5>(st, w, bit); break;
     case 4: rv = launch_wg_kernel<GROUPED, 2, 192, 64, 5>(st, w, bit); break;
     case 5: rv = launch_wg_kernel<GROUPED, 2, 128, 128, 3>(st, w, bit); break;
@@ -996,7 +1028,7 @@ extern "C" mm_err mm_gpu_moe_matmul(void *stream, int dtype, const void *const *
 
 extern "C" void mm_gpu_set_gemm_tile(int variant) {
 #if MM_GPU_HAVE_WMMA
-    g_wg_tile = (variant >= 2 && variant <= 10) ? variant : 0;
+    g_wg_tile = (variant >= 2 && variant <= 13) ? variant : 0;
 #else
     (void)variant;
 #endif

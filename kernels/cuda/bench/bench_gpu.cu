@@ -128,13 +128,15 @@ struct shape {
 
 static void bench_gemv(double copy_gbs) {
     const shape shapes[] = {
+        {"q/k/v fused", 5120, 2048},
         {"q_proj", 4096, 2048}, {"k_proj", 512, 2048},       {"o_proj", 2048, 4096},
         {"expert gate/up", 768, 2048}, {"expert down", 2048, 768}, {"router", 128, 2048},
         {"lm_head", 151936, 2048},
     };
     const int batches[] = {1, 2, 4, 8};
     printf("\ngemv bf16 (weights rotated over >= 512 MiB so each call reads HBM)\n");
-    printf("%-16s %6s %5s %10s %9s %8s\n", "shape", "n_out", "batch", "us/call", "GB/s", "of copy");
+    printf("%-16s %6s %5s %10s %9s %8s %12s\n", "shape", "n_out", "batch", "us/call", "GB/s", "of copy",
+           "GEMV v1 us");
     for (const shape &s : shapes) {
         const size_t wn = (size_t)s.n_out * s.n_in;
         const size_t wbytes = wn * 2;
@@ -149,12 +151,17 @@ static void bench_gemv(double copy_gbs) {
             if (g_quick && b != 1)
                 continue;
             int iters = std::max(20, copies * 2);
-            double us = time_us([&](int i) {
+            auto run = [&](int i) {
                 MK(mm_gpu_matmul(g_stream, MM_DTYPE_BF16, w[i % copies], s.n_out, s.n_in, NULL, x,
                                  s.n_in, y, s.n_out, b, MM_GPU_PATH_AUTO));
-            }, iters);
+            };
+            double us = time_us(run, iters);
+            mm_gpu_set_gemv_version(1); // the earlier GEMV beside it (same bits)
+            double us1 = time_us(run, iters);
+            mm_gpu_set_gemv_version(2);
             const double gbs = wbytes / (us * 1e-6) / 1e9;
-            printf("%-16s %6d %5d %10.2f %9.0f %7.1f%%\n", s.name, s.n_out, b, us, gbs, 100.0 * gbs / copy_gbs);
+            printf("%-16s %6d %5d %10.2f %9.0f %7.1f%% %12.2f\n", s.name, s.n_out, b, us, gbs,
+                   100.0 * gbs / copy_gbs, us1);
         }
         for (int c = 0; c < copies; c++)
             mm_gpu_free(w[c]);
@@ -258,6 +265,19 @@ static void bench_layer(double copy_gbs) {
            1e6 / (48 * us_graph + 2.0 * 151936 * 2048 / (bytes / us_graph)));
     CK(cudaGraphExecDestroy(exec));
     CK(cudaGraphDestroy(graph));
+    // the same graph with the earlier GEMV (v1) beside it
+    mm_gpu_set_gemv_version(1);
+    CK(cudaStreamBeginCapture(g_stream, cudaStreamCaptureModeGlobal));
+    for (int l = 0; l < n_layers; l++)
+        run_layer(l);
+    CK(cudaStreamEndCapture(g_stream, &graph));
+    CK(cudaGraphInstantiate(&exec, graph, 0));
+    const double us_graph1 = time_us([&](int) { CK(cudaGraphLaunch(exec, g_stream)); }, 40) / n_layers;
+    mm_gpu_set_gemv_version(2);
+    printf("layer     graph, GEMV v1: %.2f us/layer -> %.1f%% of copy\n", us_graph1,
+           100.0 * bytes / (us_graph1 * 1e-6) / 1e9 / copy_gbs);
+    CK(cudaGraphExecDestroy(exec));
+    CK(cudaGraphDestroy(graph));
     for (int l = 0; l < n_layers; l++) {
         layer &y = L[l];
         mm_gpu_free(y.q), mm_gpu_free(y.k), mm_gpu_free(y.v), mm_gpu_free(y.o), mm_gpu_free(y.router);
@@ -348,6 +368,25 @@ static void bench_moe(double copy_gbs, double peak, int n_tok, const char *tag) 
     mm_gpu_free(x), mm_gpu_free(h), mm_gpu_free(y);
 }
 
+// Elements whose bits differ between a and b, counted on the device into *cnt.
+__global__ void count_diff(const uint32_t *a, const uint32_t *b, size_t n, unsigned long long *cnt) {
+    unsigned long long c = 0;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+        c += a[i] != b[i];
+    if (c)
+        atomicAdd(cnt, c);
+}
+static unsigned long long bits_differ(const float *a, const float *b, size_t n) {
+    unsigned long long *d = (unsigned long long *)dalloc(8), h = 0;
+    CK(cudaMemsetAsync(d, 0, 8, g_stream));
+    count_diff<<<1024, 256, 0, g_stream>>>((const uint32_t *)a, (const uint32_t *)b, n, d);
+    CK(cudaGetLastError());
+    CK(cudaMemcpyAsync(&h, d, 8, cudaMemcpyDeviceToHost, g_stream));
+    CK(cudaStreamSynchronize(g_stream));
+    mm_gpu_free(d);
+    return h;
+}
+
 static void bench_prefill(double peak) {
     const int M = 4096;
     const shape shapes[] = {{"q_proj", 4096, 2048}, {"o_proj", 2048, 4096}, {"square 4096", 4096, 4096},
@@ -366,7 +405,12 @@ static void bench_prefill(double peak) {
                           {MM_GPU_PATH_WG, 7, "wgmma 128 x 128, no proxy fence (diagnostic, racy)"},
                           {MM_GPU_PATH_MMA, 0, "mma.sync 64x128 tiles"},
                           {MM_GPU_PATH_FMA, 0, "FMA tiles (HIP path)"},
-                          // last: a fault in the new kernel leaves the figures above printed
+                          // last: a fault in a new kernel leaves the figures above printed
+                          // gemm_ws: W permuted into a workspace, both operands by bulk copies
+                          // from a producer warpgroup (the first is the one NCU=1 profiles)
+                          {MM_GPU_PATH_WG, 13, "wgmma bulk 128 x 128, two accumulators"},
+                          {MM_GPU_PATH_WG, 11, "wgmma bulk 128 x 128, drains"},
+                          {MM_GPU_PATH_WG, 12, "wgmma bulk 128 x 192, drains"},
                           {MM_GPU_PATH_WG, 8, "wgmma warp-specialised 128 x 128, W row copies"},
                           {MM_GPU_PATH_WG, 9, "wgmma warp-specialised 128 x 128, W by TMA"},
                           {MM_GPU_PATH_WG, 10, "wgmma warp-specialised 128 x 128, W by cp.async"}};
@@ -375,12 +419,16 @@ static void bench_prefill(double peak) {
         float *x = rand_f32((size_t)M * s.n_in, 10), *y = (float *)dalloc((size_t)M * s.n_out * 4);
         float *y_ref = (float *)dalloc((size_t)M * s.n_out * 4);
         const double flops = 2.0 * M * (double)s.n_out * s.n_in;
+        // the decode GEMV over the same rows: every variant's bits are compared with it
+        MK(mm_gpu_matmul(g_stream, MM_DTYPE_BF16, w, s.n_out, s.n_in, NULL, x, s.n_in, y_ref, s.n_out, M,
+                         MM_GPU_PATH_GEMV));
         for (const variant &v : vs) {
             if (g_quick && v.path == MM_GPU_PATH_FMA)
                 continue;
             if (v.path == MM_GPU_PATH_FMA && s.n_out > 4096)
                 continue;
             mm_gpu_set_gemm_tile(v.tile);
+            CK(cudaMemsetAsync(y, 0xff, (size_t)M * s.n_out * 4, g_stream)); // NaN: unwritten shows
             if (mm_gpu_matmul(g_stream, MM_DTYPE_BF16, w, s.n_out, s.n_in, NULL, x, s.n_in, y, s.n_out, M,
                               v.path) != MM_OK) {
                 printf("%-16s %6d %6d %10s   %s: not available here\n", s.name, s.n_out, s.n_in, "-", v.name);
@@ -390,14 +438,13 @@ static void bench_prefill(double peak) {
             double us = time_us([&](int) {
                 MK(mm_gpu_matmul(g_stream, MM_DTYPE_BF16, w, s.n_out, s.n_in, NULL, x, s.n_in, y, s.n_out, M, v.path));
             }, v.path == MM_GPU_PATH_FMA ? 3 : 10);
-            printf("%-16s %6d %6d %10.1f %9.1f %7.1f%%   %s\n", s.name, s.n_out, s.n_in, us, flops / us / 1e6,
-                   100.0 * flops / us / 1e6 / peak, v.name);
+            const unsigned long long nd = bits_differ(y, y_ref, (size_t)M * s.n_out);
+            printf("%-16s %6d %6d %10.1f %9.1f %7.1f%%   %s; bits vs GEMV: %llu differ\n", s.name, s.n_out,
+                   s.n_in, us, flops / us / 1e6, 100.0 * flops / us / 1e6 / peak, v.name, nd);
         }
         mm_gpu_set_gemm_tile(0);
         // bits: the default path (AUTO) against the decode GEMV forced over the same rows
         MK(mm_gpu_matmul(g_stream, MM_DTYPE_BF16, w, s.n_out, s.n_in, NULL, x, s.n_in, y, s.n_out, M, MM_GPU_PATH_AUTO));
-        MK(mm_gpu_matmul(g_stream, MM_DTYPE_BF16, w, s.n_out, s.n_in, NULL, x, s.n_in, y_ref, s.n_out, M,
-                         MM_GPU_PATH_GEMV));
         std::vector<float> a((size_t)M * s.n_out), b((size_t)M * s.n_out);
         CK(cudaMemcpyAsync(a.data(), y, a.size() * 4, cudaMemcpyDeviceToHost, g_stream));
         CK(cudaMemcpyAsync(b.data(), y_ref, b.size() * 4, cudaMemcpyDeviceToHost, g_stream));

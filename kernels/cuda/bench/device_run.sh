@@ -4,7 +4,10 @@
 # (default .dev/gpu) with any shared libraries they need under $1/lib. Output: $OUT/log.
 # Switches (env): TESTS=0 MEMCHECK=0 BENCH=0 NOPEAK=1 skip parts; NCU=1 profiles the GEMM and
 # GEMV once (NCU_GEMM: the GEMM kernel's name regex, default gemm_wg_kernel; gemm_wp_kernel for
-# the warp-specialised one, selected in the bench by its variant); PARITY=1 runs `moemesh logits --device cuda:0` on every fixture model against
+# the warp-specialised one, gemm_ws_kernel for the bulk-copy one; NCU_COUNT launches of it, e.g.
+# 3 with NCU_GEMM='gemm_ws_kernel|wg_convert' for both conversions and the kernel; NCU_GEMV=0
+# skips the GEMV profile); CASE="name" runs that op test case only; MEMCHECK_CASES="a;b"
+# replaces the memcheck cases; BENCH_ONLY=prefill runs that bench section only; PARITY=1 runs `moemesh logits --device cuda:0` on every fixture model against
 # the transformers logits; MODEL=1 synthesizes a Qwen3-30B-A3B-shaped checkpoint with
 # MODEL_LAYERS (4) layers and runs `moemesh bench-model --device cuda:0` on it.
 set -u
@@ -34,24 +37,27 @@ PY
 T=$D/cuda_ops_test
 pass=0; fail=0
 [ "${TESTS:-1}" = 1 ] && while IFS= read -r c; do
+    [ -n "${CASE:-}" ] && [ "$c" != "$CASE" ] && continue
     if timeout 300 "$T" "$c" > "$OUT/case.log" 2>&1; then pass=$((pass+1)); echo "ok    $c"; else
         rc=$?; fail=$((fail+1)); echo "FAIL  $c (rc=$rc)"; fi
     sed 's/^/      /' "$OUT/case.log"
 done < <("$T" --list)
 [ "${TESTS:-1}" = 1 ] && echo "op tests: $pass passed, $fail failed"
-[ "${MEMCHECK:-1}" = 1 ] && echo "== memcheck (compute-sanitizer) on three cases"
-[ "${MEMCHECK:-1}" = 1 ] && for c in "matmul bf16 vs cpu" "grouped expert matmul equals per-expert" "kv_store and attention vs cpu"; do
+[ "${MEMCHECK:-1}" = 1 ] && echo "== memcheck (compute-sanitizer)"
+MC=${MEMCHECK_CASES:-matmul bf16 vs cpu;grouped expert matmul equals per-expert;kv_store and attention vs cpu}
+[ "${MEMCHECK:-1}" = 1 ] && IFS=';' read -r -a MCA <<< "$MC" && for c in "${MCA[@]}"; do
+    echo "-- $c"
     timeout 240 compute-sanitizer --tool memcheck --print-limit 5 "$T" "$c" 2>&1 | grep -E "ERROR SUMMARY|Invalid|error" | head -8
 done
 if [ "${NCU:-0}" = 1 ] && command -v ncu >/dev/null; then
     echo "== ncu (hardware counters; clocks left alone)"
-    timeout 150 ncu --clock-control none -k "regex:${NCU_GEMM:-gemm_wg_kernel}" --launch-count 1 \
+    timeout 150 ncu --clock-control none -k "regex:${NCU_GEMM:-gemm_wg_kernel}" --launch-count "${NCU_COUNT:-1}" \
         --section SpeedOfLight --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis \
         "$D/moemesh-gpu-bench" --only prefill --quick > "$OUT/ncu_gemm.txt" 2>&1
-    timeout 150 ncu --clock-control none -k regex:gemv_mma --launch-skip 40 --launch-count 1 \
+    [ "${NCU_GEMV:-1}" = 1 ] && timeout 150 ncu --clock-control none -k regex:gemv_mma --launch-skip 40 --launch-count 1 \
         --section SpeedOfLight --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis \
         "$D/moemesh-gpu-bench" --only gemv --quick > "$OUT/ncu_gemv.txt" 2>&1
-    grep -hE "gemm_mma|gemv_mma|Duration|Throughput|Achieved Occupancy|Theoretical Occupancy|Registers|Stall|Warp Cycles|Block Limit|Issued" "$OUT"/ncu_*.txt | head -60
+    grep -hE "gemm_|wg_convert|gemv_mma|Duration|Throughput|Achieved Occupancy|Theoretical Occupancy|Registers|Stall|Warp Cycles|Block Limit|Issued" "$OUT"/ncu_*.txt | head -60
 fi
 if [ "${PARITY:-0}" = 1 ] && [ -x "$D/moemesh" ]; then
     echo "== whole model on cuda:0 vs the transformers fixtures (moemesh logits --device cuda:0)"
@@ -70,6 +76,6 @@ if [ "${MODEL:-0}" = 1 ] && [ -x "$D/moemesh" ]; then
 fi
 if [ "${BENCH:-1}" = 1 ]; then
     echo "== bench"
-    timeout 400 "$D/moemesh-gpu-bench" ${PEAK:+--peak-tflops $PEAK}
+    timeout 400 "$D/moemesh-gpu-bench" ${PEAK:+--peak-tflops $PEAK} ${BENCH_ONLY:+--only $BENCH_ONLY}
 fi
 date -u

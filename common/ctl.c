@@ -694,6 +694,9 @@ out:
 struct mm_ctl_async {
     nng_ctx ctx;
     nng_aio *aio;
+    pthread_mutex_t mu; // guards done (mm_ctl_async_wait)
+    pthread_cond_t cv;  // CLOCK_MONOTONIC; signalled when done is set
+    bool done;
     bool sending;
     uint64_t deadline_ms;
     mm_err rv;
@@ -704,6 +707,16 @@ struct mm_ctl_async {
     char url[MM_ADDR_LEN];
 };
 
+// async_finish marks the call done (waking mm_ctl_async_wait), then runs the owner's callback.
+static void async_finish(mm_ctl_async *a) {
+    pthread_mutex_lock(&a->mu);
+    a->done = true;
+    pthread_cond_broadcast(&a->cv);
+    pthread_mutex_unlock(&a->mu);
+    if (a->cb)
+        a->cb(a, a->arg);
+}
+
 static void on_async(void *arg) {
     mm_ctl_async *a = arg;
     int nrv = nng_aio_result(a->aio);
@@ -711,7 +724,7 @@ static void on_async(void *arg) {
         if (nrv != 0) {
             nng_msg_free(nng_aio_get_msg(a->aio));
             a->rv = mm_errf(a->err, nng_to_mm(nrv), "%s: send: %s", a->url, nng_strerror(nrv));
-            a->cb(a, a->arg);
+            async_finish(a);
             return;
         }
         a->sending = false;
@@ -731,7 +744,7 @@ static void on_async(void *arg) {
             mm_errf(a->err, a->rv, "bad reply from %s: %s", a->url, derr);
         nng_msg_free(m);
     }
-    a->cb(a, a->arg);
+    async_finish(a);
 }
 
 mm_err mm_ctl_call_start(mm_ctl_client *c, mm_ctl_msg *req, int timeout_ms, mm_ctl_async_cb cb,
@@ -756,6 +769,12 @@ mm_err mm_ctl_call_start(mm_ctl_client *c, mm_ctl_msg *req, int timeout_ms, mm_c
         free(a);
         return MM_ENOMEM;
     }
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_mutex_init(&a->mu, NULL);
+    pthread_cond_init(&a->cv, &ca);
+    pthread_condattr_destroy(&ca);
     snprintf(a->url, sizeof(a->url), "%s", c->url);
     a->cb = cb;
     a->arg = arg;
@@ -782,11 +801,36 @@ mm_err mm_ctl_async_result(mm_ctl_async *a, mm_ctl_msg **reply, char err[MM_ERRL
     return MM_OK;
 }
 
+bool mm_ctl_async_wait(mm_ctl_async *a, int timeout_ms) {
+    struct timespec until;
+    clock_gettime(CLOCK_MONOTONIC, &until);
+    if (timeout_ms > 0) {
+        until.tv_sec += timeout_ms / 1000;
+        until.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
+        if (until.tv_nsec >= 1000000000L) {
+            until.tv_sec++;
+            until.tv_nsec -= 1000000000L;
+        }
+    }
+    pthread_mutex_lock(&a->mu);
+    while (!a->done && timeout_ms > 0)
+        if (pthread_cond_timedwait(&a->cv, &a->mu, &until) == ETIMEDOUT)
+            break;
+    bool done = a->done;
+    pthread_mutex_unlock(&a->mu);
+    return done;
+}
+
 void mm_ctl_async_free(mm_ctl_async *a) {
     if (!a)
         return;
-    nng_aio_free(a->aio); // waits for a callback still running on another thread
+    // Stops the aio: a call still in flight is cancelled (its context closed below, so a late
+    // reply is dropped by nng and never reaches a newer call); waits for a callback still
+    // running on another thread.
+    nng_aio_free(a->aio);
     nng_ctx_close(a->ctx);
     mm_ctl_msg_free(a->reply);
+    pthread_mutex_destroy(&a->mu);
+    pthread_cond_destroy(&a->cv);
     free(a);
 }

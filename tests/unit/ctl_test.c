@@ -531,6 +531,74 @@ static void test_async_call(void) {
     rmdir(dir);
 }
 
+// slow_echo_handler: a Shutdown is answered with its reason echoed, after sleeping the number
+// of ms the reason names.
+static void slow_echo_handler(void *arg, const mm_ctl_msg *req, const char *peer,
+                              nng_msg **reply) {
+    (void)arg;
+    (void)peer;
+    if (req->body_case == MMCTL__ENVELOPE__BODY_SHUTDOWN) {
+        usleep((useconds_t)atoi(req->shutdown->reason) * 1000);
+        *reply = mm_ctl_reply_ack(true, req->shutdown->reason);
+        return;
+    }
+    *reply = NULL;
+}
+
+// Send now, collect later (cb NULL + mm_ctl_async_wait): a wait returns at its deadline when the
+// reply is not in; an abandoned call's late reply is never taken for a newer call's; a call to
+// nobody ends by its own deadline.
+static void test_async_wait(void) {
+    char url[128], err[MM_ERRLEN] = "";
+    make_url(url, sizeof(url), "await");
+    mm_ctl_server *srv = NULL;
+    mm_ctl_client *cl = NULL;
+    MM_PASS(mm_ctl_server_open(&srv, url, 2, slow_echo_handler, NULL, err));
+    MM_PASS(mm_ctl_client_open(&cl, url, err));
+    Mmctl__Shutdown sd = MMCTL__SHUTDOWN__INIT;
+    mm_ctl_msg env = MMCTL__ENVELOPE__INIT, *rep = NULL;
+    env.body_case = MMCTL__ENVELOPE__BODY_SHUTDOWN;
+    env.shutdown = &sd;
+    sd.reason = "400"; // answered after 400 ms
+    mm_ctl_async *a = NULL, *b = NULL;
+    MM_PASS(mm_ctl_call_start(cl, &env, 5000, NULL, NULL, &a, err));
+    uint64_t t0 = mm_now_ms();
+    MM_TRUE(!mm_ctl_async_wait(a, 0));  // a poll
+    MM_TRUE(!mm_ctl_async_wait(a, 50)); // the wait's own deadline
+    MM_TRUE(mm_now_ms() - t0 >= 45);
+    mm_ctl_async_free(a); // abandoned: its reply ("400") comes later and must go nowhere
+    sd.reason = "0";
+    MM_PASS(mm_ctl_call_start(cl, &env, 5000, NULL, NULL, &b, err));
+    MM_TRUE(mm_ctl_async_wait(b, 5000));
+    MM_PASS(mm_ctl_async_result(b, &rep, err));
+    MM_EQ(rep->body_case, MMCTL__ENVELOPE__BODY_ACK);
+    MM_STREQ(rep->ack->error, "0");
+    mm_ctl_msg_free(rep);
+    mm_ctl_async_free(b);
+    // the abandoned call's reply has now been sent; a third call still gets its own
+    usleep(500000);
+    sd.reason = "1";
+    MM_PASS(mm_ctl_call_start(cl, &env, 5000, NULL, NULL, &b, err));
+    MM_TRUE(mm_ctl_async_wait(b, 5000));
+    MM_PASS(mm_ctl_async_result(b, &rep, err));
+    MM_STREQ(rep->ack->error, "1");
+    mm_ctl_msg_free(rep);
+    mm_ctl_async_free(b);
+    mm_ctl_server_close(srv);
+    // nobody answers: the call ends by its own deadline (150 ms), the wait sees it end
+    MM_PASS(mm_ctl_call_start(cl, &env, 150, NULL, NULL, &b, err));
+    t0 = mm_now_ms();
+    MM_TRUE(mm_ctl_async_wait(b, 10000));
+    MM_TRUE(mm_now_ms() - t0 < 5000);
+    MM_FAIL(mm_ctl_async_result(b, &rep, err), MM_ETIMEDOUT);
+    MM_NULL(rep);
+    mm_ctl_async_free(b);
+    mm_ctl_client_close(cl);
+    char dir[64];
+    snprintf(dir, sizeof(dir), "/tmp/mm_ctl_test_%d", (int)getpid());
+    rmdir(dir);
+}
+
 static void test_url_prepare(void) {
     char err[MM_ERRLEN], url[300];
     MM_PASS(mm_ctl_url_prepare("tcp://127.0.0.1:5000", err));
@@ -556,6 +624,7 @@ MM_TESTS = {
     {"ctl server and client, garbage on the wire", test_server_client},
     {"ctl call deadline", test_call_deadline},
     {"ctl async call", test_async_call},
+    {"ctl async call: send now, collect later with a deadline", test_async_wait},
     {"ctl url prepare", test_url_prepare},
     {NULL, NULL},
 };

@@ -108,14 +108,21 @@ mm_err mm_ctl_call(mm_ctl_client *c, mm_ctl_msg *req, int timeout_ms, mm_ctl_msg
 // Asynchronous call, for daemons with an event loop. mm_ctl_call_start returns MM_OK and then
 // cb runs exactly once, on an nng thread, never inside mm_ctl_call_start; or it returns an
 // error and cb never runs. After cb (not inside it), the owner reads the outcome with
-// mm_ctl_async_result and frees the call with mm_ctl_async_free, from any thread.
+// mm_ctl_async_result and frees the call with mm_ctl_async_free, from any thread. cb may be
+// NULL: the owner then learns of the outcome with mm_ctl_async_wait (send now, collect later).
+// timeout_ms bounds the whole call: by then it has ended, with a reply or MM_ETIMEDOUT.
 typedef struct mm_ctl_async mm_ctl_async;
 typedef void (*mm_ctl_async_cb)(mm_ctl_async *call, void *arg);
 mm_err mm_ctl_call_start(mm_ctl_client *c, mm_ctl_msg *req, int timeout_ms, mm_ctl_async_cb cb,
                          void *arg, mm_ctl_async **out, char err[MM_ERRLEN]);
 // mm_ctl_async_result returns the call's outcome; on MM_OK *reply is owned by the caller.
 mm_err mm_ctl_async_result(mm_ctl_async *call, mm_ctl_msg **reply, char err[MM_ERRLEN]);
-// mm_ctl_async_free accepts NULL; must not be called from the call's own callback.
+// mm_ctl_async_wait waits at most timeout_ms (0: does not wait) for the call to end and says
+// whether it has (then mm_ctl_async_result may be read). Blocks up to timeout_ms; thread-safe.
+bool mm_ctl_async_wait(mm_ctl_async *call, int timeout_ms);
+// mm_ctl_async_free accepts NULL; must not be called from the call's own callback. A call not
+// ended yet is cancelled (abandoned): its reply, if one still comes, is dropped with its nng
+// context and can never be taken for the reply of another call.
 void mm_ctl_async_free(mm_ctl_async *call);
 
 // mm_ctl_url_prepare creates the parent directory of an ipc:// path (mode 0755). Errors:

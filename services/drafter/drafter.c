@@ -33,6 +33,7 @@ struct dseq {
     int32_t *tok; // (max_ctx) owned
     int32_t n_commit, n_have, n_kv;
     uint64_t used_at; // the request (D.n_req) that last named it
+    uint64_t req;     // the router's number (Envelope.seq) of the last request applied to it
     // this request's batch (model kind)
     uint32_t k;   // drafts wanted
     uint32_t m;   // drafts made
@@ -100,6 +101,7 @@ static struct dseq *seq_new(uint64_t id) {
         s->id = id;
         s->used = true;
         s->n_commit = s->n_have = s->n_kv = 0;
+        s->req = 0;
         return s;
     }
     return NULL;
@@ -263,10 +265,18 @@ static struct nng_msg *on_draft(const Mmctl__DraftRequest *rq, uint64_t seq) {
         o->tokens = toks + i * MAX_K;
         outp[i] = o;
         struct dseq *s = seq_find(q->seq_id);
+        // A request older (by the router's number) than one already applied to this seq is
+        // late (the router abandoned it: a frozen drafter, its deadline): applying it would
+        // put back tokens the router has since replaced, with no way for it to know. Skipped:
+        // no drafts, and the router, which no longer waits for it, never reads the answer.
+        if (s && seq < s->req)
+            continue;
         if (!s && q->from == 0)
             s = seq_new(q->seq_id);
-        if (s)
+        if (s) {
             s->used_at = D.n_req;
+            s->req = seq;
+        }
         if (!s || (int64_t)q->from > s->n_commit) {
             o->resync = s ? s->n_commit : 0;
             if (!s && q->from == 0)

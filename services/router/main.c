@@ -10,7 +10,7 @@
 #include "step.h"
 
 static long long s_draft_max, s_draft_timeout_ms, s_draft_rows;
-static bool s_draft_adapt;
+static bool s_draft_adapt, s_draft_pipeline;
 static long long s_down_after_ms, s_shards, s_max_tokens, s_max_seqs, s_threads, s_timeout_ms,
     s_max_ctx;
 static mm_opt s_router_opts[] = {
@@ -30,6 +30,9 @@ static mm_opt s_router_opts[] = {
     {"draft-max-rows", MM_OPT_INT, &s_draft_rows, "64", "draft rows per step, all seqs"},
     {"draft-adapt", MM_OPT_BOOL, &s_draft_adapt, "true",
      "choose each seq's width from measured step times and acceptance (false: --draft-max)"},
+    {"draft-pipeline", MM_OPT_BOOL, &s_draft_pipeline, "true",
+     "draft ahead: ask the drafter for a step's drafts while the step before runs, without "
+     "waiting (false: ask before each step and wait)"},
     {0},
 };
 
@@ -87,6 +90,7 @@ int main(int argc, char **argv) {
             .step_timeout_ms = (int)s_timeout_ms, .max_ctx = (int)s_max_ctx,
             .draft_max = (int)s_draft_max, .draft_timeout_ms = (int)s_draft_timeout_ms,
             .draft_max_rows = (int)s_draft_rows, .draft_adapt = s_draft_adapt,
+            .draft_pipeline = s_draft_pipeline,
         };
         if (mm_step_engine_open(&R.eng, &sc, reg, err) != MM_OK) {
             mm_log_error("cannot open the step engine: %s", err);

@@ -398,6 +398,7 @@ mm_err mm_step_engine_open(mm_step_engine **out, const mm_step_conf *c, mm_regis
     e->e_owner = calloc((size_t)(e->E + 1), 4);
     mm_draft_conf dc = {.max_k = c->draft_max, .timeout_ms = c->draft_timeout_ms,
                         .adapt = c->draft_adapt, .max_rows = c->draft_max_rows,
+                        .pipeline = c->draft_pipeline,
                         .max_ctx = e->c.max_ctx, .vocab = e->V, .n_shards = c->shards};
     MM_TRY_GOTO(rv, mm_draft_open(&e->dr, &dc, reg, err), fail);
     e->draft_rows = c->draft_max > 0 ? c->draft_max_rows : 0;

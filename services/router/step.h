@@ -31,6 +31,7 @@ typedef struct mm_step_conf {
     // drafting (step_draft.h)
     int draft_max, draft_timeout_ms, draft_max_rows;
     bool draft_adapt;
+    bool draft_pipeline; // --draft-pipeline: draft ahead, during the step before
 } mm_step_conf;
 
 typedef struct mm_step_engine mm_step_engine;

@@ -2,9 +2,11 @@
 // The router's drafting state; see step_draft.h and docs/MESH.md (Drafting).
 #include "step_draft.h"
 
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "mm/log.h"
 #include "mm/spec.h"
@@ -32,6 +34,19 @@ struct rseq {
     uint32_t asked;    // drafts asked for this step
     uint64_t last_step; // the step (mm_draft.step_no) it was last in
     uint32_t probes;    // probes while under 5% acceptance (the interval doubles with each)
+    int cap;            // this step: the most drafts it may take (0: may not draft)
+    bool probe_due;     // this step: a probe is due (pipeline: an ahead request of k 1)
+    // draft-ahead (pipeline): the proposals of an ahead request, made while the step before ran
+    bool ah_pend;       // in the ahead request in flight
+    bool ah_ok;         // the drafts that request assumed accepted were all accepted
+    uint64_t ah_step;   // the step (step_no) whose drafts it assumed
+    int32_t ah_len;     // committed tokens when it was sent (the drafter holds them once answered)
+    int32_t ah_base;    // position of its first proposal: ah_len + the drafts assumed
+    uint32_t ah_k;      // proposals asked for
+    uint32_t ah_n;      // proposals held (0: none): ah_tok[0] is the drafter's guess of the
+                        // target's token at ah_base, the rest drafts after it
+    int32_t ah_tok[MM_DRAFT_MAX_K + 1];
+    uint32_t ah_off, ah_avail; // this step: valid drafts are ah_tok[ah_off, ah_off + ah_avail)
 };
 
 struct mm_draft {
@@ -64,8 +79,20 @@ struct mm_draft {
     uint32_t acc_n; // samples in acc_all (its first 50 are averaged: the 0.6 start is a guess)
     uint32_t probes_failed; // probes missed in a row over all seqs (0..4): a new seq's start, so
                             // that short requests of a drafter that never agrees probe rarely
+    uint64_t req_no;        // Envelope.seq of the last request: increasing, from the wall clock
+                            // (us) at open, so also across router restarts (step_draft.h)
+    double sync_ms;         // a synchronous request's round trip (EMA of sync_n samples)
+    uint32_t sync_n;
+    // draft-ahead (pipeline): the one ahead request in flight (of client cl), or NULL
+    mm_ctl_async *ah;
+    uint64_t ah_step_id, ah_req, ah_sent_ns; // its DraftRequest.step_id, Envelope.seq, send time
+    size_t ah_nq, ah_nrel;  // its seqs; the releases it carried (d->rel's first ah_nrel)
+    uint64_t *ah_ids;       // (n_t) its seqs, in request order
+    double ahead_ms;        // an ahead request's round trip (EMA: send to the reply in hand)
+    double ah_wait_ms;      // time steps spent waiting for ahead replies, in all
     // metrics
     uint64_t drafted, accepted, emitted, verified, misses, requests;
+    uint64_t ah_reqs, ah_hits, ah_misses, syncs;
     uint64_t pos_tried[MM_DRAFT_MAX_K], pos_ok[MM_DRAFT_MAX_K], widths[MM_DRAFT_MAX_K + 1];
 };
 
@@ -86,7 +113,8 @@ mm_err mm_draft_open(mm_draft **out, const mm_draft_conf *c, mm_registry *reg,
     d->dqp = calloc((size_t)d->n_t, sizeof(*d->dqp));
     d->dq_plan = calloc((size_t)d->n_t, sizeof(*d->dq_plan));
     d->rel = calloc(MAX_REL, sizeof(*d->rel));
-    if (!d->t || !d->dq || !d->dqp || !d->dq_plan || !d->rel) {
+    d->ah_ids = calloc((size_t)d->n_t, sizeof(*d->ah_ids));
+    if (!d->t || !d->dq || !d->dqp || !d->dq_plan || !d->rel || !d->ah_ids) {
         mm_draft_close(d);
         return MM_ENOMEM;
     }
@@ -94,6 +122,9 @@ mm_err mm_draft_open(mm_draft **out, const mm_draft_conf *c, mm_registry *reg,
     d->acc_all = 0.6f;
     d->prev_w = -1;
     d->choice = -1;
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    d->req_no = (uint64_t)ts.tv_sec * 1000000ull + (uint64_t)ts.tv_nsec / 1000u;
     *out = d;
     return MM_OK;
 }
@@ -101,6 +132,7 @@ mm_err mm_draft_open(mm_draft **out, const mm_draft_conf *c, mm_registry *reg,
 void mm_draft_close(mm_draft *d) {
     if (!d)
         return;
+    mm_ctl_async_free(d->ah); // before its client
     for (int i = 0; d->t && i < d->n_t; i++)
         free(d->t[i].hist);
     free(d->t);
@@ -108,6 +140,7 @@ void mm_draft_close(mm_draft *d) {
     free(d->dqp);
     free(d->dq_plan);
     free(d->rel);
+    free(d->ah_ids);
     mm_ctl_client_close(d->cl);
     free(d);
 }
@@ -135,6 +168,9 @@ static struct rseq *track(mm_draft *d, uint64_t id) {
         r->asked = 0;
         r->last_step = 0;
         r->probes = d->probes_failed;
+        r->cap = 0;
+        r->probe_due = r->ah_pend = r->ah_ok = false;
+        r->ah_n = r->ah_k = r->ah_off = r->ah_avail = 0;
         return r;
     }
     return NULL;
@@ -146,6 +182,8 @@ static void forget(mm_draft *d, uint64_t id) {
         r->used = false;
 }
 
+static void ahead_drop(mm_draft *d);
+
 // drafter_link: the client for the drafter's current incarnation, or NULL (down, backing off).
 static mm_ctl_client *drafter_link(mm_draft *d) {
     char url[MM_ADDR_LEN], err[MM_ERRLEN] = "";
@@ -153,6 +191,7 @@ static mm_ctl_client *drafter_link(mm_draft *d) {
     if (!mm_registry_peer_ctl(d->reg, "drafter", 0, url, &inc) || !url[0])
         return NULL;
     if (!d->cl || inc != d->cl_inc) {
+        ahead_drop(d); // a request to the old incarnation: its client goes
         mm_ctl_client_close(d->cl);
         d->cl = NULL;
         if (mm_ctl_client_open(&d->cl, url, err) != MM_OK) {
@@ -166,6 +205,7 @@ static mm_ctl_client *drafter_link(mm_draft *d) {
         for (int i = 0; i < d->n_t; i++)
             d->t[i].dr_from = 0; // a new drafter process holds nothing
         d->n_rel = 0;
+        d->ah_nrel = 0;
         mm_log_info("drafting with the drafter at %s", url);
     }
     if (mm_now_ns() < d->backoff_until)
@@ -185,6 +225,353 @@ static void drafter_failed(mm_draft *d, const char *why) {
     d->backoff_ms = d->backoff_ms * 2 > 5000 ? 5000 : d->backoff_ms * 2;
 }
 
+// acc_all_add: one draft token's outcome into the all-seqs acceptance: the mean of the first 50
+// (a drafter that never agrees no longer spends ~120 drafted tokens wearing the 0.6 start
+// down), then an EMA of rate 0.02.
+static void acc_all_add(mm_draft *d, float ok) {
+    float a = d->acc_n < 49 ? 1.0f / (float)(d->acc_n + 2) : 0.02f;
+    d->acc_all += a * (ok - d->acc_all);
+    d->acc_n++;
+}
+
+// acc_sample: one proposed token's outcome (a draft verified, or an ahead guess compared with
+// the target's token) into seq r's acceptance and the all-seqs one.
+static void acc_sample(mm_draft *d, struct rseq *r, bool ok) {
+    r->acc += 0.15f * ((ok ? 1.0f : 0.0f) - r->acc);
+    acc_all_add(d, ok ? 1.0f : 0.0f);
+}
+
+static double ema(double v, double x, uint32_t n) {
+    return n == 0 ? x : v + 0.25 * (x - v);
+}
+
+// ---- draft-ahead (pipeline) ----------------------------------------------------------------
+
+// ahead_drop forgets the ahead request in flight: cancelled (a reply still coming is dropped
+// with its nng context, never read as another request's), every seq's part in it cleared. The
+// drafter may or may not have applied it: each seq's dr_from stays at what the drafter held for
+// sure before it (the request's `from`), which both cases satisfy.
+static void ahead_drop(mm_draft *d) {
+    mm_ctl_async_free(d->ah);
+    d->ah = NULL;
+    for (size_t j = 0; j < d->ah_nq; j++) {
+        struct rseq *r = find(d, d->ah_ids[j]);
+        if (r)
+            r->ah_pend = false;
+    }
+    d->ah_nq = 0;
+}
+
+// ahead_collect: the ahead request in flight, waited for at most wait_ms (0: a look). Answered:
+// each seq's proposals are kept and what the drafter holds of it advances to the tokens it was
+// sent as committed. Failed (timed out: a dead or frozen drafter, refused, a reply not for this
+// request): dropped, and the drafter backs off as after a late synchronous request. Not yet
+// answered after a look: kept for a later step.
+static void ahead_collect(mm_draft *d, int wait_ms) {
+    if (!d->ah)
+        return;
+    const uint64_t t0 = mm_now_ns();
+    bool done = mm_ctl_async_wait(d->ah, wait_ms);
+    d->ah_wait_ms += (double)(mm_now_ns() - t0) / 1e6;
+    if (!done && wait_ms <= 0)
+        return;
+    char err[MM_ERRLEN] = "", why[MM_ERRLEN + 96];
+    mm_ctl_msg *rep = NULL;
+    mm_err rv = done ? mm_ctl_async_result(d->ah, &rep, err) : MM_ETIMEDOUT;
+    const Mmctl__DraftReply *dr = rv == MM_OK && rep->body_case == MMCTL__ENVELOPE__BODY_DRAFT_REPLY
+                                      ? rep->draft_reply : NULL;
+    if (rv != MM_OK || !dr || dr->n_seqs != d->ah_nq || dr->step_id != d->ah_step_id ||
+        rep->seq != d->ah_req) {
+        if (rv != MM_OK)
+            snprintf(why, sizeof(why), "ahead request: no answer within %d ms (%s)",
+                     d->c.timeout_ms, err[0] ? err : mm_strerror(rv));
+        else if (rep->body_case == MMCTL__ENVELOPE__BODY_ACK && rep->ack->error[0])
+            snprintf(why, sizeof(why), "ahead request: %s", rep->ack->error);
+        else
+            snprintf(why, sizeof(why), "ahead request: a reply that is not its draft_reply (%s, "
+                     "%zu seqs for %zu, step %llu for %llu, request %llu for %llu)",
+                     mm_ctl_body_name(rep), dr ? dr->n_seqs : 0, d->ah_nq,
+                     (unsigned long long)(dr ? dr->step_id : 0),
+                     (unsigned long long)d->ah_step_id, (unsigned long long)rep->seq,
+                     (unsigned long long)d->ah_req);
+        mm_ctl_msg_free(rep);
+        ahead_drop(d);
+        drafter_failed(d, why);
+        return;
+    }
+    d->ahead_ms = ema(d->ahead_ms, (double)(mm_now_ns() - d->ah_sent_ns) / 1e6,
+                      d->ahead_ms > 0);
+    d->backoff_ms = 250;
+    d->warned = false;
+    if (d->ah_nrel > d->n_rel)
+        d->ah_nrel = d->n_rel;
+    memmove(d->rel, d->rel + d->ah_nrel, (d->n_rel - d->ah_nrel) * sizeof(*d->rel));
+    d->n_rel -= d->ah_nrel; // the drafter has those
+    d->ah_nrel = 0;
+    for (size_t j = 0; j < d->ah_nq; j++) {
+        const Mmctl__DraftOut *o = dr->seqs[j];
+        struct rseq *r = find(d, d->ah_ids[j]);
+        if (!r || !r->ah_pend || o->seq_id != d->ah_ids[j])
+            continue; // released (or a new seq of that id) since
+        r->ah_pend = false;
+        if (o->resync >= 0) { // the drafter lost it: the next request starts from what it has
+            r->dr_from = o->resync < r->len ? o->resync : r->len;
+            continue;
+        }
+        if (r->ah_len > r->dr_from && r->ah_len <= r->len)
+            r->dr_from = r->ah_len;
+        uint32_t m = 0;
+        while (m < o->n_tokens && m < r->ah_k && m <= MM_DRAFT_MAX_K && o->tokens[m] >= 0 &&
+               o->tokens[m] < d->c.vocab) {
+            r->ah_tok[m] = o->tokens[m];
+            m++;
+        }
+        r->ah_n = m;
+    }
+    mm_ctl_msg_free(rep);
+    mm_ctl_async_free(d->ah);
+    d->ah = NULL;
+    d->ah_nq = 0;
+}
+
+// ahead_check: seq r's proposals against its history (this step's inputs recorded). Valid when
+// the drafts they assumed were all accepted (ah_ok) and the tokens the target emitted since
+// equal the first proposals (in the steady state one token: g, the guess of the token after
+// the drafts); the proposals after those are then drafts for this step (ah_off, ah_avail).
+// Each proposal compared is an acceptance sample, like a draft verified (a probe's g gives its
+// outcome at no cost to the step). Proposals are checked once.
+static void ahead_check(mm_draft *d, struct rseq *r) {
+    r->ah_off = r->ah_avail = 0;
+    const uint32_t n = r->ah_n;
+    if (n == 0 || r->ah_pend)
+        return;
+    r->ah_n = 0;
+    const int64_t m = (int64_t)r->len - r->ah_base; // tokens the target emitted from ah_base on
+    if (!r->ah_ok || r->broken || m < 1)
+        return;
+    const bool low = r->acc < 0.05f;
+    uint32_t i = 0;
+    while ((int64_t)i < m && i < n && r->hist[r->ah_base + (int64_t)i] == r->ah_tok[i])
+        acc_sample(d, r, true), i++;
+    if ((int64_t)i < m && i < n)
+        acc_sample(d, r, false);
+    if (i > 0)
+        d->probes_failed = 0;
+    else if (low && d->probes_failed < 4)
+        d->probes_failed++;
+    if ((int64_t)i == m && i < n) {
+        r->ah_off = i;
+        r->ah_avail = n - i;
+    }
+}
+
+// ahead_send sends the next step's ahead request (pipeline; none while one is in flight: a
+// drafter slower than the steps is not flooded, it is waited for or skipped). Per seq that may
+// draft: its tokens since what the drafter holds, then this step's drafts (assumed accepted),
+// k = its width next step + 1 (the first proposal is the guess g of the target's token after
+// the drafts); a seq under 5% acceptance only when its probe is due, with k 1 (g alone: its
+// outcome is known at the next step without verifying anything). Width W 0 (drafting does not
+// pay): probes only.
+static void ahead_send(mm_draft *d, const Mmctl__StepPlan *p, const uint32_t *n_draft,
+                       const int32_t *draft, int W) {
+    if (d->ah)
+        return;
+    bool any = false;
+    for (size_t i = 0; i < p->n_seqs && !any; i++) {
+        const struct rseq *r = find(d, p->seqs[i]->seq_id);
+        any = r && r->cap > 0 && !r->broken && r->last_step == d->step_no &&
+              (r->probe_due || (W > 0 && !(d->c.adapt && r->acc < 0.05f)));
+    }
+    // the link first: a new drafter incarnation resets what it holds of every seq (dr_from)
+    mm_ctl_client *cl = any ? drafter_link(d) : NULL;
+    if (!cl) // nothing to ask, or the drafter is down or backing off
+        return;
+    size_t nq = 0, n_tok = 0;
+    for (size_t i = 0; i < p->n_seqs; i++) {
+        const Mmctl__SeqStep *q = p->seqs[i];
+        struct rseq *r = find(d, q->seq_id);
+        if (!r || r->cap <= 0 || r->broken || r->last_step != d->step_no)
+            continue;
+        const int32_t nd = (int32_t)n_draft[i];
+        uint32_t k;
+        if (r->probe_due) {
+            k = 1;
+        } else if ((d->c.adapt && r->acc < 0.05f) || W <= 0) {
+            continue;
+        } else {
+            // the next step's width: this one's, within this step's max_draft (the next
+            // step's is not known: it may be a per-step cap or what is left of the request)
+            // and the context
+            int64_t cap = W < r->cap ? W : r->cap;
+            if (cap > (int64_t)d->c.max_ctx - r->len - nd - 1)
+                cap = (int64_t)d->c.max_ctx - r->len - nd - 1;
+            if (cap <= 0)
+                continue; // the seq ends or fills its context: nothing to draft next step
+            k = (uint32_t)cap + 1;
+        }
+        const size_t add = (size_t)(r->len - r->dr_from) + (size_t)nd;
+        if (nq >= (size_t)d->n_t || add > 200000 || (nq > 0 && n_tok + add > CATCHUP_MAX))
+            continue; // catch-up bounded per request, as for synchronous requests
+        // the drafts after the committed tokens (verification writes the accepted ones there
+        // too; r->cap <= max_ctx - len keeps them inside the history buffer)
+        memcpy(r->hist + r->len, draft + i * MM_DRAFT_MAX_K, (size_t)nd * 4);
+        Mmctl__DraftSeq *s = &d->dq[nq];
+        mmctl__draft_seq__init(s);
+        s->seq_id = q->seq_id;
+        s->from = (uint32_t)r->dr_from;
+        s->tokens = r->hist + r->dr_from;
+        s->n_tokens = add;
+        s->k = k;
+        d->dqp[nq] = s;
+        d->ah_ids[nq++] = q->seq_id;
+        n_tok += add;
+        r->ah_pend = r->ah_ok = true;
+        r->ah_step = d->step_no;
+        r->ah_len = r->len;
+        r->ah_base = r->len + nd;
+        r->ah_k = k;
+        r->ah_n = 0;
+    }
+    if (nq == 0)
+        return;
+    d->ah_nq = nq;
+    Mmctl__DraftRequest rq = MMCTL__DRAFT_REQUEST__INIT;
+    rq.step_id = p->step_id;
+    rq.n_seqs = nq;
+    rq.seqs = d->dqp;
+    rq.n_release = d->n_rel;
+    rq.release = d->rel;
+    mm_ctl_msg env = MMCTL__ENVELOPE__INIT;
+    env.body_case = MMCTL__ENVELOPE__BODY_DRAFT_REQUEST;
+    env.draft_request = &rq;
+    env.seq = ++d->req_no;
+    char err[MM_ERRLEN] = "";
+    mm_err rv = mm_ctl_call_start(cl, &env, d->c.timeout_ms, NULL, NULL, &d->ah, err);
+    if (rv != MM_OK) {
+        d->ah = NULL;
+        for (size_t j = 0; j < nq; j++)
+            find(d, d->ah_ids[j])->ah_pend = false;
+        d->ah_nq = 0;
+        char why[MM_ERRLEN + 32];
+        snprintf(why, sizeof(why), "ahead request: %s", err[0] ? err : mm_strerror(rv));
+        drafter_failed(d, why);
+        return;
+    }
+    mm_log_debug("draft step %llu: ahead request of %zu seqs sent", (unsigned long long)d->step_no,
+                 nq);
+    d->ah_step_id = p->step_id;
+    d->ah_req = env.seq;
+    d->ah_sent_ns = mm_now_ns();
+    d->ah_nrel = d->n_rel;
+    d->ah_reqs++;
+    d->requests++;
+}
+
+// sync_pays (pipeline): does a synchronous request for the seqs without valid ahead proposals
+// (d->dq[0, nq)) pay for its wait? It adds the measured round trip sync_ms to a step whose price
+// is T = T(W) (common/spec.c), and adds sum_{i=1..k} a^i expected tokens per seq asked (a its
+// acceptance, k its width); the step's expected tokens without it are E (each sampling seq's
+// own token plus its ahead drafts' expected acceptance). It pays when tokens per ms rise:
+// (E + extra) / (T + sync_ms) > E / T, i.e. extra / E > sync_ms / T. Unmeasured sync_ms: it
+// pays (that request measures it).
+static bool sync_pays(mm_draft *d, const Mmctl__StepPlan *p, const bool *active,
+                      const uint32_t *n_draft, size_t nq, int bucket, int W) {
+    if (d->sync_n == 0)
+        return true;
+    double E = 0, extra = 0;
+    for (size_t i = 0; i < p->n_seqs; i++) {
+        const Mmctl__SeqStep *q = p->seqs[i];
+        if (!q->sample || !active[i])
+            continue;
+        const struct rseq *r = find(d, q->seq_id);
+        double ai = 1, a = r ? (double)r->acc : 0;
+        E += 1;
+        for (uint32_t m = 0; m < n_draft[i]; m++)
+            E += (ai *= a);
+    }
+    for (size_t j = 0; j < nq; j++) {
+        const struct rseq *r = find(d, d->dq[j].seq_id);
+        double ai = 1, a = r ? (double)r->acc : 0;
+        for (uint32_t m = 0; m < d->dq[j].k; m++)
+            extra += (ai *= a);
+    }
+    const double T = mm_spec_price(&d->costs, bucket, W, d->c.max_k);
+    return E > 0 && extra * T > d->sync_ms * E;
+}
+
+// draft_sync asks the drafter for the nq seqs in d->dq and waits for the answer (at most
+// --draft-timeout-ms): drafts into draft/n_draft by plan index (d->dq_plan). A late, dead or
+// refusing drafter: no drafts this step, backoff.
+static void draft_sync(mm_draft *d, uint64_t step_id, size_t nq, uint32_t *n_draft,
+                       int32_t *draft) {
+    mm_ctl_client *cl = drafter_link(d);
+    if (!cl) { // drafter down or backing off: these seqs draft nothing after all
+        for (size_t j = 0; j < nq; j++)
+            find(d, d->dq[j].seq_id)->asked = 0;
+        return;
+    }
+    Mmctl__DraftRequest rq = MMCTL__DRAFT_REQUEST__INIT;
+    rq.step_id = step_id;
+    rq.n_seqs = nq;
+    rq.seqs = d->dqp;
+    rq.n_release = d->n_rel;
+    rq.release = d->rel;
+    mm_ctl_msg env = MMCTL__ENVELOPE__INIT;
+    env.body_case = MMCTL__ENVELOPE__BODY_DRAFT_REQUEST;
+    env.draft_request = &rq;
+    env.seq = ++d->req_no;
+    mm_ctl_msg *rep = NULL;
+    char err[MM_ERRLEN] = "";
+    d->requests++;
+    d->syncs++;
+    const uint64_t t0 = mm_now_ns();
+    mm_err rv = mm_ctl_call(cl, &env, d->c.timeout_ms, &rep, err);
+    if (rv != MM_OK) {
+        char why[MM_ERRLEN + 64];
+        snprintf(why, sizeof(why), "no answer within %d ms (%s)", d->c.timeout_ms,
+                 err[0] ? err : mm_strerror(rv));
+        drafter_failed(d, why);
+        d->step_ok = false;
+        d->step_cost = false;
+        return;
+    }
+    if (rep->body_case != MMCTL__ENVELOPE__BODY_DRAFT_REPLY ||
+        rep->draft_reply->n_seqs != nq || rep->draft_reply->step_id != step_id) {
+        drafter_failed(d, rep->body_case == MMCTL__ENVELOPE__BODY_ACK && rep->ack->error[0]
+                              ? rep->ack->error : "a reply that is not a draft_reply for the step");
+        d->step_ok = false;
+        d->step_cost = false;
+        mm_ctl_msg_free(rep);
+        return;
+    }
+    d->sync_ms = ema(d->sync_ms, (double)(mm_now_ns() - t0) / 1e6, d->sync_n++);
+    d->backoff_ms = 250;
+    d->warned = false;
+    d->n_rel = 0; // the drafter has them
+    d->ah_nrel = 0;
+    for (size_t j = 0; j < nq; j++) {
+        const Mmctl__DraftOut *o = rep->draft_reply->seqs[j];
+        int32_t i = d->dq_plan[j];
+        struct rseq *r = find(d, d->dq[j].seq_id);
+        if (!r || o->seq_id != d->dq[j].seq_id)
+            continue;
+        if (o->resync >= 0) {
+            r->dr_from = o->resync < r->len ? o->resync : r->len;
+            r->asked = 0; // the drafter lost its history: not the drafts' fault
+            continue;
+        }
+        r->dr_from = r->len;
+        uint32_t m = 0;
+        while (m < o->n_tokens && m < d->dq[j].k && o->tokens[m] >= 0 &&
+               o->tokens[m] < d->c.vocab) {
+            draft[(size_t)i * MM_DRAFT_MAX_K + m] = o->tokens[m];
+            m++;
+        }
+        n_draft[i] = m;
+    }
+    mm_ctl_msg_free(rep);
+}
+
 void mm_draft_begin(mm_draft *d, const Mmctl__StepPlan *p, const bool *active, int64_t room,
                     uint32_t *n_draft, int32_t *draft) {
     // The previous step's cost: the period from its start to this one's, when this step goes
@@ -196,6 +583,8 @@ void mm_draft_begin(mm_draft *d, const Mmctl__StepPlan *p, const bool *active, i
     // on the same cores later still), so a step's period also holds work on the tokens of the
     // steps before it (a width-0 step right after width-4 steps would be charged for 5 tokens
     // per seq; exploration therefore runs 3 steps of its width and the last one is the sample).
+    // With the pipeline the period also holds this step's wait for its ahead reply (below,
+    // after step_t0): the drafter's work that did not overlap the step before.
     const uint64_t now = mm_now_ns();
     bool goes_on = false;
     for (size_t i = 0; i < p->n_seqs && !goes_on; i++) {
@@ -221,6 +610,8 @@ void mm_draft_begin(mm_draft *d, const Mmctl__StepPlan *p, const bool *active, i
         if (d->n_rel == MAX_REL) {
             memmove(d->rel, d->rel + 1, (MAX_REL - 1) * sizeof(*d->rel));
             d->n_rel--;
+            if (d->ah_nrel > 0)
+                d->ah_nrel--;
         }
         d->rel[d->n_rel++] = p->release[i];
     }
@@ -241,6 +632,8 @@ void mm_draft_begin(mm_draft *d, const Mmctl__StepPlan *p, const bool *active, i
             continue;
         r->last_step = d->step_no;
         r->asked = 0;
+        r->cap = 0;
+        r->probe_due = false;
         if ((int32_t)q->pos != r->len || r->len + (int64_t)q->n_tokens > d->c.max_ctx)
             r->broken = true;
         if (r->broken)
@@ -266,7 +659,6 @@ void mm_draft_begin(mm_draft *d, const Mmctl__StepPlan *p, const bool *active, i
     int maxw_step = 0;
     for (size_t i = 0; i < p->n_seqs; i++) {
         const Mmctl__SeqStep *q = p->seqs[i];
-        n_draft[i] = 0;
         const Mmctl__Sampling *sa = q->sampling; // penalties: counts change per token
         bool pen = sa && (sa->presence_penalty != 0 || sa->frequency_penalty != 0 ||
                           (sa->repetition_penalty != 0 && sa->repetition_penalty != 1));
@@ -282,7 +674,7 @@ void mm_draft_begin(mm_draft *d, const Mmctl__StepPlan *p, const bool *active, i
             cap = d->c.max_ctx - r->len;
         if (cap <= 0)
             continue;
-        n_draft[i] = (uint32_t)cap; // the cap, for the pass below
+        r->cap = cap;
         r->n_steps++;
         mm_spec_expect_add(ex, d->c.max_k, cap, (double)r->acc);
         if (cap > maxw_step)
@@ -305,39 +697,78 @@ void mm_draft_begin(mm_draft *d, const Mmctl__StepPlan *p, const bool *active, i
         }
     }
     d->step_cost = maxw_step > 0; // a step where no seq may draft says nothing of widths
+    if (d->c.pipeline) {
+        // The ahead reply: waited for (within its deadline) only when a seq of it can draft
+        // with its proposals in this very step (its drafts all accepted, not a probe, W > 0);
+        // otherwise a look, and a reply not in yet stays in flight for a later step.
+        bool wait = false;
+        for (size_t i = 0; i < p->n_seqs && d->ah && W > 0 && !wait; i++) {
+            const struct rseq *r = find(d, p->seqs[i]->seq_id);
+            wait = r && r->cap > 0 && r->ah_pend && r->ah_ok && r->ah_k > 1 &&
+                   r->len == r->ah_base + 1 && !(d->c.adapt && r->acc < 0.05f);
+        }
+        int wait_ms = 0;
+        if (wait) { // to the request's own deadline (nng ends the call then), and a little
+            uint64_t gone_ms = (mm_now_ns() - d->ah_sent_ns) / 1000000ull;
+            wait_ms = (int)((uint64_t)d->c.timeout_ms > gone_ms ? d->c.timeout_ms - gone_ms : 0) +
+                      20;
+        }
+        mm_log_debug("draft step %llu: W %d, ahead %s, wait %d ms", (unsigned long long)d->step_no,
+                     W, d->ah ? "in flight" : "none", wait_ms);
+        ahead_collect(d, wait_ms);
+        for (size_t i = 0; i < p->n_seqs; i++) {
+            struct rseq *r = find(d, p->seqs[i]->seq_id);
+            if (r && r->last_step == d->step_no)
+                ahead_check(d, r);
+        }
+    }
     size_t nq = 0, n_tok = 0;
     for (size_t i = 0; i < p->n_seqs; i++) {
         const Mmctl__SeqStep *q = p->seqs[i];
-        int cap = (int)n_draft[i];
-        n_draft[i] = 0;
-        if (cap == 0)
-            continue;
         struct rseq *r = find(d, q->seq_id);
+        if (!r || r->last_step != d->step_no || r->cap <= 0)
+            continue;
+        const int cap = r->cap;
         int k = cap < W ? cap : W;
         if (d->c.adapt && r->acc < 0.05f) {
             // all such seqs probe in the same steps (one call): every PROBE_EVERY-th drafting
             // step, the interval doubling per probe that kept it under 5% (a probe after
-            // steps without drafts makes the drafter catch up on all their tokens)
+            // steps without drafts makes the drafter catch up on all their tokens). Pipeline:
+            // the probe is an ahead request (sent below, never waited for), this step drafts 0.
             uint64_t every = (uint64_t)PROBE_EVERY << (r->probes < 4 ? r->probes : 4);
             bool probe = d->n_steps % every == 0;
-            k = probe ? 1 : 0; // 1 draft tells whether it still misses
+            k = probe && !d->c.pipeline ? 1 : 0; // 1 draft tells whether it still misses
+            r->probe_due = probe && d->c.pipeline;
             r->probes += probe;
         } else {
             r->probes = 0;
         }
         if (k > room)
             k = (int)room;
+        if (k <= 0)
+            continue;
+        if (d->c.pipeline && r->ah_avail > 0) { // a hit: drafts made during the step before
+            uint32_t asked = (uint32_t)k; // a width beyond what the ahead request asked for is
+            if (asked > r->ah_k - r->ah_off) // not the drafter's miss
+                asked = r->ah_k - r->ah_off;
+            uint32_t m = asked < r->ah_avail ? asked : r->ah_avail;
+            memcpy(draft + i * MM_DRAFT_MAX_K, r->ah_tok + r->ah_off, m * 4);
+            n_draft[i] = m;
+            r->asked = asked;
+            room -= m;
+            d->ah_hits++;
+            continue;
+        }
+        if (d->c.pipeline)
+            d->ah_misses++;
         size_t add = (size_t)(r->len - r->dr_from);
         // The drafter's forward passes over tokens it lacks (a seq back from steps of width 0, a
         // probe) are bounded per request, or one request of 16 long catch-ups outlasts the
         // deadline and stalls the step: the first seq always goes, the others while the total
         // stays under CATCHUP_MAX (the rest catch up in later steps, drafting then).
-        if (k <= 0 || nq >= (size_t)d->n_t || add > 200000 ||
-            (nq > 0 && n_tok + add > CATCHUP_MAX))
+        if (nq >= (size_t)d->n_t || add > 200000 || (nq > 0 && n_tok + add > CATCHUP_MAX))
             continue;
         r->asked = (uint32_t)k;
-        if (k > d->step_w)
-            d->step_w = k;
         Mmctl__DraftSeq *s = &d->dq[nq];
         mmctl__draft_seq__init(s);
         s->seq_id = q->seq_id;
@@ -350,70 +781,25 @@ void mm_draft_begin(mm_draft *d, const Mmctl__StepPlan *p, const bool *active, i
         n_tok += add;
         room -= k;
     }
-    if (nq == 0)
-        return;
-    mm_ctl_client *cl = drafter_link(d);
-    if (!cl) { // drafter down or backing off: this step is a width-0 step after all
+    // Pipeline: the seqs without ahead proposals wait for a synchronous request only when it
+    // pays (sync_pays), and not while an ahead request is still in flight (the drafter is busy
+    // with it; they get theirs from the next ahead request). --draft-adapt false (no cost
+    // model: every seq drafts --draft-max): always.
+    if (nq > 0 && d->c.pipeline && d->c.adapt &&
+        (d->ah || !sync_pays(d, p, active, n_draft, nq, b, W))) {
         for (size_t j = 0; j < nq; j++)
             find(d, d->dq[j].seq_id)->asked = 0;
-        d->step_w = 0;
-        return;
+        nq = 0;
     }
-    Mmctl__DraftRequest rq = MMCTL__DRAFT_REQUEST__INIT;
-    rq.step_id = p->step_id;
-    rq.n_seqs = nq;
-    rq.seqs = d->dqp;
-    rq.n_release = d->n_rel;
-    rq.release = d->rel;
-    mm_ctl_msg env = MMCTL__ENVELOPE__INIT;
-    env.body_case = MMCTL__ENVELOPE__BODY_DRAFT_REQUEST;
-    env.draft_request = &rq;
-    mm_ctl_msg *rep = NULL;
-    char err[MM_ERRLEN] = "";
-    d->requests++;
-    mm_err rv = mm_ctl_call(cl, &env, d->c.timeout_ms, &rep, err);
-    if (rv != MM_OK) {
-        char why[MM_ERRLEN + 64];
-        snprintf(why, sizeof(why), "no answer within %d ms (%s)", d->c.timeout_ms,
-                 err[0] ? err : mm_strerror(rv));
-        drafter_failed(d, why);
-        d->step_ok = false;
-        d->step_cost = false;
-        return;
+    if (nq > 0)
+        draft_sync(d, p->step_id, nq, n_draft, draft);
+    for (size_t i = 0; i < p->n_seqs; i++) { // the step's width: the widest draft asked for
+        const struct rseq *r = find(d, p->seqs[i]->seq_id);
+        if (r && r->last_step == d->step_no && (int)r->asked > d->step_w)
+            d->step_w = (int)r->asked;
     }
-    if (rep->body_case != MMCTL__ENVELOPE__BODY_DRAFT_REPLY ||
-        rep->draft_reply->n_seqs != nq) {
-        drafter_failed(d, rep->body_case == MMCTL__ENVELOPE__BODY_ACK && rep->ack->error[0]
-                              ? rep->ack->error : "a reply that is not a draft_reply for the step");
-        d->step_ok = false;
-        d->step_cost = false;
-        mm_ctl_msg_free(rep);
-        return;
-    }
-    d->backoff_ms = 250;
-    d->warned = false;
-    d->n_rel = 0; // the drafter has them
-    for (size_t j = 0; j < nq; j++) {
-        const Mmctl__DraftOut *o = rep->draft_reply->seqs[j];
-        int32_t i = d->dq_plan[j];
-        struct rseq *r = find(d, d->dq[j].seq_id);
-        if (!r || o->seq_id != d->dq[j].seq_id)
-            continue;
-        if (o->resync >= 0) {
-            r->dr_from = o->resync < r->len ? o->resync : r->len;
-            r->asked = 0; // the drafter lost its history: not the drafts' fault
-            continue;
-        }
-        r->dr_from = r->len;
-        uint32_t m = 0;
-        while (m < o->n_tokens && m < d->dq[j].k && o->tokens[m] >= 0 &&
-               o->tokens[m] < d->c.vocab) {
-            draft[(size_t)i * MM_DRAFT_MAX_K + m] = o->tokens[m];
-            m++;
-        }
-        n_draft[i] = m;
-    }
-    mm_ctl_msg_free(rep);
+    if (d->c.pipeline)
+        ahead_send(d, p, n_draft, draft, W);
 }
 
 size_t mm_draft_ctrl_max(const mm_draft *d) { return 4 + (size_t)d->n_t * 16; }
@@ -446,14 +832,6 @@ void mm_draft_ctrl_sent(mm_draft *d, int s) {
     }
 }
 
-// acc_all_add: one draft token's outcome into the all-seqs acceptance: the mean of the first 50
-// (a drafter that never agrees no longer spends ~120 drafted tokens wearing the 0.6 start
-// down), then an EMA of rate 0.02.
-static void acc_all_add(mm_draft *d, float ok) {
-    float a = d->acc_n < 49 ? 1.0f / (float)(d->acc_n + 2) : 0.02f;
-    d->acc_all += a * (ok - d->acc_all);
-    d->acc_n++;
-}
 
 void mm_draft_verified(mm_draft *d, const Mmctl__SeqStep *q, uint32_t n_draft,
                        uint32_t accepted, const int32_t *drafts) {
@@ -461,10 +839,8 @@ void mm_draft_verified(mm_draft *d, const Mmctl__SeqStep *q, uint32_t n_draft,
     struct rseq *r = find(d, q->seq_id);
     uint32_t chosen = r && r->last_step == d->step_no ? r->asked : 0;
     d->widths[chosen <= MM_DRAFT_MAX_K ? chosen : MM_DRAFT_MAX_K]++;
-    if (r && accepted == n_draft && r->asked > n_draft) { // asked for more than it had:
-        r->acc += 0.15f * (0.0f - r->acc);                // the chain ended there
-        acc_all_add(d, 0.0f);
-    }
+    if (r && accepted == n_draft && r->asked > n_draft) // asked for more than it had:
+        acc_sample(d, r, false);                        // the chain ended there
     if (n_draft == 0 || !r)
         return;
     if (accepted > 0)
@@ -476,17 +852,30 @@ void mm_draft_verified(mm_draft *d, const Mmctl__SeqStep *q, uint32_t n_draft,
     if (accepted < n_draft) {
         r->trunc = true;
         r->trunc_len = r->len;
+        if (r->ah_step == d->step_no) // the ahead request sent this step assumed them all
+            r->ah_ok = false;
     }
     for (uint32_t m = 0; m < n_draft && m <= accepted; m++) {
         bool ok = m < accepted;
         d->pos_tried[m]++;
         d->pos_ok[m] += ok;
-        r->acc += 0.15f * ((ok ? 1.0f : 0.0f) - r->acc);
-        acc_all_add(d, ok ? 1.0f : 0.0f);
+        acc_sample(d, r, ok);
     }
     d->drafted += n_draft;
     d->accepted += accepted;
     d->verified++;
+}
+
+// app appends to the detail text buf (MM_CTL_MAX_STR) at *n; past its end, nothing more.
+static void app(char *buf, int *n, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static void app(char *buf, int *n, const char *fmt, ...) {
+    if (*n >= MM_CTL_MAX_STR - 1)
+        return;
+    va_list ap;
+    va_start(ap, fmt);
+    int w = vsnprintf(buf + *n, (size_t)(MM_CTL_MAX_STR - *n), fmt, ap);
+    va_end(ap);
+    *n = w < 0 ? *n : *n + w > MM_CTL_MAX_STR - 1 ? MM_CTL_MAX_STR - 1 : *n + w;
 }
 
 void mm_draft_end(mm_draft *d, uint64_t step_ns) {
@@ -494,38 +883,42 @@ void mm_draft_end(mm_draft *d, uint64_t step_ns) {
     if (d->c.max_k == 0)
         return;
     char buf[MM_CTL_MAX_STR];
-    int n = snprintf(buf, sizeof(buf), "hub; drafting: drafted=%llu accepted=%llu emitted=%llu "
-                     "rate=%.3f mean_accepted=%.3f drafter_misses=%llu drafts=%llu by_pos=",
-                     (unsigned long long)d->drafted, (unsigned long long)d->accepted,
-                     (unsigned long long)d->emitted,
-                     d->drafted ? (double)d->accepted / (double)d->drafted : 0.0,
-                     d->verified ? (double)d->accepted / (double)d->verified : 0.0,
-                     (unsigned long long)d->misses, (unsigned long long)d->verified);
-    for (int k = 0; k < d->c.max_k && n < (int)sizeof(buf) - 32; k++)
-        n += snprintf(buf + n, sizeof(buf) - (size_t)n, "%s%.3f", k ? "/" : "",
-                      d->pos_tried[k] ? (double)d->pos_ok[k] / (double)d->pos_tried[k] : 0.0);
-    n += snprintf(buf + n, sizeof(buf) - (size_t)n, " pos_drafted=");
-    for (int k = 0; k < d->c.max_k && n < (int)sizeof(buf) - 32; k++)
-        n += snprintf(buf + n, sizeof(buf) - (size_t)n, "%s%llu", k ? "/" : "",
-                      (unsigned long long)d->pos_tried[k]);
-    n += snprintf(buf + n, sizeof(buf) - (size_t)n, " pos_accepted=");
-    for (int k = 0; k < d->c.max_k && n < (int)sizeof(buf) - 32; k++)
-        n += snprintf(buf + n, sizeof(buf) - (size_t)n, "%s%llu", k ? "/" : "",
-                      (unsigned long long)d->pos_ok[k]);
-    n += snprintf(buf + n, sizeof(buf) - (size_t)n, " widths=");
-    for (int k = 0; k <= d->c.max_k && n < (int)sizeof(buf) - 32; k++)
-        n += snprintf(buf + n, sizeof(buf) - (size_t)n, "%s%d:%llu", k ? "," : "", k,
-                      (unsigned long long)d->widths[k]);
+    int n = 0;
+    // draft-ahead: ahead requests sent, seq steps that drafted from ahead proposals (hits) and
+    // that were to draft without valid ones (misses: a synchronous request or width 0),
+    // synchronous requests; below, the round trips and the time steps waited for ahead replies
+    app(buf, &n, "hub; drafting: drafted=%llu accepted=%llu emitted=%llu rate=%.3f "
+        "mean_accepted=%.3f drafter_misses=%llu drafts=%llu ahead=%llu ahead_hits=%llu "
+        "ahead_misses=%llu sync=%llu by_pos=",
+        (unsigned long long)d->drafted, (unsigned long long)d->accepted,
+        (unsigned long long)d->emitted,
+        d->drafted ? (double)d->accepted / (double)d->drafted : 0.0,
+        d->verified ? (double)d->accepted / (double)d->verified : 0.0,
+        (unsigned long long)d->misses, (unsigned long long)d->verified,
+        (unsigned long long)d->ah_reqs, (unsigned long long)d->ah_hits,
+        (unsigned long long)d->ah_misses, (unsigned long long)d->syncs);
+    for (int k = 0; k < d->c.max_k; k++)
+        app(buf, &n, "%s%.3f", k ? "/" : "",
+            d->pos_tried[k] ? (double)d->pos_ok[k] / (double)d->pos_tried[k] : 0.0);
+    app(buf, &n, " pos_drafted=");
+    for (int k = 0; k < d->c.max_k; k++)
+        app(buf, &n, "%s%llu", k ? "/" : "", (unsigned long long)d->pos_tried[k]);
+    app(buf, &n, " pos_accepted=");
+    for (int k = 0; k < d->c.max_k; k++)
+        app(buf, &n, "%s%llu", k ? "/" : "", (unsigned long long)d->pos_ok[k]);
+    app(buf, &n, " widths=");
+    for (int k = 0; k <= d->c.max_k; k++)
+        app(buf, &n, "%s%d:%llu", k ? "," : "", k, (unsigned long long)d->widths[k]);
     // the step-time prices (ms) of the last step's range, '-' where unmeasured
-    n += snprintf(buf + n, sizeof(buf) - (size_t)n, " range=%d prices_ms=", d->step_bucket);
-    for (int k = 0; k <= d->c.max_k && n < (int)sizeof(buf) - 32; k++) {
+    app(buf, &n, " range=%d prices_ms=", d->step_bucket);
+    for (int k = 0; k <= d->c.max_k; k++) {
         if (d->costs.n[d->step_bucket][k])
-            n += snprintf(buf + n, sizeof(buf) - (size_t)n, "%s%.2f", k ? "/" : "",
-                          d->costs.T[d->step_bucket][k]);
+            app(buf, &n, "%s%.2f", k ? "/" : "", d->costs.T[d->step_bucket][k]);
         else
-            n += snprintf(buf + n, sizeof(buf) - (size_t)n, "%s-", k ? "/" : "");
+            app(buf, &n, "%s-", k ? "/" : "");
     }
-    n += snprintf(buf + n, sizeof(buf) - (size_t)n, " explored=%llu",
-                  (unsigned long long)d->explored);
+    app(buf, &n, " explored=%llu pipeline=%d ahead_ms=%.2f sync_ms=%.2f ahead_wait_ms=%.0f",
+        (unsigned long long)d->explored, d->c.pipeline ? 1 : 0, d->ahead_ms, d->sync_ms,
+        d->ah_wait_ms);
     mm_registry_set_self_detail(d->reg, buf);
 }

@@ -28,6 +28,24 @@
 //   measured narrower one. Every 8th drafting step may explore (3 steps) width 0 or the
 //   choice's neighbours when unmeasured or stale. Seqs under 5% acceptance draft 0 (probing
 //   1 draft together every 64th step).
+// - Draft-ahead (--draft-pipeline, the default): when a step's rows are fixed, the router sends
+//   the drafter, without waiting, one DraftRequest for the next step: per seq its new committed
+//   tokens followed by this step's drafts (assumed accepted), k = W + 1. The drafter's first
+//   proposal g guesses the target's token after them, the rest are drafts for the next step.
+//   So the drafter works while the step runs in the mesh. At the next step the router knows
+//   the real history: a seq's proposals are valid when every draft was accepted and the
+//   target's token equals g; then its drafts are the proposals after g (a hit). Every g
+//   compared is an acceptance sample, at no cost. A seq without valid proposals (a miss) gets a
+//   synchronous request as without the pipeline when that pays (sync_pays: its expected extra
+//   tokens against the measured round trip; always with --draft-adapt false), else width 0
+//   this step. One ahead request is in
+//   flight at a time; the next step waits for it (within its deadline) only when a seq of it
+//   can use its proposals at once; otherwise it only looks, and a reply not in yet is looked
+//   for again later (probes of low-acceptance seqs are ahead requests of k 1 and never waited
+//   for). A new drafter incarnation, a failed or abandoned request: backoff as for a late
+//   synchronous request. Requests carry an increasing number (Envelope.seq, from the wall clock
+//   at start) so the drafter ignores a seq's part of a request older than one it has applied
+//   (an abandoned request may reach it late), and replies are matched by step_id and seq.
 // - State per tracked seq (allocated once per table slot, not per token). One thread: all
 //   calls are made under the step engine's mutex.
 #ifndef MM_ROUTER_STEP_DRAFT_H
@@ -45,6 +63,7 @@ typedef struct mm_draft_conf {
     int timeout_ms;     // --draft-timeout-ms
     bool adapt;         // --draft-adapt (false: always max_k)
     int max_rows;       // --draft-max-rows: draft rows per step
+    bool pipeline;      // --draft-pipeline: draft ahead (see Design notes)
     int max_ctx, vocab, n_shards;
 } mm_draft_conf;
 
@@ -55,9 +74,10 @@ mm_err mm_draft_open(mm_draft **out, const mm_draft_conf *c, mm_registry *reg,
 void mm_draft_close(mm_draft *d); // accepts NULL
 
 // mm_draft_begin runs before a step: forgets released seqs, records each seq's input tokens,
-// and (for sampling seqs that allow it: max_draft > 0, logprobs 0, active[i]) asks the drafter.
+// and (for sampling seqs that allow it: max_draft > 0, logprobs 0, active[i]) takes drafts from
+// the ahead proposals or asks the drafter, then (pipeline) sends the next step's ahead request.
 // Writes n_draft[i] (0..MM_DRAFT_MAX_K) and draft[i * MM_DRAFT_MAX_K ...] for each plan seq;
-// the total never exceeds room rows.
+// the total never exceeds room rows. Blocks at most --draft-timeout-ms on the drafter.
 void mm_draft_begin(mm_draft *d, const Mmctl__StepPlan *p, const bool *active, int64_t room,
                     uint32_t *n_draft, int32_t *draft);
 

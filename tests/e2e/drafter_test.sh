@@ -40,7 +40,7 @@ args() {
     gc) echo --ids $IDS --max-tokens 16 --concurrent 6 --all ;;
     s1) echo --ids $IDS --max-tokens 16 --concurrent 4 --all --temperature 0.9 --seed 7 ;;
     rep) echo --ids $REP --max-tokens 24 --concurrent 3 --all ;;
-    long) echo --ids $IDS --max-tokens 300 ;;
+    long) echo --ids $IDS --max-tokens 480 ;; # near the fixture's 512 positions: still running when frozen
     esac
 }
 for c in "${CASES[@]}"; do
@@ -82,9 +82,9 @@ drafted() { "$BIN/moemesh" status --router "$ROUTER" | sed -n 's/.*drafting: dra
 before=$(drafted)
 mg $(args long) --draft 4 >"$RUN/long.out" 2>"$RUN/long.err" &
 client=$!
-for _ in $(seq 1 200); do
+for _ in $(seq 1 400); do
     [ "$(drafted)" -gt "$before" ] && break
-    sleep 0.02
+    sleep 0.01
 done
 kill -STOP "$PID_d"
 kill -0 $client 2>/dev/null || fail "the long request ended before the drafter could be frozen"

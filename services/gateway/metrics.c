@@ -108,8 +108,9 @@ static void one(struct out *o, const char *type, const char *name, const char *h
 
 // ---- drafting: the router's counters, from its status detail ---------------------------------
 // The router publishes them in its status detail (services/router/step_draft.c, mm_draft_end):
-// "... drafting: drafted=D accepted=A emitted=E ... drafter_misses=X drafts=V ...
-// pos_drafted=t0/t1/.. pos_accepted=a0/a1/.. widths=0:n0,1:n1,..". The gateway holds the
+// "... drafting: drafted=D accepted=A emitted=E ... drafter_misses=X drafts=V ahead=R
+// ahead_hits=H ahead_misses=M sync=S ... pos_drafted=t0/t1/.. pos_accepted=a0/a1/..
+// widths=0:n0,1:n1,..". The gateway holds the
 // detail of its last status answer (its periodic mesh check, or a GET /health), so these figures
 // are as fresh as that.
 
@@ -117,6 +118,7 @@ static void one(struct out *o, const char *type, const char *name, const char *h
 
 typedef struct spec_counters {
     unsigned long long drafted, accepted, emitted, misses, drafts;
+    unsigned long long ahead, ahead_hits, ahead_misses, sync; // draft-ahead (router pipeline)
     unsigned long long pos_drafted[SPEC_MAX_POS], pos_accepted[SPEC_MAX_POS];
     unsigned long long widths[SPEC_MAX_POS + 1];
     int n_pos, n_widths;
@@ -158,6 +160,10 @@ static void spec_parse(const char *detail, spec_counters *c) {
     c->emitted = spec_num(d, "emitted");
     c->misses = spec_num(d, "drafter_misses");
     c->drafts = spec_num(d, "drafts");
+    c->ahead = spec_num(d, "ahead");
+    c->ahead_hits = spec_num(d, "ahead_hits");
+    c->ahead_misses = spec_num(d, "ahead_misses");
+    c->sync = spec_num(d, "sync");
     int a = spec_list(d, "pos_drafted", c->pos_drafted, SPEC_MAX_POS);
     int b = spec_list(d, "pos_accepted", c->pos_accepted, SPEC_MAX_POS);
     c->n_pos = a < b ? a : b;
@@ -192,6 +198,19 @@ static void spec_metrics(struct out *o, const char *lab, const char *bare, const
     one(o, "counter", "spec_decode_drafter_misses_total",
         "Speculative decoding: steps that went on without drafts (drafter down, late or "
         "refusing).", bare, (double)c.misses);
+    one(o, "counter", "spec_decode_ahead_requests_total",
+        "Speculative decoding: draft requests sent ahead (during the step before the one they "
+        "draft for, not waited for).", bare, (double)c.ahead);
+    one(o, "counter", "spec_decode_ahead_hits_total",
+        "Speculative decoding: seq steps that drafted from ahead proposals (all drafts of the "
+        "step before accepted and the drafter's guess of the target's token right).", bare,
+        (double)c.ahead_hits);
+    one(o, "counter", "spec_decode_ahead_misses_total",
+        "Speculative decoding: seq steps that were to draft without valid ahead proposals (a "
+        "synchronous request or no drafts).", bare, (double)c.ahead_misses);
+    one(o, "counter", "spec_decode_sync_requests_total",
+        "Speculative decoding: draft requests waited for before their step.", bare,
+        (double)c.sync);
     one(o, "gauge", "spec_decode_acceptance_rate",
         "Speculative decoding: accepted / drafted tokens so far.", bare,
         c.drafted ? (double)c.accepted / (double)c.drafted : 0);

@@ -377,7 +377,11 @@ __host__ __device__ constexpr int ws_smem_bytes(int bn, int st) {
 #define WS_THREADS 384
 
 // a.xb: x workspace (wg_convert_x_kernel<true>); wb: W workspace (wg_convert_w_kernel).
-template <int BN, int ST, bool DUAL>
+// Tiles (128 outputs x BN tokens, outputs fastest) are taken in a block-strided loop over a 1-d
+// grid: one tile per block when the grid has one block per tile, persistent when it has one
+// block per SM (the producer then fills the next tile's stages while the consumers store the
+// last one's outputs). Stage uses are counted across tiles for the ring's slots and parities.
+template <int BN, int ST, bool DUAL, bool LAG>
 __global__ void __launch_bounds__(WS_THREADS, 1) gemm_ws_kernel(mm_wg_args a, const uint16_t *wb) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     extern __shared__ __align__(1024) unsigned char ws_smem_raw[];
@@ -385,8 +389,7 @@ __global__ void __launch_bounds__(WS_THREADS, 1) gemm_ws_kernel(mm_wg_args a, co
     const uint32_t raw = (uint32_t)__cvta_generic_to_shared(ws_smem_raw);
     const uint32_t sbase = (raw + 1023u) & ~1023u;
     const uint32_t full0 = sbase + ST * SB, empty0 = full0 + 8 * ST;
-    const int m0 = blockIdx.y * BN, mlen = min(BN, a.n_rows - m0);
-    const int n0 = blockIdx.x * 128;
+    const int tiles_n = (a.n_out + 127) / 128, n_tiles = tiles_n * ((a.n_rows + BN - 1) / BN);
     const int n_k = (a.n_in + 63) / 64;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     if (tid == 0) {
@@ -400,16 +403,20 @@ __global__ void __launch_bounds__(WS_THREADS, 1) gemm_ws_kernel(mm_wg_args a, co
     if (warp >= 8) { // producer
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
         if (warp == 8 && lane == 0) {
-            const uint32_t xbytes = (uint32_t)mlen * 128;
-            const uint32_t wbytes = (uint32_t)min(128, a.n_out - n0) * 128;
-            for (int kt = 0; kt < n_k; kt++) {
-                const int s = kt % ST;
-                if (kt >= ST)
-                    wp_bar_wait(empty0 + 8 * s, (uint32_t)((kt / ST - 1) & 1));
-                const uint32_t full = full0 + 8 * s, st = sbase + s * SB;
-                wp_bar_expect(full, wbytes + xbytes);
-                wp_bulk(st, wb + ((size_t)kt * a.n_out + n0) * 64, wbytes, full);
-                wp_bulk(st + WB, a.xb + ((size_t)kt * a.n_rows + m0) * 64, xbytes, full);
+            int u = 0; // stage uses so far
+            for (int tile = blockIdx.x; tile < n_tiles; tile += gridDim.x) {
+                const int n0 = tile % tiles_n * 128, m0 = tile / tiles_n * BN;
+                const uint32_t xbytes = (uint32_t)min(BN, a.n_rows - m0) * 128;
+                const uint32_t wbytes = (uint32_t)min(128, a.n_out - n0) * 128;
+                for (int kt = 0; kt < n_k; kt++, u++) {
+                    const int s = u % ST;
+                    if (u >= ST)
+                        wp_bar_wait(empty0 + 8 * s, (uint32_t)((u / ST - 1) & 1));
+                    const uint32_t full = full0 + 8 * s, st = sbase + s * SB;
+                    wp_bar_expect(full, wbytes + xbytes);
+                    wp_bulk(st, wb + ((size_t)kt * a.n_out + n0) * 64, wbytes, full);
+                    wp_bulk(st + WB, a.xb + ((size_t)kt * a.n_rows + m0) * 64, xbytes, full);
+                }
             }
         }
     } else { // consumers: warpgroups 0 and 1
@@ -417,19 +424,17 @@ __global__ void __launch_bounds__(WS_THREADS, 1) gemm_ws_kernel(mm_wg_args a, co
         const int wgi = warp >> 2;
         const int sl = seg_len(a.n_in);
         float tot[NA];
-#pragma unroll
-        for (int i = 0; i < NA; i++)
-            tot[i] = 0.0f;
-        auto release = [&](int kt) { // every wgmma reading stage kt has completed
+        int u0 = 0;                  // stage uses before this tile
+        auto release = [&](int kt) { // every wgmma reading the tile's stage kt has completed
             __syncwarp();
             if (lane == 0)
-                wp_bar_arrive(empty0 + 8 * (kt % ST));
+                wp_bar_arrive(empty0 + 8 * ((u0 + kt) % ST));
         };
         // chunk ch (32 k): wait for its stage, 2 wgmmas; fresh: the first ignores acc (D = A * B)
         auto issue = [&](float (&acc)[NA], int ch, bool fresh = false) {
-            const int kt = ch >> 1, cc = ch & 1, s = kt % ST;
+            const int u = u0 + (ch >> 1), cc = ch & 1, s = u % ST;
             if (cc == 0)
-                wp_bar_wait_asm(full0 + 8 * s, (uint32_t)((kt / ST) & 1));
+                wp_bar_wait_asm(full0 + 8 * s, (uint32_t)((u / ST) & 1));
             const uint32_t stage = sbase + s * SB;
             const uint64_t half = (uint64_t)(4 * cc);
             const uint64_t a0 = wg_desc(stage + wgi * (64 * 128)) + half;
@@ -447,93 +452,123 @@ __global__ void __launch_bounds__(WS_THREADS, 1) gemm_ws_kernel(mm_wg_args a, co
                     acc[i] = 0.0f;
             }
         };
-        const int nch = (a.n_in + 31) / 32;
-        if constexpr (!DUAL) {
-            float acc[NA];
+        // LAG: warpgroup 1 starts each tile once warpgroup 0 has finished the tile's first two
+        // stages (named barrier 1: 128 arrivals + 128 waiters), so that the two do not drain,
+        // store outputs or wait for a tile's first stage at the same time. Only where a tile is
+        // longer than the ring by 2 stages: warpgroup 0 can then not reach stage 1 of the next
+        // tile before warpgroup 1 has started this one, so each arrival meets its own wait.
+        const bool lag = LAG && n_k >= ST + 2;
+        auto lag_mark = [&](int ch) { // chunk ch of the tile is issued
+            if (lag && wgi == 0 && ch == 3)
+                asm volatile("bar.arrive 1, 256;\n" ::: "memory");
+        };
+        for (int tile = blockIdx.x; tile < n_tiles; tile += gridDim.x, u0 += n_k) {
+            const int n0 = tile % tiles_n * 128, m0 = tile / tiles_n * BN, mlen = min(BN, a.n_rows - m0);
+            if (lag && wgi == 1)
+                asm volatile("bar.sync 1, 256;\n" ::: "memory");
 #pragma unroll
             for (int i = 0; i < NA; i++)
-                acc[i] = 0.0f;
-            for (int kt = 0; kt < n_k; kt++) {
+                tot[i] = 0.0f;
+            const int nch = (a.n_in + 31) / 32;
+            if constexpr (!DUAL) {
+                float acc[NA];
 #pragma unroll
-                for (int cc = 0; cc < 2; cc++) {
-                    const int ch = 2 * kt + cc;
-                    if (ch >= nch)
-                        break;
-                    issue(acc, ch);
-                    if (32 * (ch + 1) >= a.n_in || (32 * (ch + 1)) % sl == 0) { // segment end: drain
-                        wg_commit();
-                        wg_wait<0>();
-                        add(acc);
+                for (int i = 0; i < NA; i++)
+                    acc[i] = 0.0f;
+                for (int kt = 0; kt < n_k; kt++) {
+#pragma unroll
+                    for (int cc = 0; cc < 2; cc++) {
+                        const int ch = 2 * kt + cc;
+                        if (ch >= nch)
+                            break;
+                        issue(acc, ch);
+                        lag_mark(ch);
+                        if (32 * (ch + 1) >= a.n_in || (32 * (ch + 1)) % sl == 0) { // segment end: drain
+                            wg_commit();
+                            wg_wait<0>();
+                            add(acc);
+                        }
                     }
-                }
-                wg_commit();
-                wg_wait<1>(); // stage kt - 1's wgmmas are done
-                if (kt >= 1)
-                    release(kt - 1);
-            }
-            wg_wait<0>();
-        } else {
-            // No instruction but wgmma writes acc0/acc1 (ptxas serialises every wgmma when
-            // one does while wgmmas are in flight, C7515): a segment's first wgmma ignores the
-            // old value (scale-d 0, D = A * B) instead of a zeroed accumulator. The sum is the
-            // same except that an exactly-zero segment sum may be -0 instead of +0, which
-            // the total (from +0, round to nearest) turns into the same +0.
-            float acc0[NA], acc1[NA];
-            const int cps = sl / 32; // chunks per segment
-            // One segment into `cur`; `prev` holds the segment before (none when first).
-            auto segment = [&](float (&cur)[NA], float (&prev)[NA], int c0, bool first) {
-                const int c1 = min(nch, c0 + cps);
-                for (int ch = c0; ch < c1; ch++) {
-                    issue(cur, ch, ch == c0);
                     wg_commit();
-                    if (ch == c0) {
-                        wg_wait<1>(); // everything before this chunk, so the previous segment
-                        if (!first)
-                            add(prev);
-                    } else {
-                        wg_wait<2>();
-                    }
-                    // chunk ch - 1 (or ch - 2) completed: release its stage once both its chunks have
-                    if ((ch & 1) == 1 && ch >= 3)
-                        release((ch >> 1) - 1);
+                    wg_wait<1>(); // stage kt - 1's wgmmas are done
+                    if (kt >= 1)
+                        release(kt - 1);
                 }
-            };
-            bool last_odd = false;
-            for (int seg = 0; seg * cps < nch; seg += 2) {
-                segment(acc0, acc1, seg * cps, seg == 0);
-                last_odd = false;
-                if ((seg + 1) * cps >= nch)
-                    break;
-                segment(acc1, acc0, (seg + 1) * cps, false);
-                last_odd = true;
+                wg_wait<0>();
+            } else {
+                // No instruction but wgmma writes acc0/acc1 (ptxas serialises every wgmma when
+                // one does while wgmmas are in flight, C7515): a segment's first wgmma ignores the
+                // old value (scale-d 0, D = A * B) instead of a zeroed accumulator. The sum is the
+                // same except that an exactly-zero segment sum may be -0 instead of +0, which
+                // the total (from +0, round to nearest) turns into the same +0.
+                // Zeroed here, where no wgmma is in flight, only so that their registers are
+                // dead (not carried from the last tile) while the outputs are stored.
+                float acc0[NA], acc1[NA];
+#pragma unroll
+                for (int i = 0; i < NA; i++)
+                    acc0[i] = acc1[i] = 0.0f;
+                const int cps = sl / 32; // chunks per segment
+                // One segment into `cur`; `prev` holds the segment before (none when first).
+                auto segment = [&](float (&cur)[NA], float (&prev)[NA], int c0, bool first) {
+                    const int c1 = min(nch, c0 + cps);
+                    for (int ch = c0; ch < c1; ch++) {
+                        issue(cur, ch, ch == c0);
+                        wg_commit();
+                        lag_mark(ch);
+                        if (ch == c0) {
+                            wg_wait<1>(); // everything before this chunk, so the previous segment
+                            if (!first)
+                                add(prev);
+                        } else {
+                            wg_wait<2>();
+                        }
+                        // chunk ch - 1 (or ch - 2) completed: release its stage once both its chunks have
+                        if ((ch & 1) == 1 && ch >= 3)
+                            release((ch >> 1) - 1);
+                    }
+                };
+                bool last_odd = false;
+                for (int seg = 0; seg * cps < nch; seg += 2) {
+                    segment(acc0, acc1, seg * cps, seg == 0);
+                    last_odd = false;
+                    if ((seg + 1) * cps >= nch)
+                        break;
+                    segment(acc1, acc0, (seg + 1) * cps, false);
+                    last_odd = true;
+                }
+                wg_wait<0>();
+                if (last_odd)
+                    add(acc1);
+                else
+                    add(acc0);
+                if (nch % 2 == 1 && n_k >= 2) // its last stage has one chunk: no release above
+                    release(n_k - 2);
             }
-            wg_wait<0>();
-            if (last_odd)
-                add(acc1);
-            else
-                add(acc0);
-        }
-        // tot[4j + 2h + c]: output row 64wgi + 16(warp%4) + g + 8h, token 8j + 2t + c.
-        const int g = lane >> 2, t = lane & 3;
-        const int orow = n0 + 64 * wgi + 16 * (warp & 3) + g;
+            // every wgmma of the tile is done: the last stage goes back to the producer, which
+            // fills the ring with the next tile's k while this tile's outputs are stored
+            release(n_k - 1);
+            // tot[4j + 2h + c]: output row 64wgi + 16(warp%4) + g + 8h, token 8j + 2t + c.
+            const int g = lane >> 2, t = lane & 3;
+            const int orow = n0 + 64 * wgi + 16 * (warp & 3) + g;
 #pragma unroll
-        for (int h = 0; h < 2; h++) {
-            const int o = orow + 8 * h;
-            if (o >= a.n_out)
-                continue;
-            const float b = a.bias ? a.bias[o] : 0.0f;
+            for (int h = 0; h < 2; h++) {
+                const int o = orow + 8 * h;
+                if (o >= a.n_out)
+                    continue;
+                const float b = a.bias ? a.bias[o] : 0.0f;
 #pragma unroll
-            for (int j = 0; j < BN / 8; j++)
+                for (int j = 0; j < BN / 8; j++)
 #pragma unroll
-                for (int c = 0; c < 2; c++) {
-                    const int tok = 8 * j + 2 * t + c;
-                    if (tok < mlen) {
-                        float v = tot[4 * j + 2 * h + c];
-                        if (a.bias)
-                            v = v + b;
-                        a.y[(size_t)(m0 + tok) * a.y_stride + o] = v;
+                    for (int c = 0; c < 2; c++) {
+                        const int tok = 8 * j + 2 * t + c;
+                        if (tok < mlen) {
+                            float v = tot[4 * j + 2 * h + c];
+                            if (a.bias)
+                                v = v + b;
+                            a.y[(size_t)(m0 + tok) * a.y_stride + o] = v;
+                        }
                     }
-                }
+            }
         }
     }
 #else

@@ -768,19 +768,29 @@ static mm_err launch_wp_kernel(cudaStream_t st, const mm_wg_args &w, uint64_t bi
     return MM_OK;
 }
 
+#define WS_MIN_ROWS 1024 // AUTO's dense products from this many rows take gemm_ws (below)
+
 // gemm_ws (gemm_wp.cuh): W permuted into a workspace, both operands by bulk copies, BN tokens,
-// ST stages, two running accumulators (DUAL) or a drain at each segment end.
-template <int BN, int ST, bool DUAL>
+// ST stages, two running accumulators (DUAL) or a drain at each segment end; PERSIST: one
+// block per SM walking the tiles, else one block per tile; LAG: warpgroup 1 a tile behind by
+// two stages.
+template <int BN, int ST, bool DUAL, bool PERSIST = false, bool LAG = false>
 static mm_err launch_ws_kernel(cudaStream_t st, const mm_wg_args &w, const uint16_t *wb, uint64_t bit) {
     static uint64_t attr_set;
+    static int sms[64];
+    int dev = 0;
+    MM_GPU_CHECK(cudaGetDevice(&dev));
     if (!(attr_set & bit)) {
-        MM_GPU_CHECK(cudaFuncSetAttribute(gemm_ws_kernel<BN, ST, DUAL>,
+        MM_GPU_CHECK(cudaFuncSetAttribute(gemm_ws_kernel<BN, ST, DUAL, LAG>,
                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
                                           ws_smem_bytes(BN, ST)));
+        MM_GPU_CHECK(cudaDeviceGetAttribute(&sms[dev & 63], cudaDevAttrMultiProcessorCount, dev));
         attr_set |= bit;
     }
-    dim3 grid(mm_div_up(w.n_out, 128), mm_div_up(w.n_rows, BN));
-    gemm_ws_kernel<BN, ST, DUAL><<<grid, WS_THREADS, ws_smem_bytes(BN, ST), st>>>(w, wb);
+    const unsigned tiles = mm_div_up(w.n_out, 128) * mm_div_up(w.n_rows, BN);
+    const unsigned sm = (unsigned)(sms[dev & 63] > 0 ? sms[dev & 63] : 1);
+    const unsigned grid = PERSIST && tiles > sm ? sm : tiles;
+    gemm_ws_kernel<BN, ST, DUAL, LAG><<<grid, WS_THREADS, ws_smem_bytes(BN, ST), st>>>(w, wb);
     MM_GPU_CHECK(cudaGetLastError());
     return MM_OK;
 }
@@ -815,13 +825,14 @@ static mm_err launch_wg(cudaStream_t st, const mm_mat_args &a, bool *ran) {
         pool_set |= bit;
     }
     const int64_t ldx = (a.n_in + WG_LDX - 1) / WG_LDX * WG_LDX;
-    // Variant: the explicit one (mm_gpu_set_gemm_tile), else dense 4 and grouped 2. The
-    // warp-specialised kernels (8, 9, 10: gemm_wp.cuh, experimental: 8 measured at 58 TFLOP/s
-    // on q_proj, its bits and 9, 10 not yet run on a device) take dense products with n_in % 8 == 0
-    // and 16-byte aligned W (bulk copies); others run the dense default of gemm_wg.cuh (4).
-    // 11, 12, 13 (gemm_ws_kernel: W permuted into the workspace too, both operands by bulk
-    // copies) take any dense product wg_usable allows.
-    int var = g_wg_tile ? g_wg_tile : GROUPED ? 2 : 4;
+    // Variant: the explicit one (mm_gpu_set_gemm_tile), else grouped 2, dense 13 from
+    // WS_MIN_ROWS rows and 4 below. The warp-specialised kernels with W from registers (8, 9,
+    // 10: gemm_wp.cuh; q_proj 58, 302, 224 TFLOP/s at 23:20 UTC) take dense products with
+    // n_in % 8 == 0 and 16-byte aligned W (bulk copies); others run gemm_wg.cuh's 4. 11-17
+    // (gemm_ws_kernel: W permuted into the workspace too, both operands by bulk copies) take
+    // any dense product wg_usable allows; permuting W costs a pass over it (~10 us for 16.8
+    // MB), which few token tiles do not repay.
+    int var = g_wg_tile ? g_wg_tile : GROUPED ? 2 : a.n_rows >= WS_MIN_ROWS ? 13 : 4;
     const bool wp_ok = !GROUPED && a.n_in % 8 == 0 && aligned16(a.w0);
     if (var >= 8 && var <= 10 && !wp_ok)
         var = 4;
@@ -853,10 +864,11 @@ static mm_err launch_wg(cudaStream_t st, const mm_mat_args &a, bool *ran) {
     mm_wg_args w = {(const uint16_t *)ws, ldx, a.w0, a.wg, a.offs, a.n_experts, a.n_rows, a.n_in,
                     a.n_out, a.bias, a.y, a.y_stride};
     mm_err rv;
-    // Default (H200, 2026-11-29, kernels/cuda/bench/NOTES.md): dense products on 128 outputs x
-    // 192 tokens (q_proj 242 vs 220 TFLOP/s for 128 x 128; 239 again at 21:52 UTC, where the
-    // warp-specialised 128 x 128 gave 58); grouped products on 128 x 128
-    // (experts hold ~256 rows each at a 4K prefill, so 192-token tiles would run half empty).
+    // Default (H200, 2026-11-29, kernels/cuda/bench/NOTES.md): dense products of at least
+    // WS_MIN_ROWS rows on gemm_ws 128 x 128 with two accumulators (13: q_proj 373 TFLOP/s vs
+    // 240 for 4, 23:20 UTC, bits equal to the GEMV), fewer rows on 128 outputs x 192 tokens (4:
+    // 242 vs 220 TFLOP/s for 128 x 128); grouped products on 128 x 128 (experts hold ~256 rows
+    // each at a 4K prefill, so 192-token tiles would run half empty).
     switch (var) {
     case 8: rv = launch_wp_kernel<128, 6, WP_W_ROWS>(st, w, bit); break;
     case 9: rv = launch_wp_kernel<128, 6, WP_W_TMA>(st, w, bit); break;
@@ -864,6 +876,10 @@ static mm_err launch_wg(cudaStream_t st, const mm_mat_args &a, bool *ran) {
     case 11: rv = launch_ws_kernel<128, 6, false>(st, w, wb, bit); break;
     case 12: rv = launch_ws_kernel<192, 5, false>(st, w, wb, bit); break;
     case 13: rv = launch_ws_kernel<128, 6, true>(st, w, wb, bit); break;
+    case 14: rv = launch_ws_kernel<128, 6, true, true>(st, w, wb, bit); break;
+    case 15: rv = launch_ws_kernel<128, 6, true, true, true>(st, w, wb, bit); break;
+    case 16: rv = launch_ws_kernel<192, 5, false, false, true>(st, w, wb, bit); break;
+    case 17: rv = launch_ws_kernel<192, 5, false, true, true>(st, w, wb, bit); break;
     case 3: rv = launch_wg_kernel<GROUPED, 3, 128, 64, 5>(st, w, bit); break;
     case 4: rv = launch_wg_kernel<GROUPED, 2, 192, 64, 5>(st, w, bit); break;
     case 5: rv = launch_wg_kernel<GROUPED, 2, 128, 128, 3>(st, w, bit); break;
@@ -1028,7 +1044,7 @@ extern "C" mm_err mm_gpu_moe_matmul(void *stream, int dtype, const void *const *
 
 extern "C" void mm_gpu_set_gemm_tile(int variant) {
 #if MM_GPU_HAVE_WMMA
-    g_wg_tile = (variant >= 2 && variant <= 13) ? variant : 0;
+    g_wg_tile = (variant >= 2 && variant <= 17) ? variant : 0;
 #else
     (void)variant;
 #endif

@@ -5,7 +5,8 @@
 # Switches (env): TESTS=0 MEMCHECK=0 BENCH=0 NOPEAK=1 skip parts; NCU=1 profiles the GEMM and
 # GEMV once (NCU_GEMM: the GEMM kernel's name regex, default gemm_wg_kernel; gemm_wp_kernel for
 # the warp-specialised one, gemm_ws_kernel for the bulk-copy one; NCU_COUNT launches of it, e.g.
-# 3 with NCU_GEMM='gemm_ws_kernel|wg_convert' for both conversions and the kernel; NCU_GEMV=0
+# 3 with NCU_GEMM='gemm_ws_kernel|wg_convert' for both conversions and the kernel, after
+# NCU_SKIP matching launches (54 per bench variant: the bench's 13, 14, 15 at 0, 54, 108); NCU_GEMV=0
 # skips the GEMV profile); CASE="name" runs that op test case only; MEMCHECK_CASES="a;b"
 # replaces the memcheck cases; BENCH_ONLY=prefill runs that bench section only; PARITY=1 runs `moemesh logits --device cuda:0` on every fixture model against
 # the transformers logits; MODEL=1 synthesizes a Qwen3-30B-A3B-shaped checkpoint with
@@ -51,7 +52,7 @@ MC=${MEMCHECK_CASES:-matmul bf16 vs cpu;grouped expert matmul equals per-expert;
 done
 if [ "${NCU:-0}" = 1 ] && command -v ncu >/dev/null; then
     echo "== ncu (hardware counters; clocks left alone)"
-    timeout 150 ncu --clock-control none -k "regex:${NCU_GEMM:-gemm_wg_kernel}" --launch-count "${NCU_COUNT:-1}" \
+    timeout 150 ncu --clock-control none -k "regex:${NCU_GEMM:-gemm_wg_kernel}" --launch-count "${NCU_COUNT:-1}" --launch-skip "${NCU_SKIP:-0}" \
         --section SpeedOfLight --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis \
         "$D/moemesh-gpu-bench" --only prefill --quick > "$OUT/ncu_gemm.txt" 2>&1
     [ "${NCU_GEMV:-1}" = 1 ] && timeout 150 ncu --clock-control none -k regex:gemv_mma --launch-skip 40 --launch-count 1 \

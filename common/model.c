@@ -910,9 +910,10 @@ static mm_err check_attn_rows(const mm_model *m, const mm_kv_cache *kv, const mm
 }
 
 // attn_core: the attention of layer on n rows whose positions and sequences are in s->pos_d
-// and s->seq_d already.
+// and s->seq_d already. defer_residual: the output projection stays in s->tmp and h is not
+// updated (the caller adds it with the backend's add_rmsnorm).
 static mm_err attn_core(const mm_model *m, mm_model_scratch *s, int layer, mm_kv_cache *kv,
-                        int64_t n, float *h);
+                        int64_t n, float *h, bool defer_residual);
 
 mm_err mm_model_attn_forward(const mm_model *m, mm_model_scratch *s, int layer, mm_kv_cache *kv,
                              const mm_model_rows *rows, float *h) {
@@ -926,11 +927,11 @@ mm_err mm_model_attn_forward(const mm_model *m, mm_model_scratch *s, int layer, 
     MM_TRY(check_attn_rows(m, kv, rows));
     MM_TRY(OPS->set(CTX, s->pos_d, rows->pos, (size_t)n * 4));
     MM_TRY(OPS->set(CTX, s->seq_d, rows->seq, (size_t)n * 4));
-    return attn_core(m, s, layer, kv, n, h);
+    return attn_core(m, s, layer, kv, n, h, false);
 }
 
 static mm_err attn_core(const mm_model *m, mm_model_scratch *s, int layer, mm_kv_cache *kv,
-                        int64_t n, float *h) {
+                        int64_t n, float *h, bool defer_residual) {
     const mm_model_config *c = &m->c;
     const struct layer *L = &m->layers[layer];
     const int64_t D = c->d_model, H = c->n_heads;
@@ -954,6 +955,8 @@ static mm_err attn_core(const mm_model *m, mm_model_scratch *s, int layer, mm_kv
                               .scale = c->attn_scale, .window = c->window};
     MM_TRY(OPS->attention(CTX, &aa));
     MM_TRY(OPS->matmul(CTX, &L->wo, NULL, s->ao, H * c->head_dim_v, s->tmp, D, n));
+    if (defer_residual)
+        return MM_OK;
     return OPS->axpy(CTX, NULL, s->tmp, D, h, D, n, D); // residual
 }
 
@@ -1166,22 +1169,43 @@ static mm_err moe_layer_dev(const mm_model *m, mm_model_scratch *s, int l, int64
     MM_TRY(OPS->route(CTX, &rp, s->rl, E, n, s->ids_d, wts_d));
     MM_TRY(OPS->route_plan(CTX, s->ids_d, wts_d, n, K, E, s->offs_d, s->src_d, s->dst_d,
                            s->wt_d));
-    MM_TRY(OPS->copy_rows(CTX, s->x, D, s->src_d, s->xin, D, NULL, nk, D));
     const enum mm_dtype dg = L->eg[0].dtype, dd = L->ed[0].dtype;
-    if (L->gu_fused) {
+    // [gate; up] reads the routed x rows through the plan's src_d itself where the backend
+    // takes it (moe_matmul_rows), else after a gather into s->xin; down then applies SwiGLU
+    // to its input rows and writes each output to its (row, rank) slot through dst_d itself,
+    // else SwiGLU, the product and a scatter run as ops of their own
+    const float *gp = s->g, *up = s->g + F; // SwiGLU's inputs and their row stride
+    int64_t gus = 2 * F;
+    mm_err rv = MM_EUNSUPP;
+    if (L->gu_fused && OPS->moe_matmul_rows)
+        rv = OPS->moe_matmul_rows(CTX, (const void *const *)L->egu_tab, dg, 2 * F, D, E,
+                                  s->offs_d, s->x, D, s->src_d, NULL, s->g, 2 * F, NULL, nk);
+    if (rv != MM_EUNSUPP) {
+        MM_TRY(rv);
+    } else if (L->gu_fused) {
+        MM_TRY(OPS->copy_rows(CTX, s->x, D, s->src_d, s->xin, D, NULL, nk, D));
         MM_TRY(OPS->moe_matmul_dev(CTX, (const void *const *)L->egu_tab, dg, 2 * F, D, E,
                                    s->offs_d, s->xin, D, s->g, 2 * F, nk));
-        MM_TRY(OPS->swiglu(CTX, s->g, 2 * F, s->g + F, 2 * F, s->f, F, nk, F));
     } else {
+        MM_TRY(OPS->copy_rows(CTX, s->x, D, s->src_d, s->xin, D, NULL, nk, D));
         MM_TRY(OPS->moe_matmul_dev(CTX, (const void *const *)L->eg_tab, dg, F, D, E, s->offs_d,
                                    s->xin, D, s->g, F, nk));
         MM_TRY(OPS->moe_matmul_dev(CTX, (const void *const *)L->eu_tab, L->eu[0].dtype, F, D, E,
                                    s->offs_d, s->xin, D, s->u, F, nk));
-        MM_TRY(OPS->swiglu(CTX, s->g, F, s->u, F, s->f, F, nk, F));
+        up = s->u, gus = F;
     }
-    MM_TRY(OPS->moe_matmul_dev(CTX, (const void *const *)L->ed_tab, dd, D, F, E, s->offs_d, s->f,
-                               F, s->yout, D, nk));
-    MM_TRY(OPS->copy_rows(CTX, s->yout, D, NULL, s->eo, D, s->dst_d, nk, D));
+    rv = OPS->moe_matmul_rows ? OPS->moe_matmul_rows(CTX, (const void *const *)L->ed_tab, dd, D,
+                                                     F, E, s->offs_d, gp, gus, NULL, up, s->eo,
+                                                     D, s->dst_d, nk)
+                              : MM_EUNSUPP;
+    if (rv != MM_EUNSUPP) {
+        MM_TRY(rv);
+    } else {
+        MM_TRY(OPS->swiglu(CTX, gp, gus, up, gus, s->f, F, nk, F));
+        MM_TRY(OPS->moe_matmul_dev(CTX, (const void *const *)L->ed_tab, dd, D, F, E, s->offs_d,
+                                   s->f, F, s->yout, D, nk));
+        MM_TRY(OPS->copy_rows(CTX, s->yout, D, NULL, s->eo, D, s->dst_d, nk, D));
+    }
     if (L->has_shared)
         MM_TRY(mm_model_shared_forward(m, s, l, s->x, n, s->sh));
     return combine_core(m, s, s->h, n, K, s->wt_d, s->eo, L->has_shared ? s->sh : NULL);
@@ -1195,8 +1219,15 @@ static mm_err forward_dev_ops(const mm_model *m, mm_model_scratch *s, mm_kv_cach
     const int64_t D = m->c.d_model, R = s->max_rows;
     MM_TRY(OPS->embed(CTX, &m->embed, s->in_d, n, s->h, D));
     for (int l = 0; l < m->c.n_layers; l++) {
-        MM_TRY(attn_core(m, s, l, kv, n, s->h));
-        MM_TRY(mm_model_ffn_norm(m, s, l, s->h, n, s->x));
+        // the residual add of the attention output and the FFN norm in one op where the
+        // backend has it (same bits as axpy then rmsnorm)
+        const bool fuse = OPS->add_rmsnorm != NULL;
+        MM_TRY(attn_core(m, s, l, kv, n, s->h, fuse));
+        if (fuse)
+            MM_TRY(OPS->add_rmsnorm(CTX, s->tmp, D, s->h, D, &m->layers[l].ffn_norm, m->c.eps,
+                                    s->x, D, n));
+        else
+            MM_TRY(mm_model_ffn_norm(m, s, l, s->h, n, s->x));
         if (mm_model_layer_is_moe(m, l)) {
             MM_TRY(moe_layer_dev(m, s, l, n));
         } else {

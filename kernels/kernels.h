@@ -285,6 +285,25 @@ struct mm_backend_ops {
     mm_err (*head_norm_rope)(void *ctx, float *x, int64_t n_rows, int64_t stride, int n_a,
                              int n_b, int64_t b_offset, int head_dim, const mm_weight *wa,
                              const mm_weight *wb, float eps, const struct mm_rope_args *rope);
+    // moe_matmul_rows (optional; NULL or MM_EUNSUPP: swiglu, copy_rows, moe_matmul_dev,
+    // copy_rows): moe_matmul_dev whose sorted row p reads x row x_idx[p] and writes y row
+    // y_idx[p] (either NULL: row p), i.e. the gather of the routed rows and the scatter of
+    // their outputs in the same call; x_up non-NULL: the input row is swiglu(x row, x_up row)
+    // (x_up rows have x's stride and index) instead of x. The bits of that sequence of ops.
+    // May return MM_EUNSUPP having issued nothing (a shape it does not take: the decode form
+    // only); the caller then runs the sequence.
+    mm_err (*moe_matmul_rows)(void *ctx, const void *const *experts, enum mm_dtype dtype,
+                              int64_t rows, int64_t cols, int n_experts, const int32_t *offs,
+                              const float *x, int64_t x_stride, const int32_t *x_idx,
+                              const float *x_up, float *y, int64_t y_stride,
+                              const int32_t *y_idx, int64_t n_rows);
+    // add_rmsnorm (optional; NULL: axpy with alpha NULL, then rmsnorm): for i < n_rows,
+    // h[i, :] += a[i, :] (axpy's one add), then y[i, :] = rmsnorm(w, eps, h[i, :]) with
+    // exactly rmsnorm's bits; dim = w->cols. The residual add and the next norm in one pass.
+    // y must not alias h or a.
+    mm_err (*add_rmsnorm)(void *ctx, const float *a, int64_t a_stride, float *h,
+                          int64_t h_stride, const mm_weight *w, float eps, float *y,
+                          int64_t y_stride, int64_t n_rows);
 };
 
 // A backend instance: the table plus its context. Not thread-safe (one issuing thread).

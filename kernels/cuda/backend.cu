@@ -86,7 +86,9 @@ struct gpu_ctx {
     bool stage_live[STAGE_PARTS];       // its event has been recorded
     bool capturing;                     // between capture_begin and capture_end
     struct optime *ot;                  // per-op timer (MM_GPU_OPTIME=1), else NULL
-    struct mm_backend_ops ops_timed;    // the table without graphs, when ot is on
+    struct mm_backend_ops ops_table;    // gpu_ops less what the env turns off (graphs when ot
+                                        // is on; the fused ops with MM_GPU_OLD_DECODE or
+                                        // MM_GPU_OLD_FUSIONS)
     // argmax workspace: per row a 64-bit (value, id) key and an arrival count, zero between
     // launches (each launch's last block clears its rows)
     void *d_amax;
@@ -675,6 +677,38 @@ static mm_err gpu_head_norm_rope(void *ctx, float *x, int64_t n_rows, int64_t st
                                                   head_dim, wa, wb, eps, ra));
 }
 
+static mm_err gpu_moe_matmul_rows(void *ctx, const void *const *experts, enum mm_dtype dtype,
+                                  int64_t rows, int64_t cols, int n_experts, const int32_t *offs,
+                                  const float *x, int64_t x_stride, const int32_t *x_idx,
+                                  const float *x_up, float *y, int64_t y_stride,
+                                  const int32_t *y_idx, int64_t n_rows) {
+    CTX(ctx);
+    if (experts == NULL || offs == NULL || rows <= 0 || cols <= 0 || rows >= INT32_MAX ||
+        cols >= INT32_MAX || n_rows < 0 || n_rows > INT32_MAX ||
+        (dtype != MM_DTYPE_BF16 && dtype != MM_DTYPE_F16 && dtype != MM_DTYPE_F32))
+        return MM_EINVAL;
+    if (n_rows == 0)
+        return MM_OK;
+    ON_DEVICE();
+    char nm[OT_NAME];
+    ot_begin(g);
+    const mm_err rv = mm_gpu_moe_matmul_rows(g->stream, dtype, experts, offs, n_experts,
+                                             (int)rows, (int)cols, x, x_stride, x_idx, x_up,
+                                             y, y_stride, y_idx, (int)n_rows);
+    if (rv == MM_EUNSUPP) // nothing issued: the caller copies the rows itself
+        return rv;
+    ot_end(g, g->ot ? shape_name(nm, "moe_matmul_rows", rows, cols) : "");
+    return rv;
+}
+
+static mm_err gpu_add_rmsnorm(void *ctx, const float *a, int64_t as, float *h, int64_t hs,
+                              const mm_weight *w, float eps, float *y, int64_t ys,
+                              int64_t n_rows) {
+    CTX(ctx);
+    ON_DEVICE();
+    TIMED("add_rmsnorm", mm_gpu_add_rmsnorm(g->stream, a, as, h, hs, w, eps, y, ys, n_rows));
+}
+
 static const struct mm_backend_ops gpu_ops = {
     .version = MM_BACKEND_V1,
     .name = MM_GPU_VENDOR,
@@ -707,6 +741,8 @@ static const struct mm_backend_ops gpu_ops = {
     .graph_free = gpu_graph_free,
     .combine = gpu_combine,
     .head_norm_rope = gpu_head_norm_rope,
+    .moe_matmul_rows = gpu_moe_matmul_rows,
+    .add_rmsnorm = gpu_add_rmsnorm,
 };
 
 extern "C" mm_err mm_cuda_backend_open(mm_backend *be, const mm_backend_params *p,
@@ -750,20 +786,26 @@ extern "C" mm_err mm_cuda_backend_open(mm_backend *be, const mm_backend_params *
         gpu_close(g);
         return rv;
     }
-    be->ops = &gpu_ops;
+    g->ops_table = gpu_ops;
+    be->ops = &g->ops_table;
     const char *old = getenv("MM_GPU_OLD_DECODE"); // A/B: same results, earlier kernels
     g->old_kernels = old != NULL && old[0] != '\0' && strcmp(old, "0") != 0;
-    if (g->old_kernels)
-        mm_gpu_set_early_launch(0); // process-wide, as the earlier kernels ran
+    const char *fu = getenv("MM_GPU_OLD_FUSIONS"); // A/B of the fused ops alone
+    const bool no_fusions = g->old_kernels || (fu != NULL && fu[0] != '\0' && strcmp(fu, "0") != 0);
+    // process-wide, as the earlier kernels ran (the last backend opened decides)
+    mm_gpu_set_early_launch(g->old_kernels ? 0 : 1);
+    mm_gpu_set_gemv_version(g->old_kernels ? 1 : 2);
+    if (no_fusions) { // the model falls back to the separate ops these stand for
+        g->ops_table.moe_matmul_rows = NULL;
+        g->ops_table.add_rmsnorm = NULL;
+    }
     const char *ot = getenv("MM_GPU_OPTIME");
     if (ot != NULL && strcmp(ot, "0") != 0 && ot[0] != '\0') {
         if (ot_open(g)) { // op by op: a graph would hide the ops from the events
-            g->ops_timed = gpu_ops;
-            g->ops_timed.capture_begin = NULL;
-            g->ops_timed.capture_end = NULL;
-            g->ops_timed.graph_launch = NULL;
-            g->ops_timed.graph_free = NULL;
-            be->ops = &g->ops_timed;
+            g->ops_table.capture_begin = NULL;
+            g->ops_table.capture_end = NULL;
+            g->ops_table.graph_launch = NULL;
+            g->ops_table.graph_free = NULL;
             mm_log_info("gpu: %s:%d times every op (MM_GPU_OPTIME; no graphs)", MM_GPU_VENDOR,
                         dev);
         } else {

@@ -39,41 +39,53 @@ struct mm_tile {
 };
 
 // Tile `y` of a grouped product with TM-row tiles. Called by one whole warp; every lane gets
-// the answer.
+// the answer. The offsets of TF_BATCH warp-widths of experts (128 on CUDA) are loaded in one
+// round before the scan, so a layer's lookup costs one memory round trip, not one per 32
+// experts (the loads do not depend on each other; the early exit kept them apart).
+#define TF_BATCH 4
 __device__ __forceinline__ mm_tile mm_tile_find(const int32_t *offs, int n_experts, int tm, int y) {
     const int lane = threadIdx.x % MM_WARP_SIZE;
     int base = 0; // tiles before this chunk of experts
     mm_tile t = {0, 0, 0};
-    for (int e0 = 0; e0 < n_experts; e0 += MM_WARP_SIZE) {
-        const int e = e0 + lane;
-        int lo = 0, cnt = 0;
-        if (e < n_experts) {
-            lo = offs[e];
-            cnt = offs[e + 1] - lo;
-        }
-        const int nt = cnt > 0 ? (cnt + tm - 1) / tm : 0;
-        int incl = nt;
+    for (int eb = 0; eb < n_experts; eb += TF_BATCH * MM_WARP_SIZE) {
+        int lo_b[TF_BATCH], hi_b[TF_BATCH];
 #pragma unroll
-        for (int d = 1; d < MM_WARP_SIZE; d <<= 1) {
-            const int v = mm_shfl_up(incl, d);
-            if (lane >= d)
-                incl += v;
+        for (int i = 0; i < TF_BATCH; i++) {
+            const int e = eb + i * MM_WARP_SIZE + lane;
+            lo_b[i] = e < n_experts ? offs[e] : 0;
+            hi_b[i] = e < n_experts ? offs[e + 1] : 0;
         }
-        const int excl = incl - nt;
-        const int total = mm_shfl(incl, MM_WARP_SIZE - 1);
-        int code = (y >= base + excl && y < base + incl) ? lane : -1;
 #pragma unroll
-        for (int m = MM_WARP_SIZE / 2; m > 0; m >>= 1)
-            code = max(code, mm_shfl_xor(code, m));
-        if (code >= 0) {
-            const int j = y - base - excl;
-            const int m0 = lo + j * tm, ml = min(tm, cnt - j * tm);
-            t.e = mm_shfl(e, code);
-            t.m0 = mm_shfl(m0, code);
-            t.mlen = mm_shfl(ml, code);
-            return t;
+        for (int i = 0; i < TF_BATCH; i++) {
+            const int e0 = eb + i * MM_WARP_SIZE;
+            if (e0 >= n_experts)
+                break;
+            const int e = e0 + lane;
+            const int lo = lo_b[i], cnt = hi_b[i] - lo_b[i];
+            const int nt = cnt > 0 ? (cnt + tm - 1) / tm : 0;
+            int incl = nt;
+#pragma unroll
+            for (int d = 1; d < MM_WARP_SIZE; d <<= 1) {
+                const int v = mm_shfl_up(incl, d);
+                if (lane >= d)
+                    incl += v;
+            }
+            const int excl = incl - nt;
+            const int total = mm_shfl(incl, MM_WARP_SIZE - 1);
+            int code = (y >= base + excl && y < base + incl) ? lane : -1;
+#pragma unroll
+            for (int m = MM_WARP_SIZE / 2; m > 0; m >>= 1)
+                code = max(code, mm_shfl_xor(code, m));
+            if (code >= 0) {
+                const int j = y - base - excl;
+                const int m0 = lo + j * tm, ml = min(tm, cnt - j * tm);
+                t.e = mm_shfl(e, code);
+                t.m0 = mm_shfl(m0, code);
+                t.mlen = mm_shfl(ml, code);
+                return t;
+            }
+            base += total;
         }
-        base += total;
     }
     return t;
 }
@@ -115,6 +127,9 @@ struct mm_mat_args {
     float *y;
     int64_t y_stride;
     int vec;                  // 16-byte loads of x and w are legal
+    const int32_t *x_idx;     // GEMV v2 only: row p of the product reads x row x_idx[p] (NULL: p)
+    const int32_t *y_idx;     // GEMV v2 only: row p writes y row y_idx[p] (NULL: p)
+    const float *x_up;        // GEMV v2 only: x is swiglu(x, x_up) (same stride and rows), or NULL
 };
 
 // ---- element loads -------------------------------------------------------------------------
@@ -334,6 +349,152 @@ __global__ void __launch_bounds__(MV_WARPS * 32, 2) gemv_mma_kernel(mm_mat_args 
         if (a.bias)
             v = v + a.bias[o];
         a.y[(size_t)(tile.m0 + tok) * a.y_stride + o] = v;
+    }
+}
+
+// ---- GEMV v2 (decode, 1..8 tokens per tile): x in shared memory, whole segments in flight ------
+// The same mma sequence as gemv_mma_kernel<1> (same A and B fragments, same segment split and
+// order, same epilogue), so the same bits; what changes is when the loads are issued:
+// - x of the tile is rounded to bf16 once per block into shared memory (row stride
+//   mv2_ldx(n_in), zeros past n_in), so a lane's x fragment for a 32-chunk is one 16-byte
+//   shared load at use time instead of 8 registers held from issue; the registers go to W:
+//   MV2_UNROLL = 8 chunks in flight per warp, a whole 256-wide k segment in one round (was 4).
+// - Dense products issue the first round of W loads *before* griddepcontrol.wait (W is never
+//   written by the kernel before), so with PDL the weight fetch overlaps the previous kernel;
+//   later segments are prefetched into L2 as before. Grouped products issue W right after the
+//   tile lookup (one round of offset loads, mm_tile_find), before staging x.
+// - Optional row indices (x_idx, y_idx): the grouped product gathers its x rows and scatters
+//   its y rows itself (the copies around it in the MoE layer), bit-exact since they are copies.
+// - Optional x_up: the x it reads is swiglu(x, x_up), computed while staging with the
+//   expression of swiglu_kernel (ops.cu), so the down product needs no SwiGLU launch before it.
+// Taken for bf16 on the GEMV path with <= 8 rows per tile when the x tile fits MV2_SMEM_MAX.
+#define MV2_UNROLL 8
+#define MV2_SMEM_MAX (48 << 10)
+static int g_gemv_version = 2; // mm_gpu_set_gemv_version: 1 = gemv_mma_kernel only (A/B runs)
+
+// bf16 per shared x row: n_in rounded up to 32 (zeros past n_in), + 32 so that the rows read by
+// lanes g and g + 1 in one quarter-warp fall in other banks.
+__host__ __device__ __forceinline__ int mv2_ldx(int n_in) { return (n_in + 31) / 32 * 32 + 32; }
+
+// silu(g) * u, written as swiglu_kernel (ops.cu) writes it, so both round alike (the op test
+// checks the fused path against that kernel bit for bit).
+__device__ __forceinline__ float mv2_swiglu(float g, float u) { return g / (1.0f + expf(-g)) * u; }
+
+template <bool GROUPED>
+__global__ void __launch_bounds__(MV_WARPS * 32, 2) gemv_x_kernel(mm_mat_args a, int wpt) {
+    extern __shared__ __align__(16) uint16_t xsm[]; // tile rows x mv2_ldx(n_in) bf16
+    __shared__ float part[SEG_MAX][16 * 8];          // [tile * S + segment][row * 8 + token]
+    asm volatile("griddepcontrol.launch_dependents;\n" ::);
+    constexpr int U = MV2_UNROLL;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int g = lane >> 2, t = lane & 3;
+    const int tpb = MV_WARPS / wpt, tib = warp / wpt, wit = warp % wpt;
+    const int sl = seg_len(a.n_in), S = (a.n_in + sl - 1) / sl;
+    const int r0 = (blockIdx.x * tpb + tib) * 16;
+    const int ldx = mv2_ldx(a.n_in);
+    const bool vec = a.vec != 0;
+    uint4 w0v[U], w1v[U];
+    const uint16_t *wr0 = NULL, *wr1 = NULL;
+    auto load_round = [&](int kc, int k_end) {
+#pragma unroll
+        for (int u = 0; u < U; u++)
+            if (kc + 32 * u < k_end) {
+                const int k = kc + 32 * u + 8 * t;
+                w0v[u] = load_w8(wr0, k, a.n_in, vec);
+                w1v[u] = load_w8(wr1, k, a.n_in, vec);
+            }
+    };
+    auto set_rows = [&](const void *wv) {
+        const uint16_t *w = (const uint16_t *)wv;
+        wr0 = w + (size_t)min(r0 + g, a.n_out - 1) * a.n_in;
+        wr1 = w + (size_t)min(r0 + g + 8, a.n_out - 1) * a.n_in;
+    };
+    bool have = false; // the warp's first round of W is in w0v/w1v already
+    if (!GROUPED && r0 < a.n_out) {
+        set_rows(a.w0);
+        if (wit < S) {
+            load_round(wit * sl, min(a.n_in, (wit + 1) * sl));
+            have = true;
+        }
+        const uint16_t *w = (const uint16_t *)a.w0;
+        const int row = min(r0 + (lane & 15), a.n_out - 1);
+        for (int sg = wit + wpt; sg < S; sg += wpt) // later segments: into L2
+            for (int k = sg * sl + (lane >> 4) * 64; k < min(a.n_in, (sg + 1) * sl); k += 128)
+                asm volatile("prefetch.global.L2 [%0];\n" ::"l"(w + (size_t)row * a.n_in + k));
+    }
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+    mm_tile tile;
+    const void *wv;
+    if (!block_tile<GROUPED, 8>(a.w0, a.wg, a.offs, a.n_experts, a.n_rows, &tile, &wv))
+        return;
+    if (GROUPED && r0 < a.n_out && wit < S) {
+        set_rows(wv);
+        load_round(wit * sl, min(a.n_in, (wit + 1) * sl));
+        have = true;
+    }
+    { // the tile's x rows as bf16 pairs (pack_bf16, as every path rounds x)
+        const int kp = (a.n_in + 31) / 32 * 32, per_row = kp / 8;
+        const bool aligned_up = ((uintptr_t)a.x_up & 15) == 0;
+        for (int p = threadIdx.x; p < tile.mlen * per_row; p += MV_WARPS * 32) {
+            const int m = p / per_row, k = (p % per_row) * 8;
+            const int xrow = a.x_idx ? a.x_idx[tile.m0 + m] : tile.m0 + m;
+            float4 lo, hi;
+            load_x8f(a.x + (size_t)xrow * a.x_stride, k, a.n_in, vec, lo, hi);
+            if (a.x_up) { // zeros past n_in stay zeros: silu(0) * 0 = +0
+                float4 ul, uh;
+                load_x8f(a.x_up + (size_t)xrow * a.x_stride, k, a.n_in, vec && aligned_up, ul, uh);
+                lo = make_float4(mv2_swiglu(lo.x, ul.x), mv2_swiglu(lo.y, ul.y),
+                                 mv2_swiglu(lo.z, ul.z), mv2_swiglu(lo.w, ul.w));
+                hi = make_float4(mv2_swiglu(hi.x, uh.x), mv2_swiglu(hi.y, uh.y),
+                                 mv2_swiglu(hi.z, uh.z), mv2_swiglu(hi.w, uh.w));
+            }
+            *(uint4 *)&xsm[m * ldx + k] = make_uint4(pack_bf16(lo.x, lo.y), pack_bf16(lo.z, lo.w),
+                                                     pack_bf16(hi.x, hi.y), pack_bf16(hi.z, hi.w));
+        }
+    }
+    __syncthreads();
+    const uint16_t *xg = xsm + min(g, tile.mlen - 1) * ldx; // token g (past mlen: a valid row)
+    if (r0 < a.n_out) {
+        for (int sg = wit; sg < S; sg += wpt) {
+            const int k_end = min(a.n_in, (sg + 1) * sl);
+            float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            for (int kc = sg * sl; kc < k_end; kc += 32 * U) {
+                if (!have)
+                    load_round(kc, k_end);
+                have = false;
+#pragma unroll
+                for (int u = 0; u < U; u++) {
+                    if (kc + 32 * u >= k_end)
+                        break;
+                    const uint4 xv = *(const uint4 *)(xg + kc + 32 * u + 8 * t);
+                    const uint32_t A0[4] = {w0v[u].x, w1v[u].x, w0v[u].y, w1v[u].y};
+                    const uint32_t B0[2] = {xv.x, xv.y};
+                    mma16816(acc, A0, B0);
+                    const uint32_t A1[4] = {w0v[u].z, w1v[u].z, w0v[u].w, w1v[u].w};
+                    const uint32_t B1[2] = {xv.z, xv.w};
+                    mma16816(acc, A1, B1);
+                }
+            }
+            // acc[0..1]: outputs g, tokens 2t, 2t+1; acc[2..3]: output g+8.
+            float *pp = part[tib * S + sg];
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+                pp[(g + (i >> 1) * 8) * 8 + 2 * t + (i & 1)] = acc[i];
+        }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < tpb * 16 * 8; i += MV_WARPS * 32) {
+        const int tl = i / (16 * 8), rem = i % (16 * 8);
+        const int o = (blockIdx.x * tpb + tl) * 16 + rem / 8, tok = rem % 8;
+        if (o >= a.n_out || tok >= tile.mlen)
+            continue;
+        float v = 0.0f;
+        for (int sg = 0; sg < S; sg++)
+            v = v + part[tl * S + sg][rem];
+        if (a.bias)
+            v = v + a.bias[o];
+        const int yrow = a.y_idx ? a.y_idx[tile.m0 + tok] : tile.m0 + tok;
+        a.y[(size_t)yrow * a.y_stride + o] = v;
     }
 }
 
@@ -894,6 +1055,19 @@ static mm_err launch_wg(cudaStream_t st, const mm_mat_args &a, bool *ran) {
 }
 #endif
 
+#if MM_GPU_HAVE_WMMA
+// Shared memory of GEMV v2's x tile for a bf16 GEMV with per_tile_rows rows per tile (<= 8 per
+// tile, at most n_rows), or 0 when v2 does not take it (more rows per tile, a row too long for
+// MV2_SMEM_MAX, or v2 switched off).
+static size_t gemv_x_smem(const mm_mat_args &a, int per_tile_rows) {
+    if (g_gemv_version < 2 || per_tile_rows > 8)
+        return 0;
+    const size_t rows = (size_t)min(8, a.n_rows);
+    const size_t bytes = rows * (size_t)mv2_ldx(a.n_in) * 2;
+    return bytes <= MV2_SMEM_MAX ? bytes : 0;
+}
+#endif
+
 template <bool GROUPED>
 static mm_err launch(cudaStream_t st, int path, int dtype, mm_mat_args a, int per_tile_rows) {
     const int active = GROUPED ? min(a.n_experts, a.n_rows) : 1;
@@ -915,6 +1089,14 @@ static mm_err launch(cudaStream_t st, int path, int dtype, mm_mat_args a, int pe
         cfg.stream = st;
         cfg.attrs = attr;
         cfg.numAttrs = g_pdl ? 1 : 0;
+        const size_t xs_bytes = gemv_x_smem(a, per_tile_rows);
+        if (xs_bytes > 0) { // GEMV v2 (same bits)
+            cfg.dynamicSmemBytes = xs_bytes;
+            MM_GPU_CHECK(cudaLaunchKernelEx(&cfg, gemv_x_kernel<GROUPED>, a, wpt));
+            return MM_OK;
+        }
+        if (a.x_idx || a.y_idx || a.x_up)
+            return MM_EUNSUPP; // only v2 takes these (mm_gpu_moe_matmul_rows checks first)
         switch (ng) {
         case 1: MM_GPU_CHECK(cudaLaunchKernelEx(&cfg, gemv_mma_kernel<1, GROUPED>, a, wpt)); break;
         case 2: MM_GPU_CHECK(cudaLaunchKernelEx(&cfg, gemv_mma_kernel<2, GROUPED>, a, wpt)); break;
@@ -1010,7 +1192,8 @@ extern "C" mm_err mm_gpu_matmul(void *stream, int dtype, const void *d_w, int n_
     }
     if (n_rows == 0)
         return MM_OK;
-    mm_mat_args a = {d_x, x_stride, d_w, NULL, NULL, 1, n_rows, n_in, n_out, d_bias, d_y, y_stride, 0};
+    mm_mat_args a = {d_x, x_stride, d_w, NULL, NULL, 1, n_rows, n_in, n_out, d_bias, d_y, y_stride,
+                     0, NULL, NULL, NULL};
     a.vec = n_in % 8 == 0 && x_stride % 4 == 0 && aligned16(d_x) && aligned16(d_w);
     if (path < 0)
         path = auto_path(dtype, n_rows, a);
@@ -1031,7 +1214,7 @@ extern "C" mm_err mm_gpu_moe_matmul(void *stream, int dtype, const void *const *
     if (n_rows == 0)
         return MM_OK;
     mm_mat_args a = {d_x, x_stride, NULL, d_w, d_offs, n_experts, n_rows, n_in, n_out, NULL, d_y,
-                     y_stride, 0};
+                     y_stride, 0, NULL, NULL, NULL};
     // Per-expert matrices must start 16-byte aligned for the vector loads (buffer_alloc and
     // checkpoint tensors with n_in % 8 == 0 are).
     a.vec = n_in % 8 == 0 && x_stride % 4 == 0 && aligned16(d_x);
@@ -1042,9 +1225,47 @@ extern "C" mm_err mm_gpu_moe_matmul(void *stream, int dtype, const void *const *
     return launch<true>((cudaStream_t)stream, path, dtype, a, per);
 }
 
+extern "C" mm_err mm_gpu_moe_matmul_rows(void *stream, int dtype, const void *const *d_w,
+                                         const int32_t *d_offs, int n_experts, int n_out, int n_in,
+                                         const float *d_x, int64_t x_stride,
+                                         const int32_t *d_x_idx, const float *d_x_up, float *d_y,
+                                         int64_t y_stride, const int32_t *d_y_idx, int n_rows) {
+    if (d_w == NULL || d_offs == NULL || n_experts <= 0 || d_x == NULL || d_y == NULL ||
+        n_rows < 0 || n_in <= 0 || n_out <= 0 || !dtype_ok(dtype) || x_stride < n_in ||
+        y_stride < n_out) {
+        mm_log_error("gpu: moe_matmul_rows: bad arguments (dtype=%d n_experts=%d n_rows=%d "
+                     "n_in=%d n_out=%d)", dtype, n_experts, n_rows, n_in, n_out);
+        return MM_EINVAL;
+    }
+    if (n_rows == 0)
+        return MM_OK;
+#if MM_GPU_HAVE_WMMA
+    mm_mat_args a = {d_x, x_stride, NULL, d_w, d_offs, n_experts, n_rows, n_in, n_out, NULL, d_y,
+                     y_stride, 0, d_x_idx, d_y_idx, d_x_up};
+    a.vec = n_in % 8 == 0 && x_stride % 4 == 0 && aligned16(d_x);
+    const int active = min(n_experts, n_rows);
+    const int per = (n_rows + active - 1) / active;
+    if (dtype != MM_DTYPE_BF16 || auto_path(dtype, per, a) != MM_GPU_PATH_GEMV ||
+        gemv_x_smem(a, per) == 0)
+        return MM_EUNSUPP;
+    return launch<true>((cudaStream_t)stream, MM_GPU_PATH_GEMV, dtype, a, per);
+#else
+    (void)d_x_idx, (void)d_y_idx, (void)d_x_up;
+    return MM_EUNSUPP;
+#endif
+}
+
+extern "C" void mm_gpu_set_gemv_version(int v) {
+#if MM_GPU_HAVE_WMMA
+    g_gemv_version = v >= 2 ? 2 : 1;
+#else
+    (void)v;
+#endif
+}
+
 extern "C" void mm_gpu_set_gemm_tile(int variant) {
 #if MM_GPU_HAVE_WMMA
-    g_wg_tile = (variant >= 2 && variant <= 17) ? variant : 0;
+    g_wg_tile = (variant >= 2 && variant <= 18) ? variant : 0;
 #else
     (void)variant;
 #endif

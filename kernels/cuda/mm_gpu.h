@@ -75,6 +75,25 @@ mm_err mm_gpu_moe_matmul(void *stream, int dtype, const void *const *d_w, const 
                          int n_experts, int n_out, int n_in, const float *d_x, int64_t x_stride,
                          float *d_y, int64_t y_stride, int n_rows, int path);
 
+// mm_gpu_moe_matmul_rows: mm_gpu_moe_matmul whose sorted row p reads x row d_x_idx[p] and
+// writes y row d_y_idx[p] (either NULL: p), i.e. the gather and the scatter around a grouped
+// product in the same launch, with the bits of that sequence; d_x_up non-NULL: the input is
+// swiglu(x, x_up) (kernels.h swiglu's bits; x_up rows share x's stride and indices). Only the
+// decode GEMV (v2) takes these: MM_EUNSUPP, with nothing enqueued, for other shapes (more than
+// 8 rows per expert on average, a row too long for its shared x tile, not bf16, HIP, GEMV
+// v1); the caller then runs the separate ops.
+mm_err mm_gpu_moe_matmul_rows(void *stream, int dtype, const void *const *d_w,
+                              const int32_t *d_offs, int n_experts, int n_out, int n_in,
+                              const float *d_x, int64_t x_stride, const int32_t *d_x_idx,
+                              const float *d_x_up, float *d_y, int64_t y_stride,
+                              const int32_t *d_y_idx, int n_rows);
+
+// mm_gpu_set_gemv_version: 2 (default) runs bf16 decode products of <= 8 rows per tile on
+// GEMV v2 (x tile in shared memory, whole k segments of W in flight, first loads before the
+// PDL wait); 1 keeps every product on the earlier kernel (A/B runs; MM_GPU_OLD_DECODE=1 sets
+// it). Same bits. Process-wide; CUDA only.
+void mm_gpu_set_gemv_version(int v);
+
 // mm_gpu_set_pdl turns programmatic dependent launch of the decode GEMV on (default) or off
 // (CUDA sm_90; no effect on HIP). Process-wide; call before issuing work.
 void mm_gpu_set_pdl(int on);
@@ -92,6 +111,10 @@ void mm_gpu_set_gemm_tile(int variant);
 // ---- row ops (kernels.h semantics; d_err: device error word set on bad indices) -----------
 mm_err mm_gpu_rmsnorm(void *stream, const mm_weight *w, float eps, const float *d_x, int64_t xs,
                       float *d_y, int64_t ys, int64_t n_rows);
+// mm_gpu_add_rmsnorm: kernels.h add_rmsnorm (h += a, then y = rmsnorm(h), the two launches'
+// bits) in one launch, a block per row (rows longer than 8192: the two launches).
+mm_err mm_gpu_add_rmsnorm(void *stream, const float *d_a, int64_t as, float *d_h, int64_t hs,
+                          const mm_weight *w, float eps, float *d_y, int64_t ys, int64_t n_rows);
 mm_err mm_gpu_rope(void *stream, const struct mm_rope_args *a);
 mm_err mm_gpu_kv_store(void *stream, const struct mm_kv_store_args *a, int *d_err);
 mm_err mm_gpu_attention(void *stream, const struct mm_attn_args *a, int *d_err);

@@ -83,18 +83,13 @@ __device__ __forceinline__ void early_launch(int on) {
 #define RMS_THREADS 256
 #define RMS_MAX_DIM 8192
 
+// The norm of a row already in shared memory (xsh, dim), written to yr: the sum of squares in
+// one warp in the lane-strided order, then every thread scales its elements. Shared by
+// rmsnorm_row_kernel and add_rmsnorm_kernel, so both have the warp kernel's bits.
 template <int DT>
-__global__ void __launch_bounds__(RMS_THREADS) rmsnorm_row_kernel(const void *w, int dim, float eps,
-                                                                  const float *x, int64_t xs,
-                                                                  float *y, int64_t ys, int early) {
-    extern __shared__ float xsh[]; // dim
+__device__ __forceinline__ void rms_from_shared(const float *xsh, const void *w, int dim, float eps,
+                                                float *yr) {
     __shared__ float rs_sh;
-    early_launch(early);
-    const int64_t r = blockIdx.x;
-    const float *xr = x + r * xs;
-    float *yr = y + r * ys;
-    for (int k = threadIdx.x; k < dim; k += RMS_THREADS)
-        xsh[k] = xr[k];
     __syncthreads();
     if (threadIdx.x < MM_WARP_SIZE) {
         const int lane = threadIdx.x;
@@ -110,6 +105,39 @@ __global__ void __launch_bounds__(RMS_THREADS) rmsnorm_row_kernel(const void *w,
     const float rs = rs_sh;
     for (int k = threadIdx.x; k < dim; k += RMS_THREADS)
         yr[k] = wload<DT>(w, k) * (xsh[k] * rs);
+}
+
+template <int DT>
+__global__ void __launch_bounds__(RMS_THREADS) rmsnorm_row_kernel(const void *w, int dim, float eps,
+                                                                  const float *x, int64_t xs,
+                                                                  float *y, int64_t ys, int early) {
+    extern __shared__ float xsh[]; // dim
+    early_launch(early);
+    const int64_t r = blockIdx.x;
+    const float *xr = x + r * xs;
+    for (int k = threadIdx.x; k < dim; k += RMS_THREADS)
+        xsh[k] = xr[k];
+    rms_from_shared<DT>(xsh, w, dim, eps, y + r * ys);
+}
+
+// add_rmsnorm (kernels.h): h += a (axpy's one rounded add per element), then the row's norm
+// from shared memory as rmsnorm_row_kernel takes it. A block per row.
+template <int DT>
+__global__ void __launch_bounds__(RMS_THREADS) add_rmsnorm_kernel(const float *a, int64_t as,
+                                                                  float *h, int64_t hs,
+                                                                  const void *w, int dim, float eps,
+                                                                  float *y, int64_t ys, int early) {
+    extern __shared__ float xsh[]; // dim
+    early_launch(early);
+    const int64_t r = blockIdx.x;
+    const float *ar = a + r * as;
+    float *hr = h + r * hs;
+    for (int k = threadIdx.x; k < dim; k += RMS_THREADS) {
+        const float v = __fadd_rn(hr[k], ar[k]);
+        hr[k] = v;
+        xsh[k] = v;
+    }
+    rms_from_shared<DT>(xsh, w, dim, eps, y + r * ys);
 }
 
 template <int DT>
@@ -155,6 +183,32 @@ extern "C" mm_err mm_gpu_rmsnorm(void *stream, const mm_weight *w, float eps, co
     case MM_DTYPE_BF16: rmsnorm_row_kernel<MM_DTYPE_BF16><<<grid, RMS_THREADS, shmem, st>>>(w->data, dim, eps, x, xs, y, ys, g_early); break;
     case MM_DTYPE_F16: rmsnorm_row_kernel<MM_DTYPE_F16><<<grid, RMS_THREADS, shmem, st>>>(w->data, dim, eps, x, xs, y, ys, g_early); break;
     case MM_DTYPE_F32: rmsnorm_row_kernel<MM_DTYPE_F32><<<grid, RMS_THREADS, shmem, st>>>(w->data, dim, eps, x, xs, y, ys, g_early); break;
+    default: return MM_EINVAL;
+    }
+    MM_GPU_CHECK(cudaGetLastError());
+    return MM_OK;
+}
+
+extern "C" mm_err mm_gpu_add_rmsnorm(void *stream, const float *a, int64_t as, float *h,
+                                     int64_t hs, const mm_weight *w, float eps, float *y,
+                                     int64_t ys, int64_t n_rows) {
+    if (w == NULL || w->data == NULL || w->rows != 1 || w->cols <= 0 || a == NULL || h == NULL ||
+        y == NULL || n_rows < 0)
+        return MM_EINVAL;
+    if (n_rows == 0)
+        return MM_OK;
+    if (w->cols > RMS_MAX_DIM || n_rows > INT32_MAX) { // the two launches it stands for
+        MM_TRY(mm_gpu_axpy(stream, NULL, a, as, h, hs, n_rows, w->cols));
+        return mm_gpu_rmsnorm(stream, w, eps, h, hs, y, ys, n_rows);
+    }
+    const int dim = (int)w->cols;
+    const size_t shmem = (size_t)dim * sizeof(float);
+    const unsigned grid = (unsigned)n_rows;
+    cudaStream_t st = (cudaStream_t)stream;
+    switch (w->dtype) {
+    case MM_DTYPE_BF16: add_rmsnorm_kernel<MM_DTYPE_BF16><<<grid, RMS_THREADS, shmem, st>>>(a, as, h, hs, w->data, dim, eps, y, ys, g_early); break;
+    case MM_DTYPE_F16: add_rmsnorm_kernel<MM_DTYPE_F16><<<grid, RMS_THREADS, shmem, st>>>(a, as, h, hs, w->data, dim, eps, y, ys, g_early); break;
+    case MM_DTYPE_F32: add_rmsnorm_kernel<MM_DTYPE_F32><<<grid, RMS_THREADS, shmem, st>>>(a, as, h, hs, w->data, dim, eps, y, ys, g_early); break;
     default: return MM_EINVAL;
     }
     MM_GPU_CHECK(cudaGetLastError());

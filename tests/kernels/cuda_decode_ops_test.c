@@ -5,7 +5,9 @@
 // never chosen, an all-NaN row gives 0, more rows than its workspace, a workspace left clean
 // for the next call); rmsnorm with a block per row has the bits of the warp-per-row kernel;
 // attention with more loads in flight has the bits of the earlier load grouping; the per-op
-// timer (MM_GPU_OPTIME=1) gives a table without graphs and the same results.
+// timer (MM_GPU_OPTIME=1) gives a table without graphs and the same results; GEMV v2 (x tile in
+// shared memory, whole segments of W in flight, gather/scatter row indices) has the earlier
+// GEMV's bits; add_rmsnorm has the bits of axpy then rmsnorm.
 // Without the GPU backend (plain `make`) or without a GPU, every case skips and says why.
 #include <math.h>
 #include <stdint.h>
@@ -32,6 +34,19 @@ extern mm_err mm_gpu_attention(void *stream, const struct mm_attn_args *a, int *
 extern mm_err mm_gpu_attention_ref(void *stream, const struct mm_attn_args *a, int *d_err)
     __attribute__((weak));
 extern mm_err mm_gpu_stream_sync(void *stream) __attribute__((weak));
+extern mm_err mm_gpu_matmul(void *stream, int dtype, const void *d_w, int n_out, int n_in,
+                            const float *d_bias, const float *d_x, int64_t x_stride, float *d_y,
+                            int64_t y_stride, int n_rows, int path) __attribute__((weak));
+extern mm_err mm_gpu_moe_matmul(void *stream, int dtype, const void *const *d_w,
+                                const int32_t *d_offs, int n_experts, int n_out, int n_in,
+                                const float *d_x, int64_t x_stride, float *d_y, int64_t y_stride,
+                                int n_rows, int path) __attribute__((weak));
+extern mm_err mm_gpu_moe_matmul_rows(void *stream, int dtype, const void *const *d_w,
+                                     const int32_t *d_offs, int n_experts, int n_out, int n_in,
+                                     const float *d_x, int64_t x_stride, const int32_t *d_x_idx,
+                                     const float *d_x_up, float *d_y, int64_t y_stride,
+                                     const int32_t *d_y_idx, int n_rows) __attribute__((weak));
+extern void mm_gpu_set_gemv_version(int v) __attribute__((weak));
 extern void mm_gpu_optime_report(void *backend_ctx) __attribute__((weak));
 
 static mm_backend *gpu;
@@ -279,6 +294,240 @@ static void test_attention_bits(void) {
     close_gpu();
 }
 
+// ---- GEMV v2 against the earlier GEMV, bit for bit ------------------------------------------------
+static uint16_t *rand_w(size_t n) {
+    uint16_t *w = malloc(n * 2);
+    MM_TRUE(w != NULL);
+    for (size_t i = 0; i < n; i++)
+        w[i] = mm_f32_to_bf16(frand() * 0.25f);
+    return w;
+}
+
+// Dense: y = x W^T (+ bias) through mm_gpu_matmul with GEMV v1 and v2; strided x and y, every
+// element compared (including the untouched padding between rows).
+static void gemv_dense_case(int n_out, int n_in, int n_rows, bool bias) {
+    const int64_t xs = n_in + 3, ys = n_out + 5;
+    uint16_t *w = rand_w((size_t)n_out * n_in);
+    float *x = malloc((size_t)(n_rows * xs) * 4), *b = malloc((size_t)n_out * 4);
+    for (int64_t i = 0; i < n_rows * xs; i++)
+        x[i] = frand() * 2.0f;
+    for (int i = 0; i < n_out; i++)
+        b[i] = frand();
+    void *dw = dev_copy(w, (size_t)n_out * n_in * 2);
+    float *dx = dev_copy(x, (size_t)(n_rows * xs) * 4), *db = dev_copy(b, (size_t)n_out * 4);
+    float *y[2];
+    for (int v = 0; v < 2; v++) {
+        y[v] = dev_copy(NULL, (size_t)(n_rows * ys) * 4);
+        MM_PASS(gpu->ops->fill(gpu->ctx, y[v], -7.0f, n_rows * ys));
+    }
+    MM_PASS(gpu->ops->synchronize(gpu->ctx));
+    for (int v = 0; v < 2; v++) {
+        mm_gpu_set_gemv_version(v + 1);
+        MM_PASS(mm_gpu_matmul(NULL, MM_DTYPE_BF16, dw, n_out, n_in, bias ? db : NULL, dx, xs,
+                              y[v], ys, n_rows, -1));
+    }
+    mm_gpu_set_gemv_version(2);
+    MM_PASS(mm_gpu_stream_sync(NULL));
+    float *h1 = dev_get(y[0], (size_t)(n_rows * ys) * 4), *h2 = dev_get(y[1], (size_t)(n_rows * ys) * 4);
+    size_t diff = 0;
+    for (int64_t i = 0; i < n_rows * ys; i++)
+        if (memcmp(&h1[i], &h2[i], 4) != 0 && diff++ == 0)
+            printf("  dense %dx%d rows %d: first difference at %lld: %.9g vs %.9g\n", n_out, n_in,
+                   n_rows, (long long)i, h2[i], h1[i]);
+    MM_EQ(diff, 0);
+    free(w), free(x), free(b), free(h1), free(h2);
+    void *bufs[] = {dw, dx, db, y[0], y[1]};
+    for (size_t i = 0; i < 5; i++)
+        gpu->ops->buffer_free(gpu->ctx, bufs[i]);
+}
+
+// Grouped: E experts, rows sorted by expert (counts cnt[], empty experts among them). v1 over
+// pre-gathered rows with the outputs scattered on the host is the reference for v2 with
+// x_idx/y_idx (mm_gpu_moe_matmul_rows), and for v2 without indices; the backend's
+// moe_matmul_rows against copy_rows + moe_matmul_dev + copy_rows as well. glu: the source
+// rows are [gate | up] and the product's input is swiglu(gate, up): the reference runs the
+// swiglu op on the gathered rows first.
+static void gemv_grouped_case(int n_out, int n_in, int n_src, int E, const int *cnt, bool glu) {
+    int offs[65] = {0};
+    for (int e = 0; e < E; e++)
+        offs[e + 1] = offs[e] + cnt[e];
+    const int n = offs[E];
+    int64_t yfull = (int64_t)n + 2; // output rows, 2 never written
+    if (yfull % 7 == 0)
+        yfull++;
+    const int64_t xw = glu ? 2 * n_in : n_in, xs = xw + 1, ys = n_out + 3;
+    int32_t *xi = malloc((size_t)n * 4), *yi = malloc((size_t)n * 4);
+    for (int p = 0; p < n; p++) {
+        xi[p] = (p * 5 + 3) % n_src;            // sorted row p reads source row xi[p] and
+        yi[p] = (int32_t)((p * 7 + 1) % yfull); // writes output row yi[p], all distinct
+    }
+    float *xsrc = malloc((size_t)(n_src * xs) * 4), *xg = malloc((size_t)(n * xs) * 4);
+    for (int64_t i = 0; i < n_src * xs; i++)
+        xsrc[i] = frand() * 2.0f;
+    for (int p = 0; p < n; p++)
+        memcpy(xg + p * xs, xsrc + xi[p] * xs, (size_t)xs * 4);
+    void *wp[64];
+    uint16_t *wh[64];
+    for (int e = 0; e < E; e++) {
+        wh[e] = rand_w((size_t)n_out * n_in);
+        wp[e] = cnt[e] > 0 || e % 2 ? dev_copy(wh[e], (size_t)n_out * n_in * 2) : NULL;
+    }
+    void **dwp = dev_copy(wp, (size_t)E * sizeof(void *));
+    int32_t *doffs = dev_copy(offs, (size_t)(E + 1) * 4);
+    int32_t *dxi = dev_copy(xi, (size_t)n * 4), *dyi = dev_copy(yi, (size_t)n * 4);
+    float *dxsrc = dev_copy(xsrc, (size_t)(n_src * xs) * 4), *dxg = dev_copy(xg, (size_t)(n * xs) * 4);
+    float *y1 = dev_copy(NULL, (size_t)(n * ys) * 4), *y2 = dev_copy(NULL, (size_t)(n * ys) * 4);
+    float *y3 = dev_copy(NULL, (size_t)(yfull * ys) * 4), *y4 = dev_copy(NULL, (size_t)(yfull * ys) * 4);
+    float *tmp = dev_copy(NULL, (size_t)(n * ys) * 4), *xin = dev_copy(NULL, (size_t)(n * xs) * 4);
+    float *df = dev_copy(NULL, (size_t)(n * n_in) * 4); // the product's input rows
+    const float *xin_p = dxg;
+    int64_t xin_s = xs;
+    if (glu) {
+        MM_PASS(gpu->ops->swiglu(gpu->ctx, dxg, xs, dxg + n_in, xs, df, n_in, n, n_in));
+        xin_p = df, xin_s = n_in;
+    }
+    MM_PASS(gpu->ops->fill(gpu->ctx, y1, -3.0f, n * ys));
+    MM_PASS(gpu->ops->fill(gpu->ctx, y2, -3.0f, n * ys));
+    MM_PASS(gpu->ops->fill(gpu->ctx, y3, -5.0f, yfull * ys));
+    MM_PASS(gpu->ops->fill(gpu->ctx, y4, -5.0f, yfull * ys));
+    MM_PASS(gpu->ops->synchronize(gpu->ctx));
+    mm_gpu_set_gemv_version(1);
+    MM_PASS(mm_gpu_moe_matmul(NULL, MM_DTYPE_BF16, (const void *const *)dwp, doffs, E, n_out, n_in,
+                              xin_p, xin_s, y1, ys, n, -1));
+    mm_gpu_set_gemv_version(2);
+    MM_PASS(mm_gpu_moe_matmul(NULL, MM_DTYPE_BF16, (const void *const *)dwp, doffs, E, n_out, n_in,
+                              xin_p, xin_s, y2, ys, n, -1));
+    const float *xup = glu ? dxsrc + n_in : NULL;
+    const mm_err rr = mm_gpu_moe_matmul_rows(NULL, MM_DTYPE_BF16, (const void *const *)dwp, doffs,
+                                             E, n_out, n_in, dxsrc, xs, dxi, xup, y3, ys, dyi, n);
+    MM_PASS(mm_gpu_stream_sync(NULL));
+    // the backend's op (its stream) against the sequence it stands for
+    mm_err rb = gpu->ops->moe_matmul_rows(gpu->ctx, (const void *const *)dwp, MM_DTYPE_BF16, n_out,
+                                          n_in, E, doffs, dxsrc, xs, dxi, xup, y4, ys, dyi, n);
+    if (rb == MM_EUNSUPP) {
+        MM_PASS(gpu->ops->copy_rows(gpu->ctx, dxsrc, xs, dxi, xin, xs, NULL, n, xs));
+        if (glu)
+            MM_PASS(gpu->ops->swiglu(gpu->ctx, xin, xs, xin + n_in, xs, xin, xs, n, n_in));
+        MM_PASS(gpu->ops->moe_matmul_dev(gpu->ctx, (const void *const *)dwp, MM_DTYPE_BF16, n_out,
+                                         n_in, E, doffs, xin, xs, tmp, ys, n));
+        MM_PASS(gpu->ops->copy_rows(gpu->ctx, tmp, ys, NULL, y4, ys, dyi, n, n_out));
+    } else {
+        MM_PASS(rb);
+    }
+    float *h1 = dev_get(y1, (size_t)(n * ys) * 4), *h2 = dev_get(y2, (size_t)(n * ys) * 4);
+    float *h3 = dev_get(y3, (size_t)(yfull * ys) * 4), *h4 = dev_get(y4, (size_t)(yfull * ys) * 4);
+    MM_TRUE(memcmp(h1, h2, (size_t)(n * ys) * 4) == 0);
+    float *want = malloc((size_t)(yfull * ys) * 4);
+    for (int64_t i = 0; i < yfull * ys; i++)
+        want[i] = -5.0f;
+    for (int p = 0; p < n; p++)
+        for (int j = 0; j < n_out; j++)
+            want[yi[p] * ys + j] = h1[p * ys + j];
+    size_t diff = 0;
+    if (rr == MM_OK) {
+        for (int64_t i = 0; i < yfull * ys; i++)
+            if (memcmp(&want[i], &h3[i], 4) != 0 && diff++ == 0)
+                printf("  grouped rows %dx%d: first difference at %lld: %.9g vs %.9g\n", n_out,
+                       n_in, (long long)i, h3[i], want[i]);
+    } else {
+        MM_EQ(rr, MM_EUNSUPP);
+    }
+    MM_EQ(diff, 0);
+    MM_TRUE(memcmp(want, h4, (size_t)(yfull * ys) * 4) == 0);
+    printf("grouped %dx%d%s, %d rows over %d experts: v2 == v1 bits; with row indices %s; "
+           "backend op %s\n", n_out, n_in, glu ? " (input swiglu(gate, up))" : "", n, E,
+           rr == MM_OK ? "bit-identical" : "not taken (MM_EUNSUPP)",
+           rb == MM_OK ? "fused, bit-identical" : "fell back to the copies");
+    for (int e = 0; e < E; e++) {
+        free(wh[e]);
+        gpu->ops->buffer_free(gpu->ctx, wp[e]);
+    }
+    free(xi), free(yi), free(xsrc), free(xg), free(h1), free(h2), free(h3), free(h4), free(want);
+    void *bufs[] = {dwp, doffs, dxi, dyi, dxsrc, dxg, y1, y2, y3, y4, tmp, xin, df};
+    for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++)
+        gpu->ops->buffer_free(gpu->ctx, bufs[i]);
+}
+
+static void test_gemv_v2_bits(void) {
+    open_gpu();
+    if (!mm_gpu_matmul || !mm_gpu_moe_matmul_rows || !mm_gpu_set_gemv_version ||
+        !gpu->ops->moe_matmul_rows)
+        MM_SKIP("GEMV v2 not linked");
+    // Qwen3-30B-A3B decode shapes, then odd ones: n_in not a multiple of 8 (no vector loads),
+    // below one segment, segments of 12 chunks (two rounds), bias, 1..8 rows
+    const int dense[][4] = {{5120, 2048, 1, 0}, {4096, 2048, 3, 0}, {2048, 4096, 1, 0},
+                            {2048, 4096, 8, 0}, {128, 2048, 1, 0},  {151936 / 16, 2048, 2, 0},
+                            {77, 1000, 5, 1},   {130, 6000, 2, 1},  {33, 200, 7, 0},
+                            {1000, 2050, 1, 1}, {16, 8, 1, 0},      {2048, 768, 6, 1}};
+    for (size_t i = 0; i < sizeof(dense) / sizeof(dense[0]); i++)
+        gemv_dense_case(dense[i][0], dense[i][1], dense[i][2], dense[i][3] != 0);
+    printf("dense GEMV v2 == v1 bits: %zu shapes (strided x and y, bias, 1..8 rows)\n",
+           sizeof(dense) / sizeof(dense[0]));
+    const int c8[16] = {1, 0, 0, 1, 1, 0, 1, 0, 0, 1, 1, 0, 0, 0, 1, 1}; // decode: 8 of 16
+    const int c13[16] = {3, 0, 1, 0, 0, 0, 2, 1, 0, 0, 4, 0, 0, 1, 0, 1}; // a 3- and a 4-row expert
+    const int c40[64] = {[0] = 9, [5] = 1, [17] = 12, [40] = 2, [63] = 16}; // tiles of 8 + rest
+    gemv_grouped_case(1536, 2048, 1, 16, c8, false); // [gate; up] at batch 1
+    gemv_grouped_case(2048, 768, 8, 16, c8, false);  // down at batch 1 (8 slot rows)
+    gemv_grouped_case(2048, 768, 8, 16, c8, true);   // down reading swiglu([gate; up])
+    gemv_grouped_case(1536, 2048, 4, 16, c13, false);
+    gemv_grouped_case(100, 300, 13, 16, c13, false); // odd shapes, W rows of 300: no vectors
+    gemv_grouped_case(100, 300, 13, 16, c13, true);  // swiglu with unaligned up rows
+    gemv_grouped_case(96, 1000, 5, 64, c40, false);  // 64 experts: two offset-lookup rounds
+    gemv_grouped_case(96, 1000, 5, 64, c40, true);
+    close_gpu();
+}
+
+// add_rmsnorm: h += a then rmsnorm(h), against axpy then rmsnorm (both h and y bit for bit).
+static void test_add_rmsnorm_bits(void) {
+    open_gpu();
+    if (!gpu->ops->add_rmsnorm)
+        MM_SKIP("add_rmsnorm not in the table");
+    const int dims[] = {1, 31, 2048, 2050, 8192, 8193};
+    const int rows[] = {1, 3, 70};
+    const enum mm_dtype dts[] = {MM_DTYPE_BF16, MM_DTYPE_F32};
+    for (size_t a = 0; a < sizeof(dims) / sizeof(dims[0]); a++)
+        for (size_t b = 0; b < sizeof(rows) / sizeof(rows[0]); b++)
+            for (size_t c = 0; c < 2; c++) {
+                const int d = dims[a], n = rows[b];
+                const int64_t hs = d + 3, as = d + 1, ys = d + 5;
+                float *h = malloc((size_t)(n * hs) * 4), *ad = malloc((size_t)(n * as) * 4);
+                for (int64_t i = 0; i < n * hs; i++)
+                    h[i] = frand() * 3.0f;
+                for (int64_t i = 0; i < n * as; i++)
+                    ad[i] = frand();
+                h[0] = -0.0f, ad[0] = 0.0f; // the sign of a zero sum follows the add
+                void *hw = malloc((size_t)d * 4);
+                for (int k = 0; k < d; k++) {
+                    const float v = 1.0f + frand() * 0.5f;
+                    if (dts[c] == MM_DTYPE_BF16)
+                        ((uint16_t *)hw)[k] = mm_f32_to_bf16(v);
+                    else
+                        ((float *)hw)[k] = v;
+                }
+                void *dw = dev_copy(hw, (size_t)d * mm_dtype_size(dts[c]));
+                mm_weight w = {.data = dw, .dtype = dts[c], .rows = 1, .cols = d};
+                float *dh1 = dev_copy(h, (size_t)(n * hs) * 4), *dh2 = dev_copy(h, (size_t)(n * hs) * 4);
+                float *da = dev_copy(ad, (size_t)(n * as) * 4);
+                float *dy1 = dev_copy(NULL, (size_t)(n * ys) * 4), *dy2 = dev_copy(NULL, (size_t)(n * ys) * 4);
+                MM_PASS(gpu->ops->fill(gpu->ctx, dy1, 9.0f, n * ys));
+                MM_PASS(gpu->ops->fill(gpu->ctx, dy2, 9.0f, n * ys));
+                MM_PASS(gpu->ops->axpy(gpu->ctx, NULL, da, as, dh1, hs, n, d));
+                MM_PASS(gpu->ops->rmsnorm(gpu->ctx, &w, 1e-6f, dh1, hs, dy1, ys, n));
+                MM_PASS(gpu->ops->add_rmsnorm(gpu->ctx, da, as, dh2, hs, &w, 1e-6f, dy2, ys, n));
+                float *h1 = dev_get(dh1, (size_t)(n * hs) * 4), *h2 = dev_get(dh2, (size_t)(n * hs) * 4);
+                float *y1 = dev_get(dy1, (size_t)(n * ys) * 4), *y2 = dev_get(dy2, (size_t)(n * ys) * 4);
+                MM_TRUE(memcmp(h1, h2, (size_t)(n * hs) * 4) == 0);
+                MM_TRUE(memcmp(y1, y2, (size_t)(n * ys) * 4) == 0);
+                free(h), free(ad), free(hw), free(h1), free(h2), free(y1), free(y2);
+                void *bufs[] = {dw, dh1, dh2, da, dy1, dy2};
+                for (size_t i = 0; i < 6; i++)
+                    gpu->ops->buffer_free(gpu->ctx, bufs[i]);
+            }
+    printf("add_rmsnorm bit-identical to axpy then rmsnorm (6 dims x 3 row counts x bf16/f32; "
+           "h and y)\n");
+    close_gpu();
+}
+
 // MM_GPU_OPTIME=1: the backend offers no graphs and its ops give the same results.
 static void test_optime(void) {
     if (!mm_gpu_argmax_ws || !mm_gpu_optime_report)
@@ -310,5 +559,7 @@ MM_TESTS = {
     {"rmsnorm block per row: warp kernel's bits", test_rmsnorm_bits},
     {"attention wider loads: same bits", test_attention_bits},
     {"per-op timer: no graphs, same results", test_optime},
+    {"gemv v2 (x in shared memory, row indices) == gemv v1 bits", test_gemv_v2_bits},
+    {"add_rmsnorm == axpy then rmsnorm bits", test_add_rmsnorm_bits},
     {NULL, NULL},
 };

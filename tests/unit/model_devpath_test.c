@@ -378,6 +378,69 @@ static mm_err w_hnr(void *ctx, float *x, int64_t n, int64_t stride, int na, int 
     RECORD(t_hnr, a);
 }
 
+// moe_matmul_rows on the host: the gather, the grouped product and the scatter it stands for
+struct a_moe_rows {
+    struct a_moe p; // x, y: the indexed rows
+    const int32_t *xi, *yi;
+    const float *xu; // swiglu's up rows, or NULL
+};
+static int g_moe_rows;
+static mm_err t_moe_rows(void *ctx, const void *b) {
+    const struct a_moe_rows *a = b;
+    const int64_t n = a->p.n, xw = a->p.cols, yw = a->p.rows;
+    float *xg = malloc((size_t)(n * xw + 1) * 4), *yg = malloc((size_t)(n * yw + 1) * 4);
+    float *ug = malloc((size_t)(n * xw + 1) * 4);
+    MM_TRUE(xg != NULL && yg != NULL && ug != NULL);
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t r = a->xi ? a->xi[i] : i;
+        memcpy(xg + i * xw, a->p.x + r * a->p.xs, (size_t)xw * 4);
+        if (a->xu)
+            memcpy(ug + i * xw, a->xu + r * a->p.xs, (size_t)xw * 4);
+    }
+    mm_err rv = a->xu ? g_cpu->swiglu(ctx, xg, xw, ug, xw, xg, xw, n, xw) : MM_OK;
+    free(ug);
+    struct a_moe q = a->p;
+    q.x = xg, q.xs = xw, q.y = yg, q.ys = yw;
+    if (rv == MM_OK)
+        rv = t_moe(ctx, &q);
+    for (int64_t i = 0; rv == MM_OK && i < n; i++)
+        memcpy(a->p.y + (a->yi ? a->yi[i] : i) * a->p.ys, yg + i * yw, (size_t)yw * 4);
+    free(xg), free(yg);
+    return rv;
+}
+static mm_err w_moe_rows(void *ctx, const void *const *ex, enum mm_dtype dt, int64_t rows,
+                         int64_t cols, int e, const int32_t *offs, const float *x, int64_t xs,
+                         const int32_t *xi, const float *xu, float *y, int64_t ys,
+                         const int32_t *yi, int64_t n) {
+    g_moe_rows++;
+    struct a_moe_rows a = {{ex, dt, rows, cols, e, offs, x, xs, y, ys, n}, xi, yi, xu};
+    RECORD(t_moe_rows, a);
+}
+
+// add_rmsnorm on the host: axpy then rmsnorm
+struct a_add_rms {
+    const float *a;
+    int64_t as;
+    float *h;
+    int64_t hs;
+    const mm_weight *w;
+    float eps;
+    float *y;
+    int64_t ys, n;
+};
+static int g_add_rms;
+static mm_err t_add_rms(void *ctx, const void *b) {
+    const struct a_add_rms *a = b;
+    MM_TRY(g_cpu->axpy(ctx, NULL, a->a, a->as, a->h, a->hs, a->n, a->w->cols));
+    return g_cpu->rmsnorm(ctx, a->w, a->eps, a->h, a->hs, a->y, a->ys, a->n);
+}
+static mm_err w_add_rms(void *ctx, const float *x, int64_t xs, float *h, int64_t hs,
+                        const mm_weight *w, float eps, float *y, int64_t ys, int64_t n) {
+    g_add_rms++;
+    struct a_add_rms a = {x, xs, h, hs, w, eps, y, ys, n};
+    RECORD(t_add_rms, a);
+}
+
 static mm_err w_set(void *ctx, void *dst, const void *src, size_t n) {
     return g_rec ? MM_EINVAL : g_cpu->set(ctx, dst, src, n);
 }
@@ -429,6 +492,7 @@ static void dev_table(struct mm_backend_ops *o, bool graphs) {
     o->axpy = w_axpy, o->sigmoid = w_sigmoid, o->copy_rows = w_copy, o->fill = w_fill;
     o->route_plan = w_plan, o->moe_matmul_dev = w_moe, o->argmax = w_argmax;
     o->combine = w_combine, o->head_norm_rope = w_hnr;
+    o->moe_matmul_rows = w_moe_rows, o->add_rmsnorm = w_add_rms;
     if (graphs) {
         o->capture_begin = w_capture_begin, o->capture_end = w_capture_end;
         o->graph_launch = w_graph_launch, o->graph_free = w_graph_free;
@@ -531,7 +595,7 @@ static void check(const char *name, bool graphs) {
     struct mm_backend_ops dev;
     dev_table(&dev, graphs);
     be->ops = &dev;
-    g_captures = g_launches = g_plans = g_combines = g_hnrs = 0;
+    g_captures = g_launches = g_plans = g_combines = g_hnrs = g_moe_rows = g_add_rms = 0;
     float *got = run(dir, be, true, got_ids, &n_dev);
     be->ops = g_cpu;
     MM_EQ(n_ref, n_dev);
@@ -548,6 +612,8 @@ static void check(const char *name, bool graphs) {
         MM_EQ(got_ids[t], want_ids[t]);
     MM_TRUE(g_plans > 0); // the device routing plan was used
     MM_TRUE(g_combines > 0);
+    MM_TRUE(g_add_rms > 0);  // the residual add fused into the FFN norm
+    MM_TRUE(g_moe_rows > 0); // gather/scatter taken by the grouped products
     if (strstr(name, "deepseek") == NULL)
         MM_TRUE(g_hnrs > 0); // the fused q/k/v path was taken
     printf("%s%s: %zu logits equal bit for bit; %d plans, %d graphs recorded, %d replays\n",
@@ -607,6 +673,47 @@ static void gpu_case(const char *name) {
            n_ref);
     free(ref), free(got);
     mm_backend_close(be);
+}
+
+// The same GPU run with the earlier decode kernels and no fused ops (MM_GPU_OLD_DECODE=1:
+// GEMV v1, warp rmsnorm, earlier attention loads, one-block argmax, no add_rmsnorm or
+// moe_matmul_rows) against the default: every logit and greedy id bit for bit.
+static void gpu_old_new_case(const char *name) {
+    mm_backend *be = NULL;
+    char dir[256];
+    snprintf(dir, sizeof dir, "tests/fixtures/models/%s", name);
+    int32_t want_ids[STEPS], got_ids[STEPS];
+    size_t n_ref = 0, n_dev = 0;
+    setenv("MM_GPU_OLD_DECODE", "1", 1);
+    be = open_gpu();
+    MM_TRUE(be->ops->add_rmsnorm == NULL && be->ops->moe_matmul_rows == NULL);
+    float *ref = run(dir, be, true, want_ids, &n_ref);
+    mm_backend_close(be);
+    unsetenv("MM_GPU_OLD_DECODE");
+    be = open_gpu();
+    if (!be->ops->add_rmsnorm || !be->ops->moe_matmul_rows)
+        MM_TEST_FAIL_("the default GPU table lacks add_rmsnorm / moe_matmul_rows");
+    float *got = run(dir, be, true, got_ids, &n_dev);
+    MM_EQ(n_ref, n_dev);
+    const size_t V = n_ref / (7 + STEPS + 9);
+    size_t diff = 0;
+    for (size_t i = 0; i < n_ref; i++)
+        if (memcmp(&ref[i], &got[i], 4) != 0 && i / V != 7 + STEPS + 3 + 2 && diff++ == 0)
+            printf("%s: first difference at row %zu token %zu: %.9g vs %.9g\n", name, i / V,
+                   i % V, got[i], ref[i]);
+    MM_EQ(diff, 0);
+    for (int t = 0; t < STEPS; t++)
+        MM_EQ(got_ids[t], want_ids[t]);
+    printf("%s on cuda:0: new decode kernels and fused ops == earlier kernels, %zu logits bit "
+           "for bit\n", name, n_ref);
+    free(ref), free(got);
+    mm_backend_close(be);
+}
+
+static void test_gpu_old_new(void) {
+    gpu_old_new_case("qwen3moe-tiny");
+    gpu_old_new_case("qwen2moe-tiny");
+    gpu_old_new_case("mixtral-var");
 }
 
 static void test_gpu_qwen3moe(void) { gpu_case("qwen3moe-tiny"); }
@@ -771,5 +878,6 @@ MM_TESTS = {
     {"cuda: device path == host-routed path bits (qwen3_moe)", test_gpu_qwen3moe},
     {"cuda: device path == host-routed path bits (qwen2_moe)", test_gpu_qwen2moe},
     {"cuda: device path == host-routed path bits (mixtral)", test_gpu_mixtral},
+    {"cuda: new decode kernels and fused ops == MM_GPU_OLD_DECODE bits", test_gpu_old_new},
     {NULL, NULL},
 };

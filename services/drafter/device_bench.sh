@@ -7,6 +7,9 @@
 #   ngram  prompt lookup (--drafter ngram)
 #   skip   (only when CASES names it) the target's first SKIP_LAYERS (1) layers as the draft
 #          model: layer-skip self-speculation, sharing the target's embedding and LM head
+# A drafting case named with "-sync" (self-sync, small-sync, ...) runs with the router's
+# draft-ahead off (MM_DRAFT_PIPELINE=false: each step waits for its drafts); PIPELINE="1 0"
+# runs every drafting case both ways (X and X-sync, next to each other in each round).
 # Each case is its own `moemesh up` (router, gateway, 1 attention shard, OWNERS owners, drafter,
 # all on DEVICE); ROUNDS rounds of all cases, interleaved (a shared machine's load drifts: only
 # neighbouring runs compare). Greedy requests (--temperature 0, ignore_eos), random prompt ids.
@@ -27,12 +30,29 @@
 # MAX_TOKENS (128), PROMPT (32), REQS1 (8) / REQS16 (64), RESIDUAL_SCALE (unset; e.g. 0.1: the
 # synthesized target's layers from SKIP_LAYERS on are scaled down so the skip drafter agrees),
 # requests at concurrency 1 / 16, OWNERS (1), THREADS (1: CPU threads per daemon), VOCAB (256:
-# prompt ids drawn below it), OUT (/tmp/out: logs). Output: a table on stdout (and $OUT/table).
+# prompt ids drawn below it), PIPELINE ("1": draft-ahead on, the router's default; "0": off;
+# "1 0": both), OUT (/tmp/out: logs). Output: a table on stdout (and $OUT/table).
 set -u
 D=${1:-.dev/gpu-drafter}
 DEVICE=${DEVICE:-cuda:0}
 OUT=${OUT:-/tmp/out}
 CASES=${CASES:-none self small ngram}
+# PIPELINE: each drafting case X as X (draft-ahead on) and/or X-sync (off)
+RUNCASES=
+for c in $CASES; do
+    if [ "$c" = none ] || [[ "$c" == *-sync ]]; then
+        RUNCASES="$RUNCASES $c"
+        continue
+    fi
+    for pl in ${PIPELINE:-1}; do
+        case $pl in
+        1) RUNCASES="$RUNCASES $c" ;;
+        0) RUNCASES="$RUNCASES $c-sync" ;;
+        *) echo "PIPELINE: '$pl' is not 1 or 0"; exit 2 ;;
+        esac
+    done
+done
+BASES=" $(for c in $RUNCASES; do printf '%s ' "${c%-sync}"; done)" # drafters needed
 CONCS=${CONCS:-1 16}
 ROUNDS=${ROUNDS:-$([ "$DEVICE" = cpu ] && echo 2 || echo 1)}
 MAX_TOKENS=${MAX_TOKENS:-128}
@@ -66,7 +86,7 @@ if [ -z "${TARGET:-}" ]; then
     timeout 300 "$D/moemesh" synth --out "$TARGET" --shape "${TARGET_SHAPE:-qwen3-30b-a3b}" --layers "$LAYERS" "${res[@]}" ||
         { echo "synth of the target failed"; exit 1; }
 fi
-if [ -z "${DRAFT:-}" ] && [[ " $CASES " == *" small "* ]]; then
+if [ -z "${DRAFT:-}" ] && [[ "$BASES" == *" small "* ]]; then
     DRAFT=/tmp/mm-dbench-draft
     SYNTH_DIRS="$SYNTH_DIRS $DRAFT"
     timeout 300 "$D/moemesh" synth --out "$DRAFT" --family qwen3 --shape "${DRAFT_SHAPE:-qwen3-0.6b}" \
@@ -76,7 +96,7 @@ fi
 # skip: a layer-skip self-draft (self-speculative decoding): the target's own checkpoint read
 # with only its first SKIP_LAYERS decoder layers (config.json changed, the weight files linked:
 # the loader binds the layers the config names), so it shares the embedding and LM head.
-if [[ " $CASES " == *" skip "* ]]; then
+if [[ "$BASES" == *" skip "* ]]; then
     SKIPD=/tmp/mm-dbench-skip
     SYNTH_DIRS="$SYNTH_DIRS $SKIPD"
     rm -rf "$SKIPD" && mkdir -p "$SKIPD" || exit 1
@@ -90,17 +110,19 @@ VOCAB=${VOCAB:-256}
 
 port=$((20000 + ($$ * 7) % 20000))
 # mesh_up CASE: starts moemesh up for CASE and waits until the gateway's /health says ok.
+# CASE X-sync: drafter X with the router's draft-ahead off.
 mesh_up() {
-    local dr=()
-    case $1 in
+    local dr=() pipe=true
+    [[ "$1" == *-sync ]] && pipe=false
+    case ${1%-sync} in
     self) dr=(--drafter "$TARGET") ;;
     small) dr=(--drafter "$DRAFT") ;;
     skip) dr=(--drafter "$SKIPD") ;;
     ngram) dr=(--drafter ngram) ;;
     esac
     rm -rf "$RUN/up"
-    "$D/moemesh" up --model "$TARGET" --owners "$OWNERS" --device "$DEVICE" --run-dir "$RUN/up" \
-        --port $port "${dr[@]}" > "$OUT/up-$1.log" 2>&1 &
+    MM_DRAFT_PIPELINE=$pipe "$D/moemesh" up --model "$TARGET" --owners "$OWNERS" --device "$DEVICE" \
+        --run-dir "$RUN/up" --port $port "${dr[@]}" > "$OUT/up-$1.log" 2>&1 &
     UP=$!
     for _ in $(seq 1 3000); do # 300 s: a GPU mesh loads the checkpoint in every daemon
         curl -s "http://127.0.0.1:$port/health" 2>/dev/null | grep -q '"status":"ok"' && return 0
@@ -127,7 +149,7 @@ bench() {
 }
 declare -A TPS ACC
 for r in $(seq 1 "$ROUNDS"); do
-    for c in $CASES; do
+    for c in $RUNCASES; do
         mesh_up "$c" || continue
         bench 4 > /dev/null # warm-up: first touches of the weights, the width costs
         for n in $CONCS; do
@@ -139,6 +161,8 @@ for r in $(seq 1 "$ROUNDS"); do
         m=$("$D/moemesh" status --router "ipc://$RUN/up/router.ctl" 2>/dev/null | grep -o "drafting:.*")
         [ -n "$m" ] && echo "   $m"
         ACC[$c]=$(echo "$m" | grep -o "rate=[0-9.]* mean_accepted=[0-9.]*")
+        ah=$(echo "$m" | grep -o "ahead=[0-9]* ahead_hits=[0-9]* ahead_misses=[0-9]* sync=[0-9]*")
+        [ -n "$ah" ] && ACC[$c]="${ACC[$c]} $ah"
         mesh_down
     done
 done
@@ -150,7 +174,7 @@ done
     printf " acceptance (last round) |\n|---|"
     for n in $CONCS; do printf -- "---|---|"; done
     printf -- "---|\n"
-    for c in $CASES; do
+    for c in $RUNCASES; do
         printf "| %-6s |" "$c"
         for n in $CONCS; do
             v=${TPS[$c,$n]:-}

@@ -472,11 +472,14 @@ static void ahead_send(mm_draft *d, const Mmctl__StepPlan *p, const uint32_t *n_
 // is T = T(W) (common/spec.c), and adds sum_{i=1..k} a^i expected tokens per seq asked (a its
 // acceptance, k its width); the step's expected tokens without it are E (each sampling seq's
 // own token plus its ahead drafts' expected acceptance). It pays when tokens per ms rise:
-// (E + extra) / (T + sync_ms) > E / T, i.e. extra / E > sync_ms / T. Unmeasured sync_ms: it
-// pays (that request measures it).
+// (E + extra) / (T + sync_ms) > E / T, i.e. extra / E > sync_ms / T. Unmeasured sync_ms or no
+// step priced yet: it pays (that request, that step measure them).
 static bool sync_pays(mm_draft *d, const Mmctl__StepPlan *p, const bool *active,
                       const uint32_t *n_draft, size_t nq, int bucket, int W) {
-    if (d->sync_n == 0)
+    bool priced = false;
+    for (int x = 0; x < MM_SPEC_BUCKETS && !priced; x++)
+        priced = d->costs.ticks[x] > 0;
+    if (d->sync_n == 0 || !priced)
         return true;
     double E = 0, extra = 0;
     for (size_t i = 0; i < p->n_seqs; i++) {
@@ -759,7 +762,7 @@ void mm_draft_begin(mm_draft *d, const Mmctl__StepPlan *p, const bool *active, i
             d->ah_hits++;
             continue;
         }
-        if (d->c.pipeline)
+        if (d->c.pipeline && d->cl) // (a mesh that never had a drafter counts no misses)
             d->ah_misses++;
         size_t add = (size_t)(r->len - r->dr_from);
         // The drafter's forward passes over tokens it lacks (a seq back from steps of width 0, a

@@ -1,6 +1,9 @@
 // SPDX-License-Identifier: MIT
 // Prefill GEMM on wgmma with warp specialisation (sm_90a), included by matmul.cu after
 // gemm_wg.cuh (whose helpers, wg_perm32 order and descriptors it shares). Dense products only.
+// Two kernels: gemm_wp_kernel (W from registers, variants 8-10, below) and gemm_ws_kernel (both
+// operands from shared memory by bulk copies, variants 11-18, further down; 14 and 13 are the
+// dense defaults: kernels/cuda/bench/NOTES.md versions 7 and 8).
 //
 // Same bits as the decode GEMV (kernels.h), by the same argument as gemm_wg.cuh, with one
 // change in how W reaches the tensor cores: W is the A operand *from registers*. The A
@@ -334,7 +337,7 @@ __global__ void __launch_bounds__(WP_THREADS, 1) gemm_wp_kernel(mm_wg_args a, co
 // The same shared-memory contents as gemm_wg_kernel (W and x both in the GEMV's slot order,
 // wg_perm32 inside every 32-chunk, 128-byte swizzle), so the same wgmma instructions sum the
 // same products in the same order: the same bits. What changes is how they get there: W is
-// permuted once per product into a workspace (wg_convert_w_kernel, ~9 us for q_proj's 16.8 MB)
+// permuted once per product into a workspace (wg_convert_w_kernel, 10 us for q_proj's 16.8 MB)
 // in the k-block-major swizzled layout wg_convert_x_kernel<true> gives x, so one stage is two
 // contiguous runs (128 W rows x 128 bytes, BN x rows x 128 bytes), each one bulk copy issued by
 // one producer thread and completing on the stage's full mbarrier (async proxy to async proxy:
@@ -349,7 +352,8 @@ __global__ void __launch_bounds__(WP_THREADS, 1) gemm_wp_kernel(mm_wg_args a, co
 // DUAL: two running accumulators (segment j in acc[j & 1]), so a segment end does not drain
 // the tensor pipe: segment j - 1's sum is added to the total after the first chunk of segment j
 // is issued and everything before it has completed (wgmma.wait_group 1); the sums are still
-// added in segment order, each from zero.
+// added in segment order, each from zero. H200, q_proj 4096 tokens: 381 TFLOP/s with DUAL, 287
+// with drains; persistent 399 (the dense default from 4096 rows).
 // W workspace (wg_convert_w_kernel): k block kb (64 k) of output row r at (kb * n_out + r) * 64
 // elements, its 16-byte pieces at c ^ (r & 7), slots permuted per 32-chunk, zeros past n_in.
 __global__ void wg_convert_w_kernel(const uint16_t *w, int n_out, int n_in, uint16_t *wb, int64_t ldx) {

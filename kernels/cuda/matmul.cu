@@ -929,7 +929,19 @@ static mm_err launch_wp_kernel(cudaStream_t st, const mm_wg_args &w, uint64_t bi
     return MM_OK;
 }
 
-#define WS_MIN_ROWS 1024 // AUTO's dense products from this many rows take gemm_ws (below)
+// AUTO's dense variant (H200, 23:28 UTC): gemm_ws persistent (14) from 4096 rows (measured
+// faster than 13 and 4 on q_proj, o_proj, 4096^2, 16384 x 2048); gemm_ws (13) from 128 rows
+// with at most 4096 outputs (measured on q_proj at 128-2048 rows: 4 has too few blocks there)
+// and from 1024 rows with more outputs (not measured between 1024 and 4096 rows: W is then
+// reused by >= 8 token tiles, so its permutation, one pass over W, ~10 us per 16.8 MB, is
+// repaid as at 4096 rows). With many outputs and few rows it would not be: 4.
+static int ws_auto_variant(const mm_mat_args &a) {
+    if (a.n_rows >= 4096)
+        return 14;
+    if (a.n_rows >= 1024 || (a.n_rows >= 128 && a.n_out <= 4096))
+        return 13;
+    return 4;
+}
 
 // gemm_ws (gemm_wp.cuh): W permuted into a workspace, both operands by bulk copies, BN tokens,
 // ST stages, two running accumulators (DUAL) or a drain at each segment end; PERSIST: one
@@ -986,14 +998,14 @@ static mm_err launch_wg(cudaStream_t st, const mm_mat_args &a, bool *ran) {
         pool_set |= bit;
     }
     const int64_t ldx = (a.n_in + WG_LDX - 1) / WG_LDX * WG_LDX;
-    // Variant: the explicit one (mm_gpu_set_gemm_tile), else grouped 2, dense 13 from
-    // WS_MIN_ROWS rows and 4 below. The warp-specialised kernels with W from registers (8, 9,
-    // 10: gemm_wp.cuh; q_proj 58, 302, 224 TFLOP/s at 23:20 UTC) take dense products with
-    // n_in % 8 == 0 and 16-byte aligned W (bulk copies); others run gemm_wg.cuh's 4. 11-17
-    // (gemm_ws_kernel: W permuted into the workspace too, both operands by bulk copies) take
-    // any dense product wg_usable allows; permuting W costs a pass over it (~10 us for 16.8
-    // MB), which few token tiles do not repay.
-    int var = g_wg_tile ? g_wg_tile : GROUPED ? 2 : a.n_rows >= WS_MIN_ROWS ? 13 : 4;
+    // Variant: the explicit one (mm_gpu_set_gemm_tile), else grouped 2, dense
+    // ws_auto_variant (14, 13 or 4). The warp-specialised kernels with W
+    // from registers (8, 9, 10: gemm_wp.cuh; q_proj 57, 300, 222 TFLOP/s at 23:28 UTC) take
+    // dense products with n_in % 8 == 0 and 16-byte aligned W (bulk copies); others run
+    // gemm_wg.cuh's 4. 11-18 (gemm_ws_kernel: W permuted into the workspace too, both operands
+    // by bulk copies) take any dense product wg_usable allows; permuting W costs a pass over it
+    // (~10 us for 16.8 MB).
+    int var = g_wg_tile ? g_wg_tile : GROUPED ? 2 : ws_auto_variant(a);
     const bool wp_ok = !GROUPED && a.n_in % 8 == 0 && aligned16(a.w0);
     if (var >= 8 && var <= 10 && !wp_ok)
         var = 4;
@@ -1025,11 +1037,13 @@ static mm_err launch_wg(cudaStream_t st, const mm_mat_args &a, bool *ran) {
     mm_wg_args w = {(const uint16_t *)ws, ldx, a.w0, a.wg, a.offs, a.n_experts, a.n_rows, a.n_in,
                     a.n_out, a.bias, a.y, a.y_stride};
     mm_err rv;
-    // Default (H200, 2026-11-29, kernels/cuda/bench/NOTES.md): dense products of at least
-    // WS_MIN_ROWS rows on gemm_ws 128 x 128 with two accumulators (13: q_proj 373 TFLOP/s vs
-    // 240 for 4, 23:20 UTC, bits equal to the GEMV), fewer rows on 128 outputs x 192 tokens (4:
-    // 242 vs 220 TFLOP/s for 128 x 128); grouped products on 128 x 128 (experts hold ~256 rows
-    // each at a 4K prefill, so 192-token tiles would run half empty).
+    // Default (H200, 2026-11-29, kernels/cuda/bench/NOTES.md; every variant bit-equal to the
+    // GEMV there): dense products on gemm_ws 128 x 128 with two accumulators, persistent from
+    // 4096 rows (14: q_proj 399 TFLOP/s vs 381 for 13 and 240 for 4, 23:28 UTC), one block per
+    // tile from 128 or 1024 rows (ws_auto_variant; 13: q_proj at 128 / 512 / 2048 rows 32.9 /
+    // 37.4 / 99.2 us vs 51.1 / 51.3 / 147.9 for 4), others on 128 outputs x 192 tokens (4); grouped
+    // products on 128 x 128 (experts hold ~256 rows each at a 4K prefill, so 192-token tiles
+    // would run half empty).
     switch (var) {
     case 8: rv = launch_wp_kernel<128, 6, WP_W_ROWS>(st, w, bit); break;
     case 9: rv = launch_wp_kernel<128, 6, WP_W_TMA>(st, w, bit); break;
@@ -1041,6 +1055,7 @@ static mm_err launch_wg(cudaStream_t st, const mm_mat_args &a, bool *ran) {
     case 15: rv = launch_ws_kernel<128, 6, true, true, true>(st, w, wb, bit); break;
     case 16: rv = launch_ws_kernel<192, 5, false, false, true>(st, w, wb, bit); break;
     case 17: rv = launch_ws_kernel<192, 5, false, true, true>(st, w, wb, bit); break;
+    case 18: rv = launch_ws_kernel<128, 7, true, true, true>(st, w, wb, bit); break;
     case 3: rv = launch_wg_kernel<GROUPED, 3, 128, 64, 5>(st, w, bit); break;
     case 4: rv = launch_wg_kernel<GROUPED, 2, 192, 64, 5>(st, w, bit); break;
     case 5: rv = launch_wg_kernel<GROUPED, 2, 128, 128, 3>(st, w, bit); break;

@@ -268,14 +268,14 @@ static int path_bits_case(int64_t n_rows, int64_t n_in, int64_t n_out, int64_t x
     void *dw = gpu_copy(hw, (size_t)(n_out * n_in) * 2);
     float *dx = gpu_copy(x, (size_t)(n_rows * xs) * 4);
     float *db = bias ? gpu_copy(b, (size_t)n_out * 4) : NULL;
-    enum { NP = 17 };
+    enum { NP = 18 };
     float *dy[NP] = {NULL};
-    // GEMV, MMA, WG (15 variants of mm_gpu_set_gemm_tile)
-    const int paths[NP] = {0, 2, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3};
-    const int variant[NP] = {2, 2, 2, 3, 4, 5, 6, 11, 12, 13, 14, 15, 16, 17, 8, 9, 10};
+    // GEMV, MMA, WG (16 variants of mm_gpu_set_gemm_tile)
+    const int paths[NP] = {0, 2, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3};
+    const int variant[NP] = {2, 2, 2, 3, 4, 5, 6, 11, 12, 13, 14, 15, 16, 17, 18, 8, 9, 10};
     // 11-17: gemm_ws (W permuted into a workspace, both operands by bulk copies from a producer
     // warpgroup; 128 or 192 tokens, drains or two accumulators, one block per tile or
-    // persistent, warpgroup 1 lagging or not). 8, 9, 10: the warp-specialised kernel with W
+    // persistent, warpgroup 1 lagging or not, 6 or 7 stages). 8, 9, 10: the warp-specialised kernel with W
     // from registers (W by row bulk copies, one TMA tile, or 16-byte cp.async; dense, n_in % 8
     // == 0, else the 128x192 kernel runs in its place)
     const char *names[NP] = {"gemv", "mma.sync", "wgmma 128x128", "wgmma 192x128", "wgmma 128x192",
@@ -283,6 +283,7 @@ static int path_bits_case(int64_t n_rows, int64_t n_in, int64_t n_out, int64_t x
                              "wgmma bulk 128x192", "wgmma bulk 128x128 2acc",
                              "wgmma bulk 128x128 2acc persist", "wgmma bulk 128x128 2acc pers lag",
                              "wgmma bulk 128x192 lag", "wgmma bulk 128x192 persist lag",
+                             "wgmma bulk 128x128 2acc pers lag st7",
                              "wgmma ws 128x128", "wgmma ws 128x128 W tma", "wgmma ws 128x128 W cp.async"};
     mm_err rv[NP];
     MM_PASS(gpu->ops->synchronize(gpu->ctx));

@@ -399,7 +399,7 @@ static void bench_prefill(double peak) {
     };
     const variant vs[] = {{MM_GPU_PATH_WG, 2, "wgmma 128 out x 128 tok"},
                           {MM_GPU_PATH_WG, 3, "wgmma 192 out x 128 tok"},
-                          {MM_GPU_PATH_WG, 4, "wgmma 128 out x 192 tok (default < 1024 rows)"},
+                          {MM_GPU_PATH_WG, 4, "wgmma 128 out x 192 tok (AUTO for few rows)"},
                           {MM_GPU_PATH_WG, 5, "wgmma 128 x 128, k 128 per stage"},
                           {MM_GPU_PATH_WG, 6, "wgmma 128 x 128, one-way release fence"},
                           {MM_GPU_PATH_WG, 7, "wgmma 128 x 128, no proxy fence (diagnostic, racy)"},
@@ -408,9 +408,10 @@ static void bench_prefill(double peak) {
                           // last: a fault in a new kernel leaves the figures above printed
                           // gemm_ws: W permuted into a workspace, both operands by bulk copies
                           // from a producer warpgroup (the first is the one NCU=1 profiles)
-                          {MM_GPU_PATH_WG, 13, "wgmma bulk 128 x 128, two accumulators (default)"},
-                          {MM_GPU_PATH_WG, 14, "wgmma bulk 128 x 128, two accumulators, persistent"},
+                          {MM_GPU_PATH_WG, 13, "wgmma bulk 128 x 128, two accumulators (AUTO < 4096 rows)"},
+                          {MM_GPU_PATH_WG, 14, "wgmma bulk 128 x 128, two accumulators, persistent (AUTO)"},
                           {MM_GPU_PATH_WG, 15, "wgmma bulk 128 x 128, two acc., persistent, wg 1 lags"},
+                          {MM_GPU_PATH_WG, 18, "wgmma bulk 128 x 128, two acc., persistent, wg 1 lags, 7 stages"},
                           {MM_GPU_PATH_WG, 11, "wgmma bulk 128 x 128, drains"},
                           {MM_GPU_PATH_WG, 12, "wgmma bulk 128 x 192, drains"},
                           {MM_GPU_PATH_WG, 16, "wgmma bulk 128 x 192, drains, wg 1 lags"},
@@ -461,9 +462,9 @@ static void bench_prefill(double peak) {
         mm_gpu_free(w), mm_gpu_free(x), mm_gpu_free(y), mm_gpu_free(y_ref);
     }
     // Where permuting W (one pass over it per product) stops paying: q_proj at fewer tokens.
-    printf("\nprefill   q_proj by token count (AUTO takes gemm_ws from 1024 rows)\n");
+    printf("\nprefill   q_proj by token count (AUTO: 13 from 128 rows, 14 from 4096)\n");
     const int n_out = 4096, n_in = 2048, rows[] = {128, 256, 512, 1024, 2048};
-    const int tiles[] = {4, 13, 14, 15};
+    const int tiles[] = {4, 13, 15, 18};
     uint16_t *w = rand_bf16((size_t)n_out * n_in, 11);
     float *x = rand_f32((size_t)M * n_in, 12), *y = (float *)dalloc((size_t)M * n_out * 4);
     for (int m : rows) {

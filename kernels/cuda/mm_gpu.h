@@ -103,8 +103,13 @@ void mm_gpu_set_pdl(int on);
 void mm_gpu_set_early_launch(int on);
 
 // mm_gpu_set_gemm_tile picks the wgmma block (benches, tests): 0 (default) per product kind
-// (dense 4, grouped 2); 2: 128 outputs x 128 tokens, 3: 192 x 128, 4: 128 x 192, 5: 128 x 128
-// with 128-wide k stages, 6: 2 with the one-way release proxy fence. Same bits in all. 7: a
+// (dense 14, 13 or 4 by rows and outputs, grouped 2: matmul.cu ws_auto_variant); 2: 128
+// outputs x 128 tokens, 3: 192 x 128, 4: 128 x 192, 5: 128 x 128 with 128-wide k stages, 6: 2
+// with the one-way release proxy fence; 8-10: W from registers (gemm_wp_kernel); 11-18: both
+// operands by bulk copies from a producer warpgroup, W permuted into a workspace
+// (gemm_ws_kernel: 11 128 x 128 with drains, 12 128 x 192, 13 128 x 128 with two
+// accumulators, 14 the same persistent, 15 persistent with warpgroup 1 lagging, 16/17 12 with
+// the lag / persistent + lag, 18 15 with 7 stages); 8-18 dense only. Same bits in all. 7: a
 // bench-only diagnostic without the proxy fence (racy; never for results). Process-wide.
 void mm_gpu_set_gemm_tile(int variant);
 

@@ -28,6 +28,10 @@
 //   class is embed's row count, so prefill and decode are apart). The table goes to stderr
 //   at close, or through mm_gpu_optime_report. An op's time runs from the end of the op
 //   before it to its own end on the GPU, so it includes the launch gap in front of it.
+//   MM_GPU_OPTIME=2 also holds the stream for 4 ms at the start of every step (a host function
+//   enqueued before embed), so the host has issued the whole step before the GPU starts it:
+//   the times are then the GPU's own (kernel plus its launch on the device), without the host
+//   gaps of op-by-op issue that =1 includes (tokens/s in that mode mean nothing).
 //   MM_GPU_OLD_DECODE=1 runs the earlier argmax (one block per row), rmsnorm (a warp per row)
 //   and attention load grouping, and no early launch of the products (process-wide), for
 //   before/after figures in one run (same results).
@@ -66,6 +70,7 @@ struct optime {
     long steps[OT_CLASSES];
     int64_t rows[OT_CLASSES]; // embed rows of the class; -1: unused; class 0: outside steps
     int cur;                  // class of the ops issued now
+    int hold_ms;              // MM_GPU_OPTIME=2: each step waits this long on the GPU first
 };
 
 struct gpu_ctx {
@@ -162,6 +167,8 @@ static void ot_step(struct gpu_ctx *g, int64_t n_rows) {
         t->rows[c] = -2; // the last class: every other row count
     t->cur = c;
     t->steps[c]++;
+    if (t->hold_ms > 0) // the host issues the whole step while the GPU waits: no host gaps
+        (void)mm_gpu_stream_hold(g->stream, t->hold_ms);
 }
 
 static void ot_print(struct gpu_ctx *g) {
@@ -802,6 +809,7 @@ extern "C" mm_err mm_cuda_backend_open(mm_backend *be, const mm_backend_params *
     const char *ot = getenv("MM_GPU_OPTIME");
     if (ot != NULL && strcmp(ot, "0") != 0 && ot[0] != '\0') {
         if (ot_open(g)) { // op by op: a graph would hide the ops from the events
+            g->ot->hold_ms = strcmp(ot, "2") == 0 ? 4 : 0;
             g->ops_table.capture_begin = NULL;
             g->ops_table.capture_end = NULL;
             g->ops_table.graph_launch = NULL;

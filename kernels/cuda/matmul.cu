@@ -367,9 +367,19 @@ __global__ void __launch_bounds__(MV_WARPS * 32, 2) gemv_mma_kernel(mm_mat_args 
 //   its y rows itself (the copies around it in the MoE layer), bit-exact since they are copies.
 // - Optional x_up: the x it reads is swiglu(x, x_up), computed while staging with the
 //   expression of swiglu_kernel (ops.cu), so the down product needs no SwiGLU launch before it.
-// Taken for bf16 on the GEMV path with <= 8 rows per tile when the x tile fits MV2_SMEM_MAX.
+// Taken for bf16 on the GEMV path with <= 8 rows per tile (grouped) or <= MV2_DENSE_ROWS rows
+// (dense, in 8-row tiles; auto_path also sends dense products of 33..64 rows here when their
+// weights are small) when the x tile fits MV2_SMEM_MAX.
 #define MV2_UNROLL 8
-#define MV2_SMEM_MAX (48 << 10)
+#define MV2_SMEM_MAX (96 << 10) // > 48 KiB: allowed once per device and kernel (launch)
+#define MV2_DENSE_ROWS 64             // dense products up to this many rows (8-row tiles)
+#define MV2_DENSE_W_MAX (20ll << 20)  // ... of at most 20 MB of weights
+#define MV2_GROUPED_ROWS 1            // grouped products: up to this many rows per expert
+// The two limits are measured (H200, 23:36 UTC run, per-op GPU times at batch 64): dense
+// 2048x4096 (16.8 MB) 56 us in v2 vs 99 us on wgmma, 128x2048 9.4 vs 52.6, but 5120x2048
+// (21 MB) 64.7 vs 56.8; grouped [gate; up] at ~4 rows per expert 307 us vs 243 in v1. The
+// staging of the x tile is the suspect (each thread's pieces are loaded one after the
+// other: one memory round trip per 8-element piece, 8 or more per thread at 8 rows).
 static int g_gemv_version = 2; // mm_gpu_set_gemv_version: 1 = gemv_mma_kernel only (A/B runs)
 
 // bf16 per shared x row: n_in rounded up to 32 (zeros past n_in), + 32 so that the rows read by
@@ -380,8 +390,11 @@ __host__ __device__ __forceinline__ int mv2_ldx(int n_in) { return (n_in + 31) /
 // checks the fused path against that kernel bit for bit).
 __device__ __forceinline__ float mv2_swiglu(float g, float u) { return g / (1.0f + expf(-g)) * u; }
 
+// Dense products of more than 8 rows run as ty token tiles of 8 rows interleaved along grid x
+// (block b: output block b / ty, token tile b % ty), so the ty blocks that read the same weight
+// rows run side by side and all but the first find them in L2.
 template <bool GROUPED>
-__global__ void __launch_bounds__(MV_WARPS * 32, 2) gemv_x_kernel(mm_mat_args a, int wpt) {
+__global__ void __launch_bounds__(MV_WARPS * 32, 2) gemv_x_kernel(mm_mat_args a, int wpt, int ty) {
     extern __shared__ __align__(16) uint16_t xsm[]; // tile rows x mv2_ldx(n_in) bf16
     __shared__ float part[SEG_MAX][16 * 8];          // [tile * S + segment][row * 8 + token]
     asm volatile("griddepcontrol.launch_dependents;\n" ::);
@@ -390,7 +403,8 @@ __global__ void __launch_bounds__(MV_WARPS * 32, 2) gemv_x_kernel(mm_mat_args a,
     const int g = lane >> 2, t = lane & 3;
     const int tpb = MV_WARPS / wpt, tib = warp / wpt, wit = warp % wpt;
     const int sl = seg_len(a.n_in), S = (a.n_in + sl - 1) / sl;
-    const int r0 = (blockIdx.x * tpb + tib) * 16;
+    const int bx = GROUPED ? (int)blockIdx.x : (int)blockIdx.x / ty;
+    const int r0 = (bx * tpb + tib) * 16;
     const int ldx = mv2_ldx(a.n_in);
     const bool vec = a.vec != 0;
     uint4 w0v[U], w1v[U];
@@ -424,9 +438,15 @@ __global__ void __launch_bounds__(MV_WARPS * 32, 2) gemv_x_kernel(mm_mat_args a,
     }
     asm volatile("griddepcontrol.wait;\n" ::: "memory");
     mm_tile tile;
-    const void *wv;
-    if (!block_tile<GROUPED, 8>(a.w0, a.wg, a.offs, a.n_experts, a.n_rows, &tile, &wv))
-        return;
+    const void *wv = a.w0;
+    if (GROUPED) {
+        if (!block_tile<GROUPED, 8>(a.w0, a.wg, a.offs, a.n_experts, a.n_rows, &tile, &wv))
+            return;
+    } else {
+        tile.e = 0;
+        tile.m0 = (int)(blockIdx.x % ty) * 8;
+        tile.mlen = min(8, a.n_rows - tile.m0);
+    }
     if (GROUPED && r0 < a.n_out && wit < S) {
         set_rows(wv);
         load_round(wit * sl, min(a.n_in, (wit + 1) * sl));
@@ -485,7 +505,7 @@ __global__ void __launch_bounds__(MV_WARPS * 32, 2) gemv_x_kernel(mm_mat_args a,
     __syncthreads();
     for (int i = threadIdx.x; i < tpb * 16 * 8; i += MV_WARPS * 32) {
         const int tl = i / (16 * 8), rem = i % (16 * 8);
-        const int o = (blockIdx.x * tpb + tl) * 16 + rem / 8, tok = rem % 8;
+        const int o = (bx * tpb + tl) * 16 + rem / 8, tok = rem % 8;
         if (o >= a.n_out || tok >= tile.mlen)
             continue;
         float v = 0.0f;
@@ -1075,7 +1095,7 @@ static mm_err launch_wg(cudaStream_t st, const mm_mat_args &a, bool *ran) {
 // tile, at most n_rows), or 0 when v2 does not take it (more rows per tile, a row too long for
 // MV2_SMEM_MAX, or v2 switched off).
 static size_t gemv_x_smem(const mm_mat_args &a, int per_tile_rows) {
-    if (g_gemv_version < 2 || per_tile_rows > 8)
+    if (g_gemv_version < 2 || per_tile_rows > 8 || (a.wg != NULL && per_tile_rows > MV2_GROUPED_ROWS))
         return 0;
     const size_t rows = (size_t)min(8, a.n_rows);
     const size_t bytes = rows * (size_t)mv2_ldx(a.n_in) * 2;
@@ -1104,10 +1124,21 @@ static mm_err launch(cudaStream_t st, int path, int dtype, mm_mat_args a, int pe
         cfg.stream = st;
         cfg.attrs = attr;
         cfg.numAttrs = g_pdl ? 1 : 0;
-        const size_t xs_bytes = gemv_x_smem(a, per_tile_rows);
-        if (xs_bytes > 0) { // GEMV v2 (same bits)
+        const size_t xs_bytes = gemv_x_smem(a, GROUPED ? per_tile_rows : min(per_tile_rows, 8));
+        if (xs_bytes > 0 && (GROUPED || a.n_rows <= MV2_DENSE_ROWS)) { // GEMV v2 (same bits)
+            const int ty = GROUPED ? 1 : (a.n_rows + 7) / 8; // dense: 8-row tiles along x
+            cfg.gridDim = GROUPED ? dim3(grid.x, tiles(8)) : dim3(grid.x * ty, 1);
             cfg.dynamicSmemBytes = xs_bytes;
-            MM_GPU_CHECK(cudaLaunchKernelEx(&cfg, gemv_x_kernel<GROUPED>, a, wpt));
+            static uint64_t attr_set; // harmlessly racy, as for the GEMM tiles
+            int dev = 0;
+            MM_GPU_CHECK(cudaGetDevice(&dev));
+            if (!(attr_set & (1ull << (dev & 63)))) {
+                MM_GPU_CHECK(cudaFuncSetAttribute(gemv_x_kernel<GROUPED>,
+                                                  cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                  MV2_SMEM_MAX));
+                attr_set |= 1ull << (dev & 63);
+            }
+            MM_GPU_CHECK(cudaLaunchKernelEx(&cfg, gemv_x_kernel<GROUPED>, a, wpt, ty));
             return MM_OK;
         }
         if (a.x_idx || a.y_idx || a.x_up)
@@ -1179,10 +1210,16 @@ static int default_path(int dtype, int rows_per_tile) {
     return rows_per_tile <= 32 ? MM_GPU_PATH_GEMV : MM_GPU_PATH_MMA;
 }
 
-// default_path, with the wgmma tiles for prefill where this device and shape allow them.
+// default_path, with the wgmma tiles for prefill where this device and shape allow them, and
+// GEMV v2 for dense products of up to MV2_DENSE_ROWS rows whose weights are at most
+// MV2_DENSE_W_MAX (batch-64 decode: o_proj, q/k/v, router; not the LM head).
 static int auto_path(int dtype, int rows_per_tile, const mm_mat_args &a) {
-    const int p = default_path(dtype, rows_per_tile);
+    int p = default_path(dtype, rows_per_tile);
 #if MM_GPU_HAVE_WMMA
+    if (p == MM_GPU_PATH_MMA && a.wg == NULL && g_gemv_version >= 2 &&
+        a.n_rows <= MV2_DENSE_ROWS && (long long)a.n_out * a.n_in * 2 <= MV2_DENSE_W_MAX &&
+        gemv_x_smem(a, 8) > 0)
+        p = MM_GPU_PATH_GEMV;
     if (p == MM_GPU_PATH_MMA && wg_usable(a))
         return MM_GPU_PATH_WG;
 #else

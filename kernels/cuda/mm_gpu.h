@@ -123,6 +123,10 @@ mm_err mm_gpu_add_rmsnorm(void *stream, const float *d_a, int64_t as, float *d_h
 mm_err mm_gpu_rope(void *stream, const struct mm_rope_args *a);
 mm_err mm_gpu_kv_store(void *stream, const struct mm_kv_store_args *a, int *d_err);
 mm_err mm_gpu_attention(void *stream, const struct mm_attn_args *a, int *d_err);
+// mm_gpu_set_attention_sv: decode-sized attention (few (row, head) blocks, head_dim_v <= 128)
+// stages each chunk's values in shared memory by cp.async (on; CUDA) or not (default: measured
+// slower, ops.cu). Same bits. Process-wide.
+void mm_gpu_set_attention_sv(int on);
 mm_err mm_gpu_embed(void *stream, const mm_weight *t, const int32_t *d_ids, int64_t n_rows,
                     float *d_out, int64_t os, int *d_err);
 mm_err mm_gpu_swiglu(void *stream, const float *d_g, int64_t gs, const float *d_u, int64_t us,

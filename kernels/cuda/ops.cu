@@ -84,10 +84,21 @@ __device__ __forceinline__ void early_launch(int on) {
 #define RMS_MAX_DIM 8192
 
 // The norm of a row already in shared memory (xsh, dim), written to yr: the sum of squares in
-// one warp in the lane-strided order, then every thread scales its elements. Shared by
-// rmsnorm_row_kernel and add_rmsnorm_kernel, so both have the warp kernel's bits.
+// one warp in the lane-strided order, then every thread scales its elements by its weights wv
+// (rms_load_w). Shared by rmsnorm_row_kernel and add_rmsnorm_kernel, so both have the warp
+// kernel's bits.
+// This thread's weights (elements threadIdx.x + i * RMS_THREADS), loaded before the row so
+// that both are in flight together.
 template <int DT>
-__device__ __forceinline__ void rms_from_shared(const float *xsh, const void *w, int dim, float eps,
+__device__ __forceinline__ void rms_load_w(const void *w, int dim, float wv[RMS_MAX_DIM / RMS_THREADS]) {
+#pragma unroll
+    for (int i = 0; i < RMS_MAX_DIM / RMS_THREADS; i++) {
+        const int k = threadIdx.x + i * RMS_THREADS;
+        wv[i] = k < dim ? wload<DT>(w, k) : 0.0f;
+    }
+}
+
+__device__ __forceinline__ void rms_from_shared(const float *xsh, const float *wv, int dim, float eps,
                                                 float *yr) {
     __shared__ float rs_sh;
     __syncthreads();
@@ -103,8 +114,12 @@ __device__ __forceinline__ void rms_from_shared(const float *xsh, const void *w,
     }
     __syncthreads();
     const float rs = rs_sh;
-    for (int k = threadIdx.x; k < dim; k += RMS_THREADS)
-        yr[k] = wload<DT>(w, k) * (xsh[k] * rs);
+#pragma unroll
+    for (int i = 0; i < RMS_MAX_DIM / RMS_THREADS; i++) {
+        const int k = threadIdx.x + i * RMS_THREADS;
+        if (k < dim)
+            yr[k] = wv[i] * (xsh[k] * rs);
+    }
 }
 
 template <int DT>
@@ -113,11 +128,13 @@ __global__ void __launch_bounds__(RMS_THREADS) rmsnorm_row_kernel(const void *w,
                                                                   float *y, int64_t ys, int early) {
     extern __shared__ float xsh[]; // dim
     early_launch(early);
+    float wv[RMS_MAX_DIM / RMS_THREADS];
+    rms_load_w<DT>(w, dim, wv);
     const int64_t r = blockIdx.x;
     const float *xr = x + r * xs;
     for (int k = threadIdx.x; k < dim; k += RMS_THREADS)
         xsh[k] = xr[k];
-    rms_from_shared<DT>(xsh, w, dim, eps, y + r * ys);
+    rms_from_shared(xsh, wv, dim, eps, y + r * ys);
 }
 
 // add_rmsnorm (kernels.h): h += a (axpy's one rounded add per element), then the row's norm
@@ -129,6 +146,8 @@ __global__ void __launch_bounds__(RMS_THREADS) add_rmsnorm_kernel(const float *a
                                                                   float *y, int64_t ys, int early) {
     extern __shared__ float xsh[]; // dim
     early_launch(early);
+    float wv[RMS_MAX_DIM / RMS_THREADS];
+    rms_load_w<DT>(w, dim, wv);
     const int64_t r = blockIdx.x;
     const float *ar = a + r * as;
     float *hr = h + r * hs;
@@ -137,7 +156,7 @@ __global__ void __launch_bounds__(RMS_THREADS) add_rmsnorm_kernel(const float *a
         hr[k] = v;
         xsh[k] = v;
     }
-    rms_from_shared<DT>(xsh, w, dim, eps, y + r * ys);
+    rms_from_shared(xsh, wv, dim, eps, y + r * ys);
 }
 
 template <int DT>
@@ -387,16 +406,49 @@ extern "C" mm_err mm_gpu_kv_store(void *stream, const struct mm_kv_store_args *a
 #define ATT_K_VEC_DEF 16
 #define ATT_V_KEYS_DEF 32
 
-// One block per (row, head). Dynamic shared: q (dk) + scores (ATT_CHUNK).
-template <int ATT_K_VEC, int ATT_V_KEYS>
+// Decode form (SV, CUDA; off unless mm_gpu_set_attention_sv(1)): a chunk's values are copied
+// into shared memory by cp.async, issued right after the chunk's slots are known, so they
+// arrive while the scores are computed; the value sums then read shared memory. Same fmaf
+// sequence, same conditions: the bits of the other forms (op test). For head_dim_v <=
+// ATT_SV_DV and few (row, head) blocks (64 KiB of shared memory: 3 blocks per SM). Measured
+// slower than the wider-load kernel (H200, 23:36 UTC: 28.2 us per decode call of Qwen3-30B-A3B
+// vs 22.6 in the run before, 26.1 for the earlier grouping), so it is not the default: the
+// value copies wait behind one barrier for every slot, and 32 cp.async per thread with their
+// address arithmetic delay the key loads of the scores.
+#define ATT_SV_DV 128
+#define ATT_SV_MAX_BLOCKS 264
+static int g_att_sv = 0; // mm_gpu_set_attention_sv: off, slower as measured (see above)
+
+#if MM_GPU_HAVE_WMMA
+__device__ __forceinline__ void att_cp16(void *dst, const void *src) {
+    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src));
+}
+__device__ __forceinline__ void att_cp4(void *dst, const void *src) {
+    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(d), "l"(src));
+}
+__device__ __forceinline__ void att_cp_wait(void) {
+    asm volatile("cp.async.commit_group;\n" ::);
+    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+}
+#define ATT_HAVE_SV 1
+#else
+#define ATT_HAVE_SV 0
+#endif
+
+// One block per (row, head). Dynamic shared: q (dk) + scores (ATT_CHUNK) [+ values (ATT_CHUNK x
+// dv) when SV].
+template <int ATT_K_VEC, int ATT_V_KEYS, bool SV = false>
 __global__ void __launch_bounds__(ATT_THREADS) attention_kernel(struct mm_attn_args a, int *d_err,
                                                                 int early) {
     early_launch(early);
-    extern __shared__ float sh[];
+    extern __shared__ __align__(16) float sh[];
     __shared__ const float *slots[ATT_CHUNK];
     const struct mm_kv_view &kv = a.kv;
     const int dk = kv.head_dim_k, dv = kv.head_dim_v;
     float *qs = sh, *ps = sh + dk;
+    float *vsh = sh + ((dk + ATT_CHUNK + 3) & ~3); // SV: [key][dv], 16-byte aligned
     const int64_t r = blockIdx.x;
     const int h = blockIdx.y, kvh = h / (a.n_heads / kv.n_kv_heads);
     const int32_t seq = a.row_seq[r], pos = a.row_pos[r];
@@ -423,9 +475,36 @@ __global__ void __launch_bounds__(ATT_THREADS) attention_kernel(struct mm_attn_a
         const int32_t t = c0 + threadIdx.x;
         float s = -INFINITY;
         slots[threadIdx.x] = NULL;
+        const float *k = NULL;
         if (t >= first && t <= pos) {
-            const float *k = kv_slot(kv, seq, t, d_err);
+            k = kv_slot(kv, seq, t, d_err);
             slots[threadIdx.x] = k;
+        }
+#if ATT_HAVE_SV
+        if (SV) { // every slot of the chunk known: start its values on their way
+            __syncthreads();
+            const int n_k = min(ATT_CHUNK, pos - c0 + 1);
+            const int64_t vo0 = v_off + (int64_t)kvh * dv;
+            const bool v16 = (dv & 3) == 0;
+            const int per_key = v16 ? dv / 4 : dv;
+            for (int i = threadIdx.x; i < n_k * per_key; i += ATT_THREADS) {
+                const int u = i / per_key, c = i % per_key;
+                const float *src = slots[u];
+                if (src == NULL)
+                    continue;
+                src += vo0;
+                if (!v16) {
+                    att_cp4(vsh + u * dv + c, src + c);
+                } else if (((uintptr_t)(src + 4 * c) & 15) == 0) {
+                    att_cp16(vsh + u * dv + 4 * c, src + 4 * c);
+                } else {
+                    for (int q = 0; q < 4; q++)
+                        att_cp4(vsh + u * dv + 4 * c + q, src + 4 * c + q);
+                }
+            }
+        }
+#endif
+        if (t >= first && t <= pos) {
             if (k != NULL) {
                 k += (int64_t)kvh * dk;
                 float dot = 0.0f;
@@ -458,6 +537,10 @@ __global__ void __launch_bounds__(ATT_THREADS) attention_kernel(struct mm_attn_a
         const float m_new = fmaxf(m, cmax);
         const float alpha = m == -INFINITY ? 0.0f : expf(m - m_new);
         ps[threadIdx.x] = s == -INFINITY ? 0.0f : expf(s - m_new);
+#if ATT_HAVE_SV
+        if (SV)
+            att_cp_wait(); // this thread's value copies have landed (the barrier: everyone's)
+#endif
         __syncthreads();
         const int n_t = min(ATT_CHUNK, pos - c0 + 1);
         float psum = 0.0f;
@@ -476,7 +559,7 @@ __global__ void __launch_bounds__(ATT_THREADS) attention_kernel(struct mm_attn_a
 #pragma unroll
                 for (int q = 0; q < ATT_V_KEYS; q++) {
                     const float *slot = u0 + q < n_t ? slots[u0 + q] : NULL;
-                    vv[q] = slot != NULL ? slot[vo] : 0.0f;
+                    vv[q] = slot == NULL ? 0.0f : SV ? vsh[(u0 + q) * dv + d] : slot[vo];
                 }
 #pragma unroll
                 for (int q = 0; q < ATT_V_KEYS; q++) {
@@ -510,6 +593,27 @@ static mm_err attention_launch(void *stream, const struct mm_attn_args *a, int *
         return MM_OK;
     const size_t shmem = (size_t)(a->kv.head_dim_k + ATT_CHUNK) * sizeof(float);
     dim3 grid((unsigned)a->n_rows, (unsigned)a->n_heads);
+#if ATT_HAVE_SV
+    if (!ref && g_att_sv && a->kv.head_dim_v <= ATT_SV_DV &&
+        a->n_rows * a->n_heads <= ATT_SV_MAX_BLOCKS) {
+        const size_t sv_shmem = (size_t)(((a->kv.head_dim_k + ATT_CHUNK + 3) & ~3) +
+                                         ATT_CHUNK * a->kv.head_dim_v) * sizeof(float);
+        static uint64_t attr_set; // > 48 KiB: allowed once per device (harmlessly racy)
+        int dev = 0;
+        MM_GPU_CHECK(cudaGetDevice(&dev));
+        if (!(attr_set & (1ull << (dev & 63)))) {
+            MM_GPU_CHECK(cudaFuncSetAttribute(attention_kernel<ATT_K_VEC_DEF, ATT_V_KEYS_DEF, true>,
+                                              cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                              (int)((((4096 + ATT_CHUNK + 3) & ~3) +
+                                                     ATT_CHUNK * ATT_SV_DV) * sizeof(float))));
+            attr_set |= 1ull << (dev & 63);
+        }
+        attention_kernel<ATT_K_VEC_DEF, ATT_V_KEYS_DEF, true>
+            <<<grid, ATT_THREADS, sv_shmem, (cudaStream_t)stream>>>(*a, d_err, g_early);
+        MM_GPU_CHECK(cudaGetLastError());
+        return MM_OK;
+    }
+#endif
     if (ref)
         attention_kernel<8, 16><<<grid, ATT_THREADS, shmem, (cudaStream_t)stream>>>(*a, d_err, g_early);
     else
@@ -518,6 +622,10 @@ static mm_err attention_launch(void *stream, const struct mm_attn_args *a, int *
     MM_GPU_CHECK(cudaGetLastError());
     return MM_OK;
 }
+
+// mm_gpu_set_attention_sv: the decode attention with values staged in shared memory (default
+// on) or the wider-load kernel for every shape (A/B runs; same bits). Process-wide.
+extern "C" void mm_gpu_set_attention_sv(int on) { g_att_sv = on != 0; }
 
 extern "C" mm_err mm_gpu_attention(void *stream, const struct mm_attn_args *a, int *d_err) {
     return attention_launch(stream, a, d_err, false);

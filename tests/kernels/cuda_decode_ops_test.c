@@ -33,6 +33,7 @@ extern mm_err mm_gpu_attention(void *stream, const struct mm_attn_args *a, int *
     __attribute__((weak));
 extern mm_err mm_gpu_attention_ref(void *stream, const struct mm_attn_args *a, int *d_err)
     __attribute__((weak));
+extern void mm_gpu_set_attention_sv(int on) __attribute__((weak));
 extern mm_err mm_gpu_stream_sync(void *stream) __attribute__((weak));
 extern mm_err mm_gpu_matmul(void *stream, int dtype, const void *d_w, int n_out, int n_in,
                             const float *d_bias, const float *d_x, int64_t x_stride, float *d_y,
@@ -273,8 +274,39 @@ static void attn_bits_case(int n_heads, int n_kv, int dk, int dv, int window) {
     MM_PASS(mm_gpu_stream_sync(NULL));
     float *g1 = dev_get(o1, (size_t)(n_rows * ost) * 4), *g2 = dev_get(o2, (size_t)(n_rows * ost) * 4);
     MM_TRUE(memcmp(g1, g2, (size_t)(n_rows * ost) * 4) == 0);
-    printf("attention %dh/%dkv dk %d dv %d window %d, %d rows: bits equal the earlier load "
-           "grouping\n", n_heads, n_kv, dk, dv, window, n_rows);
+    // decode-shaped: one row per sequence (its last position), few blocks: the kernel that
+    // stages values in shared memory (mm_gpu_set_attention_sv(1), not the default) and the
+    // default wider-load kernel, against the earlier grouping
+    int32_t ds[3], dp[3];
+    for (int i = 0; i < n_seqs; i++)
+        ds[i] = i, dp[i] = lens[i] - 1;
+    at.n_rows = n_seqs;
+    at.row_seq = dev_copy(ds, sizeof(ds));
+    at.row_pos = dev_copy(dp, sizeof(dp));
+    MM_PASS(gpu->ops->fill(gpu->ctx, o1, 1.0f, n_seqs * ost));
+    MM_PASS(gpu->ops->fill(gpu->ctx, o2, 2.0f, n_seqs * ost));
+    float *o3 = dev_copy(NULL, (size_t)(n_seqs * ost) * 4);
+    MM_PASS(gpu->ops->synchronize(gpu->ctx));
+    at.out = o1;
+    MM_PASS(mm_gpu_attention_ref(NULL, &at, NULL));
+    mm_gpu_set_attention_sv(1);
+    at.out = o2;
+    MM_PASS(mm_gpu_attention(NULL, &at, NULL)); // staged values (decode form)
+    mm_gpu_set_attention_sv(0);
+    at.out = o3;
+    MM_PASS(mm_gpu_attention(NULL, &at, NULL)); // wider loads, no staging (the default)
+    MM_PASS(mm_gpu_stream_sync(NULL));
+    float *d1 = dev_get(o1, (size_t)(n_seqs * ost) * 4), *d2 = dev_get(o2, (size_t)(n_seqs * ost) * 4);
+    float *d3 = dev_get(o3, (size_t)(n_seqs * ost) * 4);
+    MM_TRUE(memcmp(d1, d2, (size_t)(n_seqs * ost) * 4) == 0);
+    MM_TRUE(memcmp(d1, d3, (size_t)(n_seqs * ost) * 4) == 0);
+    printf("attention %dh/%dkv dk %d dv %d window %d, %d rows, and %d decode rows (staged "
+           "values): bits equal the earlier load grouping\n", n_heads, n_kv, dk, dv, window,
+           n_rows, n_seqs);
+    free(d1), free(d2), free(d3);
+    gpu->ops->buffer_free(gpu->ctx, o3);
+    gpu->ops->buffer_free(gpu->ctx, (void *)at.row_seq);
+    gpu->ops->buffer_free(gpu->ctx, (void *)at.row_pos);
     free(g1), free(g2), free(k), free(v), free(q), free(rs), free(rp);
     void *bufs[] = {kv.base, (void *)kv.block_tables, (void *)st.k, (void *)st.v,
                     (void *)st.row_seq, (void *)st.row_pos, (void *)at.q, o1, o2};
@@ -284,13 +316,14 @@ static void attn_bits_case(int n_heads, int n_kv, int dk, int dv, int window) {
 
 static void test_attention_bits(void) {
     open_gpu();
-    if (!mm_gpu_attention || !mm_gpu_attention_ref)
+    if (!mm_gpu_attention || !mm_gpu_attention_ref || !mm_gpu_set_attention_sv)
         MM_SKIP("attention kernels not linked");
     attn_bits_case(32, 4, 128, 128, 0); // Qwen3-30B-A3B's heads
     attn_bits_case(8, 2, 64, 64, 0);
     attn_bits_case(4, 4, 96, 64, 0);    // dk != dv, dk not a multiple of 64
     attn_bits_case(6, 3, 128, 128, 40); // sliding window
     attn_bits_case(2, 1, 36, 20, 0);    // odd small dims
+    attn_bits_case(2, 1, 36, 22, 0);    // dv not a multiple of 4: 4-byte value copies
     close_gpu();
 }
 
@@ -458,10 +491,13 @@ static void test_gemv_v2_bits(void) {
     const int dense[][4] = {{5120, 2048, 1, 0}, {4096, 2048, 3, 0}, {2048, 4096, 1, 0},
                             {2048, 4096, 8, 0}, {128, 2048, 1, 0},  {151936 / 16, 2048, 2, 0},
                             {77, 1000, 5, 1},   {130, 6000, 2, 1},  {33, 200, 7, 0},
-                            {1000, 2050, 1, 1}, {16, 8, 1, 0},      {2048, 768, 6, 1}};
+                            {1000, 2050, 1, 1}, {16, 8, 1, 0},      {2048, 768, 6, 1},
+                            // batch 64 (v2 in 8-row tiles; v1 takes the wgmma path there)
+                            {5120, 2048, 64, 0}, {2048, 4096, 64, 0}, {128, 2048, 64, 0},
+                            {2048, 4096, 17, 1}, {77, 1000, 33, 1},   {300, 2048, 40, 0}};
     for (size_t i = 0; i < sizeof(dense) / sizeof(dense[0]); i++)
         gemv_dense_case(dense[i][0], dense[i][1], dense[i][2], dense[i][3] != 0);
-    printf("dense GEMV v2 == v1 bits: %zu shapes (strided x and y, bias, 1..8 rows)\n",
+    printf("dense GEMV v2 == v1 bits: %zu shapes (strided x and y, bias, 1..64 rows)\n",
            sizeof(dense) / sizeof(dense[0]));
     const int c8[16] = {1, 0, 0, 1, 1, 0, 1, 0, 0, 1, 1, 0, 0, 0, 1, 1}; // decode: 8 of 16
     const int c13[16] = {3, 0, 1, 0, 0, 0, 2, 1, 0, 0, 4, 0, 0, 1, 0, 1}; // a 3- and a 4-row expert

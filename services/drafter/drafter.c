@@ -293,7 +293,8 @@ static struct nng_msg *on_draft(const Mmctl__DraftRequest *rq, uint64_t seq) {
             c++;
         if (s->n_kv > from + c)
             s->n_kv = from + c; // draft_batch truncates the cache to n_kv
-        memcpy(s->tok + from, q->tokens, q->n_tokens * 4);
+        if (q->n_tokens > 0) // (an empty repeated field decodes as NULL)
+            memcpy(s->tok + from, q->tokens, q->n_tokens * 4);
         s->n_commit = s->n_have = from + (int32_t)q->n_tokens;
         uint32_t k = q->k < MAX_K ? q->k : MAX_K;
         if (k == 0 || s->n_commit == 0)

@@ -410,7 +410,10 @@ static void ahead_send(mm_draft *d, const Mmctl__StepPlan *p, const uint32_t *n_
             k = (uint32_t)cap + 1;
         }
         const size_t add = (size_t)(r->len - r->dr_from) + (size_t)nd;
-        if (nq >= (size_t)d->n_t || add > 200000 || (nq > 0 && n_tok + add > CATCHUP_MAX))
+        // add 0: the drafter just answered this very history without drafts (a synchronous
+        // request; n-gram lookup found nothing): asking again would get the same nothing
+        if (add == 0 || nq >= (size_t)d->n_t || add > 200000 ||
+            (nq > 0 && n_tok + add > CATCHUP_MAX))
             continue; // catch-up bounded per request, as for synchronous requests
         // the drafts after the committed tokens (verification writes the accepted ones there
         // too; r->cap <= max_ctx - len keeps them inside the history buffer)

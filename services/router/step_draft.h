@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: MIT
 // The router's side of speculative decoding (docs/MESH.md, Drafting): it keeps each seq's
-// committed tokens, asks the drafter for proposals before a step (one DraftRequest with a
-// deadline; a dead, late or refusing drafter means this step has no drafts), chooses each seq's
+// committed tokens, asks the drafter for proposals (ahead, during the step before; or before a
+// step, waiting with a deadline; a dead, late or refusing drafter means no drafts), chooses each seq's
 // draft width from measured step times and acceptance, queues KV truncations of rejected draft
 // rows for the shards, and keeps the metrics.
 //

@@ -368,6 +368,7 @@ static void gpu_buffer_free(void *ctx, void *p) {
     if (p == NULL)
         return;
     (void)cudaSetDevice(g->dev);
+    mm_gpu_wperm_forget(p, 0); // prefill's permuted-W cache (matmul.cu): drop copies of p's weights
     // Work still queued may use p: cudaFree waits for the device, as the table requires.
     (void)cudaFree(p);
 }
@@ -380,6 +381,7 @@ static mm_err gpu_set(void *ctx, void *dst, const void *src, size_t n_bytes) {
         return MM_EINVAL;
     MM_TRY(not_capturing(g, "set"));
     ON_DEVICE();
+    mm_gpu_wperm_forget(dst, n_bytes); // prefill's permuted-W cache: a rewritten weight's copy
     // The caller may reuse src at once: small copies are staged in the pinned ring; larger
     // ones come from pageable memory (malloc, mmap'd checkpoints), and an async copy from
     // pageable memory returns only after the runtime has staged the source. Either way no

@@ -74,11 +74,14 @@ extern "C" mm_err mm_gpu_alloc(void **d_out, size_t n_bytes) {
 }
 
 extern "C" void mm_gpu_free(void *d) {
-    if (d != NULL)
+    if (d != NULL) {
+        mm_gpu_wperm_forget(d, 0); // no cached permuted copy of a weight outlives it
         (void)cudaFree(d);
+    }
 }
 
 extern "C" mm_err mm_gpu_memcpy_h2d(void *stream, void *d_dst, const void *h_src, size_t n_bytes) {
+    mm_gpu_wperm_forget(d_dst, n_bytes); // a weight rewritten: its permuted copy is stale
     MM_GPU_CHECK(cudaMemcpyAsync(d_dst, h_src, n_bytes, cudaMemcpyHostToDevice, (cudaStream_t)stream));
     return MM_OK;
 }

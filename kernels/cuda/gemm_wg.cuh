@@ -64,9 +64,11 @@ __host__ __device__ __forceinline__ int wg_perm32(int p) {
 // TILED (gemm_wp.cuh): k-block major instead, block kb (64 k) of row r at (kb * n_rows + r) * 64,
 // its 16-byte pieces already in the 128-byte swizzle (piece c at c ^ (r & 7)), so a tile of
 // rows starting at a multiple of 8 is one contiguous run in the layout wgmma reads.
+// offs (TILED, grouped products; NULL for dense): row r is swizzled by (r - offs[e]) & 7, e its
+// expert, so a grouped tile (first row offs[e] + a multiple of 8) is such a run too.
 template <bool TILED>
 __global__ void wg_convert_x_kernel(const float *x, int64_t xs, int n_rows, int n_in, uint16_t *xb,
-                                    int64_t ldx) {
+                                    int64_t ldx, const int32_t *offs = NULL, int n_experts = 0) {
     const int64_t per_row = ldx / 8, n = (int64_t)n_rows * per_row;
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
          i += (int64_t)gridDim.x * blockDim.x) {
@@ -79,7 +81,19 @@ __global__ void wg_convert_x_kernel(const float *x, int64_t xs, int n_rows, int 
             const int k = 32 * c + 8 * t + 4 * s + 2 * h;
             v[t] = pack_bf16(k < n_in ? xr[k] : 0.0f, k + 1 < n_in ? xr[k + 1] : 0.0f);
         }
-        uint16_t *dst = TILED ? xb + ((int64_t)(q >> 3) * n_rows + r) * 64 + 8 * ((q & 7) ^ (r & 7))
+        int sw = (int)(r & 7);
+        if (TILED && offs != NULL) { // the last expert whose rows start at or before r
+            int lo = 0, hi = n_experts; // offs[lo] <= r < offs[hi]
+            while (hi - lo > 1) {
+                const int mid = (lo + hi) >> 1;
+                if (offs[mid] <= r)
+                    lo = mid;
+                else
+                    hi = mid;
+            }
+            sw = (int)((r - offs[lo]) & 7);
+        }
+        uint16_t *dst = TILED ? xb + ((int64_t)(q >> 3) * n_rows + r) * 64 + 8 * ((q & 7) ^ sw)
                               : xb + r * ldx + 8 * (int64_t)q;
         *(uint4 *)dst = make_uint4(v[0], v[1], v[2], v[3]);
     }

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: MIT
 // Prefill GEMM on wgmma with warp specialisation (sm_90a), included by matmul.cu after
-// gemm_wg.cuh (whose helpers, wg_perm32 order and descriptors it shares). Dense products only.
+// gemm_wg.cuh (whose helpers, wg_perm32 order and descriptors it shares). gemm_wp: dense
+// products only; gemm_ws: dense and grouped (variants 19, 20).
 // Two kernels: gemm_wp_kernel (W from registers, variants 8-10, below) and gemm_ws_kernel (both
 // operands from shared memory by bulk copies, variants 11-18, further down; 14 and 13 are the
 // dense defaults: kernels/cuda/bench/NOTES.md versions 7 and 8).
@@ -356,7 +357,17 @@ __global__ void __launch_bounds__(WP_THREADS, 1) gemm_wp_kernel(mm_wg_args a, co
 // with drains; persistent 399 (the dense default from 4096 rows).
 // W workspace (wg_convert_w_kernel): k block kb (64 k) of output row r at (kb * n_out + r) * 64
 // elements, its 16-byte pieces at c ^ (r & 7), slots permuted per 32-chunk, zeros past n_in.
-__global__ void wg_convert_w_kernel(const uint16_t *w, int n_out, int n_in, uint16_t *wb, int64_t ldx) {
+// Grouped (wg != NULL): expert blockIdx.y's matrix wg[e] into wb + e * n_out * ldx; experts
+// without rows (offs) or without a matrix are skipped (their tiles are never run).
+__global__ void wg_convert_w_kernel(const uint16_t *w, int n_out, int n_in, uint16_t *wb, int64_t ldx,
+                                    const void *const *wg = NULL, const int32_t *offs = NULL) {
+    if (wg != NULL) {
+        const int e = blockIdx.y;
+        w = (const uint16_t *)wg[e];
+        if (w == NULL || offs[e + 1] <= offs[e])
+            return;
+        wb += (int64_t)e * n_out * ldx;
+    }
     const int64_t per_row = ldx / 8, n = (int64_t)n_out * per_row;
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
          i += (int64_t)gridDim.x * blockDim.x) {
@@ -385,7 +396,13 @@ __host__ __device__ constexpr int ws_smem_bytes(int bn, int st) {
 // grid: one tile per block when the grid has one block per tile, persistent when it has one
 // block per SM (the producer then fills the next tile's stages while the consumers store the
 // last one's outputs). Stage uses are counted across tiles for the ring's slots and parities.
-template <int BN, int ST, bool DUAL, bool LAG>
+// GROUPED: token tile ty (tile / tiles_n) is the ty-th BN-row tile over the experts in order
+// (mm_tile_find over a.offs, done by every warp on its own, so no block barrier per tile: the
+// producer warp and each consumer warp find the same tile); tiles past the real count, or of
+// an expert without a matrix, are skipped by all warps alike (no stage use). Expert e's W is
+// at wb + e * n_out * ldx; x rows are swizzled relative to their expert's first row
+// (wg_convert_x_kernel's offs), and every tile starts at that row + a multiple of BN.
+template <int BN, int ST, bool DUAL, bool LAG, bool GROUPED = false>
 __global__ void __launch_bounds__(WS_THREADS, 1) gemm_ws_kernel(mm_wg_args a, const uint16_t *wb) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     extern __shared__ __align__(1024) unsigned char ws_smem_raw[];
@@ -393,9 +410,26 @@ __global__ void __launch_bounds__(WS_THREADS, 1) gemm_ws_kernel(mm_wg_args a, co
     const uint32_t raw = (uint32_t)__cvta_generic_to_shared(ws_smem_raw);
     const uint32_t sbase = (raw + 1023u) & ~1023u;
     const uint32_t full0 = sbase + ST * SB, empty0 = full0 + 8 * ST;
-    const int tiles_n = (a.n_out + 127) / 128, n_tiles = tiles_n * ((a.n_rows + BN - 1) / BN);
+    const int tiles_n = (a.n_out + 127) / 128;
+    const int tiles_y = GROUPED ? a.n_rows / BN + min(a.n_experts, a.n_rows) : (a.n_rows + BN - 1) / BN;
+    const int n_tiles = tiles_n * tiles_y;
     const int n_k = (a.n_in + 63) / 64;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    // The tile's first output, first row, rows and W; false: no such tile (grouped). Grouped:
+    // called by whole warps (mm_tile_find).
+    auto tile_at = [&](int tile, int &n0, int &m0, int &mlen, const uint16_t *&wt) -> bool {
+        n0 = tile % tiles_n * 128;
+        if constexpr (GROUPED) {
+            const mm_tile t = mm_tile_find(a.offs, a.n_experts, BN, tile / tiles_n);
+            m0 = t.m0, mlen = t.mlen;
+            wt = wb + (size_t)t.e * a.n_out * a.ldx;
+            return t.mlen > 0 && a.wg[t.e] != NULL;
+        } else {
+            m0 = tile / tiles_n * BN, mlen = min(BN, a.n_rows - m0);
+            wt = wb;
+            return true;
+        }
+    };
     if (tid == 0) {
         for (int s = 0; s < ST; s++) {
             wp_bar_init(full0 + 8 * s, 1);  // the producer's expect_tx arrival
@@ -406,20 +440,27 @@ __global__ void __launch_bounds__(WS_THREADS, 1) gemm_ws_kernel(mm_wg_args a, co
     __syncthreads();
     if (warp >= 8) { // producer
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
-        if (warp == 8 && lane == 0) {
+        // dense: lane 0 of warp 8 alone; grouped: all of warp 8 (the tile lookup is a warp
+        // scan), lane 0 issuing
+        if (warp == 8 && (GROUPED || lane == 0)) {
             int u = 0; // stage uses so far
             for (int tile = blockIdx.x; tile < n_tiles; tile += gridDim.x) {
-                const int n0 = tile % tiles_n * 128, m0 = tile / tiles_n * BN;
-                const uint32_t xbytes = (uint32_t)min(BN, a.n_rows - m0) * 128;
+                int n0, m0, mlen;
+                const uint16_t *wt;
+                if (!tile_at(tile, n0, m0, mlen, wt))
+                    continue;
+                const uint32_t xbytes = (uint32_t)mlen * 128;
                 const uint32_t wbytes = (uint32_t)min(128, a.n_out - n0) * 128;
                 for (int kt = 0; kt < n_k; kt++, u++) {
                     const int s = u % ST;
                     if (u >= ST)
                         wp_bar_wait(empty0 + 8 * s, (uint32_t)((u / ST - 1) & 1));
-                    const uint32_t full = full0 + 8 * s, st = sbase + s * SB;
-                    wp_bar_expect(full, wbytes + xbytes);
-                    wp_bulk(st, wb + ((size_t)kt * a.n_out + n0) * 64, wbytes, full);
-                    wp_bulk(st + WB, a.xb + ((size_t)kt * a.n_rows + m0) * 64, xbytes, full);
+                    if (lane == 0) {
+                        const uint32_t full = full0 + 8 * s, st = sbase + s * SB;
+                        wp_bar_expect(full, wbytes + xbytes);
+                        wp_bulk(st, wt + ((size_t)kt * a.n_out + n0) * 64, wbytes, full);
+                        wp_bulk(st + WB, a.xb + ((size_t)kt * a.n_rows + m0) * 64, xbytes, full);
+                    }
                 }
             }
         }
@@ -466,8 +507,12 @@ __global__ void __launch_bounds__(WS_THREADS, 1) gemm_ws_kernel(mm_wg_args a, co
             if (lag && wgi == 0 && ch == 3)
                 asm volatile("bar.arrive 1, 256;\n" ::: "memory");
         };
-        for (int tile = blockIdx.x; tile < n_tiles; tile += gridDim.x, u0 += n_k) {
-            const int n0 = tile % tiles_n * 128, m0 = tile / tiles_n * BN, mlen = min(BN, a.n_rows - m0);
+        for (int tile = blockIdx.x; tile < n_tiles; tile += gridDim.x) {
+            int n0, m0, mlen;
+            const uint16_t *wt;
+            if (!tile_at(tile, n0, m0, mlen, wt))
+                continue; // grouped: no stage use
+            (void)wt;
             if (lag && wgi == 1)
                 asm volatile("bar.sync 1, 256;\n" ::: "memory");
 #pragma unroll
@@ -573,6 +618,7 @@ __global__ void __launch_bounds__(WS_THREADS, 1) gemm_ws_kernel(mm_wg_args a, co
                         }
                     }
             }
+            u0 += n_k;
         }
     }
 #else

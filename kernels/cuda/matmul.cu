@@ -21,7 +21,11 @@
 // - Prefill on sm_90 (H100/H200) runs on wgmma (gemm_wg.cuh): x converted once per product
 //   into a stream-ordered bf16 workspace with the k slots permuted so that each k16 wgmma sums
 //   the products one GEMV mma sums. Other CUDA parts, or no workspace memory, take the
-//   mma.sync tiles. No TMA yet (cp.async rings); x is rounded to bf16 on every CUDA path.
+//   mma.sync tiles. x is rounded to bf16 on every CUDA path. The dense default from 128 rows,
+//   and grouped products with >= 128 rows per expert, run gemm_ws (gemm_wp.cuh): W permuted
+//   into a workspace (dense weights: kept in a bounded cache, MM_GPU_WPERM_MB), both operands
+//   by bulk copies (cp.async.bulk) from a producer warpgroup; gemm_wp's variant 9 takes W by TMA.
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -963,37 +967,251 @@ static int ws_auto_variant(const mm_mat_args &a) {
     return 4;
 }
 
+// AUTO's grouped variant: gemm_ws grouped and persistent (20) when the experts hold >= 128
+// rows each on average (a 4K-token prefill: ~256), so that permuting every expert's W once per
+// product (one pass over the layer's expert weights) is repaid, and that workspace stays under
+// WS_GROUPED_W_MAX; else gemm_wg 128 x 128 (2), which permutes W on its way into shared memory.
+#define WS_GROUPED_W_MAX (2048ull << 20)
+static int ws_auto_grouped(const mm_mat_args &a, int64_t ldx) {
+    const int active = min(a.n_experts, a.n_rows);
+    const size_t wbytes = (size_t)a.n_experts * (size_t)a.n_out * (size_t)ldx * 2;
+    return a.n_rows / active >= 128 && wbytes <= WS_GROUPED_W_MAX ? 20 : 2;
+}
+
 // gemm_ws (gemm_wp.cuh): W permuted into a workspace, both operands by bulk copies, BN tokens,
 // ST stages, two running accumulators (DUAL) or a drain at each segment end; PERSIST: one
 // block per SM walking the tiles, else one block per tile; LAG: warpgroup 1 a tile behind by
 // two stages.
-template <int BN, int ST, bool DUAL, bool PERSIST = false, bool LAG = false>
+// GROUPED: tiles over (token tile of an expert, output tile); wb holds every expert's W.
+template <int BN, int ST, bool DUAL, bool PERSIST = false, bool LAG = false, bool GROUPED = false>
 static mm_err launch_ws_kernel(cudaStream_t st, const mm_wg_args &w, const uint16_t *wb, uint64_t bit) {
     static uint64_t attr_set;
     static int sms[64];
     int dev = 0;
     MM_GPU_CHECK(cudaGetDevice(&dev));
     if (!(attr_set & bit)) {
-        MM_GPU_CHECK(cudaFuncSetAttribute(gemm_ws_kernel<BN, ST, DUAL, LAG>,
+        MM_GPU_CHECK(cudaFuncSetAttribute(gemm_ws_kernel<BN, ST, DUAL, LAG, GROUPED>,
                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
                                           ws_smem_bytes(BN, ST)));
         MM_GPU_CHECK(cudaDeviceGetAttribute(&sms[dev & 63], cudaDevAttrMultiProcessorCount, dev));
         attr_set |= bit;
     }
-    const unsigned tiles = mm_div_up(w.n_out, 128) * mm_div_up(w.n_rows, BN);
+    const unsigned tiles_y = GROUPED ? (unsigned)(w.n_rows / BN + min(w.n_experts, w.n_rows))
+                                     : mm_div_up(w.n_rows, BN);
+    const unsigned tiles = mm_div_up(w.n_out, 128) * tiles_y;
     const unsigned sm = (unsigned)(sms[dev & 63] > 0 ? sms[dev & 63] : 1);
     const unsigned grid = PERSIST && tiles > sm ? sm : tiles;
-    gemm_ws_kernel<BN, ST, DUAL, LAG><<<grid, WS_THREADS, ws_smem_bytes(BN, ST), st>>>(w, wb);
+    gemm_ws_kernel<BN, ST, DUAL, LAG, GROUPED><<<grid, WS_THREADS, ws_smem_bytes(BN, ST), st>>>(w, wb);
     MM_GPU_CHECK(cudaGetLastError());
     return MM_OK;
 }
 
+// ---- permuted-W cache (dense weights of the gemm_ws variants) ----------------------------------
+// gemm_ws reads W from a permuted copy (wg_convert_w_kernel: ~10 us per 16.8 MB, every
+// product). The dense weights see every prefill, so their copies are kept: built on a
+// weight's first gemm_ws product, keyed by (device, W, n_out, n_in), read by later products.
+// Bound: MM_GPU_WPERM_MB (default 10% of the device's memory; 0: no cache); a weight whose copy
+// does not fit is not cached (its products permute W per product, as before): no eviction, so
+// a model larger than the bound cannot make every product rebuild. A copy is the same bytes
+// the per-product workspace would hold, so cached or not the bits are the same.
+// Staleness: a copy is dropped when its weight's bytes may change: mm_gpu_wperm_forget from the
+// backend's `set` (any host write into the range) and buffer_free, and from mm_gpu_free and
+// mm_gpu_memcpy_h2d. Weights written by other means (a kernel, a peer copy) must be forgotten
+// by the writer. Grouped products are not cached (their tables can be rewritten in place by
+// the backend's staging ring). Thread-safe (one mutex; the lookup is a short list walk).
+struct wperm_entry {
+    int dev;
+    const void *w;
+    int n_out, n_in;
+    size_t bytes;  // of the copy
+    uint16_t *wb;  // owned (cudaMalloc)
+    cudaEvent_t ev; // recorded after the copy was written, on st
+    cudaStream_t st;
+};
+static pthread_mutex_t g_wp_mu = PTHREAD_MUTEX_INITIALIZER;
+static wperm_entry *g_wp;
+static int g_wp_n, g_wp_cap;
+static size_t g_wp_used;
+static long long g_wp_mb = -2; // -2: not read yet; -1: default; else MiB (mm_gpu_set_wperm_mb)
+static int g_wp_count;         // entries, read without the lock for the empty fast path
+
+// The bound in bytes for device dev (call with the lock held).
+static size_t wperm_limit(int dev) {
+    if (g_wp_mb == -2) {
+        g_wp_mb = -1;
+        const char *e = getenv("MM_GPU_WPERM_MB");
+        if (e != NULL && e[0] != '\0') {
+            char *end = NULL;
+            const long long v = strtoll(e, &end, 10);
+            if (end == e || *end != '\0' || v < 0)
+                mm_log_error("gpu: MM_GPU_WPERM_MB=%s is not a number of MiB >= 0; using the "
+                             "default (10%% of device memory)", e);
+            else
+                g_wp_mb = v;
+        }
+    }
+    if (g_wp_mb >= 0)
+        return (size_t)g_wp_mb << 20;
+    size_t total = 0;
+    cudaDeviceProp pr;
+    if (cudaGetDeviceProperties(&pr, dev) == cudaSuccess)
+        total = pr.totalGlobalMem;
+    else
+        (void)cudaGetLastError();
+    return total / 10;
+}
+
+static void wperm_drop(int i) { // lock held
+    (void)cudaFree(g_wp[i].wb);
+    (void)cudaEventDestroy(g_wp[i].ev);
+    g_wp_used -= g_wp[i].bytes;
+    g_wp[i] = g_wp[--g_wp_n];
+    __atomic_store_n(&g_wp_count, g_wp_n, __ATOMIC_RELEASE);
+}
+
+// The cached permuted copy of a's dense W (ldx per row), building it on stream st when it is
+// not there and fits the bound; NULL: not cached (the caller permutes into its workspace).
+static const uint16_t *wperm_get(cudaStream_t st, const mm_mat_args &a, int64_t ldx) {
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return NULL;
+    }
+    pthread_mutex_lock(&g_wp_mu);
+    const uint16_t *out = NULL;
+    for (int i = 0; i < g_wp_n; i++) {
+        wperm_entry &e = g_wp[i];
+        if (e.dev == dev && e.w == a.w0 && e.n_out == a.n_out && e.n_in == a.n_in) {
+            if (e.st != st && cudaStreamWaitEvent(st, e.ev, 0) != cudaSuccess) {
+                (void)cudaGetLastError();
+                break; // not known to be written for this stream: do not use it
+            }
+            out = e.wb;
+            break;
+        }
+    }
+    const size_t bytes = (size_t)a.n_out * (size_t)ldx * 2;
+    bool room = out == NULL && g_wp_used + bytes <= wperm_limit(dev);
+    if (room && g_wp_n == g_wp_cap) {
+        const int cap = g_wp_cap ? 2 * g_wp_cap : 64;
+        wperm_entry *n = (wperm_entry *)realloc(g_wp, (size_t)cap * sizeof(*n));
+        if (n != NULL)
+            g_wp = n, g_wp_cap = cap;
+        room = n != NULL;
+    }
+    if (room) {
+        wperm_entry e = {dev, a.w0, a.n_out, a.n_in, bytes, NULL, NULL, st};
+        if (cudaMalloc((void **)&e.wb, bytes) != cudaSuccess) {
+            (void)cudaGetLastError(); // no memory for it: permute per product
+            e.wb = NULL;
+        } else if (cudaEventCreateWithFlags(&e.ev, cudaEventDisableTiming) != cudaSuccess) {
+            (void)cudaGetLastError();
+            (void)cudaFree(e.wb);
+            e.wb = NULL;
+        }
+        if (e.wb != NULL) {
+            const int64_t wp = (int64_t)a.n_out * (ldx / 8), wcb = (wp + 255) / 256;
+            wg_convert_w_kernel<<<(unsigned)(wcb < 132 * 16 ? wcb : 132 * 16), 256, 0, st>>>(
+                (const uint16_t *)a.w0, a.n_out, a.n_in, e.wb, ldx);
+            if (cudaGetLastError() != cudaSuccess || cudaEventRecord(e.ev, st) != cudaSuccess) {
+                (void)cudaGetLastError();
+                (void)cudaEventDestroy(e.ev);
+                (void)cudaFree(e.wb);
+            } else {
+                g_wp[g_wp_n++] = e;
+                g_wp_used += bytes;
+                __atomic_store_n(&g_wp_count, g_wp_n, __ATOMIC_RELEASE);
+                out = e.wb;
+            }
+        }
+    }
+    pthread_mutex_unlock(&g_wp_mu);
+    return out;
+}
+#endif // MM_GPU_HAVE_WMMA
+
+// cuMemGetAddressRange through the runtime's driver entry points (no -lcuda), for the range of
+// the allocation a freed pointer starts.
+typedef int (*mm_range_fn)(unsigned long long *base, size_t *size, unsigned long long ptr);
+#if MM_GPU_HAVE_WMMA
+static mm_range_fn wperm_range_fn(void) {
+    static mm_range_fn fn;
+    static int tried;
+    if (!tried) {
+        void *p = NULL;
+        cudaDriverEntryPointQueryResult q;
+        if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &p, 3020, cudaEnableDefault,
+                                             &q) == cudaSuccess && q == cudaDriverEntryPointSuccess)
+            fn = (mm_range_fn)p;
+        else
+            (void)cudaGetLastError();
+        tried = 1;
+    }
+    return fn;
+}
+#endif
+
+extern "C" void mm_gpu_wperm_forget(const void *d_ptr, size_t n_bytes) {
+#if MM_GPU_HAVE_WMMA
+    if (d_ptr == NULL || __atomic_load_n(&g_wp_count, __ATOMIC_ACQUIRE) == 0)
+        return;
+    uintptr_t lo = (uintptr_t)d_ptr, hi = lo + n_bytes;
+    if (n_bytes == 0) { // the allocation d_ptr is in (a free): its range, else everything
+        unsigned long long base = 0;
+        size_t size = 0;
+        mm_range_fn fn = wperm_range_fn();
+        if (fn != NULL && fn(&base, &size, (unsigned long long)lo) == 0)
+            lo = (uintptr_t)base, hi = lo + size;
+        else
+            lo = 0, hi = UINTPTR_MAX;
+    }
+    pthread_mutex_lock(&g_wp_mu);
+    for (int i = 0; i < g_wp_n;) {
+        const uintptr_t w = (uintptr_t)g_wp[i].w;
+        const uintptr_t we = w + (size_t)g_wp[i].n_out * (size_t)g_wp[i].n_in * 2;
+        if (w < hi && lo < we)
+            wperm_drop(i);
+        else
+            i++;
+    }
+    pthread_mutex_unlock(&g_wp_mu);
+#else
+    (void)d_ptr, (void)n_bytes;
+#endif
+}
+
+extern "C" void mm_gpu_set_wperm_mb(long long mb) {
+#if MM_GPU_HAVE_WMMA
+    pthread_mutex_lock(&g_wp_mu);
+    g_wp_mb = mb < 0 ? -2 : mb;
+    if (mb == 0)
+        while (g_wp_n > 0)
+            wperm_drop(g_wp_n - 1);
+    pthread_mutex_unlock(&g_wp_mu);
+#else
+    (void)mb;
+#endif
+}
+
+extern "C" size_t mm_gpu_wperm_bytes(void) {
+#if MM_GPU_HAVE_WMMA
+    pthread_mutex_lock(&g_wp_mu);
+    const size_t b = g_wp_used;
+    pthread_mutex_unlock(&g_wp_mu);
+    return b;
+#else
+    return 0;
+#endif
+}
+
+#if MM_GPU_HAVE_WMMA
 // Converts x into a stream-ordered workspace (bf16, permuted; gemm_wg.cuh) and runs the
 // wgmma tiles. *ran is false, with MM_OK, when the workspace could not be had or the stream is
 // capturing: the caller then takes the mma.sync path, which gives the same bits. The workspace comes from the
 // device's default memory pool (cudaMallocAsync, released with cudaFreeAsync on the same
-// stream), which keeps up to 512 MiB reserved between products so that steady-state
-// prefill does not map memory.
+// stream), which keeps up to 1 GiB reserved between products so that steady-state
+// prefill does not map memory (a grouped gemm_ws product of a 4K prefill takes ~0.95 GB: x and
+// every expert's permuted W).
 template <bool GROUPED>
 static mm_err launch_wg(cudaStream_t st, const mm_mat_args &a, bool *ran) {
     static uint64_t pool_set;
@@ -1013,7 +1231,7 @@ static mm_err launch_wg(cudaStream_t st, const mm_mat_args &a, bool *ran) {
     if (!(pool_set & bit)) {
         cudaMemPool_t pool;
         MM_GPU_CHECK(cudaDeviceGetDefaultMemPool(&pool, dev));
-        uint64_t keep = 512ull << 20;
+        uint64_t keep = 1024ull << 20;
         MM_GPU_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
         pool_set |= bit;
     }
@@ -1025,33 +1243,51 @@ static mm_err launch_wg(cudaStream_t st, const mm_mat_args &a, bool *ran) {
     // gemm_wg.cuh's 4. 11-18 (gemm_ws_kernel: W permuted into the workspace too, both operands
     // by bulk copies) take any dense product wg_usable allows; permuting W costs a pass over it
     // (~10 us for 16.8 MB).
-    int var = g_wg_tile ? g_wg_tile : GROUPED ? 2 : ws_auto_variant(a);
+    // Grouped: 19 (gemm_ws grouped, a block per tile) and 20 (the same persistent) or gemm_wg's
+    // 2-7 (ws_auto_grouped picks 20 or 2; 13 and 14 stand for 19 and 20, other dense-only
+    // variants for 2); dense: 19 and 20 stand for 13 and 14.
+    int var = g_wg_tile ? g_wg_tile : GROUPED ? ws_auto_grouped(a, ldx) : ws_auto_variant(a);
     const bool wp_ok = !GROUPED && a.n_in % 8 == 0 && aligned16(a.w0);
     if (var >= 8 && var <= 10 && !wp_ok)
         var = 4;
-    if (var >= 11 && GROUPED)
-        var = 2;
+    if (GROUPED)
+        var = var == 13 || var == 19 ? 19 : var == 14 || var == 20 ? 20 : var >= 8 ? 2 : var;
+    else if (var >= 19)
+        var = var == 19 ? 13 : 14;
     const bool tiled = var >= 8, wperm = var >= 11;
+    // dense: the cached permuted W where there is one (wperm_get builds it on first use)
+    const uint16_t *wcached = wperm && !GROUPED ? wperm_get(st, a, ldx) : NULL;
     const size_t xbytes = (size_t)a.n_rows * (size_t)ldx * 2;
-    const size_t bytes = xbytes + (wperm ? (size_t)a.n_out * (size_t)ldx * 2 : 0);
+    const size_t wbytes = wperm && wcached == NULL
+                              ? (size_t)(GROUPED ? a.n_experts : 1) * (size_t)a.n_out * (size_t)ldx * 2
+                              : 0;
     void *ws = NULL;
-    if (cudaMallocAsync(&ws, bytes, st) != cudaSuccess) {
+    if (cudaMallocAsync(&ws, xbytes + wbytes, st) != cudaSuccess) {
         (void)cudaGetLastError();
         return MM_OK;
     }
-    const uint16_t *wb = (const uint16_t *)((char *)ws + xbytes); // W workspace (wperm)
+    // W workspace (wperm): the cached copy, else after x's in the workspace
+    const uint16_t *wb = wcached ? wcached : (const uint16_t *)((char *)ws + xbytes);
     const int64_t pieces = (int64_t)a.n_rows * (ldx / 8);
     const int64_t cb = (pieces + 255) / 256;
     const unsigned cblocks = (unsigned)(cb < 132 * 16 ? cb : 132 * 16);
-    if (tiled)
-        wg_convert_x_kernel<true><<<cblocks, 256, 0, st>>>(a.x, a.x_stride, a.n_rows, a.n_in, (uint16_t *)ws, ldx);
+    if (tiled) // grouped gemm_ws: rows swizzled relative to their expert's first row
+        wg_convert_x_kernel<true><<<cblocks, 256, 0, st>>>(a.x, a.x_stride, a.n_rows, a.n_in, (uint16_t *)ws,
+                                                           ldx, GROUPED ? a.offs : NULL, a.n_experts);
     else
         wg_convert_x_kernel<false><<<cblocks, 256, 0, st>>>(a.x, a.x_stride, a.n_rows, a.n_in, (uint16_t *)ws, ldx);
     MM_GPU_CHECK(cudaGetLastError());
-    if (wperm) {
+    if (wperm && wcached == NULL) {
         const int64_t wp = (int64_t)a.n_out * (ldx / 8), wcb = (wp + 255) / 256;
-        wg_convert_w_kernel<<<(unsigned)(wcb < 132 * 16 ? wcb : 132 * 16), 256, 0, st>>>(
-            (const uint16_t *)a.w0, a.n_out, a.n_in, (uint16_t *)wb, ldx);
+        if (GROUPED) { // every expert with rows, about 16 blocks each
+            const int64_t per = (132 * 16 + a.n_experts - 1) / a.n_experts;
+            const dim3 grid((unsigned)(wcb < per ? wcb : per), (unsigned)a.n_experts);
+            wg_convert_w_kernel<<<grid, 256, 0, st>>>(NULL, a.n_out, a.n_in, (uint16_t *)wb, ldx,
+                                                      a.wg, a.offs);
+        } else {
+            wg_convert_w_kernel<<<(unsigned)(wcb < 132 * 16 ? wcb : 132 * 16), 256, 0, st>>>(
+                (const uint16_t *)a.w0, a.n_out, a.n_in, (uint16_t *)wb, ldx);
+        }
         MM_GPU_CHECK(cudaGetLastError());
     }
     mm_wg_args w = {(const uint16_t *)ws, ldx, a.w0, a.wg, a.offs, a.n_experts, a.n_rows, a.n_in,
@@ -1076,6 +1312,8 @@ static mm_err launch_wg(cudaStream_t st, const mm_mat_args &a, bool *ran) {
     case 16: rv = launch_ws_kernel<192, 5, false, false, true>(st, w, wb, bit); break;
     case 17: rv = launch_ws_kernel<192, 5, false, true, true>(st, w, wb, bit); break;
     case 18: rv = launch_ws_kernel<128, 7, true, true, true>(st, w, wb, bit); break;
+    case 19: rv = launch_ws_kernel<128, 6, true, false, false, true>(st, w, wb, bit); break;
+    case 20: rv = launch_ws_kernel<128, 6, true, true, false, true>(st, w, wb, bit); break;
     case 3: rv = launch_wg_kernel<GROUPED, 3, 128, 64, 5>(st, w, bit); break;
     case 4: rv = launch_wg_kernel<GROUPED, 2, 192, 64, 5>(st, w, bit); break;
     case 5: rv = launch_wg_kernel<GROUPED, 2, 128, 128, 3>(st, w, bit); break;
@@ -1317,7 +1555,7 @@ extern "C" void mm_gpu_set_gemv_version(int v) {
 
 extern "C" void mm_gpu_set_gemm_tile(int variant) {
 #if MM_GPU_HAVE_WMMA
-    g_wg_tile = (variant >= 2 && variant <= 18) ? variant : 0;
+    g_wg_tile = (variant >= 2 && variant <= 20) ? variant : 0;
 #else
     (void)variant;
 #endif

@@ -109,9 +109,22 @@ void mm_gpu_set_early_launch(int on);
 // operands by bulk copies from a producer warpgroup, W permuted into a workspace
 // (gemm_ws_kernel: 11 128 x 128 with drains, 12 128 x 192, 13 128 x 128 with two
 // accumulators, 14 the same persistent, 15 persistent with warpgroup 1 lagging, 16/17 12 with
-// the lag / persistent + lag, 18 15 with 7 stages); 8-18 dense only. Same bits in all. 7: a
+// the lag / persistent + lag, 18 15 with 7 stages); 8-18 dense only; 19, 20: gemm_ws for
+// grouped products (a block per tile, persistent; AUTO takes 20 from 128 rows per expert;
+// dense products take 13, 14 for them). Same bits in all. 7: a
 // bench-only diagnostic without the proxy fence (racy; never for results). Process-wide.
 void mm_gpu_set_gemm_tile(int variant);
+
+// Permuted-W cache (matmul.cu): gemm_ws keeps each dense weight's permuted copy on the device,
+// built on first use, up to MM_GPU_WPERM_MB MiB (default 10% of device memory; 0: off).
+// mm_gpu_wperm_forget drops the copies of weights overlapping [d_ptr, d_ptr + n_bytes); n_bytes
+// 0: the whole allocation d_ptr is in. Whoever writes or frees device memory that may hold a
+// weight calls it first (the backend's set and buffer_free, mm_gpu_free and mm_gpu_memcpy_h2d
+// do). mm_gpu_set_wperm_mb sets the bound (-1: MM_GPU_WPERM_MB / default again; 0 also drops
+// every copy); mm_gpu_wperm_bytes is the memory the copies hold. Thread-safe.
+void mm_gpu_wperm_forget(const void *d_ptr, size_t n_bytes);
+void mm_gpu_set_wperm_mb(long long mb);
+size_t mm_gpu_wperm_bytes(void);
 
 // ---- row ops (kernels.h semantics; d_err: device error word set on bad indices) -----------
 mm_err mm_gpu_rmsnorm(void *stream, const mm_weight *w, float eps, const float *d_x, int64_t xs,

@@ -36,6 +36,9 @@ extern mm_err mm_gpu_matmul(void *stream, int dtype, const void *d_w, int n_out,
 // wgmma variant (2: 128 outputs x 128 tokens, 3: 192 x 128, 4: 128 x 192, 5: 128-wide k, 6: release
 // fence, 8: warp-specialised 128 x 128, 9: 8 with W by TMA, 10: 8 with W by cp.async).
 extern void mm_gpu_set_gemm_tile(int variant) __attribute__((weak));
+// The permuted-W cache of the gemm_ws path (kernels/cuda/mm_gpu.h).
+extern size_t mm_gpu_wperm_bytes(void) __attribute__((weak));
+extern void mm_gpu_set_wperm_mb(long long mb) __attribute__((weak));
 
 static mm_backend *cpu, *gpu;
 
@@ -389,6 +392,36 @@ static void moe_case(int n_experts, int n_rows, int n_in, int n_out) {
     if (memcmp(y, y_ref, (size_t)n_rows * n_out * 4) != 0)
         MM_TEST_FAIL_("grouped product (%d experts, %d rows) differs from per-expert products",
                       n_experts, n_rows);
+    // every grouped path against the grouped GEMV: the wgmma tiles (2) and gemm_ws grouped, a
+    // block per tile (19) and persistent (20); the per-expert products above ran AUTO
+    if (mm_gpu_set_gemm_tile) {
+        const int path[4] = {0, 3, 3, 3}, var[4] = {0, 2, 19, 20};
+        const char *name[4] = {"gemv", "wgmma 128x128", "gemm_ws grouped", "gemm_ws grouped persistent"};
+        float *yp[4] = {NULL};
+        for (int p = 0; p < 4; p++) {
+            MM_PASS(gpu->ops->fill(gpu->ctx, dy, NAN, (int64_t)n_rows * n_out));
+            MM_PASS(gpu->ops->synchronize(gpu->ctx));
+            mm_gpu_set_gemm_tile(var[p]);
+            const mm_err rv = mm_gpu_moe_matmul(NULL, MM_DTYPE_BF16, (const void *const *)d_wtab,
+                                                d_offs, n_experts, n_out, n_in, dx, n_in, dy,
+                                                n_out, n_rows, path[p]);
+            mm_gpu_set_gemm_tile(0);
+            if (rv == MM_EUNSUPP && path[p] == 3)
+                continue; // no wgmma on this device
+            MM_PASS(rv);
+            MM_PASS(mm_gpu_stream_sync(NULL));
+            yp[p] = gpu_get(dy, (size_t)n_rows * n_out * 4);
+        }
+        for (int p = 1; p < 4; p++)
+            if (yp[p] && bits_compare(name[p], yp[p], yp[0], n_rows, n_out, n_out))
+                MM_TEST_FAIL_("grouped %s (%d experts, %d rows, %dx%d) differs from the grouped GEMV",
+                              name[p], n_experts, n_rows, n_in, n_out);
+        if (memcmp(yp[0], y_ref, (size_t)n_rows * n_out * 4) != 0)
+            MM_TEST_FAIL_("grouped GEMV (%d experts, %d rows) differs from per-expert products",
+                          n_experts, n_rows);
+        for (int p = 0; p < 4; p++)
+            free(yp[p]);
+    }
     // the same through the backend table (host weight views and offsets)
     if (gpu->ops->moe_matmul) {
         mm_weight *wv = calloc((size_t)n_experts, sizeof(mm_weight));
@@ -426,6 +459,83 @@ static void test_moe_matmul_grouped(void) {
     moe_case(128, 512, 256, 64);  // batch 64 x top-8
     moe_case(8, 1200, 264, 136);  // prefill: many rows per expert, odd n_out
     moe_case(6, 900, 2048, 200);  // prefill, 8 k segments (wgmma tiles on sm_90)
+    // gemm_ws grouped (AUTO from 128 rows per expert): expert row counts not multiples of 8,
+    // empty experts, partial 32-chunk and odd n_out; then 16 segments, partial output tile
+    moe_case(12, 3000, 520, 300);
+    moe_case(5, 1400, 4096, 136);
+    close_backends();
+}
+
+// The permuted-W cache (gemm_ws dense weights) never serves a stale copy: a product, then the
+// weight rewritten in place (backend set) and the product again, then freed and a new weight
+// likely at the same address; each against the GEMV over the same weight.
+static void test_wperm_cache(void) {
+    open_backends();
+    if (!mm_gpu_matmul || !mm_gpu_stream_sync || !mm_gpu_wperm_bytes || !mm_gpu_set_wperm_mb ||
+        !mm_gpu_set_gemm_tile)
+        MM_SKIP("mm_gpu_matmul not linked");
+    const int n_rows = 300, n_in = 1024, n_out = 256;
+    float *x = rand_f32((size_t)n_rows * n_in, 1.0f);
+    float *dx = gpu_copy(x, (size_t)n_rows * n_in * 4);
+    float *dy = NULL, *dg = NULL;
+    MM_PASS(gpu->ops->buffer_alloc(gpu->ctx, (size_t)n_rows * n_out * 4, (void **)&dy));
+    MM_PASS(gpu->ops->buffer_alloc(gpu->ctx, (size_t)n_rows * n_out * 4, (void **)&dg));
+    void *hw = NULL;
+    (void)make_weight(MM_DTYPE_BF16, n_out, n_in, &hw);
+    void *dw = gpu_copy(hw, (size_t)n_out * n_in * 2);
+    const size_t held = mm_gpu_wperm_bytes(); // copies of other weights still alive, if any
+    bool wg = false;
+    for (int round = 0; round < 4; round++) {
+        if (round == 1 || round == 3) { // new weight bytes: in place, or in a new buffer
+            free(hw);
+            (void)make_weight(MM_DTYPE_BF16, n_out, n_in, &hw);
+            if (round == 3) {
+                gpu_free(dw);
+                dw = gpu_copy(hw, (size_t)n_out * n_in * 2);
+            } else {
+                MM_PASS(gpu->ops->set(gpu->ctx, dw, hw, (size_t)n_out * n_in * 2));
+            }
+            MM_EQ(mm_gpu_wperm_bytes(), held); // this weight's copy was dropped
+        }
+        MM_PASS(gpu->ops->synchronize(gpu->ctx));
+        mm_gpu_set_gemm_tile(14);
+        const mm_err rv = mm_gpu_matmul(NULL, MM_DTYPE_BF16, dw, n_out, n_in, NULL, dx, n_in, dy,
+                                        n_out, n_rows, 3);
+        mm_gpu_set_gemm_tile(0);
+        if (rv == MM_EUNSUPP)
+            break; // no wgmma on this device
+        MM_PASS(rv);
+        wg = true;
+        MM_PASS(mm_gpu_matmul(NULL, MM_DTYPE_BF16, dw, n_out, n_in, NULL, dx, n_in, dg, n_out,
+                              n_rows, 0));
+        MM_PASS(mm_gpu_stream_sync(NULL));
+        MM_TRUE(mm_gpu_wperm_bytes() > held); // the copy is kept (default bound: 10% of memory)
+        float *y = gpu_get(dy, (size_t)n_rows * n_out * 4), *g = gpu_get(dg, (size_t)n_rows * n_out * 4);
+        char what[64];
+        snprintf(what, sizeof(what), "gemm_ws cached W, round %d", round);
+        if (bits_compare(what, y, g, n_rows, n_out, n_out))
+            MM_TEST_FAIL_("round %d: gemm_ws with the cached W differs from the GEMV", round);
+        free(y), free(g);
+    }
+    if (wg) { // bound 0: no copy kept, same bits
+        mm_gpu_set_wperm_mb(0);
+        MM_EQ(mm_gpu_wperm_bytes(), (size_t)0);
+        mm_gpu_set_gemm_tile(14);
+        MM_PASS(mm_gpu_matmul(NULL, MM_DTYPE_BF16, dw, n_out, n_in, NULL, dx, n_in, dy, n_out,
+                              n_rows, 3));
+        mm_gpu_set_gemm_tile(0);
+        MM_PASS(mm_gpu_stream_sync(NULL));
+        MM_EQ(mm_gpu_wperm_bytes(), (size_t)0);
+        float *y = gpu_get(dy, (size_t)n_rows * n_out * 4), *g = gpu_get(dg, (size_t)n_rows * n_out * 4);
+        if (bits_compare("gemm_ws uncached W", y, g, n_rows, n_out, n_out))
+            MM_TEST_FAIL_("gemm_ws without the cache differs from the GEMV");
+        free(y), free(g);
+        mm_gpu_set_wperm_mb(-1);
+    } else {
+        printf("wgmma path not available on this device (needs compute capability 9.0)\n");
+    }
+    gpu_free(dw), gpu_free(dx), gpu_free(dy), gpu_free(dg);
+    free(hw), free(x);
     close_backends();
 }
 
@@ -766,6 +876,7 @@ MM_TESTS = {
     {"matmul row bits independent of batch", test_matmul_bits_batch_invariant},
     {"matmul paths bits equal gemv", test_matmul_paths_bits},
     {"grouped expert matmul equals per-expert", test_moe_matmul_grouped},
+    {"permuted-W cache follows weight writes", test_wperm_cache},
     {"rmsnorm vs cpu", test_rmsnorm},
     {"rope vs cpu", test_rope},
     {"kv_store and attention vs cpu", test_attention},

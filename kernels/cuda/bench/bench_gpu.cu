@@ -288,6 +288,25 @@ static void bench_layer(double copy_gbs) {
     mm_gpu_free(rows), mm_gpu_free(h), mm_gpu_free(out);
 }
 
+// Elements whose bits differ between a and b, counted on the device into *cnt.
+__global__ void count_diff(const uint32_t *a, const uint32_t *b, size_t n, unsigned long long *cnt) {
+    unsigned long long c = 0;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+        c += a[i] != b[i];
+    if (c)
+        atomicAdd(cnt, c);
+}
+static unsigned long long bits_differ(const float *a, const float *b, size_t n) {
+    unsigned long long *d = (unsigned long long *)dalloc(8), h = 0;
+    CK(cudaMemsetAsync(d, 0, 8, g_stream));
+    count_diff<<<1024, 256, 0, g_stream>>>((const uint32_t *)a, (const uint32_t *)b, n, d);
+    CK(cudaGetLastError());
+    CK(cudaMemcpyAsync(&h, d, 8, cudaMemcpyDeviceToHost, g_stream));
+    CK(cudaStreamSynchronize(g_stream));
+    mm_gpu_free(d);
+    return h;
+}
+
 // ---- grouped expert products, batch 64 and prefill ------------------------------------------------
 static void bench_moe(double copy_gbs, double peak, int n_tok, const char *tag) {
     const int D = 2048, E = 128, F = 768, TOPK = 8;
@@ -338,6 +357,34 @@ static void bench_moe(double copy_gbs, double peak, int n_tok, const char *tag) 
     double us_down = time_us([&](int) {
         MK(mm_gpu_moe_matmul(g_stream, MM_DTYPE_BF16, d_d, d_offs, E, D, F, h, F, y, D, n_rows, -1));
     }, iters);
+    if (n_tok >= 1024) { // prefill: each grouped wgmma variant, time and bits vs the grouped GEMV
+        float *h_ref = (float *)dalloc((size_t)n_rows * F * 4), *y_ref = (float *)dalloc((size_t)n_rows * D * 4);
+        MK(mm_gpu_moe_matmul(g_stream, MM_DTYPE_BF16, d_g, d_offs, E, F, D, x, D, h_ref, F, n_rows, MM_GPU_PATH_GEMV));
+        MK(mm_gpu_moe_matmul(g_stream, MM_DTYPE_BF16, d_d, d_offs, E, D, F, h_ref, F, y_ref, D, n_rows, MM_GPU_PATH_GEMV));
+        const int vars[] = {2, 19, 20};
+        const char *vn[] = {"gemm_wg 128 x 128 (W permuted into shared memory)",
+                            "gemm_ws grouped, a block per tile", "gemm_ws grouped, persistent (AUTO)"};
+        for (int i = 0; i < 3; i++) {
+            mm_gpu_set_gemm_tile(vars[i]);
+            CK(cudaMemsetAsync(h, 0xff, (size_t)n_rows * F * 4, g_stream));
+            CK(cudaMemsetAsync(y, 0xff, (size_t)n_rows * D * 4, g_stream));
+            double u1 = time_us([&](int) {
+                MK(mm_gpu_moe_matmul(g_stream, MM_DTYPE_BF16, d_g, d_offs, E, F, D, x, D, h, F, n_rows, MM_GPU_PATH_WG));
+            }, iters);
+            const unsigned long long nd1 = bits_differ(h, h_ref, (size_t)n_rows * F);
+            // down reads the GEMV's h, so its bits are compared on the same input
+            double u2 = time_us([&](int) {
+                MK(mm_gpu_moe_matmul(g_stream, MM_DTYPE_BF16, d_d, d_offs, E, D, F, h_ref, F, y, D, n_rows, MM_GPU_PATH_WG));
+            }, iters);
+            const unsigned long long nd2 = bits_differ(y, y_ref, (size_t)n_rows * D);
+            printf("%-9s variant %2d gate/up %8.1f us %6.1f TFLOP/s (%.1f%%), down %8.1f us %6.1f TFLOP/s (%.1f%%); "
+                   "bits vs grouped GEMV: %llu + %llu differ; %s\n", tag, vars[i], u1,
+                   2.0 * n_rows * F * D / u1 / 1e6, 100.0 * 2.0 * n_rows * F * D / u1 / 1e6 / peak, u2,
+                   2.0 * n_rows * F * D / u2 / 1e6, 100.0 * 2.0 * n_rows * F * D / u2 / 1e6 / peak, nd1, nd2, vn[i]);
+        }
+        mm_gpu_set_gemm_tile(0);
+        mm_gpu_free(h_ref), mm_gpu_free(y_ref);
+    }
     double us_up_mma = 0, us_down_mma = 0;
     if (n_tok >= 1024) { // prefill: the mma.sync tiles beside the default (wgmma on sm_90)
         us_up_mma = time_us([&](int) {
@@ -368,25 +415,6 @@ static void bench_moe(double copy_gbs, double peak, int n_tok, const char *tag) 
     mm_gpu_free(x), mm_gpu_free(h), mm_gpu_free(y);
 }
 
-// Elements whose bits differ between a and b, counted on the device into *cnt.
-__global__ void count_diff(const uint32_t *a, const uint32_t *b, size_t n, unsigned long long *cnt) {
-    unsigned long long c = 0;
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
-        c += a[i] != b[i];
-    if (c)
-        atomicAdd(cnt, c);
-}
-static unsigned long long bits_differ(const float *a, const float *b, size_t n) {
-    unsigned long long *d = (unsigned long long *)dalloc(8), h = 0;
-    CK(cudaMemsetAsync(d, 0, 8, g_stream));
-    count_diff<<<1024, 256, 0, g_stream>>>((const uint32_t *)a, (const uint32_t *)b, n, d);
-    CK(cudaGetLastError());
-    CK(cudaMemcpyAsync(&h, d, 8, cudaMemcpyDeviceToHost, g_stream));
-    CK(cudaStreamSynchronize(g_stream));
-    mm_gpu_free(d);
-    return h;
-}
-
 static void bench_prefill(double peak) {
     const int M = 4096;
     const shape shapes[] = {{"q_proj", 4096, 2048}, {"o_proj", 2048, 4096}, {"square 4096", 4096, 4096},
@@ -410,6 +438,7 @@ static void bench_prefill(double peak) {
                           // from a producer warpgroup (the first is the one NCU=1 profiles)
                           {MM_GPU_PATH_WG, 13, "wgmma bulk 128 x 128, two accumulators (AUTO < 4096 rows)"},
                           {MM_GPU_PATH_WG, 14, "wgmma bulk 128 x 128, two accumulators, persistent (AUTO)"},
+                          {MM_GPU_PATH_WG, -14, "the same, permuted-W cache off (W permuted per product)"},
                           {MM_GPU_PATH_WG, 15, "wgmma bulk 128 x 128, two acc., persistent, wg 1 lags"},
                           {MM_GPU_PATH_WG, 18, "wgmma bulk 128 x 128, two acc., persistent, wg 1 lags, 7 stages"},
                           {MM_GPU_PATH_WG, 11, "wgmma bulk 128 x 128, drains"},
@@ -432,7 +461,8 @@ static void bench_prefill(double peak) {
                 continue;
             if (v.path == MM_GPU_PATH_FMA && s.n_out > 4096)
                 continue;
-            mm_gpu_set_gemm_tile(v.tile);
+            mm_gpu_set_gemm_tile(v.tile < 0 ? -v.tile : v.tile);
+            mm_gpu_set_wperm_mb(v.tile < 0 ? 0 : -1); // < 0: without the permuted-W cache
             CK(cudaMemsetAsync(y, 0xff, (size_t)M * s.n_out * 4, g_stream)); // NaN: unwritten shows
             if (mm_gpu_matmul(g_stream, MM_DTYPE_BF16, w, s.n_out, s.n_in, NULL, x, s.n_in, y, s.n_out, M,
                               v.path) != MM_OK) {
@@ -448,6 +478,7 @@ static void bench_prefill(double peak) {
                    s.n_in, us, flops / us / 1e6, 100.0 * flops / us / 1e6 / peak, v.name, nd);
         }
         mm_gpu_set_gemm_tile(0);
+        mm_gpu_set_wperm_mb(-1);
         // bits: the default path (AUTO) against the decode GEMV forced over the same rows
         MK(mm_gpu_matmul(g_stream, MM_DTYPE_BF16, w, s.n_out, s.n_in, NULL, x, s.n_in, y, s.n_out, M, MM_GPU_PATH_AUTO));
         std::vector<float> a((size_t)M * s.n_out), b((size_t)M * s.n_out);

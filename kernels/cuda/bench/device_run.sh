@@ -10,7 +10,10 @@
 # skips the GEMV profile); CASE="name" runs that op test case only; MEMCHECK_CASES="a;b"
 # replaces the memcheck cases; BENCH_ONLY=prefill runs that bench section only; PARITY=1 runs `moemesh logits --device cuda:0` on every fixture model against
 # the transformers logits; MODEL=1 synthesizes a Qwen3-30B-A3B-shaped checkpoint with
-# MODEL_LAYERS (4) layers and runs `moemesh bench-model --device cuda:0` on it.
+# MODEL_LAYERS (4) layers and runs `moemesh bench-model --device cuda:0` on it. CASES="a;b"
+# runs those op test cases only. PREFILL_MODEL=1 synthesizes the same checkpoint (in the
+# background from the start) and times a PF_TOKENS (4096) prompt in forwards of PF_ROWS (4096)
+# rows, 3 prompt rounds, then again with MM_GPU_OPTIME=1 for the per-op split (stderr table).
 set -u
 D=${1:-.dev/gpu}
 OUT=${OUT:-/tmp/out}
@@ -18,6 +21,12 @@ mkdir -p "$OUT"
 export LD_LIBRARY_PATH="$PWD/$D/lib:${LD_LIBRARY_PATH:-}"
 exec > >(tee "$OUT/log") 2>&1
 date -u
+PM=/tmp/q3-30b-a3b-L${MODEL_LAYERS:-4}
+if [ "${PREFILL_MODEL:-0}" = 1 ] && [ -x "$D/moemesh" ]; then # CPU and disk only: alongside
+    ( timeout 300 "$D/moemesh" synth --out "$PM" --layers "${MODEL_LAYERS:-4}" > "$OUT/synth.log" 2>&1;
+      echo "synth rc=$?" >> "$OUT/synth.log" ) &
+    SYNTH_PID=$!
+fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv
 PEAK=
 [ "${NOPEAK:-0}" = 1 ] || echo "== bf16 peak (torch.matmul 8192^3, random data, mean of 20 after 5 warm-ups)"
@@ -39,6 +48,7 @@ T=$D/cuda_ops_test
 pass=0; fail=0
 [ "${TESTS:-1}" = 1 ] && while IFS= read -r c; do
     [ -n "${CASE:-}" ] && [ "$c" != "$CASE" ] && continue
+    [ -n "${CASES:-}" ] && [[ ";$CASES;" != *";$c;"* ]] && continue
     if timeout 300 "$T" "$c" > "$OUT/case.log" 2>&1; then pass=$((pass+1)); echo "ok    $c"; else
         rc=$?; fail=$((fail+1)); echo "FAIL  $c (rc=$rc)"; fi
     sed 's/^/      /' "$OUT/case.log"
@@ -77,6 +87,17 @@ if [ "${MODEL:-0}" = 1 ] && [ -x "$D/moemesh" ]; then
 fi
 if [ "${BENCH:-1}" = 1 ]; then
     echo "== bench"
-    timeout 400 "$D/moemesh-gpu-bench" ${PEAK:+--peak-tflops $PEAK} ${BENCH_ONLY:+--only $BENCH_ONLY}
+    for b in ${BENCH_ONLY:-all}; do # BENCH_ONLY="moe prefill": each section in turn
+        timeout 400 "$D/moemesh-gpu-bench" ${PEAK:+--peak-tflops $PEAK} $([ "$b" = all ] || echo --only "$b")
+    done
+fi
+if [ "${PREFILL_MODEL:-0}" = 1 ] && [ -n "${SYNTH_PID:-}" ]; then
+    echo "== whole-model prefill: ${PF_TOKENS:-4096} tokens in forwards of ${PF_ROWS:-4096} rows (synth ${MODEL_LAYERS:-4} layers)"
+    wait "$SYNTH_PID"; tail -2 "$OUT/synth.log"
+    BM="$D/moemesh bench-model --model $PM --device cuda:0 --prompt-tokens ${PF_TOKENS:-4096} --decode-tokens 2 --rounds 1 --warmup-tokens 1 --bw-mb 64"
+    timeout 120 $BM --prefill-rows "${PF_ROWS:-4096}" --prompt-rounds 3 2>&1 | grep -E "^model|^prompt|paged|failed|error|bench-model" || echo "bench-model failed"
+    echo "-- the same op by op with per-op GPU times (MM_GPU_OPTIME=1)"
+    MM_GPU_OPTIME=1 timeout 120 $BM --prefill-rows "${PF_ROWS:-4096}" --prompt-rounds 2 > "$OUT/optime.txt" 2>&1 || echo "optime run failed rc=$?"
+    grep -E "^prompt" "$OUT/optime.txt"; grep -vE "^round|^decode|^memory|^weights|^paged|^model" "$OUT/optime.txt" | tail -45
 fi
 date -u

@@ -32,6 +32,9 @@
 //   enqueued before embed), so the host has issued the whole step before the GPU starts it:
 //   the times are then the GPU's own (kernel plus its launch on the device), without the host
 //   gaps of op-by-op issue that =1 includes (tokens/s in that mode mean nothing).
+//   MM_GPU_OPTIME_SPLIT=1 gives each call of a name within a step its own row ("#n": the
+//   n-th call, so per layer for the per-layer ops). MM_GPU_PDL=0 launches the GEMVs without
+//   programmatic dependent launch (process-wide; A/B of the early launch).
 //   MM_GPU_OLD_DECODE=1 runs the earlier argmax (one block per row), rmsnorm (a warp per row)
 //   and attention load grouping, and no early launch of the products (process-wide), for
 //   before/after figures in one run (same results).
@@ -55,7 +58,7 @@
 #define AMAX_ROWS 1024 // argmax workspace rows (more rows run in several launches)
 
 #define OT_POOL 2048  // event pairs between two reads
-#define OT_KEYS 64    // op names (products by weight shape)
+#define OT_KEYS 192   // op names (products by weight shape; with MM_GPU_OPTIME_SPLIT, by call)
 #define OT_CLASSES 6  // step classes (embed row counts); the last takes the rest
 #define OT_NAME 48
 
@@ -71,6 +74,11 @@ struct optime {
     int64_t rows[OT_CLASSES]; // embed rows of the class; -1: unused; class 0: outside steps
     int cur;                  // class of the ops issued now
     int hold_ms;              // MM_GPU_OPTIME=2: each step waits this long on the GPU first
+    bool split;               // MM_GPU_OPTIME_SPLIT=1: the n-th call of a name in a step is
+                              // its own row ("name #n", e.g. one per layer)
+    int n_base;               // names seen, for split
+    char base[OT_KEYS][OT_NAME];
+    int occ[OT_KEYS];         // calls of each base name in the current step
 };
 
 struct gpu_ctx {
@@ -135,6 +143,21 @@ static void ot_end(struct gpu_ctx *g, const char *name) {
     struct optime *t = g->ot;
     if (t == NULL)
         return;
+    char full[OT_NAME];
+    if (t->split) {
+        int b = 0;
+        while (b < t->n_base && strcmp(t->base[b], name) != 0)
+            b++;
+        if (b == t->n_base && t->n_base < OT_KEYS) {
+            snprintf(t->base[b], OT_NAME, "%s", name);
+            t->occ[b] = 0;
+            t->n_base++;
+        }
+        if (b < t->n_base) {
+            snprintf(full, OT_NAME, "%.40s #%d", name, ++t->occ[b]);
+            name = full;
+        }
+    }
     int k = 0;
     while (k < t->n_keys && strcmp(t->name[k], name) != 0)
         k++;
@@ -167,6 +190,8 @@ static void ot_step(struct gpu_ctx *g, int64_t n_rows) {
         t->rows[c] = -2; // the last class: every other row count
     t->cur = c;
     t->steps[c]++;
+    for (int b = 0; b < t->n_base; b++)
+        t->occ[b] = 0;
     if (t->hold_ms > 0) // the host issues the whole step while the GPU waits: no host gaps
         (void)mm_gpu_stream_hold(g->stream, t->hold_ms);
 }
@@ -803,6 +828,9 @@ extern "C" mm_err mm_cuda_backend_open(mm_backend *be, const mm_backend_params *
     const bool no_fusions = g->old_kernels || (fu != NULL && fu[0] != '\0' && strcmp(fu, "0") != 0);
     // process-wide, as the earlier kernels ran (the last backend opened decides)
     mm_gpu_set_early_launch(g->old_kernels ? 0 : 1);
+    const char *pdl = getenv("MM_GPU_PDL"); // 0: GEMVs without programmatic dependent launch
+    if (pdl != NULL && strcmp(pdl, "0") == 0)
+        mm_gpu_set_pdl(0);
     mm_gpu_set_gemv_version(g->old_kernels ? 1 : 2);
     if (no_fusions) { // the model falls back to the separate ops these stand for
         g->ops_table.moe_matmul_rows = NULL;
@@ -812,6 +840,8 @@ extern "C" mm_err mm_cuda_backend_open(mm_backend *be, const mm_backend_params *
     if (ot != NULL && strcmp(ot, "0") != 0 && ot[0] != '\0') {
         if (ot_open(g)) { // op by op: a graph would hide the ops from the events
             g->ot->hold_ms = strcmp(ot, "2") == 0 ? 4 : 0;
+            const char *sp = getenv("MM_GPU_OPTIME_SPLIT");
+            g->ot->split = sp != NULL && sp[0] != '\0' && strcmp(sp, "0") != 0;
             g->ops_table.capture_begin = NULL;
             g->ops_table.capture_end = NULL;
             g->ops_table.graph_launch = NULL;

@@ -565,12 +565,13 @@ static void test_add_rmsnorm_bits(void) {
 }
 
 // MM_GPU_OPTIME=1: the backend offers no graphs and its ops give the same results.
-static void test_optime(void) {
-    if (!mm_gpu_argmax_ws || !mm_gpu_optime_report)
-        MM_SKIP("GPU kernels not linked (plain build)");
-    setenv("MM_GPU_OPTIME", "1", 1);
+static void optime_case(const char *mode, bool split) {
+    setenv("MM_GPU_OPTIME", mode, 1);
+    if (split)
+        setenv("MM_GPU_OPTIME_SPLIT", "1", 1);
     open_gpu();
     unsetenv("MM_GPU_OPTIME");
+    unsetenv("MM_GPU_OPTIME_SPLIT");
     MM_TRUE(gpu->ops->capture_begin == NULL && gpu->ops->graph_launch == NULL);
     const int vocab = 5000;
     float *l = malloc((size_t)vocab * 4);
@@ -588,6 +589,16 @@ static void test_optime(void) {
     gpu->ops->buffer_free(gpu->ctx, dl);
     gpu->ops->buffer_free(gpu->ctx, d);
     close_gpu();
+}
+
+// =1, =2 (steps held on the GPU; no step here, so nothing is held) and rows per call
+// (MM_GPU_OPTIME_SPLIT=1: "argmax #1", "#2", "#3" on stderr)
+static void test_optime(void) {
+    if (!mm_gpu_argmax_ws || !mm_gpu_optime_report)
+        MM_SKIP("GPU kernels not linked (plain build)");
+    optime_case("1", false);
+    optime_case("2", false);
+    optime_case("2", true);
 }
 
 MM_TESTS = {

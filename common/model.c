@@ -1277,7 +1277,10 @@ static mm_err forward_dev(const mm_model *m, mm_model_scratch *s, mm_kv_cache *k
             s->h_in[3 * R + nw++] = (int32_t)i;
     }
     MM_TRY(OPS->set(CTX, s->in_d, s->h_in, (size_t)(3 * R + (nw > 0 ? nw : 0)) * 4));
-    if (s->no_graphs || m->c.mla)
+    // Steps of more than 64 rows (prefill chunks) are not recorded: their launches are few
+    // against their work, and inside a capture the GPU's prefill GEMMs cannot take their
+    // workspace path (kernels/cuda/matmul.cu launch_wg: the mma.sync tiles instead, same bits)
+    if (s->no_graphs || m->c.mla || n > 64)
         return forward_dev_ops(m, s, kv, n, nw, logits);
     s->tick++;
     const struct step_graph key = step_key(n, nw, kv, logits);

@@ -169,12 +169,16 @@ out:
 static int run_bench_model(int argc, char **argv) {
     char *model = NULL, *device = NULL;
     long long threads = 0, prompt = 128, decode = 32, bw_mb = 1024, warm = 4, rounds = 3;
-    long long batch = 1;
+    long long batch = 1, prefill_rows = 128, prompt_rounds = 1;
     double bw_seconds = 2.0;
     bool paired = true;
     mm_opt opts[] = {
         {"model", MM_OPT_STR, &model, NULL, "checkpoint directory"},
         {"prompt-tokens", MM_OPT_INT, &prompt, "128", "prompt length for the prefill figure"},
+        {"prefill-rows", MM_OPT_INT, &prefill_rows, "128",
+         "rows per forward call in the prompt (the engine's max_rows, 1..8192)"},
+        {"prompt-rounds", MM_OPT_INT, &prompt_rounds, "1",
+         "time the prompt this many times (each a new sequence; the first also builds caches)"},
         {"decode-tokens", MM_OPT_INT, &decode, "32", "tokens to decode for the decode figure"},
         {"warmup-tokens", MM_OPT_INT, &warm, "4", "decode steps before timing (pages in)"},
         {"paired", MM_OPT_BOOL, &paired, "true",
@@ -209,10 +213,17 @@ static int run_bench_model(int argc, char **argv) {
         fprintf(stderr, "bench-model: --model DIR is required (--rounds 1..64, --batch 1..128)\n");
         goto done;
     }
+    if (prefill_rows < 1 || prefill_rows > 8192 || prefill_rows < batch || prompt_rounds < 1 ||
+        prompt_rounds > 64) {
+        fprintf(stderr, "bench-model: --prefill-rows must be 1..8192 and >= --batch (%lld), "
+                "--prompt-rounds 1..64\n", batch);
+        goto done;
+    }
     rc = 1;
     mm_engine_params ep = {.device = device, .n_threads = (int)threads,
                            .max_seqs = batch > 1 ? (int)batch + 1 : 2,
-                           .max_ctx = (int)(prompt + decode * rounds + warm + 8), .max_rows = 128};
+                           .max_ctx = (int)(prompt + decode * rounds + warm + 8),
+                           .max_rows = prefill_rows};
     uint64_t t0 = mm_now_ns();
     if (mm_engine_open(&e, model, &ep, err) != MM_OK) {
         fprintf(stderr, "bench-model: %s\n", err);
@@ -242,12 +253,23 @@ static int run_bench_model(int argc, char **argv) {
         if (mm_engine_prefill_greedy(e, s, ids + i, 1, &tok, err) != MM_OK)
             goto fail;
     mm_kv_cache_seq_free(e->kv, s);
-    // prompt
-    mm_kv_cache_seq_new(e->kv, &s);
-    t0 = mm_now_ns();
-    if (mm_engine_prefill(e, s, ids, prompt, NULL, last, err) != MM_OK)
-        goto fail;
-    double pt = (double)(mm_now_ns() - t0) / 1e9;
+    // prompt (rounds > 1: each a new sequence; the figure is the best, the first also builds
+    // caches such as the GPU's permuted weights)
+    double pt = 0;
+    for (long long r = 0; r < prompt_rounds; r++) {
+        if (r > 0)
+            mm_kv_cache_seq_free(e->kv, s);
+        mm_kv_cache_seq_new(e->kv, &s);
+        t0 = mm_now_ns();
+        if (mm_engine_prefill(e, s, ids, prompt, NULL, last, err) != MM_OK)
+            goto fail;
+        const double t = (double)(mm_now_ns() - t0) / 1e9;
+        if (prompt_rounds > 1)
+            printf("prompt round %lld: %lld tokens in %.4f s = %.1f tok/s (%lld rows per forward)\n",
+                   r + 1, prompt, t, prompt / t, prefill_rows);
+        if (r == 0 || t < pt)
+            pt = t;
+    }
     // decode (greedy), in rounds; each round also measures the read bandwidth right before,
     // so a busy machine shows up in both figures. The best round of each is reported.
     tok = mm_engine_argmax(last, c->vocab);

@@ -346,6 +346,7 @@ static void gpu_close(void *ctx) {
 // h2d: an ordered host-to-device copy after which src may be reused at once; small copies go
 // through the pinned ring (see the design notes).
 static mm_err h2d(struct gpu_ctx *g, void *dst, const void *src, size_t n_bytes) {
+    mm_gpu_wperm_forget(dst, n_bytes); // prefill's permuted-W cache: no copy of rewritten bytes
     if (g->h_stage == NULL || n_bytes > STAGE_MAX) {
         MM_GPU_CHECK(cudaMemcpyAsync(dst, src, n_bytes, cudaMemcpyHostToDevice, g->stream));
         return MM_OK;
@@ -406,7 +407,6 @@ static mm_err gpu_set(void *ctx, void *dst, const void *src, size_t n_bytes) {
         return MM_EINVAL;
     MM_TRY(not_capturing(g, "set"));
     ON_DEVICE();
-    mm_gpu_wperm_forget(dst, n_bytes); // prefill's permuted-W cache: a rewritten weight's copy
     // The caller may reuse src at once: small copies are staged in the pinned ring; larger
     // ones come from pageable memory (malloc, mmap'd checkpoints), and an async copy from
     // pageable memory returns only after the runtime has staged the source. Either way no

@@ -338,7 +338,8 @@ __global__ void __launch_bounds__(WP_THREADS, 1) gemm_wp_kernel(mm_wg_args a, co
 // The same shared-memory contents as gemm_wg_kernel (W and x both in the GEMV's slot order,
 // wg_perm32 inside every 32-chunk, 128-byte swizzle), so the same wgmma instructions sum the
 // same products in the same order: the same bits. What changes is how they get there: W is
-// permuted once per product into a workspace (wg_convert_w_kernel, 10 us for q_proj's 16.8 MB)
+// permuted into a workspace (wg_convert_w_kernel, 10 us for q_proj's 16.8 MB; once per weight
+// when matmul.cu's permuted-W cache keeps the copy, else once per product)
 // in the k-block-major swizzled layout wg_convert_x_kernel<true> gives x, so one stage is two
 // contiguous runs (128 W rows x 128 bytes, BN x rows x 128 bytes), each one bulk copy issued by
 // one producer thread and completing on the stage's full mbarrier (async proxy to async proxy:
@@ -358,13 +359,13 @@ __global__ void __launch_bounds__(WP_THREADS, 1) gemm_wp_kernel(mm_wg_args a, co
 // W workspace (wg_convert_w_kernel): k block kb (64 k) of output row r at (kb * n_out + r) * 64
 // elements, its 16-byte pieces at c ^ (r & 7), slots permuted per 32-chunk, zeros past n_in.
 // Grouped (wg != NULL): expert blockIdx.y's matrix wg[e] into wb + e * n_out * ldx; experts
-// without rows (offs) or without a matrix are skipped (their tiles are never run).
+// without rows (offs; NULL: all have) or without a matrix are skipped (their tiles never run).
 __global__ void wg_convert_w_kernel(const uint16_t *w, int n_out, int n_in, uint16_t *wb, int64_t ldx,
                                     const void *const *wg = NULL, const int32_t *offs = NULL) {
     if (wg != NULL) {
         const int e = blockIdx.y;
         w = (const uint16_t *)wg[e];
-        if (w == NULL || offs[e + 1] <= offs[e])
+        if (w == NULL || (offs != NULL && offs[e + 1] <= offs[e]))
             return;
         wb += (int64_t)e * n_out * ldx;
     }

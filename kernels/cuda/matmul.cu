@@ -23,7 +23,7 @@
 //   the products one GEMV mma sums. Other CUDA parts, or no workspace memory, take the
 //   mma.sync tiles. x is rounded to bf16 on every CUDA path. The dense default from 128 rows,
 //   and grouped products with >= 128 rows per expert, run gemm_ws (gemm_wp.cuh): W permuted
-//   into a workspace (dense weights: kept in a bounded cache, MM_GPU_WPERM_MB), both operands
+//   into a workspace (kept in a bounded cache, MM_GPU_WPERM_MB), both operands
 //   by bulk copies (cp.async.bulk) from a producer warpgroup; gemm_wp's variant 9 takes W by TMA.
 #include <pthread.h>
 #include <stdlib.h>
@@ -953,24 +953,26 @@ static mm_err launch_wp_kernel(cudaStream_t st, const mm_wg_args &w, uint64_t bi
     return MM_OK;
 }
 
-// AUTO's dense variant (H200, 23:28 UTC): gemm_ws persistent (14) from 4096 rows (measured
-// faster than 13 and 4 on q_proj, o_proj, 4096^2, 16384 x 2048); gemm_ws (13) from 128 rows
+// AUTO's dense variant (H200, 23:28 UTC): gemm_ws persistent (14) from 4096 rows with at most
+// 8192 outputs (measured faster than 13 and 4 on q_proj, o_proj, 4096^2; with the permuted-W
+// cache, 16384 x 2048 is faster on 13); gemm_ws (13) from 128 rows
 // with at most 4096 outputs (measured on q_proj at 128-2048 rows: 4 has too few blocks there)
 // and from 1024 rows with more outputs (not measured between 1024 and 4096 rows: W is then
 // reused by >= 8 token tiles, so its permutation, one pass over W, ~10 us per 16.8 MB, is
 // repaid as at 4096 rows). With many outputs and few rows it would not be: 4.
 static int ws_auto_variant(const mm_mat_args &a) {
-    if (a.n_rows >= 4096)
-        return 14;
+    if (a.n_rows >= 4096 && a.n_out <= 8192) // 16384 x 2048 at 4096 rows: 13 faster (669 vs
+        return 14;                           // 740 us, and 688 vs 699 us: H200 runs 23:48/23:54)
     if (a.n_rows >= 1024 || (a.n_rows >= 128 && a.n_out <= 4096))
         return 13;
     return 4;
 }
 
 // AUTO's grouped variant: gemm_ws grouped and persistent (20) when the experts hold >= 128
-// rows each on average (a 4K-token prefill: ~256), so that permuting every expert's W once per
-// product (one pass over the layer's expert weights) is repaid, and that workspace stays under
-// WS_GROUPED_W_MAX; else gemm_wg 128 x 128 (2), which permutes W on its way into shared memory.
+// rows each on average (a 4K-token prefill: ~256), so that permuting every expert's W (once,
+// into the permuted-W cache, or once per product beyond its bound: one pass over the layer's
+// expert weights) is repaid, and that copy stays under WS_GROUPED_W_MAX; else gemm_wg 128 x
+// 128 (2), which permutes W on its way into shared memory.
 #define WS_GROUPED_W_MAX (2048ull << 20)
 static int ws_auto_grouped(const mm_mat_args &a, int64_t ldx) {
     const int active = min(a.n_experts, a.n_rows);
@@ -1006,28 +1008,38 @@ static mm_err launch_ws_kernel(cudaStream_t st, const mm_wg_args &w, const uint1
     return MM_OK;
 }
 
-// ---- permuted-W cache (dense weights of the gemm_ws variants) ----------------------------------
+// ---- permuted-W cache (weights of the gemm_ws variants) ----------------------------------------
 // gemm_ws reads W from a permuted copy (wg_convert_w_kernel: ~10 us per 16.8 MB, every
-// product). The dense weights see every prefill, so their copies are kept: built on a
-// weight's first gemm_ws product, keyed by (device, W, n_out, n_in), read by later products.
+// product). The weights see every prefill, so their copies are kept: built on a weight's
+// first gemm_ws product, keyed by (device, W, n_out, n_in), read by later products. Grouped
+// products: one copy of every expert of a table, keyed by the device table of expert
+// pointers (the expert pointers are read back once, at the build, to know which memory the
+// copy stands for).
 // Bound: MM_GPU_WPERM_MB (default 10% of the device's memory; 0: no cache); a weight whose copy
 // does not fit is not cached (its products permute W per product, as before): no eviction, so
 // a model larger than the bound cannot make every product rebuild. A copy is the same bytes
 // the per-product workspace would hold, so cached or not the bits are the same.
-// Staleness: a copy is dropped when its weight's bytes may change: mm_gpu_wperm_forget from the
-// backend's `set` (any host write into the range) and buffer_free, and from mm_gpu_free and
-// mm_gpu_memcpy_h2d. Weights written by other means (a kernel, a peer copy) must be forgotten
-// by the writer. Grouped products are not cached (their tables can be rewritten in place by
-// the backend's staging ring). Thread-safe (one mutex; the lookup is a short list walk).
+// Staleness: a copy is dropped when its weight's bytes (or a grouped copy's table or any of
+// its experts) may change: mm_gpu_wperm_forget from the backend's host-to-device copies (`set`
+// and the grouped products' staging ring) and buffer_free, and from mm_gpu_free and
+// mm_gpu_memcpy_h2d. Weights or tables written by other means (a kernel, a peer copy) must be
+// forgotten by the writer. A table rewritten after its copy was built (the staging ring's
+// slots) is not cached again (a short list of such tables). Thread-safe (one mutex; the
+// lookup is a short list walk).
 struct wperm_entry {
     int dev;
-    const void *w;
+    const void *w;          // dense: W; grouped: the device table (a.wg)
     int n_out, n_in;
-    size_t bytes;  // of the copy
-    uint16_t *wb;  // owned (cudaMalloc)
-    cudaEvent_t ev; // recorded after the copy was written, on st
+    int n_experts;          // 0: dense
+    uintptr_t *ex;          // grouped: the table's expert pointers (host copy, owned)
+    size_t bytes;           // of the copy
+    uint16_t *wb;           // owned (cudaMalloc); grouped: expert e at e * n_out * ldx
+    cudaEvent_t ev;         // recorded after the copy was written, on st
     cudaStream_t st;
 };
+#define WP_VOLATILE 16
+static const void *g_wp_vol[WP_VOLATILE]; // tables rewritten while cached: never cached again
+static int g_wp_vol_next;
 static pthread_mutex_t g_wp_mu = PTHREAD_MUTEX_INITIALIZER;
 static wperm_entry *g_wp;
 static int g_wp_n, g_wp_cap;
@@ -1062,6 +1074,7 @@ static size_t wperm_limit(int dev) {
 }
 
 static void wperm_drop(int i) { // lock held
+    free(g_wp[i].ex);
     (void)cudaFree(g_wp[i].wb);
     (void)cudaEventDestroy(g_wp[i].ev);
     g_wp_used -= g_wp[i].bytes;
@@ -1069,19 +1082,26 @@ static void wperm_drop(int i) { // lock held
     __atomic_store_n(&g_wp_count, g_wp_n, __ATOMIC_RELEASE);
 }
 
-// The cached permuted copy of a's dense W (ldx per row), building it on stream st when it is
-// not there and fits the bound; NULL: not cached (the caller permutes into its workspace).
+// The cached permuted copy of a's W (dense: W; grouped: every expert of a.wg; ldx per row),
+// building it on stream st when it is not there and fits the bound; NULL: not cached (the
+// caller permutes into its workspace).
 static const uint16_t *wperm_get(cudaStream_t st, const mm_mat_args &a, int64_t ldx) {
     int dev = 0;
     if (cudaGetDevice(&dev) != cudaSuccess) {
         (void)cudaGetLastError();
         return NULL;
     }
+    const bool grouped = a.wg != NULL;
+    const void *key = grouped ? (const void *)a.wg : a.w0;
+    const int ne = grouped ? a.n_experts : 0;
     pthread_mutex_lock(&g_wp_mu);
     const uint16_t *out = NULL;
+    bool vol = false;
+    for (int i = 0; grouped && i < WP_VOLATILE; i++)
+        vol |= g_wp_vol[i] == key;
     for (int i = 0; i < g_wp_n; i++) {
         wperm_entry &e = g_wp[i];
-        if (e.dev == dev && e.w == a.w0 && e.n_out == a.n_out && e.n_in == a.n_in) {
+        if (e.dev == dev && e.w == key && e.n_experts == ne && e.n_out == a.n_out && e.n_in == a.n_in) {
             if (e.st != st && cudaStreamWaitEvent(st, e.ev, 0) != cudaSuccess) {
                 (void)cudaGetLastError();
                 break; // not known to be written for this stream: do not use it
@@ -1090,8 +1110,8 @@ static const uint16_t *wperm_get(cudaStream_t st, const mm_mat_args &a, int64_t 
             break;
         }
     }
-    const size_t bytes = (size_t)a.n_out * (size_t)ldx * 2;
-    bool room = out == NULL && g_wp_used + bytes <= wperm_limit(dev);
+    const size_t bytes = (size_t)(grouped ? ne : 1) * (size_t)a.n_out * (size_t)ldx * 2;
+    bool room = out == NULL && !vol && g_wp_used + bytes <= wperm_limit(dev);
     if (room && g_wp_n == g_wp_cap) {
         const int cap = g_wp_cap ? 2 * g_wp_cap : 64;
         wperm_entry *n = (wperm_entry *)realloc(g_wp, (size_t)cap * sizeof(*n));
@@ -1100,7 +1120,18 @@ static const uint16_t *wperm_get(cudaStream_t st, const mm_mat_args &a, int64_t 
         room = n != NULL;
     }
     if (room) {
-        wperm_entry e = {dev, a.w0, a.n_out, a.n_in, bytes, NULL, NULL, st};
+        wperm_entry e = {dev, key, a.n_out, a.n_in, ne, NULL, bytes, NULL, NULL, st};
+        if (grouped) { // the experts the copy stands for (once per table: a stream drain)
+            e.ex = (uintptr_t *)malloc((size_t)ne * sizeof(uintptr_t));
+            if (e.ex == NULL ||
+                cudaMemcpyAsync(e.ex, a.wg, (size_t)ne * sizeof(void *), cudaMemcpyDeviceToHost, st) != cudaSuccess ||
+                cudaStreamSynchronize(st) != cudaSuccess) {
+                (void)cudaGetLastError();
+                free(e.ex);
+                pthread_mutex_unlock(&g_wp_mu);
+                return NULL;
+            }
+        }
         if (cudaMalloc((void **)&e.wb, bytes) != cudaSuccess) {
             (void)cudaGetLastError(); // no memory for it: permute per product
             e.wb = NULL;
@@ -1109,14 +1140,23 @@ static const uint16_t *wperm_get(cudaStream_t st, const mm_mat_args &a, int64_t 
             (void)cudaFree(e.wb);
             e.wb = NULL;
         }
-        if (e.wb != NULL) {
+        if (e.wb == NULL) {
+            free(e.ex);
+        } else {
             const int64_t wp = (int64_t)a.n_out * (ldx / 8), wcb = (wp + 255) / 256;
-            wg_convert_w_kernel<<<(unsigned)(wcb < 132 * 16 ? wcb : 132 * 16), 256, 0, st>>>(
-                (const uint16_t *)a.w0, a.n_out, a.n_in, e.wb, ldx);
+            if (grouped) { // every expert of the table, rows or not
+                const int64_t per = (132 * 16 + ne - 1) / ne;
+                wg_convert_w_kernel<<<dim3((unsigned)(wcb < per ? wcb : per), (unsigned)ne), 256, 0, st>>>(
+                    NULL, a.n_out, a.n_in, e.wb, ldx, a.wg, NULL);
+            } else {
+                wg_convert_w_kernel<<<(unsigned)(wcb < 132 * 16 ? wcb : 132 * 16), 256, 0, st>>>(
+                    (const uint16_t *)a.w0, a.n_out, a.n_in, e.wb, ldx);
+            }
             if (cudaGetLastError() != cudaSuccess || cudaEventRecord(e.ev, st) != cudaSuccess) {
                 (void)cudaGetLastError();
                 (void)cudaEventDestroy(e.ev);
                 (void)cudaFree(e.wb);
+                free(e.ex);
             } else {
                 g_wp[g_wp_n++] = e;
                 g_wp_used += bytes;
@@ -1156,6 +1196,7 @@ extern "C" void mm_gpu_wperm_forget(const void *d_ptr, size_t n_bytes) {
     if (d_ptr == NULL || __atomic_load_n(&g_wp_count, __ATOMIC_ACQUIRE) == 0)
         return;
     uintptr_t lo = (uintptr_t)d_ptr, hi = lo + n_bytes;
+    const bool write = n_bytes > 0; // else a free
     if (n_bytes == 0) { // the allocation d_ptr is in (a free): its range, else everything
         unsigned long long base = 0;
         size_t size = 0;
@@ -1167,9 +1208,22 @@ extern "C" void mm_gpu_wperm_forget(const void *d_ptr, size_t n_bytes) {
     }
     pthread_mutex_lock(&g_wp_mu);
     for (int i = 0; i < g_wp_n;) {
-        const uintptr_t w = (uintptr_t)g_wp[i].w;
-        const uintptr_t we = w + (size_t)g_wp[i].n_out * (size_t)g_wp[i].n_in * 2;
-        if (w < hi && lo < we)
+        const wperm_entry &e = g_wp[i];
+        const size_t wbytes = (size_t)e.n_out * (size_t)e.n_in * 2;
+        const uintptr_t w = (uintptr_t)e.w;
+        bool hit = false, table = false;
+        if (e.n_experts == 0) {
+            hit = w < hi && lo < w + wbytes;
+        } else {
+            table = hit = w < hi && lo < w + (size_t)e.n_experts * sizeof(void *);
+            for (int x = 0; !hit && x < e.n_experts; x++)
+                hit = e.ex[x] != 0 && e.ex[x] < hi && lo < e.ex[x] + wbytes;
+        }
+        if (hit && table && write) { // a table rewritten in place: not cached again
+            g_wp_vol[g_wp_vol_next] = e.w;
+            g_wp_vol_next = (g_wp_vol_next + 1) % WP_VOLATILE;
+        }
+        if (hit)
             wperm_drop(i);
         else
             i++;
@@ -1255,8 +1309,8 @@ static mm_err launch_wg(cudaStream_t st, const mm_mat_args &a, bool *ran) {
     else if (var >= 19)
         var = var == 19 ? 13 : 14;
     const bool tiled = var >= 8, wperm = var >= 11;
-    // dense: the cached permuted W where there is one (wperm_get builds it on first use)
-    const uint16_t *wcached = wperm && !GROUPED ? wperm_get(st, a, ldx) : NULL;
+    // the cached permuted W where there is one (wperm_get builds it on first use)
+    const uint16_t *wcached = wperm ? wperm_get(st, a, ldx) : NULL;
     const size_t xbytes = (size_t)a.n_rows * (size_t)ldx * 2;
     const size_t wbytes = wperm && wcached == NULL
                               ? (size_t)(GROUPED ? a.n_experts : 1) * (size_t)a.n_out * (size_t)ldx * 2

@@ -103,7 +103,8 @@ void mm_gpu_set_pdl(int on);
 void mm_gpu_set_early_launch(int on);
 
 // mm_gpu_set_gemm_tile picks the wgmma block (benches, tests): 0 (default) per product kind
-// (dense 14, 13 or 4 by rows and outputs, grouped 2: matmul.cu ws_auto_variant); 2: 128
+// (dense 14, 13 or 4 by rows and outputs, grouped 20 or 2 by rows per expert: matmul.cu
+// ws_auto_variant, ws_auto_grouped); 2: 128
 // outputs x 128 tokens, 3: 192 x 128, 4: 128 x 192, 5: 128 x 128 with 128-wide k stages, 6: 2
 // with the one-way release proxy fence; 8-10: W from registers (gemm_wp_kernel); 11-18: both
 // operands by bulk copies from a producer warpgroup, W permuted into a workspace
@@ -115,12 +116,13 @@ void mm_gpu_set_early_launch(int on);
 // bench-only diagnostic without the proxy fence (racy; never for results). Process-wide.
 void mm_gpu_set_gemm_tile(int variant);
 
-// Permuted-W cache (matmul.cu): gemm_ws keeps each dense weight's permuted copy on the device,
-// built on first use, up to MM_GPU_WPERM_MB MiB (default 10% of device memory; 0: off).
-// mm_gpu_wperm_forget drops the copies of weights overlapping [d_ptr, d_ptr + n_bytes); n_bytes
-// 0: the whole allocation d_ptr is in. Whoever writes or frees device memory that may hold a
-// weight calls it first (the backend's set and buffer_free, mm_gpu_free and mm_gpu_memcpy_h2d
-// do). mm_gpu_set_wperm_mb sets the bound (-1: MM_GPU_WPERM_MB / default again; 0 also drops
+// Permuted-W cache (matmul.cu): gemm_ws keeps each weight's permuted copy on the device (dense
+// W; grouped: all experts of a device pointer table), built on first use, up to
+// MM_GPU_WPERM_MB MiB (default 10% of device memory; 0: off). mm_gpu_wperm_forget drops the
+// copies of weights (or tables) overlapping [d_ptr, d_ptr + n_bytes); n_bytes 0: the whole
+// allocation d_ptr is in. Whoever writes or frees device memory that may hold a weight or an
+// expert table calls it first (the backend's host-to-device copies and buffer_free,
+// mm_gpu_free and mm_gpu_memcpy_h2d do). mm_gpu_set_wperm_mb sets the bound (-1: MM_GPU_WPERM_MB / default again; 0 also drops
 // every copy); mm_gpu_wperm_bytes is the memory the copies hold. Thread-safe.
 void mm_gpu_wperm_forget(const void *d_ptr, size_t n_bytes);
 void mm_gpu_set_wperm_mb(long long mb);

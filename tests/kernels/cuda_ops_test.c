@@ -539,6 +539,76 @@ static void test_wperm_cache(void) {
     close_backends();
 }
 
+// The grouped form: a copy of every expert of a table; rewriting one expert drops it, and so
+// does rewriting the table (which is then not cached again); each product against the
+// grouped GEMV over the same weights.
+static void test_wperm_cache_grouped(void) {
+    open_backends();
+    if (!mm_gpu_moe_matmul || !mm_gpu_stream_sync || !mm_gpu_wperm_bytes ||
+        !mm_gpu_set_wperm_mb || !mm_gpu_set_gemm_tile)
+        MM_SKIP("mm_gpu_moe_matmul not linked");
+    enum { E = 4 };
+    const int n_rows = 600, n_in = 512, n_out = 256;
+    int32_t offs[E + 1] = {0, 150, 300, 450, 600};
+    void *hw[E], *dws[E];
+    for (int e = 0; e < E; e++) {
+        (void)make_weight(MM_DTYPE_BF16, n_out, n_in, &hw[e]);
+        dws[e] = gpu_copy(hw[e], (size_t)n_out * n_in * 2);
+    }
+    float *x = rand_f32((size_t)n_rows * n_in, 1.0f);
+    float *dx = gpu_copy(x, (size_t)n_rows * n_in * 4);
+    void *d_tab = gpu_copy(dws, sizeof(dws));
+    int32_t *d_offs = gpu_copy(offs, sizeof(offs));
+    float *dy = NULL, *dg = NULL;
+    MM_PASS(gpu->ops->buffer_alloc(gpu->ctx, (size_t)n_rows * n_out * 4, (void **)&dy));
+    MM_PASS(gpu->ops->buffer_alloc(gpu->ctx, (size_t)n_rows * n_out * 4, (void **)&dg));
+    const size_t held = mm_gpu_wperm_bytes();
+    for (int round = 0; round < 4; round++) {
+        if (round == 1) { // expert 2 rewritten in place
+            free(hw[2]);
+            (void)make_weight(MM_DTYPE_BF16, n_out, n_in, &hw[2]);
+            MM_PASS(gpu->ops->set(gpu->ctx, dws[2], hw[2], (size_t)n_out * n_in * 2));
+            MM_EQ(mm_gpu_wperm_bytes(), held);
+        } else if (round == 2) { // the table rewritten: experts 0 and 1 swapped
+            void *t = dws[0];
+            dws[0] = dws[1], dws[1] = t;
+            MM_PASS(gpu->ops->set(gpu->ctx, d_tab, dws, sizeof(dws)));
+            MM_EQ(mm_gpu_wperm_bytes(), held);
+        }
+        MM_PASS(gpu->ops->synchronize(gpu->ctx));
+        mm_gpu_set_gemm_tile(20);
+        const mm_err rv = mm_gpu_moe_matmul(NULL, MM_DTYPE_BF16, (const void *const *)d_tab, d_offs,
+                                            E, n_out, n_in, dx, n_in, dy, n_out, n_rows, 3);
+        mm_gpu_set_gemm_tile(0);
+        if (rv == MM_EUNSUPP) {
+            printf("wgmma path not available on this device (needs compute capability 9.0)\n");
+            break;
+        }
+        MM_PASS(rv);
+        MM_PASS(mm_gpu_moe_matmul(NULL, MM_DTYPE_BF16, (const void *const *)d_tab, d_offs, E,
+                                  n_out, n_in, dx, n_in, dg, n_out, n_rows, 0));
+        MM_PASS(mm_gpu_stream_sync(NULL));
+        if (round < 2)
+            MM_TRUE(mm_gpu_wperm_bytes() > held); // kept
+        else
+            MM_EQ(mm_gpu_wperm_bytes(), held); // a table rewritten in place is not cached again
+        float *y = gpu_get(dy, (size_t)n_rows * n_out * 4), *g = gpu_get(dg, (size_t)n_rows * n_out * 4);
+        char what[64];
+        snprintf(what, sizeof(what), "gemm_ws grouped cached W, round %d", round);
+        if (bits_compare(what, y, g, n_rows, n_out, n_out))
+            MM_TEST_FAIL_("round %d: grouped gemm_ws with the cached W differs from the GEMV", round);
+        free(y), free(g);
+    }
+    for (int e = 0; e < E; e++) {
+        gpu_free(dws[e]);
+        free(hw[e]);
+    }
+    MM_EQ(mm_gpu_wperm_bytes(), held);
+    gpu_free(dx), gpu_free(d_tab), gpu_free(d_offs), gpu_free(dy), gpu_free(dg);
+    free(x);
+    close_backends();
+}
+
 // ---- row ops -------------------------------------------------------------------------------------
 static void test_rmsnorm(void) {
     open_backends();
@@ -877,6 +947,7 @@ MM_TESTS = {
     {"matmul paths bits equal gemv", test_matmul_paths_bits},
     {"grouped expert matmul equals per-expert", test_moe_matmul_grouped},
     {"permuted-W cache follows weight writes", test_wperm_cache},
+    {"permuted-W cache follows expert and table writes", test_wperm_cache_grouped},
     {"rmsnorm vs cpu", test_rmsnorm},
     {"rope vs cpu", test_rope},
     {"kv_store and attention vs cpu", test_attention},

@@ -361,11 +361,13 @@ static void bench_moe(double copy_gbs, double peak, int n_tok, const char *tag) 
         float *h_ref = (float *)dalloc((size_t)n_rows * F * 4), *y_ref = (float *)dalloc((size_t)n_rows * D * 4);
         MK(mm_gpu_moe_matmul(g_stream, MM_DTYPE_BF16, d_g, d_offs, E, F, D, x, D, h_ref, F, n_rows, MM_GPU_PATH_GEMV));
         MK(mm_gpu_moe_matmul(g_stream, MM_DTYPE_BF16, d_d, d_offs, E, D, F, h_ref, F, y_ref, D, n_rows, MM_GPU_PATH_GEMV));
-        const int vars[] = {2, 19, 20};
+        const int vars[] = {2, 19, 20, -20}; // < 0: without the permuted-W cache
         const char *vn[] = {"gemm_wg 128 x 128 (W permuted into shared memory)",
-                            "gemm_ws grouped, a block per tile", "gemm_ws grouped, persistent (AUTO)"};
-        for (int i = 0; i < 3; i++) {
-            mm_gpu_set_gemm_tile(vars[i]);
+                            "gemm_ws grouped, a block per tile", "gemm_ws grouped, persistent (AUTO)",
+                            "the same, permuted-W cache off (every expert's W permuted per product)"};
+        for (int i = 0; i < 4; i++) {
+            mm_gpu_set_gemm_tile(vars[i] < 0 ? -vars[i] : vars[i]);
+            mm_gpu_set_wperm_mb(vars[i] < 0 ? 0 : -1);
             CK(cudaMemsetAsync(h, 0xff, (size_t)n_rows * F * 4, g_stream));
             CK(cudaMemsetAsync(y, 0xff, (size_t)n_rows * D * 4, g_stream));
             double u1 = time_us([&](int) {
@@ -383,6 +385,7 @@ static void bench_moe(double copy_gbs, double peak, int n_tok, const char *tag) 
                    2.0 * n_rows * F * D / u2 / 1e6, 100.0 * 2.0 * n_rows * F * D / u2 / 1e6 / peak, nd1, nd2, vn[i]);
         }
         mm_gpu_set_gemm_tile(0);
+        mm_gpu_set_wperm_mb(-1);
         mm_gpu_free(h_ref), mm_gpu_free(y_ref);
     }
     double us_up_mma = 0, us_down_mma = 0;

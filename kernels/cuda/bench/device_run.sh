@@ -96,8 +96,12 @@ if [ "${PREFILL_MODEL:-0}" = 1 ] && [ -n "${SYNTH_PID:-}" ]; then
     wait "$SYNTH_PID"; tail -2 "$OUT/synth.log"
     BM="$D/moemesh bench-model --model $PM --device cuda:0 --prompt-tokens ${PF_TOKENS:-4096} --decode-tokens 2 --rounds 1 --warmup-tokens 1 --bw-mb 64"
     timeout 120 $BM --prefill-rows "${PF_ROWS:-4096}" --prompt-rounds 3 2>&1 | grep -E "^model|^prompt|paged|failed|error|bench-model" || echo "bench-model failed"
-    echo "-- the same op by op with per-op GPU times (MM_GPU_OPTIME=1)"
-    MM_GPU_OPTIME=1 timeout 120 $BM --prefill-rows "${PF_ROWS:-4096}" --prompt-rounds 2 > "$OUT/optime.txt" 2>&1 || echo "optime run failed rc=$?"
-    grep -E "^prompt" "$OUT/optime.txt"; grep -vE "^round|^decode|^memory|^weights|^paged|^model" "$OUT/optime.txt" | tail -45
+    # per-op GPU times averaged over the prompt rounds (the first builds the permuted-W cache
+    # and grows the workspace pool): 1 round and 3 rounds, so steady = (3 * avg3 - avg1) / 2
+    for r in 1 3; do
+        echo "-- the same op by op with per-op GPU times (MM_GPU_OPTIME=1), $r prompt round(s)"
+        MM_GPU_OPTIME=1 timeout 120 $BM --prefill-rows "${PF_ROWS:-4096}" --prompt-rounds $r > "$OUT/optime$r.txt" 2>&1 || echo "optime run failed rc=$?"
+        grep -E "^prompt" "$OUT/optime$r.txt"; sed -n "/steps of ${PF_ROWS:-4096} row/,/^[a-z]/p" "$OUT/optime$r.txt" | head -24
+    done
 fi
 date -u

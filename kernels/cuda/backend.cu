@@ -831,6 +831,9 @@ extern "C" mm_err mm_cuda_backend_open(mm_backend *be, const mm_backend_params *
     const char *pdl = getenv("MM_GPU_PDL"); // 0: GEMVs without programmatic dependent launch
     if (pdl != NULL && strcmp(pdl, "0") == 0)
         mm_gpu_set_pdl(0);
+    const char *wpt = getenv("MM_GPU_GEMV_WPT"); // 1, 2, 4: cap warps per GEMV tile (A/B)
+    if (wpt != NULL && wpt[0] != '\0')
+        mm_gpu_set_gemv_wpt(atoi(wpt));
     mm_gpu_set_gemv_version(g->old_kernels ? 1 : 2);
     if (no_fusions) { // the model falls back to the separate ops these stand for
         g->ops_table.moe_matmul_rows = NULL;

@@ -255,6 +255,11 @@ __host__ __device__ __forceinline__ int seg_len(int n_in) {
 // kernel's tail. Everything the previous kernel may write (x, offsets) or read (y) is touched
 // only after griddepcontrol.wait. mm_gpu_set_pdl(0) turns it off.
 static bool g_pdl = true;
+// mm_gpu_set_gemv_wpt: warps per 16-row tile of dense GEMVs capped at this (0: by segment
+// count, up to 8). Fewer warps per tile = more tiles per block, fewer blocks (q/k/v: 320
+// blocks at 8, more than the 264 resident at 2 per SM; 160 at 4). Same bits: each segment's
+// sum is parked and the segments are added in order whichever warp ran them.
+static int g_gemv_wpt = 0;
 
 template <int NG, bool GROUPED>
 __global__ void __launch_bounds__(MV_WARPS * 32, 2) gemv_mma_kernel(mm_mat_args a, int wpt) {
@@ -1405,7 +1410,10 @@ static mm_err launch(cudaStream_t st, int path, int dtype, mm_mat_args a, int pe
     if (dtype == MM_DTYPE_BF16 && path == MM_GPU_PATH_GEMV) {
         const int ng = per_tile_rows <= 8 ? 1 : per_tile_rows <= 16 ? 2 : 4;
         const int S = (a.n_in + seg_len(a.n_in) - 1) / seg_len(a.n_in);
-        const int wpt = S >= 8 ? 8 : S >= 4 ? 4 : S >= 2 ? 2 : 1; // warps per 16-row tile
+        int wpt = S >= 8 ? 8 : S >= 4 ? 4 : S >= 2 ? 2 : 1; // warps per 16-row tile
+        if (!GROUPED && g_gemv_wpt > 0 && g_gemv_wpt < wpt &&
+            (MV_WARPS / g_gemv_wpt) * S <= SEG_MAX)
+            wpt = g_gemv_wpt; // A/B: fewer, longer blocks (part[] holds tiles x segments)
         dim3 grid(mm_div_up(a.n_out, 16 * (MV_WARPS / wpt)), tiles(8 * ng));
         cudaLaunchConfig_t cfg = {};
         cudaLaunchAttribute attr[1];
@@ -1612,6 +1620,14 @@ extern "C" void mm_gpu_set_gemm_tile(int variant) {
     g_wg_tile = (variant >= 2 && variant <= 20) ? variant : 0;
 #else
     (void)variant;
+#endif
+}
+
+extern "C" void mm_gpu_set_gemv_wpt(int wpt) {
+#if MM_GPU_HAVE_WMMA
+    g_gemv_wpt = wpt == 1 || wpt == 2 || wpt == 4 ? wpt : 0;
+#else
+    (void)wpt;
 #endif
 }
 

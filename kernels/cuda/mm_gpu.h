@@ -97,6 +97,10 @@ void mm_gpu_set_gemv_version(int v);
 // mm_gpu_set_pdl turns programmatic dependent launch of the decode GEMV on (default) or off
 // (CUDA sm_90; no effect on HIP). Process-wide; call before issuing work.
 void mm_gpu_set_pdl(int on);
+// mm_gpu_set_gemv_wpt caps the warps per 16-row tile of dense decode GEMVs (1, 2 or 4; 0:
+// default, by segment count up to 8): fewer blocks, each over more output rows. Same bits.
+// Process-wide; CUDA only (A/B runs).
+void mm_gpu_set_gemv_wpt(int wpt);
 // mm_gpu_set_early_launch: the kernels that feed a product (rmsnorm, attention, copy_rows,
 // swiglu) let the product's dependent launch start at their own start (default on; ops.cu).
 // Process-wide; same results either way.

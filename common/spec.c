@@ -102,29 +102,87 @@ double mm_spec_price(const mm_spec_costs *c, int b, int w, int max_w) {
     return T > 0 ? T : 1e-3;
 }
 
-int mm_spec_explore(const mm_spec_costs *c, int b, int w, int max_w, uint64_t stale) {
+bool mm_spec_measured(const mm_spec_costs *c, int b, int w, int max_w) {
+    if (max_w > MM_SPEC_MAX_W)
+        max_w = MM_SPEC_MAX_W;
+    if (b < 0 || b >= MM_SPEC_BUCKETS || w < 0 || w > max_w)
+        return false;
+    int bb = nearest_bucket(c, b, max_w);
+    return bb >= 0 && c->n[bb][w] > 0;
+}
+
+double mm_spec_price_low(const mm_spec_costs *c, int b, int w, int max_w) {
+    if (max_w > MM_SPEC_MAX_W)
+        max_w = MM_SPEC_MAX_W;
+    if (b < 0 || b >= MM_SPEC_BUCKETS || w < 0 || w > max_w)
+        return 0;
+    if (c->n[b][w]) {
+        double T = (1.0 - MM_SPEC_PRICE_SLACK) * c->T[b][w];
+        if (w > 0 && c->n[b][0] && c->T[b][0] > T)
+            T = c->T[b][0];
+        return T;
+    }
+    double T = 0;
+    for (int k = 0; k < w; k++)
+        if (c->n[b][k] && c->T[b][k] > T)
+            T = c->T[b][k];
+    return T;
+}
+
+// explore_pays: may candidate x be measured instead of the choice w? Always without e; an
+// unmeasured 0 always; else when its optimistic score beats the choice's (mm/spec.h).
+static bool explore_pays(const mm_spec_costs *c, int b, int x, int w, int max_w, const double *e) {
+    if (!e || (x == 0 && c->n[b][0] == 0))
+        return true;
+    return e[x] * mm_spec_price(c, b, w, max_w) > e[w] * mm_spec_price_low(c, b, x, max_w);
+}
+
+int mm_spec_explore(const mm_spec_costs *c, int b, int w, int max_w, uint64_t stale,
+                    const double *e) {
     if (max_w > MM_SPEC_MAX_W)
         max_w = MM_SPEC_MAX_W;
     if (b < 0 || b >= MM_SPEC_BUCKETS || max_w <= 0)
         return -1;
+    if (w < 0)
+        w = 0;
+    if (w > max_w)
+        w = max_w;
     int cand[3] = {0, w - 1, w + 1};
     for (int i = 0; i < 3; i++)
-        if (cand[i] >= 0 && cand[i] <= max_w && cand[i] != w && c->n[b][cand[i]] == 0)
+        if (cand[i] >= 0 && cand[i] <= max_w && cand[i] != w && c->n[b][cand[i]] == 0 &&
+            explore_pays(c, b, cand[i], w, max_w, e))
             return cand[i];
     for (int i = 0; i < 3; i++)
-        if (cand[i] >= 0 && cand[i] <= max_w && cand[i] != w &&
-            c->ticks[b] - c->at[b][cand[i]] > stale)
+        if (cand[i] >= 0 && cand[i] <= max_w && cand[i] != w && c->n[b][cand[i]] &&
+            c->ticks[b] - c->at[b][cand[i]] > stale && explore_pays(c, b, cand[i], w, max_w, e))
             return cand[i];
     // any other measured width whose price is older than 2 x stale (a wide width priced on an
-    // unlucky sample would never be chosen, so never measured again)
+    // unlucky sample would never be chosen, so never measured again), while it could pay
     int best = -1;
     uint64_t age = 2 * stale;
     for (int k = 0; k <= max_w; k++)
-        if (k != w && c->n[b][k] && c->ticks[b] - c->at[b][k] > age) {
+        if (k != w && c->n[b][k] && c->ticks[b] - c->at[b][k] > age &&
+            explore_pays(c, b, k, w, max_w, e)) {
             age = c->ticks[b] - c->at[b][k];
             best = k;
         }
     return best;
+}
+
+bool mm_spec_ahead_pays(const mm_spec_costs *c, int b, int w, int max_w, double acc, int nd) {
+    if (max_w > MM_SPEC_MAX_W)
+        max_w = MM_SPEC_MAX_W;
+    if (w < 1 || w > max_w || !(acc > 0) || nd < 0)
+        return false;
+    if (acc > 1)
+        acc = 1;
+    double p = acc, x = 0, ai = 1;
+    for (int i = 0; i < nd; i++)
+        p *= acc;
+    for (int i = 1; i <= w; i++)
+        x += (ai *= acc);
+    const double t0 = mm_spec_price(c, b, 0, max_w), tw = mm_spec_price(c, b, w, max_w);
+    return p * x * t0 > tw - t0;
 }
 
 int mm_spec_width_sum(const mm_spec_costs *c, int bucket, int max_w, const double *e) {

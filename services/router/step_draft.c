@@ -71,6 +71,9 @@ struct mm_draft {
     bool step_cost;   // this step's period is a sample of its width's cost
     uint64_t step_no, step_t0; // steps begun; when this one began (ns)
     uint64_t explored;
+    uint64_t explore_gated; // exploration steps refused: no candidate could pay (mm_spec_explore)
+    uint64_t ahead_gated;   // seq steps refused an ahead request (mm_spec_ahead_pays)
+    uint64_t measure_steps; // pipeline steps measuring a width (unmeasured or explored): sync only
     int prev_w;              // the widest draft asked for in the step before (-1: no sample)
     int same_w;              // steps before this one in a row with its width (prev_w's run)
     int explore_w, explore_left; // a width being measured, for explore_left more steps
@@ -365,50 +368,66 @@ static void ahead_check(mm_draft *d, struct rseq *r) {
     }
 }
 
+// ahead_k: the proposals to ask seq r (plan index i) for in this step's ahead request, 0 for
+// none. A probe: 1 (g alone: its outcome is known at the next step without verifying
+// anything). Else k = its width next step + 1 (the first proposal is the guess g of the
+// target's token after the drafts), only when W > 0, the step measures no width, the seq is
+// not under 5% acceptance, and (--draft-adapt) the request pays for it (mm_spec_ahead_pays:
+// its proposals are usable only when all nd drafts of this step are accepted and g is right,
+// acc^(nd + 1); a seq refused sets *gated).
+static uint32_t ahead_k(mm_draft *d, const struct rseq *r, uint32_t nd, int W, int b,
+                        bool measuring, bool *gated) {
+    *gated = false;
+    if (!r || r->cap <= 0 || r->broken || r->last_step != d->step_no)
+        return 0;
+    if (r->probe_due)
+        return 1;
+    if ((d->c.adapt && r->acc < 0.05f) || W <= 0 || measuring)
+        return 0;
+    // the next step's width: this one's, within this step's max_draft (the next step's is not
+    // known: it may be a per-step cap or what is left of the request) and the context
+    int64_t cap = W < r->cap ? W : r->cap;
+    if (cap > (int64_t)d->c.max_ctx - r->len - (int64_t)nd - 1)
+        cap = (int64_t)d->c.max_ctx - r->len - (int64_t)nd - 1;
+    if (cap <= 0)
+        return 0; // the seq ends or fills its context: nothing to draft next step
+    if (d->c.adapt &&
+        !mm_spec_ahead_pays(&d->costs, b, (int)cap, d->c.max_k, (double)r->acc, (int)nd)) {
+        *gated = true;
+        return 0;
+    }
+    return (uint32_t)cap + 1;
+}
+
 // ahead_send sends the next step's ahead request (pipeline; none while one is in flight: a
-// drafter slower than the steps is not flooded, it is waited for or skipped). Per seq that may
-// draft: its tokens since what the drafter holds, then this step's drafts (assumed accepted),
-// k = its width next step + 1 (the first proposal is the guess g of the target's token after
-// the drafts); a seq under 5% acceptance only when its probe is due, with k 1 (g alone: its
-// outcome is known at the next step without verifying anything). Width W 0 (drafting does not
-// pay): probes only.
+// drafter slower than the steps is not flooded, it is waited for or skipped). Per seq with
+// ahead_k > 0: its tokens since what the drafter holds, then this step's drafts (assumed
+// accepted), k = ahead_k. Width W 0 (drafting does not pay) or a step measuring its width:
+// probes only.
 static void ahead_send(mm_draft *d, const Mmctl__StepPlan *p, const uint32_t *n_draft,
-                       const int32_t *draft, int W) {
+                       const int32_t *draft, int W, int b, bool measuring) {
     if (d->ah)
         return;
-    bool any = false;
-    for (size_t i = 0; i < p->n_seqs && !any; i++) {
-        const struct rseq *r = find(d, p->seqs[i]->seq_id);
-        any = r && r->cap > 0 && !r->broken && r->last_step == d->step_no &&
-              (r->probe_due || (W > 0 && !(d->c.adapt && r->acc < 0.05f)));
-    }
+    bool any = false, gated;
+    for (size_t i = 0; i < p->n_seqs && !any; i++)
+        any = ahead_k(d, find(d, p->seqs[i]->seq_id), n_draft[i], W, b, measuring, &gated) > 0;
     // the link first: a new drafter incarnation resets what it holds of every seq (dr_from)
     mm_ctl_client *cl = any ? drafter_link(d) : NULL;
+    for (size_t i = 0; i < p->n_seqs && !any; i++) { // (the refusals, counted once per seq step)
+        ahead_k(d, find(d, p->seqs[i]->seq_id), n_draft[i], W, b, measuring, &gated);
+        d->ahead_gated += gated;
+    }
     if (!cl) // nothing to ask, or the drafter is down or backing off
         return;
     size_t nq = 0, n_tok = 0;
     for (size_t i = 0; i < p->n_seqs; i++) {
         const Mmctl__SeqStep *q = p->seqs[i];
         struct rseq *r = find(d, q->seq_id);
-        if (!r || r->cap <= 0 || r->broken || r->last_step != d->step_no)
-            continue;
         const int32_t nd = (int32_t)n_draft[i];
-        uint32_t k;
-        if (r->probe_due) {
-            k = 1;
-        } else if ((d->c.adapt && r->acc < 0.05f) || W <= 0) {
+        const uint32_t k = ahead_k(d, r, n_draft[i], W, b, measuring, &gated);
+        d->ahead_gated += gated;
+        if (k == 0)
             continue;
-        } else {
-            // the next step's width: this one's, within this step's max_draft (the next
-            // step's is not known: it may be a per-step cap or what is left of the request)
-            // and the context
-            int64_t cap = W < r->cap ? W : r->cap;
-            if (cap > (int64_t)d->c.max_ctx - r->len - nd - 1)
-                cap = (int64_t)d->c.max_ctx - r->len - nd - 1;
-            if (cap <= 0)
-                continue; // the seq ends or fills its context: nothing to draft next step
-            k = (uint32_t)cap + 1;
-        }
         const size_t add = (size_t)(r->len - r->dr_from) + (size_t)nd;
         // add 0: the drafter just answered this very history without drafts (a synchronous
         // request; n-gram lookup found nothing): asking again would get the same nothing
@@ -689,19 +708,36 @@ void mm_draft_begin(mm_draft *d, const Mmctl__StepPlan *p, const bool *active, i
     if (maxw_step > 0)
         d->n_steps++;
     int W = maxw_step;
+    bool exploring = false;
     if (d->c.adapt && maxw_step > 0)
         W = d->choice = mm_spec_width_hold(&d->costs, b, maxw_step, ex, d->choice, HOLD);
     if (d->c.adapt && maxw_step > 0 && d->explore_left > 0) {
         W = d->explore_w < maxw_step ? d->explore_w : maxw_step;
         d->explore_left--;
+        exploring = true;
     } else if (d->c.adapt && maxw_step > 0 && d->n_steps % EXPLORE_EVERY == 0) {
-        int x = mm_spec_explore(&d->costs, b, W, maxw_step, STALE);
+        // gated by the seqs' expected tokens once any acceptance was measured: a width that
+        // cannot pay even at its lowest plausible price is not measured (mm_spec_explore)
+        const double *gate = d->acc_n > 0 ? ex : NULL;
+        int x = mm_spec_explore(&d->costs, b, W, maxw_step, STALE, gate);
         if (x >= 0) {
             W = d->explore_w = x;
             d->explore_left = 2; // the next 2 steps too: the last one's period is the sample
             d->explored++;
+            exploring = true;
+        } else if (gate && mm_spec_explore(&d->costs, b, W, maxw_step, STALE, NULL) >= 0) {
+            d->explore_gated++;
         }
     }
+    // Pipeline: a step whose width is to be measured (explored, or chosen at an optimistic
+    // price because it was never measured) drafts by synchronous requests only, made whether
+    // or not they pay, and sends no ahead request (probes aside). Otherwise the width's price is
+    // never sampled when ahead proposals are rarely usable (a seq without them drafts 0, so
+    // the step counts as width 0), and the optimistic price keeps the width chosen, with an
+    // ahead request every step that the drafter spends work on for nothing.
+    const bool measuring = d->c.pipeline && d->c.adapt && W > 0 &&
+                           (exploring || !mm_spec_measured(&d->costs, b, W, d->c.max_k));
+    d->measure_steps += measuring;
     d->step_cost = maxw_step > 0; // a step where no seq may draft says nothing of widths
     if (d->c.pipeline) {
         // The ahead reply: waited for (within its deadline) only when a seq of it can draft
@@ -792,7 +828,7 @@ void mm_draft_begin(mm_draft *d, const Mmctl__StepPlan *p, const bool *active, i
     // with it; they get theirs from the next ahead request). --draft-adapt false (no cost
     // model: every seq drafts --draft-max): always.
     if (nq > 0 && d->c.pipeline && d->c.adapt &&
-        (d->ah || !sync_pays(d, p, active, n_draft, nq, b, W))) {
+        (d->ah || (!measuring && !sync_pays(d, p, active, n_draft, nq, b, W)))) {
         for (size_t j = 0; j < nq; j++)
             find(d, d->dq[j].seq_id)->asked = 0;
         nq = 0;
@@ -805,7 +841,7 @@ void mm_draft_begin(mm_draft *d, const Mmctl__StepPlan *p, const bool *active, i
             d->step_w = (int)r->asked;
     }
     if (d->c.pipeline)
-        ahead_send(d, p, n_draft, draft, W);
+        ahead_send(d, p, n_draft, draft, W, b, measuring);
 }
 
 size_t mm_draft_ctrl_max(const mm_draft *d) { return 4 + (size_t)d->n_t * 16; }
@@ -926,5 +962,10 @@ void mm_draft_end(mm_draft *d, uint64_t step_ns) {
     app(buf, &n, " explored=%llu pipeline=%d ahead_ms=%.2f sync_ms=%.2f ahead_wait_ms=%.0f",
         (unsigned long long)d->explored, d->c.pipeline ? 1 : 0, d->ahead_ms, d->sync_ms,
         d->ah_wait_ms);
+    // the gates: exploration steps refused (no width could pay), seq steps refused an ahead
+    // request (its proposals unlikely to be usable), pipeline steps measuring a width
+    app(buf, &n, " explore_gated=%llu ahead_gated=%llu measure=%llu",
+        (unsigned long long)d->explore_gated, (unsigned long long)d->ahead_gated,
+        (unsigned long long)d->measure_steps);
     mm_registry_set_self_detail(d->reg, buf);
 }

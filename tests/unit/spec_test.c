@@ -209,18 +209,18 @@ static void test_spec_width(void) {
     mm_spec_costs e;
     memset(&e, 0, sizeof(e));
     mm_spec_cost_add(&e, 3, 4, 20.0);
-    MM_EQ(mm_spec_explore(&e, 3, 4, 4, 64), 0);
+    MM_EQ(mm_spec_explore(&e, 3, 4, 4, 64, NULL), 0);
     mm_spec_cost_add(&e, 3, 0, 10.0);
-    MM_EQ(mm_spec_explore(&e, 3, 4, 4, 64), 3);
+    MM_EQ(mm_spec_explore(&e, 3, 4, 4, 64, NULL), 3);
     mm_spec_cost_add(&e, 3, 3, 15.0);
-    MM_EQ(mm_spec_explore(&e, 3, 4, 4, 64), -1); // all fresh (5 unavailable: max 4)
+    MM_EQ(mm_spec_explore(&e, 3, 4, 4, 64, NULL), -1); // all fresh (5 unavailable: max 4)
     for (int i = 0; i < 65; i++)
         mm_spec_cost_add(&e, 3, 4, 20.0);
-    MM_EQ(mm_spec_explore(&e, 3, 4, 4, 64), 0); // 0 is stale
+    MM_EQ(mm_spec_explore(&e, 3, 4, 4, 64, NULL), 0); // 0 is stale
     mm_spec_cost_add(&e, 3, 0, 10.0);
-    MM_EQ(mm_spec_explore(&e, 3, 4, 4, 64), 3);
-    MM_EQ(mm_spec_explore(&e, 3, 0, 4, 64), 1); // choice 0: 1 never measured
-    MM_EQ(mm_spec_explore(&e, 3, 4, 0, 64), -1); // nothing may draft
+    MM_EQ(mm_spec_explore(&e, 3, 4, 4, 64, NULL), 3);
+    MM_EQ(mm_spec_explore(&e, 3, 0, 4, 64, NULL), 1); // choice 0: 1 never measured
+    MM_EQ(mm_spec_explore(&e, 3, 4, 0, 64, NULL), -1); // nothing may draft
     // a width far from the choice, priced long ago, is re-measured (after 2 x stale): the
     // choice stays 4, its neighbours 0 and 3 are kept fresh, 1 was priced once at the start
     mm_spec_costs f;
@@ -233,9 +233,9 @@ static void test_spec_width(void) {
             mm_spec_cost_add(&f, 0, 3, 15.0);
         }
         if (i == 79) // 1 is 100 samples old: stale, but not 2 x stale
-            MM_EQ(mm_spec_explore(&f, 0, 4, 4, 64), -1);
+            MM_EQ(mm_spec_explore(&f, 0, 4, 4, 64, NULL), -1);
     }
-    MM_EQ(mm_spec_explore(&f, 0, 4, 4, 64), 1); // 250 samples old
+    MM_EQ(mm_spec_explore(&f, 0, 4, 4, 64, NULL), 1); // 250 samples old
     // hold: the last choice stays unless the best beats it by the margin
     mm_spec_costs h;
     memset(&h, 0, sizeof(h));
@@ -258,8 +258,72 @@ static void test_spec_width(void) {
     MM_NEAR(m.T[0][2], 20.0, 1e-9);
 }
 
+// The gates that make a drafter that agrees rarely cost ~nothing (docs/MESH.md, Drafting):
+// exploration only of widths that could pay at the measured acceptance, ahead requests only
+// when their proposals are likely enough to be usable. Width-0 price 1.7 ms, width-1 2.7 ms.
+static void test_spec_gates(void) {
+    mm_spec_costs c;
+    memset(&c, 0, sizeof(c));
+    mm_spec_cost_add(&c, 0, 1, 2.7);
+    for (int i = 0; i < 70; i++) // width 1's price is now stale (70 > 64 samples old)
+        mm_spec_cost_add(&c, 0, 0, 1.7);
+    MM_TRUE(mm_spec_measured(&c, 0, 0, 4) && mm_spec_measured(&c, 0, 1, 4));
+    MM_TRUE(!mm_spec_measured(&c, 0, 2, 4));
+    MM_TRUE(mm_spec_measured(&c, mm_spec_bucket(300, 1), 1, 4)); // borrowed from bucket 0
+    // lowest plausible prices: measured 0.8 x EMA, never below width 0's; unmeasured: the
+    // dearest measured narrower width
+    MM_NEAR(mm_spec_price_low(&c, 0, 0, 4), 0.8 * 1.7, 1e-9);
+    MM_NEAR(mm_spec_price_low(&c, 0, 1, 4), 0.8 * 2.7, 1e-9);
+    MM_NEAR(mm_spec_price_low(&c, 0, 3, 4), 2.7, 1e-9);
+    double e15[MM_SPEC_MAX_W + 1] = {0}, e95[MM_SPEC_MAX_W + 1] = {0};
+    mm_spec_expect_add(e15, 4, 4, 0.15);
+    mm_spec_expect_add(e95, 4, 4, 0.95);
+    // acceptance 0.15: not drafting is the choice; width 1 (1.15 tokens for 1.59x the price)
+    // is not re-measured, and no ahead request is sent (p x = 0.15^2 x 0.15 << 2.7/1.7 - 1)
+    MM_EQ(mm_spec_width_sum(&c, 0, 4, e15), 0);
+    MM_EQ(mm_spec_explore(&c, 0, 0, 4, 64, e15), -1);
+    MM_EQ(mm_spec_explore(&c, 0, 0, 4, 64, NULL), 1); // ungated (acceptance unknown): it would be
+    MM_TRUE(!mm_spec_ahead_pays(&c, 0, 1, 4, 0.15, 1));
+    MM_TRUE(!mm_spec_ahead_pays(&c, 0, 1, 4, 0.15, 0));
+    // acceptance 0.95 (with the last choice 0 still held): width 1 could pay, so its stale price
+    // is re-measured, and ahead requests pay (0.9025 x 0.95 > 0.588)
+    MM_EQ(mm_spec_explore(&c, 0, 0, 4, 64, e95), 1);
+    MM_TRUE(mm_spec_ahead_pays(&c, 0, 1, 4, 0.95, 1));
+    MM_EQ(mm_spec_width_sum(&c, 0, 4, e95), 4); // 2..4 unmeasured, priced as width 1
+    MM_TRUE(mm_spec_ahead_pays(&c, 0, 4, 4, 0.95, 4)); // 0.774 x 3.52 > 0.588
+    // ... but not after 4 drafts at acceptance 0.6 (0.078 x 1.31 < 0.588)
+    MM_TRUE(!mm_spec_ahead_pays(&c, 0, 4, 4, 0.6, 4));
+    MM_TRUE(!mm_spec_ahead_pays(&c, 0, 0, 4, 0.95, 0)); // width 0: nothing to serve
+    MM_TRUE(!mm_spec_ahead_pays(&c, 0, 1, 4, 0.0, 0));
+    // much later, width 1 is more than 2 x stale old: still not re-measured at 0.15
+    for (int i = 0; i < 100; i++)
+        mm_spec_cost_add(&c, 0, 0, 1.7);
+    MM_EQ(mm_spec_explore(&c, 0, 0, 4, 64, e15), -1);
+    MM_EQ(mm_spec_explore(&c, 0, 0, 4, 64, e95), 1);
+    // an acceptance where width 1 might pay if its price fell by 20% (1.3 x 1.7 > 2.16)
+    double e30[MM_SPEC_MAX_W + 1] = {0};
+    mm_spec_expect_add(e30, 4, 4, 0.30);
+    MM_EQ(mm_spec_explore(&c, 0, 0, 4, 64, e30), 1);
+    // an unmeasured width 0 is always measured (every other price is judged against it), and
+    // an unmeasured width with no measured narrower one has no lower bound: measured too
+    mm_spec_costs u;
+    memset(&u, 0, sizeof(u));
+    mm_spec_cost_add(&u, 0, 4, 20.0);
+    double e0[MM_SPEC_MAX_W + 1] = {0};
+    mm_spec_expect_add(e0, 4, 4, 0.01);
+    MM_EQ(mm_spec_explore(&u, 0, 4, 4, 64, e0), 0);
+    mm_spec_cost_add(&u, 0, 0, 10.0);
+    MM_EQ(mm_spec_explore(&u, 0, 4, 4, 64, e0), 3); // 3 unmeasured: its floor is T(0) = 10,
+                                                    // e[3] x 20 > e[4] x 10
+    // nothing measured at all: prices equal, so an ahead request with any chance pays
+    mm_spec_costs z;
+    memset(&z, 0, sizeof(z));
+    MM_TRUE(mm_spec_ahead_pays(&z, 0, 4, 4, 0.05, 4));
+}
+
 MM_TESTS = {
     {"spec width from measured costs and acceptance", test_spec_width},
+    {"spec gates: exploration and ahead requests only where they could pay", test_spec_gates},
     {"spec verify greedy: longest agreeing prefix, plain decoding's bits", test_spec_greedy},
     {"spec verify seeded: same seed same tokens, plain decoding's", test_spec_seeded_same_tokens},
     {"spec verify sampled: output distribution is the target's (chi-square)",

@@ -86,6 +86,36 @@ int mm_spec_width_hold(const mm_spec_costs *c, int bucket, int max_w, const doub
 // w - 1 and w + 1 (<= max_w), in that order; the first that is unmeasured in bucket, else the
 // first whose last sample is more than stale samples of the bucket old; else the width
 // (any other measured one) with the oldest price, when older than 2 x stale.
-int mm_spec_explore(const mm_spec_costs *c, int bucket, int w, int max_w, uint64_t stale);
+// e (NULL: no gate, e.g. while the acceptance is unknown): the step's expected tokens per width
+// (mm_spec_expect_add); a candidate x is then tried only when its optimistic score could beat
+// the choice's, e[x] / mm_spec_price_low(x) > e[w] / mm_spec_price(w), except an unmeasured 0
+// (the price every other is judged against): a width that cannot pay at the measured
+// acceptance is not measured, so a drafter that agrees rarely costs no exploration steps.
+int mm_spec_explore(const mm_spec_costs *c, int bucket, int w, int max_w, uint64_t stale,
+                    const double *e);
+// mm_spec_measured: whether mm_spec_price(c, bucket, w, max_w) comes from samples of w itself
+// (in bucket, or the nearest bucket with measurements that mm_spec_price borrows from).
+bool mm_spec_measured(const mm_spec_costs *c, int bucket, int w, int max_w);
+// MM_SPEC_PRICE_SLACK: how much lower than its EMA a measured width's price may plausibly be
+// (the machine's load drifts between samples; 20%). Exploration gate only.
+#define MM_SPEC_PRICE_SLACK 0.20
+// mm_spec_price_low: the lowest plausible step time of w in bucket (own bucket only). Measured:
+// (1 - MM_SPEC_PRICE_SLACK) x its EMA, never below the measured width-0 price (a step that
+// drafts does all a step without drafts does). Unmeasured: the highest price of a measured
+// narrower width (the rule: never below a measured narrower width), 0 when there is
+// none (nothing bounds it: worth measuring).
+double mm_spec_price_low(const mm_spec_costs *c, int bucket, int w, int max_w);
+// mm_spec_ahead_pays: does an ahead request (draft-ahead: sent during a step, for the next
+// one) pay for a seq of per-token acceptance acc that drafts nd tokens this step, when its
+// proposals would serve width w (>= 1) next step? They are usable only if all nd drafts are
+// accepted and the drafter's guess of the target's next token is right: p = acc^(nd + 1);
+// then they add x = sum_{i=1..w} acc^i expected tokens to the seq's 1. The drafter's work is
+// spent either way and, on a device shared with the target, slows the target's steps. It pays
+// when the next step's expected tokens per ms beat not drafting at the measured prices:
+// (1 + p x) / T(w) > 1 / T(0), i.e. p x > T(w) / T(0) - 1 (the seq's part of the step at the
+// width's price, each proposal discounted by the chance it is usable). False for w < 1 or
+// acc <= 0. Nothing measured: prices equal, so any p x > 0 pays (that is how they get measured).
+bool mm_spec_ahead_pays(const mm_spec_costs *c, int bucket, int w, int max_w, double acc,
+                        int nd);
 
 #endif

@@ -623,11 +623,359 @@ static mm_err attention_launch(void *stream, const struct mm_attn_args *a, int *
     return MM_OK;
 }
 
+// ---- prefill attention: K/V chunks staged once per block for many (row, head) units -----------
+// The decode kernel above runs one block per (row, head), so at a 4096-row prefill every (row,
+// head) re-reads its whole causal K/V prefix (66 ms per Qwen3-30B-A3B layer on an H200). This
+// kernel gives each (row, head) the same arithmetic in the same order, but a block holds
+// PF_UNITS (row, head) units: R consecutive rows x Gb query heads of one kv head (Gb a divisor
+// of the GQA group), and for each 128-key chunk (aligned to absolute positions, as above) it
+// copies the chunk's keys and values of that kv head into shared memory once (cp.async, the next
+// chunk's keys while this chunk's values are summed, its values while the next scores are
+// computed). Per unit and chunk, exactly the decode kernel's operations:
+//   s_t = (fmaf chain over d = 0..dk-1 of q_d k_t,d, from 0) * scale, rounded (-inf outside
+//   [first, pos] or where the slot is missing); m_new = max(m, max_t s_t); alpha = m == -inf ?
+//   0 : expf(m - m_new); p_t = s_t == -inf ? 0 : expf(s_t - m_new); psum = p_0 + p_1 + ...
+//   (t ascending, plain adds); l = fma(l, alpha, psum); per d: sum = fmaf chain of p_t v_t,d over
+//   t ascending, skipping p_t == 0; acc = fma(alpha, acc, sum); finally out = acc * (1 / l).
+// (Contraction as nvcc compiles the decode kernel: s's multiply and the subtractions are not
+// fused, the l and acc updates are; written here with explicit _rn intrinsics so no compiler
+// choice can differ. A key past a row's pos contributes a zero p, which adds nothing to psum and
+// is skipped in the value sums, so the tile may compute whole chunks for every unit.) The max
+// reduction's order does not matter (max is exact; a -0/+0 tie only moves exp(+-0) = 1).
+// Only the units whose chunk range contains the chunk update their state. Rows of different
+// sequences in one block are taken one sequence at a time (segments); each segment walks the
+// chunks from its units' lowest first chunk to their highest position.
+// Threads: 256; scores as a 64 units x 128 keys tile (4 units x 8 keys per thread), value sums
+// as 64 units x 128 dims (4 x 8). Needs head_dim_k, head_dim_v <= 128 and multiples of 4 and a
+// 16-byte aligned cache (the launcher checks; otherwise the decode kernel runs). CUDA only (the
+// tile needs ~205 KB of shared memory); under HIP the decode kernel runs.
+#define PF_THREADS 256
+#define PF_UNITS 64
+#define PF_DMAX 128
+#define PF_LD 132 // floats per staged key/value/query row (conflict-free float4 columns)
+#define PF_PLD 68 // floats per key row of p
+#define PF_MIN_ROWS 128
+#define PF_SHMEM ((size_t)(3 * ATT_CHUNK * PF_LD + ATT_CHUNK * PF_PLD) * sizeof(float) - \
+                  (size_t)(ATT_CHUNK - PF_UNITS) * PF_LD * sizeof(float))
+static int g_att_pf = -1; // -1: from MM_GPU_ATT_PREFILL at first use (0 off); 1 auto; 2 always
+
+#if ATT_HAVE_SV
+#define ATT_HAVE_PF 1
+__device__ __forceinline__ void pf_commit(void) { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void pf_wait1(void) {
+    asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+}
+
+// Copies the keys (kv_off 0) or values of chunk c0 of sequence seq, kv head kvh, into dst
+// ([key][PF_LD]): warp w takes keys w, w + 8, ..., lane i the i-th float4 of a key. Keys
+// outside [t_lo, t_hi] or without a slot are not copied; with ok != NULL their validity is
+// recorded there. One commit group.
+__device__ __forceinline__ void pf_stage(const struct mm_kv_view &kv, int32_t seq, int kvh, int dim,
+                                         int64_t kv_off, int32_t c0, int32_t t_lo, int32_t t_hi,
+                                         float *dst, int *ok, int *d_err) {
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    for (int key = warp; key < ATT_CHUNK; key += PF_THREADS / 32) {
+        const int32_t t = c0 + key;
+        const float *slot = NULL;
+        if (t >= t_lo && t <= t_hi)
+            slot = kv_slot(kv, seq, t, d_err);
+        if (ok != NULL && lane == 0)
+            ok[key] = slot != NULL;
+        if (slot != NULL && lane * 4 < dim)
+            att_cp16(dst + key * PF_LD + lane * 4, slot + kv_off + lane * 4);
+    }
+    pf_commit();
+}
+
+__global__ void __launch_bounds__(PF_THREADS, 1) attention_pf_kernel(struct mm_attn_args a, int gb,
+                                                                     int *d_err, int early) {
+    early_launch(early);
+    extern __shared__ __align__(16) float sh[];
+    float *ks = sh, *vs = ks + ATT_CHUNK * PF_LD, *qs = vs + ATT_CHUNK * PF_LD;
+    float *ps = qs + PF_UNITS * PF_LD; // [key][PF_PLD]
+    __shared__ int kok[ATT_CHUNK];
+    __shared__ int32_t u_row[PF_UNITS], u_seq[PF_UNITS], u_pos[PF_UNITS], u_first[PF_UNITS];
+    __shared__ int u_state[PF_UNITS]; // 0 done or invalid, 1 to do, 2 in this segment
+    __shared__ int u_part[PF_UNITS];  // this chunk updates the unit
+    __shared__ float u_alpha[PF_UNITS], u_inv[PF_UNITS];
+    __shared__ int32_t seg[4];        // seq, c_lo, t_lo, t_hi
+    const struct mm_kv_view &kv = a.kv;
+    const int dk = kv.head_dim_k, dv = kv.head_dim_v, tid = threadIdx.x;
+    const int group = a.n_heads / kv.n_kv_heads, per_kv = group / gb, rows_pb = PF_UNITS / gb;
+    const int kvh = blockIdx.y / per_kv, h0 = kvh * group + (blockIdx.y % per_kv) * gb;
+    // heavy (late) row tiles first: the causal prefix grows with the row
+    const int64_t r0 = (int64_t)(gridDim.x - 1 - blockIdx.x) * rows_pb;
+    const int64_t v_off = (int64_t)kv.n_kv_heads * dk + (int64_t)kvh * dv;
+    if (tid < PF_UNITS) {
+        const int rl = tid / gb;
+        const int64_t r = r0 + rl;
+        int st = 0;
+        int32_t sq = -1, ps_ = -1, fi = 0;
+        if (rl < rows_pb && r < a.n_rows) {
+            sq = a.row_seq[r], ps_ = a.row_pos[r];
+            if (ps_ < 0 || sq < 0 || ps_ / kv.block_size >= kv.max_blocks) {
+                flag(d_err, ERR_INDEX);
+            } else {
+                st = 1;
+                if (a.window > 0 && ps_ - a.window + 1 > 0)
+                    fi = ps_ - a.window + 1;
+            }
+        }
+        u_row[tid] = (int32_t)(rl < rows_pb ? r - r0 : 0);
+        u_seq[tid] = sq, u_pos[tid] = ps_, u_first[tid] = fi, u_state[tid] = st;
+    }
+    for (int i = tid; i < PF_UNITS * (dk / 4); i += PF_THREADS) {
+        const int u = i / (dk / 4), d = 4 * (i % (dk / 4));
+        const int64_t r = r0 + u / gb;
+        float4 q4 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (u / gb < rows_pb && r < a.n_rows) {
+            const float *qp = a.q + r * a.q_stride + (int64_t)(h0 + u % gb) * dk + d;
+            q4 = make_float4(qp[0], qp[1], qp[2], qp[3]);
+        }
+        *(float4 *)(qs + u * PF_LD + d) = q4;
+    }
+    // score tile: units ug*4 + i, keys kg + 16 j; value tile: units ug*4 + i, dims dg*4 + {0..3}
+    // and 64 + dg*4 + {0..3}
+    const int ug = tid / 16, kg = tid % 16;
+    for (;;) {
+        __syncthreads();
+        if (tid == 0) {
+            int32_t sq = -1, c_lo = 0, t_lo = 0, t_hi = -1;
+            for (int u = 0; u < PF_UNITS; u++)
+                if (u_state[u] == 1 && sq < 0)
+                    sq = u_seq[u];
+            for (int u = 0; u < PF_UNITS; u++)
+                if (u_state[u] == 1 && u_seq[u] == sq) {
+                    u_state[u] = 2;
+                    const int32_t cf = (u_first[u] / ATT_CHUNK) * ATT_CHUNK;
+                    if (t_hi < 0 || cf < c_lo)
+                        c_lo = cf;
+                    if (t_hi < 0 || u_first[u] < t_lo)
+                        t_lo = u_first[u];
+                    if (u_pos[u] > t_hi)
+                        t_hi = u_pos[u];
+                }
+            seg[0] = sq, seg[1] = c_lo, seg[2] = t_lo, seg[3] = t_hi;
+        }
+        __syncthreads();
+        const int32_t sq = seg[0], c_lo = seg[1], t_lo = seg[2], t_hi = seg[3];
+        if (sq < 0)
+            break;
+        float m[4], l = 0.0f, acc[4][8];
+        bool mine[4];
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            m[i] = -INFINITY;
+            mine[i] = u_state[ug * 4 + i] == 2;
+#pragma unroll
+            for (int j = 0; j < 8; j++)
+                acc[i][j] = 0.0f;
+        }
+        pf_stage(kv, sq, kvh, dk, (int64_t)kvh * dk, c_lo, t_lo, t_hi, ks, kok, d_err);
+        pf_stage(kv, sq, kvh, dv, v_off, c_lo, t_lo, t_hi, vs, NULL, d_err);
+        for (int32_t c0 = c_lo; c0 <= t_hi; c0 += ATT_CHUNK) {
+            pf_wait1(); // this chunk's keys (its values may still be on their way)
+            __syncthreads();
+            if (tid < PF_UNITS) {
+                const int32_t cf = (u_first[tid] / ATT_CHUNK) * ATT_CHUNK;
+                u_part[tid] = u_state[tid] == 2 && c0 >= cf && c0 <= u_pos[tid];
+            }
+            float s[4][8];
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+#pragma unroll
+                for (int j = 0; j < 8; j++)
+                    s[i][j] = 0.0f;
+            for (int d0 = 0; d0 < dk; d0 += 4) {
+                float4 qv[4], kv4[8];
+#pragma unroll
+                for (int i = 0; i < 4; i++)
+                    qv[i] = *(const float4 *)(qs + (ug * 4 + i) * PF_LD + d0);
+#pragma unroll
+                for (int j = 0; j < 8; j++)
+                    kv4[j] = *(const float4 *)(ks + (kg + 16 * j) * PF_LD + d0);
+#pragma unroll
+                for (int i = 0; i < 4; i++)
+#pragma unroll
+                    for (int j = 0; j < 8; j++) {
+                        s[i][j] = __fmaf_rn(qv[i].x, kv4[j].x, s[i][j]);
+                        s[i][j] = __fmaf_rn(qv[i].y, kv4[j].y, s[i][j]);
+                        s[i][j] = __fmaf_rn(qv[i].z, kv4[j].z, s[i][j]);
+                        s[i][j] = __fmaf_rn(qv[i].w, kv4[j].w, s[i][j]);
+                    }
+            }
+            __syncthreads(); // u_part written; every read of ks done
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const int u = ug * 4 + i;
+                const int32_t pos = u_pos[u], first = u_first[u];
+                float cmax = -INFINITY;
+#pragma unroll
+                for (int j = 0; j < 8; j++) {
+                    const int32_t t = c0 + kg + 16 * j;
+                    s[i][j] = kok[kg + 16 * j] && t >= first && t <= pos ? __fmul_rn(s[i][j], a.scale)
+                                                                         : -INFINITY;
+                    cmax = fmaxf(cmax, s[i][j]);
+                }
+#pragma unroll
+                for (int o = 8; o > 0; o >>= 1)
+                    cmax = fmaxf(cmax, mm_shfl_xor(cmax, o));
+                if (u_part[u]) { // same value in all 16 threads of the unit
+                    const float m_new = fmaxf(m[i], cmax);
+                    if (kg == 0)
+                        u_alpha[u] = m[i] == -INFINITY ? 0.0f : expf(__fsub_rn(m[i], m_new));
+#pragma unroll
+                    for (int j = 0; j < 8; j++)
+                        ps[(kg + 16 * j) * PF_PLD + u] =
+                            s[i][j] == -INFINITY ? 0.0f : expf(__fsub_rn(s[i][j], m_new));
+                    m[i] = m_new;
+                }
+            }
+            __syncthreads(); // p and alpha written; the keys' buffer is free
+            {
+                const int32_t cn = c0 + ATT_CHUNK;
+                if (cn <= t_hi)
+                    pf_stage(kv, sq, kvh, dk, (int64_t)kvh * dk, cn, t_lo, t_hi, ks, kok, d_err);
+                else
+                    pf_commit();
+            }
+            const int n_k = min(ATT_CHUNK, t_hi - c0 + 1); // later keys have p = 0 everywhere
+            if (tid < PF_UNITS && u_part[tid]) {
+                float psum = 0.0f;
+                for (int t = 0; t < n_k; t++)
+                    psum = __fadd_rn(psum, ps[t * PF_PLD + tid]);
+                l = __fmaf_rn(l, u_alpha[tid], psum);
+            }
+            pf_wait1(); // this chunk's values (the next chunk's keys may still be on their way)
+            __syncthreads();
+            {
+                const int dg = kg;
+                float sum[4][8];
+#pragma unroll
+                for (int i = 0; i < 4; i++)
+#pragma unroll
+                    for (int j = 0; j < 8; j++)
+                        sum[i][j] = 0.0f;
+                for (int t = 0; t < n_k; t++) {
+                    const float4 p4 = *(const float4 *)(ps + t * PF_PLD + ug * 4);
+                    const float4 va = *(const float4 *)(vs + t * PF_LD + dg * 4);
+                    const float4 vb = *(const float4 *)(vs + t * PF_LD + 64 + dg * 4);
+                    const float pv[4] = {p4.x, p4.y, p4.z, p4.w};
+                    const float vv[8] = {va.x, va.y, va.z, va.w, vb.x, vb.y, vb.z, vb.w};
+#pragma unroll
+                    for (int i = 0; i < 4; i++)
+                        if (pv[i] != 0.0f) {
+#pragma unroll
+                            for (int j = 0; j < 8; j++)
+                                sum[i][j] = __fmaf_rn(pv[i], vv[j], sum[i][j]);
+                        }
+                }
+#pragma unroll
+                for (int i = 0; i < 4; i++)
+                    if (u_part[ug * 4 + i]) {
+                        const float al = u_alpha[ug * 4 + i];
+#pragma unroll
+                        for (int j = 0; j < 8; j++)
+                            acc[i][j] = __fmaf_rn(al, acc[i][j], sum[i][j]);
+                    }
+            }
+            __syncthreads(); // every read of p, alpha and the values done
+            {
+                const int32_t cn = c0 + ATT_CHUNK;
+                if (cn <= t_hi)
+                    pf_stage(kv, sq, kvh, dv, v_off, cn, t_lo, t_hi, vs, NULL, d_err);
+                else
+                    pf_commit();
+            }
+        }
+        asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+        if (tid < PF_UNITS && u_state[tid] == 2)
+            u_inv[tid] = 1.0f / l;
+        __syncthreads();
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int u = ug * 4 + i;
+            if (!mine[i])
+                continue;
+            float *o = a.out + (r0 + u_row[u]) * a.out_stride + (int64_t)(h0 + u % gb) * dv;
+            const float inv = u_inv[u];
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+                const int d = (j < 4 ? kg * 4 + j : 64 + kg * 4 + j - 4);
+                if (d < dv)
+                    o[d] = __fmul_rn(acc[i][j], inv);
+            }
+        }
+        __syncthreads();
+        if (tid < PF_UNITS && u_state[tid] == 2)
+            u_state[tid] = 0;
+    }
+}
+#else
+#define ATT_HAVE_PF 0
+#endif
+
+// The prefill kernel when it applies (CUDA, mode on, shapes it takes); *done false otherwise.
+static mm_err attention_pf_launch(void *stream, const struct mm_attn_args *a, int *d_err,
+                                  bool force, bool *done) {
+    *done = false;
+#if ATT_HAVE_PF
+    if (g_att_pf < 0) {
+        const char *e = getenv("MM_GPU_ATT_PREFILL");
+        g_att_pf = e != NULL && e[0] == '0' && e[1] == '\0' ? 0 : 1;
+    }
+    if (a == NULL || a->q == NULL || a->out == NULL || a->row_seq == NULL || a->row_pos == NULL ||
+        a->kv.base == NULL || a->kv.block_tables == NULL || a->n_heads <= 0 ||
+        a->kv.n_kv_heads <= 0 || a->n_heads % a->kv.n_kv_heads != 0 || a->kv.block_size <= 0 ||
+        a->n_rows <= 0 || a->n_rows > (int64_t)PF_UNITS * 0x7fffffff)
+        return MM_OK; // the decode launcher reports bad arguments
+    if (!force && (g_att_pf == 0 || (g_att_pf == 1 && a->n_rows < PF_MIN_ROWS)))
+        return MM_OK;
+    const struct mm_kv_view *kv = &a->kv;
+    if (kv->head_dim_k > PF_DMAX || kv->head_dim_v > PF_DMAX || kv->head_dim_k % 4 != 0 ||
+        kv->head_dim_v % 4 != 0 || ((uintptr_t)kv->base & 15) != 0 || kv->block_stride % 4 != 0 ||
+        kv->slot_stride % 4 != 0)
+        return MM_OK;
+    const int group = a->n_heads / kv->n_kv_heads;
+    int gb = 1;
+    for (int g = 1; g <= 8 && g <= group; g++)
+        if (group % g == 0)
+            gb = g;
+    const int rows_pb = PF_UNITS / gb;
+    static uint64_t attr_set; // > 48 KiB: allowed once per device (harmlessly racy)
+    int dev = 0;
+    MM_GPU_CHECK(cudaGetDevice(&dev));
+    if (!(attr_set & (1ull << (dev & 63)))) {
+        MM_GPU_CHECK(cudaFuncSetAttribute(attention_pf_kernel,
+                                          cudaFuncAttributeMaxDynamicSharedMemorySize, (int)PF_SHMEM));
+        attr_set |= 1ull << (dev & 63);
+    }
+    dim3 grid((unsigned)((a->n_rows + rows_pb - 1) / rows_pb),
+              (unsigned)(kv->n_kv_heads * (group / gb)));
+    attention_pf_kernel<<<grid, PF_THREADS, PF_SHMEM, (cudaStream_t)stream>>>(*a, gb, d_err, g_early);
+    MM_GPU_CHECK(cudaGetLastError());
+    *done = true;
+#else
+    (void)stream, (void)a, (void)d_err, (void)force;
+#endif
+    return MM_OK;
+}
+
+// mm_gpu_set_attention_prefill: 0 off (the decode kernel for every call), 1 auto (the prefill
+// kernel from PF_MIN_ROWS rows: the default, unless MM_GPU_ATT_PREFILL=0), 2 always (tests).
+// Process-wide. Same bits in every mode.
+extern "C" void mm_gpu_set_attention_prefill(int mode);
+extern "C" void mm_gpu_set_attention_prefill(int mode) { g_att_pf = mode < 0 ? 0 : mode > 2 ? 2 : mode; }
+
 // mm_gpu_set_attention_sv: the decode attention with values staged in shared memory (default
 // on) or the wider-load kernel for every shape (A/B runs; same bits). Process-wide.
 extern "C" void mm_gpu_set_attention_sv(int on) { g_att_sv = on != 0; }
 
 extern "C" mm_err mm_gpu_attention(void *stream, const struct mm_attn_args *a, int *d_err) {
+    bool done = false; // many rows (prefill chunks): the prefill kernel, same bits
+    const mm_err rv = attention_pf_launch(stream, a, d_err, g_att_pf == 2, &done);
+    if (rv != MM_OK || done)
+        return rv;
     return attention_launch(stream, a, d_err, false);
 }
 

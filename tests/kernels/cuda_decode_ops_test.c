@@ -34,6 +34,7 @@ extern mm_err mm_gpu_attention(void *stream, const struct mm_attn_args *a, int *
 extern mm_err mm_gpu_attention_ref(void *stream, const struct mm_attn_args *a, int *d_err)
     __attribute__((weak));
 extern void mm_gpu_set_attention_sv(int on) __attribute__((weak));
+extern void mm_gpu_set_attention_prefill(int mode) __attribute__((weak));
 extern mm_err mm_gpu_stream_sync(void *stream) __attribute__((weak));
 extern mm_err mm_gpu_matmul(void *stream, int dtype, const void *d_w, int n_out, int n_in,
                             const float *d_bias, const float *d_x, int64_t x_stride, float *d_y,
@@ -327,6 +328,150 @@ static void test_attention_bits(void) {
     close_gpu();
 }
 
+// ---- prefill attention (K/V chunks shared by many rows) against the decode kernel ---------------
+// The prefill kernel (mm_gpu_set_attention_prefill(2): every call) must give every (row, head)
+// the decode kernel's bits (mode 0): all rows in one call; the same rows in chunks of other
+// sizes (a prompt chunked differently); rows of two sequences interleaved in runs, so a block
+// holds rows of both. Counts the differing output elements and reports them.
+static int64_t pf_diff(const float *a, const float *b, int64_t n) {
+    int64_t d = 0;
+    for (int64_t i = 0; i < n; i++)
+        d += memcmp(a + i, b + i, 4) != 0;
+    return d;
+}
+
+static void attn_pf_case(int n_heads, int n_kv, int dk, int dv, int window, const int *lens,
+                         int n_seqs) {
+    const int bs = 16, max_blocks = 48, n_blocks = n_seqs * max_blocks;
+    const int64_t slot = (int64_t)n_kv * (dk + dv), bstride = slot * bs;
+    const size_t pool_n = (size_t)(n_blocks * bstride);
+    int32_t *tables = malloc((size_t)n_blocks * 4);
+    for (int i = 0; i < n_blocks; i++)
+        tables[i] = (int32_t)(((int64_t)i * 7 + 3) % n_blocks);
+    int n_rows = 0;
+    for (int s = 0; s < n_seqs; s++)
+        n_rows += lens[s];
+    int32_t *rs = malloc((size_t)n_rows * 4), *rp = malloc((size_t)n_rows * 4);
+    for (int s = 0, r = 0; s < n_seqs; s++)
+        for (int p = 0; p < lens[s]; p++, r++)
+            rs[r] = s, rp[r] = p;
+    const int64_t kst = (int64_t)n_kv * dk, vst = (int64_t)n_kv * dv;
+    const int64_t qst = (int64_t)n_heads * dk, ost = (int64_t)n_heads * dv;
+    const int64_t on = (int64_t)n_rows * ost;
+    float *k = malloc((size_t)(n_rows * kst) * 4), *v = malloc((size_t)(n_rows * vst) * 4);
+    float *q = malloc((size_t)(n_rows * qst) * 4);
+    for (int64_t i = 0; i < n_rows * kst; i++)
+        k[i] = frand();
+    for (int64_t i = 0; i < n_rows * vst; i++)
+        v[i] = frand();
+    for (int64_t i = 0; i < n_rows * qst; i++)
+        q[i] = frand() * 3.0f;
+    struct mm_kv_view kv = {.base = NULL, .block_size = bs, .block_stride = bstride,
+                            .slot_stride = slot, .n_kv_heads = n_kv, .head_dim_k = dk,
+                            .head_dim_v = dv, .block_tables = NULL, .max_blocks = max_blocks};
+    MM_PASS(gpu->ops->buffer_alloc(gpu->ctx, pool_n * 4, (void **)&kv.base));
+    MM_PASS(gpu->ops->fill(gpu->ctx, kv.base, 0.0f, (int64_t)pool_n));
+    kv.block_tables = dev_copy(tables, (size_t)n_blocks * 4);
+    int32_t *d_rs = dev_copy(rs, (size_t)n_rows * 4), *d_rp = dev_copy(rp, (size_t)n_rows * 4);
+    struct mm_kv_store_args st = {.kv = kv, .k = dev_copy(k, (size_t)(n_rows * kst) * 4),
+                                  .k_stride = kst, .v = dev_copy(v, (size_t)(n_rows * vst) * 4),
+                                  .v_stride = vst, .n_rows = n_rows, .row_seq = d_rs,
+                                  .row_pos = d_rp};
+    MM_PASS(gpu->ops->kv_store(gpu->ctx, &st));
+    float *d_q = dev_copy(q, (size_t)(n_rows * qst) * 4);
+    float *o_ref = dev_copy(NULL, (size_t)on * 4), *o_pf = dev_copy(NULL, (size_t)on * 4);
+    MM_PASS(gpu->ops->fill(gpu->ctx, o_ref, 1.0f, on));
+    MM_PASS(gpu->ops->fill(gpu->ctx, o_pf, 2.0f, on));
+    MM_PASS(gpu->ops->synchronize(gpu->ctx));
+    struct mm_attn_args at = {.kv = kv, .q = d_q, .q_stride = qst, .out = o_ref,
+                              .out_stride = ost, .n_rows = n_rows, .row_seq = d_rs,
+                              .row_pos = d_rp, .n_heads = n_heads,
+                              .scale = 1.0f / sqrtf((float)dk), .window = window};
+    mm_gpu_set_attention_prefill(0);
+    MM_PASS(mm_gpu_attention(NULL, &at, NULL)); // the decode kernel
+    mm_gpu_set_attention_prefill(2);
+    at.out = o_pf;
+    MM_PASS(mm_gpu_attention(NULL, &at, NULL)); // all rows in one call
+    MM_PASS(mm_gpu_stream_sync(NULL));
+    float *ref = dev_get(o_ref, (size_t)on * 4), *got = dev_get(o_pf, (size_t)on * 4);
+    const int64_t d_one = pf_diff(ref, got, on);
+    // chunks of 37, 128, 1, then 200 at a time (one chunk may span two sequences)
+    MM_PASS(gpu->ops->fill(gpu->ctx, o_pf, 3.0f, on));
+    MM_PASS(gpu->ops->synchronize(gpu->ctx));
+    const int sizes[4] = {37, 128, 1, 200};
+    for (int r = 0, i = 0; r < n_rows; i++) {
+        const int n = sizes[i < 3 ? i : 3] < n_rows - r ? sizes[i < 3 ? i : 3] : n_rows - r;
+        struct mm_attn_args c = at;
+        c.q = d_q + (int64_t)r * qst, c.out = o_pf + (int64_t)r * ost, c.n_rows = n;
+        c.row_seq = d_rs + r, c.row_pos = d_rp + r;
+        MM_PASS(mm_gpu_attention(NULL, &c, NULL));
+        r += n;
+    }
+    MM_PASS(mm_gpu_stream_sync(NULL));
+    free(got);
+    got = dev_get(o_pf, (size_t)on * 4);
+    const int64_t d_chunks = pf_diff(ref, got, on);
+    // rows of the sequences interleaved in runs of 1..11 rows: row i of the call is original
+    // row perm[i]; its output goes to the same place as before (out row perm[i])
+    int32_t *perm = malloc((size_t)n_rows * 4), *next = calloc((size_t)n_seqs, 4);
+    int32_t *start = malloc((size_t)n_seqs * 4);
+    for (int s = 0, r = 0; s < n_seqs; s++)
+        start[s] = r, r += lens[s];
+    for (int i = 0, s = 0, run = 1; i < n_rows;) {
+        for (int j = 0; j < run && next[s] < lens[s] && i < n_rows; j++)
+            perm[i++] = start[s] + next[s]++;
+        s = (s + 1) % n_seqs, run = run % 11 + 1;
+    }
+    float *qp = malloc((size_t)(n_rows * qst) * 4);
+    int32_t *rsp = malloc((size_t)n_rows * 4), *rpp = malloc((size_t)n_rows * 4);
+    for (int i = 0; i < n_rows; i++) {
+        memcpy(qp + (int64_t)i * qst, q + (int64_t)perm[i] * qst, (size_t)qst * 4);
+        rsp[i] = rs[perm[i]], rpp[i] = rp[perm[i]];
+    }
+    float *d_qp = dev_copy(qp, (size_t)(n_rows * qst) * 4);
+    int32_t *d_rsp = dev_copy(rsp, (size_t)n_rows * 4), *d_rpp = dev_copy(rpp, (size_t)n_rows * 4);
+    MM_PASS(gpu->ops->fill(gpu->ctx, o_pf, 4.0f, on));
+    MM_PASS(gpu->ops->synchronize(gpu->ctx));
+    struct mm_attn_args mx = at;
+    mx.q = d_qp, mx.row_seq = d_rsp, mx.row_pos = d_rpp;
+    MM_PASS(mm_gpu_attention(NULL, &mx, NULL));
+    MM_PASS(mm_gpu_stream_sync(NULL));
+    free(got);
+    got = dev_get(o_pf, (size_t)on * 4);
+    int64_t d_mixed = 0;
+    for (int i = 0; i < n_rows; i++)
+        d_mixed += pf_diff(ref + (int64_t)perm[i] * ost, got + (int64_t)i * ost, ost);
+    mm_gpu_set_attention_prefill(1);
+    printf("attention prefill kernel %dh/%dkv dk %d dv %d window %d, %d rows of %d seqs: "
+           "differing elements vs the decode kernel: one call %lld, chunks %lld, seqs "
+           "interleaved %lld (of %lld)\n", n_heads, n_kv, dk, dv, window, n_rows, n_seqs,
+           (long long)d_one, (long long)d_chunks, (long long)d_mixed, (long long)on);
+    MM_EQ(d_one, 0);
+    MM_EQ(d_chunks, 0);
+    MM_EQ(d_mixed, 0);
+    free(ref), free(got), free(k), free(v), free(q), free(rs), free(rp), free(tables);
+    free(perm), free(next), free(start), free(qp), free(rsp), free(rpp);
+    void *bufs[] = {kv.base, (void *)kv.block_tables, (void *)st.k, (void *)st.v, d_rs, d_rp,
+                    d_q, o_ref, o_pf, d_qp, d_rsp, d_rpp};
+    for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++)
+        gpu->ops->buffer_free(gpu->ctx, bufs[i]);
+}
+
+static void test_attention_prefill_bits(void) {
+    open_gpu();
+    if (!mm_gpu_attention || !mm_gpu_set_attention_prefill)
+        MM_SKIP("attention kernels not linked");
+    const int two[2] = {300, 77}, one[1] = {517}, three[3] = {1, 129, 250};
+    attn_pf_case(32, 4, 128, 128, 0, two, 2); // Qwen3-30B-A3B's heads (GQA 8)
+    attn_pf_case(8, 2, 64, 64, 0, one, 1);    // head_dim 64, GQA 4
+    attn_pf_case(16, 16, 128, 128, 0, three, 3); // no GQA: 64 rows per block
+    attn_pf_case(6, 3, 128, 128, 40, two, 2); // sliding window, GQA 2
+    attn_pf_case(12, 4, 64, 128, 100, three, 3); // GQA 3, dk != dv, window over chunks
+    attn_pf_case(32, 2, 96, 64, 0, two, 2);   // GQA 16: two head blocks per kv head; dk 96
+    attn_pf_case(4, 1, 36, 20, 0, one, 1);    // odd small dims (multiples of 4)
+    close_gpu();
+}
+
 // ---- GEMV v2 against the earlier GEMV, bit for bit ------------------------------------------------
 static uint16_t *rand_w(size_t n) {
     uint16_t *w = malloc(n * 2);
@@ -605,6 +750,7 @@ MM_TESTS = {
     {"argmax over many blocks equals the host rule", test_argmax_blocks},
     {"rmsnorm block per row: warp kernel's bits", test_rmsnorm_bits},
     {"attention wider loads: same bits", test_attention_bits},
+    {"attention prefill kernel: decode kernel bits", test_attention_prefill_bits},
     {"per-op timer: no graphs, same results", test_optime},
     {"gemv v2 (x in shared memory, row indices) == gemv v1 bits", test_gemv_v2_bits},
     {"add_rmsnorm == axpy then rmsnorm bits", test_add_rmsnorm_bits},

@@ -34,7 +34,11 @@
 //   gaps of op-by-op issue that =1 includes (tokens/s in that mode mean nothing).
 //   MM_GPU_OPTIME_SPLIT=1 gives each call of a name within a step its own row ("#n": the
 //   n-th call, so per layer for the per-layer ops). MM_GPU_PDL=0 launches the GEMVs without
-//   programmatic dependent launch (process-wide; A/B of the early launch).
+//   programmatic dependent launch (process-wide; A/B of the early launch). The step's small
+//   ops (norms, attention, routing, combine, ...) launch as programmatic dependents that wait
+//   at their start (mm_gpu_set_dep_launch; same results); MM_GPU_PDL_ALL=0 launches them
+//   plainly, as MM_GPU_OLD_DECODE=1 does (H200, 00:10 UTC: op by op 1550 tok/s vs 1442).
+//   MM_GPU_GEMV_WPT=4 caps the warps per 16-row GEMV tile (fewer, longer blocks; same bits).
 //   MM_GPU_OLD_DECODE=1 runs the earlier argmax (one block per row), rmsnorm (a warp per row)
 //   and attention load grouping, and no early launch of the products (process-wide), for
 //   before/after figures in one run (same results).
@@ -144,7 +148,7 @@ static void ot_end(struct gpu_ctx *g, const char *name) {
     if (t == NULL)
         return;
     char full[OT_NAME];
-    if (t->split) {
+    if (t->split && t->cur != 0) { // per call within a step (not the load's many sets)
         int b = 0;
         while (b < t->n_base && strcmp(t->base[b], name) != 0)
             b++;
@@ -834,6 +838,8 @@ extern "C" mm_err mm_cuda_backend_open(mm_backend *be, const mm_backend_params *
     const char *wpt = getenv("MM_GPU_GEMV_WPT"); // 1, 2, 4: cap warps per GEMV tile (A/B)
     if (wpt != NULL && wpt[0] != '\0')
         mm_gpu_set_gemv_wpt(atoi(wpt));
+    const char *dep = getenv("MM_GPU_PDL_ALL"); // 0: the small ops without dependent launch
+    mm_gpu_set_dep_launch(!g->old_kernels && !(dep != NULL && strcmp(dep, "0") == 0));
     mm_gpu_set_gemv_version(g->old_kernels ? 1 : 2);
     if (no_fusions) { // the model falls back to the separate ops these stand for
         g->ops_table.moe_matmul_rows = NULL;

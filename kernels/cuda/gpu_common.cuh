@@ -70,4 +70,47 @@ __device__ __forceinline__ float mm_block_max(float v) {
 
 static inline unsigned mm_div_up(long a, long b) { return (unsigned)((a + b - 1) / b); }
 
+// ---- programmatic dependent launch of the small ops (sm_90) -------------------------------------
+// mm_launch_dep launches k as a programmatic dependent of the stream's previous kernel when
+// mm__gpu_dep is set (mm_gpu_set_dep_launch; the backend's default): its blocks may be scheduled
+// as soon as that kernel signals (mm_dep_signal at its start), so the launch and block setup
+// overlap the previous kernel instead of following it. Every kernel launched this way calls
+// mm_dep_wait before its first global load or store, so it still starts its work only after
+// the previous kernel has finished and its writes are visible: same results. Without the
+// attribute (or on HIP) both device calls do nothing.
+extern int mm__gpu_dep;
+
+__device__ __forceinline__ void mm_dep_wait(void) {
+#if MM_GPU_HAVE_WMMA && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void mm_dep_signal(void) {
+#if MM_GPU_HAVE_WMMA && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::);
+#endif
+}
+
+template <typename... P, typename... A>
+static inline cudaError_t mm_launch_dep(void (*k)(P...), dim3 grid, dim3 block, size_t smem,
+                                        cudaStream_t st, A... args) {
+#if MM_GPU_HAVE_WMMA
+    cudaLaunchConfig_t cfg = {};
+    cudaLaunchAttribute at[1];
+    at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    at[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = st;
+    cfg.attrs = at;
+    cfg.numAttrs = mm__gpu_dep ? 1 : 0;
+    return cudaLaunchKernelEx(&cfg, k, args...);
+#else
+    hipLaunchKernelGGL(k, grid, block, smem, st, args...);
+    return cudaGetLastError();
+#endif
+}
+
 #endif

@@ -105,6 +105,12 @@ void mm_gpu_set_gemv_wpt(int wpt);
 // swiglu) let the product's dependent launch start at their own start (default on; ops.cu).
 // Process-wide; same results either way.
 void mm_gpu_set_early_launch(int on);
+// mm_gpu_set_dep_launch: the small ops of a decode step (norms, head_norm_rope, kv_store,
+// attention, embed, route, route_plan, combine, copy_rows, swiglu, argmax) launch as
+// programmatic dependents of the kernel before them (sm_90) and wait for it at their start, so
+// their launch overlaps it. Off until set; the CUDA backend sets it on when opened (env
+// MM_GPU_PDL_ALL=0 or MM_GPU_OLD_DECODE=1: off). Same results. Process-wide.
+void mm_gpu_set_dep_launch(int on);
 
 // mm_gpu_set_gemm_tile picks the wgmma block (benches, tests): 0 (default) per product kind
 // (dense 14, 13 or 4 by rows and outputs, grouped 20 or 2 by rows per expert: matmul.cu

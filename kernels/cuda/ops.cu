@@ -63,6 +63,13 @@ static int g_early = 1;
 
 extern "C" void mm_gpu_set_early_launch(int on) { g_early = on != 0; }
 
+// mm_gpu_set_dep_launch: the decode step's small ops (norms, head_norm_rope, kv_store,
+// attention, embed, route, copy_rows, swiglu, argmax, and route_plan.cu's plan and combine)
+// launch as programmatic dependents (gpu_common.cuh mm_launch_dep) and wait at their start.
+// Off until set; the backend sets it on at open (env MM_GPU_PDL_ALL=0: off). Same results.
+int mm__gpu_dep = 0;
+extern "C" void mm_gpu_set_dep_launch(int on) { mm__gpu_dep = on != 0; }
+
 __device__ __forceinline__ void early_launch(int on) {
 #if MM_GPU_HAVE_WMMA && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     if (on)
@@ -129,7 +136,8 @@ __global__ void __launch_bounds__(RMS_THREADS) rmsnorm_row_kernel(const void *w,
     extern __shared__ float xsh[]; // dim
     early_launch(early);
     float wv[RMS_MAX_DIM / RMS_THREADS];
-    rms_load_w<DT>(w, dim, wv);
+    rms_load_w<DT>(w, dim, wv); // weights: never written by a kernel, before the wait
+    mm_dep_wait();
     const int64_t r = blockIdx.x;
     const float *xr = x + r * xs;
     for (int k = threadIdx.x; k < dim; k += RMS_THREADS)
@@ -147,7 +155,8 @@ __global__ void __launch_bounds__(RMS_THREADS) add_rmsnorm_kernel(const float *a
     extern __shared__ float xsh[]; // dim
     early_launch(early);
     float wv[RMS_MAX_DIM / RMS_THREADS];
-    rms_load_w<DT>(w, dim, wv);
+    rms_load_w<DT>(w, dim, wv); // weights: never written by a kernel, before the wait
+    mm_dep_wait();
     const int64_t r = blockIdx.x;
     const float *ar = a + r * as;
     float *hr = h + r * hs;
@@ -199,9 +208,9 @@ extern "C" mm_err mm_gpu_rmsnorm(void *stream, const mm_weight *w, float eps, co
     const unsigned grid = (unsigned)n_rows;
     cudaStream_t st = (cudaStream_t)stream;
     switch (w->dtype) {
-    case MM_DTYPE_BF16: rmsnorm_row_kernel<MM_DTYPE_BF16><<<grid, RMS_THREADS, shmem, st>>>(w->data, dim, eps, x, xs, y, ys, g_early); break;
-    case MM_DTYPE_F16: rmsnorm_row_kernel<MM_DTYPE_F16><<<grid, RMS_THREADS, shmem, st>>>(w->data, dim, eps, x, xs, y, ys, g_early); break;
-    case MM_DTYPE_F32: rmsnorm_row_kernel<MM_DTYPE_F32><<<grid, RMS_THREADS, shmem, st>>>(w->data, dim, eps, x, xs, y, ys, g_early); break;
+    case MM_DTYPE_BF16: MM_GPU_CHECK(mm_launch_dep(rmsnorm_row_kernel<MM_DTYPE_BF16>, dim3(grid), dim3(RMS_THREADS), shmem, st, w->data, dim, eps, x, xs, y, ys, g_early)); break;
+    case MM_DTYPE_F16: MM_GPU_CHECK(mm_launch_dep(rmsnorm_row_kernel<MM_DTYPE_F16>, dim3(grid), dim3(RMS_THREADS), shmem, st, w->data, dim, eps, x, xs, y, ys, g_early)); break;
+    case MM_DTYPE_F32: MM_GPU_CHECK(mm_launch_dep(rmsnorm_row_kernel<MM_DTYPE_F32>, dim3(grid), dim3(RMS_THREADS), shmem, st, w->data, dim, eps, x, xs, y, ys, g_early)); break;
     default: return MM_EINVAL;
     }
     MM_GPU_CHECK(cudaGetLastError());
@@ -225,9 +234,9 @@ extern "C" mm_err mm_gpu_add_rmsnorm(void *stream, const float *a, int64_t as, f
     const unsigned grid = (unsigned)n_rows;
     cudaStream_t st = (cudaStream_t)stream;
     switch (w->dtype) {
-    case MM_DTYPE_BF16: add_rmsnorm_kernel<MM_DTYPE_BF16><<<grid, RMS_THREADS, shmem, st>>>(a, as, h, hs, w->data, dim, eps, y, ys, g_early); break;
-    case MM_DTYPE_F16: add_rmsnorm_kernel<MM_DTYPE_F16><<<grid, RMS_THREADS, shmem, st>>>(a, as, h, hs, w->data, dim, eps, y, ys, g_early); break;
-    case MM_DTYPE_F32: add_rmsnorm_kernel<MM_DTYPE_F32><<<grid, RMS_THREADS, shmem, st>>>(a, as, h, hs, w->data, dim, eps, y, ys, g_early); break;
+    case MM_DTYPE_BF16: MM_GPU_CHECK(mm_launch_dep(add_rmsnorm_kernel<MM_DTYPE_BF16>, dim3(grid), dim3(RMS_THREADS), shmem, st, a, as, h, hs, w->data, dim, eps, y, ys, g_early)); break;
+    case MM_DTYPE_F16: MM_GPU_CHECK(mm_launch_dep(add_rmsnorm_kernel<MM_DTYPE_F16>, dim3(grid), dim3(RMS_THREADS), shmem, st, a, as, h, hs, w->data, dim, eps, y, ys, g_early)); break;
+    case MM_DTYPE_F32: MM_GPU_CHECK(mm_launch_dep(add_rmsnorm_kernel<MM_DTYPE_F32>, dim3(grid), dim3(RMS_THREADS), shmem, st, a, as, h, hs, w->data, dim, eps, y, ys, g_early)); break;
     default: return MM_EINVAL;
     }
     MM_GPU_CHECK(cudaGetLastError());
@@ -300,6 +309,8 @@ __device__ __forceinline__ float wload_rt(int dt, const void *w, int64_t i) {
 __global__ void head_norm_rope_kernel(float *x, int64_t n_rows, int64_t stride, int n_a, int n_b,
                                       int64_t b_off, int hd, const void *wa, int wa_dt,
                                       const void *wb, int wb_dt, float eps, struct mm_rope_args ra) {
+    mm_dep_signal();
+    mm_dep_wait();
     const int lane = threadIdx.x % MM_WARP_SIZE;
     const int64_t wid = (int64_t)blockIdx.x * (blockDim.x / MM_WARP_SIZE) + threadIdx.x / MM_WARP_SIZE;
     const int nh = n_a + n_b;
@@ -351,9 +362,9 @@ extern "C" mm_err mm_gpu_head_norm_rope(void *stream, float *d_x, int64_t n_rows
     if (warps == 0)
         return MM_OK;
     const unsigned per_block = 256 / warp_threads();
-    head_norm_rope_kernel<<<mm_div_up(warps, per_block), 256, 0, (cudaStream_t)stream>>>(
-        d_x, n_rows, stride, n_a, n_b, b_off, head_dim, wa ? wa->data : NULL,
-        wa ? (int)wa->dtype : 0, wb ? wb->data : NULL, wb ? (int)wb->dtype : 0, eps, *ra);
+    MM_GPU_CHECK(mm_launch_dep(head_norm_rope_kernel, dim3(mm_div_up(warps, per_block)), dim3(256), 0,
+        (cudaStream_t)stream, d_x, n_rows, stride, n_a, n_b, b_off, head_dim, wa ? wa->data : NULL,
+        wa ? (int)wa->dtype : 0, wb ? wb->data : NULL, wb ? (int)wb->dtype : 0, eps, *ra));
     MM_GPU_CHECK(cudaGetLastError());
     return MM_OK;
 }
@@ -374,6 +385,8 @@ __device__ __forceinline__ float *kv_slot(const struct mm_kv_view &kv, int32_t s
 }
 
 __global__ void kv_store_kernel(struct mm_kv_store_args a, int *d_err) {
+    mm_dep_signal();
+    mm_dep_wait();
     const int64_t nk = (int64_t)a.kv.n_kv_heads * a.kv.head_dim_k;
     const int64_t nv = (int64_t)a.kv.n_kv_heads * a.kv.head_dim_v;
     const int64_t r = blockIdx.x;
@@ -391,7 +404,8 @@ extern "C" mm_err mm_gpu_kv_store(void *stream, const struct mm_kv_store_args *a
         return MM_EINVAL;
     if (a->n_rows == 0)
         return MM_OK;
-    kv_store_kernel<<<(unsigned)a->n_rows, 256, 0, (cudaStream_t)stream>>>(*a, d_err);
+    MM_GPU_CHECK(mm_launch_dep(kv_store_kernel, dim3((unsigned)a->n_rows), dim3(256), 0,
+                               (cudaStream_t)stream, *a, d_err));
     MM_GPU_CHECK(cudaGetLastError());
     return MM_OK;
 }
@@ -443,6 +457,7 @@ template <int ATT_K_VEC, int ATT_V_KEYS, bool SV = false>
 __global__ void __launch_bounds__(ATT_THREADS) attention_kernel(struct mm_attn_args a, int *d_err,
                                                                 int early) {
     early_launch(early);
+    mm_dep_wait();
     extern __shared__ __align__(16) float sh[];
     __shared__ const float *slots[ATT_CHUNK];
     const struct mm_kv_view &kv = a.kv;
@@ -617,8 +632,8 @@ static mm_err attention_launch(void *stream, const struct mm_attn_args *a, int *
     if (ref)
         attention_kernel<8, 16><<<grid, ATT_THREADS, shmem, (cudaStream_t)stream>>>(*a, d_err, g_early);
     else
-        attention_kernel<ATT_K_VEC_DEF, ATT_V_KEYS_DEF>
-            <<<grid, ATT_THREADS, shmem, (cudaStream_t)stream>>>(*a, d_err, g_early);
+        MM_GPU_CHECK(mm_launch_dep(attention_kernel<ATT_K_VEC_DEF, ATT_V_KEYS_DEF, false>, grid,
+                                   dim3(ATT_THREADS), shmem, (cudaStream_t)stream, *a, d_err, g_early));
     MM_GPU_CHECK(cudaGetLastError());
     return MM_OK;
 }
@@ -990,6 +1005,8 @@ extern "C" mm_err mm_gpu_attention_ref(void *stream, const struct mm_attn_args *
 template <int DT>
 __global__ void embed_kernel(const void *table, int64_t rows, int64_t cols, const int32_t *ids,
                              float *out, int64_t os, int *d_err) {
+    mm_dep_signal();
+    mm_dep_wait();
     const int64_t i = blockIdx.x;
     const int32_t id = ids[i];
     if (id < 0 || id >= rows) {
@@ -1010,9 +1027,9 @@ extern "C" mm_err mm_gpu_embed(void *stream, const mm_weight *t, const int32_t *
         return MM_OK;
     cudaStream_t st = (cudaStream_t)stream;
     switch (t->dtype) {
-    case MM_DTYPE_BF16: embed_kernel<MM_DTYPE_BF16><<<(unsigned)n_rows, 256, 0, st>>>(t->data, t->rows, t->cols, ids, out, os, d_err); break;
-    case MM_DTYPE_F16: embed_kernel<MM_DTYPE_F16><<<(unsigned)n_rows, 256, 0, st>>>(t->data, t->rows, t->cols, ids, out, os, d_err); break;
-    case MM_DTYPE_F32: embed_kernel<MM_DTYPE_F32><<<(unsigned)n_rows, 256, 0, st>>>(t->data, t->rows, t->cols, ids, out, os, d_err); break;
+    case MM_DTYPE_BF16: MM_GPU_CHECK(mm_launch_dep(embed_kernel<MM_DTYPE_BF16>, dim3((unsigned)n_rows), dim3(256), 0, st, t->data, t->rows, t->cols, ids, out, os, d_err)); break;
+    case MM_DTYPE_F16: MM_GPU_CHECK(mm_launch_dep(embed_kernel<MM_DTYPE_F16>, dim3((unsigned)n_rows), dim3(256), 0, st, t->data, t->rows, t->cols, ids, out, os, d_err)); break;
+    case MM_DTYPE_F32: MM_GPU_CHECK(mm_launch_dep(embed_kernel<MM_DTYPE_F32>, dim3((unsigned)n_rows), dim3(256), 0, st, t->data, t->rows, t->cols, ids, out, os, d_err)); break;
     default: return MM_EINVAL;
     }
     MM_GPU_CHECK(cudaGetLastError());
@@ -1022,6 +1039,7 @@ extern "C" mm_err mm_gpu_embed(void *stream, const mm_weight *t, const int32_t *
 __global__ void swiglu_kernel(const float *g, int64_t gs, const float *u, int64_t us, float *o,
                               int64_t os, int64_t n_rows, int64_t dim, int early) {
     early_launch(early);
+    mm_dep_wait();
     const int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= n_rows * dim)
         return;
@@ -1036,7 +1054,7 @@ extern "C" mm_err mm_gpu_swiglu(void *stream, const float *g, int64_t gs, const 
         return MM_EINVAL;
     if (n_rows * dim == 0)
         return MM_OK;
-    swiglu_kernel<<<mm_div_up(n_rows * dim, 256), 256, 0, (cudaStream_t)stream>>>(g, gs, u, us, o, os, n_rows, dim, g_early);
+    MM_GPU_CHECK(mm_launch_dep(swiglu_kernel, dim3(mm_div_up(n_rows * dim, 256)), dim3(256), 0, (cudaStream_t)stream, g, gs, u, us, o, os, n_rows, dim, g_early));
     MM_GPU_CHECK(cudaGetLastError());
     return MM_OK;
 }
@@ -1083,6 +1101,7 @@ __global__ void copy_rows_kernel(const float *src, int64_t ss, const int32_t *si
                                  int64_t ds, const int32_t *di, int64_t dim, int *d_err,
                                  int early) {
     early_launch(early);
+    mm_dep_wait();
     const int64_t i = blockIdx.x;
     const int64_t a = si ? si[i] : i, b = di ? di[i] : i;
     if (a < 0 || b < 0) {
@@ -1101,7 +1120,7 @@ extern "C" mm_err mm_gpu_copy_rows(void *stream, const float *src, int64_t ss, c
         return MM_EINVAL;
     if (n_rows == 0 || dim == 0)
         return MM_OK;
-    copy_rows_kernel<<<(unsigned)n_rows, 256, 0, (cudaStream_t)stream>>>(src, ss, si, dst, ds, di, dim, d_err, g_early);
+    MM_GPU_CHECK(mm_launch_dep(copy_rows_kernel, dim3((unsigned)n_rows), dim3(256), 0, (cudaStream_t)stream, src, ss, si, dst, ds, di, dim, d_err, g_early));
     MM_GPU_CHECK(cudaGetLastError());
     return MM_OK;
 }
@@ -1147,6 +1166,8 @@ __device__ __forceinline__ void warp_best(float &s, int &id) {
 __global__ void route_kernel(struct mm_route_params p, const float *logits, int64_t ls,
                              int32_t *ids, float *weights) {
     extern __shared__ float rsh[];
+    mm_dep_signal();
+    mm_dep_wait();
     const int E = p.n_experts, K = p.top_k, lane = threadIdx.x;
     float *prob = rsh, *choice = rsh + E;
     unsigned char *taken = (unsigned char *)(rsh + 2 * E);
@@ -1254,7 +1275,7 @@ extern "C" mm_err mm_gpu_route(void *stream, const struct mm_route_params *p, co
     if (n_rows == 0)
         return MM_OK;
     const size_t shmem = (size_t)E * (2 * sizeof(float) + 1);
-    route_kernel<<<(unsigned)n_rows, warp_threads(), shmem, (cudaStream_t)stream>>>(*p, logits, ls, ids, weights);
+    MM_GPU_CHECK(mm_launch_dep(route_kernel, dim3((unsigned)n_rows), dim3(warp_threads()), shmem, (cudaStream_t)stream, *p, logits, ls, ids, weights));
     MM_GPU_CHECK(cudaGetLastError());
     return MM_OK;
 }
@@ -1329,6 +1350,7 @@ __global__ void __launch_bounds__(AMAX_THREADS) argmax_ws_kernel(const float *lo
                                                                  int vocab, int32_t *ids,
                                                                  unsigned long long *key,
                                                                  unsigned *arrived) {
+    mm_dep_wait();
     const int64_t r = blockIdx.y;
     const float *l = logits + r * ls;
     const int v0 = blockIdx.x * AMAX_SPAN + threadIdx.x;
@@ -1371,8 +1393,8 @@ extern "C" mm_err mm_gpu_argmax_ws(void *stream, const float *logits, int64_t ls
     const unsigned blocks = mm_div_up(vocab, AMAX_SPAN);
     for (int64_t r0 = 0; r0 < n_rows; r0 += ws_rows) {
         const int64_t nr = n_rows - r0 < ws_rows ? n_rows - r0 : ws_rows;
-        argmax_ws_kernel<<<dim3(blocks, (unsigned)nr), AMAX_THREADS, 0, (cudaStream_t)stream>>>(
-            logits + r0 * ls, ls, vocab, ids + r0, key, arrived);
+        MM_GPU_CHECK(mm_launch_dep(argmax_ws_kernel, dim3(blocks, (unsigned)nr), dim3(AMAX_THREADS), 0,
+                                   (cudaStream_t)stream, logits + r0 * ls, ls, vocab, ids + r0, key, arrived));
         MM_GPU_CHECK(cudaGetLastError());
     }
     return MM_OK;

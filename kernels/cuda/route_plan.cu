@@ -26,6 +26,8 @@
 __global__ void __launch_bounds__(PLAN_THREADS) route_plan_kernel(
     const int32_t *ids, const float *weights, int n_rows, int top_k, int n_experts, int32_t *offs,
     int32_t *src_row, int32_t *dst_slot, float *wt, int *d_err) {
+    mm_dep_signal(); // the grouped product after it prefetches its weights meanwhile
+    mm_dep_wait();
     extern __shared__ int32_t base[]; // n_experts counts, then running starts
     __shared__ int32_t chunk[PLAN_THREADS];
     __shared__ int32_t wsum[PLAN_THREADS / 32];
@@ -114,9 +116,9 @@ extern "C" mm_err mm_gpu_route_plan(void *stream, const int32_t *d_ids, const fl
         return MM_EINVAL;
     }
     const size_t shmem = (size_t)n_experts * sizeof(int32_t);
-    route_plan_kernel<<<1, PLAN_THREADS, shmem, (cudaStream_t)stream>>>(
+    MM_GPU_CHECK(mm_launch_dep(route_plan_kernel, dim3(1), dim3(PLAN_THREADS), shmem, (cudaStream_t)stream,
         d_ids, d_weights, (int)n_rows, top_k, n_experts, d_offs, d_src_row, d_dst_slot, d_wt,
-        d_err);
+        d_err));
     MM_GPU_CHECK(cudaGetLastError());
     return MM_OK;
 }
@@ -125,6 +127,8 @@ extern "C" mm_err mm_gpu_route_plan(void *stream, const int32_t *d_ids, const fl
 __global__ void combine_kernel(const float *alpha, int k, const float *x, int64_t xs,
                                const float *shared, int64_t ss, float *h, int64_t hs,
                                int64_t n_rows, int64_t dim) {
+    mm_dep_signal();
+    mm_dep_wait();
     const int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= n_rows * dim)
         return;
@@ -145,8 +149,8 @@ extern "C" mm_err mm_gpu_combine(void *stream, const float *d_alpha, int k, cons
         return MM_EINVAL;
     if (n_rows * dim == 0)
         return MM_OK;
-    combine_kernel<<<mm_div_up(n_rows * dim, 256), 256, 0, (cudaStream_t)stream>>>(
-        d_alpha, k, d_x, xs, d_shared, ss, d_h, hs, n_rows, dim);
+    MM_GPU_CHECK(mm_launch_dep(combine_kernel, dim3(mm_div_up(n_rows * dim, 256)), dim3(256), 0,
+        (cudaStream_t)stream, d_alpha, k, d_x, xs, d_shared, ss, d_h, hs, n_rows, dim));
     MM_GPU_CHECK(cudaGetLastError());
     return MM_OK;
 }

@@ -15,7 +15,7 @@ mkdir -p "$OUT" "$R"
 trap 'tar czf "$OUT/diag.tgz" -C /tmp diag' EXIT
 export LD_LIBRARY_PATH="$PWD/$D/lib:${LD_LIBRARY_PATH:-}"
 M=/tmp/q3-30b-a3b-L4
-B="$D/moemesh bench-model --model $M --device cuda:0 --bw-mb 16"
+B="$D/moemesh bench-model --model $M --device cuda:0 --bw-mb 64"
 s() { echo; echo "== $1 (t+$SECONDS s)"; }
 prof() { sed -n "/steps of 1 row/,/^gpu optime\|^[a-z]/p" "$1" | grep -E "optime|matmul|attention|rmsnorm|route|combine|kv_store|head_norm" | head -${2:-40}; }
 best() { grep -E "decode: best|op by op" "$1" | tr '\n' ' '; echo; }
@@ -30,10 +30,16 @@ if command -v ncu > /dev/null; then
 fi
 s "per-call op times (MM_GPU_OPTIME=2, split per call), default / PDL=0 / WPT=4 / separate q,k,v"
 MM_GPU_OPTIME=2 MM_GPU_OPTIME_SPLIT=1 timeout 40 $B --prompt-tokens 8 --decode-tokens 16 --rounds 1 > $R/ot-def.txt 2>&1; prof $R/ot-def.txt 40
-s "graph decode A/B (batch 1, 32 tokens x 2 rounds): default, MM_GPU_PDL=0, MM_GPU_GEMV_WPT=4"
-timeout 40 $B --prompt-tokens 128 --decode-tokens 32 --rounds 2 > $R/g-def.txt 2>&1; echo "default: $(best $R/g-def.txt)"
-MM_GPU_PDL=0 timeout 40 $B --prompt-tokens 128 --decode-tokens 32 --rounds 2 > $R/g-nopdl.txt 2>&1; echo "PDL=0:   $(best $R/g-nopdl.txt)"
-MM_GPU_GEMV_WPT=4 timeout 40 $B --prompt-tokens 128 --decode-tokens 32 --rounds 2 > $R/g-wpt4.txt 2>&1; echo "WPT=4:   $(best $R/g-wpt4.txt)"
+s "graph decode A/B, batch 1 (32 tokens x 2 rounds) and 64, in turn: default, MM_GPU_PDL_ALL=1, MM_GPU_GEMV_WPT=4, both, MM_GPU_PDL=0"
+ab() { # name, env...
+    local n=$1; shift
+    env "$@" timeout 40 $B --prompt-tokens 128 --decode-tokens 32 --rounds 2 --batch 64 > $R/g-$n.txt 2>&1
+    echo "$n: $(grep -E "decode: best|op by op|batch 64 decode" $R/g-$n.txt | sed -E 's/ \(prompts.*//; s/ms\/token/ms/g' | tr '\n' ' ')"
+}
+for i in 1 2; do
+    ab def$i X=0; ab all$i MM_GPU_PDL_ALL=1; ab wpt$i MM_GPU_GEMV_WPT=4; ab allwpt$i MM_GPU_PDL_ALL=1 MM_GPU_GEMV_WPT=4
+done
+ab nopdl MM_GPU_PDL=0
 if command -v ncu > /dev/null; then
     s "ncu sections: the model's GEMVs of one decode step (21 launches) and the bench's q/k/v"
     SEC="--section SpeedOfLight --section LaunchStats --section Occupancy --section MemoryWorkloadAnalysis"
@@ -50,6 +56,7 @@ else
     echo "ncu not on PATH"
 fi
 echo "-- more op-time variants"
+MM_GPU_OPTIME=2 MM_GPU_OPTIME_SPLIT=1 MM_GPU_PDL_ALL=1 timeout 40 $B --prompt-tokens 8 --decode-tokens 16 --rounds 1 > $R/ot-all.txt 2>&1; echo "-- PDL_ALL=1"; prof $R/ot-all.txt 40 | grep -E "optime|5120|4096|2048x|151936"
 MM_GPU_OPTIME=2 MM_GPU_OPTIME_SPLIT=1 MM_GPU_PDL=0 timeout 40 $B --prompt-tokens 8 --decode-tokens 16 --rounds 1 > $R/ot-nopdl.txt 2>&1; echo "-- PDL=0"; prof $R/ot-nopdl.txt 40 | grep -E "optime|5120|4096|2048x|151936"
 MM_GPU_OPTIME=2 MM_GPU_GEMV_WPT=4 timeout 40 $B --prompt-tokens 8 --decode-tokens 16 --rounds 1 > $R/ot-wpt4.txt 2>&1; echo "-- WPT=4"; prof $R/ot-wpt4.txt 12
 MM_GPU_OPTIME=2 MM_FUSED_QKV=0 timeout 40 $B --prompt-tokens 8 --decode-tokens 16 --rounds 1 > $R/ot-sep.txt 2>&1; echo "-- separate q, k, v"; prof $R/ot-sep.txt 12

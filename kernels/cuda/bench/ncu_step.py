@@ -21,18 +21,27 @@ def main(path, skip):
     head = rows[hi]
     col = {n: head.index(n) for n in head}
     data = [r for r in rows[hi + 1:] if r[col["ID"]].strip().isdigit()]
+    units = rows[hi + 1] if not rows[hi + 1][col["ID"]].strip() else [""] * len(head)
+    scale = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3,
+             "byte": 1e-6, "Kbyte": 1e-3, "Mbyte": 1.0, "Gbyte": 1e3}
 
     def get(r, name, default=""):
         return r[col[name]] if name in col else default
 
+    def val(r, name, default_unit):  # in us or MB, from the units row
+        if name not in col:
+            return 0.0
+        return num(r[col[name]]) * scale.get(units[col[name]] or default_unit, 1.0)
+
     ks = []
     for r in data:
         name = get(r, "Kernel Name").split("(")[0]
-        dur = num(get(r, "gpu__time_duration.sum"))  # ns
-        dram = num(get(r, "dram__bytes_read.sum"))  # bytes
+        if name.startswith("void "):
+            name = name[5:]
         ks.append({"name": name[:44], "grid": get(r, "launch__grid_size", get(r, "Grid Size")),
-                   "regs": get(r, "launch__registers_per_thread"), "us": dur / 1e3,
-                   "mb": dram / 1e6})
+                   "regs": get(r, "launch__registers_per_thread"),
+                   "us": val(r, "gpu__time_duration.sum", "ns"),
+                   "mb": val(r, "dram__bytes_read.sum", "byte")})
     starts = [i for i, k in enumerate(ks) if k["name"].startswith("embed")]
     if not starts:
         print("no embed kernel found")

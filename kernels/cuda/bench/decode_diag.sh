@@ -30,14 +30,14 @@ if command -v ncu > /dev/null; then
 fi
 s "per-call op times (MM_GPU_OPTIME=2, split per call), default / PDL=0 / WPT=4 / separate q,k,v"
 MM_GPU_OPTIME=2 MM_GPU_OPTIME_SPLIT=1 timeout 40 $B --prompt-tokens 8 --decode-tokens 16 --rounds 1 > $R/ot-def.txt 2>&1; prof $R/ot-def.txt 40
-s "graph decode A/B, batch 1 (32 tokens x 2 rounds) and 64, in turn: default, MM_GPU_PDL_ALL=1, MM_GPU_GEMV_WPT=4, both, MM_GPU_PDL=0"
+s "graph decode A/B, batch 1 (32 tokens x 2 rounds) and 64, in turn: default (small ops as PDL dependents), MM_GPU_PDL_ALL=0, MM_GPU_GEMV_WPT=4, both, MM_GPU_PDL=0"
 ab() { # name, env...
     local n=$1; shift
     env "$@" timeout 40 $B --prompt-tokens 128 --decode-tokens 32 --rounds 2 --batch 64 > $R/g-$n.txt 2>&1
     echo "$n: $(grep -E "decode: best|op by op|batch 64 decode" $R/g-$n.txt | sed -E 's/ \(prompts.*//; s/ms\/token/ms/g' | tr '\n' ' ')"
 }
 for i in 1 2; do
-    ab def$i X=0; ab all$i MM_GPU_PDL_ALL=1; ab wpt$i MM_GPU_GEMV_WPT=4; ab allwpt$i MM_GPU_PDL_ALL=1 MM_GPU_GEMV_WPT=4
+    ab def$i X=0; ab plain$i MM_GPU_PDL_ALL=0; ab wpt$i MM_GPU_GEMV_WPT=4; ab plainwpt$i MM_GPU_PDL_ALL=0 MM_GPU_GEMV_WPT=4
 done
 ab nopdl MM_GPU_PDL=0
 if command -v ncu > /dev/null; then
@@ -56,7 +56,7 @@ else
     echo "ncu not on PATH"
 fi
 echo "-- more op-time variants"
-MM_GPU_OPTIME=2 MM_GPU_OPTIME_SPLIT=1 MM_GPU_PDL_ALL=1 timeout 40 $B --prompt-tokens 8 --decode-tokens 16 --rounds 1 > $R/ot-all.txt 2>&1; echo "-- PDL_ALL=1"; prof $R/ot-all.txt 40 | grep -E "optime|5120|4096|2048x|151936"
+MM_GPU_OPTIME=2 MM_GPU_OPTIME_SPLIT=1 MM_GPU_PDL_ALL=0 timeout 40 $B --prompt-tokens 8 --decode-tokens 16 --rounds 1 > $R/ot-plain.txt 2>&1; echo "-- PDL_ALL=0"; prof $R/ot-plain.txt 40 | grep -E "optime|5120|4096|2048x|151936"
 MM_GPU_OPTIME=2 MM_GPU_OPTIME_SPLIT=1 MM_GPU_PDL=0 timeout 40 $B --prompt-tokens 8 --decode-tokens 16 --rounds 1 > $R/ot-nopdl.txt 2>&1; echo "-- PDL=0"; prof $R/ot-nopdl.txt 40 | grep -E "optime|5120|4096|2048x|151936"
 MM_GPU_OPTIME=2 MM_GPU_GEMV_WPT=4 timeout 40 $B --prompt-tokens 8 --decode-tokens 16 --rounds 1 > $R/ot-wpt4.txt 2>&1; echo "-- WPT=4"; prof $R/ot-wpt4.txt 12
 MM_GPU_OPTIME=2 MM_FUSED_QKV=0 timeout 40 $B --prompt-tokens 8 --decode-tokens 16 --rounds 1 > $R/ot-sep.txt 2>&1; echo "-- separate q, k, v"; prof $R/ot-sep.txt 12

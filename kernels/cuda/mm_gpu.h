@@ -152,6 +152,11 @@ mm_err mm_gpu_attention(void *stream, const struct mm_attn_args *a, int *d_err);
 // stages each chunk's values in shared memory by cp.async (on; CUDA) or not (default: measured
 // slower, ops.cu). Same bits. Process-wide.
 void mm_gpu_set_attention_sv(int on);
+// mm_gpu_set_attention_prefill: 0 the decode kernel for every call, 1 (default unless
+// MM_GPU_ATT_PREFILL=0) the prefill kernel (K/V chunks in shared memory for 64 (row, head)
+// units) from 128 rows, 2 the prefill kernel for every call it can take. Same bits in every
+// mode. Process-wide.
+void mm_gpu_set_attention_prefill(int mode);
 mm_err mm_gpu_embed(void *stream, const mm_weight *t, const int32_t *d_ids, int64_t n_rows,
                     float *d_out, int64_t os, int *d_err);
 mm_err mm_gpu_swiglu(void *stream, const float *d_g, int64_t gs, const float *d_u, int64_t us,

@@ -12,8 +12,7 @@
 //   (`d_err`); the backend turns it into MM_EINVAL at the next synchronize/get.
 // - Attention keeps one online-softmax chain per (row, head): 128-key chunks, chunk max, then
 //   p = exp(s - m), out = out * exp(m_old - m) + sum_t p_t v_t (t ascending). The KV cache is
-//   f32 (kernels.h). Steps of many rows (prefill chunks) take attention_pf_kernel, which stages
-//   each chunk's K/V once for 64 (row, head) units and keeps every unit's operations and order.
+//   f32 (kernels.h), so long prefills are bandwidth-heavy; a tiled flash kernel is future work.
 //   At decode only n_heads blocks run, so the kernel is latency-bound: each thread's score
 //   reads its key in 16-byte loads, 64 floats in flight, and the value sums load 32 keys'
 //   values before accumulating them in t order (one fmaf each, as before: the arithmetic does
@@ -980,6 +979,7 @@ static mm_err attention_pf_launch(void *stream, const struct mm_attn_args *a, in
 // mm_gpu_set_attention_prefill: 0 off (the decode kernel for every call), 1 auto (the prefill
 // kernel from PF_MIN_ROWS rows: the default, unless MM_GPU_ATT_PREFILL=0), 2 always (tests).
 // Process-wide. Same bits in every mode.
+extern "C" void mm_gpu_set_attention_prefill(int mode);
 extern "C" void mm_gpu_set_attention_prefill(int mode) { g_att_pf = mode < 0 ? 0 : mode > 2 ? 2 : mode; }
 
 // mm_gpu_set_attention_sv: the decode attention with values staged in shared memory (default
@@ -1169,8 +1169,10 @@ __global__ void route_kernel(struct mm_route_params p, const float *logits, int6
     mm_dep_signal();
     mm_dep_wait();
     const int E = p.n_experts, K = p.top_k, lane = threadIdx.x;
-    float *prob = rsh, *choice = rsh + E;
-    unsigned char *taken = (unsigned char *)(rsh + 2 * E);
+    // wk: the K picked weights, kept in shared memory until they are final (the renorm and
+    // scale read them back: from global memory each read was a round trip to L2)
+    float *prob = rsh, *choice = rsh + E, *wk = rsh + 2 * E;
+    unsigned char *taken = (unsigned char *)(rsh + 2 * E + K);
     const int64_t r = blockIdx.x;
     const float *l = logits + r * ls;
     if (p.score == MM_ROUTE_SOFTMAX) {
@@ -1242,22 +1244,24 @@ __global__ void route_kernel(struct mm_route_params p, const float *logits, int6
         if (lane == 0) {
             taken[bid] = 1;
             id[t] = bid;
-            w[t] = prob[bid];
+            wk[t] = prob[bid];
         }
         __syncthreads(); // the block is one warp
     }
-    if (lane == 0) {
+    if (lane == 0) { // the same operations in the same order as before, on wk
         if (p.renorm) {
             float sum = 0.0f;
             for (int t = 0; t < K; t++)
-                sum += w[t];
+                sum += wk[t];
             sum += p.renorm_eps;
             for (int t = 0; t < K; t++)
-                w[t] /= sum;
+                wk[t] /= sum;
         }
         if (p.scale != 1.0f && p.scale != 0.0f)
             for (int t = 0; t < K; t++)
-                w[t] *= p.scale;
+                wk[t] *= p.scale;
+        for (int t = 0; t < K; t++)
+            w[t] = wk[t];
     }
 }
 
@@ -1274,7 +1278,7 @@ extern "C" mm_err mm_gpu_route(void *stream, const struct mm_route_params *p, co
         return MM_EINVAL;
     if (n_rows == 0)
         return MM_OK;
-    const size_t shmem = (size_t)E * (2 * sizeof(float) + 1);
+    const size_t shmem = (size_t)(2 * E + K) * sizeof(float) + (size_t)E;
     MM_GPU_CHECK(mm_launch_dep(route_kernel, dim3((unsigned)n_rows), dim3(warp_threads()), shmem, (cudaStream_t)stream, *p, logits, ls, ids, weights));
     MM_GPU_CHECK(cudaGetLastError());
     return MM_OK;

@@ -12,7 +12,8 @@
 //   (`d_err`); the backend turns it into MM_EINVAL at the next synchronize/get.
 // - Attention keeps one online-softmax chain per (row, head): 128-key chunks, chunk max, then
 //   p = exp(s - m), out = out * exp(m_old - m) + sum_t p_t v_t (t ascending). The KV cache is
-//   f32 (kernels.h), so long prefills are bandwidth-heavy; a tiled flash kernel is future work.
+//   f32 (kernels.h). Steps of many rows (prefill chunks) take attention_pf_kernel, which stages
+//   each chunk's K/V once for 64 (row, head) units and keeps every unit's operations and order.
 //   At decode only n_heads blocks run, so the kernel is latency-bound: each thread's score
 //   reads its key in 16-byte loads, 64 floats in flight, and the value sums load 32 keys'
 //   values before accumulating them in t order (one fmaf each, as before: the arithmetic does
@@ -979,7 +980,6 @@ static mm_err attention_pf_launch(void *stream, const struct mm_attn_args *a, in
 // mm_gpu_set_attention_prefill: 0 off (the decode kernel for every call), 1 auto (the prefill
 // kernel from PF_MIN_ROWS rows: the default, unless MM_GPU_ATT_PREFILL=0), 2 always (tests).
 // Process-wide. Same bits in every mode.
-extern "C" void mm_gpu_set_attention_prefill(int mode);
 extern "C" void mm_gpu_set_attention_prefill(int mode) { g_att_pf = mode < 0 ? 0 : mode > 2 ? 2 : mode; }
 
 // mm_gpu_set_attention_sv: the decode attention with values staged in shared memory (default

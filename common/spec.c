@@ -79,6 +79,33 @@ static int nearest_bucket(const mm_spec_costs *c, int b, int max_w) {
     return best;
 }
 
+// borrowed: the price of w, unmeasured in bucket bb, from the nearest other bucket x that
+// measured it, relative to a narrower width k measured in both (the widest such): T_bb(k) x
+// T_x(w) / T_x(k). A step of another shape costs another time, but what drafting w adds to a
+// step relative to k is a better guess than nothing (without it, every new range would take a
+// width that drafts at width 0's price until measured there). -1: no such bucket.
+static double borrowed(const mm_spec_costs *c, int bb, int w) {
+    const int bc = bb / MM_SPEC_ROW_BUCKETS, br = bb % MM_SPEC_ROW_BUCKETS;
+    double T = -1;
+    int best_d = 1 << 30;
+    for (int x = 0; x < MM_SPEC_BUCKETS; x++) {
+        if (x == bb || !c->n[x][w] || !(c->T[x][w] > 0))
+            continue;
+        int k = w - 1;
+        while (k >= 0 && !(c->n[x][k] && c->n[bb][k] && c->T[x][k] > 0))
+            k--;
+        if (k < 0)
+            continue;
+        int dc = x / MM_SPEC_ROW_BUCKETS - bc, dr = x % MM_SPEC_ROW_BUCKETS - br;
+        int dist = (dc < 0 ? -dc : dc) + 2 * (dr < 0 ? -dr : dr);
+        if (dist < best_d) {
+            best_d = dist;
+            T = c->T[bb][k] * c->T[x][w] / c->T[x][k];
+        }
+    }
+    return T;
+}
+
 double mm_spec_price(const mm_spec_costs *c, int b, int w, int max_w) {
     if (max_w > MM_SPEC_MAX_W)
         max_w = MM_SPEC_MAX_W;
@@ -99,6 +126,9 @@ double mm_spec_price(const mm_spec_costs *c, int b, int w, int max_w) {
     for (int k = 0; k < w; k++) // never below a measured narrower width
         if (c->n[bb][k] && c->T[bb][k] > T)
             T = c->T[bb][k];
+    double Tb = borrowed(c, bb, w); // nor below its relative price in another range
+    if (Tb > T)
+        T = Tb;
     return T > 0 ? T : 1e-3;
 }
 
@@ -126,7 +156,8 @@ double mm_spec_price_low(const mm_spec_costs *c, int b, int w, int max_w) {
     for (int k = 0; k < w; k++)
         if (c->n[b][k] && c->T[b][k] > T)
             T = c->T[b][k];
-    return T;
+    double Tb = (1.0 - MM_SPEC_PRICE_SLACK) * borrowed(c, b, w);
+    return Tb > T ? Tb : T;
 }
 
 // explore_pays: may candidate x be measured instead of the choice w? Always without e; an

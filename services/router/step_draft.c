@@ -19,6 +19,9 @@
 #define HOLD 0.10        // the width changes only for a 10% better expected tokens/s
 #define EXPLORE_EVERY 8  // every EXPLORE_EVERY-th drafting step may measure another width
 #define STALE 64         // a width's price older than STALE samples of its range is re-measured
+#define MEASURE_USE 0.5  // a step measuring its width sends ahead requests only for seqs whose
+                         // proposals are more likely usable than not (acc^(nd+1) >= 0.5): the
+                         // others draft by synchronous requests, so the width gets its sample
 
 struct rseq {
     uint64_t id;
@@ -73,7 +76,7 @@ struct mm_draft {
     uint64_t explored;
     uint64_t explore_gated; // exploration steps refused: no candidate could pay (mm_spec_explore)
     uint64_t ahead_gated;   // seq steps refused an ahead request (mm_spec_ahead_pays)
-    uint64_t measure_steps; // pipeline steps measuring a width (unmeasured or explored): sync only
+    uint64_t measure_steps; // pipeline steps measuring a width (unmeasured or explored)
     int prev_w;              // the widest draft asked for in the step before (-1: no sample)
     int same_w;              // steps before this one in a row with its width (prev_w's run)
     int explore_w, explore_left; // a width being measured, for explore_left more steps
@@ -371,8 +374,9 @@ static void ahead_check(mm_draft *d, struct rseq *r) {
 // ahead_k: the proposals to ask seq r (plan index i) for in this step's ahead request, 0 for
 // none. A probe: 1 (g alone: its outcome is known at the next step without verifying
 // anything). Else k = its width next step + 1 (the first proposal is the guess g of the
-// target's token after the drafts), only when W > 0, the step measures no width, the seq is
-// not under 5% acceptance, and (--draft-adapt) the request pays for it (mm_spec_ahead_pays:
+// target's token after the drafts), only when W > 0, the seq is not under 5% acceptance (nor,
+// in a step measuring its width, under MEASURE_USE), and (--draft-adapt) the request pays
+// for it (mm_spec_ahead_pays:
 // its proposals are usable only when all nd drafts of this step are accepted and g is right,
 // acc^(nd + 1); a seq refused sets *gated).
 static uint32_t ahead_k(mm_draft *d, const struct rseq *r, uint32_t nd, int W, int b,
@@ -382,8 +386,15 @@ static uint32_t ahead_k(mm_draft *d, const struct rseq *r, uint32_t nd, int W, i
         return 0;
     if (r->probe_due)
         return 1;
-    if ((d->c.adapt && r->acc < 0.05f) || W <= 0 || measuring)
+    if ((d->c.adapt && r->acc < 0.05f) || W <= 0)
         return 0;
+    if (measuring) { // usable proposals measure the width as well as drafts asked for do
+        double use = (double)r->acc;
+        for (uint32_t m = 0; m < nd; m++)
+            use *= (double)r->acc;
+        if (use < MEASURE_USE)
+            return 0;
+    }
     // the next step's width: this one's, within this step's max_draft (the next step's is not
     // known: it may be a per-step cap or what is left of the request) and the context
     int64_t cap = W < r->cap ? W : r->cap;
@@ -402,8 +413,7 @@ static uint32_t ahead_k(mm_draft *d, const struct rseq *r, uint32_t nd, int W, i
 // ahead_send sends the next step's ahead request (pipeline; none while one is in flight: a
 // drafter slower than the steps is not flooded, it is waited for or skipped). Per seq with
 // ahead_k > 0: its tokens since what the drafter holds, then this step's drafts (assumed
-// accepted), k = ahead_k. Width W 0 (drafting does not pay) or a step measuring its width:
-// probes only.
+// accepted), k = ahead_k. Width W 0 (drafting does not pay): probes only.
 static void ahead_send(mm_draft *d, const Mmctl__StepPlan *p, const uint32_t *n_draft,
                        const int32_t *draft, int W, int b, bool measuring) {
     if (d->ah)
@@ -730,11 +740,12 @@ void mm_draft_begin(mm_draft *d, const Mmctl__StepPlan *p, const bool *active, i
         }
     }
     // Pipeline: a step whose width is to be measured (explored, or chosen at an optimistic
-    // price because it was never measured) drafts by synchronous requests only, made whether
-    // or not they pay, and sends no ahead request (probes aside). Otherwise the width's price is
-    // never sampled when ahead proposals are rarely usable (a seq without them drafts 0, so
-    // the step counts as width 0), and the optimistic price keeps the width chosen, with an
-    // ahead request every step that the drafter spends work on for nothing.
+    // price because it was never measured) drafts its seqs without usable ahead proposals by
+    // synchronous requests, made whether or not they pay (after waiting for an ahead request
+    // in flight), and sends ahead requests only for seqs likely to use them (MEASURE_USE).
+    // Otherwise the width's price is never sampled when ahead proposals are rarely usable (a
+    // seq without them drafts 0, so the step counts as width 0), and the optimistic price keeps
+    // the width chosen, with an ahead request every step that the drafter works on for nothing.
     const bool measuring = d->c.pipeline && d->c.adapt && W > 0 &&
                            (exploring || !mm_spec_measured(&d->costs, b, W, d->c.max_k));
     d->measure_steps += measuring;
@@ -743,7 +754,10 @@ void mm_draft_begin(mm_draft *d, const Mmctl__StepPlan *p, const bool *active, i
         // The ahead reply: waited for (within its deadline) only when a seq of it can draft
         // with its proposals in this very step (its drafts all accepted, not a probe, W > 0);
         // otherwise a look, and a reply not in yet stays in flight for a later step.
-        bool wait = false;
+        // A step measuring its width waits for it too, so that its seqs without proposals can
+        // make the synchronous request (none is made while the drafter is busy with an ahead
+        // request; the step would count as width 0 and the width would stay unmeasured).
+        bool wait = measuring && d->ah;
         for (size_t i = 0; i < p->n_seqs && d->ah && W > 0 && !wait; i++) {
             const struct rseq *r = find(d, p->seqs[i]->seq_id);
             wait = r && r->cap > 0 && r->ah_pend && r->ah_ok && r->ah_k > 1 &&

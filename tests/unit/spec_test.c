@@ -191,7 +191,11 @@ static void test_spec_width(void) {
     MM_NEAR(mm_spec_price(&c, b5, 4, 4), 30.0, 1e-9);
     int b16 = mm_spec_bucket(10, 16);
     mm_spec_cost_add(&c, b16, 0, 40.0);
-    MM_NEAR(mm_spec_price(&c, b16, 4, 4), 40.0, 1e-9);
+    // width 4, unmeasured at 16 rows, is priced relative to width 0 as in the range that
+    // measured both (bucket 0: 30 / 10), never below the nearest measured width (40)
+    MM_NEAR(mm_spec_price(&c, b16, 4, 4), 40.0 * 30.0 / 10.0, 1e-9);
+    MM_NEAR(mm_spec_price(&c, b16, 2, 4), 40.0, 1e-9); // bucket 0's width 2 is cheaper than 0
+    MM_NEAR(mm_spec_price_low(&c, b16, 4, 4), 0.8 * 120.0, 1e-9);
     MM_NEAR(mm_spec_price(&c, mm_spec_bucket(200, 16), 0, 4), 40.0, 1e-9);
     MM_NEAR(mm_spec_price(&c, mm_spec_bucket(200, 1), 0, 4), 10.0, 1e-9);
     // the EMA follows new measurements; one outlier counts as 3x the estimate at most

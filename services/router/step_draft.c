@@ -798,6 +798,13 @@ void mm_draft_begin(mm_draft *d, const Mmctl__StepPlan *p, const bool *active, i
             r->probes += probe;
         } else {
             r->probes = 0;
+            // Pipeline, no width pays (W 0): every PROBE_EVERY-th drafting step the seq probes
+            // all the same (an ahead request of k 1: g alone, never waited for, no draft rows),
+            // so that its acceptance, and the all-seqs one new seqs start from, keep following
+            // the drafter. Exploration is gated by them: without these samples a drafter that
+            // agreed rarely at first would never be tried again (e.g. n-gram lookup on a
+            // workload that turns repetitive).
+            r->probe_due = d->c.pipeline && d->c.adapt && W == 0 && d->n_steps % PROBE_EVERY == 0;
         }
         if (k > room)
             k = (int)room;

@@ -212,8 +212,6 @@ bool mm_spec_ahead_pays(const mm_spec_costs *c, int b, int w, int max_w, double 
         p *= acc;
     for (int i = 1; i <= w; i++)
         x += (ai *= acc);
-    if (p < MM_SPEC_AHEAD_USE)
-        return false;
     const double t0 = mm_spec_price(c, b, 0, max_w), tw = mm_spec_price(c, b, w, max_w);
     return p * x * t0 > tw - t0;
 }

@@ -115,13 +115,6 @@ double mm_spec_price_low(const mm_spec_costs *c, int bucket, int w, int max_w);
 // (1 + p x) / T(w) > 1 / T(0), i.e. p x > T(w) / T(0) - 1 (the seq's part of the step at the
 // width's price, each proposal discounted by the chance it is usable). False for w < 1 or
 // acc <= 0. Nothing measured: prices equal, so any p x > 0 pays (that is how they get measured).
-// And only when p >= MM_SPEC_AHEAD_USE: below that a miss is the likely outcome, which leaves
-// the seq without drafts for the next step (no synchronous request goes while an ahead request
-// is in flight), and the wasted drafter work shares the device with the target; the
-// synchronous path drafts better there (H200, 2026-11-30 00:41 UTC: a layer-skip drafter
-// accepting 62% ran 1.40x / 0.97x at concurrency 1 / 16 with ahead requests, 1.50x / 1.08x
-// with waited drafts; the every-draft-accepted self-draft 2.07x with them, 1.71x waited).
-#define MM_SPEC_AHEAD_USE 0.5
 bool mm_spec_ahead_pays(const mm_spec_costs *c, int bucket, int w, int max_w, double acc,
                         int nd);
 

@@ -251,6 +251,23 @@ static double ema(double v, double x, uint32_t n) {
     return n == 0 ? x : v + 0.25 * (x - v);
 }
 
+// request_env: the DraftRequest for the first nq seqs of d->dqp, with the releases the drafter
+// has not been told of, in env (rq is the caller's and must outlive the send); numbered with
+// the next request number, so the drafter can skip a seq's part of an older request.
+static void request_env(mm_draft *d, uint64_t step_id, size_t nq, Mmctl__DraftRequest *rq,
+                        mm_ctl_msg *env) {
+    mmctl__draft_request__init(rq);
+    rq->step_id = step_id;
+    rq->n_seqs = nq;
+    rq->seqs = d->dqp;
+    rq->n_release = d->n_rel;
+    rq->release = d->rel;
+    mmctl__envelope__init(env);
+    env->body_case = MMCTL__ENVELOPE__BODY_DRAFT_REQUEST;
+    env->draft_request = rq;
+    env->seq = ++d->req_no;
+}
+
 // ---- draft-ahead (pipeline) ----------------------------------------------------------------
 
 // ahead_drop forgets the ahead request in flight: cancelled (a reply still coming is dropped
@@ -467,16 +484,9 @@ static void ahead_send(mm_draft *d, const Mmctl__StepPlan *p, const uint32_t *n_
     if (nq == 0)
         return;
     d->ah_nq = nq;
-    Mmctl__DraftRequest rq = MMCTL__DRAFT_REQUEST__INIT;
-    rq.step_id = p->step_id;
-    rq.n_seqs = nq;
-    rq.seqs = d->dqp;
-    rq.n_release = d->n_rel;
-    rq.release = d->rel;
-    mm_ctl_msg env = MMCTL__ENVELOPE__INIT;
-    env.body_case = MMCTL__ENVELOPE__BODY_DRAFT_REQUEST;
-    env.draft_request = &rq;
-    env.seq = ++d->req_no;
+    Mmctl__DraftRequest rq;
+    mm_ctl_msg env;
+    request_env(d, p->step_id, nq, &rq, &env);
     char err[MM_ERRLEN] = "";
     mm_err rv = mm_ctl_call_start(cl, &env, d->c.timeout_ms, NULL, NULL, &d->ah, err);
     if (rv != MM_OK) {
@@ -545,16 +555,9 @@ static void draft_sync(mm_draft *d, uint64_t step_id, size_t nq, uint32_t *n_dra
             find(d, d->dq[j].seq_id)->asked = 0;
         return;
     }
-    Mmctl__DraftRequest rq = MMCTL__DRAFT_REQUEST__INIT;
-    rq.step_id = step_id;
-    rq.n_seqs = nq;
-    rq.seqs = d->dqp;
-    rq.n_release = d->n_rel;
-    rq.release = d->rel;
-    mm_ctl_msg env = MMCTL__ENVELOPE__INIT;
-    env.body_case = MMCTL__ENVELOPE__BODY_DRAFT_REQUEST;
-    env.draft_request = &rq;
-    env.seq = ++d->req_no;
+    Mmctl__DraftRequest rq;
+    mm_ctl_msg env;
+    request_env(d, step_id, nq, &rq, &env);
     mm_ctl_msg *rep = NULL;
     char err[MM_ERRLEN] = "";
     d->requests++;

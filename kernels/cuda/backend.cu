@@ -618,14 +618,21 @@ static mm_err gpu_route_plan(void *ctx, const int32_t *ids, const float *weights
                                           offs, src_row, dst_slot, wt, g->d_err));
 }
 
+// moe_args_ok: the checks the grouped products on device tables share (expert table and
+// offsets given, sizes within the kernels' int range, a weight type they take).
+static bool moe_args_ok(const void *const *experts, enum mm_dtype dtype, int64_t rows,
+                        int64_t cols, const int32_t *offs, int64_t n_rows) {
+    return experts != NULL && offs != NULL && rows > 0 && cols > 0 && rows < INT32_MAX &&
+           cols < INT32_MAX && n_rows >= 0 && n_rows <= INT32_MAX &&
+           (dtype == MM_DTYPE_BF16 || dtype == MM_DTYPE_F16 || dtype == MM_DTYPE_F32);
+}
+
 static mm_err gpu_moe_matmul_dev(void *ctx, const void *const *experts, enum mm_dtype dtype,
                                  int64_t rows, int64_t cols, int n_experts, const int32_t *offs,
                                  const float *x, int64_t x_stride, float *y, int64_t y_stride,
                                  int64_t n_rows) {
     CTX(ctx);
-    if (experts == NULL || offs == NULL || rows <= 0 || cols <= 0 || rows >= INT32_MAX ||
-        cols >= INT32_MAX || n_rows < 0 || n_rows > INT32_MAX ||
-        (dtype != MM_DTYPE_BF16 && dtype != MM_DTYPE_F16 && dtype != MM_DTYPE_F32))
+    if (!moe_args_ok(experts, dtype, rows, cols, offs, n_rows))
         return MM_EINVAL;
     if (n_rows == 0)
         return MM_OK;
@@ -721,9 +728,7 @@ static mm_err gpu_moe_matmul_rows(void *ctx, const void *const *experts, enum mm
                                   const float *x_up, float *y, int64_t y_stride,
                                   const int32_t *y_idx, int64_t n_rows) {
     CTX(ctx);
-    if (experts == NULL || offs == NULL || rows <= 0 || cols <= 0 || rows >= INT32_MAX ||
-        cols >= INT32_MAX || n_rows < 0 || n_rows > INT32_MAX ||
-        (dtype != MM_DTYPE_BF16 && dtype != MM_DTYPE_F16 && dtype != MM_DTYPE_F32))
+    if (!moe_args_ok(experts, dtype, rows, cols, offs, n_rows))
         return MM_EINVAL;
     if (n_rows == 0)
         return MM_OK;

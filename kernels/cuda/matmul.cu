@@ -912,17 +912,23 @@ static mm_err launch_wg_kernel(cudaStream_t st, const mm_wg_args &w, uint64_t bi
 // tokens, ST stages.
 // WP_W_TMA: W through a TMA tensor map, encoded per call through the driver's
 // cuTensorMapEncodeTiled; NULL when the driver offers none (then W comes by row copies).
+// driver_entry: a driver API function through the runtime's entry points (no -lcuda), NULL
+// when this driver has none (the runtime's error is cleared).
+static void *driver_entry(const char *name, unsigned version) {
+    void *p = NULL;
+    cudaDriverEntryPointQueryResult q;
+    if (cudaGetDriverEntryPointByVersion(name, &p, version, cudaEnableDefault, &q) == cudaSuccess &&
+        q == cudaDriverEntryPointSuccess)
+        return p;
+    (void)cudaGetLastError();
+    return NULL;
+}
+
 static PFN_cuTensorMapEncodeTiled_v12000 wp_encode_fn(void) {
     static PFN_cuTensorMapEncodeTiled_v12000 fn;
     static int tried;
     if (!tried) {
-        void *p = NULL;
-        cudaDriverEntryPointQueryResult q;
-        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault,
-                                             &q) == cudaSuccess && q == cudaDriverEntryPointSuccess)
-            fn = (PFN_cuTensorMapEncodeTiled_v12000)p;
-        else
-            (void)cudaGetLastError();
+        fn = (PFN_cuTensorMapEncodeTiled_v12000)driver_entry("cuTensorMapEncodeTiled", 12000);
         tried = 1;
     }
     return fn;
@@ -1183,13 +1189,7 @@ static mm_range_fn wperm_range_fn(void) {
     static mm_range_fn fn;
     static int tried;
     if (!tried) {
-        void *p = NULL;
-        cudaDriverEntryPointQueryResult q;
-        if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &p, 3020, cudaEnableDefault,
-                                             &q) == cudaSuccess && q == cudaDriverEntryPointSuccess)
-            fn = (mm_range_fn)p;
-        else
-            (void)cudaGetLastError();
+        fn = (mm_range_fn)driver_entry("cuMemGetAddressRange", 3020);
         tried = 1;
     }
     return fn;

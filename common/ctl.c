@@ -537,37 +537,51 @@ static void *server_closer_main(void *arg) {
     return NULL;
 }
 
+// mono_wait_init: a mutex and a condition variable whose timed waits use CLOCK_MONOTONIC.
+static void mono_wait_init(pthread_mutex_t *mu, pthread_cond_t *cv) {
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_mutex_init(mu, NULL);
+    pthread_cond_init(cv, &ca);
+    pthread_condattr_destroy(&ca);
+}
+
+// mono_after: the CLOCK_MONOTONIC time ms from now (ms <= 0: now), for pthread_cond_timedwait
+// on a mono_wait_init condition variable.
+static struct timespec mono_after(int ms) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    if (ms > 0) {
+        t.tv_sec += ms / 1000;
+        t.tv_nsec += (long)(ms % 1000) * 1000000L;
+        if (t.tv_nsec >= 1000000000L) {
+            t.tv_sec++;
+            t.tv_nsec -= 1000000000L;
+        }
+    }
+    return t;
+}
+
 void mm_ctl_server_close(mm_ctl_server *s) {
     if (!s)
         return;
     atomic_store(&s->closing, true);
     struct server_closer *c = calloc(1, sizeof(*c));
-    pthread_condattr_t ca;
     pthread_t th;
     if (!c) {
         server_teardown(s);
         return;
     }
     c->srv = s;
-    pthread_mutex_init(&c->mu, NULL);
-    pthread_condattr_init(&ca);
-    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-    pthread_cond_init(&c->cv, &ca);
-    pthread_condattr_destroy(&ca);
+    mono_wait_init(&c->mu, &c->cv);
     if (pthread_create(&th, NULL, server_closer_main, c) != 0) {
         server_teardown(s);
         c->done = true;
     } else {
         pthread_detach(th);
     }
-    struct timespec until;
-    clock_gettime(CLOCK_MONOTONIC, &until);
-    until.tv_sec += SERVER_CLOSE_WAIT_MS / 1000;
-    until.tv_nsec += (long)(SERVER_CLOSE_WAIT_MS % 1000) * 1000000L;
-    if (until.tv_nsec >= 1000000000L) {
-        until.tv_sec++;
-        until.tv_nsec -= 1000000000L;
-    }
+    const struct timespec until = mono_after(SERVER_CLOSE_WAIT_MS);
     pthread_mutex_lock(&c->mu);
     while (!c->done)
         if (pthread_cond_timedwait(&c->cv, &c->mu, &until) == ETIMEDOUT)
@@ -769,12 +783,7 @@ mm_err mm_ctl_call_start(mm_ctl_client *c, mm_ctl_msg *req, int timeout_ms, mm_c
         free(a);
         return MM_ENOMEM;
     }
-    pthread_condattr_t ca;
-    pthread_condattr_init(&ca);
-    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-    pthread_mutex_init(&a->mu, NULL);
-    pthread_cond_init(&a->cv, &ca);
-    pthread_condattr_destroy(&ca);
+    mono_wait_init(&a->mu, &a->cv);
     snprintf(a->url, sizeof(a->url), "%s", c->url);
     a->cb = cb;
     a->arg = arg;
@@ -802,16 +811,7 @@ mm_err mm_ctl_async_result(mm_ctl_async *a, mm_ctl_msg **reply, char err[MM_ERRL
 }
 
 bool mm_ctl_async_wait(mm_ctl_async *a, int timeout_ms) {
-    struct timespec until;
-    clock_gettime(CLOCK_MONOTONIC, &until);
-    if (timeout_ms > 0) {
-        until.tv_sec += timeout_ms / 1000;
-        until.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
-        if (until.tv_nsec >= 1000000000L) {
-            until.tv_sec++;
-            until.tv_nsec -= 1000000000L;
-        }
-    }
+    const struct timespec until = mono_after(timeout_ms);
     pthread_mutex_lock(&a->mu);
     while (!a->done && timeout_ms > 0)
         if (pthread_cond_timedwait(&a->cv, &a->mu, &until) == ETIMEDOUT)

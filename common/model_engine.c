@@ -35,7 +35,10 @@ mm_err mm_engine_open(mm_engine **out, const char *model_dir, const mm_engine_pa
     size_t lb = (size_t)e->max_rows * (size_t)c->vocab * 4;
     MM_TRY_GOTO(rv, e->be->ops->buffer_alloc(e->be->ctx, lb, (void **)&e->logits), fail);
     e->h_logits = malloc(lb);
-    if (!e->h_logits) {
+    e->row_pos = malloc((size_t)e->max_rows * sizeof(int32_t));
+    e->row_seq = malloc((size_t)e->max_rows * sizeof(int32_t));
+    e->row_want = malloc((size_t)e->max_rows * sizeof(bool));
+    if (!e->h_logits || !e->row_pos || !e->row_seq || !e->row_want) {
         rv = MM_ENOMEM;
         goto fail;
     }
@@ -52,6 +55,9 @@ void mm_engine_close(mm_engine *e) {
     if (e->logits)
         e->be->ops->buffer_free(e->be->ctx, e->logits);
     free(e->h_logits);
+    free(e->row_pos);
+    free(e->row_seq);
+    free(e->row_want);
     mm_model_scratch_free(e->scratch);
     mm_kv_cache_free(e->kv);
     mm_model_close(e->model);
@@ -78,10 +84,6 @@ mm_err mm_engine_greedy(mm_engine *e, const float *logits, int64_t n, int32_t *i
     return MM_OK;
 }
 
-static mm_err prefill_chunks(mm_engine *e, int32_t seq, const int32_t *ids, int64_t n, int32_t p0,
-                             int64_t chunk, float *logits, float *last, int32_t *next,
-                             int32_t *posbuf, int32_t *seqbuf, bool *want);
-
 // prefill: mm_engine_prefill, and when next is not NULL the greedy next token after the last
 // position (on the backend when it has argmax: one int comes back instead of the logits).
 static mm_err prefill(mm_engine *e, int32_t seq, const int32_t *ids, int64_t n, float *logits,
@@ -101,30 +103,10 @@ static mm_err prefill(mm_engine *e, int32_t seq, const int32_t *ids, int64_t n, 
     if (rv != MM_OK)
         return mm_errf(err, rv, "kv cache: cannot reserve %lld positions",
                        (long long)(p0 + n));
-    // rows of each forward call: max_rows (the scratch's size); the per-row inputs on the stack
-    // up to 512 rows, else in one allocation per prompt (large prefill chunks)
-    int32_t posstk[512], seqstk[512];
-    bool wstk[512];
+    // forward calls of up to max_rows rows (the scratch's size)
     const int64_t chunk = e->max_rows;
-    int32_t *posbuf = posstk, *seqbuf = seqstk;
-    bool *want = wstk;
-    if (chunk > 512) {
-        posbuf = malloc((size_t)chunk * (2 * sizeof(int32_t) + sizeof(bool)));
-        if (posbuf == NULL)
-            return mm_errf(err, MM_ENOMEM, "prefill: no memory for %lld rows", (long long)chunk);
-        seqbuf = posbuf + chunk;
-        want = (bool *)(seqbuf + chunk);
-    }
-    rv = prefill_chunks(e, seq, ids, n, p0, chunk, logits, last, next, posbuf, seqbuf, want);
-    if (posbuf != posstk)
-        free(posbuf);
-    return rv;
-}
-
-static mm_err prefill_chunks(mm_engine *e, int32_t seq, const int32_t *ids, int64_t n, int32_t p0,
-                             int64_t chunk, float *logits, float *last, int32_t *next,
-                             int32_t *posbuf, int32_t *seqbuf, bool *want) {
-    const mm_model_config *c = mm_model_cfg(e->model);
+    int32_t *posbuf = e->row_pos, *seqbuf = e->row_seq;
+    bool *want = e->row_want;
     for (int64_t b = 0; b < n; b += chunk) {
         int64_t cn = n - b < chunk ? n - b : chunk;
         for (int64_t i = 0; i < cn; i++) {

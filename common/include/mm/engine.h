@@ -25,6 +25,8 @@ typedef struct mm_engine {
     mm_model_scratch *scratch;
     float *logits;       // (max_rows, vocab) backend
     float *h_logits;     // (max_rows, vocab) host
+    int32_t *row_pos, *row_seq; // (max_rows) host: a prefill forward's per-row inputs
+    bool *row_want;             // (max_rows) host
     int64_t max_rows;
     int max_ctx;
 } mm_engine;

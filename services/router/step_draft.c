@@ -231,6 +231,18 @@ static void drafter_failed(mm_draft *d, const char *why) {
     d->backoff_ms = d->backoff_ms * 2 > 5000 ? 5000 : d->backoff_ms * 2;
 }
 
+// drafter_answered: a request was answered: the backoff starts over, the next failure warns
+// again, and the first `sent` pending releases (those the request carried) are the drafter's.
+static void drafter_answered(mm_draft *d, size_t sent) {
+    d->backoff_ms = 250;
+    d->warned = false;
+    if (sent > d->n_rel)
+        sent = d->n_rel;
+    memmove(d->rel, d->rel + sent, (d->n_rel - sent) * sizeof(*d->rel));
+    d->n_rel -= sent;
+    d->ah_nrel = 0;
+}
+
 // acc_all_add: one draft token's outcome into the all-seqs acceptance: the mean of the first 50
 // (a drafter that never agrees no longer spends ~120 drafted tokens wearing the 0.6 start
 // down), then an EMA of rate 0.02.
@@ -324,13 +336,7 @@ static void ahead_collect(mm_draft *d, int wait_ms) {
     }
     d->ahead_ms = ema(d->ahead_ms, (double)(mm_now_ns() - d->ah_sent_ns) / 1e6,
                       d->ahead_ms > 0);
-    d->backoff_ms = 250;
-    d->warned = false;
-    if (d->ah_nrel > d->n_rel)
-        d->ah_nrel = d->n_rel;
-    memmove(d->rel, d->rel + d->ah_nrel, (d->n_rel - d->ah_nrel) * sizeof(*d->rel));
-    d->n_rel -= d->ah_nrel; // the drafter has those
-    d->ah_nrel = 0;
+    drafter_answered(d, d->ah_nrel);
     for (size_t j = 0; j < d->ah_nq; j++) {
         const Mmctl__DraftOut *o = dr->seqs[j];
         struct rseq *r = find(d, d->ah_ids[j]);
@@ -583,10 +589,7 @@ static void draft_sync(mm_draft *d, uint64_t step_id, size_t nq, uint32_t *n_dra
         return;
     }
     d->sync_ms = ema(d->sync_ms, (double)(mm_now_ns() - t0) / 1e6, d->sync_n++);
-    d->backoff_ms = 250;
-    d->warned = false;
-    d->n_rel = 0; // the drafter has them
-    d->ah_nrel = 0;
+    drafter_answered(d, d->n_rel); // the request carried every pending release
     for (size_t j = 0; j < nq; j++) {
         const Mmctl__DraftOut *o = rep->draft_reply->seqs[j];
         int32_t i = d->dq_plan[j];

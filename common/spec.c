@@ -2,6 +2,8 @@
 // Drafted-token verification; see mm/spec.h.
 #include "mm/spec.h"
 
+#include <string.h>
+
 mm_err mm_spec_verify(mm_sampler *s, const float *logits, int vocab, const mm_sampling *sp,
                       int64_t at, uint32_t n_top, const int32_t *draft, uint32_t n_draft,
                       mm_sample *first, int32_t *tok, float *lp, uint32_t *accepted,
@@ -256,4 +258,115 @@ int mm_spec_width(const mm_spec_costs *c, int bucket, int max_w, double acc) {
     double e[MM_SPEC_MAX_W + 1] = {0};
     mm_spec_expect_add(e, max_w, max_w, acc);
     return mm_spec_width_sum(c, bucket, max_w, e);
+}
+
+// ---- drafting mode (mm/spec.h) --------------------------------------------------------------
+
+void mm_spec_modes_init(mm_spec_modes *m) {
+    memset(m, 0, sizeof(*m));
+    for (int r = 0; r < MM_SPEC_ROW_BUCKETS; r++)
+        m->choice[r] = m->explore[r] = m->last_mode[r] = m->win_mode[r] = -1;
+}
+
+int mm_spec_mode_range(int64_t rows) { return log2_range(rows, MM_SPEC_ROW_BUCKETS); }
+
+// mode_window: a window of mode in range r measured rate (tokens per seq per ms).
+static void mode_window(mm_spec_modes *m, int r, int mode, double rate) {
+    double *R = &m->rate[r][mode];
+    uint32_t *n = &m->n[r][mode];
+    if (*n == 0) {
+        *R = rate;
+    } else { // the mean of the first 3 windows, then an EMA weighing a new one 0.3
+        double a = 1.0 / (double)(*n + 1);
+        *R += (a < 0.3 ? 0.3 : a) * (rate - *R);
+    }
+    (*n)++;
+    m->windows++;
+    const bool explored = m->explore[r] == mode;
+    if (explored) {
+        m->explore[r] = -1;
+        m->explore_steps[r] = 0;
+        m->since[r] = 0;
+    }
+    const int c = m->choice[r], o = 1 - mode;
+    if (c < 0) {
+        m->choice[r] = mode;
+    } else if (c == mode) { // the choice measured again: the other may now be the better
+        if (m->n[r][o] && m->rate[r][o] > m->rate[r][c] * (1 + MM_SPEC_MODE_HOLD)) {
+            m->choice[r] = o;
+            m->switches++;
+            m->lost[r] = 0;
+        }
+    } else if (*R > m->rate[r][c] * (1 + MM_SPEC_MODE_HOLD)) { // the other, better
+        m->choice[r] = mode;
+        m->switches++;
+        m->lost[r] = 0;
+    } else if (explored && m->lost[r] < 3) { // the other, still not better: measured rarer
+        m->lost[r]++;
+    }
+}
+
+void mm_spec_mode_add(mm_spec_modes *m, int r, int mode, double tokens, double ms, bool valid) {
+    if (r < 0 || r >= MM_SPEC_ROW_BUCKETS || (mode != MM_SPEC_SYNC && mode != MM_SPEC_AHEAD))
+        return;
+    m->run[r] = mode == m->last_mode[r] ? m->run[r] + 1 : 1;
+    m->last_mode[r] = mode;
+    if (m->win_mode[r] != mode || m->run[r] <= MM_SPEC_MODE_WARM) { // a new window
+        m->win_mode[r] = mode;
+        m->win_steps[r] = 0;
+        m->win_tok[r] = m->win_ms[r] = 0;
+    }
+    if (!valid || m->run[r] <= MM_SPEC_MODE_WARM || !(tokens >= 0) || !(ms > 0))
+        return;
+    m->win_tok[r] += tokens;
+    m->win_ms[r] += ms;
+    if (++m->win_steps[r] < MM_SPEC_MODE_WIN)
+        return;
+    mode_window(m, r, mode, m->win_tok[r] / m->win_ms[r]);
+    m->win_steps[r] = 0;
+    m->win_tok[r] = m->win_ms[r] = 0;
+}
+
+int mm_spec_mode_pick(mm_spec_modes *m, int r, const bool can[2]) {
+    if (r < 0 || r >= MM_SPEC_ROW_BUCKETS)
+        return MM_SPEC_AHEAD;
+    const int c = m->choice[r];
+    int x = m->explore[r];
+    if (x >= 0) { // a measurement in progress, abandoned when it cannot pay or takes too long
+        if (can[x] && m->explore_steps[r] < MM_SPEC_MODE_WARM + 4 * MM_SPEC_MODE_WIN) {
+            m->explore_steps[r]++;
+            return x;
+        }
+        m->explore[r] = -1;
+        m->explore_steps[r] = 0;
+        m->since[r] = 0;
+        if (m->lost[r] < 3) // (an unmeasured mode is then tried only when due, not at once)
+            m->lost[r]++;
+        if (c < 0 && can[1 - x]) { // nothing measured yet: the other mode's turn
+            x = m->explore[r] = 1 - x;
+            m->explore_steps[r] = 1;
+            m->explorations++;
+            return x;
+        }
+    } else if (c < 0) { // nothing measured in the range: ahead first, then sync
+        x = can[MM_SPEC_AHEAD] ? MM_SPEC_AHEAD : can[MM_SPEC_SYNC] ? MM_SPEC_SYNC : -1;
+        if (x >= 0) {
+            m->explore[r] = x;
+            m->explore_steps[r] = 1;
+            m->explorations++;
+            return x;
+        }
+    }
+    if (c < 0)
+        return MM_SPEC_AHEAD;
+    const int o = 1 - c;
+    if (can[o] && ((m->n[r][o] == 0 && m->lost[r] == 0) ||
+                   m->since[r] >= (uint32_t)MM_SPEC_MODE_EVERY << m->lost[r])) {
+        m->explore[r] = o;
+        m->explore_steps[r] = 1;
+        m->explorations++;
+        return o;
+    }
+    m->since[r]++;
+    return c;
 }

@@ -325,7 +325,138 @@ static void test_spec_gates(void) {
     MM_TRUE(mm_spec_ahead_pays(&z, 0, 4, 4, 0.05, 4));
 }
 
+// ---- the drafting mode chooser (mm_spec_mode_pick / mm_spec_mode_add) ----------------------
+
+// mode_run: n steps of range r, each picked by the chooser and then recorded as emitting
+// tok[mode] tokens per seq in 1 ms; counts the picks per mode into picks (may be NULL).
+static void mode_run(mm_spec_modes *m, int r, int n, const double tok[2], const bool can[2],
+                     int picks[2]) {
+    for (int i = 0; i < n; i++) {
+        int mode = mm_spec_mode_pick(m, r, can);
+        MM_TRUE(mode == MM_SPEC_SYNC || mode == MM_SPEC_AHEAD);
+        if (picks)
+            picks[mode]++;
+        mm_spec_mode_add(m, r, mode, tok[mode], 1.0, true);
+    }
+}
+
+static void test_spec_mode(void) {
+    const bool both[2] = {true, true};
+    const int WIN1 = MM_SPEC_MODE_WARM + MM_SPEC_MODE_WIN; // steps to a mode's first window
+    mm_spec_modes m;
+    mm_spec_modes_init(&m);
+    // Nothing measured: ahead first, one window, then sync one window; ahead (3 tokens/ms)
+    // beats sync (2): ahead is the choice, and sync lost once.
+    const double ahead_better[2] = {2.0, 3.0};
+    int picks[2] = {0, 0};
+    mode_run(&m, 0, WIN1, ahead_better, both, picks);
+    MM_EQ(picks[MM_SPEC_AHEAD], WIN1);
+    MM_EQ(m.choice[0], MM_SPEC_AHEAD);
+    MM_EQ(m.n[0][MM_SPEC_AHEAD], 1);
+    MM_NEAR(m.rate[0][MM_SPEC_AHEAD], 3.0, 1e-12);
+    mode_run(&m, 0, WIN1, ahead_better, both, picks);
+    MM_EQ(picks[MM_SPEC_SYNC], WIN1);
+    MM_EQ(m.n[0][MM_SPEC_SYNC], 1);
+    MM_NEAR(m.rate[0][MM_SPEC_SYNC], 2.0, 1e-12);
+    MM_EQ(m.choice[0], MM_SPEC_AHEAD);
+    MM_EQ(m.lost[0], 1);
+    MM_EQ(m.switches, 0);
+    // Then the choice; sync is measured again (one window) after EVERY << lost steps, and
+    // loses again: the interval doubles up to 8x. Exploration is bounded: over 2000 steps,
+    // sync runs one window per interval only.
+    picks[0] = picks[1] = 0;
+    mode_run(&m, 0, (MM_SPEC_MODE_EVERY << 1), ahead_better, both, picks);
+    MM_EQ(picks[MM_SPEC_SYNC], 0);
+    picks[0] = picks[1] = 0;
+    mode_run(&m, 0, 2000, ahead_better, both, picks);
+    // windows at steps 0, 266, 788, 1310, 1832 (intervals 256, 512, 512, 512): 2.5% of steps
+    MM_EQ(picks[MM_SPEC_SYNC], 5 * WIN1);
+    MM_EQ(m.lost[0], 3);
+    MM_EQ(m.choice[0], MM_SPEC_AHEAD);
+
+    // Another range, sync better (c=16 with a partly agreeing drafter): the choice becomes
+    // sync after the two first windows and stays; range 0's choice is untouched.
+    const double sync_better[2] = {1.2, 1.0};
+    picks[0] = picks[1] = 0;
+    mode_run(&m, 4, 1000, sync_better, both, picks);
+    MM_EQ(m.choice[4], MM_SPEC_SYNC);
+    MM_EQ(m.choice[0], MM_SPEC_AHEAD);
+    MM_EQ(m.switches, 1);
+    MM_TRUE(picks[MM_SPEC_SYNC] > 900);
+    // The acceptance changes (ahead now better in range 4): the next measurement of ahead
+    // takes the choice back, within the longest interval.
+    const double now_ahead[2] = {1.0, 1.5};
+    mode_run(&m, 4, (MM_SPEC_MODE_EVERY << 3) + 2 * WIN1, now_ahead, both, NULL);
+    MM_EQ(m.choice[4], MM_SPEC_AHEAD);
+    MM_EQ(m.switches, 2);
+
+    // Within the hold margin the choice does not change (noise must not flip it).
+    mm_spec_modes_init(&m);
+    const double near[2] = {1.02, 1.0};
+    mode_run(&m, 1, 2000, near, both, NULL);
+    MM_EQ(m.choice[1], MM_SPEC_AHEAD);
+    MM_EQ(m.switches, 0);
+
+    // A mode that cannot pay is never measured: sync's widths would not draft.
+    mm_spec_modes_init(&m);
+    const bool ahead_only[2] = {false, true};
+    picks[0] = picks[1] = 0;
+    mode_run(&m, 2, 2000, sync_better, ahead_only, picks);
+    MM_EQ(picks[MM_SPEC_SYNC], 0);
+    MM_EQ(m.explorations, 1); // ahead's first window
+    // Neither can pay: ahead (its probes are never waited for), nothing explored.
+    const bool neither[2] = {false, false};
+    mm_spec_modes_init(&m);
+    picks[0] = picks[1] = 0;
+    mode_run(&m, 3, 500, sync_better, neither, picks);
+    MM_EQ(picks[MM_SPEC_AHEAD], 500);
+    MM_EQ(m.explorations, 0);
+    MM_EQ(m.n[3][MM_SPEC_SYNC], 0); // (ahead, running, is measured)
+
+    // The warm-up steps after a change of mode and invalid steps are not counted: their
+    // periods (100 ms) do not enter the rate.
+    mm_spec_modes_init(&m);
+    for (int i = 0; i < MM_SPEC_MODE_WARM; i++)
+        mm_spec_mode_add(&m, 5, MM_SPEC_SYNC, 1.0, 100.0, true);
+    for (int i = 0; i < MM_SPEC_MODE_WIN; i++) {
+        mm_spec_mode_add(&m, 5, MM_SPEC_SYNC, 0.0, 100.0, false); // an idle gap
+        mm_spec_mode_add(&m, 5, MM_SPEC_SYNC, 2.0, 1.0, true);
+    }
+    MM_EQ(m.n[5][MM_SPEC_SYNC], 1);
+    MM_NEAR(m.rate[5][MM_SPEC_SYNC], 2.0, 1e-12);
+    // A change of mode starts a new window: a partial window of ahead, then sync again: the
+    // ahead steps count nowhere, and sync's window starts after its warm-up again.
+    for (int i = 0; i < MM_SPEC_MODE_WARM + 3; i++)
+        mm_spec_mode_add(&m, 5, MM_SPEC_AHEAD, 9.0, 1.0, true);
+    for (int i = 0; i < MM_SPEC_MODE_WARM; i++)
+        mm_spec_mode_add(&m, 5, MM_SPEC_SYNC, 9.0, 1.0, true);
+    MM_EQ(m.n[5][MM_SPEC_AHEAD], 0);
+    MM_EQ(m.win_steps[5], 0);
+
+    // A measurement that never completes (every step invalid) is abandoned after a bounded
+    // number of steps, and the other mode is tried.
+    mm_spec_modes_init(&m);
+    int n_ahead = 0;
+    for (int i = 0; i < 200 && m.n[6][MM_SPEC_SYNC] == 0; i++) {
+        int mode = mm_spec_mode_pick(&m, 6, both);
+        n_ahead += mode == MM_SPEC_AHEAD;
+        mm_spec_mode_add(&m, 6, mode, 1.0, 1.0, mode == MM_SPEC_SYNC);
+    }
+    MM_EQ(n_ahead, MM_SPEC_MODE_WARM + 4 * MM_SPEC_MODE_WIN);
+    MM_EQ(m.n[6][MM_SPEC_SYNC], 1);
+    MM_EQ(m.choice[6], MM_SPEC_SYNC);
+    // Out-of-range arguments: no crash, nothing recorded.
+    mm_spec_mode_add(&m, -1, MM_SPEC_SYNC, 1.0, 1.0, true);
+    mm_spec_mode_add(&m, MM_SPEC_ROW_BUCKETS, MM_SPEC_SYNC, 1.0, 1.0, true);
+    mm_spec_mode_add(&m, 0, 7, 1.0, 1.0, true);
+    MM_EQ(mm_spec_mode_pick(&m, 99, both), MM_SPEC_AHEAD);
+    MM_EQ(mm_spec_mode_range(1), 0);
+    MM_EQ(mm_spec_mode_range(16), 4);
+    MM_EQ(mm_spec_mode_range(16), mm_spec_bucket(100, 16) % MM_SPEC_ROW_BUCKETS);
+}
+
 MM_TESTS = {
+    {"spec mode: draft-ahead or waited drafts by measured tokens per ms", test_spec_mode},
     {"spec width from measured costs and acceptance", test_spec_width},
     {"spec gates: exploration and ahead requests only where they could pay", test_spec_gates},
     {"spec verify greedy: longest agreeing prefix, plain decoding's bits", test_spec_greedy},

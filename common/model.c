@@ -1154,61 +1154,117 @@ static mm_err moe_layer(const mm_model *m, mm_model_scratch *s, int l, int64_t n
 }
 
 // ---- the engine's device path -----------------------------------------------------------------
-// moe_layer_dev: moe_layer with the plan made on the device: route, plan, gather the routed
-// rows in expert order, [gate; up] (or gate, up) and down as grouped products over device
-// expert tables, scatter to the (row, rank) slots, combine with the plan's rank-major weights.
-static mm_err moe_layer_dev(const mm_model *m, mm_model_scratch *s, int l, int64_t n) {
+// gate_plan: router product, route and route_plan of layer on n rows of x, into the
+// scratch's plan buffers (ids_d, offs_d, src_d, dst_d, wt_d); issues ops only.
+static mm_err gate_plan(const mm_model *m, mm_model_scratch *s, int l, const float *x,
+                        int64_t n) {
     const mm_model_config *c = &m->c;
     const struct layer *L = &m->layers[l];
     const int K = c->top_k, E = c->n_experts;
-    const int64_t D = c->d_model, F = c->d_ff_expert, nk = n * K;
-    MM_TRY(OPS->matmul(CTX, &L->router, NULL, s->x, D, s->rl, E, n));
+    MM_TRY(OPS->matmul(CTX, &L->router, NULL, x, c->d_model, s->rl, E, n));
     struct mm_route_params rp = c->route;
     rp.bias = L->e_bias;
-    float *wts_d = (float *)(s->ids_d + nk);
+    float *wts_d = (float *)(s->ids_d + n * K);
     MM_TRY(OPS->route(CTX, &rp, s->rl, E, n, s->ids_d, wts_d));
-    MM_TRY(OPS->route_plan(CTX, s->ids_d, wts_d, n, K, E, s->offs_d, s->src_d, s->dst_d,
-                           s->wt_d));
+    return OPS->route_plan(CTX, s->ids_d, wts_d, n, K, E, s->offs_d, s->src_d, s->dst_d,
+                           s->wt_d);
+}
+
+// experts_plan: the routed experts of layer L on nk plan slots: sorted slot p reads x row
+// src[p], its output goes to out row dst[p]; [gate; up] (or gate, up) and down as grouped
+// products over device expert tables. Issues ops only.
+static mm_err experts_plan(const mm_model *m, mm_model_scratch *s, const struct layer *L,
+                           const int32_t *offs, const float *x, const int32_t *src,
+                           const int32_t *dst, int64_t nk, float *out) {
+    const mm_model_config *c = &m->c;
+    const int E = c->n_experts;
+    const int64_t D = c->d_model, F = c->d_ff_expert;
     const enum mm_dtype dg = L->eg[0].dtype, dd = L->ed[0].dtype;
-    // [gate; up] reads the routed x rows through the plan's src_d itself where the backend
+    // [gate; up] reads the routed x rows through the plan's src itself where the backend
     // takes it (moe_matmul_rows), else after a gather into s->xin; down then applies SwiGLU
-    // to its input rows and writes each output to its (row, rank) slot through dst_d itself,
+    // to its input rows and writes each output to its (row, rank) slot through dst itself,
     // else SwiGLU, the product and a scatter run as ops of their own
     const float *gp = s->g, *up = s->g + F; // SwiGLU's inputs and their row stride
     int64_t gus = 2 * F;
     mm_err rv = MM_EUNSUPP;
     if (L->gu_fused && OPS->moe_matmul_rows)
-        rv = OPS->moe_matmul_rows(CTX, (const void *const *)L->egu_tab, dg, 2 * F, D, E,
-                                  s->offs_d, s->x, D, s->src_d, NULL, s->g, 2 * F, NULL, nk);
+        rv = OPS->moe_matmul_rows(CTX, (const void *const *)L->egu_tab, dg, 2 * F, D, E, offs,
+                                  x, D, src, NULL, s->g, 2 * F, NULL, nk);
     if (rv != MM_EUNSUPP) {
         MM_TRY(rv);
     } else if (L->gu_fused) {
-        MM_TRY(OPS->copy_rows(CTX, s->x, D, s->src_d, s->xin, D, NULL, nk, D));
-        MM_TRY(OPS->moe_matmul_dev(CTX, (const void *const *)L->egu_tab, dg, 2 * F, D, E,
-                                   s->offs_d, s->xin, D, s->g, 2 * F, nk));
+        MM_TRY(OPS->copy_rows(CTX, x, D, src, s->xin, D, NULL, nk, D));
+        MM_TRY(OPS->moe_matmul_dev(CTX, (const void *const *)L->egu_tab, dg, 2 * F, D, E, offs,
+                                   s->xin, D, s->g, 2 * F, nk));
     } else {
-        MM_TRY(OPS->copy_rows(CTX, s->x, D, s->src_d, s->xin, D, NULL, nk, D));
-        MM_TRY(OPS->moe_matmul_dev(CTX, (const void *const *)L->eg_tab, dg, F, D, E, s->offs_d,
+        MM_TRY(OPS->copy_rows(CTX, x, D, src, s->xin, D, NULL, nk, D));
+        MM_TRY(OPS->moe_matmul_dev(CTX, (const void *const *)L->eg_tab, dg, F, D, E, offs,
                                    s->xin, D, s->g, F, nk));
         MM_TRY(OPS->moe_matmul_dev(CTX, (const void *const *)L->eu_tab, L->eu[0].dtype, F, D, E,
-                                   s->offs_d, s->xin, D, s->u, F, nk));
+                                   offs, s->xin, D, s->u, F, nk));
         up = s->u, gus = F;
     }
     rv = OPS->moe_matmul_rows ? OPS->moe_matmul_rows(CTX, (const void *const *)L->ed_tab, dd, D,
-                                                     F, E, s->offs_d, gp, gus, NULL, up, s->eo,
-                                                     D, s->dst_d, nk)
+                                                     F, E, offs, gp, gus, NULL, up, out, D, dst,
+                                                     nk)
                               : MM_EUNSUPP;
-    if (rv != MM_EUNSUPP) {
-        MM_TRY(rv);
-    } else {
-        MM_TRY(OPS->swiglu(CTX, gp, gus, up, gus, s->f, F, nk, F));
-        MM_TRY(OPS->moe_matmul_dev(CTX, (const void *const *)L->ed_tab, dd, D, F, E, s->offs_d,
-                                   s->f, F, s->yout, D, nk));
-        MM_TRY(OPS->copy_rows(CTX, s->yout, D, NULL, s->eo, D, s->dst_d, nk, D));
-    }
+    if (rv != MM_EUNSUPP)
+        return rv;
+    MM_TRY(OPS->swiglu(CTX, gp, gus, up, gus, s->f, F, nk, F));
+    MM_TRY(OPS->moe_matmul_dev(CTX, (const void *const *)L->ed_tab, dd, D, F, E, offs, s->f, F,
+                               s->yout, D, nk));
+    return OPS->copy_rows(CTX, s->yout, D, NULL, out, D, dst, nk, D);
+}
+
+// moe_layer_dev: moe_layer with the plan made on the device: route, plan, gather the routed
+// rows in expert order, [gate; up] (or gate, up) and down as grouped products over device
+// expert tables, scatter to the (row, rank) slots, combine with the plan's rank-major weights.
+static mm_err moe_layer_dev(const mm_model *m, mm_model_scratch *s, int l, int64_t n) {
+    const struct layer *L = &m->layers[l];
+    const int K = m->c.top_k;
+    MM_TRY(gate_plan(m, s, l, s->x, n));
+    MM_TRY(experts_plan(m, s, L, s->offs_d, s->x, s->src_d, s->dst_d, n * K, s->eo));
     if (L->has_shared)
         MM_TRY(mm_model_shared_forward(m, s, l, s->x, n, s->sh));
     return combine_core(m, s, s->h, n, K, s->wt_d, s->eo, L->has_shared ? s->sh : NULL);
+}
+
+// ---- the mesh's device path (mm/model.h) ------------------------------------------------------
+mm_err mm_model_gate_plan(const mm_model *m, mm_model_scratch *s, int layer, const float *x,
+                          int64_t n, mm_model_plan *plan) {
+    if (!mm_model_layer_is_moe(m, layer) || !plan || n <= 0)
+        return MM_EINVAL;
+    MM_TRY(check_rows(s, n));
+    if (!s->dev)
+        return MM_EUNSUPP;
+    MM_TRY(gate_plan(m, s, layer, x, n));
+    *plan = (mm_model_plan){.ids = s->ids_d, .offs = s->offs_d, .src = s->src_d,
+                            .dst = s->dst_d, .wt = s->wt_d};
+    return MM_OK;
+}
+
+mm_err mm_model_experts_plan(const mm_model *m, mm_model_scratch *s, int layer,
+                             const int32_t *offs, const float *x, const int32_t *src,
+                             const int32_t *dst, int64_t n_slots, float *out) {
+    if (!mm_model_layer_is_moe(m, layer) || !offs || !x || !src || !dst || !out || n_slots < 0 ||
+        n_slots > s->max_rows * (int64_t)m->c.top_k)
+        return MM_EINVAL;
+    if (!s->dev)
+        return MM_EUNSUPP;
+    if (n_slots == 0)
+        return MM_OK;
+    return experts_plan(m, s, &m->layers[layer], offs, x, src, dst, n_slots, out);
+}
+
+mm_err mm_model_combine_plan(const mm_model *m, mm_model_scratch *s, int layer, float *h,
+                             int64_t n, const float *wt, const float *expert_out,
+                             const float *shared) {
+    if (!mm_model_layer_is_moe(m, layer) || !wt || !expert_out)
+        return MM_EINVAL;
+    MM_TRY(check_rows(s, n));
+    if (n == 0)
+        return MM_OK;
+    return combine_core(m, s, h, n, m->c.top_k, wt, expert_out, shared);
 }
 
 // forward_dev_ops: the whole step from the inputs in s->in_d; issues ops only (no set, get

@@ -7,6 +7,7 @@
 #include "attention.h"
 #include "mm/dataserv.h"
 #include "mm/log.h"
+#include "mm/mesh_trace.h"
 #include "mm/model.h"
 
 static long long s_shards, s_kv_mb, s_max_seqs, s_max_tokens, s_threads, s_max_ctx;
@@ -174,6 +175,7 @@ static mm_err on_frame(void *arg, mm_conn *c, const mm_wire_hdr *h, void *payloa
         snprintf(A.step_msg, sizeof(A.step_msg), "%s", msg);
         return mm_dataserv_reply_error(c, h, MM_EPROTO, msg);
     }
+    mm_mesh_trace(h->step_id, (int)h->layer, "rx");
     mm_model_rows rows = {.n_rows = A.n_rows, .seq = A.row_seq, .pos = A.row_pos};
     // device backends: the rows go through the backend copy d_h and come back in place; a
     // device frame (cudaipc://) already landed in d_h and its reply leaves from there
@@ -192,13 +194,18 @@ static mm_err on_frame(void *arg, mm_conn *c, const mm_wire_hdr *h, void *payloa
         return mm_dataserv_reply_error(c, h, rv, A.step_msg);
     }
     A.next_layer++;
+    mm_mesh_trace(h->step_id, (int)h->layer, "enq");
     mm_wire_hdr r;
     MM_TRY(mm_wire_hdr_init(&r, MM_WIRE_REPLY, MM_WIRE_F32, h->step_id, h->layer, h->n_rows,
                             h->row_dim));
     r.row_base = h->row_base;
     if (on_dev) {
         struct iovec dv = {.iov_base = A.d_h, .iov_len = nb};
-        return mm_conn_sendv_dev(c, &r, &dv, 1, mm_deadline_in_ms(2000));
+        rv = mm_conn_sendv_dev(c, &r, &dv, 1, mm_deadline_in_ms(2000));
+        mm_mesh_trace(h->step_id, (int)h->layer, "tx");
+        if (h->layer + 1 == (uint32_t)A.n_layers)
+            mm_mesh_trace_flush();
+        return rv;
     }
     return mm_conn_send(c, &r, payload, mm_deadline_in_ms(2000));
 }
@@ -257,6 +264,7 @@ mm_err attention_start(mm_daemon *d, void *arg, char err[MM_ERRLEN]) {
                                  NULL, 1000, NULL, err));
     snprintf(detail, sizeof(detail), "shard %lld of %lld, kv %d blocks", c->instance, s_shards,
              mm_kv_cache_blocks_total(A.kv));
+    mm_mesh_trace_open("attention");
     mm_log_info("serving attention %s on %s", detail, c->data);
     mm_daemon_set_health(d, MMCTL__HEALTH__HEALTH_READY, detail);
     return MM_OK;

@@ -8,6 +8,7 @@
 #include "expert.h"
 #include "mm/dataserv.h"
 #include "mm/log.h"
+#include "mm/mesh_trace.h"
 #include "mm/model.h"
 #include "mm/placement.h"
 
@@ -24,6 +25,15 @@ mm_opt expert_opts[] = {
 };
 
 #define MAX_SEG 4096
+#define PLAN_MARK 0xFFFFFFFFu // CTRL frame of plan rows (below; services/router/step.c)
+
+// GPU entry points (kernels/cuda/backend.cu, mesh_ops.cu), weak: NULL in a build without GPU
+// support (then no plan frames: the router sends none to an owner without device frames).
+#define W __attribute__((weak))
+extern mm_err mm_gpu_backend_stream(void *backend_ctx, void **stream, int *dev) W;
+extern mm_err mm_gpu_mesh_count(void *stream, const int32_t *d_offs, int n_experts,
+                                uint64_t *d_counts) W;
+#undef W
 
 static struct owner {
     mm_backend *be;
@@ -31,7 +41,7 @@ static struct owner {
     mm_model_scratch *scratch;
     mm_placement *pl;
     mm_dataserv *ds;
-    int id, d_model, n_layers, n_experts;
+    int id, d_model, n_layers, n_experts, top_k;
     uint64_t *tokens;        // (n_layers, n_experts) rows served
     bool dirty;
     float *out;              // (max rows, d_model) outputs
@@ -44,6 +54,13 @@ static struct owner {
     uint32_t seg_layer;
     bool have_seg;
     int64_t max_rows;
+    // plan frames (the router's device routing plan): x rows, then this owner's share of the
+    // plan (offs, src, dst int32), all on the device; rows served counted there too
+    bool plan;               // the announced frame is a plan frame
+    uint32_t plan_rows, plan_slots;
+    void *stream;
+    uint64_t *d_tokens;      // (n_layers, n_experts) rows served through plan frames
+    uint64_t *tokens_dev;    // host copy read at each load write
 } O;
 
 static void write_load(void *arg) {
@@ -57,25 +74,54 @@ static void write_load(void *arg) {
         mm_log_warn("cannot write %s: %s", tmp, strerror(errno));
         return;
     }
+    const size_t ne = (size_t)O.n_layers * (size_t)O.n_experts;
+    if (O.d_tokens && O.be->ops->get(O.be->ctx, O.tokens_dev, O.d_tokens, ne * 8) != MM_OK)
+        memset(O.tokens_dev, 0, ne * 8);
     fprintf(f, "layer,expert,tokens\n");
     for (int l = 0; l < O.n_layers; l++)
         for (int e = 0; e < O.n_experts; e++)
-            if (mm_placement_owns(O.pl, l, e, O.id))
+            if (mm_placement_owns(O.pl, l, e, O.id)) {
+                const size_t i = (size_t)l * (size_t)O.n_experts + e;
                 fprintf(f, "%d,%d,%llu\n", l, e,
-                        (unsigned long long)O.tokens[(size_t)l * (size_t)O.n_experts + e]);
+                        (unsigned long long)(O.tokens[i] + (O.d_tokens ? O.tokens_dev[i] : 0)));
+            }
     if (fclose(f) != 0 || rename(tmp, s_load_csv) != 0)
         mm_log_warn("cannot write %s: %s", s_load_csv, strerror(errno));
     else
         O.dirty = false;
 }
 
-// CTRL: u32 n_seg, then n_seg x {u32 expert, u32 n_rows}, experts ascending.
+// CTRL: u32 n_seg, then n_seg x {u32 expert, u32 n_rows}, experts ascending; or a plan frame's
+// {u32 PLAN_MARK, u32 rows, u32 slots, u32 0}.
 static mm_err on_ctrl(mm_conn *c, const mm_wire_hdr *h, const uint8_t *p) {
     uint32_t n;
     O.have_seg = false;
+    O.plan = false;
+    mm_mesh_trace(h->step_id, (int)h->layer, "crx");
     if (h->payload_bytes < 4)
         return mm_dataserv_reply_error(c, h, MM_EPROTO, "short CTRL frame");
     memcpy(&n, p, 4);
+    if (n == PLAN_MARK) {
+        uint32_t v[4];
+        if (h->payload_bytes != sizeof(v))
+            return mm_dataserv_reply_error(c, h, MM_EPROTO, "bad CTRL frame (plan)");
+        memcpy(v, p, sizeof(v));
+        if (v[1] < 1 || v[1] > O.max_rows || v[2] > (uint64_t)v[1] * (uint64_t)O.top_k ||
+            !O.dev_frames) {
+            char msg[160];
+            snprintf(msg, sizeof(msg), "bad plan CTRL frame (%u rows, %u slots; this owner takes "
+                     "%lld rows, top-k %d%s)", v[1], v[2], (long long)O.max_rows, O.top_k,
+                     O.dev_frames ? "" : ", and no device frames");
+            return mm_dataserv_reply_error(c, h, MM_EPROTO, msg);
+        }
+        O.plan = true;
+        O.plan_rows = v[1];
+        O.plan_slots = v[2];
+        O.seg_step = h->step_id;
+        O.seg_layer = h->layer;
+        O.have_seg = true;
+        return MM_OK;
+    }
     if (n > MAX_SEG || h->payload_bytes != 4 + (uint64_t)n * 8)
         return mm_dataserv_reply_error(c, h, MM_EPROTO, "bad CTRL frame (segment list)");
     O.n_seg = n;
@@ -91,6 +137,52 @@ static mm_err on_ctrl(mm_conn *c, const mm_wire_hdr *h, const uint8_t *p) {
     return MM_OK;
 }
 
+// on_plan: a plan frame (after its CTRL): x rows (plan_rows of them), then this owner's share of
+// the router's plan as int32s: offs (n_experts + 1), src and dst (plan_slots each), all in
+// d_x. The experts run on the device straight from the plan (mm_model_experts_plan; slots
+// past offs[n_experts] are other owners' and left unspecified), and the reply is one output
+// row per slot, from d_out. The plan is the router's (a member of the same mesh, identity
+// checked at join): its indices are not checked here (they never reach the host).
+static mm_err on_plan(mm_conn *c, const mm_wire_hdr *h, void *payload) {
+    const int64_t R = O.plan_rows, nk = O.plan_slots, D = O.d_model, E = O.n_experts;
+    const int64_t P = (E + 1 + 2 * nk + D - 1) / D;
+    const int L = (int)h->layer;
+    char msg[200];
+    O.have_seg = false;
+    O.plan = false;
+    mm_mesh_trace(h->step_id, L, "rx");
+    if (O.seg_step != h->step_id || O.seg_layer != h->layer || h->n_rows != (uint64_t)(R + P) ||
+        h->row_dim != (uint32_t)D || h->format != MM_WIRE_F32 || h->layer >= (uint32_t)O.n_layers ||
+        payload != (void *)O.d_x) {
+        snprintf(msg, sizeof(msg), "step %llu layer %u: %u rows of %u that do not match the plan "
+                 "its CTRL frame announced (%lld + %lld rows of %lld, as a device frame)",
+                 (unsigned long long)h->step_id, h->layer, h->n_rows, h->row_dim, (long long)R,
+                 (long long)P, (long long)D);
+        return mm_dataserv_reply_error(c, h, MM_EPROTO, msg);
+    }
+    const int32_t *offs = (const int32_t *)(O.d_x + R * D), *src = offs + E + 1, *dst = src + nk;
+    mm_err rv = mm_model_experts_plan(O.model, O.scratch, L, offs, O.d_x, src, dst, nk, O.d_out);
+    if (rv == MM_OK && O.d_tokens)
+        rv = mm_gpu_mesh_count(O.stream, offs, (int)E, O.d_tokens + (size_t)L * (size_t)E);
+    if (rv != MM_OK) {
+        snprintf(msg, sizeof(msg), "experts of layer %d (a plan of %lld slots) failed: %s", L,
+                 (long long)nk, mm_strerror(rv));
+        return mm_dataserv_reply_error(c, h, rv, msg);
+    }
+    O.dirty = true;
+    mm_mesh_trace(h->step_id, L, "enq");
+    mm_wire_hdr r;
+    MM_TRY(mm_wire_hdr_init(&r, MM_WIRE_REPLY, MM_WIRE_F32, h->step_id, h->layer, (uint32_t)nk,
+                            h->row_dim));
+    r.row_base = h->row_base;
+    struct iovec dv = {.iov_base = O.d_out, .iov_len = (size_t)(nk * D) * 4};
+    rv = mm_conn_sendv_dev(c, &r, &dv, 1, mm_deadline_in_ms(2000));
+    mm_mesh_trace(h->step_id, L, "tx");
+    if (L == O.n_layers - 1)
+        mm_mesh_trace_flush();
+    return rv;
+}
+
 static mm_err on_frame(void *arg, mm_conn *c, const mm_wire_hdr *h, void *payload) {
     (void)arg;
     if (h->kind == MM_WIRE_CTRL)
@@ -99,7 +191,10 @@ static mm_err on_frame(void *arg, mm_conn *c, const mm_wire_hdr *h, void *payloa
         mm_log_warn("data: unexpected %s frame", mm_wire_kind_name(h->kind));
         return MM_EPROTO;
     }
+    if (O.plan)
+        return on_plan(c, h, payload);
     char msg[200];
+    mm_mesh_trace(h->step_id, (int)h->layer, "rx");
     if (!O.have_seg || O.seg_step != h->step_id || O.seg_layer != h->layer ||
         O.seg_rows != h->n_rows || h->row_dim != (uint32_t)O.d_model ||
         h->format != MM_WIRE_F32 || h->layer >= (uint32_t)O.n_layers) {
@@ -158,13 +253,18 @@ static mm_err on_frame(void *arg, mm_conn *c, const mm_wire_hdr *h, void *payloa
     for (uint32_t i = 0; i < O.n_seg; i++)
         O.tokens[(size_t)L * (size_t)O.n_experts + O.seg_e[i]] += O.seg_n[i];
     O.dirty = true;
+    mm_mesh_trace(h->step_id, L, "enq");
     mm_wire_hdr r;
     MM_TRY(mm_wire_hdr_init(&r, MM_WIRE_REPLY, MM_WIRE_F32, h->step_id, h->layer, h->n_rows,
                             h->row_dim));
     r.row_base = h->row_base;
     if (on_dev) { // outputs straight from the device into the router's ring
         struct iovec dv = {.iov_base = O.d_out, .iov_len = nb};
-        return mm_conn_sendv_dev(c, &r, &dv, 1, mm_deadline_in_ms(2000));
+        mm_err srv = mm_conn_sendv_dev(c, &r, &dv, 1, mm_deadline_in_ms(2000));
+        mm_mesh_trace(h->step_id, L, "tx");
+        if (L == O.n_layers - 1)
+            mm_mesh_trace_flush();
+        return srv;
     }
     if (O.d_x) {
         mm_err rv = O.be->ops->get(O.be->ctx, O.out, O.d_out, nb);
@@ -196,6 +296,7 @@ mm_err expert_start(mm_daemon *d, void *arg, char err[MM_ERRLEN]) {
     O.n_layers = cfg.n_layers;
     O.n_experts = cfg.n_experts;
     O.d_model = cfg.d_model;
+    O.top_k = cfg.top_k;
     long held = mm_placement_count(O.pl, O.id);
     snprintf(detail, sizeof(detail), "owner %d of %lld, %ld (layer, expert) pairs", O.id,
              c->owners, held);
@@ -224,11 +325,23 @@ mm_err expert_start(mm_daemon *d, void *arg, char err[MM_ERRLEN]) {
         O.dev_frames = mm_transport_gpu_use_backend(O.be->ctx, cap, gerr) == MM_OK;
         if (!O.dev_frames)
             mm_log_info("data plane: host frames only (%s)", gerr);
+        // rows of plan frames are counted on the device (read at each load write)
+        int sdev = 0;
+        if (O.dev_frames && mm_gpu_mesh_count && mm_gpu_backend_stream &&
+            mm_gpu_backend_stream(O.be->ctx, &O.stream, &sdev) == MM_OK) {
+            const size_t ne = (size_t)O.n_layers * (size_t)O.n_experts;
+            MM_TRY(O.be->ops->buffer_alloc(O.be->ctx, ne * 8, (void **)&O.d_tokens));
+            O.tokens_dev = calloc(ne, 8);
+            if (!O.tokens_dev)
+                return MM_ENOMEM;
+            MM_TRY(O.be->ops->set(O.be->ctx, O.d_tokens, O.tokens_dev, ne * 8));
+        }
     }
     O.dirty = true; // write a first (all-zero) CSV soon after start
     MM_TRY(mm_dataserv_start_dev(&O.ds, c->data, cap, O.dev_frames ? O.d_x : NULL, cap,
                                  on_frame, write_load, s_load_ms > 0 ? (int)s_load_ms : 2000,
                                  NULL, err));
+    mm_mesh_trace_open("expert");
     mm_log_info("holding %s; serving on %s", detail, c->data);
     mm_daemon_set_health(d, MMCTL__HEALTH__HEALTH_READY, detail);
     return MM_OK;
@@ -243,7 +356,9 @@ void expert_stop(mm_daemon *d, void *arg) {
     free(O.out);
     free(O.tokens);
     free(O.offs);
+    free(O.tokens_dev);
     if (O.be) {
+        O.be->ops->buffer_free(O.be->ctx, O.d_tokens);
         O.be->ops->buffer_free(O.be->ctx, O.d_x);
         O.be->ops->buffer_free(O.be->ctx, O.d_out);
     }

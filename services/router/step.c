@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "mm/log.h"
+#include "mm/mesh_trace.h"
 #include "mm/model.h"
 #include "mm/placement.h"
 #include "mm/sampler.h"
@@ -26,6 +27,20 @@
 #define PEN_SLOTS 256 // most running seqs with penalties (penalty.h)
 #define MAX_SAMPLE_WORKERS 7 // sampling threads besides the step's own
 #define POOL_MIN_SEQS 4      // fewer sampling seqs than this are sampled inline
+#define PLAN_MARK 0xFFFFFFFFu // an owner CTRL frame announcing plan rows (plan_layer)
+
+// GPU entry points of the device routing plan (kernels/cuda/mesh_ops.cu, backend.cu), weak:
+// NULL in a build without GPU support (then no plan mode).
+#define W __attribute__((weak))
+extern mm_err mm_gpu_backend_stream(void *backend_ctx, void **stream, int *dev) W;
+extern mm_err mm_gpu_mesh_plan_split(void *stream, const int32_t *d_offs, const int32_t *d_src,
+                                     const int32_t *d_dst, const int32_t *d_owner_of,
+                                     int n_experts, int n_slots, int n_owners, int32_t *d_out,
+                                     int64_t out_stride) W;
+extern mm_err mm_gpu_mesh_pick(void *stream, const float *d_ys, int64_t ys_owner_rows,
+                               const int32_t *d_ids, const int32_t *d_owner_of, int n_slots,
+                               int dim, float *d_eo) W;
+#undef W
 
 struct peer {
     const char *role;  // "attention" | "expert"
@@ -43,6 +58,7 @@ struct peer {
     struct iovec *iov; // gpu: device segments the rows leave from and the reply lands in
     int n_iov;
     struct iovec one;  // storage when one segment does
+    struct iovec seg[2]; // plan mode: the x rows and the owner's share of the plan
     bool pending;
     bool failed;       // lost during this exchange (tolerant gathers)
 };
@@ -107,8 +123,23 @@ struct mm_step_engine {
     // copy_rows with d_xsrc), replies landing in d_ys and scattered into d_eo by d_slot
     float *d_xs, *d_ys;
     int32_t *d_xsrc, *d_slot; // (max_tokens * K) device copies of xsrc / slot_of
+    int32_t *lrows, *d_lrows; // (LR) rows of h the LM head reads, on the host and the device
     int32_t *xsrc;            // (max_tokens * K) source row of each staged slot
     struct iovec *iov;        // (max_seqs + shards) shards' device segments
+    // device routing plan (plan_layer): owners get the layer's x rows and their share of the
+    // plan made on the device, so no host reads the routing during a step
+    bool plan_on;             // device path, GPU entry points, MM_MESH_DEVICE_PLAN not 0
+    void *stream;             // the backend's stream (the GPU entry points take it)
+    int32_t *owner_of;        // (n_layers, E) serving owner of each expert (-1: none live)
+    int32_t *d_owner_of;      // (n_layers, E) its device copy
+    uint8_t *plan_live;       // (owners) liveness owner_of was made for
+    uint8_t *plan_serve;      // (n_layers, owners) owner serves some expert of the layer
+    int32_t *plan_nserve;     // (n_layers) owners serving the layer; 0: not every expert has
+                              // a live owner on a device link (the host path answers)
+    bool plan_made;
+    int32_t *d_plan;          // (owners, plan_stride) each owner's share of a layer's plan
+    int64_t plan_stride;      // int32s per share: whole rows of D for the largest plan
+    float *d_ysn;             // (owners, T*K, D) owners' replies when several serve a layer
     // per-seq state
     int32_t *seq_shard, *seq_row; // (max_seqs): shard, first active row (-1: inactive)
     bool *seq_failed;
@@ -142,6 +173,11 @@ struct mm_step_engine {
     float *draft_lp;     // (max_seqs, MM_DRAFT_MAX_K) logprobs of the tokens after `token`
     int32_t *draft_tok;  // (max_seqs, MM_DRAFT_MAX_K) those tokens
 };
+
+// plan_rows: rows of D int32s holding an owner's share of a plan of nk slots (offs, src, dst).
+static int64_t plan_rows(const mm_step_engine *e, int64_t nk) {
+    return ((int64_t)e->E + 1 + 2 * nk + e->D - 1) / e->D;
+}
 
 static const char *peer_name(const struct peer *p, char *buf, size_t n) {
     snprintf(buf, n, "%s %d", p->what, p->inst);
@@ -418,10 +454,36 @@ mm_err mm_step_engine_open(mm_step_engine **out, const mm_step_conf *c, mm_regis
         MM_TRY_GOTO(rv, alloc(ctx, (size_t)(T * KK) * D * 4, (void **)&e->d_ys), fail);
         MM_TRY_GOTO(rv, alloc(ctx, (size_t)(T * KK) * 4, (void **)&e->d_xsrc), fail);
         MM_TRY_GOTO(rv, alloc(ctx, (size_t)(T * KK) * 4, (void **)&e->d_slot), fail);
+        MM_TRY_GOTO(rv, alloc(ctx, (size_t)LR * 4, (void **)&e->d_lrows), fail);
         // rows to and from GPU daemons device to device where the link allows (cudaipc://)
         char gerr[MM_ERRLEN] = "";
         if (mm_transport_gpu_use_backend(e->be->ctx, (size_t)(T * KK) * D * 4, gerr) != MM_OK)
             mm_log_info("data plane: host frames only (%s)", gerr);
+        // device routing plan (plan_layer): needs the GPU entry points and the model's device
+        // path (its first MM_EUNSUPP turns it off); MM_MESH_DEVICE_PLAN=0 turns it off
+        const char *pe = getenv("MM_MESH_DEVICE_PLAN");
+        int sdev = 0;
+        e->plan_on = e->E > 0 && mm_gpu_mesh_plan_split && mm_gpu_mesh_pick &&
+                     mm_gpu_backend_stream && !(pe && strcmp(pe, "0") == 0) &&
+                     mm_gpu_backend_stream(ctx, &e->stream, &sdev) == MM_OK;
+        if (e->plan_on) {
+            const size_t NL = (size_t)e->cfg->n_layers, N = (size_t)c->owners, E = (size_t)e->E;
+            e->plan_stride = plan_rows(e, T * KK) * (int64_t)D;
+            MM_TRY_GOTO(rv, alloc(ctx, NL * E * 4, (void **)&e->d_owner_of), fail);
+            MM_TRY_GOTO(rv, alloc(ctx, N * (size_t)e->plan_stride * 4, (void **)&e->d_plan),
+                        fail);
+            if (N > 1)
+                MM_TRY_GOTO(rv, alloc(ctx, N * (size_t)(T * KK) * D * 4, (void **)&e->d_ysn),
+                            fail);
+            e->owner_of = calloc(NL * E, 4);
+            e->plan_live = calloc(N, 1);
+            e->plan_serve = calloc(NL * N, 1);
+            e->plan_nserve = calloc(NL, 4);
+            if (!e->owner_of || !e->plan_live || !e->plan_serve || !e->plan_nserve) {
+                rv = MM_ENOMEM;
+                goto fail;
+            }
+        }
     }
     e->xsrc = calloc((size_t)(T * KK), 4);
     e->iov = calloc((size_t)S + (size_t)c->shards, sizeof(struct iovec));
@@ -431,6 +493,7 @@ mm_err mm_step_engine_open(mm_step_engine **out, const mm_step_conf *c, mm_regis
     e->hn = calloc((size_t)LR * D, 4);
     e->logits = calloc((size_t)LR * (size_t)e->V, 4);
     e->pick_ids = calloc((size_t)LR, 4);
+    e->lrows = calloc((size_t)LR, 4);
     e->seq_n = calloc((size_t)S, 4);
     e->active = calloc((size_t)S, 1);
     e->n_draft = calloc((size_t)S, 4);
@@ -456,7 +519,7 @@ mm_err mm_step_engine_open(mm_step_engine **out, const mm_step_conf *c, mm_regis
     e->ps_of = calloc((size_t)S, sizeof(*e->ps_of));
     if (!e->shards || !e->owners || !e->ids || !e->h || !e->x || !e->sh || !e->stage ||
         !e->gids || !e->gw || !e->xs || !e->ys || !e->eo || !e->slot_of || !e->todo || !e->e_cnt ||
-        !e->e_off || !e->e_owner || !e->ctrl || !e->last || !e->hn || !e->logits || !e->pick_ids ||
+        !e->e_off || !e->e_owner || !e->ctrl || !e->last || !e->hn || !e->logits || !e->pick_ids || !e->lrows ||
         !e->seq_shard || !e->seq_row || !e->seq_failed || !e->seq_msg || !e->seq_code ||
         !e->res || !e->res_p || !e->top || !e->top_p || !e->smp || !e->seq_n || !e->active ||
         !e->n_draft || !e->n_acc || !e->draft || !e->draft_lp || !e->draft_tok || !e->xsrc ||
@@ -470,6 +533,7 @@ mm_err mm_step_engine_open(mm_step_engine **out, const mm_step_conf *c, mm_regis
     for (int i = 0; i < c->owners; i++)
         e->owners[i] = (struct peer){.role = "expert", .what = "expert owner", .inst = i};
     pool_start(e);
+    mm_mesh_trace_open("router");
     *out = e;
     return MM_OK;
 fail:
@@ -495,6 +559,8 @@ void mm_step_engine_close(mm_step_engine *e) {
     free(e->draft_lp); free(e->draft_tok); free(e->xsrc); free(e->iov);
     free(e->sp_of); free(e->lrow); free(e->items); free(e->srv_of); free(e->acc_of);
     free(e->ps_of);
+    free(e->lrows);
+    free(e->owner_of); free(e->plan_live); free(e->plan_serve); free(e->plan_nserve);
     mm_draft_close(e->dr);
     mm_sampler_free(e->sampler);
     mm_pen_table_free(e->pen);
@@ -503,7 +569,9 @@ void mm_step_engine_close(mm_step_engine *e) {
     mm_model_close(e->model);
     if (e->be) {
         float *dv[] = {e->d_h, e->d_x, e->d_sh, e->d_eo, e->d_last, e->d_hn, e->d_logits,
-                       e->d_xs, e->d_ys, (float *)e->d_xsrc, (float *)e->d_slot};
+                       e->d_xs, e->d_ys, (float *)e->d_xsrc, (float *)e->d_slot,
+                       (float *)e->d_owner_of, (float *)e->d_plan, e->d_ysn,
+                       (float *)e->d_lrows};
         for (size_t i = 0; i < sizeof(dv) / sizeof(dv[0]); i++)
             e->be->ops->buffer_free(e->be->ctx, dv[i]);
     }
@@ -738,6 +806,128 @@ static void drop_pending(struct peer *ps, int n) {
             peer_drop(&ps[i]);
 }
 
+// ---- the device routing plan -----------------------------------------------------------------
+// plan_refresh: each expert's serving owner per layer (the first live owner of its replica
+// list, as the host path picks) for the owners' liveness now, uploaded when it changed. A layer
+// whose experts do not all have a live serving owner on a device link gets plan_nserve 0 (the
+// host path answers it: it knows the replicas and the errors). Runs before each MoE layer: a
+// link lost during the step changes the liveness.
+static mm_err plan_refresh(mm_step_engine *e) {
+    const int N = e->c.owners, E = e->E, NL = e->cfg->n_layers;
+    bool same = e->plan_made;
+    for (int o = 0; o < N; o++) {
+        const uint8_t l = e->owners[o].live ? (e->owners[o].gpu ? 1 : 2) : 0;
+        same = same && e->plan_live[o] == l;
+        e->plan_live[o] = l;
+    }
+    if (same)
+        return MM_OK;
+    memset(e->plan_serve, 0, (size_t)NL * (size_t)N);
+    for (int L = 0; L < NL; L++) {
+        int32_t *of = e->owner_of + (size_t)L * E;
+        bool ok = mm_model_layer_is_moe(e->model, L);
+        for (int x = 0; x < E && ok; x++) {
+            of[x] = -1;
+            for (int r = 0; r < mm_placement_n_rep(e->pl, L, x) && of[x] < 0; r++) {
+                const int o = mm_placement_owner(e->pl, L, x, r);
+                if (e->owners[o].live)
+                    of[x] = o;
+            }
+            ok = of[x] >= 0 && e->owners[of[x]].gpu;
+            if (ok)
+                e->plan_serve[(size_t)L * N + of[x]] = 1;
+        }
+        int ns = 0;
+        for (int o = 0; o < N && ok; o++)
+            ns += e->plan_serve[(size_t)L * N + o];
+        e->plan_nserve[L] = ok ? ns : 0;
+    }
+    MM_TRY(e->be->ops->set(e->be->ctx, e->d_owner_of, e->owner_of, (size_t)NL * (size_t)E * 4));
+    e->plan_made = true;
+    return MM_OK;
+}
+
+// plan_layer: the MoE part of layer L with the routing planned on the router's device and
+// never read back: router product, route and route_plan (mm_model_gate_plan), each serving
+// owner's share of the plan (mm_gpu_mesh_plan_split), then to each owner one CTRL frame
+// {PLAN_MARK, rows, slots, 0} and one device frame of the x rows followed by its share; it
+// answers an output row for every (row, rank) slot (its own slots valid). One serving owner:
+// the reply lands in eo; several: each in its region of d_ysn, and every slot's row is picked
+// from its owner's (mm_gpu_mesh_pick). Combine with the plan's weights: the engine's ops, so
+// the engine's bits. *done false (and MM_OK): an owner was lost during the exchange, so the
+// caller runs the layer's MoE on the host path (replicas, errors); or the model has no device
+// path (plan mode is then off).
+static mm_err plan_layer(mm_step_engine *e, uint64_t step, int L, int64_t R, bool shared,
+                         char *msg, bool *done) {
+    const int D = e->D, N = e->c.owners, E = e->E;
+    const int64_t nk = R * e->K, TK = (int64_t)e->c.max_tokens * e->K;
+    const int tmo = e->c.step_timeout_ms;
+    *done = false;
+    mm_model_plan pl;
+    mm_err rv = mm_model_gate_plan(e->model, e->scratch, L, e->d_x, R, &pl);
+    if (rv == MM_EUNSUPP) {
+        mm_log_info("device routing plan: the model has no device path; routing on the host");
+        e->plan_on = false;
+        return MM_OK;
+    }
+    MM_TRY(rv);
+    const int32_t *of = e->d_owner_of + (size_t)L * E;
+    MM_TRY(mm_gpu_mesh_plan_split(e->stream, pl.offs, pl.src, pl.dst, of, E, (int)nk, N,
+                                  e->d_plan, e->plan_stride));
+    const bool one = e->plan_nserve[L] == 1;
+    const int64_t P = plan_rows(e, nk);
+    for (int o = 0; o < N; o++) {
+        struct peer *op = &e->owners[o];
+        op->n = 0;
+        op->failed = false;
+        if (!e->plan_serve[(size_t)L * N + o])
+            continue;
+        const uint32_t c4[4] = {PLAN_MARK, (uint32_t)R, (uint32_t)nk, 0};
+        rv = send_frame(op, MM_WIRE_CTRL, MM_WIRE_BYTES, step, (uint32_t)L, 1, sizeof(c4), c4,
+                        tmo, msg);
+        if (rv == MM_OK) {
+            op->seg[0] = (struct iovec){.iov_base = e->d_x, .iov_len = (size_t)(R * D) * 4};
+            op->seg[1] = (struct iovec){.iov_base = e->d_plan + o * e->plan_stride,
+                                        .iov_len = (size_t)(P * D) * 4};
+            op->iov = op->seg;
+            op->n_iov = 2;
+            rv = send_frame_dev(op, MM_WIRE_ROWS, step, (uint32_t)L, (uint32_t)(R + P),
+                                (uint32_t)D, tmo, msg);
+        }
+        if (rv == MM_EINVAL)
+            return rv;
+        if (rv != MM_OK) {
+            lose(op, rv, msg);
+            continue;
+        }
+        // the reply: nk rows into eo (one owner) or its region of d_ysn
+        op->off = 0;
+        op->n = nk;
+        op->one = (struct iovec){.iov_base = one ? e->d_eo : e->d_ysn + o * TK * D,
+                                 .iov_len = (size_t)(nk * D) * 4};
+        op->iov = &op->one;
+        op->n_iov = 1;
+        op->pending = true;
+    }
+    mm_mesh_trace(step, L, "o_send");
+    if (shared) // while the owners work
+        MM_TRY(mm_model_shared_forward(e->model, e->scratch, L, e->d_x, R, e->d_sh));
+    MM_TRY(gather(e, e->owners, N, step, (uint32_t)L, e->ys, true, msg));
+    mm_mesh_trace(step, L, "o_back");
+    for (int o = 0; o < N; o++)
+        if (e->plan_serve[(size_t)L * N + o] && e->owners[o].failed) {
+            mm_log_warn("step %llu layer %d: %s; the layer's experts go through the host path",
+                        (unsigned long long)step, L, e->owners[o].why);
+            return MM_OK;
+        }
+    if (!one)
+        MM_TRY(mm_gpu_mesh_pick(e->stream, e->d_ysn, TK, pl.ids, of, (int)nk, D, e->d_eo));
+    MM_TRY(mm_model_combine_plan(e->model, e->scratch, L, e->d_h, R, pl.wt, e->d_eo,
+                                 shared ? e->d_sh : NULL));
+    *done = true;
+    return MM_OK;
+}
+
 // run_layers: the forward pass of the active rows. Returns an error (msg set) that fails them.
 // On a device backend, a peer whose link carries device frames (p->gpu, cudaipc://) gets its
 // rows straight from the backend arrays and answers into them (no host copy, no drain); other
@@ -795,13 +985,15 @@ static mm_err run_layers(mm_step_engine *e, const Mmctl__StepPlan *p, int64_t R,
         off += sp->n;
     }
     MM_TRY(mm_model_embed(e->model, e->scratch, e->ids, R, DP(e, h)));
+    mm_mesh_trace(step, -1, "embed");
     if (sh_host)
         MM_TRY(to_host(e, e->h, e->d_h, R * D));
     const int n_layers = e->cfg->n_layers;
     for (int L = 0; L < n_layers; L++) {
         // h back on the host after this layer: for host-path shards, and after the last layer
-        // (the sampled rows are read from e->h)
-        const bool h_out = sh_host || L == n_layers - 1;
+        // on a host backend (the sampled rows are read from e->h; a device gathers them from
+        // d_h itself: mm_step_engine_run)
+        const bool h_out = sh_host || (L == n_layers - 1 && !e->dev);
         // attention on the shards: gather each shard's rows (seqs in plan order), send.
         for (int s = 0; s < M; s++) {
             struct peer *sp = &e->shards[s];
@@ -825,7 +1017,9 @@ static mm_err run_layers(mm_step_engine *e, const Mmctl__StepPlan *p, int64_t R,
                               (uint32_t)sp->n, (uint32_t)D, e->stage + sp->off * D, tmo, msg));
             sp->pending = true;
         }
+        mm_mesh_trace(step, L, "a_send");
         MM_TRY(gather(e, e->shards, M, step, (uint32_t)L, e->stage, false, msg));
+        mm_mesh_trace(step, L, "a_back");
         for (int s = 0; s < M; s++) {
             struct peer *sp = &e->shards[s];
             if (!sp->live || sp->n == 0 || sp->gpu) // gpu: the reply already landed in d_h
@@ -851,7 +1045,20 @@ static mm_err run_layers(mm_step_engine *e, const Mmctl__StepPlan *p, int64_t R,
                 MM_TRY(to_host(e, e->h, e->d_h, R * D));
             continue;
         }
+        if (e->plan_on) { // routing planned and kept on the device (plan_layer)
+            MM_TRY(plan_refresh(e));
+            bool done = false;
+            if (e->plan_nserve[L] > 0)
+                MM_TRY(plan_layer(e, step, L, R, shared, msg, &done));
+            if (done) {
+                mm_mesh_trace(step, L, "comb");
+                if (h_out)
+                    MM_TRY(to_host(e, e->h, e->d_h, R * D));
+                continue;
+            }
+        }
         MM_TRY(mm_model_gate(e->model, e->scratch, L, DP(e, x), R, e->gids, e->gw));
+        mm_mesh_trace(step, L, "gate");
         bool x_host = !e->dev; // e->x holds this layer's rows (fetched when a host owner needs)
         // Expert outputs: every (row, rank) slot is served by the first live owner of its
         // expert's replica list; a link lost during the exchange is retried on the next replica
@@ -969,11 +1176,13 @@ static mm_err run_layers(mm_step_engine *e, const Mmctl__StepPlan *p, int64_t R,
                 else
                     op->pending = true;
             }
+            mm_mesh_trace(step, L, "o_send");
             // The shared experts run here while the owners work.
             if (shared && !shared_done)
                 MM_TRY(mm_model_shared_forward(e->model, e->scratch, L, DP(e, x), R, DP(e, sh)));
             shared_done = true;
             MM_TRY(gather(e, e->owners, N, step, (uint32_t)L, e->ys, true, msg));
+            mm_mesh_trace(step, L, "o_back");
             for (int o = 0; o < N; o++) {
                 struct peer *op = &e->owners[o];
                 if (op->n == 0)
@@ -1003,6 +1212,7 @@ static mm_err run_layers(mm_step_engine *e, const Mmctl__StepPlan *p, int64_t R,
         }
         MM_TRY(mm_model_combine(e->model, e->scratch, L, DP(e, h), R, K, e->gw, DP(e, eo),
                                 shared ? DP(e, sh) : NULL));
+        mm_mesh_trace(step, L, "comb");
         if (h_out)
             MM_TRY(to_host(e, e->h, e->d_h, R * D));
     }
@@ -1063,8 +1273,10 @@ struct nng_msg *mm_step_engine_run(mm_step_engine *e, const Mmctl__StepPlan *p, 
         memcpy(e->ids + R + q->n_tokens, e->draft + i * MM_DRAFT_MAX_K, e->n_draft[i] * 4);
         R += (int64_t)e->seq_n[i];
     }
+    mm_mesh_trace(p->step_id, -1, "start");
     if (R > 0) {
         rv = run_layers(e, p, R, msg);
+        mm_mesh_trace(p->step_id, -1, "layers");
         if (rv != MM_OK) {
             mm_log_warn("step %llu failed (%lld rows): %s", (unsigned long long)p->step_id,
                         (long long)R, msg);
@@ -1081,12 +1293,16 @@ struct nng_msg *mm_step_engine_run(mm_step_engine *e, const Mmctl__StepPlan *p, 
         } else {
             // final norm + head on the last row of each sampling seq and on its draft rows,
             // then sampling and verification.
+            // (a device gathers them from d_h: no read of h)
             int64_t ns = 0;
             for (size_t i = 0; i < p->n_seqs; i++)
                 if (e->seq_row[i] >= 0 && p->seqs[i]->sample) {
                     int64_t r = e->seq_row[i] + (int64_t)p->seqs[i]->n_tokens - 1;
-                    memcpy(e->last + ns * e->D, e->h + r * e->D,
-                           (size_t)e->D * 4 * (1 + e->n_draft[i]));
+                    if (!e->dev)
+                        memcpy(e->last + ns * e->D, e->h + r * e->D,
+                               (size_t)e->D * 4 * (1 + e->n_draft[i]));
+                    for (uint32_t k = 0; e->dev && k <= e->n_draft[i]; k++)
+                        e->lrows[ns + k] = (int32_t)(r + k);
                     ns += 1 + e->n_draft[i];
                 }
             // On a device, a step whose sampling seqs are all greedy, without penalties and
@@ -1103,7 +1319,11 @@ struct nng_msg *mm_step_engine_run(mm_step_engine *e, const Mmctl__StepPlan *p, 
                            !mm_sampling_has_penalty(&sp);
             }
             if (ns > 0) {
-                rv = to_dev(e, e->d_last, e->last, ns * e->D);
+                rv = e->dev ? e->be->ops->set(e->be->ctx, e->d_lrows, e->lrows, (size_t)ns * 4)
+                            : MM_OK;
+                if (rv == MM_OK && e->dev)
+                    rv = e->be->ops->copy_rows(e->be->ctx, e->d_h, e->D, e->d_lrows, e->d_last,
+                                               e->D, NULL, ns, e->D);
                 if (rv == MM_OK)
                     rv = mm_model_final_norm(e->model, e->scratch, DP(e, last), ns, DP(e, hn));
                 if (rv == MM_OK)
@@ -1188,6 +1408,7 @@ struct nng_msg *mm_step_engine_run(mm_step_engine *e, const Mmctl__StepPlan *p, 
                     }
                 }
             }
+            mm_mesh_trace(p->step_id, -1, "picked");
             mm_log_debug("step %llu: %lld rows in %.3f ms", (unsigned long long)p->step_id,
                          (long long)R, (double)(mm_now_ns() - t0) / 1e6);
         }
@@ -1225,6 +1446,7 @@ struct nng_msg *mm_step_engine_run(mm_step_engine *e, const Mmctl__StepPlan *p, 
     sr.n_results = p->n_seqs;
     sr.results = e->res_p;
     mm_draft_end(e->dr, mm_now_ns() - t0);
+    mm_mesh_trace_flush();
 reply:;
     mm_ctl_msg env = MMCTL__ENVELOPE__INIT;
     env.body_case = MMCTL__ENVELOPE__BODY_STEP_RESULT;

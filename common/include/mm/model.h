@@ -182,6 +182,38 @@ mm_err mm_model_final_norm(const mm_model *m, mm_model_scratch *s, const float *
 mm_err mm_model_head(const mm_model *m, mm_model_scratch *s, const float *x, int64_t n,
                      float *logits);
 
+// ---- the mesh on devices: a layer's routing plan kept on the device -------------------------
+// (models whose backend has the engine's device path: route_plan and moe_matmul_dev; else
+// these return MM_EUNSUPP and the host stages above serve.) The router plans, owners run the
+// plan's rows, the router combines: no host read of the routing, and each row's bits are the
+// engine's (the same ops as mm_model_forward's device path).
+typedef struct mm_model_plan { // backend memory, in the scratch: valid until its next plan
+    const int32_t *ids;  // (n, top_k) expert ids, rank order
+    const int32_t *offs; // (n_experts + 1) first sorted slot of each expert (route_plan's)
+    const int32_t *src;  // (n * top_k) x row of each sorted slot
+    const int32_t *dst;  // (n * top_k) (row, rank) slot i * top_k + r of each sorted slot
+    const float *wt;     // (top_k, n) the weights by rank (rank r's at wt + r * n)
+} mm_model_plan;
+// mm_model_gate_plan: mm_model_gate without the read-back: router product, route and
+// route_plan of layer on x (n, d_model) on the device.
+mm_err mm_model_gate_plan(const mm_model *m, mm_model_scratch *s, int layer, const float *x,
+                          int64_t n, mm_model_plan *plan);
+// mm_model_experts_plan: the routed experts of layer on n_slots plan slots (all backend
+// memory): sorted slot p reads x row src[p] and its output goes to out row dst[p], expert e's
+// slots being [offs[e], offs[e+1]). offs[n_experts] may be below n_slots (an owner's share of
+// a plan): slots from offs[n_experts] on belong to no expert, and their out rows dst[p] may be
+// written with unspecified values (src/dst entries there must still be valid rows). n_slots
+// sizes the launches only (worst case), so no count has to come to the host. Each computed
+// row has the bits of mm_model_expert_forward.
+mm_err mm_model_experts_plan(const mm_model *m, mm_model_scratch *s, int layer,
+                             const int32_t *offs, const float *x, const int32_t *src,
+                             const int32_t *dst, int64_t n_slots, float *out);
+// mm_model_combine_plan: mm_model_combine with the weights by rank in backend memory (a plan's
+// wt): h[i] += sum over r < top_k of wt[r * n + i] * expert_out[i * top_k + r], then shared.
+mm_err mm_model_combine_plan(const mm_model *m, mm_model_scratch *s, int layer, float *h,
+                             int64_t n, const float *wt, const float *expert_out,
+                             const float *shared);
+
 // ---- the in-process engine -------------------------------------------------------------------
 // mm_model_forward runs the whole model on n rows (ids host; rows as for attention) and writes
 // logits (n, vocab) into logits (backend memory). Only the rows with want_logits == NULL or

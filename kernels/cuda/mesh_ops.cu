@@ -1,0 +1,133 @@
+// SPDX-License-Identifier: MIT
+// Device helpers of the mesh's device routing plan (docs/MESH.md "Device frames"): the router
+// splits a layer's plan (route_plan's offs/src/dst) into each expert owner's share, picks each
+// (row, rank) slot's output from its owner's reply, and owners count their experts' rows,
+// all on the device, so that no host reads the routing during a step. Pure index and copy
+// work: no arithmetic on the rows, so nothing here can change a bit. Compiled by nvcc or
+// hipcc (vendor.h). The C callers (services/router/step.c, services/expert/expert.c) declare
+// these entry points weak: a build without GPU support has none.
+//
+// Design notes:
+// - mesh_plan_split: one block per owner. A serial scan over the experts (E <= MAX_E, in shared
+//   memory; 128 experts take well under a microsecond) gives each owner's offsets; the sorted
+//   slots are then placed in parallel: the owner's experts' slots first, in the plan's order
+//   (expert ascending, slot order within an expert: exactly route_plan's order restricted to
+//   the owner), then every other slot (so the owner's share is a permutation of all n_slots
+//   slots and every src/dst entry past offs[E] is still a valid row; mm_model_experts_plan's
+//   contract).
+#include "gpu_common.cuh"
+#include "mm/err.h"
+
+#define MAX_E 1024
+#define SPLIT_THREADS 256
+
+// out + o * out_stride: offs_o (E+1) | src_o (n) | dst_o (n), int32.
+__global__ void mesh_plan_split_kernel(const int32_t *offs, const int32_t *src,
+                                       const int32_t *dst, const int32_t *owner_of, int E,
+                                       int n, int32_t *out, int64_t out_stride) {
+    __shared__ int32_t s_offs[MAX_E + 1];
+    __shared__ int32_t s_own[MAX_E + 1];  // owned-slot offsets of each expert (scan)
+    __shared__ int32_t s_not[MAX_E + 1];  // not-owned-slot offsets of each expert (scan)
+    __shared__ int32_t s_is[MAX_E];       // expert owned by this block's owner
+    const int o = blockIdx.x;
+    for (int e = threadIdx.x; e <= E; e += blockDim.x)
+        s_offs[e] = offs[e];
+    for (int e = threadIdx.x; e < E; e += blockDim.x)
+        s_is[e] = owner_of[e] == o;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int a = 0, b = 0;
+        for (int e = 0; e < E; e++) {
+            s_own[e] = a;
+            s_not[e] = b;
+            const int c = s_offs[e + 1] - s_offs[e];
+            if (s_is[e])
+                a += c;
+            else
+                b += c;
+        }
+        s_own[E] = a;
+        s_not[E] = b;
+    }
+    __syncthreads();
+    int32_t *offs_o = out + (int64_t)o * out_stride, *src_o = offs_o + E + 1, *dst_o = src_o + n;
+    const int n_own = s_own[E];
+    for (int e = threadIdx.x; e <= E; e += blockDim.x) // another owner's expert: no slots
+        offs_o[e] = s_own[e];
+    for (int p = threadIdx.x; p < n; p += blockDim.x) {
+        // the expert of sorted slot p: the last e with offs[e] <= p (offs non-decreasing)
+        int lo = 0, hi = E - 1;
+        while (lo < hi) {
+            const int mid = (lo + hi + 1) / 2;
+            if (s_offs[mid] <= p)
+                lo = mid;
+            else
+                hi = mid - 1;
+        }
+        const int e = lo, j = p - s_offs[e];
+        const int q = s_is[e] ? s_own[e] + j : n_own + s_not[e] + j;
+        src_o[q] = src[p];
+        dst_o[q] = dst[p];
+    }
+}
+
+// eo[t] = ys[owner_of[ids[t]] * ys_owner_rows + t] for t < n, rows of dim floats.
+__global__ void mesh_pick_kernel(const float *ys, int64_t ys_owner_rows, const int32_t *ids,
+                                 const int32_t *owner_of, float *eo, int dim) {
+    const int t = blockIdx.x;
+    const int o = owner_of[ids[t]];
+    const float *s = ys + ((int64_t)o * ys_owner_rows + t) * dim;
+    float *d = eo + (int64_t)t * dim;
+    for (int j = threadIdx.x; j < dim; j += blockDim.x)
+        d[j] = s[j];
+}
+
+// counts[e] += offs[e+1] - offs[e] for e < E.
+__global__ void mesh_count_kernel(const int32_t *offs, int E, uint64_t *counts) {
+    for (int e = blockIdx.x * blockDim.x + threadIdx.x; e < E; e += gridDim.x * blockDim.x)
+        counts[e] += (uint64_t)(offs[e + 1] - offs[e]);
+}
+
+// mm_gpu_mesh_plan_split: for owners 0..n_owners-1, owner o's share of a plan (offs (E+1), src
+// and dst (n_slots), device) at out + o * out_stride int32s: offs_o (E+1), src_o, dst_o
+// (n_slots each). owner_of (E, device): the owner serving each expert (any other value: none).
+// Where an expert is not the owner's, offs_o gives it no slots.
+extern "C" mm_err mm_gpu_mesh_plan_split(void *stream, const int32_t *d_offs,
+                                         const int32_t *d_src, const int32_t *d_dst,
+                                         const int32_t *d_owner_of, int n_experts, int n_slots,
+                                         int n_owners, int32_t *d_out, int64_t out_stride) {
+    if (!d_offs || !d_src || !d_dst || !d_owner_of || !d_out || n_experts < 1 ||
+        n_experts > MAX_E || n_slots < 0 || n_owners < 1 ||
+        out_stride < (int64_t)n_experts + 1 + 2 * (int64_t)n_slots)
+        return MM_EINVAL;
+    mesh_plan_split_kernel<<<n_owners, SPLIT_THREADS, 0, (cudaStream_t)stream>>>(
+        d_offs, d_src, d_dst, d_owner_of, n_experts, n_slots, d_out, out_stride);
+    MM_GPU_CHECK(cudaGetLastError());
+    return MM_OK;
+}
+
+// mm_gpu_mesh_pick: eo row t = row t of the reply of the owner of slot t's expert: ys holds
+// each owner's reply of n_slots rows (dim floats) at ys + o * ys_owner_rows * dim.
+extern "C" mm_err mm_gpu_mesh_pick(void *stream, const float *d_ys, int64_t ys_owner_rows,
+                                   const int32_t *d_ids, const int32_t *d_owner_of, int n_slots,
+                                   int dim, float *d_eo) {
+    if (!d_ys || !d_ids || !d_owner_of || !d_eo || n_slots < 0 || dim < 1 ||
+        ys_owner_rows < n_slots)
+        return MM_EINVAL;
+    if (n_slots == 0)
+        return MM_OK;
+    mesh_pick_kernel<<<n_slots, 256, 0, (cudaStream_t)stream>>>(d_ys, ys_owner_rows, d_ids,
+                                                                d_owner_of, d_eo, dim);
+    MM_GPU_CHECK(cudaGetLastError());
+    return MM_OK;
+}
+
+// mm_gpu_mesh_count: counts[e] += offs[e+1] - offs[e] (device u64 array of n_experts).
+extern "C" mm_err mm_gpu_mesh_count(void *stream, const int32_t *d_offs, int n_experts,
+                                    uint64_t *d_counts) {
+    if (!d_offs || !d_counts || n_experts < 1)
+        return MM_EINVAL;
+    mesh_count_kernel<<<1, 256, 0, (cudaStream_t)stream>>>(d_offs, n_experts, d_counts);
+    MM_GPU_CHECK(cudaGetLastError());
+    return MM_OK;
+}

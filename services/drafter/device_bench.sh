@@ -7,9 +7,10 @@
 #   ngram  prompt lookup (--drafter ngram)
 #   skip   (only when CASES names it) the target's first SKIP_LAYERS (1) layers as the draft
 #          model: layer-skip self-speculation, sharing the target's embedding and LM head
-# A drafting case named with "-sync" (self-sync, small-sync, ...) runs with the router's
-# draft-ahead off (MM_DRAFT_PIPELINE=false: each step waits for its drafts); PIPELINE="1 0"
-# runs every drafting case both ways (X and X-sync, next to each other in each round).
+# A drafting case X runs with the router's draft-ahead on (MM_DRAFT_PIPELINE=true); X-sync with
+# it off (false: each step waits for its drafts); X-auto with the router's default, auto (per
+# step shape, whichever of the two measures more tokens per second). PIPELINE="auto 1 0" runs
+# every drafting case all three ways (next to each other in each round).
 # Each case is its own `moemesh up` (router, gateway, 1 attention shard, OWNERS owners, drafter,
 # all on DEVICE); ROUNDS rounds of all cases, interleaved (a shared machine's load drifts: only
 # neighbouring runs compare). Greedy requests (--temperature 0, ignore_eos), random prompt ids.
@@ -30,8 +31,8 @@
 # MAX_TOKENS (128), PROMPT (32), REQS1 (8) / REQS16 (64), RESIDUAL_SCALE (unset; e.g. 0.1: the
 # synthesized target's layers from SKIP_LAYERS on are scaled down so the skip drafter agrees),
 # requests at concurrency 1 / 16, OWNERS (1), THREADS (1: CPU threads per daemon), VOCAB (256:
-# prompt ids drawn below it), PIPELINE ("1": draft-ahead on, the router's default; "0": off;
-# "1 0": both), OUT (/tmp/out: logs). Output: a table on stdout (and $OUT/table).
+# prompt ids drawn below it), PIPELINE ("1": draft-ahead on; "0": off; "auto": the router's
+# default; "auto 1 0": all three), OUT (/tmp/out: logs). Output: a table on stdout (and $OUT/table).
 set -u
 D=${1:-.dev/gpu-drafter}
 DEVICE=${DEVICE:-cuda:0}
@@ -40,7 +41,7 @@ CASES=${CASES:-none self small ngram}
 # PIPELINE: each drafting case X as X (draft-ahead on) and/or X-sync (off)
 RUNCASES=
 for c in $CASES; do
-    if [ "$c" = none ] || [[ "$c" == *-sync ]]; then
+    if [ "$c" = none ] || [[ "$c" == *-sync ]] || [[ "$c" == *-auto ]]; then
         RUNCASES="$RUNCASES $c"
         continue
     fi
@@ -48,11 +49,12 @@ for c in $CASES; do
         case $pl in
         1) RUNCASES="$RUNCASES $c" ;;
         0) RUNCASES="$RUNCASES $c-sync" ;;
-        *) echo "PIPELINE: '$pl' is not 1 or 0"; exit 2 ;;
+        auto) RUNCASES="$RUNCASES $c-auto" ;;
+        *) echo "PIPELINE: '$pl' is not 1, 0 or auto"; exit 2 ;;
         esac
     done
 done
-BASES=" $(for c in $RUNCASES; do printf '%s ' "${c%-sync}"; done)" # drafters needed
+BASES=" $(for c in $RUNCASES; do c=${c%-sync}; printf '%s ' "${c%-auto}"; done)" # drafters needed
 CONCS=${CONCS:-1 16}
 ROUNDS=${ROUNDS:-$([ "$DEVICE" = cpu ] && echo 2 || echo 1)}
 MAX_TOKENS=${MAX_TOKENS:-128}
@@ -110,11 +112,12 @@ VOCAB=${VOCAB:-256}
 
 port=$((20000 + ($$ * 7) % 20000))
 # mesh_up CASE: starts moemesh up for CASE and waits until the gateway's /health says ok.
-# CASE X-sync: drafter X with the router's draft-ahead off.
+# CASE X-sync: drafter X with the router's draft-ahead off; X-auto: auto.
 mesh_up() {
-    local dr=() pipe=true
+    local dr=() pipe=true base=${1%-sync}
     [[ "$1" == *-sync ]] && pipe=false
-    case ${1%-sync} in
+    [[ "$1" == *-auto ]] && pipe=auto
+    case ${base%-auto} in
     self) dr=(--drafter "$TARGET") ;;
     small) dr=(--drafter "$DRAFT") ;;
     skip) dr=(--drafter "$SKIPD") ;;
@@ -163,6 +166,8 @@ for r in $(seq 1 "$ROUNDS"); do
         ACC[$c]=$(echo "$m" | grep -o "rate=[0-9.]* mean_accepted=[0-9.]*")
         ah=$(echo "$m" | grep -o "ahead=[0-9]* ahead_hits=[0-9]* ahead_misses=[0-9]* sync=[0-9]*")
         [ -n "$ah" ] && ACC[$c]="${ACC[$c]} $ah"
+        mo=$(echo "$m" | grep -o "ahead_steps=[0-9]* sync_steps=[0-9]* mode_explored=[0-9]* mode_switches=[0-9]*")
+        [ -n "$mo" ] && [[ "$c" == *-auto ]] && ACC[$c]="${ACC[$c]} $mo"
         mesh_down
     done
 done

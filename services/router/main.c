@@ -2,15 +2,19 @@
 // moemesh-router: the hub of the mesh. It admits daemons (identity check), tracks their
 // heartbeats and answers status (registry.c), and with --model runs each StepPlan's forward
 // pass across the shards and owners (step.c).
+#include <stdio.h>
 #include <string.h>
+#include <strings.h>
 
 #include "mm/daemon.h"
 #include "mm/log.h"
 #include "router.h"
 #include "step.h"
+#include "step_draft.h"
 
 static long long s_draft_max, s_draft_timeout_ms, s_draft_rows;
-static bool s_draft_adapt, s_draft_pipeline;
+static bool s_draft_adapt;
+static char *s_draft_pipeline;
 static long long s_down_after_ms, s_shards, s_max_tokens, s_max_seqs, s_threads, s_timeout_ms,
     s_max_ctx;
 static mm_opt s_router_opts[] = {
@@ -30,9 +34,10 @@ static mm_opt s_router_opts[] = {
     {"draft-max-rows", MM_OPT_INT, &s_draft_rows, "64", "draft rows per step, all seqs"},
     {"draft-adapt", MM_OPT_BOOL, &s_draft_adapt, "true",
      "choose each seq's width from measured step times and acceptance (false: --draft-max)"},
-    {"draft-pipeline", MM_OPT_BOOL, &s_draft_pipeline, "true",
-     "draft ahead: ask the drafter for a step's drafts while the step before runs, without "
-     "waiting (false: ask before each step and wait)"},
+    {"draft-pipeline", MM_OPT_STR, &s_draft_pipeline, "auto",
+     "true: draft ahead (ask the drafter for a step's drafts while the step before runs, "
+     "without waiting); false: ask before each step and wait; auto: per step shape (rows), "
+     "whichever of the two measures more tokens per second"},
     {0},
 };
 
@@ -54,6 +59,19 @@ static void on_ctl(void *arg, const mm_ctl_msg *req, const char *peer, struct nn
         return;
     }
     mm_registry_handle(R.reg, req, peer, reply);
+}
+
+// pipeline_mode: --draft-pipeline's value as MM_DRAFT_PIPE_*, -1 when it is none of them.
+static int pipeline_mode(const char *v) {
+    if (!v || !strcasecmp(v, "auto"))
+        return MM_DRAFT_PIPE_AUTO;
+    if (!strcmp(v, "1") || !strcasecmp(v, "true") || !strcasecmp(v, "yes") ||
+        !strcasecmp(v, "on"))
+        return MM_DRAFT_PIPE_ON;
+    if (!strcmp(v, "0") || !strcasecmp(v, "false") || !strcasecmp(v, "no") ||
+        !strcasecmp(v, "off"))
+        return MM_DRAFT_PIPE_OFF;
+    return -1;
 }
 
 int main(int argc, char **argv) {
@@ -82,6 +100,14 @@ int main(int argc, char **argv) {
                          (uint32_t)down_after);
     mm_log_info("members are marked down after %lld ms without a heartbeat", down_after);
     char err[MM_ERRLEN] = "";
+    const int pipeline = pipeline_mode(s_draft_pipeline);
+    if (pipeline < 0) {
+        fprintf(stderr, "moemesh-router: --draft-pipeline: '%s' is not auto, true or false\n",
+                s_draft_pipeline);
+        mm_daemon_close(d);
+        mm_registry_free(reg);
+        return MM_EXIT_USAGE;
+    }
     if (c->model) {
         mm_step_conf sc = {
             .model = c->model, .placement = c->placement, .device = c->device,
@@ -90,7 +116,7 @@ int main(int argc, char **argv) {
             .step_timeout_ms = (int)s_timeout_ms, .max_ctx = (int)s_max_ctx,
             .draft_max = (int)s_draft_max, .draft_timeout_ms = (int)s_draft_timeout_ms,
             .draft_max_rows = (int)s_draft_rows, .draft_adapt = s_draft_adapt,
-            .draft_pipeline = s_draft_pipeline,
+            .draft_pipeline = pipeline,
         };
         if (mm_step_engine_open(&R.eng, &sc, reg, err) != MM_OK) {
             mm_log_error("cannot open the step engine: %s", err);

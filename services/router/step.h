@@ -31,7 +31,7 @@ typedef struct mm_step_conf {
     // drafting (step_draft.h)
     int draft_max, draft_timeout_ms, draft_max_rows;
     bool draft_adapt;
-    bool draft_pipeline; // --draft-pipeline: draft ahead, during the step before
+    int draft_pipeline; // --draft-pipeline: MM_DRAFT_PIPE_OFF / _ON / _AUTO (step_draft.h)
 } mm_step_conf;
 
 typedef struct mm_step_engine mm_step_engine;

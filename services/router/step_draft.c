@@ -67,7 +67,14 @@ struct mm_draft {
     int32_t *dq_plan;  // plan index of each request seq
     uint64_t *rel; // (MAX_REL) released seqs the drafter has not been told of yet
     size_t n_rel;
-    mm_spec_costs costs; // step time per (step range, widest draft asked for in the step)
+    mm_spec_costs costs[2]; // step time per (step range, widest draft asked for in the step),
+                            // per mode (MM_SPEC_SYNC, MM_SPEC_AHEAD)
+    mm_spec_modes modes;    // the measured tokens per ms of each mode (--draft-pipeline auto)
+    int step_mode;          // this step's mode (MM_SPEC_SYNC / _AHEAD), -1: none
+    int step_range;         // its row range (mm_spec_mode_range)
+    double step_tok;        // tokens it emitted (sampling seqs: accepted drafts + 1)
+    uint32_t step_seqs;     // sampling seqs it verified
+    uint64_t mode_steps[2]; // drafting steps per mode
     int step_w, step_bucket; // this step's: widest draft asked for; range (mm_spec_bucket)
     uint64_t n_steps; // steps with a seq that allowed drafting (probes: every PROBE_EVERY-th)
     bool step_ok;     // this step's drafter call (if any) answered
@@ -77,10 +84,11 @@ struct mm_draft {
     uint64_t explore_gated; // exploration steps refused: no candidate could pay (mm_spec_explore)
     uint64_t ahead_gated;   // seq steps refused an ahead request (mm_spec_ahead_pays)
     uint64_t measure_steps; // pipeline steps measuring a width (unmeasured or explored)
-    int prev_w;              // the widest draft asked for in the step before (-1: no sample)
+    int prev_w;              // the widest draft asked for in the step before, + its mode x
+                             // (MM_SPEC_MAX_W + 1) (-1: no sample)
     int same_w;              // steps before this one in a row with its width (prev_w's run)
     int explore_w, explore_left; // a width being measured, for explore_left more steps
-    int choice;              // the last width chosen by price (not exploring), -1: none
+    int choice[2];           // per mode: the last width chosen by price (not exploring), -1
     float acc_all; // per-draft-token acceptance over all seqs (slow EMA): a new seq's start
     uint32_t acc_n; // samples in acc_all (its first 50 are averaged: the 0.6 start is a guess)
     uint32_t probes_failed; // probes missed in a row over all seqs (0..4): a new seq's start, so
@@ -127,7 +135,9 @@ mm_err mm_draft_open(mm_draft **out, const mm_draft_conf *c, mm_registry *reg,
     d->backoff_ms = 250;
     d->acc_all = 0.6f;
     d->prev_w = -1;
-    d->choice = -1;
+    d->choice[0] = d->choice[1] = -1;
+    d->step_mode = -1;
+    mm_spec_modes_init(&d->modes);
     struct timespec ts;
     clock_gettime(CLOCK_REALTIME, &ts);
     d->req_no = (uint64_t)ts.tv_sec * 1000000ull + (uint64_t)ts.tv_nsec / 1000u;
@@ -426,7 +436,8 @@ static uint32_t ahead_k(mm_draft *d, const struct rseq *r, uint32_t nd, int W, i
     if (cap <= 0)
         return 0; // the seq ends or fills its context: nothing to draft next step
     if (d->c.adapt &&
-        !mm_spec_ahead_pays(&d->costs, b, (int)cap, d->c.max_k, (double)r->acc, (int)nd)) {
+        !mm_spec_ahead_pays(&d->costs[MM_SPEC_AHEAD], b, (int)cap, d->c.max_k, (double)r->acc,
+                            (int)nd)) {
         *gated = true;
         return 0;
     }
@@ -526,7 +537,7 @@ static bool sync_pays(mm_draft *d, const Mmctl__StepPlan *p, const bool *active,
                       const uint32_t *n_draft, size_t nq, int bucket, int W) {
     bool priced = false;
     for (int x = 0; x < MM_SPEC_BUCKETS && !priced; x++)
-        priced = d->costs.ticks[x] > 0;
+        priced = d->costs[MM_SPEC_AHEAD].ticks[x] > 0;
     if (d->sync_n == 0 || !priced)
         return true;
     double E = 0, extra = 0;
@@ -546,7 +557,7 @@ static bool sync_pays(mm_draft *d, const Mmctl__StepPlan *p, const bool *active,
         for (uint32_t m = 0; m < d->dq[j].k; m++)
             extra += (ai *= a);
     }
-    const double T = mm_spec_price(&d->costs, bucket, W, d->c.max_k);
+    const double T = mm_spec_price(&d->costs[MM_SPEC_AHEAD], bucket, W, d->c.max_k);
     return E > 0 && extra * T > d->sync_ms * E;
 }
 
@@ -632,15 +643,28 @@ void mm_draft_begin(mm_draft *d, const Mmctl__StepPlan *p, const bool *active, i
         const struct rseq *r = p->seqs[i]->pos > 0 ? find(d, p->seqs[i]->seq_id) : NULL;
         goes_on = r && r->last_step == d->step_no;
     }
-    if (d->step_cost && goes_on && d->c.max_k > 0 && d->step_w == d->prev_w && d->same_w >= 2)
-        mm_spec_cost_add(&d->costs, d->step_bucket, d->step_w, (double)(now - d->step_t0) / 1e6);
-    int w_now = d->step_cost && goes_on ? d->step_w : -1;
+    // The width's sample goes to its mode's prices; a change of mode starts the run over (the
+    // steps just before were of the other mode). The mode's sample: the step's tokens per seq
+    // over the same period (mm_spec_mode_add: not counted in the warm-up after a change).
+    const double ms = (double)(now - d->step_t0) / 1e6;
+    const int wkey = d->step_w + (d->step_mode > 0 ? d->step_mode : 0) * (MM_SPEC_MAX_W + 1);
+    if (d->step_cost && goes_on && d->c.max_k > 0 && d->step_mode >= 0 && wkey == d->prev_w &&
+        d->same_w >= 2)
+        mm_spec_cost_add(&d->costs[d->step_mode], d->step_bucket, d->step_w, ms);
+    if (d->step_mode >= 0 && d->c.max_k > 0)
+        mm_spec_mode_add(&d->modes, d->step_range, d->step_mode,
+                         d->step_seqs ? d->step_tok / d->step_seqs : 0, ms,
+                         d->step_cost && goes_on && d->step_seqs > 0);
+    int w_now = d->step_cost && goes_on && d->step_mode >= 0 ? wkey : -1;
     d->same_w = w_now >= 0 && w_now == d->prev_w ? d->same_w + 1 : 1;
     d->prev_w = w_now;
     d->step_no++;
     d->step_t0 = now;
     d->step_w = 0;
     d->step_bucket = 0;
+    d->step_mode = -1;
+    d->step_tok = 0;
+    d->step_seqs = 0;
     d->step_ok = true;
     d->step_cost = false;
     for (size_t i = 0; i < p->n_release; i++) {
@@ -723,10 +747,30 @@ void mm_draft_begin(mm_draft *d, const Mmctl__StepPlan *p, const bool *active, i
     }
     if (maxw_step > 0)
         d->n_steps++;
+    // The step's mode (--draft-pipeline; auto: mm_spec_mode_pick by the row range, each mode
+    // eligible when its own width prices choose a width above 0 for these seqs). A step where
+    // no seq may draft takes the range's choice without a pick (it measures nothing).
+    const int range = mm_spec_mode_range(rows);
+    int mode = d->c.pipeline == MM_DRAFT_PIPE_ON ? MM_SPEC_AHEAD : MM_SPEC_SYNC;
+    if (d->c.pipeline == MM_DRAFT_PIPE_AUTO && maxw_step > 0) {
+        bool can[2];
+        for (int m = 0; m < 2; m++)
+            can[m] = !d->c.adapt || mm_spec_width_sum(&d->costs[m], b, maxw_step, ex) > 0;
+        mode = mm_spec_mode_pick(&d->modes, range, can);
+    } else if (d->c.pipeline == MM_DRAFT_PIPE_AUTO) {
+        mode = d->modes.choice[range] >= 0 ? d->modes.choice[range] : MM_SPEC_AHEAD;
+    }
+    const bool pipe = mode == MM_SPEC_AHEAD;
+    if (d->prev_w >= 0 && d->prev_w / (MM_SPEC_MAX_W + 1) != mode)
+        d->explore_left = 0; // a width being measured: its samples would not count (new run)
+    d->step_mode = mode;
+    d->step_range = range;
+    d->mode_steps[mode] += maxw_step > 0;
+    mm_spec_costs *costs = &d->costs[mode];
     int W = maxw_step;
     bool exploring = false;
     if (d->c.adapt && maxw_step > 0)
-        W = d->choice = mm_spec_width_hold(&d->costs, b, maxw_step, ex, d->choice, HOLD);
+        W = d->choice[mode] = mm_spec_width_hold(costs, b, maxw_step, ex, d->choice[mode], HOLD);
     if (d->c.adapt && maxw_step > 0 && d->explore_left > 0) {
         W = d->explore_w < maxw_step ? d->explore_w : maxw_step;
         d->explore_left--;
@@ -735,13 +779,13 @@ void mm_draft_begin(mm_draft *d, const Mmctl__StepPlan *p, const bool *active, i
         // gated by the seqs' expected tokens once any acceptance was measured: a width that
         // cannot pay even at its lowest plausible price is not measured (mm_spec_explore)
         const double *gate = d->acc_n > 0 ? ex : NULL;
-        int x = mm_spec_explore(&d->costs, b, W, maxw_step, STALE, gate);
+        int x = mm_spec_explore(costs, b, W, maxw_step, STALE, gate);
         if (x >= 0) {
             W = d->explore_w = x;
             d->explore_left = 2; // the next 2 steps too: the last one's period is the sample
             d->explored++;
             exploring = true;
-        } else if (gate && mm_spec_explore(&d->costs, b, W, maxw_step, STALE, NULL) >= 0) {
+        } else if (gate && mm_spec_explore(costs, b, W, maxw_step, STALE, NULL) >= 0) {
             d->explore_gated++;
         }
     }
@@ -752,18 +796,20 @@ void mm_draft_begin(mm_draft *d, const Mmctl__StepPlan *p, const bool *active, i
     // Otherwise the width's price is never sampled when ahead proposals are rarely usable (a
     // seq without them drafts 0, so the step counts as width 0), and the optimistic price keeps
     // the width chosen, with an ahead request every step that the drafter works on for nothing.
-    const bool measuring = d->c.pipeline && d->c.adapt && W > 0 &&
-                           (exploring || !mm_spec_measured(&d->costs, b, W, d->c.max_k));
+    const bool measuring = pipe && d->c.adapt && W > 0 &&
+                           (exploring || !mm_spec_measured(costs, b, W, d->c.max_k));
     d->measure_steps += measuring;
     d->step_cost = maxw_step > 0; // a step where no seq may draft says nothing of widths
-    if (d->c.pipeline) {
+    if (pipe || d->ah) {
         // The ahead reply: waited for (within its deadline) only when a seq of it can draft
         // with its proposals in this very step (its drafts all accepted, not a probe, W > 0);
         // otherwise a look, and a reply not in yet stays in flight for a later step.
         // A step measuring its width waits for it too, so that its seqs without proposals can
         // make the synchronous request (none is made while the drafter is busy with an ahead
         // request; the step would count as width 0 and the width would stay unmeasured).
-        bool wait = measuring && d->ah;
+        // So does a synchronous step (auto) after an ahead step: the drafter is busy with that
+        // request anyway, and its valid proposals are drafts (hits) this step too.
+        bool wait = (measuring || (!pipe && W > 0)) && d->ah;
         for (size_t i = 0; i < p->n_seqs && d->ah && W > 0 && !wait; i++) {
             const struct rseq *r = find(d, p->seqs[i]->seq_id);
             wait = r && r->cap > 0 && r->ah_pend && r->ah_ok && r->ah_k > 1 &&
@@ -778,11 +824,11 @@ void mm_draft_begin(mm_draft *d, const Mmctl__StepPlan *p, const bool *active, i
         mm_log_debug("draft step %llu: W %d, ahead %s, wait %d ms", (unsigned long long)d->step_no,
                      W, d->ah ? "in flight" : "none", wait_ms);
         ahead_collect(d, wait_ms);
-        for (size_t i = 0; i < p->n_seqs; i++) {
-            struct rseq *r = find(d, p->seqs[i]->seq_id);
-            if (r && r->last_step == d->step_no)
-                ahead_check(d, r);
-        }
+    }
+    for (size_t i = 0; i < p->n_seqs; i++) { // (no proposals: none, as with the pipeline off)
+        struct rseq *r = find(d, p->seqs[i]->seq_id);
+        if (r && r->last_step == d->step_no)
+            ahead_check(d, r);
     }
     size_t nq = 0, n_tok = 0;
     for (size_t i = 0; i < p->n_seqs; i++) {
@@ -799,8 +845,8 @@ void mm_draft_begin(mm_draft *d, const Mmctl__StepPlan *p, const bool *active, i
             // the probe is an ahead request (sent below, never waited for), this step drafts 0.
             uint64_t every = (uint64_t)PROBE_EVERY << (r->probes < 4 ? r->probes : 4);
             bool probe = d->n_steps % every == 0;
-            k = probe && !d->c.pipeline ? 1 : 0; // 1 draft tells whether it still misses
-            r->probe_due = probe && d->c.pipeline;
+            k = probe && !pipe ? 1 : 0; // 1 draft tells whether it still misses
+            r->probe_due = probe && pipe;
             r->probes += probe;
         } else {
             r->probes = 0;
@@ -810,13 +856,13 @@ void mm_draft_begin(mm_draft *d, const Mmctl__StepPlan *p, const bool *active, i
             // the drafter. Exploration is gated by them: without these samples a drafter that
             // agreed rarely at first would never be tried again (e.g. n-gram lookup on a
             // workload that turns repetitive).
-            r->probe_due = d->c.pipeline && d->c.adapt && W == 0 && d->n_steps % PROBE_EVERY == 0;
+            r->probe_due = pipe && d->c.adapt && W == 0 && d->n_steps % PROBE_EVERY == 0;
         }
         if (k > room)
             k = (int)room;
         if (k <= 0)
             continue;
-        if (d->c.pipeline && r->ah_avail > 0) { // a hit: drafts made during the step before
+        if (r->ah_avail > 0) { // a hit: drafts made during the step before
             uint32_t asked = (uint32_t)k; // a width beyond what the ahead request asked for is
             if (asked > r->ah_k - r->ah_off) // not the drafter's miss
                 asked = r->ah_k - r->ah_off;
@@ -828,7 +874,7 @@ void mm_draft_begin(mm_draft *d, const Mmctl__StepPlan *p, const bool *active, i
             d->ah_hits++;
             continue;
         }
-        if (d->c.pipeline && d->cl) // (a mesh that never had a drafter counts no misses)
+        if (pipe && d->cl) // (a mesh that never had a drafter counts no misses)
             d->ah_misses++;
         size_t add = (size_t)(r->len - r->dr_from);
         // The drafter's forward passes over tokens it lacks (a seq back from steps of width 0, a
@@ -854,7 +900,7 @@ void mm_draft_begin(mm_draft *d, const Mmctl__StepPlan *p, const bool *active, i
     // pays (sync_pays), and not while an ahead request is still in flight (the drafter is busy
     // with it; they get theirs from the next ahead request). --draft-adapt false (no cost
     // model: every seq drafts --draft-max): always.
-    if (nq > 0 && d->c.pipeline && d->c.adapt &&
+    if (nq > 0 && pipe && d->c.adapt &&
         (d->ah || (!measuring && !sync_pays(d, p, active, n_draft, nq, b, W)))) {
         for (size_t j = 0; j < nq; j++)
             find(d, d->dq[j].seq_id)->asked = 0;
@@ -867,7 +913,7 @@ void mm_draft_begin(mm_draft *d, const Mmctl__StepPlan *p, const bool *active, i
         if (r && r->last_step == d->step_no && (int)r->asked > d->step_w)
             d->step_w = (int)r->asked;
     }
-    if (d->c.pipeline)
+    if (pipe)
         ahead_send(d, p, n_draft, draft, W, b, measuring);
 }
 
@@ -905,6 +951,8 @@ void mm_draft_ctrl_sent(mm_draft *d, int s) {
 void mm_draft_verified(mm_draft *d, const Mmctl__SeqStep *q, uint32_t n_draft,
                        uint32_t accepted, const int32_t *drafts) {
     d->emitted += accepted + 1;
+    d->step_tok += accepted + 1;
+    d->step_seqs++;
     struct rseq *r = find(d, q->seq_id);
     uint32_t chosen = r && r->last_step == d->step_no ? r->asked : 0;
     d->widths[chosen <= MM_DRAFT_MAX_K ? chosen : MM_DRAFT_MAX_K]++;
@@ -978,17 +1026,46 @@ void mm_draft_end(mm_draft *d, uint64_t step_ns) {
     app(buf, &n, " widths=");
     for (int k = 0; k <= d->c.max_k; k++)
         app(buf, &n, "%s%d:%llu", k ? "," : "", k, (unsigned long long)d->widths[k]);
-    // the step-time prices (ms) of the last step's range, '-' where unmeasured
+    // the step-time prices (ms) of the last step's range and mode, '-' where unmeasured
+    const mm_spec_costs *co = &d->costs[d->step_mode == MM_SPEC_AHEAD];
     app(buf, &n, " range=%d prices_ms=", d->step_bucket);
     for (int k = 0; k <= d->c.max_k; k++) {
-        if (d->costs.n[d->step_bucket][k])
-            app(buf, &n, "%s%.2f", k ? "/" : "", d->costs.T[d->step_bucket][k]);
+        if (co->n[d->step_bucket][k])
+            app(buf, &n, "%s%.2f", k ? "/" : "", co->T[d->step_bucket][k]);
         else
             app(buf, &n, "%s-", k ? "/" : "");
     }
-    app(buf, &n, " explored=%llu pipeline=%d ahead_ms=%.2f sync_ms=%.2f ahead_wait_ms=%.0f",
-        (unsigned long long)d->explored, d->c.pipeline ? 1 : 0, d->ahead_ms, d->sync_ms,
+    static const char *const pipe_name[] = {"false", "true", "auto"};
+    app(buf, &n, " explored=%llu pipeline=%s ahead_ms=%.2f sync_ms=%.2f ahead_wait_ms=%.0f",
+        (unsigned long long)d->explored, pipe_name[d->c.pipeline], d->ahead_ms, d->sync_ms,
         d->ah_wait_ms);
+    // the mode (draft-ahead or waited drafts): drafting steps run in each; auto: measurements
+    // of the mode not chosen, changes of the choice, and for the last step's row range the
+    // choice and each mode's measured tokens per seq per ms ('-': unmeasured)
+    const mm_spec_modes *mo = &d->modes;
+    const int rr = d->step_range;
+    app(buf, &n, " ahead_steps=%llu sync_steps=%llu mode_explored=%llu mode_switches=%llu "
+        "mode_range=%d mode=%s mode_rates=", (unsigned long long)d->mode_steps[MM_SPEC_AHEAD],
+        (unsigned long long)d->mode_steps[MM_SPEC_SYNC], (unsigned long long)mo->explorations,
+        (unsigned long long)mo->switches, rr,
+        mo->choice[rr] == MM_SPEC_AHEAD ? "ahead" : mo->choice[rr] == MM_SPEC_SYNC ? "sync" : "-");
+    for (int m = MM_SPEC_AHEAD; m >= MM_SPEC_SYNC; m--) {
+        if (mo->n[rr][m])
+            app(buf, &n, "%s%.4f", m == MM_SPEC_AHEAD ? "" : "/", mo->rate[rr][m]);
+        else
+            app(buf, &n, "%s-", m == MM_SPEC_AHEAD ? "" : "/");
+    }
+    // every row range's choice ("range:mode", e.g. 0:ahead,4:sync; '-' when none has one)
+    app(buf, &n, " mode_by_range=");
+    bool any = false;
+    for (int r = 0; r < MM_SPEC_ROW_BUCKETS; r++)
+        if (mo->choice[r] >= 0) {
+            app(buf, &n, "%s%d:%s", any ? "," : "", r,
+                mo->choice[r] == MM_SPEC_AHEAD ? "ahead" : "sync");
+            any = true;
+        }
+    if (!any)
+        app(buf, &n, "-");
     // the gates: exploration steps refused (no width could pay), seq steps refused an ahead
     // request (its proposals unlikely to be usable), pipeline steps measuring a width
     app(buf, &n, " explore_gated=%llu ahead_gated=%llu measure=%llu",

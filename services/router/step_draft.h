@@ -28,9 +28,9 @@
 //   measured narrower one. Every 8th drafting step may explore (3 steps) width 0 or the
 //   choice's neighbours when unmeasured or stale. Seqs under 5% acceptance draft 0 (probing
 //   1 draft together every 64th step).
-// - Draft-ahead (--draft-pipeline, the default): when a step's rows are fixed, the router sends
-//   the drafter, without waiting, one DraftRequest for the next step: per seq its new committed
-//   tokens followed by this step's drafts (assumed accepted), k = W + 1. The drafter's first
+// - Draft-ahead (--draft-pipeline true, and auto's ahead steps): when a step's rows are
+//   fixed, the router sends the drafter, without waiting, one DraftRequest for the next
+//   step: per seq its new committed tokens followed by this step's drafts (assumed accepted), k = W + 1. The drafter's first
 //   proposal g guesses the target's token after them, the rest are drafts for the next step.
 //   So the drafter works while the step runs in the mesh. At the next step the router knows
 //   the real history: a seq's proposals are valid when every draft was accepted and the
@@ -46,6 +46,16 @@
 //   synchronous request. Requests carry an increasing number (Envelope.seq, from the wall clock
 //   at start) so the drafter ignores a seq's part of a request older than one it has applied
 //   (an abandoned request may reach it late), and replies are matched by step_id and seq.
+// - Mode (--draft-pipeline auto, the default): each step is an ahead step (as above) or a
+//   synchronous one (as with --draft-pipeline false), chosen per row range of the step
+//   (mm_spec_mode_pick, mm/spec.h: c=1 and c=16 are measured apart) by the measured emitted
+//   tokens per seq per ms of each mode, the other re-measured one window (8 steps after 2 of
+//   warm-up) every 64 steps of the range, doubling to 512 while it keeps losing, and only when
+//   its width prices choose a width above 0. Each mode has its own width prices (an ahead
+//   step's period holds the drafter's work that did not overlap, a synchronous one's its whole
+//   round trip). A synchronous step after an ahead step waits for the ahead reply in flight and
+//   drafts from its valid proposals; the other seqs get the synchronous request. true / false:
+//   always ahead / always synchronous (false: no ahead request ever).
 // - State per tracked seq (allocated once per table slot, not per token). One thread: all
 //   calls are made under the step engine's mutex.
 #ifndef MM_ROUTER_STEP_DRAFT_H
@@ -58,12 +68,17 @@
 
 #define MM_DRAFT_MAX_K 8 // widest draft per seq per step
 
+// --draft-pipeline: how a step's drafts are asked for
+#define MM_DRAFT_PIPE_OFF 0  // false: before each step, waited for
+#define MM_DRAFT_PIPE_ON 1   // true: ahead, during the step before
+#define MM_DRAFT_PIPE_AUTO 2 // auto: per step, the mode measured better for the step's rows
+
 typedef struct mm_draft_conf {
     int max_k;          // --draft-max (0: drafting off)
     int timeout_ms;     // --draft-timeout-ms
     bool adapt;         // --draft-adapt (false: always max_k)
     int max_rows;       // --draft-max-rows: draft rows per step
-    bool pipeline;      // --draft-pipeline: draft ahead (see Design notes)
+    int pipeline;       // --draft-pipeline: MM_DRAFT_PIPE_OFF / _ON / _AUTO (Design notes)
     int max_ctx, vocab, n_shards;
 } mm_draft_conf;
 

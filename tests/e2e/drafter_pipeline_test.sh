@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # timeout: 150
-# Draft-ahead (router --draft-pipeline, the default; docs/MESH.md, Drafting): with a self-draft
+# Draft-ahead (router --draft-pipeline true, and the ahead steps of auto; docs/MESH.md,
+# Drafting): with a self-draft
 # the drafter's ahead proposals are used (ahead hits > 0 in the router's metrics: drafts made
 # while the step before ran) and every output equals the output without drafting, greedy and
 # seeded, alone and among concurrent seqs; killing the drafter while an ahead request is in
 # flight changes no output and stalls nothing (the request times out, the drafter is backed off),
-# and drafting resumes from ahead proposals when a drafter is back; with --draft-pipeline false
-# no ahead request is sent and outputs are equal too.
+# and drafting resumes from ahead proposals when a drafter is back; with --draft-pipeline auto
+# steps of both modes run (ahead and waited drafts); with --draft-pipeline false no ahead
+# request is sent; outputs are equal in every mode.
 set -u
 source tests/e2e/mesh_lib.sh
 cp "${BUILD:-build}/bin/moemesh-drafter" "$BIN/" || exit 1
@@ -99,6 +101,17 @@ start_drafter
 check g1 "pipeline self-draft after the drafter came back"
 [ "$(metric ahead_hits)" -gt "$before" ] || fail "no ahead hits after the drafter came back"
 echo "ok ahead hits again after the drafter came back ($before -> $(metric ahead_hits))"
+
+# --- --draft-pipeline auto (the router's default): steps of both modes (each unmeasured mode
+# is measured first, one window; the long request has ~100 steps), same outputs
+mesh_stop
+router_start auto
+start_drafter
+for c in g1 gc s1 long; do check $c "auto self-draft"; done
+[ "$(metric ahead_steps)" -gt 0 ] || fail "--draft-pipeline auto ran no ahead step: $("$BIN/moemesh" status --router "$ROUTER" | grep -o 'drafting:.*')"
+[ "$(metric sync_steps)" -gt 0 ] || fail "--draft-pipeline auto ran no synchronous step: $("$BIN/moemesh" status --router "$ROUTER" | grep -o 'drafting:.*')"
+[ "$(metric ahead)" -gt 0 ] && [ "$(metric sync)" -gt 0 ] || fail "--draft-pipeline auto: ahead=$(metric ahead) sync=$(metric sync) requests"
+echo "ok --draft-pipeline auto: $("$BIN/moemesh" status --router "$ROUTER" | grep -o 'ahead_steps=.*')"
 
 # --- --draft-pipeline false: synchronous requests only, same outputs
 mesh_stop

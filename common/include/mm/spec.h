@@ -119,25 +119,24 @@ bool mm_spec_ahead_pays(const mm_spec_costs *c, int bucket, int w, int max_w, do
                         int nd);
 
 // ---- drafting mode from measured throughput -------------------------------------------------
-// A step's drafts come one of two ways (services/router/step_draft.h): ahead (asked during the
-// step before, not waited for: the drafter works while the mesh runs, but the proposals are
-// usable only when all of that step's drafts were accepted and the drafter's guess of the
-// target's next token was right) or synchronously (asked before the step and waited for). Which
-// gives more tokens per second depends on the acceptance and on the step's shape (on the H200,
-// a self-draft at concurrency 1 runs 2.07x ahead and 1.71x waited; a 62%-accepting drafter at
-// concurrency 16 0.97x ahead and 1.08x waited), so the router measures both and uses the
-// better (the "auto" mode). Each mode is an arm with its own measured price per row range (the
-// rows part of mm_spec_bucket: a step of 1 seq and one of 16 are different machines): the
-// emitted tokens per seq per ms of its steps, summed over a window of MM_SPEC_MODE_WIN counted
-// steps (each step's whole period, start to next start, as the width prices count it), an EMA
-// over windows. The MM_SPEC_MODE_WARM steps of a range after a change of its mode are not
-// counted (the ahead pipeline fills; the gateway still writes the tokens of steps of the other
-// mode). Per seq: within a row range the seqs vary up to 2x, and a GPU step of 16 seqs costs
-// about what one of 31 does, so the rate per seq compares windows of different batch sizes. The mode not
-// chosen is measured again, one window, every MM_SPEC_MODE_EVERY steps of the range (doubling,
-// up to 8x, each time it loses again), and only when it could pay (the caller's can[]: e.g.
-// its width prices choose a width above 0). Drafting off is not an arm: each mode's width
-// choice falls back to width 0 where no width pays.
+// A step's drafts come one of two ways (services/router/step_draft.h): ahead (asked during the step
+// before, not waited for: the drafter works while the mesh runs, but the proposals are usable only
+// when all of that step's drafts were accepted and the drafter's guess of the target's next token
+// was right) or synchronously (asked before the step and waited for). Which gives more tokens per
+// second depends on the acceptance and on the step's shape (on the H200, a self-draft at
+// concurrency 1 runs 2.07x ahead and 1.71x waited; a 62%-accepting drafter at concurrency 16 0.97x
+// ahead and 1.08x waited), so the router measures both and uses the better (the "auto" mode). Each
+// mode is an arm with its own measured price per row range (the rows part of mm_spec_bucket: a step
+// of 1 seq and one of 16 are different machines): the emitted tokens per seq per ms of its steps,
+// summed over a window of MM_SPEC_MODE_WIN counted steps (each step's whole period, start to next
+// start, as the width prices count it), an EMA over windows. The MM_SPEC_MODE_WARM steps of a range
+// after a change of its mode are not counted (the ahead pipeline fills; the gateway still writes
+// the tokens of steps of the other mode). Per seq: within a row range the seqs vary up to 2x, and a
+// GPU step of 16 seqs costs about what one of 31 does, so the rate per seq compares windows of
+// different batch sizes. The mode not chosen is measured again, one window, every
+// MM_SPEC_MODE_EVERY steps of the range (doubling, up to 8x, each time it loses again), and only
+// when it could pay (the caller's can[]: e.g. its width prices choose a width above 0). Drafting
+// off is not an arm: each mode's width choice falls back to width 0 where no width pays.
 #define MM_SPEC_SYNC 0  // drafts asked before the step, waited for
 #define MM_SPEC_AHEAD 1 // drafts asked during the step before (draft-ahead)
 #define MM_SPEC_MODE_WARM 2

@@ -207,7 +207,11 @@ static mm_err on_frame(void *arg, mm_conn *c, const mm_wire_hdr *h, void *payloa
             mm_mesh_trace_flush();
         return rv;
     }
-    return mm_conn_send(c, &r, payload, mm_deadline_in_ms(2000));
+    rv = mm_conn_send(c, &r, payload, mm_deadline_in_ms(2000));
+    mm_mesh_trace(h->step_id, (int)h->layer, "tx");
+    if (h->layer + 1 == (uint32_t)A.n_layers)
+        mm_mesh_trace_flush();
+    return rv;
 }
 
 mm_err attention_start(mm_daemon *d, void *arg, char err[MM_ERRLEN]) {

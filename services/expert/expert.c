@@ -271,7 +271,11 @@ static mm_err on_frame(void *arg, mm_conn *c, const mm_wire_hdr *h, void *payloa
         if (rv != MM_OK)
             return mm_dataserv_reply_error(c, h, rv, "copy of the outputs from the device failed");
     }
-    return mm_conn_send(c, &r, O.out, mm_deadline_in_ms(2000));
+    mm_err srv = mm_conn_send(c, &r, O.out, mm_deadline_in_ms(2000));
+    mm_mesh_trace(h->step_id, L, "tx");
+    if (L == O.n_layers - 1)
+        mm_mesh_trace_flush();
+    return srv;
 }
 
 mm_err expert_start(mm_daemon *d, void *arg, char err[MM_ERRLEN]) {

@@ -1,0 +1,116 @@
+#!/usr/bin/env python3
+# SPDX-License-Identifier: MIT
+# Where a mesh step's time goes, from MM_MESH_TRACE files (common/include/mm/mesh_trace.h):
+#     python3 kernels/cuda/bench/mesh_trace.py PREFIX [--skip N]
+# reads PREFIX.<role>.<pid> of every daemon, groups the daemons of one mesh by time (each router
+# file and the shard/owner files whose events fall inside its span), and for each mesh prints
+# the mean time between consecutive events of a step, in time order over all its daemons
+# (e.g. "L1 router.a_send -> attention.rx" is the hop of layer 1's rows to the shard: the
+# receiver's wake-up and the descriptor), over the steps whose event sequence is the most
+# common one (decode steps of one shape), skipping the first N steps (default 3: prefill).
+import collections
+import glob
+import sys
+
+
+def load(path):
+    ev = []
+    with open(path) as f:
+        for line in f:
+            p = line.split()
+            if len(p) != 6 or p[0] != "T":
+                continue
+            ev.append((float(p[5]), p[1], int(p[2]), int(p[3]), p[4]))
+    return ev
+
+
+def main():
+    if len(sys.argv) < 2:
+        sys.exit(__doc__ if __doc__ else "usage: mesh_trace.py PREFIX [--skip N]")
+    prefix = sys.argv[1]
+    skip = int(sys.argv[sys.argv.index("--skip") + 1]) if "--skip" in sys.argv else 3
+    files = {f: load(f) for f in sorted(glob.glob(prefix + ".*"))}
+    files = {f: e for f, e in files.items() if e}
+    routers = sorted((f for f in files if ".router." in f), key=lambda f: files[f][0][0])
+    for rf in routers:
+        rev = files[rf]
+        t0, t1 = rev[0][0], rev[-1][0]
+        ev = list(rev)
+        peers = []
+        for f, e in files.items():
+            if f == rf or ".router." in f:
+                continue
+            inside = [x for x in e if t0 <= x[0] <= t1]
+            if inside:
+                peers.append(f.rsplit(".", 2)[-2])
+                ev += inside
+        ev.sort()
+        steps = collections.OrderedDict()
+        for x in ev:
+            steps.setdefault(x[2], []).append(x)
+        rsteps = [s for s in steps if any(x[1] == "router" and x[4] == "start" for x in steps[s])]
+        rsteps = rsteps[skip:]
+        seqs = {}
+        for s in rsteps:
+            xs = steps[s]
+            a = [i for i, x in enumerate(xs) if x[1] == "router" and x[4] == "start"]
+            b = [i for i, x in enumerate(xs) if x[1] == "router" and x[4] == "picked"]
+            if not a or not b:
+                continue
+            xs = xs[a[0]:b[-1] + 1]
+            seqs[s] = xs
+        if not seqs:
+            continue
+        # per layer, the chain's points in order (several shards/owners: the last of them)
+        chain = [("router", "prev"), ("router", "a_send"), ("attention", "rx"),
+                 ("attention", "enq"), ("attention", "tx"), ("router", "a_back"),
+                 ("router", "gate"), ("router", "o_send"), ("expert", "crx"), ("expert", "rx"),
+                 ("expert", "enq"), ("expert", "tx"), ("router", "o_back"), ("router", "comb")]
+        seg = collections.defaultdict(list)
+        per_layer = collections.defaultdict(list)
+        tot, tail, head = [], [], []
+        for s, xs in seqs.items():
+            pts = collections.defaultdict(float)
+            for t, role, _, layer, tag in xs:
+                k = (role, layer, tag)
+                pts[k] = max(pts[k], t)
+            first = xs[0][0]
+            tot.append(xs[-1][0] - first)
+            prev = pts.get(("router", -1, "embed"), first)
+            head.append(prev - first)
+            layers = sorted({x[3] for x in xs if x[3] >= 0})
+            for L in layers:
+                last = prev
+                for role, tag in chain[1:]:
+                    t = pts.get((role, L, tag))
+                    if t is None:
+                        continue
+                    seg[(role, tag)].append(t - last)
+                    last = t
+                per_layer[L].append(last - prev)
+                prev = last
+            tail.append(xs[-1][0] - prev)
+        n = len(tot)
+        mean = lambda v: sum(v) / len(v) if v else 0.0
+        print("== %s (+ %s): %d steps; router start -> picked %.1f us (mean)" %
+              (rf, ", ".join(sorted(peers)), n, mean(tot)))
+        starts = {s: xs[0][0] for s, xs in seqs.items()}
+        picks = {s: xs[-1][0] for s, xs in seqs.items()}
+        ks = sorted(starts)
+        gaps = sorted(starts[b] - picks[a] for a, b in zip(ks, ks[1:]) if b == a + 1)
+        if gaps:
+            print("   between steps (reply, client, next plan): median %.1f us" % gaps[len(gaps) // 2])
+        print("   %8.1f us  start -> embed" % mean(head))
+        nl = max(len(per_layer), 1)
+        for role, tag in chain[1:]:
+            v = seg.get((role, tag))
+            if v:
+                print("   %8.1f us  per layer, up to %s.%s (sum over layers %.1f)" %
+                      (sum(v) / n / nl, role, tag, sum(v) / n))
+        for L in sorted(per_layer):
+            print("   %8.1f us  layer %d in all" % (mean(per_layer[L]), L))
+        print("   %8.1f us  last layer -> picked (h drain or LM head, argmax, read-back)" % mean(tail))
+
+
+if __name__ == "__main__":
+    main()

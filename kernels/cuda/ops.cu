@@ -986,7 +986,14 @@ extern "C" void mm_gpu_set_attention_prefill(int mode) { g_att_pf = mode < 0 ? 0
 // on) or the wider-load kernel for every shape (A/B runs; same bits). Process-wide.
 extern "C" void mm_gpu_set_attention_sv(int on) { g_att_sv = on != 0; }
 
+// attention_tc.cu: the tensor-core contract (MM_GPU_ATT_TC=1) for every call it takes
+extern "C" mm_err mm_gpu_attention_tc(void *stream, const struct mm_attn_args *a, int *d_err, int *done);
+
 extern "C" mm_err mm_gpu_attention(void *stream, const struct mm_attn_args *a, int *d_err) {
+    int tc = 0;
+    const mm_err trv = mm_gpu_attention_tc(stream, a, d_err, &tc);
+    if (trv != MM_OK || tc)
+        return trv;
     bool done = false; // many rows (prefill chunks): the prefill kernel, same bits
     const mm_err rv = attention_pf_launch(stream, a, d_err, g_att_pf == 2, &done);
     if (rv != MM_OK || done)

@@ -1,0 +1,474 @@
+// SPDX-License-Identifier: MIT
+// Attention on the tensor cores: one contract for decode and prefill (env MM_GPU_ATT_TC=1, or
+// mm_gpu_set_attention_tc; off by default, then ops.cu's f32 kernels run).
+//
+// The contract, for every (row, head) of kernels.h's attention:
+// - q, k and v are rounded to bf16 (round to nearest even); scores x = q . k by mma.sync
+//   m16n8k16 with f32 accumulation, dims in 16-wide steps in ascending order.
+// - Keys in blocks of TC_KEYS = 64 aligned to absolute position 0 (keys 0..63, 64..127, ...),
+//   walked in ascending order from the block holding the first visible key to the block
+//   holding the row's own position. Per block, in f32: t = x * (scale * log2 e) (-inf for keys
+//   outside [first, pos]); m' = max(m, max_t t); alpha = m' == m ? 1 : 2^(m - m'); p = 2^(t - m')
+//   (ex2.approx.ftz); l = l * alpha + (the row's p summed per thread in a fixed order); out =
+//   out * alpha, then out += P V with P rounded to bf16, 16 keys per mma step in ascending
+//   order. At the end the four threads' l are summed by a fixed butterfly; out = out * (1 / l).
+// - An mma output element (i, j) depends only on row i of A, column j of B and element (i, j)
+//   of C, so a row's result depends only on its own query, its keys and the fixed partition:
+//   the same bits whether the row is decoded alone, in a batch of other sequences, or is one
+//   of many prefill rows (any chunking, any neighbours in the tile). A block that is wholly
+//   masked for a row leaves its state unchanged (alpha = 1 exactly, p = 0, and P V adds exact
+//   zeros: keys outside a tile's [t_lo, t_hi] are staged as zeros, and the keys in that range
+//   are stored values), so a row that rides in a tile with later rows gets the bits it gets
+//   alone.
+// Layout: a block of TC_THREADS (8 warps) takes up to TC_UNITS (row, head) units of one kv
+// head: rows_pb rows x gsub query heads of that kv head (the GQA group, or a slice of it), unit
+// u = row * gsub + head; warp w computes units 16w..16w+15 (the mma M dimension). Prefill
+// calls (more than TC_DECODE_ROWS rows) take TC_UNITS / gsub rows per block; decode calls one
+// row per block (only the first ceil(gsub / 16) warps compute; all 8 stage keys). Each block's
+// 64 keys (K and V, f32 in the cache) come into shared memory by cp.async while the previous
+// block is computed, then are converted to bf16 ([key][dim] rows padded by 8 so ldmatrix reads
+// are conflict-free); K fragments by ldmatrix, V by ldmatrix.trans; P stays in registers (the
+// score accumulators are the next mma's A fragments). Rows of several sequences in one block
+// are done one sequence at a time (passes), like ops.cu's prefill kernel.
+// Shapes: head_dim_k <= 192 and head_dim_v <= 128, both multiples of 4, a 16-byte-aligned
+// cache; other shapes (and HIP builds) keep ops.cu's kernels for decode and prefill alike, so
+// the contract never depends on the number of rows.
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "gpu_common.cuh"
+#include "kernels.h"
+#include "mm_gpu.h"
+
+#define TC_KEYS 64
+#define TC_THREADS 256
+#define TC_WARPS (TC_THREADS / 32)
+#define TC_UNITS (TC_WARPS * 16)
+#define TC_DECODE_ROWS 64 // calls of at most this many rows: one row per block
+#define TC_ERR_INDEX 1    // ops.cu's ERR_INDEX: the backend's device error word
+
+static int g_att_tc = -1; // -1: from MM_GPU_ATT_TC at first use; 0 off; 1 on
+
+#if MM_GPU_HAVE_WMMA
+#define TC_HAVE 1
+
+__device__ __forceinline__ void tc_flag(int *d_err) {
+    if (d_err != NULL)
+        atomicOr(d_err, TC_ERR_INDEX);
+}
+
+// The slot of (seq, pos) in the paged cache, or NULL (flagged) when the table has none.
+__device__ __forceinline__ const float *tc_slot(const struct mm_kv_view &kv, int32_t seq, int32_t pos,
+                                                int *d_err) {
+    if (pos < 0 || seq < 0 || pos / kv.block_size >= kv.max_blocks) {
+        tc_flag(d_err);
+        return NULL;
+    }
+    const int32_t blk = kv.block_tables[(int64_t)seq * kv.max_blocks + pos / kv.block_size];
+    if (blk < 0) {
+        tc_flag(d_err);
+        return NULL;
+    }
+    return kv.base + (int64_t)blk * kv.block_stride + (int64_t)(pos % kv.block_size) * kv.slot_stride;
+}
+
+__device__ __forceinline__ void tc_cp16(void *dst, const void *src) {
+    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src));
+}
+__device__ __forceinline__ void tc_commit(void) { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void tc_wait_all(void) {
+    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+}
+
+// Two f32 -> packed bf16 (lo in the low half), round to nearest even (matmul.cu's pack_bf16).
+__device__ __forceinline__ uint32_t tc_pack(float lo, float hi) {
+    uint32_t r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+__device__ __forceinline__ float tc_ex2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// D += A (16x16 row) * B (16x8 col): a[0] row g k 2t.., a[1] row g+8, a[2]/a[3] the same rows
+// at k 2t+8..; b0 k 2t.. col g, b1 k 2t+8..; d[0..1] row g cols 2t, 2t+1, d[2..3] row g+8.
+__device__ __forceinline__ void tc_mma(float d[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Four 8x8 bf16 matrices; lanes 8i..8i+7 give the row addresses of matrix i.
+__device__ __forceinline__ void tc_ldsm4(uint32_t r[4], const uint16_t *p) {
+    const unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+__device__ __forceinline__ void tc_ldsm4t(uint32_t r[4], const uint16_t *p) {
+    const unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+
+// Issues the copies of block c0's keys of sequence seq (keys in [t_lo, t_hi] that have a slot)
+// into stage ([key][dk + dv] f32); ok[key] records which came. Thread tid takes key tid / 4 and
+// every 4th float4 of it from tid % 4. One commit group.
+__device__ __forceinline__ void tc_issue(const struct mm_kv_view &kv, int32_t seq, int32_t c0,
+                                         int32_t t_lo, int32_t t_hi, int64_t k_off, int64_t v_off,
+                                         float *stage, int *ok, int *d_err) {
+    const int dk = kv.head_dim_k, dv = kv.head_dim_v, sw = dk + dv;
+    const int key = threadIdx.x >> 2, part = threadIdx.x & 3;
+    const int32_t t = c0 + key;
+    const float *slot = NULL;
+    if (t >= t_lo && t <= t_hi)
+        slot = tc_slot(kv, seq, t, d_err);
+    if (part == 0)
+        ok[key] = slot != NULL;
+    if (slot != NULL) {
+        float *dst = stage + key * sw;
+        for (int i = part; i < dk / 4; i += 4)
+            tc_cp16(dst + 4 * i, slot + k_off + 4 * i);
+        for (int i = part; i < dv / 4; i += 4)
+            tc_cp16(dst + dk + 4 * i, slot + v_off + 4 * i);
+    }
+    tc_commit();
+}
+
+template <int DKM, int DVM>
+__global__ void __launch_bounds__(TC_THREADS, 1) attention_tc_kernel(struct mm_attn_args a, int gsub,
+                                                                     int rows_pb, int *d_err) {
+    mm_dep_signal();
+    mm_dep_wait();
+    extern __shared__ __align__(16) unsigned char tc_sh[];
+    __shared__ int kok[TC_KEYS];
+    __shared__ int32_t r_seq[TC_UNITS], r_pos[TC_UNITS], r_first[TC_UNITS];
+    __shared__ int r_state[TC_UNITS]; // 0 done or invalid, 1 to do, 2 in this pass
+    __shared__ int32_t seg[4];        // seq, c_lo, t_lo, t_hi
+    const struct mm_kv_view &kv = a.kv;
+    const int dk = kv.head_dim_k, dv = kv.head_dim_v;
+    const int dkp = (dk + 15) & ~15, dvp = (dv + 15) & ~15;
+    const int ldk = dkp + 8, ldv = dvp + 8, sw = dk + dv;
+    float *stage = (float *)tc_sh;                              // [TC_KEYS][sw] f32
+    uint16_t *kb = (uint16_t *)(stage + TC_KEYS * sw);          // [TC_KEYS][ldk] bf16
+    uint16_t *vb = kb + TC_KEYS * ldk;                          // [TC_KEYS][ldv] bf16
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tq = lane & 3;
+    const int group = a.n_heads / kv.n_kv_heads, per_kv = group / gsub;
+    const int kvh = blockIdx.y / per_kv, h0 = kvh * group + (blockIdx.y % per_kv) * gsub;
+    // heavy (late) row tiles first: the causal prefix grows with the row
+    const int64_t r0 = (int64_t)(gridDim.x - 1 - blockIdx.x) * rows_pb;
+    const int n_units = rows_pb * gsub;
+    const int64_t k_off = (int64_t)kvh * dk, v_off = (int64_t)kv.n_kv_heads * dk + (int64_t)kvh * dv;
+    if (tid < rows_pb) {
+        const int64_t r = r0 + tid;
+        int st = 0;
+        int32_t sq = -1, ps = -1, fi = 0;
+        if (r < a.n_rows) {
+            sq = a.row_seq[r], ps = a.row_pos[r];
+            if (ps < 0 || sq < 0 || ps / kv.block_size >= kv.max_blocks) {
+                tc_flag(d_err);
+            } else {
+                st = 1;
+                if (a.window > 0 && ps - a.window + 1 > 0)
+                    fi = ps - a.window + 1;
+            }
+        }
+        r_seq[tid] = sq, r_pos[tid] = ps, r_first[tid] = fi, r_state[tid] = st;
+    }
+    // this thread's units: rows g and g + 8 of the warp's m16 tile
+    int ur[2], uh[2];
+    bool uin[2];
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        const int u = warp * 16 + g + 8 * i;
+        uin[i] = u < n_units && r0 + u / gsub < a.n_rows;
+        ur[i] = u < n_units ? u / gsub : 0;
+        uh[i] = u < n_units ? u % gsub : 0;
+    }
+    // q as A fragments: qf[ks][i + 2 half] = row i's dims 16 ks + 8 half + 2 tq, +1
+    uint32_t qf[DKM / 16][4];
+#pragma unroll
+    for (int ks = 0; ks < DKM / 16; ks++)
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const int i = j & 1, d = 16 * ks + 8 * (j >> 1) + 2 * tq;
+            float x0 = 0.0f, x1 = 0.0f;
+            if (uin[i]) {
+                const float *qp = a.q + (r0 + ur[i]) * a.q_stride + (int64_t)(h0 + uh[i]) * dk;
+                if (d < dk)
+                    x0 = qp[d];
+                if (d + 1 < dk)
+                    x1 = qp[d + 1];
+            }
+            qf[ks][j] = tc_pack(x0, x1);
+        }
+    const float cs = a.scale * 1.4426950408889634f;
+    const bool wcomp = warp * 16 < n_units; // this warp has units to compute
+    for (;;) {
+        __syncthreads();
+        if (tid == 0) {
+            int32_t sq = -1, c_lo = 0, t_lo = 0, t_hi = -1;
+            for (int r = 0; r < rows_pb; r++)
+                if (r_state[r] == 1 && sq < 0)
+                    sq = r_seq[r];
+            for (int r = 0; r < rows_pb; r++)
+                if (r_state[r] == 1 && r_seq[r] == sq) {
+                    r_state[r] = 2;
+                    const int32_t cf = (r_first[r] / TC_KEYS) * TC_KEYS;
+                    if (t_hi < 0 || cf < c_lo)
+                        c_lo = cf;
+                    if (t_hi < 0 || r_first[r] < t_lo)
+                        t_lo = r_first[r];
+                    if (r_pos[r] > t_hi)
+                        t_hi = r_pos[r];
+                }
+            seg[0] = sq, seg[1] = c_lo, seg[2] = t_lo, seg[3] = t_hi;
+        }
+        __syncthreads();
+        const int32_t sq = seg[0], c_lo = seg[1], t_lo = seg[2], t_hi = seg[3];
+        if (sq < 0)
+            break;
+        bool on[2];
+        int32_t pos[2], first[2];
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            on[i] = uin[i] && r_state[ur[i]] == 2;
+            pos[i] = on[i] ? r_pos[ur[i]] : -1;
+            first[i] = on[i] ? r_first[ur[i]] : 0x7fffffff;
+        }
+        // the warp's key range: blocks outside it are masked for all its units (skipped)
+        int32_t wmax = max(pos[0], pos[1]), wmin = min(first[0], first[1]);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            wmax = max(wmax, __shfl_xor_sync(0xffffffffu, wmax, o));
+            wmin = min(wmin, __shfl_xor_sync(0xffffffffu, wmin, o));
+        }
+        float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+        float acc[DVM / 8][4];
+#pragma unroll
+        for (int n = 0; n < DVM / 8; n++)
+            acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+        tc_issue(kv, sq, c_lo, t_lo, t_hi, k_off, v_off, stage, kok, d_err);
+        for (int32_t c0 = c_lo; c0 <= t_hi; c0 += TC_KEYS) {
+            tc_wait_all();
+            __syncthreads(); // this block's keys landed; every read of kb/vb of the last block done
+            // f32 -> bf16, zeros for keys not staged and for the dims padded to 16
+            for (int i = tid; i < TC_KEYS * ((dkp + dvp) / 4); i += TC_THREADS) {
+                const int key = i / ((dkp + dvp) / 4), c = 4 * (i % ((dkp + dvp) / 4));
+                const bool isk = c < dkp;
+                const int d = isk ? c : c - dkp;
+                float4 x = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                if (kok[key] && d < (isk ? dk : dv))
+                    x = *(const float4 *)(stage + key * sw + (isk ? 0 : dk) + d);
+                uint16_t *dst = isk ? kb + key * ldk + d : vb + key * ldv + d;
+                *(uint2 *)dst = make_uint2(tc_pack(x.x, x.y), tc_pack(x.z, x.w));
+            }
+            __syncthreads(); // kb/vb ready, stage and kok free
+            if (c0 + TC_KEYS <= t_hi)
+                tc_issue(kv, sq, c0 + TC_KEYS, t_lo, t_hi, k_off, v_off, stage, kok, d_err);
+            if (!wcomp || c0 > wmax || c0 + TC_KEYS - 1 < wmin)
+                continue;
+            // scores: s[j] = keys c0 + 8 j + 2 tq (+1) of rows g (s[j][0..1]) and g + 8 ([2..3])
+            float s[TC_KEYS / 8][4];
+#pragma unroll
+            for (int j = 0; j < TC_KEYS / 8; j++)
+                s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+            {
+                // lane's ldmatrix row: matrix mt = lane / 8 is keys 8 (mt / 2) + lane % 8 of the
+                // 16-key pair, dims 8 (mt % 2) of the 16-dim step
+                const int mt = lane >> 3;
+                const uint16_t *kp = kb + ((mt >> 1) * 8 + (lane & 7)) * ldk + (mt & 1) * 8;
+#pragma unroll
+                for (int ks = 0; ks < DKM / 16; ks++) {
+                    if (16 * ks < dkp) {
+#pragma unroll
+                        for (int np = 0; np < TC_KEYS / 16; np++) {
+                            uint32_t b[4];
+                            tc_ldsm4(b, kp + np * 16 * ldk + 16 * ks);
+                            tc_mma(s[2 * np], qf[ks], b[0], b[1]);
+                            tc_mma(s[2 * np + 1], qf[ks], b[2], b[3]);
+                        }
+                    }
+                }
+            }
+            // scale, mask, row max (the 4 threads of a row by a fixed butterfly)
+            float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+            for (int j = 0; j < TC_KEYS / 8; j++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int i = e >> 1;
+                    const int32_t t = c0 + 8 * j + 2 * tq + (e & 1);
+                    const float x = __fmul_rn(s[j][e], cs);
+                    s[j][e] = t >= first[i] && t <= pos[i] ? x : -INFINITY;
+                    mx[i] = fmaxf(mx[i], s[j][e]);
+                }
+            float al[2], ms[2];
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
+                mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
+                const float mn = fmaxf(m[i], mx[i]);
+                al[i] = mn == m[i] ? 1.0f : tc_ex2(__fsub_rn(m[i], mn));
+                ms[i] = mn == -INFINITY ? 0.0f : mn;
+                m[i] = mn;
+            }
+            // p = 2^(t - m), summed per thread in j order; P as the A fragments of P V
+            uint32_t pa[TC_KEYS / 16][4];
+            float ps[2] = {0.0f, 0.0f};
+#pragma unroll
+            for (int j = 0; j < TC_KEYS / 8; j++) {
+                const float p0 = tc_ex2(__fsub_rn(s[j][0], ms[0]));
+                const float p1 = tc_ex2(__fsub_rn(s[j][1], ms[0]));
+                const float p2 = tc_ex2(__fsub_rn(s[j][2], ms[1]));
+                const float p3 = tc_ex2(__fsub_rn(s[j][3], ms[1]));
+                ps[0] = __fadd_rn(__fadd_rn(ps[0], p0), p1);
+                ps[1] = __fadd_rn(__fadd_rn(ps[1], p2), p3);
+                pa[j >> 1][(j & 1) * 2 + 0] = tc_pack(p0, p1);
+                pa[j >> 1][(j & 1) * 2 + 1] = tc_pack(p2, p3);
+            }
+#pragma unroll
+            for (int i = 0; i < 2; i++)
+                l[i] = __fmaf_rn(l[i], al[i], ps[i]);
+#pragma unroll
+            for (int n = 0; n < DVM / 8; n++) {
+                acc[n][0] = __fmul_rn(acc[n][0], al[0]);
+                acc[n][1] = __fmul_rn(acc[n][1], al[0]);
+                acc[n][2] = __fmul_rn(acc[n][2], al[1]);
+                acc[n][3] = __fmul_rn(acc[n][3], al[1]);
+            }
+            {
+                // ldmatrix.trans row: matrix mt is keys 8 (mt % 2) + lane % 8 of the 16-key
+                // step, dims 8 (mt / 2) of the 16-dim pair
+                const int mt = lane >> 3;
+                const uint16_t *vp = vb + ((mt & 1) * 8 + (lane & 7)) * ldv + (mt >> 1) * 8;
+#pragma unroll
+                for (int kk = 0; kk < TC_KEYS / 16; kk++)
+#pragma unroll
+                    for (int dp = 0; dp < DVM / 16; dp++) {
+                        if (16 * dp < dvp) {
+                            uint32_t b[4];
+                            tc_ldsm4t(b, vp + kk * 16 * ldv + 16 * dp);
+                            tc_mma(acc[2 * dp], pa[kk], b[0], b[1]);
+                            tc_mma(acc[2 * dp + 1], pa[kk], b[2], b[3]);
+                        }
+                    }
+            }
+        }
+        // l over the row's 4 threads (a butterfly: the same sum in all four), then the outputs
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            l[i] = __fadd_rn(l[i], __shfl_xor_sync(0xffffffffu, l[i], 1));
+            l[i] = __fadd_rn(l[i], __shfl_xor_sync(0xffffffffu, l[i], 2));
+        }
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            if (!on[i])
+                continue;
+            const float inv = 1.0f / l[i];
+            float *o = a.out + (r0 + ur[i]) * a.out_stride + (int64_t)(h0 + uh[i]) * dv;
+#pragma unroll
+            for (int n = 0; n < DVM / 8; n++) {
+                const int d = 8 * n + 2 * tq;
+                if (d < dv)
+                    o[d] = __fmul_rn(acc[n][2 * i], inv);
+                if (d + 1 < dv)
+                    o[d + 1] = __fmul_rn(acc[n][2 * i + 1], inv);
+            }
+        }
+        __syncthreads(); // every r_state read of this pass done
+        if (tid < rows_pb && r_state[tid] == 2)
+            r_state[tid] = 0;
+    }
+}
+
+static size_t tc_shmem(int dk, int dv) {
+    const int dkp = (dk + 15) & ~15, dvp = (dv + 15) & ~15;
+    return (size_t)TC_KEYS * (dk + dv) * 4 + (size_t)TC_KEYS * (dkp + 8) * 2 +
+           (size_t)TC_KEYS * (dvp + 8) * 2;
+}
+
+template <int DKM, int DVM>
+static mm_err tc_launch(void *stream, const struct mm_attn_args *a, int gsub, int rows_pb, int *d_err) {
+    static uint64_t attr_set; // > 48 KiB of shared memory: allowed once per device (harmlessly racy)
+    int dev = 0;
+    MM_GPU_CHECK(cudaGetDevice(&dev));
+    if (!(attr_set & (1ull << (dev & 63)))) {
+        MM_GPU_CHECK(cudaFuncSetAttribute(attention_tc_kernel<DKM, DVM>,
+                                          cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          (int)tc_shmem(DKM, DVM)));
+        attr_set |= 1ull << (dev & 63);
+    }
+    const int group = a->n_heads / a->kv.n_kv_heads;
+    dim3 grid((unsigned)((a->n_rows + rows_pb - 1) / rows_pb), (unsigned)(a->kv.n_kv_heads * (group / gsub)));
+    MM_GPU_CHECK(mm_launch_dep(attention_tc_kernel<DKM, DVM>, grid, dim3(TC_THREADS),
+                               tc_shmem(a->kv.head_dim_k, a->kv.head_dim_v), (cudaStream_t)stream, *a,
+                               gsub, rows_pb, d_err));
+    MM_GPU_CHECK(cudaGetLastError());
+    return MM_OK;
+}
+#else
+#define TC_HAVE 0
+#endif
+
+static int tc_mode(void) {
+    if (g_att_tc < 0) {
+        const char *e = getenv("MM_GPU_ATT_TC");
+        g_att_tc = e != NULL && strcmp(e, "1") == 0;
+    }
+    return g_att_tc;
+}
+
+// mm_gpu_set_attention_tc: 1 the tensor-core contract for every attention call whose shape it
+// takes (decode and prefill alike), 0 ops.cu's f32 kernels, < 0 back to MM_GPU_ATT_TC (read at
+// the next call). Process-wide.
+extern "C" void mm_gpu_set_attention_tc(int mode);
+extern "C" void mm_gpu_set_attention_tc(int mode) { g_att_tc = mode < 0 ? -1 : mode != 0; }
+
+// mm_gpu_attention_tc: runs a on the tensor cores and sets *done when the contract is on and
+// takes a's shape (head dims, cache alignment: never the number of rows); *done 0 otherwise
+// (bad arguments included: the f32 launchers report them).
+extern "C" mm_err mm_gpu_attention_tc(void *stream, const struct mm_attn_args *a, int *d_err, int *done);
+extern "C" mm_err mm_gpu_attention_tc(void *stream, const struct mm_attn_args *a, int *d_err, int *done) {
+    *done = 0;
+    if (!tc_mode())
+        return MM_OK;
+#if TC_HAVE
+    if (a == NULL || a->q == NULL || a->out == NULL || a->row_seq == NULL || a->row_pos == NULL ||
+        a->kv.base == NULL || a->kv.block_tables == NULL || a->n_heads <= 0 ||
+        a->kv.n_kv_heads <= 0 || a->n_heads % a->kv.n_kv_heads != 0 || a->kv.block_size <= 0 ||
+        a->n_rows <= 0 || a->n_rows > (int64_t)TC_UNITS * 0x7fffffff)
+        return MM_OK;
+    const struct mm_kv_view *kv = &a->kv;
+    const int dk = kv->head_dim_k, dv = kv->head_dim_v;
+    if (dk <= 0 || dv <= 0 || dk % 4 != 0 || dv % 4 != 0 || dk > 192 || dv > 128 ||
+        ((uintptr_t)kv->base & 15) != 0 || kv->block_stride % 4 != 0 || kv->slot_stride % 4 != 0)
+        return MM_OK;
+    const int group = a->n_heads / kv->n_kv_heads;
+    int gsub = 1;
+    for (int s = 1; s <= TC_UNITS && s <= group; s++)
+        if (group % s == 0)
+            gsub = s;
+    const int rows_pb = a->n_rows <= TC_DECODE_ROWS ? 1 : TC_UNITS / gsub;
+    mm_err rv;
+    if (dk <= 64 && dv <= 64)
+        rv = tc_launch<64, 64>(stream, a, gsub, rows_pb, d_err);
+    else if (dk <= 128)
+        rv = tc_launch<128, 128>(stream, a, gsub, rows_pb, d_err);
+    else
+        rv = tc_launch<192, 128>(stream, a, gsub, rows_pb, d_err);
+    if (rv == MM_OK)
+        *done = 1;
+    return rv;
+#else
+    (void)stream, (void)a, (void)d_err;
+    return MM_OK;
+#endif
+}

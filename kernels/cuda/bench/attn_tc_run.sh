@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# One device run for the tensor-core attention contract (kernels/cuda/attention_tc.cu,
+# MM_GPU_ATT_TC=1) against ops.cu's f32 kernels (MM_GPU_ATT_TC=0), with binaries staged by
+#   BUILD_CUDA=build/cuda-att bash kernels/cuda/device_run.sh --stage .dev/gpu-att2
+#   strip -o .dev/gpu-att2/cuda_attention_tc_test build/cuda-att/tests/kernels/cuda_attention_tc_test
+# then, on the GPU machine: bash kernels/cuda/bench/attn_tc_run.sh .dev/gpu-att2
+# In order (each step with its own limit; the first ones matter most): moemesh synth of the
+# 4-layer Qwen3-30B-A3B shape (background), the bf16 peak (torch.matmul 8192^3), the contract's
+# tests (cuda_attention_tc_test) and the f32 prefill kernel's bit test, the 4K prefill in one
+# forward new vs old (bench-model --prefill-rows 4096), decode batch 1 new vs old, the per-op
+# GPU times of both (MM_GPU_OPTIME=1: attention per 4096-row call), fixture parity with the
+# contract on and off. Logs: $OUT/log (all), $OUT/*.txt.
+set -u
+D=${1:-.dev/gpu-att2}
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export LD_LIBRARY_PATH="$PWD/$D/lib:${LD_LIBRARY_PATH:-}"
+exec > >(tee "$OUT/log") 2>&1
+M=/tmp/q3-tc-L4
+T0=$(date +%s)
+t() { echo "[t+$(( $(date +%s) - T0 )) s]"; }
+date -u
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.total --format=csv
+( timeout 150 "$D/moemesh" synth --out "$M" --layers 4 > "$OUT/synth.txt" 2>&1
+  echo "synth rc=$?" >> "$OUT/synth.txt" ) &
+SYNTH_PID=$!
+echo "== bf16 peak (torch.matmul 8192^3, mean of 20 after 5 warm-ups) $(t)"
+PEAK=$(timeout 40 python3 - <<'PY'
+import torch
+a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+for _ in range(5): a @ b
+s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+torch.cuda.synchronize(); s.record()
+for _ in range(20): a @ b
+e.record(); torch.cuda.synchronize()
+print("%.1f" % (2 * 8192**3 * 20 / (s.elapsed_time(e) * 1e-3) / 1e12))
+PY
+)
+echo "peak ${PEAK:-unmeasured} TFLOP/s"
+echo "== contract tests (cuda_attention_tc_test) $(t)"
+timeout 60 "$D/cuda_attention_tc_test" > "$OUT/tc_test.txt" 2>&1
+echo "rc=$?"; cat "$OUT/tc_test.txt" | tail -20
+echo "== f32 prefill kernel: decode kernel bits (contract off) $(t)"
+timeout 30 "$D/cuda_decode_ops_test" "attention prefill kernel: decode kernel bits" 2>&1 | tail -9
+echo "== whole-model prefill, 4096 tokens in one forward (synth 4 layers) $(t)"
+wait "$SYNTH_PID"; tail -2 "$OUT/synth.txt"
+BM="$D/moemesh bench-model --model $M --device cuda:0 --prompt-tokens 4096 --decode-tokens 2 --rounds 1 --warmup-tokens 1 --bw-mb 64 --prefill-rows 4096 --prompt-rounds 3"
+for p in new old; do
+    e=1; [ $p = old ] && e=0
+    echo "-- attention $p (MM_GPU_ATT_TC=$e) $(t)"
+    MM_GPU_ATT_TC=$e timeout 30 $BM > "$OUT/prefill_$p.txt" 2>&1 || echo "bench-model failed rc=$?"
+    grep -E "^prompt|failed|error" "$OUT/prefill_$p.txt"
+done
+echo "== decode batch 1 (prompt 128, 32 tokens, 2 rounds) $(t)"
+for p in new old; do
+    e=1; [ $p = old ] && e=0
+    echo "-- attention $p (MM_GPU_ATT_TC=$e) $(t)"
+    MM_GPU_ATT_TC=$e timeout 30 "$D/moemesh" bench-model --model "$M" --device cuda:0 --prompt-tokens 128 \
+        --decode-tokens 32 --rounds 2 --bw-mb 64 > "$OUT/decode_$p.txt" 2>&1 || echo "bench-model failed rc=$?"
+    grep -E "^decode|^prompt:|failed|error" "$OUT/decode_$p.txt"
+done
+echo "== per-op GPU times (MM_GPU_OPTIME=1) $(t)"
+for p in new old; do
+    e=1; [ $p = old ] && e=0
+    echo "-- attention $p (MM_GPU_ATT_TC=$e) $(t)"
+    MM_GPU_OPTIME=1 MM_GPU_ATT_TC=$e timeout 30 $BM > "$OUT/optime_$p.txt" 2>&1 || echo "optime run failed rc=$?"
+    grep -E "^prompt:" "$OUT/optime_$p.txt"; sed -n "/steps of 4096 row/,+12p" "$OUT/optime_$p.txt"
+    grep -iE "attention" "$OUT/optime_$p.txt" | head -6
+done
+echo "== fixture parity (moemesh logits --device cuda:0) $(t)"
+for e in 1 0; do
+    echo "-- MM_GPU_ATT_TC=$e"
+    for d in tests/fixtures/models/*/; do
+        [ -f "$d/reference.json" ] || continue
+        MM_GPU_ATT_TC=$e timeout 30 python3 kernels/cuda/parity.py "$d" "$D/moemesh" --strict || echo "PARITY FAIL $d"
+    done
+done
+echo "done $(t)"
+date -u

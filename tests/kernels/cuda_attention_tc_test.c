@@ -1,0 +1,320 @@
+// SPDX-License-Identifier: MIT
+// The tensor-core attention contract (kernels/cuda/attention_tc.cu, MM_GPU_ATT_TC=1): against
+// the CPU backend's f32 attention within a bf16-input tolerance, and bit for bit between the
+// ways a row can reach it: a whole prompt in one call (prefill tiles), token-by-token decode
+// steps of all sequences (one row per sequence per call, cache written step by step), chunked
+// prefill (chunks of 37, 128, 1, then 200 rows, each stored before its attention) and rows of
+// the sequences interleaved in one call. The cache starts as NaN, so keys a row must not see
+// (not yet written, or written for later rows only) cannot leak into it. Odd shapes: GQA 1, 3,
+// 8, 16, head dims 16..192, dk != dv, a sliding window, contexts that are not multiples of the
+// 64-key block.
+// Without the GPU backend (plain `make`) or without a GPU, every case skips and says why.
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels.h"
+#include "mm_test.h"
+
+extern void mm_gpu_set_attention_tc(int mode) __attribute__((weak));
+extern mm_err mm_gpu_attention_tc(void *stream, const struct mm_attn_args *a, int *d_err, int *done)
+    __attribute__((weak));
+
+static mm_backend *cpu, *gpu;
+
+static void open_backends(void) {
+    char err[MM_ERRLEN] = "";
+    if (!mm_gpu_set_attention_tc || !mm_gpu_attention_tc)
+        MM_SKIP("GPU kernels not linked (plain build; `make cuda` builds this test with them)");
+    mm_err rv = mm_backend_open(&gpu, "cuda:0", NULL, err);
+    if (rv == MM_EUNSUPP)
+        MM_SKIP("%s", err);
+    if (rv != MM_OK)
+        MM_TEST_FAIL_("opening cuda:0: %s (%s)", mm_strerror(rv), err);
+    mm_backend_params p = {.n_threads = 2};
+    MM_PASS(mm_backend_open(&cpu, "cpu", &p, err));
+    mm_gpu_set_attention_tc(1);
+}
+
+static void close_backends(void) {
+    mm_gpu_set_attention_tc(-1);
+    mm_backend_close(gpu);
+    mm_backend_close(cpu);
+    gpu = cpu = NULL;
+}
+
+static uint64_t rng = 0x5851f42d4c957f2dull;
+static float frand(void) { // uniform in [-1, 1)
+    rng ^= rng << 13;
+    rng ^= rng >> 7;
+    rng ^= rng << 17;
+    return (float)((rng >> 40) & 0xffffff) / 8388608.0f - 1.0f;
+}
+
+static float *rand_f32(int64_t n, float scale) {
+    float *p = malloc((size_t)n * 4 + 4);
+    MM_TRUE(p != NULL);
+    for (int64_t i = 0; i < n; i++)
+        p[i] = frand() * scale;
+    return p;
+}
+
+static void *dev_copy(const void *h, size_t n_bytes) {
+    void *d = NULL;
+    MM_PASS(gpu->ops->buffer_alloc(gpu->ctx, n_bytes ? n_bytes : 4, &d));
+    if (n_bytes && h != NULL)
+        MM_PASS(gpu->ops->set(gpu->ctx, d, h, n_bytes));
+    return d;
+}
+
+static void *dev_get(const void *d, size_t n_bytes) {
+    void *h = malloc(n_bytes + 1);
+    MM_TRUE(h != NULL);
+    MM_PASS(gpu->ops->get(gpu->ctx, h, d, n_bytes));
+    return h;
+}
+
+static int64_t n_diff(const float *a, const float *b, int64_t n) {
+    int64_t d = 0;
+    for (int64_t i = 0; i < n; i++)
+        d += memcmp(a + i, b + i, 4) != 0;
+    return d;
+}
+
+// Rows in the order of `order` (order[i]: original row), uploaded: q, k, v, seq, pos.
+struct tc_rows {
+    float *q, *k, *v;
+    int32_t *seq, *pos;
+};
+
+static struct tc_rows tc_upload(const int32_t *order, int n_rows, const float *q, int64_t qst,
+                                const float *k, int64_t kst, const float *v, int64_t vst,
+                                const int32_t *rs, const int32_t *rp) {
+    float *hq = malloc((size_t)(n_rows * qst) * 4), *hk = malloc((size_t)(n_rows * kst) * 4);
+    float *hv = malloc((size_t)(n_rows * vst) * 4);
+    int32_t *hs = malloc((size_t)n_rows * 4), *hp = malloc((size_t)n_rows * 4);
+    MM_TRUE(hq && hk && hv && hs && hp);
+    for (int i = 0; i < n_rows; i++) {
+        const int o = order[i];
+        memcpy(hq + (int64_t)i * qst, q + (int64_t)o * qst, (size_t)qst * 4);
+        memcpy(hk + (int64_t)i * kst, k + (int64_t)o * kst, (size_t)kst * 4);
+        memcpy(hv + (int64_t)i * vst, v + (int64_t)o * vst, (size_t)vst * 4);
+        hs[i] = rs[o], hp[i] = rp[o];
+    }
+    struct tc_rows r = {dev_copy(hq, (size_t)(n_rows * qst) * 4), dev_copy(hk, (size_t)(n_rows * kst) * 4),
+                        dev_copy(hv, (size_t)(n_rows * vst) * 4), dev_copy(hs, (size_t)n_rows * 4),
+                        dev_copy(hp, (size_t)n_rows * 4)};
+    free(hq), free(hk), free(hv), free(hs), free(hp);
+    return r;
+}
+
+static void tc_rows_free(struct tc_rows *r) {
+    void *b[] = {r->q, r->k, r->v, r->seq, r->pos};
+    for (size_t i = 0; i < sizeof(b) / sizeof(b[0]); i++)
+        gpu->ops->buffer_free(gpu->ctx, b[i]);
+}
+
+// Runs rows [r, r + n) of u (stored first, then attended) in calls of sizes[] (the last size
+// repeats), with the outputs at the same row offsets of d_out.
+static void tc_run(const struct mm_kv_view *kv, const struct tc_rows *u, int n_rows, int64_t qst,
+                   int64_t kst, int64_t vst, float *d_out, int64_t ost, int n_heads, int dk,
+                   int window, const int *sizes, int n_sizes) {
+    for (int r = 0, i = 0; r < n_rows; i++) {
+        const int want = sizes[i < n_sizes ? i : n_sizes - 1];
+        const int n = want < n_rows - r ? want : n_rows - r;
+        struct mm_kv_store_args st = {.kv = *kv, .k = u->k + (int64_t)r * kst, .k_stride = kst,
+                                      .v = u->v + (int64_t)r * vst, .v_stride = vst, .n_rows = n,
+                                      .row_seq = u->seq + r, .row_pos = u->pos + r};
+        MM_PASS(gpu->ops->kv_store(gpu->ctx, &st));
+        struct mm_attn_args at = {.kv = *kv, .q = u->q + (int64_t)r * qst, .q_stride = qst,
+                                  .out = d_out + (int64_t)r * ost, .out_stride = ost, .n_rows = n,
+                                  .row_seq = u->seq + r, .row_pos = u->pos + r, .n_heads = n_heads,
+                                  .scale = 1.0f / sqrtf((float)dk), .window = window};
+        MM_PASS(gpu->ops->attention(gpu->ctx, &at));
+        r += n;
+    }
+    MM_PASS(gpu->ops->synchronize(gpu->ctx));
+}
+
+static void tc_case(int n_heads, int n_kv, int dk, int dv, int window, const int *lens, int n_seqs) {
+    const int bs = 16;
+    int max_len = 0, n_rows = 0;
+    for (int s = 0; s < n_seqs; s++) {
+        n_rows += lens[s];
+        if (lens[s] > max_len)
+            max_len = lens[s];
+    }
+    const int max_blocks = (max_len + bs - 1) / bs + 1, n_blocks = n_seqs * max_blocks;
+    const int64_t slot = (int64_t)n_kv * (dk + dv), bstride = slot * bs;
+    const int64_t pool_n = (int64_t)n_blocks * bstride;
+    int32_t *tables = malloc((size_t)n_blocks * 4);
+    MM_TRUE(tables != NULL);
+    for (int i = 0; i < n_blocks; i++) // a permutation: a sequence's blocks far apart
+        tables[i] = (int32_t)(((int64_t)i * 7 + 3) % n_blocks);
+    int32_t *rs = malloc((size_t)n_rows * 4), *rp = malloc((size_t)n_rows * 4);
+    MM_TRUE(rs && rp);
+    for (int s = 0, r = 0; s < n_seqs; s++)
+        for (int p = 0; p < lens[s]; p++, r++)
+            rs[r] = s, rp[r] = p;
+    const int64_t kst = (int64_t)n_kv * dk, vst = (int64_t)n_kv * dv;
+    const int64_t qst = (int64_t)n_heads * dk, ost = (int64_t)n_heads * dv, on = (int64_t)n_rows * ost;
+    float *k = rand_f32(n_rows * kst, 1.0f), *v = rand_f32(n_rows * vst, 1.0f);
+    float *q = rand_f32(n_rows * qst, 3.0f);
+
+    // CPU reference (f32)
+    float *pool = calloc((size_t)pool_n, 4), *ref = calloc((size_t)on, 4);
+    MM_TRUE(pool && ref);
+    struct mm_kv_view hkv = {.base = pool, .block_size = bs, .block_stride = bstride,
+                             .slot_stride = slot, .n_kv_heads = n_kv, .head_dim_k = dk,
+                             .head_dim_v = dv, .block_tables = tables, .max_blocks = max_blocks};
+    struct mm_kv_store_args hst = {.kv = hkv, .k = k, .k_stride = kst, .v = v, .v_stride = vst,
+                                   .n_rows = n_rows, .row_seq = rs, .row_pos = rp};
+    struct mm_attn_args hat = {.kv = hkv, .q = q, .q_stride = qst, .out = ref, .out_stride = ost,
+                               .n_rows = n_rows, .row_seq = rs, .row_pos = rp, .n_heads = n_heads,
+                               .scale = 1.0f / sqrtf((float)dk), .window = window};
+    MM_PASS(cpu->ops->kv_store(cpu->ctx, &hst));
+    MM_PASS(cpu->ops->attention(cpu->ctx, &hat));
+
+    struct mm_kv_view kv = hkv;
+    kv.base = dev_copy(NULL, (size_t)pool_n * 4);
+    kv.block_tables = dev_copy(tables, (size_t)n_blocks * 4);
+    float *d_out = dev_copy(NULL, (size_t)on * 4);
+    int32_t *order = malloc((size_t)n_rows * 4);
+    MM_TRUE(order != NULL);
+
+    // 1. whole prompt: all rows in one call (seq-major order)
+    for (int i = 0; i < n_rows; i++)
+        order[i] = i;
+    struct tc_rows u = tc_upload(order, n_rows, q, qst, k, kst, v, vst, rs, rp);
+    MM_PASS(gpu->ops->fill(gpu->ctx, kv.base, NAN, pool_n));
+    MM_PASS(gpu->ops->fill(gpu->ctx, d_out, 7.0f, on));
+    const int whole[1] = {n_rows};
+    tc_run(&kv, &u, n_rows, qst, kst, vst, d_out, ost, n_heads, dk, window, whole, 1);
+    float *all = dev_get(d_out, (size_t)on * 4);
+    double num = 0, den = 0;
+    for (int64_t i = 0; i < on; i++) {
+        const double x = all[i], y = ref[i];
+        num += isnan(x) ? INFINITY : (x - y) * (x - y);
+        den += y * y;
+    }
+    const double nmse = den > 0 ? num / den : num;
+    // the same call through ops.cu's f32 kernels: it must differ (else the contract did not
+    // take this shape and the comparisons below would test the f32 kernels)
+    mm_gpu_set_attention_tc(0);
+    MM_PASS(gpu->ops->fill(gpu->ctx, d_out, 7.0f, on));
+    {
+        struct mm_attn_args at = {.kv = kv, .q = u.q, .q_stride = qst, .out = d_out,
+                                  .out_stride = ost, .n_rows = n_rows, .row_seq = u.seq,
+                                  .row_pos = u.pos, .n_heads = n_heads,
+                                  .scale = 1.0f / sqrtf((float)dk), .window = window};
+        MM_PASS(gpu->ops->attention(gpu->ctx, &at));
+    }
+    mm_gpu_set_attention_tc(1);
+    float *got = dev_get(d_out, (size_t)on * 4);
+    const int64_t d_f32 = n_diff(all, got, on);
+    free(got);
+
+    // 2. chunked prefill: 37, 128, 1, then 200 rows per call, each chunk stored first
+    MM_PASS(gpu->ops->fill(gpu->ctx, kv.base, NAN, pool_n));
+    MM_PASS(gpu->ops->fill(gpu->ctx, d_out, 7.0f, on));
+    const int chunks[4] = {37, 128, 1, 200};
+    tc_run(&kv, &u, n_rows, qst, kst, vst, d_out, ost, n_heads, dk, window, chunks, 4);
+    got = dev_get(d_out, (size_t)on * 4);
+    const int64_t d_chunks = n_diff(all, got, on);
+    free(got);
+    tc_rows_free(&u);
+
+    // 3. decode steps: step i holds position i of every sequence that long (one row each)
+    int n = 0;
+    for (int p = 0; p < max_len; p++)
+        for (int s = 0, r = 0; s < n_seqs; r += lens[s], s++)
+            if (p < lens[s])
+                order[n++] = r + p;
+    u = tc_upload(order, n_rows, q, qst, k, kst, v, vst, rs, rp);
+    MM_PASS(gpu->ops->fill(gpu->ctx, kv.base, NAN, pool_n));
+    MM_PASS(gpu->ops->fill(gpu->ctx, d_out, 7.0f, on));
+    for (int p = 0, r = 0; p < max_len; p++) {
+        int w = 0;
+        for (int s = 0; s < n_seqs; s++)
+            w += p < lens[s];
+        const int one[1] = {w};
+        struct tc_rows us = u;
+        us.q += (int64_t)r * qst, us.k += (int64_t)r * kst, us.v += (int64_t)r * vst;
+        us.seq += r, us.pos += r;
+        tc_run(&kv, &us, w, qst, kst, vst, d_out + (int64_t)r * ost, ost, n_heads, dk, window, one, 1);
+        r += w;
+    }
+    got = dev_get(d_out, (size_t)on * 4);
+    int64_t d_decode = 0;
+    for (int i = 0; i < n_rows; i++)
+        d_decode += n_diff(all + (int64_t)order[i] * ost, got + (int64_t)i * ost, ost);
+    free(got);
+    tc_rows_free(&u);
+
+    // 4. the sequences' rows interleaved in runs of 1..11 rows, one call
+    int32_t *next = calloc((size_t)n_seqs, 4), *start = malloc((size_t)n_seqs * 4);
+    MM_TRUE(next && start);
+    for (int s = 0, r = 0; s < n_seqs; s++)
+        start[s] = r, r += lens[s];
+    for (int i = 0, s = 0, run = 1; i < n_rows;) {
+        for (int j = 0; j < run && next[s] < lens[s] && i < n_rows; j++)
+            order[i++] = start[s] + next[s]++;
+        s = (s + 1) % n_seqs, run = run % 11 + 1;
+    }
+    u = tc_upload(order, n_rows, q, qst, k, kst, v, vst, rs, rp);
+    MM_PASS(gpu->ops->fill(gpu->ctx, kv.base, NAN, pool_n));
+    MM_PASS(gpu->ops->fill(gpu->ctx, d_out, 7.0f, on));
+    tc_run(&kv, &u, n_rows, qst, kst, vst, d_out, ost, n_heads, dk, window, whole, 1);
+    got = dev_get(d_out, (size_t)on * 4);
+    int64_t d_mixed = 0;
+    for (int i = 0; i < n_rows; i++)
+        d_mixed += n_diff(all + (int64_t)order[i] * ost, got + (int64_t)i * ost, ost);
+    free(got);
+    tc_rows_free(&u);
+
+    printf("tc attention %dh/%dkv dk %d dv %d window %d, %d rows of %d seqs: nmse vs cpu %.3e "
+           "(tol 2e-4), %lld elements differ from the f32 kernels; differing elements vs the "
+           "whole-prompt call: chunks %lld, decode steps %lld, seqs interleaved %lld (of %lld)\n",
+           n_heads, n_kv, dk, dv, window, n_rows, n_seqs, nmse, (long long)d_f32, (long long)d_chunks, (long long)d_decode, (long long)d_mixed, (long long)on);
+    fflush(stdout);
+    MM_TRUE(nmse <= 2e-4);
+    MM_TRUE(d_f32 > 0);
+    MM_EQ(d_chunks, 0);
+    MM_EQ(d_decode, 0);
+    MM_EQ(d_mixed, 0);
+    gpu->ops->buffer_free(gpu->ctx, kv.base);
+    gpu->ops->buffer_free(gpu->ctx, (void *)kv.block_tables);
+    gpu->ops->buffer_free(gpu->ctx, d_out);
+    free(tables), free(rs), free(rp), free(k), free(v), free(q), free(pool), free(ref), free(all);
+    free(order), free(next), free(start);
+}
+
+static void test_tc_gqa8(void) {
+    open_backends();
+    const int two[2] = {300, 77};
+    tc_case(32, 4, 128, 128, 0, two, 2); // Qwen3-30B-A3B's heads
+    close_backends();
+}
+
+static void test_tc_shapes(void) {
+    open_backends();
+    const int one[1] = {517}, two[2] = {300, 77}, three[3] = {1, 129, 250};
+    const int small[2] = {70, 5}, mla[1] = {65}, odd[1] = {130}, ds[1] = {200};
+    tc_case(8, 2, 64, 64, 0, one, 1);            // head_dim 64, GQA 4
+    tc_case(16, 16, 128, 128, 0, three, 3);      // no GQA: 128 rows per block
+    tc_case(6, 3, 128, 128, 40, two, 2);         // sliding window, GQA 2
+    tc_case(12, 4, 64, 128, 100, three, 3);      // GQA 3 (126 units per block), dk != dv
+    tc_case(32, 2, 96, 64, 0, two, 2);           // GQA 16, dk 96
+    tc_case(4, 2, 16, 16, 0, small, 2);          // the fixtures' head_dim 16
+    tc_case(4, 4, 24, 16, 0, mla, 1);            // MLA-tiny-like: dk 24 (padded to 32), dv 16
+    tc_case(2, 1, 36, 20, 0, odd, 1);            // odd dims (multiples of 4)
+    tc_case(16, 1, 192, 128, 0, ds, 1);          // DeepSeek's dims, GQA 16
+    close_backends();
+}
+
+MM_TESTS = {
+    {"tc attention GQA 8: cpu tolerance, decode == chunks == whole bits", test_tc_gqa8},
+    {"tc attention odd shapes: cpu tolerance, decode == chunks == whole bits", test_tc_shapes},
+    {NULL, NULL},
+};

@@ -268,7 +268,14 @@ void mm_spec_modes_init(mm_spec_modes *m) {
         m->choice[r] = m->explore[r] = m->last_mode[r] = m->win_mode[r] = -1;
 }
 
-int mm_spec_mode_range(int64_t rows) { return log2_range(rows, MM_SPEC_ROW_BUCKETS); }
+int mm_spec_mode_range(int64_t seqs) {
+    // floor(log2(seqs) + 0.5): seqs >= 2^(r - 1/2), i.e. seqs^2 >= 2^(2r - 1)
+    int r = 0;
+    while (r < MM_SPEC_ROW_BUCKETS - 1 && seqs > 0 && (double)seqs * (double)seqs >=
+                                                          (double)(1ull << (2 * r + 1)))
+        r++;
+    return r;
+}
 
 // mode_window: a window of mode in range r measured rate (tokens per seq per ms).
 static void mode_window(mm_spec_modes *m, int r, int mode, double rate) {
@@ -306,7 +313,8 @@ static void mode_window(mm_spec_modes *m, int r, int mode, double rate) {
     }
 }
 
-void mm_spec_mode_add(mm_spec_modes *m, int r, int mode, double tokens, double ms, bool valid) {
+void mm_spec_mode_add(mm_spec_modes *m, int r, int mode, double tokens, uint32_t seqs,
+                      double ms, bool valid) {
     if (r < 0 || r >= MM_SPEC_ROW_BUCKETS || (mode != MM_SPEC_SYNC && mode != MM_SPEC_AHEAD))
         return;
     m->run[r] = mode == m->last_mode[r] ? m->run[r] + 1 : 1;
@@ -314,16 +322,19 @@ void mm_spec_mode_add(mm_spec_modes *m, int r, int mode, double tokens, double m
     if (m->win_mode[r] != mode || m->run[r] <= MM_SPEC_MODE_WARM) { // a new window
         m->win_mode[r] = mode;
         m->win_steps[r] = 0;
+        m->win_seqs[r] = 0;
         m->win_tok[r] = m->win_ms[r] = 0;
     }
-    if (!valid || m->run[r] <= MM_SPEC_MODE_WARM || !(tokens >= 0) || !(ms > 0))
+    if (!valid || m->run[r] <= MM_SPEC_MODE_WARM || !(tokens >= 0) || !(ms > 0) || seqs == 0)
         return;
-    m->win_tok[r] += tokens;
+    m->win_tok[r] += tokens / seqs;
     m->win_ms[r] += ms;
-    if (++m->win_steps[r] < MM_SPEC_MODE_WIN)
+    m->win_seqs[r] += seqs;
+    if (++m->win_steps[r] < MM_SPEC_MODE_WIN || m->win_seqs[r] < MM_SPEC_MODE_SEQS)
         return;
     mode_window(m, r, mode, m->win_tok[r] / m->win_ms[r]);
     m->win_steps[r] = 0;
+    m->win_seqs[r] = 0;
     m->win_tok[r] = m->win_ms[r] = 0;
 }
 
@@ -333,7 +344,7 @@ int mm_spec_mode_pick(mm_spec_modes *m, int r, const bool can[2]) {
     const int c = m->choice[r];
     int x = m->explore[r];
     if (x >= 0) { // a measurement in progress, abandoned when it cannot pay or takes too long
-        if (can[x] && m->explore_steps[r] < MM_SPEC_MODE_WARM + 4 * MM_SPEC_MODE_WIN) {
+        if (can[x] && m->explore_steps[r] < MM_SPEC_MODE_WARM + 4 * MM_SPEC_MODE_SEQS) {
             m->explore_steps[r]++;
             return x;
         }

@@ -71,7 +71,7 @@ struct mm_draft {
                             // per mode (MM_SPEC_SYNC, MM_SPEC_AHEAD)
     mm_spec_modes modes;    // the measured tokens per ms of each mode (--draft-pipeline auto)
     int step_mode;          // this step's mode (MM_SPEC_SYNC / _AHEAD), -1: none
-    int step_range;         // its row range (mm_spec_mode_range)
+    int step_range;         // the range of its sampling seqs (mm_spec_mode_range)
     double step_tok;        // tokens it emitted (sampling seqs: accepted drafts + 1)
     uint32_t step_seqs;     // sampling seqs it verified
     uint64_t mode_steps[2]; // drafting steps per mode
@@ -652,9 +652,8 @@ void mm_draft_begin(mm_draft *d, const Mmctl__StepPlan *p, const bool *active, i
         d->same_w >= 2)
         mm_spec_cost_add(&d->costs[d->step_mode], d->step_bucket, d->step_w, ms);
     if (d->step_mode >= 0 && d->c.max_k > 0)
-        mm_spec_mode_add(&d->modes, d->step_range, d->step_mode,
-                         d->step_seqs ? d->step_tok / d->step_seqs : 0, ms,
-                         d->step_cost && goes_on && d->step_seqs > 0);
+        mm_spec_mode_add(&d->modes, d->step_range, d->step_mode, d->step_tok, d->step_seqs, ms,
+                         d->step_cost && goes_on);
     int w_now = d->step_cost && goes_on && d->step_mode >= 0 ? wkey : -1;
     d->same_w = w_now >= 0 && w_now == d->prev_w ? d->same_w + 1 : 1;
     d->prev_w = w_now;
@@ -681,12 +680,13 @@ void mm_draft_begin(mm_draft *d, const Mmctl__StepPlan *p, const bool *active, i
         d->rel[d->n_rel++] = p->release[i];
     }
     int32_t max_ctx_step = 0;
-    int64_t rows = 0;
+    int64_t rows = 0, n_sample = 0;
     for (size_t i = 0; i < p->n_seqs; i++) {
         const Mmctl__SeqStep *q = p->seqs[i];
         n_draft[i] = 0;
         if (active[i])
             rows += (int64_t)q->n_tokens;
+        n_sample += active[i] && q->sample;
         struct rseq *r = find(d, q->seq_id);
         if (q->pos == 0) {
             if (r)
@@ -747,10 +747,11 @@ void mm_draft_begin(mm_draft *d, const Mmctl__StepPlan *p, const bool *active, i
     }
     if (maxw_step > 0)
         d->n_steps++;
-    // The step's mode (--draft-pipeline; auto: mm_spec_mode_pick by the row range, each mode
-    // eligible when its own width prices choose a width above 0 for these seqs). A step where
-    // no seq may draft takes the range's choice without a pick (it measures nothing).
-    const int range = mm_spec_mode_range(rows);
+    // The step's mode (--draft-pipeline; auto: mm_spec_mode_pick by the range of its sampling
+    // seqs, each mode eligible when its own width prices choose a width above 0 for these
+    // seqs). A step where no seq may draft takes the range's choice without a pick (it
+    // measures nothing).
+    const int range = mm_spec_mode_range(n_sample);
     int mode = d->c.pipeline == MM_DRAFT_PIPE_ON ? MM_SPEC_AHEAD : MM_SPEC_SYNC;
     if (d->c.pipeline == MM_DRAFT_PIPE_AUTO && maxw_step > 0) {
         bool can[2];

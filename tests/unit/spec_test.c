@@ -327,8 +327,9 @@ static void test_spec_gates(void) {
 
 // ---- the drafting mode chooser (mm_spec_mode_pick / mm_spec_mode_add) ----------------------
 
-// mode_run: n steps of range r, each picked by the chooser and then recorded as emitting
-// tok[mode] tokens per seq in 1 ms; counts the picks per mode into picks (may be NULL).
+// mode_run: n steps of range r with 4 seqs (a window: 8 steps), each picked by the chooser
+// and then recorded as emitting tok[mode] tokens per seq in 1 ms; counts the picks per mode
+// into picks (may be NULL).
 static void mode_run(mm_spec_modes *m, int r, int n, const double tok[2], const bool can[2],
                      int picks[2]) {
     for (int i = 0; i < n; i++) {
@@ -336,13 +337,14 @@ static void mode_run(mm_spec_modes *m, int r, int n, const double tok[2], const 
         MM_TRUE(mode == MM_SPEC_SYNC || mode == MM_SPEC_AHEAD);
         if (picks)
             picks[mode]++;
-        mm_spec_mode_add(m, r, mode, tok[mode], 1.0, true);
+        mm_spec_mode_add(m, r, mode, 4 * tok[mode], 4, 1.0, true);
     }
 }
 
 static void test_spec_mode(void) {
     const bool both[2] = {true, true};
     const int WIN1 = MM_SPEC_MODE_WARM + MM_SPEC_MODE_WIN; // steps to a mode's first window
+    MM_EQ(MM_SPEC_MODE_WIN * 4, MM_SPEC_MODE_SEQS); // (4 seqs per step: 8 steps a window)
     mm_spec_modes m;
     mm_spec_modes_init(&m);
     // Nothing measured: ahead first, one window, then sync one window; ahead (3 tokens/ms)
@@ -417,42 +419,51 @@ static void test_spec_mode(void) {
     // periods (100 ms) do not enter the rate.
     mm_spec_modes_init(&m);
     for (int i = 0; i < MM_SPEC_MODE_WARM; i++)
-        mm_spec_mode_add(&m, 5, MM_SPEC_SYNC, 1.0, 100.0, true);
+        mm_spec_mode_add(&m, 5, MM_SPEC_SYNC, 32.0, 32, 100.0, true);
     for (int i = 0; i < MM_SPEC_MODE_WIN; i++) {
-        mm_spec_mode_add(&m, 5, MM_SPEC_SYNC, 0.0, 100.0, false); // an idle gap
-        mm_spec_mode_add(&m, 5, MM_SPEC_SYNC, 2.0, 1.0, true);
+        mm_spec_mode_add(&m, 5, MM_SPEC_SYNC, 0.0, 32, 100.0, false); // an idle gap
+        mm_spec_mode_add(&m, 5, MM_SPEC_SYNC, 64.0, 32, 1.0, true);   // 2 tokens per seq
     }
     MM_EQ(m.n[5][MM_SPEC_SYNC], 1);
     MM_NEAR(m.rate[5][MM_SPEC_SYNC], 2.0, 1e-12);
     // A change of mode starts a new window: a partial window of ahead, then sync again: the
     // ahead steps count nowhere, and sync's window starts after its warm-up again.
     for (int i = 0; i < MM_SPEC_MODE_WARM + 3; i++)
-        mm_spec_mode_add(&m, 5, MM_SPEC_AHEAD, 9.0, 1.0, true);
+        mm_spec_mode_add(&m, 5, MM_SPEC_AHEAD, 288.0, 32, 1.0, true);
     for (int i = 0; i < MM_SPEC_MODE_WARM; i++)
-        mm_spec_mode_add(&m, 5, MM_SPEC_SYNC, 9.0, 1.0, true);
+        mm_spec_mode_add(&m, 5, MM_SPEC_SYNC, 288.0, 32, 1.0, true);
     MM_EQ(m.n[5][MM_SPEC_AHEAD], 0);
     MM_EQ(m.win_steps[5], 0);
+    // One seq per step (c=1): a window needs MM_SPEC_MODE_SEQS counted steps, not 8 (a seq
+    // step's tokens vary too much for 8 to tell the modes apart).
+    for (int i = 0; i < MM_SPEC_MODE_WARM + MM_SPEC_MODE_SEQS - 1; i++)
+        mm_spec_mode_add(&m, 0, MM_SPEC_AHEAD, (double)(1 + i % 5), 1, 1.0, true);
+    MM_EQ(m.n[0][MM_SPEC_AHEAD], 0);
+    mm_spec_mode_add(&m, 0, MM_SPEC_AHEAD, 3.0, 1, 1.0, true);
+    MM_EQ(m.n[0][MM_SPEC_AHEAD], 1);
 
     // A measurement that never completes (every step invalid) is abandoned after a bounded
     // number of steps, and the other mode is tried.
     mm_spec_modes_init(&m);
     int n_ahead = 0;
-    for (int i = 0; i < 200 && m.n[6][MM_SPEC_SYNC] == 0; i++) {
+    for (int i = 0; i < 500 && m.n[6][MM_SPEC_SYNC] == 0; i++) {
         int mode = mm_spec_mode_pick(&m, 6, both);
         n_ahead += mode == MM_SPEC_AHEAD;
-        mm_spec_mode_add(&m, 6, mode, 1.0, 1.0, mode == MM_SPEC_SYNC);
+        mm_spec_mode_add(&m, 6, mode, 4.0, 4, 1.0, mode == MM_SPEC_SYNC);
     }
-    MM_EQ(n_ahead, MM_SPEC_MODE_WARM + 4 * MM_SPEC_MODE_WIN);
+    MM_EQ(n_ahead, MM_SPEC_MODE_WARM + 4 * MM_SPEC_MODE_SEQS);
     MM_EQ(m.n[6][MM_SPEC_SYNC], 1);
     MM_EQ(m.choice[6], MM_SPEC_SYNC);
     // Out-of-range arguments: no crash, nothing recorded.
-    mm_spec_mode_add(&m, -1, MM_SPEC_SYNC, 1.0, 1.0, true);
-    mm_spec_mode_add(&m, MM_SPEC_ROW_BUCKETS, MM_SPEC_SYNC, 1.0, 1.0, true);
-    mm_spec_mode_add(&m, 0, 7, 1.0, 1.0, true);
+    mm_spec_mode_add(&m, -1, MM_SPEC_SYNC, 1.0, 1, 1.0, true);
+    mm_spec_mode_add(&m, MM_SPEC_ROW_BUCKETS, MM_SPEC_SYNC, 1.0, 1, 1.0, true);
+    mm_spec_mode_add(&m, 0, 7, 1.0, 1, 1.0, true);
     MM_EQ(mm_spec_mode_pick(&m, 99, both), MM_SPEC_AHEAD);
-    MM_EQ(mm_spec_mode_range(1), 0);
-    MM_EQ(mm_spec_mode_range(16), 4);
-    MM_EQ(mm_spec_mode_range(16), mm_spec_bucket(100, 16) % MM_SPEC_ROW_BUCKETS);
+    // ranges: log2 of the seqs rounded to the nearest (15 and 16 seqs: one range)
+    const int64_t seqs[] = {0, 1, 2, 3, 5, 6, 11, 12, 15, 16, 22, 23, 45, 46, 90, 91, 100000};
+    const int want[] = {0, 0, 1, 2, 2, 3, 3, 4, 4, 4, 4, 5, 5, 6, 6, 7, 7};
+    for (size_t i = 0; i < sizeof(seqs) / sizeof(seqs[0]); i++)
+        MM_EQ(mm_spec_mode_range(seqs[i]), want[i]);
 }
 
 MM_TESTS = {

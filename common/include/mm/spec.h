@@ -119,32 +119,36 @@ bool mm_spec_ahead_pays(const mm_spec_costs *c, int bucket, int w, int max_w, do
                         int nd);
 
 // ---- drafting mode from measured throughput -------------------------------------------------
-// A step's drafts come one of two ways (services/router/step_draft.h): ahead (asked during the step
-// before, not waited for: the drafter works while the mesh runs, but the proposals are usable only
-// when all of that step's drafts were accepted and the drafter's guess of the target's next token
-// was right) or synchronously (asked before the step and waited for). Which gives more tokens per
-// second depends on the acceptance and on the step's shape (on the H200, a self-draft at
-// concurrency 1 runs 2.07x ahead and 1.71x waited; a 62%-accepting drafter at concurrency 16 0.97x
-// ahead and 1.08x waited), so the router measures both and uses the better (the "auto" mode). Each
-// mode is an arm with its own measured price per row range (the rows part of mm_spec_bucket: a step
-// of 1 seq and one of 16 are different machines): the emitted tokens per seq per ms of its steps,
-// summed over a window of MM_SPEC_MODE_WIN counted steps (each step's whole period, start to next
-// start, as the width prices count it), an EMA over windows. The MM_SPEC_MODE_WARM steps of a range
-// after a change of its mode are not counted (the ahead pipeline fills; the gateway still writes
-// the tokens of steps of the other mode). Per seq: within a row range the seqs vary up to 2x, and a
-// GPU step of 16 seqs costs about what one of 31 does, so the rate per seq compares windows of
-// different batch sizes. The mode not chosen is measured again, one window, every
-// MM_SPEC_MODE_EVERY steps of the range (doubling, up to 8x, each time it loses again), and only
-// when it could pay (the caller's can[]: e.g. its width prices choose a width above 0). Drafting
-// off is not an arm: each mode's width choice falls back to width 0 where no width pays.
+// A step's drafts come one of two ways (services/router/step_draft.h): ahead (asked during the
+// step before, not waited for: the drafter works while the mesh runs, but the proposals are
+// usable only when all of that step's drafts were accepted and the drafter's guess of the
+// target's next token was right) or synchronously (asked before the step and waited for).
+// Which gives more tokens per second depends on the acceptance and on the batch (on the H200,
+// a self-draft at concurrency 1 ran 2.07x ahead and 1.71x waited; a 62%-accepting drafter at
+// concurrency 16 0.97x ahead and 1.08x waited), so the router measures both and uses the
+// better (the "auto" mode). Each mode is an arm with its own measured price per seqs range
+// (mm_spec_mode_range: c=1 and c=16 are different machines): the emitted tokens per seq per ms
+// of its steps (each step's whole period, start to next start, as the width prices count it),
+// summed over a window of at least MM_SPEC_MODE_WIN counted steps and MM_SPEC_MODE_SEQS seq
+// steps, an EMA over windows. Per seq: a GPU step of 12 seqs costs about what one of 22 does,
+// so the rate per seq compares windows of different batch sizes in one range. The
+// MM_SPEC_MODE_WARM steps of a range after a change of its mode are not counted (the ahead
+// pipeline fills; the gateway still writes the tokens of steps of the other mode). The mode
+// not chosen is measured again, one window, every MM_SPEC_MODE_EVERY steps of the range
+// (doubling, up to 8x, each time it loses again), and only when it could pay (the caller's
+// can[]: e.g. its width prices choose a width above 0). Drafting off is not a third arm: each
+// mode's width choice falls back to width 0 where no width pays.
 #define MM_SPEC_SYNC 0  // drafts asked before the step, waited for
 #define MM_SPEC_AHEAD 1 // drafts asked during the step before (draft-ahead)
 #define MM_SPEC_MODE_WARM 2
-#define MM_SPEC_MODE_WIN 8
+#define MM_SPEC_MODE_WIN 8   // a window: at least 8 counted steps
+#define MM_SPEC_MODE_SEQS 32 // and at least 32 seq steps (c=1: 32 steps; the tokens of one seq
+                             // step vary a lot, e.g. 1 to 5 at width 4)
 #define MM_SPEC_MODE_EVERY 64
 #define MM_SPEC_MODE_HOLD 0.03 // the choice changes only for a 3% better measured rate
 
 typedef struct mm_spec_modes {
+    // per range (mm_spec_mode_range, MM_SPEC_ROW_BUCKETS of them) and mode:
     double rate[MM_SPEC_ROW_BUCKETS][2]; // tokens per seq per ms (EMA over windows)
     uint32_t n[MM_SPEC_ROW_BUCKETS][2];  // windows measured
     int choice[MM_SPEC_ROW_BUCKETS];     // the better measured mode, -1: none measured
@@ -156,22 +160,26 @@ typedef struct mm_spec_modes {
     // summed (counted steps of win_mode in a row)
     int last_mode[MM_SPEC_ROW_BUCKETS], run[MM_SPEC_ROW_BUCKETS];
     int win_mode[MM_SPEC_ROW_BUCKETS], win_steps[MM_SPEC_ROW_BUCKETS];
+    uint32_t win_seqs[MM_SPEC_ROW_BUCKETS]; // seq steps in the window
     double win_tok[MM_SPEC_ROW_BUCKETS], win_ms[MM_SPEC_ROW_BUCKETS];
     uint64_t windows, explorations, switches; // counters (switches: the choice changed)
 } mm_spec_modes;
 
 void mm_spec_modes_init(mm_spec_modes *m);
-// mm_spec_mode_range: the row range of a step of rows input rows (as mm_spec_bucket's).
-int mm_spec_mode_range(int64_t rows);
-// mm_spec_mode_pick: the mode (MM_SPEC_SYNC or MM_SPEC_AHEAD) for a step of row range range;
+// mm_spec_mode_range: the range of a step with seqs sampling seqs: log2 rounded to the nearest
+// (1; 2; 3-5; 6-11; 12-22; 23-45; 46-90; 91+), so that 15 and 16 seqs (a step of a c=16 load
+// while one seq is between requests) are one range; the number of decoding seqs, not the rows
+// (a prompt joining the step does not move it to another range).
+int mm_spec_mode_range(int64_t seqs);
+// mm_spec_mode_pick: the mode (MM_SPEC_SYNC or MM_SPEC_AHEAD) for a step of range range;
 // can[mode]: whether that mode could pay this step (a mode that cannot is never explored).
 // Unmeasured modes that can pay are measured first (ahead before sync); then the choice, with a
 // window of the other when due. Deterministic: no clock, no randomness.
 int mm_spec_mode_pick(mm_spec_modes *m, int range, const bool can[2]);
-// mm_spec_mode_add records a finished step of mode in range: tokens emitted per seq, its period
-// ms; valid false (an idle gap before the next step, nothing to draft): the step is skipped
-// (it still counts as a step of its mode for the warm-up).
-void mm_spec_mode_add(mm_spec_modes *m, int range, int mode, double tokens, double ms,
-                      bool valid);
+// mm_spec_mode_add records a finished step of mode in range: tokens emitted by its seqs sampling
+// seqs, its period ms; valid false (an idle gap before the next step, nothing to draft): the
+// step is skipped (it still counts as a step of its mode for the warm-up).
+void mm_spec_mode_add(mm_spec_modes *m, int range, int mode, double tokens, uint32_t seqs,
+                      double ms, bool valid);
 
 #endif

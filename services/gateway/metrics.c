@@ -110,7 +110,7 @@ static void one(struct out *o, const char *type, const char *name, const char *h
 // The router publishes them in its status detail (services/router/step_draft.c, mm_draft_end):
 // "... drafting: drafted=D accepted=A emitted=E ... drafter_misses=X drafts=V ahead=R
 // ahead_hits=H ahead_misses=M sync=S ... pos_drafted=t0/t1/.. pos_accepted=a0/a1/..
-// widths=0:n0,1:n1,..". The gateway holds the
+// widths=0:n0,1:n1,.. ... ahead_steps=N sync_steps=N ... mode_switches=N". The gateway holds the
 // detail of its last status answer (its periodic mesh check, or a GET /health), so these figures
 // are as fresh as that.
 
@@ -119,6 +119,7 @@ static void one(struct out *o, const char *type, const char *name, const char *h
 typedef struct spec_counters {
     unsigned long long drafted, accepted, emitted, misses, drafts;
     unsigned long long ahead, ahead_hits, ahead_misses, sync; // draft-ahead (router pipeline)
+    unsigned long long ahead_steps, sync_steps, mode_switches; // the mode (--draft-pipeline)
     unsigned long long pos_drafted[SPEC_MAX_POS], pos_accepted[SPEC_MAX_POS];
     unsigned long long widths[SPEC_MAX_POS + 1];
     int n_pos, n_widths;
@@ -164,6 +165,9 @@ static void spec_parse(const char *detail, spec_counters *c) {
     c->ahead_hits = spec_num(d, "ahead_hits");
     c->ahead_misses = spec_num(d, "ahead_misses");
     c->sync = spec_num(d, "sync");
+    c->ahead_steps = spec_num(d, "ahead_steps");
+    c->sync_steps = spec_num(d, "sync_steps");
+    c->mode_switches = spec_num(d, "mode_switches");
     int a = spec_list(d, "pos_drafted", c->pos_drafted, SPEC_MAX_POS);
     int b = spec_list(d, "pos_accepted", c->pos_accepted, SPEC_MAX_POS);
     c->n_pos = a < b ? a : b;
@@ -211,6 +215,15 @@ static void spec_metrics(struct out *o, const char *lab, const char *bare, const
     one(o, "counter", "spec_decode_sync_requests_total",
         "Speculative decoding: draft requests waited for before their step.", bare,
         (double)c.sync);
+    one(o, "counter", "spec_decode_ahead_mode_steps_total",
+        "Speculative decoding: drafting steps run with draft-ahead (router --draft-pipeline "
+        "true, or auto's choice or measurement).", bare, (double)c.ahead_steps);
+    one(o, "counter", "spec_decode_sync_mode_steps_total",
+        "Speculative decoding: drafting steps run with waited drafts (router --draft-pipeline "
+        "false, or auto's choice or measurement).", bare, (double)c.sync_steps);
+    one(o, "counter", "spec_decode_mode_switches_total",
+        "Speculative decoding: changes of the measured better mode (--draft-pipeline auto), "
+        "over all seqs ranges.", bare, (double)c.mode_switches);
     one(o, "gauge", "spec_decode_acceptance_rate",
         "Speculative decoding: accepted / drafted tokens so far.", bare,
         c.drafted ? (double)c.accepted / (double)c.drafted : 0);

@@ -52,7 +52,9 @@ sval() { echo "$st" | grep -o " $1=[0-9]*" | cut -d= -f2; }
 [ -n "$(mval spec_decode_num_accepted_tokens_total)" ] || fail "/metrics has no drafting counters: $(echo "$met" | grep -c spec_decode) spec_decode lines"
 for f in drafted:num_draft_tokens_total accepted:num_accepted_tokens_total \
          emitted:num_emitted_tokens_total drafts:num_drafts_total ahead:ahead_requests_total \
-         ahead_hits:ahead_hits_total ahead_misses:ahead_misses_total sync:sync_requests_total; do
+         ahead_hits:ahead_hits_total ahead_misses:ahead_misses_total sync:sync_requests_total \
+         ahead_steps:ahead_mode_steps_total sync_steps:sync_mode_steps_total \
+         mode_switches:mode_switches_total; do
     [ "$(sval ${f%%:*})" == "$(mval spec_decode_${f#*:})" ] ||
         fail "/metrics spec_decode_${f#*:} = '$(mval spec_decode_${f#*:})', router ${f%%:*} = '$(sval ${f%%:*})'"
 done
@@ -63,7 +65,9 @@ p0=$(mval spec_decode_num_accepted_tokens_per_pos_total 'position="0"')
 wsum=$(echo "$met" | grep '^moemesh:spec_decode_width_chosen_total{' | awk '{s += $2} END {print s}')
 [ "$wsum" == "$(( $(sval emitted) - $(sval accepted) ))" ] ||
     fail "/metrics widths chosen sum to $wsum, expected emitted - accepted = $(( $(sval emitted) - $(sval accepted) ))"
-[ "$(mval spec_decode_ahead_requests_total)" -gt 0 ] || fail "/metrics: no ahead draft requests (router --draft-pipeline is on by default)"
+# (router --draft-pipeline auto, the default: an unmeasured mode's first window is ahead)
+[ "$(mval spec_decode_ahead_requests_total)" -gt 0 ] || fail "/metrics: no ahead draft requests"
+[ "$(mval spec_decode_ahead_mode_steps_total)" -gt 0 ] || fail "/metrics: no draft-ahead steps"
 echo "ok /metrics: moemesh:spec_decode_* agree with the router (accepted $(sval accepted), widths sum $wsum, ahead $(sval ahead), ahead hits $(sval ahead_hits))"
 off=$("$BIN/moemesh" mesh-generate --router "$ROUTER" --ids 21,22,23,24 --max-tokens 20 --logprobs --concurrent 3 --all) \
     || fail "mesh-generate failed"

@@ -858,9 +858,11 @@ static mm_err attn_mla(const mm_model *m, mm_model_scratch *s, const struct laye
 
 // attn_std: q, k, v of n rows, normed and rotated; their rows are *qs / *kvs apart. With the
 // layer's fused q/k/v weight and the backend's head_norm_rope: one product and one launch,
-// q, k and v side by side in s->qkv.
+// q, k and v side by side in s->qkv; with its head_norm_rope_kv the same launch also stores
+// k and v into the cache as st (its view and rows set by the caller) says, and *stored is set.
 static mm_err attn_std(const mm_model *m, mm_model_scratch *s, const struct layer *L, int64_t n,
-                       float **q, float **k, float **v, int64_t *qs, int64_t *kvs) {
+                       float **q, float **k, float **v, int64_t *qs, int64_t *kvs,
+                       struct mm_kv_store_args *st, bool *stored) {
     const mm_model_config *c = &m->c;
     const int64_t H = c->n_heads, KV = c->n_kv_heads, hd = c->head_dim, D = c->d_model;
     if (L->wqkv.data && s->qkv && OPS->head_norm_rope) {
@@ -869,12 +871,19 @@ static mm_err attn_std(const mm_model *m, mm_model_scratch *s, const struct laye
         struct mm_rope_args ra = {.rot_offset = 0, .rot_dim = c->rot_dim, .pos = s->pos_d,
                                   .inv_freq = m->inv_freq, .mscale = c->rope_mscale,
                                   .style = c->rope_style};
-        MM_TRY(OPS->head_norm_rope(CTX, s->qkv, n, W, (int)H, (int)KV, H * hd, (int)hd,
-                                   c->qk_norm ? &L->q_norm : NULL,
-                                   c->qk_norm ? &L->k_norm : NULL, c->eps, &ra));
         *q = s->qkv, *k = s->qkv + H * hd, *v = s->qkv + (H + KV) * hd;
         *qs = *kvs = W;
-        return MM_OK;
+        const mm_weight *wa = c->qk_norm ? &L->q_norm : NULL, *wb = c->qk_norm ? &L->k_norm : NULL;
+        if (OPS->head_norm_rope_kv) { // and kv_store, the same bits
+            st->k = *k, st->v = *v;
+            st->k_stride = st->v_stride = W;
+            MM_TRY(OPS->head_norm_rope_kv(CTX, s->qkv, n, W, (int)H, (int)KV, H * hd, (int)hd, wa,
+                                          wb, c->eps, &ra, st));
+            *stored = true;
+            return MM_OK;
+        }
+        return OPS->head_norm_rope(CTX, s->qkv, n, W, (int)H, (int)KV, H * hd, (int)hd, wa, wb,
+                                   c->eps, &ra);
     }
     *q = s->q, *k = s->k, *v = s->v;
     *qs = H * hd, *kvs = KV * hd;
@@ -911,9 +920,10 @@ static mm_err check_attn_rows(const mm_model *m, const mm_kv_cache *kv, const mm
 
 // attn_core: the attention of layer on n rows whose positions and sequences are in s->pos_d
 // and s->seq_d already. defer_residual: the output projection stays in s->tmp and h is not
-// updated (the caller adds it with the backend's add_rmsnorm).
+// updated (the caller adds it with the backend's add_rmsnorm). normed: s->xn already holds
+// the layer's input norm of h (the previous layer's combine_rmsnorm wrote it).
 static mm_err attn_core(const mm_model *m, mm_model_scratch *s, int layer, mm_kv_cache *kv,
-                        int64_t n, float *h, bool defer_residual);
+                        int64_t n, float *h, bool defer_residual, bool normed);
 
 mm_err mm_model_attn_forward(const mm_model *m, mm_model_scratch *s, int layer, mm_kv_cache *kv,
                              const mm_model_rows *rows, float *h) {
@@ -927,28 +937,31 @@ mm_err mm_model_attn_forward(const mm_model *m, mm_model_scratch *s, int layer, 
     MM_TRY(check_attn_rows(m, kv, rows));
     MM_TRY(OPS->set(CTX, s->pos_d, rows->pos, (size_t)n * 4));
     MM_TRY(OPS->set(CTX, s->seq_d, rows->seq, (size_t)n * 4));
-    return attn_core(m, s, layer, kv, n, h, false);
+    return attn_core(m, s, layer, kv, n, h, false, false);
 }
 
 static mm_err attn_core(const mm_model *m, mm_model_scratch *s, int layer, mm_kv_cache *kv,
-                        int64_t n, float *h, bool defer_residual) {
+                        int64_t n, float *h, bool defer_residual, bool normed) {
     const mm_model_config *c = &m->c;
     const struct layer *L = &m->layers[layer];
     const int64_t D = c->d_model, H = c->n_heads;
-    MM_TRY(OPS->rmsnorm(CTX, &L->attn_norm, c->eps, h, D, s->xn, D, n));
+    if (!normed)
+        MM_TRY(OPS->rmsnorm(CTX, &L->attn_norm, c->eps, h, D, s->xn, D, n));
     float *q = s->q, *k = s->k, *v = s->v;
     int64_t qs = H * c->head_dim, ks = (int64_t)c->n_kv_heads * c->head_dim;
     int64_t vs = (int64_t)c->n_kv_heads * c->head_dim_v;
+    struct mm_kv_store_args st = {.n_rows = n, .row_seq = s->seq_d, .row_pos = s->pos_d};
+    mm_kv_cache_view(kv, layer, &st.kv);
+    bool stored = false;
     if (c->mla) {
         MM_TRY(attn_mla(m, s, L, n, &q, &k, &v, &qs));
     } else {
-        MM_TRY(attn_std(m, s, L, n, &q, &k, &v, &qs, &ks));
+        MM_TRY(attn_std(m, s, L, n, &q, &k, &v, &qs, &ks, &st, &stored));
         vs = ks;
     }
-    struct mm_kv_store_args st = {.k = k, .k_stride = ks, .v = v, .v_stride = vs,
-                                  .n_rows = n, .row_seq = s->seq_d, .row_pos = s->pos_d};
-    mm_kv_cache_view(kv, layer, &st.kv);
-    MM_TRY(OPS->kv_store(CTX, &st));
+    st.k = k, st.k_stride = ks, st.v = v, st.v_stride = vs;
+    if (!stored)
+        MM_TRY(OPS->kv_store(CTX, &st));
     struct mm_attn_args aa = {.kv = st.kv, .q = q, .q_stride = qs, .out = s->ao,
                               .out_stride = H * c->head_dim_v, .n_rows = n,
                               .row_seq = s->seq_d, .row_pos = s->pos_d, .n_heads = (int)H,
@@ -1073,6 +1086,20 @@ static mm_err combine_core(const mm_model *m, mm_model_scratch *s, float *h, int
     return OPS->axpy(CTX, NULL, s->acc, D, h, D, n, D);
 }
 
+// combine_norm: combine_core, then y = rmsnorm(w, eps, h) when w is non-NULL (the next
+// layer's input norm or the final norm): one op where the backend has combine_rmsnorm, the
+// same bits.
+static mm_err combine_norm(const mm_model *m, mm_model_scratch *s, float *h, int64_t n, int k,
+                           const float *alpha, const float *expert_out, const float *shared,
+                           const mm_weight *w, float *y) {
+    const int64_t D = m->c.d_model;
+    if (w && OPS->combine_rmsnorm)
+        return OPS->combine_rmsnorm(CTX, alpha, k, expert_out, D, shared, D, h, D, n, w,
+                                    m->c.eps, y, D);
+    MM_TRY(combine_core(m, s, h, n, k, alpha, expert_out, shared));
+    return w ? OPS->rmsnorm(CTX, w, m->c.eps, h, D, y, D, n) : MM_OK;
+}
+
 mm_err mm_model_combine(const mm_model *m, mm_model_scratch *s, int layer, float *h, int64_t n,
                         int k, const float *weights, const float *expert_out,
                         const float *shared) {
@@ -1165,6 +1192,9 @@ static mm_err gate_plan(const mm_model *m, mm_model_scratch *s, int l, const flo
     struct mm_route_params rp = c->route;
     rp.bias = L->e_bias;
     float *wts_d = (float *)(s->ids_d + n * K);
+    if (OPS->route_with_plan) // one op where the backend has it, the same outputs
+        return OPS->route_with_plan(CTX, &rp, s->rl, E, n, s->ids_d, wts_d, s->offs_d, s->src_d,
+                                    s->dst_d, s->wt_d);
     MM_TRY(OPS->route(CTX, &rp, s->rl, E, n, s->ids_d, wts_d));
     return OPS->route_plan(CTX, s->ids_d, wts_d, n, K, E, s->offs_d, s->src_d, s->dst_d,
                            s->wt_d);
@@ -1218,15 +1248,18 @@ static mm_err experts_plan(const mm_model *m, mm_model_scratch *s, const struct 
 
 // moe_layer_dev: moe_layer with the plan made on the device: route, plan, gather the routed
 // rows in expert order, [gate; up] (or gate, up) and down as grouped products over device
-// expert tables, scatter to the (row, rank) slots, combine with the plan's rank-major weights.
-static mm_err moe_layer_dev(const mm_model *m, mm_model_scratch *s, int l, int64_t n) {
+// expert tables, scatter to the (row, rank) slots, combine with the plan's rank-major weights
+// (and then norm_w's norm of h into norm_y, if norm_w: combine_norm).
+static mm_err moe_layer_dev(const mm_model *m, mm_model_scratch *s, int l, int64_t n,
+                            const mm_weight *norm_w, float *norm_y) {
     const struct layer *L = &m->layers[l];
     const int K = m->c.top_k;
     MM_TRY(gate_plan(m, s, l, s->x, n));
     MM_TRY(experts_plan(m, s, L, s->offs_d, s->x, s->src_d, s->dst_d, n * K, s->eo));
     if (L->has_shared)
         MM_TRY(mm_model_shared_forward(m, s, l, s->x, n, s->sh));
-    return combine_core(m, s, s->h, n, K, s->wt_d, s->eo, L->has_shared ? s->sh : NULL);
+    return combine_norm(m, s, s->h, n, K, s->wt_d, s->eo, L->has_shared ? s->sh : NULL, norm_w,
+                        norm_y);
 }
 
 // ---- the mesh's device path (mm/model.h) ------------------------------------------------------
@@ -1273,28 +1306,42 @@ mm_err mm_model_combine_plan(const mm_model *m, mm_model_scratch *s, int layer, 
 static mm_err forward_dev_ops(const mm_model *m, mm_model_scratch *s, mm_kv_cache *kv, int64_t n,
                               int64_t nw, float *logits) {
     const int64_t D = m->c.d_model, R = s->max_rows;
+    const int n_layers = m->c.n_layers;
+    // chain: each layer's combine also writes the next layer's input norm (or the final norm
+    // of every row) into s->xn, in one op where the backend has combine_rmsnorm (same bits)
+    const bool chain = OPS->combine_rmsnorm != NULL;
+    bool normed = false; // s->xn holds this layer's input norm already
     MM_TRY(OPS->embed(CTX, &m->embed, s->in_d, n, s->h, D));
-    for (int l = 0; l < m->c.n_layers; l++) {
+    for (int l = 0; l < n_layers; l++) {
         // the residual add of the attention output and the FFN norm in one op where the
         // backend has it (same bits as axpy then rmsnorm)
         const bool fuse = OPS->add_rmsnorm != NULL;
-        MM_TRY(attn_core(m, s, l, kv, n, s->h, fuse));
+        MM_TRY(attn_core(m, s, l, kv, n, s->h, fuse, normed));
         if (fuse)
             MM_TRY(OPS->add_rmsnorm(CTX, s->tmp, D, s->h, D, &m->layers[l].ffn_norm, m->c.eps,
                                     s->x, D, n));
         else
             MM_TRY(mm_model_ffn_norm(m, s, l, s->h, n, s->x));
+        const mm_weight *next = !chain             ? NULL
+                                : l + 1 < n_layers ? &m->layers[l + 1].attn_norm
+                                : nw > 0           ? &m->norm
+                                                   : NULL;
         if (mm_model_layer_is_moe(m, l)) {
-            MM_TRY(moe_layer_dev(m, s, l, n));
+            MM_TRY(moe_layer_dev(m, s, l, n, next, s->xn));
         } else {
             MM_TRY(mm_model_shared_forward(m, s, l, s->x, n, s->sh));
-            MM_TRY(combine_core(m, s, s->h, n, 0, NULL, NULL, s->sh));
+            MM_TRY(combine_norm(m, s, s->h, n, 0, NULL, NULL, s->sh, next, s->xn));
         }
+        normed = next != NULL;
     }
     if (nw == 0)
         return MM_OK;
-    MM_TRY(OPS->copy_rows(CTX, s->h, D, s->in_d + 3 * R, s->xin, D, NULL, nw, D));
-    MM_TRY(mm_model_final_norm(m, s, s->xin, nw, s->hn));
+    if (chain) { // every row's final norm is in s->xn: the wanted rows
+        MM_TRY(OPS->copy_rows(CTX, s->xn, D, s->in_d + 3 * R, s->hn, D, NULL, nw, D));
+    } else {
+        MM_TRY(OPS->copy_rows(CTX, s->h, D, s->in_d + 3 * R, s->xin, D, NULL, nw, D));
+        MM_TRY(mm_model_final_norm(m, s, s->xin, nw, s->hn));
+    }
     return mm_model_head(m, s, s->hn, nw, logits);
 }
 

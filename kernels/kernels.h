@@ -304,6 +304,28 @@ struct mm_backend_ops {
     mm_err (*add_rmsnorm)(void *ctx, const float *a, int64_t a_stride, float *h,
                           int64_t h_stride, const mm_weight *w, float eps, float *y,
                           int64_t y_stride, int64_t n_rows);
+    // head_norm_rope_kv (optional; NULL: head_norm_rope, then kv_store): head_norm_rope with
+    // these arguments, then kv_store(st), with exactly the bits of the two (st's keys are
+    // usually x's group b: a device may then store each key head as it finishes it).
+    mm_err (*head_norm_rope_kv)(void *ctx, float *x, int64_t n_rows, int64_t stride, int n_a,
+                                int n_b, int64_t b_offset, int head_dim, const mm_weight *wa,
+                                const mm_weight *wb, float eps, const struct mm_rope_args *rope,
+                                const struct mm_kv_store_args *st);
+    // route_with_plan (optional; NULL: route, then route_plan): route(p, logits,
+    // logits_stride, n_rows, ids, weights), then route_plan(ids, weights, n_rows, p->top_k,
+    // p->n_experts, offs, src_row, dst_slot, wt): every output as the two ops write it.
+    mm_err (*route_with_plan)(void *ctx, const struct mm_route_params *p, const float *logits,
+                              int64_t logits_stride, int64_t n_rows, int32_t *ids,
+                              float *weights, int32_t *offs, int32_t *src_row,
+                              int32_t *dst_slot, float *wt);
+    // combine_rmsnorm (optional; NULL: combine, then rmsnorm): combine(alpha, k, x, x_stride,
+    // shared, shared_stride, h, h_stride, n_rows, dim = w->cols), then y[i, :] =
+    // rmsnorm(w, eps, h[i, :]), with exactly the bits of the two (the residual stream's
+    // update and the next layer's input norm in one pass). y must not alias h, x or shared.
+    mm_err (*combine_rmsnorm)(void *ctx, const float *alpha, int k, const float *x,
+                              int64_t x_stride, const float *shared, int64_t shared_stride,
+                              float *h, int64_t h_stride, int64_t n_rows, const mm_weight *w,
+                              float eps, float *y, int64_t y_stride);
 };
 
 // A backend instance: the table plus its context. Not thread-safe (one issuing thread).

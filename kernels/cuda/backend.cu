@@ -42,6 +42,10 @@
 //   MM_GPU_OLD_DECODE=1 runs the earlier argmax (one block per row), rmsnorm (a warp per row)
 //   and attention load grouping, and no early launch of the products (process-wide), for
 //   before/after figures in one run (same results).
+//   MM_GPU_OLD_CHAIN=1 leaves out the per-layer chain fusions (head_norm_rope_kv,
+//   route_with_plan, combine_rmsnorm: the model then issues the two ops each stands for);
+//   MM_GPU_OLD_DECODE and MM_GPU_OLD_FUSIONS leave them out too. The first recorded graph's
+//   node, edge and programmatic-edge counts are logged (info) once per backend.
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -102,6 +106,7 @@ struct gpu_ctx {
     cudaEvent_t stage_ev[STAGE_PARTS];  // recorded when the part was left
     bool stage_live[STAGE_PARTS];       // its event has been recorded
     bool capturing;                     // between capture_begin and capture_end
+    bool graph_told;                    // graph_tell has logged a recorded graph
     struct optime *ot;                  // per-op timer (MM_GPU_OPTIME=1), else NULL
     struct mm_backend_ops ops_table;    // gpu_ops less what the env turns off (graphs when ot
                                         // is on; the fused ops with MM_GPU_OLD_DECODE or
@@ -109,6 +114,7 @@ struct gpu_ctx {
     // argmax workspace: per row a 64-bit (value, id) key and an arrival count, zero between
     // launches (each launch's last block clears its rows)
     void *d_amax;
+    unsigned *d_count; // route_with_plan's arrival count (zero between launches)
     bool old_kernels; // MM_GPU_OLD_DECODE=1: the earlier argmax/rmsnorm/attention (A/B runs)
 };
 
@@ -334,6 +340,8 @@ static void gpu_close(void *ctx) {
     }
     if (g->d_amax != NULL)
         (void)cudaFree(g->d_amax);
+    if (g->d_count != NULL)
+        (void)cudaFree(g->d_count);
     if (g->d_err != NULL)
         (void)cudaFree(g->d_err);
     if (g->d_moe != NULL)
@@ -653,6 +661,33 @@ static mm_err gpu_argmax(void *ctx, const float *logits, int64_t stride, int64_t
                                      AMAX_ROWS));
 }
 
+// graph_tell logs the first recorded graph's shape: nodes, edges, and how many edges are
+// programmatic (the small ops and GEMVs launched as programmatic dependents should give
+// programmatic edges under stream capture, so that the replay overlaps each kernel's launch
+// with the one before as op-by-op issue does). A diagnostic of the replay's speed only.
+static void graph_tell(struct gpu_ctx *g, cudaGraph_t gr) {
+    size_t n_nodes = 0, n_edges = 0, n_prog = 0;
+#if MM_GPU_HAVE_WMMA // (CUDA: edge data needs 12.3; the HIP runtime has no edge types)
+    (void)cudaGraphGetNodes(gr, NULL, &n_nodes);
+    if (cudaGraphGetEdges(gr, NULL, NULL, NULL, &n_edges) == cudaSuccess && n_edges > 0) {
+        cudaGraphNode_t *from = (cudaGraphNode_t *)calloc(n_edges, sizeof(*from));
+        cudaGraphNode_t *to = (cudaGraphNode_t *)calloc(n_edges, sizeof(*to));
+        cudaGraphEdgeData *ed = (cudaGraphEdgeData *)calloc(n_edges, sizeof(*ed));
+        if (from && to && ed && cudaGraphGetEdges(gr, from, to, ed, &n_edges) == cudaSuccess)
+            for (size_t i = 0; i < n_edges; i++)
+                n_prog += ed[i].type == cudaGraphDependencyTypeProgrammatic;
+        free(from);
+        free(to);
+        free(ed);
+    }
+#else
+    (void)gr;
+#endif
+    (void)cudaGetLastError();
+    mm_log_info("gpu: %s:%d first recorded graph: %zu nodes, %zu edges, %zu programmatic",
+                MM_GPU_VENDOR, g->dev, n_nodes, n_edges, n_prog);
+}
+
 static mm_err gpu_capture_begin(void *ctx) {
     CTX(ctx);
     if (g->capturing)
@@ -675,6 +710,10 @@ static mm_err gpu_capture_end(void *ctx, void **graph) {
     cudaGraphExec_t ex = NULL;
     if (e == cudaSuccess && gr == NULL)
         e = cudaErrorUnknown;
+    if (e == cudaSuccess && !g->graph_told) {
+        graph_tell(g, gr);
+        g->graph_told = true;
+    }
     if (e == cudaSuccess)
         e = cudaGraphInstantiateWithFlags(&ex, gr, 0);
     if (gr != NULL)
@@ -744,6 +783,39 @@ static mm_err gpu_moe_matmul_rows(void *ctx, const void *const *experts, enum mm
     return rv;
 }
 
+static mm_err gpu_head_norm_rope_kv(void *ctx, float *x, int64_t n_rows, int64_t stride,
+                                    int n_a, int n_b, int64_t b_off, int head_dim,
+                                    const mm_weight *wa, const mm_weight *wb, float eps,
+                                    const struct mm_rope_args *ra,
+                                    const struct mm_kv_store_args *st) {
+    CTX(ctx);
+    ON_DEVICE();
+    TIMED("head_norm_rope_kv", mm_gpu_head_norm_rope_kv(g->stream, x, n_rows, stride, n_a, n_b,
+                                                        b_off, head_dim, wa, wb, eps, ra, st,
+                                                        g->d_err));
+}
+
+static mm_err gpu_route_with_plan(void *ctx, const struct mm_route_params *p,
+                                  const float *logits, int64_t ls, int64_t n_rows, int32_t *ids,
+                                  float *weights, int32_t *offs, int32_t *src_row,
+                                  int32_t *dst_slot, float *wt) {
+    CTX(ctx);
+    ON_DEVICE();
+    TIMED("route_with_plan", mm_gpu_route_with_plan(g->stream, p, logits, ls, n_rows, ids,
+                                                    weights, offs, src_row, dst_slot, wt,
+                                                    g->d_err, g->d_count));
+}
+
+static mm_err gpu_combine_rmsnorm(void *ctx, const float *alpha, int k, const float *x,
+                                  int64_t xs, const float *shared, int64_t ss, float *h,
+                                  int64_t hs, int64_t n_rows, const mm_weight *w, float eps,
+                                  float *y, int64_t ys) {
+    CTX(ctx);
+    ON_DEVICE();
+    TIMED("combine_rmsnorm", mm_gpu_combine_rmsnorm(g->stream, alpha, k, x, xs, shared, ss, h,
+                                                    hs, n_rows, w, eps, y, ys));
+}
+
 static mm_err gpu_add_rmsnorm(void *ctx, const float *a, int64_t as, float *h, int64_t hs,
                               const mm_weight *w, float eps, float *y, int64_t ys,
                               int64_t n_rows) {
@@ -786,6 +858,9 @@ static const struct mm_backend_ops gpu_ops = {
     .head_norm_rope = gpu_head_norm_rope,
     .moe_matmul_rows = gpu_moe_matmul_rows,
     .add_rmsnorm = gpu_add_rmsnorm,
+    .head_norm_rope_kv = gpu_head_norm_rope_kv,
+    .route_with_plan = gpu_route_with_plan,
+    .combine_rmsnorm = gpu_combine_rmsnorm,
 };
 
 extern "C" mm_err mm_cuda_backend_open(mm_backend *be, const mm_backend_params *p,
@@ -819,6 +894,10 @@ extern "C" mm_err mm_cuda_backend_open(mm_backend *be, const mm_backend_params *
         e = cudaMalloc(&g->d_amax, MM_GPU_ARGMAX_WS_BYTES(AMAX_ROWS));
     if (e == cudaSuccess)
         e = cudaMemset(g->d_amax, 0, MM_GPU_ARGMAX_WS_BYTES(AMAX_ROWS));
+    if (e == cudaSuccess)
+        e = cudaMalloc((void **)&g->d_count, sizeof(unsigned));
+    if (e == cudaSuccess)
+        e = cudaMemset(g->d_count, 0, sizeof(unsigned));
     if (e == cudaSuccess && cudaMallocHost((void **)&g->h_stage, STAGE_BYTES) != cudaSuccess) {
         (void)cudaGetLastError(); // no pinned memory: small copies go direct (slower, correct)
         g->h_stage = NULL;
@@ -849,6 +928,12 @@ extern "C" mm_err mm_cuda_backend_open(mm_backend *be, const mm_backend_params *
     if (no_fusions) { // the model falls back to the separate ops these stand for
         g->ops_table.moe_matmul_rows = NULL;
         g->ops_table.add_rmsnorm = NULL;
+    }
+    const char *oc = getenv("MM_GPU_OLD_CHAIN"); // A/B of the per-layer chain fusions alone
+    if (no_fusions || (oc != NULL && oc[0] != '\0' && strcmp(oc, "0") != 0)) {
+        g->ops_table.head_norm_rope_kv = NULL;
+        g->ops_table.route_with_plan = NULL;
+        g->ops_table.combine_rmsnorm = NULL;
     }
     const char *ot = getenv("MM_GPU_OPTIME");
     if (ot != NULL && strcmp(ot, "0") != 0 && ot[0] != '\0') {

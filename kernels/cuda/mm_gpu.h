@@ -199,6 +199,28 @@ mm_err mm_gpu_head_norm_rope(void *stream, float *d_x, int64_t n_rows, int64_t s
                              int n_b, int64_t b_off, int head_dim, const mm_weight *wa,
                              const mm_weight *wb, float eps, const struct mm_rope_args *ra);
 
+// mm_gpu_head_norm_rope_kv: kernels.h head_norm_rope_kv (head_norm_rope, then kv_store of st)
+// in one launch when st's keys are x's group b (the fused q/k/v layout), else the two.
+mm_err mm_gpu_head_norm_rope_kv(void *stream, float *d_x, int64_t n_rows, int64_t stride,
+                                int n_a, int n_b, int64_t b_off, int head_dim,
+                                const mm_weight *wa, const mm_weight *wb, float eps,
+                                const struct mm_rope_args *ra, const struct mm_kv_store_args *st,
+                                int *d_err);
+// mm_gpu_route_with_plan: kernels.h route_with_plan (route, then route_plan of its ids and
+// weights) in one launch: a block per row routes it, the last block to finish plans.
+// d_count: one device word, zero before the first call; each call leaves it zero. Calls that
+// share it must be ordered (one stream). Same bits as mm_gpu_route then mm_gpu_route_plan.
+mm_err mm_gpu_route_with_plan(void *stream, const struct mm_route_params *p,
+                              const float *d_logits, int64_t ls, int64_t n_rows, int32_t *d_ids,
+                              float *d_weights, int32_t *d_offs, int32_t *d_src_row,
+                              int32_t *d_dst_slot, float *d_wt, int *d_err, unsigned *d_count);
+// mm_gpu_combine_rmsnorm: kernels.h combine_rmsnorm (combine, then y = rmsnorm(h)) in one
+// launch, a block per row (rows longer than 8192: the two launches).
+mm_err mm_gpu_combine_rmsnorm(void *stream, const float *d_alpha, int k, const float *d_x,
+                              int64_t xs, const float *d_shared, int64_t ss, float *d_h,
+                              int64_t hs, int64_t n_rows, const mm_weight *w, float eps,
+                              float *d_y, int64_t ys);
+
 // ---- inter-process memory and events (kernels/cuda/ipc.cu; the cudaipc:// transport) ----------
 // Handles are opaque MM_GPU_IPC_HANDLE_BYTES blobs to ship to another process of the same host.
 #define MM_GPU_IPC_HANDLE_BYTES 64

@@ -18,11 +18,17 @@
 //   reads its key in 16-byte loads, 64 floats in flight, and the value sums load 32 keys'
 //   values before accumulating them in t order (one fmaf each, as before: the arithmetic does
 //   not change with the loads' grouping).
+// - Chain fusions (decode: fewer one-block launches per layer): head_norm_rope_kv_kernel
+//   stores each key head into the cache as it finishes it and copies the value heads (the
+//   bits of head_norm_rope then kv_store); combine_rmsnorm_kernel runs combine's operations
+//   for a row, then the row's norm as rmsnorm_row_kernel (the next layer's input norm).
+//   route_plan.cu has route + plan; the routing steps are route.cuh's.
 #include <math.h>
 
 #include "gpu_common.cuh"
 #include "kernels.h"
 #include "mm_gpu.h"
+#include "route.cuh"
 
 #define ERR_INDEX 1
 
@@ -169,6 +175,35 @@ __global__ void __launch_bounds__(RMS_THREADS) add_rmsnorm_kernel(const float *a
     rms_from_shared(xsh, wv, dim, eps, y + r * ys);
 }
 
+// combine_rmsnorm (kernels.h): combine_kernel's operations for each element of the row (the
+// rank-ordered products and adds, the shared row, the residual add; explicit _rn, so no
+// contraction), then the norm of the new row from shared memory as rmsnorm_row_kernel takes
+// it. A block per row.
+template <int DT>
+__global__ void __launch_bounds__(RMS_THREADS) combine_rmsnorm_kernel(
+    const float *alpha, int k, const float *x, int64_t xs, const float *shared, int64_t ss,
+    float *h, int64_t hs, int64_t n_rows, const void *w, int dim, float eps, float *y, int64_t ys,
+    int early) {
+    extern __shared__ float xsh[]; // dim
+    early_launch(early);
+    float wv[RMS_MAX_DIM / RMS_THREADS];
+    rms_load_w<DT>(w, dim, wv); // weights: never written by a kernel, before the wait
+    mm_dep_wait();
+    const int64_t i = blockIdx.x;
+    float *hr = h + i * hs;
+    for (int j = threadIdx.x; j < dim; j += RMS_THREADS) {
+        float acc = 0.0f;
+        for (int r = 0; r < k; r++)
+            acc = __fadd_rn(acc, __fmul_rn(alpha[(int64_t)r * n_rows + i], x[(i * k + r) * xs + j]));
+        if (shared != NULL)
+            acc = __fadd_rn(acc, shared[i * ss + j]);
+        const float v = __fadd_rn(hr[j], acc);
+        hr[j] = v;
+        xsh[j] = v;
+    }
+    rms_from_shared(xsh, wv, dim, eps, y + i * ys);
+}
+
 template <int DT>
 __global__ void rmsnorm_kernel(const void *w, int dim, float eps, const float *x, int64_t xs,
                                float *y, int64_t ys, int64_t n_rows, int early) {
@@ -244,6 +279,33 @@ extern "C" mm_err mm_gpu_add_rmsnorm(void *stream, const float *a, int64_t as, f
     return MM_OK;
 }
 
+extern "C" mm_err mm_gpu_combine_rmsnorm(void *stream, const float *alpha, int k,
+                                         const float *x, int64_t xs, const float *shared,
+                                         int64_t ss, float *h, int64_t hs, int64_t n_rows,
+                                         const mm_weight *w, float eps, float *y, int64_t ys) {
+    if (w == NULL || w->data == NULL || w->rows != 1 || w->cols <= 0 || k < 0 ||
+        (k > 0 && (alpha == NULL || x == NULL)) || h == NULL || y == NULL || n_rows < 0)
+        return MM_EINVAL;
+    if (n_rows == 0)
+        return MM_OK;
+    if (w->cols > RMS_MAX_DIM || n_rows > INT32_MAX) { // the two launches it stands for
+        MM_TRY(mm_gpu_combine(stream, alpha, k, x, xs, shared, ss, h, hs, n_rows, w->cols));
+        return mm_gpu_rmsnorm(stream, w, eps, h, hs, y, ys, n_rows);
+    }
+    const int dim = (int)w->cols;
+    const size_t shmem = (size_t)dim * sizeof(float);
+    const unsigned grid = (unsigned)n_rows;
+    cudaStream_t st = (cudaStream_t)stream;
+    switch (w->dtype) {
+    case MM_DTYPE_BF16: MM_GPU_CHECK(mm_launch_dep(combine_rmsnorm_kernel<MM_DTYPE_BF16>, dim3(grid), dim3(RMS_THREADS), shmem, st, alpha, k, x, xs, shared, ss, h, hs, n_rows, w->data, dim, eps, y, ys, g_early)); break;
+    case MM_DTYPE_F16: MM_GPU_CHECK(mm_launch_dep(combine_rmsnorm_kernel<MM_DTYPE_F16>, dim3(grid), dim3(RMS_THREADS), shmem, st, alpha, k, x, xs, shared, ss, h, hs, n_rows, w->data, dim, eps, y, ys, g_early)); break;
+    case MM_DTYPE_F32: MM_GPU_CHECK(mm_launch_dep(combine_rmsnorm_kernel<MM_DTYPE_F32>, dim3(grid), dim3(RMS_THREADS), shmem, st, alpha, k, x, xs, shared, ss, h, hs, n_rows, w->data, dim, eps, y, ys, g_early)); break;
+    default: return MM_EINVAL;
+    }
+    MM_GPU_CHECK(cudaGetLastError());
+    return MM_OK;
+}
+
 extern "C" mm_err mm_gpu_rmsnorm_warp(void *stream, const mm_weight *w, float eps, const float *x,
                                       int64_t xs, float *y, int64_t ys, int64_t n_rows) {
     if (w == NULL || w->data == NULL || w->rows != 1 || w->cols <= 0 || x == NULL || y == NULL ||
@@ -307,21 +369,47 @@ __device__ __forceinline__ float wload_rt(int dt, const void *w, int64_t i) {
            : dt == MM_DTYPE_F16 ? wload<MM_DTYPE_F16>(w, i) : wload<MM_DTYPE_F32>(w, i);
 }
 
-__global__ void head_norm_rope_kernel(float *x, int64_t n_rows, int64_t stride, int n_a, int n_b,
-                                      int64_t b_off, int hd, const void *wa, int wa_dt,
-                                      const void *wb, int wb_dt, float eps, struct mm_rope_args ra) {
-    mm_dep_signal();
-    mm_dep_wait();
+// kv_slot (below): the cache slot of (seq, pos), or NULL (error word set) for a bad index.
+__device__ __forceinline__ float *kv_slot(const struct mm_kv_view &kv, int32_t seq, int32_t pos,
+                                          int *d_err);
+
+// STORE (head_norm_rope_kv_kernel): also kv_store's work for the row: group b's heads are the
+// keys (n_b == n_kv_heads, head_dim == head_dim_k) and each key warp writes every element of
+// its head to the cache slot as it writes it to x (the same value); n_v more warps per row
+// copy the value heads (st->v) to the slot. kv_store copies x's final values, so the cache
+// gets the same bits.
+template <bool STORE>
+__device__ __forceinline__ void hnr_body(float *x, int64_t n_rows, int64_t stride, int n_a,
+                                         int n_b, int64_t b_off, int hd, const void *wa,
+                                         int wa_dt, const void *wb, int wb_dt, float eps,
+                                         const struct mm_rope_args &ra,
+                                         const struct mm_kv_store_args *st, int *d_err) {
     const int lane = threadIdx.x % MM_WARP_SIZE;
     const int64_t wid = (int64_t)blockIdx.x * (blockDim.x / MM_WARP_SIZE) + threadIdx.x / MM_WARP_SIZE;
-    const int nh = n_a + n_b;
+    const int n_v = STORE ? st->kv.n_kv_heads : 0;
+    const int nh = n_a + n_b + n_v;
     const bool active = wid < n_rows * nh;
     const int64_t r = active ? wid / nh : 0;
     const int h = active ? (int)(wid % nh) : 0;
+    float *slot = NULL; // STORE: this head's place in the row's cache slot (keys, values)
+    if (STORE && active && h >= n_a) {
+        slot = kv_slot(st->kv, st->row_seq[r], st->row_pos[r], d_err);
+        if (slot != NULL && h >= n_a + n_b) { // a value head: a copy
+            const int hv = h - n_a - n_b, dv = st->kv.head_dim_v;
+            const float *vr = st->v + r * st->v_stride + (int64_t)hv * dv;
+            float *sv = slot + (int64_t)st->kv.n_kv_heads * st->kv.head_dim_k + (int64_t)hv * dv;
+            for (int k = lane; k < dv; k += MM_WARP_SIZE)
+                sv[k] = vr[k];
+        }
+        if (slot != NULL)
+            slot += (int64_t)(h - n_a) * hd;
+    }
+    const bool vhead = STORE && h >= n_a + n_b;
     float *xr = x + r * stride + (h < n_a ? (int64_t)h * hd : b_off + (int64_t)(h - n_a) * hd);
     const void *w = h < n_a ? wa : wb;
     const int dt = h < n_a ? wa_dt : wb_dt;
-    if (active && w != NULL) {
+    const int ro = ra.rot_offset, rd = ra.rot_dim;
+    if (active && !vhead && w != NULL) {
         float ss = 0.0f;
 #pragma unroll 8
         for (int k = lane; k < hd; k += MM_WARP_SIZE)
@@ -329,23 +417,56 @@ __global__ void head_norm_rope_kernel(float *x, int64_t n_rows, int64_t stride, 
         ss = mm_warp_sum(ss);
         const float rs = 1.0f / sqrtf(ss / (float)hd + eps);
 #pragma unroll 8
-        for (int k = lane; k < hd; k += MM_WARP_SIZE)
-            xr[k] = wload_rt(dt, w, k) * (xr[k] * rs);
+        for (int k = lane; k < hd; k += MM_WARP_SIZE) {
+            const float y = wload_rt(dt, w, k) * (xr[k] * rs);
+            xr[k] = y;
+            if (STORE && slot != NULL && (k < ro || k >= ro + rd))
+                slot[k] = y; // not rotated: final now
+        }
+    } else if (STORE && active && !vhead && slot != NULL) {
+        for (int k = lane; k < hd; k += MM_WARP_SIZE) // no norm: the elements rope leaves
+            if (k < ro || k >= ro + rd)
+                slot[k] = xr[k];
     }
     __syncthreads();
-    if (!active)
+    if (!active || vhead)
         return;
-    const int half = ra.rot_dim / 2;
-    float *xh = xr + ra.rot_offset;
+    const int half = rd / 2;
+    float *xh = xr + ro;
     for (int i = lane; i < half; i += MM_WARP_SIZE) {
         const float ang = (float)ra.pos[r] * ra.inv_freq[i];
         const float c = cosf(ang) * ra.mscale, sn = sinf(ang) * ra.mscale;
         const int i0 = ra.style == MM_ROPE_NEOX ? i : 2 * i;
         const int i1 = ra.style == MM_ROPE_NEOX ? i + half : 2 * i + 1;
         const float x0 = xh[i0], x1 = xh[i1];
-        xh[i0] = x0 * c - x1 * sn;
-        xh[i1] = x1 * c + x0 * sn;
+        const float y0 = x0 * c - x1 * sn, y1 = x1 * c + x0 * sn;
+        xh[i0] = y0;
+        xh[i1] = y1;
+        if (STORE && slot != NULL) {
+            slot[ro + i0] = y0;
+            slot[ro + i1] = y1;
+        }
     }
+}
+
+__global__ void head_norm_rope_kernel(float *x, int64_t n_rows, int64_t stride, int n_a, int n_b,
+                                      int64_t b_off, int hd, const void *wa, int wa_dt,
+                                      const void *wb, int wb_dt, float eps, struct mm_rope_args ra) {
+    mm_dep_signal();
+    mm_dep_wait();
+    hnr_body<false>(x, n_rows, stride, n_a, n_b, b_off, hd, wa, wa_dt, wb, wb_dt, eps, ra, NULL,
+                    NULL);
+}
+
+__global__ void head_norm_rope_kv_kernel(float *x, int64_t n_rows, int64_t stride, int n_a,
+                                         int n_b, int64_t b_off, int hd, const void *wa,
+                                         int wa_dt, const void *wb, int wb_dt, float eps,
+                                         struct mm_rope_args ra, struct mm_kv_store_args st,
+                                         int *d_err) {
+    mm_dep_signal();
+    mm_dep_wait();
+    hnr_body<true>(x, n_rows, stride, n_a, n_b, b_off, hd, wa, wa_dt, wb, wb_dt, eps, ra, &st,
+                   d_err);
 }
 
 extern "C" mm_err mm_gpu_head_norm_rope(void *stream, float *d_x, int64_t n_rows, int64_t stride,
@@ -407,6 +528,45 @@ extern "C" mm_err mm_gpu_kv_store(void *stream, const struct mm_kv_store_args *a
         return MM_OK;
     MM_GPU_CHECK(mm_launch_dep(kv_store_kernel, dim3((unsigned)a->n_rows), dim3(256), 0,
                                (cudaStream_t)stream, *a, d_err));
+    MM_GPU_CHECK(cudaGetLastError());
+    return MM_OK;
+}
+
+// head_norm_rope then kv_store (kernels.h head_norm_rope_kv) in one launch when the keys
+// kv_store reads are group b of x (st->k == x + b_off, same row stride, n_b == n_kv_heads,
+// head_dim == head_dim_k, the same rows); otherwise the two launches.
+extern "C" mm_err mm_gpu_head_norm_rope_kv(void *stream, float *d_x, int64_t n_rows,
+                                           int64_t stride, int n_a, int n_b, int64_t b_off,
+                                           int head_dim, const mm_weight *wa, const mm_weight *wb,
+                                           float eps, const struct mm_rope_args *ra,
+                                           const struct mm_kv_store_args *st, int *d_err) {
+    if (st == NULL || st->kv.base == NULL || st->kv.block_tables == NULL || st->k == NULL ||
+        st->v == NULL || st->row_seq == NULL || st->row_pos == NULL || st->kv.block_size <= 0 ||
+        st->n_rows < 0)
+        return MM_EINVAL;
+    const bool one = d_x != NULL && st->k == d_x + b_off && st->k_stride == stride &&
+                     n_b == st->kv.n_kv_heads && head_dim == st->kv.head_dim_k &&
+                     st->n_rows == n_rows && st->kv.head_dim_v > 0;
+    if (!one) {
+        MM_TRY(mm_gpu_head_norm_rope(stream, d_x, n_rows, stride, n_a, n_b, b_off, head_dim, wa,
+                                     wb, eps, ra));
+        return mm_gpu_kv_store(stream, st, d_err);
+    }
+    if (ra == NULL || ra->pos == NULL || ra->inv_freq == NULL || n_rows < 0 || n_a < 0 ||
+        n_b < 0 || head_dim <= 0 || ra->rot_dim <= 0 || (ra->rot_dim & 1) ||
+        ra->rot_offset < 0 || ra->rot_offset + ra->rot_dim > head_dim ||
+        (ra->style != MM_ROPE_NEOX && ra->style != MM_ROPE_INTERLEAVED) ||
+        (wa != NULL && (wa->data == NULL || wa->cols != head_dim)) ||
+        (wb != NULL && (wb->data == NULL || wb->cols != head_dim)))
+        return MM_EINVAL;
+    const int64_t warps = n_rows * (n_a + 2 * (int64_t)n_b);
+    if (warps == 0)
+        return MM_OK;
+    const unsigned per_block = 256 / warp_threads();
+    MM_GPU_CHECK(mm_launch_dep(head_norm_rope_kv_kernel, dim3(mm_div_up(warps, per_block)),
+        dim3(256), 0, (cudaStream_t)stream, d_x, n_rows, stride, n_a, n_b, b_off, head_dim,
+        wa ? wa->data : NULL, wa ? (int)wa->dtype : 0, wb ? wb->data : NULL,
+        wb ? (int)wb->dtype : 0, eps, *ra, *st, d_err));
     MM_GPU_CHECK(cudaGetLastError());
     return MM_OK;
 }
@@ -1149,27 +1309,7 @@ extern "C" mm_err mm_gpu_fill(void *stream, float *x, float v, int64_t n) {
 }
 
 // ---- routing: one warp per row ----------------------------------------------------------------
-#define ROUTE_MAX_EXPERTS 1024
-
-// a ranks before b: higher score, then lower id
-__device__ __forceinline__ bool better(float sa, int a, float sb, int b) {
-    return sa > sb || (sa == sb && a < b);
-}
-
-// Warp argmax of (score, id) pairs; id -1 means none. Every lane gets the winner.
-__device__ __forceinline__ void warp_best(float &s, int &id) {
-#pragma unroll
-    for (int m = MM_WARP_SIZE / 2; m > 0; m >>= 1) {
-        const float os = mm_shfl_xor(s, m);
-        const int oid = mm_shfl_xor(id, m);
-        if (oid >= 0 && (id < 0 || better(os, oid, s, id))) {
-            s = os;
-            id = oid;
-        }
-    }
-}
-
-// Dynamic shared: prob (E) f32 + choice (E) f32 + taken (E) bytes.
+// The steps are route.cuh's (shared with route_plan.cu's route + plan kernel).
 __global__ void route_kernel(struct mm_route_params p, const float *logits, int64_t ls,
                              int32_t *ids, float *weights) {
     extern __shared__ float rsh[];
@@ -1181,111 +1321,28 @@ __global__ void route_kernel(struct mm_route_params p, const float *logits, int6
     float *prob = rsh, *choice = rsh + E, *wk = rsh + 2 * E;
     unsigned char *taken = (unsigned char *)(rsh + 2 * E + K);
     const int64_t r = blockIdx.x;
-    const float *l = logits + r * ls;
-    if (p.score == MM_ROUTE_SOFTMAX) {
-        float mx = -INFINITY;
-        for (int e = lane; e < E; e += MM_WARP_SIZE)
-            mx = fmaxf(mx, l[e]);
-        mx = mm_warp_max(mx);
-        float sum = 0.0f;
-        for (int e = lane; e < E; e += MM_WARP_SIZE) {
-            prob[e] = expf(l[e] - mx);
-            sum += prob[e];
-        }
-        sum = mm_warp_sum(sum);
-        for (int e = lane; e < E; e += MM_WARP_SIZE)
-            prob[e] /= sum;
-    } else {
-        for (int e = lane; e < E; e += MM_WARP_SIZE)
-            prob[e] = 1.0f / (1.0f + expf(-l[e]));
-    }
-    for (int e = lane; e < E; e += MM_WARP_SIZE) {
-        choice[e] = p.bias ? prob[e] + p.bias[e] : prob[e];
-        taken[e] = 0;
-    }
+    route_scores(p, logits + r * ls, prob, choice, taken, lane);
     __syncthreads(); // the block is one warp
     if (p.n_group > 1) {
-        const int G = p.n_group, per = E / G;
-        // Group scores (sum of the two best choice scores) then the kept groups, on lane 0:
-        // G is small (8 for DeepSeek V3) and the rule must match the CPU's exactly.
-        if (lane == 0) {
-            float gs[64];
-            bool keep[64];
-            for (int g = 0; g < G; g++) {
-                const float *c = choice + g * per;
-                int b0 = 0;
-                for (int i = 1; i < per; i++)
-                    if (better(c[i], i, c[b0], b0))
-                        b0 = i;
-                int b1 = b0 == 0 ? 1 : 0;
-                for (int i = 0; i < per; i++)
-                    if (i != b0 && better(c[i], i, c[b1], b1))
-                        b1 = i;
-                gs[g] = c[b0] + c[b1];
-                keep[g] = false;
-            }
-            for (int t = 0; t < p.topk_group; t++) {
-                int best = -1;
-                for (int g = 0; g < G; g++)
-                    if (!keep[g] && (best < 0 || better(gs[g], g, gs[best], best)))
-                        best = g;
-                keep[best] = true;
-            }
-            for (int e = 0; e < E; e++)
-                if (!keep[e / per])
-                    choice[e] = 0.0f;
-        }
+        if (lane == 0)
+            route_groups(p, choice);
         __syncthreads(); // the block is one warp
     }
-    int32_t *id = ids + r * K;
-    float *w = weights + r * K;
-    for (int t = 0; t < K; t++) {
-        float bs = 0.0f;
-        int bid = -1;
-        for (int e = lane; e < E; e += MM_WARP_SIZE)
-            if (!taken[e] && (bid < 0 || better(choice[e], e, bs, bid))) {
-                bs = choice[e];
-                bid = e;
-            }
-        warp_best(bs, bid);
-        if (lane == 0) {
-            taken[bid] = 1;
-            id[t] = bid;
-            wk[t] = prob[bid];
-        }
-        __syncthreads(); // the block is one warp
-    }
-    if (lane == 0) { // the same operations in the same order as before, on wk
-        if (p.renorm) {
-            float sum = 0.0f;
-            for (int t = 0; t < K; t++)
-                sum += wk[t];
-            sum += p.renorm_eps;
-            for (int t = 0; t < K; t++)
-                wk[t] /= sum;
-        }
-        if (p.scale != 1.0f && p.scale != 0.0f)
-            for (int t = 0; t < K; t++)
-                wk[t] *= p.scale;
-        for (int t = 0; t < K; t++)
-            w[t] = wk[t];
-    }
+    route_pick_serial(p, prob, choice, taken, wk, ids + r * K, true, lane);
+    if (lane == 0) // the same operations in the same order as before, on wk
+        route_finish(p, wk, weights + r * K);
 }
 
 extern "C" mm_err mm_gpu_route(void *stream, const struct mm_route_params *p, const float *logits,
                                int64_t ls, int64_t n_rows, int32_t *ids, float *weights) {
     if (p == NULL || logits == NULL || ids == NULL || weights == NULL || n_rows < 0)
         return MM_EINVAL;
+    if (!route_params_ok(p))
+        return MM_EINVAL;
     const int E = p->n_experts, K = p->top_k;
-    if (E <= 0 || E > ROUTE_MAX_EXPERTS || K <= 0 || K > E ||
-        (p->score != MM_ROUTE_SOFTMAX && p->score != MM_ROUTE_SIGMOID))
-        return MM_EINVAL;
-    if (p->n_group > 1 && (E % p->n_group || p->n_group > 64 || p->topk_group <= 0 ||
-                           p->topk_group > p->n_group || E / p->n_group < 2))
-        return MM_EINVAL;
     if (n_rows == 0)
         return MM_OK;
-    const size_t shmem = (size_t)(2 * E + K) * sizeof(float) + (size_t)E;
+    const size_t shmem = route_shmem_bytes(E, K);
     MM_GPU_CHECK(mm_launch_dep(route_kernel, dim3((unsigned)n_rows), dim3(warp_threads()), shmem, (cudaStream_t)stream, *p, logits, ls, ids, weights));
     MM_GPU_CHECK(cudaGetLastError());
     return MM_OK;

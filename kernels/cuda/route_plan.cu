@@ -19,16 +19,25 @@
 #include "gpu_common.cuh"
 #include "kernels.h"
 #include "mm_gpu.h"
+#include "route.cuh"
 
 #define PLAN_THREADS 256
 #define PLAN_MAX_E 4096
 
-__global__ void __launch_bounds__(PLAN_THREADS) route_plan_kernel(
-    const int32_t *ids, const float *weights, int n_rows, int top_k, int n_experts, int32_t *offs,
-    int32_t *src_row, int32_t *dst_slot, float *wt, int *d_err) {
-    mm_dep_signal(); // the grouped product after it prefetches its weights meanwhile
-    mm_dep_wait();
-    extern __shared__ int32_t base[]; // n_experts counts, then running starts
+// ids and weights as the plan reads them: written by other blocks of the same kernel (VOL,
+// the route + plan kernel's last block) are read past the multiprocessor's L1.
+template <bool VOL, typename T>
+__device__ __forceinline__ T plan_ld(const T *p) {
+    return VOL ? *(const volatile T *)p : *p;
+}
+
+// The plan of nk = n_rows * top_k slots by one block of PLAN_THREADS threads; base: n_experts
+// int32 of shared memory.
+template <bool VOL>
+__device__ __forceinline__ void plan_body(const int32_t *ids, const float *weights, int n_rows,
+                                          int top_k, int n_experts, int32_t *offs,
+                                          int32_t *src_row, int32_t *dst_slot, float *wt,
+                                          int *d_err, int32_t *base) {
     __shared__ int32_t chunk[PLAN_THREADS];
     __shared__ int32_t wsum[PLAN_THREADS / 32];
     const int nk = n_rows * top_k, tid = threadIdx.x;
@@ -36,7 +45,7 @@ __global__ void __launch_bounds__(PLAN_THREADS) route_plan_kernel(
         base[e] = 0;
     __syncthreads();
     for (int t = tid; t < nk; t += blockDim.x) {
-        int e = ids[t];
+        int e = plan_ld<VOL>(ids + t);
         if (e < 0 || e >= n_experts) {
             if (d_err != NULL)
                 atomicOr(d_err, 1);
@@ -80,7 +89,7 @@ __global__ void __launch_bounds__(PLAN_THREADS) route_plan_kernel(
         const int t = c0 + tid;
         int e = -1;
         if (t < nk) {
-            e = ids[t];
+            e = plan_ld<VOL>(ids + t);
             if (e < 0 || e >= n_experts)
                 e = 0;
         }
@@ -101,7 +110,17 @@ __global__ void __launch_bounds__(PLAN_THREADS) route_plan_kernel(
     }
     if (wt != NULL)
         for (int t = tid; t < nk; t += blockDim.x)
-            wt[(int64_t)(t % top_k) * n_rows + t / top_k] = weights[t];
+            wt[(int64_t)(t % top_k) * n_rows + t / top_k] = plan_ld<VOL>(weights + t);
+}
+
+__global__ void __launch_bounds__(PLAN_THREADS) route_plan_kernel(
+    const int32_t *ids, const float *weights, int n_rows, int top_k, int n_experts, int32_t *offs,
+    int32_t *src_row, int32_t *dst_slot, float *wt, int *d_err) {
+    mm_dep_signal(); // the grouped product after it prefetches its weights meanwhile
+    mm_dep_wait();
+    extern __shared__ int32_t base[]; // n_experts counts, then running starts
+    plan_body<false>(ids, weights, n_rows, top_k, n_experts, offs, src_row, dst_slot, wt, d_err,
+                     base);
 }
 
 extern "C" mm_err mm_gpu_route_plan(void *stream, const int32_t *d_ids, const float *d_weights,
@@ -119,6 +138,84 @@ extern "C" mm_err mm_gpu_route_plan(void *stream, const int32_t *d_ids, const fl
     MM_GPU_CHECK(mm_launch_dep(route_plan_kernel, dim3(1), dim3(PLAN_THREADS), shmem, (cudaStream_t)stream,
         d_ids, d_weights, (int)n_rows, top_k, n_experts, d_offs, d_src_row, d_dst_slot, d_wt,
         d_err));
+    MM_GPU_CHECK(cudaGetLastError());
+    return MM_OK;
+}
+
+// ---- route + plan in one launch ------------------------------------------------------------------
+// A block of PLAN_THREADS per row routes it with route.cuh's steps (the picks by rank, or
+// one at a time when a choice score is NaN: the same ids and weights as route_kernel), writes
+// ids and weights, and the block that finishes last (an arrival count in *count, zero between
+// launches: the last block resets it) makes the plan from all rows with route_plan_kernel's
+// body. With one row there is no count: the block plans after a barrier.
+__global__ void __launch_bounds__(PLAN_THREADS) route_plan_fused_kernel(
+    struct mm_route_params p, const float *logits, int64_t ls, int n_rows, int32_t *ids,
+    float *weights, int32_t *offs, int32_t *src_row, int32_t *dst_slot, float *wt, int *d_err,
+    unsigned *count, size_t plan_off) {
+    extern __shared__ float rsh[]; // route_shmem_bytes, then (at plan_off) the plan's base
+    __shared__ int32_t ids_sh[ROUTE_MAX_EXPERTS];
+    __shared__ int last;
+    mm_dep_signal(); // the grouped product after it prefetches its weights meanwhile
+    mm_dep_wait();
+    const int E = p.n_experts, K = p.top_k, tid = threadIdx.x;
+    const int lane = tid % MM_WARP_SIZE, warp = tid / MM_WARP_SIZE;
+    float *prob = rsh, *choice = rsh + E, *wk = rsh + 2 * E;
+    unsigned char *taken = (unsigned char *)(rsh + 2 * E + K);
+    const int64_t r = blockIdx.x;
+    if (warp == 0)
+        route_scores(p, logits + r * ls, prob, choice, taken, lane);
+    __syncthreads();
+    if (p.n_group > 1) {
+        if (tid == 0)
+            route_groups(p, choice);
+        __syncthreads();
+    }
+    if (route_any_nan(p, choice))
+        route_pick_serial(p, prob, choice, taken, wk, ids_sh, warp == 0, lane);
+    else
+        route_pick_rank(p, prob, choice, wk, ids_sh);
+    for (int t = tid; t < K; t += blockDim.x)
+        ids[r * K + t] = ids_sh[t];
+    if (tid == 0)
+        route_finish(p, wk, weights + r * K);
+    int32_t *base = (int32_t *)((char *)rsh + plan_off);
+    if (gridDim.x == 1) {
+        __syncthreads(); // this block's writes are visible to it
+        plan_body<false>(ids, weights, n_rows, K, E, offs, src_row, dst_slot, wt, d_err, base);
+        return;
+    }
+    __threadfence(); // this row's ids and weights before the arrival
+    __syncthreads();
+    if (tid == 0)
+        last = atomicAdd(count, 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (!last)
+        return;
+    __threadfence(); // every row's writes are seen by the loads below
+    if (tid == 0)
+        *count = 0; // every block has arrived: ready for the next launch
+    plan_body<true>(ids, weights, n_rows, K, E, offs, src_row, dst_slot, wt, d_err, base);
+}
+
+extern "C" mm_err mm_gpu_route_with_plan(void *stream, const struct mm_route_params *p,
+                                         const float *d_logits, int64_t ls, int64_t n_rows,
+                                         int32_t *d_ids, float *d_weights, int32_t *d_offs,
+                                         int32_t *d_src_row, int32_t *d_dst_slot, float *d_wt,
+                                         int *d_err, unsigned *d_count) {
+    if (p == NULL || d_logits == NULL || d_ids == NULL || d_weights == NULL || d_offs == NULL ||
+        d_src_row == NULL || d_dst_slot == NULL || d_count == NULL || n_rows < 0 ||
+        !route_params_ok(p) || n_rows * p->top_k > INT32_MAX) {
+        mm_log_error("gpu: route_with_plan: bad arguments (n_rows=%lld)", (long long)n_rows);
+        return MM_EINVAL;
+    }
+    if (n_rows == 0) // no routing; the plan of no rows (zero offsets)
+        return mm_gpu_route_plan(stream, d_ids, d_weights, 0, p->top_k, p->n_experts, d_offs,
+                                 d_src_row, d_dst_slot, d_wt, d_err);
+    const size_t plan_off = (route_shmem_bytes(p->n_experts, p->top_k) + 15) & ~(size_t)15;
+    const size_t shmem = plan_off + (size_t)p->n_experts * sizeof(int32_t);
+    MM_GPU_CHECK(mm_launch_dep(route_plan_fused_kernel, dim3((unsigned)n_rows), dim3(PLAN_THREADS),
+        shmem, (cudaStream_t)stream, *p, d_logits, ls, (int)n_rows, d_ids, d_weights, d_offs,
+        d_src_row, d_dst_slot, d_wt, d_err, d_count, plan_off));
     MM_GPU_CHECK(cudaGetLastError());
     return MM_OK;
 }

@@ -449,6 +449,59 @@ static mm_err w_add_rms(void *ctx, const float *x, int64_t xs, float *h, int64_t
     RECORD(t_add_rms, a);
 }
 
+// the per-layer chain fusions on the host: the two ops each stands for
+static int g_chain; // head_norm_rope_kv, route_with_plan and combine_rmsnorm calls
+struct a_hnr_kv {
+    struct a_hnr h;
+    struct mm_kv_store_args st;
+};
+static mm_err t_hnr_kv(void *ctx, const void *b) {
+    const struct a_hnr_kv *a = b;
+    MM_TRY(t_hnr(ctx, &a->h));
+    return g_cpu->kv_store(ctx, &a->st);
+}
+static mm_err w_hnr_kv(void *ctx, float *x, int64_t n, int64_t stride, int na, int nb,
+                       int64_t boff, int hd, const mm_weight *wa, const mm_weight *wb, float eps,
+                       const struct mm_rope_args *ra, const struct mm_kv_store_args *st) {
+    g_hnrs++, g_chain++;
+    struct a_hnr_kv a = {{x, n, stride, na, nb, boff, hd, wa, wb, eps, *ra}, *st};
+    RECORD(t_hnr_kv, a);
+}
+struct a_route_plan {
+    struct a_route r;
+    struct a_plan p;
+};
+static mm_err t_route_plan(void *ctx, const void *b) {
+    const struct a_route_plan *a = b;
+    MM_TRY(t_route(ctx, &a->r));
+    return t_plan(ctx, &a->p);
+}
+static mm_err w_route_plan(void *ctx, const struct mm_route_params *p, const float *l,
+                           int64_t ls, int64_t n, int32_t *ids, float *w, int32_t *offs,
+                           int32_t *src, int32_t *dst, float *wt) {
+    g_plans++, g_chain++;
+    struct a_route_plan a = {{*p, l, ls, n, ids, w},
+                             {ids, w, n, p->top_k, p->n_experts, offs, src, dst, wt}};
+    RECORD(t_route_plan, a);
+}
+struct a_combine_rms {
+    struct a_combine c;
+    struct a_rmsnorm r;
+};
+static mm_err t_combine_rms(void *ctx, const void *b) {
+    const struct a_combine_rms *a = b;
+    MM_TRY(t_combine(ctx, &a->c));
+    return t_rmsnorm(ctx, &a->r);
+}
+static mm_err w_combine_rms(void *ctx, const float *alpha, int k, const float *x, int64_t xs,
+                            const float *sh, int64_t ss, float *h, int64_t hs, int64_t n,
+                            const mm_weight *w, float eps, float *y, int64_t ys) {
+    g_combines++, g_chain++;
+    struct a_combine_rms a = {{alpha, k, x, xs, sh, ss, h, hs, n, w->cols},
+                              {w, eps, h, hs, y, ys, n}};
+    RECORD(t_combine_rms, a);
+}
+
 static mm_err w_set(void *ctx, void *dst, const void *src, size_t n) {
     return g_rec ? MM_EINVAL : g_cpu->set(ctx, dst, src, n);
 }
@@ -489,8 +542,9 @@ static void w_graph_free(void *ctx, void *graph) {
     free(g);
 }
 
-// The CPU table as a device backend with every optional member of the device path.
-static void dev_table(struct mm_backend_ops *o, bool graphs) {
+// The CPU table as a device backend with every optional member of the device path (chain:
+// also the per-layer chain fusions).
+static void dev_table(struct mm_backend_ops *o, bool graphs, bool chain) {
     *o = *g_cpu;
     o->name = "cpu-as-device";
     o->host_memory = false;
@@ -501,6 +555,10 @@ static void dev_table(struct mm_backend_ops *o, bool graphs) {
     o->route_plan = w_plan, o->moe_matmul_dev = w_moe, o->argmax = w_argmax;
     o->combine = w_combine, o->head_norm_rope = w_hnr;
     o->moe_matmul_rows = w_moe_rows, o->add_rmsnorm = w_add_rms;
+    if (chain) {
+        o->head_norm_rope_kv = w_hnr_kv, o->route_with_plan = w_route_plan;
+        o->combine_rmsnorm = w_combine_rms;
+    }
     if (graphs) {
         o->capture_begin = w_capture_begin, o->capture_end = w_capture_end;
         o->graph_launch = w_graph_launch, o->graph_free = w_graph_free;
@@ -590,7 +648,7 @@ static float *run(const char *dir, mm_backend *be, bool dev_argmax, int32_t *pic
     return all;
 }
 
-static void check(const char *name, bool graphs) {
+static void check(const char *name, bool graphs, bool chain) {
     char dir[256], err[MM_ERRLEN] = "";
     snprintf(dir, sizeof dir, "tests/fixtures/models/%s", name);
     mm_backend *be = NULL;
@@ -601,10 +659,10 @@ static void check(const char *name, bool graphs) {
     size_t n_ref = 0, n_dev = 0;
     float *ref = run(dir, be, false, want_ids, &n_ref);
     struct mm_backend_ops dev;
-    dev_table(&dev, graphs);
+    dev_table(&dev, graphs, chain);
     be->ops = &dev;
     g_captures = g_launches = g_plans = g_combines = g_hnrs = g_moe_rows = g_add_rms = 0;
-    g_moe_rows_unsupp = 0;
+    g_moe_rows_unsupp = g_chain = 0;
     float *got = run(dir, be, true, got_ids, &n_dev);
     be->ops = g_cpu;
     MM_EQ(n_ref, n_dev);
@@ -626,9 +684,11 @@ static void check(const char *name, bool graphs) {
     MM_TRUE(g_moe_rows_unsupp > 0); // and refused (prefill): the separate ops, same bits
     if (strstr(name, "deepseek") == NULL)
         MM_TRUE(g_hnrs > 0); // the fused q/k/v path was taken
+    MM_TRUE(chain ? g_chain > 0 : g_chain == 0);
     printf("%s%s: %zu logits equal bit for bit; %d plans, %d graphs recorded, %d replays; "
-           "moe_matmul_rows %d taken, %d refused\n", name, graphs ? " with graphs" : "", n_ref,
-           g_plans, g_captures, g_launches, g_moe_rows, g_moe_rows_unsupp);
+           "moe_matmul_rows %d taken, %d refused; %d chain fusions\n", name,
+           graphs ? " with graphs" : "", n_ref, g_plans, g_captures, g_launches, g_moe_rows,
+           g_moe_rows_unsupp, g_chain);
     if (graphs && strstr(name, "deepseek") == NULL) {
         // single-row decode repeats: recorded at the second step, replayed from the third
         MM_TRUE(g_captures >= 1);
@@ -719,6 +779,47 @@ static void gpu_old_new_case(const char *name) {
            "for bit\n", name, n_ref);
     free(ref), free(got);
     mm_backend_close(be);
+}
+
+// The same GPU run without the per-layer chain fusions (MM_GPU_OLD_CHAIN=1: head_norm_rope
+// then kv_store, route then route_plan, combine then the next norm) against the default:
+// every logit and greedy id bit for bit.
+static void gpu_chain_case(const char *name) {
+    char dir[256];
+    snprintf(dir, sizeof dir, "tests/fixtures/models/%s", name);
+    int32_t want_ids[STEPS], got_ids[STEPS];
+    size_t n_ref = 0, n_dev = 0;
+    setenv("MM_GPU_OLD_CHAIN", "1", 1);
+    mm_backend *be = open_gpu();
+    MM_TRUE(be->ops->head_norm_rope_kv == NULL && be->ops->route_with_plan == NULL &&
+            be->ops->combine_rmsnorm == NULL);
+    float *ref = run(dir, be, true, want_ids, &n_ref);
+    mm_backend_close(be);
+    unsetenv("MM_GPU_OLD_CHAIN");
+    be = open_gpu();
+    if (!be->ops->head_norm_rope_kv || !be->ops->route_with_plan || !be->ops->combine_rmsnorm)
+        MM_TEST_FAIL_("the default GPU table lacks the chain fusions");
+    float *got = run(dir, be, true, got_ids, &n_dev);
+    MM_EQ(n_ref, n_dev);
+    const size_t V = n_ref / (7 + STEPS + 9);
+    size_t diff = 0;
+    for (size_t i = 0; i < n_ref; i++)
+        if (memcmp(&ref[i], &got[i], 4) != 0 && i / V != 7 + STEPS + 3 + 2 && diff++ == 0)
+            printf("%s: first difference at row %zu token %zu: %.9g vs %.9g\n", name, i / V,
+                   i % V, got[i], ref[i]);
+    MM_EQ(diff, 0);
+    for (int t = 0; t < STEPS; t++)
+        MM_EQ(got_ids[t], want_ids[t]);
+    printf("%s on cuda:0: chain fusions == separate ops, %zu logits bit for bit\n", name, n_ref);
+    free(ref), free(got);
+    mm_backend_close(be);
+}
+
+static void test_gpu_chain(void) {
+    gpu_chain_case("qwen3moe-tiny");
+    gpu_chain_case("qwen2moe-tiny");
+    gpu_chain_case("mixtral-var");
+    gpu_chain_case("glm4moe-tiny");
 }
 
 static void test_gpu_old_new(void) {
@@ -871,16 +972,18 @@ static void test_gpu_plan(void) {
     mm_backend_close(be);
 }
 
-static void test_qwen3moe(void) { check("qwen3moe-tiny", false); }
-static void test_qwen3moe_graphs(void) { check("qwen3moe-tiny", true); }
-static void test_qwen2moe_graphs(void) { check("qwen2moe-tiny", true); }
-static void test_mixtral_graphs(void) { check("mixtral-var", true); }
-static void test_glm4moe_graphs(void) { check("glm4moe-tiny", true); }
-static void test_deepseek(void) { check("deepseekv3-tiny", true); }
+static void test_qwen3moe(void) { check("qwen3moe-tiny", false, true); }
+static void test_qwen3moe_graphs(void) { check("qwen3moe-tiny", true, true); }
+static void test_qwen3moe_nochain(void) { check("qwen3moe-tiny", true, false); }
+static void test_qwen2moe_graphs(void) { check("qwen2moe-tiny", true, true); }
+static void test_mixtral_graphs(void) { check("mixtral-var", true, true); }
+static void test_glm4moe_graphs(void) { check("glm4moe-tiny", true, true); }
+static void test_deepseek(void) { check("deepseekv3-tiny", true, true); }
 
 MM_TESTS = {
     {"device path == cpu path bits (qwen3_moe)", test_qwen3moe},
     {"device path with graphs == cpu path bits (qwen3_moe)", test_qwen3moe_graphs},
+    {"device path without the chain fusions == cpu path bits (qwen3_moe)", test_qwen3moe_nochain},
     {"device path with graphs == cpu path bits (qwen2_moe, shared expert)", test_qwen2moe_graphs},
     {"device path with graphs == cpu path bits (mixtral)", test_mixtral_graphs},
     {"device path with graphs == cpu path bits (glm4_moe)", test_glm4moe_graphs},
@@ -890,5 +993,6 @@ MM_TESTS = {
     {"cuda: device path == host-routed path bits (qwen2_moe)", test_gpu_qwen2moe},
     {"cuda: device path == host-routed path bits (mixtral)", test_gpu_mixtral},
     {"cuda: new decode kernels and fused ops == MM_GPU_OLD_DECODE bits", test_gpu_old_new},
+    {"cuda: chain fusions == MM_GPU_OLD_CHAIN bits (4 models)", test_gpu_chain},
     {NULL, NULL},
 };

@@ -1,0 +1,302 @@
+// SPDX-License-Identifier: MIT
+// The GPU backend's per-layer chain fusions against the ops each stands for, bit for bit,
+// through the backend table: route_with_plan == route then route_plan (softmax and sigmoid
+// with bias, renorm and scale, group-limited choice, frequent ties, a NaN row, 1..200 rows,
+// calls in a row so the arrival count is reset), head_norm_rope_kv == head_norm_rope then
+// kv_store (the fused q/k/v layout of Qwen3; NeoX and interleaved, partial rotation, with and
+// without norms; x and the whole cache compared) and its fallback for other layouts,
+// combine_rmsnorm == combine then rmsnorm (with and without the shared row, bf16 and f32
+// norm weights; h and y compared).
+// Without the GPU backend (plain `make`) or without a GPU, every case skips and says why.
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels.h"
+#include "mm/dtype.h"
+#include "mm_test.h"
+
+static mm_backend *gpu;
+
+static void open_gpu(void) {
+    char err[MM_ERRLEN] = "";
+    mm_err rv = mm_backend_open(&gpu, "cuda:0", NULL, err);
+    if (rv == MM_EUNSUPP)
+        MM_SKIP("%s", err);
+    if (rv != MM_OK)
+        MM_TEST_FAIL_("opening cuda:0: %s (%s)", mm_strerror(rv), err);
+    if (!gpu->ops->route_with_plan || !gpu->ops->head_norm_rope_kv || !gpu->ops->combine_rmsnorm) {
+        mm_backend_close(gpu);
+        gpu = NULL;
+        MM_SKIP("the GPU table has no chain fusions (MM_GPU_OLD_CHAIN, MM_GPU_OLD_FUSIONS or "
+                "MM_GPU_OLD_DECODE set?)");
+    }
+}
+
+static void close_gpu(void) {
+    mm_backend_close(gpu);
+    gpu = NULL;
+}
+
+static uint64_t rng = 0x9e3779b97f4a7c15ull;
+static float frand(void) { // uniform in [-1, 1)
+    rng ^= rng << 13;
+    rng ^= rng >> 7;
+    rng ^= rng << 17;
+    return (float)((rng >> 40) & 0xffffff) / 8388608.0f - 1.0f;
+}
+
+static void *dev_copy(const void *h, size_t n_bytes) {
+    void *d = NULL;
+    MM_PASS(gpu->ops->buffer_alloc(gpu->ctx, n_bytes ? n_bytes : 4, &d));
+    if (n_bytes && h != NULL)
+        MM_PASS(gpu->ops->set(gpu->ctx, d, h, n_bytes));
+    return d;
+}
+
+static void *dev_get(const void *d, size_t n_bytes) {
+    void *h = malloc(n_bytes + 1);
+    MM_TRUE(h != NULL);
+    MM_PASS(gpu->ops->get(gpu->ctx, h, d, n_bytes));
+    return h;
+}
+
+// d's n_bytes equal e's (both device memory); names the first differing 4-byte word.
+static void same_dev(const char *what, const void *d, const void *e, size_t n_bytes) {
+    uint32_t *a = dev_get(d, n_bytes), *b = dev_get(e, n_bytes);
+    for (size_t i = 0; i < n_bytes / 4; i++)
+        if (a[i] != b[i])
+            MM_TEST_FAIL_("%s: word %zu differs: 0x%08x (fused) vs 0x%08x (separate ops)", what,
+                          i, a[i], b[i]);
+    free(a), free(b);
+}
+
+static void fill_dev(void *d, size_t n_bytes, uint8_t v) {
+    uint8_t *h = malloc(n_bytes);
+    memset(h, v, n_bytes);
+    MM_PASS(gpu->ops->set(gpu->ctx, d, h, n_bytes));
+    free(h);
+}
+
+// ---- route_with_plan ----------------------------------------------------------------------------
+// levels > 0: logits quantised to that many values (many ties); nan_row >= 0: that row NaN.
+static void route_case(int n, int E, int K, enum mm_route_score score, bool bias, bool renorm,
+                       float scale, int n_group, int topk_group, int levels, int nan_row) {
+    const size_t nk = (size_t)n * K;
+    float *l = malloc((size_t)n * E * 4), *bh = malloc((size_t)E * 4);
+    for (int64_t i = 0; i < (int64_t)n * E; i++) {
+        float v = frand() * 4.0f;
+        if (levels > 0)
+            v = floorf((v + 4.0f) / 8.0f * (float)levels) / (float)levels;
+        l[i] = v;
+    }
+    if (nan_row >= 0 && nan_row < n)
+        for (int e = 0; e < E; e += 3)
+            l[(int64_t)nan_row * E + e] = NAN;
+    for (int e = 0; e < E; e++)
+        bh[e] = frand() * 0.1f;
+    struct mm_route_params p = {.n_experts = E, .top_k = K, .score = score,
+                                .bias = bias ? dev_copy(bh, (size_t)E * 4) : NULL,
+                                .n_group = n_group, .topk_group = topk_group, .renorm = renorm,
+                                .renorm_eps = renorm ? 1e-20f : 0.0f, .scale = scale};
+    float *dl = dev_copy(l, (size_t)n * E * 4);
+    // [0]: route then route_plan; [1]: route_with_plan
+    int32_t *ids[2], *offs[2], *src[2], *dst[2];
+    float *w[2], *wt[2];
+    for (int j = 0; j < 2; j++) {
+        ids[j] = dev_copy(NULL, nk * 4), w[j] = dev_copy(NULL, nk * 4);
+        offs[j] = dev_copy(NULL, (size_t)(E + 1) * 4), src[j] = dev_copy(NULL, nk * 4);
+        dst[j] = dev_copy(NULL, nk * 4), wt[j] = dev_copy(NULL, nk * 4);
+        fill_dev(ids[j], nk * 4, (uint8_t)(0x11 * (j + 1)));
+        fill_dev(w[j], nk * 4, (uint8_t)(0x11 * (j + 1)));
+        fill_dev(wt[j], nk * 4, (uint8_t)(0x11 * (j + 1)));
+    }
+    MM_PASS(gpu->ops->route(gpu->ctx, &p, dl, E, n, ids[0], w[0]));
+    MM_PASS(gpu->ops->route_plan(gpu->ctx, ids[0], w[0], n, K, E, offs[0], src[0], dst[0],
+                                 wt[0]));
+    for (int rep = 0; rep < 3; rep++) // the arrival count must be back at zero each time
+        MM_PASS(gpu->ops->route_with_plan(gpu->ctx, &p, dl, E, n, ids[1], w[1], offs[1], src[1],
+                                          dst[1], wt[1]));
+    MM_PASS(gpu->ops->synchronize(gpu->ctx));
+    same_dev("ids", ids[1], ids[0], nk * 4);
+    same_dev("weights", w[1], w[0], nk * 4);
+    same_dev("offs", offs[1], offs[0], (size_t)(E + 1) * 4);
+    same_dev("src_row", src[1], src[0], nk * 4);
+    same_dev("dst_slot", dst[1], dst[0], nk * 4);
+    same_dev("wt", wt[1], wt[0], nk * 4);
+    printf("route_with_plan %d rows, E %d, K %d, %s%s%s, scale %g, groups %d/%d, %s%s: same "
+           "bits\n", n, E, K, score == MM_ROUTE_SOFTMAX ? "softmax" : "sigmoid",
+           bias ? " + bias" : "", renorm ? ", renorm" : "", (double)scale, n_group, topk_group,
+           levels > 0 ? "ties" : "no ties", nan_row >= 0 ? ", a NaN row" : "");
+    for (int j = 0; j < 2; j++) {
+        void *b[] = {ids[j], w[j], offs[j], src[j], dst[j], wt[j]};
+        for (size_t i = 0; i < 6; i++)
+            gpu->ops->buffer_free(gpu->ctx, b[i]);
+    }
+    gpu->ops->buffer_free(gpu->ctx, dl);
+    gpu->ops->buffer_free(gpu->ctx, (void *)p.bias);
+    free(l), free(bh);
+}
+
+static void test_route_with_plan(void) {
+    open_gpu();
+    route_case(1, 128, 8, MM_ROUTE_SOFTMAX, false, true, 1.0f, 0, 0, 0, -1); // Qwen3 decode
+    route_case(64, 128, 8, MM_ROUTE_SOFTMAX, false, true, 1.0f, 0, 0, 0, -1);
+    route_case(200, 128, 8, MM_ROUTE_SOFTMAX, false, true, 1.0f, 0, 0, 0, -1);
+    route_case(3, 128, 8, MM_ROUTE_SOFTMAX, false, false, 1.0f, 0, 0, 6, -1); // ties
+    route_case(5, 60, 4, MM_ROUTE_SOFTMAX, false, true, 1.0f, 0, 0, 3, 2);    // NaN row
+    route_case(7, 8, 2, MM_ROUTE_SOFTMAX, false, false, 1.0f, 0, 0, 0, -1);   // Mixtral
+    route_case(4, 30, 3, MM_ROUTE_SOFTMAX, false, true, 1.0f, 0, 0, 4, -1);   // E % 4 != 0
+    route_case(9, 64, 6, MM_ROUTE_SIGMOID, true, true, 2.5f, 8, 3, 0, -1);    // DeepSeek-like
+    route_case(2, 256, 8, MM_ROUTE_SIGMOID, true, true, 2.5f, 8, 4, 5, -1);   // ties, groups
+    route_case(33, 1000, 300, MM_ROUTE_SOFTMAX, false, true, 1.0f, 0, 0, 0, -1); // K > block
+    route_case(1, 1024, 8, MM_ROUTE_SIGMOID, true, false, 1.0f, 0, 0, 0, -1);
+    close_gpu();
+}
+
+// ---- head_norm_rope_kv --------------------------------------------------------------------------
+static void hnr_kv_case(int n, int H, int KV, int hd, int rot_off, int rot_dim,
+                        enum mm_rope_style style, bool norms, bool fused_layout) {
+    const int bs = 16, n_seqs = 3, max_blocks = 8, n_blocks = n_seqs * max_blocks;
+    const int64_t W = (int64_t)(H + 2 * KV) * hd, slot = (int64_t)KV * 2 * hd;
+    const size_t pool_n = (size_t)(n_blocks * bs * slot), xn = (size_t)(n * W);
+    int32_t tables[3 * 8], rs[64], rp[64];
+    for (int i = 0; i < n_seqs * max_blocks; i++)
+        tables[i] = (i * 5 + 1) % n_blocks;
+    for (int r = 0; r < n; r++)
+        rs[r] = r % n_seqs, rp[r] = (r * 37 + 5) % (bs * max_blocks);
+    float *x = malloc(xn * 4), *inv = malloc((size_t)rot_dim * 2);
+    for (size_t i = 0; i < xn; i++)
+        x[i] = frand() * 3.0f;
+    for (int i = 0; i < rot_dim / 2; i++)
+        inv[i] = powf(1e6f, -2.0f * (float)i / (float)rot_dim);
+    uint16_t *wq = malloc((size_t)hd * 2), *wk = malloc((size_t)hd * 2);
+    for (int i = 0; i < hd; i++) {
+        wq[i] = mm_f32_to_bf16(1.0f + frand() * 0.5f);
+        wk[i] = mm_f32_to_bf16(1.0f + frand() * 0.5f);
+    }
+    mm_weight wa = {.data = dev_copy(wq, (size_t)hd * 2), .dtype = MM_DTYPE_BF16, .rows = 1,
+                    .cols = hd};
+    mm_weight wb = {.data = dev_copy(wk, (size_t)hd * 2), .dtype = MM_DTYPE_BF16, .rows = 1,
+                    .cols = hd};
+    struct mm_rope_args ra = {.rot_offset = rot_off, .rot_dim = rot_dim,
+                              .pos = dev_copy(rp, (size_t)n * 4),
+                              .inv_freq = dev_copy(inv, (size_t)rot_dim / 2 * 4),
+                              .mscale = 1.0f, .style = style};
+    float *dx[2], *pool[2];
+    struct mm_kv_store_args st[2];
+    const int32_t *dt = dev_copy(tables, sizeof(tables)), *ds = dev_copy(rs, (size_t)n * 4);
+    for (int j = 0; j < 2; j++) {
+        dx[j] = dev_copy(x, xn * 4);
+        pool[j] = dev_copy(NULL, pool_n * 4);
+        fill_dev(pool[j], pool_n * 4, 0x7f);
+        st[j] = (struct mm_kv_store_args){
+            .kv = {.base = pool[j], .block_size = bs, .block_stride = bs * slot,
+                   .slot_stride = slot, .n_kv_heads = KV, .head_dim_k = hd, .head_dim_v = hd,
+                   .block_tables = dt, .max_blocks = max_blocks},
+            .k = dx[j] + (int64_t)H * hd, .k_stride = W, .v = dx[j] + (int64_t)(H + KV) * hd,
+            .v_stride = W, .n_rows = n, .row_seq = ds, .row_pos = ra.pos};
+    }
+    // another layout (fused_layout false: the keys read from a copy, not from x's group b):
+    // the backend must run the two ops then
+    float *kcopy = NULL;
+    if (!fused_layout) {
+        kcopy = dev_copy(NULL, xn * 4);
+        st[1].k = kcopy + (int64_t)H * hd;
+    }
+    const mm_weight *pa = norms ? &wa : NULL, *pb = norms ? &wb : NULL;
+    MM_PASS(gpu->ops->head_norm_rope(gpu->ctx, dx[0], n, W, H, KV, (int64_t)H * hd, hd, pa, pb,
+                                     1e-6f, &ra));
+    MM_PASS(gpu->ops->kv_store(gpu->ctx, &st[0]));
+    if (!fused_layout) { // kcopy holds what x will hold after head_norm_rope
+        MM_PASS(gpu->ops->synchronize(gpu->ctx));
+        float *h0 = dev_get(dx[0], xn * 4);
+        MM_PASS(gpu->ops->set(gpu->ctx, kcopy, h0, xn * 4));
+        free(h0);
+    }
+    MM_PASS(gpu->ops->head_norm_rope_kv(gpu->ctx, dx[1], n, W, H, KV, (int64_t)H * hd, hd, pa,
+                                        pb, 1e-6f, &ra, &st[1]));
+    MM_PASS(gpu->ops->synchronize(gpu->ctx));
+    same_dev("x (q, k, v)", dx[1], dx[0], xn * 4);
+    same_dev("cache", pool[1], pool[0], pool_n * 4);
+    printf("head_norm_rope_kv %d rows, %d/%d heads of %d, rotation %d+%d %s, %s, %s: same "
+           "bits\n", n, H, KV, hd, rot_off, rot_dim, style == MM_ROPE_NEOX ? "neox" : "interleaved",
+           norms ? "norms" : "no norms", fused_layout ? "one launch" : "other layout (two)");
+    void *b[] = {dx[0], dx[1], pool[0], pool[1], (void *)dt, (void *)ds, (void *)ra.pos,
+                 (void *)ra.inv_freq, (void *)wa.data, (void *)wb.data, kcopy};
+    for (size_t i = 0; i < sizeof(b) / sizeof(b[0]); i++)
+        gpu->ops->buffer_free(gpu->ctx, b[i]);
+    free(x), free(inv), free(wq), free(wk);
+}
+
+static void test_head_norm_rope_kv(void) {
+    open_gpu();
+    hnr_kv_case(1, 32, 4, 128, 0, 128, MM_ROPE_NEOX, true, true); // Qwen3-30B-A3B decode
+    hnr_kv_case(5, 32, 4, 128, 0, 128, MM_ROPE_NEOX, true, true);
+    hnr_kv_case(64, 16, 2, 64, 0, 64, MM_ROPE_INTERLEAVED, true, true);
+    hnr_kv_case(3, 12, 4, 96, 16, 48, MM_ROPE_NEOX, true, true); // partial rotation
+    hnr_kv_case(3, 8, 8, 40, 8, 16, MM_ROPE_INTERLEAVED, false, true); // no norms
+    hnr_kv_case(2, 8, 2, 64, 0, 64, MM_ROPE_NEOX, true, false);  // the fallback
+    close_gpu();
+}
+
+// ---- combine_rmsnorm ----------------------------------------------------------------------------
+static void combine_rms_case(int n, int k, int dim, bool shared, enum mm_dtype wdt) {
+    const size_t hn = (size_t)n * dim, xn = (size_t)n * k * dim;
+    float *x = malloc(xn * 4 + 4), *al = malloc((size_t)n * k * 4 + 4), *h = malloc(hn * 4);
+    float *sh = malloc(hn * 4);
+    for (size_t i = 0; i < xn; i++)
+        x[i] = frand();
+    for (int i = 0; i < n * k; i++)
+        al[i] = frand() * 0.3f + 0.2f;
+    for (size_t i = 0; i < hn; i++)
+        h[i] = frand() * 5.0f, sh[i] = frand();
+    void *wh = malloc((size_t)dim * 4);
+    for (int i = 0; i < dim; i++) {
+        const float v = 1.0f + frand() * 0.5f;
+        if (wdt == MM_DTYPE_BF16)
+            ((uint16_t *)wh)[i] = mm_f32_to_bf16(v);
+        else
+            ((float *)wh)[i] = v;
+    }
+    mm_weight w = {.data = dev_copy(wh, (size_t)dim * (wdt == MM_DTYPE_BF16 ? 2 : 4)),
+                   .dtype = wdt, .rows = 1, .cols = dim};
+    float *dx = dev_copy(x, xn * 4), *da = dev_copy(al, (size_t)n * k * 4);
+    float *dsh = shared ? dev_copy(sh, hn * 4) : NULL;
+    float *dh[2], *dy[2];
+    for (int j = 0; j < 2; j++) {
+        dh[j] = dev_copy(h, hn * 4);
+        dy[j] = dev_copy(NULL, hn * 4);
+        fill_dev(dy[j], hn * 4, (uint8_t)(0x22 * (j + 1)));
+    }
+    MM_PASS(gpu->ops->combine(gpu->ctx, da, k, dx, dim, dsh, dim, dh[0], dim, n, dim));
+    MM_PASS(gpu->ops->rmsnorm(gpu->ctx, &w, 1e-6f, dh[0], dim, dy[0], dim, n));
+    MM_PASS(gpu->ops->combine_rmsnorm(gpu->ctx, da, k, dx, dim, dsh, dim, dh[1], dim, n, &w,
+                                      1e-6f, dy[1], dim));
+    MM_PASS(gpu->ops->synchronize(gpu->ctx));
+    same_dev("h", dh[1], dh[0], hn * 4);
+    same_dev("y", dy[1], dy[0], hn * 4);
+    printf("combine_rmsnorm %d rows, k %d, dim %d, %s, %s weights: same bits\n", n, k, dim,
+           shared ? "shared row" : "no shared row", wdt == MM_DTYPE_BF16 ? "bf16" : "f32");
+    void *b[] = {dh[0], dh[1], dy[0], dy[1], dx, da, dsh, (void *)w.data};
+    for (size_t i = 0; i < sizeof(b) / sizeof(b[0]); i++)
+        gpu->ops->buffer_free(gpu->ctx, b[i]);
+    free(x), free(al), free(h), free(sh), free(wh);
+}
+
+static void test_combine_rmsnorm(void) {
+    open_gpu();
+    combine_rms_case(1, 8, 2048, false, MM_DTYPE_BF16); // Qwen3-30B-A3B decode
+    combine_rms_case(64, 8, 2048, false, MM_DTYPE_BF16);
+    combine_rms_case(3, 4, 1000, true, MM_DTYPE_F32);
+    combine_rms_case(5, 0, 300, true, MM_DTYPE_BF16); // a dense layer: the shared row only
+    combine_rms_case(2, 2, 9000, false, MM_DTYPE_BF16); // past the block kernel: two launches
+    close_gpu();
+}
+
+MM_TESTS = {
+    {"route_with_plan == route then route_plan bits", test_route_with_plan},
+    {"head_norm_rope_kv == head_norm_rope then kv_store bits", test_head_norm_rope_kv},
+    {"combine_rmsnorm == combine then rmsnorm bits", test_combine_rmsnorm},
+};

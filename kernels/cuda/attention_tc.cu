@@ -7,11 +7,12 @@
 //   m16n8k16 with f32 accumulation, dims in 16-wide steps in ascending order.
 // - Keys in blocks of TC_KEYS = 64 aligned to absolute position 0 (keys 0..63, 64..127, ...),
 //   walked in ascending order from the block holding the first visible key to the block
-//   holding the row's own position. Per block, in f32: t = x * (scale * log2 e) (-inf for keys
-//   outside [first, pos]); m' = max(m, max_t t); alpha = m' == m ? 1 : 2^(m - m'); p = 2^(t - m')
-//   (ex2.approx.ftz); l = l * alpha + (the row's p summed per thread in a fixed order); out =
-//   out * alpha, then out += P V with P rounded to bf16, 16 keys per mma step in ascending
-//   order. At the end the four threads' l are summed by a fixed butterfly; out = out * (1 / l).
+//   holding the row's own position. Per block, in f32 with c = scale * log2 e: x = -inf for
+//   keys outside [first, pos]; m' = max(m, c * max x) (the max in log2 units); alpha = m' == m ?
+//   1 : 2^(m - m'); p = 2^(fma(x, c, -m')) (ex2.approx.ftz); l = l * alpha + (the row's p summed
+//   per thread in a fixed order); out = out * alpha, then out += P V with P rounded to bf16, 16
+//   keys per mma step in ascending order. At the end the four threads' l are summed by a fixed
+//   butterfly; out = out * (1 / l).
 // - An mma output element (i, j) depends only on row i of A, column j of B and element (i, j)
 //   of C, so a row's result depends only on its own query, its keys and the fixed partition:
 //   the same bits whether the row is decoded alone, in a batch of other sequences, or is one
@@ -20,19 +21,22 @@
 //   zeros: keys outside a tile's [t_lo, t_hi] are staged as zeros, and the keys in that range
 //   are stored values), so a row that rides in a tile with later rows gets the bits it gets
 //   alone.
-// Layout: a block of TC_THREADS (8 warps) takes up to TC_UNITS (row, head) units of one kv
-// head: rows_pb rows x gsub query heads of that kv head (the GQA group, or a slice of it), unit
-// u = row * gsub + head; warp w computes units 16w..16w+15 (the mma M dimension). Prefill
-// calls (more than TC_DECODE_ROWS rows) take TC_UNITS / gsub rows per block; decode calls one
-// row per block (only the first ceil(gsub / 16) warps compute; all 8 stage keys). Each block's
-// 64 keys (K and V, f32 in the cache) come into shared memory by cp.async while the previous
-// block is computed, then are converted to bf16 ([key][dim] rows padded by 8 so ldmatrix reads
-// are conflict-free); K fragments by ldmatrix, V by ldmatrix.trans; P stays in registers (the
-// score accumulators are the next mma's A fragments). Rows of several sequences in one block
-// are done one sequence at a time (passes), like ops.cu's prefill kernel.
-// Shapes: head_dim_k <= 192 and head_dim_v <= 128, both multiples of 4, a 16-byte-aligned
-// cache; other shapes (and HIP builds) keep ops.cu's kernels for decode and prefill alike, so
-// the contract never depends on the number of rows.
+// Layout: a block of NW warps (8, or 4 with MM_GPU_ATT_TC_WARPS=4: two blocks per
+// multiprocessor) takes up to 16 NW (row, head) units of one kv head: rows_pb rows x gsub query
+// heads of that kv head (the GQA group, or a slice of it), unit u = row * gsub + head; warp w
+// computes units 16w..16w+15 (the mma M dimension). Prefill calls (more than TC_DECODE_ROWS rows)
+// take 16 NW / gsub rows per block; decode calls one row per block (only the first
+// ceil(gsub / 16) warps compute; all stage keys). Each block's 64 keys (K and V, f32 in the
+// cache) come into shared memory by cp.async while the previous block is computed (the cache
+// table read one block earlier still), each thread converting the float4s it copied to bf16
+// ([key][dim] rows padded by 8 so ldmatrix reads are conflict-free); K fragments by ldmatrix,
+// V by ldmatrix.trans; P stays in registers (the score accumulators are the next mma's A
+// fragments). Rows of several sequences in one block are done one sequence at a time
+// (passes), like ops.cu's prefill kernel.
+// Shapes: head dims up to 128, multiples of 4, a 16-byte-aligned cache; other shapes (and HIP
+// builds) keep ops.cu's kernels for decode and prefill alike, so the contract never depends on
+// the number of rows. (A 192/128 form ran on the H200 at 01:48 UTC with wrong results, cause
+// not found; removed.)
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -42,13 +46,11 @@
 #include "mm_gpu.h"
 
 #define TC_KEYS 64
-#define TC_THREADS 256
-#define TC_WARPS (TC_THREADS / 32)
-#define TC_UNITS (TC_WARPS * 16)
 #define TC_DECODE_ROWS 64 // calls of at most this many rows: one row per block
 #define TC_ERR_INDEX 1    // ops.cu's ERR_INDEX: the backend's device error word
 
-static int g_att_tc = -1; // -1: from MM_GPU_ATT_TC at first use; 0 off; 1 on
+static int g_att_tc = -1;       // -1: from MM_GPU_ATT_TC at first use; 0 off; 1 on
+static int g_att_tc_warps = -1; // -1: from MM_GPU_ATT_TC_WARPS (4 or 8; default 8)
 
 #if MM_GPU_HAVE_WMMA
 #define TC_HAVE 1
@@ -118,48 +120,96 @@ __device__ __forceinline__ void tc_ldsm4t(uint32_t r[4], const uint16_t *p) {
                  : "r"(a));
 }
 
-// Issues the copies of block c0's keys of sequence seq (keys in [t_lo, t_hi] that have a slot)
-// into stage ([key][dk + dv] f32); ok[key] records which came. Thread tid takes key tid / 4 and
-// every 4th float4 of it from tid % 4. One commit group.
-__device__ __forceinline__ void tc_issue(const struct mm_kv_view &kv, int32_t seq, int32_t c0,
-                                         int32_t t_lo, int32_t t_hi, int64_t k_off, int64_t v_off,
-                                         float *stage, int *ok, int *d_err) {
-    const int dk = kv.head_dim_k, dv = kv.head_dim_v, sw = dk + dv;
-    const int key = threadIdx.x >> 2, part = threadIdx.x & 3;
-    const int32_t t = c0 + key;
-    const float *slot = NULL;
-    if (t >= t_lo && t <= t_hi)
-        slot = tc_slot(kv, seq, t, d_err);
-    if (part == 0)
-        ok[key] = slot != NULL;
-    if (slot != NULL) {
-        float *dst = stage + key * sw;
-        for (int i = part; i < dk / 4; i += 4)
-            tc_cp16(dst + 4 * i, slot + k_off + 4 * i);
-        for (int i = part; i < dv / 4; i += 4)
-            tc_cp16(dst + dk + 4 * i, slot + v_off + 4 * i);
+// The cache block of key t of sequence seq when t is in [t_lo, t_hi] (flagged when the table
+// has none), else -1. Loaded one 64-key block ahead of its copies, so the table read's latency
+// is not on the issue path.
+__device__ __forceinline__ int32_t tc_blk(const struct mm_kv_view &kv, int32_t seq, int32_t t,
+                                          int32_t t_lo, int32_t t_hi, int *d_err) {
+    if (t < t_lo || t > t_hi)
+        return -1;
+    if (t < 0 || seq < 0 || t / kv.block_size >= kv.max_blocks) {
+        tc_flag(d_err);
+        return -1;
+    }
+    const int32_t blk = kv.block_tables[(int64_t)seq * kv.max_blocks + t / kv.block_size];
+    if (blk < 0)
+        tc_flag(d_err);
+    return blk < 0 ? -1 : blk;
+}
+
+// Issues the copies of key c0 + key (cache block blk, -1: none) into its stage row ([key][sw]
+// f32, sw = dk + dv + 4): thread part of the key's TPK threads takes every TPK-th float4. The
+// same thread converts them (tc_convert), so only its own copies need to have landed.
+template <int TPK>
+__device__ __forceinline__ void tc_issue(const struct mm_kv_view &kv, int32_t t, int32_t blk,
+                                         int64_t k_off, int64_t v_off, float *row, int part) {
+    const int dk = kv.head_dim_k, dv = kv.head_dim_v;
+    if (blk >= 0) {
+        const float *slot = kv.base + (int64_t)blk * kv.block_stride +
+                            (int64_t)(t % kv.block_size) * kv.slot_stride;
+        for (int i = part; i < dk / 4; i += TPK)
+            tc_cp16(row + 4 * i, slot + k_off + 4 * i);
+        for (int i = part; i < dv / 4; i += TPK)
+            tc_cp16(row + dk + 4 * i, slot + v_off + 4 * i);
     }
     tc_commit();
 }
 
-template <int DKM, int DVM>
-__global__ void __launch_bounds__(TC_THREADS, 1) attention_tc_kernel(struct mm_attn_args a, int gsub,
-                                                                     int rows_pb, int *d_err) {
+// This thread's float4s of its key's stage row as bf16 into the K row (dims padded to dkp with
+// zeros) and the V row; zeros when the key was not staged (ok false).
+template <int DKM, int DVM, int TPK>
+__device__ __forceinline__ void tc_convert(const float *row, bool ok, int dk, int dv, int dkp, int dvp,
+                                           uint16_t *krow, uint16_t *vrow, int part) {
+    float4 x[DKM / 4 / TPK];
+#pragma unroll
+    for (int j = 0; j < DKM / 4 / TPK; j++) {
+        const int i = part + TPK * j;
+        x[j] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (ok && 4 * i < dk)
+            x[j] = *(const float4 *)(row + 4 * i);
+    }
+#pragma unroll
+    for (int j = 0; j < DKM / 4 / TPK; j++) {
+        const int i = part + TPK * j;
+        if (4 * i < dkp)
+            *(uint2 *)(krow + 4 * i) = make_uint2(tc_pack(x[j].x, x[j].y), tc_pack(x[j].z, x[j].w));
+    }
+    float4 y[DVM / 4 / TPK];
+#pragma unroll
+    for (int j = 0; j < DVM / 4 / TPK; j++) {
+        const int i = part + TPK * j;
+        y[j] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (ok && 4 * i < dv)
+            y[j] = *(const float4 *)(row + dk + 4 * i);
+    }
+#pragma unroll
+    for (int j = 0; j < DVM / 4 / TPK; j++) {
+        const int i = part + TPK * j;
+        if (4 * i < dvp)
+            *(uint2 *)(vrow + 4 * i) = make_uint2(tc_pack(y[j].x, y[j].y), tc_pack(y[j].z, y[j].w));
+    }
+}
+
+template <int DKM, int DVM, int NW>
+__global__ void __launch_bounds__(NW * 32, 8 / NW) attention_tc_kernel(struct mm_attn_args a, int gsub,
+                                                                      int rows_pb, int *d_err) {
+    constexpr int NT = NW * 32, UNITS = NW * 16, TPK = NT / TC_KEYS;
+    static_assert(NT % TC_KEYS == 0, "threads per key");
     mm_dep_signal();
     mm_dep_wait();
     extern __shared__ __align__(16) unsigned char tc_sh[];
-    __shared__ int kok[TC_KEYS];
-    __shared__ int32_t r_seq[TC_UNITS], r_pos[TC_UNITS], r_first[TC_UNITS];
-    __shared__ int r_state[TC_UNITS]; // 0 done or invalid, 1 to do, 2 in this pass
-    __shared__ int32_t seg[4];        // seq, c_lo, t_lo, t_hi
+    __shared__ int32_t r_seq[UNITS], r_pos[UNITS], r_first[UNITS];
+    __shared__ int r_state[UNITS]; // 0 done or invalid, 1 to do, 2 in this pass
+    __shared__ int32_t seg[4];     // seq, c_lo, t_lo, t_hi
     const struct mm_kv_view &kv = a.kv;
     const int dk = kv.head_dim_k, dv = kv.head_dim_v;
     const int dkp = (dk + 15) & ~15, dvp = (dv + 15) & ~15;
-    const int ldk = dkp + 8, ldv = dvp + 8, sw = dk + dv;
-    float *stage = (float *)tc_sh;                              // [TC_KEYS][sw] f32
-    uint16_t *kb = (uint16_t *)(stage + TC_KEYS * sw);          // [TC_KEYS][ldk] bf16
-    uint16_t *vb = kb + TC_KEYS * ldk;                          // [TC_KEYS][ldv] bf16
+    const int ldk = dkp + 8, ldv = dvp + 8, sw = dk + dv + 4;
+    float *stage = (float *)tc_sh;                     // [TC_KEYS][sw] f32
+    uint16_t *kb = (uint16_t *)(stage + TC_KEYS * sw); // [TC_KEYS][ldk] bf16
+    uint16_t *vb = kb + TC_KEYS * ldk;                 // [TC_KEYS][ldv] bf16
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tq = lane & 3;
+    const int skey = tid / TPK, part = tid % TPK; // the key this thread stages and converts
     const int group = a.n_heads / kv.n_kv_heads, per_kv = group / gsub;
     const int kvh = blockIdx.y / per_kv, h0 = kvh * group + (blockIdx.y % per_kv) * gsub;
     // heavy (late) row tiles first: the causal prefix grows with the row
@@ -255,24 +305,21 @@ __global__ void __launch_bounds__(TC_THREADS, 1) attention_tc_kernel(struct mm_a
 #pragma unroll
         for (int n = 0; n < DVM / 8; n++)
             acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
-        tc_issue(kv, sq, c_lo, t_lo, t_hi, k_off, v_off, stage, kok, d_err);
+        float *srow = stage + skey * sw;
+        int32_t blk = tc_blk(kv, sq, c_lo + skey, t_lo, t_hi, d_err);
+        bool ok = blk >= 0;
+        tc_issue<TPK>(kv, c_lo + skey, blk, k_off, v_off, srow, part);
+        blk = tc_blk(kv, sq, c_lo + TC_KEYS + skey, t_lo, t_hi, d_err); // the next block's
         for (int32_t c0 = c_lo; c0 <= t_hi; c0 += TC_KEYS) {
-            tc_wait_all();
-            __syncthreads(); // this block's keys landed; every read of kb/vb of the last block done
-            // f32 -> bf16, zeros for keys not staged and for the dims padded to 16
-            for (int i = tid; i < TC_KEYS * ((dkp + dvp) / 4); i += TC_THREADS) {
-                const int key = i / ((dkp + dvp) / 4), c = 4 * (i % ((dkp + dvp) / 4));
-                const bool isk = c < dkp;
-                const int d = isk ? c : c - dkp;
-                float4 x = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-                if (kok[key] && d < (isk ? dk : dv))
-                    x = *(const float4 *)(stage + key * sw + (isk ? 0 : dk) + d);
-                uint16_t *dst = isk ? kb + key * ldk + d : vb + key * ldv + d;
-                *(uint2 *)dst = make_uint2(tc_pack(x.x, x.y), tc_pack(x.z, x.w));
+            __syncthreads(); // every read of kb/vb of the last block done
+            tc_wait_all();   // this thread's copies of this block landed
+            tc_convert<DKM, DVM, TPK>(srow, ok, dk, dv, dkp, dvp, kb + skey * ldk, vb + skey * ldv, part);
+            __syncthreads(); // kb/vb ready; every stage read done
+            if (c0 + TC_KEYS <= t_hi) {
+                ok = blk >= 0;
+                tc_issue<TPK>(kv, c0 + TC_KEYS + skey, blk, k_off, v_off, srow, part);
+                blk = tc_blk(kv, sq, c0 + 2 * TC_KEYS + skey, t_lo, t_hi, d_err);
             }
-            __syncthreads(); // kb/vb ready, stage and kok free
-            if (c0 + TC_KEYS <= t_hi)
-                tc_issue(kv, sq, c0 + TC_KEYS, t_lo, t_hi, k_off, v_off, stage, kok, d_err);
             if (!wcomp || c0 > wmax || c0 + TC_KEYS - 1 < wmin)
                 continue;
             // scores: s[j] = keys c0 + 8 j + 2 tq (+1) of rows g (s[j][0..1]) and g + 8 ([2..3])
@@ -298,37 +345,48 @@ __global__ void __launch_bounds__(TC_THREADS, 1) attention_tc_kernel(struct mm_a
                     }
                 }
             }
-            // scale, mask, row max (the 4 threads of a row by a fixed butterfly)
+            // mask (keys outside [first, pos]: -inf; blocks wholly inside skip the tests), row
+            // max of the raw scores over the row's 4 threads (a fixed butterfly)
             float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-            for (int j = 0; j < TC_KEYS / 8; j++)
+            for (int i = 0; i < 2; i++) {
+                if (c0 >= first[i] && c0 + TC_KEYS - 1 <= pos[i]) {
 #pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    const int i = e >> 1;
-                    const int32_t t = c0 + 8 * j + 2 * tq + (e & 1);
-                    const float x = __fmul_rn(s[j][e], cs);
-                    s[j][e] = t >= first[i] && t <= pos[i] ? x : -INFINITY;
-                    mx[i] = fmaxf(mx[i], s[j][e]);
+                    for (int j = 0; j < TC_KEYS / 8; j++)
+                        mx[i] = fmaxf(mx[i], fmaxf(s[j][2 * i], s[j][2 * i + 1]));
+                } else {
+#pragma unroll
+                    for (int j = 0; j < TC_KEYS / 8; j++)
+#pragma unroll
+                        for (int e = 0; e < 2; e++) {
+                            const int32_t t = c0 + 8 * j + 2 * tq + e;
+                            if (!(t >= first[i] && t <= pos[i]))
+                                s[j][2 * i + e] = -INFINITY;
+                            mx[i] = fmaxf(mx[i], s[j][2 * i + e]);
+                        }
                 }
+            }
+            // in log2 units: t = x * cs; m' = max(m, max t) (fmul is monotonic: max of the
+            // scaled scores = the scaled max); p = 2^(x * cs - m') in one fma
             float al[2], ms[2];
 #pragma unroll
             for (int i = 0; i < 2; i++) {
                 mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
                 mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
-                const float mn = fmaxf(m[i], mx[i]);
+                const float mn = fmaxf(m[i], __fmul_rn(mx[i], cs));
                 al[i] = mn == m[i] ? 1.0f : tc_ex2(__fsub_rn(m[i], mn));
-                ms[i] = mn == -INFINITY ? 0.0f : mn;
+                ms[i] = mn == -INFINITY ? 0.0f : -mn;
                 m[i] = mn;
             }
-            // p = 2^(t - m), summed per thread in j order; P as the A fragments of P V
+            // p summed per thread in j order; P as the A fragments of P V
             uint32_t pa[TC_KEYS / 16][4];
             float ps[2] = {0.0f, 0.0f};
 #pragma unroll
             for (int j = 0; j < TC_KEYS / 8; j++) {
-                const float p0 = tc_ex2(__fsub_rn(s[j][0], ms[0]));
-                const float p1 = tc_ex2(__fsub_rn(s[j][1], ms[0]));
-                const float p2 = tc_ex2(__fsub_rn(s[j][2], ms[1]));
-                const float p3 = tc_ex2(__fsub_rn(s[j][3], ms[1]));
+                const float p0 = tc_ex2(__fmaf_rn(s[j][0], cs, ms[0]));
+                const float p1 = tc_ex2(__fmaf_rn(s[j][1], cs, ms[0]));
+                const float p2 = tc_ex2(__fmaf_rn(s[j][2], cs, ms[1]));
+                const float p3 = tc_ex2(__fmaf_rn(s[j][3], cs, ms[1]));
                 ps[0] = __fadd_rn(__fadd_rn(ps[0], p0), p1);
                 ps[1] = __fadd_rn(__fadd_rn(ps[1], p2), p3);
                 pa[j >> 1][(j & 1) * 2 + 0] = tc_pack(p0, p1);
@@ -391,24 +449,24 @@ __global__ void __launch_bounds__(TC_THREADS, 1) attention_tc_kernel(struct mm_a
 
 static size_t tc_shmem(int dk, int dv) {
     const int dkp = (dk + 15) & ~15, dvp = (dv + 15) & ~15;
-    return (size_t)TC_KEYS * (dk + dv) * 4 + (size_t)TC_KEYS * (dkp + 8) * 2 +
+    return (size_t)TC_KEYS * (dk + dv + 4) * 4 + (size_t)TC_KEYS * (dkp + 8) * 2 +
            (size_t)TC_KEYS * (dvp + 8) * 2;
 }
 
-template <int DKM, int DVM>
+template <int DKM, int DVM, int NW>
 static mm_err tc_launch(void *stream, const struct mm_attn_args *a, int gsub, int rows_pb, int *d_err) {
     static uint64_t attr_set; // > 48 KiB of shared memory: allowed once per device (harmlessly racy)
     int dev = 0;
     MM_GPU_CHECK(cudaGetDevice(&dev));
     if (!(attr_set & (1ull << (dev & 63)))) {
-        MM_GPU_CHECK(cudaFuncSetAttribute(attention_tc_kernel<DKM, DVM>,
+        MM_GPU_CHECK(cudaFuncSetAttribute(attention_tc_kernel<DKM, DVM, NW>,
                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
                                           (int)tc_shmem(DKM, DVM)));
         attr_set |= 1ull << (dev & 63);
     }
     const int group = a->n_heads / a->kv.n_kv_heads;
     dim3 grid((unsigned)((a->n_rows + rows_pb - 1) / rows_pb), (unsigned)(a->kv.n_kv_heads * (group / gsub)));
-    MM_GPU_CHECK(mm_launch_dep(attention_tc_kernel<DKM, DVM>, grid, dim3(TC_THREADS),
+    MM_GPU_CHECK(mm_launch_dep(attention_tc_kernel<DKM, DVM, NW>, grid, dim3(NW * 32),
                                tc_shmem(a->kv.head_dim_k, a->kv.head_dim_v), (cudaStream_t)stream, *a,
                                gsub, rows_pb, d_err));
     MM_GPU_CHECK(cudaGetLastError());
@@ -426,11 +484,27 @@ static int tc_mode(void) {
     return g_att_tc;
 }
 
+static int tc_warps(void) {
+    if (g_att_tc_warps < 0) {
+        const char *e = getenv("MM_GPU_ATT_TC_WARPS");
+        g_att_tc_warps = e != NULL && strcmp(e, "4") == 0 ? 4 : 8;
+    }
+    return g_att_tc_warps;
+}
+
 // mm_gpu_set_attention_tc: 1 the tensor-core contract for every attention call whose shape it
 // takes (decode and prefill alike), 0 ops.cu's f32 kernels, < 0 back to MM_GPU_ATT_TC (read at
 // the next call). Process-wide.
 extern "C" void mm_gpu_set_attention_tc(int mode);
 extern "C" void mm_gpu_set_attention_tc(int mode) { g_att_tc = mode < 0 ? -1 : mode != 0; }
+
+// mm_gpu_set_attention_tc_warps: warps per block of the contract's kernel, 4 (two blocks per
+// multiprocessor) or 8 (one); other values: back to MM_GPU_ATT_TC_WARPS. Same bits either way
+// (a row's result does not depend on its neighbours in the tile). Process-wide.
+extern "C" void mm_gpu_set_attention_tc_warps(int warps);
+extern "C" void mm_gpu_set_attention_tc_warps(int warps) {
+    g_att_tc_warps = warps == 4 || warps == 8 ? warps : -1;
+}
 
 // mm_gpu_attention_tc: runs a on the tensor cores and sets *done when the contract is on and
 // takes a's shape (head dims, cache alignment: never the number of rows); *done 0 otherwise
@@ -444,26 +518,28 @@ extern "C" mm_err mm_gpu_attention_tc(void *stream, const struct mm_attn_args *a
     if (a == NULL || a->q == NULL || a->out == NULL || a->row_seq == NULL || a->row_pos == NULL ||
         a->kv.base == NULL || a->kv.block_tables == NULL || a->n_heads <= 0 ||
         a->kv.n_kv_heads <= 0 || a->n_heads % a->kv.n_kv_heads != 0 || a->kv.block_size <= 0 ||
-        a->n_rows <= 0 || a->n_rows > (int64_t)TC_UNITS * 0x7fffffff)
+        a->n_rows <= 0 || a->n_rows > (int64_t)0x7fffffff)
         return MM_OK;
     const struct mm_kv_view *kv = &a->kv;
     const int dk = kv->head_dim_k, dv = kv->head_dim_v;
-    if (dk <= 0 || dv <= 0 || dk % 4 != 0 || dv % 4 != 0 || dk > 192 || dv > 128 ||
+    if (dk <= 0 || dv <= 0 || dk % 4 != 0 || dv % 4 != 0 || dk > 128 || dv > 128 ||
         ((uintptr_t)kv->base & 15) != 0 || kv->block_stride % 4 != 0 || kv->slot_stride % 4 != 0)
         return MM_OK;
+    const int nw = tc_warps(), units = nw * 16;
     const int group = a->n_heads / kv->n_kv_heads;
     int gsub = 1;
-    for (int s = 1; s <= TC_UNITS && s <= group; s++)
+    for (int s = 1; s <= units && s <= group; s++)
         if (group % s == 0)
             gsub = s;
-    const int rows_pb = a->n_rows <= TC_DECODE_ROWS ? 1 : TC_UNITS / gsub;
+    const int rows_pb = a->n_rows <= TC_DECODE_ROWS ? 1 : units / gsub;
+    const bool small = dk <= 64 && dv <= 64;
     mm_err rv;
-    if (dk <= 64 && dv <= 64)
-        rv = tc_launch<64, 64>(stream, a, gsub, rows_pb, d_err);
-    else if (dk <= 128)
-        rv = tc_launch<128, 128>(stream, a, gsub, rows_pb, d_err);
+    if (nw == 4)
+        rv = small ? tc_launch<64, 64, 4>(stream, a, gsub, rows_pb, d_err)
+                   : tc_launch<128, 128, 4>(stream, a, gsub, rows_pb, d_err);
     else
-        rv = tc_launch<192, 128>(stream, a, gsub, rows_pb, d_err);
+        rv = small ? tc_launch<64, 64, 8>(stream, a, gsub, rows_pb, d_err)
+                   : tc_launch<128, 128, 8>(stream, a, gsub, rows_pb, d_err);
     if (rv == MM_OK)
         *done = 1;
     return rv;

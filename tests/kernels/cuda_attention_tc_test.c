@@ -1,13 +1,14 @@
 // SPDX-License-Identifier: MIT
 // The tensor-core attention contract (kernels/cuda/attention_tc.cu, MM_GPU_ATT_TC=1): against
 // the CPU backend's f32 attention within a bf16-input tolerance, and bit for bit between the
-// ways a row can reach it: a whole prompt in one call (prefill tiles), token-by-token decode
+// ways a row can reach it: a whole prompt in one call (prefill tiles of 8 warps, and of 4
+// warps), token-by-token decode
 // steps of all sequences (one row per sequence per call, cache written step by step), chunked
 // prefill (chunks of 37, 128, 1, then 200 rows, each stored before its attention) and rows of
 // the sequences interleaved in one call. The cache starts as NaN, so keys a row must not see
 // (not yet written, or written for later rows only) cannot leak into it. Odd shapes: GQA 1, 3,
-// 8, 16, head dims 16..192, dk != dv, a sliding window, contexts that are not multiples of the
-// 64-key block.
+// 8, 16, head dims 16..128, dk != dv, a sliding window, contexts that are not multiples of the
+// 64-key block. (Head dims above 128 keep ops.cu's f32 kernels: not tested here.)
 // Without the GPU backend (plain `make`) or without a GPU, every case skips and says why.
 #include <math.h>
 #include <stdint.h>
@@ -18,6 +19,7 @@
 #include "mm_test.h"
 
 extern void mm_gpu_set_attention_tc(int mode) __attribute__((weak));
+extern void mm_gpu_set_attention_tc_warps(int warps) __attribute__((weak));
 extern mm_err mm_gpu_attention_tc(void *stream, const struct mm_attn_args *a, int *d_err, int *done)
     __attribute__((weak));
 
@@ -25,7 +27,7 @@ static mm_backend *cpu, *gpu;
 
 static void open_backends(void) {
     char err[MM_ERRLEN] = "";
-    if (!mm_gpu_set_attention_tc || !mm_gpu_attention_tc)
+    if (!mm_gpu_set_attention_tc || !mm_gpu_attention_tc || !mm_gpu_set_attention_tc_warps)
         MM_SKIP("GPU kernels not linked (plain build; `make cuda` builds this test with them)");
     mm_err rv = mm_backend_open(&gpu, "cuda:0", NULL, err);
     if (rv == MM_EUNSUPP)
@@ -35,10 +37,12 @@ static void open_backends(void) {
     mm_backend_params p = {.n_threads = 2};
     MM_PASS(mm_backend_open(&cpu, "cpu", &p, err));
     mm_gpu_set_attention_tc(1);
+    mm_gpu_set_attention_tc_warps(8);
 }
 
 static void close_backends(void) {
     mm_gpu_set_attention_tc(-1);
+    mm_gpu_set_attention_tc_warps(-1);
     mm_backend_close(gpu);
     mm_backend_close(cpu);
     gpu = cpu = NULL;
@@ -215,6 +219,21 @@ static void tc_case(int n_heads, int n_kv, int dk, int dv, int window, const int
     const int64_t d_f32 = n_diff(all, got, on);
     free(got);
 
+    // 1b. the same call with 4 warps per block (two blocks per multiprocessor): other tiles
+    mm_gpu_set_attention_tc_warps(4);
+    MM_PASS(gpu->ops->fill(gpu->ctx, d_out, 7.0f, on));
+    {
+        struct mm_attn_args at = {.kv = kv, .q = u.q, .q_stride = qst, .out = d_out,
+                                  .out_stride = ost, .n_rows = n_rows, .row_seq = u.seq,
+                                  .row_pos = u.pos, .n_heads = n_heads,
+                                  .scale = 1.0f / sqrtf((float)dk), .window = window};
+        MM_PASS(gpu->ops->attention(gpu->ctx, &at));
+    }
+    mm_gpu_set_attention_tc_warps(8);
+    got = dev_get(d_out, (size_t)on * 4);
+    const int64_t d_warps = n_diff(all, got, on);
+    free(got);
+
     // 2. chunked prefill: 37, 128, 1, then 200 rows per call, each chunk stored first
     MM_PASS(gpu->ops->fill(gpu->ctx, kv.base, NAN, pool_n));
     MM_PASS(gpu->ops->fill(gpu->ctx, d_out, 7.0f, on));
@@ -275,11 +294,13 @@ static void tc_case(int n_heads, int n_kv, int dk, int dv, int window, const int
 
     printf("tc attention %dh/%dkv dk %d dv %d window %d, %d rows of %d seqs: nmse vs cpu %.3e "
            "(tol 2e-4), %lld elements differ from the f32 kernels; differing elements vs the "
-           "whole-prompt call: chunks %lld, decode steps %lld, seqs interleaved %lld (of %lld)\n",
-           n_heads, n_kv, dk, dv, window, n_rows, n_seqs, nmse, (long long)d_f32, (long long)d_chunks, (long long)d_decode, (long long)d_mixed, (long long)on);
+           "whole-prompt call: 4 warps %lld, chunks %lld, decode steps %lld, seqs interleaved %lld "
+           "(of %lld)\n", n_heads, n_kv, dk, dv, window, n_rows, n_seqs, nmse, (long long)d_f32,
+           (long long)d_warps, (long long)d_chunks, (long long)d_decode, (long long)d_mixed, (long long)on);
     fflush(stdout);
     MM_TRUE(nmse <= 2e-4);
     MM_TRUE(d_f32 > 0);
+    MM_EQ(d_warps, 0);
     MM_EQ(d_chunks, 0);
     MM_EQ(d_decode, 0);
     MM_EQ(d_mixed, 0);
@@ -300,7 +321,7 @@ static void test_tc_gqa8(void) {
 static void test_tc_shapes(void) {
     open_backends();
     const int one[1] = {517}, two[2] = {300, 77}, three[3] = {1, 129, 250};
-    const int small[2] = {70, 5}, mla[1] = {65}, odd[1] = {130}, ds[1] = {200};
+    const int small[2] = {70, 5}, mla[1] = {65}, odd[1] = {130};
     tc_case(8, 2, 64, 64, 0, one, 1);            // head_dim 64, GQA 4
     tc_case(16, 16, 128, 128, 0, three, 3);      // no GQA: 128 rows per block
     tc_case(6, 3, 128, 128, 40, two, 2);         // sliding window, GQA 2
@@ -309,7 +330,6 @@ static void test_tc_shapes(void) {
     tc_case(4, 2, 16, 16, 0, small, 2);          // the fixtures' head_dim 16
     tc_case(4, 4, 24, 16, 0, mla, 1);            // MLA-tiny-like: dk 24 (padded to 32), dv 16
     tc_case(2, 1, 36, 20, 0, odd, 1);            // odd dims (multiples of 4)
-    tc_case(16, 1, 192, 128, 0, ds, 1);          // DeepSeek's dims, GQA 16
     close_backends();
 }
 

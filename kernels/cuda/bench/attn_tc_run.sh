@@ -7,9 +7,10 @@
 # In order (each step with its own limit; the first ones matter most): moemesh synth of the
 # 4-layer Qwen3-30B-A3B shape (background), the bf16 peak (torch.matmul 8192^3), the contract's
 # tests (cuda_attention_tc_test) and the f32 prefill kernel's bit test, the 4K prefill in one
-# forward new vs old (bench-model --prefill-rows 4096), decode batch 1 new vs old, the per-op
-# GPU times of both (MM_GPU_OPTIME=1: attention per 4096-row call), fixture parity with the
-# contract on and off. Logs: $OUT/log (all), $OUT/*.txt.
+# forward (bench-model --prefill-rows 4096) with the f32 kernels (old) and the contract at 8 and
+# 4 warps per block (tc8, tc4), decode batch 1 old vs tc8 (twice, alternating), the per-op GPU
+# times of each (MM_GPU_OPTIME=1: attention per 4096-row call), fixture parity with the
+# contract on, decode batch 64 old vs tc8. Logs: $OUT/log (all), $OUT/*.txt.
 set -u
 D=${1:-.dev/gpu-att2}
 OUT=${OUT:-/tmp/out}
@@ -46,35 +47,43 @@ timeout 30 "$D/cuda_decode_ops_test" "attention prefill kernel: decode kernel bi
 echo "== whole-model prefill, 4096 tokens in one forward (synth 4 layers) $(t)"
 wait "$SYNTH_PID"; tail -2 "$OUT/synth.txt"
 BM="$D/moemesh bench-model --model $M --device cuda:0 --prompt-tokens 4096 --decode-tokens 2 --rounds 1 --warmup-tokens 1 --bw-mb 64 --prefill-rows 4096 --prompt-rounds 3"
-for p in new old; do
-    e=1; [ $p = old ] && e=0
-    echo "-- attention $p (MM_GPU_ATT_TC=$e) $(t)"
-    MM_GPU_ATT_TC=$e timeout 30 $BM > "$OUT/prefill_$p.txt" 2>&1 || echo "bench-model failed rc=$?"
+# configurations: name, MM_GPU_ATT_TC, MM_GPU_ATT_TC_WARPS
+CONFS="old:0:8 tc8:1:8 tc4:1:4"
+for c in $CONFS; do
+    IFS=: read -r p e w <<< "$c"
+    echo "-- $p (MM_GPU_ATT_TC=$e MM_GPU_ATT_TC_WARPS=$w) $(t)"
+    MM_GPU_ATT_TC=$e MM_GPU_ATT_TC_WARPS=$w timeout 30 $BM > "$OUT/prefill_$p.txt" 2>&1 || echo "bench-model failed rc=$?"
     grep -E "^prompt|failed|error" "$OUT/prefill_$p.txt"
 done
-echo "== decode batch 1 (prompt 128, 32 tokens, 2 rounds) $(t)"
-for p in new old; do
-    e=1; [ $p = old ] && e=0
-    echo "-- attention $p (MM_GPU_ATT_TC=$e) $(t)"
-    MM_GPU_ATT_TC=$e timeout 30 "$D/moemesh" bench-model --model "$M" --device cuda:0 --prompt-tokens 128 \
-        --decode-tokens 32 --rounds 2 --bw-mb 64 > "$OUT/decode_$p.txt" 2>&1 || echo "bench-model failed rc=$?"
-    grep -E "^decode|^prompt:|failed|error" "$OUT/decode_$p.txt"
+echo "== decode batch 1 (prompt 128, 32 tokens, 2 rounds), alternating $(t)"
+for i in 1 2; do
+for c in old:0:8 tc8:1:8; do
+    IFS=: read -r p e w <<< "$c"
+    echo "-- $p run $i $(t)"
+    MM_GPU_ATT_TC=$e MM_GPU_ATT_TC_WARPS=$w timeout 30 "$D/moemesh" bench-model --model "$M" --device cuda:0 --prompt-tokens 128 \
+        --decode-tokens 32 --rounds 2 --bw-mb 64 > "$OUT/decode_${p}_$i.txt" 2>&1 || echo "bench-model failed rc=$?"
+    grep -E "^decode: best|^decode op by op|failed|error" "$OUT/decode_${p}_$i.txt"
+done
 done
 echo "== per-op GPU times (MM_GPU_OPTIME=1) $(t)"
-for p in new old; do
-    e=1; [ $p = old ] && e=0
-    echo "-- attention $p (MM_GPU_ATT_TC=$e) $(t)"
-    MM_GPU_OPTIME=1 MM_GPU_ATT_TC=$e timeout 30 $BM > "$OUT/optime_$p.txt" 2>&1 || echo "optime run failed rc=$?"
-    grep -E "^prompt:" "$OUT/optime_$p.txt"; sed -n "/steps of 4096 row/,+12p" "$OUT/optime_$p.txt"
-    grep -iE "attention" "$OUT/optime_$p.txt" | head -6
+for c in $CONFS; do
+    IFS=: read -r p e w <<< "$c"
+    echo "-- $p $(t)"
+    MM_GPU_OPTIME=1 MM_GPU_ATT_TC=$e MM_GPU_ATT_TC_WARPS=$w timeout 30 $BM > "$OUT/optime_$p.txt" 2>&1 || echo "optime run failed rc=$?"
+    grep -E "^prompt:" "$OUT/optime_$p.txt"; sed -n "/steps of 4096 row/,+4p" "$OUT/optime_$p.txt"
 done
-echo "== fixture parity (moemesh logits --device cuda:0) $(t)"
-for e in 1 0; do
-    echo "-- MM_GPU_ATT_TC=$e"
-    for d in tests/fixtures/models/*/; do
-        [ -f "$d/reference.json" ] || continue
-        MM_GPU_ATT_TC=$e timeout 30 python3 kernels/cuda/parity.py "$d" "$D/moemesh" --strict || echo "PARITY FAIL $d"
-    done
+echo "== fixture parity with the contract on (moemesh logits --device cuda:0) $(t)"
+for d in tests/fixtures/models/*/; do
+    [ -f "$d/reference.json" ] || continue
+    MM_GPU_ATT_TC=1 timeout 30 python3 kernels/cuda/parity.py "$d" "$D/moemesh" --strict || echo "PARITY FAIL $d"
+done
+echo "== decode batch 64 (prompt 128, 32 tokens) $(t)"
+for c in old:0:8 tc8:1:8; do
+    IFS=: read -r p e w <<< "$c"
+    echo "-- $p $(t)"
+    MM_GPU_ATT_TC=$e timeout 40 "$D/moemesh" bench-model --model "$M" --device cuda:0 --prompt-tokens 128 \
+        --decode-tokens 32 --rounds 1 --bw-mb 64 --batch 64 > "$OUT/batch64_$p.txt" 2>&1 || echo "bench-model failed rc=$?"
+    grep -E "^batch 64|failed|error" "$OUT/batch64_$p.txt"
 done
 echo "done $(t)"
 date -u

@@ -55,6 +55,7 @@
 #include <unistd.h>
 
 #include "mm/log.h"
+#include "mm/mesh_trace.h"
 #include "mm/transport.h"
 #include "transport_int.h"
 
@@ -344,6 +345,8 @@ static mm_err handshake(struct ipc_conn *c, const mm_url *u, uint64_t deadline_n
     struct ack pa;
     MM_TRY(recv_internal(c, ACK_SEQ, &pa, sizeof(pa), deadline_ns, err));
     c->dev = a.ok && pa.ok && pa.magic == IPC_MAGIC;
+    if (c->dev)
+        mm_mesh_trace_open("ipc"); // MM_MESH_TRACE: the device hops' host calls
     mm_log_debug("cudaipc %s: %s (my device %s, peer pid %d device %s)", u->text,
                  c->dev ? "device frames" : "host frames only", me.pci, peer.pid, peer.pci);
     return MM_OK;
@@ -513,19 +516,23 @@ static mm_err ipc_sendv_dev(void *ctx, const mm_wire_hdr *hdr, const struct iove
     if (rv == MM_OK && end > c->tx_bytes)
         rv = mm_gpu_stream_wait_event(c->stream, c->tx_ev_free);
     uint64_t o = 0;
+    mm_mesh_trace(hdr->step_id, (int)hdr->layer, "s_in");
     for (int i = 0; i < n_iov && rv == MM_OK; i++) {
         rv = mm_gpu_memcpy_any(c->stream, (uint8_t *)c->tx_ring + pos + o, d_iov[i].iov_base,
                                d_iov[i].iov_len);
         o += d_iov[i].iov_len;
     }
+    mm_mesh_trace(hdr->step_id, (int)hdr->layer, "s_cp");
     if (rv == MM_OK)
         rv = mm_gpu_event_record(c->tx_ev_data, c->stream);
+    mm_mesh_trace(hdr->step_id, (int)hdr->layer, "s_rec");
     if (rv != MM_OK)
         return MM_EDEVICE; // nothing announced: the ring bytes are simply not used
     struct desc d = {.hdr = *hdr, .off = pos, .end = end};
     rv = send_internal(c, DESC_SEQ, &d, sizeof(d), deadline_ns);
     if (rv == MM_OK)
         c->tx_head = end;
+    mm_mesh_trace(hdr->step_id, (int)hdr->layer, "s_desc");
     return rv;
 }
 
@@ -576,9 +583,11 @@ static mm_err ipc_recv_dev(void *ctx, mm_wire_hdr *hdr, void *buf, size_t cap,
         have += d_iov[i].iov_len;
     const bool to_host = n_iov == 0;
     const bool fits = to_host ? n <= cap : n <= have;
+    mm_mesh_trace(hdr->step_id, (int)hdr->layer, "r_desc");
     rv = mm_gpu_set_device(c->gpu);
     if (rv == MM_OK && fits && n > 0)
         rv = mm_gpu_stream_wait_event(c->stream, c->rx_ev_data);
+    mm_mesh_trace(hdr->step_id, (int)hdr->layer, "r_wait");
     const uint8_t *src = (const uint8_t *)c->rx_ring + d.off;
     if (rv == MM_OK && fits && to_host && n > 0) {
         rv = mm_gpu_memcpy_any(c->stream, buf, src, (size_t)n);
@@ -592,8 +601,10 @@ static mm_err ipc_recv_dev(void *ctx, mm_wire_hdr *hdr, void *buf, size_t cap,
             o += take;
         }
     }
+    mm_mesh_trace(hdr->step_id, (int)hdr->layer, "r_cp");
     if (rv == MM_OK)
         rv = mm_gpu_event_record(c->rx_ev_free, c->stream);
+    mm_mesh_trace(hdr->step_id, (int)hdr->layer, "r_rec");
     if (rv != MM_OK) {
         SHM->shutdown(c->shm); // the ring's state is unknown: the conn is done
         return MM_EDEVICE;

@@ -118,3 +118,19 @@ extern "C" mm_err mm_gpu_current_device(int *dev) {
     MM_GPU_CHECK(cudaGetDevice(dev));
     return MM_OK;
 }
+
+// The mesh's device-plan entry points (mesh_ops.cu) are called through weak references
+// (services/router/step.c, services/expert/expert.c, which a build without GPU support also
+// links), and a weak reference does not pull a member out of libmoemesh.a. This object is
+// always linked into a GPU build (the backend calls into it), so its strong references here
+// bring mesh_ops.cu's object along.
+extern "C" mm_err mm_gpu_mesh_plan_split(void *, const int32_t *, const int32_t *,
+                                         const int32_t *, const int32_t *, int, int, int,
+                                         int32_t *, int64_t);
+extern "C" mm_err mm_gpu_mesh_pick(void *, const float *, int64_t, const int32_t *,
+                                   const int32_t *, int, int, float *);
+extern "C" mm_err mm_gpu_mesh_count(void *, const int32_t *, int, uint64_t *);
+extern "C" {
+__attribute__((used)) void *mm__gpu_mesh_ops_keep[] = {
+    (void *)mm_gpu_mesh_plan_split, (void *)mm_gpu_mesh_pick, (void *)mm_gpu_mesh_count};
+}

@@ -231,6 +231,7 @@ mm_err attention_start(mm_daemon *d, void *arg, char err[MM_ERRLEN]) {
         return mm_errf(err, MM_EINVAL, "--max-batch-tokens, --max-seqs, --kv-mb and --max-ctx "
                        "must be >= 1");
     mm_backend_params bp = {.n_threads = (int)s_threads};
+    mm_mesh_gpu_spin(c->device);
     MM_TRY(mm_backend_open(&A.be, c->device ? c->device : "cpu", &bp, err));
     MM_TRY(mm_model_open(&A.model, c->model, A.be, err));
     const mm_model_config *cfg = mm_model_cfg(A.model);

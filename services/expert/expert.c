@@ -162,8 +162,6 @@ static mm_err on_plan(mm_conn *c, const mm_wire_hdr *h, void *payload) {
     }
     const int32_t *offs = (const int32_t *)(O.d_x + R * D), *src = offs + E + 1, *dst = src + nk;
     mm_err rv = mm_model_experts_plan(O.model, O.scratch, L, offs, O.d_x, src, dst, nk, O.d_out);
-    if (rv == MM_OK && O.d_tokens)
-        rv = mm_gpu_mesh_count(O.stream, offs, (int)E, O.d_tokens + (size_t)L * (size_t)E);
     if (rv != MM_OK) {
         snprintf(msg, sizeof(msg), "experts of layer %d (a plan of %lld slots) failed: %s", L,
                  (long long)nk, mm_strerror(rv));
@@ -178,6 +176,12 @@ static mm_err on_plan(mm_conn *c, const mm_wire_hdr *h, void *payload) {
     struct iovec dv = {.iov_base = O.d_out, .iov_len = (size_t)(nk * D) * 4};
     rv = mm_conn_sendv_dev(c, &r, &dv, 1, mm_deadline_in_ms(2000));
     mm_mesh_trace(h->step_id, L, "tx");
+    // the rows served, counted after the reply is on its way (off the step's path; the next
+    // frame's rows land in d_x after it, in stream order)
+    if (rv == MM_OK && O.d_tokens &&
+        mm_gpu_mesh_count(O.stream, offs, (int)E, O.d_tokens + (size_t)L * (size_t)E) != MM_OK)
+        mm_log_warn("step %llu layer %d: counting the rows served failed; --load-csv misses them",
+                    (unsigned long long)h->step_id, L);
     if (L == O.n_layers - 1)
         mm_mesh_trace_flush();
     return rv;
@@ -310,6 +314,7 @@ mm_err expert_start(mm_daemon *d, void *arg, char err[MM_ERRLEN]) {
         return MM_OK;
     }
     mm_backend_params bp = {.n_threads = (int)s_threads};
+    mm_mesh_gpu_spin(c->device);
     MM_TRY(mm_backend_open(&O.be, c->device ? c->device : "cpu", &bp, err));
     MM_TRY(mm_model_open(&O.model, c->model, O.be, err));
     O.max_rows = s_max_tokens;

@@ -398,6 +398,7 @@ mm_err mm_step_engine_open(mm_step_engine **out, const mm_step_conf *c, mm_regis
     e->reg = reg;
     mm_err rv = MM_OK;
     mm_backend_params bp = {.n_threads = c->threads};
+    mm_mesh_gpu_spin(c->device);
     MM_TRY_GOTO(rv, mm_backend_open(&e->be, c->device ? c->device : "cpu", &bp, err), fail);
     MM_TRY_GOTO(rv, mm_model_open(&e->model, c->model, e->be, err), fail);
     e->cfg = mm_model_cfg(e->model);
@@ -1221,6 +1222,7 @@ static mm_err run_layers(mm_step_engine *e, const Mmctl__StepPlan *p, int64_t R,
 
 struct nng_msg *mm_step_engine_run(mm_step_engine *e, const Mmctl__StepPlan *p, uint64_t seq) {
     pthread_mutex_lock(&e->mu);
+    mm_mesh_trace(p->step_id, -1, "run");
     char msg[MSG_LEN] = "";
     Mmctl__StepResult sr = MMCTL__STEP_RESULT__INIT;
     sr.step_id = p->step_id;
@@ -1273,6 +1275,7 @@ struct nng_msg *mm_step_engine_run(mm_step_engine *e, const Mmctl__StepPlan *p, 
         memcpy(e->ids + R + q->n_tokens, e->draft + i * MM_DRAFT_MAX_K, e->n_draft[i] * 4);
         R += (int64_t)e->seq_n[i];
     }
+    mm_mesh_trace(p->step_id, (int)R, "rows"); // (the layer field carries the row count)
     mm_mesh_trace(p->step_id, -1, "start");
     if (R > 0) {
         rv = run_layers(e, p, R, msg);
@@ -1446,13 +1449,14 @@ struct nng_msg *mm_step_engine_run(mm_step_engine *e, const Mmctl__StepPlan *p, 
     sr.n_results = p->n_seqs;
     sr.results = e->res_p;
     mm_draft_end(e->dr, mm_now_ns() - t0);
-    mm_mesh_trace_flush();
 reply:;
     mm_ctl_msg env = MMCTL__ENVELOPE__INIT;
     env.body_case = MMCTL__ENVELOPE__BODY_STEP_RESULT;
     env.step_result = &sr;
     env.seq = seq;
     struct nng_msg *out = mm_ctl_reply(&env);
+    mm_mesh_trace(p->step_id, -1, "reply");
+    mm_mesh_trace_flush();
     pthread_mutex_unlock(&e->mu);
     return out;
 }

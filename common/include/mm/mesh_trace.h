@@ -52,4 +52,15 @@ static inline void mm_mesh_trace_flush(void) {
         fflush(mm__trace_f);
 }
 
+// mm_mesh_gpu_spin: a daemon whose stages run on a GPU (device not "cpu") waits for its next
+// frame of a step busy (MM_TRANSPORT_SPIN_US, default here 1000 us instead of the transport's
+// 50 us) unless the env says otherwise: its host only passes descriptors and enqueues work, so
+// each hop's sleep and wake-up (~10-20 us, H200 run of 2026-11-30 01:52) would be on the
+// step's critical path; on a CPU backend the cores compute and the short default stays.
+// Call before the process's first transport wait.
+static inline void mm_mesh_gpu_spin(const char *device) {
+    if (device && strncmp(device, "cpu", 3) != 0 && !getenv("MM_TRANSPORT_SPIN_US"))
+        setenv("MM_TRANSPORT_SPIN_US", "1000", 0);
+}
+
 #endif

@@ -61,6 +61,31 @@ def main():
             seqs[s] = xs
         if not seqs:
             continue
+        # the step's rows ("rows" event, its layer field) and the router's work around the
+        # layers: plan in -> start (checks, links, drafting), picked -> reply (results)
+        rows, pre, post = {}, {}, {}
+        for st, xs in steps.items():
+            d = {x[4]: x for x in xs if x[1] == "router" and x[3] < 0 or x[4] == "rows"}
+            if "rows" in d:
+                rows[st] = d["rows"][3]
+            if "run" in d and "start" in d:
+                pre[st] = d["start"][0] - d["run"][0]
+            if "picked" in d and "reply" in d:
+                post[st] = d["reply"][0] - d["picked"][0]
+        shapes = sorted({rows.get(st, 0) for st in seqs})
+        if len(shapes) > 1:
+            big = {st: xs for st, xs in seqs.items() if rows.get(st, 0) > 1}
+            one = {st: xs for st, xs in seqs.items() if rows.get(st, 0) <= 1}
+            groups = [("1 row", one), ("more rows", big)]
+        else:
+            groups = [("%s rows" % (shapes[0] if shapes else "?"), seqs)]
+        for gname, gseqs in groups:
+            if gseqs:
+                report(rf, peers, gname, gseqs, pre, post)
+
+
+def report(rf, peers, gname, seqs, pre, post):
+    if True:
         # per layer, the chain's points in order (several shards/owners: the last of them)
         chain = [("router", "prev"), ("router", "a_send"), ("attention", "rx"),
                  ("attention", "enq"), ("attention", "tx"), ("router", "a_back"),
@@ -92,8 +117,13 @@ def main():
             tail.append(xs[-1][0] - prev)
         n = len(tot)
         mean = lambda v: sum(v) / len(v) if v else 0.0
-        print("== %s (+ %s): %d steps; router start -> picked %.1f us (mean)" %
-              (rf, ", ".join(sorted(peers)), n, mean(tot)))
+        print("== %s (+ %s), steps of %s: %d steps; router start -> picked %.1f us (mean)" %
+              (rf, ", ".join(sorted(peers)), gname, n, mean(tot)))
+        pv = [pre[st] for st in seqs if st in pre]
+        qv = [post[st] for st in seqs if st in post]
+        if pv and qv:
+            print("   router before the layers (plan in -> start) %.1f us, after (picked -> reply) "
+                  "%.1f us" % (mean(pv), mean(qv)))
         starts = {s: xs[0][0] for s, xs in seqs.items()}
         picks = {s: xs[-1][0] for s, xs in seqs.items()}
         ks = sorted(starts)

@@ -51,6 +51,7 @@
 
 static int g_att_tc = -1;       // -1: from MM_GPU_ATT_TC at first use; 0 off; 1 on
 static int g_att_tc_warps = -1; // -1: from MM_GPU_ATT_TC_WARPS (4 or 8; default 8)
+static int g_att_tc_db = -1;    // -1: from MM_GPU_ATT_TC_DB (0: one key buffer; default 1)
 
 #if MM_GPU_HAVE_WMMA
 #define TC_HAVE 1
@@ -77,7 +78,7 @@ __device__ __forceinline__ const float *tc_slot(const struct mm_kv_view &kv, int
 
 __device__ __forceinline__ void tc_cp16(void *dst, const void *src) {
     const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src) : "memory");
 }
 __device__ __forceinline__ void tc_commit(void) { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ __forceinline__ void tc_wait_all(void) {
@@ -190,7 +191,115 @@ __device__ __forceinline__ void tc_convert(const float *row, bool ok, int dk, in
     }
 }
 
-template <int DKM, int DVM, int NW>
+// One 64-key block for the warp's 16 units (rows g and g + 8 of this thread): scores from kb,
+// mask, online softmax update of m, l and acc, P V from vb.
+template <int DKM, int DVM>
+__device__ __forceinline__ void tc_block(const uint32_t (&qf)[DKM / 16][4], const uint16_t *kb,
+                                         const uint16_t *vb, int ldk, int ldv, int dkp, int dvp,
+                                         int32_t c0, const int32_t (&first)[2], const int32_t (&pos)[2],
+                                         float cs, float (&m)[2], float (&l)[2],
+                                         float (&acc)[DVM / 8][4]) {
+    const int lane = threadIdx.x & 31, tq = lane & 3;
+    // scores: s[j] = keys c0 + 8 j + 2 tq (+1) of rows g (s[j][0..1]) and g + 8 ([2..3])
+    float s[TC_KEYS / 8][4];
+#pragma unroll
+    for (int j = 0; j < TC_KEYS / 8; j++)
+        s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+    {
+        // lane's ldmatrix row: matrix mt = lane / 8 is keys 8 (mt / 2) + lane % 8 of the
+        // 16-key pair, dims 8 (mt % 2) of the 16-dim step
+        const int mt = lane >> 3;
+        const uint16_t *kp = kb + ((mt >> 1) * 8 + (lane & 7)) * ldk + (mt & 1) * 8;
+#pragma unroll
+        for (int ks = 0; ks < DKM / 16; ks++) {
+            if (16 * ks < dkp) {
+#pragma unroll
+                for (int np = 0; np < TC_KEYS / 16; np++) {
+                    uint32_t b[4];
+                    tc_ldsm4(b, kp + np * 16 * ldk + 16 * ks);
+                    tc_mma(s[2 * np], qf[ks], b[0], b[1]);
+                    tc_mma(s[2 * np + 1], qf[ks], b[2], b[3]);
+                }
+            }
+        }
+    }
+    // mask (keys outside [first, pos]: -inf; blocks wholly inside skip the tests), row
+    // max of the raw scores over the row's 4 threads (a fixed butterfly)
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        if (c0 >= first[i] && c0 + TC_KEYS - 1 <= pos[i]) {
+#pragma unroll
+            for (int j = 0; j < TC_KEYS / 8; j++)
+                mx[i] = fmaxf(mx[i], fmaxf(s[j][2 * i], s[j][2 * i + 1]));
+        } else {
+#pragma unroll
+            for (int j = 0; j < TC_KEYS / 8; j++)
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    const int32_t t = c0 + 8 * j + 2 * tq + e;
+                    if (!(t >= first[i] && t <= pos[i]))
+                        s[j][2 * i + e] = -INFINITY;
+                    mx[i] = fmaxf(mx[i], s[j][2 * i + e]);
+                }
+        }
+    }
+    // in log2 units: t = x * cs; m' = max(m, max t) (fmul is monotonic: max of the
+    // scaled scores = the scaled max); p = 2^(x * cs - m') in one fma
+    float al[2], ms[2];
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
+        mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
+        const float mn = fmaxf(m[i], __fmul_rn(mx[i], cs));
+        al[i] = mn == m[i] ? 1.0f : tc_ex2(__fsub_rn(m[i], mn));
+        ms[i] = mn == -INFINITY ? 0.0f : -mn;
+        m[i] = mn;
+    }
+    // p summed per thread in j order; P as the A fragments of P V
+    uint32_t pa[TC_KEYS / 16][4];
+    float ps[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int j = 0; j < TC_KEYS / 8; j++) {
+        const float p0 = tc_ex2(__fmaf_rn(s[j][0], cs, ms[0]));
+        const float p1 = tc_ex2(__fmaf_rn(s[j][1], cs, ms[0]));
+        const float p2 = tc_ex2(__fmaf_rn(s[j][2], cs, ms[1]));
+        const float p3 = tc_ex2(__fmaf_rn(s[j][3], cs, ms[1]));
+        ps[0] = __fadd_rn(__fadd_rn(ps[0], p0), p1);
+        ps[1] = __fadd_rn(__fadd_rn(ps[1], p2), p3);
+        pa[j >> 1][(j & 1) * 2 + 0] = tc_pack(p0, p1);
+        pa[j >> 1][(j & 1) * 2 + 1] = tc_pack(p2, p3);
+    }
+#pragma unroll
+    for (int i = 0; i < 2; i++)
+        l[i] = __fmaf_rn(l[i], al[i], ps[i]);
+#pragma unroll
+    for (int n = 0; n < DVM / 8; n++) {
+        acc[n][0] = __fmul_rn(acc[n][0], al[0]);
+        acc[n][1] = __fmul_rn(acc[n][1], al[0]);
+        acc[n][2] = __fmul_rn(acc[n][2], al[1]);
+        acc[n][3] = __fmul_rn(acc[n][3], al[1]);
+    }
+    {
+        // ldmatrix.trans row: matrix mt is keys 8 (mt % 2) + lane % 8 of the 16-key
+        // step, dims 8 (mt / 2) of the 16-dim pair
+        const int mt = lane >> 3;
+        const uint16_t *vp = vb + ((mt & 1) * 8 + (lane & 7)) * ldv + (mt >> 1) * 8;
+#pragma unroll
+        for (int kk = 0; kk < TC_KEYS / 16; kk++)
+#pragma unroll
+            for (int dp = 0; dp < DVM / 16; dp++) {
+                if (16 * dp < dvp) {
+                    uint32_t b[4];
+                    tc_ldsm4t(b, vp + kk * 16 * ldv + 16 * dp);
+                    tc_mma(acc[2 * dp], pa[kk], b[0], b[1]);
+                    tc_mma(acc[2 * dp + 1], pa[kk], b[2], b[3]);
+                }
+            }
+    }
+}
+
+template <int DKM, int DVM, int NW, bool DB>
 __global__ void __launch_bounds__(NW * 32, 8 / NW) attention_tc_kernel(struct mm_attn_args a, int gsub,
                                                                       int rows_pb, int *d_err) {
     constexpr int NT = NW * 32, UNITS = NW * 16, TPK = NT / TC_KEYS;
@@ -310,114 +419,53 @@ __global__ void __launch_bounds__(NW * 32, 8 / NW) attention_tc_kernel(struct mm
         bool ok = blk >= 0;
         tc_issue<TPK>(kv, c_lo + skey, blk, k_off, v_off, srow, part);
         blk = tc_blk(kv, sq, c_lo + TC_KEYS + skey, t_lo, t_hi, d_err); // the next block's
-        for (int32_t c0 = c_lo; c0 <= t_hi; c0 += TC_KEYS) {
-            __syncthreads(); // every read of kb/vb of the last block done
-            tc_wait_all();   // this thread's copies of this block landed
+        if constexpr (!DB) {
+            for (int32_t c0 = c_lo; c0 <= t_hi; c0 += TC_KEYS) {
+                __syncthreads(); // every read of kb/vb of the last block done
+                tc_wait_all();   // this thread's copies of this block landed
+                tc_convert<DKM, DVM, TPK>(srow, ok, dk, dv, dkp, dvp, kb + skey * ldk, vb + skey * ldv, part);
+                __syncthreads(); // kb/vb ready; every stage read done
+                if (c0 + TC_KEYS <= t_hi) {
+                    ok = blk >= 0;
+                    tc_issue<TPK>(kv, c0 + TC_KEYS + skey, blk, k_off, v_off, srow, part);
+                    blk = tc_blk(kv, sq, c0 + 2 * TC_KEYS + skey, t_lo, t_hi, d_err);
+                }
+                if (wcomp && c0 <= wmax && c0 + TC_KEYS - 1 >= wmin)
+                    tc_block<DKM, DVM>(qf, kb, vb, ldk, ldv, dkp, dvp, c0, first, pos, cs, m, l, acc);
+            }
+        } else {
+            // two bf16 buffers: block c0 + 64 is converted (and c0 + 128's copies issued) while
+            // c0 is computed from the other buffer; one barrier per block
+            const int kvsz = TC_KEYS * (ldk + ldv);
+            __syncthreads(); // the last pass's reads of both buffers done
+            tc_wait_all();
             tc_convert<DKM, DVM, TPK>(srow, ok, dk, dv, dkp, dvp, kb + skey * ldk, vb + skey * ldv, part);
-            __syncthreads(); // kb/vb ready; every stage read done
-            if (c0 + TC_KEYS <= t_hi) {
+            if (c_lo + TC_KEYS <= t_hi) {
                 ok = blk >= 0;
-                tc_issue<TPK>(kv, c0 + TC_KEYS + skey, blk, k_off, v_off, srow, part);
-                blk = tc_blk(kv, sq, c0 + 2 * TC_KEYS + skey, t_lo, t_hi, d_err);
+                tc_issue<TPK>(kv, c_lo + TC_KEYS + skey, blk, k_off, v_off, srow, part);
+                blk = tc_blk(kv, sq, c_lo + 2 * TC_KEYS + skey, t_lo, t_hi, d_err);
             }
-            if (!wcomp || c0 > wmax || c0 + TC_KEYS - 1 < wmin)
-                continue;
-            // scores: s[j] = keys c0 + 8 j + 2 tq (+1) of rows g (s[j][0..1]) and g + 8 ([2..3])
-            float s[TC_KEYS / 8][4];
-#pragma unroll
-            for (int j = 0; j < TC_KEYS / 8; j++)
-                s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
-            {
-                // lane's ldmatrix row: matrix mt = lane / 8 is keys 8 (mt / 2) + lane % 8 of the
-                // 16-key pair, dims 8 (mt % 2) of the 16-dim step
-                const int mt = lane >> 3;
-                const uint16_t *kp = kb + ((mt >> 1) * 8 + (lane & 7)) * ldk + (mt & 1) * 8;
-#pragma unroll
-                for (int ks = 0; ks < DKM / 16; ks++) {
-                    if (16 * ks < dkp) {
-#pragma unroll
-                        for (int np = 0; np < TC_KEYS / 16; np++) {
-                            uint32_t b[4];
-                            tc_ldsm4(b, kp + np * 16 * ldk + 16 * ks);
-                            tc_mma(s[2 * np], qf[ks], b[0], b[1]);
-                            tc_mma(s[2 * np + 1], qf[ks], b[2], b[3]);
-                        }
+            __syncthreads(); // buffer 0 ready
+            int bi = 0;
+            for (int32_t c0 = c_lo; c0 <= t_hi; c0 += TC_KEYS) {
+                if (c0 + TC_KEYS <= t_hi) {
+                    uint16_t *kn = kb + (bi ^ 1) * kvsz;
+                    tc_wait_all(); // this thread's copies of the next block landed
+                    tc_convert<DKM, DVM, TPK>(srow, ok, dk, dv, dkp, dvp, kn + skey * ldk,
+                                              kn + TC_KEYS * ldk + skey * ldv, part);
+                    if (c0 + 2 * TC_KEYS <= t_hi) {
+                        ok = blk >= 0;
+                        tc_issue<TPK>(kv, c0 + 2 * TC_KEYS + skey, blk, k_off, v_off, srow, part);
+                        blk = tc_blk(kv, sq, c0 + 3 * TC_KEYS + skey, t_lo, t_hi, d_err);
                     }
                 }
-            }
-            // mask (keys outside [first, pos]: -inf; blocks wholly inside skip the tests), row
-            // max of the raw scores over the row's 4 threads (a fixed butterfly)
-            float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-            for (int i = 0; i < 2; i++) {
-                if (c0 >= first[i] && c0 + TC_KEYS - 1 <= pos[i]) {
-#pragma unroll
-                    for (int j = 0; j < TC_KEYS / 8; j++)
-                        mx[i] = fmaxf(mx[i], fmaxf(s[j][2 * i], s[j][2 * i + 1]));
-                } else {
-#pragma unroll
-                    for (int j = 0; j < TC_KEYS / 8; j++)
-#pragma unroll
-                        for (int e = 0; e < 2; e++) {
-                            const int32_t t = c0 + 8 * j + 2 * tq + e;
-                            if (!(t >= first[i] && t <= pos[i]))
-                                s[j][2 * i + e] = -INFINITY;
-                            mx[i] = fmaxf(mx[i], s[j][2 * i + e]);
-                        }
+                if (wcomp && c0 <= wmax && c0 + TC_KEYS - 1 >= wmin) {
+                    const uint16_t *kc = kb + bi * kvsz;
+                    tc_block<DKM, DVM>(qf, kc, kc + TC_KEYS * ldk, ldk, ldv, dkp, dvp, c0, first, pos, cs,
+                                       m, l, acc);
                 }
-            }
-            // in log2 units: t = x * cs; m' = max(m, max t) (fmul is monotonic: max of the
-            // scaled scores = the scaled max); p = 2^(x * cs - m') in one fma
-            float al[2], ms[2];
-#pragma unroll
-            for (int i = 0; i < 2; i++) {
-                mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
-                mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
-                const float mn = fmaxf(m[i], __fmul_rn(mx[i], cs));
-                al[i] = mn == m[i] ? 1.0f : tc_ex2(__fsub_rn(m[i], mn));
-                ms[i] = mn == -INFINITY ? 0.0f : -mn;
-                m[i] = mn;
-            }
-            // p summed per thread in j order; P as the A fragments of P V
-            uint32_t pa[TC_KEYS / 16][4];
-            float ps[2] = {0.0f, 0.0f};
-#pragma unroll
-            for (int j = 0; j < TC_KEYS / 8; j++) {
-                const float p0 = tc_ex2(__fmaf_rn(s[j][0], cs, ms[0]));
-                const float p1 = tc_ex2(__fmaf_rn(s[j][1], cs, ms[0]));
-                const float p2 = tc_ex2(__fmaf_rn(s[j][2], cs, ms[1]));
-                const float p3 = tc_ex2(__fmaf_rn(s[j][3], cs, ms[1]));
-                ps[0] = __fadd_rn(__fadd_rn(ps[0], p0), p1);
-                ps[1] = __fadd_rn(__fadd_rn(ps[1], p2), p3);
-                pa[j >> 1][(j & 1) * 2 + 0] = tc_pack(p0, p1);
-                pa[j >> 1][(j & 1) * 2 + 1] = tc_pack(p2, p3);
-            }
-#pragma unroll
-            for (int i = 0; i < 2; i++)
-                l[i] = __fmaf_rn(l[i], al[i], ps[i]);
-#pragma unroll
-            for (int n = 0; n < DVM / 8; n++) {
-                acc[n][0] = __fmul_rn(acc[n][0], al[0]);
-                acc[n][1] = __fmul_rn(acc[n][1], al[0]);
-                acc[n][2] = __fmul_rn(acc[n][2], al[1]);
-                acc[n][3] = __fmul_rn(acc[n][3], al[1]);
-            }
-            {
-                // ldmatrix.trans row: matrix mt is keys 8 (mt % 2) + lane % 8 of the 16-key
-                // step, dims 8 (mt / 2) of the 16-dim pair
-                const int mt = lane >> 3;
-                const uint16_t *vp = vb + ((mt & 1) * 8 + (lane & 7)) * ldv + (mt >> 1) * 8;
-#pragma unroll
-                for (int kk = 0; kk < TC_KEYS / 16; kk++)
-#pragma unroll
-                    for (int dp = 0; dp < DVM / 16; dp++) {
-                        if (16 * dp < dvp) {
-                            uint32_t b[4];
-                            tc_ldsm4t(b, vp + kk * 16 * ldv + 16 * dp);
-                            tc_mma(acc[2 * dp], pa[kk], b[0], b[1]);
-                            tc_mma(acc[2 * dp + 1], pa[kk], b[2], b[3]);
-                        }
-                    }
+                __syncthreads(); // the next buffer ready; this one's reads done
+                bi ^= 1;
             }
         }
         // l over the row's 4 threads (a butterfly: the same sum in all four), then the outputs
@@ -447,30 +495,37 @@ __global__ void __launch_bounds__(NW * 32, 8 / NW) attention_tc_kernel(struct mm
     }
 }
 
-static size_t tc_shmem(int dk, int dv) {
+static size_t tc_shmem(int dk, int dv, bool db) {
     const int dkp = (dk + 15) & ~15, dvp = (dv + 15) & ~15;
-    return (size_t)TC_KEYS * (dk + dv + 4) * 4 + (size_t)TC_KEYS * (dkp + 8) * 2 +
-           (size_t)TC_KEYS * (dvp + 8) * 2;
+    return (size_t)TC_KEYS * (dk + dv + 4) * 4 +
+           (db ? 2 : 1) * ((size_t)TC_KEYS * (dkp + 8) * 2 + (size_t)TC_KEYS * (dvp + 8) * 2);
 }
 
-template <int DKM, int DVM, int NW>
+template <int DKM, int DVM, int NW, bool DB>
 static mm_err tc_launch(void *stream, const struct mm_attn_args *a, int gsub, int rows_pb, int *d_err) {
     static uint64_t attr_set; // > 48 KiB of shared memory: allowed once per device (harmlessly racy)
     int dev = 0;
     MM_GPU_CHECK(cudaGetDevice(&dev));
     if (!(attr_set & (1ull << (dev & 63)))) {
-        MM_GPU_CHECK(cudaFuncSetAttribute(attention_tc_kernel<DKM, DVM, NW>,
+        MM_GPU_CHECK(cudaFuncSetAttribute(attention_tc_kernel<DKM, DVM, NW, DB>,
                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          (int)tc_shmem(DKM, DVM)));
+                                          (int)tc_shmem(DKM, DVM, DB)));
         attr_set |= 1ull << (dev & 63);
     }
     const int group = a->n_heads / a->kv.n_kv_heads;
     dim3 grid((unsigned)((a->n_rows + rows_pb - 1) / rows_pb), (unsigned)(a->kv.n_kv_heads * (group / gsub)));
-    MM_GPU_CHECK(mm_launch_dep(attention_tc_kernel<DKM, DVM, NW>, grid, dim3(NW * 32),
-                               tc_shmem(a->kv.head_dim_k, a->kv.head_dim_v), (cudaStream_t)stream, *a,
+    MM_GPU_CHECK(mm_launch_dep(attention_tc_kernel<DKM, DVM, NW, DB>, grid, dim3(NW * 32),
+                               tc_shmem(a->kv.head_dim_k, a->kv.head_dim_v, DB), (cudaStream_t)stream, *a,
                                gsub, rows_pb, d_err));
     MM_GPU_CHECK(cudaGetLastError());
     return MM_OK;
+}
+
+template <int NW, bool DB>
+static mm_err tc_launch_dims(void *stream, const struct mm_attn_args *a, int gsub, int rows_pb, int *d_err) {
+    if (a->kv.head_dim_k <= 64 && a->kv.head_dim_v <= 64)
+        return tc_launch<64, 64, NW, DB>(stream, a, gsub, rows_pb, d_err);
+    return tc_launch<128, 128, NW, DB>(stream, a, gsub, rows_pb, d_err);
 }
 #else
 #define TC_HAVE 0
@@ -491,6 +546,20 @@ static int tc_warps(void) {
     }
     return g_att_tc_warps;
 }
+
+static int tc_db(void) {
+    if (g_att_tc_db < 0) {
+        const char *e = getenv("MM_GPU_ATT_TC_DB");
+        g_att_tc_db = !(e != NULL && strcmp(e, "0") == 0);
+    }
+    return g_att_tc_db;
+}
+
+// mm_gpu_set_attention_tc_db: 1 two bf16 key buffers (the next block converted while this one
+// is computed, one barrier per block), 0 one buffer (two barriers per block), < 0 back to
+// MM_GPU_ATT_TC_DB (default 1). Same bits either way. Process-wide.
+extern "C" void mm_gpu_set_attention_tc_db(int mode);
+extern "C" void mm_gpu_set_attention_tc_db(int mode) { g_att_tc_db = mode < 0 ? -1 : mode != 0; }
 
 // mm_gpu_set_attention_tc: 1 the tensor-core contract for every attention call whose shape it
 // takes (decode and prefill alike), 0 ops.cu's f32 kernels, < 0 back to MM_GPU_ATT_TC (read at
@@ -532,14 +601,13 @@ extern "C" mm_err mm_gpu_attention_tc(void *stream, const struct mm_attn_args *a
         if (group % s == 0)
             gsub = s;
     const int rows_pb = a->n_rows <= TC_DECODE_ROWS ? 1 : units / gsub;
-    const bool small = dk <= 64 && dv <= 64;
     mm_err rv;
     if (nw == 4)
-        rv = small ? tc_launch<64, 64, 4>(stream, a, gsub, rows_pb, d_err)
-                   : tc_launch<128, 128, 4>(stream, a, gsub, rows_pb, d_err);
+        rv = tc_db() ? tc_launch_dims<4, true>(stream, a, gsub, rows_pb, d_err)
+                     : tc_launch_dims<4, false>(stream, a, gsub, rows_pb, d_err);
     else
-        rv = small ? tc_launch<64, 64, 8>(stream, a, gsub, rows_pb, d_err)
-                   : tc_launch<128, 128, 8>(stream, a, gsub, rows_pb, d_err);
+        rv = tc_db() ? tc_launch_dims<8, true>(stream, a, gsub, rows_pb, d_err)
+                     : tc_launch_dims<8, false>(stream, a, gsub, rows_pb, d_err);
     if (rv == MM_OK)
         *done = 1;
     return rv;

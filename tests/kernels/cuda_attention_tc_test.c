@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: MIT
 // The tensor-core attention contract (kernels/cuda/attention_tc.cu, MM_GPU_ATT_TC=1): against
 // the CPU backend's f32 attention within a bf16-input tolerance, and bit for bit between the
-// ways a row can reach it: a whole prompt in one call (prefill tiles of 8 warps, and of 4
-// warps), token-by-token decode
+// ways a row can reach it: a whole prompt in one call (prefill tiles of 8 warps, of 4 warps,
+// and with one key buffer instead of two), token-by-token decode
 // steps of all sequences (one row per sequence per call, cache written step by step), chunked
 // prefill (chunks of 37, 128, 1, then 200 rows, each stored before its attention) and rows of
 // the sequences interleaved in one call. The cache starts as NaN, so keys a row must not see
@@ -20,6 +20,7 @@
 
 extern void mm_gpu_set_attention_tc(int mode) __attribute__((weak));
 extern void mm_gpu_set_attention_tc_warps(int warps) __attribute__((weak));
+extern void mm_gpu_set_attention_tc_db(int mode) __attribute__((weak));
 extern mm_err mm_gpu_attention_tc(void *stream, const struct mm_attn_args *a, int *d_err, int *done)
     __attribute__((weak));
 
@@ -27,7 +28,8 @@ static mm_backend *cpu, *gpu;
 
 static void open_backends(void) {
     char err[MM_ERRLEN] = "";
-    if (!mm_gpu_set_attention_tc || !mm_gpu_attention_tc || !mm_gpu_set_attention_tc_warps)
+    if (!mm_gpu_set_attention_tc || !mm_gpu_attention_tc || !mm_gpu_set_attention_tc_warps ||
+        !mm_gpu_set_attention_tc_db)
         MM_SKIP("GPU kernels not linked (plain build; `make cuda` builds this test with them)");
     mm_err rv = mm_backend_open(&gpu, "cuda:0", NULL, err);
     if (rv == MM_EUNSUPP)
@@ -38,11 +40,13 @@ static void open_backends(void) {
     MM_PASS(mm_backend_open(&cpu, "cpu", &p, err));
     mm_gpu_set_attention_tc(1);
     mm_gpu_set_attention_tc_warps(8);
+    mm_gpu_set_attention_tc_db(1);
 }
 
 static void close_backends(void) {
     mm_gpu_set_attention_tc(-1);
     mm_gpu_set_attention_tc_warps(-1);
+    mm_gpu_set_attention_tc_db(-1);
     mm_backend_close(gpu);
     mm_backend_close(cpu);
     gpu = cpu = NULL;
@@ -219,20 +223,26 @@ static void tc_case(int n_heads, int n_kv, int dk, int dv, int window, const int
     const int64_t d_f32 = n_diff(all, got, on);
     free(got);
 
-    // 1b. the same call with 4 warps per block (two blocks per multiprocessor): other tiles
-    mm_gpu_set_attention_tc_warps(4);
-    MM_PASS(gpu->ops->fill(gpu->ctx, d_out, 7.0f, on));
-    {
+    // 1b. the same call with 4 warps per block (other tiles), and with one key buffer (two
+    // barriers per block)
+    int64_t d_warps = 0;
+    for (int var = 0; var < 2; var++) {
+        if (var == 0)
+            mm_gpu_set_attention_tc_warps(4);
+        else
+            mm_gpu_set_attention_tc_db(0);
+        MM_PASS(gpu->ops->fill(gpu->ctx, d_out, 7.0f, on));
         struct mm_attn_args at = {.kv = kv, .q = u.q, .q_stride = qst, .out = d_out,
                                   .out_stride = ost, .n_rows = n_rows, .row_seq = u.seq,
                                   .row_pos = u.pos, .n_heads = n_heads,
                                   .scale = 1.0f / sqrtf((float)dk), .window = window};
         MM_PASS(gpu->ops->attention(gpu->ctx, &at));
+        mm_gpu_set_attention_tc_warps(8);
+        mm_gpu_set_attention_tc_db(1);
+        got = dev_get(d_out, (size_t)on * 4);
+        d_warps += n_diff(all, got, on);
+        free(got);
     }
-    mm_gpu_set_attention_tc_warps(8);
-    got = dev_get(d_out, (size_t)on * 4);
-    const int64_t d_warps = n_diff(all, got, on);
-    free(got);
 
     // 2. chunked prefill: 37, 128, 1, then 200 rows per call, each chunk stored first
     MM_PASS(gpu->ops->fill(gpu->ctx, kv.base, NAN, pool_n));
@@ -294,7 +304,7 @@ static void tc_case(int n_heads, int n_kv, int dk, int dv, int window, const int
 
     printf("tc attention %dh/%dkv dk %d dv %d window %d, %d rows of %d seqs: nmse vs cpu %.3e "
            "(tol 2e-4), %lld elements differ from the f32 kernels; differing elements vs the "
-           "whole-prompt call: 4 warps %lld, chunks %lld, decode steps %lld, seqs interleaved %lld "
+           "whole-prompt call: 4 warps + one key buffer %lld, chunks %lld, decode steps %lld, seqs interleaved %lld "
            "(of %lld)\n", n_heads, n_kv, dk, dv, window, n_rows, n_seqs, nmse, (long long)d_f32,
            (long long)d_warps, (long long)d_chunks, (long long)d_decode, (long long)d_mixed, (long long)on);
     fflush(stdout);

@@ -7,10 +7,11 @@
 # In order (each step with its own limit; the first ones matter most): moemesh synth of the
 # 4-layer Qwen3-30B-A3B shape (background), the bf16 peak (torch.matmul 8192^3), the contract's
 # tests (cuda_attention_tc_test) and the f32 prefill kernel's bit test, the 4K prefill in one
-# forward (bench-model --prefill-rows 4096) with the f32 kernels (old) and the contract at 8 and
-# 4 warps per block (tc8, tc4), decode batch 1 old vs tc8 (twice, alternating), the per-op GPU
-# times of each (MM_GPU_OPTIME=1: attention per 4096-row call), fixture parity with the
-# contract on, decode batch 64 old vs tc8. Logs: $OUT/log (all), $OUT/*.txt.
+# forward (bench-model --prefill-rows 4096) with the f32 kernels (old) and the contract with two
+# key buffers (tc8, the default) and one (tc8one) (CONFS="name:TC:WARPS:DB ..." to change), decode
+# batch 1 old vs tc8 (twice, alternating), the per-op GPU times of each (MM_GPU_OPTIME=1:
+# attention per 4096-row call), ncu on the contract's kernel, fixture parity with the contract
+# on, decode batch 64 old vs tc8. Logs: $OUT/log (all), $OUT/*.txt.
 set -u
 D=${1:-.dev/gpu-att2}
 OUT=${OUT:-/tmp/out}
@@ -47,39 +48,47 @@ timeout 30 "$D/cuda_decode_ops_test" "attention prefill kernel: decode kernel bi
 echo "== whole-model prefill, 4096 tokens in one forward (synth 4 layers) $(t)"
 wait "$SYNTH_PID"; tail -2 "$OUT/synth.txt"
 BM="$D/moemesh bench-model --model $M --device cuda:0 --prompt-tokens 4096 --decode-tokens 2 --rounds 1 --warmup-tokens 1 --bw-mb 64 --prefill-rows 4096 --prompt-rounds 3"
-# configurations: name, MM_GPU_ATT_TC, MM_GPU_ATT_TC_WARPS
-CONFS="old:0:8 tc8:1:8 tc4:1:4"
+# configurations: name, MM_GPU_ATT_TC, MM_GPU_ATT_TC_WARPS, MM_GPU_ATT_TC_DB
+CONFS=${CONFS:-"old:0:8:1 tc8:1:8:1 tc8one:1:8:0"}
 for c in $CONFS; do
-    IFS=: read -r p e w <<< "$c"
-    echo "-- $p (MM_GPU_ATT_TC=$e MM_GPU_ATT_TC_WARPS=$w) $(t)"
-    MM_GPU_ATT_TC=$e MM_GPU_ATT_TC_WARPS=$w timeout 30 $BM > "$OUT/prefill_$p.txt" 2>&1 || echo "bench-model failed rc=$?"
+    IFS=: read -r p e w b <<< "$c"
+    echo "-- $p (MM_GPU_ATT_TC=$e MM_GPU_ATT_TC_WARPS=$w MM_GPU_ATT_TC_DB=$b) $(t)"
+    MM_GPU_ATT_TC=$e MM_GPU_ATT_TC_WARPS=$w MM_GPU_ATT_TC_DB=$b timeout 30 $BM > "$OUT/prefill_$p.txt" 2>&1 || echo "bench-model failed rc=$?"
     grep -E "^prompt|failed|error" "$OUT/prefill_$p.txt"
 done
 echo "== decode batch 1 (prompt 128, 32 tokens, 2 rounds), alternating $(t)"
 for i in 1 2; do
-for c in old:0:8 tc8:1:8; do
-    IFS=: read -r p e w <<< "$c"
+for c in old:0 tc8:1; do
+    IFS=: read -r p e <<< "$c"
     echo "-- $p run $i $(t)"
-    MM_GPU_ATT_TC=$e MM_GPU_ATT_TC_WARPS=$w timeout 30 "$D/moemesh" bench-model --model "$M" --device cuda:0 --prompt-tokens 128 \
+    MM_GPU_ATT_TC=$e timeout 30 "$D/moemesh" bench-model --model "$M" --device cuda:0 --prompt-tokens 128 \
         --decode-tokens 32 --rounds 2 --bw-mb 64 > "$OUT/decode_${p}_$i.txt" 2>&1 || echo "bench-model failed rc=$?"
     grep -E "^decode: best|^decode op by op|failed|error" "$OUT/decode_${p}_$i.txt"
 done
 done
 echo "== per-op GPU times (MM_GPU_OPTIME=1) $(t)"
 for c in $CONFS; do
-    IFS=: read -r p e w <<< "$c"
+    IFS=: read -r p e w b <<< "$c"
     echo "-- $p $(t)"
-    MM_GPU_OPTIME=1 MM_GPU_ATT_TC=$e MM_GPU_ATT_TC_WARPS=$w timeout 30 $BM > "$OUT/optime_$p.txt" 2>&1 || echo "optime run failed rc=$?"
+    MM_GPU_OPTIME=1 MM_GPU_ATT_TC=$e MM_GPU_ATT_TC_WARPS=$w MM_GPU_ATT_TC_DB=$b timeout 30 $BM > "$OUT/optime_$p.txt" 2>&1 || echo "optime run failed rc=$?"
     grep -E "^prompt:" "$OUT/optime_$p.txt"; sed -n "/steps of 4096 row/,+4p" "$OUT/optime_$p.txt"
 done
+if command -v ncu >/dev/null; then
+    echo "== ncu on the contract's kernel, first 4096-row call (clocks left alone) $(t)"
+    MM_GPU_ATT_TC=1 timeout 90 ncu --clock-control none -k regex:attention_tc_kernel --launch-count 1 \
+        --section SpeedOfLight --section Occupancy --section WarpStateStats --section ComputeWorkloadAnalysis \
+        --section LaunchStats $D/moemesh bench-model --model $M --device cuda:0 --prompt-tokens 4096 \
+        --decode-tokens 2 --rounds 1 --warmup-tokens 1 --bw-mb 64 --prefill-rows 4096 > "$OUT/ncu_tc.txt" 2>&1
+    grep -E "attention_tc|Duration|Throughput|Occupancy|Registers|Stall|Warp Cycles|Block Limit|Issued|Pipe|Tensor|Executed Ipc|SM Busy|Eligible" "$OUT/ncu_tc.txt" | head -50
+fi
 echo "== fixture parity with the contract on (moemesh logits --device cuda:0) $(t)"
 for d in tests/fixtures/models/*/; do
     [ -f "$d/reference.json" ] || continue
     MM_GPU_ATT_TC=1 timeout 30 python3 kernels/cuda/parity.py "$d" "$D/moemesh" --strict || echo "PARITY FAIL $d"
 done
 echo "== decode batch 64 (prompt 128, 32 tokens) $(t)"
-for c in old:0:8 tc8:1:8; do
-    IFS=: read -r p e w <<< "$c"
+for c in old:0 tc8:1; do
+    IFS=: read -r p e <<< "$c"
     echo "-- $p $(t)"
     MM_GPU_ATT_TC=$e timeout 40 "$D/moemesh" bench-model --model "$M" --device cuda:0 --prompt-tokens 128 \
         --decode-tokens 32 --rounds 1 --bw-mb 64 --batch 64 > "$OUT/batch64_$p.txt" 2>&1 || echo "bench-model failed rc=$?"

@@ -94,5 +94,18 @@ for c in old:0 tc8:1; do
         --decode-tokens 32 --rounds 1 --bw-mb 64 --batch 64 > "$OUT/batch64_$p.txt" 2>&1 || echo "bench-model failed rc=$?"
     grep -E "^batch 64|failed|error" "$OUT/batch64_$p.txt"
 done
+echo "== every GPU op test case with the contract on: which tests assume the f32 kernels $(t)"
+if [ $(( $(date +%s) - T0 )) -lt 130 ]; then
+    for tb in cuda_ops_test cuda_decode_ops_test model_devpath_test; do
+        [ -x "$D/$tb" ] || continue
+        while IFS= read -r c; do
+            MM_GPU_ATT_TC=1 timeout 60 "$D/$tb" "$c" > "$OUT/case.txt" 2>&1; rc=$?
+            echo "rc=$rc $tb: $c"
+            [ $rc = 0 ] || [ $rc = 77 ] || grep -E "FAIL|expected|nmse|differ" "$OUT/case.txt" | head -3 | sed 's/^/      /'
+        done < <(timeout 20 "$D/$tb" --list)
+    done
+else
+    echo "skipped: past 130 s"
+fi
 echo "done $(t)"
 date -u

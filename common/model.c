@@ -648,6 +648,7 @@ struct mm_model_scratch {
     // (pos_d and seq_d point into it), filled from h_in by one set per step
     bool dev;
     int32_t *in_d, *h_in;
+    int64_t rows_n; // rows whose pos/seq mm_model_attn_forward last set (h_in holds them), -1
     int32_t *offs_d, *src_d, *dst_d, *tok_d; // routing plan (E+1, R*K, R*K), argmax (R)
     float *wt_d;                             // rank-major routing weights (K, R)
     // recorded steps, keyed by shape and the buffers baked into them
@@ -778,6 +779,7 @@ mm_err mm_model_scratch_new(mm_model_scratch **out, const mm_model *m, int64_t m
     s->offs2 = malloc((E + 1) * 4);
     s->rt = malloc(2 * R * K * 4);
     s->h_in = malloc(4 * R * 4);
+    s->rows_n = -1;
     s->no_graphs = !m->be->ops->capture_begin || env_off("MM_GPU_GRAPHS");
     if (!s->ids || !s->wts || !s->cnt || !s->slot_list || !s->row_list || !s->want_idx ||
         !s->offs2 || !s->rt || !s->h_in) {
@@ -935,8 +937,18 @@ mm_err mm_model_attn_forward(const mm_model *m, mm_model_scratch *s, int layer, 
     if (n == 0)
         return MM_OK;
     MM_TRY(check_attn_rows(m, kv, rows));
-    MM_TRY(OPS->set(CTX, s->pos_d, rows->pos, (size_t)n * 4));
-    MM_TRY(OPS->set(CTX, s->seq_d, rows->seq, (size_t)n * 4));
+    // positions and sequences to the backend in one copy (staged in h_in where forward_dev
+    // stages them), and only when they differ from the last call's: a shard calls this once
+    // per layer with the same rows
+    const int64_t R = s->max_rows;
+    if (s->rows_n != n || memcmp(s->h_in + R, rows->pos, (size_t)n * 4) != 0 ||
+        memcmp(s->h_in + 2 * R, rows->seq, (size_t)n * 4) != 0) {
+        s->rows_n = -1;
+        memcpy(s->h_in + R, rows->pos, (size_t)n * 4);
+        memcpy(s->h_in + 2 * R, rows->seq, (size_t)n * 4);
+        MM_TRY(OPS->set(CTX, s->pos_d, s->h_in + R, (size_t)(R + n) * 4));
+        s->rows_n = n;
+    }
     return attn_core(m, s, layer, kv, n, h, false, false);
 }
 
@@ -1311,7 +1323,13 @@ static mm_err forward_dev_ops(const mm_model *m, mm_model_scratch *s, mm_kv_cach
     // of every row) into s->xn, in one op where the backend has combine_rmsnorm (same bits)
     const bool chain = OPS->combine_rmsnorm != NULL;
     bool normed = false; // s->xn holds this layer's input norm already
-    MM_TRY(OPS->embed(CTX, &m->embed, s->in_d, n, s->h, D));
+    if (OPS->embed_rmsnorm && n_layers > 0) { // and the first layer's input norm, one op
+        MM_TRY(OPS->embed_rmsnorm(CTX, &m->embed, s->in_d, n, s->h, D, &m->layers[0].attn_norm,
+                                  m->c.eps, s->xn, D));
+        normed = true;
+    } else {
+        MM_TRY(OPS->embed(CTX, &m->embed, s->in_d, n, s->h, D));
+    }
     for (int l = 0; l < n_layers; l++) {
         // the residual add of the attention output and the FFN norm in one op where the
         // backend has it (same bits as axpy then rmsnorm)
@@ -1336,6 +1354,8 @@ static mm_err forward_dev_ops(const mm_model *m, mm_model_scratch *s, mm_kv_cach
     }
     if (nw == 0)
         return MM_OK;
+    if (chain && nw == n) // every row wanted (in order): their final norms are s->xn
+        return mm_model_head(m, s, s->xn, nw, logits);
     if (chain) { // every row's final norm is in s->xn: the wanted rows
         MM_TRY(OPS->copy_rows(CTX, s->xn, D, s->in_d + 3 * R, s->hn, D, NULL, nw, D));
     } else {
@@ -1379,6 +1399,7 @@ static mm_err forward_dev(const mm_model *m, mm_model_scratch *s, mm_kv_cache *k
         if (!want_logits || want_logits[i])
             s->h_in[3 * R + nw++] = (int32_t)i;
     }
+    s->rows_n = -1; // pos_d/seq_d rewritten: mm_model_attn_forward sets its rows again
     MM_TRY(OPS->set(CTX, s->in_d, s->h_in, (size_t)(3 * R + (nw > 0 ? nw : 0)) * 4));
     // Steps of more than 64 rows (prefill chunks) are not recorded: their launches are few
     // against their work, and inside a capture the GPU's prefill GEMMs cannot take their

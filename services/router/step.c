@@ -137,8 +137,8 @@ struct mm_step_engine {
     int32_t *plan_nserve;     // (n_layers) owners serving the layer; 0: not every expert has
                               // a live owner on a device link (the host path answers)
     bool plan_made;
-    int32_t *d_plan;          // (owners, plan_stride) each owner's share of a layer's plan
-    int64_t plan_stride;      // int32s per share: whole rows of D for the largest plan
+    int64_t plan_stride;      // int32s per owner's share of a layer's plan (whole rows of D
+                              // for the largest plan); the shares follow the x rows in d_x
     float *d_ysn;             // (owners, T*K, D) owners' replies when several serve a layer
     // per-seq state
     int32_t *seq_shard, *seq_row; // (max_seqs): shard, first active row (-1: inactive)
@@ -445,7 +445,10 @@ mm_err mm_step_engine_open(mm_step_engine **out, const mm_step_conf *c, mm_regis
         void *ctx = e->be->ctx;
         mm_err (*alloc)(void *, size_t, void **) = e->be->ops->buffer_alloc;
         MM_TRY_GOTO(rv, alloc(ctx, (size_t)T * D * 4, (void **)&e->d_h), fail);
-        MM_TRY_GOTO(rv, alloc(ctx, (size_t)T * D * 4, (void **)&e->d_x), fail);
+        // d_x: the rows, then room for each owner's share of a plan (plan_layer)
+        e->plan_stride = e->E > 0 ? plan_rows(e, T * KK) * (int64_t)D : 0;
+        MM_TRY_GOTO(rv, alloc(ctx, ((size_t)T * D + (size_t)c->owners * (size_t)e->plan_stride) * 4,
+                              (void **)&e->d_x), fail);
         MM_TRY_GOTO(rv, alloc(ctx, (size_t)T * D * 4, (void **)&e->d_sh), fail);
         MM_TRY_GOTO(rv, alloc(ctx, (size_t)(T * KK) * D * 4, (void **)&e->d_eo), fail);
         MM_TRY_GOTO(rv, alloc(ctx, (size_t)LR * D * 4, (void **)&e->d_last), fail);
@@ -469,10 +472,7 @@ mm_err mm_step_engine_open(mm_step_engine **out, const mm_step_conf *c, mm_regis
                      mm_gpu_backend_stream(ctx, &e->stream, &sdev) == MM_OK;
         if (e->plan_on) {
             const size_t NL = (size_t)e->cfg->n_layers, N = (size_t)c->owners, E = (size_t)e->E;
-            e->plan_stride = plan_rows(e, T * KK) * (int64_t)D;
             MM_TRY_GOTO(rv, alloc(ctx, NL * E * 4, (void **)&e->d_owner_of), fail);
-            MM_TRY_GOTO(rv, alloc(ctx, N * (size_t)e->plan_stride * 4, (void **)&e->d_plan),
-                        fail);
             if (N > 1)
                 MM_TRY_GOTO(rv, alloc(ctx, N * (size_t)(T * KK) * D * 4, (void **)&e->d_ysn),
                             fail);
@@ -571,7 +571,7 @@ void mm_step_engine_close(mm_step_engine *e) {
     if (e->be) {
         float *dv[] = {e->d_h, e->d_x, e->d_sh, e->d_eo, e->d_last, e->d_hn, e->d_logits,
                        e->d_xs, e->d_ys, (float *)e->d_xsrc, (float *)e->d_slot,
-                       (float *)e->d_owner_of, (float *)e->d_plan, e->d_ysn,
+                       (float *)e->d_owner_of, e->d_ysn,
                        (float *)e->d_lrows};
         for (size_t i = 0; i < sizeof(dv) / sizeof(dv[0]); i++)
             e->be->ops->buffer_free(e->be->ctx, dv[i]);
@@ -873,8 +873,9 @@ static mm_err plan_layer(mm_step_engine *e, uint64_t step, int L, int64_t R, boo
     }
     MM_TRY(rv);
     const int32_t *of = e->d_owner_of + (size_t)L * E;
-    MM_TRY(mm_gpu_mesh_plan_split(e->stream, pl.offs, pl.src, pl.dst, of, E, (int)nk, N,
-                                  e->d_plan, e->plan_stride));
+    int32_t *shares = (int32_t *)(e->d_x + R * D); // owner 0's share right after the rows
+    MM_TRY(mm_gpu_mesh_plan_split(e->stream, pl.offs, pl.src, pl.dst, of, E, (int)nk, N, shares,
+                                  e->plan_stride));
     const bool one = e->plan_nserve[L] == 1;
     const int64_t P = plan_rows(e, nk);
     for (int o = 0; o < N; o++) {
@@ -886,12 +887,13 @@ static mm_err plan_layer(mm_step_engine *e, uint64_t step, int L, int64_t R, boo
         const uint32_t c4[4] = {PLAN_MARK, (uint32_t)R, (uint32_t)nk, 0};
         rv = send_frame(op, MM_WIRE_CTRL, MM_WIRE_BYTES, step, (uint32_t)L, 1, sizeof(c4), c4,
                         tmo, msg);
-        if (rv == MM_OK) {
-            op->seg[0] = (struct iovec){.iov_base = e->d_x, .iov_len = (size_t)(R * D) * 4};
-            op->seg[1] = (struct iovec){.iov_base = e->d_plan + o * e->plan_stride,
+        if (rv == MM_OK) { // owner 0: rows and share in one piece
+            op->seg[0] = (struct iovec){.iov_base = e->d_x,
+                                        .iov_len = (size_t)((o ? R : R + P) * D) * 4};
+            op->seg[1] = (struct iovec){.iov_base = shares + o * e->plan_stride,
                                         .iov_len = (size_t)(P * D) * 4};
             op->iov = op->seg;
-            op->n_iov = 2;
+            op->n_iov = o ? 2 : 1;
             rv = send_frame_dev(op, MM_WIRE_ROWS, step, (uint32_t)L, (uint32_t)(R + P),
                                 (uint32_t)D, tmo, msg);
         }

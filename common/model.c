@@ -1323,7 +1323,13 @@ static mm_err forward_dev_ops(const mm_model *m, mm_model_scratch *s, mm_kv_cach
     // of every row) into s->xn, in one op where the backend has combine_rmsnorm (same bits)
     const bool chain = OPS->combine_rmsnorm != NULL;
     bool normed = false; // s->xn holds this layer's input norm already
-    MM_TRY(OPS->embed(CTX, &m->embed, s->in_d, n, s->h, D));
+    if (OPS->embed_rmsnorm && n_layers > 0) { // and the first layer's input norm, one op
+        MM_TRY(OPS->embed_rmsnorm(CTX, &m->embed, s->in_d, n, s->h, D, &m->layers[0].attn_norm,
+                                  m->c.eps, s->xn, D));
+        normed = true;
+    } else {
+        MM_TRY(OPS->embed(CTX, &m->embed, s->in_d, n, s->h, D));
+    }
     for (int l = 0; l < n_layers; l++) {
         // the residual add of the attention output and the FFN norm in one op where the
         // backend has it (same bits as axpy then rmsnorm)
@@ -1348,6 +1354,8 @@ static mm_err forward_dev_ops(const mm_model *m, mm_model_scratch *s, mm_kv_cach
     }
     if (nw == 0)
         return MM_OK;
+    if (chain && nw == n) // every row wanted (in order): their final norms are s->xn
+        return mm_model_head(m, s, s->xn, nw, logits);
     if (chain) { // every row's final norm is in s->xn: the wanted rows
         MM_TRY(OPS->copy_rows(CTX, s->xn, D, s->in_d + 3 * R, s->hn, D, NULL, nw, D));
     } else {

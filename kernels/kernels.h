@@ -326,6 +326,12 @@ struct mm_backend_ops {
                               int64_t x_stride, const float *shared, int64_t shared_stride,
                               float *h, int64_t h_stride, int64_t n_rows, const mm_weight *w,
                               float eps, float *y, int64_t y_stride);
+    // embed_rmsnorm (optional; NULL: embed, then rmsnorm): embed(table, ids, n_rows, out,
+    // out_stride), then y[i, :] = rmsnorm(w, eps, out[i, :]) (w->cols == table->cols), with
+    // exactly the bits of the two (the first layer's input norm). y must not alias out.
+    mm_err (*embed_rmsnorm)(void *ctx, const mm_weight *table, const int32_t *ids,
+                            int64_t n_rows, float *out, int64_t out_stride, const mm_weight *w,
+                            float eps, float *y, int64_t y_stride);
 };
 
 // A backend instance: the table plus its context. Not thread-safe (one issuing thread).

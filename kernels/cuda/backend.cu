@@ -43,7 +43,8 @@
 //   and attention load grouping, and no early launch of the products (process-wide), for
 //   before/after figures in one run (same results).
 //   MM_GPU_OLD_CHAIN=1 leaves out the per-layer chain fusions (head_norm_rope_kv,
-//   route_with_plan, combine_rmsnorm: the model then issues the two ops each stands for);
+//   route_with_plan, combine_rmsnorm, embed_rmsnorm: the model then issues the two ops each
+//   stands for);
 //   MM_GPU_OLD_DECODE and MM_GPU_OLD_FUSIONS leave them out too. The first recorded graph's
 //   node, edge and programmatic-edge counts are logged (info) once per backend.
 #include <stdio.h>
@@ -816,6 +817,15 @@ static mm_err gpu_combine_rmsnorm(void *ctx, const float *alpha, int k, const fl
                                                     hs, n_rows, w, eps, y, ys));
 }
 
+static mm_err gpu_embed_rmsnorm(void *ctx, const mm_weight *t, const int32_t *ids,
+                                int64_t n_rows, float *out, int64_t os, const mm_weight *w,
+                                float eps, float *y, int64_t ys) {
+    CTX(ctx);
+    ON_DEVICE();
+    TIMED("embed_rmsnorm", mm_gpu_embed_rmsnorm(g->stream, t, ids, n_rows, out, os, w, eps, y,
+                                                ys, g->d_err));
+}
+
 static mm_err gpu_add_rmsnorm(void *ctx, const float *a, int64_t as, float *h, int64_t hs,
                               const mm_weight *w, float eps, float *y, int64_t ys,
                               int64_t n_rows) {
@@ -861,6 +871,7 @@ static const struct mm_backend_ops gpu_ops = {
     .head_norm_rope_kv = gpu_head_norm_rope_kv,
     .route_with_plan = gpu_route_with_plan,
     .combine_rmsnorm = gpu_combine_rmsnorm,
+    .embed_rmsnorm = gpu_embed_rmsnorm,
 };
 
 extern "C" mm_err mm_cuda_backend_open(mm_backend *be, const mm_backend_params *p,
@@ -934,6 +945,7 @@ extern "C" mm_err mm_cuda_backend_open(mm_backend *be, const mm_backend_params *
         g->ops_table.head_norm_rope_kv = NULL;
         g->ops_table.route_with_plan = NULL;
         g->ops_table.combine_rmsnorm = NULL;
+        g->ops_table.embed_rmsnorm = NULL;
     }
     const char *ot = getenv("MM_GPU_OPTIME");
     if (ot != NULL && strcmp(ot, "0") != 0 && ot[0] != '\0') {

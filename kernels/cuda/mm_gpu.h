@@ -214,6 +214,11 @@ mm_err mm_gpu_route_with_plan(void *stream, const struct mm_route_params *p,
                               const float *d_logits, int64_t ls, int64_t n_rows, int32_t *d_ids,
                               float *d_weights, int32_t *d_offs, int32_t *d_src_row,
                               int32_t *d_dst_slot, float *d_wt, int *d_err, unsigned *d_count);
+// mm_gpu_embed_rmsnorm: kernels.h embed_rmsnorm (embed, then y = rmsnorm(out)) in one launch,
+// a block per row (rows longer than 8192: the two launches).
+mm_err mm_gpu_embed_rmsnorm(void *stream, const mm_weight *t, const int32_t *d_ids,
+                            int64_t n_rows, float *d_out, int64_t os, const mm_weight *w,
+                            float eps, float *d_y, int64_t ys, int *d_err);
 // mm_gpu_combine_rmsnorm: kernels.h combine_rmsnorm (combine, then y = rmsnorm(h)) in one
 // launch, a block per row (rows longer than 8192: the two launches).
 mm_err mm_gpu_combine_rmsnorm(void *stream, const float *d_alpha, int k, const float *d_x,

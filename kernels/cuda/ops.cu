@@ -103,15 +103,19 @@ __device__ __forceinline__ void early_launch(int on) {
 // kernel's bits.
 // This thread's weights (elements threadIdx.x + i * RMS_THREADS), loaded before the row so
 // that both are in flight together.
-template <int DT>
-__device__ __forceinline__ void rms_load_w(const void *w, int dim, float wv[RMS_MAX_DIM / RMS_THREADS]) {
+// NT: the block's threads (RMS_THREADS, or CR_THREADS for combine_rmsnorm_kernel; the same
+// arithmetic per element either way).
+// EPT: the elements each thread scales (dim <= NT * EPT).
+template <int DT, int NT = RMS_THREADS, int EPT = RMS_MAX_DIM / NT>
+__device__ __forceinline__ void rms_load_w(const void *w, int dim, float wv[EPT]) {
 #pragma unroll
-    for (int i = 0; i < RMS_MAX_DIM / RMS_THREADS; i++) {
-        const int k = threadIdx.x + i * RMS_THREADS;
+    for (int i = 0; i < EPT; i++) {
+        const int k = threadIdx.x + i * NT;
         wv[i] = k < dim ? wload<DT>(w, k) : 0.0f;
     }
 }
 
+template <int NT = RMS_THREADS, int EPT = RMS_MAX_DIM / NT>
 __device__ __forceinline__ void rms_from_shared(const float *xsh, const float *wv, int dim, float eps,
                                                 float *yr) {
     __shared__ float rs_sh;
@@ -129,8 +133,8 @@ __device__ __forceinline__ void rms_from_shared(const float *xsh, const float *w
     __syncthreads();
     const float rs = rs_sh;
 #pragma unroll
-    for (int i = 0; i < RMS_MAX_DIM / RMS_THREADS; i++) {
-        const int k = threadIdx.x + i * RMS_THREADS;
+    for (int i = 0; i < EPT; i++) {
+        const int k = threadIdx.x + i * NT;
         if (k < dim)
             yr[k] = wv[i] * (xsh[k] * rs);
     }
@@ -178,30 +182,69 @@ __global__ void __launch_bounds__(RMS_THREADS) add_rmsnorm_kernel(const float *a
 // combine_rmsnorm (kernels.h): combine_kernel's operations for each element of the row (the
 // rank-ordered products and adds, the shared row, the residual add; explicit _rn, so no
 // contraction), then the norm of the new row from shared memory as rmsnorm_row_kernel takes
-// it. A block per row.
-template <int DT>
-__global__ void __launch_bounds__(RMS_THREADS) combine_rmsnorm_kernel(
+// it. A block of CR_THREADS per row, EPT elements per thread (dim <= CR_THREADS * EPT, EPT a
+// power of two picked by the host); each thread sums its elements rank by rank with the loads
+// of UNR ranks issued together, so ~32 loads per thread are in flight instead of one
+// element's k at a time (a one-block kernel is latency-bound).
+#define CR_THREADS 512
+template <int DT, int EPT>
+__global__ void __launch_bounds__(CR_THREADS) combine_rmsnorm_kernel(
     const float *alpha, int k, const float *x, int64_t xs, const float *shared, int64_t ss,
     float *h, int64_t hs, int64_t n_rows, const void *w, int dim, float eps, float *y, int64_t ys,
     int early) {
+    constexpr int UNR = EPT >= 16 ? 2 : EPT >= 8 ? 4 : 8; // ranks whose loads go together
     extern __shared__ float xsh[]; // dim
     early_launch(early);
-    float wv[RMS_MAX_DIM / RMS_THREADS];
-    rms_load_w<DT>(w, dim, wv); // weights: never written by a kernel, before the wait
+    float wv[EPT];
+    rms_load_w<DT, CR_THREADS, EPT>(w, dim, wv); // weights: never written by a kernel
     mm_dep_wait();
     const int64_t i = blockIdx.x;
     float *hr = h + i * hs;
-    for (int j = threadIdx.x; j < dim; j += RMS_THREADS) {
-        float acc = 0.0f;
-        for (int r = 0; r < k; r++)
-            acc = __fadd_rn(acc, __fmul_rn(alpha[(int64_t)r * n_rows + i], x[(i * k + r) * xs + j]));
-        if (shared != NULL)
-            acc = __fadd_rn(acc, shared[i * ss + j]);
-        const float v = __fadd_rn(hr[j], acc);
-        hr[j] = v;
-        xsh[j] = v;
+    const float *xr = x + i * k * xs;
+    float acc[EPT];
+#pragma unroll
+    for (int q = 0; q < EPT; q++)
+        acc[q] = 0.0f;
+    int r = 0;
+    for (; r + UNR <= k; r += UNR) {
+        float xv[UNR][EPT], av[UNR];
+#pragma unroll
+        for (int u = 0; u < UNR; u++) {
+            av[u] = alpha[(int64_t)(r + u) * n_rows + i];
+#pragma unroll
+            for (int q = 0; q < EPT; q++) {
+                const int j = threadIdx.x + q * CR_THREADS;
+                xv[u][q] = j < dim ? xr[(int64_t)(r + u) * xs + j] : 0.0f;
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < UNR; u++)
+#pragma unroll
+            for (int q = 0; q < EPT; q++)
+                acc[q] = __fadd_rn(acc[q], __fmul_rn(av[u], xv[u][q]));
     }
-    rms_from_shared(xsh, wv, dim, eps, y + i * ys);
+    for (; r < k; r++) {
+        const float a = alpha[(int64_t)r * n_rows + i];
+#pragma unroll
+        for (int q = 0; q < EPT; q++) {
+            const int j = threadIdx.x + q * CR_THREADS;
+            if (j < dim)
+                acc[q] = __fadd_rn(acc[q], __fmul_rn(a, xr[(int64_t)r * xs + j]));
+        }
+    }
+#pragma unroll
+    for (int q = 0; q < EPT; q++) {
+        const int j = threadIdx.x + q * CR_THREADS;
+        if (j < dim) {
+            float a = acc[q];
+            if (shared != NULL)
+                a = __fadd_rn(a, shared[i * ss + j]);
+            const float v = __fadd_rn(hr[j], a);
+            hr[j] = v;
+            xsh[j] = v;
+        }
+    }
+    rms_from_shared<CR_THREADS, EPT>(xsh, wv, dim, eps, y + i * ys);
 }
 
 template <int DT>
@@ -296,12 +339,23 @@ extern "C" mm_err mm_gpu_combine_rmsnorm(void *stream, const float *alpha, int k
     const size_t shmem = (size_t)dim * sizeof(float);
     const unsigned grid = (unsigned)n_rows;
     cudaStream_t st = (cudaStream_t)stream;
+    const int ept = dim <= CR_THREADS ? 1 : dim <= 2 * CR_THREADS ? 2 : dim <= 4 * CR_THREADS ? 4
+                    : dim <= 8 * CR_THREADS ? 8 : 16;
+    void (*kern)(const float *, int, const float *, int64_t, const float *, int64_t, float *,
+                 int64_t, int64_t, const void *, int, float, float *, int64_t, int) = NULL;
+#define CR_PICK(D)                                                                                  \
+    kern = ept == 1 ? combine_rmsnorm_kernel<D, 1> : ept == 2 ? combine_rmsnorm_kernel<D, 2>        \
+           : ept == 4 ? combine_rmsnorm_kernel<D, 4> : ept == 8 ? combine_rmsnorm_kernel<D, 8>      \
+           : combine_rmsnorm_kernel<D, 16>
     switch (w->dtype) {
-    case MM_DTYPE_BF16: MM_GPU_CHECK(mm_launch_dep(combine_rmsnorm_kernel<MM_DTYPE_BF16>, dim3(grid), dim3(RMS_THREADS), shmem, st, alpha, k, x, xs, shared, ss, h, hs, n_rows, w->data, dim, eps, y, ys, g_early)); break;
-    case MM_DTYPE_F16: MM_GPU_CHECK(mm_launch_dep(combine_rmsnorm_kernel<MM_DTYPE_F16>, dim3(grid), dim3(RMS_THREADS), shmem, st, alpha, k, x, xs, shared, ss, h, hs, n_rows, w->data, dim, eps, y, ys, g_early)); break;
-    case MM_DTYPE_F32: MM_GPU_CHECK(mm_launch_dep(combine_rmsnorm_kernel<MM_DTYPE_F32>, dim3(grid), dim3(RMS_THREADS), shmem, st, alpha, k, x, xs, shared, ss, h, hs, n_rows, w->data, dim, eps, y, ys, g_early)); break;
+    case MM_DTYPE_BF16: CR_PICK(MM_DTYPE_BF16); break;
+    case MM_DTYPE_F16: CR_PICK(MM_DTYPE_F16); break;
+    case MM_DTYPE_F32: CR_PICK(MM_DTYPE_F32); break;
     default: return MM_EINVAL;
     }
+#undef CR_PICK
+    MM_GPU_CHECK(mm_launch_dep(kern, dim3(grid), dim3(CR_THREADS), shmem, st, alpha, k, x, xs,
+                               shared, ss, h, hs, n_rows, w->data, dim, eps, y, ys, g_early));
     MM_GPU_CHECK(cudaGetLastError());
     return MM_OK;
 }
@@ -1183,6 +1237,63 @@ __global__ void embed_kernel(const void *table, int64_t rows, int64_t cols, cons
     }
     for (int64_t k = threadIdx.x; k < cols; k += blockDim.x)
         out[i * os + k] = wload<DT>(table, (int64_t)id * cols + k);
+}
+
+// embed_rmsnorm (kernels.h): embed_kernel's row (the table row converted to f32; a bad id
+// flags the error word and leaves the out row as it was), then the norm of the out row as
+// rmsnorm_row_kernel takes it. A block per row; tdt: the table's dtype.
+template <int DT>
+__global__ void __launch_bounds__(RMS_THREADS) embed_rmsnorm_kernel(
+    const void *table, int tdt, int64_t rows, int cols, const int32_t *ids, float *out,
+    int64_t os, const void *w, float eps, float *y, int64_t ys, int *d_err, int early) {
+    extern __shared__ float xsh[]; // cols
+    early_launch(early);
+    float wv[RMS_MAX_DIM / RMS_THREADS];
+    rms_load_w<DT>(w, cols, wv); // weights: never written by a kernel, before the wait
+    mm_dep_wait();
+    const int64_t i = blockIdx.x;
+    const int32_t id = ids[i];
+    float *orow = out + i * os;
+    if (id < 0 || id >= rows) {
+        if (threadIdx.x == 0)
+            flag(d_err, ERR_INDEX);
+        for (int k = threadIdx.x; k < cols; k += RMS_THREADS)
+            xsh[k] = orow[k];
+    } else {
+        for (int k = threadIdx.x; k < cols; k += RMS_THREADS) {
+            const float v = wload_rt(tdt, table, (int64_t)id * cols + k);
+            orow[k] = v;
+            xsh[k] = v;
+        }
+    }
+    rms_from_shared(xsh, wv, cols, eps, y + i * ys);
+}
+
+extern "C" mm_err mm_gpu_embed_rmsnorm(void *stream, const mm_weight *t, const int32_t *ids,
+                                       int64_t n_rows, float *out, int64_t os, const mm_weight *w,
+                                       float eps, float *y, int64_t ys, int *d_err) {
+    if (t == NULL || t->data == NULL || t->rows <= 0 || t->cols <= 0 || ids == NULL ||
+        out == NULL || n_rows < 0 || w == NULL || w->data == NULL || w->rows != 1 ||
+        w->cols != t->cols || y == NULL ||
+        (t->dtype != MM_DTYPE_BF16 && t->dtype != MM_DTYPE_F16 && t->dtype != MM_DTYPE_F32))
+        return MM_EINVAL;
+    if (n_rows == 0)
+        return MM_OK;
+    if (w->cols > RMS_MAX_DIM || n_rows > INT32_MAX) { // the two launches it stands for
+        MM_TRY(mm_gpu_embed(stream, t, ids, n_rows, out, os, d_err));
+        return mm_gpu_rmsnorm(stream, w, eps, out, os, y, ys, n_rows);
+    }
+    const int cols = (int)t->cols;
+    const size_t shmem = (size_t)cols * sizeof(float);
+    cudaStream_t st = (cudaStream_t)stream;
+    switch (w->dtype) {
+    case MM_DTYPE_BF16: MM_GPU_CHECK(mm_launch_dep(embed_rmsnorm_kernel<MM_DTYPE_BF16>, dim3((unsigned)n_rows), dim3(RMS_THREADS), shmem, st, t->data, (int)t->dtype, t->rows, cols, ids, out, os, w->data, eps, y, ys, d_err, g_early)); break;
+    case MM_DTYPE_F16: MM_GPU_CHECK(mm_launch_dep(embed_rmsnorm_kernel<MM_DTYPE_F16>, dim3((unsigned)n_rows), dim3(RMS_THREADS), shmem, st, t->data, (int)t->dtype, t->rows, cols, ids, out, os, w->data, eps, y, ys, d_err, g_early)); break;
+    case MM_DTYPE_F32: MM_GPU_CHECK(mm_launch_dep(embed_rmsnorm_kernel<MM_DTYPE_F32>, dim3((unsigned)n_rows), dim3(RMS_THREADS), shmem, st, t->data, (int)t->dtype, t->rows, cols, ids, out, os, w->data, eps, y, ys, d_err, g_early)); break;
+    default: return MM_EINVAL;
+    }
+    MM_GPU_CHECK(cudaGetLastError());
+    return MM_OK;
 }
 
 extern "C" mm_err mm_gpu_embed(void *stream, const mm_weight *t, const int32_t *ids, int64_t n_rows,

@@ -10,7 +10,7 @@
 //   experts, how many experts rank before them (higher choice score, then lower id); rank
 //   r < K is pick r. `better` is a strict total order unless a choice score is NaN, so both
 //   give the same ids then; with a NaN score the serial scan's result depends on its order,
-//   and callers take route_pick_serial for that row (route_any_nan).
+//   and callers take route_pick_serial for that row (route_warp_nan).
 // - Only the picks differ between the two; the weights are prob[id] in pick order, then the
 //   same lane-0 renorm and scale (route_finish), so the bits are the same.
 #ifndef MM_GPU_ROUTE_CUH
@@ -143,17 +143,18 @@ __device__ __forceinline__ void route_pick_serial(const struct mm_route_params &
     }
 }
 
-// 1 when some choice score is NaN (then the picks must be route_pick_serial's). All threads.
-__device__ __forceinline__ bool route_any_nan(const struct mm_route_params &p, const float *choice) {
-    __shared__ int nan_seen;
-    if (threadIdx.x == 0)
-        nan_seen = 0;
-    __syncthreads();
-    for (int e = threadIdx.x; e < p.n_experts; e += blockDim.x)
-        if (isnan(choice[e]))
-            nan_seen = 1;
-    __syncthreads();
-    return nan_seen != 0;
+// Warp 0 after route_scores (each lane reads back the choice scores it wrote): 1 on every
+// lane when some choice score is NaN (then the picks must be route_pick_serial's; the group
+// limit only turns scores into 0, so checking before it is safe).
+__device__ __forceinline__ int route_warp_nan(const struct mm_route_params &p, const float *choice,
+                                              int lane) {
+    int nan = 0;
+    for (int e = lane; e < p.n_experts; e += MM_WARP_SIZE)
+        nan |= isnan(choice[e]) ? 1 : 0;
+#pragma unroll
+    for (int m = MM_WARP_SIZE / 2; m > 0; m >>= 1)
+        nan |= mm_shfl_xor(nan, m);
+    return nan;
 }
 
 // The K picks at once: each thread ranks its experts against all E (see the notes). ids_sh
@@ -185,6 +186,32 @@ __device__ __forceinline__ void route_pick_rank(const struct mm_route_params &p,
     __syncthreads();
     for (int t = threadIdx.x; t < K; t += blockDim.x)
         wk[t] = prob[ids_sh[t]];
+    __syncthreads();
+}
+
+// The whole block: route_finish's renorm and scale (the sum on thread 0 in pick order, then
+// each weight's division and scale on its own thread: the same operations per weight),
+// written to w (K). sum_sh: one float of shared memory. Starts and ends with a barrier.
+__device__ __forceinline__ void route_finish_block(const struct mm_route_params &p, float *wk,
+                                                   float *w, float *sum_sh) {
+    const int K = p.top_k;
+    __syncthreads(); // wk complete
+    if (p.renorm && threadIdx.x == 0) {
+        float sum = 0.0f;
+        for (int t = 0; t < K; t++)
+            sum += wk[t];
+        sum += p.renorm_eps;
+        *sum_sh = sum;
+    }
+    __syncthreads();
+    for (int t = threadIdx.x; t < K; t += blockDim.x) {
+        float v = wk[t];
+        if (p.renorm)
+            v /= *sum_sh;
+        if (p.scale != 1.0f && p.scale != 0.0f)
+            v *= p.scale;
+        w[t] = v;
+    }
     __syncthreads();
 }
 

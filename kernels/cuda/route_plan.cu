@@ -113,6 +113,46 @@ __device__ __forceinline__ void plan_body(const int32_t *ids, const float *weigh
             wt[(int64_t)(t % top_k) * n_rows + t / top_k] = plan_ld<VOL>(weights + t);
 }
 
+// The same plan when nk = n_rows * top_k <= PLAN_THREADS (decode up to 32 rows at top-8),
+// with one barrier: slot t's sorted position is the number of slots of lower experts plus
+// the earlier slots of its own expert (the stable counting sort's position), offs[e] the
+// number of slots of experts below e; each thread counts over the nk slots' experts in
+// shared memory.
+template <bool VOL>
+__device__ __forceinline__ void plan_small(const int32_t *ids, const float *weights, int n_rows,
+                                           int top_k, int n_experts, int32_t *offs,
+                                           int32_t *src_row, int32_t *dst_slot, float *wt,
+                                           int *d_err) {
+    __shared__ int32_t esh[PLAN_THREADS];
+    const int nk = n_rows * top_k, tid = threadIdx.x;
+    if (tid < nk) {
+        int e = plan_ld<VOL>(ids + tid);
+        if (e < 0 || e >= n_experts) {
+            if (d_err != NULL)
+                atomicOr(d_err, 1);
+            e = 0;
+        }
+        esh[tid] = e;
+    }
+    __syncthreads();
+    for (int e = tid; e <= n_experts; e += blockDim.x) {
+        int c = 0;
+        for (int t = 0; t < nk; t++)
+            c += esh[t] < e;
+        offs[e] = c;
+    }
+    if (tid < nk) {
+        const int e = esh[tid];
+        int p = 0;
+        for (int t = 0; t < nk; t++)
+            p += esh[t] < e || (t < tid && esh[t] == e);
+        src_row[p] = tid / top_k;
+        dst_slot[p] = tid;
+        if (wt != NULL)
+            wt[(int64_t)(tid % top_k) * n_rows + tid / top_k] = plan_ld<VOL>(weights + tid);
+    }
+}
+
 __global__ void __launch_bounds__(PLAN_THREADS) route_plan_kernel(
     const int32_t *ids, const float *weights, int n_rows, int top_k, int n_experts, int32_t *offs,
     int32_t *src_row, int32_t *dst_slot, float *wt, int *d_err) {
@@ -144,17 +184,19 @@ extern "C" mm_err mm_gpu_route_plan(void *stream, const int32_t *d_ids, const fl
 
 // ---- route + plan in one launch ------------------------------------------------------------------
 // A block of PLAN_THREADS per row routes it with route.cuh's steps (the picks by rank, or
-// one at a time when a choice score is NaN: the same ids and weights as route_kernel), writes
-// ids and weights, and the block that finishes last (an arrival count in *count, zero between
-// launches: the last block resets it) makes the plan from all rows with route_plan_kernel's
-// body. With one row there is no count: the block plans after a barrier.
+// one at a time when a choice score is NaN; the renorm's divisions one per thread: the same
+// ids and weights as route_kernel), writes ids and weights, and the block that finishes last
+// (an arrival count in *count, zero between launches: the last block resets it) makes the
+// plan from all rows: plan_small up to PLAN_THREADS slots, else route_plan_kernel's body.
+// With one row there is no count: the block plans after a barrier.
 __global__ void __launch_bounds__(PLAN_THREADS) route_plan_fused_kernel(
     struct mm_route_params p, const float *logits, int64_t ls, int n_rows, int32_t *ids,
     float *weights, int32_t *offs, int32_t *src_row, int32_t *dst_slot, float *wt, int *d_err,
     unsigned *count, size_t plan_off) {
     extern __shared__ float rsh[]; // route_shmem_bytes, then (at plan_off) the plan's base
     __shared__ int32_t ids_sh[ROUTE_MAX_EXPERTS];
-    __shared__ int last;
+    __shared__ int last, nan_sh;
+    __shared__ float sum_sh;
     mm_dep_signal(); // the grouped product after it prefetches its weights meanwhile
     mm_dep_wait();
     const int E = p.n_experts, K = p.top_k, tid = threadIdx.x;
@@ -162,26 +204,33 @@ __global__ void __launch_bounds__(PLAN_THREADS) route_plan_fused_kernel(
     float *prob = rsh, *choice = rsh + E, *wk = rsh + 2 * E;
     unsigned char *taken = (unsigned char *)(rsh + 2 * E + K);
     const int64_t r = blockIdx.x;
-    if (warp == 0)
+    if (warp == 0) {
         route_scores(p, logits + r * ls, prob, choice, taken, lane);
+        const int nan = route_warp_nan(p, choice, lane);
+        if (lane == 0)
+            nan_sh = nan;
+    }
     __syncthreads();
     if (p.n_group > 1) {
         if (tid == 0)
             route_groups(p, choice);
         __syncthreads();
     }
-    if (route_any_nan(p, choice))
+    if (nan_sh)
         route_pick_serial(p, prob, choice, taken, wk, ids_sh, warp == 0, lane);
     else
         route_pick_rank(p, prob, choice, wk, ids_sh);
     for (int t = tid; t < K; t += blockDim.x)
         ids[r * K + t] = ids_sh[t];
-    if (tid == 0)
-        route_finish(p, wk, weights + r * K);
+    route_finish_block(p, wk, weights + r * K, &sum_sh); // ends with a barrier
+    const bool small = n_rows * K <= PLAN_THREADS;
     int32_t *base = (int32_t *)((char *)rsh + plan_off);
-    if (gridDim.x == 1) {
-        __syncthreads(); // this block's writes are visible to it
-        plan_body<false>(ids, weights, n_rows, K, E, offs, src_row, dst_slot, wt, d_err, base);
+    if (gridDim.x == 1) { // this block's writes are visible to it after the barrier
+        if (small)
+            plan_small<false>(ids, weights, n_rows, K, E, offs, src_row, dst_slot, wt, d_err);
+        else
+            plan_body<false>(ids, weights, n_rows, K, E, offs, src_row, dst_slot, wt, d_err,
+                             base);
         return;
     }
     __threadfence(); // this row's ids and weights before the arrival
@@ -194,7 +243,10 @@ __global__ void __launch_bounds__(PLAN_THREADS) route_plan_fused_kernel(
     __threadfence(); // every row's writes are seen by the loads below
     if (tid == 0)
         *count = 0; // every block has arrived: ready for the next launch
-    plan_body<true>(ids, weights, n_rows, K, E, offs, src_row, dst_slot, wt, d_err, base);
+    if (small)
+        plan_small<true>(ids, weights, n_rows, K, E, offs, src_row, dst_slot, wt, d_err);
+    else
+        plan_body<true>(ids, weights, n_rows, K, E, offs, src_row, dst_slot, wt, d_err, base);
 }
 
 extern "C" mm_err mm_gpu_route_with_plan(void *stream, const struct mm_route_params *p,

@@ -6,7 +6,7 @@
 // kv_store (the fused q/k/v layout of Qwen3; NeoX and interleaved, partial rotation, with and
 // without norms; x and the whole cache compared) and its fallback for other layouts,
 // combine_rmsnorm == combine then rmsnorm (with and without the shared row, bf16 and f32
-// norm weights; h and y compared).
+// norm weights; h and y compared), embed_rmsnorm == embed then rmsnorm.
 // Without the GPU backend (plain `make`) or without a GPU, every case skips and says why.
 #include <math.h>
 #include <stdint.h>
@@ -26,7 +26,8 @@ static void open_gpu(void) {
         MM_SKIP("%s", err);
     if (rv != MM_OK)
         MM_TEST_FAIL_("opening cuda:0: %s (%s)", mm_strerror(rv), err);
-    if (!gpu->ops->route_with_plan || !gpu->ops->head_norm_rope_kv || !gpu->ops->combine_rmsnorm) {
+    if (!gpu->ops->route_with_plan || !gpu->ops->head_norm_rope_kv || !gpu->ops->combine_rmsnorm ||
+        !gpu->ops->embed_rmsnorm) {
         mm_backend_close(gpu);
         gpu = NULL;
         MM_SKIP("the GPU table has no chain fusions (MM_GPU_OLD_CHAIN, MM_GPU_OLD_FUSIONS or "
@@ -295,8 +296,65 @@ static void test_combine_rmsnorm(void) {
     close_gpu();
 }
 
+// ---- embed_rmsnorm ------------------------------------------------------------------------------
+static void embed_rms_case(int n, int vocab, int dim, enum mm_dtype tdt, enum mm_dtype wdt) {
+    const size_t tb = tdt == MM_DTYPE_F32 ? 4 : 2, wb = wdt == MM_DTYPE_F32 ? 4 : 2;
+    void *th = malloc((size_t)vocab * dim * tb), *wh = malloc((size_t)dim * wb);
+    for (int64_t i = 0; i < (int64_t)vocab * dim; i++) {
+        const float v = frand() * 0.2f;
+        if (tdt == MM_DTYPE_F32)
+            ((float *)th)[i] = v;
+        else
+            ((uint16_t *)th)[i] = mm_f32_to_bf16(v);
+    }
+    for (int i = 0; i < dim; i++) {
+        const float v = 1.0f + frand() * 0.5f;
+        if (wdt == MM_DTYPE_F32)
+            ((float *)wh)[i] = v;
+        else
+            ((uint16_t *)wh)[i] = mm_f32_to_bf16(v);
+    }
+    int32_t ids[64];
+    for (int i = 0; i < n; i++)
+        ids[i] = (i * 7919 + 13) % vocab;
+    mm_weight t = {.data = dev_copy(th, (size_t)vocab * dim * tb), .dtype = tdt, .rows = vocab,
+                   .cols = dim};
+    mm_weight w = {.data = dev_copy(wh, (size_t)dim * wb), .dtype = wdt, .rows = 1, .cols = dim};
+    int32_t *di = dev_copy(ids, (size_t)n * 4);
+    const size_t on = (size_t)n * dim;
+    float *dout[2], *dy[2];
+    for (int j = 0; j < 2; j++) {
+        dout[j] = dev_copy(NULL, on * 4), dy[j] = dev_copy(NULL, on * 4);
+        fill_dev(dout[j], on * 4, (uint8_t)(0x33 * (j + 1)));
+        fill_dev(dy[j], on * 4, (uint8_t)(0x33 * (j + 1)));
+    }
+    MM_PASS(gpu->ops->embed(gpu->ctx, &t, di, n, dout[0], dim));
+    MM_PASS(gpu->ops->rmsnorm(gpu->ctx, &w, 1e-6f, dout[0], dim, dy[0], dim, n));
+    MM_PASS(gpu->ops->embed_rmsnorm(gpu->ctx, &t, di, n, dout[1], dim, &w, 1e-6f, dy[1], dim));
+    MM_PASS(gpu->ops->synchronize(gpu->ctx));
+    same_dev("out", dout[1], dout[0], on * 4);
+    same_dev("y", dy[1], dy[0], on * 4);
+    printf("embed_rmsnorm %d rows, %s table %dx%d, %s norm: same bits\n", n,
+           tdt == MM_DTYPE_F32 ? "f32" : "bf16", vocab, dim, wdt == MM_DTYPE_F32 ? "f32" : "bf16");
+    void *b[] = {dout[0], dout[1], dy[0], dy[1], di, (void *)t.data, (void *)w.data};
+    for (size_t i = 0; i < sizeof(b) / sizeof(b[0]); i++)
+        gpu->ops->buffer_free(gpu->ctx, b[i]);
+    free(th), free(wh);
+}
+
+static void test_embed_rmsnorm(void) {
+    open_gpu();
+    embed_rms_case(1, 1000, 2048, MM_DTYPE_BF16, MM_DTYPE_BF16);
+    embed_rms_case(64, 500, 2048, MM_DTYPE_BF16, MM_DTYPE_BF16);
+    embed_rms_case(3, 300, 1000, MM_DTYPE_F32, MM_DTYPE_F32);
+    embed_rms_case(2, 100, 9000, MM_DTYPE_BF16, MM_DTYPE_BF16); // two launches
+    close_gpu();
+}
+
 MM_TESTS = {
     {"route_with_plan == route then route_plan bits", test_route_with_plan},
     {"head_norm_rope_kv == head_norm_rope then kv_store bits", test_head_norm_rope_kv},
     {"combine_rmsnorm == combine then rmsnorm bits", test_combine_rmsnorm},
+    {"embed_rmsnorm == embed then rmsnorm bits", test_embed_rmsnorm},
+    {0},
 };

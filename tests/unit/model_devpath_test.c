@@ -502,6 +502,23 @@ static mm_err w_combine_rms(void *ctx, const float *alpha, int k, const float *x
     RECORD(t_combine_rms, a);
 }
 
+struct a_embed_rms {
+    struct a_embed e;
+    struct a_rmsnorm r;
+};
+static mm_err t_embed_rms(void *ctx, const void *b) {
+    const struct a_embed_rms *a = b;
+    MM_TRY(t_embed(ctx, &a->e));
+    return t_rmsnorm(ctx, &a->r);
+}
+static mm_err w_embed_rms(void *ctx, const mm_weight *t, const int32_t *ids, int64_t n,
+                          float *out, int64_t os, const mm_weight *w, float eps, float *y,
+                          int64_t ys) {
+    g_chain++;
+    struct a_embed_rms a = {{t, ids, n, out, os}, {w, eps, out, os, y, ys, n}};
+    RECORD(t_embed_rms, a);
+}
+
 static mm_err w_set(void *ctx, void *dst, const void *src, size_t n) {
     return g_rec ? MM_EINVAL : g_cpu->set(ctx, dst, src, n);
 }
@@ -557,7 +574,7 @@ static void dev_table(struct mm_backend_ops *o, bool graphs, bool chain) {
     o->moe_matmul_rows = w_moe_rows, o->add_rmsnorm = w_add_rms;
     if (chain) {
         o->head_norm_rope_kv = w_hnr_kv, o->route_with_plan = w_route_plan;
-        o->combine_rmsnorm = w_combine_rms;
+        o->combine_rmsnorm = w_combine_rms, o->embed_rmsnorm = w_embed_rms;
     }
     if (graphs) {
         o->capture_begin = w_capture_begin, o->capture_end = w_capture_end;
@@ -792,12 +809,13 @@ static void gpu_chain_case(const char *name) {
     setenv("MM_GPU_OLD_CHAIN", "1", 1);
     mm_backend *be = open_gpu();
     MM_TRUE(be->ops->head_norm_rope_kv == NULL && be->ops->route_with_plan == NULL &&
-            be->ops->combine_rmsnorm == NULL);
+            be->ops->combine_rmsnorm == NULL && be->ops->embed_rmsnorm == NULL);
     float *ref = run(dir, be, true, want_ids, &n_ref);
     mm_backend_close(be);
     unsetenv("MM_GPU_OLD_CHAIN");
     be = open_gpu();
-    if (!be->ops->head_norm_rope_kv || !be->ops->route_with_plan || !be->ops->combine_rmsnorm)
+    if (!be->ops->head_norm_rope_kv || !be->ops->route_with_plan || !be->ops->combine_rmsnorm ||
+        !be->ops->embed_rmsnorm)
         MM_TEST_FAIL_("the default GPU table lacks the chain fusions");
     float *got = run(dir, be, true, got_ids, &n_dev);
     MM_EQ(n_ref, n_dev);

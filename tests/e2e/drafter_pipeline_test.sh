@@ -102,6 +102,13 @@ check g1 "pipeline self-draft after the drafter came back"
 [ "$(metric ahead_hits)" -gt "$before" ] || fail "no ahead hits after the drafter came back"
 echo "ok ahead hits again after the drafter came back ($before -> $(metric ahead_hits))"
 
+# --- a --draft-pipeline that is none of auto/true/false: exit 2, naming the flag
+"$BIN/moemesh-router" --draft-pipeline sometimes --listen "ipc://$RUN/bad.ctl" >/dev/null 2>"$RUN/bad.err"
+rc=$?
+[ $rc -eq 2 ] && grep -q "draft-pipeline: 'sometimes'" "$RUN/bad.err" ||
+    fail "--draft-pipeline sometimes: exit $rc, $(tail -2 "$RUN/bad.err")"
+echo "ok --draft-pipeline sometimes: exit 2 ($(grep draft-pipeline "$RUN/bad.err"))"
+
 # --- --draft-pipeline auto (the router's default): steps of both modes (each unmeasured mode
 # is measured first, one window; the long request has ~100 steps), same outputs
 mesh_stop

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Drafting benchmark: decode tok/s with and without drafting through a local mesh (CPU).
-# usage: tools/bench_drafting.sh ADAPT(true|false) [PIPELINE(true|false)]   (after make; private
-# run dir, cleaned on exit). PIPELINE: the router's --draft-pipeline (draft-ahead; default true).
+# usage: tools/bench_drafting.sh ADAPT(true|false) [PIPELINE(auto|true|false)]   (after make;
+# private run dir, cleaned on exit). PIPELINE: the router's --draft-pipeline (auto, the default:
+# draft-ahead or waited drafts by measurement; true: draft-ahead; false: waited drafts).
 # For each drafter (self-draft: the target itself; the tiny dense drafter) and concurrency
 # (1, 16): 4 rounds of [no drafting, drafting] back to back (the VM's load drifts: only
 # neighbouring runs compare), each mesh-generate --timing (128 tokens per seq, prefill
@@ -15,7 +16,7 @@ C="--router $RT --model $M --owners 1 --heartbeat-ms 100 --threads 1"
 PIDS=()
 trap 'for p in "${PIDS[@]}"; do kill $p 2>/dev/null; done; sleep 0.5; rm -rf $R' EXIT
 $B/moemesh-router $C --listen $RT --attention-shards 1 --draft-adapt $1 --draft-max 4 \
-    --draft-pipeline ${2:-true} > $R/router.log 2>&1 & PIDS+=($!)
+    --draft-pipeline ${2:-auto} > $R/router.log 2>&1 & PIDS+=($!)
 $B/moemesh-attention $C --instance 0 --shards 1 --data shm://$TAG-a0 --kv-mb 32 > $R/a.log 2>&1 & PIDS+=($!)
 $B/moemesh-expert $C --instance 0 --data shm://$TAG-e0 > $R/e.log 2>&1 & PIDS+=($!)
 sleep 1.5
@@ -31,7 +32,7 @@ for d in self tiny; do
     sleep 1.5
     for c in 1 16; do
         for rep in 1 2 3 4; do
-            echo "c=$c draft=$d adapt=$1 pipeline=${2:-true}: off $(one --concurrent $c) | on $(one --concurrent $c --draft 4)"
+            echo "c=$c draft=$d adapt=$1 pipeline=${2:-auto}: off $(one --concurrent $c) | on $(one --concurrent $c --draft 4)"
         done
     done
     $B/moemesh status --router $RT | grep -o "drafting:.*"

@@ -74,8 +74,10 @@ for c in $CONFS; do
     grep -E "^prompt:" "$OUT/optime_$p.txt"; sed -n "/steps of 4096 row/,+4p" "$OUT/optime_$p.txt"
 done
 if command -v ncu >/dev/null; then
-    echo "== ncu on the contract's kernel, first 4096-row call (clocks left alone) $(t)"
-    MM_GPU_ATT_TC=1 timeout 90 ncu --clock-control none -k regex:attention_tc_kernel --launch-count 1 \
+    # the NCU_SKIP-th call of the kernel (0: the first, which in the 02:01 UTC run was a one-row
+    # call of bench-model's warm-up, not a 4096-row one; how many precede those is not checked)
+    echo "== ncu on the contract's kernel, call ${NCU_SKIP:-0} (clocks left alone) $(t)"
+    MM_GPU_ATT_TC=1 timeout 90 ncu --clock-control none -k regex:attention_tc_kernel --launch-skip "${NCU_SKIP:-0}" --launch-count 1 \
         --section SpeedOfLight --section Occupancy --section WarpStateStats --section ComputeWorkloadAnalysis \
         --section LaunchStats $D/moemesh bench-model --model $M --device cuda:0 --prompt-tokens 4096 \
         --decode-tokens 2 --rounds 1 --warmup-tokens 1 --bw-mb 64 --prefill-rows 4096 > "$OUT/ncu_tc.txt" 2>&1

@@ -22,11 +22,11 @@
 //   are stored values), so a row that rides in a tile with later rows gets the bits it gets
 //   alone.
 // Layout: a block of NW warps (8, or 4 with MM_GPU_ATT_TC_WARPS=4: two blocks per
-// multiprocessor with one key buffer) takes up to 16 NW (row, head) units of one kv head: rows_pb rows x gsub query
-// heads of that kv head (the GQA group, or a slice of it), unit u = row * gsub + head; warp w
-// computes units 16w..16w+15 (the mma M dimension). Prefill calls (more than TC_DECODE_ROWS rows)
-// take 16 NW / gsub rows per block; decode calls one row per block (only the first
-// ceil(gsub / 16) warps compute; all stage keys). Each block's 64 keys (K and V, f32 in the
+// multiprocessor with one key buffer) takes up to 16 NW (row, head) units of one kv head: rows_pb
+// rows x gsub query heads of that kv head (the GQA group, or a slice of it), unit u = row * gsub +
+// head; warp w computes units 16w..16w+15 (the mma M dimension). Prefill calls (more than
+// TC_DECODE_ROWS rows) take 16 NW / gsub rows per block; decode calls one row per block (only the
+// first ceil(gsub / 16) warps compute; all stage keys). Each block's 64 keys (K and V, f32 in the
 // cache) come into shared memory by cp.async while the previous block is computed (the cache
 // table read one block earlier still), each thread converting the float4s it copied to bf16
 // ([key][dim] rows padded by 8 so ldmatrix reads are conflict-free) into the other of two
@@ -67,8 +67,8 @@ __device__ __forceinline__ void tc_flag(int *d_err) {
 }
 
 // The slot of (seq, pos) in the paged cache, or NULL (flagged) when the table has none.
-__device__ __forceinline__ const float *tc_slot(const struct mm_kv_view &kv, int32_t seq, int32_t pos,
-                                                int *d_err) {
+__device__ __forceinline__ const float *tc_slot(const struct mm_kv_view &kv, int32_t seq,
+                                                int32_t pos, int *d_err) {
     if (pos < 0 || seq < 0 || pos / kv.block_size >= kv.max_blocks) {
         tc_flag(d_err);
         return NULL;
@@ -78,7 +78,8 @@ __device__ __forceinline__ const float *tc_slot(const struct mm_kv_view &kv, int
         tc_flag(d_err);
         return NULL;
     }
-    return kv.base + (int64_t)blk * kv.block_stride + (int64_t)(pos % kv.block_size) * kv.slot_stride;
+    return kv.base + (int64_t)blk * kv.block_stride +
+           (int64_t)(pos % kv.block_size) * kv.slot_stride;
 }
 
 __device__ __forceinline__ void tc_cp16(void *dst, const void *src) {
@@ -164,8 +165,8 @@ __device__ __forceinline__ void tc_issue(const struct mm_kv_view &kv, int32_t t,
 // This thread's float4s of its key's stage row as bf16 into the K row (dims padded to dkp with
 // zeros) and the V row; zeros when the key was not staged (ok false).
 template <int DKM, int DVM, int TPK>
-__device__ __forceinline__ void tc_convert(const float *row, bool ok, int dk, int dv, int dkp, int dvp,
-                                           uint16_t *krow, uint16_t *vrow, int part) {
+__device__ __forceinline__ void tc_convert(const float *row, bool ok, int dk, int dv, int dkp,
+                                           int dvp, uint16_t *krow, uint16_t *vrow, int part) {
     float4 x[DKM / 4 / TPK];
 #pragma unroll
     for (int j = 0; j < DKM / 4 / TPK; j++) {
@@ -199,11 +200,10 @@ __device__ __forceinline__ void tc_convert(const float *row, bool ok, int dk, in
 // One 64-key block for the warp's 16 units (rows g and g + 8 of this thread): scores from kb,
 // mask, online softmax update of m, l and acc, P V from vb.
 template <int DKM, int DVM>
-__device__ __forceinline__ void tc_block(const uint32_t (&qf)[DKM / 16][4], const uint16_t *kb,
-                                         const uint16_t *vb, int ldk, int ldv, int dkp, int dvp,
-                                         int32_t c0, const int32_t (&first)[2], const int32_t (&pos)[2],
-                                         float cs, float (&m)[2], float (&l)[2],
-                                         float (&acc)[DVM / 8][4]) {
+__device__ __forceinline__ void
+tc_block(const uint32_t (&qf)[DKM / 16][4], const uint16_t *kb, const uint16_t *vb, int ldk,
+         int ldv, int dkp, int dvp, int32_t c0, const int32_t (&first)[2], const int32_t (&pos)[2],
+         float cs, float (&m)[2], float (&l)[2], float (&acc)[DVM / 8][4]) {
     const int lane = threadIdx.x & 31, tq = lane & 3;
     // scores: s[j] = keys c0 + 8 j + 2 tq (+1) of rows g (s[j][0..1]) and g + 8 ([2..3])
     float s[TC_KEYS / 8][4];
@@ -305,8 +305,8 @@ __device__ __forceinline__ void tc_block(const uint32_t (&qf)[DKM / 16][4], cons
 }
 
 template <int DKM, int DVM, int NW, bool DB>
-__global__ void __launch_bounds__(NW * 32, 8 / NW) attention_tc_kernel(struct mm_attn_args a, int gsub,
-                                                                      int rows_pb, int *d_err) {
+__global__ void __launch_bounds__(NW * 32, 8 / NW)
+    attention_tc_kernel(struct mm_attn_args a, int gsub, int rows_pb, int *d_err) {
     constexpr int NT = NW * 32, UNITS = NW * 16, TPK = NT / TC_KEYS;
     static_assert(NT % TC_KEYS == 0, "threads per key");
     mm_dep_signal();
@@ -329,7 +329,8 @@ __global__ void __launch_bounds__(NW * 32, 8 / NW) attention_tc_kernel(struct mm
     // heavy (late) row tiles first: the causal prefix grows with the row
     const int64_t r0 = (int64_t)(gridDim.x - 1 - blockIdx.x) * rows_pb;
     const int n_units = rows_pb * gsub;
-    const int64_t k_off = (int64_t)kvh * dk, v_off = (int64_t)kv.n_kv_heads * dk + (int64_t)kvh * dv;
+    const int64_t k_off = (int64_t)kvh * dk,
+                  v_off = (int64_t)kv.n_kv_heads * dk + (int64_t)kvh * dv;
     if (tid < rows_pb) {
         const int64_t r = r0 + tid;
         int st = 0;
@@ -428,7 +429,8 @@ __global__ void __launch_bounds__(NW * 32, 8 / NW) attention_tc_kernel(struct mm
             for (int32_t c0 = c_lo; c0 <= t_hi; c0 += TC_KEYS) {
                 __syncthreads(); // every read of kb/vb of the last block done
                 tc_wait_all();   // this thread's copies of this block landed
-                tc_convert<DKM, DVM, TPK>(srow, ok, dk, dv, dkp, dvp, kb + skey * ldk, vb + skey * ldv, part);
+                tc_convert<DKM, DVM, TPK>(srow, ok, dk, dv, dkp, dvp, kb + skey * ldk,
+                                          vb + skey * ldv, part);
                 __syncthreads(); // kb/vb ready; every stage read done
                 if (c0 + TC_KEYS <= t_hi) {
                     ok = blk >= 0;
@@ -436,7 +438,8 @@ __global__ void __launch_bounds__(NW * 32, 8 / NW) attention_tc_kernel(struct mm
                     blk = tc_blk(kv, sq, c0 + 2 * TC_KEYS + skey, t_lo, t_hi, d_err);
                 }
                 if (wcomp && c0 <= wmax && c0 + TC_KEYS - 1 >= wmin)
-                    tc_block<DKM, DVM>(qf, kb, vb, ldk, ldv, dkp, dvp, c0, first, pos, cs, m, l, acc);
+                    tc_block<DKM, DVM>(qf, kb, vb, ldk, ldv, dkp, dvp, c0, first, pos, cs, m, l,
+                                       acc);
             }
         } else {
             // two bf16 buffers: block c0 + 64 is converted (and c0 + 128's copies issued) while
@@ -444,7 +447,8 @@ __global__ void __launch_bounds__(NW * 32, 8 / NW) attention_tc_kernel(struct mm
             const int kvsz = TC_KEYS * (ldk + ldv);
             __syncthreads(); // the last pass's reads of both buffers done
             tc_wait_all();
-            tc_convert<DKM, DVM, TPK>(srow, ok, dk, dv, dkp, dvp, kb + skey * ldk, vb + skey * ldv, part);
+            tc_convert<DKM, DVM, TPK>(srow, ok, dk, dv, dkp, dvp, kb + skey * ldk, vb + skey * ldv,
+                                      part);
             if (c_lo + TC_KEYS <= t_hi) {
                 ok = blk >= 0;
                 tc_issue<TPK>(kv, c_lo + TC_KEYS + skey, blk, k_off, v_off, srow, part);
@@ -466,8 +470,8 @@ __global__ void __launch_bounds__(NW * 32, 8 / NW) attention_tc_kernel(struct mm
                 }
                 if (wcomp && c0 <= wmax && c0 + TC_KEYS - 1 >= wmin) {
                     const uint16_t *kc = kb + bi * kvsz;
-                    tc_block<DKM, DVM>(qf, kc, kc + TC_KEYS * ldk, ldk, ldv, dkp, dvp, c0, first, pos, cs,
-                                       m, l, acc);
+                    tc_block<DKM, DVM>(qf, kc, kc + TC_KEYS * ldk, ldk, ldv, dkp, dvp, c0, first,
+                                       pos, cs, m, l, acc);
                 }
                 __syncthreads(); // the next buffer ready; this one's reads done
                 bi ^= 1;
@@ -507,8 +511,10 @@ static size_t tc_shmem(int dk, int dv, bool db) {
 }
 
 template <int DKM, int DVM, int NW, bool DB>
-static mm_err tc_launch(void *stream, const struct mm_attn_args *a, int gsub, int rows_pb, int *d_err) {
-    static uint64_t attr_set; // > 48 KiB of shared memory: allowed once per device (harmlessly racy)
+static mm_err tc_launch(void *stream, const struct mm_attn_args *a, int gsub, int rows_pb,
+                        int *d_err) {
+    // > 48 KiB of shared memory: allowed once per device (harmlessly racy)
+    static uint64_t attr_set;
     int dev = 0;
     MM_GPU_CHECK(cudaGetDevice(&dev));
     if (!(attr_set & (1ull << (dev & 63)))) {
@@ -518,16 +524,18 @@ static mm_err tc_launch(void *stream, const struct mm_attn_args *a, int gsub, in
         attr_set |= 1ull << (dev & 63);
     }
     const int group = a->n_heads / a->kv.n_kv_heads;
-    dim3 grid((unsigned)((a->n_rows + rows_pb - 1) / rows_pb), (unsigned)(a->kv.n_kv_heads * (group / gsub)));
+    dim3 grid((unsigned)((a->n_rows + rows_pb - 1) / rows_pb),
+              (unsigned)(a->kv.n_kv_heads * (group / gsub)));
     MM_GPU_CHECK(mm_launch_dep(attention_tc_kernel<DKM, DVM, NW, DB>, grid, dim3(NW * 32),
-                               tc_shmem(a->kv.head_dim_k, a->kv.head_dim_v, DB), (cudaStream_t)stream, *a,
-                               gsub, rows_pb, d_err));
+                               tc_shmem(a->kv.head_dim_k, a->kv.head_dim_v, DB),
+                               (cudaStream_t)stream, *a, gsub, rows_pb, d_err));
     MM_GPU_CHECK(cudaGetLastError());
     return MM_OK;
 }
 
 template <int NW, bool DB>
-static mm_err tc_launch_dims(void *stream, const struct mm_attn_args *a, int gsub, int rows_pb, int *d_err) {
+static mm_err tc_launch_dims(void *stream, const struct mm_attn_args *a, int gsub, int rows_pb,
+                             int *d_err) {
     if (a->kv.head_dim_k <= 64 && a->kv.head_dim_v <= 64)
         return tc_launch<64, 64, NW, DB>(stream, a, gsub, rows_pb, d_err);
     return tc_launch<128, 128, NW, DB>(stream, a, gsub, rows_pb, d_err);
@@ -583,8 +591,10 @@ extern "C" void mm_gpu_set_attention_tc_warps(int warps) {
 // mm_gpu_attention_tc: runs a on the tensor cores and sets *done when the contract is on and
 // takes a's shape (head dims, cache alignment: never the number of rows); *done 0 otherwise
 // (bad arguments included: the f32 launchers report them).
-extern "C" mm_err mm_gpu_attention_tc(void *stream, const struct mm_attn_args *a, int *d_err, int *done);
-extern "C" mm_err mm_gpu_attention_tc(void *stream, const struct mm_attn_args *a, int *d_err, int *done) {
+extern "C" mm_err mm_gpu_attention_tc(void *stream, const struct mm_attn_args *a, int *d_err,
+                                      int *done);
+extern "C" mm_err mm_gpu_attention_tc(void *stream, const struct mm_attn_args *a, int *d_err,
+                                      int *done) {
     *done = 0;
     if (!tc_mode())
         return MM_OK;

@@ -110,7 +110,8 @@ static struct tc_rows tc_upload(const int32_t *order, int n_rows, const float *q
         memcpy(hv + (int64_t)i * vst, v + (int64_t)o * vst, (size_t)vst * 4);
         hs[i] = rs[o], hp[i] = rp[o];
     }
-    struct tc_rows r = {dev_copy(hq, (size_t)(n_rows * qst) * 4), dev_copy(hk, (size_t)(n_rows * kst) * 4),
+    struct tc_rows r = {dev_copy(hq, (size_t)(n_rows * qst) * 4),
+                        dev_copy(hk, (size_t)(n_rows * kst) * 4),
                         dev_copy(hv, (size_t)(n_rows * vst) * 4), dev_copy(hs, (size_t)n_rows * 4),
                         dev_copy(hp, (size_t)n_rows * 4)};
     free(hq), free(hk), free(hv), free(hs), free(hp);
@@ -131,21 +132,34 @@ static void tc_run(const struct mm_kv_view *kv, const struct tc_rows *u, int n_r
     for (int r = 0, i = 0; r < n_rows; i++) {
         const int want = sizes[i < n_sizes ? i : n_sizes - 1];
         const int n = want < n_rows - r ? want : n_rows - r;
-        struct mm_kv_store_args st = {.kv = *kv, .k = u->k + (int64_t)r * kst, .k_stride = kst,
-                                      .v = u->v + (int64_t)r * vst, .v_stride = vst, .n_rows = n,
-                                      .row_seq = u->seq + r, .row_pos = u->pos + r};
+        struct mm_kv_store_args st = {.kv = *kv,
+                                      .k = u->k + (int64_t)r * kst,
+                                      .k_stride = kst,
+                                      .v = u->v + (int64_t)r * vst,
+                                      .v_stride = vst,
+                                      .n_rows = n,
+                                      .row_seq = u->seq + r,
+                                      .row_pos = u->pos + r};
         MM_PASS(gpu->ops->kv_store(gpu->ctx, &st));
-        struct mm_attn_args at = {.kv = *kv, .q = u->q + (int64_t)r * qst, .q_stride = qst,
-                                  .out = d_out + (int64_t)r * ost, .out_stride = ost, .n_rows = n,
-                                  .row_seq = u->seq + r, .row_pos = u->pos + r, .n_heads = n_heads,
-                                  .scale = 1.0f / sqrtf((float)dk), .window = window};
+        struct mm_attn_args at = {.kv = *kv,
+                                  .q = u->q + (int64_t)r * qst,
+                                  .q_stride = qst,
+                                  .out = d_out + (int64_t)r * ost,
+                                  .out_stride = ost,
+                                  .n_rows = n,
+                                  .row_seq = u->seq + r,
+                                  .row_pos = u->pos + r,
+                                  .n_heads = n_heads,
+                                  .scale = 1.0f / sqrtf((float)dk),
+                                  .window = window};
         MM_PASS(gpu->ops->attention(gpu->ctx, &at));
         r += n;
     }
     MM_PASS(gpu->ops->synchronize(gpu->ctx));
 }
 
-static void tc_case(int n_heads, int n_kv, int dk, int dv, int window, const int *lens, int n_seqs) {
+static void tc_case(int n_heads, int n_kv, int dk, int dv, int window, const int *lens,
+                    int n_seqs) {
     const int bs = 16;
     int max_len = 0, n_rows = 0;
     for (int s = 0; s < n_seqs; s++) {
@@ -166,21 +180,42 @@ static void tc_case(int n_heads, int n_kv, int dk, int dv, int window, const int
         for (int p = 0; p < lens[s]; p++, r++)
             rs[r] = s, rp[r] = p;
     const int64_t kst = (int64_t)n_kv * dk, vst = (int64_t)n_kv * dv;
-    const int64_t qst = (int64_t)n_heads * dk, ost = (int64_t)n_heads * dv, on = (int64_t)n_rows * ost;
+    const int64_t qst = (int64_t)n_heads * dk, ost = (int64_t)n_heads * dv,
+                  on = (int64_t)n_rows * ost;
     float *k = rand_f32(n_rows * kst, 1.0f), *v = rand_f32(n_rows * vst, 1.0f);
     float *q = rand_f32(n_rows * qst, 3.0f);
 
     // CPU reference (f32)
     float *pool = calloc((size_t)pool_n, 4), *ref = calloc((size_t)on, 4);
     MM_TRUE(pool && ref);
-    struct mm_kv_view hkv = {.base = pool, .block_size = bs, .block_stride = bstride,
-                             .slot_stride = slot, .n_kv_heads = n_kv, .head_dim_k = dk,
-                             .head_dim_v = dv, .block_tables = tables, .max_blocks = max_blocks};
-    struct mm_kv_store_args hst = {.kv = hkv, .k = k, .k_stride = kst, .v = v, .v_stride = vst,
-                                   .n_rows = n_rows, .row_seq = rs, .row_pos = rp};
-    struct mm_attn_args hat = {.kv = hkv, .q = q, .q_stride = qst, .out = ref, .out_stride = ost,
-                               .n_rows = n_rows, .row_seq = rs, .row_pos = rp, .n_heads = n_heads,
-                               .scale = 1.0f / sqrtf((float)dk), .window = window};
+    struct mm_kv_view hkv = {.base = pool,
+                             .block_size = bs,
+                             .block_stride = bstride,
+                             .slot_stride = slot,
+                             .n_kv_heads = n_kv,
+                             .head_dim_k = dk,
+                             .head_dim_v = dv,
+                             .block_tables = tables,
+                             .max_blocks = max_blocks};
+    struct mm_kv_store_args hst = {.kv = hkv,
+                                   .k = k,
+                                   .k_stride = kst,
+                                   .v = v,
+                                   .v_stride = vst,
+                                   .n_rows = n_rows,
+                                   .row_seq = rs,
+                                   .row_pos = rp};
+    struct mm_attn_args hat = {.kv = hkv,
+                               .q = q,
+                               .q_stride = qst,
+                               .out = ref,
+                               .out_stride = ost,
+                               .n_rows = n_rows,
+                               .row_seq = rs,
+                               .row_pos = rp,
+                               .n_heads = n_heads,
+                               .scale = 1.0f / sqrtf((float)dk),
+                               .window = window};
     MM_PASS(cpu->ops->kv_store(cpu->ctx, &hst));
     MM_PASS(cpu->ops->attention(cpu->ctx, &hat));
 
@@ -212,10 +247,17 @@ static void tc_case(int n_heads, int n_kv, int dk, int dv, int window, const int
     mm_gpu_set_attention_tc(0);
     MM_PASS(gpu->ops->fill(gpu->ctx, d_out, 7.0f, on));
     {
-        struct mm_attn_args at = {.kv = kv, .q = u.q, .q_stride = qst, .out = d_out,
-                                  .out_stride = ost, .n_rows = n_rows, .row_seq = u.seq,
-                                  .row_pos = u.pos, .n_heads = n_heads,
-                                  .scale = 1.0f / sqrtf((float)dk), .window = window};
+        struct mm_attn_args at = {.kv = kv,
+                                  .q = u.q,
+                                  .q_stride = qst,
+                                  .out = d_out,
+                                  .out_stride = ost,
+                                  .n_rows = n_rows,
+                                  .row_seq = u.seq,
+                                  .row_pos = u.pos,
+                                  .n_heads = n_heads,
+                                  .scale = 1.0f / sqrtf((float)dk),
+                                  .window = window};
         MM_PASS(gpu->ops->attention(gpu->ctx, &at));
     }
     mm_gpu_set_attention_tc(1);
@@ -232,10 +274,17 @@ static void tc_case(int n_heads, int n_kv, int dk, int dv, int window, const int
         else
             mm_gpu_set_attention_tc_db(0);
         MM_PASS(gpu->ops->fill(gpu->ctx, d_out, 7.0f, on));
-        struct mm_attn_args at = {.kv = kv, .q = u.q, .q_stride = qst, .out = d_out,
-                                  .out_stride = ost, .n_rows = n_rows, .row_seq = u.seq,
-                                  .row_pos = u.pos, .n_heads = n_heads,
-                                  .scale = 1.0f / sqrtf((float)dk), .window = window};
+        struct mm_attn_args at = {.kv = kv,
+                                  .q = u.q,
+                                  .q_stride = qst,
+                                  .out = d_out,
+                                  .out_stride = ost,
+                                  .n_rows = n_rows,
+                                  .row_seq = u.seq,
+                                  .row_pos = u.pos,
+                                  .n_heads = n_heads,
+                                  .scale = 1.0f / sqrtf((float)dk),
+                                  .window = window};
         MM_PASS(gpu->ops->attention(gpu->ctx, &at));
         mm_gpu_set_attention_tc_warps(8);
         mm_gpu_set_attention_tc_db(1);
@@ -271,7 +320,8 @@ static void tc_case(int n_heads, int n_kv, int dk, int dv, int window, const int
         struct tc_rows us = u;
         us.q += (int64_t)r * qst, us.k += (int64_t)r * kst, us.v += (int64_t)r * vst;
         us.seq += r, us.pos += r;
-        tc_run(&kv, &us, w, qst, kst, vst, d_out + (int64_t)r * ost, ost, n_heads, dk, window, one, 1);
+        tc_run(&kv, &us, w, qst, kst, vst, d_out + (int64_t)r * ost, ost, n_heads, dk, window, one,
+               1);
         r += w;
     }
     got = dev_get(d_out, (size_t)on * 4);
@@ -304,9 +354,12 @@ static void tc_case(int n_heads, int n_kv, int dk, int dv, int window, const int
 
     printf("tc attention %dh/%dkv dk %d dv %d window %d, %d rows of %d seqs: nmse vs cpu %.3e "
            "(tol 2e-4), %lld elements differ from the f32 kernels; differing elements vs the "
-           "whole-prompt call: 4 warps + one key buffer %lld, chunks %lld, decode steps %lld, seqs interleaved %lld "
-           "(of %lld)\n", n_heads, n_kv, dk, dv, window, n_rows, n_seqs, nmse, (long long)d_f32,
-           (long long)d_warps, (long long)d_chunks, (long long)d_decode, (long long)d_mixed, (long long)on);
+           "whole-prompt call: 4 warps + one key buffer %lld, chunks %lld, decode steps %lld, seqs "
+           "interleaved %lld "
+           "(of %lld)\n",
+           n_heads, n_kv, dk, dv, window, n_rows, n_seqs, nmse, (long long)d_f32,
+           (long long)d_warps, (long long)d_chunks, (long long)d_decode, (long long)d_mixed,
+           (long long)on);
     fflush(stdout);
     MM_TRUE(nmse <= 2e-4);
     MM_TRUE(d_f32 > 0);
@@ -332,14 +385,14 @@ static void test_tc_shapes(void) {
     open_backends();
     const int one[1] = {517}, two[2] = {300, 77}, three[3] = {1, 129, 250};
     const int small[2] = {70, 5}, mla[1] = {65}, odd[1] = {130};
-    tc_case(8, 2, 64, 64, 0, one, 1);            // head_dim 64, GQA 4
-    tc_case(16, 16, 128, 128, 0, three, 3);      // no GQA: 128 rows per block
-    tc_case(6, 3, 128, 128, 40, two, 2);         // sliding window, GQA 2
-    tc_case(12, 4, 64, 128, 100, three, 3);      // GQA 3 (126 units per block), dk != dv
-    tc_case(32, 2, 96, 64, 0, two, 2);           // GQA 16, dk 96
-    tc_case(4, 2, 16, 16, 0, small, 2);          // the fixtures' head_dim 16
-    tc_case(4, 4, 24, 16, 0, mla, 1);            // MLA-tiny-like: dk 24 (padded to 32), dv 16
-    tc_case(2, 1, 36, 20, 0, odd, 1);            // odd dims (multiples of 4)
+    tc_case(8, 2, 64, 64, 0, one, 1);       // head_dim 64, GQA 4
+    tc_case(16, 16, 128, 128, 0, three, 3); // no GQA: 128 rows per block
+    tc_case(6, 3, 128, 128, 40, two, 2);    // sliding window, GQA 2
+    tc_case(12, 4, 64, 128, 100, three, 3); // GQA 3 (126 units per block), dk != dv
+    tc_case(32, 2, 96, 64, 0, two, 2);      // GQA 16, dk 96
+    tc_case(4, 2, 16, 16, 0, small, 2);     // the fixtures' head_dim 16
+    tc_case(4, 4, 24, 16, 0, mla, 1);       // MLA-tiny-like: dk 24 (padded to 32), dv 16
+    tc_case(2, 1, 36, 20, 0, odd, 1);       // odd dims (multiples of 4)
     close_backends();
 }
 

@@ -1,0 +1,239 @@
+// SPDX-License-Identifier: MIT
+// The mesh's device routing plan (docs/MESH.md "Device frames") checked without a GPU: the CPU
+// table dressed as a device backend (host_memory false, route_plan and moe_matmul_dev on the
+// host; moe_matmul_dev, like the CUDA grouped products, leaves rows past offs[n_experts]
+// alone), the router's plan (mm_model_gate_plan), each owner's share of it made the way
+// kernels/cuda/mesh_ops.cu makes it (plan_split below: the same algorithm in C), every owner's
+// experts on its share (mm_model_experts_plan, worst-case slot count), the pick of each slot's
+// row from its owner's reply, and combine with the plan's weights (mm_model_combine_plan) must
+// give the host path's bits (mm_model_gate, one expert at a time, mm_model_combine) for 1, 2
+// and 3 owners, on models with and without shared experts.
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "mm_test.h"
+#include "mm/model.h"
+
+static const struct mm_backend_ops *g_cpu;
+
+static mm_err h_set(void *ctx, void *dst, const void *src, size_t n) {
+    (void)ctx;
+    memcpy(dst, src, n);
+    return MM_OK;
+}
+
+// route_plan: the stable counting sort of kernels.h
+static mm_err h_plan(void *ctx, const int32_t *ids, const float *w, int64_t n, int k, int e,
+                     int32_t *offs, int32_t *src, int32_t *dst, float *wt) {
+    (void)ctx;
+    const int64_t nk = n * k;
+    memset(offs, 0, (size_t)(e + 1) * 4);
+    for (int64_t t = 0; t < nk; t++) {
+        if (ids[t] < 0 || ids[t] >= e)
+            return MM_EINVAL;
+        offs[ids[t] + 1]++;
+    }
+    for (int x = 0; x < e; x++)
+        offs[x + 1] += offs[x];
+    int32_t next[1024];
+    MM_TRUE(e <= 1024);
+    memcpy(next, offs, (size_t)e * 4);
+    for (int64_t t = 0; t < nk; t++) {
+        const int32_t p = next[ids[t]]++;
+        src[p] = (int32_t)(t / k);
+        dst[p] = (int32_t)t;
+    }
+    if (wt)
+        for (int64_t t = 0; t < nk; t++)
+            wt[(t % k) * n + t / k] = w[t];
+    return MM_OK;
+}
+
+// moe_matmul_dev: expert e's rows [offs[e], offs[e+1]); rows from offs[n_experts] to n_rows
+// belong to no expert and are not touched (as the CUDA tile lookup does)
+static mm_err h_moe(void *ctx, const void *const *ex, enum mm_dtype dt, int64_t rows,
+                    int64_t cols, int e, const int32_t *offs, const float *x, int64_t xs,
+                    float *y, int64_t ys, int64_t n) {
+    if (offs[0] != 0 || offs[e] > n)
+        return MM_EINVAL;
+    for (int i = 0; i < e; i++) {
+        if (offs[i + 1] == offs[i])
+            continue;
+        mm_weight w = {dt, rows, cols, ex[i]};
+        MM_TRY(g_cpu->matmul(ctx, &w, NULL, x + offs[i] * xs, xs, y + offs[i] * ys, ys,
+                             offs[i + 1] - offs[i]));
+    }
+    return MM_OK;
+}
+
+static void dev_table(struct mm_backend_ops *o) {
+    *o = *g_cpu;
+    o->name = "cpu-as-device";
+    o->host_memory = false;
+    o->set = h_set, o->get = h_set;
+    o->route_plan = h_plan, o->moe_matmul_dev = h_moe;
+    o->moe_matmul_rows = NULL, o->route_with_plan = NULL; // the ops the C fallback spells out
+}
+
+// plan_split: mesh_plan_split_kernel's algorithm (kernels/cuda/mesh_ops.cu): owner o's share
+// at out + o * stride: offs_o (E+1) | src_o (n) | dst_o (n); the owner's experts' slots first in
+// plan order, then every other slot.
+static void plan_split(const int32_t *offs, const int32_t *src, const int32_t *dst,
+                       const int32_t *owner_of, int E, int n, int n_owners, int32_t *out,
+                       int64_t stride) {
+    for (int o = 0; o < n_owners; o++) {
+        int32_t *offs_o = out + o * stride, *src_o = offs_o + E + 1, *dst_o = src_o + n;
+        int32_t own[1025], not_[1025];
+        int a = 0, b = 0;
+        for (int e = 0; e < E; e++) {
+            own[e] = a, not_[e] = b;
+            const int c = offs[e + 1] - offs[e];
+            if (owner_of[e] == o)
+                a += c;
+            else
+                b += c;
+        }
+        own[E] = a, not_[E] = b;
+        for (int e = 0; e <= E; e++)
+            offs_o[e] = own[e];
+        for (int p = 0; p < n; p++) {
+            int lo = 0, hi = E - 1;
+            while (lo < hi) {
+                const int mid = (lo + hi + 1) / 2;
+                if (offs[mid] <= p)
+                    lo = mid;
+                else
+                    hi = mid - 1;
+            }
+            const int e = lo, j = p - offs[e];
+            const int q = owner_of[e] == o ? own[e] + j : a + not_[e] + j;
+            src_o[q] = src[p];
+            dst_o[q] = dst[p];
+        }
+    }
+}
+
+static uint32_t g_rng = 12345;
+static float frand(void) {
+    g_rng = g_rng * 1664525u + 1013904223u;
+    return ((float)(g_rng >> 8) / 16777216.0f - 0.5f) * 2.0f;
+}
+
+static void check_model(const char *name) {
+    char dir[256], err[MM_ERRLEN] = "";
+    snprintf(dir, sizeof dir, "tests/fixtures/models/%s", name);
+    mm_backend *be = NULL;
+    mm_backend_params bp = {.n_threads = 1};
+    MM_PASS(mm_backend_open(&be, "cpu", &bp, err));
+    g_cpu = be->ops;
+    struct mm_backend_ops dev;
+    dev_table(&dev);
+    be->ops = &dev;
+    mm_model *m = NULL;
+    MM_PASS(mm_model_open(&m, dir, be, err));
+    const mm_model_config *c = mm_model_cfg(m);
+    const int D = c->d_model, K = c->top_k, E = c->n_experts, R = 8;
+    mm_model_scratch *s = NULL, *so = NULL;
+    MM_PASS(mm_model_scratch_new(&s, m, R, err));
+    MM_PASS(mm_model_scratch_new(&so, m, R, err)); // the owners' (another process's)
+    int L = 0;
+    while (L < c->n_layers && !mm_model_layer_is_moe(m, L))
+        L++;
+    MM_TRUE(L < c->n_layers);
+    const bool shared = mm_model_layer_has_shared(m, L);
+    float *x = calloc((size_t)R * D, 4), *h0 = calloc((size_t)R * D, 4);
+    float *href = calloc((size_t)R * D, 4), *h = calloc((size_t)R * D, 4);
+    float *sh = calloc((size_t)R * D, 4), *ref = calloc((size_t)R * K * D, 4);
+    float *eo = calloc((size_t)R * K * D, 4), *outs = calloc((size_t)3 * R * K * D, 4);
+    float *w = calloc((size_t)R * K, 4);
+    int32_t *ids = calloc((size_t)R * K, 4), *owner_of = calloc((size_t)E, 4);
+    const int64_t stride = (int64_t)E + 1 + 2 * R * K;
+    int32_t *shares = calloc((size_t)(3 * stride), 4);
+    MM_TRUE(x && h0 && href && h && sh && ref && eo && outs && w && ids && owner_of && shares);
+    for (int n = 1; n <= R; n += 5) { // 1 row (decode) and 6 rows
+        const int nk = n * K;
+        for (int i = 0; i < n * D; i++)
+            x[i] = frand(), h0[i] = frand();
+        // host path: routing read back, one expert at a time, combine in rank order
+        MM_PASS(mm_model_gate(m, s, L, x, n, ids, w));
+        for (int t = 0; t < nk; t++)
+            MM_PASS(mm_model_expert_forward(m, s, L, ids[t], x + (t / K) * D, 1, ref + t * D));
+        if (shared)
+            MM_PASS(mm_model_shared_forward(m, s, L, x, n, sh));
+        memcpy(href, h0, (size_t)n * D * 4);
+        MM_PASS(mm_model_combine(m, s, L, href, n, K, w, ref, shared ? sh : NULL));
+        for (int N = 1; N <= 3; N++) {
+            for (int e = 0; e < E; e++)
+                owner_of[e] = e % N; // the uniform placement
+            mm_model_plan pl;
+            MM_PASS(mm_model_gate_plan(m, s, L, x, n, &pl));
+            for (int t = 0; t < nk; t++)
+                MM_EQ(pl.ids[t], ids[t]);
+            plan_split(pl.offs, pl.src, pl.dst, owner_of, E, nk, N, shares, stride);
+            for (int i = 0; i < 3 * R * K * D; i++)
+                outs[i] = NAN; // an owner's other slots: whatever it leaves there
+            for (int o = 0; o < N; o++) {
+                const int32_t *so_offs = shares + o * stride;
+                MM_PASS(mm_model_experts_plan(m, so, L, so_offs, x, so_offs + E + 1,
+                                              so_offs + E + 1 + nk, nk,
+                                              outs + (size_t)o * R * K * D));
+            }
+            for (int t = 0; t < nk; t++) { // mm_gpu_mesh_pick
+                const int o = owner_of[ids[t]];
+                memcpy(eo + t * D, outs + ((size_t)o * R * K + t) * D, (size_t)D * 4);
+                if (memcmp(eo + t * D, ref + t * D, (size_t)D * 4) != 0)
+                    MM_TEST_FAIL_("%s, %d rows, %d owners: slot %d (expert %d, owner %d) differs "
+                                  "from the expert's own product", name, n, N, t, ids[t], o);
+            }
+            if (shared)
+                MM_PASS(mm_model_shared_forward(m, s, L, x, n, sh));
+            memcpy(h, h0, (size_t)n * D * 4);
+            MM_PASS(mm_model_combine_plan(m, s, L, h, n, pl.wt, eo, shared ? sh : NULL));
+            for (int i = 0; i < n * D; i++)
+                if (memcmp(&h[i], &href[i], 4) != 0)
+                    MM_TEST_FAIL_("%s, %d rows, %d owners: h[%d] = %.9g, host path %.9g", name, n,
+                                  N, i, h[i], href[i]);
+        }
+    }
+    free(x), free(h0), free(href), free(h), free(sh), free(ref), free(eo), free(outs), free(w);
+    free(ids), free(owner_of), free(shares);
+    mm_model_scratch_free(so);
+    mm_model_scratch_free(s);
+    mm_model_close(m);
+    be->ops = g_cpu;
+    mm_backend_close(be);
+}
+
+static void t_qwen3(void) { check_model("qwen3moe-tiny"); }
+static void t_qwen2(void) { check_model("qwen2moe-tiny"); }
+static void t_deepseek(void) { check_model("deepseekv3-tiny"); }
+
+static void t_plain(void) {
+    // a host-memory backend has no device path: the router routes on the host
+    char err[MM_ERRLEN] = "";
+    mm_backend *be = NULL;
+    mm_backend_params bp = {.n_threads = 1};
+    MM_PASS(mm_backend_open(&be, "cpu", &bp, err));
+    mm_model *m = NULL;
+    MM_PASS(mm_model_open(&m, "tests/fixtures/models/qwen3moe-tiny", be, err));
+    mm_model_scratch *s = NULL;
+    MM_PASS(mm_model_scratch_new(&s, m, 4, err));
+    float x[64 * 4] = {0};
+    mm_model_plan pl;
+    MM_EQ(mm_model_gate_plan(m, s, 0, x, 1, &pl), MM_EUNSUPP);
+    int32_t offs[1024] = {0};
+    MM_EQ(mm_model_experts_plan(m, s, 0, offs, x, offs, offs, 4, x), MM_EUNSUPP);
+    MM_EQ(mm_model_gate_plan(m, s, 0, x, 5, &pl), MM_EINVAL); // more rows than the scratch
+    mm_model_scratch_free(s);
+    mm_model_close(m);
+    mm_backend_close(be);
+}
+
+MM_TESTS = {
+    {"device routing plan split over 1-3 owners == host path (qwen3moe)", t_qwen3},
+    {"device routing plan with shared experts == host path (qwen2moe)", t_qwen2},
+    {"device routing plan, grouped sigmoid routing == host path (deepseekv3)", t_deepseek},
+    {"no device path: plan calls refused", t_plain},
+    {NULL, NULL},
+};

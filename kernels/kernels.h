@@ -248,7 +248,10 @@ struct mm_backend_ops {
     // moe_matmul_dev: moe_matmul with its expert table and offsets in backend memory, so that
     // no host copy is needed: experts holds n_experts pointers (backend memory, built once at
     // load) to matrices of one shape (rows, cols) and dtype; offs as route_plan writes them;
-    // n_rows == offs[n_experts] (the caller knows it: n * top_k). Same bits as moe_matmul.
+    // n_rows >= offs[n_experts] (the engine's n * top_k: equal); rows from offs[n_experts] to
+    // n_rows belong to no expert and are neither computed nor written (a mesh owner launches
+    // for the worst case on its share of a plan: services/expert/expert.c; so does
+    // moe_matmul_rows with its x_idx/y_idx). Same bits as moe_matmul.
     mm_err (*moe_matmul_dev)(void *ctx, const void *const *experts, enum mm_dtype dtype,
                              int64_t rows, int64_t cols, int n_experts, const int32_t *offs,
                              const float *x, int64_t x_stride, float *y, int64_t y_stride,

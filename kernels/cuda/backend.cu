@@ -47,6 +47,8 @@
 //   stands for);
 //   MM_GPU_OLD_DECODE and MM_GPU_OLD_FUSIONS leave them out too. The first recorded graph's
 //   node, edge and programmatic-edge counts are logged (info) once per backend.
+//   MM_GPU_ATT_WIDE=1: decode attention loads a key and a chunk's values in one round each
+//   (mm_gpu_set_attention_wide; same bits; not measured yet, so off).
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -933,6 +935,9 @@ extern "C" mm_err mm_cuda_backend_open(mm_backend *be, const mm_backend_params *
     const char *wpt = getenv("MM_GPU_GEMV_WPT"); // 1, 2, 4: cap warps per GEMV tile (A/B)
     if (wpt != NULL && wpt[0] != '\0')
         mm_gpu_set_gemv_wpt(atoi(wpt));
+    const char *aw = getenv("MM_GPU_ATT_WIDE"); // 1: decode attention's loads in one round
+    if (aw != NULL && aw[0] != '\0')
+        mm_gpu_set_attention_wide(strcmp(aw, "0") != 0);
     const char *dep = getenv("MM_GPU_PDL_ALL"); // 0: the small ops without dependent launch
     mm_gpu_set_dep_launch(!g->old_kernels && !(dep != NULL && strcmp(dep, "0") == 0));
     mm_gpu_set_gemv_version(g->old_kernels ? 1 : 2);

@@ -152,6 +152,10 @@ mm_err mm_gpu_attention(void *stream, const struct mm_attn_args *a, int *d_err);
 // stages each chunk's values in shared memory by cp.async (on; CUDA) or not (default: measured
 // slower, ops.cu). Same bits. Process-wide.
 void mm_gpu_set_attention_sv(int on);
+// mm_gpu_set_attention_wide: decode-sized attention (<= 264 (row, head) blocks) loads a
+// 128-dim key and a 128-key chunk's values in one round each (on), or in 2 and 4 rounds
+// (default; env MM_GPU_ATT_WIDE=1 turns it on at backend open). Same bits. Process-wide.
+void mm_gpu_set_attention_wide(int on);
 // mm_gpu_set_attention_prefill: 0 the decode kernel for every call, 1 (default unless
 // MM_GPU_ATT_PREFILL=0) the prefill kernel (K/V chunks in shared memory for 64 (row, head)
 // units) from 128 rows, 2 the prefill kernel for every call it can take. Same bits in every

@@ -634,6 +634,15 @@ extern "C" mm_err mm_gpu_head_norm_rope_kv(void *stream, float *d_x, int64_t n_r
 // (The previous grouping, 8 and 16, stays as mm_gpu_attention_ref for the op test's bit check.)
 #define ATT_K_VEC_DEF 16
 #define ATT_V_KEYS_DEF 32
+// Wide form (mm_gpu_set_attention_wide(1), env MM_GPU_ATT_WIDE=1; off until measured): a
+// 128-dim key in one round and a whole 128-key chunk's values in one round, so a decode
+// chunk costs one round trip for the scores and one for the values instead of 2 and 4. Same
+// fmaf sequence (the bits do not depend on the grouping). 255 registers per thread (no
+// spills), so only for decode-sized calls (<= ATT_SV_MAX_BLOCKS (row, head) blocks).
+#define ATT_K_VEC_WIDE 32
+#define ATT_V_KEYS_WIDE 128
+static int g_att_wide = 0;
+extern "C" void mm_gpu_set_attention_wide(int on) { g_att_wide = on != 0; }
 
 // Decode form (SV, CUDA; off unless mm_gpu_set_attention_sv(1)): a chunk's values are copied
 // into shared memory by cp.async, issued right after the chunk's slots are known, so they
@@ -846,6 +855,9 @@ static mm_err attention_launch(void *stream, const struct mm_attn_args *a, int *
 #endif
     if (ref)
         attention_kernel<8, 16><<<grid, ATT_THREADS, shmem, (cudaStream_t)stream>>>(*a, d_err, g_early);
+    else if (g_att_wide && a->n_rows * a->n_heads <= ATT_SV_MAX_BLOCKS) // 255 registers: few blocks
+        MM_GPU_CHECK(mm_launch_dep(attention_kernel<ATT_K_VEC_WIDE, ATT_V_KEYS_WIDE, false>, grid,
+                                   dim3(ATT_THREADS), shmem, (cudaStream_t)stream, *a, d_err, g_early));
     else
         MM_GPU_CHECK(mm_launch_dep(attention_kernel<ATT_K_VEC_DEF, ATT_V_KEYS_DEF, false>, grid,
                                    dim3(ATT_THREADS), shmem, (cudaStream_t)stream, *a, d_err, g_early));

@@ -17,6 +17,13 @@
 #include "mm/dtype.h"
 #include "mm_test.h"
 
+extern mm_err mm_gpu_attention(void *stream, const struct mm_attn_args *a, int *d_err)
+    __attribute__((weak));
+extern mm_err mm_gpu_attention_ref(void *stream, const struct mm_attn_args *a, int *d_err)
+    __attribute__((weak));
+extern void mm_gpu_set_attention_wide(int on) __attribute__((weak));
+extern mm_err mm_gpu_stream_sync(void *stream) __attribute__((weak));
+
 static mm_backend *gpu;
 
 static void open_gpu(void) {
@@ -351,10 +358,72 @@ static void test_embed_rmsnorm(void) {
     close_gpu();
 }
 
+// ---- decode attention with wide loads ---------------------------------------------------------
+// Decode rows (one per sequence, at the end of contexts of 1..300 keys: 1-3 chunks), the wide
+// load form against the earlier grouping (mm_gpu_attention_ref), every output bit.
+static void attn_wide_case(int n_heads, int n_kv, int dk, int dv, int window) {
+    const int bs = 16, n_seqs = 4, max_blocks = 20, n_blocks = n_seqs * max_blocks;
+    const int lens[4] = {1, 77, 128, 300};
+    const int64_t slot = (int64_t)n_kv * (dk + dv), pool_n = n_blocks * bs * slot;
+    int32_t tables[4 * 20], ds[4], dp[4];
+    for (int i = 0; i < n_seqs * max_blocks; i++)
+        tables[i] = (i * 7 + 3) % n_blocks;
+    for (int i = 0; i < n_seqs; i++)
+        ds[i] = i, dp[i] = lens[i] - 1;
+    float *pool = malloc((size_t)pool_n * 4), *q = malloc((size_t)n_seqs * n_heads * dk * 4);
+    for (int64_t i = 0; i < pool_n; i++)
+        pool[i] = frand();
+    for (int64_t i = 0; i < (int64_t)n_seqs * n_heads * dk; i++)
+        q[i] = frand() * 2.0f;
+    const int64_t ost = (int64_t)n_heads * dv;
+    struct mm_attn_args at = {
+        .kv = {.base = dev_copy(pool, (size_t)pool_n * 4), .block_size = bs,
+               .block_stride = bs * slot, .slot_stride = slot, .n_kv_heads = n_kv,
+               .head_dim_k = dk, .head_dim_v = dv, .block_tables = dev_copy(tables, sizeof(tables)),
+               .max_blocks = max_blocks},
+        .q = dev_copy(q, (size_t)n_seqs * n_heads * dk * 4), .q_stride = (int64_t)n_heads * dk,
+        .out_stride = ost, .n_rows = n_seqs, .row_seq = dev_copy(ds, sizeof(ds)),
+        .row_pos = dev_copy(dp, sizeof(dp)), .n_heads = n_heads,
+        .scale = 1.0f / sqrtf((float)dk), .window = window};
+    float *o1 = dev_copy(NULL, (size_t)(n_seqs * ost) * 4), *o2 = dev_copy(NULL, (size_t)(n_seqs * ost) * 4);
+    fill_dev(o1, (size_t)(n_seqs * ost) * 4, 0x11);
+    fill_dev(o2, (size_t)(n_seqs * ost) * 4, 0x22);
+    MM_PASS(gpu->ops->synchronize(gpu->ctx));
+    at.out = o1;
+    MM_PASS(mm_gpu_attention_ref(NULL, &at, NULL));
+    mm_gpu_set_attention_wide(1);
+    at.out = o2;
+    const mm_err rv = mm_gpu_attention(NULL, &at, NULL);
+    mm_gpu_set_attention_wide(0);
+    MM_PASS(rv);
+    MM_PASS(mm_gpu_stream_sync(NULL));
+    same_dev("attention out", o2, o1, (size_t)(n_seqs * ost) * 4);
+    printf("attention wide loads, %dh/%dkv dk %d dv %d window %d, contexts 1/77/128/300: same "
+           "bits as the earlier grouping\n", n_heads, n_kv, dk, dv, window);
+    void *b[] = {at.kv.base, (void *)at.kv.block_tables, (void *)at.q, (void *)at.row_seq,
+                 (void *)at.row_pos, o1, o2};
+    for (size_t i = 0; i < sizeof(b) / sizeof(b[0]); i++)
+        gpu->ops->buffer_free(gpu->ctx, b[i]);
+    free(pool), free(q);
+}
+
+static void test_attention_wide(void) {
+    open_gpu();
+    if (!mm_gpu_attention || !mm_gpu_attention_ref || !mm_gpu_set_attention_wide ||
+        !mm_gpu_stream_sync)
+        MM_SKIP("GPU kernels not linked");
+    attn_wide_case(32, 4, 128, 128, 0); // Qwen3-30B-A3B
+    attn_wide_case(8, 8, 64, 64, 0);
+    attn_wide_case(16, 2, 192, 128, 0); // keys past one round
+    attn_wide_case(12, 4, 100, 60, 50); // odd dims, sliding window
+    close_gpu();
+}
+
 MM_TESTS = {
     {"route_with_plan == route then route_plan bits", test_route_with_plan},
     {"head_norm_rope_kv == head_norm_rope then kv_store bits", test_head_norm_rope_kv},
     {"combine_rmsnorm == combine then rmsnorm bits", test_combine_rmsnorm},
     {"embed_rmsnorm == embed then rmsnorm bits", test_embed_rmsnorm},
+    {"decode attention wide loads == earlier grouping bits", test_attention_wide},
     {0},
 };

@@ -667,10 +667,11 @@ static mm_err gpu_argmax(void *ctx, const float *logits, int64_t stride, int64_t
 // graph_tell logs the first recorded graph's shape: nodes, edges, and how many edges are
 // programmatic (the small ops and GEMVs launched as programmatic dependents should give
 // programmatic edges under stream capture, so that the replay overlaps each kernel's launch
-// with the one before as op-by-op issue does). A diagnostic of the replay's speed only.
+// with the one before as op-by-op issue does). A diagnostic of the replay's speed only. (H200,
+// CUDA 13, 2026-11-30: every kernel-to-kernel edge of the recorded steps was programmatic.)
 static void graph_tell(struct gpu_ctx *g, cudaGraph_t gr) {
+#if MM_GPU_HAVE_WMMA // CUDA (edge data needs 12.3); the HIP runtime has no edge types
     size_t n_nodes = 0, n_edges = 0, n_prog = 0;
-#if MM_GPU_HAVE_WMMA // (CUDA: edge data needs 12.3; the HIP runtime has no edge types)
     (void)cudaGraphGetNodes(gr, NULL, &n_nodes);
     if (cudaGraphGetEdges(gr, NULL, NULL, NULL, &n_edges) == cudaSuccess && n_edges > 0) {
         cudaGraphNode_t *from = (cudaGraphNode_t *)calloc(n_edges, sizeof(*from));
@@ -683,12 +684,13 @@ static void graph_tell(struct gpu_ctx *g, cudaGraph_t gr) {
         free(to);
         free(ed);
     }
-#else
-    (void)gr;
-#endif
     (void)cudaGetLastError();
     mm_log_info("gpu: %s:%d first recorded graph: %zu nodes, %zu edges, %zu programmatic",
                 MM_GPU_VENDOR, g->dev, n_nodes, n_edges, n_prog);
+#else
+    (void)g;
+    (void)gr;
+#endif
 }
 
 static mm_err gpu_capture_begin(void *ctx) {

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: MIT
-// Attention on the tensor cores: one contract for decode and prefill (env MM_GPU_ATT_TC=1, or
-// mm_gpu_set_attention_tc; off by default, then ops.cu's f32 kernels run).
+// Attention on the tensor cores: one contract for decode and prefill (the default on CUDA;
+// MM_GPU_ATT_TC=0 or mm_gpu_set_attention_tc(0) turns it off, then ops.cu's f32 kernels run).
 //
 // The contract, for every (row, head) of kernels.h's attention:
 // - q, k and v are rounded to bf16 (round to nearest even); scores x = q . k by mma.sync
@@ -547,7 +547,7 @@ static mm_err tc_launch_dims(void *stream, const struct mm_attn_args *a, int gsu
 static int tc_mode(void) {
     if (g_att_tc < 0) {
         const char *e = getenv("MM_GPU_ATT_TC");
-        g_att_tc = e != NULL && strcmp(e, "1") == 0;
+        g_att_tc = !(e != NULL && strcmp(e, "0") == 0); // on unless MM_GPU_ATT_TC=0
     }
     return g_att_tc;
 }
@@ -576,7 +576,7 @@ extern "C" void mm_gpu_set_attention_tc_db(int mode) { g_att_tc_db = mode < 0 ? 
 
 // mm_gpu_set_attention_tc: 1 the tensor-core contract for every attention call whose shape it
 // takes (decode and prefill alike), 0 ops.cu's f32 kernels, < 0 back to MM_GPU_ATT_TC (read at
-// the next call). Process-wide.
+// the next call; on unless it is "0"). Process-wide.
 extern "C" void mm_gpu_set_attention_tc(int mode);
 extern "C" void mm_gpu_set_attention_tc(int mode) { g_att_tc = mode < 0 ? -1 : mode != 0; }
 

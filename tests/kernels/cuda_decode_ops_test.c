@@ -35,6 +35,9 @@ extern mm_err mm_gpu_attention_ref(void *stream, const struct mm_attn_args *a, i
     __attribute__((weak));
 extern void mm_gpu_set_attention_sv(int on) __attribute__((weak));
 extern void mm_gpu_set_attention_prefill(int mode) __attribute__((weak));
+// the tensor-core attention contract (attention_tc.cu, the default): 0 pins ops.cu's f32
+// kernels, whose load groupings and prefill form these cases compare
+extern void mm_gpu_set_attention_tc(int mode) __attribute__((weak));
 extern mm_err mm_gpu_stream_sync(void *stream) __attribute__((weak));
 extern mm_err mm_gpu_matmul(void *stream, int dtype, const void *d_w, int n_out, int n_in,
                             const float *d_bias, const float *d_x, int64_t x_stride, float *d_y,
@@ -319,12 +322,16 @@ static void test_attention_bits(void) {
     open_gpu();
     if (!mm_gpu_attention || !mm_gpu_attention_ref || !mm_gpu_set_attention_sv)
         MM_SKIP("attention kernels not linked");
+    if (mm_gpu_set_attention_tc)
+        mm_gpu_set_attention_tc(0);
     attn_bits_case(32, 4, 128, 128, 0); // Qwen3-30B-A3B's heads
     attn_bits_case(8, 2, 64, 64, 0);
     attn_bits_case(4, 4, 96, 64, 0);    // dk != dv, dk not a multiple of 64
     attn_bits_case(6, 3, 128, 128, 40); // sliding window
     attn_bits_case(2, 1, 36, 20, 0);    // odd small dims
     attn_bits_case(2, 1, 36, 22, 0);    // dv not a multiple of 4: 4-byte value copies
+    if (mm_gpu_set_attention_tc)
+        mm_gpu_set_attention_tc(-1);
     close_gpu();
 }
 
@@ -461,6 +468,8 @@ static void test_attention_prefill_bits(void) {
     open_gpu();
     if (!mm_gpu_attention || !mm_gpu_set_attention_prefill)
         MM_SKIP("attention kernels not linked");
+    if (mm_gpu_set_attention_tc)
+        mm_gpu_set_attention_tc(0); // the f32 prefill kernel against the f32 decode kernel
     const int two[2] = {300, 77}, one[1] = {517}, three[3] = {1, 129, 250};
     attn_pf_case(32, 4, 128, 128, 0, two, 2); // Qwen3-30B-A3B's heads (GQA 8)
     attn_pf_case(8, 2, 64, 64, 0, one, 1);    // head_dim 64, GQA 4
@@ -469,6 +478,8 @@ static void test_attention_prefill_bits(void) {
     attn_pf_case(12, 4, 64, 128, 100, three, 3); // GQA 3, dk != dv, window over chunks
     attn_pf_case(32, 2, 96, 64, 0, two, 2);   // GQA 16: two head blocks per kv head; dk 96
     attn_pf_case(4, 1, 36, 20, 0, one, 1);    // odd small dims (multiples of 4)
+    if (mm_gpu_set_attention_tc)
+        mm_gpu_set_attention_tc(-1);
     close_gpu();
 }
 

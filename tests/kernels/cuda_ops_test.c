@@ -36,6 +36,8 @@ extern mm_err mm_gpu_matmul(void *stream, int dtype, const void *d_w, int n_out,
 // wgmma variant (2: 128 outputs x 128 tokens, 3: 192 x 128, 4: 128 x 192, 5: 128-wide k, 6: release
 // fence, 8: warp-specialised 128 x 128, 9: 8 with W by TMA, 10: 8 with W by cp.async).
 extern void mm_gpu_set_gemm_tile(int variant) __attribute__((weak));
+// the tensor-core attention contract (attention_tc.cu): 0 pins ops.cu's f32 kernels
+extern void mm_gpu_set_attention_tc(int mode) __attribute__((weak));
 // The permuted-W cache of the gemm_ws path (kernels/cuda/mm_gpu.h).
 extern size_t mm_gpu_wperm_bytes(void) __attribute__((weak));
 extern void mm_gpu_set_wperm_mb(long long mb) __attribute__((weak));
@@ -747,11 +749,17 @@ static void attn_case(int n_heads, int n_kv, int dk, int dv, int window) {
     free(rs), free(rp), free(k), free(v), free(q), free(pool), free(out), free(g), free(gpool), free(g1);
 }
 
+// The f32 kernels (the contract of HIP builds and of head dims the tensor-core kernel does not
+// take) against the CPU at 1e-10; cuda_attention_tc_test checks the tensor-core contract.
 static void test_attention(void) {
     open_backends();
+    if (mm_gpu_set_attention_tc)
+        mm_gpu_set_attention_tc(0);
     attn_case(8, 2, 64, 64, 0);    // GQA 4:1
     attn_case(4, 4, 96, 64, 0);    // MLA-like: dk != dv, n_kv = n_heads
     attn_case(6, 3, 128, 128, 40); // sliding window
+    if (mm_gpu_set_attention_tc)
+        mm_gpu_set_attention_tc(-1);
     close_backends();
 }
 

@@ -16,6 +16,10 @@
 #include "mm/kv_cache.h"
 #include "mm/model.h"
 
+// the tensor-core attention contract (kernels/cuda/attention_tc.cu, the default on CUDA): 0
+// pins ops.cu's f32 kernels, < 0 back to the default (absent from builds without CUDA)
+extern void mm_gpu_set_attention_tc(int mode) __attribute__((weak));
+
 static const struct mm_backend_ops *g_cpu; // the real CPU table
 
 // ---- graph recorder: while capturing, ops are stored (thunk + a copy of the arguments) -------
@@ -772,6 +776,10 @@ static void gpu_old_new_case(const char *name) {
     snprintf(dir, sizeof dir, "tests/fixtures/models/%s", name);
     int32_t want_ids[STEPS], got_ids[STEPS];
     size_t n_ref = 0, n_dev = 0;
+    // the earlier kernels include the f32 attention's earlier load grouping: both runs on the f32
+    // attention contract (the tensor-core one has its own bits)
+    if (mm_gpu_set_attention_tc)
+        mm_gpu_set_attention_tc(0);
     setenv("MM_GPU_OLD_DECODE", "1", 1);
     be = open_gpu();
     MM_TRUE(be->ops->add_rmsnorm == NULL && be->ops->moe_matmul_rows == NULL);
@@ -796,6 +804,8 @@ static void gpu_old_new_case(const char *name) {
            "for bit\n", name, n_ref);
     free(ref), free(got);
     mm_backend_close(be);
+    if (mm_gpu_set_attention_tc)
+        mm_gpu_set_attention_tc(-1);
 }
 
 // The same GPU run without the per-layer chain fusions (MM_GPU_OLD_CHAIN=1: head_norm_rope

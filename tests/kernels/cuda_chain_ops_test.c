@@ -22,6 +22,9 @@ extern mm_err mm_gpu_attention(void *stream, const struct mm_attn_args *a, int *
 extern mm_err mm_gpu_attention_ref(void *stream, const struct mm_attn_args *a, int *d_err)
     __attribute__((weak));
 extern void mm_gpu_set_attention_wide(int on) __attribute__((weak));
+// the tensor-core attention contract (attention_tc.cu, the CUDA default): 0 pins ops.cu's f32
+// kernels, whose load groupings the wide-load case compares
+extern void mm_gpu_set_attention_tc(int mode) __attribute__((weak));
 extern mm_err mm_gpu_stream_sync(void *stream) __attribute__((weak));
 
 static mm_backend *gpu;
@@ -412,10 +415,14 @@ static void test_attention_wide(void) {
     if (!mm_gpu_attention || !mm_gpu_attention_ref || !mm_gpu_set_attention_wide ||
         !mm_gpu_stream_sync)
         MM_SKIP("GPU kernels not linked");
+    if (mm_gpu_set_attention_tc)
+        mm_gpu_set_attention_tc(0);
     attn_wide_case(32, 4, 128, 128, 0); // Qwen3-30B-A3B
     attn_wide_case(8, 8, 64, 64, 0);
     attn_wide_case(16, 2, 192, 128, 0); // keys past one round
     attn_wide_case(12, 4, 100, 60, 50); // odd dims, sliding window
+    if (mm_gpu_set_attention_tc)
+        mm_gpu_set_attention_tc(-1);
     close_gpu();
 }
 

@@ -18,26 +18,22 @@
 #include "kernels.h"
 #include "mm_test.h"
 
+#define GPU_TEST_SEED 0x5851f42d4c957f2dull
+#include "gpu_test.h"
+
 extern void mm_gpu_set_attention_tc(int mode) __attribute__((weak));
 extern void mm_gpu_set_attention_tc_warps(int warps) __attribute__((weak));
 extern void mm_gpu_set_attention_tc_db(int mode) __attribute__((weak));
 extern mm_err mm_gpu_attention_tc(void *stream, const struct mm_attn_args *a, int *d_err, int *done)
     __attribute__((weak));
 
-static mm_backend *cpu, *gpu;
+static mm_backend *cpu;
 
 static void open_backends(void) {
-    char err[MM_ERRLEN] = "";
     if (!mm_gpu_set_attention_tc || !mm_gpu_attention_tc || !mm_gpu_set_attention_tc_warps ||
         !mm_gpu_set_attention_tc_db)
         MM_SKIP("GPU kernels not linked (plain build; `make cuda` builds this test with them)");
-    mm_err rv = mm_backend_open(&gpu, "cuda:0", NULL, err);
-    if (rv == MM_EUNSUPP)
-        MM_SKIP("%s", err);
-    if (rv != MM_OK)
-        MM_TEST_FAIL_("opening cuda:0: %s (%s)", mm_strerror(rv), err);
-    mm_backend_params p = {.n_threads = 2};
-    MM_PASS(mm_backend_open(&cpu, "cpu", &p, err));
+    gpu_open(&cpu);
     mm_gpu_set_attention_tc(1);
     mm_gpu_set_attention_tc_warps(8);
     mm_gpu_set_attention_tc_db(1);
@@ -47,47 +43,7 @@ static void close_backends(void) {
     mm_gpu_set_attention_tc(-1);
     mm_gpu_set_attention_tc_warps(-1);
     mm_gpu_set_attention_tc_db(-1);
-    mm_backend_close(gpu);
-    mm_backend_close(cpu);
-    gpu = cpu = NULL;
-}
-
-static uint64_t rng = 0x5851f42d4c957f2dull;
-static float frand(void) { // uniform in [-1, 1)
-    rng ^= rng << 13;
-    rng ^= rng >> 7;
-    rng ^= rng << 17;
-    return (float)((rng >> 40) & 0xffffff) / 8388608.0f - 1.0f;
-}
-
-static float *rand_f32(int64_t n, float scale) {
-    float *p = malloc((size_t)n * 4 + 4);
-    MM_TRUE(p != NULL);
-    for (int64_t i = 0; i < n; i++)
-        p[i] = frand() * scale;
-    return p;
-}
-
-static void *dev_copy(const void *h, size_t n_bytes) {
-    void *d = NULL;
-    MM_PASS(gpu->ops->buffer_alloc(gpu->ctx, n_bytes ? n_bytes : 4, &d));
-    if (n_bytes && h != NULL)
-        MM_PASS(gpu->ops->set(gpu->ctx, d, h, n_bytes));
-    return d;
-}
-
-static void *dev_get(const void *d, size_t n_bytes) {
-    void *h = malloc(n_bytes + 1);
-    MM_TRUE(h != NULL);
-    MM_PASS(gpu->ops->get(gpu->ctx, h, d, n_bytes));
-    return h;
-}
-
-static int64_t n_diff(const float *a, const float *b, int64_t n) {
-    int64_t d = 0;
-    for (int64_t i = 0; i < n; i++)
-        d += memcmp(a + i, b + i, 4) != 0;
-    return d;
+    gpu_close(&cpu);
 }
 
 // Rows in the order of `order` (order[i]: original row), uploaded: q, k, v, seq, pos.

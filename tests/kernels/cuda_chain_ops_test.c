@@ -17,6 +17,9 @@
 #include "mm/dtype.h"
 #include "mm_test.h"
 
+#define GPU_TEST_SEED 0x9e3779b97f4a7c15ull
+#include "gpu_test.h"
+
 extern mm_err mm_gpu_attention(void *stream, const struct mm_attn_args *a, int *d_err)
     __attribute__((weak));
 extern mm_err mm_gpu_attention_ref(void *stream, const struct mm_attn_args *a, int *d_err)
@@ -27,50 +30,14 @@ extern void mm_gpu_set_attention_wide(int on) __attribute__((weak));
 extern void mm_gpu_set_attention_tc(int mode) __attribute__((weak));
 extern mm_err mm_gpu_stream_sync(void *stream) __attribute__((weak));
 
-static mm_backend *gpu;
-
 static void open_gpu(void) {
-    char err[MM_ERRLEN] = "";
-    mm_err rv = mm_backend_open(&gpu, "cuda:0", NULL, err);
-    if (rv == MM_EUNSUPP)
-        MM_SKIP("%s", err);
-    if (rv != MM_OK)
-        MM_TEST_FAIL_("opening cuda:0: %s (%s)", mm_strerror(rv), err);
+    gpu_open(NULL);
     if (!gpu->ops->route_with_plan || !gpu->ops->head_norm_rope_kv || !gpu->ops->combine_rmsnorm ||
         !gpu->ops->embed_rmsnorm) {
-        mm_backend_close(gpu);
-        gpu = NULL;
+        gpu_close(NULL);
         MM_SKIP("the GPU table has no chain fusions (MM_GPU_OLD_CHAIN, MM_GPU_OLD_FUSIONS or "
                 "MM_GPU_OLD_DECODE set?)");
     }
-}
-
-static void close_gpu(void) {
-    mm_backend_close(gpu);
-    gpu = NULL;
-}
-
-static uint64_t rng = 0x9e3779b97f4a7c15ull;
-static float frand(void) { // uniform in [-1, 1)
-    rng ^= rng << 13;
-    rng ^= rng >> 7;
-    rng ^= rng << 17;
-    return (float)((rng >> 40) & 0xffffff) / 8388608.0f - 1.0f;
-}
-
-static void *dev_copy(const void *h, size_t n_bytes) {
-    void *d = NULL;
-    MM_PASS(gpu->ops->buffer_alloc(gpu->ctx, n_bytes ? n_bytes : 4, &d));
-    if (n_bytes && h != NULL)
-        MM_PASS(gpu->ops->set(gpu->ctx, d, h, n_bytes));
-    return d;
-}
-
-static void *dev_get(const void *d, size_t n_bytes) {
-    void *h = malloc(n_bytes + 1);
-    MM_TRUE(h != NULL);
-    MM_PASS(gpu->ops->get(gpu->ctx, h, d, n_bytes));
-    return h;
 }
 
 // d's n_bytes equal e's (both device memory); names the first differing 4-byte word.
@@ -163,7 +130,7 @@ static void test_route_with_plan(void) {
     route_case(2, 256, 8, MM_ROUTE_SIGMOID, true, true, 2.5f, 8, 4, 5, -1);   // ties, groups
     route_case(33, 1000, 300, MM_ROUTE_SOFTMAX, false, true, 1.0f, 0, 0, 0, -1); // K > block
     route_case(1, 1024, 8, MM_ROUTE_SIGMOID, true, false, 1.0f, 0, 0, 0, -1);
-    close_gpu();
+    gpu_close(NULL);
 }
 
 // ---- head_norm_rope_kv --------------------------------------------------------------------------
@@ -249,7 +216,7 @@ static void test_head_norm_rope_kv(void) {
     hnr_kv_case(3, 12, 4, 96, 16, 48, MM_ROPE_NEOX, true, true); // partial rotation
     hnr_kv_case(3, 8, 8, 40, 8, 16, MM_ROPE_INTERLEAVED, false, true); // no norms
     hnr_kv_case(2, 8, 2, 64, 0, 64, MM_ROPE_NEOX, true, false);  // the fallback
-    close_gpu();
+    gpu_close(NULL);
 }
 
 // ---- combine_rmsnorm ----------------------------------------------------------------------------
@@ -303,7 +270,7 @@ static void test_combine_rmsnorm(void) {
     combine_rms_case(3, 4, 1000, true, MM_DTYPE_F32);
     combine_rms_case(5, 0, 300, true, MM_DTYPE_BF16); // a dense layer: the shared row only
     combine_rms_case(2, 2, 9000, false, MM_DTYPE_BF16); // past the block kernel: two launches
-    close_gpu();
+    gpu_close(NULL);
 }
 
 // ---- embed_rmsnorm ------------------------------------------------------------------------------
@@ -358,7 +325,7 @@ static void test_embed_rmsnorm(void) {
     embed_rms_case(64, 500, 2048, MM_DTYPE_BF16, MM_DTYPE_BF16);
     embed_rms_case(3, 300, 1000, MM_DTYPE_F32, MM_DTYPE_F32);
     embed_rms_case(2, 100, 9000, MM_DTYPE_BF16, MM_DTYPE_BF16); // two launches
-    close_gpu();
+    gpu_close(NULL);
 }
 
 // ---- decode attention with wide loads ---------------------------------------------------------
@@ -423,7 +390,7 @@ static void test_attention_wide(void) {
     attn_wide_case(12, 4, 100, 60, 50); // odd dims, sliding window
     if (mm_gpu_set_attention_tc)
         mm_gpu_set_attention_tc(-1);
-    close_gpu();
+    gpu_close(NULL);
 }
 
 MM_TESTS = {

@@ -18,6 +18,9 @@
 #include "mm/dtype.h"
 #include "mm_test.h"
 
+#define GPU_TEST_SEED 0x2545f4914f6cdd1dull
+#include "gpu_test.h"
+
 extern mm_err mm_gpu_argmax(void *stream, const float *d_logits, int64_t ls, int64_t n_rows,
                             int vocab, int32_t *d_ids) __attribute__((weak));
 extern mm_err mm_gpu_argmax_ws(void *stream, const float *d_logits, int64_t ls, int64_t n_rows,
@@ -54,46 +57,10 @@ extern mm_err mm_gpu_moe_matmul_rows(void *stream, int dtype, const void *const 
 extern void mm_gpu_set_gemv_version(int v) __attribute__((weak));
 extern void mm_gpu_optime_report(void *backend_ctx) __attribute__((weak));
 
-static mm_backend *gpu;
-
 static void open_gpu(void) {
-    char err[MM_ERRLEN] = "";
     if (!mm_gpu_argmax_ws || !mm_gpu_stream_sync)
         MM_SKIP("GPU kernels not linked (plain build; `make cuda` builds this test with them)");
-    mm_err rv = mm_backend_open(&gpu, "cuda:0", NULL, err);
-    if (rv == MM_EUNSUPP)
-        MM_SKIP("%s", err);
-    if (rv != MM_OK)
-        MM_TEST_FAIL_("opening cuda:0: %s (%s)", mm_strerror(rv), err);
-}
-
-static void close_gpu(void) {
-    mm_backend_close(gpu);
-    gpu = NULL;
-}
-
-static uint64_t rng = 0x2545f4914f6cdd1dull;
-static float frand(void) { // uniform in [-1, 1)
-    rng ^= rng << 13;
-    rng ^= rng >> 7;
-    rng ^= rng << 17;
-    return (float)((rng >> 40) & 0xffffff) / 8388608.0f - 1.0f;
-}
-
-// Device memory of n_bytes holding h's bytes (h NULL: left as it is).
-static void *dev_copy(const void *h, size_t n_bytes) {
-    void *d = NULL;
-    MM_PASS(gpu->ops->buffer_alloc(gpu->ctx, n_bytes ? n_bytes : 4, &d));
-    if (n_bytes && h != NULL)
-        MM_PASS(gpu->ops->set(gpu->ctx, d, h, n_bytes));
-    return d;
-}
-
-static void *dev_get(const void *d, size_t n_bytes) {
-    void *h = malloc(n_bytes + 1);
-    MM_TRUE(h != NULL);
-    MM_PASS(gpu->ops->get(gpu->ctx, h, d, n_bytes));
-    return h;
+    gpu_open(NULL);
 }
 
 // The host rule: highest value, ties to the lower id (== ties -0 and +0), NaN skipped, 0 when
@@ -172,7 +139,7 @@ static void test_argmax_blocks(void) {
     argmax_case(2048, 64);   // exactly one block
     argmax_case(2049, 4);    // one element into a second block; 9 rows in 3 launches
     argmax_case(7, 1);       // one row per launch
-    close_gpu();
+    gpu_close(NULL);
 }
 
 static void test_rmsnorm_bits(void) {
@@ -222,7 +189,7 @@ static void test_rmsnorm_bits(void) {
             }
     printf("rmsnorm: block per row bit-identical to warp per row (8 dims x 3 row counts x "
            "bf16/f32, in place too)\n");
-    close_gpu();
+    gpu_close(NULL);
 }
 
 // Attention over a paged cache: the widened loads against the earlier grouping, bit for bit.
@@ -332,7 +299,7 @@ static void test_attention_bits(void) {
     attn_bits_case(2, 1, 36, 22, 0);    // dv not a multiple of 4: 4-byte value copies
     if (mm_gpu_set_attention_tc)
         mm_gpu_set_attention_tc(-1);
-    close_gpu();
+    gpu_close(NULL);
 }
 
 // ---- prefill attention (K/V chunks shared by many rows) against the decode kernel ---------------
@@ -340,13 +307,6 @@ static void test_attention_bits(void) {
 // the decode kernel's bits (mode 0): all rows in one call; the same rows in chunks of other
 // sizes (a prompt chunked differently); rows of two sequences interleaved in runs, so a block
 // holds rows of both. Counts the differing output elements and reports them.
-static int64_t pf_diff(const float *a, const float *b, int64_t n) {
-    int64_t d = 0;
-    for (int64_t i = 0; i < n; i++)
-        d += memcmp(a + i, b + i, 4) != 0;
-    return d;
-}
-
 static void attn_pf_case(int n_heads, int n_kv, int dk, int dv, int window, const int *lens,
                          int n_seqs) {
     const int bs = 16, max_blocks = 48, n_blocks = n_seqs * max_blocks;
@@ -401,7 +361,7 @@ static void attn_pf_case(int n_heads, int n_kv, int dk, int dv, int window, cons
     MM_PASS(mm_gpu_attention(NULL, &at, NULL)); // all rows in one call
     MM_PASS(mm_gpu_stream_sync(NULL));
     float *ref = dev_get(o_ref, (size_t)on * 4), *got = dev_get(o_pf, (size_t)on * 4);
-    const int64_t d_one = pf_diff(ref, got, on);
+    const int64_t d_one = n_diff(ref, got, on);
     // chunks of 37, 128, 1, then 200 at a time (one chunk may span two sequences)
     MM_PASS(gpu->ops->fill(gpu->ctx, o_pf, 3.0f, on));
     MM_PASS(gpu->ops->synchronize(gpu->ctx));
@@ -417,7 +377,7 @@ static void attn_pf_case(int n_heads, int n_kv, int dk, int dv, int window, cons
     MM_PASS(mm_gpu_stream_sync(NULL));
     free(got);
     got = dev_get(o_pf, (size_t)on * 4);
-    const int64_t d_chunks = pf_diff(ref, got, on);
+    const int64_t d_chunks = n_diff(ref, got, on);
     // rows of the sequences interleaved in runs of 1..11 rows: row i of the call is original
     // row perm[i]; its output goes to the same place as before (out row perm[i])
     int32_t *perm = malloc((size_t)n_rows * 4), *next = calloc((size_t)n_seqs, 4);
@@ -447,7 +407,7 @@ static void attn_pf_case(int n_heads, int n_kv, int dk, int dv, int window, cons
     got = dev_get(o_pf, (size_t)on * 4);
     int64_t d_mixed = 0;
     for (int i = 0; i < n_rows; i++)
-        d_mixed += pf_diff(ref + (int64_t)perm[i] * ost, got + (int64_t)i * ost, ost);
+        d_mixed += n_diff(ref + (int64_t)perm[i] * ost, got + (int64_t)i * ost, ost);
     mm_gpu_set_attention_prefill(1);
     printf("attention prefill kernel %dh/%dkv dk %d dv %d window %d, %d rows of %d seqs: "
            "differing elements vs the decode kernel: one call %lld, chunks %lld, seqs "
@@ -480,7 +440,7 @@ static void test_attention_prefill_bits(void) {
     attn_pf_case(4, 1, 36, 20, 0, one, 1);    // odd small dims (multiples of 4)
     if (mm_gpu_set_attention_tc)
         mm_gpu_set_attention_tc(-1);
-    close_gpu();
+    gpu_close(NULL);
 }
 
 // ---- GEMV v2 against the earlier GEMV, bit for bit ------------------------------------------------
@@ -666,7 +626,7 @@ static void test_gemv_v2_bits(void) {
     gemv_grouped_case(100, 300, 13, 16, c13, true);  // swiglu with unaligned up rows
     gemv_grouped_case(96, 1000, 5, 64, c40, false);  // 64 experts: two offset-lookup rounds
     gemv_grouped_case(96, 1000, 5, 64, c40, true);
-    close_gpu();
+    gpu_close(NULL);
 }
 
 // add_rmsnorm: h += a then rmsnorm(h), against axpy then rmsnorm (both h and y bit for bit).
@@ -717,7 +677,7 @@ static void test_add_rmsnorm_bits(void) {
             }
     printf("add_rmsnorm bit-identical to axpy then rmsnorm (6 dims x 3 row counts x bf16/f32; "
            "h and y)\n");
-    close_gpu();
+    gpu_close(NULL);
 }
 
 // MM_GPU_OPTIME=1: the backend offers no graphs and its ops give the same results.
@@ -744,7 +704,7 @@ static void optime_case(const char *mode, bool split) {
     free(g), free(l);
     gpu->ops->buffer_free(gpu->ctx, dl);
     gpu->ops->buffer_free(gpu->ctx, d);
-    close_gpu();
+    gpu_close(NULL);
 }
 
 // =1, =2 (steps held on the GPU; no step here, so nothing is held) and rows per call

@@ -15,6 +15,9 @@
 #include "mm/dtype.h"
 #include "mm_test.h"
 
+#define GPU_TEST_SEED 0x9e3779b97f4a7c15ull
+#include "gpu_test.h"
+
 // Grouped expert product (kernels/cuda/mm_gpu.h); absent without the GPU backend.
 extern mm_err mm_gpu_moe_matmul(void *stream, int dtype, const void *const *d_w,
                                 const int32_t *d_offs, int n_experts, int n_out, int n_in,
@@ -42,59 +45,9 @@ extern void mm_gpu_set_attention_tc(int mode) __attribute__((weak));
 extern size_t mm_gpu_wperm_bytes(void) __attribute__((weak));
 extern void mm_gpu_set_wperm_mb(long long mb) __attribute__((weak));
 
-static mm_backend *cpu, *gpu;
-
-static void open_backends(void) {
-    char err[MM_ERRLEN] = "";
-    mm_err rv = mm_backend_open(&gpu, "cuda:0", NULL, err);
-    if (rv == MM_EUNSUPP)
-        MM_SKIP("%s", err);
-    if (rv != MM_OK)
-        MM_TEST_FAIL_("opening cuda:0: %s (%s)", mm_strerror(rv), err);
-    mm_backend_params p = {.n_threads = 2};
-    MM_PASS(mm_backend_open(&cpu, "cpu", &p, err));
-}
-
-static void close_backends(void) {
-    mm_backend_close(gpu);
-    mm_backend_close(cpu);
-    gpu = cpu = NULL;
-}
+static mm_backend *cpu;
 
 // ---- helpers -----------------------------------------------------------------------------------
-static uint64_t rng = 0x9e3779b97f4a7c15ull;
-static float frand(void) { // uniform in [-1, 1)
-    rng ^= rng << 13;
-    rng ^= rng >> 7;
-    rng ^= rng << 17;
-    return (float)((rng >> 40) & 0xffffff) / 8388608.0f - 1.0f;
-}
-
-static float *rand_f32(size_t n, float scale) {
-    float *p = malloc(n * sizeof(float) + 1);
-    MM_TRUE(p != NULL);
-    for (size_t i = 0; i < n; i++)
-        p[i] = frand() * scale;
-    return p;
-}
-
-static void *gpu_copy(const void *h, size_t n_bytes) {
-    void *d = NULL;
-    MM_PASS(gpu->ops->buffer_alloc(gpu->ctx, n_bytes, &d));
-    if (n_bytes)
-        MM_PASS(gpu->ops->set(gpu->ctx, d, h, n_bytes));
-    return d;
-}
-
-static void *gpu_get(const void *d, size_t n_bytes) {
-    void *h = malloc(n_bytes + 1);
-    MM_TRUE(h != NULL);
-    MM_PASS(gpu->ops->get(gpu->ctx, h, d, n_bytes));
-    return h;
-}
-
-static void gpu_free(void *d) { gpu->ops->buffer_free(gpu->ctx, d); }
-
 // sum (a - b)^2 / sum b^2 over n elements at stride (rows of dim within stride).
 static double nmse_rows(const float *a, const float *b, int64_t n_rows, int64_t dim, int64_t stride) {
     double num = 0, den = 0;
@@ -159,23 +112,23 @@ static double matmul_case(enum mm_dtype dt, int64_t n_rows, int64_t n_in, int64_
     MM_PASS(cpu->ops->matmul(cpu->ctx, &w, b, x, xs, y_cpu, ys, n_rows));
 
     mm_weight dw = w;
-    dw.data = gpu_copy(hw, (size_t)(n_out * n_in) * mm_dtype_size(dt));
-    float *dx = gpu_copy(x, (size_t)(n_rows * xs) * 4);
-    float *db = bias ? gpu_copy(b, (size_t)n_out * 4) : NULL;
-    float *dy = gpu_copy(y_init, (size_t)(n_rows * ys) * 4);
+    dw.data = dev_copy(hw, (size_t)(n_out * n_in) * mm_dtype_size(dt));
+    float *dx = dev_copy(x, (size_t)(n_rows * xs) * 4);
+    float *db = bias ? dev_copy(b, (size_t)n_out * 4) : NULL;
+    float *dy = dev_copy(y_init, (size_t)(n_rows * ys) * 4);
     MM_PASS(gpu->ops->matmul(gpu->ctx, &dw, db, dx, xs, dy, ys, n_rows));
-    float *y_gpu = gpu_get(dy, (size_t)(n_rows * ys) * 4);
+    float *y_gpu = dev_get(dy, (size_t)(n_rows * ys) * 4);
     double e = nmse_rows(y_gpu, y_cpu, n_rows, n_out, ys);
-    gpu_free((void *)dw.data);
-    gpu_free(dx);
-    gpu_free(db);
-    gpu_free(dy);
+    dev_free((void *)dw.data);
+    dev_free(dx);
+    dev_free(db);
+    dev_free(dy);
     free(hw), free(x), free(b), free(y_cpu), free(y_init), free(y_gpu);
     return e;
 }
 
 static void test_matmul_bf16(void) {
-    open_backends();
+    gpu_open(&cpu);
     // decode-shaped (GEMV), odd shapes (scalar loads, partial tiles), prefill-shaped (tiles)
     CHECK_NMSE("bf16 1x2048 -> 768", matmul_case(MM_DTYPE_BF16, 1, 2048, 768, 2048, 768, false), 1e-4);
     CHECK_NMSE("bf16 8x768 -> 2048 +bias", matmul_case(MM_DTYPE_BF16, 8, 768, 2048, 768, 2048, true), 1e-4);
@@ -184,39 +137,39 @@ static void test_matmul_bf16(void) {
     CHECK_NMSE("bf16 20x256 -> 200 strided", matmul_case(MM_DTYPE_BF16, 20, 256, 200, 264, 210, true), 1e-4);
     CHECK_NMSE("bf16 37x512 -> 384 (tiles)", matmul_case(MM_DTYPE_BF16, 37, 512, 384, 512, 384, false), 1e-4);
     CHECK_NMSE("bf16 300x1000 -> 130 (odd tiles)", matmul_case(MM_DTYPE_BF16, 300, 1000, 130, 1003, 131, true), 1e-4);
-    close_backends();
+    gpu_close(&cpu);
 }
 
 static void test_matmul_f16_f32(void) {
-    open_backends();
+    gpu_open(&cpu);
     CHECK_NMSE("f32 1x64 -> 48", matmul_case(MM_DTYPE_F32, 1, 64, 48, 64, 48, false), 1e-10);
     CHECK_NMSE("f32 70x129 -> 65 +bias", matmul_case(MM_DTYPE_F32, 70, 129, 65, 129, 65, true), 1e-10);
     CHECK_NMSE("f16 9x96 -> 40", matmul_case(MM_DTYPE_F16, 9, 96, 40, 96, 40, true), 1e-10);
-    close_backends();
+    gpu_close(&cpu);
 }
 
 // Row r computed alone (n_rows = 1: GEMV) must equal row r inside a batch of 150 (tensor-core
 // tiles) bit for bit; also a batch of 20 (GEMV with several token groups).
 static void test_matmul_bits_batch_invariant(void) {
-    open_backends();
+    gpu_open(&cpu);
     const int64_t n_in = 520, n_out = 300, n = 150;
     void *hw = NULL;
     mm_weight w = make_weight(MM_DTYPE_BF16, n_out, n_in, &hw);
     float *x = rand_f32((size_t)(n * n_in), 2.0f);
     mm_weight dw = w;
-    dw.data = gpu_copy(hw, (size_t)(n_out * n_in) * 2);
-    float *dx = gpu_copy(x, (size_t)(n * n_in) * 4);
+    dw.data = dev_copy(hw, (size_t)(n_out * n_in) * 2);
+    float *dx = dev_copy(x, (size_t)(n * n_in) * 4);
     float *dy = NULL;
     MM_PASS(gpu->ops->buffer_alloc(gpu->ctx, (size_t)(n * n_out) * 4, (void **)&dy));
     MM_PASS(gpu->ops->matmul(gpu->ctx, &dw, NULL, dx, n_in, dy, n_out, n));
-    float *y_batch = gpu_get(dy, (size_t)(n * n_out) * 4);
+    float *y_batch = dev_get(dy, (size_t)(n * n_out) * 4);
     MM_PASS(gpu->ops->matmul(gpu->ctx, &dw, NULL, dx, n_in, dy, n_out, 20));
-    float *y_20 = gpu_get(dy, (size_t)(20 * n_out) * 4);
+    float *y_20 = dev_get(dy, (size_t)(20 * n_out) * 4);
     int64_t rows[] = {0, 1, 17, 63, 64, 127, 128, 149};
     for (size_t i = 0; i < sizeof(rows) / sizeof(rows[0]); i++) {
         int64_t r = rows[i];
         MM_PASS(gpu->ops->matmul(gpu->ctx, &dw, NULL, dx + r * n_in, n_in, dy, n_out, 1));
-        float *y1 = gpu_get(dy, (size_t)n_out * 4);
+        float *y1 = dev_get(dy, (size_t)n_out * 4);
         if (memcmp(y1, y_batch + r * n_out, (size_t)n_out * 4) != 0) {
             int64_t j = 0;
             while (y1[j] == y_batch[r * n_out + j])
@@ -228,9 +181,9 @@ static void test_matmul_bits_batch_invariant(void) {
             MM_TEST_FAIL_("row %lld alone differs from the batch of 20", (long long)r);
         free(y1);
     }
-    gpu_free((void *)dw.data), gpu_free(dx), gpu_free(dy);
+    dev_free((void *)dw.data), dev_free(dx), dev_free(dy);
     free(hw), free(x), free(y_batch), free(y_20);
-    close_backends();
+    gpu_close(&cpu);
 }
 
 // Every path of a bf16 product gives each row the GEMV's bits: the wgmma tiles (sm_90) and the
@@ -270,9 +223,9 @@ static int path_bits_case(int64_t n_rows, int64_t n_in, int64_t n_out, int64_t x
     (void)make_weight(MM_DTYPE_BF16, n_out, n_in, &hw);
     float *x = rand_f32((size_t)(n_rows * xs), 2.0f);
     float *b = bias ? rand_f32((size_t)n_out, 1.0f) : NULL;
-    void *dw = gpu_copy(hw, (size_t)(n_out * n_in) * 2);
-    float *dx = gpu_copy(x, (size_t)(n_rows * xs) * 4);
-    float *db = bias ? gpu_copy(b, (size_t)n_out * 4) : NULL;
+    void *dw = dev_copy(hw, (size_t)(n_out * n_in) * 2);
+    float *dx = dev_copy(x, (size_t)(n_rows * xs) * 4);
+    float *db = bias ? dev_copy(b, (size_t)n_out * 4) : NULL;
     enum { NP = 18 };
     float *dy[NP] = {NULL};
     // GEMV, MMA, WG (16 variants of mm_gpu_set_gemm_tile)
@@ -309,7 +262,7 @@ static int path_bits_case(int64_t n_rows, int64_t n_in, int64_t n_out, int64_t x
     float *y[NP];
     int bad = 0;
     for (int p = 0; p < NP; p++)
-        y[p] = gpu_get(dy[p], (size_t)(n_rows * ys) * 4);
+        y[p] = dev_get(dy[p], (size_t)(n_rows * ys) * 4);
     for (int64_t i = 0; i < n_rows; i++) // every element in range written, finite
         for (int64_t j = 0; j < n_out; j++)
             if (!isfinite(y[0][i * ys + j]))
@@ -328,16 +281,16 @@ static int path_bits_case(int64_t n_rows, int64_t n_in, int64_t n_out, int64_t x
             *wg_ran = 1;
     }
     for (int p = 0; p < NP; p++) {
-        gpu_free(dy[p]);
+        dev_free(dy[p]);
         free(y[p]);
     }
-    gpu_free(dw), gpu_free(dx), gpu_free(db);
+    dev_free(dw), dev_free(dx), dev_free(db);
     free(hw), free(x), free(b);
     return bad;
 }
 
 static void test_matmul_paths_bits(void) {
-    open_backends();
+    gpu_open(&cpu);
     if (!mm_gpu_matmul || !mm_gpu_stream_sync)
         MM_SKIP("mm_gpu_matmul not linked");
     int bad = 0, wg = 0;
@@ -351,7 +304,7 @@ static void test_matmul_paths_bits(void) {
         MM_TEST_FAIL_("a tensor-core path gave other bits than the GEMV (see above)");
     if (!wg)
         printf("wgmma path not available on this device (needs compute capability 9.0)\n");
-    close_backends();
+    gpu_close(&cpu);
 }
 
 // All routed rows of a layer in one grouped launch = per-expert table matmuls, bit for bit,
@@ -368,12 +321,12 @@ static void moe_case(int n_experts, int n_rows, int n_in, int n_out) {
     for (int e = 0; e < n_experts; e++) {
         mm_weight w = make_weight(MM_DTYPE_BF16, n_out, n_in, &hw[e]);
         (void)w;
-        dws[e] = gpu_copy(hw[e], (size_t)n_out * n_in * 2);
+        dws[e] = dev_copy(hw[e], (size_t)n_out * n_in * 2);
     }
     float *x = rand_f32((size_t)n_rows * n_in, 1.0f);
-    float *dx = gpu_copy(x, (size_t)n_rows * n_in * 4);
-    void *d_wtab = gpu_copy(dws, (size_t)n_experts * sizeof(void *));
-    int32_t *d_offs = gpu_copy(offs, (size_t)(n_experts + 1) * 4);
+    float *dx = dev_copy(x, (size_t)n_rows * n_in * 4);
+    void *d_wtab = dev_copy(dws, (size_t)n_experts * sizeof(void *));
+    int32_t *d_offs = dev_copy(offs, (size_t)(n_experts + 1) * 4);
     float *dy = NULL, *dy_ref = NULL;
     MM_PASS(gpu->ops->buffer_alloc(gpu->ctx, (size_t)n_rows * n_out * 4, (void **)&dy));
     MM_PASS(gpu->ops->buffer_alloc(gpu->ctx, (size_t)n_rows * n_out * 4, (void **)&dy_ref));
@@ -389,8 +342,8 @@ static void moe_case(int n_experts, int n_rows, int n_in, int n_out) {
         MM_PASS(gpu->ops->matmul(gpu->ctx, &w, NULL, dx + (int64_t)offs[e] * n_in, n_in,
                                  dy_ref + (int64_t)offs[e] * n_out, n_out, cnt[e]));
     }
-    float *y = gpu_get(dy, (size_t)n_rows * n_out * 4);
-    float *y_ref = gpu_get(dy_ref, (size_t)n_rows * n_out * 4);
+    float *y = dev_get(dy, (size_t)n_rows * n_out * 4);
+    float *y_ref = dev_get(dy_ref, (size_t)n_rows * n_out * 4);
     if (memcmp(y, y_ref, (size_t)n_rows * n_out * 4) != 0)
         MM_TEST_FAIL_("grouped product (%d experts, %d rows) differs from per-expert products",
                       n_experts, n_rows);
@@ -412,7 +365,7 @@ static void moe_case(int n_experts, int n_rows, int n_in, int n_out) {
                 continue; // no wgmma on this device
             MM_PASS(rv);
             MM_PASS(mm_gpu_stream_sync(NULL));
-            yp[p] = gpu_get(dy, (size_t)n_rows * n_out * 4);
+            yp[p] = dev_get(dy, (size_t)n_rows * n_out * 4);
         }
         for (int p = 1; p < 4; p++)
             if (yp[p] && bits_compare(name[p], yp[p], yp[0], n_rows, n_out, n_out))
@@ -432,7 +385,7 @@ static void moe_case(int n_experts, int n_rows, int n_in, int n_out) {
                                 .data = cnt[e] ? dws[e] : NULL};
         MM_PASS(gpu->ops->fill(gpu->ctx, dy, NAN, (int64_t)n_rows * n_out));
         MM_PASS(gpu->ops->moe_matmul(gpu->ctx, wv, offs, n_experts, dx, n_in, dy, n_out, n_rows));
-        float *y2 = gpu_get(dy, (size_t)n_rows * n_out * 4);
+        float *y2 = dev_get(dy, (size_t)n_rows * n_out * 4);
         if (memcmp(y2, y_ref, (size_t)n_rows * n_out * 4) != 0)
             MM_TEST_FAIL_("table moe_matmul (%d experts, %d rows) differs from per-expert products",
                           n_experts, n_rows);
@@ -446,15 +399,15 @@ static void moe_case(int n_experts, int n_rows, int n_in, int n_out) {
     }
     printf("grouped %d experts x %d rows (%dx%d): bit-identical\n", n_experts, n_rows, n_in, n_out);
     for (int e = 0; e < n_experts; e++) {
-        gpu_free(dws[e]);
+        dev_free(dws[e]);
         free(hw[e]);
     }
-    gpu_free(dx), gpu_free(d_wtab), gpu_free(d_offs), gpu_free(dy), gpu_free(dy_ref);
+    dev_free(dx), dev_free(d_wtab), dev_free(d_offs), dev_free(dy), dev_free(dy_ref);
     free(hw), free(dws), free(offs), free(cnt), free(x), free(y), free(y_ref);
 }
 
 static void test_moe_matmul_grouped(void) {
-    open_backends();
+    gpu_open(&cpu);
     if (!mm_gpu_moe_matmul || !mm_gpu_stream_sync)
         MM_SKIP("mm_gpu_moe_matmul not linked");
     moe_case(16, 8, 256, 96);     // decode: about one row per expert
@@ -465,26 +418,26 @@ static void test_moe_matmul_grouped(void) {
     // empty experts, partial 32-chunk and odd n_out; then 16 segments, partial output tile
     moe_case(12, 3000, 520, 300);
     moe_case(5, 1400, 4096, 136);
-    close_backends();
+    gpu_close(&cpu);
 }
 
 // The permuted-W cache (gemm_ws dense weights) never serves a stale copy: a product, then the
 // weight rewritten in place (backend set) and the product again, then freed and a new weight
 // likely at the same address; each against the GEMV over the same weight.
 static void test_wperm_cache(void) {
-    open_backends();
+    gpu_open(&cpu);
     if (!mm_gpu_matmul || !mm_gpu_stream_sync || !mm_gpu_wperm_bytes || !mm_gpu_set_wperm_mb ||
         !mm_gpu_set_gemm_tile)
         MM_SKIP("mm_gpu_matmul not linked");
     const int n_rows = 300, n_in = 1024, n_out = 256;
     float *x = rand_f32((size_t)n_rows * n_in, 1.0f);
-    float *dx = gpu_copy(x, (size_t)n_rows * n_in * 4);
+    float *dx = dev_copy(x, (size_t)n_rows * n_in * 4);
     float *dy = NULL, *dg = NULL;
     MM_PASS(gpu->ops->buffer_alloc(gpu->ctx, (size_t)n_rows * n_out * 4, (void **)&dy));
     MM_PASS(gpu->ops->buffer_alloc(gpu->ctx, (size_t)n_rows * n_out * 4, (void **)&dg));
     void *hw = NULL;
     (void)make_weight(MM_DTYPE_BF16, n_out, n_in, &hw);
-    void *dw = gpu_copy(hw, (size_t)n_out * n_in * 2);
+    void *dw = dev_copy(hw, (size_t)n_out * n_in * 2);
     const size_t held = mm_gpu_wperm_bytes(); // copies of other weights still alive, if any
     bool wg = false;
     for (int round = 0; round < 4; round++) {
@@ -492,8 +445,8 @@ static void test_wperm_cache(void) {
             free(hw);
             (void)make_weight(MM_DTYPE_BF16, n_out, n_in, &hw);
             if (round == 3) {
-                gpu_free(dw);
-                dw = gpu_copy(hw, (size_t)n_out * n_in * 2);
+                dev_free(dw);
+                dw = dev_copy(hw, (size_t)n_out * n_in * 2);
             } else {
                 MM_PASS(gpu->ops->set(gpu->ctx, dw, hw, (size_t)n_out * n_in * 2));
             }
@@ -512,7 +465,7 @@ static void test_wperm_cache(void) {
                               n_rows, 0));
         MM_PASS(mm_gpu_stream_sync(NULL));
         MM_TRUE(mm_gpu_wperm_bytes() > held); // the copy is kept (default bound: 10% of memory)
-        float *y = gpu_get(dy, (size_t)n_rows * n_out * 4), *g = gpu_get(dg, (size_t)n_rows * n_out * 4);
+        float *y = dev_get(dy, (size_t)n_rows * n_out * 4), *g = dev_get(dg, (size_t)n_rows * n_out * 4);
         char what[64];
         snprintf(what, sizeof(what), "gemm_ws cached W, round %d", round);
         if (bits_compare(what, y, g, n_rows, n_out, n_out))
@@ -528,7 +481,7 @@ static void test_wperm_cache(void) {
         mm_gpu_set_gemm_tile(0);
         MM_PASS(mm_gpu_stream_sync(NULL));
         MM_EQ(mm_gpu_wperm_bytes(), (size_t)0);
-        float *y = gpu_get(dy, (size_t)n_rows * n_out * 4), *g = gpu_get(dg, (size_t)n_rows * n_out * 4);
+        float *y = dev_get(dy, (size_t)n_rows * n_out * 4), *g = dev_get(dg, (size_t)n_rows * n_out * 4);
         if (bits_compare("gemm_ws uncached W", y, g, n_rows, n_out, n_out))
             MM_TEST_FAIL_("gemm_ws without the cache differs from the GEMV");
         free(y), free(g);
@@ -536,16 +489,16 @@ static void test_wperm_cache(void) {
     } else {
         printf("wgmma path not available on this device (needs compute capability 9.0)\n");
     }
-    gpu_free(dw), gpu_free(dx), gpu_free(dy), gpu_free(dg);
+    dev_free(dw), dev_free(dx), dev_free(dy), dev_free(dg);
     free(hw), free(x);
-    close_backends();
+    gpu_close(&cpu);
 }
 
 // The grouped form: a copy of every expert of a table; rewriting one expert drops it, and so
 // does rewriting the table (which is then not cached again); each product against the
 // grouped GEMV over the same weights.
 static void test_wperm_cache_grouped(void) {
-    open_backends();
+    gpu_open(&cpu);
     if (!mm_gpu_moe_matmul || !mm_gpu_stream_sync || !mm_gpu_wperm_bytes ||
         !mm_gpu_set_wperm_mb || !mm_gpu_set_gemm_tile)
         MM_SKIP("mm_gpu_moe_matmul not linked");
@@ -555,12 +508,12 @@ static void test_wperm_cache_grouped(void) {
     void *hw[E], *dws[E];
     for (int e = 0; e < E; e++) {
         (void)make_weight(MM_DTYPE_BF16, n_out, n_in, &hw[e]);
-        dws[e] = gpu_copy(hw[e], (size_t)n_out * n_in * 2);
+        dws[e] = dev_copy(hw[e], (size_t)n_out * n_in * 2);
     }
     float *x = rand_f32((size_t)n_rows * n_in, 1.0f);
-    float *dx = gpu_copy(x, (size_t)n_rows * n_in * 4);
-    void *d_tab = gpu_copy(dws, sizeof(dws));
-    int32_t *d_offs = gpu_copy(offs, sizeof(offs));
+    float *dx = dev_copy(x, (size_t)n_rows * n_in * 4);
+    void *d_tab = dev_copy(dws, sizeof(dws));
+    int32_t *d_offs = dev_copy(offs, sizeof(offs));
     float *dy = NULL, *dg = NULL;
     MM_PASS(gpu->ops->buffer_alloc(gpu->ctx, (size_t)n_rows * n_out * 4, (void **)&dy));
     MM_PASS(gpu->ops->buffer_alloc(gpu->ctx, (size_t)n_rows * n_out * 4, (void **)&dg));
@@ -594,7 +547,7 @@ static void test_wperm_cache_grouped(void) {
             MM_TRUE(mm_gpu_wperm_bytes() > held); // kept
         else
             MM_EQ(mm_gpu_wperm_bytes(), held); // a table rewritten in place is not cached again
-        float *y = gpu_get(dy, (size_t)n_rows * n_out * 4), *g = gpu_get(dg, (size_t)n_rows * n_out * 4);
+        float *y = dev_get(dy, (size_t)n_rows * n_out * 4), *g = dev_get(dg, (size_t)n_rows * n_out * 4);
         char what[64];
         snprintf(what, sizeof(what), "gemm_ws grouped cached W, round %d", round);
         if (bits_compare(what, y, g, n_rows, n_out, n_out))
@@ -602,18 +555,18 @@ static void test_wperm_cache_grouped(void) {
         free(y), free(g);
     }
     for (int e = 0; e < E; e++) {
-        gpu_free(dws[e]);
+        dev_free(dws[e]);
         free(hw[e]);
     }
     MM_EQ(mm_gpu_wperm_bytes(), held);
-    gpu_free(dx), gpu_free(d_tab), gpu_free(d_offs), gpu_free(dy), gpu_free(dg);
+    dev_free(dx), dev_free(d_tab), dev_free(d_offs), dev_free(dy), dev_free(dg);
     free(x);
-    close_backends();
+    gpu_close(&cpu);
 }
 
 // ---- row ops -------------------------------------------------------------------------------------
 static void test_rmsnorm(void) {
-    open_backends();
+    gpu_open(&cpu);
     const enum mm_dtype dts[] = {MM_DTYPE_BF16, MM_DTYPE_F32, MM_DTYPE_F16};
     const int64_t dims[] = {2048, 128, 77};
     for (int c = 0; c < 3; c++) {
@@ -624,21 +577,21 @@ static void test_rmsnorm(void) {
         float *y = rand_f32((size_t)(n * st), 1.0f);
         MM_PASS(cpu->ops->rmsnorm(cpu->ctx, &w, 1e-6f, x, st, y, st, n));
         mm_weight dw = w;
-        dw.data = gpu_copy(hw, (size_t)d * mm_dtype_size(dts[c]));
-        float *dx = gpu_copy(x, (size_t)(n * st) * 4);
+        dw.data = dev_copy(hw, (size_t)d * mm_dtype_size(dts[c]));
+        float *dx = dev_copy(x, (size_t)(n * st) * 4);
         MM_PASS(gpu->ops->rmsnorm(gpu->ctx, &dw, 1e-6f, dx, st, dx, st, n)); // in place
-        float *g = gpu_get(dx, (size_t)(n * st) * 4);
+        float *g = dev_get(dx, (size_t)(n * st) * 4);
         char what[64];
         snprintf(what, sizeof(what), "rmsnorm dim %lld (%s, in place)", (long long)d, mm_dtype_name(dts[c]));
         CHECK_NMSE(what, nmse_rows(g, y, n, d, st), 1e-11);
-        gpu_free((void *)dw.data), gpu_free(dx);
+        dev_free((void *)dw.data), dev_free(dx);
         free(hw), free(x), free(y), free(g);
     }
-    close_backends();
+    gpu_close(&cpu);
 }
 
 static void test_rope(void) {
-    open_backends();
+    gpu_open(&cpu);
     struct { enum mm_rope_style style; int head_dim, rot_offset, rot_dim; float mscale; } cs[] = {
         {MM_ROPE_NEOX, 128, 0, 128, 1.0f},       // Qwen3
         {MM_ROPE_NEOX, 128, 0, 64, 1.0f},        // partial rotary (GLM)
@@ -657,22 +610,22 @@ static void test_rope(void) {
                                  .head_stride = hd, .rot_offset = cs[c].rot_offset,
                                  .rot_dim = cs[c].rot_dim, .pos = pos, .inv_freq = inv,
                                  .mscale = cs[c].mscale, .style = cs[c].style};
-        float *dx = gpu_copy(x, (size_t)(n * st) * 4);
+        float *dx = dev_copy(x, (size_t)(n * st) * 4);
         MM_PASS(cpu->ops->rope(cpu->ctx, &a));
         struct mm_rope_args g = a;
         g.x = dx;
-        g.pos = gpu_copy(pos, sizeof(pos));
-        g.inv_freq = gpu_copy(inv, sizeof(float) * (size_t)cs[c].rot_dim / 2);
+        g.pos = dev_copy(pos, sizeof(pos));
+        g.inv_freq = dev_copy(inv, sizeof(float) * (size_t)cs[c].rot_dim / 2);
         MM_PASS(gpu->ops->rope(gpu->ctx, &g));
-        float *y = gpu_get(dx, (size_t)(n * st) * 4);
+        float *y = dev_get(dx, (size_t)(n * st) * 4);
         char what[64];
         snprintf(what, sizeof(what), "rope %s rot %d/%d", cs[c].style == MM_ROPE_NEOX ? "neox" : "interleaved",
                  cs[c].rot_dim, cs[c].head_dim);
         CHECK_NMSE(what, nmse_rows(y, x, n, st, st), 1e-10);
-        gpu_free(dx), gpu_free((void *)g.pos), gpu_free((void *)g.inv_freq);
+        dev_free(dx), dev_free((void *)g.pos), dev_free((void *)g.inv_freq);
         free(x), free(y);
     }
-    close_backends();
+    gpu_close(&cpu);
 }
 
 // Paged cache with shuffled blocks: kv_store of prefill rows then attention for decode and
@@ -709,25 +662,25 @@ static void attn_case(int n_heads, int n_kv, int dk, int dv, int window) {
     MM_PASS(cpu->ops->attention(cpu->ctx, &at));
 
     struct mm_kv_view dkv = kv;
-    dkv.base = gpu_copy(pool, pool_n * 4);
+    dkv.base = dev_copy(pool, pool_n * 4);
     MM_PASS(gpu->ops->fill(gpu->ctx, dkv.base, 0.0f, (int64_t)pool_n));
-    dkv.block_tables = gpu_copy(tables, sizeof(tables));
+    dkv.block_tables = dev_copy(tables, sizeof(tables));
     struct mm_kv_store_args dst = st;
     dst.kv = dkv;
-    dst.k = gpu_copy(k, (size_t)(n_rows * kst) * 4);
-    dst.v = gpu_copy(v, (size_t)(n_rows * vst) * 4);
-    dst.row_seq = gpu_copy(rs, (size_t)n_rows * 4);
-    dst.row_pos = gpu_copy(rp, (size_t)n_rows * 4);
+    dst.k = dev_copy(k, (size_t)(n_rows * kst) * 4);
+    dst.v = dev_copy(v, (size_t)(n_rows * vst) * 4);
+    dst.row_seq = dev_copy(rs, (size_t)n_rows * 4);
+    dst.row_pos = dev_copy(rp, (size_t)n_rows * 4);
     struct mm_attn_args dat = at;
     dat.kv = dkv;
-    dat.q = gpu_copy(q, (size_t)(n_rows * qst) * 4);
-    dat.out = gpu_copy(out, (size_t)(n_rows * ost) * 4);
+    dat.q = dev_copy(q, (size_t)(n_rows * qst) * 4);
+    dat.out = dev_copy(out, (size_t)(n_rows * ost) * 4);
     dat.row_seq = dst.row_seq;
     dat.row_pos = dst.row_pos;
     MM_PASS(gpu->ops->kv_store(gpu->ctx, &dst));
     MM_PASS(gpu->ops->attention(gpu->ctx, &dat));
-    float *g = gpu_get(dat.out, (size_t)(n_rows * ost) * 4);
-    float *gpool = gpu_get(dkv.base, pool_n * 4);
+    float *g = dev_get(dat.out, (size_t)(n_rows * ost) * 4);
+    float *gpool = dev_get(dkv.base, pool_n * 4);
     MM_TRUE(memcmp(gpool, pool, pool_n * 4) == 0); // kv_store is a copy: exact
     char what[96];
     snprintf(what, sizeof(what), "attention %dh/%dkv dk %d dv %d window %d", n_heads, n_kv, dk, dv, window);
@@ -741,18 +694,18 @@ static void attn_case(int n_heads, int n_kv, int dk, int dv, int window) {
     one.n_rows = 1;
     one.out = dat.out;
     MM_PASS(gpu->ops->attention(gpu->ctx, &one));
-    float *g1 = gpu_get(dat.out, (size_t)ost * 4);
+    float *g1 = dev_get(dat.out, (size_t)ost * 4);
     MM_TRUE(memcmp(g1, g + last * ost, (size_t)ost * 4) == 0);
-    gpu_free(dkv.base), gpu_free((void *)dkv.block_tables), gpu_free((void *)dst.k);
-    gpu_free((void *)dst.v), gpu_free((void *)dst.row_seq), gpu_free((void *)dst.row_pos);
-    gpu_free((void *)dat.q), gpu_free(dat.out);
+    dev_free(dkv.base), dev_free((void *)dkv.block_tables), dev_free((void *)dst.k);
+    dev_free((void *)dst.v), dev_free((void *)dst.row_seq), dev_free((void *)dst.row_pos);
+    dev_free((void *)dat.q), dev_free(dat.out);
     free(rs), free(rp), free(k), free(v), free(q), free(pool), free(out), free(g), free(gpool), free(g1);
 }
 
 // The f32 kernels (the contract of HIP builds and of head dims the tensor-core kernel does not
 // take) against the CPU at 1e-10; cuda_attention_tc_test checks the tensor-core contract.
 static void test_attention(void) {
-    open_backends();
+    gpu_open(&cpu);
     if (mm_gpu_set_attention_tc)
         mm_gpu_set_attention_tc(0);
     attn_case(8, 2, 64, 64, 0);    // GQA 4:1
@@ -760,11 +713,11 @@ static void test_attention(void) {
     attn_case(6, 3, 128, 128, 40); // sliding window
     if (mm_gpu_set_attention_tc)
         mm_gpu_set_attention_tc(-1);
-    close_backends();
+    gpu_close(&cpu);
 }
 
 static void test_embed_swiglu_axpy_sigmoid_copy(void) {
-    open_backends();
+    gpu_open(&cpu);
     // embed (bf16 table): exact
     void *ht = NULL;
     mm_weight t = make_weight(MM_DTYPE_BF16, 1000, 72, &ht);
@@ -772,12 +725,12 @@ static void test_embed_swiglu_axpy_sigmoid_copy(void) {
     float *o = calloc(7 * 80, 4);
     MM_PASS(cpu->ops->embed(cpu->ctx, &t, ids, 7, o, 80));
     mm_weight dt = t;
-    dt.data = gpu_copy(ht, 1000 * 72 * 2);
-    int32_t *dids = gpu_copy(ids, sizeof(ids));
-    float *dout = gpu_copy(o, 7 * 80 * 4);
+    dt.data = dev_copy(ht, 1000 * 72 * 2);
+    int32_t *dids = dev_copy(ids, sizeof(ids));
+    float *dout = dev_copy(o, 7 * 80 * 4);
     MM_PASS(gpu->ops->fill(gpu->ctx, dout, 0.0f, 7 * 80));
     MM_PASS(gpu->ops->embed(gpu->ctx, &dt, dids, 7, dout, 80));
-    float *g = gpu_get(dout, 7 * 80 * 4);
+    float *g = dev_get(dout, 7 * 80 * 4);
     MM_TRUE(memcmp(g, o, 7 * 80 * 4) == 0);
     // an id out of range is reported (at the next synchronize/get), not a crash
     int32_t bad = 1000;
@@ -790,28 +743,28 @@ static void test_embed_swiglu_axpy_sigmoid_copy(void) {
     // swiglu (out aliases gate) and sigmoid
     const int64_t n = 13, d = 300, s = 301;
     float *gt = rand_f32((size_t)(n * s), 4.0f), *up = rand_f32((size_t)(n * s), 1.0f);
-    float *dg = gpu_copy(gt, (size_t)(n * s) * 4), *du = gpu_copy(up, (size_t)(n * s) * 4);
+    float *dg = dev_copy(gt, (size_t)(n * s) * 4), *du = dev_copy(up, (size_t)(n * s) * 4);
     MM_PASS(cpu->ops->swiglu(cpu->ctx, gt, s, up, s, gt, s, n, d));
     MM_PASS(gpu->ops->swiglu(gpu->ctx, dg, s, du, s, dg, s, n, d));
-    g = gpu_get(dg, (size_t)(n * s) * 4);
+    g = dev_get(dg, (size_t)(n * s) * 4);
     CHECK_NMSE("swiglu 13x300 (in place)", nmse_rows(g, gt, n, d, s), 1e-12);
     free(g);
     MM_PASS(cpu->ops->sigmoid(cpu->ctx, up, n * s));
     MM_PASS(gpu->ops->sigmoid(gpu->ctx, du, n * s));
-    g = gpu_get(du, (size_t)(n * s) * 4);
+    g = dev_get(du, (size_t)(n * s) * 4);
     CHECK_NMSE("sigmoid 3913", nmse_rows(g, up, 1, n * s, n * s), 1e-12);
     free(g);
 
     // axpy: same rounding as the CPU, bit for bit
     float *x = rand_f32((size_t)(n * s), 1.0f), *y = rand_f32((size_t)(n * s), 1.0f);
     float *al = rand_f32((size_t)n, 1.0f);
-    float *dx = gpu_copy(x, (size_t)(n * s) * 4), *dy = gpu_copy(y, (size_t)(n * s) * 4);
-    float *dal = gpu_copy(al, (size_t)n * 4);
+    float *dx = dev_copy(x, (size_t)(n * s) * 4), *dy = dev_copy(y, (size_t)(n * s) * 4);
+    float *dal = dev_copy(al, (size_t)n * 4);
     MM_PASS(cpu->ops->axpy(cpu->ctx, al, x, s, y, s, n, d));
     MM_PASS(cpu->ops->axpy(cpu->ctx, NULL, x, s, y, s, n, d));
     MM_PASS(gpu->ops->axpy(gpu->ctx, dal, dx, s, dy, s, n, d));
     MM_PASS(gpu->ops->axpy(gpu->ctx, NULL, dx, s, dy, s, n, d));
-    g = gpu_get(dy, (size_t)(n * s) * 4);
+    g = dev_get(dy, (size_t)(n * s) * 4);
     MM_TRUE(memcmp(g, y, (size_t)(n * s) * 4) == 0);
     printf("axpy: bit-identical to the CPU\n");
     free(g);
@@ -820,18 +773,18 @@ static void test_embed_swiglu_axpy_sigmoid_copy(void) {
     int32_t si[4] = {12, 0, 5, 5}, di[4] = {3, 1, 0, 2};
     float *cp = calloc((size_t)(4 * s), 4);
     MM_PASS(cpu->ops->copy_rows(cpu->ctx, x, s, si, cp, s, di, 4, d));
-    int32_t *dsi = gpu_copy(si, sizeof(si)), *ddi = gpu_copy(di, sizeof(di));
-    float *dcp = gpu_copy(cp, (size_t)(4 * s) * 4);
+    int32_t *dsi = dev_copy(si, sizeof(si)), *ddi = dev_copy(di, sizeof(di));
+    float *dcp = dev_copy(cp, (size_t)(4 * s) * 4);
     MM_PASS(gpu->ops->fill(gpu->ctx, dcp, 0.0f, 4 * s));
     MM_PASS(gpu->ops->copy_rows(gpu->ctx, dx, s, dsi, dcp, s, ddi, 4, d));
-    g = gpu_get(dcp, (size_t)(4 * s) * 4);
+    g = dev_get(dcp, (size_t)(4 * s) * 4);
     MM_TRUE(memcmp(g, cp, (size_t)(4 * s) * 4) == 0);
     free(g);
 
-    gpu_free((void *)dt.data), gpu_free(dids), gpu_free(dout), gpu_free(dg), gpu_free(du);
-    gpu_free(dx), gpu_free(dy), gpu_free(dal), gpu_free(dsi), gpu_free(ddi), gpu_free(dcp);
+    dev_free((void *)dt.data), dev_free(dids), dev_free(dout), dev_free(dg), dev_free(du);
+    dev_free(dx), dev_free(dy), dev_free(dal), dev_free(dsi), dev_free(ddi), dev_free(dcp);
     free(ht), free(o), free(gt), free(up), free(x), free(y), free(al), free(cp);
-    close_backends();
+    gpu_close(&cpu);
 }
 
 // ---- routing -----------------------------------------------------------------------------------
@@ -845,24 +798,24 @@ static void route_case(const char *name, struct mm_route_params p, int64_t n_row
     float *w = calloc((size_t)(n_rows * K), 4);
     MM_PASS(cpu->ops->route(cpu->ctx, &p, logits, ls, n_rows, ids, w));
     struct mm_route_params dp = p;
-    dp.bias = bias ? gpu_copy(bias, (size_t)E * 4) : NULL;
-    float *dl = gpu_copy(logits, (size_t)(n_rows * ls) * 4);
-    int32_t *dids = gpu_copy(ids, (size_t)(n_rows * K) * 4);
-    float *dw = gpu_copy(w, (size_t)(n_rows * K) * 4);
+    dp.bias = bias ? dev_copy(bias, (size_t)E * 4) : NULL;
+    float *dl = dev_copy(logits, (size_t)(n_rows * ls) * 4);
+    int32_t *dids = dev_copy(ids, (size_t)(n_rows * K) * 4);
+    float *dw = dev_copy(w, (size_t)(n_rows * K) * 4);
     MM_PASS(gpu->ops->route(gpu->ctx, &dp, dl, ls, n_rows, dids, dw));
-    int32_t *gi = gpu_get(dids, (size_t)(n_rows * K) * 4);
-    float *gw = gpu_get(dw, (size_t)(n_rows * K) * 4);
+    int32_t *gi = dev_get(dids, (size_t)(n_rows * K) * 4);
+    float *gw = dev_get(dw, (size_t)(n_rows * K) * 4);
     for (int64_t i = 0; i < n_rows * K; i++)
         if (gi[i] != ids[i])
             MM_TEST_FAIL_("%s: row %lld rank %lld: gpu expert %d, cpu %d", name, (long long)(i / K),
                           (long long)(i % K), gi[i], ids[i]);
     CHECK_NMSE(name, nmse_rows(gw, w, n_rows, K, K), 1e-11);
-    gpu_free((void *)dp.bias), gpu_free(dl), gpu_free(dids), gpu_free(dw);
+    dev_free((void *)dp.bias), dev_free(dl), dev_free(dids), dev_free(dw);
     free(logits), free(bias), free(ids), free(w), free(gi), free(gw);
 }
 
 static void test_route(void) {
-    open_backends();
+    gpu_open(&cpu);
     route_case("route softmax 128 top-8 renorm (Qwen3)",
                (struct mm_route_params){.n_experts = 128, .top_k = 8, .score = MM_ROUTE_SOFTMAX,
                                         .renorm = true, .scale = 1.0f}, 70);
@@ -877,28 +830,28 @@ static void test_route(void) {
     route_case("route sigmoid 160 top-6 no renorm",
                (struct mm_route_params){.n_experts = 160, .top_k = 6, .score = MM_ROUTE_SIGMOID,
                                         .scale = 1.0f}, 9);
-    close_backends();
+    gpu_close(&cpu);
 }
 
 static void test_bad_args(void) {
-    open_backends();
+    gpu_open(&cpu);
     mm_weight w = {.dtype = MM_DTYPE_I8, .rows = 4, .cols = 4, .data = (void *)16};
     float *d = NULL;
     MM_PASS(gpu->ops->buffer_alloc(gpu->ctx, 64, (void **)&d));
     MM_FAIL(gpu->ops->matmul(gpu->ctx, &w, NULL, d, 4, d + 8, 4, 1), MM_EINVAL);
     struct mm_route_params p = {.n_experts = 4, .top_k = 5};
     MM_FAIL(gpu->ops->route(gpu->ctx, &p, d, 4, 1, (int32_t *)d, d), MM_EINVAL);
-    gpu_free(d);
+    dev_free(d);
     char err[MM_ERRLEN] = "";
     mm_backend *b = NULL;
     MM_FAIL(mm_backend_open(&b, "cuda:999", NULL, err), MM_EINVAL);
     printf("cuda:999 -> %s\n", err);
-    close_backends();
+    gpu_close(&cpu);
 }
 
 // Greedy sampling on the device: argmax with ties to the lower id, NaN skipped.
 static void test_argmax(void) {
-    open_backends();
+    gpu_open(&cpu);
     if (!mm_gpu_argmax || !mm_gpu_stream_sync)
         MM_SKIP("mm_gpu_argmax not linked");
     const int64_t n = 5, vocab = 151936, ls = vocab + 3;
@@ -915,25 +868,25 @@ static void test_argmax(void) {
         want[i] = b;
     }
     MM_EQ(want[0], 77);
-    float *dl = gpu_copy(l, (size_t)(n * ls) * 4);
+    float *dl = dev_copy(l, (size_t)(n * ls) * 4);
     int32_t *dids = NULL;
     MM_PASS(gpu->ops->buffer_alloc(gpu->ctx, (size_t)n * 4, (void **)&dids));
     MM_PASS(gpu->ops->synchronize(gpu->ctx));
     MM_PASS(mm_gpu_argmax(NULL, dl, ls, n, vocab, dids));
     MM_PASS(mm_gpu_stream_sync(NULL));
-    int32_t *got = gpu_get(dids, (size_t)n * 4);
+    int32_t *got = dev_get(dids, (size_t)n * 4);
     for (int64_t i = 0; i < n; i++)
         MM_EQ(got[i], want[i]);
-    gpu_free(dl), gpu_free(dids);
+    dev_free(dl), dev_free(dids);
     free(l), free(got);
-    close_backends();
+    gpu_close(&cpu);
 }
 
 // Drains have a deadline: a stream held longer than MM_GPU_DRAIN_TIMEOUT_MS gives MM_ETIMEDOUT
 // (not a hang), and drains once the hold has passed.
 static void test_drain_deadline(void) {
     setenv("MM_GPU_DRAIN_TIMEOUT_MS", "300", 1); // read at the first drain of this process
-    open_backends();
+    gpu_open(&cpu);
     if (!mm_gpu_stream_hold || !mm_gpu_stream_new || !mm_gpu_stream_sync)
         MM_SKIP("mm_gpu_stream_hold not linked");
     void *s = NULL;
@@ -945,7 +898,7 @@ static void test_drain_deadline(void) {
     nanosleep(&ts, NULL);
     MM_PASS(mm_gpu_stream_sync(s));
     mm_gpu_stream_free(s);
-    close_backends();
+    gpu_close(&cpu);
 }
 
 MM_TESTS = {

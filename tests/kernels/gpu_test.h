@@ -1,0 +1,100 @@
+// SPDX-License-Identifier: MIT
+// The set-up the GPU op tests (tests/kernels/cuda_*_test.c) share: opening and closing the CUDA
+// backend (and the CPU backend some compare with), seeded random data, device copies and a
+// bitwise comparison. Include it after kernels.h and mm_test.h.
+// Conventions:
+// - This header defines `static mm_backend *gpu;`, the backend under test: gpu_open sets it,
+//   gpu_close clears it, and every helper here uses it. A test that compares with the CPU
+//   backend keeps its own `static mm_backend *cpu;` and passes &cpu to gpu_open and gpu_close
+//   (NULL where it has none).
+// - The including file defines GPU_TEST_SEED (a nonzero 64-bit state) before the #include:
+//   frand's xorshift starts there, so each test keeps its own random data.
+// A failed check in a helper names this header's line (MM_TEST_FAIL_ prints __FILE__).
+#ifndef MM_GPU_TEST_H
+#define MM_GPU_TEST_H
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels.h"
+#include "mm_test.h"
+
+#ifndef GPU_TEST_SEED
+#error "define GPU_TEST_SEED (frand's starting state) before including gpu_test.h"
+#endif
+
+static mm_backend *gpu;
+
+// Opens cuda:0 into gpu and, where cpu_out is not NULL, the CPU backend (2 threads) into
+// *cpu_out. Skips the case where the GPU backend is not built or there is no GPU; fails on any
+// other error.
+static inline void gpu_open(mm_backend **cpu_out) {
+    char err[MM_ERRLEN] = "";
+    mm_err rv = mm_backend_open(&gpu, "cuda:0", NULL, err);
+    if (rv == MM_EUNSUPP)
+        MM_SKIP("%s", err);
+    if (rv != MM_OK)
+        MM_TEST_FAIL_("opening cuda:0: %s (%s)", mm_strerror(rv), err);
+    if (cpu_out != NULL) {
+        mm_backend_params p = {.n_threads = 2};
+        MM_PASS(mm_backend_open(cpu_out, "cpu", &p, err));
+    }
+}
+
+// Closes what gpu_open opened (pass the same cpu_out) and clears the pointers.
+static inline void gpu_close(mm_backend **cpu_out) {
+    mm_backend_close(gpu);
+    gpu = NULL;
+    if (cpu_out != NULL) {
+        mm_backend_close(*cpu_out);
+        *cpu_out = NULL;
+    }
+}
+
+static uint64_t gpu_test_rng = GPU_TEST_SEED;
+
+static inline float frand(void) { // uniform in [-1, 1)
+    gpu_test_rng ^= gpu_test_rng << 13;
+    gpu_test_rng ^= gpu_test_rng >> 7;
+    gpu_test_rng ^= gpu_test_rng << 17;
+    return (float)((gpu_test_rng >> 40) & 0xffffff) / 8388608.0f - 1.0f;
+}
+
+// n random floats in [-scale, scale) (owned: free).
+static inline float *rand_f32(int64_t n, float scale) {
+    float *p = malloc((size_t)n * 4 + 4);
+    MM_TRUE(p != NULL);
+    for (int64_t i = 0; i < n; i++)
+        p[i] = frand() * scale;
+    return p;
+}
+
+// Device memory of n_bytes (at least 4) holding h's bytes (h NULL: left as it is); dev_free.
+static inline void *dev_copy(const void *h, size_t n_bytes) {
+    void *d = NULL;
+    MM_PASS(gpu->ops->buffer_alloc(gpu->ctx, n_bytes ? n_bytes : 4, &d));
+    if (n_bytes && h != NULL)
+        MM_PASS(gpu->ops->set(gpu->ctx, d, h, n_bytes));
+    return d;
+}
+
+// Host copy of n_bytes of device memory d (owned: free).
+static inline void *dev_get(const void *d, size_t n_bytes) {
+    void *h = malloc(n_bytes + 1);
+    MM_TRUE(h != NULL);
+    MM_PASS(gpu->ops->get(gpu->ctx, h, d, n_bytes));
+    return h;
+}
+
+static inline void dev_free(void *d) { gpu->ops->buffer_free(gpu->ctx, d); }
+
+// How many of the n floats differ from b's in their bits.
+static inline int64_t n_diff(const float *a, const float *b, int64_t n) {
+    int64_t d = 0;
+    for (int64_t i = 0; i < n; i++)
+        d += memcmp(a + i, b + i, 4) != 0;
+    return d;
+}
+
+#endif

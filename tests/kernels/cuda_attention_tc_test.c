@@ -114,6 +114,25 @@ static void tc_run(const struct mm_kv_view *kv, const struct tc_rows *u, int n_r
     MM_PASS(gpu->ops->synchronize(gpu->ctx));
 }
 
+// All n_rows of u in one attention call over the cache as it is (no store) into d_out, filled
+// with 7 first, under the contract and tile settings in force.
+static void tc_whole(const struct mm_kv_view *kv, const struct tc_rows *u, int n_rows, int64_t qst,
+                     float *d_out, int64_t ost, int n_heads, int dk, int window) {
+    MM_PASS(gpu->ops->fill(gpu->ctx, d_out, 7.0f, (int64_t)n_rows * ost));
+    struct mm_attn_args at = {.kv = *kv,
+                              .q = u->q,
+                              .q_stride = qst,
+                              .out = d_out,
+                              .out_stride = ost,
+                              .n_rows = n_rows,
+                              .row_seq = u->seq,
+                              .row_pos = u->pos,
+                              .n_heads = n_heads,
+                              .scale = 1.0f / sqrtf((float)dk),
+                              .window = window};
+    MM_PASS(gpu->ops->attention(gpu->ctx, &at));
+}
+
 static void tc_case(int n_heads, int n_kv, int dk, int dv, int window, const int *lens,
                     int n_seqs) {
     const int bs = 16;
@@ -201,21 +220,7 @@ static void tc_case(int n_heads, int n_kv, int dk, int dv, int window, const int
     // the same call through ops.cu's f32 kernels: it must differ (else the contract did not
     // take this shape and the comparisons below would test the f32 kernels)
     mm_gpu_set_attention_tc(0);
-    MM_PASS(gpu->ops->fill(gpu->ctx, d_out, 7.0f, on));
-    {
-        struct mm_attn_args at = {.kv = kv,
-                                  .q = u.q,
-                                  .q_stride = qst,
-                                  .out = d_out,
-                                  .out_stride = ost,
-                                  .n_rows = n_rows,
-                                  .row_seq = u.seq,
-                                  .row_pos = u.pos,
-                                  .n_heads = n_heads,
-                                  .scale = 1.0f / sqrtf((float)dk),
-                                  .window = window};
-        MM_PASS(gpu->ops->attention(gpu->ctx, &at));
-    }
+    tc_whole(&kv, &u, n_rows, qst, d_out, ost, n_heads, dk, window);
     mm_gpu_set_attention_tc(1);
     float *got = dev_get(d_out, (size_t)on * 4);
     const int64_t d_f32 = n_diff(all, got, on);
@@ -229,19 +234,7 @@ static void tc_case(int n_heads, int n_kv, int dk, int dv, int window, const int
             mm_gpu_set_attention_tc_warps(4);
         else
             mm_gpu_set_attention_tc_db(0);
-        MM_PASS(gpu->ops->fill(gpu->ctx, d_out, 7.0f, on));
-        struct mm_attn_args at = {.kv = kv,
-                                  .q = u.q,
-                                  .q_stride = qst,
-                                  .out = d_out,
-                                  .out_stride = ost,
-                                  .n_rows = n_rows,
-                                  .row_seq = u.seq,
-                                  .row_pos = u.pos,
-                                  .n_heads = n_heads,
-                                  .scale = 1.0f / sqrtf((float)dk),
-                                  .window = window};
-        MM_PASS(gpu->ops->attention(gpu->ctx, &at));
+        tc_whole(&kv, &u, n_rows, qst, d_out, ost, n_heads, dk, window);
         mm_gpu_set_attention_tc_warps(8);
         mm_gpu_set_attention_tc_db(1);
         got = dev_get(d_out, (size_t)on * 4);

@@ -739,6 +739,22 @@ static mm_backend *open_gpu(void) {
     return be;
 }
 
+// The GPU cases' comparison of two runs: every logit (the batch's unwanted middle row, unset in
+// both, masked out) and every greedy id bit for bit; prints the first differing logit.
+static void same_runs(const char *name, const float *ref, const float *got, size_t n_ref,
+                      size_t n_dev, const int32_t *want_ids, const int32_t *got_ids) {
+    MM_EQ(n_ref, n_dev);
+    const size_t V = n_ref / (7 + STEPS + 9);
+    size_t diff = 0;
+    for (size_t i = 0; i < n_ref; i++)
+        if (memcmp(&ref[i], &got[i], 4) != 0 && i / V != 7 + STEPS + 3 + 2 && diff++ == 0)
+            printf("%s: first difference at row %zu token %zu: %.9g vs %.9g\n", name, i / V,
+                   i % V, got[i], ref[i]);
+    MM_EQ(diff, 0);
+    for (int t = 0; t < STEPS; t++)
+        MM_EQ(got_ids[t], want_ids[t]);
+}
+
 // The GPU's device path (plan, [gate; up] products, graphs, device argmax) against the same
 // GPU's host-routed path (MM_DEVICE_ROUTING=0): same bits.
 static void gpu_case(const char *name) {
@@ -751,16 +767,7 @@ static void gpu_case(const char *name) {
     float *ref = run(dir, be, true, want_ids, &n_ref);
     unsetenv("MM_DEVICE_ROUTING");
     float *got = run(dir, be, true, got_ids, &n_dev);
-    MM_EQ(n_ref, n_dev);
-    const size_t V = n_ref / (7 + STEPS + 9);
-    size_t diff = 0;
-    for (size_t i = 0; i < n_ref; i++)
-        if (memcmp(&ref[i], &got[i], 4) != 0 && i / V != 7 + STEPS + 3 + 2 && diff++ == 0)
-            printf("%s: first difference at row %zu token %zu: %.9g vs %.9g\n", name, i / V,
-                   i % V, got[i], ref[i]);
-    MM_EQ(diff, 0);
-    for (int t = 0; t < STEPS; t++)
-        MM_EQ(got_ids[t], want_ids[t]);
+    same_runs(name, ref, got, n_ref, n_dev, want_ids, got_ids);
     printf("%s on cuda:0: device path == host-routed path, %zu logits bit for bit\n", name,
            n_ref);
     free(ref), free(got);
@@ -790,16 +797,7 @@ static void gpu_old_new_case(const char *name) {
     if (!be->ops->add_rmsnorm || !be->ops->moe_matmul_rows)
         MM_TEST_FAIL_("the default GPU table lacks add_rmsnorm / moe_matmul_rows");
     float *got = run(dir, be, true, got_ids, &n_dev);
-    MM_EQ(n_ref, n_dev);
-    const size_t V = n_ref / (7 + STEPS + 9);
-    size_t diff = 0;
-    for (size_t i = 0; i < n_ref; i++)
-        if (memcmp(&ref[i], &got[i], 4) != 0 && i / V != 7 + STEPS + 3 + 2 && diff++ == 0)
-            printf("%s: first difference at row %zu token %zu: %.9g vs %.9g\n", name, i / V,
-                   i % V, got[i], ref[i]);
-    MM_EQ(diff, 0);
-    for (int t = 0; t < STEPS; t++)
-        MM_EQ(got_ids[t], want_ids[t]);
+    same_runs(name, ref, got, n_ref, n_dev, want_ids, got_ids);
     printf("%s on cuda:0: new decode kernels and fused ops == earlier kernels, %zu logits bit "
            "for bit\n", name, n_ref);
     free(ref), free(got);
@@ -828,16 +826,7 @@ static void gpu_chain_case(const char *name) {
         !be->ops->embed_rmsnorm)
         MM_TEST_FAIL_("the default GPU table lacks the chain fusions");
     float *got = run(dir, be, true, got_ids, &n_dev);
-    MM_EQ(n_ref, n_dev);
-    const size_t V = n_ref / (7 + STEPS + 9);
-    size_t diff = 0;
-    for (size_t i = 0; i < n_ref; i++)
-        if (memcmp(&ref[i], &got[i], 4) != 0 && i / V != 7 + STEPS + 3 + 2 && diff++ == 0)
-            printf("%s: first difference at row %zu token %zu: %.9g vs %.9g\n", name, i / V,
-                   i % V, got[i], ref[i]);
-    MM_EQ(diff, 0);
-    for (int t = 0; t < STEPS; t++)
-        MM_EQ(got_ids[t], want_ids[t]);
+    same_runs(name, ref, got, n_ref, n_dev, want_ids, got_ids);
     printf("%s on cuda:0: chain fusions == separate ops, %zu logits bit for bit\n", name, n_ref);
     free(ref), free(got);
     mm_backend_close(be);

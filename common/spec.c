@@ -2,6 +2,7 @@
 // Drafted-token verification; see mm/spec.h.
 #include "mm/spec.h"
 
+#include <math.h>
 #include <string.h>
 
 mm_err mm_spec_verify(mm_sampler *s, const float *logits, int vocab, const mm_sampling *sp,
@@ -317,7 +318,11 @@ void mm_spec_mode_add(mm_spec_modes *m, int r, int mode, double tokens, uint32_t
                       double ms, bool valid) {
     if (r < 0 || r >= MM_SPEC_ROW_BUCKETS || (mode != MM_SPEC_SYNC && mode != MM_SPEC_AHEAD))
         return;
-    m->run[r] = mode == m->last_mode[r] ? m->run[r] + 1 : 1;
+    // (run is only compared with the warm-up: it stops growing past it, so a long-running
+    // router's run of one mode never overflows)
+    m->run[r] = mode != m->last_mode[r]            ? 1
+                : m->run[r] <= MM_SPEC_MODE_WARM ? m->run[r] + 1
+                                                 : MM_SPEC_MODE_WARM + 1;
     m->last_mode[r] = mode;
     if (m->win_mode[r] != mode || m->run[r] <= MM_SPEC_MODE_WARM) { // a new window
         m->win_mode[r] = mode;
@@ -325,7 +330,8 @@ void mm_spec_mode_add(mm_spec_modes *m, int r, int mode, double tokens, uint32_t
         m->win_seqs[r] = 0;
         m->win_tok[r] = m->win_ms[r] = 0;
     }
-    if (!valid || m->run[r] <= MM_SPEC_MODE_WARM || !(tokens >= 0) || !(ms > 0) || seqs == 0)
+    if (!valid || m->run[r] <= MM_SPEC_MODE_WARM || !(tokens >= 0) || !(ms > 0) ||
+        !isfinite(tokens) || !isfinite(ms) || seqs == 0)
         return;
     m->win_tok[r] += tokens / seqs;
     m->win_ms[r] += ms;

@@ -1,6 +1,9 @@
 // SPDX-License-Identifier: MIT
 // Drafted-token verification (mm/spec.h): greedy acceptance and bits, seeded determinism, and
 // the output distribution of speculative sampling against the target's (chi-square).
+#include <limits.h>
+#include <math.h>
+
 #include "mm/spec.h"
 #include "mm_test.h"
 
@@ -466,8 +469,44 @@ static void test_spec_mode(void) {
         MM_EQ(mm_spec_mode_range(seqs[i]), want[i]);
 }
 
+// A long-running router: the mode chooser's state stays bounded and sane. A range that ran one
+// mode for 2^31 steps in a row (run at INT_MAX) still measures windows (run must not overflow
+// into "warm-up" for ever), and a non-finite sample (tokens or period) is skipped instead of
+// poisoning the range's rate.
+static void test_spec_mode_long_run(void) {
+    mm_spec_modes m;
+    mm_spec_modes_init(&m);
+    const int r = 3;
+    for (int i = 0; i < MM_SPEC_MODE_WARM + MM_SPEC_MODE_WIN; i++) // one window of sync
+        mm_spec_mode_add(&m, r, MM_SPEC_SYNC, 8.0, 4, 1.0, true);
+    MM_EQ(m.n[r][MM_SPEC_SYNC], 1);
+    MM_TRUE(m.run[r] > MM_SPEC_MODE_WARM && m.run[r] <= MM_SPEC_MODE_WARM + MM_SPEC_MODE_WIN);
+    m.run[r] = INT_MAX; // as after 2^31 - 1 steps of sync in a row
+    const uint64_t w0 = m.windows;
+    for (int i = 0; i < 4 * MM_SPEC_MODE_WIN; i++) {
+        mm_spec_mode_add(&m, r, MM_SPEC_SYNC, 8.0, 4, 1.0, true);
+        MM_TRUE(m.run[r] > MM_SPEC_MODE_WARM); // never back in (or below) the warm-up
+    }
+    MM_EQ(m.windows, w0 + 4);
+    MM_EQ(m.n[r][MM_SPEC_SYNC], 5);
+    MM_NEAR(m.rate[r][MM_SPEC_SYNC], 2.0, 1e-12);
+    // non-finite samples are not counted: the rate stays finite and the window unchanged
+    const int steps = m.win_steps[r];
+    mm_spec_mode_add(&m, r, MM_SPEC_SYNC, INFINITY, 4, 1.0, true);
+    mm_spec_mode_add(&m, r, MM_SPEC_SYNC, 8.0, 4, INFINITY, true);
+    mm_spec_mode_add(&m, r, MM_SPEC_SYNC, NAN, 4, 1.0, true);
+    MM_EQ(m.win_steps[r], steps);
+    for (int i = 0; i < MM_SPEC_MODE_WIN; i++)
+        mm_spec_mode_add(&m, r, MM_SPEC_SYNC, 8.0, 4, 1.0, true);
+    MM_EQ(m.n[r][MM_SPEC_SYNC], 6);
+    MM_TRUE(isfinite(m.rate[r][MM_SPEC_SYNC]));
+    MM_NEAR(m.rate[r][MM_SPEC_SYNC], 2.0, 1e-12);
+}
+
 MM_TESTS = {
     {"spec mode: draft-ahead or waited drafts by measured tokens per ms", test_spec_mode},
+    {"spec mode: bounded state on a long run, non-finite samples skipped",
+     test_spec_mode_long_run},
     {"spec width from measured costs and acceptance", test_spec_width},
     {"spec gates: exploration and ahead requests only where they could pay", test_spec_gates},
     {"spec verify greedy: longest agreeing prefix, plain decoding's bits", test_spec_greedy},

@@ -158,7 +158,7 @@ typedef struct mm_spec_modes {
     uint32_t lost[MM_SPEC_ROW_BUCKETS];  // measurements in a row where the other lost (0..3)
     // per range: its last step's mode (-1: none) and the steps in a row in it; the window being
     // summed (counted steps of win_mode in a row)
-    int last_mode[MM_SPEC_ROW_BUCKETS], run[MM_SPEC_ROW_BUCKETS];
+    int last_mode[MM_SPEC_ROW_BUCKETS], run[MM_SPEC_ROW_BUCKETS]; // run: up to WARM + 1
     int win_mode[MM_SPEC_ROW_BUCKETS], win_steps[MM_SPEC_ROW_BUCKETS];
     uint32_t win_seqs[MM_SPEC_ROW_BUCKETS]; // seq steps in the window
     double win_tok[MM_SPEC_ROW_BUCKETS], win_ms[MM_SPEC_ROW_BUCKETS];

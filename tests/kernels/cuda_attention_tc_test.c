@@ -136,12 +136,10 @@ static void tc_whole(const struct mm_kv_view *kv, const struct tc_rows *u, int n
 static void tc_case(int n_heads, int n_kv, int dk, int dv, int window, const int *lens,
                     int n_seqs) {
     const int bs = 16;
-    int max_len = 0, n_rows = 0;
-    for (int s = 0; s < n_seqs; s++) {
-        n_rows += lens[s];
+    int max_len = 0;
+    for (int s = 0; s < n_seqs; s++)
         if (lens[s] > max_len)
             max_len = lens[s];
-    }
     const int max_blocks = (max_len + bs - 1) / bs + 1, n_blocks = n_seqs * max_blocks;
     const int64_t slot = (int64_t)n_kv * (dk + dv), bstride = slot * bs;
     const int64_t pool_n = (int64_t)n_blocks * bstride;
@@ -149,11 +147,8 @@ static void tc_case(int n_heads, int n_kv, int dk, int dv, int window, const int
     MM_TRUE(tables != NULL);
     for (int i = 0; i < n_blocks; i++) // a permutation: a sequence's blocks far apart
         tables[i] = (int32_t)(((int64_t)i * 7 + 3) % n_blocks);
-    int32_t *rs = malloc((size_t)n_rows * 4), *rp = malloc((size_t)n_rows * 4);
-    MM_TRUE(rs && rp);
-    for (int s = 0, r = 0; s < n_seqs; s++)
-        for (int p = 0; p < lens[s]; p++, r++)
-            rs[r] = s, rp[r] = p;
+    int32_t *rs = NULL, *rp = NULL;
+    const int n_rows = seq_rows(lens, n_seqs, &rs, &rp);
     const int64_t kst = (int64_t)n_kv * dk, vst = (int64_t)n_kv * dv;
     const int64_t qst = (int64_t)n_heads * dk, ost = (int64_t)n_heads * dv,
                   on = (int64_t)n_rows * ost;

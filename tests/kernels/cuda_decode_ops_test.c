@@ -201,23 +201,12 @@ static void attn_bits_case(int n_heads, int n_kv, int dk, int dv, int window) {
     int32_t tables[3 * 20];
     for (int i = 0; i < n_seqs * max_blocks; i++)
         tables[i] = (i * 7 + 3) % n_blocks;
-    int n_rows = 0;
-    for (int s = 0; s < n_seqs; s++)
-        n_rows += lens[s];
-    int32_t *rs = malloc((size_t)n_rows * 4), *rp = malloc((size_t)n_rows * 4);
-    for (int s = 0, r = 0; s < n_seqs; s++)
-        for (int p = 0; p < lens[s]; p++, r++)
-            rs[r] = s, rp[r] = p;
+    int32_t *rs = NULL, *rp = NULL;
+    const int n_rows = seq_rows(lens, n_seqs, &rs, &rp);
     const int64_t kst = (int64_t)n_kv * dk, vst = (int64_t)n_kv * dv;
     const int64_t qst = (int64_t)n_heads * dk, ost = (int64_t)n_heads * dv;
-    float *k = malloc((size_t)(n_rows * kst) * 4), *v = malloc((size_t)(n_rows * vst) * 4);
-    float *q = malloc((size_t)(n_rows * qst) * 4);
-    for (int64_t i = 0; i < n_rows * kst; i++)
-        k[i] = frand();
-    for (int64_t i = 0; i < n_rows * vst; i++)
-        v[i] = frand();
-    for (int64_t i = 0; i < n_rows * qst; i++)
-        q[i] = frand() * 2.0f;
+    float *k = rand_f32(n_rows * kst, 1.0f), *v = rand_f32(n_rows * vst, 1.0f);
+    float *q = rand_f32(n_rows * qst, 2.0f);
     struct mm_kv_view kv = {.base = NULL, .block_size = bs, .block_stride = bstride,
                             .slot_stride = slot, .n_kv_heads = n_kv, .head_dim_k = dk,
                             .head_dim_v = dv, .block_tables = NULL, .max_blocks = max_blocks};
@@ -315,24 +304,13 @@ static void attn_pf_case(int n_heads, int n_kv, int dk, int dv, int window, cons
     int32_t *tables = malloc((size_t)n_blocks * 4);
     for (int i = 0; i < n_blocks; i++)
         tables[i] = (int32_t)(((int64_t)i * 7 + 3) % n_blocks);
-    int n_rows = 0;
-    for (int s = 0; s < n_seqs; s++)
-        n_rows += lens[s];
-    int32_t *rs = malloc((size_t)n_rows * 4), *rp = malloc((size_t)n_rows * 4);
-    for (int s = 0, r = 0; s < n_seqs; s++)
-        for (int p = 0; p < lens[s]; p++, r++)
-            rs[r] = s, rp[r] = p;
+    int32_t *rs = NULL, *rp = NULL;
+    const int n_rows = seq_rows(lens, n_seqs, &rs, &rp);
     const int64_t kst = (int64_t)n_kv * dk, vst = (int64_t)n_kv * dv;
     const int64_t qst = (int64_t)n_heads * dk, ost = (int64_t)n_heads * dv;
     const int64_t on = (int64_t)n_rows * ost;
-    float *k = malloc((size_t)(n_rows * kst) * 4), *v = malloc((size_t)(n_rows * vst) * 4);
-    float *q = malloc((size_t)(n_rows * qst) * 4);
-    for (int64_t i = 0; i < n_rows * kst; i++)
-        k[i] = frand();
-    for (int64_t i = 0; i < n_rows * vst; i++)
-        v[i] = frand();
-    for (int64_t i = 0; i < n_rows * qst; i++)
-        q[i] = frand() * 3.0f;
+    float *k = rand_f32(n_rows * kst, 1.0f), *v = rand_f32(n_rows * vst, 1.0f);
+    float *q = rand_f32(n_rows * qst, 3.0f);
     struct mm_kv_view kv = {.base = NULL, .block_size = bs, .block_stride = bstride,
                             .slot_stride = slot, .n_kv_heads = n_kv, .head_dim_k = dk,
                             .head_dim_v = dv, .block_tables = NULL, .max_blocks = max_blocks};

@@ -638,13 +638,8 @@ static void attn_case(int n_heads, int n_kv, int dk, int dv, int window) {
     int32_t tables[3 * 12];
     for (int i = 0; i < n_seqs * max_blocks; i++) // a permutation: blocks far apart
         tables[i] = (i * 7 + 3) % n_blocks;
-    int n_rows = 0;
-    for (int s = 0; s < n_seqs; s++)
-        n_rows += lens[s];
-    int32_t *rs = malloc((size_t)n_rows * 4), *rp = malloc((size_t)n_rows * 4);
-    for (int s = 0, r = 0; s < n_seqs; s++)
-        for (int p = 0; p < lens[s]; p++, r++)
-            rs[r] = s, rp[r] = p;
+    int32_t *rs = NULL, *rp = NULL;
+    const int n_rows = seq_rows(lens, n_seqs, &rs, &rp);
     const int64_t kst = (int64_t)n_kv * dk + 2, vst = (int64_t)n_kv * dv + 1;
     const int64_t qst = (int64_t)n_heads * dk, ost = (int64_t)n_heads * dv;
     float *k = rand_f32((size_t)(n_rows * kst), 1.0f), *v = rand_f32((size_t)(n_rows * vst), 1.0f);

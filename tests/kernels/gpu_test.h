@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: MIT
 // The set-up the GPU op tests (tests/kernels/cuda_*_test.c) share: opening and closing the CUDA
-// backend (and the CPU backend some compare with), seeded random data, device copies and a
-// bitwise comparison. Include it after kernels.h and mm_test.h.
+// backend (and the CPU backend some compare with), seeded random data, the rows of a paged-cache
+// batch, device copies and a bitwise comparison. Include it after kernels.h and mm_test.h.
 // Conventions:
 // - This header defines `static mm_backend *gpu;`, the backend under test: gpu_open sets it,
 //   gpu_close clears it, and every helper here uses it. A test that compares with the CPU
@@ -68,6 +68,20 @@ static inline float *rand_f32(int64_t n, float scale) {
     for (int64_t i = 0; i < n; i++)
         p[i] = frand() * scale;
     return p;
+}
+
+// The rows of n_seqs sequences of lens[s] tokens each, sequence after sequence: (*rs)[r] is row
+// r's sequence and (*rp)[r] its position (both owned: free). Returns the number of rows.
+static inline int seq_rows(const int *lens, int n_seqs, int32_t **rs, int32_t **rp) {
+    int n_rows = 0;
+    for (int s = 0; s < n_seqs; s++)
+        n_rows += lens[s];
+    *rs = malloc((size_t)n_rows * 4 + 4), *rp = malloc((size_t)n_rows * 4 + 4);
+    MM_TRUE(*rs != NULL && *rp != NULL);
+    for (int s = 0, r = 0; s < n_seqs; s++)
+        for (int p = 0; p < lens[s]; p++, r++)
+            (*rs)[r] = s, (*rp)[r] = p;
+    return n_rows;
 }
 
 // Device memory of n_bytes (at least 4) holding h's bytes (h NULL: left as it is); dev_free.

@@ -86,7 +86,8 @@ struct mm_draft {
     uint64_t measure_steps; // pipeline steps measuring a width (unmeasured or explored)
     int prev_w;              // the widest draft asked for in the step before, + its mode x
                              // (MM_SPEC_MAX_W + 1) (-1: no sample)
-    int same_w;              // steps before this one in a row with its width (prev_w's run)
+    int same_w;              // steps before this one in a row with its width (prev_w's run,
+                             // up to 2)
     int explore_w, explore_left; // a width being measured, for explore_left more steps
     int choice[2];           // per mode: the last width chosen by price (not exploring), -1
     float acc_all; // per-draft-token acceptance over all seqs (slow EMA): a new seq's start
@@ -116,6 +117,11 @@ mm_err mm_draft_open(mm_draft **out, const mm_draft_conf *c, mm_registry *reg,
     if (c->max_k < 0 || c->max_k > MM_DRAFT_MAX_K || c->timeout_ms < 1 || c->max_rows < 0)
         return mm_errf(err, MM_EINVAL, "--draft-max must be 0..%d, --draft-timeout-ms >= 1, "
                        "--draft-max-rows >= 0", MM_DRAFT_MAX_K);
+    if (c->pipeline != MM_DRAFT_PIPE_OFF && c->pipeline != MM_DRAFT_PIPE_ON &&
+        c->pipeline != MM_DRAFT_PIPE_AUTO)
+        return mm_errf(err, MM_EINVAL, "--draft-pipeline: mode %d is not false (%d), true (%d) "
+                       "or auto (%d)", c->pipeline, MM_DRAFT_PIPE_OFF, MM_DRAFT_PIPE_ON,
+                       MM_DRAFT_PIPE_AUTO);
     mm_draft *d = calloc(1, sizeof(*d));
     if (!d)
         return MM_ENOMEM;
@@ -655,7 +661,9 @@ void mm_draft_begin(mm_draft *d, const Mmctl__StepPlan *p, const bool *active, i
         mm_spec_mode_add(&d->modes, d->step_range, d->step_mode, d->step_tok, d->step_seqs, ms,
                          d->step_cost && goes_on);
     int w_now = d->step_cost && goes_on && d->step_mode >= 0 ? wkey : -1;
-    d->same_w = w_now >= 0 && w_now == d->prev_w ? d->same_w + 1 : 1;
+    // (counted up to 2, all its test needs: a width held for 2^31 steps must not wrap negative
+    // and stop the width's price samples)
+    d->same_w = w_now >= 0 && w_now == d->prev_w ? (d->same_w < 2 ? d->same_w + 1 : 2) : 1;
     d->prev_w = w_now;
     d->step_no++;
     d->step_t0 = now;

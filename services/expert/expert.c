@@ -25,6 +25,7 @@ mm_opt expert_opts[] = {
 };
 
 #define MAX_SEG 4096
+#define MAX_TOKENS (1 << 24) // --max-batch-tokens at most
 #define PLAN_MARK 0xFFFFFFFFu // CTRL frame of plan rows (below; services/router/step.c)
 
 // GPU entry points (kernels/cuda/backend.cu, mesh_ops.cu), weak: NULL in a build without GPU
@@ -54,6 +55,7 @@ static struct owner {
     uint32_t seg_layer;
     bool have_seg;
     int64_t max_rows;
+    int64_t max_slots;       // max_rows x top_k: rows of O.out / d_out (a frame's rows at most)
     // plan frames (the router's device routing plan): x rows, then this owner's share of the
     // plan (offs, src, dst int32), all on the device; rows served counted there too
     bool plan;               // the announced frame is a plan frame
@@ -126,11 +128,24 @@ static mm_err on_ctrl(mm_conn *c, const mm_wire_hdr *h, const uint8_t *p) {
         return mm_dataserv_reply_error(c, h, MM_EPROTO, "bad CTRL frame (segment list)");
     O.n_seg = n;
     O.seg_rows = 0;
+    uint64_t rows = 0;
     for (uint32_t i = 0; i < n; i++) {
         memcpy(&O.seg_e[i], p + 4 + i * 8, 4);
         memcpy(&O.seg_n[i], p + 8 + i * 8, 4);
-        O.seg_rows += O.seg_n[i];
+        rows += O.seg_n[i];
+        // the rows' experts come from this list by position (on_frame's offsets): out of order
+        // it would run rows through the wrong experts, and a sum past the buffer (or past
+        // 2^32) would count rows never served
+        if ((i > 0 && O.seg_e[i] <= O.seg_e[i - 1]) || rows > (uint64_t)O.max_slots) {
+            char msg[160];
+            snprintf(msg, sizeof(msg), "bad CTRL frame (segment list): %s at segment %u "
+                     "(expert %u, %u rows)", rows > (uint64_t)O.max_slots ?
+                     "more rows than this owner takes (--max-batch-tokens x top-k)" :
+                     "experts not in ascending order", i, O.seg_e[i], O.seg_n[i]);
+            return mm_dataserv_reply_error(c, h, MM_EPROTO, msg);
+        }
     }
+    O.seg_rows = (uint32_t)rows;
     O.seg_step = h->step_id;
     O.seg_layer = h->layer;
     O.have_seg = true;
@@ -200,10 +215,12 @@ static mm_err on_frame(void *arg, mm_conn *c, const mm_wire_hdr *h, void *payloa
     char msg[200];
     mm_mesh_trace(h->step_id, (int)h->layer, "rx");
     if (!O.have_seg || O.seg_step != h->step_id || O.seg_layer != h->layer ||
-        O.seg_rows != h->n_rows || h->row_dim != (uint32_t)O.d_model ||
-        h->format != MM_WIRE_F32 || h->layer >= (uint32_t)O.n_layers) {
+        O.seg_rows != h->n_rows || h->n_rows > O.max_slots ||
+        h->row_dim != (uint32_t)O.d_model || h->format != MM_WIRE_F32 ||
+        h->layer >= (uint32_t)O.n_layers) {
         snprintf(msg, sizeof(msg), "step %llu layer %u: %u rows of %u that no CTRL frame "
-                 "announced", (unsigned long long)h->step_id, h->layer, h->n_rows, h->row_dim);
+                 "announced (or over the %lld this owner takes)", (unsigned long long)h->step_id,
+                 h->layer, h->n_rows, h->row_dim, (long long)O.max_slots);
         O.have_seg = false;
         return mm_dataserv_reply_error(c, h, MM_EPROTO, msg);
     }
@@ -295,8 +312,9 @@ mm_err expert_start(mm_daemon *d, void *arg, char err[MM_ERRLEN]) {
         mm_daemon_set_health(d, MMCTL__HEALTH__HEALTH_READY, detail);
         return MM_OK;
     }
-    if (s_max_tokens < 1)
-        return mm_errf(err, MM_EINVAL, "--max-batch-tokens must be >= 1");
+    if (s_max_tokens < 1 || s_max_tokens > MAX_TOKENS) // (the buffer sizes below stay exact)
+        return mm_errf(err, MM_EINVAL, "--max-batch-tokens must be 1..%d (got %lld)", MAX_TOKENS,
+                       s_max_tokens);
     mm_model_config cfg;
     MM_TRY(mm_model_config_read(c->model, &cfg, err));
     MM_TRY(mm_placement_open(&O.pl, c->placement, &cfg, (int)c->owners, err));
@@ -320,18 +338,25 @@ mm_err expert_start(mm_daemon *d, void *arg, char err[MM_ERRLEN]) {
     O.max_rows = s_max_tokens;
     MM_TRY(mm_model_scratch_new(&O.scratch, O.model, O.max_rows, err));
     int64_t rows = s_max_tokens * (cfg.top_k > 0 ? cfg.top_k : 1);
+    O.max_slots = rows;
     O.out = malloc((size_t)rows * (size_t)O.d_model * 4);
     O.tokens = calloc((size_t)O.n_layers * (size_t)O.n_experts, sizeof(uint64_t));
     O.offs = calloc((size_t)O.n_experts + 1, sizeof(int32_t));
     if (!O.out || !O.tokens || !O.offs)
         return MM_ENOMEM;
     size_t cap = (size_t)rows * (size_t)O.d_model * 4;
+    // d_x also takes a plan frame (on_plan): up to max_rows x rows, then the share of a plan of
+    // max_rows * top_k slots as whole rows of d_model int32s; more than rows x rows where
+    // top_k is 1 (or d_model is small)
+    const int64_t plan_x = s_max_tokens + ((int64_t)O.n_experts + 1 + 2 * rows + O.d_model - 1) /
+                                              O.d_model;
+    const size_t cap_x = plan_x > rows ? (size_t)plan_x * (size_t)O.d_model * 4 : cap;
     if (!O.be->ops->host_memory) {
-        MM_TRY(O.be->ops->buffer_alloc(O.be->ctx, cap, (void **)&O.d_x));
+        MM_TRY(O.be->ops->buffer_alloc(O.be->ctx, cap_x, (void **)&O.d_x));
         MM_TRY(O.be->ops->buffer_alloc(O.be->ctx, cap, (void **)&O.d_out));
         // rows between GPU daemons in device memory where the data plane can (cudaipc://)
         char gerr[MM_ERRLEN] = "";
-        O.dev_frames = mm_transport_gpu_use_backend(O.be->ctx, cap, gerr) == MM_OK;
+        O.dev_frames = mm_transport_gpu_use_backend(O.be->ctx, cap_x, gerr) == MM_OK;
         if (!O.dev_frames)
             mm_log_info("data plane: host frames only (%s)", gerr);
         // rows of plan frames are counted on the device (read at each load write)
@@ -347,7 +372,7 @@ mm_err expert_start(mm_daemon *d, void *arg, char err[MM_ERRLEN]) {
         }
     }
     O.dirty = true; // write a first (all-zero) CSV soon after start
-    MM_TRY(mm_dataserv_start_dev(&O.ds, c->data, cap, O.dev_frames ? O.d_x : NULL, cap,
+    MM_TRY(mm_dataserv_start_dev(&O.ds, c->data, cap, O.dev_frames ? O.d_x : NULL, cap_x,
                                  on_frame, write_load, s_load_ms > 0 ? (int)s_load_ms : 2000,
                                  NULL, err));
     mm_mesh_trace_open("expert");

@@ -2,7 +2,8 @@
 // The data plane of a real expert owner and attention shard (their binaries, started here with
 // no router: they serve --data before joining), driven frame by frame: the owner computes its
 // experts bit-identically to the in-process stage function, refuses rows for an expert its
-// placement gives another owner (MM_WIRE_ERROR naming it), refuses rows without a CTRL frame,
+// placement gives another owner (MM_WIRE_ERROR naming it), refuses rows without a CTRL frame
+// and segment lists out of order or past its rows,
 // and exports its load CSV at exit; the shard checks positions (a seq it holds no KV for must
 // start at 0; pos must equal the KV length) and matches mm_model_attn_forward bit for bit.
 #include <signal.h>
@@ -134,6 +135,40 @@ static void test_owner(void) {
     MM_TRUE(strstr(buf, "does not hold expert 3 of layer 0") != NULL);
     // rows with no CTRL frame before them
     send_rows(c, 9, 0, x, 1, (uint32_t)D);
+    h = recv_frame(c, buf, sizeof(buf));
+    MM_EQ(h.kind, MM_WIRE_ERROR);
+    MM_EQ(h.aux, (uint32_t)MM_EPROTO);
+    // segment lists that would run rows through the wrong experts or count rows never served
+    // are refused at the CTRL frame, naming what is wrong: experts out of order (4 then 2,
+    // both this owner's), row counts past what the owner takes (here wrapping a u32 sum to 1)
+    uint32_t seg_desc[5] = {2, 4, 1, 2, 2};
+    send_ctrl(c, 11, 1, seg_desc, sizeof(seg_desc));
+    h = recv_frame(c, buf, sizeof(buf));
+    MM_EQ(h.kind, MM_WIRE_ERROR);
+    MM_EQ(h.aux, (uint32_t)MM_EPROTO);
+    buf[h.payload_bytes < sizeof(buf) ? h.payload_bytes : sizeof(buf) - 1] = 0;
+    MM_TRUE(strstr(buf, "not in ascending order") != NULL);
+    uint32_t seg_wrap[5] = {2, 2, 0xFFFFFFFFu, 4, 2};
+    send_ctrl(c, 12, 1, seg_wrap, sizeof(seg_wrap));
+    h = recv_frame(c, buf, sizeof(buf));
+    MM_EQ(h.kind, MM_WIRE_ERROR);
+    MM_EQ(h.aux, (uint32_t)MM_EPROTO);
+    buf[h.payload_bytes < sizeof(buf) ? h.payload_bytes : sizeof(buf) - 1] = 0;
+    MM_TRUE(strstr(buf, "more rows than this owner takes") != NULL);
+    send_rows(c, 12, 1, x, 1, (uint32_t)D); // and the rows after it: no CTRL frame stands
+    h = recv_frame(c, buf, sizeof(buf));
+    MM_EQ(h.kind, MM_WIRE_ERROR);
+    MM_EQ(h.aux, (uint32_t)MM_EPROTO);
+    // a plan frame's CTRL (the router's device routing plan) to an owner without device
+    // frames, and one of the wrong size: refused
+    uint32_t plan[4] = {0xFFFFFFFFu, 1, 1, 0};
+    send_ctrl(c, 13, 1, plan, sizeof(plan));
+    h = recv_frame(c, buf, sizeof(buf));
+    MM_EQ(h.kind, MM_WIRE_ERROR);
+    MM_EQ(h.aux, (uint32_t)MM_EPROTO);
+    buf[h.payload_bytes < sizeof(buf) ? h.payload_bytes : sizeof(buf) - 1] = 0;
+    MM_TRUE(strstr(buf, "no device frames") != NULL);
+    send_ctrl(c, 14, 1, plan, 12);
     h = recv_frame(c, buf, sizeof(buf));
     MM_EQ(h.kind, MM_WIRE_ERROR);
     MM_EQ(h.aux, (uint32_t)MM_EPROTO);

@@ -276,15 +276,7 @@ static void tc_case(int n_heads, int n_kv, int dk, int dv, int window, const int
     tc_rows_free(&u);
 
     // 4. the sequences' rows interleaved in runs of 1..11 rows, one call
-    int32_t *next = calloc((size_t)n_seqs, 4), *start = malloc((size_t)n_seqs * 4);
-    MM_TRUE(next && start);
-    for (int s = 0, r = 0; s < n_seqs; s++)
-        start[s] = r, r += lens[s];
-    for (int i = 0, s = 0, run = 1; i < n_rows;) {
-        for (int j = 0; j < run && next[s] < lens[s] && i < n_rows; j++)
-            order[i++] = start[s] + next[s]++;
-        s = (s + 1) % n_seqs, run = run % 11 + 1;
-    }
+    interleave_rows(lens, n_seqs, n_rows, order);
     u = tc_upload(order, n_rows, q, qst, k, kst, v, vst, rs, rp);
     MM_PASS(gpu->ops->fill(gpu->ctx, kv.base, NAN, pool_n));
     MM_PASS(gpu->ops->fill(gpu->ctx, d_out, 7.0f, on));
@@ -315,7 +307,7 @@ static void tc_case(int n_heads, int n_kv, int dk, int dv, int window, const int
     gpu->ops->buffer_free(gpu->ctx, (void *)kv.block_tables);
     gpu->ops->buffer_free(gpu->ctx, d_out);
     free(tables), free(rs), free(rp), free(k), free(v), free(q), free(pool), free(ref), free(all);
-    free(order), free(next), free(start);
+    free(order);
 }
 
 static void test_tc_gqa8(void) {

@@ -358,15 +358,9 @@ static void attn_pf_case(int n_heads, int n_kv, int dk, int dv, int window, cons
     const int64_t d_chunks = n_diff(ref, got, on);
     // rows of the sequences interleaved in runs of 1..11 rows: row i of the call is original
     // row perm[i]; its output goes to the same place as before (out row perm[i])
-    int32_t *perm = malloc((size_t)n_rows * 4), *next = calloc((size_t)n_seqs, 4);
-    int32_t *start = malloc((size_t)n_seqs * 4);
-    for (int s = 0, r = 0; s < n_seqs; s++)
-        start[s] = r, r += lens[s];
-    for (int i = 0, s = 0, run = 1; i < n_rows;) {
-        for (int j = 0; j < run && next[s] < lens[s] && i < n_rows; j++)
-            perm[i++] = start[s] + next[s]++;
-        s = (s + 1) % n_seqs, run = run % 11 + 1;
-    }
+    int32_t *perm = malloc((size_t)n_rows * 4);
+    MM_TRUE(perm != NULL);
+    interleave_rows(lens, n_seqs, n_rows, perm);
     float *qp = malloc((size_t)(n_rows * qst) * 4);
     int32_t *rsp = malloc((size_t)n_rows * 4), *rpp = malloc((size_t)n_rows * 4);
     for (int i = 0; i < n_rows; i++) {
@@ -395,7 +389,7 @@ static void attn_pf_case(int n_heads, int n_kv, int dk, int dv, int window, cons
     MM_EQ(d_chunks, 0);
     MM_EQ(d_mixed, 0);
     free(ref), free(got), free(k), free(v), free(q), free(rs), free(rp), free(tables);
-    free(perm), free(next), free(start), free(qp), free(rsp), free(rpp);
+    free(perm), free(qp), free(rsp), free(rpp);
     void *bufs[] = {kv.base, (void *)kv.block_tables, (void *)st.k, (void *)st.v, d_rs, d_rp,
                     d_q, o_ref, o_pf, d_qp, d_rsp, d_rpp};
     for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++)

@@ -84,6 +84,22 @@ static inline int seq_rows(const int *lens, int n_seqs, int32_t **rs, int32_t **
     return n_rows;
 }
 
+// seq_rows' rows in another order: runs of 1, 2, ..., 11, 1, 2, ... rows of one sequence, the
+// sequences in turn (so a block of rows holds rows of several). order[i] (n_rows of them, the
+// sum of lens) is the original row of row i.
+static inline void interleave_rows(const int *lens, int n_seqs, int n_rows, int32_t *order) {
+    int32_t *next = calloc((size_t)n_seqs, 4), *start = malloc((size_t)n_seqs * 4);
+    MM_TRUE(next && start);
+    for (int s = 0, r = 0; s < n_seqs; s++)
+        start[s] = r, r += lens[s];
+    for (int i = 0, s = 0, run = 1; i < n_rows;) {
+        for (int j = 0; j < run && next[s] < lens[s] && i < n_rows; j++)
+            order[i++] = start[s] + next[s]++;
+        s = (s + 1) % n_seqs, run = run % 11 + 1;
+    }
+    free(next), free(start);
+}
+
 // Device memory of n_bytes (at least 4) holding h's bytes (h NULL: left as it is); dev_free.
 static inline void *dev_copy(const void *h, size_t n_bytes) {
     void *d = NULL;

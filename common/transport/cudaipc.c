@@ -571,8 +571,9 @@ static mm_err ipc_recv_dev(void *ctx, mm_wire_hdr *hdr, void *buf, size_t cap,
     memcpy(&d, land, sizeof(d));
     *hdr = d.hdr;
     const uint64_t n = hdr->payload_bytes;
-    if (!c->dev || mm_wire_hdr_check(hdr, NULL) != MM_OK || d.off + n > c->rx_bytes ||
-        d.end < n) {
+    // (off and n checked apart: a peer's off near 2^64 must not wrap the sum into range)
+    if (!c->dev || mm_wire_hdr_check(hdr, NULL) != MM_OK || d.off > c->rx_bytes ||
+        n > c->rx_bytes - d.off || d.end < n) {
         mm_log_warn("cudaipc: bad device-frame descriptor (offset %llu, %llu bytes)",
                     (unsigned long long)d.off, (unsigned long long)n);
         SHM->shutdown(c->shm);

@@ -153,7 +153,9 @@ $(BUILD)/bin/moemesh: $(patsubst %.c,$(BUILD)/obj/%.o,$(TOOL_SRCS)) $(LIB)
 	@mkdir -p $(dir $@)
 	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
 
-$(BUILD)/tests/%: tests/%.c tests/mm_test.h $(LIB)
+# every test binary depends on the tests' shared headers (mm_test.h, kernels/gpu_test.h, ...)
+TEST_HDRS := $(shell find tests -name '*.h')
+$(BUILD)/tests/%: tests/%.c $(TEST_HDRS) $(LIB)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -Itests -o $@ $< $(LIB) $(LDFLAGS) $(LDLIBS)
 

@@ -843,6 +843,10 @@ static mm_err plan_refresh(mm_step_engine *e) {
             ns += e->plan_serve[(size_t)L * N + o];
         e->plan_nserve[L] = ok ? ns : 0;
     }
+    // not made until the device copy is: a failed upload must not leave the next call seeing
+    // the same liveness and keeping a device map that disagrees with plan_serve (the owners
+    // sent frames would then lack slots that the pick reads)
+    e->plan_made = false;
     MM_TRY(e->be->ops->set(e->be->ctx, e->d_owner_of, e->owner_of, (size_t)NL * (size_t)E * 4));
     e->plan_made = true;
     return MM_OK;
@@ -858,6 +862,17 @@ static mm_err plan_refresh(mm_step_engine *e) {
 // the engine's bits. *done false (and MM_OK): an owner was lost during the exchange, so the
 // caller runs the layer's MoE on the host path (replicas, errors); or the model has no device
 // path (plan mode is then off).
+// PLAN_TRY: plan_layer's local (device) failures, named in msg (the requests' error text).
+#define PLAN_TRY(what, x)                                                                     \
+    do {                                                                                      \
+        const mm_err plan_rv_ = (x);                                                          \
+        if (plan_rv_ != MM_OK) {                                                              \
+            snprintf(msg, MSG_LEN, "layer %d: device routing plan: %s failed: %s", L, what,   \
+                     mm_strerror(plan_rv_));                                                  \
+            return plan_rv_;                                                                  \
+        }                                                                                     \
+    } while (0)
+
 static mm_err plan_layer(mm_step_engine *e, uint64_t step, int L, int64_t R, bool shared,
                          char *msg, bool *done) {
     const int D = e->D, N = e->c.owners, E = e->E;
@@ -871,11 +886,12 @@ static mm_err plan_layer(mm_step_engine *e, uint64_t step, int L, int64_t R, boo
         e->plan_on = false;
         return MM_OK;
     }
-    MM_TRY(rv);
+    PLAN_TRY("router product and routing (mm_model_gate_plan)", rv);
     const int32_t *of = e->d_owner_of + (size_t)L * E;
     int32_t *shares = (int32_t *)(e->d_x + R * D); // owner 0's share right after the rows
-    MM_TRY(mm_gpu_mesh_plan_split(e->stream, pl.offs, pl.src, pl.dst, of, E, (int)nk, N, shares,
-                                  e->plan_stride));
+    PLAN_TRY("the owners' shares (mm_gpu_mesh_plan_split)",
+             mm_gpu_mesh_plan_split(e->stream, pl.offs, pl.src, pl.dst, of, E, (int)nk, N,
+                                    shares, e->plan_stride));
     const bool one = e->plan_nserve[L] == 1;
     const int64_t P = plan_rows(e, nk);
     for (int o = 0; o < N; o++) {
@@ -914,7 +930,8 @@ static mm_err plan_layer(mm_step_engine *e, uint64_t step, int L, int64_t R, boo
     }
     mm_mesh_trace(step, L, "o_send");
     if (shared) // while the owners work
-        MM_TRY(mm_model_shared_forward(e->model, e->scratch, L, e->d_x, R, e->d_sh));
+        PLAN_TRY("shared experts",
+                 mm_model_shared_forward(e->model, e->scratch, L, e->d_x, R, e->d_sh));
     MM_TRY(gather(e, e->owners, N, step, (uint32_t)L, e->ys, true, msg));
     mm_mesh_trace(step, L, "o_back");
     for (int o = 0; o < N; o++)
@@ -924,12 +941,16 @@ static mm_err plan_layer(mm_step_engine *e, uint64_t step, int L, int64_t R, boo
             return MM_OK;
         }
     if (!one)
-        MM_TRY(mm_gpu_mesh_pick(e->stream, e->d_ysn, TK, pl.ids, of, (int)nk, D, e->d_eo));
-    MM_TRY(mm_model_combine_plan(e->model, e->scratch, L, e->d_h, R, pl.wt, e->d_eo,
-                                 shared ? e->d_sh : NULL));
+        PLAN_TRY("picking the owners' rows (mm_gpu_mesh_pick)",
+                 mm_gpu_mesh_pick(e->stream, e->d_ysn, TK, pl.ids, of, (int)nk, D, e->d_eo));
+    PLAN_TRY("combine (mm_model_combine_plan)",
+             mm_model_combine_plan(e->model, e->scratch, L, e->d_h, R, pl.wt, e->d_eo,
+                                   shared ? e->d_sh : NULL));
     *done = true;
     return MM_OK;
 }
+
+#undef PLAN_TRY
 
 // run_layers: the forward pass of the active rows. Returns an error (msg set) that fails them.
 // On a device backend, a peer whose link carries device frames (p->gpu, cudaipc://) gets its
@@ -1283,6 +1304,9 @@ struct nng_msg *mm_step_engine_run(mm_step_engine *e, const Mmctl__StepPlan *p, 
         rv = run_layers(e, p, R, msg);
         mm_mesh_trace(p->step_id, -1, "layers");
         if (rv != MM_OK) {
+            if (!msg[0]) // a local stage that returned a code only: the requests still get a text
+                snprintf(msg, MSG_LEN, "the router's forward pass of step %llu failed: %s",
+                         (unsigned long long)p->step_id, mm_strerror(rv));
             mm_log_warn("step %llu failed (%lld rows): %s", (unsigned long long)p->step_id,
                         (long long)R, msg);
             fail_active(e, p, rv, msg);

@@ -470,12 +470,19 @@ mm_err mm_step_engine_open(mm_step_engine **out, const mm_step_conf *c, mm_regis
         e->plan_on = e->E > 0 && mm_gpu_mesh_plan_split && mm_gpu_mesh_pick &&
                      mm_gpu_backend_stream && !(pe && strcmp(pe, "0") == 0) &&
                      mm_gpu_backend_stream(ctx, &e->stream, &sdev) == MM_OK;
+        // the owners' replies of several serving owners (d_ysn) grow with owners x rows: where
+        // the device has no room, the plan mode is off (the host path serves), not the router
+        const size_t ysn = (size_t)c->owners * (size_t)(T * KK) * D * 4;
+        if (e->plan_on && c->owners > 1 && alloc(ctx, ysn, (void **)&e->d_ysn) != MM_OK) {
+            mm_log_warn("device routing plan off: no device memory for %d owners' replies "
+                        "(%.1f MiB; MM_MESH_DEVICE_PLAN=0 turns it off without trying)",
+                        c->owners, (double)ysn / 1048576.0);
+            e->d_ysn = NULL;
+            e->plan_on = false;
+        }
         if (e->plan_on) {
             const size_t NL = (size_t)e->cfg->n_layers, N = (size_t)c->owners, E = (size_t)e->E;
             MM_TRY_GOTO(rv, alloc(ctx, NL * E * 4, (void **)&e->d_owner_of), fail);
-            if (N > 1)
-                MM_TRY_GOTO(rv, alloc(ctx, N * (size_t)(T * KK) * D * 4, (void **)&e->d_ysn),
-                            fail);
             e->owner_of = calloc(NL * E, 4);
             e->plan_live = calloc(N, 1);
             e->plan_serve = calloc(NL * N, 1);

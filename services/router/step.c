@@ -939,7 +939,20 @@ static mm_err plan_layer(mm_step_engine *e, uint64_t step, int L, int64_t R, boo
     if (shared) // while the owners work
         PLAN_TRY("shared experts",
                  mm_model_shared_forward(e->model, e->scratch, L, e->d_x, R, e->d_sh));
-    MM_TRY(gather(e, e->owners, N, step, (uint32_t)L, e->ys, true, msg));
+    mm_err grv = gather(e, e->owners, N, step, (uint32_t)L, e->ys, true, msg);
+    if (grv == MM_EUNSUPP) {
+        // an owner that cannot run plan frames (no device path in its process: its
+        // MM_DEVICE_ROUTING, its experts' dtypes) answered so: the plan mode is off from here
+        // on, the other owners' answers are collected (each gather has its deadline), and the
+        // layer runs on the host path, so no step fails for it
+        mm_log_warn("device routing plan off (%s); routing on the host", msg);
+        e->plan_on = false;
+        while ((grv = gather(e, e->owners, N, step, (uint32_t)L, e->ys, true, msg)) ==
+               MM_EUNSUPP)
+            ;
+        return grv; // MM_OK with *done false: the host path
+    }
+    MM_TRY(grv);
     mm_mesh_trace(step, L, "o_back");
     for (int o = 0; o < N; o++)
         if (e->plan_serve[(size_t)L * N + o] && e->owners[o].failed) {

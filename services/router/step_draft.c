@@ -992,7 +992,8 @@ void mm_draft_verified(mm_draft *d, const Mmctl__SeqStep *q, uint32_t n_draft,
     d->verified++;
 }
 
-// app appends to the detail text buf (MM_CTL_MAX_STR) at *n; past its end, nothing more.
+// app appends to the detail text buf (MM_CTL_MAX_STR) at *n; a piece that does not fit whole
+// is left out, and nothing more after it.
 static void app(char *buf, int *n, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 static void app(char *buf, int *n, const char *fmt, ...) {
     if (*n >= MM_CTL_MAX_STR - 1)
@@ -1001,7 +1002,12 @@ static void app(char *buf, int *n, const char *fmt, ...) {
     va_start(ap, fmt);
     int w = vsnprintf(buf + *n, (size_t)(MM_CTL_MAX_STR - *n), fmt, ap);
     va_end(ap);
-    *n = w < 0 ? *n : *n + w > MM_CTL_MAX_STR - 1 ? MM_CTL_MAX_STR - 1 : *n + w;
+    if (w >= 0 && *n + w > MM_CTL_MAX_STR - 1) { // whole pieces only: a cut number would read
+        buf[*n] = 0;                            // as a smaller count (the gateway's counters)
+        *n = MM_CTL_MAX_STR - 1;                // and nothing more is appended
+        return;
+    }
+    *n = w < 0 ? *n : *n + w;
 }
 
 void mm_draft_end(mm_draft *d, uint64_t step_ns) {

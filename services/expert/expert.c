@@ -77,8 +77,10 @@ static void write_load(void *arg) {
         return;
     }
     const size_t ne = (size_t)O.n_layers * (size_t)O.n_experts;
+    // (a failed read keeps the last counts: zeroing them made the CSV's counters go back)
     if (O.d_tokens && O.be->ops->get(O.be->ctx, O.tokens_dev, O.d_tokens, ne * 8) != MM_OK)
-        memset(O.tokens_dev, 0, ne * 8);
+        mm_log_warn("reading the plan frames' row counts from the device failed; %s keeps the "
+                    "last counts read", s_load_csv);
     fprintf(f, "layer,expert,tokens\n");
     for (int l = 0; l < O.n_layers; l++)
         for (int e = 0; e < O.n_experts; e++)
@@ -109,11 +111,11 @@ static mm_err on_ctrl(mm_conn *c, const mm_wire_hdr *h, const uint8_t *p) {
             return mm_dataserv_reply_error(c, h, MM_EPROTO, "bad CTRL frame (plan)");
         memcpy(v, p, sizeof(v));
         if (v[1] < 1 || v[1] > O.max_rows || v[2] > (uint64_t)v[1] * (uint64_t)O.top_k ||
-            !O.dev_frames) {
+            v[3] != 0 || !O.dev_frames) {
             char msg[160];
-            snprintf(msg, sizeof(msg), "bad plan CTRL frame (%u rows, %u slots; this owner takes "
-                     "%lld rows, top-k %d%s)", v[1], v[2], (long long)O.max_rows, O.top_k,
-                     O.dev_frames ? "" : ", and no device frames");
+            snprintf(msg, sizeof(msg), "bad plan CTRL frame (%u rows, %u slots, reserved %u; "
+                     "this owner takes %lld rows, top-k %d, reserved 0%s)", v[1], v[2], v[3],
+                     (long long)O.max_rows, O.top_k, O.dev_frames ? "" : ", and no device frames");
             return mm_dataserv_reply_error(c, h, MM_EPROTO, msg);
         }
         O.plan = true;

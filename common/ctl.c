@@ -66,6 +66,7 @@ static mm_err check_identity(const Mmctl__Identity *id, const char *what, char *
         {id->data_addr, "identity.data_addr", MM_ADDR_LEN - 1},
         {id->host, "identity.host", 63},
         {id->device, "identity.device", 31},
+        {id->numerics, "identity.numerics", 31},
     };
     for (size_t i = 0; i < sizeof(f) / sizeof(f[0]); i++) {
         MM_TRY(check_str(f[i].s, f[i].name, err));
@@ -236,6 +237,7 @@ void mm_ctl_identity_to_pb(const mm_identity *id, Mmctl__Identity *pb) {
     pb->host = (char *)id->host;
     pb->device = (char *)id->device;
     pb->heartbeat_ms = id->heartbeat_ms;
+    pb->numerics = (char *)id->numerics;
 }
 
 void mm_ctl_identity_from_pb(const Mmctl__Identity *pb, mm_identity *id) {
@@ -253,6 +255,7 @@ void mm_ctl_identity_from_pb(const Mmctl__Identity *pb, mm_identity *id) {
     snprintf(id->host, sizeof(id->host), "%s", pb->host);
     snprintf(id->device, sizeof(id->device), "%s", pb->device);
     id->heartbeat_ms = pb->heartbeat_ms;
+    snprintf(id->numerics, sizeof(id->numerics), "%s", pb->numerics);
 }
 
 const char *mm_ctl_health_name(Mmctl__Health h) {

@@ -114,6 +114,7 @@ static mm_err build_identity(mm_daemon *d, char *err) {
         snprintf(id->host, sizeof(id->host), "unknown");
     snprintf(id->device, sizeof(id->device), "%s", d->conf.device);
     id->heartbeat_ms = (uint32_t)d->conf.heartbeat_ms;
+    mm_identity_numerics(d->conf.device, id->numerics, sizeof(id->numerics));
     return MM_OK;
 }
 

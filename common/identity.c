@@ -177,6 +177,18 @@ mm_err mm_identity_placement_fingerprint(const char *placement_file, long long n
     return rv;
 }
 
+void mm_identity_numerics(const char *device, char *out, size_t n) {
+    if (n == 0)
+        return;
+    out[0] = '\0';
+    if (device != NULL && strncmp(device, "cuda", 4) == 0) {
+        const char *e = getenv("MM_GPU_ATT_TC"); // as kernels/cuda/attention_tc.cu reads it
+        snprintf(out, n, "attention=%s", e != NULL && strcmp(e, "0") == 0 ? "f32" : "tc");
+    } else if (device != NULL && strncmp(device, "hip", 3) == 0) {
+        snprintf(out, n, "attention=f32");
+    }
+}
+
 mm_err mm_identity_check(const mm_identity *ours, const mm_identity *theirs, const char **field,
                          char ours_val[MM_ADDR_LEN], char theirs_val[MM_ADDR_LEN]) {
     if (ours->protocol_version != theirs->protocol_version) {
@@ -189,6 +201,9 @@ mm_err mm_identity_check(const mm_identity *ours, const mm_identity *theirs, con
         {"build id", ours->build_id, theirs->build_id},
         {"model fingerprint", ours->model_fp, theirs->model_fp},
         {"placement fingerprint", ours->placement_fp, theirs->placement_fp},
+        // a CPU daemon ("") meshes with GPU ones; two GPU daemons must run the same contracts
+        {"numerics (MM_GPU_ATT_TC)", ours->numerics[0] && theirs->numerics[0] ? ours->numerics : "",
+         ours->numerics[0] && theirs->numerics[0] ? theirs->numerics : ""},
     };
     for (size_t i = 0; i < sizeof(f) / sizeof(f[0]); i++)
         if (strcmp(f[i].a, f[i].b) != 0) {

@@ -32,6 +32,7 @@ static void fill_identity(mm_identity *id, const char *role, uint32_t instance) 
     snprintf(id->host, sizeof(id->host), "box1");
     snprintf(id->device, sizeof(id->device), "cuda:1");
     id->heartbeat_ms = 250;
+    snprintf(id->numerics, sizeof(id->numerics), "attention=tc");
 }
 
 // Packs env and unpacks it again (validated).
@@ -384,6 +385,33 @@ static void test_identity_check(void) {
     snprintf(b.placement_fp, sizeof(b.placement_fp), "sha256:1");
     MM_FAIL(mm_identity_check(&a, &b, &field, av, bv), MM_EIDENTITY);
     MM_STREQ(field, "placement fingerprint");
+    // numerics: two GPU daemons must agree (the attention contract changes bits); a daemon that
+    // declares none (CPU) meshes with any
+    fill_identity(&b, "expert", 3);
+    snprintf(a.numerics, sizeof(a.numerics), "attention=tc");
+    snprintf(b.numerics, sizeof(b.numerics), "attention=f32");
+    MM_FAIL(mm_identity_check(&a, &b, &field, av, bv), MM_EIDENTITY);
+    MM_STREQ(field, "numerics (MM_GPU_ATT_TC)");
+    MM_STREQ(av, "attention=tc");
+    MM_STREQ(bv, "attention=f32");
+    b.numerics[0] = '\0';
+    MM_PASS(mm_identity_check(&a, &b, &field, av, bv));
+    MM_PASS(mm_identity_check(&b, &a, &field, av, bv));
+    snprintf(b.numerics, sizeof(b.numerics), "attention=tc");
+    MM_PASS(mm_identity_check(&a, &b, &field, av, bv));
+    a.numerics[0] = b.numerics[0] = '\0';
+    char nm[32];
+    unsetenv("MM_GPU_ATT_TC");
+    mm_identity_numerics("cuda:0", nm, sizeof(nm));
+    MM_STREQ(nm, "attention=tc");
+    setenv("MM_GPU_ATT_TC", "0", 1);
+    mm_identity_numerics("cuda:1", nm, sizeof(nm));
+    MM_STREQ(nm, "attention=f32");
+    unsetenv("MM_GPU_ATT_TC");
+    mm_identity_numerics("hip:0", nm, sizeof(nm));
+    MM_STREQ(nm, "attention=f32");
+    mm_identity_numerics("cpu", nm, sizeof(nm));
+    MM_STREQ(nm, "");
     MM_EQ(mm_role_index("drafter"), 4);
     MM_EQ(mm_role_index("nobody"), -1);
 }

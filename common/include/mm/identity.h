@@ -33,6 +33,7 @@ typedef struct mm_identity {
     char host[64];
     char device[32];                    // --device
     uint32_t heartbeat_ms;
+    char numerics[32];                  // mm_identity_numerics: "" on the CPU
 } mm_identity;
 
 // mm_role_index returns the position of role in mm_roles, or -1 when it is not a role.
@@ -52,8 +53,15 @@ mm_err mm_identity_model_fingerprint(const char *model_dir, char out[MM_FP_LEN],
 mm_err mm_identity_placement_fingerprint(const char *placement_file, long long n_owners,
                                          char out[MM_FP_LEN], char err[MM_ERRLEN]);
 
+// mm_identity_numerics writes into out (n bytes) the settings of a daemon on device that change
+// its kernels' bits and so must agree across a mesh on GPUs: on cuda:N "attention=tc" (the
+// tensor-core attention contract, the default) or "attention=f32" (MM_GPU_ATT_TC=0); on hip:N
+// "attention=f32"; "" on the CPU (and for no device), where nothing is switchable.
+void mm_identity_numerics(const char *device, char *out, size_t n);
+
 // mm_identity_check compares the fields that must agree for two daemons to mesh: protocol
-// version, build id, model fingerprint, placement fingerprint (in that order). Returns MM_OK, or
+// version, build id, model fingerprint, placement fingerprint (in that order), then the
+// numerics when both daemons declare them (two GPU daemons). Returns MM_OK, or
 // MM_EIDENTITY with *field naming the first difference and ours_val/theirs_val (buffers of
 // MM_ADDR_LEN) holding both values as text. Pure; thread-safe.
 mm_err mm_identity_check(const mm_identity *ours, const mm_identity *theirs, const char **field,

@@ -2,6 +2,7 @@
 // moemesh-router: the hub of the mesh. It admits daemons (identity check), tracks their
 // heartbeats and answers status (registry.c), and with --model runs each StepPlan's forward
 // pass across the shards and owners (step.c).
+#include <limits.h>
 #include <stdio.h>
 #include <string.h>
 #include <strings.h>
@@ -108,6 +109,27 @@ int main(int argc, char **argv) {
         mm_registry_free(reg);
         return MM_EXIT_USAGE;
     }
+    // The step engine takes these as int (rows, seqs, ms): a value it would truncate is a usage
+    // error naming the flag, not a wrapped limit. Rows per step also size the owners' frames
+    // (rows x top-k x d_model), which the owners bound to 2^24 rows.
+    const struct {
+        const char *name;
+        long long v, hi;
+    } lim[] = {
+        {"max-batch-tokens", s_max_tokens, 1 << 24}, {"max-step-seqs", s_max_seqs, 1 << 24},
+        {"attention-shards", s_shards, 65535},       {"max-ctx", s_max_ctx, INT_MAX},
+        {"threads", s_threads, 4096},                {"step-timeout-ms", s_timeout_ms, INT_MAX},
+        {"draft-max", s_draft_max, INT_MAX},         {"draft-timeout-ms", s_draft_timeout_ms, INT_MAX},
+        {"draft-max-rows", s_draft_rows, INT_MAX},   {"down-after-ms", s_down_after_ms, INT_MAX},
+    };
+    for (size_t i = 0; i < sizeof(lim) / sizeof(lim[0]); i++)
+        if (lim[i].v < 0 || lim[i].v > lim[i].hi) {
+            fprintf(stderr, "moemesh-router: --%s %lld: out of range 0..%lld\n", lim[i].name,
+                    lim[i].v, lim[i].hi);
+            mm_daemon_close(d);
+            mm_registry_free(reg);
+            return MM_EXIT_USAGE;
+        }
     if (c->model) {
         mm_step_conf sc = {
             .model = c->model, .placement = c->placement, .device = c->device,

@@ -108,6 +108,12 @@ rc=$?
 [ $rc -eq 2 ] && grep -q "draft-pipeline: 'sometimes'" "$RUN/bad.err" ||
     fail "--draft-pipeline sometimes: exit $rc, $(tail -2 "$RUN/bad.err")"
 echo "ok --draft-pipeline sometimes: exit 2 ($(grep draft-pipeline "$RUN/bad.err"))"
+# a limit the step engine would truncate to int: exit 2, naming the flag
+"$BIN/moemesh-router" --max-batch-tokens 4294967297 --listen "ipc://$RUN/bad2.ctl" >/dev/null 2>"$RUN/bad2.err"
+rc=$?
+[ $rc -eq 2 ] && grep -q "max-batch-tokens 4294967297: out of range" "$RUN/bad2.err" ||
+    fail "--max-batch-tokens 2^32+1: exit $rc, $(tail -2 "$RUN/bad2.err")"
+echo "ok --max-batch-tokens 2^32+1: exit 2"
 
 # --- --draft-pipeline auto (the router's default): steps of both modes (each unmeasured mode
 # is measured first, one window; the long request has ~100 steps), same outputs

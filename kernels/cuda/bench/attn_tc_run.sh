@@ -27,18 +27,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.total --format=csv
   echo "synth rc=$?" >> "$OUT/synth.txt" ) &
 SYNTH_PID=$!
 echo "== bf16 peak (torch.matmul 8192^3, mean of 20 after 5 warm-ups) $(t)"
-PEAK=$(timeout 40 python3 - <<'PY'
-import torch
-a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-for _ in range(5): a @ b
-s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-torch.cuda.synchronize(); s.record()
-for _ in range(20): a @ b
-e.record(); torch.cuda.synchronize()
-print("%.1f" % (2 * 8192**3 * 20 / (s.elapsed_time(e) * 1e-3) / 1e12))
-PY
-)
+PEAK=$(timeout 40 python3 kernels/cuda/bench/bf16_peak.py)
 echo "peak ${PEAK:-unmeasured} TFLOP/s"
 echo "== contract tests (cuda_attention_tc_test) $(t)"
 timeout 60 "$D/cuda_attention_tc_test" > "$OUT/tc_test.txt" 2>&1

@@ -30,18 +30,7 @@ fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv
 PEAK=
 [ "${NOPEAK:-0}" = 1 ] || echo "== bf16 peak (torch.matmul 8192^3, random data, mean of 20 after 5 warm-ups)"
-[ "${NOPEAK:-0}" = 1 ] || PEAK=$(timeout 120 python3 - <<'PY'
-import torch
-a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-for _ in range(5): a @ b
-s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-torch.cuda.synchronize(); s.record()
-for _ in range(20): a @ b
-e.record(); torch.cuda.synchronize()
-print("%.1f" % (2 * 8192**3 * 20 / (s.elapsed_time(e) * 1e-3) / 1e12))
-PY
-)
+[ "${NOPEAK:-0}" = 1 ] || PEAK=$(timeout 120 python3 kernels/cuda/bench/bf16_peak.py)
 [ "${NOPEAK:-0}" = 1 ] || echo "peak ${PEAK:-unmeasured} TFLOP/s"
 [ "${TESTS:-1}" = 1 ] && echo "== op tests"
 T=$D/cuda_ops_test

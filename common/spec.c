@@ -278,6 +278,29 @@ int mm_spec_mode_range(int64_t seqs) {
     return r;
 }
 
+// explore_start: range r measures mode x from this step (its first of the measurement).
+static int explore_start(mm_spec_modes *m, int r, int x) {
+    m->explore[r] = x;
+    m->explore_steps[r] = 1;
+    m->explorations++;
+    return x;
+}
+
+// explore_end: range r's measurement is over (done or abandoned); the next one is due in
+// MM_SPEC_MODE_EVERY << lost steps.
+static void explore_end(mm_spec_modes *m, int r) {
+    m->explore[r] = -1;
+    m->explore_steps[r] = 0;
+    m->since[r] = 0;
+}
+
+// window_reset: range r's open window starts empty.
+static void window_reset(mm_spec_modes *m, int r) {
+    m->win_steps[r] = 0;
+    m->win_seqs[r] = 0;
+    m->win_tok[r] = m->win_ms[r] = 0;
+}
+
 // mode_window: a window of mode in range r measured rate (tokens per seq per ms).
 static void mode_window(mm_spec_modes *m, int r, int mode, double rate) {
     double *R = &m->rate[r][mode];
@@ -291,11 +314,8 @@ static void mode_window(mm_spec_modes *m, int r, int mode, double rate) {
     (*n)++;
     m->windows++;
     const bool explored = m->explore[r] == mode;
-    if (explored) {
-        m->explore[r] = -1;
-        m->explore_steps[r] = 0;
-        m->since[r] = 0;
-    }
+    if (explored)
+        explore_end(m, r);
     const int c = m->choice[r], o = 1 - mode;
     if (c < 0) {
         m->choice[r] = mode;
@@ -326,9 +346,7 @@ void mm_spec_mode_add(mm_spec_modes *m, int r, int mode, double tokens, uint32_t
     m->last_mode[r] = mode;
     if (m->win_mode[r] != mode || m->run[r] <= MM_SPEC_MODE_WARM) { // a new window
         m->win_mode[r] = mode;
-        m->win_steps[r] = 0;
-        m->win_seqs[r] = 0;
-        m->win_tok[r] = m->win_ms[r] = 0;
+        window_reset(m, r);
     }
     if (!valid || m->run[r] <= MM_SPEC_MODE_WARM || !(tokens >= 0) || !(ms > 0) ||
         !isfinite(tokens) || !isfinite(ms) || seqs == 0)
@@ -339,9 +357,7 @@ void mm_spec_mode_add(mm_spec_modes *m, int r, int mode, double tokens, uint32_t
     if (++m->win_steps[r] < MM_SPEC_MODE_WIN || m->win_seqs[r] < MM_SPEC_MODE_SEQS)
         return;
     mode_window(m, r, mode, m->win_tok[r] / m->win_ms[r]);
-    m->win_steps[r] = 0;
-    m->win_seqs[r] = 0;
-    m->win_tok[r] = m->win_ms[r] = 0;
+    window_reset(m, r);
 }
 
 int mm_spec_mode_pick(mm_spec_modes *m, int r, const bool can[2]) {
@@ -354,36 +370,22 @@ int mm_spec_mode_pick(mm_spec_modes *m, int r, const bool can[2]) {
             m->explore_steps[r]++;
             return x;
         }
-        m->explore[r] = -1;
-        m->explore_steps[r] = 0;
-        m->since[r] = 0;
+        explore_end(m, r);
         if (m->lost[r] < 3) // (an unmeasured mode is then tried only when due, not at once)
             m->lost[r]++;
-        if (c < 0 && can[1 - x]) { // nothing measured yet: the other mode's turn
-            x = m->explore[r] = 1 - x;
-            m->explore_steps[r] = 1;
-            m->explorations++;
-            return x;
-        }
+        if (c < 0 && can[1 - x]) // nothing measured yet: the other mode's turn
+            return explore_start(m, r, 1 - x);
     } else if (c < 0) { // nothing measured in the range: ahead first, then sync
         x = can[MM_SPEC_AHEAD] ? MM_SPEC_AHEAD : can[MM_SPEC_SYNC] ? MM_SPEC_SYNC : -1;
-        if (x >= 0) {
-            m->explore[r] = x;
-            m->explore_steps[r] = 1;
-            m->explorations++;
-            return x;
-        }
+        if (x >= 0)
+            return explore_start(m, r, x);
     }
     if (c < 0)
         return MM_SPEC_AHEAD;
     const int o = 1 - c;
     if (can[o] && ((m->n[r][o] == 0 && m->lost[r] == 0) ||
-                   m->since[r] >= (uint32_t)MM_SPEC_MODE_EVERY << m->lost[r])) {
-        m->explore[r] = o;
-        m->explore_steps[r] = 1;
-        m->explorations++;
-        return o;
-    }
+                   m->since[r] >= (uint32_t)MM_SPEC_MODE_EVERY << m->lost[r]))
+        return explore_start(m, r, o);
     m->since[r]++;
     return c;
 }

@@ -7,7 +7,9 @@
 // daemons merge by time). Lines are buffered and written by mm_mesh_trace_flush (call it
 // outside the timed path, e.g. at a step's end).
 //
-// Header-only: each daemon traces from one translation unit.
+// Header-only, state per translation unit: each unit that opens a trace writes its own file,
+// named by the role it opens with (a daemon's role; common/transport/cudaipc.c's device hops as
+// "ipc", PREFIX.ipc.<pid>, flushed at exit).
 #ifndef MM_MESH_TRACE_H
 #define MM_MESH_TRACE_H
 

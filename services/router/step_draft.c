@@ -459,14 +459,15 @@ static void ahead_send(mm_draft *d, const Mmctl__StepPlan *p, const uint32_t *n_
     if (d->ah)
         return;
     bool any = false, gated;
-    for (size_t i = 0; i < p->n_seqs && !any; i++)
+    uint64_t n_gated = 0; // refusals of the scan: all seqs' when none may ask
+    for (size_t i = 0; i < p->n_seqs && !any; i++) {
         any = ahead_k(d, find(d, p->seqs[i]->seq_id), n_draft[i], W, b, measuring, &gated) > 0;
+        n_gated += gated;
+    }
+    if (!any) // (the refusals, counted once per seq step: otherwise by the loop below)
+        d->ahead_gated += n_gated;
     // the link first: a new drafter incarnation resets what it holds of every seq (dr_from)
     mm_ctl_client *cl = any ? drafter_link(d) : NULL;
-    for (size_t i = 0; i < p->n_seqs && !any; i++) { // (the refusals, counted once per seq step)
-        ahead_k(d, find(d, p->seqs[i]->seq_id), n_draft[i], W, b, measuring, &gated);
-        d->ahead_gated += gated;
-    }
     if (!cl) // nothing to ask, or the drafter is down or backing off
         return;
     size_t nq = 0, n_tok = 0;

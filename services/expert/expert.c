@@ -26,7 +26,6 @@ mm_opt expert_opts[] = {
 
 #define MAX_SEG 4096
 #define MAX_TOKENS (1 << 24) // --max-batch-tokens at most
-#define PLAN_MARK 0xFFFFFFFFu // CTRL frame of plan rows (below; services/router/step.c)
 
 // GPU entry points (kernels/cuda/backend.cu, mesh_ops.cu), weak: NULL in a build without GPU
 // support (then no plan frames: the router sends none to an owner without device frames).
@@ -96,7 +95,7 @@ static void write_load(void *arg) {
 }
 
 // CTRL: u32 n_seg, then n_seg x {u32 expert, u32 n_rows}, experts ascending; or a plan frame's
-// {u32 PLAN_MARK, u32 rows, u32 slots, u32 0}.
+// {u32 MM_MODEL_PLAN_MARK, u32 rows, u32 slots, u32 0} (mm/model.h).
 static mm_err on_ctrl(mm_conn *c, const mm_wire_hdr *h, const uint8_t *p) {
     uint32_t n;
     O.have_seg = false;
@@ -105,7 +104,7 @@ static mm_err on_ctrl(mm_conn *c, const mm_wire_hdr *h, const uint8_t *p) {
     if (h->payload_bytes < 4)
         return mm_dataserv_reply_error(c, h, MM_EPROTO, "short CTRL frame");
     memcpy(&n, p, 4);
-    if (n == PLAN_MARK) {
+    if (n == MM_MODEL_PLAN_MARK) {
         uint32_t v[4];
         if (h->payload_bytes != sizeof(v))
             return mm_dataserv_reply_error(c, h, MM_EPROTO, "bad CTRL frame (plan)");
@@ -154,6 +153,15 @@ static mm_err on_ctrl(mm_conn *c, const mm_wire_hdr *h, const uint8_t *p) {
     return MM_OK;
 }
 
+// replied: a reply to layer L's frame is on its way (rv: its send): traced, and the trace
+// written out after the last layer (off the step's path).
+static mm_err replied(const mm_wire_hdr *h, int L, mm_err rv) {
+    mm_mesh_trace(h->step_id, L, "tx");
+    if (L == O.n_layers - 1)
+        mm_mesh_trace_flush();
+    return rv;
+}
+
 // on_plan: a plan frame (after its CTRL): x rows (plan_rows of them), then this owner's share of
 // the router's plan as int32s: offs (n_experts + 1), src and dst (plan_slots each), all in
 // d_x. The experts run on the device straight from the plan (mm_model_experts_plan; slots
@@ -162,7 +170,7 @@ static mm_err on_ctrl(mm_conn *c, const mm_wire_hdr *h, const uint8_t *p) {
 // checked at join): its indices are not checked here (they never reach the host).
 static mm_err on_plan(mm_conn *c, const mm_wire_hdr *h, void *payload) {
     const int64_t R = O.plan_rows, nk = O.plan_slots, D = O.d_model, E = O.n_experts;
-    const int64_t P = (E + 1 + 2 * nk + D - 1) / D;
+    const int64_t P = mm_model_plan_rows(E, nk, D);
     const int L = (int)h->layer;
     char msg[200];
     O.have_seg = false;
@@ -191,16 +199,13 @@ static mm_err on_plan(mm_conn *c, const mm_wire_hdr *h, void *payload) {
                             h->row_dim));
     r.row_base = h->row_base;
     struct iovec dv = {.iov_base = O.d_out, .iov_len = (size_t)(nk * D) * 4};
-    rv = mm_conn_sendv_dev(c, &r, &dv, 1, mm_deadline_in_ms(2000));
-    mm_mesh_trace(h->step_id, L, "tx");
+    rv = replied(h, L, mm_conn_sendv_dev(c, &r, &dv, 1, mm_deadline_in_ms(2000)));
     // the rows served, counted after the reply is on its way (off the step's path; the next
     // frame's rows land in d_x after it, in stream order)
     if (rv == MM_OK && O.d_tokens &&
         mm_gpu_mesh_count(O.stream, offs, (int)E, O.d_tokens + (size_t)L * (size_t)E) != MM_OK)
         mm_log_warn("step %llu layer %d: counting the rows served failed; --load-csv misses them",
                     (unsigned long long)h->step_id, L);
-    if (L == O.n_layers - 1)
-        mm_mesh_trace_flush();
     return rv;
 }
 
@@ -283,22 +288,14 @@ static mm_err on_frame(void *arg, mm_conn *c, const mm_wire_hdr *h, void *payloa
     r.row_base = h->row_base;
     if (on_dev) { // outputs straight from the device into the router's ring
         struct iovec dv = {.iov_base = O.d_out, .iov_len = nb};
-        mm_err srv = mm_conn_sendv_dev(c, &r, &dv, 1, mm_deadline_in_ms(2000));
-        mm_mesh_trace(h->step_id, L, "tx");
-        if (L == O.n_layers - 1)
-            mm_mesh_trace_flush();
-        return srv;
+        return replied(h, L, mm_conn_sendv_dev(c, &r, &dv, 1, mm_deadline_in_ms(2000)));
     }
     if (O.d_x) {
         mm_err rv = O.be->ops->get(O.be->ctx, O.out, O.d_out, nb);
         if (rv != MM_OK)
             return mm_dataserv_reply_error(c, h, rv, "copy of the outputs from the device failed");
     }
-    mm_err srv = mm_conn_send(c, &r, O.out, mm_deadline_in_ms(2000));
-    mm_mesh_trace(h->step_id, L, "tx");
-    if (L == O.n_layers - 1)
-        mm_mesh_trace_flush();
-    return srv;
+    return replied(h, L, mm_conn_send(c, &r, O.out, mm_deadline_in_ms(2000)));
 }
 
 mm_err expert_start(mm_daemon *d, void *arg, char err[MM_ERRLEN]) {

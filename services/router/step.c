@@ -27,7 +27,6 @@
 #define PEN_SLOTS 256 // most running seqs with penalties (penalty.h)
 #define MAX_SAMPLE_WORKERS 7 // sampling threads besides the step's own
 #define POOL_MIN_SEQS 4      // fewer sampling seqs than this are sampled inline
-#define PLAN_MARK 0xFFFFFFFFu // an owner CTRL frame announcing plan rows (plan_layer)
 
 // GPU entry points of the device routing plan (kernels/cuda/mesh_ops.cu, backend.cu), weak:
 // NULL in a build without GPU support (then no plan mode).
@@ -173,11 +172,6 @@ struct mm_step_engine {
     float *draft_lp;     // (max_seqs, MM_DRAFT_MAX_K) logprobs of the tokens after `token`
     int32_t *draft_tok;  // (max_seqs, MM_DRAFT_MAX_K) those tokens
 };
-
-// plan_rows: rows of D int32s holding an owner's share of a plan of nk slots (offs, src, dst).
-static int64_t plan_rows(const mm_step_engine *e, int64_t nk) {
-    return ((int64_t)e->E + 1 + 2 * nk + e->D - 1) / e->D;
-}
 
 static const char *peer_name(const struct peer *p, char *buf, size_t n) {
     snprintf(buf, n, "%s %d", p->what, p->inst);
@@ -446,7 +440,7 @@ mm_err mm_step_engine_open(mm_step_engine **out, const mm_step_conf *c, mm_regis
         mm_err (*alloc)(void *, size_t, void **) = e->be->ops->buffer_alloc;
         MM_TRY_GOTO(rv, alloc(ctx, (size_t)T * D * 4, (void **)&e->d_h), fail);
         // d_x: the rows, then room for each owner's share of a plan (plan_layer)
-        e->plan_stride = e->E > 0 ? plan_rows(e, T * KK) * (int64_t)D : 0;
+        e->plan_stride = e->E > 0 ? mm_model_plan_rows(e->E, T * KK, D) * (int64_t)D : 0;
         MM_TRY_GOTO(rv, alloc(ctx, ((size_t)T * D + (size_t)c->owners * (size_t)e->plan_stride) * 4,
                               (void **)&e->d_x), fail);
         MM_TRY_GOTO(rv, alloc(ctx, (size_t)T * D * 4, (void **)&e->d_sh), fail);
@@ -862,8 +856,8 @@ static mm_err plan_refresh(mm_step_engine *e) {
 // plan_layer: the MoE part of layer L with the routing planned on the router's device and
 // never read back: router product, route and route_plan (mm_model_gate_plan), each serving
 // owner's share of the plan (mm_gpu_mesh_plan_split), then to each owner one CTRL frame
-// {PLAN_MARK, rows, slots, 0} and one device frame of the x rows followed by its share; it
-// answers an output row for every (row, rank) slot (its own slots valid). One serving owner:
+// {MM_MODEL_PLAN_MARK, rows, slots, 0} and one device frame of the x rows followed by its
+// share; it answers an output row for every (row, rank) slot (its own slots valid). One serving owner:
 // the reply lands in eo; several: each in its region of d_ysn, and every slot's row is picked
 // from its owner's (mm_gpu_mesh_pick). Combine with the plan's weights: the engine's ops, so
 // the engine's bits. *done false (and MM_OK): an owner was lost during the exchange, so the
@@ -900,14 +894,14 @@ static mm_err plan_layer(mm_step_engine *e, uint64_t step, int L, int64_t R, boo
              mm_gpu_mesh_plan_split(e->stream, pl.offs, pl.src, pl.dst, of, E, (int)nk, N,
                                     shares, e->plan_stride));
     const bool one = e->plan_nserve[L] == 1;
-    const int64_t P = plan_rows(e, nk);
+    const int64_t P = mm_model_plan_rows(E, nk, D);
     for (int o = 0; o < N; o++) {
         struct peer *op = &e->owners[o];
         op->n = 0;
         op->failed = false;
         if (!e->plan_serve[(size_t)L * N + o])
             continue;
-        const uint32_t c4[4] = {PLAN_MARK, (uint32_t)R, (uint32_t)nk, 0};
+        const uint32_t c4[4] = {MM_MODEL_PLAN_MARK, (uint32_t)R, (uint32_t)nk, 0};
         rv = send_frame(op, MM_WIRE_CTRL, MM_WIRE_BYTES, step, (uint32_t)L, 1, sizeof(c4), c4,
                         tmo, msg);
         if (rv == MM_OK) { // owner 0: rows and share in one piece

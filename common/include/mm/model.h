@@ -194,6 +194,14 @@ typedef struct mm_model_plan { // backend memory, in the scratch: valid until it
     const int32_t *dst;  // (n * top_k) (row, rank) slot i * top_k + r of each sorted slot
     const float *wt;     // (top_k, n) the weights by rank (rank r's at wt + r * n)
 } mm_model_plan;
+// A plan frame, router -> expert owner (docs/MESH.md, "plan frames"): a CTRL frame {u32
+// MM_MODEL_PLAN_MARK, u32 rows, u32 slots, u32 0}, then one device frame of the rows x rows
+// (d_model floats each) followed by the owner's share of the plan, int32 offs (n_experts + 1),
+// src and dst (slots each), packed into mm_model_plan_rows rows of d_model.
+#define MM_MODEL_PLAN_MARK 0xFFFFFFFFu
+static inline int64_t mm_model_plan_rows(int64_t n_experts, int64_t n_slots, int64_t d_model) {
+    return (n_experts + 1 + 2 * n_slots + d_model - 1) / d_model;
+}
 // mm_model_gate_plan: mm_model_gate without the read-back: router product, route and
 // route_plan of layer on x (n, d_model) on the device.
 mm_err mm_model_gate_plan(const mm_model *m, mm_model_scratch *s, int layer, const float *x,

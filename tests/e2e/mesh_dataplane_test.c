@@ -81,6 +81,18 @@ static mm_wire_hdr recv_frame(mm_conn *c, void *buf, size_t cap) {
     return h;
 }
 
+// expect_error: the next frame on c is an ERROR of code whose message contains needle (NULL:
+// any message).
+static void expect_error(mm_conn *c, mm_err code, const char *needle) {
+    char buf[4096];
+    mm_wire_hdr h = recv_frame(c, buf, sizeof(buf));
+    MM_EQ(h.kind, MM_WIRE_ERROR);
+    MM_EQ(h.aux, (uint32_t)code);
+    buf[h.payload_bytes < sizeof(buf) ? h.payload_bytes : sizeof(buf) - 1] = 0;
+    if (needle)
+        MM_TRUE(strstr(buf, needle) != NULL);
+}
+
 static void setup(mm_backend **be, mm_model **m, mm_model_scratch **s) {
     char err[MM_ERRLEN] = "";
     snprintf(s_dir, sizeof(s_dir), "/tmp/mm-dp-%d", (int)getpid());
@@ -107,7 +119,6 @@ static void test_owner(void) {
     char err[MM_ERRLEN] = "";
     MM_PASS(mm_transport_dial(&c, data, mm_deadline_in_ms(10000), err));
     float x[3 * 64], y[3 * 64], want[3 * 64];
-    char buf[64 * 64 * 4];
     MM_TRUE(D <= 64);
     for (int i = 0; i < 3 * D; i++)
         x[i] = (float)((i * 37) % 101) / 50.0f - 1.0f;
@@ -128,50 +139,28 @@ static void test_owner(void) {
     uint32_t seg2[3] = {1, 3, 1};
     send_ctrl(c, 8, 0, seg2, sizeof(seg2));
     send_rows(c, 8, 0, x, 1, (uint32_t)D);
-    h = recv_frame(c, buf, sizeof(buf));
-    MM_EQ(h.kind, MM_WIRE_ERROR);
-    MM_EQ(h.aux, (uint32_t)MM_EINVAL);
-    buf[h.payload_bytes < sizeof(buf) ? h.payload_bytes : sizeof(buf) - 1] = 0;
-    MM_TRUE(strstr(buf, "does not hold expert 3 of layer 0") != NULL);
+    expect_error(c, MM_EINVAL, "does not hold expert 3 of layer 0");
     // rows with no CTRL frame before them
     send_rows(c, 9, 0, x, 1, (uint32_t)D);
-    h = recv_frame(c, buf, sizeof(buf));
-    MM_EQ(h.kind, MM_WIRE_ERROR);
-    MM_EQ(h.aux, (uint32_t)MM_EPROTO);
+    expect_error(c, MM_EPROTO, NULL);
     // segment lists that would run rows through the wrong experts or count rows never served
     // are refused at the CTRL frame, naming what is wrong: experts out of order (4 then 2,
     // both this owner's), row counts past what the owner takes (here wrapping a u32 sum to 1)
     uint32_t seg_desc[5] = {2, 4, 1, 2, 2};
     send_ctrl(c, 11, 1, seg_desc, sizeof(seg_desc));
-    h = recv_frame(c, buf, sizeof(buf));
-    MM_EQ(h.kind, MM_WIRE_ERROR);
-    MM_EQ(h.aux, (uint32_t)MM_EPROTO);
-    buf[h.payload_bytes < sizeof(buf) ? h.payload_bytes : sizeof(buf) - 1] = 0;
-    MM_TRUE(strstr(buf, "not in ascending order") != NULL);
+    expect_error(c, MM_EPROTO, "not in ascending order");
     uint32_t seg_wrap[5] = {2, 2, 0xFFFFFFFFu, 4, 2};
     send_ctrl(c, 12, 1, seg_wrap, sizeof(seg_wrap));
-    h = recv_frame(c, buf, sizeof(buf));
-    MM_EQ(h.kind, MM_WIRE_ERROR);
-    MM_EQ(h.aux, (uint32_t)MM_EPROTO);
-    buf[h.payload_bytes < sizeof(buf) ? h.payload_bytes : sizeof(buf) - 1] = 0;
-    MM_TRUE(strstr(buf, "more rows than this owner takes") != NULL);
+    expect_error(c, MM_EPROTO, "more rows than this owner takes");
     send_rows(c, 12, 1, x, 1, (uint32_t)D); // and the rows after it: no CTRL frame stands
-    h = recv_frame(c, buf, sizeof(buf));
-    MM_EQ(h.kind, MM_WIRE_ERROR);
-    MM_EQ(h.aux, (uint32_t)MM_EPROTO);
+    expect_error(c, MM_EPROTO, NULL);
     // a plan frame's CTRL (the router's device routing plan) to an owner without device
     // frames, and one of the wrong size: refused
-    uint32_t plan[4] = {0xFFFFFFFFu, 1, 1, 0};
+    uint32_t plan[4] = {MM_MODEL_PLAN_MARK, 1, 1, 0};
     send_ctrl(c, 13, 1, plan, sizeof(plan));
-    h = recv_frame(c, buf, sizeof(buf));
-    MM_EQ(h.kind, MM_WIRE_ERROR);
-    MM_EQ(h.aux, (uint32_t)MM_EPROTO);
-    buf[h.payload_bytes < sizeof(buf) ? h.payload_bytes : sizeof(buf) - 1] = 0;
-    MM_TRUE(strstr(buf, "no device frames") != NULL);
+    expect_error(c, MM_EPROTO, "no device frames");
     send_ctrl(c, 14, 1, plan, 12);
-    h = recv_frame(c, buf, sizeof(buf));
-    MM_EQ(h.kind, MM_WIRE_ERROR);
-    MM_EQ(h.aux, (uint32_t)MM_EPROTO);
+    expect_error(c, MM_EPROTO, NULL);
     // and it still serves
     send_ctrl(c, 10, 1, seg, sizeof(seg));
     send_rows(c, 10, 1, x, 3, (uint32_t)D);

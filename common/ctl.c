@@ -21,6 +21,7 @@
 
 #include "mm/ctl.h"
 #include "mm/log.h"
+#include "mm/mesh_trace.h"
 #include "mm/time.h"
 
 // ---- codec ---------------------------------------------------------------------------------
@@ -370,6 +371,7 @@ struct srv_ctx {
     nng_aio *aio;
     int state;
     bool ctx_open;
+    uint64_t trace_step; // MM_MESH_TRACE: step id + 1 of the plan being answered (0: none)
 };
 
 struct mm_ctl_server {
@@ -393,6 +395,11 @@ static void on_srv_aio(void *arg) {
     mm_ctl_server *s = c->srv;
     int rv = nng_aio_result(c->aio);
     if (c->state == SRV_SEND) {
+        if (c->trace_step) {
+            mm_mesh_trace(c->trace_step - 1, -1, "sent");
+            mm_mesh_trace_flush();
+            c->trace_step = 0;
+        }
         if (rv != 0) {
             nng_msg_free(nng_aio_get_msg(c->aio));
             nng_aio_set_msg(c->aio, NULL);
@@ -409,6 +416,7 @@ static void on_srv_aio(void *arg) {
         srv_recv(c);
         return;
     }
+    const uint64_t t_rx = mm__trace_f ? mm_now_ns() : 0;
     nng_msg *m = nng_aio_get_msg(c->aio);
     nng_aio_set_msg(c->aio, NULL); // ours now: the aio must not point at it once freed
     char peer[96], err[MM_ERRLEN] = "";
@@ -421,6 +429,13 @@ static void on_srv_aio(void *arg) {
         snprintf(text, sizeof(text), "rejected: %s", err);
         reply = mm_ctl_reply_ack(false, text);
     } else {
+        if (mm__trace_f && req->body_case == MMCTL__ENVELOPE__BODY_STEP_PLAN) {
+            // (the receive's time, known once the plan says its step)
+            fprintf(mm__trace_f, "T ctl %llu -1 rx %.1f\n",
+                    (unsigned long long)req->step_plan->step_id, (double)t_rx / 1e3);
+            mm_mesh_trace(req->step_plan->step_id, -1, "unpacked");
+            c->trace_step = req->step_plan->step_id + 1;
+        }
         s->fn(s->arg, req, peer, &reply);
         if (reply == NULL)
             reply = mm_ctl_reply_ack(true, NULL);
@@ -440,6 +455,7 @@ mm_err mm_ctl_server_open(mm_ctl_server **out, const char *url, int n_ctx, mm_ct
                           void *arg, char err[MM_ERRLEN]) {
     *out = NULL;
     MM_TRY(mm_ctl_url_prepare(url, err));
+    mm_mesh_trace_open("ctl"); // MM_MESH_TRACE: a step plan's receive, unpack, reply sent
     mm_ctl_server *s = calloc(1, sizeof(*s));
     if (!s)
         return MM_ENOMEM;

@@ -17,6 +17,7 @@
 #include "mm/config.h"
 #include "mm/ctl.h"
 #include "mm/engine.h"
+#include "mm/mesh_trace.h"
 #include "mm/step.h"
 #include "mm/time.h"
 
@@ -151,6 +152,7 @@ static int run_mesh_generate(int argc, char **argv) {
         goto done;
     }
     uint64_t step_id = (id_base >> 8) * 16; // increasing across runs
+    mm_mesh_trace_open("client"); // MM_MESH_TRACE: plan sent / result in, per step
     const uint64_t t_start = mm_now_ns();
     for (int step = 0;; step++) {
         mm_step_builder_reset(b, ++step_id);
@@ -210,6 +212,7 @@ static int run_mesh_generate(int argc, char **argv) {
         }
         if (mm_step_builder_n_seqs(b) == 0)
             continue;
+        mm_mesh_trace(step_id, -1, "send");
         uint64_t t0 = mm_now_ns();
         mm_ctl_msg *rep = NULL;
         const Mmctl__StepResult *res = NULL;
@@ -222,6 +225,7 @@ static int run_mesh_generate(int argc, char **argv) {
             goto done;
         }
         double ms = (double)(mm_now_ns() - t0) / 1e6;
+        mm_mesh_trace(step_id, -1, "recv");
         if (decode_only && n_step_ms < (int)(max_tokens + 8) * 4 + 1024)
             step_ms[n_step_ms++] = ms;
         for (size_t i = 0; i < res->n_results; i++) {
@@ -262,6 +266,7 @@ static int run_mesh_generate(int argc, char **argv) {
         }
         mm_ctl_msg_free(rep);
     }
+    mm_mesh_trace_flush();
     for (int j = 0; j < (all ? K : 1); j++)
         print_seq(&S[j], logprobs, j, all);
     if (timing && n_step_ms > 0) {

@@ -187,6 +187,7 @@ struct ipc_conn {
     // tx: the peer's ring (mapped), my data event, the peer's free event (opened)
     void *tx_ring;
     uint64_t tx_bytes, tx_head;
+    uint64_t tx_waited; // the peer's `freed` my stream last waited for (its reads up to it ordered)
     void *tx_ev_data, *tx_ev_free;
     struct desc scratch; // descriptor landing place when the caller's buffer is smaller
 };
@@ -512,9 +513,16 @@ static mm_err ipc_sendv_dev(void *ctx, const mm_wire_hdr *hdr, const struct iove
             nap_us(20);
     }
     mm_err rv = mm_gpu_set_device(c->gpu);
-    // Bytes used before: let our stream wait until the receiver's reads of them have run.
-    if (rv == MM_OK && end > c->tx_bytes)
+    // Bytes used before: let our stream wait until the receiver's reads of them have run. A
+    // wait covers every read up to the `freed` seen before it (the receiver records the event
+    // before it advances `freed`), so one wait serves the sends until need passes that: about
+    // one wait per lap of the ring instead of one per frame.
+    if (rv == MM_OK && end > c->tx_bytes && need > c->tx_waited) {
+        const uint64_t seen = atomic_load_explicit(freed, memory_order_acquire);
         rv = mm_gpu_stream_wait_event(c->stream, c->tx_ev_free);
+        if (rv == MM_OK)
+            c->tx_waited = seen;
+    }
     uint64_t o = 0;
     mm_mesh_trace(hdr->step_id, (int)hdr->layer, "s_in");
     for (int i = 0; i < n_iov && rv == MM_OK; i++) {

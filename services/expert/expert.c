@@ -8,6 +8,7 @@
 #include "expert.h"
 #include "mm/dataserv.h"
 #include "mm/log.h"
+#include "mm/mesh_graph.h"
 #include "mm/mesh_trace.h"
 #include "mm/model.h"
 #include "mm/placement.h"
@@ -62,6 +63,7 @@ static struct owner {
     void *stream;
     uint64_t *d_tokens;      // (n_layers, n_experts) rows served through plan frames
     uint64_t *tokens_dev;    // host copy read at each load write
+    mm_mesh_graphs *graphs;  // plan frames' products per (layer, rows, slots) (MM_MESH_GRAPHS=1)
 } O;
 
 static void write_load(void *arg) {
@@ -168,6 +170,20 @@ static mm_err replied(const mm_wire_hdr *h, int L, mm_err rv) {
 // past offs[n_experts] are other owners' and left unspecified), and the reply is one output
 // row per slot, from d_out. The plan is the router's (a member of the same mesh, identity
 // checked at join): its indices are not checked here (they never reach the host).
+// A plan frame's products (a graph's body: backend ops only; every pointer follows from the
+// layer, the rows and the slots, the graph's key).
+struct plan_job {
+    int layer;
+    const int32_t *offs, *src, *dst;
+    int64_t nk;
+};
+
+static mm_err plan_issue(void *arg) {
+    const struct plan_job *j = arg;
+    return mm_model_experts_plan(O.model, O.scratch, j->layer, j->offs, O.d_x, j->src, j->dst,
+                                 j->nk, O.d_out);
+}
+
 static mm_err on_plan(mm_conn *c, const mm_wire_hdr *h, void *payload) {
     const int64_t R = O.plan_rows, nk = O.plan_slots, D = O.d_model, E = O.n_experts;
     const int64_t P = mm_model_plan_rows(E, nk, D);
@@ -186,7 +202,9 @@ static mm_err on_plan(mm_conn *c, const mm_wire_hdr *h, void *payload) {
         return mm_dataserv_reply_error(c, h, MM_EPROTO, msg);
     }
     const int32_t *offs = (const int32_t *)(O.d_x + R * D), *src = offs + E + 1, *dst = src + nk;
-    mm_err rv = mm_model_experts_plan(O.model, O.scratch, L, offs, O.d_x, src, dst, nk, O.d_out);
+    struct plan_job job = {.layer = L, .offs = offs, .src = src, .dst = dst, .nk = nk};
+    mm_err rv = mm_mesh_graphs_run(O.graphs, (uint64_t)L << 32 | (uint64_t)R, (uint64_t)nk, R,
+                                   plan_issue, &job);
     if (rv != MM_OK) {
         snprintf(msg, sizeof(msg), "experts of layer %d (a plan of %lld slots) failed: %s", L,
                  (long long)nk, mm_strerror(rv));
@@ -370,6 +388,8 @@ mm_err expert_start(mm_daemon *d, void *arg, char err[MM_ERRLEN]) {
             MM_TRY(O.be->ops->set(O.be->ctx, O.d_tokens, O.tokens_dev, ne * 8));
         }
     }
+    if (O.dev_frames)
+        MM_TRY(mm_mesh_graphs_new(&O.graphs, O.be, 8 * O.n_layers, "expert owner"));
     O.dirty = true; // write a first (all-zero) CSV soon after start
     MM_TRY(mm_dataserv_start_dev(&O.ds, c->data, cap, O.dev_frames ? O.d_x : NULL, cap_x,
                                  on_frame, write_load, s_load_ms > 0 ? (int)s_load_ms : 2000,
@@ -395,6 +415,7 @@ void expert_stop(mm_daemon *d, void *arg) {
         O.be->ops->buffer_free(O.be->ctx, O.d_x);
         O.be->ops->buffer_free(O.be->ctx, O.d_out);
     }
+    mm_mesh_graphs_free(O.graphs);
     mm_model_scratch_free(O.scratch);
     mm_model_close(O.model);
     mm_backend_close(O.be);

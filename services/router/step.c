@@ -20,7 +20,9 @@
 #include "mm/step.h"
 #include "mm/transport.h"
 #include "penalty.h"
+#include "step_dev.h"
 #include "step_draft.h"
+#include "step_follow.h"
 
 #define MAX_RELEASE 4096
 #define MSG_LEN 320
@@ -139,6 +141,8 @@ struct mm_step_engine {
     int64_t plan_stride;      // int32s per owner's share of a layer's plan (whole rows of D
                               // for the largest plan); the shares follow the x rows in d_x
     float *d_ysn;             // (owners, T*K, D) owners' replies when several serve a layer
+    mm_mesh_graphs *graphs;   // plan_layer's device chains as graphs (MM_MESH_GRAPHS=1)
+    mm_model_plan plan_ptrs;  // the plan's buffers (the scratch's), for replayed chains
     // per-seq state
     int32_t *seq_shard, *seq_row; // (max_seqs): shard, first active row (-1: inactive)
     bool *seq_failed;
@@ -171,6 +175,7 @@ struct mm_step_engine {
     int32_t *draft;      // (max_seqs, MM_DRAFT_MAX_K)
     float *draft_lp;     // (max_seqs, MM_DRAFT_MAX_K) logprobs of the tokens after `token`
     int32_t *draft_tok;  // (max_seqs, MM_DRAFT_MAX_K) those tokens
+    mm_follow *fl;       // pipelined plans: the last steps' picks (step_follow.h)
 };
 
 static const char *peer_name(const struct peer *p, char *buf, size_t n) {
@@ -485,6 +490,9 @@ mm_err mm_step_engine_open(mm_step_engine **out, const mm_step_conf *c, mm_regis
                 rv = MM_ENOMEM;
                 goto fail;
             }
+            // the chains between the hops recorded as graphs (MM_MESH_GRAPHS=1)
+            MM_TRY_GOTO(rv, mm_mesh_graphs_new(&e->graphs, e->be, 16 * (int)NL, "router"),
+                        fail);
         }
     }
     e->xsrc = calloc((size_t)(T * KK), 4);
@@ -526,7 +534,7 @@ mm_err mm_step_engine_open(mm_step_engine **out, const mm_step_conf *c, mm_regis
         !e->res || !e->res_p || !e->top || !e->top_p || !e->smp || !e->seq_n || !e->active ||
         !e->n_draft || !e->n_acc || !e->draft || !e->draft_lp || !e->draft_tok || !e->xsrc ||
         !e->iov || !e->sp_of || !e->lrow || !e->items || !e->srv_of || !e->acc_of ||
-        !e->ps_of) {
+        !e->ps_of || mm_follow_new(&e->fl, S) != MM_OK) {
         rv = MM_ENOMEM;
         goto fail;
     }
@@ -564,9 +572,11 @@ void mm_step_engine_close(mm_step_engine *e) {
     free(e->lrows);
     free(e->owner_of); free(e->plan_live); free(e->plan_serve); free(e->plan_nserve);
     mm_draft_close(e->dr);
+    mm_follow_free(e->fl);
     mm_sampler_free(e->sampler);
     mm_pen_table_free(e->pen);
     mm_placement_free(e->pl);
+    mm_mesh_graphs_free(e->graphs);
     mm_model_scratch_free(e->scratch);
     mm_model_close(e->model);
     if (e->be) {
@@ -875,25 +885,30 @@ static mm_err plan_refresh(mm_step_engine *e) {
     } while (0)
 
 static mm_err plan_layer(mm_step_engine *e, uint64_t step, int L, int64_t R, bool shared,
-                         char *msg, bool *done) {
+                         char *msg, bool *done, bool *normed) {
     const int D = e->D, N = e->c.owners, E = e->E;
     const int64_t nk = R * e->K, TK = (int64_t)e->c.max_tokens * e->K;
     const int tmo = e->c.step_timeout_ms;
     *done = false;
-    mm_model_plan pl;
-    mm_err rv = mm_model_gate_plan(e->model, e->scratch, L, e->d_x, R, &pl);
-    if (rv == MM_EUNSUPP) {
+    const int32_t *of = e->d_owner_of + (size_t)L * E;
+    int32_t *shares = (int32_t *)(e->d_x + R * D); // owner 0's share right after the rows
+    const bool one = e->plan_nserve[L] == 1;
+    // FFN norm, router product, route and plan, the owners' shares: op by op or one graph
+    // (step_dev.c); the plan's buffers are kept from a call that ran (a replay fills nothing)
+    mm_step_dev_layer dl = {.m = e->model, .s = e->scratch, .stream = e->stream, .L = L, .R = R,
+                            .nk = nk, .E = E, .N = N, .h = e->d_h, .x = e->d_x, .of = of,
+                            .shares = shares, .stride = e->plan_stride, .one = one,
+                            .ysn = e->d_ysn, .ysn_rows = TK, .eo = e->d_eo,
+                            .sh = shared ? e->d_sh : NULL, .pl = e->plan_ptrs};
+    mm_err rv = mm_step_dev_route(e->graphs, &dl);
+    *normed = dl.normed;
+    if (rv == MM_EUNSUPP && dl.normed) {
         mm_log_info("device routing plan: the model has no device path; routing on the host");
         e->plan_on = false;
         return MM_OK;
     }
-    PLAN_TRY("router product and routing (mm_model_gate_plan)", rv);
-    const int32_t *of = e->d_owner_of + (size_t)L * E;
-    int32_t *shares = (int32_t *)(e->d_x + R * D); // owner 0's share right after the rows
-    PLAN_TRY("the owners' shares (mm_gpu_mesh_plan_split)",
-             mm_gpu_mesh_plan_split(e->stream, pl.offs, pl.src, pl.dst, of, E, (int)nk, N,
-                                    shares, e->plan_stride));
-    const bool one = e->plan_nserve[L] == 1;
+    PLAN_TRY(dl.failed ? dl.failed : "the routing chain", rv);
+    e->plan_ptrs = dl.pl;
     const int64_t P = mm_model_plan_rows(E, nk, D);
     for (int o = 0; o < N; o++) {
         struct peer *op = &e->owners[o];
@@ -954,12 +969,9 @@ static mm_err plan_layer(mm_step_engine *e, uint64_t step, int L, int64_t R, boo
                         (unsigned long long)step, L, e->owners[o].why);
             return MM_OK;
         }
-    if (!one)
-        PLAN_TRY("picking the owners' rows (mm_gpu_mesh_pick)",
-                 mm_gpu_mesh_pick(e->stream, e->d_ysn, TK, pl.ids, of, (int)nk, D, e->d_eo));
-    PLAN_TRY("combine (mm_model_combine_plan)",
-             mm_model_combine_plan(e->model, e->scratch, L, e->d_h, R, pl.wt, e->d_eo,
-                                   shared ? e->d_sh : NULL));
+    // pick (several owners) and combine: op by op or one graph (step_dev.c)
+    rv = mm_step_dev_combine(e->graphs, &dl);
+    PLAN_TRY(dl.failed ? dl.failed : "picking and combining the owners' rows", rv);
     *done = true;
     return MM_OK;
 }
@@ -1073,8 +1085,23 @@ static mm_err run_layers(mm_step_engine *e, const Mmctl__StepPlan *p, int64_t R,
                     o += n;
                 }
         }
-        MM_TRY(mm_model_ffn_norm(e->model, e->scratch, L, DP(e, h), R, DP(e, x)));
         const bool shared = mm_model_layer_has_shared(e->model, L);
+        bool normed = false; // DP(e, x) holds the FFN norm (plan_layer makes it)
+        if (e->plan_on && mm_model_layer_is_moe(e->model, L)) {
+            // routing planned and kept on the device (plan_layer)
+            MM_TRY(plan_refresh(e));
+            bool done = false;
+            if (e->plan_nserve[L] > 0)
+                MM_TRY(plan_layer(e, step, L, R, shared, msg, &done, &normed));
+            if (done) {
+                mm_mesh_trace(step, L, "comb");
+                if (h_out)
+                    MM_TRY(to_host(e, e->h, e->d_h, R * D));
+                continue;
+            }
+        }
+        if (!normed)
+            MM_TRY(mm_model_ffn_norm(e->model, e->scratch, L, DP(e, h), R, DP(e, x)));
         if (!mm_model_layer_is_moe(e->model, L)) {
             MM_TRY(mm_model_shared_forward(e->model, e->scratch, L, DP(e, x), R, DP(e, sh)));
             MM_TRY(mm_model_combine(e->model, e->scratch, L, DP(e, h), R, 0, NULL, NULL,
@@ -1082,18 +1109,6 @@ static mm_err run_layers(mm_step_engine *e, const Mmctl__StepPlan *p, int64_t R,
             if (h_out)
                 MM_TRY(to_host(e, e->h, e->d_h, R * D));
             continue;
-        }
-        if (e->plan_on) { // routing planned and kept on the device (plan_layer)
-            MM_TRY(plan_refresh(e));
-            bool done = false;
-            if (e->plan_nserve[L] > 0)
-                MM_TRY(plan_layer(e, step, L, R, shared, msg, &done));
-            if (done) {
-                mm_mesh_trace(step, L, "comb");
-                if (h_out)
-                    MM_TRY(to_host(e, e->h, e->d_h, R * D));
-                continue;
-            }
         }
         MM_TRY(mm_model_gate(e->model, e->scratch, L, DP(e, x), R, e->gids, e->gw));
         mm_mesh_trace(step, L, "gate");
@@ -1264,7 +1279,14 @@ struct nng_msg *mm_step_engine_run(mm_step_engine *e, const Mmctl__StepPlan *p, 
     Mmctl__StepResult sr = MMCTL__STEP_RESULT__INIT;
     sr.step_id = p->step_id;
     sr.error = "";
-    mm_err rv = check_plan(e, p, msg);
+    // Pipelined plans: run after step after_step (waited for), follow seqs take its picks.
+    mm_err rv = p->after_step ? mm_follow_wait(e->fl, &e->mu, p->after_step,
+                                               e->c.step_timeout_ms, msg, MSG_LEN)
+                              : MM_OK;
+    if (rv == MM_OK) {
+        p = mm_follow_resolve(e->fl, p, e->c.max_ctx);
+        rv = check_plan(e, p, msg);
+    }
     if (rv != MM_OK) {
         mm_log_warn("step %llu refused: %s", (unsigned long long)p->step_id, msg);
         sr.error_code = (uint32_t)rv;
@@ -1289,7 +1311,7 @@ struct nng_msg *mm_step_engine_run(mm_step_engine *e, const Mmctl__StepPlan *p, 
         e->seq_failed[i] = false;
         e->seq_code[i] = 0;
         e->seq_msg[i][0] = 0;
-        e->active[i] = e->shards[s].live;
+        e->active[i] = e->shards[s].live && !mm_follow_dropped(e->fl, i, NULL);
         if (e->active[i])
             R += (int64_t)q->n_tokens;
     }
@@ -1302,8 +1324,10 @@ struct nng_msg *mm_step_engine_run(mm_step_engine *e, const Mmctl__StepPlan *p, 
         if (!e->active[i]) {
             e->seq_row[i] = -1;
             e->seq_failed[i] = true;
-            e->seq_code[i] = MM_EPEERDOWN;
-            snprintf(e->seq_msg[i], MSG_LEN, "%s", e->shards[s].why);
+            int32_t dcode = 0; // a follow entry that cannot run (step_follow.h), or shard down
+            const char *dmsg = mm_follow_dropped(e->fl, i, &dcode);
+            e->seq_code[i] = dmsg ? dcode : MM_EPEERDOWN;
+            snprintf(e->seq_msg[i], MSG_LEN, "%s", dmsg ? dmsg : e->shards[s].why);
             continue;
         }
         e->seq_row[i] = (int32_t)R;
@@ -1490,6 +1514,7 @@ struct nng_msg *mm_step_engine_run(mm_step_engine *e, const Mmctl__StepPlan *p, 
     sr.results = e->res_p;
     mm_draft_end(e->dr, mm_now_ns() - t0);
 reply:;
+    mm_follow_record(e->fl, p, e->res_p, sr.n_results, sr.error_code, sr.error);
     mm_ctl_msg env = MMCTL__ENVELOPE__INIT;
     env.body_case = MMCTL__ENVELOPE__BODY_STEP_RESULT;
     env.step_result = &sr;

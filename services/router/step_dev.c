@@ -1,0 +1,80 @@
+// SPDX-License-Identifier: MIT
+// The router's per-layer device chain of the routing plan; see step_dev.h.
+#include "step_dev.h"
+
+#include <stddef.h>
+
+// GPU entry points (kernels/cuda/mesh_ops.cu), weak: NULL in a build without GPU support (then
+// the router has no plan mode and never calls here).
+#define W __attribute__((weak))
+extern mm_err mm_gpu_mesh_plan_split(void *stream, const int32_t *d_offs, const int32_t *d_src,
+                                     const int32_t *d_dst, const int32_t *d_owner_of,
+                                     int n_experts, int n_slots, int n_owners, int32_t *d_out,
+                                     int64_t out_stride) W;
+extern mm_err mm_gpu_mesh_pick(void *stream, const float *d_ys, int64_t ys_owner_rows,
+                               const int32_t *d_ids, const int32_t *d_owner_of, int n_slots,
+                               int dim, float *d_eo) W;
+#undef W
+
+// graph keys: (layer << 32 | rows, stage)
+#define KEY(a) ((uint64_t)(uint32_t)(a)->L << 32 | (uint64_t)(a)->R)
+enum { ST_ROUTE = 1, ST_COMBINE_ONE = 2, ST_COMBINE_PICK = 3 };
+
+static mm_err route_issue(void *arg) {
+    mm_step_dev_layer *a = arg;
+    a->failed = "FFN norm";
+    mm_err rv = mm_model_ffn_norm(a->m, a->s, a->L, a->h, a->R, a->x);
+    if (rv != MM_OK)
+        return rv;
+    a->normed = true;
+    a->failed = "router product and routing (mm_model_gate_plan)";
+    rv = mm_model_gate_plan(a->m, a->s, a->L, a->x, a->R, &a->pl);
+    if (rv != MM_OK)
+        return rv;
+    a->failed = "the owners' shares (mm_gpu_mesh_plan_split)";
+    rv = mm_gpu_mesh_plan_split(a->stream, a->pl.offs, a->pl.src, a->pl.dst, a->of, a->E,
+                                (int)a->nk, a->N, a->shares, a->stride);
+    if (rv == MM_OK)
+        a->failed = NULL;
+    return rv;
+}
+
+mm_err mm_step_dev_route(mm_mesh_graphs *g, mm_step_dev_layer *a) {
+    a->normed = false;
+    a->failed = NULL;
+    if (!mm_gpu_mesh_plan_split)
+        return MM_EUNSUPP;
+    // the plan's buffers are the scratch's, the same on every call: a replay (nothing runs on
+    // the host) leaves a->pl as the caller kept it from the call that was recorded (the first
+    // sight of a key always runs plain)
+    mm_err rv = mm_mesh_graphs_run(g, KEY(a), ST_ROUTE, a->R, route_issue, a);
+    if (rv == MM_OK && a->failed == NULL && !a->normed)
+        a->normed = true;
+    return rv;
+}
+
+static mm_err combine_issue(void *arg) {
+    mm_step_dev_layer *a = arg;
+    const int D = mm_model_cfg(a->m)->d_model;
+    mm_err rv = MM_OK;
+    if (!a->one) {
+        a->failed = "picking the owners' rows (mm_gpu_mesh_pick)";
+        rv = mm_gpu_mesh_pick(a->stream, a->ysn, a->ysn_rows, a->pl.ids, a->of, (int)a->nk, D,
+                              a->eo);
+        if (rv != MM_OK)
+            return rv;
+    }
+    a->failed = "combine (mm_model_combine_plan)";
+    rv = mm_model_combine_plan(a->m, a->s, a->L, a->h, a->R, a->pl.wt, a->eo, a->sh);
+    if (rv == MM_OK)
+        a->failed = NULL;
+    return rv;
+}
+
+mm_err mm_step_dev_combine(mm_mesh_graphs *g, mm_step_dev_layer *a) {
+    a->failed = NULL;
+    if (!a->one && !mm_gpu_mesh_pick)
+        return MM_EUNSUPP;
+    const uint64_t stage = (a->one ? ST_COMBINE_ONE : ST_COMBINE_PICK) | (a->sh ? 4u : 0u);
+    return mm_mesh_graphs_run(g, KEY(a), stage, a->R, combine_issue, a);
+}

@@ -1,0 +1,48 @@
+// SPDX-License-Identifier: MIT
+// The router's per-layer device chain of the routing plan (docs/MESH.md "Device frames"),
+// issued op by op or as recorded graphs (mm/mesh_graph.h, MM_MESH_GRAPHS=1): before the owners
+// (FFN norm, router product, route and plan, the owners' shares) and after them (pick, combine).
+// Used by step.c's plan_layer; backend ops only between the hops (no set, get or synchronize).
+#ifndef MM_ROUTER_STEP_DEV_H
+#define MM_ROUTER_STEP_DEV_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "mm/mesh_graph.h"
+#include "mm/model.h"
+
+// One MoE layer's device chain on R rows. Every pointer is fixed for a given (layer, R) (the
+// router's buffers and scratch), so the graphs are keyed by those and by the stage.
+typedef struct mm_step_dev_layer {
+    const mm_model *m;
+    mm_model_scratch *s;
+    void *stream;            // the backend's stream (the mesh ops take it)
+    int L;
+    int64_t R, nk;           // rows, slots (R x top_k)
+    int E, N;                // experts, owners
+    float *h, *x;            // (R, D) hidden state, FFN-normed rows (x then the shares)
+    const int32_t *of;       // (E) serving owner of each expert, device
+    int32_t *shares;         // owners' shares of the plan (owner o at + o * stride)
+    int64_t stride;
+    // after the owners
+    bool one;                // one serving owner: its reply is in eo already
+    const float *ysn;        // several: owner o's reply at ysn + o * ysn_rows * D
+    int64_t ysn_rows;
+    float *eo;               // (nk, D) expert output of every (row, rank) slot
+    const float *sh;         // shared experts' output (NULL: none)
+    // out
+    mm_model_plan pl;        // the plan's buffers (valid after route)
+    bool normed;             // x holds the FFN norm (route got that far)
+    const char *failed;      // the stage that failed (for the error text)
+} mm_step_dev_layer;
+
+// mm_step_dev_route: x = FFN norm of h, then the gate, route and plan (mm_model_gate_plan) and
+// every owner's share (mm_gpu_mesh_plan_split). MM_EUNSUPP: the model has no device path (x
+// is made; the plan is not).
+mm_err mm_step_dev_route(mm_mesh_graphs *g, mm_step_dev_layer *a);
+// mm_step_dev_combine: each slot's row from its owner's reply (several owners), then combine
+// with the plan's weights into h (mm_model_combine_plan).
+mm_err mm_step_dev_combine(mm_mesh_graphs *g, mm_step_dev_layer *a);
+
+#endif

@@ -189,6 +189,12 @@ struct ipc_conn {
     uint64_t tx_bytes, tx_head;
     uint64_t tx_waited; // the peer's `freed` my stream last waited for (its reads up to it ordered)
     void *tx_ev_data, *tx_ev_free;
+    // rx: the free event of a received frame is recorded (and `freed` advanced) when this side
+    // next receives or looks for input on the conn, not on the receive itself: off the step's
+    // path (the receiver's stage work is issued first). free_due: a record is owed, up to
+    // free_end.
+    bool free_due;
+    uint64_t free_end;
     struct desc scratch; // descriptor landing place when the caller's buffer is smaller
 };
 
@@ -467,6 +473,25 @@ static mm_err ipc_sendv(void *ctx, const mm_wire_hdr *hdr, const struct iovec *i
     return SHM->sendv(c->shm, hdr, iov, n_iov, deadline_ns);
 }
 
+// flush_free: the free event owed for the frames received so far is recorded on the stream
+// (after their copy-out and whatever followed it) and then `freed` advanced, so a sender that
+// waits for the event waits for those reads. A failed record ends the conn (the ring's state is
+// unknown).
+static mm_err flush_free(struct ipc_conn *c) {
+    if (!c->free_due)
+        return MM_OK;
+    c->free_due = false;
+    mm_err rv = mm_gpu_set_device(c->gpu);
+    if (rv == MM_OK)
+        rv = mm_gpu_event_record(c->rx_ev_free, c->stream);
+    if (rv != MM_OK) {
+        SHM->shutdown(c->shm);
+        return MM_EDEVICE;
+    }
+    atomic_store_explicit(&c->ctl->freed[c->side], c->free_end, memory_order_release);
+    return MM_OK;
+}
+
 static void nap_us(long us) {
     struct timespec ts = {.tv_sec = 0, .tv_nsec = us * 1000};
     nanosleep(&ts, NULL);
@@ -500,6 +525,10 @@ static mm_err ipc_sendv_dev(void *ctx, const mm_wire_hdr *hdr, const struct iove
         need = c->tx_head;
     _Atomic uint64_t *freed = &c->ctl->freed[1 - c->side];
     uint64_t spin_end = mm_now_ns() + mm__transport_spin_ns();
+    // short of space: first pay what this side owes (the peer may be waiting for it to send us
+    // a frame it must send before it reads ours)
+    if (atomic_load_explicit(freed, memory_order_acquire) < need && (f = flush_free(c)) != MM_OK)
+        return f;
     while (atomic_load_explicit(freed, memory_order_acquire) < need) {
         uint64_t now = mm_now_ns();
         if (now >= deadline_ns)
@@ -551,6 +580,9 @@ static mm_err ipc_recv_dev(void *ctx, mm_wire_hdr *hdr, void *buf, size_t cap,
     *on_dev = false;
     if (c->plain)
         return SHM->recv(c->shm, hdr, buf, cap, deadline_ns);
+    mm_err fr = flush_free(c); // the last frame's free event, before waiting for the next
+    if (fr != MM_OK)
+        return fr;
     // Descriptors need sizeof(struct desc) bytes: land in the scratch when buf is smaller.
     const bool small = cap < sizeof(struct desc);
     uint8_t *land = small ? (uint8_t *)&c->scratch : buf;
@@ -611,14 +643,14 @@ static mm_err ipc_recv_dev(void *ctx, mm_wire_hdr *hdr, void *buf, size_t cap,
         }
     }
     mm_mesh_trace(hdr->step_id, (int)hdr->layer, "r_cp");
-    if (rv == MM_OK)
-        rv = mm_gpu_event_record(c->rx_ev_free, c->stream);
-    mm_mesh_trace(hdr->step_id, (int)hdr->layer, "r_rec");
     if (rv != MM_OK) {
         SHM->shutdown(c->shm); // the ring's state is unknown: the conn is done
         return MM_EDEVICE;
     }
-    atomic_store_explicit(&c->ctl->freed[c->side], d.end, memory_order_release);
+    // the free event is owed (flush_free at the next receive or look for input); a frame
+    // read to the host was drained already, but the same rule keeps one path
+    c->free_due = true;
+    c->free_end = d.end;
     *on_dev = !to_host;
     return fits ? MM_OK : MM_EFULL;
 }
@@ -631,11 +663,15 @@ static mm_err ipc_recv(void *ctx, mm_wire_hdr *hdr, void *buf, size_t cap,
 
 static bool ipc_rx_ready(void *ctx) {
     struct ipc_conn *c = ctx;
+    if (c->free_due) // looking for input: pay the free event owed (a failure ends the conn,
+        (void)flush_free(c); // which the receive then reports)
     return SHM->rx_ready(c->shm);
 }
 
 static int ipc_rx_arm(void *ctx, struct pollfd *pfds) {
     struct ipc_conn *c = ctx;
+    if (c->free_due)
+        (void)flush_free(c);
     return SHM->rx_arm(c->shm, pfds);
 }
 

@@ -18,7 +18,7 @@ extern mm_err mm_gpu_mesh_pick(void *stream, const float *d_ys, int64_t ys_owner
 
 // graph keys: (layer << 32 | rows, stage)
 #define KEY(a) ((uint64_t)(uint32_t)(a)->L << 32 | (uint64_t)(a)->R)
-enum { ST_ROUTE = 1, ST_COMBINE_ONE = 2, ST_COMBINE_PICK = 3 };
+enum { ST_ROUTE = 1, ST_COMBINE_PICK = 3 };
 
 static mm_err route_issue(void *arg) {
     mm_step_dev_layer *a = arg;
@@ -75,6 +75,8 @@ mm_err mm_step_dev_combine(mm_mesh_graphs *g, mm_step_dev_layer *a) {
     a->failed = NULL;
     if (!a->one && !mm_gpu_mesh_pick)
         return MM_EUNSUPP;
-    const uint64_t stage = (a->one ? ST_COMBINE_ONE : ST_COMBINE_PICK) | (a->sh ? 4u : 0u);
+    if (a->one) // one op (combine): nothing for a graph to save
+        return combine_issue(a);
+    const uint64_t stage = ST_COMBINE_PICK | (a->sh ? 4u : 0u);
     return mm_mesh_graphs_run(g, KEY(a), stage, a->R, combine_issue, a);
 }

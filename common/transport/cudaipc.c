@@ -22,7 +22,10 @@
 //     free: the receiver records it on its stream after its copy-out is enqueued, then
 //           advances `freed` (bytes of the device ring it is done with) in the shm control
 //           page; before writing over ring bytes it has used before, the sender's stream waits
-//           for it. A wait on an IPC event covers its latest record made before the wait, and
+//           for it (once per lap: a wait covers every read up to the `freed` seen before it).
+//           The record is deferred to the receiver's next receive or look for input on the
+//           conn (or its own wait for ring space), off the step's path: its stage work is
+//           issued first (MM_CUDAIPC_EAGER_FREE=1 records inside the receive, as before). A wait on an IPC event covers its latest record made before the wait, and
 //           each record here happens before the counter or descriptor that makes the other
 //           side wait, so each wait covers what it must (later records only add work).
 // - Ring space: the sender allocates frames (padded to 256 bytes, never wrapping: a frame that
@@ -108,6 +111,7 @@ static int g_dev;
 static void *g_stream;
 static char g_pci[32];
 static uint64_t g_ring_min; // bytes: twice the largest frame the process expects (0: none)
+static bool g_eager_free;   // MM_CUDAIPC_EAGER_FREE=1 (read at mm_transport_gpu_use)
 
 mm_err mm_transport_gpu_use(int dev, void *stream, char err[MM_ERRLEN]) {
     if (!have_gpu_code())
@@ -119,6 +123,8 @@ mm_err mm_transport_gpu_use(int dev, void *stream, char err[MM_ERRLEN]) {
         return mm_errf(err, MM_EDEVICE, "cudaipc: cannot read the PCI id of device %d", dev);
     pthread_mutex_lock(&g_mu);
     g_set = true;
+    const char *ef = getenv("MM_CUDAIPC_EAGER_FREE");
+    g_eager_free = ef && strcmp(ef, "1") == 0;
     g_dev = dev;
     g_stream = stream;
     snprintf(g_pci, sizeof(g_pci), "%s", pci);
@@ -651,6 +657,8 @@ static mm_err ipc_recv_dev(void *ctx, mm_wire_hdr *hdr, void *buf, size_t cap,
     // read to the host was drained already, but the same rule keeps one path
     c->free_due = true;
     c->free_end = d.end;
+    if (g_eager_free) // MM_CUDAIPC_EAGER_FREE=1: recorded here, as before (A/B of the deferral)
+        MM_TRY(flush_free(c));
     *on_dev = !to_host;
     return fits ? MM_OK : MM_EFULL;
 }

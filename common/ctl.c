@@ -142,9 +142,15 @@ mm_err mm_ctl_validate(const mm_ctl_msg *e, char err[MM_ERRLEN]) {
             const Mmctl__SeqStep *q = e->step_plan->seqs[i];
             if (q == NULL)
                 return mm_errf(err, MM_EPROTO, "step_plan.seqs[%zu] missing", i);
-            if (q->n_tokens == 0)
+            if (q->n_tokens == 0 && !q->follow)
                 return mm_errf(err, MM_EPROTO, "step_plan.seqs[%zu] (seq %llu) has no tokens", i,
                                (unsigned long long)q->seq_id);
+            if (q->follow && (q->n_tokens != 0 || q->pos != 0 || e->step_plan->after_step == 0))
+                return mm_errf(err, MM_EPROTO, "step_plan.seqs[%zu] (seq %llu) follows the "
+                               "router's pick: it needs after_step, no tokens and pos 0 (has "
+                               "%zu tokens, pos %u, after_step %llu)", i,
+                               (unsigned long long)q->seq_id, q->n_tokens, q->pos,
+                               (unsigned long long)e->step_plan->after_step);
         }
         return MM_OK;
     case MMCTL__ENVELOPE__BODY_STEP_RESULT:

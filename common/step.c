@@ -58,11 +58,9 @@ void mm_step_builder_reset(mm_step_builder *b, uint64_t step_id) {
     b->env.step_plan = &b->plan;
 }
 
-mm_err mm_step_builder_add(mm_step_builder *b, uint64_t seq_id, uint32_t pos,
-                           const int32_t *tokens, uint32_t n, bool sample, const mm_sampling *sp,
-                           uint32_t n_top) {
-    if (n == 0 || tokens == NULL)
-        return MM_EINVAL;
+// add: appends a seq (tokens may be empty only for a follow entry).
+static mm_err add(mm_step_builder *b, uint64_t seq_id, uint32_t pos, const int32_t *tokens,
+                  uint32_t n, bool sample, const mm_sampling *sp, uint32_t n_top) {
     if (b->plan.n_seqs >= b->max_seqs)
         return MM_EFULL;
     size_t i = b->plan.n_seqs++;
@@ -89,6 +87,27 @@ mm_err mm_step_builder_add(mm_step_builder *b, uint64_t seq_id, uint32_t pos,
     }
     b->seq_ptrs[i] = q;
     return MM_OK;
+}
+
+mm_err mm_step_builder_add(mm_step_builder *b, uint64_t seq_id, uint32_t pos,
+                           const int32_t *tokens, uint32_t n, bool sample, const mm_sampling *sp,
+                           uint32_t n_top) {
+    if (n == 0 || tokens == NULL)
+        return MM_EINVAL;
+    return add(b, seq_id, pos, tokens, n, sample, sp, n_top);
+}
+
+mm_err mm_step_builder_add_follow(mm_step_builder *b, uint64_t seq_id, uint32_t end_pos,
+                                  const mm_sampling *sp, uint32_t n_top) {
+    MM_TRY(add(b, seq_id, 0, NULL, 0, true, sp, n_top));
+    Mmctl__SeqStep *q = &b->seqs[b->plan.n_seqs - 1];
+    q->follow = true;
+    q->end_pos = end_pos;
+    return MM_OK;
+}
+
+void mm_step_builder_set_after(mm_step_builder *b, uint64_t after_step) {
+    b->plan.after_step = after_step;
 }
 
 void mm_step_builder_set_no_logprob(mm_step_builder *b) {

@@ -22,6 +22,7 @@
 #include "penalty.h"
 #include "step_dev.h"
 #include "step_draft.h"
+#include "step_follow.h"
 
 #define MAX_RELEASE 4096
 #define MSG_LEN 320
@@ -174,6 +175,7 @@ struct mm_step_engine {
     int32_t *draft;      // (max_seqs, MM_DRAFT_MAX_K)
     float *draft_lp;     // (max_seqs, MM_DRAFT_MAX_K) logprobs of the tokens after `token`
     int32_t *draft_tok;  // (max_seqs, MM_DRAFT_MAX_K) those tokens
+    mm_follow *fl;       // pipelined plans: the last steps' picks (step_follow.h)
 };
 
 static const char *peer_name(const struct peer *p, char *buf, size_t n) {
@@ -532,7 +534,7 @@ mm_err mm_step_engine_open(mm_step_engine **out, const mm_step_conf *c, mm_regis
         !e->res || !e->res_p || !e->top || !e->top_p || !e->smp || !e->seq_n || !e->active ||
         !e->n_draft || !e->n_acc || !e->draft || !e->draft_lp || !e->draft_tok || !e->xsrc ||
         !e->iov || !e->sp_of || !e->lrow || !e->items || !e->srv_of || !e->acc_of ||
-        !e->ps_of) {
+        !e->ps_of || mm_follow_new(&e->fl, S) != MM_OK) {
         rv = MM_ENOMEM;
         goto fail;
     }
@@ -570,6 +572,7 @@ void mm_step_engine_close(mm_step_engine *e) {
     free(e->lrows);
     free(e->owner_of); free(e->plan_live); free(e->plan_serve); free(e->plan_nserve);
     mm_draft_close(e->dr);
+    mm_follow_free(e->fl);
     mm_sampler_free(e->sampler);
     mm_pen_table_free(e->pen);
     mm_placement_free(e->pl);
@@ -1276,7 +1279,14 @@ struct nng_msg *mm_step_engine_run(mm_step_engine *e, const Mmctl__StepPlan *p, 
     Mmctl__StepResult sr = MMCTL__STEP_RESULT__INIT;
     sr.step_id = p->step_id;
     sr.error = "";
-    mm_err rv = check_plan(e, p, msg);
+    // Pipelined plans: run after step after_step (waited for), follow seqs take its picks.
+    mm_err rv = p->after_step ? mm_follow_wait(e->fl, &e->mu, p->after_step,
+                                               e->c.step_timeout_ms, msg, MSG_LEN)
+                              : MM_OK;
+    if (rv == MM_OK) {
+        p = mm_follow_resolve(e->fl, p, e->c.max_ctx);
+        rv = check_plan(e, p, msg);
+    }
     if (rv != MM_OK) {
         mm_log_warn("step %llu refused: %s", (unsigned long long)p->step_id, msg);
         sr.error_code = (uint32_t)rv;
@@ -1301,7 +1311,7 @@ struct nng_msg *mm_step_engine_run(mm_step_engine *e, const Mmctl__StepPlan *p, 
         e->seq_failed[i] = false;
         e->seq_code[i] = 0;
         e->seq_msg[i][0] = 0;
-        e->active[i] = e->shards[s].live;
+        e->active[i] = e->shards[s].live && !mm_follow_dropped(e->fl, i, NULL);
         if (e->active[i])
             R += (int64_t)q->n_tokens;
     }
@@ -1314,8 +1324,10 @@ struct nng_msg *mm_step_engine_run(mm_step_engine *e, const Mmctl__StepPlan *p, 
         if (!e->active[i]) {
             e->seq_row[i] = -1;
             e->seq_failed[i] = true;
-            e->seq_code[i] = MM_EPEERDOWN;
-            snprintf(e->seq_msg[i], MSG_LEN, "%s", e->shards[s].why);
+            int32_t dcode = 0; // a follow entry that cannot run (step_follow.h), or shard down
+            const char *dmsg = mm_follow_dropped(e->fl, i, &dcode);
+            e->seq_code[i] = dmsg ? dcode : MM_EPEERDOWN;
+            snprintf(e->seq_msg[i], MSG_LEN, "%s", dmsg ? dmsg : e->shards[s].why);
             continue;
         }
         e->seq_row[i] = (int32_t)R;
@@ -1502,6 +1514,7 @@ struct nng_msg *mm_step_engine_run(mm_step_engine *e, const Mmctl__StepPlan *p, 
     sr.results = e->res_p;
     mm_draft_end(e->dr, mm_now_ns() - t0);
 reply:;
+    mm_follow_record(e->fl, p, e->res_p, sr.n_results, sr.error_code, sr.error);
     mm_ctl_msg env = MMCTL__ENVELOPE__INIT;
     env.body_case = MMCTL__ENVELOPE__BODY_STEP_RESULT;
     env.step_result = &sr;

@@ -6,6 +6,8 @@
 // Design notes:
 // - Steps are serialised by one mutex: the control server's handler thread that received the
 //   plan runs it (the gateway sends one plan at a time, so this is one thread in practice).
+//   A pipelined plan (StepPlan.after_step) waits under it for the step it follows
+//   (step_follow.h), so plans sent ahead still run in their order.
 // - Links: shard s and owner o are dialed (their --data URL from the registry) at the first
 //   step that needs them after they join or rejoin (a new incarnation); a failed link is
 //   closed and redialed at the next step, never reused, so late frames of a failed step can

@@ -51,10 +51,11 @@ eng=$("$BIN/moemesh" generate --model "$MODEL" --ids $IDS --max-tokens 24 --logp
     || fail "moemesh generate failed"
 [ "$eng" == "${WANT[g1]}" ] || fail "mesh without drafting differs from moemesh generate"
 
-# check CASE WHAT: output with --draft 4 equals the reference; sets DRAFTED and ACCEPTED.
+# check CASE WHAT [ARGS]: output with --draft 4 equals the reference; sets DRAFTED and ACCEPTED.
 check() {
     local c=$1 what=$2 got
-    got=$(mg $(args $c) --draft 4 2>"$RUN/client.err") || fail "$what $c: $(cat "$RUN/client.err")"
+    shift 2
+    got=$(mg $(args $c) --draft 4 "$@" 2>"$RUN/client.err") || fail "$what $c: $(cat "$RUN/client.err")"
     if [ "$got" != "${WANT[$c]}" ]; then
         diff <(echo "${WANT[$c]}") <(echo "$got") | head -10
         fail "$what $c: output with drafting differs from the output without"
@@ -75,6 +76,12 @@ check s1 self-draft
 [ "$DRAFTED" -gt 0 ] || fail "self-draft s1: nothing was drafted"
 "$BIN/moemesh" status --router "$ROUTER" | grep -q "drafting: drafted=[1-9]" \
     || fail "router status has no drafting metrics"
+# pipelined plans (mesh-generate --pipeline): a seq's next entry follows the router's pick and
+# its accepted drafts (the router knows the next position), sent before the result is in
+for c in g1 gc s1; do
+    check $c "self-draft, pipelined plans" --pipeline
+    [ "$DRAFTED" -gt 0 ] || fail "self-draft pipelined $c: nothing was drafted"
+done
 
 # --- a drafter that stops answering (frozen: late past --draft-timeout-ms), then dies, mid-
 # request: the request goes on without drafts and its output does not change.

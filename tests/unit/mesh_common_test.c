@@ -242,6 +242,31 @@ static void test_step_builder_roundtrip(void) {
     char err[MM_ERRLEN] = "";
     MM_FAIL(mm_ctl_validate(&e2, err), MM_EPROTO);
     MM_TRUE(strstr(err, "no tokens") != NULL);
+    // pipelined plans: a follow entry needs after_step, no tokens and pos 0
+    q.follow = true;
+    MM_FAIL(mm_ctl_validate(&e2, err), MM_EPROTO);
+    MM_TRUE(strstr(err, "after_step") != NULL);
+    plan.after_step = 76;
+    MM_PASS(mm_ctl_validate(&e2, err));
+    q.pos = 3;
+    MM_FAIL(mm_ctl_validate(&e2, err), MM_EPROTO);
+    q.pos = 0;
+    q.n_tokens = 1;
+    q.tokens = t2;
+    MM_FAIL(mm_ctl_validate(&e2, err), MM_EPROTO);
+    MM_TRUE(strstr(err, "follows the router's pick") != NULL);
+    // and the builder makes one that round-trips
+    mm_step_builder_reset(b, 78);
+    mm_step_builder_set_after(b, 77);
+    MM_PASS(mm_step_builder_add_follow(b, 100, 40, &sp, 0));
+    MM_PASS(mm_ctl_pack(mm_step_builder_env(b), &m, NULL));
+    MM_PASS(mm_ctl_unpack(nng_msg_body(m), nng_msg_len(m), &env, NULL));
+    nng_msg_free(m);
+    MM_EQ(env->step_plan->after_step, 77u);
+    MM_TRUE(env->step_plan->seqs[0]->follow);
+    MM_EQ(env->step_plan->seqs[0]->end_pos, 40u);
+    MM_EQ(env->step_plan->seqs[0]->n_tokens, 0u);
+    mm_ctl_msg_free(env);
     // result check: wrong step id, wrong count, whole-step error
     Mmctl__StepResult r = MMCTL__STEP_RESULT__INIT;
     r.step_id = 77;

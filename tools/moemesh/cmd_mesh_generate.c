@@ -32,8 +32,17 @@ struct gseq {
     uint32_t *n_top;
     int max_new, n_out;
     int start_step;
+    uint64_t sampling_in; // the plan in flight that picks its next token (0: none)
     bool done, released, failed;
     char err[MM_CTL_MAX_STR];
+};
+
+struct flight { // a plan sent, its result not collected yet
+    uint64_t step_id;
+    mm_ctl_async *call;
+    int n_seqs;
+    bool decode_only;
+    uint64_t t_send;
 };
 
 static int cmp_double(const void *a, const void *b) {
@@ -68,7 +77,7 @@ static int run_mesh_generate(int argc, char **argv) {
               max_batch = 256, draft = 0;
     uint64_t n_drafted = 0, n_accepted = 0, n_dsteps = 0;
     double temperature = 0;
-    bool logprobs = false, all = false, timing = false;
+    bool logprobs = false, all = false, timing = false, pipeline = false;
     mm_opt opts[] = {
         {"router", MM_OPT_STR, &router, MM_CTL_DEFAULT_ROUTER, "the router's control URL"},
         {"ids", MM_OPT_STR, &ids_s, NULL, "prompt token ids, comma-separated"},
@@ -83,6 +92,9 @@ static int run_mesh_generate(int argc, char **argv) {
         {"all", MM_OPT_BOOL, &all, "false", "print every sequence (with '# seq J' lines)"},
         {"draft", MM_OPT_INT, &draft, "0", "drafted tokens each seq may take per step (0: off)"},
         {"timing", MM_OPT_BOOL, &timing, "false", "print step timings to stderr"},
+        {"pipeline", MM_OPT_BOOL, &pipeline, "false",
+         "send each plan before the previous result is in (StepPlan.after_step; decode seqs "
+         "follow the router's picks): 2 plans in flight"},
         {"timeout-ms", MM_OPT_INT, &timeout_ms, "15000", "deadline of one step's call"},
         {0},
     };
@@ -97,8 +109,8 @@ static int run_mesh_generate(int argc, char **argv) {
     struct gseq *S = NULL;
     mm_ctl_client *cl = NULL;
     mm_step_builder *b = NULL;
-    double *step_ms = NULL;
-    int n_step_ms = 0;
+    double *step_ms = NULL, *period_ms = NULL;
+    int n_step_ms = 0, n_period = 0;
     if (mm_config_parse(&cli, argc, argv, err) != MM_OK) {
         fprintf(stderr, "mesh-generate: %s\n", err);
         goto done;
@@ -121,8 +133,10 @@ static int run_mesh_generate(int argc, char **argv) {
     rc = 1;
     const int K = (int)concurrent;
     S = calloc((size_t)K, sizeof(*S));
-    step_ms = calloc((size_t)(max_tokens + 8) * 4 + 1024, sizeof(double));
-    if (!S || !step_ms)
+    const int n_step_max = (int)(max_tokens + 8) * 4 + 1024;
+    step_ms = calloc((size_t)n_step_max, sizeof(double));
+    period_ms = calloc((size_t)n_step_max, sizeof(double));
+    if (!S || !step_ms || !period_ms)
         goto oom;
     struct timespec ts;
     clock_gettime(CLOCK_REALTIME, &ts);
@@ -154,80 +168,132 @@ static int run_mesh_generate(int argc, char **argv) {
     uint64_t step_id = (id_base >> 8) * 16; // increasing across runs
     mm_mesh_trace_open("client"); // MM_MESH_TRACE: plan sent / result in, per step
     const uint64_t t_start = mm_now_ns();
-    for (int step = 0;; step++) {
-        mm_step_builder_reset(b, ++step_id);
-        int64_t budget = max_batch;
-        int live = 0;
-        bool decode_only = true;
-        for (int j = 0; j < K; j++) {
-            struct gseq *s = &S[j];
-            if (s->done) {
-                if (!s->released) {
-                    mm_step_builder_release(b, s->id);
-                    s->released = true;
-                }
-                continue;
-            }
-            live++;
-            if (step < s->start_step)
-                continue;
-            mm_sampling sp = {.temperature = (float)temperature, .seed = (uint64_t)seed + j};
-            if (s->fed < s->n_prompt) {
-                int64_t c = s->n_prompt - s->fed;
-                if (chunk > 0 && c > chunk)
-                    c = chunk;
-                if (c > budget)
-                    c = budget;
-                if (c <= 0)
+    // Plans in flight, oldest first: 1 at a time, or 2 with --pipeline (the next plan goes out
+    // before the previous result is in; its decode seqs follow the router's picks).
+    const int depth = pipeline ? 2 : 1;
+    struct flight fl[2] = {{0}};
+    int n_fl = 0;
+    uint64_t t_last_res = 0; // when the previous decode-only result came in (0: none)
+    bool prev_decode = false;
+    for (int step = 0;;) {
+        if (n_fl < depth) { // build the next plan
+            const uint64_t after = n_fl > 0 ? fl[n_fl - 1].step_id : 0;
+            mm_step_builder_reset(b, ++step_id);
+            mm_step_builder_set_after(b, after);
+            int64_t budget = max_batch;
+            int live = 0;
+            bool decode_only = true;
+            for (int j = 0; j < K; j++) {
+                struct gseq *s = &S[j];
+                if (s->done) {
+                    if (!s->released) // (marked released once a plan carries it)
+                        mm_step_builder_release(b, s->id);
                     continue;
-                bool last = s->fed + c == s->n_prompt;
-                mm_step_builder_add(b, s->id, (uint32_t)s->fed, s->prompt + s->fed, (uint32_t)c,
-                                    last, &sp, logprobs ? (uint32_t)top : 0);
-                if (last && !logprobs)
-                    mm_step_builder_set_no_logprob(b);
-                s->fed += c;
-                budget -= c;
-                decode_only = false;
-            } else if (budget > 0) {
-                mm_step_builder_add(b, s->id, (uint32_t)(s->n_prompt + s->n_out - 1),
-                                    &s->out[s->n_out - 1], 1, true, &sp,
-                                    logprobs ? (uint32_t)top : 0);
+                }
+                live++;
+                if (step < s->start_step)
+                    continue;
+                mm_sampling sp = {.temperature = (float)temperature, .seed = (uint64_t)seed + j};
+                const uint32_t n_top = logprobs ? (uint32_t)top : 0;
+                int left = s->max_new - s->n_out - 1; // tokens wanted after this step's
+                if (s->fed < s->n_prompt) {
+                    int64_t c = s->n_prompt - s->fed;
+                    if (chunk > 0 && c > chunk)
+                        c = chunk;
+                    if (c > budget)
+                        c = budget;
+                    if (c <= 0)
+                        continue;
+                    bool last = s->fed + c == s->n_prompt;
+                    mm_step_builder_add(b, s->id, (uint32_t)s->fed, s->prompt + s->fed,
+                                        (uint32_t)c, last, &sp, n_top);
+                    if (last && !logprobs)
+                        mm_step_builder_set_no_logprob(b);
+                    if (last)
+                        s->sampling_in = step_id;
+                    s->fed += c;
+                    budget -= c;
+                    decode_only = false;
+                    continue;
+                } else if (budget <= 0) {
+                    continue;
+                } else if (s->sampling_in != 0) {
+                    // its input is the token the plan in flight picks: the router feeds it;
+                    // the entry is dropped at the position of its last token (max tokens)
+                    mm_step_builder_add_follow(b, s->id, (uint32_t)(s->n_prompt + s->max_new - 1),
+                                               &sp, n_top);
+                    left--; // (at least the token in flight comes first)
+                } else {
+                    mm_step_builder_add(b, s->id, (uint32_t)(s->n_prompt + s->n_out - 1),
+                                        &s->out[s->n_out - 1], 1, true, &sp, n_top);
+                }
                 if (!logprobs) // none printed: the router may pick greedy tokens on the device
                     mm_step_builder_set_no_logprob(b);
-                if (draft > 0 && !(logprobs && top > 0)) {
-                    int left = s->max_new - s->n_out - 1;
-                    mm_step_builder_set_draft(b, (uint32_t)(left < draft ? left : draft));
-                }
+                if (draft > 0 && !(logprobs && top > 0))
+                    mm_step_builder_set_draft(b, (uint32_t)(left <= 0 ? 0
+                                                            : left < draft ? left : draft));
+                s->sampling_in = step_id;
                 budget--;
             }
-        }
-        if (live == 0 && mm_step_builder_n_seqs(b) == 0) {
-            if (b && mm_step_builder_env(b)->step_plan->n_release > 0) {
-                // one last plan carrying only releases
-                mm_ctl_msg *rep = NULL;
-                if (mm_ctl_call(cl, mm_step_builder_env(b), (int)timeout_ms, &rep, err) == MM_OK)
-                    mm_ctl_msg_free(rep);
+            if (live == 0 && n_fl == 0 && mm_step_builder_n_seqs(b) == 0) {
+                if (mm_step_builder_env(b)->step_plan->n_release > 0) {
+                    // one last plan carrying only releases
+                    mm_step_builder_set_after(b, 0);
+                    mm_ctl_msg *rep = NULL;
+                    if (mm_ctl_call(cl, mm_step_builder_env(b), (int)timeout_ms, &rep, err) ==
+                        MM_OK)
+                        mm_ctl_msg_free(rep);
+                }
+                break;
             }
-            break;
+            if (mm_step_builder_n_seqs(b) > 0) {
+                mm_mesh_trace(step_id, -1, "send");
+                struct flight *f = &fl[n_fl];
+                f->step_id = step_id;
+                f->n_seqs = mm_step_builder_n_seqs(b);
+                f->decode_only = decode_only;
+                f->t_send = mm_now_ns();
+                if (mm_ctl_call_start(cl, mm_step_builder_env(b), (int)timeout_ms, NULL, NULL,
+                                      &f->call, err) != MM_OK) {
+                    fprintf(stderr, "mesh-generate: step %llu: %s\n",
+                            (unsigned long long)step_id, err);
+                    goto done;
+                }
+                for (int j = 0; j < K; j++)
+                    S[j].released = S[j].released || S[j].done;
+                n_fl++;
+                step++;
+                continue;
+            }
+            // (nothing to send: releases ride with a later plan)
+            step += n_fl == 0; // (seqs waiting for their start step)
+            if (n_fl == 0)
+                continue;
         }
-        if (mm_step_builder_n_seqs(b) == 0)
-            continue;
-        mm_mesh_trace(step_id, -1, "send");
-        uint64_t t0 = mm_now_ns();
+        // collect the oldest plan's result
+        struct flight *f = &fl[0];
         mm_ctl_msg *rep = NULL;
         const Mmctl__StepResult *res = NULL;
-        mm_err rv = mm_ctl_call(cl, mm_step_builder_env(b), (int)timeout_ms, &rep, err);
+        mm_err rv = mm_ctl_async_wait(f->call, (int)timeout_ms + 1000)
+                        ? mm_ctl_async_result(f->call, &rep, err)
+                        : mm_errf(err, MM_ETIMEDOUT, "no answer within %lld ms", timeout_ms);
         if (rv == MM_OK)
-            rv = mm_step_result_check(rep, step_id, mm_step_builder_n_seqs(b), &res, err);
+            rv = mm_step_result_check(rep, f->step_id, (uint32_t)f->n_seqs, &res, err);
         if (rv != MM_OK) {
-            fprintf(stderr, "mesh-generate: step %llu: %s\n", (unsigned long long)step_id, err);
+            fprintf(stderr, "mesh-generate: step %llu: %s\n", (unsigned long long)f->step_id,
+                    err);
             mm_ctl_msg_free(rep);
             goto done;
         }
-        double ms = (double)(mm_now_ns() - t0) / 1e6;
-        mm_mesh_trace(step_id, -1, "recv");
-        if (decode_only && n_step_ms < (int)(max_tokens + 8) * 4 + 1024)
-            step_ms[n_step_ms++] = ms;
+        const uint64_t t_res = mm_now_ns();
+        mm_mesh_trace(f->step_id, -1, "recv");
+        if (f->decode_only && n_step_ms < n_step_max) {
+            step_ms[n_step_ms++] = (double)(t_res - f->t_send) / 1e6;
+            if (prev_decode && n_period < n_step_max)
+                period_ms[n_period++] = (double)(t_res - t_last_res) / 1e6;
+        }
+        prev_decode = f->decode_only;
+        t_last_res = t_res;
         for (size_t i = 0; i < res->n_results; i++) {
             const Mmctl__SeqResult *r = res->results[i];
             struct gseq *s = NULL;
@@ -236,6 +302,10 @@ static int run_mesh_generate(int argc, char **argv) {
                     s = &S[j];
             if (!s)
                 continue;
+            if (s->sampling_in == f->step_id)
+                s->sampling_in = 0; // no later plan in flight picks for it
+            if (s->done)
+                continue; // ended at an earlier step: its pipelined entry is dropped
             if (r->error_code != 0) {
                 s->failed = s->done = true;
                 snprintf(s->err, sizeof(s->err), "%s (%s)", r->error,
@@ -265,6 +335,9 @@ static int run_mesh_generate(int argc, char **argv) {
             }
         }
         mm_ctl_msg_free(rep);
+        mm_ctl_async_free(f->call);
+        fl[0] = fl[1];
+        n_fl--;
     }
     mm_mesh_trace_flush();
     for (int j = 0; j < (all ? K : 1); j++)
@@ -277,6 +350,16 @@ static int run_mesh_generate(int argc, char **argv) {
         fprintf(stderr, "decode steps %d: mean %.3f ms, min %.3f ms, p50 %.3f ms, p90 %.3f ms\n",
                 n_step_ms, sum / n_step_ms, step_ms[0], step_ms[n_step_ms / 2],
                 step_ms[n_step_ms * 9 / 10]);
+    }
+    if (timing && n_period > 0) { // result to result: the step rate, pipelined or not
+        qsort(period_ms, (size_t)n_period, sizeof(double), cmp_double);
+        double sum = 0;
+        for (int i = 0; i < n_period; i++)
+            sum += period_ms[i];
+        fprintf(stderr, "decode period %d: mean %.3f ms, min %.3f ms, p50 %.3f ms, p90 %.3f ms "
+                "(result to result%s)\n", n_period, sum / n_period, period_ms[0],
+                period_ms[n_period / 2], period_ms[n_period * 9 / 10],
+                pipeline ? ", 2 plans in flight" : "");
     }
     if (timing) {
         long long tok = 0;
@@ -310,6 +393,7 @@ done:
     }
     free(S);
     free(step_ms);
+    free(period_ms);
     free(ids);
     mm_step_builder_free(b);
     mm_ctl_client_close(cl);

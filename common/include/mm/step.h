@@ -33,6 +33,16 @@ mm_err mm_step_builder_add(mm_step_builder *b, uint64_t seq_id, uint32_t pos,
                            const int32_t *tokens, uint32_t n, bool sample, const mm_sampling *sp,
                            uint32_t n_top);
 
+// mm_step_builder_add_follow appends a seq whose input is the router's own pick of it at the
+// plan's after step (pipelined plans, SeqStep.follow): no tokens, sampled with sp and n_top as
+// mm_step_builder_add's; end_pos (0: none) drops the entry once the seq's position reaches it.
+// Needs mm_step_builder_set_after. Errors: MM_EFULL.
+mm_err mm_step_builder_add_follow(mm_step_builder *b, uint64_t seq_id, uint32_t end_pos,
+                                  const mm_sampling *sp, uint32_t n_top);
+
+// mm_step_builder_set_after: the plan runs after step after_step (StepPlan.after_step; 0: none).
+void mm_step_builder_set_after(mm_step_builder *b, uint64_t after_step);
+
 // mm_step_builder_set_draft lets the router answer up to max_draft more tokens (drafted and
 // verified: SeqResult.more) for the seq added last. Only for a sampling seq with n_top 0.
 void mm_step_builder_set_draft(mm_step_builder *b, uint32_t max_draft);

@@ -1,0 +1,237 @@
+// SPDX-License-Identifier: MIT
+// Pipelined plans: the router's memory of the last steps' picks; see step_follow.h.
+#include "step_follow.h"
+
+#include <errno.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#define FOLLOW_STEPS 8 // steps remembered
+#define FOLLOW_MSG 200
+
+struct step_rec {
+    bool used;
+    uint64_t step_id;
+    size_t n;
+    uint64_t *seq;      // (max_seqs) seq ids in plan order
+    int32_t *tok;       // (max_seqs) last token emitted (-1: none)
+    uint32_t *next_pos; // (max_seqs) position of the seq's next input
+    int32_t *code;      // (max_seqs) mm_err the seq failed with (0: ok)
+    char (*msg)[FOLLOW_MSG];
+};
+
+struct mm_follow {
+    int max_seqs;
+    pthread_cond_t cv; // CLOCK_MONOTONIC; broadcast per recorded step
+    struct step_rec ring[FOLLOW_STEPS];
+    int head;          // next slot to write
+    // the last resolved plan
+    Mmctl__StepPlan rp;
+    Mmctl__SeqStep *rs;   // (max_seqs)
+    Mmctl__SeqStep **rsp; // (max_seqs)
+    int32_t *tok;         // (max_seqs) the follow entries' input tokens
+    int32_t *drop_code;   // (max_seqs) 0: runs
+    char (*drop_msg)[FOLLOW_MSG];
+    size_t n_resolved;    // entries of the last resolved plan with drop_code set (0: none)
+};
+
+mm_err mm_follow_new(mm_follow **out, int max_seqs) {
+    *out = NULL;
+    if (max_seqs < 1)
+        return MM_EINVAL;
+    mm_follow *f = calloc(1, sizeof(*f));
+    if (!f)
+        return MM_ENOMEM;
+    f->max_seqs = max_seqs;
+    const size_t n = (size_t)max_seqs;
+    bool ok = true;
+    for (int k = 0; k < FOLLOW_STEPS; k++) {
+        struct step_rec *r = &f->ring[k];
+        r->seq = calloc(n, sizeof(*r->seq));
+        r->tok = calloc(n, sizeof(*r->tok));
+        r->next_pos = calloc(n, sizeof(*r->next_pos));
+        r->code = calloc(n, sizeof(*r->code));
+        r->msg = calloc(n, sizeof(*r->msg));
+        ok = ok && r->seq && r->tok && r->next_pos && r->code && r->msg;
+    }
+    f->rs = calloc(n, sizeof(*f->rs));
+    f->rsp = calloc(n, sizeof(*f->rsp));
+    f->tok = calloc(n, sizeof(*f->tok));
+    f->drop_code = calloc(n, sizeof(*f->drop_code));
+    f->drop_msg = calloc(n, sizeof(*f->drop_msg));
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&f->cv, &ca);
+    pthread_condattr_destroy(&ca);
+    if (!ok || !f->rs || !f->rsp || !f->tok || !f->drop_code || !f->drop_msg) {
+        mm_follow_free(f);
+        return MM_ENOMEM;
+    }
+    *out = f;
+    return MM_OK;
+}
+
+void mm_follow_free(mm_follow *f) {
+    if (!f)
+        return;
+    for (int k = 0; k < FOLLOW_STEPS; k++) {
+        struct step_rec *r = &f->ring[k];
+        free(r->seq);
+        free(r->tok);
+        free(r->next_pos);
+        free(r->code);
+        free(r->msg);
+    }
+    free(f->rs);
+    free(f->rsp);
+    free(f->tok);
+    free(f->drop_code);
+    free(f->drop_msg);
+    pthread_cond_destroy(&f->cv);
+    free(f);
+}
+
+// find: the newest record of step `id`, or NULL.
+static const struct step_rec *find(const mm_follow *f, uint64_t id) {
+    for (int k = 1; k <= FOLLOW_STEPS; k++) {
+        const struct step_rec *r = &f->ring[(f->head - k + FOLLOW_STEPS) % FOLLOW_STEPS];
+        if (r->used && r->step_id == id)
+            return r;
+    }
+    return NULL;
+}
+
+mm_err mm_follow_wait(mm_follow *f, pthread_mutex_t *mu, uint64_t after, int timeout_ms,
+                      char *msg, size_t msg_len) {
+    if (find(f, after))
+        return MM_OK;
+    struct timespec until;
+    clock_gettime(CLOCK_MONOTONIC, &until);
+    const int ms = timeout_ms > 0 ? timeout_ms : 1;
+    until.tv_sec += ms / 1000;
+    until.tv_nsec += (long)(ms % 1000) * 1000000L;
+    if (until.tv_nsec >= 1000000000L) {
+        until.tv_sec++;
+        until.tv_nsec -= 1000000000L;
+    }
+    while (!find(f, after))
+        if (pthread_cond_timedwait(&f->cv, mu, &until) == ETIMEDOUT && !find(f, after)) {
+            snprintf(msg, msg_len, "the plan runs after step %llu, which has not run within "
+                     "%d ms (or is older than the last %d steps)", (unsigned long long)after, ms,
+                     FOLLOW_STEPS);
+            return MM_ETIMEDOUT;
+        }
+    return MM_OK;
+}
+
+// drop: entry i of the resolved plan runs no row, answered with (code, why).
+static void drop(mm_follow *f, size_t i, int32_t code, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+static void drop(mm_follow *f, size_t i, int32_t code, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(f->drop_msg[i], FOLLOW_MSG, fmt, ap);
+    va_end(ap);
+    f->drop_code[i] = code;
+    f->n_resolved++;
+}
+
+const Mmctl__StepPlan *mm_follow_resolve(mm_follow *f, const Mmctl__StepPlan *p, int max_ctx) {
+    f->n_resolved = 0;
+    bool any = false;
+    for (size_t i = 0; i < p->n_seqs && !any; i++)
+        any = p->seqs[i]->follow;
+    if (!any || p->n_seqs > (size_t)f->max_seqs) // (too many seqs: check_plan refuses it)
+        return p;
+    const struct step_rec *rec = find(f, p->after_step);
+    f->rp = *p;
+    f->rp.seqs = f->rsp;
+    for (size_t i = 0; i < p->n_seqs; i++) {
+        const Mmctl__SeqStep *q = p->seqs[i];
+        Mmctl__SeqStep *o = &f->rs[i];
+        *o = *q; // shallow: tokens and sampling stay the plan's
+        f->rsp[i] = o;
+        f->drop_code[i] = 0;
+        if (!q->follow)
+            continue;
+        const unsigned long long id = (unsigned long long)q->seq_id,
+                                 after = (unsigned long long)p->after_step;
+        size_t j = rec && i < rec->n && rec->seq[i] == q->seq_id ? i : (size_t)-1;
+        for (size_t k = 0; rec && j == (size_t)-1 && k < rec->n; k++)
+            if (rec->seq[k] == q->seq_id)
+                j = k;
+        if (!rec || j == (size_t)-1) {
+            drop(f, i, MM_EINVAL, "seq %llu follows step %llu but was not in it", id, after);
+            continue;
+        }
+        if (rec->code[j] != 0) {
+            drop(f, i, rec->code[j], "seq %llu: dropped, it failed at step %llu: %s", id, after,
+                 rec->msg[j]);
+            continue;
+        }
+        if (rec->tok[j] < 0) {
+            drop(f, i, MM_EINVAL, "seq %llu follows step %llu but sampled no token there", id,
+                 after);
+            continue;
+        }
+        const uint32_t pos = rec->next_pos[j];
+        o->pos = pos; // (also for a dropped entry: the drafting state sees the seq go on)
+        if (q->end_pos != 0 && pos >= q->end_pos) {
+            drop(f, i, MM_ECANCELED, "seq %llu: dropped at position %u (its end position %u: "
+                 "the client ends it)", id, pos, q->end_pos);
+            continue;
+        }
+        if ((int64_t)pos + 1 > (int64_t)max_ctx) {
+            drop(f, i, MM_EINVAL, "seq %llu: position %u is at the context limit %d", id, pos,
+                 max_ctx);
+            continue;
+        }
+        f->tok[i] = rec->tok[j];
+        o->tokens = &f->tok[i];
+        o->n_tokens = 1;
+    }
+    return &f->rp;
+}
+
+const char *mm_follow_dropped(const mm_follow *f, size_t i, int32_t *code) {
+    if (f->n_resolved == 0 || i >= (size_t)f->max_seqs || f->drop_code[i] == 0)
+        return NULL;
+    if (code)
+        *code = f->drop_code[i];
+    return f->drop_msg[i];
+}
+
+void mm_follow_record(mm_follow *f, const Mmctl__StepPlan *p, Mmctl__SeqResult *const *res,
+                      size_t n_res, uint32_t whole_code, const char *whole_msg) {
+    struct step_rec *r = &f->ring[f->head];
+    f->head = (f->head + 1) % FOLLOW_STEPS;
+    r->used = true;
+    r->step_id = p->step_id;
+    r->n = p->n_seqs < (size_t)f->max_seqs ? p->n_seqs : (size_t)f->max_seqs;
+    for (size_t i = 0; i < r->n; i++) {
+        const Mmctl__SeqStep *q = p->seqs[i];
+        r->seq[i] = q->seq_id;
+        r->tok[i] = -1;
+        r->next_pos[i] = 0;
+        r->code[i] = 0;
+        if (n_res != p->n_seqs || res == NULL) { // the whole step failed
+            r->code[i] = whole_code ? (int32_t)whole_code : MM_EINVAL;
+            snprintf(r->msg[i], FOLLOW_MSG, "%s", whole_msg && whole_msg[0] ? whole_msg
+                                                                          : "the step failed");
+            continue;
+        }
+        const Mmctl__SeqResult *s = res[i];
+        if (s->error_code != 0) {
+            r->code[i] = (int32_t)s->error_code;
+            snprintf(r->msg[i], FOLLOW_MSG, "%s", s->error ? s->error : "");
+            continue;
+        }
+        r->tok[i] = s->n_more > 0 ? s->more[s->n_more - 1] : s->token;
+        r->next_pos[i] = q->pos + (uint32_t)q->n_tokens + (uint32_t)s->n_more;
+    }
+    pthread_cond_broadcast(&f->cv);
+}

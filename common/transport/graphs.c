@@ -20,6 +20,7 @@ struct mm_mesh_graphs {
     int cap;
     uint64_t tick;
     bool off; // a recording failed: op by op from now on
+    int n_recorded;
     char who[48];
     struct entry *e; // (cap)
 };
@@ -124,5 +125,8 @@ mm_err mm_mesh_graphs_run(mm_mesh_graphs *g, uint64_t k0, uint64_t k1, int64_t r
         return fn(arg); // the recorded ops did not run
     }
     hit->graph = graph;
+    if (g->n_recorded++ == 0)
+        mm_log_info("mesh graphs: %s recorded its first graph (key %llu/%llu, %lld rows)", g->who,
+                    (unsigned long long)k0, (unsigned long long)k1, (long long)rows);
     return ops->graph_launch(ctx, graph);
 }

@@ -193,6 +193,10 @@ const Mmctl__StepPlan *mm_follow_resolve(mm_follow *f, const Mmctl__StepPlan *p,
         f->tok[i] = rec->tok[j];
         o->tokens = &f->tok[i];
         o->n_tokens = 1;
+        // draft rows stay before end_pos: the client reserved KV up to it (the client could
+        // not bound max_draft by the tokens its pending step may still add)
+        if (q->end_pos != 0 && o->max_draft > q->end_pos - pos - 1)
+            o->max_draft = q->end_pos - pos - 1;
     }
     return &f->rp;
 }

@@ -35,7 +35,8 @@ mm_err mm_follow_wait(mm_follow *f, pthread_mutex_t *mu, uint64_t after, int tim
 
 // mm_follow_resolve: the plan to run for p (borrowed; the returned plan is valid until the
 // next call and shares p's arrays): p itself when it has no follow entries, else a copy whose
-// follow entries carry the token and position from step p->after_step. An entry that cannot
+// follow entries carry the token and position from step p->after_step (and max_draft cut so
+// that draft rows stay before end_pos). An entry that cannot
 // run keeps no tokens; mm_follow_dropped then names why. max_ctx: the router's context limit.
 const Mmctl__StepPlan *mm_follow_resolve(mm_follow *f, const Mmctl__StepPlan *p, int max_ctx);
 

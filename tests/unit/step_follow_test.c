@@ -146,13 +146,15 @@ static void test_resolve(void) {
     struct plan c;
     plan_init(&c, 12, 10);
     add(&c, 1, 0, 0, 0, 5);
-    add(&c, 4, 0, 0, 0, 13);
+    add(&c, 4, 0, 0, 0, 14)->max_draft = 4;
     r = mm_follow_resolve(f, &c.p, 32);
     d = mm_follow_dropped(f, 0, &code);
     MM_TRUE(d && strstr(d, "end position 5"));
     MM_EQ(code, MM_ECANCELED);
     MM_NULL(mm_follow_dropped(f, 1, NULL));
     MM_EQ(r->seqs[1]->pos, 12);
+    MM_EQ(r->seqs[1]->max_draft, 1); // a draft row at 13 only: 14 is the end position
+    MM_EQ(c.p.seqs[1]->max_draft, 4);
 
     // a whole step refused: its follow entries are dropped with its message
     struct plan e;

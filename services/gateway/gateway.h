@@ -126,6 +126,8 @@ typedef struct gw_sched_conf {
     int block_size;           // tokens per KV block
     int max_ctx;              // longest sequence (prompt + generated)
     int step_timeout_ms;      // deadline of one StepPlan call
+    bool pipeline;            // --pipeline-plans: the next plan goes out before the previous
+                              // result is in (2 in flight; docs/GATEWAY.md)
 } gw_sched_conf;
 
 enum gw_seq_state { GW_SEQ_NEW, GW_SEQ_WAITING, GW_SEQ_RUNNING, GW_SEQ_DONE };
@@ -144,7 +146,9 @@ typedef struct gw_seq {
     uint64_t id;
     int shard, state;
     int n_tokens, pos, n_gen; // tokens known, tokens in the KV, tokens generated
-    int chunk;                // tokens of this seq in the plan in flight (0: not in it)
+    int ppos;                 // tokens planned: pos plus the prompt chunks in flight
+    int in_plans;             // plans in flight holding the seq (0: none)
+    uint64_t sample_in;       // step id of the plan in flight that samples its next token
     bool cancelled, ever_planned;
     int64_t kv_blocks;
     uint64_t t_submit_ns, t_first_ns, t_last_ns;

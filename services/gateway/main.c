@@ -15,6 +15,7 @@ static long long s_port, s_max_body_bytes, s_health_timeout_ms, s_max_waiting, s
     s_max_batch_tokens, s_shards, s_shard_max_seqs, s_max_ctx, s_step_timeout_ms, s_keepalive_ms,
     s_health_ms;
 static double s_kv_mb;
+static bool s_pipeline_plans;
 static mm_opt s_gateway_opts[] = {
     {"host", MM_OPT_STR, &s_host, "127.0.0.1", "HTTP listen address"},
     {"port", MM_OPT_INT, &s_port, "8000", "HTTP listen port"},
@@ -40,6 +41,9 @@ static mm_opt s_gateway_opts[] = {
      "SSE keep-alive comment interval while a stream waits (bounds disconnect detection)"},
     {"mesh-check-ms", MM_OPT_INT, &s_health_ms, "250",
      "how often the gateway refreshes the mesh membership (503 when a role is down)"},
+    {"pipeline-plans", MM_OPT_BOOL, &s_pipeline_plans, "false",
+     "send the next step's plan before the previous result is in (2 in flight; decode seqs "
+     "follow the router's picks): the router starts each step without waiting for the gateway"},
     {0},
 };
 
@@ -122,7 +126,8 @@ int main(int argc, char **argv) {
                       .shards = (int)s_shards,
                       .shard_max_seqs = (int)s_shard_max_seqs,
                       .max_ctx = (int)s_max_ctx,
-                      .step_timeout_ms = (int)s_step_timeout_ms},
+                      .step_timeout_ms = (int)s_step_timeout_ms,
+                      .pipeline = s_pipeline_plans},
         };
         if (s_keepalive_ms < 10 || s_health_ms < 10) {
             rv = mm_errf(err, MM_EINVAL, "--keepalive-ms and --mesh-check-ms must be >= 10");

@@ -6,6 +6,9 @@
 // drains the whole list (uv_async_send coalesces wake-ups), runs the callbacks of calls that are
 // still attached and frees every call. n_inflight counts calls started and not yet freed, so
 // that close can wait for them with a deadline.
+// - Step calls complete in the order they were started (pipelined plans: the scheduler has up
+//   to 2 in flight and reads their results in plan order): a step call that completes before
+//   an earlier one is held until that one has completed.
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
@@ -28,8 +31,11 @@ struct gw_call {
     mm_err start_rv;
     char start_err[MM_ERRLEN];
     bool detached;    // loop thread only
-    gw_call *next;    // in mesh->done, under mesh->mu
+    bool completed;   // loop thread only: a step call done, held for an earlier one
+    gw_call *next;    // in mesh->done or the sender's queue, under mesh->mu
 };
+
+#define MAX_STEP_CALLS 8 // step calls in flight (the scheduler keeps at most 2)
 
 struct gw_mesh {
     uv_loop_t *loop;
@@ -44,7 +50,9 @@ struct gw_mesh {
     pthread_t sender;
     bool sender_running, sender_stop;
     pthread_cond_t cv;  // under mu
-    gw_call *to_send;   // under mu: at most one step plan waiting for the sender
+    gw_call *to_send, *to_send_tail; // under mu: step plans waiting for the sender, FIFO
+    gw_call *steps[MAX_STEP_CALLS];  // loop thread only: step calls in start order
+    int n_steps;
 };
 
 static void on_nng_done(mm_ctl_async *a, void *arg) {
@@ -93,6 +101,18 @@ static void on_wake(uv_async_t *h) {
     gw_mesh *m = h->data;
     for (gw_call *c = take_done(m), *next; c; c = next) {
         next = c->next;
+        bool queued = false;
+        for (int i = 0; i < m->n_steps && !queued; i++)
+            queued = m->steps[i] == c;
+        if (queued)
+            c->completed = true; // delivered below, in start order
+        else
+            finish(c);
+    }
+    while (m->n_steps > 0 && m->steps[0]->completed) {
+        gw_call *c = m->steps[0];
+        memmove(m->steps, m->steps + 1, (size_t)(m->n_steps - 1) * sizeof(m->steps[0]));
+        m->n_steps--;
         finish(c);
     }
 }
@@ -106,7 +126,10 @@ static void *sender_main(void *arg) {
         if (m->sender_stop && !m->to_send)
             break;
         gw_call *c = m->to_send;
-        m->to_send = NULL;
+        m->to_send = c->next;
+        if (!m->to_send)
+            m->to_send_tail = NULL;
+        c->next = NULL;
         pthread_mutex_unlock(&m->mu);
         c->start_rv = m->sender_stop ? MM_ECLOSED
                                      : mm_ctl_call_start(m->client, c->plan, c->timeout_ms,
@@ -193,11 +216,17 @@ mm_err gw_mesh_step(gw_mesh *m, mm_ctl_msg *plan, int timeout_ms, gw_step_cb cb,
         }
     } else {
         pthread_mutex_lock(&m->mu);
-        MM_ASSERT(m->to_send == NULL); // one step in flight at a time (sched.c)
-        m->to_send = c;
+        c->next = NULL; // (pipelined plans: the next may queue behind the one being sent)
+        if (m->to_send_tail)
+            m->to_send_tail->next = c;
+        else
+            m->to_send = c;
+        m->to_send_tail = c;
         pthread_cond_signal(&m->cv);
         pthread_mutex_unlock(&m->mu);
     }
+    if (m->n_steps < MAX_STEP_CALLS)
+        m->steps[m->n_steps++] = c;
     m->n_inflight++;
     *call = c;
     return MM_OK;
@@ -228,6 +257,12 @@ void gw_mesh_close(gw_mesh *m) {
         return;
     sender_join(m); // a plan still waiting completes with MM_ECLOSED
     mm_ctl_client_abort(m->client);
+    for (int i = 0; i < m->n_steps; i++) // completed, held for an earlier one: free them
+        if (m->steps[i]->completed) {
+            m->steps[i]->detached = true;
+            finish(m->steps[i]);
+        }
+    m->n_steps = 0; // the others are finished below, in any order
     // Every call in flight now completes with MM_ECLOSED on an nng thread; collect them here
     // (the loop is no longer running), bounded in case nng misbehaves.
     uint64_t deadline = mm_now_ms() + 2000;

@@ -3,13 +3,20 @@
 //
 // Design notes:
 // - Everything runs on the loop thread; the only asynchronous event is the StepResult (through
-//   mesh.c's wake-up). One plan in flight at a time: the router runs one step at a time anyway.
+//   mesh.c's wake-up). One plan in flight at a time, or two with --pipeline-plans: the next
+//   plan goes out as soon as the previous one is sent (StepPlan.after_step), its decode seqs
+//   following the router's own picks (SeqStep.follow), so the router starts the next step
+//   without waiting for this loop and the nng round trip. Results come in plan order
+//   (mesh.c). A seq that ends while a later plan holds it stays referenced (state DONE, not
+//   dropped) until that plan's result is in; its entry there is dropped or its extra token
+//   ignored, and its release rides with the plan after.
 // - Lists: `waiting` (FCFS queue) and `running` (admission order), doubly linked through the
-//   seqs themselves; `plan_seqs` maps the plan in flight back to its seqs (plan order).
+//   seqs themselves; each plan in flight maps back to its seqs (plan order).
 // - Seq ids: id % shards is the seq's attention shard (docs/MESH.md), so the scheduler picks
 //   the shard with room at admission and makes the id land there: id = base * shards + shard,
 //   base increasing from the start time in microseconds (never reused, even across restarts).
-// - No allocation per step: the plan builder, plan_seqs and the release list are sized once.
+// - No allocation per step: the plan builders, the plans' seq arrays and the release list are
+//   sized once.
 #include <stdlib.h>
 #include <string.h>
 
@@ -25,6 +32,15 @@ struct list {
     int n;
 };
 
+struct plan { // a plan in flight
+    gw_sched *s;
+    gw_call *call;
+    uint64_t step_id;
+    int n;
+    gw_seq **seqs; // (max_step_seqs) plan order
+    int *chunk;    // (max_step_seqs) tokens of each entry (a follow entry: 1)
+};
+
 struct gw_sched {
     gw_sched_conf c;
     gw_mesh *mesh;
@@ -34,10 +50,9 @@ struct gw_sched {
     int *shard_seqs;          // (shards) running seqs per shard
     int64_t *shard_free;      // (shards) free KV blocks per shard
     uint64_t next_base, step_id;
-    mm_step_builder *b;
-    gw_seq **plan_seqs;       // (max_step_seqs) the plan in flight, plan order
-    int n_plan;
-    gw_call *inflight;        // NULL: no plan in flight
+    mm_step_builder *b[2];    // a plan's envelope is borrowed until its result (mesh.c)
+    struct plan fl[2];        // plans in flight: fl[head] the oldest (slots never move: a
+    int head, n_fl;           // call's arg points at its slot)
     uint64_t release[MAX_RELEASE];
     int n_release;
     bool stopped;
@@ -94,9 +109,14 @@ mm_err gw_sched_new(gw_sched **out, const gw_sched_conf *c, gw_mesh *mesh,
     s->next_base = (mm_now_ns() / 1000) << 8;
     s->shard_seqs = calloc((size_t)c->shards, sizeof(*s->shard_seqs));
     s->shard_free = calloc((size_t)c->shards, sizeof(*s->shard_free));
-    s->plan_seqs = calloc((size_t)c->max_step_seqs, sizeof(*s->plan_seqs));
-    if (!s->shard_seqs || !s->shard_free || !s->plan_seqs ||
-        mm_step_builder_new(&s->b, (uint32_t)c->max_step_seqs, MAX_RELEASE) != MM_OK) {
+    bool ok = s->shard_seqs && s->shard_free;
+    for (int k = 0; k < 2 && ok; k++) {
+        s->fl[k].seqs = calloc((size_t)c->max_step_seqs, sizeof(*s->fl[k].seqs));
+        s->fl[k].chunk = calloc((size_t)c->max_step_seqs, sizeof(*s->fl[k].chunk));
+        ok = s->fl[k].seqs && s->fl[k].chunk &&
+             mm_step_builder_new(&s->b[k], (uint32_t)c->max_step_seqs, MAX_RELEASE) == MM_OK;
+    }
+    if (!ok) {
         gw_sched_free(s);
         return MM_ENOMEM;
     }
@@ -109,12 +129,16 @@ mm_err gw_sched_new(gw_sched **out, const gw_sched_conf *c, gw_mesh *mesh,
 void gw_sched_free(gw_sched *s) {
     if (!s)
         return;
-    if (s->inflight)
-        gw_call_detach(s->inflight);
-    mm_step_builder_free(s->b);
+    for (int k = 0; k < s->n_fl; k++)
+        if (s->fl[(s->head + k) % 2].call)
+            gw_call_detach(s->fl[(s->head + k) % 2].call);
+    for (int k = 0; k < 2; k++) {
+        mm_step_builder_free(s->b[k]);
+        free(s->fl[k].seqs);
+        free(s->fl[k].chunk);
+    }
     free(s->shard_seqs);
     free(s->shard_free);
-    free(s->plan_seqs);
     free(s);
 }
 
@@ -151,7 +175,8 @@ mm_err gw_sched_submit(gw_sched *s, gw_seq **seqs, int n, char err[MM_ERRLEN]) {
         gw_seq *q = seqs[i];
         q->state = GW_SEQ_WAITING;
         q->n_tokens = q->n_prompt;
-        q->pos = q->n_gen = q->chunk = 0;
+        q->pos = q->ppos = q->n_gen = q->in_plans = 0;
+        q->sample_in = 0;
         q->cancelled = q->ever_planned = false;
         q->kv_blocks = blocks_for(s, q->n_prompt + q->max_gen);
         q->t_submit_ns = now;
@@ -162,7 +187,8 @@ mm_err gw_sched_submit(gw_sched *s, gw_seq **seqs, int n, char err[MM_ERRLEN]) {
     return MM_OK;
 }
 
-// finish: q leaves the running set (its KV is released in the next plan) and is dropped.
+// finish: q leaves the running set (its KV is released in the next plan) and is dropped, once
+// no plan in flight holds it.
 static void finish(gw_sched *s, gw_seq *q) {
     if (q->state == GW_SEQ_RUNNING) {
         list_remove(&s->running, q);
@@ -179,7 +205,8 @@ static void finish(gw_sched *s, gw_seq *q) {
         list_remove(&s->waiting, q);
     }
     q->state = GW_SEQ_DONE;
-    s->ops.dropped(s->arg, q);
+    if (q->in_plans == 0)
+        s->ops.dropped(s->arg, q);
 }
 
 void gw_sched_router_limits(gw_sched *s, uint32_t max_step_seqs, uint32_t max_batch_tokens,
@@ -210,7 +237,7 @@ void gw_sched_cancel(gw_sched *s, gw_seq *q) {
     if (q->state == GW_SEQ_DONE || q->state == GW_SEQ_NEW)
         return;
     q->cancelled = true;
-    if (q->chunk == 0) { // not in the plan in flight: release now
+    if (q->in_plans == 0) { // not in a plan in flight: release now
         finish(s, q);
         kick(s);
     }
@@ -253,66 +280,116 @@ static gw_seq *admit_one(gw_sched *s) {
 static void on_step(void *arg, mm_err rv, const mm_ctl_msg *reply, const char *err,
                     uint64_t t_done_ns);
 
-// plan_add puts up to *budget tokens of q in the plan.
-static void plan_add(gw_sched *s, gw_seq *q, int *budget) {
-    int want = q->n_tokens - q->pos;
+// plan_add puts up to *budget tokens of q in plan f.
+static void plan_add(gw_sched *s, struct plan *f, mm_step_builder *b, gw_seq *q, int *budget) {
+    int want = q->n_tokens - q->ppos;
     int n = want < *budget ? want : *budget;
-    if (n <= 0 || s->n_plan >= s->c.max_step_seqs)
+    if (n <= 0 || f->n >= s->c.max_step_seqs)
         return;
-    bool sample = q->pos + n == q->n_tokens;
-    if (mm_step_builder_add(s->b, q->id, (uint32_t)q->pos, q->tokens + q->pos, (uint32_t)n,
+    bool sample = q->ppos + n == q->n_tokens;
+    if (mm_step_builder_add(b, q->id, (uint32_t)q->ppos, q->tokens + q->ppos, (uint32_t)n,
                             sample, &q->sampling, q->n_top) != MM_OK)
         return;
     if (sample && !q->want_lp)
-        mm_step_builder_set_no_logprob(s->b);
+        mm_step_builder_set_no_logprob(b);
     if (sample && q->n_top == 0) { // drafting: the router may answer more tokens (SeqResult.more)
         long left = (long)q->max_gen - q->n_gen - 1, room = (long)s->c.max_ctx - q->n_tokens - 1;
         left = left < room ? left : room;
-        mm_step_builder_set_draft(s->b, left < 8 ? (left > 0 ? (uint32_t)left : 0) : 8);
+        mm_step_builder_set_draft(b, left < 8 ? (left > 0 ? (uint32_t)left : 0) : 8);
     }
-    q->chunk = n;
+    q->ppos += n;
+    if (sample)
+        q->sample_in = f->step_id;
     q->ever_planned = true;
-    s->plan_seqs[s->n_plan++] = q;
+    q->in_plans++;
+    f->chunk[f->n] = n;
+    f->seqs[f->n++] = q;
     *budget -= n;
 }
 
-static void kick(gw_sched *s) {
-    if (s->inflight || s->stopped)
+// plan_follow puts q, whose next input the plan in flight picks, in plan f as a follow entry
+// (pipelined plans): the router feeds its own pick; the entry is dropped at the position whose
+// token would be past max_tokens or the context.
+static void plan_follow(gw_sched *s, struct plan *f, mm_step_builder *b, gw_seq *q,
+                        int *budget) {
+    if (*budget < 1 || f->n >= s->c.max_step_seqs)
         return;
-    mm_step_builder_reset(s->b, ++s->step_id);
-    s->n_plan = 0;
+    int64_t limit = (int64_t)q->n_prompt + q->max_gen;
+    if (limit > s->c.max_ctx)
+        limit = s->c.max_ctx;
+    if (mm_step_builder_add_follow(b, q->id, (uint32_t)(limit - 1), &q->sampling, q->n_top) !=
+        MM_OK)
+        return;
+    if (!q->want_lp)
+        mm_step_builder_set_no_logprob(b);
+    if (q->n_top == 0) { // (at least the pending token comes first; the router also stops
+                         // draft rows before the end position)
+        long left = (long)q->max_gen - q->n_gen - 2, room = (long)s->c.max_ctx - q->n_tokens - 2;
+        left = left < room ? left : room;
+        mm_step_builder_set_draft(b, left < 8 ? (left > 0 ? (uint32_t)left : 0) : 8);
+    }
+    q->sample_in = f->step_id;
+    q->in_plans++;
+    f->chunk[f->n] = 1;
+    f->seqs[f->n++] = q;
+    *budget -= 1;
+}
+
+// plan_next builds and sends the next plan (after the plans in flight); false when it has no
+// seq to run or could not be sent.
+static bool plan_next(gw_sched *s) {
+    struct plan *f = &s->fl[(s->head + s->n_fl) % 2];
+    mm_step_builder *b = s->b[s->step_id % 2]; // (the other may be borrowed by the plan in flight)
+    const uint64_t after = s->n_fl > 0 ? s->fl[(s->head + s->n_fl - 1) % 2].step_id : 0;
+    mm_step_builder_reset(b, ++s->step_id);
+    mm_step_builder_set_after(b, after);
+    f->s = s;
+    f->step_id = s->step_id;
+    f->n = 0;
     for (int i = 0; i < s->n_release; i++)
-        mm_step_builder_release(s->b, s->release[i]);
+        mm_step_builder_release(b, s->release[i]);
     int budget = s->c.max_step_tokens;
     // Decode tokens first (they bound inter-token latency), then prefill chunks, FCFS.
+    for (gw_seq *q = s->running.head; q && budget > 0; q = q->next) {
+        if (q->cancelled)
+            continue; // (held by a plan in flight: it ends when that result is in)
+        if (q->sample_in != 0)
+            plan_follow(s, f, b, q, &budget);
+        else if (q->n_tokens - q->ppos == 1)
+            plan_add(s, f, b, q, &budget);
+    }
     for (gw_seq *q = s->running.head; q && budget > 0; q = q->next)
-        if (q->n_tokens - q->pos == 1)
-            plan_add(s, q, &budget);
-    for (gw_seq *q = s->running.head; q && budget > 0; q = q->next)
-        if (q->n_tokens - q->pos > 1)
-            plan_add(s, q, &budget);
+        if (!q->cancelled && q->sample_in == 0 && q->n_tokens - q->ppos > 1)
+            plan_add(s, f, b, q, &budget);
     gw_seq *q;
-    while (budget > 0 && s->n_plan < s->c.max_step_seqs && (q = admit_one(s)))
-        plan_add(s, q, &budget);
+    while (budget > 0 && f->n < s->c.max_step_seqs && (q = admit_one(s)))
+        plan_add(s, f, b, q, &budget);
     // Releases ride with a plan that has seqs: the router only reaches the shards when a step
     // has rows to run (services/router/step.c), so a releases-only plan would be lost. The
     // admission accounting frees the KV at once; the shards free it before the next step runs.
-    if (s->n_plan == 0)
-        return;
-    mm_log_debug("step %llu: %d seqs, %d releases", (unsigned long long)s->step_id, s->n_plan,
-                 s->n_release);
+    if (f->n == 0)
+        return false;
+    mm_log_debug("step %llu: %d seqs, %d releases%s", (unsigned long long)s->step_id, f->n,
+                 s->n_release, after ? " (pipelined)" : "");
     char err[MM_ERRLEN] = "";
-    mm_err rv = gw_mesh_step(s->mesh, mm_step_builder_env(s->b), s->c.step_timeout_ms, on_step,
-                             s, &s->inflight, err);
+    s->n_fl++;
+    mm_err rv = gw_mesh_step(s->mesh, mm_step_builder_env(b), s->c.step_timeout_ms, on_step, f,
+                             &f->call, err);
+    s->n_release = 0;
     if (rv != MM_OK) {
         // Cannot even send: fail the plan's seqs as a step error would. The releases are
         // dropped (the router cannot be told), so that this cannot loop.
-        s->inflight = NULL;
-        s->n_release = 0;
-        on_step(s, rv, NULL, err, mm_now_ns());
-        return;
+        f->call = NULL;
+        on_step(f, rv, NULL, err, mm_now_ns());
+        return false;
     }
-    s->n_release = 0;
+    return true;
+}
+
+static void kick(gw_sched *s) {
+    const int depth = s->c.pipeline ? 2 : 1;
+    while (s->n_fl < depth && !s->stopped && plan_next(s)) {
+    }
 }
 
 static void fail_seq(gw_sched *s, gw_seq *q, mm_err code, const char *msg) {
@@ -323,14 +400,15 @@ static void fail_seq(gw_sched *s, gw_seq *q, mm_err code, const char *msg) {
 
 static void on_step(void *arg, mm_err rv, const mm_ctl_msg *reply, const char *err,
                     uint64_t t_done_ns) {
-    gw_sched *s = arg;
+    struct plan *f = arg;
+    gw_sched *s = f->s;
     uint64_t t_loop = mm_now_ns();
-    s->inflight = NULL;
+    f->call = NULL;
     s->steps++;
     char msg[MM_ERRLEN] = "";
     const Mmctl__StepResult *res = NULL;
     if (rv == MM_OK) {
-        rv = mm_step_result_check(reply, s->step_id, (uint32_t)s->n_plan, &res, msg);
+        rv = mm_step_result_check(reply, f->step_id, (uint32_t)f->n, &res, msg);
         if (rv != MM_OK && !msg[0])
             snprintf(msg, sizeof(msg), "router: %s", mm_strerror(rv));
     } else {
@@ -338,15 +416,21 @@ static void on_step(void *arg, mm_err rv, const mm_ctl_msg *reply, const char *e
     }
     if (rv != MM_OK) {
         s->step_errors++;
-        mm_log_warn("step %llu failed (%d seqs): %s", (unsigned long long)s->step_id, s->n_plan,
-                    msg);
+        mm_log_warn("step %llu failed (%d seqs): %s", (unsigned long long)f->step_id, f->n, msg);
     }
     // The plan's releases were sent (or the router is gone, and the shards with it). Any seqs
     // failed below are released in the next plan.
-    for (int i = 0; i < s->n_plan; i++) {
-        gw_seq *q = s->plan_seqs[i];
-        int chunk = q->chunk;
-        q->chunk = 0;
+    for (int i = 0; i < f->n; i++) {
+        gw_seq *q = f->seqs[i];
+        int chunk = f->chunk[i];
+        q->in_plans--;
+        if (q->sample_in == f->step_id)
+            q->sample_in = 0; // no later plan in flight picks for it
+        if (q->state == GW_SEQ_DONE) { // ended at an earlier step (pipelined): entry ignored
+            if (q->in_plans == 0)
+                s->ops.dropped(s->arg, q);
+            continue;
+        }
         if (q->cancelled) {
             finish(s, q);
             continue;
@@ -368,6 +452,8 @@ static void on_step(void *arg, mm_err rv, const mm_ctl_msg *reply, const char *e
             continue;
         }
         q->pos += chunk;
+        if (q->in_plans == 0)
+            q->ppos = q->pos;
         if (q->pos < q->n_tokens)
             continue; // more prompt to go
         if (r->token < 0) {
@@ -392,11 +478,17 @@ static void on_step(void *arg, mm_err rv, const mm_ctl_msg *reply, const char *e
             q->n_gen++;
             more = s->ops.token(s->arg, q, &x, t_done_ns);
         }
+        if (q->in_plans == 0)
+            q->ppos = q->pos;
         q->t_last_ns = t_done_ns; // after the call: token() sees the previous token's time
         if (!more || q->n_gen >= q->max_gen || q->n_tokens >= s->c.max_ctx)
             finish(s, q);
     }
-    s->n_plan = 0;
+    // out of flight: the oldest plan (results come in plan order), or the newest when it could
+    // not even be sent
+    if (f == &s->fl[s->head])
+        s->head = (s->head + 1) % 2;
+    s->n_fl--;
     uint64_t t_tokens = mm_now_ns();
     kick(s);
     s->ops.flush(s->arg, t_done_ns, t_loop, t_tokens, mm_now_ns());
@@ -409,7 +501,7 @@ void gw_sched_stop(gw_sched *s) {
         fail_seq(s, q, MM_ECLOSED, "the gateway is shutting down");
     for (gw_seq *q = s->running.head, *next; q; q = next) {
         next = q->next;
-        if (q->chunk == 0)
+        if (q->in_plans == 0)
             fail_seq(s, q, MM_ECLOSED, "the gateway is shutting down");
     }
     s->stopped = true;

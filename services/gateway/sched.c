@@ -50,7 +50,8 @@ struct gw_sched {
     int *shard_seqs;          // (shards) running seqs per shard
     int64_t *shard_free;      // (shards) free KV blocks per shard
     uint64_t next_base, step_id;
-    mm_step_builder *b[2];    // a plan's envelope is borrowed until its result (mesh.c)
+    mm_step_builder *b[2];    // one per plan slot: a plan's envelope is borrowed until its
+                              // result (mesh.c's sender thread packs it later)
     struct plan fl[2];        // plans in flight: fl[head] the oldest (slots never move: a
     int head, n_fl;           // call's arg points at its slot)
     uint64_t release[MAX_RELEASE];
@@ -338,8 +339,9 @@ static void plan_follow(gw_sched *s, struct plan *f, mm_step_builder *b, gw_seq 
 // plan_next builds and sends the next plan (after the plans in flight); false when it has no
 // seq to run or could not be sent.
 static bool plan_next(gw_sched *s) {
-    struct plan *f = &s->fl[(s->head + s->n_fl) % 2];
-    mm_step_builder *b = s->b[s->step_id % 2]; // (the other may be borrowed by the plan in flight)
+    const int slot = (s->head + s->n_fl) % 2;
+    struct plan *f = &s->fl[slot];
+    mm_step_builder *b = s->b[slot]; // (the other slot's is borrowed by its plan in flight)
     const uint64_t after = s->n_fl > 0 ? s->fl[(s->head + s->n_fl - 1) % 2].step_id : 0;
     mm_step_builder_reset(b, ++s->step_id);
     mm_step_builder_set_after(b, after);

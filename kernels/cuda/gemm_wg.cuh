@@ -49,6 +49,7 @@ struct mm_wg_args {
     const float *bias;
     float *y;
     int64_t y_stride;
+    const int32_t *y_idx; // gemm_ws only: row p of the product writes y row y_idx[p] (NULL: p)
 };
 
 // Position of physical k (inside its 32-chunk) in the operand order: 8t + 4s + 2h + e -> 16s +

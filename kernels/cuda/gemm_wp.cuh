@@ -403,6 +403,8 @@ __host__ __device__ constexpr int ws_smem_bytes(int bn, int st) {
 // an expert without a matrix, are skipped by all warps alike (no stage use). Expert e's W is
 // at wb + e * n_out * ldx; x rows are swizzled relative to their expert's first row
 // (wg_convert_x_kernel's offs), and every tile starts at that row + a multiple of BN.
+// a.y_idx (grouped prefill through mm_gpu_moe_matmul_rows): product row p is stored to y row
+// y_idx[p] (the MoE layer's scatter to (row, rank) slots, a copy: same bits).
 template <int BN, int ST, bool DUAL, bool LAG, bool GROUPED = false>
 __global__ void __launch_bounds__(WS_THREADS, 1) gemm_ws_kernel(mm_wg_args a, const uint16_t *wb) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -615,7 +617,8 @@ __global__ void __launch_bounds__(WS_THREADS, 1) gemm_ws_kernel(mm_wg_args a, co
                             float v = tot[4 * j + 2 * h + c];
                             if (a.bias)
                                 v = v + b;
-                            a.y[(size_t)(m0 + tok) * a.y_stride + o] = v;
+                            const int64_t yr = a.y_idx ? (int64_t)a.y_idx[m0 + tok] : (int64_t)(m0 + tok);
+                            a.y[(size_t)yr * a.y_stride + o] = v;
                         }
                     }
             }

@@ -1264,6 +1264,79 @@ extern "C" size_t mm_gpu_wperm_bytes(void) {
 }
 
 #if MM_GPU_HAVE_WMMA
+// Prefill conversion for gemm_ws (mm_gpu_set_prefill_fuse, MM_GPU_PF_FUSE; 1 by default, 0:
+// the earlier form). 1: x goes into the k-block-major swizzled workspace by
+// wg_convert_rows_kernel (one warp per row: the row's expert and swizzle found once per row,
+// not once per 16-byte piece with a 64-bit division), and grouped products taken by
+// mm_gpu_moe_matmul_rows with >= 128 rows per expert run on gemm_ws with the MoE layer's
+// gather (x_idx), SwiGLU (x_up) and scatter (y_idx) inside (no copy_rows and swiglu launches
+// around them). The same bytes in the workspace and the same values stored: the same bits.
+static int g_pf_fuse = -1; // -1: not read yet
+
+static bool pf_fuse(void) {
+    if (g_pf_fuse < 0) {
+        const char *e = getenv("MM_GPU_PF_FUSE");
+        g_pf_fuse = e && strcmp(e, "0") == 0 ? 0 : 1;
+    }
+    return g_pf_fuse > 0;
+}
+
+// x (f32, any stride) -> the TILED workspace of wg_convert_x_kernel<true> (same layout, same
+// bytes), one warp per workspace row r: source row x_idx[r] (NULL: r); x_up (NULL: none): the
+// value is mv2_swiglu(x, up) of the same source row and column (swiglu_kernel's expression);
+// offs (grouped): the swizzle is (r - offs[e]) & 7 for r's expert e, else r & 7. VEC2: x (and
+// x_up) rows 8-byte aligned, read as float2 (k is even).
+template <bool VEC2>
+__global__ void wg_convert_rows_kernel(const float *x, int64_t xs, const int32_t *x_idx,
+                                       const float *x_up, int n_rows, int n_in, uint16_t *xb,
+                                       int64_t ldx, const int32_t *offs, int n_experts) {
+    const int lane = threadIdx.x & 31;
+    const int per_row = (int)(ldx / 8);
+    const int64_t wstep = ((int64_t)gridDim.x * blockDim.x) >> 5;
+    for (int64_t r = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5; r < n_rows; r += wstep) {
+        int sw = (int)(r & 7);
+        if (offs != NULL) { // the last expert whose rows start at or before r (as wg_convert_x_kernel)
+            int lo = 0, hi = n_experts; // offs[lo] <= r < offs[hi]
+            while (hi - lo > 1) {
+                const int mid = (lo + hi) >> 1;
+                if (offs[mid] <= r)
+                    lo = mid;
+                else
+                    hi = mid;
+            }
+            sw = (int)((r - offs[lo]) & 7);
+        }
+        const int64_t src = x_idx != NULL ? (int64_t)x_idx[r] : r;
+        const float *xr = x + src * xs;
+        const float *ur = x_up != NULL ? x_up + src * xs : NULL;
+        for (int q = lane; q < per_row; q += 32) {
+            const int c = q >> 2, s = (q >> 1) & 1, h = q & 1;
+            uint32_t v[4];
+#pragma unroll
+            for (int t = 0; t < 4; t++) { // n_in even: k < n_in means k + 1 < n_in
+                const int k = 32 * c + 8 * t + 4 * s + 2 * h;
+                float2 f = make_float2(0.0f, 0.0f);
+                if (k < n_in) {
+                    if (VEC2) {
+                        f = *(const float2 *)(xr + k);
+                        if (ur != NULL) {
+                            const float2 u = *(const float2 *)(ur + k);
+                            f = make_float2(mv2_swiglu(f.x, u.x), mv2_swiglu(f.y, u.y));
+                        }
+                    } else {
+                        f = make_float2(xr[k], xr[k + 1]);
+                        if (ur != NULL)
+                            f = make_float2(mv2_swiglu(f.x, ur[k]), mv2_swiglu(f.y, ur[k + 1]));
+                    }
+                }
+                v[t] = pack_bf16(f.x, f.y);
+            }
+            uint16_t *dst = xb + ((int64_t)(q >> 3) * n_rows + r) * 64 + 8 * ((q & 7) ^ sw);
+            *(uint4 *)dst = make_uint4(v[0], v[1], v[2], v[3]);
+        }
+    }
+}
+
 // Converts x into a stream-ordered workspace (bf16, permuted; gemm_wg.cuh) and runs the
 // wgmma tiles. *ran is false, with MM_OK, when the workspace could not be had or the stream is
 // capturing: the caller then takes the mma.sync path, which gives the same bits. The workspace comes from the
@@ -1313,6 +1386,9 @@ static mm_err launch_wg(cudaStream_t st, const mm_mat_args &a, bool *ran) {
         var = var == 13 || var == 19 ? 19 : var == 14 || var == 20 ? 20 : var >= 8 ? 2 : var;
     else if (var >= 19)
         var = var == 19 ? 13 : 14;
+    const bool rows = a.x_idx != NULL || a.y_idx != NULL || a.x_up != NULL;
+    if (rows && !(GROUPED && (var == 19 || var == 20)))
+        return MM_EUNSUPP; // row indices and SwiGLU: gemm_ws grouped only (nothing issued)
     const bool tiled = var >= 8, wperm = var >= 11;
     // the cached permuted W where there is one (wperm_get builds it on first use)
     const uint16_t *wcached = wperm ? wperm_get(st, a, ldx) : NULL;
@@ -1330,7 +1406,20 @@ static mm_err launch_wg(cudaStream_t st, const mm_mat_args &a, bool *ran) {
     const int64_t pieces = (int64_t)a.n_rows * (ldx / 8);
     const int64_t cb = (pieces + 255) / 256;
     const unsigned cblocks = (unsigned)(cb < 132 * 16 ? cb : 132 * 16);
-    if (tiled) // grouped gemm_ws: rows swizzled relative to their expert's first row
+    if (tiled && (rows || pf_fuse())) { // a warp per row (8 per block)
+        const int64_t rb = ((int64_t)a.n_rows + 7) / 8;
+        const unsigned rblocks = (unsigned)(rb < 132 * 16 ? rb : 132 * 16);
+        const bool v2 = ((uintptr_t)a.x & 7) == 0 && a.x_stride % 2 == 0 &&
+                        (a.x_up == NULL || ((uintptr_t)a.x_up & 7) == 0);
+        if (v2)
+            wg_convert_rows_kernel<true><<<rblocks, 256, 0, st>>>(
+                a.x, a.x_stride, a.x_idx, a.x_up, a.n_rows, a.n_in, (uint16_t *)ws, ldx,
+                GROUPED ? a.offs : NULL, a.n_experts);
+        else
+            wg_convert_rows_kernel<false><<<rblocks, 256, 0, st>>>(
+                a.x, a.x_stride, a.x_idx, a.x_up, a.n_rows, a.n_in, (uint16_t *)ws, ldx,
+                GROUPED ? a.offs : NULL, a.n_experts);
+    } else if (tiled) // grouped gemm_ws: rows swizzled relative to their expert's first row
         wg_convert_x_kernel<true><<<cblocks, 256, 0, st>>>(a.x, a.x_stride, a.n_rows, a.n_in, (uint16_t *)ws,
                                                            ldx, GROUPED ? a.offs : NULL, a.n_experts);
     else
@@ -1350,7 +1439,7 @@ static mm_err launch_wg(cudaStream_t st, const mm_mat_args &a, bool *ran) {
         MM_GPU_CHECK(cudaGetLastError());
     }
     mm_wg_args w = {(const uint16_t *)ws, ldx, a.w0, a.wg, a.offs, a.n_experts, a.n_rows, a.n_in,
-                    a.n_out, a.bias, a.y, a.y_stride};
+                    a.n_out, a.bias, a.y, a.y_stride, a.y_idx};
     mm_err rv;
     // Default (H200, 2026-11-29, kernels/cuda/bench/NOTES.md; every variant bit-equal to the
     // GEMV there): dense products on gemm_ws 128 x 128 with two accumulators, persistent from
@@ -1597,13 +1686,28 @@ extern "C" mm_err mm_gpu_moe_matmul_rows(void *stream, int dtype, const void *co
     a.vec = n_in % 8 == 0 && x_stride % 4 == 0 && aligned16(d_x);
     const int active = min(n_experts, n_rows);
     const int per = (n_rows + active - 1) / active;
-    if (dtype != MM_DTYPE_BF16 || auto_path(dtype, per, a) != MM_GPU_PATH_GEMV ||
-        gemv_x_smem(a, per) == 0)
+    const int path = dtype == MM_DTYPE_BF16 ? auto_path(dtype, per, a) : MM_GPU_PATH_FMA;
+    if (path == MM_GPU_PATH_WG && pf_fuse()) { // prefill: gemm_ws grouped with the rows inside
+        bool ran = false;
+        const mm_err rv = launch_wg<true>((cudaStream_t)stream, a, &ran);
+        return rv != MM_OK ? rv : ran ? MM_OK : MM_EUNSUPP; // not ran: nothing was issued
+    }
+    if (path != MM_GPU_PATH_GEMV || gemv_x_smem(a, per) == 0)
         return MM_EUNSUPP;
     return launch<true>((cudaStream_t)stream, MM_GPU_PATH_GEMV, dtype, a, per);
 #else
     (void)d_x_idx, (void)d_y_idx, (void)d_x_up;
     return MM_EUNSUPP;
+#endif
+}
+
+// The prefill conversion and the grouped products' fused rows (above launch_wg): 1 on, 0 the
+// earlier form (A/B runs; the same bits either way), -1 back to MM_GPU_PF_FUSE.
+extern "C" void mm_gpu_set_prefill_fuse(int on) {
+#if MM_GPU_HAVE_WMMA
+    g_pf_fuse = on < 0 ? -1 : on != 0;
+#else
+    (void)on;
 #endif
 }
 

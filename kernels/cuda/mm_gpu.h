@@ -125,6 +125,12 @@ void mm_gpu_set_dep_launch(int on);
 // dense products take 13, 14 for them). Same bits in all. 7: a
 // bench-only diagnostic without the proxy fence (racy; never for results). Process-wide.
 void mm_gpu_set_gemm_tile(int variant);
+// mm_gpu_set_prefill_fuse: 1 (default; env MM_GPU_PF_FUSE=0 starts it at 0) converts gemm_ws's x
+// a warp per row and lets mm_gpu_moe_matmul_rows take grouped prefill products (>= 128 rows per
+// expert) on gemm_ws with its gather, SwiGLU and scatter inside; 0: the earlier conversion, and
+// those products MM_EUNSUPP (the model then gathers, runs SwiGLU and scatters as ops). Same bits;
+// -1: back to the environment's choice. Process-wide; CUDA only.
+void mm_gpu_set_prefill_fuse(int on);
 
 // Permuted-W cache (matmul.cu): gemm_ws keeps each weight's permuted copy on the device (dense
 // W; grouped: all experts of a device pointer table), built on first use, up to

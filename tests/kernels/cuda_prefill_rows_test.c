@@ -1,0 +1,225 @@
+// SPDX-License-Identifier: MIT
+// The prefill products' fused forms (kernels/cuda/matmul.cu, mm_gpu_set_prefill_fuse): the
+// gemm_ws x conversion a warp per row, and grouped products of >= 128 rows per expert taken by
+// mm_gpu_moe_matmul_rows on gemm_ws with the MoE layer's gather (x_idx), SwiGLU (x_up) and
+// scatter (y_idx) inside. Each must give the bits of what it replaces: the grouped GEMV over
+// rows gathered (and SwiGLU'd by the backend's swiglu op) beforehand, stored to the scattered
+// rows; the dense product with the earlier conversion and the GEMV. Rows never written keep
+// their fill. Without the GPU backend, or without an sm_90 device (no wgmma), the cases skip.
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels.h"
+#include "mm_test.h"
+
+#define GPU_TEST_SEED 0x2545f4914f6cdd1dull
+#include "gpu_test.h"
+
+extern mm_err mm_gpu_matmul(void *stream, int dtype, const void *d_w, int n_out, int n_in,
+                            const float *d_bias, const float *d_x, int64_t x_stride, float *d_y,
+                            int64_t y_stride, int n_rows, int path) __attribute__((weak));
+extern mm_err mm_gpu_moe_matmul(void *stream, int dtype, const void *const *d_w,
+                                const int32_t *d_offs, int n_experts, int n_out, int n_in,
+                                const float *d_x, int64_t x_stride, float *d_y, int64_t y_stride,
+                                int n_rows, int path) __attribute__((weak));
+extern mm_err mm_gpu_moe_matmul_rows(void *stream, int dtype, const void *const *d_w,
+                                     const int32_t *d_offs, int n_experts, int n_out, int n_in,
+                                     const float *d_x, int64_t x_stride, const int32_t *d_x_idx,
+                                     const float *d_x_up, float *d_y, int64_t y_stride,
+                                     const int32_t *d_y_idx, int n_rows) __attribute__((weak));
+extern void mm_gpu_set_gemm_tile(int variant) __attribute__((weak));
+extern void mm_gpu_set_prefill_fuse(int on) __attribute__((weak));
+extern mm_err mm_gpu_stream_sync(void *stream) __attribute__((weak));
+
+// n random bf16 values (the top half of random floats in [-1, 1)); owned: free.
+static uint16_t *rand_bf16(int64_t n) {
+    uint16_t *w = malloc((size_t)n * 2 + 2);
+    MM_TRUE(w != NULL);
+    for (int64_t i = 0; i < n; i++) {
+        const float f = frand();
+        uint32_t u;
+        memcpy(&u, &f, 4);
+        w[i] = (uint16_t)(u >> 16);
+    }
+    return w;
+}
+
+static void open_or_skip(void) {
+    gpu_open(NULL);
+    if (!mm_gpu_matmul || !mm_gpu_moe_matmul || !mm_gpu_moe_matmul_rows || !mm_gpu_set_gemm_tile ||
+        !mm_gpu_set_prefill_fuse || !mm_gpu_stream_sync)
+        MM_SKIP("the CUDA matmul entry points are not linked");
+    // the wgmma path needs compute capability 9.0: a small product tells
+    uint16_t *w = rand_bf16(64 * 64);
+    float *x = rand_f32(128 * 64, 1.0f);
+    void *dw = dev_copy(w, 64 * 64 * 2), *dx = dev_copy(x, 128 * 64 * 4), *dy = dev_copy(NULL, 128 * 64 * 4);
+    const mm_err rv = mm_gpu_matmul(NULL, MM_DTYPE_BF16, dw, 64, 64, NULL, dx, 64, dy, 64, 128, 3);
+    MM_PASS(mm_gpu_stream_sync(NULL));
+    dev_free(dw), dev_free(dx), dev_free(dy), free(w), free(x);
+    if (rv == MM_EUNSUPP) {
+        gpu_close(NULL);
+        MM_SKIP("no wgmma path on this device (needs compute capability 9.0)");
+    }
+    MM_PASS(rv);
+}
+
+// E experts with cnt[e] rows each (sorted by expert), n_src source rows; sorted row p reads
+// source row xi[p] (glu: the input is swiglu(gate, up) of the source row [gate | up]) and its
+// output goes to row yi[p] of yfull rows. variant: mm_gpu_set_gemm_tile's (0 AUTO, 19, 20, or
+// 2, which must refuse). xs_pad: the source row stride past its width (odd: the scalar loads).
+static void grouped_case(int n_out, int n_in, int n_src, int E, const int *cnt, bool glu,
+                         int variant, int xs_pad) {
+    int32_t offs[65] = {0};
+    for (int e = 0; e < E; e++)
+        offs[e + 1] = offs[e] + cnt[e];
+    const int n = offs[E];
+    int64_t yfull = (int64_t)n + 3;
+    while (yfull % 7 == 0)
+        yfull++;
+    const int64_t xw = glu ? 2 * (int64_t)n_in : n_in, xs = xw + xs_pad, ys = n_out + 5;
+    int32_t *xi = malloc((size_t)n * 4), *yi = malloc((size_t)n * 4);
+    MM_TRUE(xi && yi);
+    for (int p = 0; p < n; p++) {
+        xi[p] = (int32_t)(((int64_t)p * 5 + 3) % n_src);
+        yi[p] = (int32_t)(((int64_t)p * 7 + 1) % yfull); // distinct: 7 and yfull coprime
+    }
+    float *xsrc = rand_f32((int64_t)n_src * xs, 2.0f);
+    float *xg = malloc((size_t)(n * xs) * 4 + 4);
+    MM_TRUE(xg != NULL);
+    for (int p = 0; p < n; p++)
+        memcpy(xg + (int64_t)p * xs, xsrc + (int64_t)xi[p] * xs, (size_t)xs * 4);
+    void *wp[64];
+    uint16_t *wh[64];
+    for (int e = 0; e < E; e++) {
+        wh[e] = rand_bf16((int64_t)n_out * n_in);
+        wp[e] = dev_copy(wh[e], (size_t)n_out * n_in * 2);
+    }
+    void *dwp = dev_copy(wp, (size_t)E * sizeof(void *));
+    int32_t *doffs = dev_copy(offs, (size_t)(E + 1) * 4);
+    int32_t *dxi = dev_copy(xi, (size_t)n * 4), *dyi = dev_copy(yi, (size_t)n * 4);
+    float *dxsrc = dev_copy(xsrc, (size_t)(n_src * xs) * 4), *dxg = dev_copy(xg, (size_t)(n * xs) * 4);
+    float *df = dev_copy(NULL, (size_t)n * n_in * 4);
+    float *yref = dev_copy(NULL, (size_t)(n * ys) * 4), *yrow = dev_copy(NULL, (size_t)(yfull * ys) * 4);
+    const float *xin = dxg;
+    int64_t xin_s = xs;
+    if (glu) { // the op the fused form stands for
+        MM_PASS(gpu->ops->swiglu(gpu->ctx, dxg, xs, dxg + n_in, xs, df, n_in, n, n_in));
+        xin = df, xin_s = n_in;
+    }
+    MM_PASS(gpu->ops->fill(gpu->ctx, yref, -3.0f, n * ys));
+    MM_PASS(gpu->ops->fill(gpu->ctx, yrow, -5.0f, yfull * ys));
+    MM_PASS(gpu->ops->synchronize(gpu->ctx));
+    // reference: the grouped GEMV (the bits every path keeps)
+    MM_PASS(mm_gpu_moe_matmul(NULL, MM_DTYPE_BF16, (const void *const *)dwp, doffs, E, n_out, n_in,
+                              xin, xin_s, yref, ys, n, 0));
+    mm_gpu_set_prefill_fuse(1);
+    mm_gpu_set_gemm_tile(variant);
+    const float *xup = glu ? dxsrc + n_in : NULL;
+    const mm_err rr = mm_gpu_moe_matmul_rows(NULL, MM_DTYPE_BF16, (const void *const *)dwp, doffs, E,
+                                             n_out, n_in, dxsrc, xs, dxi, xup, yrow, ys, dyi, n);
+    mm_gpu_set_gemm_tile(0);
+    // switched off: refused, nothing written
+    mm_gpu_set_prefill_fuse(0);
+    const mm_err off = mm_gpu_moe_matmul_rows(NULL, MM_DTYPE_BF16, (const void *const *)dwp, doffs,
+                                              E, n_out, n_in, dxsrc, xs, dxi, xup, yrow, ys, dyi, n);
+    mm_gpu_set_prefill_fuse(-1);
+    MM_PASS(mm_gpu_stream_sync(NULL));
+    MM_EQ(off, MM_EUNSUPP);
+    if (variant == 2) { // gemm_wg has no row indices: refused before issuing anything
+        MM_EQ(rr, MM_EUNSUPP);
+    } else {
+        MM_PASS(rr);
+    }
+    float *h_ref = dev_get(yref, (size_t)(n * ys) * 4), *h_row = dev_get(yrow, (size_t)(yfull * ys) * 4);
+    float *want = malloc((size_t)(yfull * ys) * 4);
+    MM_TRUE(want != NULL);
+    for (int64_t i = 0; i < yfull * ys; i++)
+        want[i] = -5.0f;
+    if (rr == MM_OK)
+        for (int p = 0; p < n; p++)
+            for (int j = 0; j < n_out; j++)
+                want[(int64_t)yi[p] * ys + j] = h_ref[(int64_t)p * ys + j];
+    const int64_t diff = n_diff(h_row, want, yfull * ys);
+    printf("grouped %dx%d%s, %d rows over %d experts, x stride %lld, variant %d: %s, %lld of %lld "
+           "elements differ from the gathered GEMV's\n", n_out, n_in, glu ? " (swiglu input)" : "",
+           n, E, (long long)xs, variant, rr == MM_OK ? "fused" : "refused", (long long)diff,
+           (long long)(yfull * ys));
+    MM_EQ(diff, 0);
+    for (int e = 0; e < E; e++) {
+        free(wh[e]);
+        dev_free(wp[e]);
+    }
+    free(xi), free(yi), free(xsrc), free(xg), free(h_ref), free(h_row), free(want);
+    void *bufs[] = {dwp, doffs, dxi, dyi, dxsrc, dxg, df, yref, yrow};
+    for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++)
+        dev_free(bufs[i]);
+}
+
+static void test_grouped_rows(void) {
+    open_or_skip();
+    // >= 128 rows per expert on average (gemm_ws grouped); counts not multiples of 8, an empty
+    // expert, one expert of a few rows, tiles ending inside an expert
+    const int c8[8] = {130, 0, 301, 128, 257, 7, 140, 200};
+    const int c5[5] = {129, 300, 2, 200, 140};
+    grouped_case(200, 520, 700, 8, c8, false, 0, 2);   // partial 32-chunk, [gate; up]-like
+    grouped_case(200, 520, 700, 8, c8, true, 0, 2);    // down-like: swiglu input, scatter
+    grouped_case(136, 300, 333, 5, c5, true, 0, 1);    // odd stride: scalar loads
+    grouped_case(96, 2048, 900, 5, c5, false, 19, 4);  // 8 k segments, a block per tile
+    grouped_case(96, 2048, 900, 5, c5, true, 20, 4);   // persistent
+    grouped_case(200, 520, 700, 8, c8, false, 2, 2);   // gemm_wg: refused
+    gpu_close(NULL);
+}
+
+// Dense gemm_ws products with the row-per-warp conversion against the earlier conversion and
+// the GEMV, all bit for bit.
+static void dense_case(int n_out, int n_in, int n_rows, int xs_pad, int variant) {
+    const int64_t xs = n_in + xs_pad, ys = n_out + 3;
+    uint16_t *w = rand_bf16((int64_t)n_out * n_in);
+    float *x = rand_f32((int64_t)n_rows * xs, 1.5f);
+    void *dw = dev_copy(w, (size_t)n_out * n_in * 2);
+    float *dx = dev_copy(x, (size_t)(n_rows * xs) * 4);
+    float *y[3];
+    for (int i = 0; i < 3; i++) {
+        y[i] = dev_copy(NULL, (size_t)(n_rows * ys) * 4);
+        MM_PASS(gpu->ops->fill(gpu->ctx, y[i], -7.0f, n_rows * ys));
+    }
+    MM_PASS(gpu->ops->synchronize(gpu->ctx));
+    MM_PASS(mm_gpu_matmul(NULL, MM_DTYPE_BF16, dw, n_out, n_in, NULL, dx, xs, y[0], ys, n_rows, 0));
+    mm_gpu_set_gemm_tile(variant);
+    mm_gpu_set_prefill_fuse(1);
+    MM_PASS(mm_gpu_matmul(NULL, MM_DTYPE_BF16, dw, n_out, n_in, NULL, dx, xs, y[1], ys, n_rows, 3));
+    mm_gpu_set_prefill_fuse(0);
+    MM_PASS(mm_gpu_matmul(NULL, MM_DTYPE_BF16, dw, n_out, n_in, NULL, dx, xs, y[2], ys, n_rows, 3));
+    mm_gpu_set_prefill_fuse(-1);
+    mm_gpu_set_gemm_tile(0);
+    MM_PASS(mm_gpu_stream_sync(NULL));
+    float *h[3];
+    for (int i = 0; i < 3; i++)
+        h[i] = dev_get(y[i], (size_t)(n_rows * ys) * 4);
+    const int64_t d1 = n_diff(h[1], h[0], n_rows * ys), d2 = n_diff(h[2], h[0], n_rows * ys);
+    printf("dense %dx%d, %d rows, x stride %lld, variant %d: row conversion %lld, earlier %lld of "
+           "%lld elements differ from the GEMV's\n", n_out, n_in, n_rows, (long long)xs, variant,
+           (long long)d1, (long long)d2, (long long)(n_rows * ys));
+    MM_EQ(d1, 0);
+    MM_EQ(d2, 0);
+    for (int i = 0; i < 3; i++)
+        dev_free(y[i]), free(h[i]);
+    dev_free(dw), dev_free(dx), free(w), free(x);
+}
+
+static void test_dense_conversion(void) {
+    open_or_skip();
+    dense_case(300, 520, 333, 2, 0);  // AUTO (13)
+    dense_case(300, 520, 333, 1, 13); // odd stride: scalar loads
+    dense_case(256, 2048, 4096, 0, 14);
+    dense_case(130, 1000, 257, 6, 11);
+    gpu_close(NULL);
+}
+
+MM_TESTS = {
+    {"grouped prefill rows on gemm_ws: gathered GEMV bits", test_grouped_rows},
+    {"dense gemm_ws row conversion: GEMV bits", test_dense_conversion},
+    {NULL, NULL},
+};

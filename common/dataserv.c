@@ -19,6 +19,7 @@ struct mm_dataserv {
     void *buf; // (cap) frame payloads
     void *d_buf; // (d_cap) device frames' payloads (the role's device buffer), or NULL
     size_t d_cap;
+    bool view;   // device frames handed over in place (mm_dataserv_start_view)
     mm_dataserv_fn fn;
     mm_dataserv_tick tick;
     int tick_ms;
@@ -34,6 +35,12 @@ mm_err mm_dataserv_reply_error(mm_conn *c, const mm_wire_hdr *req, mm_err code,
     h.aux = (uint32_t)code;
     h.row_base = req->row_base;
     return mm_conn_send(c, &h, msg, mm_deadline_in_ms(1000));
+}
+
+static _Thread_local const void *tl_view; // the device payload being handled, or NULL
+
+bool mm_dataserv_on_dev(const void *payload) {
+    return payload != NULL && payload == tl_view;
 }
 
 static void *serve(void *arg) {
@@ -62,7 +69,11 @@ static void *serve(void *arg) {
         while (!atomic_load(&s->stop)) {
             mm_wire_hdr h;
             bool on_dev = false;
-            if (s->d_buf != NULL && mm_conn_dev(c)) {
+            const void *view = NULL;
+            if (s->view && mm_conn_dev(c)) {
+                rv = mm_conn_recv_view(c, &h, s->buf, s->cap, &view, mm_deadline_in_ms(100));
+                on_dev = view != NULL;
+            } else if (s->d_buf != NULL && mm_conn_dev(c)) {
                 struct iovec dv = {.iov_base = s->d_buf, .iov_len = s->d_cap};
                 rv = mm_conn_recv_dev(c, &h, s->buf, s->cap, &dv, 1, &on_dev,
                                       mm_deadline_in_ms(100));
@@ -90,7 +101,11 @@ static void *serve(void *arg) {
                     mm_log_warn("data %s: conn ended: %s", s->url, mm_strerror(rv));
                 break;
             }
-            if (s->fn(s->arg, c, &h, on_dev ? s->d_buf : s->buf) != MM_OK)
+            void *payload = view ? (void *)view : on_dev ? s->d_buf : s->buf;
+            tl_view = view;
+            mm_err hr = s->fn(s->arg, c, &h, payload);
+            tl_view = NULL;
+            if (hr != MM_OK)
                 break;
         }
         mm_conn_close(c);
@@ -105,13 +120,30 @@ mm_err mm_dataserv_start(mm_dataserv **out, const char *url, size_t payload_cap,
     return mm_dataserv_start_dev(out, url, payload_cap, NULL, 0, fn, tick, tick_ms, arg, err);
 }
 
+static mm_err start(mm_dataserv **out, const char *url, size_t payload_cap, void *d_buf,
+                    size_t d_cap, bool view, mm_dataserv_fn fn, mm_dataserv_tick tick,
+                    int tick_ms, void *arg, char err[MM_ERRLEN]);
+
 mm_err mm_dataserv_start_dev(mm_dataserv **out, const char *url, size_t payload_cap, void *d_buf,
                              size_t d_cap, mm_dataserv_fn fn, mm_dataserv_tick tick, int tick_ms,
                              void *arg, char err[MM_ERRLEN]) {
+    return start(out, url, payload_cap, d_buf, d_cap, false, fn, tick, tick_ms, arg, err);
+}
+
+mm_err mm_dataserv_start_view(mm_dataserv **out, const char *url, size_t payload_cap,
+                              mm_dataserv_fn fn, mm_dataserv_tick tick, int tick_ms, void *arg,
+                              char err[MM_ERRLEN]) {
+    return start(out, url, payload_cap, NULL, 0, true, fn, tick, tick_ms, arg, err);
+}
+
+static mm_err start(mm_dataserv **out, const char *url, size_t payload_cap, void *d_buf,
+                    size_t d_cap, bool view, mm_dataserv_fn fn, mm_dataserv_tick tick,
+                    int tick_ms, void *arg, char err[MM_ERRLEN]) {
     *out = NULL;
     mm_dataserv *s = calloc(1, sizeof(*s));
     if (!s)
         return MM_ENOMEM;
+    s->view = view;
     s->cap = payload_cap;
     s->d_buf = d_buf;
     s->d_cap = d_buf ? d_cap : 0;

@@ -74,6 +74,7 @@ extern void mm_gpu_event_free(void *ev) W;
 extern mm_err mm_gpu_event_record(void *ev, void *stream) W;
 extern mm_err mm_gpu_stream_wait_event(void *stream, void *ev) W;
 extern mm_err mm_gpu_memcpy_any(void *stream, void *d_dst, const void *d_src, size_t n) W;
+extern mm_err mm_gpu_copy_dev(void *stream, void *d_dst, const void *d_src, size_t n) W;
 extern mm_err mm_gpu_stream_sync(void *stream) W;
 extern mm_err mm_gpu_device_pci_id(int dev, char id[32]) W;
 extern mm_err mm_gpu_set_device(int dev) W;
@@ -112,6 +113,7 @@ static void *g_stream;
 static char g_pci[32];
 static uint64_t g_ring_min; // bytes: twice the largest frame the process expects (0: none)
 static bool g_eager_free;   // MM_CUDAIPC_EAGER_FREE=1 (read at mm_transport_gpu_use)
+static bool g_kcopy;        // MM_CUDAIPC_KCOPY=1: device-to-device rows copied by a kernel
 
 mm_err mm_transport_gpu_use(int dev, void *stream, char err[MM_ERRLEN]) {
     if (!have_gpu_code())
@@ -125,6 +127,8 @@ mm_err mm_transport_gpu_use(int dev, void *stream, char err[MM_ERRLEN]) {
     g_set = true;
     const char *ef = getenv("MM_CUDAIPC_EAGER_FREE");
     g_eager_free = ef && strcmp(ef, "1") == 0;
+    const char *kc = getenv("MM_CUDAIPC_KCOPY");
+    g_kcopy = kc && strcmp(kc, "1") == 0 && mm_gpu_copy_dev;
     g_dev = dev;
     g_stream = stream;
     snprintf(g_pci, sizeof(g_pci), "%s", pci);
@@ -201,6 +205,8 @@ struct ipc_conn {
     // free_end.
     bool free_due;
     uint64_t free_end;
+    bool view_held; // a view of the last frame is out (mm_conn_recv_view): its free waits for
+                    // the next receive or wait for input, never for a send's want of space
     struct desc scratch; // descriptor landing place when the caller's buffer is smaller
 };
 
@@ -487,6 +493,7 @@ static mm_err flush_free(struct ipc_conn *c) {
     if (!c->free_due)
         return MM_OK;
     c->free_due = false;
+    c->view_held = false;
     mm_err rv = mm_gpu_set_device(c->gpu);
     if (rv == MM_OK)
         rv = mm_gpu_event_record(c->rx_ev_free, c->stream);
@@ -496,6 +503,12 @@ static mm_err flush_free(struct ipc_conn *c) {
     }
     atomic_store_explicit(&c->ctl->freed[c->side], c->free_end, memory_order_release);
     return MM_OK;
+}
+
+// copy_d2d: rows between device pointers on the conn's stream (a kernel where MM_CUDAIPC_KCOPY=1)
+static mm_err copy_d2d(struct ipc_conn *c, void *dst, const void *src, size_t n) {
+    return g_kcopy ? mm_gpu_copy_dev(c->stream, dst, src, n)
+                   : mm_gpu_memcpy_any(c->stream, dst, src, n);
 }
 
 static void nap_us(long us) {
@@ -533,7 +546,8 @@ static mm_err ipc_sendv_dev(void *ctx, const mm_wire_hdr *hdr, const struct iove
     uint64_t spin_end = mm_now_ns() + mm__transport_spin_ns();
     // short of space: first pay what this side owes (the peer may be waiting for it to send us
     // a frame it must send before it reads ours)
-    if (atomic_load_explicit(freed, memory_order_acquire) < need && (f = flush_free(c)) != MM_OK)
+    if (atomic_load_explicit(freed, memory_order_acquire) < need && !c->view_held &&
+        (f = flush_free(c)) != MM_OK)
         return f;
     while (atomic_load_explicit(freed, memory_order_acquire) < need) {
         uint64_t now = mm_now_ns();
@@ -561,8 +575,7 @@ static mm_err ipc_sendv_dev(void *ctx, const mm_wire_hdr *hdr, const struct iove
     uint64_t o = 0;
     mm_mesh_trace(hdr->step_id, (int)hdr->layer, "s_in");
     for (int i = 0; i < n_iov && rv == MM_OK; i++) {
-        rv = mm_gpu_memcpy_any(c->stream, (uint8_t *)c->tx_ring + pos + o, d_iov[i].iov_base,
-                               d_iov[i].iov_len);
+        rv = copy_d2d(c, (uint8_t *)c->tx_ring + pos + o, d_iov[i].iov_base, d_iov[i].iov_len);
         o += d_iov[i].iov_len;
     }
     mm_mesh_trace(hdr->step_id, (int)hdr->layer, "s_cp");
@@ -579,10 +592,11 @@ static mm_err ipc_sendv_dev(void *ctx, const mm_wire_hdr *hdr, const struct iove
     return rv;
 }
 
-static mm_err ipc_recv_dev(void *ctx, mm_wire_hdr *hdr, void *buf, size_t cap,
-                           const struct iovec *d_iov, int n_iov, bool *on_dev,
-                           uint64_t deadline_ns) {
-    struct ipc_conn *c = ctx;
+// recv_core: a host frame into buf; a device frame's rows copied into d_iov (or buf when n_iov
+// is 0), or, with view, not copied: *view = their place in the ring (mm_conn_recv_view).
+static mm_err recv_core(struct ipc_conn *c, mm_wire_hdr *hdr, void *buf, size_t cap,
+                        const struct iovec *d_iov, int n_iov, bool *on_dev, const void **view,
+                        uint64_t deadline_ns) {
     *on_dev = false;
     if (c->plain)
         return SHM->recv(c->shm, hdr, buf, cap, deadline_ns);
@@ -625,6 +639,23 @@ static mm_err ipc_recv_dev(void *ctx, mm_wire_hdr *hdr, void *buf, size_t cap,
         SHM->shutdown(c->shm);
         return MM_EPROTO;
     }
+    if (view != NULL) { // no copy: the rows stay in the ring until the free is paid
+        mm_mesh_trace(hdr->step_id, (int)hdr->layer, "r_desc");
+        rv = mm_gpu_set_device(c->gpu);
+        if (rv == MM_OK && n > 0)
+            rv = mm_gpu_stream_wait_event(c->stream, c->rx_ev_data);
+        if (rv != MM_OK) {
+            SHM->shutdown(c->shm);
+            return MM_EDEVICE;
+        }
+        mm_mesh_trace(hdr->step_id, (int)hdr->layer, "r_wait");
+        *view = (const uint8_t *)c->rx_ring + d.off;
+        c->free_due = true; // never eager: the caller's work on the rows comes first
+        c->free_end = d.end;
+        c->view_held = true;
+        *on_dev = true;
+        return MM_OK;
+    }
     uint64_t have = 0;
     for (int i = 0; i < n_iov; i++)
         have += d_iov[i].iov_len;
@@ -644,7 +675,7 @@ static mm_err ipc_recv_dev(void *ctx, mm_wire_hdr *hdr, void *buf, size_t cap,
         uint64_t o = 0;
         for (int i = 0; i < n_iov && o < n && rv == MM_OK; i++) {
             uint64_t take = d_iov[i].iov_len < n - o ? d_iov[i].iov_len : n - o;
-            rv = mm_gpu_memcpy_any(c->stream, d_iov[i].iov_base, src + o, (size_t)take);
+            rv = copy_d2d(c, d_iov[i].iov_base, src + o, (size_t)take);
             o += take;
         }
     }
@@ -661,6 +692,22 @@ static mm_err ipc_recv_dev(void *ctx, mm_wire_hdr *hdr, void *buf, size_t cap,
         MM_TRY(flush_free(c));
     *on_dev = !to_host;
     return fits ? MM_OK : MM_EFULL;
+}
+
+static mm_err ipc_recv_dev(void *ctx, mm_wire_hdr *hdr, void *buf, size_t cap,
+                           const struct iovec *d_iov, int n_iov, bool *on_dev,
+                           uint64_t deadline_ns) {
+    return recv_core(ctx, hdr, buf, cap, d_iov, n_iov, on_dev, NULL, deadline_ns);
+}
+
+static mm_err ipc_recv_view(void *ctx, mm_wire_hdr *hdr, void *buf, size_t cap,
+                            const void **d_view, uint64_t deadline_ns) {
+    struct ipc_conn *c = ctx;
+    bool on_dev = false;
+    *d_view = NULL;
+    if (!c->dev)
+        return MM_EUNSUPP;
+    return recv_core(c, hdr, buf, cap, NULL, 0, &on_dev, d_view, deadline_ns);
 }
 
 static mm_err ipc_recv(void *ctx, mm_wire_hdr *hdr, void *buf, size_t cap,
@@ -732,6 +779,7 @@ const struct mm_transport_ops mm__transport_shm = {
     .dev_ok = ipc_dev_ok,
     .sendv_dev = ipc_sendv_dev,
     .recv_dev = ipc_recv_dev,
+    .recv_view = ipc_recv_view,
 };
 
 const struct mm_transport_ops mm__transport_cudaipc = {
@@ -754,4 +802,5 @@ const struct mm_transport_ops mm__transport_cudaipc = {
     .dev_ok = ipc_dev_ok,
     .sendv_dev = ipc_sendv_dev,
     .recv_dev = ipc_recv_dev,
+    .recv_view = ipc_recv_view,
 };

@@ -423,6 +423,19 @@ mm_err mm_conn_recv_dev(mm_conn *c, mm_wire_hdr *hdr, void *buf, size_t cap,
                      c->ops->recv_dev(c->ctx, hdr, buf, cap, d_iov, n_iov, on_dev, deadline_ns));
 }
 
+mm_err mm_conn_recv_view(mm_conn *c, mm_wire_hdr *hdr, void *buf, size_t cap,
+                         const void **d_view, uint64_t deadline_ns) {
+    if (c == NULL || hdr == NULL || d_view == NULL || (cap > 0 && buf == NULL))
+        return MM_EINVAL;
+    *d_view = NULL;
+    if (!mm_conn_dev(c) || c->ops->recv_view == NULL)
+        return MM_EUNSUPP;
+    mm_err g = (mm_err)atomic_load(&c->gerr);
+    if (g != MM_OK)
+        return g;
+    return recv_done(c, hdr, c->ops->recv_view(c->ctx, hdr, buf, cap, d_view, deadline_ns));
+}
+
 mm_err mm_conn_recv(mm_conn *c, mm_wire_hdr *hdr, void *buf, size_t cap, uint64_t deadline_ns) {
     if (c == NULL || hdr == NULL || (cap > 0 && buf == NULL))
         return MM_EINVAL;

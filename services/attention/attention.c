@@ -196,14 +196,17 @@ static mm_err on_frame(void *arg, mm_conn *c, const mm_wire_hdr *h, void *payloa
     mm_model_rows rows = {.n_rows = A.n_rows, .seq = A.row_seq, .pos = A.row_pos};
     // device backends: the rows go through the backend copy d_h and come back in place; a
     // device frame (cudaipc://) already landed in d_h and its reply leaves from there
-    const bool on_dev = A.d_h != NULL && payload == (void *)A.d_h;
+    // (with MM_MESH_VIEWS=1 a device frame's rows are handed over in the conn's ring and
+    // attention runs on them there, the reply leaving from there: no copy in)
+    const bool on_dev = A.d_h != NULL && (payload == (void *)A.d_h || mm_dataserv_on_dev(payload));
+    float *hd = on_dev ? (float *)payload : A.d_h; // the rows attention works on (device)
     const size_t nb = (size_t)A.n_rows * (size_t)A.d_model * 4;
     mm_err rv = A.d_h && !on_dev ? A.be->ops->set(A.be->ctx, A.d_h, payload, nb) : MM_OK;
     // the step's first layer runs op by op (it copies the step's positions to the device);
     // later layers replay a graph of their attention where MM_MESH_GRAPHS=1 (same ops, same
     // pointers: the key is the layer and the row count; the positions are read when it runs)
     struct attn_job job = {.layer = (int)h->layer, .rows = rows,
-                           .h = A.d_h ? A.d_h : (float *)payload};
+                           .h = hd ? hd : (float *)payload};
     if (rv == MM_OK && A.graphs && A.rows_up)
         rv = mm_mesh_graphs_run(A.graphs, h->layer, (uint64_t)A.n_rows, A.n_rows, attn_issue,
                                 &job);
@@ -226,7 +229,7 @@ static mm_err on_frame(void *arg, mm_conn *c, const mm_wire_hdr *h, void *payloa
                             h->row_dim));
     r.row_base = h->row_base;
     if (on_dev) {
-        struct iovec dv = {.iov_base = A.d_h, .iov_len = nb};
+        struct iovec dv = {.iov_base = hd, .iov_len = nb};
         rv = mm_conn_sendv_dev(c, &r, &dv, 1, mm_deadline_in_ms(2000));
         mm_mesh_trace(h->step_id, (int)h->layer, "tx");
         if (h->layer + 1 == (uint32_t)A.n_layers)
@@ -294,8 +297,18 @@ mm_err attention_start(mm_daemon *d, void *arg, char err[MM_ERRLEN]) {
     size_t cap = (size_t)s_max_tokens * (size_t)A.d_model * 4;
     if (cap < 12 + (size_t)s_max_tokens * 32 + 4096) // CTRL frames with releases, truncations
         cap = 12 + (size_t)s_max_tokens * 32 + 4096;
-    MM_TRY(mm_dataserv_start_dev(&A.ds, c->data, cap, dev_frames ? A.d_h : NULL, d_cap, on_frame,
-                                 NULL, 1000, NULL, err));
+    // MM_MESH_VIEWS=1: device frames handed over in place (no copy out of the ring); their
+    // pointers change per frame, so no graphs then
+    const char *vw = getenv("MM_MESH_VIEWS");
+    const bool views = dev_frames && vw && strcmp(vw, "1") == 0;
+    if (views) {
+        mm_mesh_graphs_free(A.graphs);
+        A.graphs = NULL;
+        MM_TRY(mm_dataserv_start_view(&A.ds, c->data, cap, on_frame, NULL, 1000, NULL, err));
+    } else {
+        MM_TRY(mm_dataserv_start_dev(&A.ds, c->data, cap, dev_frames ? A.d_h : NULL, d_cap,
+                                     on_frame, NULL, 1000, NULL, err));
+    }
     snprintf(detail, sizeof(detail), "shard %lld of %lld, kv %d blocks", c->instance, s_shards,
              mm_kv_cache_blocks_total(A.kv));
     mm_mesh_trace_open("attention");

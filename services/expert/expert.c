@@ -174,14 +174,20 @@ static mm_err replied(const mm_wire_hdr *h, int L, mm_err rv) {
 // layer, the rows and the slots, the graph's key).
 struct plan_job {
     int layer;
+    const float *x;
     const int32_t *offs, *src, *dst;
     int64_t nk;
 };
 
 static mm_err plan_issue(void *arg) {
     const struct plan_job *j = arg;
-    return mm_model_experts_plan(O.model, O.scratch, j->layer, j->offs, O.d_x, j->src, j->dst,
+    return mm_model_experts_plan(O.model, O.scratch, j->layer, j->offs, j->x, j->src, j->dst,
                                  j->nk, O.d_out);
+}
+
+// a device frame's rows: in d_x, or (MM_MESH_VIEWS=1) in place in the conn's ring
+static bool dev_payload(const void *payload) {
+    return O.d_x != NULL && (payload == (void *)O.d_x || mm_dataserv_on_dev(payload));
 }
 
 static mm_err on_plan(mm_conn *c, const mm_wire_hdr *h, void *payload) {
@@ -194,17 +200,20 @@ static mm_err on_plan(mm_conn *c, const mm_wire_hdr *h, void *payload) {
     mm_mesh_trace(h->step_id, L, "rx");
     if (O.seg_step != h->step_id || O.seg_layer != h->layer || h->n_rows != (uint64_t)(R + P) ||
         h->row_dim != (uint32_t)D || h->format != MM_WIRE_F32 || h->layer >= (uint32_t)O.n_layers ||
-        payload != (void *)O.d_x) {
+        !dev_payload(payload)) {
         snprintf(msg, sizeof(msg), "step %llu layer %u: %u rows of %u that do not match the plan "
                  "its CTRL frame announced (%lld + %lld rows of %lld, as a device frame)",
                  (unsigned long long)h->step_id, h->layer, h->n_rows, h->row_dim, (long long)R,
                  (long long)P, (long long)D);
         return mm_dataserv_reply_error(c, h, MM_EPROTO, msg);
     }
-    const int32_t *offs = (const int32_t *)(O.d_x + R * D), *src = offs + E + 1, *dst = src + nk;
-    struct plan_job job = {.layer = L, .offs = offs, .src = src, .dst = dst, .nk = nk};
-    mm_err rv = mm_mesh_graphs_run(O.graphs, (uint64_t)L << 32 | (uint64_t)R, (uint64_t)nk, R,
-                                   plan_issue, &job);
+    const float *x = payload; // d_x, or the frame in place (views)
+    const int32_t *offs = (const int32_t *)(x + R * D), *src = offs + E + 1, *dst = src + nk;
+    struct plan_job job = {.layer = L, .x = x, .offs = offs, .src = src, .dst = dst, .nk = nk};
+    // (graphs key on the layer and shape: only where the rows are always in d_x)
+    mm_err rv = x == O.d_x ? mm_mesh_graphs_run(O.graphs, (uint64_t)L << 32 | (uint64_t)R,
+                                                (uint64_t)nk, R, plan_issue, &job)
+                           : plan_issue(&job);
     if (rv != MM_OK) {
         snprintf(msg, sizeof(msg), "experts of layer %d (a plan of %lld slots) failed: %s", L,
                  (long long)nk, mm_strerror(rv));
@@ -263,13 +272,13 @@ static mm_err on_frame(void *arg, mm_conn *c, const mm_wire_hdr *h, void *payloa
     float *y = O.out;
     // device backends: the rows are already in O.d_x when they came as a device frame
     // (cudaipc://); otherwise all rows in one copy, outputs back in one copy after the experts
-    const bool on_dev = O.d_x != NULL && payload == (void *)O.d_x;
+    const bool on_dev = dev_payload(payload);
     const size_t nb = (size_t)h->n_rows * (size_t)O.d_model * 4;
     if (O.d_x) {
         mm_err rv = on_dev ? MM_OK : O.be->ops->set(O.be->ctx, O.d_x, payload, nb);
         if (rv != MM_OK)
             return mm_dataserv_reply_error(c, h, rv, "copy of the rows to the device failed");
-        x = O.d_x, y = O.d_out;
+        x = on_dev ? payload : O.d_x, y = O.d_out;
     }
     // All of this frame's experts in grouped calls (mm_model_experts_forward: 3 products per
     // call on a backend with moe_matmul), at most max_rows rows per call; each row's bits are
@@ -391,9 +400,15 @@ mm_err expert_start(mm_daemon *d, void *arg, char err[MM_ERRLEN]) {
     if (O.dev_frames)
         MM_TRY(mm_mesh_graphs_new(&O.graphs, O.be, 8 * O.n_layers, "expert owner"));
     O.dirty = true; // write a first (all-zero) CSV soon after start
-    MM_TRY(mm_dataserv_start_dev(&O.ds, c->data, cap, O.dev_frames ? O.d_x : NULL, cap_x,
-                                 on_frame, write_load, s_load_ms > 0 ? (int)s_load_ms : 2000,
-                                 NULL, err));
+    // MM_MESH_VIEWS=1: device frames handed over in place (no copy out of the ring)
+    const char *vw = getenv("MM_MESH_VIEWS");
+    const int tick_ms = s_load_ms > 0 ? (int)s_load_ms : 2000;
+    if (O.dev_frames && vw && strcmp(vw, "1") == 0)
+        MM_TRY(mm_dataserv_start_view(&O.ds, c->data, cap, on_frame, write_load, tick_ms, NULL,
+                                      err));
+    else
+        MM_TRY(mm_dataserv_start_dev(&O.ds, c->data, cap, O.dev_frames ? O.d_x : NULL, cap_x,
+                                     on_frame, write_load, tick_ms, NULL, err));
     mm_mesh_trace_open("expert");
     mm_log_info("holding %s; serving on %s", detail, c->data);
     mm_daemon_set_health(d, MMCTL__HEALTH__HEALTH_READY, detail);

@@ -62,6 +62,8 @@ struct peer {
     struct iovec seg[2]; // plan mode: the x rows and the owner's share of the plan
     bool pending;
     bool failed;       // lost during this exchange (tolerant gathers)
+    bool want_view;    // gpu: take the reply in place in the link's ring (MM_MESH_VIEWS=1)
+    const float *view; // where it is (valid until the next receive on the link), or NULL
 };
 
 // Sampling pool: the picks of a step's seqs are independent (each a pure function of its logits
@@ -143,6 +145,7 @@ struct mm_step_engine {
     float *d_ysn;             // (owners, T*K, D) owners' replies when several serve a layer
     mm_mesh_graphs *graphs;   // plan_layer's device chains as graphs (MM_MESH_GRAPHS=1)
     mm_model_plan plan_ptrs;  // the plan's buffers (the scratch's), for replayed chains
+    bool views;               // MM_MESH_VIEWS=1: one serving owner's reply read in place
     // per-seq state
     int32_t *seq_shard, *seq_row; // (max_seqs): shard, first active row (-1: inactive)
     bool *seq_failed;
@@ -490,6 +493,8 @@ mm_err mm_step_engine_open(mm_step_engine **out, const mm_step_conf *c, mm_regis
                 rv = MM_ENOMEM;
                 goto fail;
             }
+            const char *vw = getenv("MM_MESH_VIEWS");
+            e->views = vw && strcmp(vw, "1") == 0;
             // the chains between the hops recorded as graphs (MM_MESH_GRAPHS=1)
             MM_TRY_GOTO(rv, mm_mesh_graphs_new(&e->graphs, e->be, 16 * (int)NL, "router"),
                         fail);
@@ -610,6 +615,7 @@ static void lose(struct peer *p, mm_err rv, const char *why) {
     if (rv == MM_EPEERDOWN)
         p->dead_inc = p->inc;
     snprintf(p->why, sizeof(p->why), "%s", why);
+    p->want_view = false;
     p->failed = true;
     p->live = false;
     peer_drop(p);
@@ -673,7 +679,16 @@ static mm_err gather(mm_step_engine *e, struct peer *ps, int n, uint64_t step, u
         mm_wire_hdr h;
         size_t cap = (size_t)p->n * (size_t)e->D * 4;
         bool on_dev = false; // gpu links: the reply's rows land in p->iov on the device
-        if (p->gpu)
+        p->view = NULL;
+        const bool want_view = p->want_view; // one exchange's choice
+        p->want_view = false;
+        if (p->gpu && want_view) { // or stay in the link's ring (p->view)
+            const void *v = NULL;
+            rv = mm_conn_recv_view(p->conn, &h, buf + p->off * e->D, cap > 256 ? cap : 256, &v,
+                                   deadline);
+            p->view = v;
+            on_dev = v != NULL;
+        } else if (p->gpu)
             rv = mm_conn_recv_dev(p->conn, &h, buf + p->off * e->D, cap > 256 ? cap : 256, p->iov,
                                   p->n_iov, &on_dev, deadline);
         else
@@ -914,6 +929,7 @@ static mm_err plan_layer(mm_step_engine *e, uint64_t step, int L, int64_t R, boo
         struct peer *op = &e->owners[o];
         op->n = 0;
         op->failed = false;
+        op->want_view = false;
         if (!e->plan_serve[(size_t)L * N + o])
             continue;
         const uint32_t c4[4] = {MM_MODEL_PLAN_MARK, (uint32_t)R, (uint32_t)nk, 0};
@@ -942,6 +958,7 @@ static mm_err plan_layer(mm_step_engine *e, uint64_t step, int L, int64_t R, boo
                                  .iov_len = (size_t)(nk * D) * 4};
         op->iov = &op->one;
         op->n_iov = 1;
+        op->want_view = one && e->views; // combine reads the one owner's reply in place
         op->pending = true;
     }
     mm_mesh_trace(step, L, "o_send");
@@ -969,8 +986,15 @@ static mm_err plan_layer(mm_step_engine *e, uint64_t step, int L, int64_t R, boo
                         (unsigned long long)step, L, e->owners[o].why);
             return MM_OK;
         }
-    // pick (several owners) and combine: op by op or one graph (step_dev.c)
-    rv = mm_step_dev_combine(e->graphs, &dl);
+    // pick (several owners) and combine: op by op or one graph (step_dev.c); one owner's reply
+    // read where it landed in the link's ring (views) needs no graph (its place changes)
+    const float *in_ring = NULL;
+    for (int o = 0; o < N && one; o++)
+        if (e->plan_serve[(size_t)L * N + o] && e->owners[o].view)
+            in_ring = e->owners[o].view;
+    if (in_ring)
+        dl.eo = (float *)in_ring;
+    rv = mm_step_dev_combine(in_ring ? NULL : e->graphs, &dl);
     PLAN_TRY(dl.failed ? dl.failed : "picking and combining the owners' rows", rv);
     *done = true;
     return MM_OK;
@@ -1159,6 +1183,7 @@ static mm_err run_layers(mm_step_engine *e, const Mmctl__StepPlan *p, int64_t R,
                 op->off = base;
                 op->n = 0;
                 op->failed = false;
+                op->want_view = false;
                 for (int x = 0; x < E; x++) {
                     e->e_off[o * (E + 1) + x] = (int32_t)(base + op->n);
                     op->n += e->e_cnt[o * (E + 1) + x];
@@ -1275,6 +1300,7 @@ static mm_err run_layers(mm_step_engine *e, const Mmctl__StepPlan *p, int64_t R,
 struct nng_msg *mm_step_engine_run(mm_step_engine *e, const Mmctl__StepPlan *p, uint64_t seq) {
     pthread_mutex_lock(&e->mu);
     mm_mesh_trace(p->step_id, -1, "run");
+    mm_follow_arrived(e->fl, p->step_id); // (a plan that follows it now waits for it to run)
     char msg[MSG_LEN] = "";
     Mmctl__StepResult sr = MMCTL__STEP_RESULT__INIT;
     sr.step_id = p->step_id;

@@ -10,6 +10,7 @@
 #ifndef MM_DATASERV_H
 #define MM_DATASERV_H
 
+#include <stdbool.h>
 #include <stddef.h>
 
 #include "mm/transport.h"
@@ -37,6 +38,19 @@ mm_err mm_dataserv_start(mm_dataserv **out, const char *url, size_t payload_cap,
 mm_err mm_dataserv_start_dev(mm_dataserv **out, const char *url, size_t payload_cap, void *d_buf,
                              size_t d_cap, mm_dataserv_fn fn, mm_dataserv_tick tick, int tick_ms,
                              void *arg, char err[MM_ERRLEN]);
+// mm_dataserv_start_view is mm_dataserv_start_dev without the copy of device frames: on conns
+// that carry them the handler gets payload pointing at the rows in the conn's device ring
+// (mm_conn_recv_view), device memory that work the handler enqueues on the declared stream may
+// read and write (the ring bytes go back to the router at the server's next receive, ordered
+// after that work). Host frames still arrive in the host buffer; mm_dataserv_on_dev tells the
+// two apart.
+mm_err mm_dataserv_start_view(mm_dataserv **out, const char *url, size_t payload_cap,
+                              mm_dataserv_fn fn, mm_dataserv_tick tick, int tick_ms, void *arg,
+                              char err[MM_ERRLEN]);
+// mm_dataserv_on_dev: whether the handler's payload is a device frame's rows (a view of
+// mm_dataserv_start_view); call it from the handler only (the server thread's state).
+bool mm_dataserv_on_dev(const void *payload);
+
 // mm_dataserv_stop stops the thread (bounded by its 100 ms recv poll; an idle accept is woken
 // by mm_listener_shutdown), closes everything and frees.
 // Accepts NULL.

@@ -256,6 +256,15 @@ mm_err mm_conn_recv_dev(mm_conn *c, mm_wire_hdr *hdr, void *buf, size_t cap,
                         const struct iovec *d_iov, int n_iov, bool *on_dev,
                         uint64_t deadline_ns);
 
+// mm_conn_recv_view is mm_conn_recv_dev without the copy of a device frame: *d_view points at
+// its rows in the conn's device ring (after a wait for them enqueued on the declared stream), and
+// stays valid for work the caller enqueues on that stream until its next receive, or wait for
+// input, on c (the ring bytes are given back to the sender then, ordered after that work). A
+// host frame's payload goes to buf (cap bytes) and *d_view is NULL. MM_EUNSUPP where the
+// transport has no views (then use mm_conn_recv_dev).
+mm_err mm_conn_recv_view(mm_conn *c, mm_wire_hdr *hdr, void *buf, size_t cap,
+                         const void **d_view, uint64_t deadline_ns);
+
 // mm_transport_schemes writes the registered schemes, comma-separated, into buf (caller's,
 // cap bytes, always NUL-terminated when cap > 0). Thread-safe.
 void mm_transport_schemes(char *buf, size_t cap);
@@ -317,6 +326,9 @@ struct mm_transport_ops {
     mm_err (*recv_dev)(void *cctx, mm_wire_hdr *hdr, void *buf, size_t cap,
                        const struct iovec *d_iov, int n_iov, bool *on_dev,
                        uint64_t deadline_ns);
+    // (optional, appended; NULL: no views; see mm_conn_recv_view)
+    mm_err (*recv_view)(void *cctx, mm_wire_hdr *hdr, void *buf, size_t cap,
+                        const void **d_view, uint64_t deadline_ns);
 };
 
 #endif

@@ -11,6 +11,8 @@
 
 #define FOLLOW_STEPS 8 // steps remembered
 #define FOLLOW_MSG 200
+#define FOLLOW_SEEN 16    // step ids that reached the router, newest last
+#define ARRIVE_MS 2000    // longest wait for the step a plan follows to reach the router
 
 struct step_rec {
     bool used;
@@ -28,6 +30,8 @@ struct mm_follow {
     pthread_cond_t cv; // CLOCK_MONOTONIC; broadcast per recorded step
     struct step_rec ring[FOLLOW_STEPS];
     int head;          // next slot to write
+    uint64_t seen[FOLLOW_SEEN]; // plans that reached mm_step_engine_run (mm_follow_arrived)
+    int seen_head;
     // the last resolved plan
     Mmctl__StepPlan rp;
     Mmctl__SeqStep *rs;   // (max_seqs)
@@ -105,26 +109,59 @@ static const struct step_rec *find(const mm_follow *f, uint64_t id) {
     return NULL;
 }
 
+void mm_follow_arrived(mm_follow *f, uint64_t step_id) {
+    f->seen[f->seen_head] = step_id;
+    f->seen_head = (f->seen_head + 1) % FOLLOW_SEEN;
+    pthread_cond_broadcast(&f->cv);
+}
+
+static bool seen(const mm_follow *f, uint64_t id) {
+    for (int k = 0; k < FOLLOW_SEEN; k++)
+        if (f->seen[k] == id && id != 0)
+            return true;
+    return false;
+}
+
+// after_ms: the CLOCK_MONOTONIC time ms from t0.
+static struct timespec after_ms(struct timespec t, int ms) {
+    t.tv_sec += ms / 1000;
+    t.tv_nsec += (long)(ms % 1000) * 1000000L;
+    if (t.tv_nsec >= 1000000000L) {
+        t.tv_sec++;
+        t.tv_nsec -= 1000000000L;
+    }
+    return t;
+}
+
 mm_err mm_follow_wait(mm_follow *f, pthread_mutex_t *mu, uint64_t after, int timeout_ms,
                       char *msg, size_t msg_len) {
     if (find(f, after))
         return MM_OK;
-    struct timespec until;
-    clock_gettime(CLOCK_MONOTONIC, &until);
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
     const int ms = timeout_ms > 0 ? timeout_ms : 1;
-    until.tv_sec += ms / 1000;
-    until.tv_nsec += (long)(ms % 1000) * 1000000L;
-    if (until.tv_nsec >= 1000000000L) {
-        until.tv_sec++;
-        until.tv_nsec -= 1000000000L;
-    }
-    while (!find(f, after))
-        if (pthread_cond_timedwait(&f->cv, mu, &until) == ETIMEDOUT && !find(f, after)) {
+    const struct timespec until = after_ms(now, ms),
+                          arrive = after_ms(now, ms < ARRIVE_MS ? ms : ARRIVE_MS);
+    while (!find(f, after)) {
+        // A step that never reached the router (a plan sent just before a router restart, or
+        // lost) is given up on quickly; one that arrived may run up to the step's deadline.
+        const bool arrived = seen(f, after);
+        if (pthread_cond_timedwait(&f->cv, mu, arrived ? &until : &arrive) != ETIMEDOUT ||
+            find(f, after))
+            continue;
+        if (!arrived && !seen(f, after)) {
+            snprintf(msg, msg_len, "the plan runs after step %llu, which did not reach the "
+                     "router within %d ms (sent before a router restart, or lost)",
+                     (unsigned long long)after, ms < ARRIVE_MS ? ms : ARRIVE_MS);
+            return MM_ETIMEDOUT;
+        }
+        if (arrived) {
             snprintf(msg, msg_len, "the plan runs after step %llu, which has not run within "
                      "%d ms (or is older than the last %d steps)", (unsigned long long)after, ms,
                      FOLLOW_STEPS);
             return MM_ETIMEDOUT;
         }
+    }
     return MM_OK;
 }
 

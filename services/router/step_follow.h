@@ -27,9 +27,13 @@ typedef struct mm_follow mm_follow;
 mm_err mm_follow_new(mm_follow **out, int max_seqs);
 void mm_follow_free(mm_follow *f); // accepts NULL
 
+// mm_follow_arrived: plan step_id has reached the router (call first, under the mutex, for
+// every plan): a plan following it waits for it to run, not just to arrive.
+void mm_follow_arrived(mm_follow *f, uint64_t step_id);
+
 // mm_follow_wait: for a plan with after_step != 0, waits (mu held by the caller, released
-// while waiting) until step `after` has been recorded, at most timeout_ms. MM_OK, or
-// MM_ETIMEDOUT with msg naming the step.
+// while waiting) until step `after` has been recorded, at most timeout_ms, and at most 2 s for
+// it to arrive at all (mm_follow_arrived). MM_OK, or MM_ETIMEDOUT with msg naming the step.
 mm_err mm_follow_wait(mm_follow *f, pthread_mutex_t *mu, uint64_t after, int timeout_ms,
                       char *msg, size_t msg_len);
 

@@ -224,9 +224,31 @@ static void test_wait_order(void) {
     mm_follow_free(f);
 }
 
+// A plan whose after_step never reaches the router (sent before a restart) is refused after
+// about 2 s, not the step's whole deadline; one whose step arrived waits for it to run.
+static void test_wait_never_arrived(void) {
+    mm_follow *f = NULL;
+    MM_PASS(mm_follow_new(&f, N));
+    pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+    char msg[256] = "";
+    pthread_mutex_lock(&mu);
+    uint64_t t0 = mm_now_ms();
+    MM_FAIL(mm_follow_wait(f, &mu, 5, 20000, msg, sizeof(msg)), MM_ETIMEDOUT);
+    uint64_t dt = mm_now_ms() - t0;
+    MM_TRUE(dt >= 1900 && dt < 10000);
+    MM_TRUE(strstr(msg, "did not reach the router") != NULL);
+    mm_follow_arrived(f, 6); // arrived, never recorded: the whole deadline, then "has not run"
+    MM_FAIL(mm_follow_wait(f, &mu, 6, 100, msg, sizeof(msg)), MM_ETIMEDOUT);
+    MM_TRUE(strstr(msg, "has not run within 100 ms") != NULL);
+    pthread_mutex_unlock(&mu);
+    mm_follow_free(f);
+}
+
 MM_TESTS = {
     {"router pipelined plans: follow entries resolved from the step before, drops named",
      test_resolve},
     {"router pipelined plans: a plan waits for its after_step", test_wait_order},
+    {"router pipelined plans: an after_step that never arrives is given up in 2 s",
+     test_wait_never_arrived},
     {NULL, NULL},
 };

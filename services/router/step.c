@@ -1301,7 +1301,6 @@ struct nng_msg *mm_step_engine_run(mm_step_engine *e, const Mmctl__StepPlan *p, 
     pthread_mutex_lock(&e->mu);
     mm_mesh_trace(p->step_id, -1, "run");
     mm_follow_arrived(e->fl, p->step_id); // (a plan that follows it now waits for it to run)
-    mm_follow_arrived(e->fl, p->step_id); // (a plan that follows it now waits for it to run)
     char msg[MSG_LEN] = "";
     Mmctl__StepResult sr = MMCTL__STEP_RESULT__INIT;
     sr.step_id = p->step_id;

@@ -195,6 +195,7 @@ const Mmctl__StepPlan *mm_follow_resolve(mm_follow *f, const Mmctl__StepPlan *p,
         f->drop_code[i] = 0;
         if (!q->follow)
             continue;
+        o->tokens = &f->tok[i]; // (a dropped entry: 0 tokens at a valid address, for memcpy)
         const unsigned long long id = (unsigned long long)q->seq_id,
                                  after = (unsigned long long)p->after_step;
         size_t j = rec && i < rec->n && rec->seq[i] == q->seq_id ? i : (size_t)-1;
@@ -228,7 +229,6 @@ const Mmctl__StepPlan *mm_follow_resolve(mm_follow *f, const Mmctl__StepPlan *p,
             continue;
         }
         f->tok[i] = rec->tok[j];
-        o->tokens = &f->tok[i];
         o->n_tokens = 1;
         // draft rows stay before end_pos: the client reserved KV up to it (the client could
         // not bound max_draft by the tokens its pending step may still add)

@@ -128,6 +128,7 @@ static void test_resolve(void) {
     MM_TRUE(d && strstr(d, "failed at step 10") && strstr(d, "expert owner 1 is down"));
     MM_EQ(code, MM_EPEERDOWN);
     MM_EQ(r->seqs[2]->n_tokens, 0);
+    MM_TRUE(r->seqs[2]->tokens != NULL); // (memcpy of 0 tokens from it is defined)
     d = mm_follow_dropped(f, 3, &code);
     MM_TRUE(d && strstr(d, "sampled no token"));
     MM_EQ(code, MM_EINVAL);

@@ -21,6 +21,9 @@
 //   zeros: keys outside a tile's [t_lo, t_hi] are staged as zeros, and the keys in that range
 //   are stored values), so a row that rides in a tile with later rows gets the bits it gets
 //   alone.
+// Prefill calls (more than TC_DECODE_ROWS rows) take attention_tc2_kernel by default: the same
+// block structure with two m16 tiles per warp (256 units per block of 8 warps, q as bf16 in shared
+// memory), below; MM_GPU_ATT_TC_MT=1 gives them the one-tile kernel described next.
 // Layout: a block of NW warps (8, or 4 with MM_GPU_ATT_TC_WARPS=4: two blocks per
 // multiprocessor with one key buffer) takes up to 16 NW (row, head) units of one kv head: rows_pb
 // rows x gsub query heads of that kv head (the GQA group, or a slice of it), unit u = row * gsub +
@@ -41,7 +44,10 @@
 // not found; removed.)
 // Measured (H200, 02:01 UTC, docs/BENCHMARKS.md): 1199.7 us per 4096-row call of Qwen3-30B-A3B's
 // heads (f32 kernels 6750.3; one buffer 1478.0; 4 warps 1979.8 at 01:53), decode batch 1 within
-// a few percent of the f32 kernels (+4% in that run).
+// a few percent of the f32 kernels (+4% in that run). Two tiles per warp (04:04 and 04:16 UTC,
+// ncu): 1.08 ms vs 1.19 for the one-tile kernel, the 4K forward 14.5 vs 15.2 ms (ncu on the latter: 1 warp issued every 3.6 cycles per
+// scheduler, 2 warps per scheduler, tensor pipe 6%: latency and instruction bound, ~1170
+// instructions per warp per 64-key block, ~30% of them the staging).
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -57,6 +63,8 @@
 static int g_att_tc = -1;       // -1: from MM_GPU_ATT_TC at first use; 0 off; 1 on
 static int g_att_tc_warps = -1; // -1: from MM_GPU_ATT_TC_WARPS (4 or 8; default 8)
 static int g_att_tc_db = -1;    // -1: from MM_GPU_ATT_TC_DB (0: one key buffer; default 1)
+static int g_att_tc_fast = -1;  // -1: from MM_GPU_ATT_TC_FAST (1: tc2's FAST staging; default 0)
+static int g_att_tc_mt = -1;    // -1: from MM_GPU_ATT_TC_MT (1: one m16 tile per warp; default 2)
 
 #if MM_GPU_HAVE_WMMA
 #define TC_HAVE 1
@@ -504,6 +512,415 @@ __global__ void __launch_bounds__(NW * 32, 8 / NW)
     }
 }
 
+// ---- two m16 tiles per warp (MM_GPU_ATT_TC_MT=2, prefill calls only) --------------------------
+// FAST forms of the staging (MM_GPU_ATT_TC_FAST=1; off by default, it did not pay on the H200: 249 M
+// instructions instead of 265 M per 4096-row call, 1.07 vs 1.08 ms, the forward no faster, 24 bytes
+// of spills at 255 registers): the cache table index and slot by
+// shifts when the cache block size is a power of two (tc_blk, tc_issue divide by it per key),
+// and, when the head dims are the kernel's own (dk == DKM, dv == DVM), the copies and the
+// conversion unrolled without the per-piece bounds. The same addresses and values.
+__device__ __forceinline__ int32_t tc_blk_sh(const struct mm_kv_view &kv, int32_t seq, int32_t t,
+                                             int32_t t_lo, int32_t t_hi, int bsh, int *d_err) {
+    if (t < t_lo || t > t_hi)
+        return -1;
+    if (t < 0 || seq < 0 || (t >> bsh) >= kv.max_blocks) {
+        tc_flag(d_err);
+        return -1;
+    }
+    const int32_t blk = kv.block_tables[(int64_t)seq * kv.max_blocks + (t >> bsh)];
+    if (blk < 0)
+        tc_flag(d_err);
+    return blk < 0 ? -1 : blk;
+}
+
+template <int TPK, int DKM, int DVM>
+__device__ __forceinline__ void tc_issue_full(const struct mm_kv_view &kv, int32_t t, int32_t blk,
+                                              int64_t k_off, int64_t v_off, float *row, int part,
+                                              int bsh) {
+    if (blk >= 0) {
+        const float *slot = kv.base + (int64_t)blk * kv.block_stride +
+                            (int64_t)(t & ((1 << bsh) - 1)) * kv.slot_stride;
+#pragma unroll
+        for (int j = 0; j < DKM / 4 / TPK; j++)
+            tc_cp16(row + 4 * (part + TPK * j), slot + k_off + 4 * (part + TPK * j));
+#pragma unroll
+        for (int j = 0; j < DVM / 4 / TPK; j++)
+            tc_cp16(row + DKM + 4 * (part + TPK * j), slot + v_off + 4 * (part + TPK * j));
+    }
+    tc_commit();
+}
+
+template <int DKM, int DVM, int TPK>
+__device__ __forceinline__ void tc_convert_full(const float *row, bool ok, uint16_t *krow,
+                                                uint16_t *vrow, int part) {
+    // K then V (as tc_convert), so at most one half's float4s are live
+    float4 x[DKM / 4 / TPK];
+#pragma unroll
+    for (int j = 0; j < DKM / 4 / TPK; j++)
+        x[j] = ok ? *(const float4 *)(row + 4 * (part + TPK * j)) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+    for (int j = 0; j < DKM / 4 / TPK; j++)
+        *(uint2 *)(krow + 4 * (part + TPK * j)) =
+            make_uint2(tc_pack(x[j].x, x[j].y), tc_pack(x[j].z, x[j].w));
+    float4 y[DVM / 4 / TPK];
+#pragma unroll
+    for (int j = 0; j < DVM / 4 / TPK; j++)
+        y[j] = ok ? *(const float4 *)(row + DKM + 4 * (part + TPK * j)) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+    for (int j = 0; j < DVM / 4 / TPK; j++)
+        *(uint2 *)(vrow + 4 * (part + TPK * j)) =
+            make_uint2(tc_pack(y[j].x, y[j].y), tc_pack(y[j].z, y[j].w));
+}
+
+// FAST: the rescale of acc is skipped when alpha is 1 for every row of the warp (x * 1 = x
+// exactly: the same bits).
+template <int DKM, int DVM, bool FAST>
+__device__ __forceinline__ void
+tc_block2(const uint16_t *qs, int ldq, const uint16_t *kb, const uint16_t *vb, int ldk, int ldv,
+          int dkp, int dvp, int32_t c0, const int32_t (&first)[4], const int32_t (&pos)[4], float cs,
+          float (&m)[4], float (&l)[4], float (&acc)[2][DVM / 8][4]) {
+    const int lane = threadIdx.x & 31, tq = lane & 3;
+    float s[2][TC_KEYS / 8][4];
+#pragma unroll
+    for (int t = 0; t < 2; t++)
+#pragma unroll
+        for (int j = 0; j < TC_KEYS / 8; j++)
+            s[t][j][0] = s[t][j][1] = s[t][j][2] = s[t][j][3] = 0.0f;
+    {
+        const int mt = lane >> 3;
+        const uint16_t *kp = kb + ((mt >> 1) * 8 + (lane & 7)) * ldk + (mt & 1) * 8;
+        // A fragments of tile t: matrix mt rows 8 (mt & 1) + lane % 8, dims 8 (mt >> 1)
+        const uint16_t *qp = qs + ((mt & 1) * 8 + (lane & 7)) * ldq + (mt >> 1) * 8;
+#pragma unroll
+        for (int ks = 0; ks < DKM / 16; ks++) {
+            if (16 * ks < dkp) {
+                uint32_t qa[2][4];
+                tc_ldsm4(qa[0], qp + 16 * ks);
+                tc_ldsm4(qa[1], qp + 16 * ldq + 16 * ks);
+#pragma unroll
+                for (int np = 0; np < TC_KEYS / 16; np++) {
+                    uint32_t b[4];
+                    tc_ldsm4(b, kp + np * 16 * ldk + 16 * ks);
+#pragma unroll
+                    for (int t = 0; t < 2; t++) {
+                        tc_mma(s[t][2 * np], qa[t], b[0], b[1]);
+                        tc_mma(s[t][2 * np + 1], qa[t], b[2], b[3]);
+                    }
+                }
+            }
+        }
+    }
+    // rows: k = 2 t + i is tile t's row g + 8 i (s[t][j][2 i + e])
+    float mx[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
+#pragma unroll
+    for (int t = 0; t < 2; t++)
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            const int k = 2 * t + i;
+            if (c0 >= first[k] && c0 + TC_KEYS - 1 <= pos[k]) {
+#pragma unroll
+                for (int j = 0; j < TC_KEYS / 8; j++)
+                    mx[k] = fmaxf(mx[k], fmaxf(s[t][j][2 * i], s[t][j][2 * i + 1]));
+            } else {
+#pragma unroll
+                for (int j = 0; j < TC_KEYS / 8; j++)
+#pragma unroll
+                    for (int e = 0; e < 2; e++) {
+                        const int32_t key = c0 + 8 * j + 2 * tq + e;
+                        if (!(key >= first[k] && key <= pos[k]))
+                            s[t][j][2 * i + e] = -INFINITY;
+                        mx[k] = fmaxf(mx[k], s[t][j][2 * i + e]);
+                    }
+            }
+        }
+    float al[4], ms[4];
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        mx[k] = fmaxf(mx[k], __shfl_xor_sync(0xffffffffu, mx[k], 1));
+        mx[k] = fmaxf(mx[k], __shfl_xor_sync(0xffffffffu, mx[k], 2));
+        const float mn = fmaxf(m[k], __fmul_rn(mx[k], cs));
+        al[k] = mn == m[k] ? 1.0f : tc_ex2(__fsub_rn(m[k], mn));
+        ms[k] = mn == -INFINITY ? 0.0f : -mn;
+        m[k] = mn;
+    }
+    uint32_t pa[2][TC_KEYS / 16][4];
+    const bool scale = !FAST || !__all_sync(0xffffffffu, al[0] == 1.0f && al[1] == 1.0f &&
+                                                               al[2] == 1.0f && al[3] == 1.0f);
+#pragma unroll
+    for (int t = 0; t < 2; t++) {
+        float ps[2] = {0.0f, 0.0f};
+#pragma unroll
+        for (int j = 0; j < TC_KEYS / 8; j++) {
+            const float p0 = tc_ex2(__fmaf_rn(s[t][j][0], cs, ms[2 * t]));
+            const float p1 = tc_ex2(__fmaf_rn(s[t][j][1], cs, ms[2 * t]));
+            const float p2 = tc_ex2(__fmaf_rn(s[t][j][2], cs, ms[2 * t + 1]));
+            const float p3 = tc_ex2(__fmaf_rn(s[t][j][3], cs, ms[2 * t + 1]));
+            ps[0] = __fadd_rn(__fadd_rn(ps[0], p0), p1);
+            ps[1] = __fadd_rn(__fadd_rn(ps[1], p2), p3);
+            pa[t][j >> 1][(j & 1) * 2 + 0] = tc_pack(p0, p1);
+            pa[t][j >> 1][(j & 1) * 2 + 1] = tc_pack(p2, p3);
+        }
+#pragma unroll
+        for (int i = 0; i < 2; i++)
+            l[2 * t + i] = __fmaf_rn(l[2 * t + i], al[2 * t + i], ps[i]);
+        if (scale)
+#pragma unroll
+        for (int n = 0; n < DVM / 8; n++) {
+            acc[t][n][0] = __fmul_rn(acc[t][n][0], al[2 * t]);
+            acc[t][n][1] = __fmul_rn(acc[t][n][1], al[2 * t]);
+            acc[t][n][2] = __fmul_rn(acc[t][n][2], al[2 * t + 1]);
+            acc[t][n][3] = __fmul_rn(acc[t][n][3], al[2 * t + 1]);
+        }
+    }
+    {
+        const int mt = lane >> 3;
+        const uint16_t *vp = vb + ((mt & 1) * 8 + (lane & 7)) * ldv + (mt >> 1) * 8;
+#pragma unroll
+        for (int kk = 0; kk < TC_KEYS / 16; kk++)
+#pragma unroll
+            for (int dp = 0; dp < DVM / 16; dp++) {
+                if (16 * dp < dvp) {
+                    uint32_t b[4];
+                    tc_ldsm4t(b, vp + kk * 16 * ldv + 16 * dp);
+#pragma unroll
+                    for (int t = 0; t < 2; t++) {
+                        tc_mma(acc[t][2 * dp], pa[t][kk], b[0], b[1]);
+                        tc_mma(acc[t][2 * dp + 1], pa[t][kk], b[2], b[3]);
+                    }
+                }
+            }
+    }
+}
+
+// The prefill kernel with two m16 tiles per warp: attention_tc_kernel<DKM, DVM, 8, true>'s block
+// structure (passes per sequence, the staging and conversion of each 64-key block into one of
+// two bf16 buffers, one barrier per block) with 256 units per block; warp w takes units
+// 32 w..32 w + 31 (tile t: 32 w + 16 t ..). Only for calls of more than TC_DECODE_ROWS rows.
+#define TC2_WARPS 8
+template <int DKM, int DVM, bool FAST>
+__global__ void __launch_bounds__(TC2_WARPS * 32, 1)
+    attention_tc2_kernel(struct mm_attn_args a, int gsub, int rows_pb, int *d_err) {
+    constexpr int NT = TC2_WARPS * 32, UNITS = TC2_WARPS * 32, TPK = NT / TC_KEYS;
+    static_assert(NT % TC_KEYS == 0, "threads per key");
+    mm_dep_signal();
+    mm_dep_wait();
+    extern __shared__ __align__(16) unsigned char tc_sh[];
+    __shared__ int32_t r_seq[UNITS], r_pos[UNITS], r_first[UNITS];
+    __shared__ int r_state[UNITS];
+    __shared__ int32_t seg[4];
+    const struct mm_kv_view &kv = a.kv;
+    const int dk = kv.head_dim_k, dv = kv.head_dim_v;
+    const int dkp = (dk + 15) & ~15, dvp = (dv + 15) & ~15;
+    const int ldk = dkp + 8, ldv = dvp + 8, sw = dk + dv + 4, ldq = ldk;
+    float *stage = (float *)tc_sh;                     // [TC_KEYS][sw] f32
+    uint16_t *kb = (uint16_t *)(stage + TC_KEYS * sw); // 2 x ([TC_KEYS][ldk] + [TC_KEYS][ldv]) bf16
+    const int kvsz = TC_KEYS * (ldk + ldv);
+    uint16_t *qs = kb + 2 * kvsz;                      // [UNITS][ldq] bf16
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tq = lane & 3;
+    const int skey = tid / TPK, part = tid % TPK;
+    const int group = a.n_heads / kv.n_kv_heads, per_kv = group / gsub;
+    const int kvh = blockIdx.y / per_kv, h0 = kvh * group + (blockIdx.y % per_kv) * gsub;
+    const int64_t r0 = (int64_t)(gridDim.x - 1 - blockIdx.x) * rows_pb;
+    const int n_units = rows_pb * gsub;
+    const int64_t k_off = (int64_t)kvh * dk,
+                  v_off = (int64_t)kv.n_kv_heads * dk + (int64_t)kvh * dv;
+    if (tid < rows_pb) {
+        const int64_t r = r0 + tid;
+        int st = 0;
+        int32_t sq = -1, ps = -1, fi = 0;
+        if (r < a.n_rows) {
+            sq = a.row_seq[r], ps = a.row_pos[r];
+            if (ps < 0 || sq < 0 || ps / kv.block_size >= kv.max_blocks) {
+                tc_flag(d_err);
+            } else {
+                st = 1;
+                if (a.window > 0 && ps - a.window + 1 > 0)
+                    fi = ps - a.window + 1;
+            }
+        }
+        r_seq[tid] = sq, r_pos[tid] = ps, r_first[tid] = fi, r_state[tid] = st;
+    }
+    // q as bf16 rows (tc_pack of the pairs tc_block's qf holds; zeros past dk and for units
+    // without a row), visible after the pass loop's first barrier
+    for (int i = tid; i < UNITS * (dkp / 2); i += NT) {
+        const int u = i / (dkp / 2), d = 2 * (i % (dkp / 2));
+        float x0 = 0.0f, x1 = 0.0f;
+        if (u < n_units && r0 + u / gsub < a.n_rows) {
+            const float *qp = a.q + (r0 + u / gsub) * a.q_stride + (int64_t)(h0 + u % gsub) * dk;
+            if (d < dk)
+                x0 = qp[d];
+            if (d + 1 < dk)
+                x1 = qp[d + 1];
+        }
+        *(uint32_t *)(qs + u * ldq + d) = tc_pack(x0, x1);
+    }
+    // this thread's units: k = 2 t + i is row g + 8 i of tile t (unit 32 warp + 16 t + g + 8 i);
+    // recomputed where needed (at a pass's start and end) rather than held in registers
+    auto unit = [&](int k) { return warp * 32 + 16 * (k >> 1) + g + 8 * (k & 1); };
+    auto uin = [&](int k) { return unit(k) < n_units && r0 + unit(k) / gsub < a.n_rows; };
+    const uint16_t *qw = qs + warp * 32 * ldq;
+    const float cs = a.scale * 1.4426950408889634f;
+    const bool wcomp = warp * 32 < n_units;
+    // staging of this thread's key: the FAST forms where they apply (same addresses, values)
+    const bool full = FAST && dk == DKM && dv == DVM;
+    const int bsh = FAST && (kv.block_size & (kv.block_size - 1)) == 0 ? __ffs(kv.block_size) - 1 : -1;
+    for (;;) {
+        __syncthreads();
+        if (tid == 0) {
+            int32_t sq = -1, c_lo = 0, t_lo = 0, t_hi = -1;
+            for (int r = 0; r < rows_pb; r++)
+                if (r_state[r] == 1 && sq < 0)
+                    sq = r_seq[r];
+            for (int r = 0; r < rows_pb; r++)
+                if (r_state[r] == 1 && r_seq[r] == sq) {
+                    r_state[r] = 2;
+                    const int32_t cf = (r_first[r] / TC_KEYS) * TC_KEYS;
+                    if (t_hi < 0 || cf < c_lo)
+                        c_lo = cf;
+                    if (t_hi < 0 || r_first[r] < t_lo)
+                        t_lo = r_first[r];
+                    if (r_pos[r] > t_hi)
+                        t_hi = r_pos[r];
+                }
+            seg[0] = sq, seg[1] = c_lo, seg[2] = t_lo, seg[3] = t_hi;
+        }
+        __syncthreads();
+        const int32_t sq = seg[0], c_lo = seg[1], t_lo = seg[2], t_hi = seg[3];
+        if (sq < 0)
+            break;
+        bool on[4];
+        int32_t pos[4], first[4];
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            const int ur = uin(k) ? unit(k) / gsub : 0;
+            on[k] = uin(k) && r_state[ur] == 2;
+            pos[k] = on[k] ? r_pos[ur] : -1;
+            first[k] = on[k] ? r_first[ur] : 0x7fffffff;
+        }
+        int32_t wmax = max(max(pos[0], pos[1]), max(pos[2], pos[3]));
+        int32_t wmin = min(min(first[0], first[1]), min(first[2], first[3]));
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            wmax = max(wmax, __shfl_xor_sync(0xffffffffu, wmax, o));
+            wmin = min(wmin, __shfl_xor_sync(0xffffffffu, wmin, o));
+        }
+        float m[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY}, l[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        float acc[2][DVM / 8][4];
+#pragma unroll
+        for (int t = 0; t < 2; t++)
+#pragma unroll
+            for (int n = 0; n < DVM / 8; n++)
+                acc[t][n][0] = acc[t][n][1] = acc[t][n][2] = acc[t][n][3] = 0.0f;
+        float *srow = stage + skey * sw;
+        auto blk_of = [&](int32_t t) -> int32_t {
+            return bsh >= 0 ? tc_blk_sh(kv, sq, t, t_lo, t_hi, bsh, d_err)
+                            : tc_blk(kv, sq, t, t_lo, t_hi, d_err);
+        };
+        auto issue = [&](int32_t t, int32_t b) {
+            if (full && bsh >= 0)
+                tc_issue_full<TPK, DKM, DVM>(kv, t, b, k_off, v_off, srow, part, bsh);
+            else
+                tc_issue<TPK>(kv, t, b, k_off, v_off, srow, part);
+        };
+        int32_t blk = blk_of(c_lo + skey);
+        bool ok = blk >= 0;
+        issue(c_lo + skey, blk);
+        blk = blk_of(c_lo + TC_KEYS + skey);
+        __syncthreads(); // the last pass's reads of both buffers done
+        tc_wait_all();
+        if (full)
+            tc_convert_full<DKM, DVM, TPK>(srow, ok, kb + skey * ldk, kb + TC_KEYS * ldk + skey * ldv, part);
+        else
+            tc_convert<DKM, DVM, TPK>(srow, ok, dk, dv, dkp, dvp, kb + skey * ldk,
+                                      kb + TC_KEYS * ldk + skey * ldv, part);
+        if (c_lo + TC_KEYS <= t_hi) {
+            ok = blk >= 0;
+            issue(c_lo + TC_KEYS + skey, blk);
+            blk = blk_of(c_lo + 2 * TC_KEYS + skey);
+        }
+        __syncthreads(); // buffer 0 ready
+        int bi = 0;
+        for (int32_t c0 = c_lo; c0 <= t_hi; c0 += TC_KEYS) {
+            if (c0 + TC_KEYS <= t_hi) {
+                uint16_t *kn = kb + (bi ^ 1) * kvsz;
+                tc_wait_all();
+                if (full)
+                    tc_convert_full<DKM, DVM, TPK>(srow, ok, kn + skey * ldk,
+                                                   kn + TC_KEYS * ldk + skey * ldv, part);
+                else
+                    tc_convert<DKM, DVM, TPK>(srow, ok, dk, dv, dkp, dvp, kn + skey * ldk,
+                                              kn + TC_KEYS * ldk + skey * ldv, part);
+                if (c0 + 2 * TC_KEYS <= t_hi) {
+                    ok = blk >= 0;
+                    issue(c0 + 2 * TC_KEYS + skey, blk);
+                    blk = blk_of(c0 + 3 * TC_KEYS + skey);
+                }
+            }
+            if (wcomp && c0 <= wmax && c0 + TC_KEYS - 1 >= wmin) {
+                const uint16_t *kc = kb + bi * kvsz;
+                tc_block2<DKM, DVM, FAST>(qw, ldq, kc, kc + TC_KEYS * ldk, ldk, ldv, dkp, dvp, c0, first,
+                                    pos, cs, m, l, acc);
+            }
+            __syncthreads();
+            bi ^= 1;
+        }
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            l[k] = __fadd_rn(l[k], __shfl_xor_sync(0xffffffffu, l[k], 1));
+            l[k] = __fadd_rn(l[k], __shfl_xor_sync(0xffffffffu, l[k], 2));
+        }
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            if (!on[k])
+                continue;
+            const float inv = 1.0f / l[k];
+            const int u = unit(k);
+            float *o = a.out + (r0 + u / gsub) * a.out_stride + (int64_t)(h0 + u % gsub) * dv;
+            const int t = k >> 1, i = k & 1;
+#pragma unroll
+            for (int n = 0; n < DVM / 8; n++) {
+                const int d = 8 * n + 2 * tq;
+                if (d < dv)
+                    o[d] = __fmul_rn(acc[t][n][2 * i], inv);
+                if (d + 1 < dv)
+                    o[d + 1] = __fmul_rn(acc[t][n][2 * i + 1], inv);
+            }
+        }
+        __syncthreads();
+        if (tid < rows_pb && r_state[tid] == 2)
+            r_state[tid] = 0;
+    }
+}
+
+static size_t tc2_shmem(int dk, int dv) {
+    const int dkp = (dk + 15) & ~15, dvp = (dv + 15) & ~15;
+    return (size_t)TC_KEYS * (dk + dv + 4) * 4 +
+           2 * ((size_t)TC_KEYS * (dkp + 8) * 2 + (size_t)TC_KEYS * (dvp + 8) * 2) +
+           (size_t)TC2_WARPS * 32 * (dkp + 8) * 2;
+}
+
+template <int DKM, int DVM, bool FAST>
+static mm_err tc2_launch(void *stream, const struct mm_attn_args *a, int gsub, int rows_pb,
+                         int *d_err) {
+    static uint64_t attr_set;
+    int dev = 0;
+    MM_GPU_CHECK(cudaGetDevice(&dev));
+    if (!(attr_set & (1ull << (dev & 63)))) {
+        MM_GPU_CHECK(cudaFuncSetAttribute(attention_tc2_kernel<DKM, DVM, FAST>,
+                                          cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          (int)tc2_shmem(DKM, DVM)));
+        attr_set |= 1ull << (dev & 63);
+    }
+    const int group = a->n_heads / a->kv.n_kv_heads;
+    dim3 grid((unsigned)((a->n_rows + rows_pb - 1) / rows_pb),
+              (unsigned)(a->kv.n_kv_heads * (group / gsub)));
+    MM_GPU_CHECK(mm_launch_dep(attention_tc2_kernel<DKM, DVM, FAST>, grid, dim3(TC2_WARPS * 32),
+                               tc2_shmem(a->kv.head_dim_k, a->kv.head_dim_v), (cudaStream_t)stream,
+                               *a, gsub, rows_pb, d_err));
+    MM_GPU_CHECK(cudaGetLastError());
+    return MM_OK;
+}
+
 static size_t tc_shmem(int dk, int dv, bool db) {
     const int dkp = (dk + 15) & ~15, dvp = (dv + 15) & ~15;
     return (size_t)TC_KEYS * (dk + dv + 4) * 4 +
@@ -560,6 +977,27 @@ static int tc_warps(void) {
     return g_att_tc_warps;
 }
 
+// m16 tiles per warp of prefill calls: 2 (attention_tc2_kernel, the default) or 1
+// (attention_tc_kernel, MM_GPU_ATT_TC_MT=1). Same bits either way.
+static int tc_mt(void) {
+    if (g_att_tc_mt < 0) {
+        const char *e = getenv("MM_GPU_ATT_TC_MT");
+        g_att_tc_mt = e != NULL && strcmp(e, "1") == 0 ? 1 : 2;
+    }
+    return g_att_tc_mt;
+}
+
+// the FAST staging and rescale skip of attention_tc2_kernel: 0 (default) or 1 (MM_GPU_ATT_TC_FAST=1;
+// H200 04:16 UTC: 1.07 vs 1.08 ms per 4096-row call by ncu, but the whole forward 14.7 vs 14.5-14.6
+// ms: it does not pay, so it is off)
+static int tc_fast(void) {
+    if (g_att_tc_fast < 0) {
+        const char *e = getenv("MM_GPU_ATT_TC_FAST");
+        g_att_tc_fast = e != NULL && strcmp(e, "1") == 0;
+    }
+    return g_att_tc_fast;
+}
+
 static int tc_db(void) {
     if (g_att_tc_db < 0) {
         const char *e = getenv("MM_GPU_ATT_TC_DB");
@@ -573,6 +1011,20 @@ static int tc_db(void) {
 // MM_GPU_ATT_TC_DB (default 1). Same bits either way. Process-wide.
 extern "C" void mm_gpu_set_attention_tc_db(int mode);
 extern "C" void mm_gpu_set_attention_tc_db(int mode) { g_att_tc_db = mode < 0 ? -1 : mode != 0; }
+
+// mm_gpu_set_attention_tc_mt: m16 tiles per warp for prefill calls (more than 64 rows): 2
+// (attention_tc2_kernel: 256 units per block of 8 warps, q in shared memory), 1 (8 or 4 warps of
+// one tile each: attention_tc_kernel, which decode calls always take); other values: back to
+// MM_GPU_ATT_TC_MT (default 2). Same bits. Process-wide.
+extern "C" void mm_gpu_set_attention_tc_mt(int mt);
+extern "C" void mm_gpu_set_attention_tc_mt(int mt) { g_att_tc_mt = mt == 1 || mt == 2 ? mt : -1; }
+
+// mm_gpu_set_attention_tc_fast: attention_tc2_kernel's FAST staging (shifts for the cache slot,
+// unrolled copies and conversion at the kernel's own head dims) and its skip of the rescale when
+// alpha is 1 in a whole warp: 1 on, 0 off, < 0 back to MM_GPU_ATT_TC_FAST (default 0: measured
+// no faster in the whole forward). Same bits.
+extern "C" void mm_gpu_set_attention_tc_fast(int on);
+extern "C" void mm_gpu_set_attention_tc_fast(int on) { g_att_tc_fast = on < 0 ? -1 : on != 0; }
 
 // mm_gpu_set_attention_tc: 1 the tensor-core contract for every attention call whose shape it
 // takes (decode and prefill alike), 0 ops.cu's f32 kernels, < 0 back to MM_GPU_ATT_TC (read at
@@ -609,7 +1061,8 @@ extern "C" mm_err mm_gpu_attention_tc(void *stream, const struct mm_attn_args *a
     if (dk <= 0 || dv <= 0 || dk % 4 != 0 || dv % 4 != 0 || dk > 128 || dv > 128 ||
         ((uintptr_t)kv->base & 15) != 0 || kv->block_stride % 4 != 0 || kv->slot_stride % 4 != 0)
         return MM_OK;
-    const int nw = tc_warps(), units = nw * 16;
+    const bool two = tc_mt() == 2 && a->n_rows > TC_DECODE_ROWS; // prefill: two m16 tiles per warp
+    const int nw = two ? TC2_WARPS : tc_warps(), units = nw * 16 * (two ? 2 : 1);
     const int group = a->n_heads / kv->n_kv_heads;
     int gsub = 1;
     for (int s = 1; s <= units && s <= group; s++)
@@ -617,7 +1070,12 @@ extern "C" mm_err mm_gpu_attention_tc(void *stream, const struct mm_attn_args *a
             gsub = s;
     const int rows_pb = a->n_rows <= TC_DECODE_ROWS ? 1 : units / gsub;
     mm_err rv;
-    if (nw == 4)
+    if (two)
+        rv = tc_fast() ? (dk <= 64 && dv <= 64 ? tc2_launch<64, 64, true>(stream, a, gsub, rows_pb, d_err)
+                                                : tc2_launch<128, 128, true>(stream, a, gsub, rows_pb, d_err))
+                       : (dk <= 64 && dv <= 64 ? tc2_launch<64, 64, false>(stream, a, gsub, rows_pb, d_err)
+                                                : tc2_launch<128, 128, false>(stream, a, gsub, rows_pb, d_err));
+    else if (nw == 4)
         rv = tc_db() ? tc_launch_dims<4, true>(stream, a, gsub, rows_pb, d_err)
                      : tc_launch_dims<4, false>(stream, a, gsub, rows_pb, d_err);
     else

@@ -2,7 +2,7 @@
 // The tensor-core attention contract (kernels/cuda/attention_tc.cu, MM_GPU_ATT_TC=1): against
 // the CPU backend's f32 attention within a bf16-input tolerance, and bit for bit between the
 // ways a row can reach it: a whole prompt in one call (prefill tiles of 8 warps, of 4 warps,
-// and with one key buffer instead of two), token-by-token decode
+// with one key buffer instead of two, and with two m16 tiles per warp), token-by-token decode
 // steps of all sequences (one row per sequence per call, cache written step by step), chunked
 // prefill (chunks of 37, 128, 1, then 200 rows, each stored before its attention) and rows of
 // the sequences interleaved in one call. The cache starts as NaN, so keys a row must not see
@@ -24,6 +24,9 @@
 extern void mm_gpu_set_attention_tc(int mode) __attribute__((weak));
 extern void mm_gpu_set_attention_tc_warps(int warps) __attribute__((weak));
 extern void mm_gpu_set_attention_tc_db(int mode) __attribute__((weak));
+// prefill calls with two m16 tiles per warp (attention_tc2_kernel); absent in older builds
+extern void mm_gpu_set_attention_tc_mt(int mt) __attribute__((weak));
+extern void mm_gpu_set_attention_tc_fast(int on) __attribute__((weak));
 extern mm_err mm_gpu_attention_tc(void *stream, const struct mm_attn_args *a, int *d_err, int *done)
     __attribute__((weak));
 
@@ -37,12 +40,16 @@ static void open_backends(void) {
     mm_gpu_set_attention_tc(1);
     mm_gpu_set_attention_tc_warps(8);
     mm_gpu_set_attention_tc_db(1);
+    if (mm_gpu_set_attention_tc_mt)
+        mm_gpu_set_attention_tc_mt(1);
 }
 
 static void close_backends(void) {
     mm_gpu_set_attention_tc(-1);
     mm_gpu_set_attention_tc_warps(-1);
     mm_gpu_set_attention_tc_db(-1);
+    if (mm_gpu_set_attention_tc_mt)
+        mm_gpu_set_attention_tc_mt(-1);
     gpu_close(&cpu);
 }
 
@@ -221,17 +228,27 @@ static void tc_case(int n_heads, int n_kv, int dk, int dv, int window, const int
     const int64_t d_f32 = n_diff(all, got, on);
     free(got);
 
-    // 1b. the same call with 4 warps per block (other tiles), and with one key buffer (two
-    // barriers per block)
+    // 1b. the same call with 4 warps per block (other tiles), with one key buffer (two
+    // barriers per block), and with two m16 tiles per warp (256 units per block), with and
+    // without its FAST staging
     int64_t d_warps = 0;
-    for (int var = 0; var < 2; var++) {
+    for (int var = 0; var < 4; var++) {
         if (var == 0)
             mm_gpu_set_attention_tc_warps(4);
-        else
+        else if (var == 1)
             mm_gpu_set_attention_tc_db(0);
+        else if (mm_gpu_set_attention_tc_mt && mm_gpu_set_attention_tc_fast) {
+            mm_gpu_set_attention_tc_mt(2);
+            mm_gpu_set_attention_tc_fast(var == 2);
+        } else
+            continue;
         tc_whole(&kv, &u, n_rows, qst, d_out, ost, n_heads, dk, window);
         mm_gpu_set_attention_tc_warps(8);
         mm_gpu_set_attention_tc_db(1);
+        if (mm_gpu_set_attention_tc_mt && mm_gpu_set_attention_tc_fast) {
+            mm_gpu_set_attention_tc_mt(1);
+            mm_gpu_set_attention_tc_fast(-1);
+        }
         got = dev_get(d_out, (size_t)on * 4);
         d_warps += n_diff(all, got, on);
         free(got);
@@ -275,22 +292,29 @@ static void tc_case(int n_heads, int n_kv, int dk, int dv, int window, const int
     free(got);
     tc_rows_free(&u);
 
-    // 4. the sequences' rows interleaved in runs of 1..11 rows, one call
+    // 4. the sequences' rows interleaved in runs of 1..11 rows, one call (one tile per warp,
+    // then two: several sequences' passes in one block)
     interleave_rows(lens, n_seqs, n_rows, order);
     u = tc_upload(order, n_rows, q, qst, k, kst, v, vst, rs, rp);
-    MM_PASS(gpu->ops->fill(gpu->ctx, kv.base, NAN, pool_n));
-    MM_PASS(gpu->ops->fill(gpu->ctx, d_out, 7.0f, on));
-    tc_run(&kv, &u, n_rows, qst, kst, vst, d_out, ost, n_heads, dk, window, whole, 1);
-    got = dev_get(d_out, (size_t)on * 4);
     int64_t d_mixed = 0;
-    for (int i = 0; i < n_rows; i++)
-        d_mixed += n_diff(all + (int64_t)order[i] * ost, got + (int64_t)i * ost, ost);
-    free(got);
+    for (int mt = 1; mt <= (mm_gpu_set_attention_tc_mt ? 2 : 1); mt++) {
+        if (mm_gpu_set_attention_tc_mt)
+            mm_gpu_set_attention_tc_mt(mt);
+        MM_PASS(gpu->ops->fill(gpu->ctx, kv.base, NAN, pool_n));
+        MM_PASS(gpu->ops->fill(gpu->ctx, d_out, 7.0f, on));
+        tc_run(&kv, &u, n_rows, qst, kst, vst, d_out, ost, n_heads, dk, window, whole, 1);
+        got = dev_get(d_out, (size_t)on * 4);
+        for (int i = 0; i < n_rows; i++)
+            d_mixed += n_diff(all + (int64_t)order[i] * ost, got + (int64_t)i * ost, ost);
+        free(got);
+    }
+    if (mm_gpu_set_attention_tc_mt)
+        mm_gpu_set_attention_tc_mt(1);
     tc_rows_free(&u);
 
     printf("tc attention %dh/%dkv dk %d dv %d window %d, %d rows of %d seqs: nmse vs cpu %.3e "
            "(tol 2e-4), %lld elements differ from the f32 kernels; differing elements vs the "
-           "whole-prompt call: 4 warps + one key buffer %lld, chunks %lld, decode steps %lld, seqs "
+           "whole-prompt call: 4 warps + one key buffer + two tiles per warp (fast, plain) %lld, chunks %lld, decode steps %lld, seqs "
            "interleaved %lld "
            "(of %lld)\n",
            n_heads, n_kv, dk, dv, window, n_rows, n_seqs, nmse, (long long)d_f32,

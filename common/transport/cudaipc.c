@@ -25,7 +25,13 @@
 //           for it (once per lap: a wait covers every read up to the `freed` seen before it).
 //           The record is deferred to the receiver's next receive or look for input on the
 //           conn (or its own wait for ring space), off the step's path: its stage work is
-//           issued first (MM_CUDAIPC_EAGER_FREE=1 records inside the receive, as before). A wait on an IPC event covers its latest record made before the wait, and
+//           issued first (MM_CUDAIPC_EAGER_FREE=1 records inside the receive, as before).
+// - Views (mm_conn_recv_view): a device frame's rows are not copied out; the receiver works on
+//   them in the ring, and the deferred free (never paid for a send's want of space while a view
+//   is out) is recorded after that work. A view lives until the next receive or wait for input
+//   on the conn: the shards and owners hand it to one frame's work, the router to one combine.
+// - MM_CUDAIPC_KCOPY=1: rows between device pointers copied by a kernel (ipc.cu) instead of
+//   cudaMemcpyAsync; on the H200 it gained nothing (docs/MESH.md), so it is off. A wait on an IPC event covers its latest record made before the wait, and
 //           each record here happens before the counter or descriptor that makes the other
 //           side wait, so each wait covers what it must (later records only add work).
 // - Ring space: the sender allocates frames (padded to 256 bytes, never wrapping: a frame that

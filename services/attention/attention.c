@@ -196,7 +196,7 @@ static mm_err on_frame(void *arg, mm_conn *c, const mm_wire_hdr *h, void *payloa
     mm_model_rows rows = {.n_rows = A.n_rows, .seq = A.row_seq, .pos = A.row_pos};
     // device backends: the rows go through the backend copy d_h and come back in place; a
     // device frame (cudaipc://) already landed in d_h and its reply leaves from there
-    // (with MM_MESH_VIEWS=1 a device frame's rows are handed over in the conn's ring and
+    // (a device frame's rows are handed over in the conn's ring (MM_MESH_VIEWS, on unless 0) and
     // attention runs on them there, the reply leaving from there: no copy in)
     const bool on_dev = A.d_h != NULL && (payload == (void *)A.d_h || mm_dataserv_on_dev(payload));
     float *hd = on_dev ? (float *)payload : A.d_h; // the rows attention works on (device)
@@ -297,10 +297,10 @@ mm_err attention_start(mm_daemon *d, void *arg, char err[MM_ERRLEN]) {
     size_t cap = (size_t)s_max_tokens * (size_t)A.d_model * 4;
     if (cap < 12 + (size_t)s_max_tokens * 32 + 4096) // CTRL frames with releases, truncations
         cap = 12 + (size_t)s_max_tokens * 32 + 4096;
-    // MM_MESH_VIEWS=1: device frames handed over in place (no copy out of the ring); their
-    // pointers change per frame, so no graphs then
+    // device frames handed over in place (no copy out of the ring; MM_MESH_VIEWS=0: copied into
+    // d_h as before); their pointers change per frame, so no graphs then
     const char *vw = getenv("MM_MESH_VIEWS");
-    const bool views = dev_frames && vw && strcmp(vw, "1") == 0;
+    const bool views = dev_frames && !(vw && strcmp(vw, "0") == 0);
     if (views) {
         mm_mesh_graphs_free(A.graphs);
         A.graphs = NULL;

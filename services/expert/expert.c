@@ -185,7 +185,7 @@ static mm_err plan_issue(void *arg) {
                                  j->nk, O.d_out);
 }
 
-// a device frame's rows: in d_x, or (MM_MESH_VIEWS=1) in place in the conn's ring
+// a device frame's rows: in place in the conn's ring, or in d_x (MM_MESH_VIEWS=0)
 static bool dev_payload(const void *payload) {
     return O.d_x != NULL && (payload == (void *)O.d_x || mm_dataserv_on_dev(payload));
 }
@@ -400,10 +400,10 @@ mm_err expert_start(mm_daemon *d, void *arg, char err[MM_ERRLEN]) {
     if (O.dev_frames)
         MM_TRY(mm_mesh_graphs_new(&O.graphs, O.be, 8 * O.n_layers, "expert owner"));
     O.dirty = true; // write a first (all-zero) CSV soon after start
-    // MM_MESH_VIEWS=1: device frames handed over in place (no copy out of the ring)
+    // device frames handed over in place (no copy out of the ring; MM_MESH_VIEWS=0: into d_x)
     const char *vw = getenv("MM_MESH_VIEWS");
     const int tick_ms = s_load_ms > 0 ? (int)s_load_ms : 2000;
-    if (O.dev_frames && vw && strcmp(vw, "1") == 0)
+    if (O.dev_frames && !(vw && strcmp(vw, "0") == 0))
         MM_TRY(mm_dataserv_start_view(&O.ds, c->data, cap, on_frame, write_load, tick_ms, NULL,
                                       err));
     else

@@ -62,7 +62,7 @@ struct peer {
     struct iovec seg[2]; // plan mode: the x rows and the owner's share of the plan
     bool pending;
     bool failed;       // lost during this exchange (tolerant gathers)
-    bool want_view;    // gpu: take the reply in place in the link's ring (MM_MESH_VIEWS=1)
+    bool want_view;    // gpu: take the reply in place in the link's ring (MM_MESH_VIEWS)
     const float *view; // where it is (valid until the next receive on the link), or NULL
 };
 
@@ -145,7 +145,8 @@ struct mm_step_engine {
     float *d_ysn;             // (owners, T*K, D) owners' replies when several serve a layer
     mm_mesh_graphs *graphs;   // plan_layer's device chains as graphs (MM_MESH_GRAPHS=1)
     mm_model_plan plan_ptrs;  // the plan's buffers (the scratch's), for replayed chains
-    bool views;               // MM_MESH_VIEWS=1: one serving owner's reply read in place
+    bool views;               // one serving owner's reply read in place (MM_MESH_VIEWS, on
+                              // unless 0)
     // per-seq state
     int32_t *seq_shard, *seq_row; // (max_seqs): shard, first active row (-1: inactive)
     bool *seq_failed;
@@ -494,7 +495,7 @@ mm_err mm_step_engine_open(mm_step_engine **out, const mm_step_conf *c, mm_regis
                 goto fail;
             }
             const char *vw = getenv("MM_MESH_VIEWS");
-            e->views = vw && strcmp(vw, "1") == 0;
+            e->views = !(vw && strcmp(vw, "0") == 0);
             // the chains between the hops recorded as graphs (MM_MESH_GRAPHS=1)
             MM_TRY_GOTO(rv, mm_mesh_graphs_new(&e->graphs, e->be, 16 * (int)NL, "router"),
                         fail);

@@ -17,6 +17,8 @@
 //   when the graph runs. Stream waits on peers' events stay outside (issued before run).
 // - On only where the env MM_MESH_GRAPHS is 1 and the backend has graphs (not MM_GPU_OPTIME,
 //   not MM_GPU_GRAPHS=0); otherwise mm_mesh_graphs_new gives NULL and run calls fn directly.
+//   Off by default: on the H200 (2026-11-30) the graph launches cost the GPU more than the
+//   host time they save (batch-1 step 1.22 against 1.15 ms; docs/MESH.md).
 // - Not thread-safe: one thread issues a backend's ops (kernels.h).
 #ifndef MM_MESH_GRAPH_H
 #define MM_MESH_GRAPH_H

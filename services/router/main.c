@@ -150,6 +150,7 @@ int main(int argc, char **argv) {
                     "per step", s_shards, c->owners, s_max_tokens, s_max_seqs);
         mm_registry_set_limits(reg, (uint32_t)s_max_seqs, (uint32_t)s_max_tokens,
                                (uint32_t)s_shards);
+        mm_registry_set_detail_hook(reg, mm_step_engine_status_hook, R.eng);
     }
     if (mm_daemon_start(d, err) != MM_OK) {
         mm_log_error("cannot start: %s", err);

@@ -32,7 +32,14 @@ struct mm_registry {
     uint32_t heartbeat_ms, down_after_ms;
     uint32_t max_step_seqs, max_batch_tokens, shards; // step limits for StatusReply (0: none)
     struct member *members; // (MM_REGISTRY_MAX_MEMBERS,)
+    void (*detail_fn)(void *); // run before each status answer (set before the server starts)
+    void *detail_arg;
 };
+
+void mm_registry_set_detail_hook(mm_registry *r, void (*fn)(void *arg), void *arg) {
+    r->detail_fn = fn;
+    r->detail_arg = arg;
+}
 
 void mm_registry_set_limits(mm_registry *r, uint32_t max_step_seqs, uint32_t max_batch_tokens,
                             uint32_t shards) {
@@ -282,6 +289,8 @@ done:
 
 void mm_registry_handle(void *arg, const mm_ctl_msg *req, const char *peer, nng_msg **reply) {
     mm_registry *r = arg;
+    if (req->body_case == MMCTL__ENVELOPE__BODY_STATUS_REQUEST && r->detail_fn)
+        r->detail_fn(r->detail_arg); // (outside r->mu: it may set the detail)
     pthread_mutex_lock(&r->mu);
     switch (req->body_case) {
     case MMCTL__ENVELOPE__BODY_HELLO:

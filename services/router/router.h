@@ -51,6 +51,11 @@ void mm_registry_set_limits(mm_registry *r, uint32_t max_step_seqs, uint32_t max
 // mm_registry_set_self_detail sets the router's own status detail (copied; thread-safe).
 void mm_registry_set_self_detail(mm_registry *r, const char *detail);
 
+// mm_registry_set_detail_hook: fn(arg) runs before each status answer, outside the registry's
+// lock, so that the owner of the detail can publish what it deferred (it may call
+// mm_registry_set_self_detail; it must not block on a step). Set before the server starts.
+void mm_registry_set_detail_hook(mm_registry *r, void (*fn)(void *arg), void *arg);
+
 // mm_registry_sweep marks members silent for longer than down_after_ms down (arg: registry).
 void mm_registry_sweep(void *arg);
 

@@ -1298,6 +1298,14 @@ static mm_err run_layers(mm_step_engine *e, const Mmctl__StepPlan *p, int64_t R,
     return MM_OK;
 }
 
+void mm_step_engine_status_hook(void *arg) {
+    mm_step_engine *e = arg;
+    if (e && pthread_mutex_trylock(&e->mu) == 0) { // (busy: the line is <= 50 ms of steps old)
+        mm_draft_detail_flush(e->dr);
+        pthread_mutex_unlock(&e->mu);
+    }
+}
+
 struct nng_msg *mm_step_engine_run(mm_step_engine *e, const Mmctl__StepPlan *p, uint64_t seq) {
     pthread_mutex_lock(&e->mu);
     mm_mesh_trace(p->step_id, -1, "run");

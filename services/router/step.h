@@ -45,6 +45,10 @@ mm_err mm_step_engine_open(mm_step_engine **out, const mm_step_conf *c, mm_regis
                            char err[MM_ERRLEN]);
 void mm_step_engine_close(mm_step_engine *e); // accepts NULL
 
+// mm_step_engine_status_hook (a registry detail hook, arg: the engine): publishes the drafting
+// metrics deferred by the last steps when no step is running (never waits for one).
+void mm_step_engine_status_hook(void *arg);
+
 // mm_step_engine_run runs plan (borrowed) and returns the packed StepResult reply (seq echoes
 // the request's). Blocks for the step; thread-safe (serialised).
 struct nng_msg *mm_step_engine_run(mm_step_engine *e, const Mmctl__StepPlan *plan, uint64_t seq);

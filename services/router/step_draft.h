@@ -109,7 +109,10 @@ void mm_draft_verified(mm_draft *d, const Mmctl__SeqStep *q, uint32_t n_draft,
                        uint32_t accepted, const int32_t *drafts);
 
 // mm_draft_end closes the step: its wall time feeds the width costs; metrics are published in
-// the router's status detail.
+// the router's status detail (at most every 50 ms while steps run: mm_draft_detail_flush).
 void mm_draft_end(mm_draft *d, uint64_t step_ns);
+// mm_draft_detail_flush publishes the metrics of steps that ended since the status detail was
+// last built (mm_draft_end rebuilds it at most every 50 ms). Same thread rules as mm_draft_end.
+void mm_draft_detail_flush(mm_draft *d);
 
 #endif

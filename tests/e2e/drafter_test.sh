@@ -51,7 +51,9 @@ eng=$("$BIN/moemesh" generate --model "$MODEL" --ids $IDS --max-tokens 24 --logp
     || fail "moemesh generate failed"
 [ "$eng" == "${WANT[g1]}" ] || fail "mesh without drafting differs from moemesh generate"
 
-# check CASE WHAT [ARGS]: output with --draft 4 equals the reference; sets DRAFTED and ACCEPTED.
+# check CASE WHAT [ARGS]: output with --draft 4 equals the reference; sets DRAFTED and ACCEPTED
+# and adds DRAFTED to SUM_DRAFTED.
+SUM_DRAFTED=0
 check() {
     local c=$1 what=$2 got
     shift 2
@@ -62,6 +64,7 @@ check() {
     fi
     read -r DRAFTED ACCEPTED < <(sed -n 's/^drafting: drafted \([0-9]*\) accepted \([0-9]*\).*/\1 \2/p' "$RUN/client.err")
     [ -n "${DRAFTED:-}" ] || fail "$what $c: no drafting counts from mesh-generate"
+    SUM_DRAFTED=$((SUM_DRAFTED + DRAFTED))
     echo "ok $what $c: equal bit for bit (drafted $DRAFTED, accepted $ACCEPTED)"
 }
 
@@ -82,6 +85,11 @@ for c in g1 gc s1; do
     check $c "self-draft, pipelined plans" --pipeline
     [ "$DRAFTED" -gt 0 ] || fail "self-draft pipelined $c: nothing was drafted"
 done
+# The router's status counts every draft of every run so far (its detail line is rebuilt at
+# most every 50 ms during steps; a status request on the idle router publishes the rest).
+st=$("$BIN/moemesh" status --router "$ROUTER" | sed -n 's/.*drafting: drafted=\([0-9]*\).*/\1/p')
+[ "$st" = "$SUM_DRAFTED" ] || fail "router status says drafted=$st, the clients counted $SUM_DRAFTED"
+echo "ok router status drafted=$st: every draft of the runs so far"
 
 # --- a drafter that stops answering (frozen: late past --draft-timeout-ms), then dies, mid-
 # request: the request goes on without drafts and its output does not change.

@@ -1601,3 +1601,55 @@ extern "C" mm_err mm_gpu_argmax(void *stream, const float *logits, int64_t ls, i
     MM_GPU_CHECK(cudaGetLastError());
     return MM_OK;
 }
+
+// ---- L2 prefetch of weights (kernels.h prefetch) -------------------------------------------------
+// A decode step alternates products that stream weights (memory busy) with chains of one-block
+// kernels (norms, attention, routing) while memory idles. mm_gpu_l2_prefetch enqueues a kernel
+// whose lanes each ask the L2 for PF_LANE_BYTES of a weight (cp.async.bulk.prefetch.L2, sm_90:
+// the copy engine fetches in the background, nothing comes back to the SM), so that a product
+// issued a few kernels later reads them from L2. It launches as a programmatic dependent
+// (mm_launch_dep): its blocks start once the kernel before it signals, issue their prefetches,
+// then wait (griddepcontrol.wait) for that kernel before they exit; the kernel after it waits
+// for it, so the chain's order is kept. It reads and writes no data: no result changes. Blocks
+// of 32 threads, 64 KB each, spread over the SMs (one SM's copy engine alone would take tens
+// of microseconds for a 16 MB matrix). HIP, and devices before sm_90: nothing is enqueued.
+#define PF_LANE_BYTES (2u << 10)
+#define PF_BLOCK_BYTES (32u * PF_LANE_BYTES)
+
+__global__ void l2_prefetch_kernel(const char *p, size_t n) {
+    mm_dep_signal();
+#if MM_GPU_HAVE_WMMA && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    const size_t off = (size_t)blockIdx.x * PF_BLOCK_BYTES + (size_t)threadIdx.x * PF_LANE_BYTES;
+    if (off < n) {
+        const size_t left = n - off;
+        const uint32_t len = (uint32_t)(left < PF_LANE_BYTES ? left : PF_LANE_BYTES);
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p + off), "r"(len)
+                     : "memory");
+    }
+#else
+    (void)p, (void)n;
+#endif
+    mm_dep_wait();
+}
+
+extern "C" mm_err mm_gpu_l2_prefetch(void *stream, const void *d_p, size_t n_bytes) {
+#if MM_GPU_HAVE_WMMA
+    if (d_p == NULL || n_bytes == 0)
+        return MM_OK;
+    // the 16-byte aligned part (the bulk prefetch's unit); nothing outside [p, p + n)
+    const uintptr_t a = ((uintptr_t)d_p + 15) & ~(uintptr_t)15;
+    const uintptr_t e = ((uintptr_t)d_p + n_bytes) & ~(uintptr_t)15;
+    if (e <= a)
+        return MM_OK;
+    const size_t len = (size_t)(e - a);
+    const size_t blocks = (len + PF_BLOCK_BYTES - 1) / PF_BLOCK_BYTES;
+    if (blocks > 65535) // > 4 GB: a hint only; the first 4 GB
+        return mm_gpu_l2_prefetch(stream, (const void *)a, (size_t)65535 * PF_BLOCK_BYTES);
+    MM_GPU_CHECK(mm_launch_dep(l2_prefetch_kernel, dim3((unsigned)blocks), dim3(32), 0,
+                               (cudaStream_t)stream, (const char *)a, len));
+    MM_GPU_CHECK(cudaGetLastError());
+#else
+    (void)stream, (void)d_p, (void)n_bytes;
+#endif
+    return MM_OK;
+}

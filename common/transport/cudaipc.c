@@ -25,21 +25,27 @@
 //           for it (once per lap: a wait covers every read up to the `freed` seen before it).
 //           The record is deferred to the receiver's next receive or look for input on the
 //           conn (or its own wait for ring space), off the step's path: its stage work is
-//           issued first (MM_CUDAIPC_EAGER_FREE=1 records inside the receive, as before).
+//           issued first (MM_CUDAIPC_EAGER_FREE=1 records inside a copying receive, as before;
+//           a view's is always deferred). A conn closed with a record owed records nothing:
+//           conn_free drains the stream before the ring and the events go.
+//   A wait on an IPC event covers its latest record made before the wait, and each record here
+//   happens before the counter or descriptor that makes the other side wait, so each wait
+//   covers what it must (later records only add work).
 // - Views (mm_conn_recv_view): a device frame's rows are not copied out; the receiver works on
 //   them in the ring, and the deferred free (never paid for a send's want of space while a view
 //   is out) is recorded after that work. A view lives until the next receive or wait for input
 //   on the conn: the shards and owners hand it to one frame's work, the router to one combine.
+//   Kernels take the view as float/int32 rows, so a descriptor's offset must be a multiple of
+//   ALIGN (the sender's frames always are): any other is MM_EPROTO, never a misaligned pointer.
 // - MM_CUDAIPC_KCOPY=1: rows between device pointers copied by a kernel (ipc.cu) instead of
-//   cudaMemcpyAsync; on the H200 it gained nothing (docs/MESH.md), so it is off. A wait on an IPC event covers its latest record made before the wait, and
-//           each record here happens before the counter or descriptor that makes the other
-//           side wait, so each wait covers what it must (later records only add work).
+//   cudaMemcpyAsync; on the H200 it gained nothing (docs/MESH.md), so it is off.
 // - Ring space: the sender allocates frames (padded to 256 bytes, never wrapping: a frame that
 //   would is placed at the ring's start, the tail skipped) from the device ring by `head`; a
 //   frame may be written once the bytes one lap before it are freed (or were never written). A
-//   sender short of space polls `freed` until its deadline (the receiver frees at each receive,
-//   so this only waits on a receiver that is behind). A frame larger than the ring is refused
-//   (MM_EINVAL, naming ring_mb).
+//   sender short of space polls `freed` until its deadline (MM_ETIMEDOUT, nothing sent: the
+//   receiver frees a frame at its next receive or wait for input, so this only waits on a
+//   receiver that is behind or holds a view it has not let go). A frame larger than the ring
+//   is refused (MM_EINVAL, naming ring_mb).
 // - Handshake (after shm's): each side sends HELLO_SEQ {has GPU, device, PCI id, ring handle,
 //   data/free event handles}, opens the peer's handles when both have a GPU, then sends
 //   ACK_SEQ {opened ok}; the device path is on only when both opened everything, so the two
@@ -639,7 +645,7 @@ static mm_err recv_core(struct ipc_conn *c, mm_wire_hdr *hdr, void *buf, size_t 
     const uint64_t n = hdr->payload_bytes;
     // (off and n checked apart: a peer's off near 2^64 must not wrap the sum into range)
     if (!c->dev || mm_wire_hdr_check(hdr, NULL) != MM_OK || d.off > c->rx_bytes ||
-        n > c->rx_bytes - d.off || d.end < n) {
+        n > c->rx_bytes - d.off || d.end < n || d.off % ALIGN != 0) {
         mm_log_warn("cudaipc: bad device-frame descriptor (offset %llu, %llu bytes)",
                     (unsigned long long)d.off, (unsigned long long)n);
         SHM->shutdown(c->shm);

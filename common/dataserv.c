@@ -101,6 +101,17 @@ static void *serve(void *arg) {
                     mm_log_warn("data %s: conn ended: %s", s->url, mm_strerror(rv));
                 break;
             }
+            if (on_dev && h.kind != MM_WIRE_ROWS) {
+                // handlers read every other kind on the host (CTRL lists): a device pointer
+                // there would be dereferenced by the CPU
+                char msg[128];
+                snprintf(msg, sizeof(msg), "a %s frame as device rows (device frames carry "
+                         "rows only)", mm_wire_kind_name(h.kind));
+                mm_log_warn("data %s: %s", s->url, msg);
+                if (mm_dataserv_reply_error(c, &h, MM_EPROTO, msg) == MM_OK)
+                    continue;
+                break;
+            }
             void *payload = view ? (void *)view : on_dev ? s->d_buf : s->buf;
             tl_view = view;
             mm_err hr = s->fn(s->arg, c, &h, payload);

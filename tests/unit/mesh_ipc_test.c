@@ -14,7 +14,10 @@
 //   the view may still be queued after the send);
 // - a conn closed with a free owed records nothing on its (destroyed) event; a new conn to the
 //   same listener starts with fresh accounting;
-// - MM_CUDAIPC_EAGER_FREE=1 records a copying receive's free inside the receive, never a view's.
+// - MM_CUDAIPC_EAGER_FREE=1 records a copying receive's free inside the receive, never a view's;
+// - a view-mode data server (mm_dataserv_start_view) hands its handler the rows in the ring
+//   (mm_dataserv_on_dev true), and answers a device frame that is not rows (a CTRL list its
+//   handler would read on the host) with an error instead of handing over a device pointer.
 // In a build with GPU support (make CUDA=1) the real entry points exist and this file skips.
 #include <pthread.h>
 #include <stdint.h>
@@ -24,6 +27,7 @@
 #include <unistd.h>
 
 #include "../mm_test.h"
+#include "mm/dataserv.h"
 #include "mm/transport.h"
 
 #ifndef MM_HAVE_CUDA
@@ -408,6 +412,73 @@ static void test_eager_free(void) {
     close_listener();
 }
 
+static int g_ds_rows, g_ds_dev, g_ds_other_dev;
+
+// the shard's shape: rows worked on in place and answered from there
+static mm_err ds_handler(void *arg, mm_conn *c, const mm_wire_hdr *h, void *payload) {
+    (void)arg;
+    if (h->kind != MM_WIRE_ROWS) {
+        g_ds_other_dev += mm_dataserv_on_dev(payload);
+        return MM_OK;
+    }
+    g_ds_rows++;
+    g_ds_dev += mm_dataserv_on_dev(payload);
+    float *x = payload;
+    for (size_t i = 0; i < h->payload_bytes / 4; i++)
+        x[i] *= 2.0f;
+    mm_wire_hdr r;
+    MM_TRY(mm_wire_hdr_init(&r, MM_WIRE_REPLY, MM_WIRE_F32, h->step_id, h->layer, h->n_rows,
+                            h->row_dim));
+    struct iovec v = {.iov_base = payload, .iov_len = h->payload_bytes};
+    return mm_conn_sendv_dev(c, &r, &v, 1, mm_deadline_in_ms(2000));
+}
+
+static void test_dataserv_views(void) {
+    char err[MM_ERRLEN] = "", url[96];
+    MM_PASS(mm_transport_gpu_use(0, (void *)0x5, err));
+    snprintf(url, sizeof(url), "cudaipc://mmipcds-%d?ring_mb=1", (int)getpid());
+    mm_dataserv *ds = NULL;
+    MM_PASS(mm_dataserv_start_view(&ds, url, 4096, ds_handler, NULL, 100, NULL, err));
+    mm_conn *c = NULL;
+    MM_PASS(mm_transport_dial(&c, url, mm_deadline_in_ms(5000), err));
+    MM_TRUE(mm_conn_dev(c));
+    float x[2 * DIM], y[2 * DIM];
+    struct iovec xv = {.iov_base = x, .iov_len = sizeof(x)}, yv = {.iov_base = y,
+                                                                   .iov_len = sizeof(y)};
+    mm_wire_hdr h, r;
+    char buf[256];
+    bool on_dev = false;
+    for (int k = 0; k < 3; k++) {
+        for (size_t i = 0; i < 2 * DIM; i++)
+            x[i] = (float)(k * 1000 + (int)i);
+        MM_PASS(mm_wire_hdr_init(&h, MM_WIRE_ROWS, MM_WIRE_F32, (uint64_t)k, 0, 2, DIM));
+        MM_PASS(mm_conn_sendv_dev(c, &h, &xv, 1, mm_deadline_in_ms(2000)));
+        MM_PASS(mm_conn_recv_dev(c, &r, buf, sizeof(buf), &yv, 1, &on_dev,
+                                 mm_deadline_in_ms(5000)));
+        MM_TRUE(on_dev);
+        MM_EQ(r.kind, MM_WIRE_REPLY);
+        for (size_t i = 0; i < 2 * DIM; i++)
+            MM_EQ(y[i], 2.0f * x[i]);
+        // a CTRL list sent as device rows: refused by the server, never handed over
+        uint32_t list[64] = {1, 7, 2};
+        struct iovec lv = {.iov_base = list, .iov_len = sizeof(list)};
+        MM_PASS(mm_wire_hdr_init(&h, MM_WIRE_CTRL, MM_WIRE_BYTES, (uint64_t)k, 0, 1,
+                                 sizeof(list)));
+        MM_PASS(mm_conn_sendv_dev(c, &h, &lv, 1, mm_deadline_in_ms(2000)));
+        memset(buf, 0, sizeof(buf));
+        MM_PASS(mm_conn_recv_dev(c, &r, buf, sizeof(buf) - 1, &yv, 1, &on_dev,
+                                 mm_deadline_in_ms(5000)));
+        MM_EQ(r.kind, MM_WIRE_ERROR);
+        MM_EQ(r.aux, (uint32_t)MM_EPROTO);
+        MM_TRUE(strstr(buf, "rows only") != NULL);
+    }
+    MM_EQ(g_ds_rows, 3);
+    MM_EQ(g_ds_dev, 3);
+    MM_EQ(g_ds_other_dev, 0);
+    mm_conn_close(c);
+    mm_dataserv_stop(ds);
+}
+
 #define CASE(name, fn) {name, fn}
 #else
 static void gpu_build(void) {
@@ -422,5 +493,6 @@ MM_TESTS = {
     CASE("ipc views: a send short of space does not pay a held view's free", test_view_not_paid_by_send),
     CASE("ipc views: a conn closed with a free owed records nothing; redial works", test_close_with_free_owed),
     CASE("ipc views: MM_CUDAIPC_EAGER_FREE=1 pays copies in the receive, never views", test_eager_free),
+    CASE("ipc views: a view-mode data server hands over rows in place, never other kinds", test_dataserv_views),
     {NULL, NULL},
 };

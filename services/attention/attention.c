@@ -289,26 +289,23 @@ mm_err attention_start(mm_daemon *d, void *arg, char err[MM_ERRLEN]) {
         if (!dev_frames)
             mm_log_info("data plane: host frames only (%s)", gerr);
     }
+    // device frames handed over in place (no copy out of the ring; MM_MESH_VIEWS=0: copied into
+    // d_h as before); their pointers change per frame, so no graphs then
+    const char *vw = getenv("MM_MESH_VIEWS");
+    const bool views = dev_frames && !(vw && strcmp(vw, "0") == 0);
     // MLA's key assembly copies an index list (a set): not recordable
-    if (!A.be->ops->host_memory && !cfg->mla)
+    if (!A.be->ops->host_memory && !cfg->mla && !views)
         MM_TRY(mm_mesh_graphs_new(&A.graphs, A.be, 8 * A.n_layers, "attention"));
     for (int i = 0; i < s_max_seqs; i++)
         A.map[i].slot = -1;
     size_t cap = (size_t)s_max_tokens * (size_t)A.d_model * 4;
     if (cap < 12 + (size_t)s_max_tokens * 32 + 4096) // CTRL frames with releases, truncations
         cap = 12 + (size_t)s_max_tokens * 32 + 4096;
-    // device frames handed over in place (no copy out of the ring; MM_MESH_VIEWS=0: copied into
-    // d_h as before); their pointers change per frame, so no graphs then
-    const char *vw = getenv("MM_MESH_VIEWS");
-    const bool views = dev_frames && !(vw && strcmp(vw, "0") == 0);
-    if (views) {
-        mm_mesh_graphs_free(A.graphs);
-        A.graphs = NULL;
+    if (views)
         MM_TRY(mm_dataserv_start_view(&A.ds, c->data, cap, on_frame, NULL, 1000, NULL, err));
-    } else {
+    else
         MM_TRY(mm_dataserv_start_dev(&A.ds, c->data, cap, dev_frames ? A.d_h : NULL, d_cap,
                                      on_frame, NULL, 1000, NULL, err));
-    }
     snprintf(detail, sizeof(detail), "shard %lld of %lld, kv %d blocks", c->instance, s_shards,
              mm_kv_cache_blocks_total(A.kv));
     mm_mesh_trace_open("attention");

@@ -397,13 +397,16 @@ mm_err expert_start(mm_daemon *d, void *arg, char err[MM_ERRLEN]) {
             MM_TRY(O.be->ops->set(O.be->ctx, O.d_tokens, O.tokens_dev, ne * 8));
         }
     }
-    if (O.dev_frames)
-        MM_TRY(mm_mesh_graphs_new(&O.graphs, O.be, 8 * O.n_layers, "expert owner"));
-    O.dirty = true; // write a first (all-zero) CSV soon after start
     // device frames handed over in place (no copy out of the ring; MM_MESH_VIEWS=0: into d_x)
     const char *vw = getenv("MM_MESH_VIEWS");
+    const bool views = O.dev_frames && !(vw && strcmp(vw, "0") == 0);
+    // plan frames' products as graphs (MM_MESH_GRAPHS=1) only where the rows are always in d_x:
+    // a view's place changes per frame (on_plan never replays one then)
+    if (O.dev_frames && !views)
+        MM_TRY(mm_mesh_graphs_new(&O.graphs, O.be, 8 * O.n_layers, "expert owner"));
+    O.dirty = true; // write a first (all-zero) CSV soon after start
     const int tick_ms = s_load_ms > 0 ? (int)s_load_ms : 2000;
-    if (O.dev_frames && !(vw && strcmp(vw, "0") == 0))
+    if (views)
         MM_TRY(mm_dataserv_start_view(&O.ds, c->data, cap, on_frame, write_load, tick_ms, NULL,
                                       err));
     else

@@ -30,18 +30,10 @@
 #define MAX_SAMPLE_WORKERS 7 // sampling threads besides the step's own
 #define POOL_MIN_SEQS 4      // fewer sampling seqs than this are sampled inline
 
-// GPU entry points of the device routing plan (kernels/cuda/mesh_ops.cu, backend.cu), weak:
-// NULL in a build without GPU support (then no plan mode).
-#define W __attribute__((weak))
-extern mm_err mm_gpu_backend_stream(void *backend_ctx, void **stream, int *dev) W;
-extern mm_err mm_gpu_mesh_plan_split(void *stream, const int32_t *d_offs, const int32_t *d_src,
-                                     const int32_t *d_dst, const int32_t *d_owner_of,
-                                     int n_experts, int n_slots, int n_owners, int32_t *d_out,
-                                     int64_t out_stride) W;
-extern mm_err mm_gpu_mesh_pick(void *stream, const float *d_ys, int64_t ys_owner_rows,
-                               const int32_t *d_ids, const int32_t *d_owner_of, int n_slots,
-                               int dim, float *d_eo) W;
-#undef W
+// GPU entry point of the device routing plan (kernels/cuda/backend.cu), weak: NULL in a build
+// without GPU support (then no plan mode); the plan's own (mesh_ops.cu) are in step_dev.h.
+extern mm_err mm_gpu_backend_stream(void *backend_ctx, void **stream, int *dev)
+    __attribute__((weak));
 
 struct peer {
     const char *role;  // "attention" | "expert"

@@ -4,18 +4,6 @@
 
 #include <stddef.h>
 
-// GPU entry points (kernels/cuda/mesh_ops.cu), weak: NULL in a build without GPU support (then
-// the router has no plan mode and never calls here).
-#define W __attribute__((weak))
-extern mm_err mm_gpu_mesh_plan_split(void *stream, const int32_t *d_offs, const int32_t *d_src,
-                                     const int32_t *d_dst, const int32_t *d_owner_of,
-                                     int n_experts, int n_slots, int n_owners, int32_t *d_out,
-                                     int64_t out_stride) W;
-extern mm_err mm_gpu_mesh_pick(void *stream, const float *d_ys, int64_t ys_owner_rows,
-                               const int32_t *d_ids, const int32_t *d_owner_of, int n_slots,
-                               int dim, float *d_eo) W;
-#undef W
-
 // graph keys: (layer << 32 | rows, stage)
 #define KEY(a) ((uint64_t)(uint32_t)(a)->L << 32 | (uint64_t)(a)->R)
 enum { ST_ROUTE = 1, ST_COMBINE_PICK = 3 };

@@ -12,6 +12,18 @@
 #include "mm/mesh_graph.h"
 #include "mm/model.h"
 
+// GPU entry points of the plan (kernels/cuda/mesh_ops.cu), weak: NULL in a build without GPU
+// support (then the router has no plan mode and never calls mm_step_dev_*).
+#define MM_STEP_DEV_WEAK __attribute__((weak))
+extern mm_err mm_gpu_mesh_plan_split(void *stream, const int32_t *d_offs, const int32_t *d_src,
+                                     const int32_t *d_dst, const int32_t *d_owner_of,
+                                     int n_experts, int n_slots, int n_owners, int32_t *d_out,
+                                     int64_t out_stride) MM_STEP_DEV_WEAK;
+extern mm_err mm_gpu_mesh_pick(void *stream, const float *d_ys, int64_t ys_owner_rows,
+                               const int32_t *d_ids, const int32_t *d_owner_of, int n_slots,
+                               int dim, float *d_eo) MM_STEP_DEV_WEAK;
+#undef MM_STEP_DEV_WEAK
+
 // One MoE layer's device chain on R rows. Every pointer is fixed for a given (layer, R) (the
 // router's buffers and scratch), so the graphs are keyed by those and by the stage.
 typedef struct mm_step_dev_layer {

@@ -16,7 +16,8 @@
 #             generate --device cuda:0: greedy tokens and logprobs bit for bit, 1, 2, 3 owners,
 #             for each data plane in INV_SCHEMES (default "shm": device to device)
 #   meshstep  the mesh on the synthetic checkpoint: decode step time (mesh-generate --timing),
-#             batch 1 with 1 and 3 owners, and BATCH concurrent sequences with 1 owner, once per
+#             batch 1 with 1 and 3 owners, and BATCH concurrent sequences with 1 owner, for each
+#             of MESH_PIPELINE (default "0"; "0 1" also times mesh-generate --pipeline), once per
 #             data plane in MESH_SCHEMES (default "host shm": host = shm://NAME?gpu=0, rows through
 #             host memory; shm = shm://NAME, rows device to device through CUDA IPC, as GPU
 #             daemons get by default; cudaipc = the explicit cudaipc://NAME)
@@ -186,6 +187,7 @@ if ! skip invariance; then
         OWNERS=$o SHARDS=$s mesh_start || { ok=0; mesh_stop; break; }
         ( expect_same "$o owners, $s shards" 11,42,7,300,5,99,18 8 ) || ok=0
         if [ $o = 2 ]; then ( expect_same "$o owners, prompt in chunks of 3" 11,42,7,300,5,99,18 8 --chunk 3 ) || ok=0; fi
+        if [ $o = 2 ]; then ( expect_same "$o owners, pipelined plans" 11,42,7,300,5,99,18 8 --pipeline ) || ok=0; fi
         if [ $o = 3 ]; then ( expect_same "$o owners, among 8 concurrent" 11,42,7,300,5,99,18 8 --concurrent 9 ) || ok=0; fi
         grep -h "joined\|linked" "$RUN"/router.log 2>/dev/null | sed 's/^/    /' | head -6
         mesh_stop
@@ -202,15 +204,18 @@ if ! skip meshstep && [ -f "$M/config.json" ]; then
     for o in 1 3; do
         OWNERS=$o SHARDS=1 mesh_start || { FAILED+=(meshstep); mesh_stop; break; }
         ids=$(seq -s, 11 1 42)
+        for pp in ${MESH_PIPELINE:-0}; do
+        pa=(); pn=""; [ "$pp" = 1 ] && { pa=(--pipeline); pn=", pipelined plans"; }
         timeout 60 "$BIN/moemesh" mesh-generate --router "$ROUTER" --ids "$ids" --max-tokens 40 \
-            --timing > /dev/null 2> "$RUN/timing.txt" || { cat "$RUN/timing.txt"; FAILED+=(meshstep); }
-        echo "mesh $(data_url NAME), $o owner(s), 1 shard, batch 1: $(grep -E 'decode steps' "$RUN/timing.txt")"
+            --timing "${pa[@]}" > /dev/null 2> "$RUN/timing.txt" || { cat "$RUN/timing.txt"; FAILED+=(meshstep); }
+        echo "mesh $(data_url NAME), $o owner(s), 1 shard, batch 1$pn: $(grep -E 'decode steps|decode period' "$RUN/timing.txt" | tr '\n' ' ')"
         if [ $o = 1 ]; then # BATCH sequences (admitted one per step; decode-only steps timed)
             timeout 90 "$BIN/moemesh" mesh-generate --router "$ROUTER" --ids 11,12,13,14 \
-                --max-tokens 96 --concurrent "$BATCH" --timing > /dev/null 2> "$RUN/timing.txt" ||
+                --max-tokens 96 --concurrent "$BATCH" --timing "${pa[@]}" > /dev/null 2> "$RUN/timing.txt" ||
                 { cat "$RUN/timing.txt"; FAILED+=(meshstep); }
-            echo "mesh $(data_url NAME), $o owner(s), 1 shard, $BATCH concurrent: $(grep -E 'decode steps|generated' "$RUN/timing.txt" | tr '\n' ' ')"
+            echo "mesh $(data_url NAME), $o owner(s), 1 shard, $BATCH concurrent$pn: $(grep -E 'decode steps|decode period|generated' "$RUN/timing.txt" | tr '\n' ' ')"
         fi
+        done
         grep -h "linked" "$RUN"/router.log 2>/dev/null | sed 's/^/    /' | head -4
         mesh_stop
     done

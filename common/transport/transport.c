@@ -442,18 +442,7 @@ mm_err mm_conn_recv(mm_conn *c, mm_wire_hdr *hdr, void *buf, size_t cap, uint64_
     mm_err g = (mm_err)atomic_load(&c->gerr);
     if (g != MM_OK)
         return g;
-    mm_err rv = c->ops->recv(c->ctx, hdr, buf, cap, deadline_ns);
-    if (rv != MM_OK && rv != MM_EFULL)
-        return rv;
-    if (hdr->conn_seq != c->rx_seq) {
-        mm_log_warn("transport %s: frame conn_seq %llu, expected %llu: frames lost or "
-                    "duplicated", c->url, (unsigned long long)hdr->conn_seq,
-                    (unsigned long long)c->rx_seq);
-        conn_break(c, MM_EPROTO);
-        return MM_EPROTO;
-    }
-    c->rx_seq++;
-    return rv;
+    return recv_done(c, hdr, c->ops->recv(c->ctx, hdr, buf, cap, deadline_ns));
 }
 
 mm_err mm_conn_wait_any(mm_conn *const *conns, size_t n, uint64_t deadline_ns, size_t *ready) {

@@ -34,7 +34,9 @@ mm_err mm_dataserv_start(mm_dataserv **out, const char *url, size_t payload_cap,
 // frames (cudaipc://, mm_conn_dev) a frame's rows are received into d_buf (the role's device
 // buffer, d_cap bytes; borrowed for the server's life, written by copies on the stream declared
 // with mm_transport_gpu_use) and the handler gets payload == d_buf; host frames still arrive in
-// the host buffer. d_buf NULL: as mm_dataserv_start.
+// the host buffer. A device frame of any kind but MM_WIRE_ROWS is answered with an MM_EPROTO
+// error frame and never handed over (handlers read other kinds on the host). d_buf NULL: as
+// mm_dataserv_start.
 mm_err mm_dataserv_start_dev(mm_dataserv **out, const char *url, size_t payload_cap, void *d_buf,
                              size_t d_cap, mm_dataserv_fn fn, mm_dataserv_tick tick, int tick_ms,
                              void *arg, char err[MM_ERRLEN]);

@@ -259,9 +259,12 @@ mm_err mm_conn_recv_dev(mm_conn *c, mm_wire_hdr *hdr, void *buf, size_t cap,
 // mm_conn_recv_view is mm_conn_recv_dev without the copy of a device frame: *d_view points at
 // its rows in the conn's device ring (after a wait for them enqueued on the declared stream), and
 // stays valid for work the caller enqueues on that stream until its next receive, or wait for
-// input, on c (the ring bytes are given back to the sender then, ordered after that work). A
-// host frame's payload goes to buf (cap bytes) and *d_view is NULL. MM_EUNSUPP where the
-// transport has no views (then use mm_conn_recv_dev).
+// input, on c (the ring bytes are given back to the sender then, ordered after that work) or
+// until c is closed (which drains the stream first); the caller may write the rows in place.
+// While a view is out, a send on c never gives its bytes back for want of ring space (the
+// sender over them waits, to its deadline). A host frame's payload goes to buf (cap bytes) and
+// *d_view is NULL. The view is 256-byte aligned. MM_EUNSUPP where the transport has no views
+// (then use mm_conn_recv_dev).
 mm_err mm_conn_recv_view(mm_conn *c, mm_wire_hdr *hdr, void *buf, size_t cap,
                          const void **d_view, uint64_t deadline_ns);
 

@@ -184,6 +184,7 @@ static void peer_drop(struct peer *p) {
     p->conn = NULL;
     p->pending = false;
     p->gpu = false;
+    p->view = NULL; // it pointed into the link's ring, freed with the conn
 }
 
 // peer_ensure: is the peer up in the registry, with a healthy link (dialed now if needed)?

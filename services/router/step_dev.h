@@ -25,7 +25,9 @@ extern mm_err mm_gpu_mesh_pick(void *stream, const float *d_ys, int64_t ys_owner
 #undef MM_STEP_DEV_WEAK
 
 // One MoE layer's device chain on R rows. Every pointer is fixed for a given (layer, R) (the
-// router's buffers and scratch), so the graphs are keyed by those and by the stage.
+// router's buffers and scratch), so the graphs are keyed by those and by the stage; the one
+// exception, eo pointing at one owner's reply in its link's ring (views), changes per frame,
+// and that combine (one) is never recorded.
 typedef struct mm_step_dev_layer {
     const mm_model *m;
     mm_model_scratch *s;

@@ -31,6 +31,9 @@
 #include "mm/transport.h"
 
 #ifndef MM_HAVE_CUDA
+// the real declarations: a fake whose signature drifts from them does not compile
+#include "cuda/mm_gpu.h"
+
 // ---- the fake GPU ------------------------------------------------------------------------------
 enum op_kind { OP_COPY, OP_RECORD, OP_WAIT, OP_WORK };
 struct op {
@@ -57,20 +60,6 @@ struct fev {
     struct fev *target;
 };
 
-mm_err mm_gpu_ipc_mem_export(const void *d_ptr, void *handle);
-mm_err mm_gpu_ipc_mem_open(const void *handle, void **d_out);
-void mm_gpu_ipc_mem_close(void *d_ptr);
-mm_err mm_gpu_ipc_event_new(void **ev, void *handle);
-mm_err mm_gpu_ipc_event_open(const void *handle, void **ev);
-void mm_gpu_event_free(void *ev);
-mm_err mm_gpu_event_record(void *ev, void *stream);
-mm_err mm_gpu_stream_wait_event(void *stream, void *ev);
-mm_err mm_gpu_memcpy_any(void *stream, void *d_dst, const void *d_src, size_t n);
-mm_err mm_gpu_stream_sync(void *stream);
-mm_err mm_gpu_device_pci_id(int dev, char id[32]);
-mm_err mm_gpu_set_device(int dev);
-mm_err mm_gpu_alloc(void **d_out, size_t n_bytes);
-void mm_gpu_free(void *d);
 
 mm_err mm_gpu_ipc_mem_export(const void *d_ptr, void *handle) {
     memset(handle, 0, 64);

@@ -43,7 +43,7 @@ struct op {
     void *dst;
     size_t n;
 };
-#define LOG_MAX 4096
+#define LOG_MAX 65536
 static struct op g_log[LOG_MAX];
 static int g_n;
 static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -401,6 +401,118 @@ static void test_eager_free(void) {
     close_listener();
 }
 
+// Frames of many sizes (wrap skips included) lap the 1 MiB ring 20+ times, taken as views (with
+// work on them) or copied out, sometimes two behind the sender (its send then times out and
+// the receiver catches up first). From the log: every sender copy into ring bytes read before
+// comes after a stream wait on the free event whose latest record before it follows the last
+// read of those bytes (what keeps the sender off bytes a receiver still reads), and the rows
+// arrive intact.
+static void test_ring_accounting(void) {
+    mm_conn *cli = NULL, *srv = NULL;
+    open_pair("acct", &cli, &srv);
+    const size_t RING = 1u << 20, MAXB = 400u << 10;
+    float *src = malloc(MAXB), *dst = malloc(MAXB);
+    MM_TRUE(src && dst);
+    static int last_read[(1u << 20) / 256]; // per 256-byte block: log index of its last read
+    for (size_t b = 0; b < RING / 256; b++)
+        last_read[b] = -1;
+    const uint8_t *ring = NULL;
+    const void *data_ev = NULL;
+    const int mark0 = log_mark();
+    uint32_t rng = 12345;
+    uint64_t sent = 0, got = 0;
+    int scanned = mark0, behind_timeouts = 0;
+    while (got < 120) {
+        rng = rng * 1103515245u + 12345u;
+        const uint32_t rows = 1 + (rng >> 8) % (uint32_t)(MAXB / (DIM * 4));
+        const size_t nb = (size_t)rows * DIM * 4;
+        // the sender runs ahead by up to two frames; a send over unfreed bytes times out
+        mm_err rv = MM_ETIMEDOUT;
+        if (sent < 120 && sent - got < 2) {
+            for (size_t i = 0; i < nb / 4; i++)
+                src[i] = (float)(sent * 7 + i);
+            mm_wire_hdr h;
+            MM_PASS(mm_wire_hdr_init(&h, MM_WIRE_ROWS, MM_WIRE_F32, sent, 0, rows, DIM));
+            struct iovec v = {.iov_base = src, .iov_len = nb};
+            rv = mm_conn_sendv_dev(cli, &h, &v, 1, mm_deadline_in_ms(sent - got ? 2 : 2000));
+            if (rv == MM_OK)
+                sent++;
+            else {
+                MM_EQ(rv, MM_ETIMEDOUT);
+                behind_timeouts++;
+            }
+        }
+        if (rv == MM_OK && sent - got < 2 && (rng >> 4) % 2)
+            continue; // leave it queued: the next send may need the receiver to catch up
+        if (got == sent)
+            continue;
+        mm_wire_hdr r;
+        const bool as_view = (rng >> 12) % 3 != 0;
+        const void *v = NULL;
+        if (as_view) {
+            MM_PASS(mm_conn_recv_view(srv, &r, NULL, 0, &v, mm_deadline_in_ms(2000)));
+            MM_TRUE(v != NULL);
+            log_op((struct op){.k = OP_WORK, .src = v, .n = r.payload_bytes});
+        } else {
+            struct iovec dv = {.iov_base = dst, .iov_len = MAXB};
+            bool on_dev = false;
+            MM_PASS(mm_conn_recv_dev(srv, &r, NULL, 0, &dv, 1, &on_dev, mm_deadline_in_ms(2000)));
+            MM_TRUE(on_dev);
+        }
+        MM_EQ(r.step_id, got);
+        const float *rows_at = as_view ? v : dst;
+        for (size_t i = 0; i < r.payload_bytes / 4; i += 97)
+            MM_EQ(rows_at[i], (float)(got * 7 + i));
+        got++;
+        // replay the new log entries: reads mark their blocks, sender copies are checked
+        const int end = log_mark();
+        for (int i = scanned; i < end; i++) {
+            const struct op *o = &g_log[i];
+            if (ring == NULL && o->k == OP_COPY && o->src == src)
+                ring = o->dst; // the first frame sits at the ring's start
+            if (o->k == OP_RECORD && data_ev == NULL)
+                data_ev = o->ev; // the sender's first record follows its first copy
+        }
+        if (ring == NULL)
+            continue;
+        for (int i = scanned; i < end; i++) {
+            const struct op *o = &g_log[i];
+            const uint8_t *rd = o->k == OP_WORK ? o->src : o->k == OP_COPY ? o->src : NULL;
+            if (rd && rd >= ring && rd < ring + RING) {
+                for (size_t b = (size_t)(rd - ring) / 256; b * 256 < (size_t)(rd - ring) + o->n; b++)
+                    last_read[b] = i;
+                continue;
+            }
+            const uint8_t *wr = o->k == OP_COPY ? o->dst : NULL;
+            if (!(wr && wr >= ring && wr < ring + RING))
+                continue;
+            int lr = -1;
+            for (size_t b = (size_t)(wr - ring) / 256; b * 256 < (size_t)(wr - ring) + o->n; b++)
+                if (last_read[b] > lr)
+                    lr = last_read[b];
+            if (lr < 0)
+                continue; // never read: first lap
+            int w = -1, rec = -1;
+            for (int j = i - 1; j >= mark0 && w < 0; j--)
+                if (g_log[j].k == OP_WAIT && g_log[j].ev != data_ev)
+                    w = j;
+            for (int j = w - 1; j >= mark0 && rec < 0 && w >= 0; j--)
+                if (g_log[j].k == OP_RECORD && g_log[j].ev != data_ev)
+                    rec = j;
+            if (!(w >= 0 && rec > lr))
+                MM_TEST_FAIL_("ring bytes overwritten before their reader let go");
+        }
+        scanned = end;
+    }
+    MM_EQ(got, 120u);
+    MM_TRUE(behind_timeouts > 0); // the sender did run into unfreed bytes
+    free(src);
+    free(dst);
+    mm_conn_close(cli);
+    mm_conn_close(srv);
+    close_listener();
+}
+
 static int g_ds_rows, g_ds_dev, g_ds_other_dev;
 
 // the shard's shape: rows worked on in place and answered from there
@@ -482,6 +594,7 @@ MM_TESTS = {
     CASE("ipc views: a send short of space does not pay a held view's free", test_view_not_paid_by_send),
     CASE("ipc views: a conn closed with a free owed records nothing; redial works", test_close_with_free_owed),
     CASE("ipc views: MM_CUDAIPC_EAGER_FREE=1 pays copies in the receive, never views", test_eager_free),
+    CASE("ipc views: ring bytes are never written before their reader let go", test_ring_accounting),
     CASE("ipc views: a view-mode data server hands over rows in place, never other kinds", test_dataserv_views),
     {NULL, NULL},
 };

@@ -25,11 +25,13 @@
 //   by a pair of events on the stream; the backend then offers no graphs (so the model issues
 //   op by op). Pairs are read when the pool fills, at each get and at close, and summed per
 //   op name (products per weight shape) and per step class (a step starts at `embed`; its
-//   class is embed's row count, so prefill and decode are apart). The table goes to stderr
-//   at close, or through mm_gpu_optime_report. An op's time runs from the end of the op
-//   before it to its own end on the GPU, so it includes the launch gap in front of it.
+//   class is embed's row count, so prefill and decode are apart; embed_rmsnorm, the fused
+//   form the chain issues, starts a step too). The table goes to stderr at close, or through
+//   mm_gpu_optime_report. An op's time runs from the end of the op before it to its own end
+//   on the GPU, so it includes the launch gap in front of it.
 //   MM_GPU_OPTIME=2 also holds the stream for 4 ms at the start of every step (a host function
-//   enqueued before embed), so the host has issued the whole step before the GPU starts it:
+//   enqueued before embed or embed_rmsnorm), so the host has issued the whole step before the
+//   GPU starts it:
 //   the times are then the GPU's own (kernel plus its launch on the device), without the host
 //   gaps of op-by-op issue that =1 includes (tokens/s in that mode mean nothing).
 //   MM_GPU_OPTIME_SPLIT=1 gives each call of a name within a step its own row ("#n": the
@@ -227,8 +229,8 @@ static void ot_print(struct gpu_ctx *g) {
             continue;
         const double steps = c == 0 || t->steps[c] == 0 ? 1.0 : (double)t->steps[c];
         if (c == 0)
-            fprintf(stderr, "gpu optime %s:%d: ops outside steps (before the first embed), "
-                    "%.1f us in all\n", MM_GPU_VENDOR, g->dev, tot);
+            fprintf(stderr, "gpu optime %s:%d: ops outside steps (before the first embed or "
+                    "embed_rmsnorm), %.1f us in all\n", MM_GPU_VENDOR, g->dev, tot);
         else if (t->rows[c] == -2)
             fprintf(stderr, "gpu optime %s:%d: %ld steps of other row counts, %.1f us of op "
                     "time per step\n", MM_GPU_VENDOR, g->dev, t->steps[c], tot / steps);
@@ -858,6 +860,7 @@ static mm_err gpu_embed_rmsnorm(void *ctx, const mm_weight *t, const int32_t *id
                                 float eps, float *y, int64_t ys) {
     CTX(ctx);
     ON_DEVICE();
+    ot_step(g, n_rows); // a step starts at its embedding, fused or not
     TIMED("embed_rmsnorm", mm_gpu_embed_rmsnorm(g->stream, t, ids, n_rows, out, os, w, eps, y,
                                                 ys, g->d_err));
 }

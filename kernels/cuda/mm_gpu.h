@@ -193,8 +193,9 @@ mm_err mm_gpu_argmax(void *stream, const float *d_logits, int64_t ls, int64_t n_
 mm_err mm_gpu_argmax_ws(void *stream, const float *d_logits, int64_t ls, int64_t n_rows,
                         int vocab, int32_t *d_ids, void *d_ws, int ws_rows);
 // mm_gpu_route_plan: the grouped product's plan from route's ids/weights (kernels.h
-// route_plan), one launch; d_wt may be NULL (then d_weights may be too). Out-of-range ids count
-// as expert 0 and set d_err. n_experts <= 4096.
+// route_plan), one launch (one block, or many from 2048 slots: route_plan.cu); d_wt may be
+// NULL (then d_weights may be too). Out-of-range ids count as expert 0 and set d_err.
+// n_experts <= 4096.
 mm_err mm_gpu_route_plan(void *stream, const int32_t *d_ids, const float *d_weights,
                          int64_t n_rows, int top_k, int n_experts, int32_t *d_offs,
                          int32_t *d_src_row, int32_t *d_dst_slot, float *d_wt, int *d_err);
@@ -217,7 +218,8 @@ mm_err mm_gpu_head_norm_rope_kv(void *stream, float *d_x, int64_t n_rows, int64_
                                 const struct mm_rope_args *ra, const struct mm_kv_store_args *st,
                                 int *d_err);
 // mm_gpu_route_with_plan: kernels.h route_with_plan (route, then route_plan of its ids and
-// weights) in one launch: a block per row routes it, the last block to finish plans.
+// weights) in one launch: a block per row routes it, the last block to finish plans (from
+// 2048 slots: route, then mm_gpu_route_plan's parallel plan in a second launch).
 // d_count: one device word, zero before the first call; each call leaves it zero. Calls that
 // share it must be ordered (one stream). Same bits as mm_gpu_route then mm_gpu_route_plan.
 mm_err mm_gpu_route_with_plan(void *stream, const struct mm_route_params *p,

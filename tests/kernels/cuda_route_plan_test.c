@@ -1,0 +1,239 @@
+// SPDX-License-Identifier: MIT
+// The routing plan by many blocks (route_plan.cu's parallel plan, the default from 2048 slots)
+// against the one-block plan it replaces (mm_gpu_set_route_plan_par(0), as
+// MM_GPU_ROUTE_PLAN_PAR=0) and a host stable counting sort (kernels.h route_plan), element for
+// element: offs, src_row, dst_slot and wt for rows 1, 7, 129, 4096, 5000 (and 9000, 20000:
+// several chunks per block) x top-k 1, 2, 8 x experts 8, 60, 128, ids per row distinct
+// (routing's), piled on two experts (long runs of one expert), ids and weights not 16-byte
+// aligned, and out-of-range ids (counted as expert 0, the next synchronize says MM_EINVAL);
+// then route_with_plan with the parallel plan (route, then the plan in its own launch) against
+// the one-launch form: ids, weights and the plan, calls in a row.
+// Without the GPU backend (plain `make`) or without a GPU, every case skips and says why.
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels.h"
+#include "mm_test.h"
+
+#define GPU_TEST_SEED 0x2545f4914f6cdd1dull
+#include "gpu_test.h"
+
+extern void mm_gpu_set_route_plan_par(int min_slots) __attribute__((weak));
+
+static void open_gpu(void) {
+    gpu_open(NULL);
+    if (!mm_gpu_set_route_plan_par || !gpu->ops->route_plan) {
+        gpu_close(NULL);
+        MM_SKIP("the GPU backend has no device route_plan or no parallel plan switch");
+    }
+}
+
+static uint32_t urand(uint32_t n) { // uniform in [0, n)
+    gpu_test_rng ^= gpu_test_rng << 13;
+    gpu_test_rng ^= gpu_test_rng >> 7;
+    gpu_test_rng ^= gpu_test_rng << 17;
+    return (uint32_t)((gpu_test_rng >> 16) % n);
+}
+
+// The host plan (kernels.h route_plan): a stable counting sort of the slots by expert, an id
+// outside [0, E) counting as expert 0.
+static void host_plan(const int32_t *ids, const float *w, int n, int K, int E, int32_t *offs,
+                      int32_t *src, int32_t *dst, float *wt) {
+    const int nk = n * K;
+    memset(offs, 0, (size_t)(E + 1) * 4);
+    for (int t = 0; t < nk; t++)
+        offs[(ids[t] >= 0 && ids[t] < E ? ids[t] : 0) + 1]++;
+    for (int e = 0; e < E; e++)
+        offs[e + 1] += offs[e];
+    int32_t *next = malloc((size_t)E * 4);
+    MM_TRUE(next != NULL);
+    memcpy(next, offs, (size_t)E * 4);
+    for (int t = 0; t < nk; t++) {
+        const int p = next[ids[t] >= 0 && ids[t] < E ? ids[t] : 0]++;
+        src[p] = t / K, dst[p] = t;
+        wt[(int64_t)(t % K) * n + t / K] = w[t];
+    }
+    free(next);
+}
+
+// n_words 4-byte words of device memory d equal h's; names the first that differs.
+static void same_words(const char *what, const char *form, const void *d, const void *h,
+                       size_t n_words, int n, int K, int E) {
+    uint32_t *a = dev_get(d, n_words * 4);
+    const uint32_t *b = h;
+    for (size_t i = 0; i < n_words; i++)
+        if (a[i] != b[i])
+            MM_TEST_FAIL_("%d rows, K %d, E %d: %s (%s): word %zu is 0x%08x, host plan 0x%08x",
+                          n, K, E, what, form, i, a[i], b[i]);
+    free(a);
+}
+
+enum ids_kind { IDS_ROUTED, IDS_TWO, IDS_BAD };
+
+// One shape: the plan of the same ids by one block and by many, both against the host plan.
+// misalign: ids and weights one element past an aligned address (the kernel's scalar loads).
+static void plan_case(int n, int K, int E, enum ids_kind kind, bool misalign) {
+    const int nk = n * K, a = misalign ? 1 : 0;
+    int32_t *ids = malloc((size_t)nk * 4 + 4), *perm = malloc((size_t)E * 4);
+    float *w = malloc((size_t)nk * 4 + 4);
+    MM_TRUE(ids && perm && w);
+    for (int e = 0; e < E; e++)
+        perm[e] = e;
+    for (int i = 0; i < n; i++)
+        for (int r = 0; r < K; r++) {
+            int32_t *id = ids + (int64_t)i * K + r;
+            if (kind == IDS_TWO) { // two experts take every slot: long runs of one expert
+                *id = urand(5) == 0 ? 0 : E - 1;
+                continue;
+            }
+            const uint32_t j = (uint32_t)r + urand((uint32_t)(E - r)); // K distinct per row
+            const int32_t s = perm[r];
+            perm[r] = perm[j], perm[j] = s;
+            *id = perm[r];
+        }
+    int n_bad = 0;
+    if (kind == IDS_BAD)
+        for (int t = 0; t < nk; t += 1 + (int)urand(97))
+            ids[t] = (n_bad++ & 1) ? -1 - (int32_t)urand(5) : E + (int32_t)urand(5);
+    for (int t = 0; t < nk; t++)
+        w[t] = frand();
+    int32_t *h_offs = malloc((size_t)(E + 1) * 4), *h_src = malloc((size_t)nk * 4 + 4),
+            *h_dst = malloc((size_t)nk * 4 + 4);
+    float *h_wt = malloc((size_t)nk * 4 + 4);
+    MM_TRUE(h_offs && h_src && h_dst && h_wt);
+    host_plan(ids, w, n, K, E, h_offs, h_src, h_dst, h_wt);
+
+    int32_t *d_ids = dev_copy(NULL, (size_t)(nk + a) * 4);
+    float *d_w = dev_copy(NULL, (size_t)(nk + a) * 4);
+    MM_PASS(gpu->ops->set(gpu->ctx, d_ids + a, ids, (size_t)nk * 4));
+    MM_PASS(gpu->ops->set(gpu->ctx, d_w + a, w, (size_t)nk * 4));
+    static const char *const form[2] = {"one block", "many blocks"};
+    for (int par = 0; par < 2; par++) {
+        int32_t *offs = dev_copy(NULL, (size_t)(E + 1) * 4), *src = dev_copy(NULL, (size_t)nk * 4),
+                *dst = dev_copy(NULL, (size_t)nk * 4);
+        float *wt = dev_copy(NULL, (size_t)nk * 4);
+        // stale values a missed element would show
+        int32_t *junk = malloc((size_t)(nk > E ? nk : E + 1) * 4);
+        MM_TRUE(junk != NULL);
+        memset(junk, 0x5a + par, (size_t)(nk > E ? nk : E + 1) * 4);
+        MM_PASS(gpu->ops->set(gpu->ctx, offs, junk, (size_t)(E + 1) * 4));
+        MM_PASS(gpu->ops->set(gpu->ctx, src, junk, (size_t)nk * 4));
+        MM_PASS(gpu->ops->set(gpu->ctx, dst, junk, (size_t)nk * 4));
+        MM_PASS(gpu->ops->set(gpu->ctx, wt, junk, (size_t)nk * 4));
+        free(junk);
+        mm_gpu_set_route_plan_par(par ? 1 : 0); // 1: many blocks from one slot
+        MM_PASS(gpu->ops->route_plan(gpu->ctx, d_ids + a, d_w + a, n, K, E, offs, src, dst, wt));
+        const mm_err rv = gpu->ops->synchronize(gpu->ctx);
+        if (kind == IDS_BAD)
+            MM_EQ(rv, MM_EINVAL); // the error word was set (and is cleared now)
+        else
+            MM_PASS(rv);
+        same_words("offs", form[par], offs, h_offs, (size_t)E + 1, n, K, E);
+        same_words("src_row", form[par], src, h_src, (size_t)nk, n, K, E);
+        same_words("dst_slot", form[par], dst, h_dst, (size_t)nk, n, K, E);
+        same_words("wt", form[par], wt, h_wt, (size_t)nk, n, K, E);
+        dev_free(offs), dev_free(src), dev_free(dst), dev_free(wt);
+    }
+    mm_gpu_set_route_plan_par(-1);
+    dev_free(d_ids), dev_free(d_w);
+    free(ids), free(perm), free(w), free(h_offs), free(h_src), free(h_dst), free(h_wt);
+}
+
+static void test_route_plan_par(void) {
+    open_gpu();
+    static const int rows[] = {1, 7, 129, 4096, 5000}, ks[] = {1, 2, 8}, es[] = {8, 60, 128};
+    int n_cases = 0;
+    for (size_t i = 0; i < sizeof(rows) / sizeof(rows[0]); i++)
+        for (size_t j = 0; j < sizeof(ks) / sizeof(ks[0]); j++)
+            for (size_t k = 0; k < sizeof(es) / sizeof(es[0]); k++) {
+                plan_case(rows[i], ks[j], es[k], IDS_ROUTED, false);
+                plan_case(rows[i], ks[j], es[k], IDS_TWO, (i + j + k) % 2 == 1);
+                n_cases += 2;
+            }
+    plan_case(9000, 8, 128, IDS_ROUTED, false); // 72000 slots: 2 chunks per block
+    plan_case(20000, 8, 60, IDS_TWO, true);     // 160000 slots: 3 chunks, scalar loads
+    plan_case(3, 5, 1000, IDS_ROUTED, true);    // more experts than threads
+    plan_case(4096, 8, 128, IDS_BAD, false);
+    plan_case(129, 2, 8, IDS_BAD, true);
+    n_cases += 5;
+    printf("route_plan by many blocks == by one block == host plan: %d shapes\n", n_cases);
+    gpu_close(NULL);
+}
+
+// ---- route_with_plan ----------------------------------------------------------------------------
+// levels > 0: logits quantised to that many values (many ties); nan_row >= 0: that row NaN.
+static void rwp_case(int n, int E, int K, bool renorm, int levels, int nan_row) {
+    const size_t nk = (size_t)n * K;
+    float *l = malloc((size_t)n * E * 4);
+    MM_TRUE(l != NULL);
+    for (int64_t i = 0; i < (int64_t)n * E; i++) {
+        float v = frand() * 4.0f;
+        if (levels > 0)
+            v = floorf((v + 4.0f) / 8.0f * (float)levels) / (float)levels;
+        l[i] = v;
+    }
+    if (nan_row >= 0 && nan_row < n)
+        for (int e = 0; e < E; e += 3)
+            l[(int64_t)nan_row * E + e] = NAN;
+    struct mm_route_params p = {.n_experts = E, .top_k = K, .score = MM_ROUTE_SOFTMAX,
+                                .renorm = renorm, .renorm_eps = renorm ? 1e-20f : 0.0f,
+                                .scale = 1.0f};
+    float *dl = dev_copy(l, (size_t)n * E * 4);
+    // [0]: one launch (MM_GPU_ROUTE_PLAN_PAR=0); [1]: route, then the plan by many blocks
+    void *b[2][6];
+    for (int j = 0; j < 2; j++) {
+        b[j][0] = dev_copy(NULL, nk * 4), b[j][1] = dev_copy(NULL, nk * 4);
+        b[j][2] = dev_copy(NULL, (size_t)(E + 1) * 4), b[j][3] = dev_copy(NULL, nk * 4);
+        b[j][4] = dev_copy(NULL, nk * 4), b[j][5] = dev_copy(NULL, nk * 4);
+    }
+    for (int rep = 0; rep < 2; rep++) // in turn, twice: the arrival count stays consistent
+        for (int j = 0; j < 2; j++) {
+            mm_gpu_set_route_plan_par(j ? 1 : 0);
+            MM_PASS(gpu->ops->route_with_plan(gpu->ctx, &p, dl, E, n, b[j][0], b[j][1], b[j][2],
+                                              b[j][3], b[j][4], b[j][5]));
+        }
+    mm_gpu_set_route_plan_par(-1);
+    MM_PASS(gpu->ops->synchronize(gpu->ctx));
+    static const char *const what[6] = {"ids", "weights", "offs", "src_row", "dst_slot", "wt"};
+    for (int i = 0; i < 6; i++) {
+        const size_t words = i == 2 ? (size_t)E + 1 : nk;
+        uint32_t *x = dev_get(b[0][i], words * 4), *y = dev_get(b[1][i], words * 4);
+        for (size_t q = 0; q < words; q++)
+            if (x[q] != y[q])
+                MM_TEST_FAIL_("route_with_plan %d rows, E %d, K %d: %s word %zu: 0x%08x (one "
+                              "launch) vs 0x%08x (parallel plan)", n, E, K, what[i], q, x[q],
+                              y[q]);
+        free(x), free(y);
+    }
+    printf("route_with_plan %d rows, E %d, K %d%s%s: parallel plan same bits\n", n, E, K,
+           levels > 0 ? ", ties" : "", nan_row >= 0 ? ", a NaN row" : "");
+    for (int j = 0; j < 2; j++)
+        for (int i = 0; i < 6; i++)
+            dev_free(b[j][i]);
+    dev_free(dl);
+    free(l);
+}
+
+static void test_route_with_plan_par(void) {
+    open_gpu();
+    if (!gpu->ops->route_with_plan) {
+        gpu_close(NULL);
+        MM_SKIP("the GPU table has no route_with_plan (MM_GPU_OLD_CHAIN or MM_GPU_OLD_DECODE "
+                "set?)");
+    }
+    rwp_case(4096, 128, 8, true, 0, -1); // Qwen3-30B-A3B prefill
+    rwp_case(5000, 60, 4, true, 3, 17);  // ties, a NaN row
+    rwp_case(129, 8, 2, false, 0, -1);   // Mixtral
+    rwp_case(7, 128, 8, true, 0, -1);
+    rwp_case(1, 128, 8, true, 0, -1); // one block: no arrival count either way
+    rwp_case(300, 8, 1, false, 4, -1);
+    gpu_close(NULL);
+}
+
+MM_TESTS = {
+    {"route_plan by many blocks == one block == host plan", test_route_plan_par},
+    {"route_with_plan with the parallel plan == one launch bits", test_route_with_plan_par},
+    {0},
+};

@@ -41,9 +41,10 @@ static mm_opt s_gateway_opts[] = {
      "SSE keep-alive comment interval while a stream waits (bounds disconnect detection)"},
     {"mesh-check-ms", MM_OPT_INT, &s_health_ms, "250",
      "how often the gateway refreshes the mesh membership (503 when a role is down)"},
-    {"pipeline-plans", MM_OPT_BOOL, &s_pipeline_plans, "false",
+    {"pipeline-plans", MM_OPT_BOOL, &s_pipeline_plans, "true",
      "send the next step's plan before the previous result is in (2 in flight; decode seqs "
-     "follow the router's picks): the router starts each step without waiting for the gateway"},
+     "follow the router's picks): the router starts each step without waiting for the gateway; "
+     "false: one plan at a time"},
     {0},
 };
 

@@ -388,13 +388,35 @@ for i in range(64):
 print("64 concurrent streams equal alone: ok")
 
 # ---- 401 and 429: a second gateway with a key, one running sequence and a queue of one ------
-port2 = int(os.environ["PORT2"])
-g2 = subprocess.Popen([os.environ["BIN"] + "/moemesh-gateway", "--router", os.environ["ROUTER"],
-                       "--model", os.environ["MODEL"], "--owners", os.environ["OWNERS"],
-                       "--listen", "ipc://%s/gateway-1.ctl" % RUN, "--instance", "1",
-                       "--port", str(port2), "--api-key", "sekret", "--shard-max-seqs", "1",
-                       "--max-waiting", "1", "--heartbeat-ms", "100", "--keepalive-ms", "20"],
-                      stderr=open(RUN + "/gateway2.log", "w"))
+def spawn_gateway(args, log):
+    """Start one more gateway on a fresh loopback port; returns (process, port) once that process
+    logged its HTTP listener. A port taken in between (tests run in parallel) is retried."""
+    for _ in range(8):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        s.close()
+        g = subprocess.Popen([os.environ["BIN"] + "/moemesh-gateway", "--router", os.environ["ROUTER"],
+                              "--model", os.environ["MODEL"], "--owners", os.environ["OWNERS"],
+                              "--port", str(port)] + args, stderr=open(log, "w"))
+        for _ in range(200):
+            text = open(log).read()
+            if "HTTP on http://" in text:
+                return g, port
+            if g.poll() is not None:
+                break
+            time.sleep(0.05)
+        if g.poll() is None:
+            g.kill()
+            g.wait(5)
+        if "address already in use" not in open(log).read():
+            fail("extra gateway did not start: " + open(log).read()[-500:])
+    fail("no free port for an extra gateway after 8 tries")
+
+
+g2, port2 = spawn_gateway(["--listen", "ipc://%s/gateway-1.ctl" % RUN, "--instance", "1",
+                           "--api-key", "sekret", "--shard-max-seqs", "1", "--max-waiting", "1",
+                           "--heartbeat-ms", "100", "--keepalive-ms", "20"], RUN + "/gateway2.log")
 try:
     for _ in range(100):
         try:
@@ -462,12 +484,8 @@ finally:
     g2.wait(5)
 
 # ---- admission bounded by KV: a gateway whose shard holds 25 blocks (400 tokens) ------------
-port3 = int(os.environ["PORT2"]) + 1
-g3 = subprocess.Popen([os.environ["BIN"] + "/moemesh-gateway", "--router", os.environ["ROUTER"],
-                       "--model", os.environ["MODEL"], "--owners", os.environ["OWNERS"],
-                       "--listen", "ipc://%s/gateway-2.ctl" % RUN, "--instance", "2",
-                       "--port", str(port3), "--kv-mb", "0.4", "--heartbeat-ms", "100"],
-                      stderr=open(RUN + "/gateway3.log", "w"))
+g3, port3 = spawn_gateway(["--listen", "ipc://%s/gateway-2.ctl" % RUN, "--instance", "2",
+                           "--kv-mb", "0.4", "--heartbeat-ms", "100"], RUN + "/gateway3.log")
 try:
     for _ in range(100):
         try:

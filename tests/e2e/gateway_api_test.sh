@@ -9,7 +9,7 @@
 
 mesh_start --max-body-bytes 65536
 BASE=$BASE BIN=$BIN MODEL=$MODEL RUN=$RUN ROUTER=$ROUTER OWNERS=$OWNERS DATA_E1=$DATA_E1 \
-    PID_EXPERT1=$PID_expert1 PORT2=$(free_port) python3 tests/e2e/gateway_api.py \
+    PID_EXPERT1=$PID_expert1 python3 tests/e2e/gateway_api.py \
     || fail "gateway_api.py"
 
 # The same endpoints with curl, as operators call them (status codes and a word of each body).

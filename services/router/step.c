@@ -996,6 +996,36 @@ static mm_err plan_layer(mm_step_engine *e, uint64_t step, int L, int64_t R, boo
 
 #undef PLAN_TRY
 
+// send_releases: a plan without rows (releases only, or every seq dropped) still frees its
+// releases on the shards: each live shard gets the CTRL frame run_layers would have sent (no
+// seqs, the releases, pending draft truncations) and no rows after it. Without it a
+// releases-only plan (mesh-generate's last) was lost and the shard kept those seqs' KV slots
+// until --max-seqs ran out ("no free sequence slot"). A failed send is logged; a broken link
+// is dropped (the next step relinks, and a restarted shard holds no KV anyway).
+static void send_releases(mm_step_engine *e, const Mmctl__StepPlan *p) {
+    for (int s = 0; s < e->c.shards; s++) {
+        struct peer *sp = &e->shards[s];
+        if (!sp->live)
+            continue;
+        const uint32_t ns = 0, nr = (uint32_t)p->n_release;
+        uint8_t *c = e->ctrl + 8;
+        memcpy(e->ctrl, &ns, 4);
+        memcpy(e->ctrl + 4, &nr, 4);
+        for (size_t i = 0; i < p->n_release; i++, c += 8)
+            memcpy(c, &p->release[i], 8);
+        c += mm_draft_ctrl_tail(e->dr, s, c);
+        char msg[MSG_LEN] = "";
+        if (send_frame(sp, MM_WIRE_CTRL, MM_WIRE_BYTES, p->step_id, MM_WIRE_NO_LAYER, 1,
+                       (uint32_t)(c - e->ctrl), e->ctrl, e->c.step_timeout_ms, msg) != MM_OK) {
+            mm_log_warn("step %llu (releases only): %s", (unsigned long long)p->step_id, msg);
+            if (sp->conn && mm_conn_error(sp->conn) != MM_OK)
+                peer_drop(sp);
+            continue;
+        }
+        mm_draft_ctrl_sent(e->dr, s);
+    }
+}
+
 // run_layers: the forward pass of the active rows. Returns an error (msg set) that fails them.
 // On a device backend, a peer whose link carries device frames (p->gpu, cudaipc://) gets its
 // rows straight from the backend arrays and answers into them (no host copy, no drain); other
@@ -1366,6 +1396,8 @@ struct nng_msg *mm_step_engine_run(mm_step_engine *e, const Mmctl__StepPlan *p, 
     }
     mm_mesh_trace(p->step_id, (int)R, "rows"); // (the layer field carries the row count)
     mm_mesh_trace(p->step_id, -1, "start");
+    if (R == 0 && p->n_release > 0)
+        send_releases(e, p);
     if (R > 0) {
         rv = run_layers(e, p, R, msg);
         mm_mesh_trace(p->step_id, -1, "layers");

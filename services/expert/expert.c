@@ -1,6 +1,8 @@
 // SPDX-License-Identifier: MIT
 // Expert owner role; see expert.h. The data-plane protocol is docs/MESH.md's.
 #include <errno.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -66,34 +68,113 @@ static struct owner {
     mm_mesh_graphs *graphs;  // plan frames' products per (layer, rows, slots) (MM_MESH_GRAPHS=1)
 } O;
 
-static void write_load(void *arg) {
-    (void)arg;
-    if (!s_load_csv || !O.dirty)
-        return;
+// The load CSV is written by a thread of its own: the data thread's tick (load_tick, between
+// two frames, so on a step's path) only reads the counts and hands a copy over. Writing it there
+// put the file system's latency on a step: a write that took 1 s (its .tmp a FIFO opened late)
+// held one CPU mesh step for 773 ms, and on a disk busy writing back a just-synthesized model
+// fopen/fclose/rename can take that long. (tests/e2e/mesh_load_csv_test.sh)
+static struct load_writer {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    pthread_t th;
+    bool started, stop, due; // due: snap holds counts not written yet
+    atomic_bool retry;       // the last write failed: hand the counts over again
+    uint64_t *snap;          // (n_layers, n_experts) counts handed over (under mu)
+    uint64_t *buf;           // the writer's copy (its thread only)
+} W = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
+
+// write_csv: the counts in cnt to --load-csv (through PATH.tmp and a rename). Writer thread.
+static bool write_csv(const uint64_t *cnt) {
     char tmp[4200];
     snprintf(tmp, sizeof(tmp), "%s.tmp", s_load_csv);
     FILE *f = fopen(tmp, "w");
     if (!f) {
         mm_log_warn("cannot write %s: %s", tmp, strerror(errno));
-        return;
+        return false;
     }
+    fprintf(f, "layer,expert,tokens\n");
+    for (int l = 0; l < O.n_layers; l++)
+        for (int e = 0; e < O.n_experts; e++)
+            if (mm_placement_owns(O.pl, l, e, O.id))
+                fprintf(f, "%d,%d,%llu\n", l, e,
+                        (unsigned long long)cnt[(size_t)l * (size_t)O.n_experts + e]);
+    if (fclose(f) != 0 || rename(tmp, s_load_csv) != 0) {
+        mm_log_warn("cannot write %s: %s", s_load_csv, strerror(errno));
+        return false;
+    }
+    return true;
+}
+
+static void *load_writer_main(void *arg) {
+    (void)arg;
+    const size_t ne = (size_t)O.n_layers * (size_t)O.n_experts;
+    pthread_mutex_lock(&W.mu);
+    for (;;) {
+        while (!W.due && !W.stop)
+            pthread_cond_wait(&W.cv, &W.mu);
+        if (!W.due) // stopping, nothing left to write
+            break;
+        memcpy(W.buf, W.snap, ne * sizeof(uint64_t));
+        W.due = false;
+        pthread_mutex_unlock(&W.mu);
+        atomic_store(&W.retry, !write_csv(W.buf));
+        pthread_mutex_lock(&W.mu);
+    }
+    pthread_mutex_unlock(&W.mu);
+    return NULL;
+}
+
+// load_tick (data thread, every --load-interval-ms; and once at stop): when rows were served
+// since the last one (or the last write failed), read the plan frames' counts from the device
+// and hand the counts to the writer. Never waits for the file.
+static void load_tick(void *arg) {
+    (void)arg;
+    if (!s_load_csv || !W.started || (!O.dirty && !atomic_load(&W.retry)))
+        return;
     const size_t ne = (size_t)O.n_layers * (size_t)O.n_experts;
     // (a failed read keeps the last counts: zeroing them made the CSV's counters go back)
     if (O.d_tokens && O.be->ops->get(O.be->ctx, O.tokens_dev, O.d_tokens, ne * 8) != MM_OK)
         mm_log_warn("reading the plan frames' row counts from the device failed; %s keeps the "
                     "last counts read", s_load_csv);
-    fprintf(f, "layer,expert,tokens\n");
-    for (int l = 0; l < O.n_layers; l++)
-        for (int e = 0; e < O.n_experts; e++)
-            if (mm_placement_owns(O.pl, l, e, O.id)) {
-                const size_t i = (size_t)l * (size_t)O.n_experts + e;
-                fprintf(f, "%d,%d,%llu\n", l, e,
-                        (unsigned long long)(O.tokens[i] + (O.d_tokens ? O.tokens_dev[i] : 0)));
-            }
-    if (fclose(f) != 0 || rename(tmp, s_load_csv) != 0)
-        mm_log_warn("cannot write %s: %s", s_load_csv, strerror(errno));
-    else
-        O.dirty = false;
+    pthread_mutex_lock(&W.mu);
+    for (size_t i = 0; i < ne; i++)
+        W.snap[i] = O.tokens[i] + (O.d_tokens ? O.tokens_dev[i] : 0);
+    W.due = true;
+    pthread_cond_signal(&W.cv);
+    pthread_mutex_unlock(&W.mu);
+    O.dirty = false;
+    atomic_store(&W.retry, false);
+}
+
+static mm_err load_writer_start(char err[MM_ERRLEN]) {
+    if (!s_load_csv)
+        return MM_OK;
+    const size_t ne = (size_t)O.n_layers * (size_t)O.n_experts;
+    W.snap = calloc(ne, sizeof(uint64_t));
+    W.buf = calloc(ne, sizeof(uint64_t));
+    if (!W.snap || !W.buf)
+        return MM_ENOMEM;
+    if (pthread_create(&W.th, NULL, load_writer_main, NULL) != 0)
+        return mm_errf(err, MM_ESYS, "cannot start the --load-csv writer thread");
+    W.started = true;
+    return MM_OK;
+}
+
+// load_writer_stop: the last counts written (the data thread has stopped), then the thread ends.
+static void load_writer_stop(void) {
+    if (W.started) {
+        load_tick(NULL);
+        pthread_mutex_lock(&W.mu);
+        W.stop = true;
+        pthread_cond_signal(&W.cv);
+        pthread_mutex_unlock(&W.mu);
+        pthread_join(W.th, NULL);
+    }
+    free(W.snap);
+    free(W.buf);
+    W.snap = W.buf = NULL;
+    W.started = W.stop = W.due = false;
+    atomic_store(&W.retry, false);
 }
 
 // CTRL: u32 n_seg, then n_seg x {u32 expert, u32 n_rows}, experts ascending; or a plan frame's
@@ -405,13 +486,14 @@ mm_err expert_start(mm_daemon *d, void *arg, char err[MM_ERRLEN]) {
     if (O.dev_frames && !views)
         MM_TRY(mm_mesh_graphs_new(&O.graphs, O.be, 8 * O.n_layers, "expert owner"));
     O.dirty = true; // write a first (all-zero) CSV soon after start
+    MM_TRY(load_writer_start(err));
     const int tick_ms = s_load_ms > 0 ? (int)s_load_ms : 2000;
     if (views)
-        MM_TRY(mm_dataserv_start_view(&O.ds, c->data, cap, on_frame, write_load, tick_ms, NULL,
+        MM_TRY(mm_dataserv_start_view(&O.ds, c->data, cap, on_frame, load_tick, tick_ms, NULL,
                                       err));
     else
         MM_TRY(mm_dataserv_start_dev(&O.ds, c->data, cap, O.dev_frames ? O.d_x : NULL, cap_x,
-                                     on_frame, write_load, tick_ms, NULL, err));
+                                     on_frame, load_tick, tick_ms, NULL, err));
     mm_mesh_trace_open("expert");
     mm_log_info("holding %s; serving on %s", detail, c->data);
     mm_daemon_set_health(d, MMCTL__HEALTH__HEALTH_READY, detail);
@@ -423,7 +505,7 @@ void expert_stop(mm_daemon *d, void *arg) {
     (void)arg;
     mm_dataserv_stop(O.ds);
     if (O.tokens)
-        write_load(NULL);
+        load_writer_stop();
     free(O.out);
     free(O.tokens);
     free(O.offs);

@@ -208,12 +208,12 @@ if ! skip meshstep && [ -f "$M/config.json" ]; then
         pa=(); pn=""; [ "$pp" = 1 ] && { pa=(--pipeline); pn=", pipelined plans"; }
         timeout 60 "$BIN/moemesh" mesh-generate --router "$ROUTER" --ids "$ids" --max-tokens 40 \
             --timing "${pa[@]}" > /dev/null 2> "$RUN/timing.txt" || { cat "$RUN/timing.txt"; FAILED+=(meshstep); }
-        echo "mesh $(data_url NAME), $o owner(s), 1 shard, batch 1$pn: $(grep -E 'decode steps|decode period' "$RUN/timing.txt" | tr '\n' ' ')"
+        echo "mesh $(data_url NAME), $o owner(s), 1 shard, batch 1$pn: $(grep -E 'decode steps|decode period|decode step max' "$RUN/timing.txt" | tr '\n' ' ')"
         if [ $o = 1 ]; then # BATCH sequences (admitted one per step; decode-only steps timed)
             timeout 90 "$BIN/moemesh" mesh-generate --router "$ROUTER" --ids 11,12,13,14 \
                 --max-tokens 96 --concurrent "$BATCH" --timing "${pa[@]}" > /dev/null 2> "$RUN/timing.txt" ||
                 { cat "$RUN/timing.txt"; FAILED+=(meshstep); }
-            echo "mesh $(data_url NAME), $o owner(s), 1 shard, $BATCH concurrent$pn: $(grep -E 'decode steps|decode period|generated' "$RUN/timing.txt" | tr '\n' ' ')"
+            echo "mesh $(data_url NAME), $o owner(s), 1 shard, $BATCH concurrent$pn: $(grep -E 'decode steps|decode period|decode step max|generated' "$RUN/timing.txt" | tr '\n' ' ')"
         fi
         done
         grep -h "linked" "$RUN"/router.log 2>/dev/null | sed 's/^/    /' | head -4

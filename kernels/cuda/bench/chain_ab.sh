@@ -17,7 +17,7 @@ D=${1:-.dev/gpu-dec}
 OUT=${OUT:-/tmp/out}
 R=/tmp/chain
 mkdir -p "$OUT" "$R"
-trap 'tar czf "$R/chain.tgz" -C /tmp chain' EXIT
+trap 'tar czf "$OUT/chain.tgz" -C /tmp chain' EXIT
 export LD_LIBRARY_PATH="$PWD/$D/lib:${LD_LIBRARY_PATH:-}"
 SKIP=${SKIP:-}
 skip() { case " $SKIP " in *" $1 "*) return 0 ;; esac; return 1; }

@@ -487,8 +487,7 @@ mm_err mm_step_engine_open(mm_step_engine **out, const mm_step_conf *c, mm_regis
                 rv = MM_ENOMEM;
                 goto fail;
             }
-            const char *vw = getenv("MM_MESH_VIEWS");
-            e->views = !(vw && strcmp(vw, "0") == 0);
+            e->views = mm_mesh_views_env();
             // the chains between the hops recorded as graphs (MM_MESH_GRAPHS=1)
             MM_TRY_GOTO(rv, mm_mesh_graphs_new(&e->graphs, e->be, 16 * (int)NL, "router"),
                         fail);
@@ -996,6 +995,24 @@ static mm_err plan_layer(mm_step_engine *e, uint64_t step, int L, int64_t R, boo
 
 #undef PLAN_TRY
 
+// ctrl_send: completes and sends shard s's CTRL frame for step p: its ns seqs are already in
+// e->ctrl from byte 8 up to c; the counts, p's releases and the shard's pending draft
+// truncations (rejected draft rows) are added here. The one writer of the frame, for
+// run_layers and send_releases. Returns send_frame's error (msg set).
+static mm_err ctrl_send(mm_step_engine *e, int s, const Mmctl__StepPlan *p, uint32_t ns,
+                        uint8_t *c, char *msg) {
+    const uint32_t nr = (uint32_t)p->n_release;
+    memcpy(e->ctrl, &ns, 4);
+    memcpy(e->ctrl + 4, &nr, 4);
+    for (size_t i = 0; i < p->n_release; i++, c += 8)
+        memcpy(c, &p->release[i], 8);
+    c += mm_draft_ctrl_tail(e->dr, s, c);
+    MM_TRY(send_frame(&e->shards[s], MM_WIRE_CTRL, MM_WIRE_BYTES, p->step_id, MM_WIRE_NO_LAYER,
+                      1, (uint32_t)(c - e->ctrl), e->ctrl, e->c.step_timeout_ms, msg));
+    mm_draft_ctrl_sent(e->dr, s);
+    return MM_OK;
+}
+
 // send_releases: a plan without rows (releases only, or every seq dropped) still frees its
 // releases on the shards: each live shard gets the CTRL frame run_layers would have sent (no
 // seqs, the releases, pending draft truncations) and no rows after it. Without it a
@@ -1007,22 +1024,12 @@ static void send_releases(mm_step_engine *e, const Mmctl__StepPlan *p) {
         struct peer *sp = &e->shards[s];
         if (!sp->live)
             continue;
-        const uint32_t ns = 0, nr = (uint32_t)p->n_release;
-        uint8_t *c = e->ctrl + 8;
-        memcpy(e->ctrl, &ns, 4);
-        memcpy(e->ctrl + 4, &nr, 4);
-        for (size_t i = 0; i < p->n_release; i++, c += 8)
-            memcpy(c, &p->release[i], 8);
-        c += mm_draft_ctrl_tail(e->dr, s, c);
         char msg[MSG_LEN] = "";
-        if (send_frame(sp, MM_WIRE_CTRL, MM_WIRE_BYTES, p->step_id, MM_WIRE_NO_LAYER, 1,
-                       (uint32_t)(c - e->ctrl), e->ctrl, e->c.step_timeout_ms, msg) != MM_OK) {
+        if (ctrl_send(e, s, p, 0, e->ctrl + 8, msg) != MM_OK) {
             mm_log_warn("step %llu (releases only): %s", (unsigned long long)p->step_id, msg);
             if (sp->conn && mm_conn_error(sp->conn) != MM_OK)
                 peer_drop(sp);
-            continue;
         }
-        mm_draft_ctrl_sent(e->dr, s);
     }
 }
 
@@ -1042,7 +1049,7 @@ static mm_err run_layers(mm_step_engine *e, const Mmctl__StepPlan *p, int64_t R,
         struct peer *sp = &e->shards[s];
         if (!sp->live)
             continue;
-        uint32_t ns = 0, nr = (uint32_t)p->n_release;
+        uint32_t ns = 0;
         uint8_t *c = e->ctrl + 8;
         sp->off = off;
         sp->n = 0;
@@ -1072,14 +1079,7 @@ static mm_err run_layers(mm_step_engine *e, const Mmctl__StepPlan *p, int64_t R,
         n_iov += sp->n_iov;
         if (!sp->gpu && sp->n > 0)
             sh_host = true;
-        memcpy(e->ctrl, &ns, 4);
-        memcpy(e->ctrl + 4, &nr, 4);
-        for (size_t i = 0; i < p->n_release; i++, c += 8)
-            memcpy(c, &p->release[i], 8);
-        c += mm_draft_ctrl_tail(e->dr, s, c); // truncations of rejected draft rows
-        MM_TRY(send_frame(sp, MM_WIRE_CTRL, MM_WIRE_BYTES, step, MM_WIRE_NO_LAYER, 1,
-                          (uint32_t)(c - e->ctrl), e->ctrl, tmo, msg));
-        mm_draft_ctrl_sent(e->dr, s);
+        MM_TRY(ctrl_send(e, s, p, ns, c, msg));
         off += sp->n;
     }
     MM_TRY(mm_model_embed(e->model, e->scratch, e->ids, R, DP(e, h)));

@@ -577,15 +577,7 @@ static void mono_wait_init(pthread_mutex_t *mu, pthread_cond_t *cv) {
 static struct timespec mono_after(int ms) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
-    if (ms > 0) {
-        t.tv_sec += ms / 1000;
-        t.tv_nsec += (long)(ms % 1000) * 1000000L;
-        if (t.tv_nsec >= 1000000000L) {
-            t.tv_sec++;
-            t.tv_nsec -= 1000000000L;
-        }
-    }
-    return t;
+    return ms > 0 ? mm_timespec_add_ms(t, ms) : t;
 }
 
 void mm_ctl_server_close(mm_ctl_server *s) {

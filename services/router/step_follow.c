@@ -2,6 +2,8 @@
 // Pipelined plans: the router's memory of the last steps' picks; see step_follow.h.
 #include "step_follow.h"
 
+#include "mm/time.h"
+
 #include <errno.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -122,17 +124,6 @@ static bool seen(const mm_follow *f, uint64_t id) {
     return false;
 }
 
-// after_ms: the CLOCK_MONOTONIC time ms from t0.
-static struct timespec after_ms(struct timespec t, int ms) {
-    t.tv_sec += ms / 1000;
-    t.tv_nsec += (long)(ms % 1000) * 1000000L;
-    if (t.tv_nsec >= 1000000000L) {
-        t.tv_sec++;
-        t.tv_nsec -= 1000000000L;
-    }
-    return t;
-}
-
 mm_err mm_follow_wait(mm_follow *f, pthread_mutex_t *mu, uint64_t after, int timeout_ms,
                       char *msg, size_t msg_len) {
     if (find(f, after))
@@ -140,8 +131,8 @@ mm_err mm_follow_wait(mm_follow *f, pthread_mutex_t *mu, uint64_t after, int tim
     struct timespec now;
     clock_gettime(CLOCK_MONOTONIC, &now);
     const int ms = timeout_ms > 0 ? timeout_ms : 1;
-    const struct timespec until = after_ms(now, ms),
-                          arrive = after_ms(now, ms < ARRIVE_MS ? ms : ARRIVE_MS);
+    const struct timespec until = mm_timespec_add_ms(now, ms),
+                          arrive = mm_timespec_add_ms(now, ms < ARRIVE_MS ? ms : ARRIVE_MS);
     while (!find(f, after)) {
         // A step that never reached the router (a plan sent just before a router restart, or
         // lost) is given up on quickly; one that arrived may run up to the step's deadline.

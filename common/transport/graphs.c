@@ -38,6 +38,19 @@ bool mm_mesh_graphs_env(void) {
     return g_env;
 }
 
+static bool g_views;
+static pthread_once_t g_views_once = PTHREAD_ONCE_INIT;
+
+static void views_read(void) {
+    const char *v = getenv("MM_MESH_VIEWS");
+    g_views = !(v && strcmp(v, "0") == 0);
+}
+
+bool mm_mesh_views_env(void) {
+    pthread_once(&g_views_once, views_read);
+    return g_views;
+}
+
 mm_err mm_mesh_graphs_new(mm_mesh_graphs **out, mm_backend *be, int cap, const char *who) {
     *out = NULL;
     if (!mm_mesh_graphs_env() || be == NULL || be->ops->host_memory || cap < 1 ||

@@ -291,8 +291,7 @@ mm_err attention_start(mm_daemon *d, void *arg, char err[MM_ERRLEN]) {
     }
     // device frames handed over in place (no copy out of the ring; MM_MESH_VIEWS=0: copied into
     // d_h as before); their pointers change per frame, so no graphs then
-    const char *vw = getenv("MM_MESH_VIEWS");
-    const bool views = dev_frames && !(vw && strcmp(vw, "0") == 0);
+    const bool views = dev_frames && mm_mesh_views_env();
     // MLA's key assembly copies an index list (a set): not recordable
     if (!A.be->ops->host_memory && !cfg->mla && !views)
         MM_TRY(mm_mesh_graphs_new(&A.graphs, A.be, 8 * A.n_layers, "attention"));

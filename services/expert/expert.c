@@ -479,8 +479,7 @@ mm_err expert_start(mm_daemon *d, void *arg, char err[MM_ERRLEN]) {
         }
     }
     // device frames handed over in place (no copy out of the ring; MM_MESH_VIEWS=0: into d_x)
-    const char *vw = getenv("MM_MESH_VIEWS");
-    const bool views = O.dev_frames && !(vw && strcmp(vw, "0") == 0);
+    const bool views = O.dev_frames && mm_mesh_views_env();
     // plan frames' products as graphs (MM_MESH_GRAPHS=1) only where the rows are always in d_x:
     // a view's place changes per frame (on_plan never replays one then)
     if (O.dev_frames && !views)

@@ -47,4 +47,9 @@ mm_err mm_mesh_graphs_run(mm_mesh_graphs *g, uint64_t k0, uint64_t k1, int64_t r
 // mm_mesh_graphs_env: whether MM_MESH_GRAPHS asks for graphs (read once).
 bool mm_mesh_graphs_env(void);
 
+// mm_mesh_views_env: whether device frames' rows are used in place in the link's ring
+// (mm_conn_recv_view; MM_MESH_VIEWS, on unless "0"), for shards, owners and the router alike.
+// Read once. A stage with views on replays no graphs (a view's place changes per frame).
+bool mm_mesh_views_env(void);
+
 #endif

@@ -62,16 +62,7 @@ static void fill_dev(void *d, size_t n_bytes, uint8_t v) {
 static void route_case(int n, int E, int K, enum mm_route_score score, bool bias, bool renorm,
                        float scale, int n_group, int topk_group, int levels, int nan_row) {
     const size_t nk = (size_t)n * K;
-    float *l = malloc((size_t)n * E * 4), *bh = malloc((size_t)E * 4);
-    for (int64_t i = 0; i < (int64_t)n * E; i++) {
-        float v = frand() * 4.0f;
-        if (levels > 0)
-            v = floorf((v + 4.0f) / 8.0f * (float)levels) / (float)levels;
-        l[i] = v;
-    }
-    if (nan_row >= 0 && nan_row < n)
-        for (int e = 0; e < E; e += 3)
-            l[(int64_t)nan_row * E + e] = NAN;
+    float *l = rand_logits(n, E, levels, nan_row), *bh = malloc((size_t)E * 4);
     for (int e = 0; e < E; e++)
         bh[e] = frand() * 0.1f;
     struct mm_route_params p = {.n_experts = E, .top_k = K, .score = score,

@@ -166,17 +166,7 @@ static void test_route_plan_par(void) {
 // levels > 0: logits quantised to that many values (many ties); nan_row >= 0: that row NaN.
 static void rwp_case(int n, int E, int K, bool renorm, int levels, int nan_row) {
     const size_t nk = (size_t)n * K;
-    float *l = malloc((size_t)n * E * 4);
-    MM_TRUE(l != NULL);
-    for (int64_t i = 0; i < (int64_t)n * E; i++) {
-        float v = frand() * 4.0f;
-        if (levels > 0)
-            v = floorf((v + 4.0f) / 8.0f * (float)levels) / (float)levels;
-        l[i] = v;
-    }
-    if (nan_row >= 0 && nan_row < n)
-        for (int e = 0; e < E; e += 3)
-            l[(int64_t)nan_row * E + e] = NAN;
+    float *l = rand_logits(n, E, levels, nan_row);
     struct mm_route_params p = {.n_experts = E, .top_k = K, .score = MM_ROUTE_SOFTMAX,
                                 .renorm = renorm, .renorm_eps = renorm ? 1e-20f : 0.0f,
                                 .scale = 1.0f};

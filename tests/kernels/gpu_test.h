@@ -13,6 +13,7 @@
 #ifndef MM_GPU_TEST_H
 #define MM_GPU_TEST_H
 
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -68,6 +69,24 @@ static inline float *rand_f32(int64_t n, float scale) {
     for (int64_t i = 0; i < n; i++)
         p[i] = frand() * scale;
     return p;
+}
+
+// Router logits of n rows of E experts: frand() * 4 each, quantised to `levels` values where
+// levels > 0 (many ties); row nan_row, where it is one of the n, NaN at every third expert.
+// Owned: free.
+static inline float *rand_logits(int n, int E, int levels, int nan_row) {
+    float *l = malloc((size_t)n * E * 4);
+    MM_TRUE(l != NULL);
+    for (int64_t i = 0; i < (int64_t)n * E; i++) {
+        float v = frand() * 4.0f;
+        if (levels > 0)
+            v = floorf((v + 4.0f) / 8.0f * (float)levels) / (float)levels;
+        l[i] = v;
+    }
+    if (nan_row >= 0 && nan_row < n)
+        for (int e = 0; e < E; e += 3)
+            l[(int64_t)nan_row * E + e] = NAN;
+    return l;
 }
 
 // The rows of n_seqs sequences of lens[s] tokens each, sequence after sequence: (*rs)[r] is row

@@ -76,6 +76,28 @@ through_mesh() {
     "$BIN/moemesh" mesh-generate --router "$ROUTER" --ids "$ids" --max-tokens "$n" --logprobs \
         --top-logprobs 3 "$@"
 }
+# ms: the time in ms (for how fast a request fails).
+ms() { echo $(( $(date +%s%N) / 1000000 )); }
+# kill_mid_request PID WHO NAME LABEL OUT ERR LIMIT_MS [ARGS...]: a daemon dies mid-request. The
+# daemon PID is frozen first, so the request (`through_mesh $IDS 40 ARGS --concurrent 2 --all`,
+# output in OUT and ERR) surely waits on it, then killed; the request must fail within LIMIT_MS
+# with an error naming NAME. WHO ("owner", "shard") and LABEL ("request") word the failures.
+# Sets dt: ms from the kill to the failure.
+kill_mid_request() {
+    local pid=$1 who=$2 name=$3 label=$4 out=$5 err=$6 limit=$7 client rc t0; shift 7
+    kill -STOP "$pid"
+    through_mesh $IDS 40 "$@" --concurrent 2 --all >"$out" 2>"$err" &
+    client=$!
+    sleep 0.4
+    kill -0 $client 2>/dev/null || fail "the $label did not wait for the frozen $who"
+    t0=$(ms)
+    kill -KILL "$pid"
+    wait $client; rc=$?
+    dt=$(( $(ms) - t0 ))
+    [ $rc -ne 0 ] || fail "$label survived its $who's death"
+    grep -q "$name" "$out" || fail "error does not name $name: $(cat "$out" "$err")"
+    [ $dt -lt "$limit" ] || fail "$label took $dt ms to fail after the $who died"
+}
 # expect_same WHAT IDS N [ARGS...]: the mesh's lines equal the engine's, bit for bit (%.9g).
 expect_same() {
     local what=$1 ids=$2 n=$3; shift 3

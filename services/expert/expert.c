@@ -455,8 +455,7 @@ mm_err expert_start(mm_daemon *d, void *arg, char err[MM_ERRLEN]) {
     // d_x also takes a plan frame (on_plan): up to max_rows x rows, then the share of a plan of
     // max_rows * top_k slots as whole rows of d_model int32s; more than rows x rows where
     // top_k is 1 (or d_model is small)
-    const int64_t plan_x = s_max_tokens + ((int64_t)O.n_experts + 1 + 2 * rows + O.d_model - 1) /
-                                              O.d_model;
+    const int64_t plan_x = s_max_tokens + mm_model_plan_rows(O.n_experts, rows, O.d_model);
     const size_t cap_x = plan_x > rows ? (size_t)plan_x * (size_t)O.d_model * 4 : cap;
     if (!O.be->ops->host_memory) {
         MM_TRY(O.be->ops->buffer_alloc(O.be->ctx, cap_x, (void **)&O.d_x));

@@ -281,6 +281,16 @@ static gw_seq *admit_one(gw_sched *s) {
 static void on_step(void *arg, mm_err rv, const mm_ctl_msg *reply, const char *err,
                     uint64_t t_done_ns);
 
+// draft_window: the most draft tokens (up to 8) the router may answer for q after the
+// `ahead` tokens that come first (1: the one sampled; 2: a follow entry's pending one too),
+// within max_tokens and the context.
+static uint32_t draft_window(const gw_sched *s, const gw_seq *q, long ahead) {
+    long left = (long)q->max_gen - q->n_gen - ahead,
+         room = (long)s->c.max_ctx - q->n_tokens - ahead;
+    left = left < room ? left : room;
+    return left < 8 ? (left > 0 ? (uint32_t)left : 0) : 8;
+}
+
 // plan_add puts up to *budget tokens of q in plan f.
 static void plan_add(gw_sched *s, struct plan *f, mm_step_builder *b, gw_seq *q, int *budget) {
     int want = q->n_tokens - q->ppos;
@@ -293,11 +303,8 @@ static void plan_add(gw_sched *s, struct plan *f, mm_step_builder *b, gw_seq *q,
         return;
     if (sample && !q->want_lp)
         mm_step_builder_set_no_logprob(b);
-    if (sample && q->n_top == 0) { // drafting: the router may answer more tokens (SeqResult.more)
-        long left = (long)q->max_gen - q->n_gen - 1, room = (long)s->c.max_ctx - q->n_tokens - 1;
-        left = left < room ? left : room;
-        mm_step_builder_set_draft(b, left < 8 ? (left > 0 ? (uint32_t)left : 0) : 8);
-    }
+    if (sample && q->n_top == 0) // drafting: the router may answer more tokens (SeqResult.more)
+        mm_step_builder_set_draft(b, draft_window(s, q, 1));
     q->ppos += n;
     if (sample)
         q->sample_in = f->step_id;
@@ -323,12 +330,9 @@ static void plan_follow(gw_sched *s, struct plan *f, mm_step_builder *b, gw_seq 
         return;
     if (!q->want_lp)
         mm_step_builder_set_no_logprob(b);
-    if (q->n_top == 0) { // (at least the pending token comes first; the router also stops
-                         // draft rows before the end position)
-        long left = (long)q->max_gen - q->n_gen - 2, room = (long)s->c.max_ctx - q->n_tokens - 2;
-        left = left < room ? left : room;
-        mm_step_builder_set_draft(b, left < 8 ? (left > 0 ? (uint32_t)left : 0) : 8);
-    }
+    if (q->n_top == 0) // (the pending token comes first; the router also stops draft rows
+                       // before the end position)
+        mm_step_builder_set_draft(b, draft_window(s, q, 2));
     q->sample_in = f->step_id;
     q->in_plans++;
     f->chunk[f->n] = 1;
@@ -366,8 +370,8 @@ static bool plan_next(gw_sched *s) {
     gw_seq *q;
     while (budget > 0 && f->n < s->c.max_step_seqs && (q = admit_one(s)))
         plan_add(s, f, b, q, &budget);
-    // Releases ride with a plan that has seqs: the router only reaches the shards when a step
-    // has rows to run (services/router/step.c), so a releases-only plan would be lost. The
+    // Releases ride with a plan that has seqs: a releases-only plan would be a round trip for
+    // nothing (the router does deliver one: send_releases, services/router/step.c). The
     // admission accounting frees the KV at once; the shards free it before the next step runs.
     if (f->n == 0)
         return false;

@@ -49,6 +49,27 @@ __device__ __forceinline__ T plan_ld(const T *p) {
     return VOL ? *(const volatile T *)p : *p;
 }
 
+// plan_block_scan: thread tid's exclusive prefix of sum over the block's PLAN_THREADS threads:
+// an inclusive scan within each warp by shuffles, then the earlier warps' totals through wsum
+// (PLAN_THREADS / 32 ints of shared memory; one barrier inside, so every thread calls it).
+__device__ __forceinline__ int plan_block_scan(int sum, int tid, int32_t *wsum) {
+    const int lane = tid % MM_WARP_SIZE, warp = tid / MM_WARP_SIZE;
+    int incl = sum;
+#pragma unroll
+    for (int d = 1; d < MM_WARP_SIZE; d <<= 1) {
+        const int v = mm_shfl_up(incl, d);
+        if (lane >= d)
+            incl += v;
+    }
+    if (lane == MM_WARP_SIZE - 1)
+        wsum[warp] = incl;
+    __syncthreads();
+    int run = incl - sum;
+    for (int w = 0; w < warp; w++)
+        run += wsum[w];
+    return run;
+}
+
 // The plan of nk = n_rows * top_k slots by one block of PLAN_THREADS threads; base: n_experts
 // int32 of shared memory.
 template <bool VOL>
@@ -79,20 +100,7 @@ __device__ __forceinline__ void plan_body(const int32_t *ids, const float *weigh
         int sum = 0;
         for (int e = e0; e < e1; e++)
             sum += base[e];
-        const int lane = tid % MM_WARP_SIZE, warp = tid / MM_WARP_SIZE;
-        int incl = sum;
-#pragma unroll
-        for (int d = 1; d < MM_WARP_SIZE; d <<= 1) {
-            const int v = mm_shfl_up(incl, d);
-            if (lane >= d)
-                incl += v;
-        }
-        if (lane == MM_WARP_SIZE - 1)
-            wsum[warp] = incl;
-        __syncthreads();
-        int run = incl - sum;
-        for (int w = 0; w < warp; w++)
-            run += wsum[w];
+        int run = plan_block_scan(sum, tid, wsum);
         if (tid == PLAN_THREADS - 1)
             offs[n_experts] = run + sum;
         for (int e = e0; e < e1; e++) {
@@ -248,20 +256,7 @@ __global__ void __launch_bounds__(PLAN_THREADS) route_plan_par_kernel(
         int sum = 0;
         for (int e = e0; e < e1; e++)
             sum += before[e] + rest[e];
-        const int lane = tid % MM_WARP_SIZE, warp = tid / MM_WARP_SIZE;
-        int incl = sum;
-#pragma unroll
-        for (int d = 1; d < MM_WARP_SIZE; d <<= 1) {
-            const int v = mm_shfl_up(incl, d);
-            if (lane >= d)
-                incl += v;
-        }
-        if (lane == MM_WARP_SIZE - 1)
-            wsum[warp] = incl;
-        __syncthreads();
-        int run = incl - sum;
-        for (int w = 0; w < warp; w++)
-            run += wsum[w];
+        int run = plan_block_scan(sum, tid, wsum);
         if (blockIdx.x == 0 && tid == PLAN_THREADS - 1)
             offs[E] = run + sum;
         for (int e = e0; e < e1; e++) {

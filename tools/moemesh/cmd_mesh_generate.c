@@ -50,6 +50,17 @@ static int cmp_double(const void *a, const void *b) {
     return x < y ? -1 : x > y;
 }
 
+// print_ms: the --timing line of n (> 0) times v in ms (sorted here): "<what> n: mean, min,
+// p50, p90" and tail.
+static void print_ms(double *v, int n, const char *what, const char *tail) {
+    qsort(v, (size_t)n, sizeof(double), cmp_double);
+    double sum = 0;
+    for (int i = 0; i < n; i++)
+        sum += v[i];
+    fprintf(stderr, "%s %d: mean %.3f ms, min %.3f ms, p50 %.3f ms, p90 %.3f ms%s\n", what, n,
+            sum / n, v[0], v[n / 2], v[n * 9 / 10], tail);
+}
+
 static void print_seq(const struct gseq *s, bool logprobs, int idx, bool label) {
     if (label)
         printf("# seq %d\n", idx);
@@ -352,27 +363,15 @@ static int run_mesh_generate(int argc, char **argv) {
     for (int j = 0; j < (all ? K : 1); j++)
         print_seq(&S[j], logprobs, j, all);
     if (timing && n_step_ms > 0) {
-        qsort(step_ms, (size_t)n_step_ms, sizeof(double), cmp_double);
-        double sum = 0;
-        for (int i = 0; i < n_step_ms; i++)
-            sum += step_ms[i];
-        fprintf(stderr, "decode steps %d: mean %.3f ms, min %.3f ms, p50 %.3f ms, p90 %.3f ms\n",
-                n_step_ms, sum / n_step_ms, step_ms[0], step_ms[n_step_ms / 2],
-                step_ms[n_step_ms * 9 / 10]);
+        print_ms(step_ms, n_step_ms, "decode steps", "");
         // a rare slow step hides in the mean: name it (index among the decode steps, step_id
         // for MM_MESH_TRACE's files)
         fprintf(stderr, "decode step max: %.3f ms at decode step %d (step_id %llu)\n", max_ms,
                 max_i, (unsigned long long)max_id);
     }
     if (timing && n_period > 0) { // result to result: the step rate, pipelined or not
-        qsort(period_ms, (size_t)n_period, sizeof(double), cmp_double);
-        double sum = 0;
-        for (int i = 0; i < n_period; i++)
-            sum += period_ms[i];
-        fprintf(stderr, "decode period %d: mean %.3f ms, min %.3f ms, p50 %.3f ms, p90 %.3f ms "
-                "(result to result%s)\n", n_period, sum / n_period, period_ms[0],
-                period_ms[n_period / 2], period_ms[n_period * 9 / 10],
-                pipeline ? ", 2 plans in flight" : "");
+        print_ms(period_ms, n_period, "decode period",
+                 pipeline ? " (result to result, 2 plans in flight)" : " (result to result)");
     }
     if (timing) {
         long long tok = 0;

@@ -161,7 +161,10 @@ static void open_pair(const char *tag, mm_conn **cli, mm_conn **srv) {
     MM_TRUE(mm_conn_dev(*cli) && mm_conn_dev(*srv));
 }
 
-static void close_listener(void) {
+// close_pair: open_pair's inverse (both conns, then the listener)
+static void close_pair(mm_conn *cli, mm_conn *srv) {
+    mm_conn_close(cli);
+    mm_conn_close(srv);
     mm_listener_close(g_l);
     g_l = NULL;
 }
@@ -256,9 +259,7 @@ static void test_view_free_after_work(void) {
     MM_TRUE(first_since(mark, OP_RECORD) > copy);
     free(dst);
     free(d);
-    mm_conn_close(cli);
-    mm_conn_close(srv);
-    close_listener();
+    close_pair(cli, srv);
 }
 
 static void test_view_holds_ring(void) {
@@ -307,9 +308,7 @@ static void test_view_holds_ring(void) {
     free(d1);
     free(d2);
     free(d3);
-    mm_conn_close(cli);
-    mm_conn_close(srv);
-    close_listener();
+    close_pair(cli, srv);
 }
 
 // srv holds a view of cli's frame and is itself short of space in cli's ring (cli owes the
@@ -340,9 +339,7 @@ static void test_view_not_paid_by_send(void) {
     MM_PASS(send_frame(srv, 12, d, mm_deadline_in_ms(2000)));
     free(dst);
     free(d);
-    mm_conn_close(cli);
-    mm_conn_close(srv);
-    close_listener();
+    close_pair(cli, srv);
 }
 
 static void test_close_with_free_owed(void) {
@@ -367,9 +364,7 @@ static void test_close_with_free_owed(void) {
         MM_TRUE(memcmp(v, d, FRAME) == 0);
     }
     free(d);
-    mm_conn_close(cli);
-    mm_conn_close(srv);
-    close_listener();
+    close_pair(cli, srv);
 }
 
 static void test_eager_free(void) {
@@ -396,9 +391,7 @@ static void test_eager_free(void) {
     MM_PASS(mm_transport_gpu_use(0, (void *)0x5, NULL));
     free(dst);
     free(d);
-    mm_conn_close(cli);
-    mm_conn_close(srv);
-    close_listener();
+    close_pair(cli, srv);
 }
 
 // Frames of many sizes (wrap skips included) lap the 1 MiB ring 20+ times, taken as views (with
@@ -513,9 +506,7 @@ static void test_ring_accounting(void) {
     MM_TRUE(behind_timeouts > 0); // the sender did run into unfreed bytes
     free(src);
     free(dst);
-    mm_conn_close(cli);
-    mm_conn_close(srv);
-    close_listener();
+    close_pair(cli, srv);
 }
 
 static int g_ds_rows, g_ds_dev, g_ds_other_dev;

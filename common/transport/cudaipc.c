@@ -714,12 +714,9 @@ static mm_err ipc_recv_dev(void *ctx, mm_wire_hdr *hdr, void *buf, size_t cap,
 
 static mm_err ipc_recv_view(void *ctx, mm_wire_hdr *hdr, void *buf, size_t cap,
                             const void **d_view, uint64_t deadline_ns) {
-    struct ipc_conn *c = ctx;
+    // (mm_conn_recv_view checked the conn has device frames and set *d_view NULL)
     bool on_dev = false;
-    *d_view = NULL;
-    if (!c->dev)
-        return MM_EUNSUPP;
-    return recv_core(c, hdr, buf, cap, NULL, 0, &on_dev, d_view, deadline_ns);
+    return recv_core(ctx, hdr, buf, cap, NULL, 0, &on_dev, d_view, deadline_ns);
 }
 
 static mm_err ipc_recv(void *ctx, mm_wire_hdr *hdr, void *buf, size_t cap,

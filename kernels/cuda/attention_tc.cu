@@ -899,26 +899,36 @@ static size_t tc2_shmem(int dk, int dv) {
            (size_t)TC2_WARPS * 32 * (dkp + 8) * 2;
 }
 
-template <int DKM, int DVM, bool FAST>
-static mm_err tc2_launch(void *stream, const struct mm_attn_args *a, int gsub, int rows_pb,
-                         int *d_err) {
-    static uint64_t attr_set;
+// tc_launch_kernel: k (an attention_tc or attention_tc2 instance) over the call's grid (blocks
+// of rows_pb rows x kv heads x head groups of gsub), n_threads a block, shmem bytes of dynamic
+// shared memory. > 48 KiB of shared memory: k is allowed max_shmem once per device, *attr_set
+// (k's own) keeping which (harmlessly racy).
+static mm_err tc_launch_kernel(void (*k)(struct mm_attn_args, int, int, int *), uint64_t *attr_set,
+                               size_t max_shmem, int n_threads, size_t shmem, void *stream,
+                               const struct mm_attn_args *a, int gsub, int rows_pb, int *d_err) {
     int dev = 0;
     MM_GPU_CHECK(cudaGetDevice(&dev));
-    if (!(attr_set & (1ull << (dev & 63)))) {
-        MM_GPU_CHECK(cudaFuncSetAttribute(attention_tc2_kernel<DKM, DVM, FAST>,
-                                          cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          (int)tc2_shmem(DKM, DVM)));
-        attr_set |= 1ull << (dev & 63);
+    if (!(*attr_set & (1ull << (dev & 63)))) {
+        MM_GPU_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          (int)max_shmem));
+        *attr_set |= 1ull << (dev & 63);
     }
     const int group = a->n_heads / a->kv.n_kv_heads;
     dim3 grid((unsigned)((a->n_rows + rows_pb - 1) / rows_pb),
               (unsigned)(a->kv.n_kv_heads * (group / gsub)));
-    MM_GPU_CHECK(mm_launch_dep(attention_tc2_kernel<DKM, DVM, FAST>, grid, dim3(TC2_WARPS * 32),
-                               tc2_shmem(a->kv.head_dim_k, a->kv.head_dim_v), (cudaStream_t)stream,
-                               *a, gsub, rows_pb, d_err));
+    MM_GPU_CHECK(mm_launch_dep(k, grid, dim3(n_threads), shmem, (cudaStream_t)stream, *a, gsub,
+                               rows_pb, d_err));
     MM_GPU_CHECK(cudaGetLastError());
     return MM_OK;
+}
+
+template <int DKM, int DVM, bool FAST>
+static mm_err tc2_launch(void *stream, const struct mm_attn_args *a, int gsub, int rows_pb,
+                         int *d_err) {
+    static uint64_t attr_set;
+    return tc_launch_kernel(attention_tc2_kernel<DKM, DVM, FAST>, &attr_set, tc2_shmem(DKM, DVM),
+                            TC2_WARPS * 32, tc2_shmem(a->kv.head_dim_k, a->kv.head_dim_v), stream,
+                            a, gsub, rows_pb, d_err);
 }
 
 static size_t tc_shmem(int dk, int dv, bool db) {
@@ -930,24 +940,11 @@ static size_t tc_shmem(int dk, int dv, bool db) {
 template <int DKM, int DVM, int NW, bool DB>
 static mm_err tc_launch(void *stream, const struct mm_attn_args *a, int gsub, int rows_pb,
                         int *d_err) {
-    // > 48 KiB of shared memory: allowed once per device (harmlessly racy)
     static uint64_t attr_set;
-    int dev = 0;
-    MM_GPU_CHECK(cudaGetDevice(&dev));
-    if (!(attr_set & (1ull << (dev & 63)))) {
-        MM_GPU_CHECK(cudaFuncSetAttribute(attention_tc_kernel<DKM, DVM, NW, DB>,
-                                          cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          (int)tc_shmem(DKM, DVM, DB)));
-        attr_set |= 1ull << (dev & 63);
-    }
-    const int group = a->n_heads / a->kv.n_kv_heads;
-    dim3 grid((unsigned)((a->n_rows + rows_pb - 1) / rows_pb),
-              (unsigned)(a->kv.n_kv_heads * (group / gsub)));
-    MM_GPU_CHECK(mm_launch_dep(attention_tc_kernel<DKM, DVM, NW, DB>, grid, dim3(NW * 32),
-                               tc_shmem(a->kv.head_dim_k, a->kv.head_dim_v, DB),
-                               (cudaStream_t)stream, *a, gsub, rows_pb, d_err));
-    MM_GPU_CHECK(cudaGetLastError());
-    return MM_OK;
+    return tc_launch_kernel(attention_tc_kernel<DKM, DVM, NW, DB>, &attr_set,
+                            tc_shmem(DKM, DVM, DB), NW * 32,
+                            tc_shmem(a->kv.head_dim_k, a->kv.head_dim_v, DB), stream, a, gsub,
+                            rows_pb, d_err);
 }
 
 template <int NW, bool DB>

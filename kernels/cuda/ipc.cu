@@ -143,6 +143,37 @@ extern "C" mm_err mm_gpu_current_device(int *dev) {
     return MM_OK;
 }
 
+// ---- GPU trace stamps of the mesh (MM_MESH_TRACE_GPU=1, common/transport/gtrace.c) -----------
+// A one-thread kernel writes the device's global timer (ns, one clock for every process on the
+// GPU) into a slot of pinned host memory when the stream reaches it, so the daemons' stage
+// boundaries can be merged on the GPU's own time line. A diagnostic: each stamp is a launch.
+__global__ void ipc_stamp_kernel(unsigned long long *slot) {
+    *slot = mm_gpu_global_ns() | 1ull; // never 0: 0 marks a slot not written yet
+    __threadfence_system();
+}
+
+extern "C" mm_err mm_gpu_mesh_stamp(void *stream, uint64_t *h_slot) {
+    if (h_slot == NULL)
+        return MM_EINVAL;
+    ipc_stamp_kernel<<<1, 1, 0, (cudaStream_t)stream>>>((unsigned long long *)h_slot);
+    MM_GPU_CHECK(cudaGetLastError());
+    return MM_OK;
+}
+
+// pinned host memory the device writes directly (unified addressing: the same pointer)
+extern "C" mm_err mm_gpu_host_pinned(void **p, size_t n_bytes) {
+    if (p == NULL || n_bytes == 0)
+        return MM_EINVAL;
+    *p = NULL;
+    MM_GPU_CHECK(cudaMallocHost(p, n_bytes));
+    return MM_OK;
+}
+
+extern "C" void mm_gpu_host_pinned_free(void *p) {
+    if (p != NULL)
+        (void)cudaFreeHost(p);
+}
+
 // The mesh's device-plan entry points (mesh_ops.cu) are called through weak references
 // (services/router/step.c, services/expert/expert.c, which a build without GPU support also
 // links), and a weak reference does not pull a member out of libmoemesh.a. This object is

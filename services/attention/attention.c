@@ -8,6 +8,7 @@
 #include "mm/dataserv.h"
 #include "mm/log.h"
 #include "mm/mesh_graph.h"
+#include "mm/mesh_gtrace.h"
 #include "mm/mesh_trace.h"
 #include "mm/model.h"
 
@@ -21,6 +22,10 @@ mm_opt attention_opts[] = {
     {"threads", MM_OPT_INT, &s_threads, "0", "CPU threads (0: all cores)"},
     {0},
 };
+
+// GPU entry point (kernels/cuda/backend.cu), weak: NULL in a build without GPU support.
+extern mm_err mm_gpu_backend_stream(void *backend_ctx, void **stream, int *dev)
+    __attribute__((weak));
 
 struct seq_map {
     uint64_t seq_id;
@@ -193,6 +198,7 @@ static mm_err on_frame(void *arg, mm_conn *c, const mm_wire_hdr *h, void *payloa
         return mm_dataserv_reply_error(c, h, MM_EPROTO, msg);
     }
     mm_mesh_trace(h->step_id, (int)h->layer, "rx");
+    mm_mesh_gstamp(h->step_id, (int)h->layer, "rx");
     mm_model_rows rows = {.n_rows = A.n_rows, .seq = A.row_seq, .pos = A.row_pos};
     // device backends: the rows go through the backend copy d_h and come back in place; a
     // device frame (cudaipc://) already landed in d_h and its reply leaves from there
@@ -224,6 +230,7 @@ static mm_err on_frame(void *arg, mm_conn *c, const mm_wire_hdr *h, void *payloa
     }
     A.next_layer++;
     mm_mesh_trace(h->step_id, (int)h->layer, "enq");
+    mm_mesh_gstamp(h->step_id, (int)h->layer, "enq");
     mm_wire_hdr r;
     MM_TRY(mm_wire_hdr_init(&r, MM_WIRE_REPLY, MM_WIRE_F32, h->step_id, h->layer, h->n_rows,
                             h->row_dim));
@@ -232,8 +239,10 @@ static mm_err on_frame(void *arg, mm_conn *c, const mm_wire_hdr *h, void *payloa
         struct iovec dv = {.iov_base = hd, .iov_len = nb};
         rv = mm_conn_sendv_dev(c, &r, &dv, 1, mm_deadline_in_ms(2000));
         mm_mesh_trace(h->step_id, (int)h->layer, "tx");
-        if (h->layer + 1 == (uint32_t)A.n_layers)
+        if (h->layer + 1 == (uint32_t)A.n_layers) {
             mm_mesh_trace_flush();
+            mm_mesh_gtrace_flush();
+        }
         return rv;
     }
     rv = mm_conn_send(c, &r, payload, mm_deadline_in_ms(2000));
@@ -308,6 +317,12 @@ mm_err attention_start(mm_daemon *d, void *arg, char err[MM_ERRLEN]) {
     snprintf(detail, sizeof(detail), "shard %lld of %lld, kv %d blocks", c->instance, s_shards,
              mm_kv_cache_blocks_total(A.kv));
     mm_mesh_trace_open("attention");
+    if (dev_frames && mm_gpu_backend_stream) { // MM_MESH_TRACE_GPU=1: GPU stamps
+        void *st = NULL;
+        int sd = 0;
+        if (mm_gpu_backend_stream(A.be->ctx, &st, &sd) == MM_OK)
+            mm_mesh_gtrace_open("attention", st);
+    }
     mm_log_info("serving attention %s on %s", detail, c->data);
     mm_daemon_set_health(d, MMCTL__HEALTH__HEALTH_READY, detail);
     return MM_OK;

@@ -11,6 +11,7 @@
 #include "mm/dataserv.h"
 #include "mm/log.h"
 #include "mm/mesh_graph.h"
+#include "mm/mesh_gtrace.h"
 #include "mm/mesh_trace.h"
 #include "mm/model.h"
 #include "mm/placement.h"
@@ -240,12 +241,15 @@ static mm_err on_ctrl(mm_conn *c, const mm_wire_hdr *h, const uint8_t *p) {
 // written out after the last layer (off the step's path).
 static mm_err replied(const mm_wire_hdr *h, int L, mm_err rv) {
     mm_mesh_trace(h->step_id, L, "tx");
-    if (L == O.n_layers - 1)
+    if (L == O.n_layers - 1) {
         mm_mesh_trace_flush();
+        mm_mesh_gtrace_flush();
+    }
     return rv;
 }
 
-// on_plan: a plan frame (after its CTRL): x rows (plan_rows of them), then this owner's share of
+// on_plan: a plan frame (after its CTRL, or its shape in its header: MM_MODEL_PLAN_FLAG): x rows
+// (plan_rows of them), then this owner's share of
 // the router's plan as int32s: offs (n_experts + 1), src and dst (plan_slots each), all in
 // d_x. The experts run on the device straight from the plan (mm_model_experts_plan; slots
 // past offs[n_experts] are other owners' and left unspecified), and the reply is one output
@@ -279,6 +283,7 @@ static mm_err on_plan(mm_conn *c, const mm_wire_hdr *h, void *payload) {
     O.have_seg = false;
     O.plan = false;
     mm_mesh_trace(h->step_id, L, "rx");
+    mm_mesh_gstamp(h->step_id, L, "rx");
     if (O.seg_step != h->step_id || O.seg_layer != h->layer || h->n_rows != (uint64_t)(R + P) ||
         h->row_dim != (uint32_t)D || h->format != MM_WIRE_F32 || h->layer >= (uint32_t)O.n_layers ||
         !dev_payload(payload)) {
@@ -302,6 +307,7 @@ static mm_err on_plan(mm_conn *c, const mm_wire_hdr *h, void *payload) {
     }
     O.dirty = true;
     mm_mesh_trace(h->step_id, L, "enq");
+    mm_mesh_gstamp(h->step_id, L, "enq");
     mm_wire_hdr r;
     MM_TRY(mm_wire_hdr_init(&r, MM_WIRE_REPLY, MM_WIRE_F32, h->step_id, h->layer, (uint32_t)nk,
                             h->row_dim));
@@ -325,9 +331,35 @@ static mm_err on_frame(void *arg, mm_conn *c, const mm_wire_hdr *h, void *payloa
         mm_log_warn("data: unexpected %s frame", mm_wire_kind_name(h->kind));
         return MM_EPROTO;
     }
+    char msg[200];
+    if (h->flags & MM_MODEL_PLAN_FLAG) { // a plan frame in one piece: its shape in the header
+        O.have_seg = false;
+        O.plan = false;
+        const uint64_t nk = h->aux, D = (uint64_t)O.d_model;
+        const uint64_t P = (uint64_t)mm_model_plan_rows(O.n_experts, (int64_t)nk, (int64_t)D);
+        const uint64_t R = h->n_rows > P ? h->n_rows - P : 0;
+        if (h->flags != MM_MODEL_PLAN_FLAG || nk > (uint64_t)O.max_slots || R < 1 ||
+            R > (uint64_t)O.max_rows || nk > R * (uint64_t)O.top_k || !O.dev_frames) {
+            snprintf(msg, sizeof(msg), "bad plan frame (flags 0x%x, %u rows of which %llu the "
+                     "plan's for %u slots; this owner takes %lld rows, top-k %d, flags 0x%x%s)",
+                     h->flags, h->n_rows, (unsigned long long)P, h->aux, (long long)O.max_rows,
+                     O.top_k, MM_MODEL_PLAN_FLAG, O.dev_frames ? "" : ", and no device frames");
+            return mm_dataserv_reply_error(c, h, MM_EPROTO, msg);
+        }
+        O.plan_rows = (uint32_t)R;
+        O.plan_slots = (uint32_t)nk;
+        O.seg_step = h->step_id;
+        O.seg_layer = h->layer;
+        return on_plan(c, h, payload);
+    }
+    if (h->flags != 0) {
+        snprintf(msg, sizeof(msg), "rows frame with unknown flags 0x%x", h->flags);
+        O.have_seg = false;
+        O.plan = false;
+        return mm_dataserv_reply_error(c, h, MM_EPROTO, msg);
+    }
     if (O.plan)
         return on_plan(c, h, payload);
-    char msg[200];
     mm_mesh_trace(h->step_id, (int)h->layer, "rx");
     if (!O.have_seg || O.seg_step != h->step_id || O.seg_layer != h->layer ||
         O.seg_rows != h->n_rows || h->n_rows > O.max_slots ||
@@ -493,6 +525,8 @@ mm_err expert_start(mm_daemon *d, void *arg, char err[MM_ERRLEN]) {
         MM_TRY(mm_dataserv_start_dev(&O.ds, c->data, cap, O.dev_frames ? O.d_x : NULL, cap_x,
                                      on_frame, load_tick, tick_ms, NULL, err));
     mm_mesh_trace_open("expert");
+    if (O.stream) // MM_MESH_TRACE_GPU=1: GPU stamps of the plan frames' products
+        mm_mesh_gtrace_open("expert", O.stream);
     mm_log_info("holding %s; serving on %s", detail, c->data);
     mm_daemon_set_health(d, MMCTL__HEALTH__HEALTH_READY, detail);
     return MM_OK;

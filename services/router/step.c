@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "mm/log.h"
+#include "mm/mesh_gtrace.h"
 #include "mm/mesh_trace.h"
 #include "mm/model.h"
 #include "mm/placement.h"
@@ -139,6 +140,8 @@ struct mm_step_engine {
     mm_model_plan plan_ptrs;  // the plan's buffers (the scratch's), for replayed chains
     bool views;               // one serving owner's reply read in place (MM_MESH_VIEWS, on
                               // unless 0)
+    bool plan_ctrl;           // plan frames announced by a CTRL frame (MM_MESH_PLAN_CTRL=1);
+                              // else the shape rides in the device frame's header
     // per-seq state
     int32_t *seq_shard, *seq_row; // (max_seqs): shard, first active row (-1: inactive)
     bool *seq_failed;
@@ -488,6 +491,8 @@ mm_err mm_step_engine_open(mm_step_engine **out, const mm_step_conf *c, mm_regis
                 goto fail;
             }
             e->views = mm_mesh_views_env();
+            const char *pc = getenv("MM_MESH_PLAN_CTRL");
+            e->plan_ctrl = pc && strcmp(pc, "1") == 0;
             // the chains between the hops recorded as graphs (MM_MESH_GRAPHS=1)
             MM_TRY_GOTO(rv, mm_mesh_graphs_new(&e->graphs, e->be, 16 * (int)NL, "router"),
                         fail);
@@ -542,6 +547,12 @@ mm_err mm_step_engine_open(mm_step_engine **out, const mm_step_conf *c, mm_regis
         e->owners[i] = (struct peer){.role = "expert", .what = "expert owner", .inst = i};
     pool_start(e);
     mm_mesh_trace_open("router");
+    if (e->dev && mm_gpu_backend_stream) { // MM_MESH_TRACE_GPU=1: GPU stamps of the stages
+        void *st = NULL;
+        int sd = 0;
+        if (mm_gpu_backend_stream(e->be->ctx, &st, &sd) == MM_OK)
+            mm_mesh_gtrace_open("router", st);
+    }
     *out = e;
     return MM_OK;
 fail:
@@ -749,12 +760,16 @@ static mm_err send_frame(struct peer *p, enum mm_wire_kind kind, enum mm_wire_fo
     return rv;
 }
 
+// send_frame_dev: p->iov's device segments as one device frame; flags and aux go in its
+// header (a plan frame in one piece: MM_MODEL_PLAN_FLAG and its slots; else 0).
 static mm_err send_frame_dev(struct peer *p, enum mm_wire_kind kind, uint64_t step,
-                             uint32_t layer, uint32_t n_rows, uint32_t dim, int timeout_ms,
-                             char *msg) {
+                             uint32_t layer, uint32_t n_rows, uint32_t dim, uint16_t flags,
+                             uint32_t aux, int timeout_ms, char *msg) {
     mm_wire_hdr h;
     char name[64];
     mm_err rv = mm_wire_hdr_init(&h, kind, MM_WIRE_F32, step, layer, n_rows, dim);
+    h.flags = flags;
+    h.aux = aux;
     if (rv == MM_OK)
         rv = mm_conn_sendv_dev(p->conn, &h, p->iov, p->n_iov,
                                mm_deadline_in_ms((uint64_t)timeout_ms));
@@ -925,9 +940,12 @@ static mm_err plan_layer(mm_step_engine *e, uint64_t step, int L, int64_t R, boo
         op->want_view = false;
         if (!e->plan_serve[(size_t)L * N + o])
             continue;
+        // the plan's shape: in the device frame's header (flags, aux), or in a CTRL frame
+        // before it (MM_MESH_PLAN_CTRL=1: one more frame and wake-up per owner and layer)
         const uint32_t c4[4] = {MM_MODEL_PLAN_MARK, (uint32_t)R, (uint32_t)nk, 0};
-        rv = send_frame(op, MM_WIRE_CTRL, MM_WIRE_BYTES, step, (uint32_t)L, 1, sizeof(c4), c4,
-                        tmo, msg);
+        rv = e->plan_ctrl ? send_frame(op, MM_WIRE_CTRL, MM_WIRE_BYTES, step, (uint32_t)L, 1,
+                                       sizeof(c4), c4, tmo, msg)
+                          : MM_OK;
         if (rv == MM_OK) { // owner 0: rows and share in one piece
             op->seg[0] = (struct iovec){.iov_base = e->d_x,
                                         .iov_len = (size_t)((o ? R : R + P) * D) * 4};
@@ -936,7 +954,8 @@ static mm_err plan_layer(mm_step_engine *e, uint64_t step, int L, int64_t R, boo
             op->iov = op->seg;
             op->n_iov = o ? 2 : 1;
             rv = send_frame_dev(op, MM_WIRE_ROWS, step, (uint32_t)L, (uint32_t)(R + P),
-                                (uint32_t)D, tmo, msg);
+                                (uint32_t)D, e->plan_ctrl ? 0 : MM_MODEL_PLAN_FLAG,
+                                e->plan_ctrl ? 0 : (uint32_t)nk, tmo, msg);
         }
         if (rv == MM_EINVAL)
             return rv;
@@ -955,6 +974,7 @@ static mm_err plan_layer(mm_step_engine *e, uint64_t step, int L, int64_t R, boo
         op->pending = true;
     }
     mm_mesh_trace(step, L, "o_send");
+    mm_mesh_gstamp(step, L, "o_send");
     if (shared) // while the owners work
         PLAN_TRY("shared experts",
                  mm_model_shared_forward(e->model, e->scratch, L, e->d_x, R, e->d_sh));
@@ -973,6 +993,7 @@ static mm_err plan_layer(mm_step_engine *e, uint64_t step, int L, int64_t R, boo
     }
     MM_TRY(grv);
     mm_mesh_trace(step, L, "o_back");
+    mm_mesh_gstamp(step, L, "o_back");
     for (int o = 0; o < N; o++)
         if (e->plan_serve[(size_t)L * N + o] && e->owners[o].failed) {
             mm_log_warn("step %llu layer %d: %s; the layer's experts go through the host path",
@@ -1084,6 +1105,7 @@ static mm_err run_layers(mm_step_engine *e, const Mmctl__StepPlan *p, int64_t R,
     }
     MM_TRY(mm_model_embed(e->model, e->scratch, e->ids, R, DP(e, h)));
     mm_mesh_trace(step, -1, "embed");
+    mm_mesh_gstamp(step, -1, "embed");
     if (sh_host)
         MM_TRY(to_host(e, e->h, e->d_h, R * D));
     const int n_layers = e->cfg->n_layers;
@@ -1099,7 +1121,7 @@ static mm_err run_layers(mm_step_engine *e, const Mmctl__StepPlan *p, int64_t R,
                 continue;
             if (sp->gpu) {
                 MM_TRY(send_frame_dev(sp, MM_WIRE_ROWS, step, (uint32_t)L, (uint32_t)sp->n,
-                                      (uint32_t)D, tmo, msg));
+                                      (uint32_t)D, 0, 0, tmo, msg));
                 sp->pending = true;
                 continue;
             }
@@ -1116,8 +1138,10 @@ static mm_err run_layers(mm_step_engine *e, const Mmctl__StepPlan *p, int64_t R,
             sp->pending = true;
         }
         mm_mesh_trace(step, L, "a_send");
+        mm_mesh_gstamp(step, L, "a_send");
         MM_TRY(gather(e, e->shards, M, step, (uint32_t)L, e->stage, false, msg));
         mm_mesh_trace(step, L, "a_back");
+        mm_mesh_gstamp(step, L, "a_back");
         for (int s = 0; s < M; s++) {
             struct peer *sp = &e->shards[s];
             if (!sp->live || sp->n == 0 || sp->gpu) // gpu: the reply already landed in d_h
@@ -1143,6 +1167,7 @@ static mm_err run_layers(mm_step_engine *e, const Mmctl__StepPlan *p, int64_t R,
                 MM_TRY(plan_layer(e, step, L, R, shared, msg, &done, &normed));
             if (done) {
                 mm_mesh_trace(step, L, "comb");
+                mm_mesh_gstamp(step, L, "comb");
                 if (h_out)
                     MM_TRY(to_host(e, e->h, e->d_h, R * D));
                 continue;
@@ -1265,7 +1290,7 @@ static mm_err run_layers(mm_step_engine *e, const Mmctl__StepPlan *p, int64_t R,
                     op->iov = &op->one;
                     op->n_iov = 1;
                     rv = send_frame_dev(op, MM_WIRE_ROWS, step, (uint32_t)L, (uint32_t)op->n,
-                                        (uint32_t)D, tmo, msg);
+                                        (uint32_t)D, 0, 0, tmo, msg);
                     op->one.iov_base = e->d_ys + op->off * D;
                 } else if (rv == MM_OK) {
                     rv = send_frame(op, MM_WIRE_ROWS, MM_WIRE_F32, step, (uint32_t)L,
@@ -1445,16 +1470,25 @@ struct nng_msg *mm_step_engine_run(mm_step_engine *e, const Mmctl__StepPlan *p, 
                 dev_pick = q->no_logprob && q->logprobs == 0 && mm_sampler_is_greedy(&sp) &&
                            !mm_sampling_has_penalty(&sp);
             }
+            // the rows wanted are h's first ns rows in order (decode steps without drafts:
+            // one row per seq, every seq sampled): the final norm reads h itself, no gather
+            bool in_order = e->dev;
+            for (int64_t k = 0; k < ns && in_order; k++)
+                in_order = e->lrows[k] == (int32_t)k;
             if (ns > 0) {
-                rv = e->dev ? e->be->ops->set(e->be->ctx, e->d_lrows, e->lrows, (size_t)ns * 4)
-                            : MM_OK;
-                if (rv == MM_OK && e->dev)
+                rv = e->dev && !in_order
+                         ? e->be->ops->set(e->be->ctx, e->d_lrows, e->lrows, (size_t)ns * 4)
+                         : MM_OK;
+                if (rv == MM_OK && e->dev && !in_order)
                     rv = e->be->ops->copy_rows(e->be->ctx, e->d_h, e->D, e->d_lrows, e->d_last,
                                                e->D, NULL, ns, e->D);
                 if (rv == MM_OK)
-                    rv = mm_model_final_norm(e->model, e->scratch, DP(e, last), ns, DP(e, hn));
+                    rv = mm_model_final_norm(e->model, e->scratch, in_order ? e->d_h : DP(e, last),
+                                             ns, DP(e, hn));
                 if (rv == MM_OK)
                     rv = mm_model_head(e->model, e->scratch, DP(e, hn), ns, DP(e, logits));
+                mm_mesh_trace(p->step_id, -1, "head");
+                mm_mesh_gstamp(p->step_id, -1, "head");
                 if (rv == MM_OK && dev_pick) {
                     const mm_err arv =
                         mm_model_argmax(e->model, e->scratch, DP(e, logits), ns, e->pick_ids);
@@ -1582,6 +1616,7 @@ reply:;
     struct nng_msg *out = mm_ctl_reply(&env);
     mm_mesh_trace(p->step_id, -1, "reply");
     mm_mesh_trace_flush();
+    mm_mesh_gtrace_flush();
     pthread_mutex_unlock(&e->mu);
     return out;
 }

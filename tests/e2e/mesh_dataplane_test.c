@@ -75,6 +75,17 @@ static void send_rows(mm_conn *c, uint64_t step, uint32_t layer, const float *x,
     MM_PASS(mm_conn_send(c, &h, x, mm_deadline_in_ms(2000)));
 }
 
+// send_rows_hdr: rows with header flags and aux (a plan frame in one piece: MM_MODEL_PLAN_FLAG
+// and its slots)
+static void send_rows_hdr(mm_conn *c, uint64_t step, uint32_t layer, const float *x, uint32_t n,
+                          uint32_t d, uint16_t flags, uint32_t aux) {
+    mm_wire_hdr h;
+    MM_PASS(mm_wire_hdr_init(&h, MM_WIRE_ROWS, MM_WIRE_F32, step, layer, n, d));
+    h.flags = flags;
+    h.aux = aux;
+    MM_PASS(mm_conn_send(c, &h, x, mm_deadline_in_ms(2000)));
+}
+
 static mm_wire_hdr recv_frame(mm_conn *c, void *buf, size_t cap) {
     mm_wire_hdr h;
     MM_PASS(mm_conn_recv(c, &h, buf, cap, mm_deadline_in_ms(5000)));
@@ -160,6 +171,22 @@ static void test_owner(void) {
     send_ctrl(c, 13, 1, plan, sizeof(plan));
     expect_error(c, MM_EPROTO, "no device frames");
     send_ctrl(c, 14, 1, plan, 12);
+    expect_error(c, MM_EPROTO, NULL);
+    // the same in one piece (the shape in the rows frame's header: MM_MODEL_PLAN_FLAG, aux the
+    // slots): refused without device frames, with slots past the rows' top-k, with flags no
+    // kind defines (each naming what is wrong), and a stale plan CTRL frame does not carry over
+    send_rows_hdr(c, 15, 1, x, 3, (uint32_t)D, MM_MODEL_PLAN_FLAG, 1);
+    expect_error(c, MM_EPROTO, "and no device frames");
+    send_rows_hdr(c, 16, 1, x, 3, (uint32_t)D, MM_MODEL_PLAN_FLAG, 1000000);
+    expect_error(c, MM_EPROTO, "bad plan frame (flags 0x1");
+    send_rows_hdr(c, 17, 1, x, 3, (uint32_t)D, MM_MODEL_PLAN_FLAG | 0x8, 1);
+    expect_error(c, MM_EPROTO, "bad plan frame (flags 0x9");
+    send_rows_hdr(c, 18, 1, x, 3, (uint32_t)D, 0x4, 0);
+    expect_error(c, MM_EPROTO, "unknown flags 0x4");
+    send_ctrl(c, 19, 1, seg, sizeof(seg));
+    send_rows_hdr(c, 19, 1, x, 3, (uint32_t)D, 0x4, 0); // flags refused even after a CTRL frame
+    expect_error(c, MM_EPROTO, "unknown flags 0x4");
+    send_rows(c, 19, 1, x, 3, (uint32_t)D); // and the CTRL frame no longer stands
     expect_error(c, MM_EPROTO, NULL);
     // and it still serves
     send_ctrl(c, 10, 1, seg, sizeof(seg));

@@ -199,6 +199,10 @@ typedef struct mm_model_plan { // backend memory, in the scratch: valid until it
 // (d_model floats each) followed by the owner's share of the plan, int32 offs (n_experts + 1),
 // src and dst (slots each), packed into mm_model_plan_rows rows of d_model.
 #define MM_MODEL_PLAN_MARK 0xFFFFFFFFu
+// The same plan frame in one piece (the router's default; MM_MESH_PLAN_CTRL=1 sends the CTRL
+// frame as before): the device frame alone, its header's flags MM_MODEL_PLAN_FLAG and aux the
+// slots; rows = n_rows - mm_model_plan_rows(n_experts, slots, d_model).
+#define MM_MODEL_PLAN_FLAG 0x1u
 static inline int64_t mm_model_plan_rows(int64_t n_experts, int64_t n_slots, int64_t d_model) {
     return (n_experts + 1 + 2 * n_slots + d_model - 1) / d_model;
 }

@@ -8,8 +8,11 @@
 # (e.g. "L1 router.a_send -> attention.rx" is the hop of layer 1's rows to the shard: the
 # receiver's wake-up and the descriptor), over the steps whose event sequence is the most
 # common one (decode steps of one shape), skipping the first N steps (default 3: prefill).
+# With MM_MESH_TRACE_GPU=1 (PREFIX.g-<role>.<pid>: GPU stamps) it also prints the GPU time line:
+# each stage's time on the GPU and the GPU's time between the daemons' stages.
 import collections
 import glob
+import os
 import sys
 
 
@@ -93,7 +96,7 @@ def report(rf, peers, gname, seqs, pre, post):
                  ("expert", "enq"), ("expert", "tx"), ("router", "o_back"), ("router", "comb")]
         seg = collections.defaultdict(list)
         per_layer = collections.defaultdict(list)
-        tot, tail, head = [], [], []
+        tot, tail, head, tail_enq = [], [], [], []
         for s, xs in seqs.items():
             pts = collections.defaultdict(float)
             for t, role, _, layer, tag in xs:
@@ -115,6 +118,9 @@ def report(rf, peers, gname, seqs, pre, post):
                 per_layer[L].append(last - prev)
                 prev = last
             tail.append(xs[-1][0] - prev)
+            hd = pts.get(("router", -1, "head"))
+            if hd is not None:
+                tail_enq.append(hd - prev)
         n = len(tot)
         mean = lambda v: sum(v) / len(v) if v else 0.0
         print("== %s (+ %s), steps of %s: %d steps; router start -> picked %.1f us (mean)" %
@@ -140,7 +146,112 @@ def report(rf, peers, gname, seqs, pre, post):
         for L in sorted(per_layer):
             print("   %8.1f us  layer %d in all" % (mean(per_layer[L]), L))
         print("   %8.1f us  last layer -> picked (h drain or LM head, argmax, read-back)" % mean(tail))
+        if tail_enq:
+            print("   %8.1f us  of it: last layer -> LM head enqueued (the rest: waiting for the "
+                  "GPU to finish the step, argmax, picks)" % mean(tail_enq))
+
+
+def load_g(path):
+    ev = []
+    with open(path) as f:
+        for line in f:
+            p = line.split()
+            if len(p) != 6 or p[0] != "G":
+                continue
+            ev.append((float(p[5]), p[1], int(p[2]), int(p[3]), p[4]))
+    return ev
+
+
+def gpu_report(prefix, skip):
+    """The GPU time line (MM_MESH_TRACE_GPU=1: PREFIX.g-<role>.<pid>, the device's global timer
+    when each daemon's stream reached a stamp): per layer, how long each stage ran on the GPU and
+    how long the GPU took from one daemon's stage to the next's (the hop on the GPU: the copy
+    into the peer's ring, the event, the peer's stream wait, and any wait for the peer's host to
+    enqueue), then the tail (last combine -> LM head done) and the gap between steps."""
+    files = {f: load_g(f) for f in sorted(glob.glob(prefix + ".g-*"))}
+    files = {f: e for f, e in files.items() if e}
+    routers = [f for f in files if ".g-router." in f]
+    peers_ev = [x for f, e in files.items() if f not in routers for x in e]
+    chain = [("router", "a_send"), ("attention", "rx"), ("attention", "enq"),
+             ("router", "a_back"), ("router", "o_send"), ("expert", "rx"), ("expert", "enq"),
+             ("router", "o_back"), ("router", "comb")]
+    names = {("router", "a_send"): "router: rows copied to the shard's ring",
+             ("attention", "rx"): "hop to the shard (its stream passes the wait)",
+             ("attention", "enq"): "shard: attention on the GPU",
+             ("router", "a_back"): "hop back (reply copy, router's wait)",
+             ("router", "o_send"): "router: norm, gate, plan, split, copy to owners",
+             ("expert", "rx"): "hop to the owner",
+             ("expert", "enq"): "owner: grouped products on the GPU",
+             ("router", "o_back"): "hop back (reply copy, router's wait)",
+             ("router", "comb"): "router: pick, combine"}
+    for rf in sorted(routers, key=lambda f: files[f][0][0]):
+        rev = files[rf]
+        t0, t1 = rev[0][0], rev[-1][0]
+        rsteps = {x[2] for x in rev}
+        ev = list(rev) + [x for x in peers_ev if x[2] in rsteps and t0 - 1e5 <= x[0] <= t1 + 1e5]
+        steps = collections.defaultdict(dict)
+        for t, role, st, layer, tag in ev:
+            k = (role, layer, tag)
+            steps[st][k] = max(steps[st].get(k, 0.0), t)
+        order = sorted(steps)
+        # the step's rows from the router's host trace (same pid): 1 row vs more, reported apart
+        rows = {}
+        tf = rf.replace(".g-router.", ".router.")
+        for x in (load(tf) if os.path.exists(tf) else []):
+            if x[4] == "rows":
+                rows[x[2]] = x[3]
+        ok = [st for st in order[skip:] if ("router", -1, "head") in steps[st] and
+              ("router", -1, "embed") in steps[st]]
+        for gname, full in (("1 row", [st for st in ok if rows.get(st, 1) <= 1]),
+                            ("more rows", [st for st in ok if rows.get(st, 1) > 1])):
+            if full:
+                gpu_group(rf, gname, steps, order, set(full), chain, names)
+
+
+def gpu_group(rf, gname, steps, order, full, chain, names):
+    seg = collections.defaultdict(list)
+    tail, span, gap = [], [], []
+    prev_head = None
+    for st in order:
+        pts = steps[st]
+        if st not in full:
+            prev_head = pts.get(("router", -1, "head"), prev_head)
+            continue
+        emb, head = pts[("router", -1, "embed")], pts[("router", -1, "head")]
+        if prev_head is not None and st - 1 in full:
+            gap.append(emb - prev_head)
+        prev_head = head
+        span.append(head - emb)
+        layers = sorted({k[1] for k in pts if k[1] >= 0})
+        last = emb
+        for L in layers:
+            for k in chain:
+                t = pts.get((k[0], L, k[1]))
+                if t is None:
+                    continue
+                seg[k].append(t - last)
+                last = t
+        tail.append(head - last)
+    n = len(full)
+    mean = lambda v: sum(v) / len(v) if v else 0.0
+    nl = max(len({k[1] for st in full for k in steps[st] if k[1] >= 0}), 1)
+    print("== GPU time line (%s), steps of %s: %d steps, embed done -> LM head done "
+          "%.1f us (mean)" % (rf, gname, n, mean(span)))
+    if gap:
+        gs = sorted(gap)
+        print("   %8.1f us  between steps: LM head done -> next step's embed done (median; "
+              "argmax, read-back, picks, reply, next plan, embed)" % gs[len(gs) // 2])
+    for k in chain:
+        v = seg.get(k)
+        if v:
+            print("   %8.1f us  per layer  %-8s %-4s %s" % (sum(v) / n / nl, k[0], k[1],
+                                                          names[k]))
+    print("   %8.1f us  last combine -> LM head done (copy_rows, final norm, head)" %
+          mean(tail))
 
 
 if __name__ == "__main__":
     main()
+    if glob.glob(sys.argv[1] + ".g-*"):
+        gpu_report(sys.argv[1], int(sys.argv[sys.argv.index("--skip") + 1])
+                   if "--skip" in sys.argv else 3)

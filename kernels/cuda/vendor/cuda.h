@@ -19,6 +19,13 @@ namespace mm_wmma = nvcuda::wmma;
 #define mm_shfl_xor(v, mask) __shfl_xor_sync(0xffffffffu, (v), (mask))
 #define mm_shfl_up(v, d)     __shfl_up_sync(0xffffffffu, (v), (d))
 #define mm_shfl(v, src)      __shfl_sync(0xffffffffu, (v), (src))
+// nanoseconds of the device's global timer (one clock for every process on the GPU; the mesh's
+// GPU trace stamps, ipc.cu)
+__device__ __forceinline__ unsigned long long mm_gpu_global_ns(void) {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
 
 // "no GPU here" codes: a host without the driver reports InsufficientDriver (35), a host with
 // the driver and no card NoDevice (100). Both mean: skip, not fail.

@@ -23,6 +23,14 @@
 #define mm_shfl_xor(v, mask) __shfl_xor((v), (mask))
 #define mm_shfl_up(v, d)     __shfl_up((v), (d))
 #define mm_shfl(v, src)      __shfl((v), (src))
+// the device's constant-rate clock in nanoseconds (100 MHz on gfx90a; the mesh's trace stamps)
+__device__ __forceinline__ unsigned long long mm_gpu_global_ns(void) {
+#if defined(__HIP_DEVICE_COMPILE__)
+    return (unsigned long long)wall_clock64() * 10ull;
+#else
+    return 0; // (the host pass of a device function)
+#endif
+}
 
 #define cudaError_t                 hipError_t
 #define cudaSuccess                 hipSuccess

@@ -1037,6 +1037,10 @@ extern "C" void mm_gpu_set_attention_tc_warps(int warps) {
     g_att_tc_warps = warps == 4 || warps == 8 ? warps : -1;
 }
 
+// attention_tcd.cu: decode calls with every warp computing (same bits; MM_GPU_ATT_TCD)
+extern "C" mm_err mm_gpu_attention_tcd(void *stream, const struct mm_attn_args *a, int *d_err,
+                                       int *done);
+
 // mm_gpu_attention_tc: runs a on the tensor cores and sets *done when the contract is on and
 // takes a's shape (head dims, cache alignment: never the number of rows); *done 0 otherwise
 // (bad arguments included: the f32 launchers report them).
@@ -1058,6 +1062,11 @@ extern "C" mm_err mm_gpu_attention_tc(void *stream, const struct mm_attn_args *a
     if (dk <= 0 || dv <= 0 || dk % 4 != 0 || dv % 4 != 0 || dk > 128 || dv > 128 ||
         ((uintptr_t)kv->base & 15) != 0 || kv->block_stride % 4 != 0 || kv->slot_stride % 4 != 0)
         return MM_OK;
+    if (a->n_rows <= TC_DECODE_ROWS) { // decode calls: every warp computes (attention_tcd.cu)
+        const mm_err drv = mm_gpu_attention_tcd(stream, a, d_err, done);
+        if (drv != MM_OK || *done)
+            return drv;
+    }
     const bool two = tc_mt() == 2 && a->n_rows > TC_DECODE_ROWS; // prefill: two m16 tiles per warp
     const int nw = two ? TC2_WARPS : tc_warps(), units = nw * 16 * (two ? 2 : 1);
     const int group = a->n_heads / kv->n_kv_heads;

@@ -40,7 +40,8 @@
 #define TCD_MAX_ROWS 64    // attention_tc.cu's TC_DECODE_ROWS
 #define TCD_ERR_INDEX 1    // ops.cu's ERR_INDEX: the backend's device error word
 
-static int g_tcd = -1; // -1: from MM_GPU_ATT_TCD at first use; 0 off; 1 on
+static int g_tcd = -1;        // -1: from MM_GPU_ATT_TCD at first use; 0 off; 1 on
+static int g_tcd_stages = -1; // -1: from MM_GPU_ATT_TCD_STAGES at first use (1 or 2; default 2)
 
 #if MM_GPU_HAVE_WMMA
 #define TCD_HAVE 1
@@ -55,8 +56,8 @@ __device__ __forceinline__ void tcd_cp16(void *dst, const void *src) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src) : "memory");
 }
 __device__ __forceinline__ void tcd_commit(void) { asm volatile("cp.async.commit_group;\n" ::); }
-__device__ __forceinline__ void tcd_wait1(void) { // all but the newest group landed
-    asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+template <int N> __device__ __forceinline__ void tcd_wait(void) { // all but the N newest groups
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
 // attention_tc.cu's tc_pack, tc_ex2, tc_mma (the same instructions)
@@ -163,9 +164,10 @@ __device__ __forceinline__ void tcd_convert(const float *row, bool ok, int dk, i
 // One block per (row, gsub query heads of one kv head); gsub <= 16 (one m16 tile: unit u =
 // head h0 + u is tile row u). Dynamic shared memory: two f32 stages [TCD_KEYS][dk + dv + 4]
 // (two key blocks in flight), then two bf16 buffers of [TCD_KEYS][ldk] keys and [ldv] values.
-template <int DKM, int DVM>
+template <int DKM, int DVM, int NST>
 __global__ void __launch_bounds__(TCD_THREADS, 1)
     attention_tcd_kernel(struct mm_attn_args a, int gsub, int *d_err) {
+    static_assert(NST == 1 || NST == 2, "stages");
     mm_dep_signal();
     mm_dep_wait();
     extern __shared__ __align__(16) unsigned char tcd_sh[];
@@ -177,8 +179,8 @@ __global__ void __launch_bounds__(TCD_THREADS, 1)
     const int dkp = (dk + 15) & ~15, dvp = (dv + 15) & ~15;
     const int ldk = dkp + 8, ldv = dvp + 8, sw = dk + dv + 4;
     const int kvsz = TCD_KEYS * (ldk + ldv);
-    float *stage = (float *)tcd_sh;                         // [2][TCD_KEYS][sw] f32
-    uint16_t *kb = (uint16_t *)(stage + 2 * TCD_KEYS * sw); // buffer b: kb + b * kvsz (K, V)
+    float *stage = (float *)tcd_sh;                           // [NST][TCD_KEYS][sw] f32
+    uint16_t *kb = (uint16_t *)(stage + NST * TCD_KEYS * sw); // buffer b: kb + b * kvsz (K, V)
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tq = lane & 3;
     const int skey = tid / TCD_TPK, part = tid % TCD_TPK; // the key this thread stages
     const int group = a.n_heads / kv.n_kv_heads, per_kv = group / gsub;
@@ -200,16 +202,20 @@ __global__ void __launch_bounds__(TCD_THREADS, 1)
 #pragma unroll
     for (int i = 0; i < 2; i++)
         uin[i] = g + 8 * i < gsub;
-    // staging: block b's copies go to stage row b % 2 (two blocks in flight), each issue one
-    // commit group (empty past pos), so "block b landed" is cp.async.wait_group 1 while block
-    // b + 1's group is the only newer one; the cache table is read one block ahead
-    float *const srow0 = stage + skey * sw, *const srow1 = stage + (TCD_KEYS + skey) * sw;
+    // staging: block b's copies go to stage row b % NST (NST blocks in flight), each issue one
+    // commit group (empty past pos), so "block b landed" is cp.async.wait_group NST - 1 while
+    // the groups of blocks b + 1 .. b + NST - 1 are the only newer ones; the cache table is
+    // read one block ahead
+    float *const srow0 = stage + skey * sw, *const srow1 = stage + ((NST - 1) * TCD_KEYS + skey) * sw;
     int32_t blk = tcd_blk(kv, sq, c_lo + skey, first, pos, d_err);
-    int32_t blk1 = tcd_blk(kv, sq, c_lo + TCD_KEYS + skey, first, pos, d_err);
-    unsigned okm = (blk >= 0 ? 1u : 0u) | (blk1 >= 0 ? 2u : 0u); // bit s: stage row s's key staged
+    unsigned okm = blk >= 0 ? 1u : 0u; // bit s: stage row s's key staged
     tcd_issue(kv, c_lo + skey, blk, k_off, v_off, srow0, part);
-    tcd_issue(kv, c_lo + TCD_KEYS + skey, blk1, k_off, v_off, srow1, part);
-    blk = tcd_blk(kv, sq, c_lo + 2 * TCD_KEYS + skey, first, pos, d_err);
+    if (NST == 2) {
+        blk = tcd_blk(kv, sq, c_lo + TCD_KEYS + skey, first, pos, d_err);
+        okm |= blk >= 0 ? 2u : 0u;
+        tcd_issue(kv, c_lo + TCD_KEYS + skey, blk, k_off, v_off, srow1, part);
+    }
+    blk = tcd_blk(kv, sq, c_lo + NST * TCD_KEYS + skey, first, pos, d_err);
     // q as A fragments (attention_tc_kernel's qf of warp 0), loaded while the copies fly
     uint32_t qf[DKM / 16][4];
 #pragma unroll
@@ -234,12 +240,12 @@ __global__ void __launch_bounds__(TCD_THREADS, 1)
     for (int n = 0; n < 2; n++)
         acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
     const bool pv = 16 * warp < dvp; // this warp has value dims
-    tcd_wait1();
+    tcd_wait<NST - 1>();
     tcd_convert<DKM, DVM>(srow0, okm & 1u, dk, dv, dkp, dvp, kb + skey * ldk,
                           kb + TCD_KEYS * ldk + skey * ldv, part);
-    okm = (okm & ~1u) | (blk >= 0 ? 1u : 0u); // block 2 into stage row 0
-    tcd_issue(kv, c_lo + 2 * TCD_KEYS + skey, blk, k_off, v_off, srow0, part);
-    blk = tcd_blk(kv, sq, c_lo + 3 * TCD_KEYS + skey, first, pos, d_err);
+    okm = (okm & ~1u) | (blk >= 0 ? 1u : 0u); // block NST into stage row 0
+    tcd_issue(kv, c_lo + NST * TCD_KEYS + skey, blk, k_off, v_off, srow0, part);
+    blk = tcd_blk(kv, sq, c_lo + (NST + 1) * TCD_KEYS + skey, first, pos, d_err);
     __syncthreads(); // buffer 0 ready
     int bi = 0;
     for (int32_t c0 = c_lo; c0 <= pos; c0 += TCD_KEYS) {
@@ -296,18 +302,18 @@ __global__ void __launch_bounds__(TCD_THREADS, 1)
             pk[warp][lane][1] = tcd_pack(p2, p3);
             *(float4 *)pf[warp][lane] = make_float4(p0, p1, p2, p3);
         }
-        // block j + 1 (stage row (j + 1) % 2, issued two blocks ago) into the other buffer,
-        // then block j + 3's copies into that stage row
+        // block j + 1 (stage row (j + 1) % NST, issued NST blocks ago) into the other buffer,
+        // then block j + 1 + NST's copies into that stage row
         if (c0 + TCD_KEYS <= pos) {
             uint16_t *kn = kb + (bi ^ 1) * kvsz;
-            tcd_wait1();
-            float *const sr = bi ? srow0 : srow1;
-            const unsigned sb = bi ? 1u : 2u;
+            tcd_wait<NST - 1>();
+            float *const sr = NST == 1 || bi ? srow0 : srow1;
+            const unsigned sb = NST == 1 || bi ? 1u : 2u;
             tcd_convert<DKM, DVM>(sr, (okm & sb) != 0, dk, dv, dkp, dvp, kn + skey * ldk,
                                   kn + TCD_KEYS * ldk + skey * ldv, part);
             okm = (okm & ~sb) | (blk >= 0 ? sb : 0u);
-            tcd_issue(kv, c0 + 3 * TCD_KEYS + skey, blk, k_off, v_off, sr, part);
-            blk = tcd_blk(kv, sq, c0 + 4 * TCD_KEYS + skey, first, pos, d_err);
+            tcd_issue(kv, c0 + (NST + 1) * TCD_KEYS + skey, blk, k_off, v_off, sr, part);
+            blk = tcd_blk(kv, sq, c0 + (NST + 2) * TCD_KEYS + skey, first, pos, d_err);
         }
         __syncthreads(); // every warp's p
         // p summed per thread in n-tile order (tc_block's j order), then l
@@ -371,27 +377,27 @@ __global__ void __launch_bounds__(TCD_THREADS, 1)
     }
 }
 
-static size_t tcd_shmem(int dk, int dv) {
+static size_t tcd_shmem(int dk, int dv, int nst) {
     const int dkp = (dk + 15) & ~15, dvp = (dv + 15) & ~15;
-    return 2 * (size_t)TCD_KEYS * (dk + dv + 4) * 4 +
+    return nst * (size_t)TCD_KEYS * (dk + dv + 4) * 4 +
            2 * ((size_t)TCD_KEYS * (dkp + 8) * 2 + (size_t)TCD_KEYS * (dvp + 8) * 2);
 }
 
-template <int DKM, int DVM>
+template <int DKM, int DVM, int NST>
 static mm_err tcd_launch(void *stream, const struct mm_attn_args *a, int gsub, int *d_err) {
     static uint64_t attr_set; // > 48 KiB: allowed once per device (harmlessly racy)
     int dev = 0;
     MM_GPU_CHECK(cudaGetDevice(&dev));
     if (!(attr_set & (1ull << (dev & 63)))) {
-        MM_GPU_CHECK(cudaFuncSetAttribute(attention_tcd_kernel<DKM, DVM>,
+        MM_GPU_CHECK(cudaFuncSetAttribute(attention_tcd_kernel<DKM, DVM, NST>,
                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          (int)tcd_shmem(DKM, DVM)));
+                                          (int)tcd_shmem(DKM, DVM, NST)));
         attr_set |= 1ull << (dev & 63);
     }
     const int group = a->n_heads / a->kv.n_kv_heads;
     dim3 grid((unsigned)a->n_rows, (unsigned)(a->kv.n_kv_heads * (group / gsub)));
-    MM_GPU_CHECK(mm_launch_dep(attention_tcd_kernel<DKM, DVM>, grid, dim3(TCD_THREADS),
-                               tcd_shmem(a->kv.head_dim_k, a->kv.head_dim_v),
+    MM_GPU_CHECK(mm_launch_dep(attention_tcd_kernel<DKM, DVM, NST>, grid, dim3(TCD_THREADS),
+                               tcd_shmem(a->kv.head_dim_k, a->kv.head_dim_v, NST),
                                (cudaStream_t)stream, *a, gsub, d_err));
     MM_GPU_CHECK(cudaGetLastError());
     return MM_OK;
@@ -407,6 +413,20 @@ static int tcd_mode(void) {
     }
     return g_tcd;
 }
+
+// key blocks in flight: 2 (default) or 1 (MM_GPU_ATT_TCD_STAGES=1: attention_tc_kernel's depth)
+static int tcd_stages(void) {
+    if (g_tcd_stages < 0) {
+        const char *e = getenv("MM_GPU_ATT_TCD_STAGES");
+        g_tcd_stages = e != NULL && strcmp(e, "1") == 0 ? 1 : 2;
+    }
+    return g_tcd_stages;
+}
+
+// mm_gpu_set_attention_tcd_stages: 1 or 2 key blocks in flight; other values: back to
+// MM_GPU_ATT_TCD_STAGES (default 2). Same bits. Process-wide.
+extern "C" void mm_gpu_set_attention_tcd_stages(int n);
+extern "C" void mm_gpu_set_attention_tcd_stages(int n) { g_tcd_stages = n == 1 || n == 2 ? n : -1; }
 
 // mm_gpu_set_attention_tcd: 1 decode calls of the tensor-core contract (at most 64 rows) on
 // attention_tcd_kernel, 0 on attention_tc_kernel, < 0 back to MM_GPU_ATT_TCD (read at the next
@@ -435,9 +455,12 @@ extern "C" mm_err mm_gpu_attention_tcd(void *stream, const struct mm_attn_args *
     for (int s = 1; s <= 16 && s <= group; s++)
         if (group % s == 0)
             gsub = s;
-    const mm_err rv = a->kv.head_dim_k <= 64 && a->kv.head_dim_v <= 64
-                          ? tcd_launch<64, 64>(stream, a, gsub, d_err)
-                          : tcd_launch<128, 128>(stream, a, gsub, d_err);
+    const bool small = a->kv.head_dim_k <= 64 && a->kv.head_dim_v <= 64;
+    const mm_err rv = tcd_stages() == 1
+                          ? (small ? tcd_launch<64, 64, 1>(stream, a, gsub, d_err)
+                                   : tcd_launch<128, 128, 1>(stream, a, gsub, d_err))
+                          : (small ? tcd_launch<64, 64, 2>(stream, a, gsub, d_err)
+                                   : tcd_launch<128, 128, 2>(stream, a, gsub, d_err));
     if (rv == MM_OK)
         *done = 1;
     return rv;

@@ -2,7 +2,7 @@
 // Decode attention forms against the kernels whose bits they must keep, every output bit:
 // - attention_tcd_kernel (kernels/cuda/attention_tcd.cu: decode calls of the tensor-core
 //   contract with every warp computing) against attention_tc_kernel's decode form, called
-//   directly and through mm_gpu_attention;
+//   directly with two key blocks in flight and through mm_gpu_attention with one;
 // - ops.cu's f32 decode kernel with wide loads (MM_GPU_ATT_WIDE) against the earlier load
 //   grouping (mm_gpu_attention_ref).
 // Rows are decode-sized calls (1, 5, 33, 64 rows) over 4 sequences of a paged cache filled with
@@ -32,6 +32,7 @@ extern mm_err mm_gpu_attention_tcd(void *stream, const struct mm_attn_args *a, i
                                    int *done) __attribute__((weak));
 extern void mm_gpu_set_attention_tc(int mode) __attribute__((weak));
 extern void mm_gpu_set_attention_tcd(int mode) __attribute__((weak));
+extern void mm_gpu_set_attention_tcd_stages(int n) __attribute__((weak));
 extern void mm_gpu_set_attention_wide(int on) __attribute__((weak));
 extern mm_err mm_gpu_stream_sync(void *stream) __attribute__((weak));
 
@@ -109,11 +110,14 @@ static void attn_case(int n_heads, int n_kv, int dk, int dv, int window, int wid
             MM_PASS(mm_gpu_attention_tc(NULL, &at, NULL, &done)); // attention_tc_kernel
             MM_TRUE(done == 1);
             mm_gpu_set_attention_tcd(1);
+            mm_gpu_set_attention_tcd_stages(2);
             at.out = o2;
-            MM_PASS(mm_gpu_attention_tcd(NULL, &at, NULL, &done)); // directly
+            MM_PASS(mm_gpu_attention_tcd(NULL, &at, NULL, &done)); // directly, 2 blocks in flight
             MM_TRUE(done == 1);
+            mm_gpu_set_attention_tcd_stages(1);
             at.out = o3;
-            MM_PASS(mm_gpu_attention(NULL, &at, NULL)); // through the entry point
+            MM_PASS(mm_gpu_attention(NULL, &at, NULL)); // through the entry point, 1 in flight
+            mm_gpu_set_attention_tcd_stages(-1);
             mm_gpu_set_attention_tcd(-1);
         } else {
             at.out = o1;
@@ -146,6 +150,7 @@ static void attn_case(int n_heads, int n_kv, int dk, int dv, int window, int wid
 static void open_tc(int on) {
     if (!mm_gpu_attention || !mm_gpu_attention_ref || !mm_gpu_attention_tc ||
         !mm_gpu_attention_tcd || !mm_gpu_set_attention_tc || !mm_gpu_set_attention_tcd ||
+        !mm_gpu_set_attention_tcd_stages ||
         !mm_gpu_set_attention_wide || !mm_gpu_stream_sync)
         MM_SKIP("GPU kernels not linked (plain build; `make cuda` builds this test with them)");
     gpu_open(NULL);

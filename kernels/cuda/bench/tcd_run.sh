@@ -4,7 +4,8 @@
 # Qwen3-30B-A3B) over the attention forms in turn, decode after a 4096-token prompt, and ncu
 # durations of the decode attention kernels at ~200 tokens of context.
 # Forms (env): def = the contract's decode kernel as committed (attention_tc_kernel, warp 0
-# computes), tcd = MM_GPU_ATT_TCD=1 (attention_tcd_kernel, every warp computes), f32 =
+# computes), tcd = MM_GPU_ATT_TCD=1 (attention_tcd_kernel, every warp computes, two key blocks
+# in flight), tcd1 = the same with one block in flight (MM_GPU_ATT_TCD_STAGES=1), f32 =
 # MM_GPU_ATT_TC=0 (ops.cu's f32 kernel), wide = MM_GPU_ATT_TC=0 MM_GPU_ATT_WIDE=1.
 # Prepare here (a clean worktree of HEAD + these changes, so others' half-done files stay out):
 #     make CUDA=1 BUILD=build/cuda-sm -j2 all test-bins build/cuda-sm/bin/moemesh-gpu-bench
@@ -23,13 +24,14 @@ mkdir -p "$OUT" "$R"
 trap 'tar czf "$OUT/tcd.tgz" -C /tmp tcd' EXIT
 export LD_LIBRARY_PATH="$PWD/$D/lib:${LD_LIBRARY_PATH:-}"
 SKIP=${SKIP:-}
-FORMS=${FORMS:-def tcd f32 wide}
-REPS=${REPS:-2}
+FORMS=${FORMS:-def tcd tcd1}
+REPS=${REPS:-3}
 skip() { case " $SKIP " in *" $1 "*) return 0 ;; esac; return 1; }
 M=/tmp/q3-30b-a3b-L4
 B="$D/moemesh bench-model --model $M --device cuda:0 --bw-mb 64"
 s() { echo; echo "== $1 (t+$SECONDS s)"; }
 fenv() { case $1 in def) echo X=0 ;; tcd) echo MM_GPU_ATT_TCD=1 ;; f32) echo MM_GPU_ATT_TC=0 ;;
+         tcd1) echo "MM_GPU_ATT_TCD=1 MM_GPU_ATT_TCD_STAGES=1" ;;
          wide) echo "MM_GPU_ATT_TC=0 MM_GPU_ATT_WIDE=1" ;; old) echo MM_GPU_ATT_TCD=0 ;; esac; }
 date -u
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
@@ -48,8 +50,8 @@ if ! skip tests; then
     }
     while IFS= read -r c; do run_t "" X=0 cuda_attention_tcd_test "$c"; done < <(timeout 20 "$D/cuda_attention_tcd_test" --list)
     while IFS= read -r c; do run_t "[TCD=1]" MM_GPU_ATT_TCD=1 cuda_attention_tc_test "$c"; done < <(timeout 20 "$D/cuda_attention_tc_test" --list)
+    while IFS= read -r c; do run_t "[TCD=1 STAGES=1]" "MM_GPU_ATT_TCD=1 MM_GPU_ATT_TCD_STAGES=1" cuda_attention_tc_test "$c"; done < <(timeout 20 "$D/cuda_attention_tc_test" --list)
     while IFS= read -r c; do run_t "[TCD=1]" MM_GPU_ATT_TCD=1 model_devpath_test "$c"; done < <(timeout 20 "$D/model_devpath_test" --list)
-    run_t "" X=0 cuda_chain_ops_test "decode attention wide loads == earlier grouping bits"
     echo "GPU tests: $pass passed, $fail failed"
 fi 2>&1 | tee "$R/tests.txt"
 s "copy bandwidth"
@@ -78,11 +80,11 @@ if ! skip b64; then
 fi
 if ! skip long; then
     s "decode after a 4096-token prompt (one forward), batch 1"
-    for f in def tcd f32; do ab "${f}-4k" "--prompt-tokens 4096 --prefill-rows 4096 --decode-tokens 32 --rounds 2" $(fenv $f); done
+    for f in def tcd tcd1; do ab "${f}-4k" "--prompt-tokens 4096 --prefill-rows 4096 --decode-tokens 32 --rounds 2" $(fenv $f); done
 fi
 if ! skip ncu && command -v ncu > /dev/null; then
     s "ncu: decode attention kernels at 192..196 tokens of context (op by op)"
-    for f in def tcd f32 wide; do
+    for f in def tcd tcd1; do
         env $(fenv $f) MM_GPU_GRAPHS=0 timeout 40 ncu --clock-control none --cache-control none \
             -k regex:attention --metrics gpu__time_duration.sum,launch__grid_size,launch__registers_per_thread \
             --csv $B --prompt-tokens 192 --warmup-tokens 1 --decode-tokens 4 --rounds 1 > "$R/ncu-$f.csv" 2> "$R/ncu-$f.err" ||
@@ -110,6 +112,17 @@ print("%s: %d attention launches, decode ones (grid <= 64 blocks): %d; last %d: 
     last[-1]["name"] if last else "-", last[-1].get("launch__grid_size") if last else "-",
     last[-1].get("launch__registers_per_thread") if last else "-"))
 EOF
+    done
+fi
+if ! skip ncu && command -v ncu > /dev/null; then
+    s "ncu sections of one decode attention launch (the 20th: a decode step at ~194 tokens): def, tcd"
+    SEC="--section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis"
+    for f in def tcd; do
+        env $(fenv $f) MM_GPU_GRAPHS=0 timeout 40 ncu --clock-control none -k regex:attention_tc --launch-skip 20 --launch-count 1 $SEC \
+            $B --prompt-tokens 192 --warmup-tokens 1 --decode-tokens 4 --rounds 1 > "$R/ncu-sec-$f.txt" 2>&1 || echo "ncu $f: rc=$?"
+        echo "-- $f"
+        grep -E "attention_tc|^ +(Duration|DRAM Throughput|Memory Throughput|L2 Hit Rate|Registers Per Thread|Achieved Occupancy|Warp Cycles Per Issued Instruction|Avg. Active Threads Per Warp|Issued Warp Per Scheduler|Dynamic Shared Memory Per Block)" "$R/ncu-sec-$f.txt" | sed -E 's/  +/ /g' | head -16
+        grep -iE "stall|cycles .* waiting|On average" "$R/ncu-sec-$f.txt" | sed -E 's/  +/ /g' | head -4
     done
 fi
 echo "done at t+$SECONDS s"

@@ -5,7 +5,8 @@
 # durations of the decode attention kernels at ~200 tokens of context.
 # Forms (env): def = the contract's decode kernel as committed (attention_tc_kernel, warp 0
 # computes), tcd = MM_GPU_ATT_TCD=1 (attention_tcd_kernel, every warp computes, two key blocks
-# in flight), tcd1 = the same with one block in flight (MM_GPU_ATT_TCD_STAGES=1), f32 =
+# in flight), tcd1 = the same with one block in flight (MM_GPU_ATT_TCD_STAGES=1), tcdpf = tcd
+# with every key's K/V rows asked of the L2 at the start (MM_GPU_ATT_TCD_PF=1), f32 =
 # MM_GPU_ATT_TC=0 (ops.cu's f32 kernel), wide = MM_GPU_ATT_TC=0 MM_GPU_ATT_WIDE=1.
 # Prepare here (a clean worktree of HEAD + these changes, so others' half-done files stay out):
 #     make CUDA=1 BUILD=build/cuda-sm -j2 all test-bins build/cuda-sm/bin/moemesh-gpu-bench
@@ -14,7 +15,7 @@
 #     tar cJf .dev/gpu-sm.tar.xz .dev/gpu-sm
 # then on the GPU machine, from the repo root, carrying .dev/gpu-sm.tar.xz:
 #     tar xJf .dev/gpu-sm.tar.xz && bash kernels/cuda/bench/tcd_run.sh .dev/gpu-sm
-# SKIP="tests long ncu b64" leaves sections out; FORMS="def tcd" picks the forms; REPS rounds.
+# SKIP="tests long ncu b64 step" leaves sections out; FORMS="def tcd" picks the forms; REPS rounds.
 # Output: stdout (summaries), raw files packed into $OUT/tcd.tgz.
 set -u
 D=${1:-.dev/gpu-sm}
@@ -24,7 +25,7 @@ mkdir -p "$OUT" "$R"
 trap 'tar czf "$OUT/tcd.tgz" -C /tmp tcd' EXIT
 export LD_LIBRARY_PATH="$PWD/$D/lib:${LD_LIBRARY_PATH:-}"
 SKIP=${SKIP:-}
-FORMS=${FORMS:-def tcd tcd1}
+FORMS=${FORMS:-def tcd tcd1 tcdpf}
 REPS=${REPS:-3}
 skip() { case " $SKIP " in *" $1 "*) return 0 ;; esac; return 1; }
 M=/tmp/q3-30b-a3b-L4
@@ -32,6 +33,7 @@ B="$D/moemesh bench-model --model $M --device cuda:0 --bw-mb 64"
 s() { echo; echo "== $1 (t+$SECONDS s)"; }
 fenv() { case $1 in def) echo X=0 ;; tcd) echo MM_GPU_ATT_TCD=1 ;; f32) echo MM_GPU_ATT_TC=0 ;;
          tcd1) echo "MM_GPU_ATT_TCD=1 MM_GPU_ATT_TCD_STAGES=1" ;;
+         tcdpf) echo "MM_GPU_ATT_TCD=1 MM_GPU_ATT_TCD_PF=1" ;;
          wide) echo "MM_GPU_ATT_TC=0 MM_GPU_ATT_WIDE=1" ;; old) echo MM_GPU_ATT_TCD=0 ;; esac; }
 date -u
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
@@ -50,7 +52,7 @@ if ! skip tests; then
     }
     while IFS= read -r c; do run_t "" X=0 cuda_attention_tcd_test "$c"; done < <(timeout 20 "$D/cuda_attention_tcd_test" --list)
     while IFS= read -r c; do run_t "[TCD=1]" MM_GPU_ATT_TCD=1 cuda_attention_tc_test "$c"; done < <(timeout 20 "$D/cuda_attention_tc_test" --list)
-    while IFS= read -r c; do run_t "[TCD=1 STAGES=1]" "MM_GPU_ATT_TCD=1 MM_GPU_ATT_TCD_STAGES=1" cuda_attention_tc_test "$c"; done < <(timeout 20 "$D/cuda_attention_tc_test" --list)
+    while IFS= read -r c; do run_t "[TCD=1 STAGES=1 PF=1]" "MM_GPU_ATT_TCD=1 MM_GPU_ATT_TCD_STAGES=1 MM_GPU_ATT_TCD_PF=1" cuda_attention_tc_test "$c"; done < <(timeout 20 "$D/cuda_attention_tc_test" --list)
     while IFS= read -r c; do run_t "[TCD=1]" MM_GPU_ATT_TCD=1 model_devpath_test "$c"; done < <(timeout 20 "$D/model_devpath_test" --list)
     echo "GPU tests: $pass passed, $fail failed"
 fi 2>&1 | tee "$R/tests.txt"
@@ -76,15 +78,15 @@ for i in $(seq 1 "$REPS"); do
 done
 if ! skip b64; then
     s "batch 64 (the decode forms take calls of <= 64 rows)"
-    for f in def tcd; do ab "${f}-b64" "--prompt-tokens 128 --decode-tokens 16 --rounds 2 --batch 64" $(fenv $f); done
+    for f in def tcd tcdpf; do ab "${f}-b64" "--prompt-tokens 128 --decode-tokens 16 --rounds 2 --batch 64" $(fenv $f); done
 fi
 if ! skip long; then
     s "decode after a 4096-token prompt (one forward), batch 1"
-    for f in def tcd tcd1; do ab "${f}-4k" "--prompt-tokens 4096 --prefill-rows 4096 --decode-tokens 32 --rounds 2" $(fenv $f); done
+    for f in def tcd tcd1 tcdpf; do ab "${f}-4k" "--prompt-tokens 4096 --prefill-rows 4096 --decode-tokens 32 --rounds 2" $(fenv $f); done
 fi
 if ! skip ncu && command -v ncu > /dev/null; then
     s "ncu: decode attention kernels at 192..196 tokens of context (op by op)"
-    for f in def tcd tcd1; do
+    for f in def tcd tcd1 tcdpf; do
         env $(fenv $f) MM_GPU_GRAPHS=0 timeout 40 ncu --clock-control none --cache-control none \
             -k regex:attention --metrics gpu__time_duration.sum,launch__grid_size,launch__registers_per_thread \
             --csv $B --prompt-tokens 192 --warmup-tokens 1 --decode-tokens 4 --rounds 1 > "$R/ncu-$f.csv" 2> "$R/ncu-$f.err" ||
@@ -115,14 +117,26 @@ EOF
     done
 fi
 if ! skip ncu && command -v ncu > /dev/null; then
-    s "ncu sections of one decode attention launch (the 20th: a decode step at ~194 tokens): def, tcd"
+    s "ncu sections of one decode attention launch (the 21st: a decode step at ~194 tokens): def, tcd, tcdpf"
     SEC="--section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis"
-    for f in def tcd; do
+    for f in def tcd tcdpf; do
         env $(fenv $f) MM_GPU_GRAPHS=0 timeout 40 ncu --clock-control none -k regex:attention_tc --launch-skip 20 --launch-count 1 $SEC \
             $B --prompt-tokens 192 --warmup-tokens 1 --decode-tokens 4 --rounds 1 > "$R/ncu-sec-$f.txt" 2>&1 || echo "ncu $f: rc=$?"
         echo "-- $f"
         grep -E "attention_tc|^ +(Duration|DRAM Throughput|Memory Throughput|L2 Hit Rate|Registers Per Thread|Achieved Occupancy|Warp Cycles Per Issued Instruction|Avg. Active Threads Per Warp|Issued Warp Per Scheduler|Dynamic Shared Memory Per Block)" "$R/ncu-sec-$f.txt" | sed -E 's/  +/ /g' | head -16
         grep -iE "stall|cycles .* waiting|On average" "$R/ncu-sec-$f.txt" | sed -E 's/  +/ /g' | head -4
+    done
+fi
+if ! skip step && command -v ncu > /dev/null; then
+    s "ncu: every kernel of the decode steps at ~194 tokens of context (op by op): def, tcdpf"
+    for f in def tcdpf; do
+        env $(fenv $f) MM_GPU_GRAPHS=0 timeout 50 ncu --clock-control none --cache-control none \
+            --metrics gpu__time_duration.sum,dram__bytes_read.sum,launch__grid_size,launch__registers_per_thread \
+            --export /tmp/steps-$f --force-overwrite $B --prompt-tokens 192 --warmup-tokens 1 --decode-tokens 3 --rounds 1 \
+            > "$R/ncu-step-$f.txt" 2>&1 || echo "ncu $f: rc=$?"
+        ncu --import /tmp/steps-$f.ncu-rep --csv --page raw > "$R/ncu_steps-$f.csv" 2> /dev/null
+        echo "-- $f"
+        python3 kernels/cuda/bench/ncu_step.py "$R/ncu_steps-$f.csv" 2 2>&1 | tee "$R/ncu_sum-$f.txt" | tail -25
     done
 fi
 echo "done at t+$SECONDS s"

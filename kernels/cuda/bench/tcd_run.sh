@@ -53,7 +53,7 @@ if ! skip tests; then
     while IFS= read -r c; do run_t "" X=0 cuda_attention_tcd_test "$c"; done < <(timeout 20 "$D/cuda_attention_tcd_test" --list)
     while IFS= read -r c; do run_t "[TCD=1]" MM_GPU_ATT_TCD=1 cuda_attention_tc_test "$c"; done < <(timeout 20 "$D/cuda_attention_tc_test" --list)
     while IFS= read -r c; do run_t "[TCD=1 STAGES=1 PF=1]" "MM_GPU_ATT_TCD=1 MM_GPU_ATT_TCD_STAGES=1 MM_GPU_ATT_TCD_PF=1" cuda_attention_tc_test "$c"; done < <(timeout 20 "$D/cuda_attention_tc_test" --list)
-    while IFS= read -r c; do run_t "[TCD=1]" MM_GPU_ATT_TCD=1 model_devpath_test "$c"; done < <(timeout 20 "$D/model_devpath_test" --list)
+    while IFS= read -r c; do run_t "[TCD=1 PF=1]" "MM_GPU_ATT_TCD=1 MM_GPU_ATT_TCD_PF=1" model_devpath_test "$c"; done < <(timeout 20 "$D/model_devpath_test" --list)
     echo "GPU tests: $pass passed, $fail failed"
 fi 2>&1 | tee "$R/tests.txt"
 s "copy bandwidth"

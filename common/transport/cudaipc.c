@@ -219,6 +219,11 @@ struct ipc_conn {
     uint64_t free_end;
     bool view_held; // a view of the last frame is out (mm_conn_recv_view): its free waits for
                     // the next receive or wait for input, never for a send's want of space
+    // tx: a reservation (mm_conn_reserve_dev): the next frame's place, [rsv_pos, +rsv_n) of the
+    // peer's ring, ending the head at rsv_end; the send whose one segment is exactly it skips
+    // the copy
+    bool rsv;
+    uint64_t rsv_pos, rsv_end, rsv_n;
     struct desc scratch; // descriptor landing place when the caller's buffer is smaller
 };
 
@@ -528,15 +533,16 @@ static void nap_us(long us) {
     nanosleep(&ts, NULL);
 }
 
-static mm_err ipc_sendv_dev(void *ctx, const mm_wire_hdr *hdr, const struct iovec *d_iov,
-                            int n_iov, uint64_t deadline_ns) {
-    struct ipc_conn *c = ctx;
-    if (!c->dev)
-        return MM_EUNSUPP;
+// tx_place: where the next frame of n payload bytes goes in the peer's ring ([*pos_out, +n),
+// head after it *end_out), once its bytes one lap before are freed (waited for up to
+// deadline_ns; MM_ETIMEDOUT with nothing changed), with the stream ordered after the peer's
+// reads of them. Does not advance the head (the send that announces the frame does).
+static mm_err tx_place(struct ipc_conn *c, uint64_t n, uint64_t deadline_ns, uint64_t *pos_out,
+                       uint64_t *end_out) {
     mm_err f = SHM->status(c->shm);
     if (f != MM_OK)
         return f;
-    const uint64_t n = hdr->payload_bytes, padded = (n + ALIGN - 1) / ALIGN * ALIGN;
+    const uint64_t padded = (n + ALIGN - 1) / ALIGN * ALIGN;
     if (padded > c->tx_bytes) {
         mm_log_warn("cudaipc: a frame of %llu bytes is larger than the peer's device ring "
                     "(%llu MiB; raise ring_mb)", (unsigned long long)n,
@@ -584,9 +590,52 @@ static mm_err ipc_sendv_dev(void *ctx, const mm_wire_hdr *hdr, const struct iove
         if (rv == MM_OK)
             c->tx_waited = seen;
     }
+    if (rv != MM_OK)
+        return MM_EDEVICE;
+    *pos_out = pos;
+    *end_out = end;
+    return MM_OK;
+}
+
+static mm_err ipc_reserve_dev(void *ctx, size_t n_bytes, void **d_out, uint64_t deadline_ns) {
+    struct ipc_conn *c = ctx;
+    c->rsv = false;
+    if (!c->dev)
+        return MM_EUNSUPP;
+    uint64_t pos = 0, end = 0;
+    MM_TRY(tx_place(c, n_bytes, deadline_ns, &pos, &end));
+    c->rsv = true;
+    c->rsv_pos = pos;
+    c->rsv_end = end;
+    c->rsv_n = n_bytes;
+    *d_out = (uint8_t *)c->tx_ring + pos;
+    return MM_OK;
+}
+
+static mm_err ipc_sendv_dev(void *ctx, const mm_wire_hdr *hdr, const struct iovec *d_iov,
+                            int n_iov, uint64_t deadline_ns) {
+    struct ipc_conn *c = ctx;
+    if (!c->dev)
+        return MM_EUNSUPP;
+    const uint64_t n = hdr->payload_bytes;
+    // the frame written in place by the caller's stream (mm_conn_reserve_dev): no copy
+    const bool in_place = c->rsv && n_iov == 1 && n == c->rsv_n && d_iov[0].iov_len == n &&
+                          d_iov[0].iov_base == (uint8_t *)c->tx_ring + c->rsv_pos;
+    uint64_t pos = c->rsv_pos, end = c->rsv_end;
+    c->rsv = false;
+    mm_err rv = MM_OK;
+    if (!in_place) {
+        MM_TRY(tx_place(c, n, deadline_ns, &pos, &end));
+        rv = mm_gpu_set_device(c->gpu);
+    } else {
+        mm_err f = SHM->status(c->shm);
+        if (f != MM_OK)
+            return f;
+        rv = mm_gpu_set_device(c->gpu);
+    }
     uint64_t o = 0;
     mm_mesh_trace(hdr->step_id, (int)hdr->layer, "s_in");
-    for (int i = 0; i < n_iov && rv == MM_OK; i++) {
+    for (int i = 0; i < n_iov && rv == MM_OK && !in_place; i++) {
         rv = copy_d2d(c, (uint8_t *)c->tx_ring + pos + o, d_iov[i].iov_base, d_iov[i].iov_len);
         o += d_iov[i].iov_len;
     }
@@ -789,6 +838,7 @@ const struct mm_transport_ops mm__transport_shm = {
     .sendv_dev = ipc_sendv_dev,
     .recv_dev = ipc_recv_dev,
     .recv_view = ipc_recv_view,
+    .reserve_dev = ipc_reserve_dev,
 };
 
 const struct mm_transport_ops mm__transport_cudaipc = {
@@ -812,4 +862,5 @@ const struct mm_transport_ops mm__transport_cudaipc = {
     .sendv_dev = ipc_sendv_dev,
     .recv_dev = ipc_recv_dev,
     .recv_view = ipc_recv_view,
+    .reserve_dev = ipc_reserve_dev,
 };

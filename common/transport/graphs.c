@@ -51,6 +51,19 @@ bool mm_mesh_views_env(void) {
     return g_views;
 }
 
+static pthread_once_t g_inplace_once = PTHREAD_ONCE_INIT;
+static bool g_inplace;
+
+static void inplace_read(void) {
+    const char *v = getenv("MM_MESH_INPLACE");
+    g_inplace = !(v && strcmp(v, "0") == 0);
+}
+
+bool mm_mesh_inplace_env(void) {
+    pthread_once(&g_inplace_once, inplace_read);
+    return g_inplace && mm_mesh_views_env();
+}
+
 mm_err mm_mesh_graphs_new(mm_mesh_graphs **out, mm_backend *be, int cap, const char *who) {
     *out = NULL;
     if (!mm_mesh_graphs_env() || be == NULL || be->ops->host_memory || cap < 1 ||

@@ -392,6 +392,18 @@ mm_err mm_conn_sendv_dev(mm_conn *c, const mm_wire_hdr *hdr, const struct iovec 
     return rv;
 }
 
+mm_err mm_conn_reserve_dev(mm_conn *c, size_t n_bytes, void **d_out, uint64_t deadline_ns) {
+    if (c == NULL || d_out == NULL || n_bytes == 0)
+        return MM_EINVAL;
+    *d_out = NULL;
+    if (!mm_conn_dev(c) || c->ops->reserve_dev == NULL)
+        return MM_EUNSUPP;
+    mm_err g = (mm_err)atomic_load(&c->gerr);
+    if (g != MM_OK)
+        return g;
+    return c->ops->reserve_dev(c->ctx, n_bytes, d_out, deadline_ns);
+}
+
 // The generic half of every receive: the provider's result, then the conn_seq check.
 static mm_err recv_done(mm_conn *c, const mm_wire_hdr *hdr, mm_err rv) {
     if (rv != MM_OK && rv != MM_EFULL)

@@ -67,6 +67,8 @@ static struct owner {
     uint64_t *d_tokens;      // (n_layers, n_experts) rows served through plan frames
     uint64_t *tokens_dev;    // host copy read at each load write
     mm_mesh_graphs *graphs;  // plan frames' products per (layer, rows, slots) (MM_MESH_GRAPHS=1)
+    float *plan_out;         // where a plan frame's outputs go: d_out, or the reply's place in
+                             // the router's ring (mm_conn_reserve_dev, MM_MESH_INPLACE)
 } O;
 
 // The load CSV is written by a thread of its own: the data thread's tick (load_tick, between
@@ -267,7 +269,7 @@ struct plan_job {
 static mm_err plan_issue(void *arg) {
     const struct plan_job *j = arg;
     return mm_model_experts_plan(O.model, O.scratch, j->layer, j->offs, j->x, j->src, j->dst,
-                                 j->nk, O.d_out);
+                                 j->nk, O.plan_out);
 }
 
 // a device frame's rows: in place in the conn's ring, or in d_x (MM_MESH_VIEWS=0)
@@ -296,6 +298,14 @@ static mm_err on_plan(mm_conn *c, const mm_wire_hdr *h, void *payload) {
     const float *x = payload; // d_x, or the frame in place (views)
     const int32_t *offs = (const int32_t *)(x + R * D), *src = offs + E + 1, *dst = src + nk;
     struct plan_job job = {.layer = L, .x = x, .offs = offs, .src = src, .dst = dst, .nk = nk};
+    // the outputs written straight into the reply's place in the router's ring where the link
+    // allows (MM_MESH_INPLACE; no copy at the send), else into d_out
+    const size_t nb = (size_t)(nk * D) * 4;
+    void *out = NULL;
+    if (x != O.d_x && mm_mesh_inplace_env() &&
+        mm_conn_reserve_dev(c, nb, &out, mm_deadline_in_ms(2000)) != MM_OK)
+        out = NULL; // (a send from d_out reports whatever is wrong with the link)
+    O.plan_out = out ? out : O.d_out;
     // (graphs key on the layer and shape: only where the rows are always in d_x)
     mm_err rv = x == O.d_x ? mm_mesh_graphs_run(O.graphs, (uint64_t)L << 32 | (uint64_t)R,
                                                 (uint64_t)nk, R, plan_issue, &job)
@@ -312,7 +322,7 @@ static mm_err on_plan(mm_conn *c, const mm_wire_hdr *h, void *payload) {
     MM_TRY(mm_wire_hdr_init(&r, MM_WIRE_REPLY, MM_WIRE_F32, h->step_id, h->layer, (uint32_t)nk,
                             h->row_dim));
     r.row_base = h->row_base;
-    struct iovec dv = {.iov_base = O.d_out, .iov_len = (size_t)(nk * D) * 4};
+    struct iovec dv = {.iov_base = O.plan_out, .iov_len = nb};
     rv = replied(h, L, mm_conn_sendv_dev(c, &r, &dv, 1, mm_deadline_in_ms(2000)));
     // the rows served, counted after the reply is on its way (off the step's path; the next
     // frame's rows land in d_x after it, in stream order)

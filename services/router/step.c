@@ -142,6 +142,10 @@ struct mm_step_engine {
                               // unless 0)
     bool plan_ctrl;           // plan frames announced by a CTRL frame (MM_MESH_PLAN_CTRL=1);
                               // else the shape rides in the device frame's header
+    bool inplace;             // MM_MESH_INPLACE (mm/mesh_graph.h): a lone owner's frame written
+                              // in its ring; a lone shard's reply read in place (h_view)
+    const void *h_view;       // this layer's h rows in the shard link's ring (valid until the
+                              // next receive on it), not yet copied into d_h (h_from_view)
     // per-seq state
     int32_t *seq_shard, *seq_row; // (max_seqs): shard, first active row (-1: inactive)
     bool *seq_failed;
@@ -491,6 +495,7 @@ mm_err mm_step_engine_open(mm_step_engine **out, const mm_step_conf *c, mm_regis
                 goto fail;
             }
             e->views = mm_mesh_views_env();
+            e->inplace = mm_mesh_inplace_env();
             const char *pc = getenv("MM_MESH_PLAN_CTRL");
             e->plan_ctrl = pc && strcmp(pc, "1") == 0;
             // the chains between the hops recorded as graphs (MM_MESH_GRAPHS=1)
@@ -841,6 +846,17 @@ static void drop_pending(struct peer *ps, int n) {
             peer_drop(&ps[i]);
 }
 
+// h_from_view: a lone shard's reply read in place (e->h_view: the layer's R rows of h in its
+// link's ring) copied into d_h, where the combine and the next layer read h; enqueued after the
+// stages that read the view (off the step's chain: the owners work meanwhile). No-op without.
+static mm_err h_from_view(mm_step_engine *e, int64_t R) {
+    if (!e->h_view)
+        return MM_OK;
+    const float *v = e->h_view;
+    e->h_view = NULL;
+    return e->be->ops->copy_rows(e->be->ctx, v, e->D, NULL, e->d_h, e->D, NULL, R, e->D);
+}
+
 // ---- the device routing plan -----------------------------------------------------------------
 // plan_refresh: each expert's serving owner per layer (the first live owner of its replica
 // list, as the host path picks) for the owners' liveness now, uploaded when it changed. A layer
@@ -914,17 +930,34 @@ static mm_err plan_layer(mm_step_engine *e, uint64_t step, int L, int64_t R, boo
     const int tmo = e->c.step_timeout_ms;
     *done = false;
     const int32_t *of = e->d_owner_of + (size_t)L * E;
-    int32_t *shares = (int32_t *)(e->d_x + R * D); // owner 0's share right after the rows
+    const int64_t P = mm_model_plan_rows(E, nk, D);
+    float *xr = e->d_x; // the x rows, then owner 0's share right after them
+    // a lone owner (MM_MESH_INPLACE): the FFN norm and the share written straight into the
+    // frame's place in its ring (no copy at the send); else in d_x, copied by the send
+    bool in_ring = false;
+    struct peer *o0 = &e->owners[0];
+    if (e->inplace && N == 1 && e->plan_serve[(size_t)L * N] && o0->live && o0->gpu) {
+        void *at = NULL;
+        in_ring = mm_conn_reserve_dev(o0->conn, (size_t)((R + P) * D) * 4, &at,
+                                      mm_deadline_in_ms((uint64_t)tmo)) == MM_OK;
+        if (in_ring)
+            xr = at; // (else the send from d_x reports whatever is wrong with the link)
+    }
+    int32_t *shares = (int32_t *)(xr + R * D);
     const bool one = e->plan_nserve[L] == 1;
     // FFN norm, router product, route and plan, the owners' shares: op by op or one graph
-    // (step_dev.c); the plan's buffers are kept from a call that ran (a replay fills nothing)
+    // (step_dev.c); the plan's buffers are kept from a call that ran (a replay fills nothing).
+    // h: a lone shard's reply where it sits in its link's ring (h_view), else d_h
     mm_step_dev_layer dl = {.m = e->model, .s = e->scratch, .stream = e->stream, .L = L, .R = R,
-                            .nk = nk, .E = E, .N = N, .h = e->d_h, .x = e->d_x, .of = of,
+                            .nk = nk, .E = E, .N = N,
+                            .h = e->h_view ? (float *)e->h_view : e->d_h, .x = xr, .of = of,
                             .shares = shares, .stride = e->plan_stride, .one = one,
                             .ysn = e->d_ysn, .ysn_rows = TK, .eo = e->d_eo,
                             .sh = shared ? e->d_sh : NULL, .pl = e->plan_ptrs};
-    mm_err rv = mm_step_dev_route(e->graphs, &dl);
-    *normed = dl.normed;
+    // (graphs key on pointers: none for rows in a ring)
+    mm_err rv = mm_step_dev_route(in_ring || e->h_view ? NULL : e->graphs, &dl);
+    *normed = dl.normed && !in_ring; // the host path's x is d_x
+    dl.h = e->d_h;
     if (rv == MM_EUNSUPP && dl.normed) {
         mm_log_info("device routing plan: the model has no device path; routing on the host");
         e->plan_on = false;
@@ -932,7 +965,6 @@ static mm_err plan_layer(mm_step_engine *e, uint64_t step, int L, int64_t R, boo
     }
     PLAN_TRY(dl.failed ? dl.failed : "the routing chain", rv);
     e->plan_ptrs = dl.pl;
-    const int64_t P = mm_model_plan_rows(E, nk, D);
     for (int o = 0; o < N; o++) {
         struct peer *op = &e->owners[o];
         op->n = 0;
@@ -947,7 +979,7 @@ static mm_err plan_layer(mm_step_engine *e, uint64_t step, int L, int64_t R, boo
                                        sizeof(c4), c4, tmo, msg)
                           : MM_OK;
         if (rv == MM_OK) { // owner 0: rows and share in one piece
-            op->seg[0] = (struct iovec){.iov_base = e->d_x,
+            op->seg[0] = (struct iovec){.iov_base = xr,
                                         .iov_len = (size_t)((o ? R : R + P) * D) * 4};
             op->seg[1] = (struct iovec){.iov_base = shares + o * e->plan_stride,
                                         .iov_len = (size_t)(P * D) * 4};
@@ -977,7 +1009,8 @@ static mm_err plan_layer(mm_step_engine *e, uint64_t step, int L, int64_t R, boo
     mm_mesh_gstamp(step, L, "o_send");
     if (shared) // while the owners work
         PLAN_TRY("shared experts",
-                 mm_model_shared_forward(e->model, e->scratch, L, e->d_x, R, e->d_sh));
+                 mm_model_shared_forward(e->model, e->scratch, L, xr, R, e->d_sh));
+    PLAN_TRY("h from the shard's reply", h_from_view(e, R));
     mm_err grv = gather(e, e->owners, N, step, (uint32_t)L, e->ys, true, msg);
     if (grv == MM_EUNSUPP) {
         // an owner that cannot run plan frames (no device path in its process: its
@@ -1002,13 +1035,13 @@ static mm_err plan_layer(mm_step_engine *e, uint64_t step, int L, int64_t R, boo
         }
     // pick (several owners) and combine: op by op or one graph (step_dev.c); one owner's reply
     // read where it landed in the link's ring (views) needs no graph (its place changes)
-    const float *in_ring = NULL;
+    const float *reply = NULL;
     for (int o = 0; o < N && one; o++)
         if (e->plan_serve[(size_t)L * N + o] && e->owners[o].view)
-            in_ring = e->owners[o].view;
-    if (in_ring)
-        dl.eo = (float *)in_ring;
-    rv = mm_step_dev_combine(in_ring ? NULL : e->graphs, &dl);
+            reply = e->owners[o].view;
+    if (reply)
+        dl.eo = (float *)reply;
+    rv = mm_step_dev_combine(reply ? NULL : e->graphs, &dl);
     PLAN_TRY(dl.failed ? dl.failed : "picking and combining the owners' rows", rv);
     *done = true;
     return MM_OK;
@@ -1062,6 +1095,7 @@ static mm_err run_layers(mm_step_engine *e, const Mmctl__StepPlan *p, int64_t R,
     const uint64_t step = p->step_id;
     const int D = e->D, K = e->K, M = e->c.shards, N = e->c.owners;
     const int tmo = e->c.step_timeout_ms;
+    e->h_view = NULL;
     // Per shard: CTRL with its seqs and the releases; then its rows' region in `stage`.
     int64_t off = 0;
     int n_iov = 0;
@@ -1123,6 +1157,11 @@ static mm_err run_layers(mm_step_engine *e, const Mmctl__StepPlan *p, int64_t R,
                 MM_TRY(send_frame_dev(sp, MM_WIRE_ROWS, step, (uint32_t)L, (uint32_t)sp->n,
                                       (uint32_t)D, 0, 0, tmo, msg));
                 sp->pending = true;
+                // a lone shard's reply read in place where the layer's MoE goes through the
+                // device plan (plan_layer reads h there; h_from_view copies it into d_h)
+                sp->want_view = e->inplace && M == 1 && e->plan_on && !sh_host &&
+                                sp->n_iov == 1 && sp->iov[0].iov_base == (void *)e->d_h &&
+                                mm_model_layer_is_moe(e->model, L);
                 continue;
             }
             int64_t o = sp->off;
@@ -1139,7 +1178,10 @@ static mm_err run_layers(mm_step_engine *e, const Mmctl__StepPlan *p, int64_t R,
         }
         mm_mesh_trace(step, L, "a_send");
         mm_mesh_gstamp(step, L, "a_send");
+        e->h_view = NULL;
         MM_TRY(gather(e, e->shards, M, step, (uint32_t)L, e->stage, false, msg));
+        if (M == 1 && e->shards[0].view) // (a view: one segment of all R rows, want_view above)
+            e->h_view = e->shards[0].view;
         mm_mesh_trace(step, L, "a_back");
         mm_mesh_gstamp(step, L, "a_back");
         for (int s = 0; s < M; s++) {
@@ -1165,6 +1207,7 @@ static mm_err run_layers(mm_step_engine *e, const Mmctl__StepPlan *p, int64_t R,
             bool done = false;
             if (e->plan_nserve[L] > 0)
                 MM_TRY(plan_layer(e, step, L, R, shared, msg, &done, &normed));
+            MM_TRY(h_from_view(e, R)); // (a plan that ended early: the host path reads d_h)
             if (done) {
                 mm_mesh_trace(step, L, "comb");
                 mm_mesh_gstamp(step, L, "comb");

@@ -52,4 +52,11 @@ bool mm_mesh_graphs_env(void);
 // Read once. A stage with views on replays no graphs (a view's place changes per frame).
 bool mm_mesh_views_env(void);
 
+// mm_mesh_inplace_env: whether a stage writes the rows it sends straight into the receiver's
+// ring (mm_conn_reserve_dev: no copy at the send) where it can: the owner's expert outputs,
+// the router's x rows and plan share for a lone owner, and whether the router reads a lone
+// shard's reply in place (the copy into its h array enqueued later, off the chain). Needs
+// views; MM_MESH_INPLACE=0 turns it off. Read once.
+bool mm_mesh_inplace_env(void);
+
 #endif

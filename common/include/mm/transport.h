@@ -247,6 +247,18 @@ bool mm_conn_dev(const mm_conn *c);
 mm_err mm_conn_sendv_dev(mm_conn *c, const mm_wire_hdr *hdr, const struct iovec *d_iov,
                          int n_iov, uint64_t deadline_ns);
 
+// mm_conn_reserve_dev: the place of c's next device frame of n_bytes in the receiver's device
+// ring, for work on the declared stream to write the payload there directly (no copy at the
+// send): waits, up to deadline_ns, for the ring space to be given back, orders the stream after
+// the receiver's reads of it, and sets *d_out (256-byte aligned). The next mm_conn_sendv_dev on
+// c whose one segment is exactly [*d_out, n_bytes) and whose payload is n_bytes sends the frame
+// from there without a copy; any other send or a new reservation leaves it unused (its bytes
+// are simply not announced: the next frame may take the same place, written later in stream
+// order, and the receiver never reads them). Errors:
+// MM_EUNSUPP (no device frames, or a transport without reservations), MM_EINVAL (larger than
+// the ring), MM_ETIMEDOUT (no space in time; nothing reserved), a dead conn's error.
+mm_err mm_conn_reserve_dev(mm_conn *c, size_t n_bytes, void **d_out, uint64_t deadline_ns);
+
 // mm_conn_recv_dev is mm_conn_recv that also takes device frames: a host frame's payload goes
 // to buf (cap bytes) and *on_dev = false; a device frame's payload is copied, in order, into
 // the device segments d_iov[0..n) (MM_EFULL when they hold less than payload_bytes) by copies
@@ -332,6 +344,8 @@ struct mm_transport_ops {
     // (optional, appended; NULL: no views; see mm_conn_recv_view)
     mm_err (*recv_view)(void *cctx, mm_wire_hdr *hdr, void *buf, size_t cap,
                         const void **d_view, uint64_t deadline_ns);
+    // (optional, appended; NULL: no reservations; see mm_conn_reserve_dev)
+    mm_err (*reserve_dev)(void *cctx, size_t n_bytes, void **d_out, uint64_t deadline_ns);
 };
 
 #endif

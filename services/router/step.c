@@ -10,8 +10,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "mm/log.h"
+#include "mm/time.h"
 #include "mm/mesh_gtrace.h"
 #include "mm/mesh_trace.h"
 #include "mm/model.h"
@@ -85,6 +87,11 @@ struct sample_pool {
 
 struct mm_step_engine {
     pthread_mutex_t mu;
+    // the hand-over to a waiting plan (engine_lock; MM_ROUTER_HANDOFF, on unless 0)
+    bool handoff;
+    atomic_bool in_tail;     // the running step has picked: its lock is free soon
+    pthread_mutex_t tail_mu;
+    pthread_cond_t tail_cv;
     mm_step_conf c;
     mm_registry *reg;
     mm_backend *be;
@@ -397,6 +404,10 @@ mm_err mm_step_engine_open(mm_step_engine **out, const mm_step_conf *c, mm_regis
     if (!e)
         return MM_ENOMEM;
     pthread_mutex_init(&e->mu, NULL);
+    pthread_mutex_init(&e->tail_mu, NULL);
+    pthread_cond_init(&e->tail_cv, NULL);
+    const char *ho = getenv("MM_ROUTER_HANDOFF");
+    e->handoff = !(ho && strcmp(ho, "0") == 0);
     e->c = *c;
     e->reg = reg;
     mm_err rv = MM_OK;
@@ -602,6 +613,8 @@ void mm_step_engine_close(mm_step_engine *e) {
             e->be->ops->buffer_free(e->be->ctx, dv[i]);
     }
     mm_backend_close(e->be);
+    pthread_cond_destroy(&e->tail_cv);
+    pthread_mutex_destroy(&e->tail_mu);
     pthread_mutex_destroy(&e->mu);
     free(e);
 }
@@ -1137,6 +1150,7 @@ static mm_err run_layers(mm_step_engine *e, const Mmctl__StepPlan *p, int64_t R,
         MM_TRY(ctrl_send(e, s, p, ns, c, msg));
         off += sp->n;
     }
+    mm_mesh_trace(step, -1, "ctrl");
     MM_TRY(mm_model_embed(e->model, e->scratch, e->ids, R, DP(e, h)));
     mm_mesh_trace(step, -1, "embed");
     mm_mesh_gstamp(step, -1, "embed");
@@ -1397,8 +1411,63 @@ void mm_step_engine_status_hook(void *arg) {
     }
 }
 
+// ---- the hand-over between steps --------------------------------------------------------------
+// A pipelined plan arrives long before the step it follows ends (0.8 ms at batch 1, 3 ms at 64
+// concurrent on the H200) and its thread slept in the engine's lock: waking it after the unlock
+// put 30-54 us between one step's reply and the next one's start (06:45 UTC trace). Instead it
+// sleeps until the running step has picked its tokens (what is left is its results and reply,
+// ~20 us), then spins on the lock (at most HANDOFF_SPIN_NS, then blocks). MM_ROUTER_HANDOFF=0:
+// the plain lock.
+#define HANDOFF_SPIN_NS 2000000ull
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+static void tail_set(mm_step_engine *e, bool on) {
+    pthread_mutex_lock(&e->tail_mu);
+    atomic_store(&e->in_tail, on);
+    if (on)
+        pthread_cond_broadcast(&e->tail_cv);
+    pthread_mutex_unlock(&e->tail_mu);
+}
+
+static void engine_lock(mm_step_engine *e) {
+    if (!e->handoff) {
+        pthread_mutex_lock(&e->mu);
+        return;
+    }
+    uint64_t spin_from = 0;
+    while (pthread_mutex_trylock(&e->mu) != 0) {
+        if (atomic_load(&e->in_tail)) { // the running step is replying: the lock is near
+            const uint64_t now = mm_now_ns();
+            if (!spin_from)
+                spin_from = now;
+            if (now - spin_from > HANDOFF_SPIN_NS) {
+                pthread_mutex_lock(&e->mu);
+                break;
+            }
+            cpu_relax();
+            continue;
+        }
+        spin_from = 0;
+        struct timespec now;
+        clock_gettime(CLOCK_REALTIME, &now);
+        const struct timespec until = mm_timespec_add_ms(now, 1); // (then look at the lock)
+        pthread_mutex_lock(&e->tail_mu);
+        if (!atomic_load(&e->in_tail))
+            pthread_cond_timedwait(&e->tail_cv, &e->tail_mu, &until);
+        pthread_mutex_unlock(&e->tail_mu);
+    }
+    atomic_store(&e->in_tail, false);
+}
+
 struct nng_msg *mm_step_engine_run(mm_step_engine *e, const Mmctl__StepPlan *p, uint64_t seq) {
-    pthread_mutex_lock(&e->mu);
+    engine_lock(e);
     mm_mesh_trace(p->step_id, -1, "run");
     mm_follow_arrived(e->fl, p->step_id); // (a plan that follows it now waits for it to run)
     char msg[MSG_LEN] = "";
@@ -1613,6 +1682,8 @@ struct nng_msg *mm_step_engine_run(mm_step_engine *e, const Mmctl__StepPlan *p, 
                 }
             }
             mm_mesh_trace(p->step_id, -1, "picked");
+            if (e->handoff)
+                tail_set(e, true); // a plan waiting for the lock may start spinning
             mm_log_debug("step %llu: %lld rows in %.3f ms", (unsigned long long)p->step_id,
                          (long long)R, (double)(mm_now_ns() - t0) / 1e6);
         }
@@ -1651,6 +1722,8 @@ struct nng_msg *mm_step_engine_run(mm_step_engine *e, const Mmctl__StepPlan *p, 
     sr.results = e->res_p;
     mm_draft_end(e->dr, mm_now_ns() - t0);
 reply:;
+    if (e->handoff && !atomic_load(&e->in_tail)) // (a step that picked nothing: refused, failed)
+        tail_set(e, true);
     mm_follow_record(e->fl, p, e->res_p, sr.n_results, sr.error_code, sr.error);
     mm_ctl_msg env = MMCTL__ENVELOPE__INIT;
     env.body_case = MMCTL__ENVELOPE__BODY_STEP_RESULT;

@@ -20,10 +20,19 @@
 //   sums read the p values in the same j order (lane (g, tq) of every warp is the thread
 //   (g, tq) of warp 0), the row max is exact in any order (a -0/+0 tie changes no result,
 //   see ops.cu's prefill note), so the outputs are the same bits (cuda_attention_tcd_test).
-// - Cost per 64-key block: 8 + 8 mmas per warp instead of 64 + 64 on warp 0, and three barriers
+// - Cost per 64-key block: 8 + 8 mmas per warp instead of 64 + 64 on warp 0, and two barriers
 //   instead of one. GQA groups above 16 (one m16 tile) take several blocks per kv head (a row's
 //   result does not depend on its tile neighbours: the contract).
-// - MM_GPU_ATT_TCD=0 (or mm_gpu_set_attention_tcd(0)): decode calls take attention_tc_kernel.
+// - Measured (H200, 2026-11-30 06:47 UTC, kernels/cuda/bench/tcd_run.sh; docs/BENCHMARKS.md):
+//   per call at ~194 tokens of context (ncu) 15.1 us against 19.6 for attention_tc_kernel;
+//   whole-model decode batch 1 (4-layer Qwen3-30B-A3B, graph) 1686-1701 tok/s against
+//   1635-1659, after a 4096-token prompt 699 against 607 tok/s. Two key blocks in flight
+//   (MM_GPU_ATT_TCD_STAGES=2: 203 KB of shared memory) and the L2 prefetch of the keys before
+//   the wait (MM_GPU_ATT_TCD_PF=1) were slower in the whole model (batch 1 1623-1637 and
+//   1653-1670; batch 64 24418 and 24379 against 25864), so the default is one block in flight,
+//   no prefetch. Calls of 64 rows with this default were not measured: the default takes calls
+//   of at most TCD_AUTO_ROWS rows (batch 1 measured; 2..8 rows the same blocks, more of them in
+//   one wave), MM_GPU_ATT_TCD=1 every decode call (at most 64 rows), =0 none.
 //   CUDA only (HIP has no contract kernel: ops.cu's f32 kernels run there).
 #include <math.h>
 #include <stdlib.h>
@@ -38,10 +47,11 @@
 #define TCD_THREADS (TCD_WARPS * 32)
 #define TCD_TPK (TCD_THREADS / TCD_KEYS) // threads staging one key
 #define TCD_MAX_ROWS 64    // attention_tc.cu's TC_DECODE_ROWS
+#define TCD_AUTO_ROWS 8    // the default takes calls of at most this many rows (see above)
 #define TCD_ERR_INDEX 1    // ops.cu's ERR_INDEX: the backend's device error word
 
-static int g_tcd = -1;        // -1: from MM_GPU_ATT_TCD at first use; 0 off; 1 on
-static int g_tcd_stages = -1; // -1: from MM_GPU_ATT_TCD_STAGES at first use (1 or 2; default 2)
+static int g_tcd = -1;        // -1: from MM_GPU_ATT_TCD at first use; 0 off; 1 on; 2 auto
+static int g_tcd_stages = -1; // -1: from MM_GPU_ATT_TCD_STAGES at first use (1 or 2; default 1)
 static int g_tcd_pf = -1;     // -1: from MM_GPU_ATT_TCD_PF at first use (1: L2 prefetch; default 0)
 
 #if MM_GPU_HAVE_WMMA
@@ -452,19 +462,21 @@ static mm_err tcd_launch(void *stream, const struct mm_attn_args *a, int gsub, i
 #define TCD_HAVE 0
 #endif
 
+// 0 off, 1 every decode call, 2 (MM_GPU_ATT_TCD unset or other values) calls of at most
+// TCD_AUTO_ROWS rows
 static int tcd_mode(void) {
     if (g_tcd < 0) {
         const char *e = getenv("MM_GPU_ATT_TCD");
-        g_tcd = e != NULL && strcmp(e, "1") == 0; // off unless MM_GPU_ATT_TCD=1
+        g_tcd = e == NULL ? 2 : strcmp(e, "0") == 0 ? 0 : strcmp(e, "1") == 0 ? 1 : 2;
     }
     return g_tcd;
 }
 
-// key blocks in flight: 2 (default) or 1 (MM_GPU_ATT_TCD_STAGES=1: attention_tc_kernel's depth)
+// key blocks in flight: 1 (default: attention_tc_kernel's depth) or 2 (MM_GPU_ATT_TCD_STAGES=2)
 static int tcd_stages(void) {
     if (g_tcd_stages < 0) {
         const char *e = getenv("MM_GPU_ATT_TCD_STAGES");
-        g_tcd_stages = e != NULL && strcmp(e, "1") == 0 ? 1 : 2;
+        g_tcd_stages = e != NULL && strcmp(e, "2") == 0 ? 2 : 1;
     }
     return g_tcd_stages;
 }
@@ -485,15 +497,16 @@ extern "C" void mm_gpu_set_attention_tcd_pf(int on);
 extern "C" void mm_gpu_set_attention_tcd_pf(int on) { g_tcd_pf = on < 0 ? -1 : on != 0; }
 
 // mm_gpu_set_attention_tcd_stages: 1 or 2 key blocks in flight; other values: back to
-// MM_GPU_ATT_TCD_STAGES (default 2). Same bits. Process-wide.
+// MM_GPU_ATT_TCD_STAGES (default 1). Same bits. Process-wide.
 extern "C" void mm_gpu_set_attention_tcd_stages(int n);
 extern "C" void mm_gpu_set_attention_tcd_stages(int n) { g_tcd_stages = n == 1 || n == 2 ? n : -1; }
 
-// mm_gpu_set_attention_tcd: 1 decode calls of the tensor-core contract (at most 64 rows) on
-// attention_tcd_kernel, 0 on attention_tc_kernel, < 0 back to MM_GPU_ATT_TCD (read at the next
-// call). Same bits. Process-wide.
+// mm_gpu_set_attention_tcd: 1 every decode call of the tensor-core contract (at most 64 rows)
+// on attention_tcd_kernel, 2 calls of at most TCD_AUTO_ROWS rows (the default), 0 none (all on
+// attention_tc_kernel), < 0 back to MM_GPU_ATT_TCD (read at the next call). Same bits.
+// Process-wide.
 extern "C" void mm_gpu_set_attention_tcd(int mode);
-extern "C" void mm_gpu_set_attention_tcd(int mode) { g_tcd = mode < 0 ? -1 : mode != 0; }
+extern "C" void mm_gpu_set_attention_tcd(int mode) { g_tcd = mode < 0 ? -1 : mode > 2 ? 2 : mode; }
 
 // mm_gpu_attention_tcd: runs a decode call of the contract and sets *done when on and a's
 // shape is one it takes (attention_tc.cu calls it after its own shape checks: head dims <= 128,
@@ -503,7 +516,8 @@ extern "C" mm_err mm_gpu_attention_tcd(void *stream, const struct mm_attn_args *
 extern "C" mm_err mm_gpu_attention_tcd(void *stream, const struct mm_attn_args *a, int *d_err,
                                        int *done) {
     *done = 0;
-    if (!tcd_mode())
+    const int mode = tcd_mode();
+    if (mode == 0 || (mode == 2 && a != NULL && a->n_rows > TCD_AUTO_ROWS))
         return MM_OK;
 #if TCD_HAVE
     if (a == NULL || a->n_rows <= 0 || a->n_rows > TCD_MAX_ROWS || a->n_heads <= 0 ||

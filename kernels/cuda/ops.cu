@@ -634,11 +634,15 @@ extern "C" mm_err mm_gpu_head_norm_rope_kv(void *stream, float *d_x, int64_t n_r
 // (The previous grouping, 8 and 16, stays as mm_gpu_attention_ref for the op test's bit check.)
 #define ATT_K_VEC_DEF 16
 #define ATT_V_KEYS_DEF 32
-// Wide form (mm_gpu_set_attention_wide(1), env MM_GPU_ATT_WIDE=1; off until measured): a
-// 128-dim key in one round and a whole 128-key chunk's values in one round, so a decode
-// chunk costs one round trip for the scores and one for the values instead of 2 and 4. Same
-// fmaf sequence (the bits do not depend on the grouping). 255 registers per thread (no
-// spills), so only for decode-sized calls (<= ATT_SV_MAX_BLOCKS (row, head) blocks).
+// Wide form (mm_gpu_set_attention_wide(1), env MM_GPU_ATT_WIDE=1; off): a 128-dim key in one
+// round and a whole 128-key chunk's values in one round, so a decode chunk costs one round
+// trip for the scores and one for the values instead of 2 and 4. Same fmaf sequence (the bits
+// do not depend on the grouping; cuda_attention_tcd_test, rows 1..64). 255 registers per
+// thread (no spills), so only for decode-sized calls (<= ATT_SV_MAX_BLOCKS (row, head)
+// blocks). Measured (H200, 06:38 UTC, MM_GPU_ATT_TC=0): 23.9 us per decode call at ~194 tokens
+// of context by ncu against 29.2, but the whole-model decode no faster (batch 1 1577 / 1588
+// tok/s against 1589 / 1586), so it stays off. (The CUDA default is the tensor-core contract,
+// attention_tc.cu / attention_tcd.cu; this kernel serves HIP and head dims above 128.)
 #define ATT_K_VEC_WIDE 32
 #define ATT_V_KEYS_WIDE 128
 static int g_att_wide = 0;

@@ -386,9 +386,65 @@ __global__ void wg_convert_w_kernel(const uint16_t *w, int n_out, int n_in, uint
     }
 }
 
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// The m64n64k16 and m64n32k16 forms of gemm_wg.cuh's wgmma_m64n128k16 (both operands from shared
+// memory, the same descriptors: an N-row x tile is its first N rows). d[4j + 2h + c] is output
+// row 16 * (warp % 4) + g + 8h, token 8j + 2t + c, as in the 128-token form, so the first N / 2
+// registers of a 128-token accumulator array hold the same elements. An output element depends
+// only on its A row, its B column and its old value: the same bits whatever N is.
+__device__ __forceinline__ void wgmma_m64n64k16(float *d, uint64_t da, uint64_t db, int scale_d) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
+                 " %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+                 "%32, %33, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+          "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+          "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
+          "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+          "+f"(d[30]), "+f"(d[31])
+        : "l"(da), "l"(db), "r"(scale_d));
+}
+__device__ __forceinline__ void wgmma_m64n32k16(float *d, uint64_t da, uint64_t db, int scale_d) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+                 "%16, %17, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+          "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+          "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+        : "l"(da), "l"(db), "r"(scale_d));
+}
+// NB tokens of a BN-token accumulator array (NB <= BN; 128 and 192 as wgmma_tile)
+template <int NB, int BN>
+__device__ __forceinline__ void ws_wgmma(float (&d)[BN / 2], uint64_t da, uint64_t db, int scale_d = 1) {
+    static_assert(NB <= BN, "a tile's tokens fit its accumulators");
+    if constexpr (NB == BN)
+        wgmma_tile<BN>(d, da, db, scale_d);
+    else if constexpr (NB == 64)
+        wgmma_m64n64k16(d, da, db, scale_d);
+    else
+        wgmma_m64n32k16(d, da, db, scale_d);
+}
+#endif
+template <int N>
+struct ws_int {
+    static constexpr int value = N;
+};
+
 __host__ __device__ constexpr int ws_stage_bytes(int bn) { return 128 * 128 + bn * 128; }
-__host__ __device__ constexpr int ws_smem_bytes(int bn, int st) {
-    return st * ws_stage_bytes(bn) + 1024 + 2 * st * 8; // + alignment slack + barriers
+#define WS_TSLOTS 8 // WS_OPT_PTILE: tile records in flight (> ST: see the producer)
+// WS_OPT_STAGE's output tile: 128 token rows of 128 f32 outputs, 528 bytes apart (16-byte
+// aligned rows for the bulk copies; 132 words, so the 4 token rows of a warp's store are 8
+// banks apart: no bank conflicts)
+#define WS_OUT_LD 132
+#define WS_OUT_BYTES (128 * WS_OUT_LD * 4)
+#define WS_OPT_STAGE 8
+__host__ __device__ constexpr int ws_smem_bytes(int bn, int st, int opt = 0) {
+    // + alignment slack + the ring's barriers + WS_OPT_PTILE's barriers and records
+    return st * ws_stage_bytes(bn) + 1024 + 2 * st * 8 + WS_TSLOTS * (8 + 16) +
+           ((opt & WS_OPT_STAGE) ? WS_OUT_BYTES : 0);
 }
 #define WS_THREADS 384
 
@@ -405,14 +461,44 @@ __host__ __device__ constexpr int ws_smem_bytes(int bn, int st) {
 // (wg_convert_x_kernel's offs), and every tile starts at that row + a multiple of BN.
 // a.y_idx (grouped prefill through mm_gpu_moe_matmul_rows): product row p is stored to y row
 // y_idx[p] (the MoE layer's scatter to (row, rank) slots, a copy: same bits).
-template <int BN, int ST, bool DUAL, bool LAG, bool GROUPED = false>
+// OPT (bits; 0 the earlier form, A/B): WS_OPT_IDX the epilogue loads the thread's y rows once
+// per tile before its first store; WS_OPT_TAILN (DUAL, BN 128) a tile of <= 32 or <= 64 rows
+// (an expert's last, partly empty tile) runs m64n32 / m64n64 wgmmas instead of m64n128: the
+// tensor work of its empty rows is not done (the same stages, W and x bytes; the same bits);
+// WS_OPT_PTILE (grouped) the producer warp publishes each tile it fills (first output, first
+// row, rows) in a shared-memory record, so the consumer warps read it instead of each looking
+// the tile up over the offsets (an L1/L2 round trip and a warp scan per tile, exposed between
+// two tiles' wgmmas): record k (the k-th tile with rows) in slot k % WS_TSLOTS, written before
+// the tile's first stage is filled and announced on the slot's barrier (one arrival, release);
+// a record with rows == 0 ends the walk. The producer writes record k after the ring slot of
+// its first stage has come back, i.e. once the consumers have started a tile at or past k - ST
+// (every tile has a stage), so they have read record k - WS_TSLOTS (WS_TSLOTS > ST).
+// WS_OPT_STAGE (WS_OUT_BYTES more shared memory: 4 stages then fit, not 6): the outputs go
+// into a shared-memory tile (a row per token) and consumer thread r < mlen stores token row r
+// (y row y_idx[m0 + r]) with one bulk copy (cp.async.bulk, 4 * min(128, n_out - n0) bytes), so
+// the consumers issue 64 shared stores each instead of 64 global ones and go on to the next
+// tile while the copy engine writes the rows. Needs 16-byte aligned rows (y, y_stride and n_out
+// multiples of 4 floats), else the direct stores. Before the tile is written again, the
+// threads that issued copies wait until those have read it (bulk wait_group.read), then a
+// named barrier (2) of the 256 consumer threads; the writes are made visible to the copies by
+// fence.proxy.async and the same barrier. The same values: the same bits.
+#define WS_OPT_IDX 1
+#define WS_OPT_TAILN 2
+#define WS_OPT_PTILE 4
+template <int BN, int ST, bool DUAL, bool LAG, bool GROUPED = false, int OPT = 0>
 __global__ void __launch_bounds__(WS_THREADS, 1) gemm_ws_kernel(mm_wg_args a, const uint16_t *wb) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    static_assert((OPT & WS_OPT_TAILN) == 0 || (DUAL && BN == 128), "TAILN: two accumulators, 128 tokens");
+    static_assert((OPT & WS_OPT_PTILE) == 0 || (GROUPED && ST < WS_TSLOTS), "PTILE: grouped");
+    static_assert((OPT & WS_OPT_STAGE) == 0 || BN == 128, "STAGE: 128 tokens");
+    constexpr bool PTILE = (OPT & WS_OPT_PTILE) != 0, STAGE = (OPT & WS_OPT_STAGE) != 0;
     extern __shared__ __align__(1024) unsigned char ws_smem_raw[];
     constexpr int SB = ws_stage_bytes(BN), WB = 128 * 128, NA = BN / 2;
     const uint32_t raw = (uint32_t)__cvta_generic_to_shared(ws_smem_raw);
     const uint32_t sbase = (raw + 1023u) & ~1023u;
-    const uint32_t full0 = sbase + ST * SB, empty0 = full0 + 8 * ST;
+    const uint32_t obuf = sbase + ST * SB; // STAGE: the output tile
+    const uint32_t full0 = obuf + (STAGE ? WS_OUT_BYTES : 0), empty0 = full0 + 8 * ST;
+    const uint32_t tbar0 = empty0 + 8 * ST, trec0 = tbar0 + 8 * WS_TSLOTS; // PTILE (16-byte aligned)
     const int tiles_n = (a.n_out + 127) / 128;
     const int tiles_y = GROUPED ? a.n_rows / BN + min(a.n_experts, a.n_rows) : (a.n_rows + BN - 1) / BN;
     const int n_tiles = tiles_n * tiles_y;
@@ -438,6 +524,9 @@ __global__ void __launch_bounds__(WS_THREADS, 1) gemm_ws_kernel(mm_wg_args a, co
             wp_bar_init(full0 + 8 * s, 1);  // the producer's expect_tx arrival
             wp_bar_init(empty0 + 8 * s, 8); // one arrival per consumer warp
         }
+        if (PTILE)
+            for (int i = 0; i < WS_TSLOTS; i++)
+                wp_bar_init(tbar0 + 8 * i, 1); // the producer's arrival
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
@@ -446,12 +535,27 @@ __global__ void __launch_bounds__(WS_THREADS, 1) gemm_ws_kernel(mm_wg_args a, co
         // dense: lane 0 of warp 8 alone; grouped: all of warp 8 (the tile lookup is a warp
         // scan), lane 0 issuing
         if (warp == 8 && (GROUPED || lane == 0)) {
-            int u = 0; // stage uses so far
+            int u = 0;  // stage uses so far
+            int nt = 0; // PTILE: tiles published so far
+            // PTILE: record nt (rows 0: the end), once stage use u's slot has come back
+            auto publish = [&](int n0, int m0, int mlen) {
+                if (u >= ST)
+                    wp_bar_wait(empty0 + 8 * (u % ST), (uint32_t)((u / ST - 1) & 1));
+                if (lane == 0) {
+                    const uint32_t rec = trec0 + 16 * (nt % WS_TSLOTS);
+                    asm volatile("st.shared.v4.s32 [%0], {%1, %2, %3, %4};\n" ::"r"(rec), "r"(n0),
+                                 "r"(m0), "r"(mlen), "r"(0) : "memory");
+                    wp_bar_arrive(tbar0 + 8 * (nt % WS_TSLOTS));
+                }
+                nt++;
+            };
             for (int tile = blockIdx.x; tile < n_tiles; tile += gridDim.x) {
                 int n0, m0, mlen;
                 const uint16_t *wt;
                 if (!tile_at(tile, n0, m0, mlen, wt))
                     continue;
+                if constexpr (PTILE)
+                    publish(n0, m0, mlen);
                 const uint32_t xbytes = (uint32_t)mlen * 128;
                 const uint32_t wbytes = (uint32_t)min(128, a.n_out - n0) * 128;
                 for (int kt = 0; kt < n_k; kt++, u++) {
@@ -466,6 +570,8 @@ __global__ void __launch_bounds__(WS_THREADS, 1) gemm_ws_kernel(mm_wg_args a, co
                     }
                 }
             }
+            if constexpr (PTILE)
+                publish(0, 0, 0); // the end
         }
     } else { // consumers: warpgroups 0 and 1
         asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
@@ -478,8 +584,10 @@ __global__ void __launch_bounds__(WS_THREADS, 1) gemm_ws_kernel(mm_wg_args a, co
             if (lane == 0)
                 wp_bar_arrive(empty0 + 8 * ((u0 + kt) % ST));
         };
-        // chunk ch (32 k): wait for its stage, 2 wgmmas; fresh: the first ignores acc (D = A * B)
-        auto issue = [&](float (&acc)[NA], int ch, bool fresh = false) {
+        // chunk ch (32 k) of an NB-token tile: wait for its stage, 2 wgmmas; fresh: the first
+        // ignores acc (D = A * B)
+        auto issue = [&](auto nbc, float (&acc)[BN / 2], int ch, bool fresh) {
+            constexpr int NB = decltype(nbc)::value;
             const int u = u0 + (ch >> 1), cc = ch & 1, s = u % ST;
             if (cc == 0)
                 wp_bar_wait_asm(full0 + 8 * s, (uint32_t)((u / ST) & 1));
@@ -488,13 +596,14 @@ __global__ void __launch_bounds__(WS_THREADS, 1) gemm_ws_kernel(mm_wg_args a, co
             const uint64_t a0 = wg_desc(stage + wgi * (64 * 128)) + half;
             const uint64_t b0 = wg_desc(stage + WB) + half;
             wg_fence();
-            wgmma_tile<BN>(acc, a0, b0, fresh ? 0 : 1);
-            wgmma_tile<BN>(acc, a0 + 2, b0 + 2); // +32 bytes: the chunk's second k16
+            ws_wgmma<NB, BN>(acc, a0, b0, fresh ? 0 : 1);
+            ws_wgmma<NB, BN>(acc, a0 + 2, b0 + 2); // +32 bytes: the chunk's second k16
         };
-        auto add = [&](float (&acc)[NA]) {
+        auto add = [&](auto nbc, float (&acc)[BN / 2]) { // the first NB tokens' sums
+            constexpr int NB = decltype(nbc)::value;
             wg_fence_regs<NA>(acc);
 #pragma unroll
-            for (int i = 0; i < NA; i++) {
+            for (int i = 0; i < NB / 2; i++) {
                 tot[i] = tot[i] + acc[i];
                 if constexpr (!DUAL)
                     acc[i] = 0.0f;
@@ -510,18 +619,12 @@ __global__ void __launch_bounds__(WS_THREADS, 1) gemm_ws_kernel(mm_wg_args a, co
             if (lag && wgi == 0 && ch == 3)
                 asm volatile("bar.arrive 1, 256;\n" ::: "memory");
         };
-        for (int tile = blockIdx.x; tile < n_tiles; tile += gridDim.x) {
-            int n0, m0, mlen;
-            const uint16_t *wt;
-            if (!tile_at(tile, n0, m0, mlen, wt))
-                continue; // grouped: no stage use
-            (void)wt;
-            if (lag && wgi == 1)
-                asm volatile("bar.sync 1, 256;\n" ::: "memory");
-#pragma unroll
-            for (int i = 0; i < NA; i++)
-                tot[i] = 0.0f;
-            const int nch = (a.n_in + 31) / 32;
+        const int nch = (a.n_in + 31) / 32;
+        // (The generic lambdas' parameters say BN / 2, not NA: a local constexpr in a generic
+        // lambda's parameter type crashes cicc, CUDA 13.0.)
+        // The tile's k loop on NB-token wgmmas (NB < BN: WS_OPT_TAILN, a tile of <= NB rows),
+        // its sums in tot[0 .. NB / 2); ends with every wgmma of the tile completed.
+        auto k_loop = [&](auto nbc) {
             if constexpr (!DUAL) {
                 float acc[NA];
 #pragma unroll
@@ -533,12 +636,12 @@ __global__ void __launch_bounds__(WS_THREADS, 1) gemm_ws_kernel(mm_wg_args a, co
                         const int ch = 2 * kt + cc;
                         if (ch >= nch)
                             break;
-                        issue(acc, ch);
+                        issue(nbc, acc, ch, false);
                         lag_mark(ch);
                         if (32 * (ch + 1) >= a.n_in || (32 * (ch + 1)) % sl == 0) { // segment end: drain
                             wg_commit();
                             wg_wait<0>();
-                            add(acc);
+                            add(nbc, acc);
                         }
                     }
                     wg_commit();
@@ -564,13 +667,13 @@ __global__ void __launch_bounds__(WS_THREADS, 1) gemm_ws_kernel(mm_wg_args a, co
                 auto segment = [&](float (&cur)[NA], float (&prev)[NA], int c0, bool first) {
                     const int c1 = min(nch, c0 + cps);
                     for (int ch = c0; ch < c1; ch++) {
-                        issue(cur, ch, ch == c0);
+                        issue(nbc, cur, ch, ch == c0);
                         wg_commit();
                         lag_mark(ch);
                         if (ch == c0) {
                             wg_wait<1>(); // everything before this chunk, so the previous segment
                             if (!first)
-                                add(prev);
+                                add(nbc, prev);
                         } else {
                             wg_wait<2>();
                         }
@@ -590,18 +693,73 @@ __global__ void __launch_bounds__(WS_THREADS, 1) gemm_ws_kernel(mm_wg_args a, co
                 }
                 wg_wait<0>();
                 if (last_odd)
-                    add(acc1);
+                    add(nbc, acc1);
                 else
-                    add(acc0);
+                    add(nbc, acc0);
                 if (nch % 2 == 1 && n_k >= 2) // its last stage has one chunk: no release above
                     release(n_k - 2);
             }
-            // every wgmma of the tile is done: the last stage goes back to the producer, which
-            // fills the ring with the next tile's k while this tile's outputs are stored
-            release(n_k - 1);
-            // tot[4j + 2h + c]: output row 64wgi + 16(warp%4) + g + 8h, token 8j + 2t + c.
+        };
+        // The tile's outputs, the first NB tokens of tot (tokens past mlen are not stored).
+        // tot[4j + 2h + c]: output row 64wgi + 16(warp%4) + g + 8h, token 8j + 2t + c.
+        // WS_OPT_IDX: the thread's y rows (y_idx) are loaded once, all before the first store
+        // (the stores may alias y_idx for the compiler, so without it each store waits for a
+        // load issued after the store before it).
+        // STAGE: rows 16-byte aligned (else the direct stores below)
+        const bool staged = STAGE && ((uintptr_t)a.y & 15) == 0 && a.y_stride % 4 == 0 && a.n_out % 4 == 0;
+        bool copies = false; // STAGE: this thread has bulk copies in flight
+        auto store = [&](auto nbc, int n0, int m0, int mlen) {
+            constexpr int NB = decltype(nbc)::value;
             const int g = lane >> 2, t = lane & 3;
             const int orow = n0 + 64 * wgi + 16 * (warp & 3) + g;
+            if constexpr (STAGE) {
+                if (staged) {
+                    if (copies) // the last tile's copies have read the tile
+                        asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+                    asm volatile("bar.sync 2, 256;\n" ::: "memory");
+                    const int ol = orow - n0; // output column in the tile
+#pragma unroll
+                    for (int h = 0; h < 2; h++) {
+                        const int o = orow + 8 * h;
+                        const float b = a.bias && o < a.n_out ? a.bias[o] : 0.0f;
+#pragma unroll
+                        for (int j = 0; j < NB / 8; j++)
+#pragma unroll
+                            for (int c = 0; c < 2; c++) {
+                                float v = tot[4 * j + 2 * h + c];
+                                if (a.bias)
+                                    v = v + b;
+                                const uint32_t ad = obuf + (uint32_t)(((8 * j + 2 * t + c) * WS_OUT_LD + ol + 8 * h) * 4);
+                                asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(ad), "f"(v) : "memory");
+                            }
+                    }
+                    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+                    asm volatile("bar.sync 2, 256;\n" ::: "memory");
+                    const int r = threadIdx.x; // consumer thread r: token row r
+                    copies = r < mlen;
+                    if (copies) {
+                        const int64_t yr = a.y_idx ? (int64_t)a.y_idx[m0 + r] : (int64_t)(m0 + r);
+                        const uint32_t bytes = (uint32_t)min(128, a.n_out - n0) * 4;
+                        asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n"
+                                     ::"l"(a.y + (size_t)yr * a.y_stride + n0),
+                                     "r"(obuf + (uint32_t)(r * WS_OUT_LD * 4)), "r"(bytes) : "memory");
+                        asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+                    }
+                    return;
+                }
+            }
+            constexpr int NY = (OPT & WS_OPT_IDX) ? NB / 4 : 1;
+            int yrow[NY]; // [2j + c]: y row of token 8j + 2t + c, -1 past mlen
+            if constexpr ((OPT & WS_OPT_IDX) != 0) {
+#pragma unroll
+                for (int j = 0; j < NB / 8; j++)
+#pragma unroll
+                    for (int c = 0; c < 2; c++) {
+                        const int tok = 8 * j + 2 * t + c;
+                        yrow[2 * j + c] = tok >= mlen ? -1 : a.y_idx ? a.y_idx[m0 + tok] : m0 + tok;
+                    }
+            }
+            (void)yrow;
 #pragma unroll
             for (int h = 0; h < 2; h++) {
                 const int o = orow + 8 * h;
@@ -609,21 +767,72 @@ __global__ void __launch_bounds__(WS_THREADS, 1) gemm_ws_kernel(mm_wg_args a, co
                     continue;
                 const float b = a.bias ? a.bias[o] : 0.0f;
 #pragma unroll
-                for (int j = 0; j < BN / 8; j++)
+                for (int j = 0; j < NB / 8; j++)
 #pragma unroll
                     for (int c = 0; c < 2; c++) {
-                        const int tok = 8 * j + 2 * t + c;
-                        if (tok < mlen) {
-                            float v = tot[4 * j + 2 * h + c];
-                            if (a.bias)
-                                v = v + b;
-                            const int64_t yr = a.y_idx ? (int64_t)a.y_idx[m0 + tok] : (int64_t)(m0 + tok);
-                            a.y[(size_t)yr * a.y_stride + o] = v;
+                        if constexpr ((OPT & WS_OPT_IDX) != 0) {
+                            if (yrow[2 * j + c] >= 0) {
+                                float v = tot[4 * j + 2 * h + c];
+                                if (a.bias)
+                                    v = v + b;
+                                a.y[(size_t)yrow[2 * j + c] * a.y_stride + o] = v;
+                            }
+                        } else {
+                            const int tok = 8 * j + 2 * t + c;
+                            if (tok < mlen) {
+                                float v = tot[4 * j + 2 * h + c];
+                                if (a.bias)
+                                    v = v + b;
+                                const int64_t yr = a.y_idx ? (int64_t)a.y_idx[m0 + tok] : (int64_t)(m0 + tok);
+                                a.y[(size_t)yr * a.y_stride + o] = v;
+                            }
                         }
                     }
             }
+        };
+        for (int tile = blockIdx.x, k = 0; PTILE || tile < n_tiles; tile += gridDim.x, k++) {
+            int n0, m0, mlen;
+            if constexpr (PTILE) { // the producer's record k
+                wp_bar_wait_asm(tbar0 + 8 * (k % WS_TSLOTS), (uint32_t)((k / WS_TSLOTS) & 1));
+                int z;
+                asm volatile("ld.shared.v4.s32 {%0, %1, %2, %3}, [%4];\n"
+                             : "=r"(n0), "=r"(m0), "=r"(mlen), "=r"(z)
+                             : "r"(trec0 + 16 * (k % WS_TSLOTS)) : "memory");
+                (void)z;
+                if (mlen == 0)
+                    break;
+            } else {
+                const uint16_t *wt;
+                if (!tile_at(tile, n0, m0, mlen, wt))
+                    continue; // grouped: no stage use
+                (void)wt;
+            }
+            if (lag && wgi == 1)
+                asm volatile("bar.sync 1, 256;\n" ::: "memory");
+#pragma unroll
+            for (int i = 0; i < NA; i++)
+                tot[i] = 0.0f;
+            // every wgmma of the tile done: the last stage goes back to the producer, which
+            // fills the ring with the next tile's k while this tile's outputs are stored
+            auto run = [&](auto nbc) {
+                k_loop(nbc);
+                release(n_k - 1);
+                store(nbc, n0, m0, mlen);
+            };
+            if constexpr ((OPT & WS_OPT_TAILN) != 0) {
+                if (mlen <= 32)
+                    run(ws_int<32>{});
+                else if (mlen <= 64)
+                    run(ws_int<64>{});
+                else
+                    run(ws_int<BN>{});
+            } else {
+                run(ws_int<BN>{});
+            }
             u0 += n_k;
         }
+        if (copies) // every bulk copy complete before the block ends
+            asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
     }
 #else
     (void)a;

@@ -1034,11 +1034,32 @@ static int ws_auto_variant(const mm_mat_args &a) {
 // into the permuted-W cache, or once per product beyond its bound: one pass over the layer's
 // expert weights) is repaid, and that copy stays under WS_GROUPED_W_MAX; else gemm_wg 128 x
 // 128 (2), which permutes W on its way into shared memory.
+// Which gemm_ws grouped variant (MM_GPU_WS_GROUPED, read once: 19-23; default
+// WS_GROUPED_DEFAULT): 20 the earlier epilogue and full 128-token tiles, 21 y rows loaded once
+// per tile (WS_OPT_IDX), 22 also m64n32 / m64n64 wgmmas for tiles of <= 32 / <= 64 rows
+// (WS_OPT_TAILN), 23 also the tiles published by the producer (WS_OPT_PTILE), 24 23 with
+// warpgroup 1 lagging (LAG), 25 23 with the outputs stored through shared memory by bulk
+// copies (WS_OPT_STAGE; 4 stages), 26 23 with 4 stages; 19 one block per tile. All the same bits.
+// Default 25: the 4K forward (H200, kernels/cuda/bench/NOTES.md prefill version 16) 11.50 ms
+// vs 11.66 with 23, 11.62 with 26, 11.70 with 24, 13.25 with 20 (06:59 UTC); 12.29 with 21 and
+// 12.25 with 22 (06:47 UTC).
 #define WS_GROUPED_W_MAX (2048ull << 20)
+#define WS_GROUPED_DEFAULT 25
+static int g_ws_grouped = -1; // -1: not read yet
+
+static int ws_grouped_variant(void) {
+    if (g_ws_grouped < 0) {
+        const char *e = getenv("MM_GPU_WS_GROUPED");
+        const int v = e ? atoi(e) : 0;
+        g_ws_grouped = v >= 19 && v <= 26 ? v : WS_GROUPED_DEFAULT;
+    }
+    return g_ws_grouped;
+}
+
 static int ws_auto_grouped(const mm_mat_args &a, int64_t ldx) {
     const int active = min(a.n_experts, a.n_rows);
     const size_t wbytes = (size_t)a.n_experts * (size_t)a.n_out * (size_t)ldx * 2;
-    return a.n_rows / active >= 128 && wbytes <= WS_GROUPED_W_MAX ? 20 : 2;
+    return a.n_rows / active >= 128 && wbytes <= WS_GROUPED_W_MAX ? ws_grouped_variant() : 2;
 }
 
 // gemm_ws (gemm_wp.cuh): W permuted into a workspace, both operands by bulk copies, BN tokens,
@@ -1046,16 +1067,17 @@ static int ws_auto_grouped(const mm_mat_args &a, int64_t ldx) {
 // block per SM walking the tiles, else one block per tile; LAG: warpgroup 1 a tile behind by
 // two stages.
 // GROUPED: tiles over (token tile of an expert, output tile); wb holds every expert's W.
-template <int BN, int ST, bool DUAL, bool PERSIST = false, bool LAG = false, bool GROUPED = false>
+// OPT: gemm_ws_kernel's WS_OPT_* bits.
+template <int BN, int ST, bool DUAL, bool PERSIST = false, bool LAG = false, bool GROUPED = false, int OPT = 0>
 static mm_err launch_ws_kernel(cudaStream_t st, const mm_wg_args &w, const uint16_t *wb, uint64_t bit) {
     static uint64_t attr_set;
     static int sms[64];
     int dev = 0;
     MM_GPU_CHECK(cudaGetDevice(&dev));
     if (!(attr_set & bit)) {
-        MM_GPU_CHECK(cudaFuncSetAttribute(gemm_ws_kernel<BN, ST, DUAL, LAG, GROUPED>,
+        MM_GPU_CHECK(cudaFuncSetAttribute(gemm_ws_kernel<BN, ST, DUAL, LAG, GROUPED, OPT>,
                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          ws_smem_bytes(BN, ST)));
+                                          ws_smem_bytes(BN, ST, OPT)));
         MM_GPU_CHECK(cudaDeviceGetAttribute(&sms[dev & 63], cudaDevAttrMultiProcessorCount, dev));
         attr_set |= bit;
     }
@@ -1064,7 +1086,7 @@ static mm_err launch_ws_kernel(cudaStream_t st, const mm_wg_args &w, const uint1
     const unsigned tiles = mm_div_up(w.n_out, 128) * tiles_y;
     const unsigned sm = (unsigned)(sms[dev & 63] > 0 ? sms[dev & 63] : 1);
     const unsigned grid = PERSIST && tiles > sm ? sm : tiles;
-    gemm_ws_kernel<BN, ST, DUAL, LAG, GROUPED><<<grid, WS_THREADS, ws_smem_bytes(BN, ST), st>>>(w, wb);
+    gemm_ws_kernel<BN, ST, DUAL, LAG, GROUPED, OPT><<<grid, WS_THREADS, ws_smem_bytes(BN, ST, OPT), st>>>(w, wb);
     MM_GPU_CHECK(cudaGetLastError());
     return MM_OK;
 }
@@ -1425,19 +1447,20 @@ static mm_err launch_wg(cudaStream_t st, const mm_mat_args &a, bool *ran) {
     // gemm_wg.cuh's 4. 11-18 (gemm_ws_kernel: W permuted into the workspace too, both operands
     // by bulk copies) take any dense product wg_usable allows; permuting W costs a pass over it
     // (~10 us for 16.8 MB).
-    // Grouped: 19 (gemm_ws grouped, a block per tile) and 20 (the same persistent) or gemm_wg's
-    // 2-7 (ws_auto_grouped picks 20 or 2; 13 and 14 stand for 19 and 20, other dense-only
-    // variants for 2); dense: 19 and 20 stand for 13 and 14.
+    // Grouped: 19 (gemm_ws grouped, a block per tile), 20 (the same persistent), 21-26 (20
+    // with WS_OPT_IDX, + WS_OPT_TAILN, + WS_OPT_PTILE; 24-26 as ws_grouped_variant says) or
+    // gemm_wg's 2-7 (ws_auto_grouped picks MM_GPU_WS_GROUPED's or 2; 13 and 14 stand for 19 and
+    // 20, other dense-only variants for 2); dense: 19 stands for 13, 20-26 for 14.
     int var = g_wg_tile ? g_wg_tile : GROUPED ? ws_auto_grouped(a, ldx) : ws_auto_variant(a);
     const bool wp_ok = !GROUPED && a.n_in % 8 == 0 && aligned16(a.w0);
     if (var >= 8 && var <= 10 && !wp_ok)
         var = 4;
     if (GROUPED)
-        var = var == 13 || var == 19 ? 19 : var == 14 || var == 20 ? 20 : var >= 8 ? 2 : var;
+        var = var == 13 || var == 19 ? 19 : var == 14 ? 20 : var >= 20 ? var : var >= 8 ? 2 : var;
     else if (var >= 19)
         var = var == 19 ? 13 : 14;
     const bool rows = a.x_idx != NULL || a.y_idx != NULL || a.x_up != NULL;
-    if (rows && !(GROUPED && (var == 19 || var == 20)))
+    if (rows && !(GROUPED && var >= 19))
         return MM_EUNSUPP; // row indices and SwiGLU: gemm_ws grouped only (nothing issued)
     const bool tiled = var >= 8, wperm = var >= 11;
     // the cached permuted W where there is one (wperm_get builds it on first use)
@@ -1512,6 +1535,21 @@ static mm_err launch_wg(cudaStream_t st, const mm_mat_args &a, bool *ran) {
     case 18: rv = launch_ws_kernel<128, 7, true, true, true>(st, w, wb, bit); break;
     case 19: rv = launch_ws_kernel<128, 6, true, false, false, true>(st, w, wb, bit); break;
     case 20: rv = launch_ws_kernel<128, 6, true, true, false, true>(st, w, wb, bit); break;
+    case 21: rv = launch_ws_kernel<128, 6, true, true, false, true, WS_OPT_IDX>(st, w, wb, bit); break;
+    case 22: rv = launch_ws_kernel<128, 6, true, true, false, true, WS_OPT_IDX | WS_OPT_TAILN>(st, w, wb, bit); break;
+    case 23:
+        rv = launch_ws_kernel<128, 6, true, true, false, true, WS_OPT_IDX | WS_OPT_TAILN | WS_OPT_PTILE>(st, w, wb, bit);
+        break;
+    case 24:
+        rv = launch_ws_kernel<128, 6, true, true, true, true, WS_OPT_IDX | WS_OPT_TAILN | WS_OPT_PTILE>(st, w, wb, bit);
+        break;
+    case 25:
+        rv = launch_ws_kernel<128, 4, true, true, false, true,
+                              WS_OPT_IDX | WS_OPT_TAILN | WS_OPT_PTILE | WS_OPT_STAGE>(st, w, wb, bit);
+        break;
+    case 26:
+        rv = launch_ws_kernel<128, 4, true, true, false, true, WS_OPT_IDX | WS_OPT_TAILN | WS_OPT_PTILE>(st, w, wb, bit);
+        break;
     case 3: rv = launch_wg_kernel<GROUPED, 3, 128, 64, 5>(st, w, bit); break;
     case 4: rv = launch_wg_kernel<GROUPED, 2, 192, 64, 5>(st, w, bit); break;
     case 5: rv = launch_wg_kernel<GROUPED, 2, 128, 128, 3>(st, w, bit); break;
@@ -1793,7 +1831,7 @@ extern "C" void mm_gpu_set_gemv_version(int v) {
 
 extern "C" void mm_gpu_set_gemm_tile(int variant) {
 #if MM_GPU_HAVE_WMMA
-    g_wg_tile = (variant >= 2 && variant <= 20) ? variant : 0;
+    g_wg_tile = (variant >= 2 && variant <= 26) ? variant : 0;
 #else
     (void)variant;
 #endif

@@ -121,8 +121,12 @@ void mm_gpu_set_dep_launch(int on);
 // (gemm_ws_kernel: 11 128 x 128 with drains, 12 128 x 192, 13 128 x 128 with two
 // accumulators, 14 the same persistent, 15 persistent with warpgroup 1 lagging, 16/17 12 with
 // the lag / persistent + lag, 18 15 with 7 stages); 8-18 dense only; 19, 20: gemm_ws for
-// grouped products (a block per tile, persistent; AUTO takes 20 from 128 rows per expert;
-// dense products take 13, 14 for them). Same bits in all. 7: a
+// grouped products (a block per tile, persistent; AUTO takes MM_GPU_WS_GROUPED's, default
+// 25, from 128 rows per expert; dense products take 13, 14 for them); 21-23: 20 with the y rows
+// loaded once per tile, + m64n32/m64n64 wgmmas for tiles of <= 32/64 rows, + tiles published
+// by the producer warp; 24-26: 23 with warpgroup 1 lagging, with the outputs stored through
+// shared memory by bulk copies (4 stages), with 4 stages (grouped only; dense take 14). Same
+// bits in all. 7: a
 // bench-only diagnostic without the proxy fence (racy; never for results). Process-wide.
 void mm_gpu_set_gemm_tile(int variant);
 // mm_gpu_set_prefill_fuse: 1 (default; env MM_GPU_PF_FUSE=0 starts it at 0) converts gemm_ws's x

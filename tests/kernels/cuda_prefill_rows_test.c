@@ -67,8 +67,10 @@ static void open_or_skip(void) {
 
 // E experts with cnt[e] rows each (sorted by expert), n_src source rows; sorted row p reads
 // source row xi[p] (glu: the input is swiglu(gate, up) of the source row [gate | up]) and its
-// output goes to row yi[p] of yfull rows. variant: mm_gpu_set_gemm_tile's (0 AUTO, 19, 20, or
+// output goes to row yi[p] of yfull rows. variant: mm_gpu_set_gemm_tile's (0 AUTO, 19-26, or
 // 2, which must refuse). xs_pad: the source row stride past its width (odd: the scalar loads).
+static int g_ys_pad = 5; // y row stride: n_out + g_ys_pad
+
 static void grouped_case(int n_out, int n_in, int n_src, int E, const int *cnt, bool glu,
                          int variant, int xs_pad) {
     int32_t offs[65] = {0};
@@ -78,7 +80,7 @@ static void grouped_case(int n_out, int n_in, int n_src, int E, const int *cnt, 
     int64_t yfull = (int64_t)n + 3;
     while (yfull % 7 == 0)
         yfull++;
-    const int64_t xw = glu ? 2 * (int64_t)n_in : n_in, xs = xw + xs_pad, ys = n_out + 5;
+    const int64_t xw = glu ? 2 * (int64_t)n_in : n_in, xs = xw + xs_pad, ys = n_out + g_ys_pad;
     int32_t *xi = malloc((size_t)n * 4), *yi = malloc((size_t)n * 4);
     MM_TRUE(xi && yi);
     for (int p = 0; p < n; p++) {
@@ -142,9 +144,10 @@ static void grouped_case(int n_out, int n_in, int n_src, int E, const int *cnt, 
             for (int j = 0; j < n_out; j++)
                 want[(int64_t)yi[p] * ys + j] = h_ref[(int64_t)p * ys + j];
     const int64_t diff = n_diff(h_row, want, yfull * ys);
-    printf("grouped %dx%d%s, %d rows over %d experts, x stride %lld, variant %d: %s, %lld of %lld "
-           "elements differ from the gathered GEMV's\n", n_out, n_in, glu ? " (swiglu input)" : "",
-           n, E, (long long)xs, variant, rr == MM_OK ? "fused" : "refused", (long long)diff,
+    printf("grouped %dx%d%s, %d rows over %d experts, x stride %lld, y stride %lld, variant %d: %s, "
+           "%lld of %lld elements differ from the gathered GEMV's\n", n_out, n_in,
+           glu ? " (swiglu input)" : "", n, E, (long long)xs, (long long)ys, variant,
+           rr == MM_OK ? "fused" : "refused", (long long)diff,
            (long long)(yfull * ys));
     MM_EQ(diff, 0);
     for (int e = 0; e < E; e++) {
@@ -168,6 +171,24 @@ static void test_grouped_rows(void) {
     grouped_case(136, 300, 333, 5, c5, true, 0, 1);    // odd stride: scalar loads
     grouped_case(96, 2048, 900, 5, c5, false, 19, 4);  // 8 k segments, a block per tile
     grouped_case(96, 2048, 900, 5, c5, true, 20, 4);   // persistent
+    // 21: the y rows loaded once per tile; 22: also the m64n32 / m64n64 forms for tiles of <= 32 /
+    // <= 64 rows (c8's last tiles hold 2, 45, 1, 7, 12, 72 rows; c5's 1, 44, 2, 72, 12)
+    grouped_case(200, 520, 700, 8, c8, false, 21, 2);
+    grouped_case(200, 520, 700, 8, c8, true, 22, 2);
+    grouped_case(136, 300, 333, 5, c5, false, 22, 1);
+    grouped_case(96, 2048, 900, 5, c5, true, 22, 4);
+    grouped_case(200, 520, 700, 8, c8, true, 23, 2); // 23: 22 + tiles published by the producer
+    grouped_case(96, 2048, 900, 5, c5, false, 23, 4);
+    grouped_case(96, 2048, 900, 5, c5, true, 24, 4); // 24: 23 with warpgroup 1 lagging
+    // 25: outputs through shared memory and bulk row copies, which need rows of whole 16 bytes:
+    // the y stride a multiple of 4 (g_ys_pad 4; else the direct stores, as with pad 5)
+    g_ys_pad = 4;
+    grouped_case(200, 520, 700, 8, c8, true, 25, 2);
+    grouped_case(136, 300, 333, 5, c5, false, 25, 1);
+    grouped_case(96, 2048, 900, 5, c5, true, 25, 4);
+    grouped_case(200, 520, 700, 8, c8, false, 26, 2);
+    g_ys_pad = 5;
+    grouped_case(200, 520, 700, 8, c8, false, 25, 2);
     grouped_case(200, 520, 700, 8, c8, false, 2, 2);   // gemm_wg: refused
     gpu_close(NULL);
 }

@@ -14,6 +14,9 @@
 //   products either way; tests/kernels/cuda_ops_test.c checks the bits of both paths.
 // - f16/f32 weights, and every dtype on HIP (no mma there), use the FMA tiles: f32 x, one
 //   fmaf chain per output in k order, the same code for every n_rows.
+// - Decode (<= 8 rows per tile) runs GEMV v2 (gemv_x_kernel: x tile in shared memory, W in
+//   registers) or v3 (gemv_bulk_kernel, MM_GPU_GEMV_BULK: each block's whole W by bulk copies
+//   into shared memory, more bytes in flight per SM), both with GEMV v1's mma sequence.
 // - A "tile" is up to TM consecutive rows of x sharing one weight matrix. Grouped products
 //   find their (expert, first row) by a warp scan over the per-expert offsets inside each
 //   block: no extra launch and no workspace. Grid y is an upper bound on the tile count
@@ -422,6 +425,51 @@ __host__ __device__ __forceinline__ int mv2_ldx(int n_in) { return (n_in + 31) /
 // checks the fused path against that kernel bit for bit).
 __device__ __forceinline__ float mv2_swiglu(float g, float u) { return g / (1.0f + expf(-g)) * u; }
 
+// The tile's mlen x rows into shared memory (row stride ldx) as bf16 pairs (pack_bf16, as every
+// path rounds x), zeros past n_in; row m read from x row xrow(m); with a.x_up the value is
+// swiglu(x, x_up) of the same row and column. GEMV v2 and v3.
+template <class RowF>
+__device__ __forceinline__ void mv_stage_x(const mm_mat_args &a, uint16_t *xsm, int ldx, int mlen,
+                                           bool vec, RowF xrow) {
+    const int kp = (a.n_in + 31) / 32 * 32, per_row = kp / 8;
+    const bool aligned_up = ((uintptr_t)a.x_up & 15) == 0;
+    for (int p = threadIdx.x; p < mlen * per_row; p += MV_WARPS * 32) {
+        const int m = p / per_row, k = (p % per_row) * 8;
+        const int xr = xrow(m);
+        float4 lo, hi;
+        load_x8f(a.x + (size_t)xr * a.x_stride, k, a.n_in, vec, lo, hi);
+        if (a.x_up) { // zeros past n_in stay zeros: silu(0) * 0 = +0
+            float4 ul, uh;
+            load_x8f(a.x_up + (size_t)xr * a.x_stride, k, a.n_in, vec && aligned_up, ul, uh);
+            lo = make_float4(mv2_swiglu(lo.x, ul.x), mv2_swiglu(lo.y, ul.y),
+                             mv2_swiglu(lo.z, ul.z), mv2_swiglu(lo.w, ul.w));
+            hi = make_float4(mv2_swiglu(hi.x, uh.x), mv2_swiglu(hi.y, uh.y),
+                             mv2_swiglu(hi.z, uh.z), mv2_swiglu(hi.w, uh.w));
+        }
+        *(uint4 *)&xsm[m * ldx + k] = make_uint4(pack_bf16(lo.x, lo.y), pack_bf16(lo.z, lo.w),
+                                                 pack_bf16(hi.x, hi.y), pack_bf16(hi.z, hi.w));
+    }
+}
+
+// The epilogue of GEMV v2 and v3: output o of token tok is 0 + the segment sums in segment order
+// (part[(tile * S + segment) * 128 + row * 8 + token]) + bias, stored to y row yrow(tok).
+template <class RowF>
+__device__ __forceinline__ void mv_store_y(const mm_mat_args &a, const float *part, int S, int tpb,
+                                           int bx, int mlen, RowF yrow) {
+    for (int i = threadIdx.x; i < tpb * 16 * 8; i += MV_WARPS * 32) {
+        const int tl = i / (16 * 8), rem = i % (16 * 8);
+        const int o = (bx * tpb + tl) * 16 + rem / 8, tok = rem % 8;
+        if (o >= a.n_out || tok >= mlen)
+            continue;
+        float v = 0.0f;
+        for (int sg = 0; sg < S; sg++)
+            v = v + part[(tl * S + sg) * (16 * 8) + rem];
+        if (a.bias)
+            v = v + a.bias[o];
+        a.y[(size_t)yrow(tok) * a.y_stride + o] = v;
+    }
+}
+
 // Dense products of more than 8 rows run as ty token tiles of 8 rows interleaved along grid x
 // (block b: output block b / ty, token tile b % ty), so the ty blocks that read the same weight
 // rows run side by side and all but the first find them in L2.
@@ -511,26 +559,8 @@ __global__ void __launch_bounds__(MV_WARPS * 32, 2) gemv_x_kernel(mm_mat_args a,
                          : "memory");
     }
 #endif
-    { // the tile's x rows as bf16 pairs (pack_bf16, as every path rounds x)
-        const int kp = (a.n_in + 31) / 32 * 32, per_row = kp / 8;
-        const bool aligned_up = ((uintptr_t)a.x_up & 15) == 0;
-        for (int p = threadIdx.x; p < tile.mlen * per_row; p += MV_WARPS * 32) {
-            const int m = p / per_row, k = (p % per_row) * 8;
-            const int xrow = a.x_idx ? a.x_idx[tile.m0 + m] : tile.m0 + m;
-            float4 lo, hi;
-            load_x8f(a.x + (size_t)xrow * a.x_stride, k, a.n_in, vec, lo, hi);
-            if (a.x_up) { // zeros past n_in stay zeros: silu(0) * 0 = +0
-                float4 ul, uh;
-                load_x8f(a.x_up + (size_t)xrow * a.x_stride, k, a.n_in, vec && aligned_up, ul, uh);
-                lo = make_float4(mv2_swiglu(lo.x, ul.x), mv2_swiglu(lo.y, ul.y),
-                                 mv2_swiglu(lo.z, ul.z), mv2_swiglu(lo.w, ul.w));
-                hi = make_float4(mv2_swiglu(hi.x, uh.x), mv2_swiglu(hi.y, uh.y),
-                                 mv2_swiglu(hi.z, uh.z), mv2_swiglu(hi.w, uh.w));
-            }
-            *(uint4 *)&xsm[m * ldx + k] = make_uint4(pack_bf16(lo.x, lo.y), pack_bf16(lo.z, lo.w),
-                                                     pack_bf16(hi.x, hi.y), pack_bf16(hi.z, hi.w));
-        }
-    }
+    mv_stage_x(a, xsm, ldx, tile.mlen, vec,
+               [&](int m) { return a.x_idx ? a.x_idx[tile.m0 + m] : tile.m0 + m; });
     __syncthreads();
     const uint16_t *xg = xsm + min(g, tile.mlen - 1) * ldx; // token g (past mlen: a valid row)
     if (r0 < a.n_out) {
@@ -562,19 +592,8 @@ __global__ void __launch_bounds__(MV_WARPS * 32, 2) gemv_x_kernel(mm_mat_args a,
         }
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < tpb * 16 * 8; i += MV_WARPS * 32) {
-        const int tl = i / (16 * 8), rem = i % (16 * 8);
-        const int o = (bx * tpb + tl) * 16 + rem / 8, tok = rem % 8;
-        if (o >= a.n_out || tok >= tile.mlen)
-            continue;
-        float v = 0.0f;
-        for (int sg = 0; sg < S; sg++)
-            v = v + part[tl * S + sg][rem];
-        if (a.bias)
-            v = v + a.bias[o];
-        const int yrow = a.y_idx ? a.y_idx[tile.m0 + tok] : tile.m0 + tok;
-        a.y[(size_t)yrow * a.y_stride + o] = v;
-    }
+    mv_store_y(a, &part[0][0], S, tpb, bx, tile.mlen,
+               [&](int tok) { return a.y_idx ? a.y_idx[tile.m0 + tok] : tile.m0 + tok; });
 }
 
 // ---- GEMM through mma: x in A (16 tokens), W^T in B (8 outputs) ---------------------------------
@@ -843,6 +862,364 @@ __global__ void __launch_bounds__(MM_THREADS, 2) gemm_mma_async_kernel(mm_mat_ar
 }
 #include "gemm_wg.cuh"
 #include "gemm_wp.cuh"
+
+// ---- GEMV v3 (decode): W by bulk copies into shared memory --------------------------------------
+// GEMV v2's tiles, segments and mma sequence (so the same bits), with W taken through shared
+// memory instead of registers: at the block's start (dense: before griddepcontrol.wait;
+// grouped: right after the tile lookup) warp 0 asks for *all* of the block's W rows, one
+// cp.async.bulk per row (n_in * 2 bytes) completing on its 16-row tile's mbarrier, so a block
+// has its whole W (25-132 KB at the Qwen3-30B-A3B shapes) in flight at once, and with up to 3-5
+// blocks per SM (no W registers) up to ~200 KB per SM, where v2 holds 8 KB per warp in
+// registers (128 KB per SM) and walks longer rows in rounds (o_proj: 2, down: 2 for warp 0).
+// A block is one 16-row tile (wpt = 8 warps over its segments; MM_GPU_GEMV_BULK_TPB=0: v2's
+// tiles per block).
+// Each warp then reads its A fragments from shared memory (the same 16 bytes per lane v2 loads
+// from global: row g / g + 8, k 8t..8t+7 of each 32-chunk) and its B fragments from the x tile.
+// W rows have stride mv2_ldx(n_in) (as x: lanes g and g + 1 of a quarter-warp in other banks);
+// their k past n_in up to the 32-chunk end is zeroed, as v2's loads give zeros there; rows past
+// n_out are not copied (an mma row depends only on its own A row, and those outputs are not
+// stored). Grouped: warp 0 loads the expert pointers and the x and y row indices in the round of
+// the offsets (mv3_tile_find), so the W copies start one L2 round trip after the block's start
+// and the epilogue stores without a dependent index load. A grouped expert's W that is not
+// 16-byte aligned (no bulk copy possible) is copied by the block's threads instead (same bits).
+// Taken where GEMV v2 is, for n_in % 8 == 0 (rows of whole 16-byte pieces) and a 16-byte aligned
+// dense W, when the block's shared memory fits MV3_SMEM_MAX (mm_gpu_set_gemv_bulk: which
+// products). The L2 hints (a.pf_tab, a.ef) are v2-only.
+#define MV3_SMEM_MAX (224 << 10) // of the 227 KiB a block may have (static: 1 KiB)
+
+// mbarrier and bulk-copy helpers of GEMV v3 (plain sm_90: gemm_wp.cuh's are sm_90a-only).
+__device__ __forceinline__ void mv3_bar_init(uint32_t bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mv3_bar_expect(uint32_t bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
+                 : "memory");
+}
+// bytes (a multiple of 16) from global src (16-byte aligned) to shared dst, completing on bar
+__device__ __forceinline__ void mv3_bulk(uint32_t dst, const void *src, uint32_t bytes, uint32_t bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+                 ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+// Waits for the phase of this parity; traps after 2^26 polls (copies that never land: a bug)
+// rather than hang the stream.
+__device__ __forceinline__ void mv3_bar_wait(uint32_t bar, uint32_t parity) {
+    asm volatile("{\n.reg .pred p;\n.reg .u32 n;\nmov.u32 n, 0;\n"
+                 "MV3_WAIT:\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+                 "@p bra MV3_DONE;\n"
+                 "add.u32 n, n, 1;\n"
+                 "setp.lt.u32 p, n, 67108864;\n"
+                 "@p bra MV3_WAIT;\n"
+                 "trap;\n"
+                 "MV3_DONE:\n}\n" ::"r"(bar), "r"(parity) : "memory");
+}
+
+// mm_tile_find for GEMV v3's warp 0, with the tile's weight matrix and, for lane m < 8, row m's
+// x and y rows (x_idx / y_idx, or the row itself; lanes past mlen: the tile's last row). With at
+// most 128 experts and 128 rows the pointers and indices are loaded before the offsets, in the
+// same round, and shuffled out after the scan; beyond that they are loaded after it.
+__device__ __forceinline__ mm_tile mv3_tile_find(const mm_mat_args &a, const void **w, int *xrow,
+                                                 int *yrow) {
+    const int lane = threadIdx.x % 32;
+    const bool pe = a.n_experts <= 4 * 32, pr = a.n_rows <= 4 * 32;
+    unsigned long long wp[4];
+    int xi[4], yi[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const int j = lane + 32 * i;
+        wp[i] = pe && j < a.n_experts ? (unsigned long long)a.wg[j] : 0ull;
+        xi[i] = pr && a.x_idx && j < a.n_rows ? a.x_idx[j] : j;
+        yi[i] = pr && a.y_idx && j < a.n_rows ? a.y_idx[j] : j;
+    }
+    const mm_tile t = mm_tile_find(a.offs, a.n_experts, 8, blockIdx.y);
+    if (t.mlen == 0)
+        return t;
+    const int p = t.m0 + min(lane, t.mlen - 1);
+    unsigned long long wv = 0;
+    int xr = p, yr = p;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const unsigned long long v = __shfl_sync(0xffffffffu, wp[i], t.e & 31);
+        const int vx = __shfl_sync(0xffffffffu, xi[i], p & 31);
+        const int vy = __shfl_sync(0xffffffffu, yi[i], p & 31);
+        if (i == t.e >> 5)
+            wv = v;
+        if (i == p >> 5)
+            xr = vx, yr = vy;
+    }
+    *w = pe ? (const void *)wv : a.wg[t.e];
+    *xrow = pr || !a.x_idx ? xr : a.x_idx[p];
+    *yrow = pr || !a.y_idx ? yr : a.y_idx[p];
+    return t;
+}
+
+template <bool GROUPED>
+__global__ void __launch_bounds__(MV_WARPS * 32, 3) gemv_bulk_kernel(mm_mat_args a, int wpt, int ty) {
+    // dynamic: tpb * 16 W rows, then min(8, n_rows) x rows (both of mv2_ldx(n_in) bf16), then
+    // part[tpb * S][16 * 8] f32
+    extern __shared__ __align__(16) uint16_t wsm[];
+    __shared__ __align__(8) uint64_t bars[MV_WARPS]; // per 16-row tile: its W rows' copies
+    __shared__ int info[3 + 2 * 8];                  // grouped: m0, mlen, bulk; x rows; y rows
+    __shared__ const void *w_s;
+    asm volatile("griddepcontrol.launch_dependents;\n" ::);
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int g = lane >> 2, t = lane & 3;
+    const int tpb = MV_WARPS / wpt, tib = warp / wpt, wit = warp % wpt;
+    const int sl = seg_len(a.n_in), S = (a.n_in + sl - 1) / sl;
+    const int bx = GROUPED ? (int)blockIdx.x : (int)blockIdx.x / ty;
+    const int rb = bx * tpb * 16, r0 = rb + tib * 16;
+    const int nrw = min(tpb * 16, a.n_out - rb); // W rows the block copies (>= 1)
+    const int ldx = mv2_ldx(a.n_in);
+    uint16_t *xsm = wsm + (size_t)tpb * 16 * ldx;
+    float *part = (float *)(xsm + (size_t)min(8, a.n_rows) * ldx);
+    const uint32_t wsa = (uint32_t)__cvta_generic_to_shared(wsm);
+    const uint32_t bar0 = (uint32_t)__cvta_generic_to_shared(bars);
+    if (threadIdx.x == 0) {
+        for (int i = 0; i < tpb; i++)
+            mv3_bar_init(bar0 + 8 * i, 1);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncwarp();
+    // warp 0: per tile lane 0's arrival expecting the tile's bytes, then a bulk copy per row
+    // (lanes in parallel); not 16-byte aligned: arrivals of 0 bytes, the block copies W below
+    auto issue = [&](const uint16_t *w) -> int {
+        const int ok = ((uintptr_t)w & 15) == 0;
+        if (lane == 0)
+            for (int i = 0; i < tpb; i++)
+                mv3_bar_expect(bar0 + 8 * i,
+                              ok ? (uint32_t)max(0, min(16, nrw - 16 * i)) * (uint32_t)a.n_in * 2u : 0u);
+        __syncwarp();
+        if (ok)
+            for (int i = lane; i < nrw; i += 32)
+                mv3_bulk(wsa + (uint32_t)i * (uint32_t)ldx * 2u, w + (size_t)(rb + i) * a.n_in,
+                        (uint32_t)a.n_in * 2u, bar0 + 8 * (i / 16));
+        return ok;
+    };
+    mm_tile tile;
+    const uint16_t *w = (const uint16_t *)a.w0;
+    int bulk = 1;
+    if (!GROUPED && warp == 0)
+        issue(w); // W is never written by an earlier kernel: before the wait
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+    if (GROUPED) {
+        if (warp == 0) {
+            const void *wv = NULL;
+            int xr = 0, yr = 0;
+            const mm_tile tt = mv3_tile_find(a, &wv, &xr, &yr);
+            const int ml = wv != NULL ? tt.mlen : 0;
+            const int ok = ml > 0 ? issue((const uint16_t *)wv) : 0;
+            if (lane == 0)
+                info[0] = tt.m0, info[1] = ml, info[2] = ok, w_s = wv;
+            if (lane < 8)
+                info[3 + lane] = xr, info[11 + lane] = yr;
+        }
+        __syncthreads();
+        tile.e = 0, tile.m0 = info[0], tile.mlen = info[1], bulk = info[2];
+        w = (const uint16_t *)w_s;
+        if (tile.mlen == 0)
+            return; // no copies were issued
+    } else {
+        tile.e = 0;
+        tile.m0 = (int)(blockIdx.x % ty) * 8;
+        tile.mlen = min(8, a.n_rows - tile.m0);
+    }
+    mv_stage_x(a, xsm, ldx, tile.mlen, a.vec != 0, [&](int m) {
+        return GROUPED ? info[3 + m] : a.x_idx ? a.x_idx[tile.m0 + m] : tile.m0 + m;
+    });
+    const int kp = (a.n_in + 31) / 32 * 32, zp = kp - a.n_in; // W's zeros past n_in
+    for (int p = threadIdx.x; p < tpb * 16 * zp; p += MV_WARPS * 32)
+        wsm[(size_t)(p / zp) * ldx + a.n_in + p % zp] = 0;
+    if (!bulk)
+        for (int p = threadIdx.x; p < nrw * a.n_in; p += MV_WARPS * 32)
+            wsm[(size_t)(p / a.n_in) * ldx + p % a.n_in] = w[(size_t)(rb + p / a.n_in) * a.n_in + p % a.n_in];
+    __syncthreads();
+    if (r0 < a.n_out) {
+        mv3_bar_wait(bar0 + 8 * tib, 0);
+        const uint16_t *xg = xsm + min(g, tile.mlen - 1) * ldx; // token g (past mlen: a valid row)
+        const uint16_t *wa = wsm + (size_t)(tib * 16 + g) * ldx, *wb = wa + 8 * ldx;
+        for (int sg = wit; sg < S; sg += wpt) {
+            const int k_end = min(a.n_in, (sg + 1) * sl);
+            float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll 8
+            for (int kc = sg * sl; kc < k_end; kc += 32) {
+                const int k = kc + 8 * t;
+                const uint4 xv = *(const uint4 *)(xg + k);
+                const uint4 w0v = *(const uint4 *)(wa + k), w1v = *(const uint4 *)(wb + k);
+                const uint32_t A0[4] = {w0v.x, w1v.x, w0v.y, w1v.y};
+                const uint32_t B0[2] = {xv.x, xv.y};
+                mma16816(acc, A0, B0);
+                const uint32_t A1[4] = {w0v.z, w1v.z, w0v.w, w1v.w};
+                const uint32_t B1[2] = {xv.z, xv.w};
+                mma16816(acc, A1, B1);
+            }
+            // acc[0..1]: outputs g, tokens 2t, 2t+1; acc[2..3]: output g+8.
+            float *pp = part + (tib * S + sg) * (16 * 8);
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+                pp[(g + (i >> 1) * 8) * 8 + 2 * t + (i & 1)] = acc[i];
+        }
+    }
+    __syncthreads();
+    mv_store_y(a, part, S, tpb, bx, tile.mlen, [&](int tok) {
+        return GROUPED ? info[11 + tok] : a.y_idx ? a.y_idx[tile.m0 + tok] : tile.m0 + tok;
+    });
+}
+
+// ---- GEMV v4 (decode, <= 8 rows in all): W streamed through a ring of shared-memory stages ------
+// One block per SM walks items (a 16-row output tile x one token tile: dense, the n_rows <= 8
+// rows; grouped, one expert's rows) b, b + gridDim.x, ...; a producer warp (warp 8) streams each
+// item's W in k-blocks of ks (a multiple of seg_len(n_in), ~1024) through nst stages (16 rows x
+// ks, one cp.async.bulk per row, full[s] / empty[s] mbarriers), running ahead of the 8
+// consumer warps by up to nst stages (~200 KB per SM in flight), so the consumers' epilogues and
+// barriers never hold the weight stream. x is staged once per block (all n_rows rows, bf16,
+// gathered through x_idx, SwiGLU of x_up applied), and the grouped products' tiles (experts with
+// rows: one tile each, as n_rows <= 8) and y rows are found once per block. Consumer warp w
+// computes the segments sg with sg % 8 == w from the stage holding them (a segment never
+// straddles two k-blocks), with GEMV v1's mma sequence; the segment sums go to part[item & 1]
+// (one consumer barrier per item) and mv_store_y adds them in segment order: the same bits.
+// Dense W is streamed before griddepcontrol.wait (the producer reads nothing an earlier kernel
+// writes); a grouped expert's W that is not 16-byte aligned is copied by the producer's lanes.
+#define MV4_NST_MAX 16
+#define MV4_KS 1024 // k per stage (rounded to whole segments)
+
+template <bool GROUPED>
+__global__ void __launch_bounds__((MV_WARPS + 1) * 32, 1) gemv_ring_kernel(mm_mat_args a, int nst, int ks) {
+    // dynamic: nst stages of 16 x (ks + 32) bf16, n_rows x rows of mv2_ldx(n_in) bf16,
+    // part[2][S][16 * 8] f32
+    extern __shared__ __align__(16) uint16_t rsm[];
+    __shared__ __align__(8) uint64_t full[MV4_NST_MAX], empty[MV4_NST_MAX];
+    __shared__ int tab_m0[8], tab_ml[8], yrow_s[8], ntab_s;
+    __shared__ const uint16_t *tab_w[8];
+    asm volatile("griddepcontrol.launch_dependents;\n" ::);
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int g = lane >> 2, t = lane & 3;
+    const int sl = seg_len(a.n_in), S = (a.n_in + sl - 1) / sl;
+    const int ldx = mv2_ldx(a.n_in), sst = ks + 32, nkb = (a.n_in + ks - 1) / ks;
+    const int gx = (a.n_out + 15) / 16;
+    uint16_t *xsm = rsm + (size_t)nst * 16 * sst;
+    float *part = (float *)(xsm + (size_t)a.n_rows * ldx);
+    const uint32_t st0 = (uint32_t)__cvta_generic_to_shared(rsm);
+    const uint32_t f0 = (uint32_t)__cvta_generic_to_shared(full);
+    const uint32_t e0 = (uint32_t)__cvta_generic_to_shared(empty);
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < nst; s++) {
+            mv3_bar_init(f0 + 8 * s, 1);
+            mv3_bar_init(e0 + 8 * s, MV_WARPS);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+    int ntab = GROUPED ? 0 : 1;
+    if (warp == MV_WARPS) { // ---- producer
+        int i = 0, kb = 0, c = 0; // next item (b + i * gridDim.x), its k-block, stage count
+        auto produce = [&](int limit) {
+            for (;;) {
+                const int it = (int)blockIdx.x + i * (int)gridDim.x;
+                if (it >= gx * ntab || c >= limit)
+                    return;
+                const int bx = it % gx, j = it / gx, r0 = bx * 16, nr = min(16, a.n_out - r0);
+                const uint16_t *w = GROUPED ? tab_w[j] : (const uint16_t *)a.w0;
+                const int k0 = kb * ks, kl = min(a.n_in, k0 + ks) - k0, kz = (kl + 31) / 32 * 32;
+                const int s = c % nst, r = c / nst;
+                const uint32_t sa = st0 + (uint32_t)s * 16u * (uint32_t)sst * 2u;
+                uint16_t *sp = rsm + (size_t)s * 16 * sst;
+                if (r > 0) { // the consumers are done with the stage's last round
+                    mv3_bar_wait(e0 + 8 * s, (r - 1) & 1);
+                    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+                }
+                const bool ok = ((uintptr_t)w & 15) == 0;
+                for (int p = lane; p < 16 * (kz - kl); p += 32) // zeros past n_in
+                    sp[(p / (kz - kl)) * sst + kl + p % (kz - kl)] = 0;
+                if (!ok) // not 16-byte aligned: plain copies
+                    for (int p = lane; p < nr * kl; p += 32)
+                        sp[(p / kl) * sst + p % kl] = w[(size_t)(r0 + p / kl) * a.n_in + k0 + p % kl];
+                __threadfence_block();
+                __syncwarp();
+                if (lane == 0)
+                    mv3_bar_expect(f0 + 8 * s, ok ? (uint32_t)nr * (uint32_t)kl * 2u : 0u);
+                __syncwarp();
+                if (ok && lane < nr)
+                    mv3_bulk(sa + (uint32_t)lane * (uint32_t)sst * 2u,
+                             w + (size_t)(r0 + lane) * a.n_in + k0, (uint32_t)kl * 2u, f0 + 8 * s);
+                c++;
+                if (++kb == nkb)
+                    kb = 0, i++;
+            }
+        };
+        if (!GROUPED)
+            produce(nst); // the first round of stages, before the wait and the x staging
+        if (GROUPED) {
+            // the tiles: one per expert with rows (n_rows <= 8: each fits one 8-row tile), in
+            // expert order, with the expert's matrix
+            asm volatile("griddepcontrol.wait;\n" ::: "memory");
+            for (int eb = 0; eb < a.n_experts; eb += 32) {
+                const int e = eb + lane;
+                const int lo = e < a.n_experts ? a.offs[e] : 0;
+                const int cnt = e < a.n_experts ? a.offs[e + 1] - lo : 0;
+                const unsigned m = __ballot_sync(0xffffffffu, cnt > 0 && a.wg[min(e, a.n_experts - 1)] != NULL);
+                const int pos = ntab + __popc(m & ((1u << lane) - 1u));
+                if ((m >> lane & 1u) && pos < 8)
+                    tab_m0[pos] = lo, tab_ml[pos] = min(cnt, 8), tab_w[pos] = (const uint16_t *)a.wg[e];
+                ntab = min(8, ntab + __popc(m));
+            }
+            if (lane == 0)
+                ntab_s = ntab;
+        }
+        __syncthreads(); // the tiles and x
+        produce(0x7fffffff);
+        return;
+    }
+    // ---- consumers (warps 0..7): x rows once, y rows, then the items
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+    mv_stage_x(a, xsm, ldx, a.n_rows, a.vec != 0,
+               [&](int m) { return a.x_idx ? a.x_idx[m] : m; });
+    if (threadIdx.x < a.n_rows)
+        yrow_s[threadIdx.x] = a.y_idx ? a.y_idx[threadIdx.x] : (int)threadIdx.x;
+    __syncthreads();
+    if (GROUPED)
+        ntab = ntab_s;
+    int c = 0;
+    for (int i = 0;; i++) {
+        const int it = (int)blockIdx.x + i * (int)gridDim.x;
+        if (it >= gx * ntab)
+            break;
+        const int bx = it % gx, j = it / gx;
+        const int m0 = GROUPED ? tab_m0[j] : 0, mlen = GROUPED ? tab_ml[j] : a.n_rows;
+        const uint16_t *xg = xsm + (size_t)(m0 + min(g, mlen - 1)) * ldx; // token g of the tile
+        float *pi = part + (size_t)(i & 1) * S * (16 * 8);
+        for (int kb = 0; kb < nkb; kb++, c++) {
+            const int s = c % nst, r = c / nst, k0 = kb * ks;
+            mv3_bar_wait(f0 + 8 * s, r & 1);
+            const uint16_t *wa = rsm + (size_t)s * 16 * sst + (size_t)g * sst - k0, *wb = wa + 8 * sst;
+            const int sb = k0 / sl, se = min(S, (k0 + ks) / sl); // the stage's segments
+            for (int sg = sb + ((warp - sb) & (MV_WARPS - 1)); sg < se; sg += MV_WARPS) {
+                const int k_end = min(a.n_in, (sg + 1) * sl);
+                float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll 8
+                for (int kc = sg * sl; kc < k_end; kc += 32) {
+                    const int k = kc + 8 * t;
+                    const uint4 xv = *(const uint4 *)(xg + k);
+                    const uint4 w0v = *(const uint4 *)(wa + k), w1v = *(const uint4 *)(wb + k);
+                    const uint32_t A0[4] = {w0v.x, w1v.x, w0v.y, w1v.y};
+                    const uint32_t B0[2] = {xv.x, xv.y};
+                    mma16816(acc, A0, B0);
+                    const uint32_t A1[4] = {w0v.z, w1v.z, w0v.w, w1v.w};
+                    const uint32_t B1[2] = {xv.z, xv.w};
+                    mma16816(acc, A1, B1);
+                }
+                float *pp = pi + sg * (16 * 8);
+#pragma unroll
+                for (int q = 0; q < 4; q++)
+                    pp[(g + (q >> 1) * 8) * 8 + 2 * t + (q & 1)] = acc[q];
+            }
+            __syncwarp();
+            if (lane == 0)
+                asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(e0 + 8 * s) : "memory");
+        }
+        asm volatile("bar.sync 1, %0;\n" ::"n"(MV_WARPS * 32) : "memory"); // part of item i
+        mv_store_y(a, pi, S, 1, bx, mlen, [&](int tok) { return yrow_s[m0 + tok]; });
+    }
+}
 #endif // MM_GPU_HAVE_WMMA
 
 // ---- tiled FMA GEMM (any dtype, any vendor) ------------------------------------------------------
@@ -1575,6 +1952,73 @@ static size_t gemv_x_smem(const mm_mat_args &a, int per_tile_rows) {
     const size_t bytes = rows * (size_t)mv2_ldx(a.n_in) * 2;
     return bytes <= MV2_SMEM_MAX ? bytes : 0;
 }
+
+// GEMV v3 (gemv_bulk_kernel): MM_GPU_GEMV_BULK (read once unless mm_gpu_set_gemv_bulk set it):
+// 0 off (v2); 1 v3 for the products v2 takes of at most 8 rows (dense; grouped as v2: one row
+// per expert on average), the LM head included, so that batch-1 decode runs no v2 beside v3
+// (mixing them cost 6-11% on the H200: a block of one needs the L1 the other's carveout takes);
+// 2 v3 for every product v2 takes (dense 9..64 rows too); 3 as 1, with GEMV v4
+// (gemv_ring_kernel) where it applies. g_gemv_bulk_n counts v3 and v4 launches (tests).
+// MM_GPU_GEMV_BULK_CARVEOUT (diagnosis, read once): the kernel's preferred shared-memory
+// carveout in percent; unset: the largest; -1: none (the driver's choice).
+// MM_GPU_GEMV_BULK_TPB (A/B, read once): 1 (default) v3 blocks of one 16-row tile whatever the
+// segment count (down, 3 segments: 16 rows, 42 KB, 3 busy warps per block); 0 v2's tiles per
+// block (down: 64 rows, 110 KB). Same bits. H200, 07:03 UTC: decode batch 1 1707/1725 tok/s
+// with 1 against 1613/1597 with 0 (v2 1580/1594): the small blocks leave room on the SMs for
+// the kernels launched early beside them.
+#define GEMV_BULK_DEFAULT 1
+static int g_gemv_bulk = -1; // -1: not read yet
+static int g_gemv_bulk_carve = -2; // -2: not read yet
+static int g_gemv_bulk_tpb1;
+static unsigned long long g_gemv_bulk_n;
+
+static int gemv_bulk_mode(void) {
+    if (g_gemv_bulk < 0) {
+        const char *e = getenv("MM_GPU_GEMV_BULK");
+        const int v = e && e[0] ? atoi(e) : GEMV_BULK_DEFAULT;
+        g_gemv_bulk = v >= 0 && v <= 3 ? v : GEMV_BULK_DEFAULT;
+    }
+    if (g_gemv_bulk_carve == -2) {
+        const char *c = getenv("MM_GPU_GEMV_BULK_CARVEOUT");
+        const int v = c && c[0] ? atoi(c) : cudaSharedmemCarveoutMaxShared;
+        g_gemv_bulk_carve = v >= -1 && v <= 100 ? v : cudaSharedmemCarveoutMaxShared;
+        const char *t1 = getenv("MM_GPU_GEMV_BULK_TPB");
+        g_gemv_bulk_tpb1 = !(t1 && strcmp(t1, "0") == 0);
+    }
+    return g_gemv_bulk;
+}
+
+// Shared memory of a GEMV v3 block (W rows of its tpb tiles, the x tile of xs_bytes, the
+// segment sums), or 0 where v3 does not take the product (see gemv_bulk_kernel).
+static size_t gemv_bulk_smem(const mm_mat_args &a, int wpt, size_t xs_bytes) {
+    const int mode = gemv_bulk_mode();
+    if (mode == 0 || a.n_in % 8 != 0)
+        return 0;
+    if (a.wg == NULL && (!aligned16(a.w0) || (mode != 2 && a.n_rows > 8)))
+        return 0;
+    const int tpb = MV_WARPS / wpt, S = (a.n_in + seg_len(a.n_in) - 1) / seg_len(a.n_in);
+    const size_t bytes = (size_t)tpb * 16 * mv2_ldx(a.n_in) * 2 + xs_bytes + (size_t)tpb * S * 16 * 8 * 4;
+    return bytes <= MV3_SMEM_MAX ? bytes : 0;
+}
+
+// GEMV v4's stages (nst, 0 where it does not take the product: mode < 3, more than 8 rows, n_in
+// % 8 != 0, an unaligned dense W, segments over MV4_KS), k per stage (*ks) and shared memory.
+static int gemv_ring_cfg(const mm_mat_args &a, int *ks, size_t *smem) {
+    if (gemv_bulk_mode() < 3 || a.n_rows > 8 || a.n_in % 8 != 0 || (a.wg == NULL && !aligned16(a.w0)))
+        return 0;
+    const int sl = seg_len(a.n_in), S = (a.n_in + sl - 1) / sl;
+    if (sl > MV4_KS)
+        return 0;
+    const int k = min(sl * (MV4_KS / sl), (a.n_in + sl - 1) / sl * sl);
+    const size_t stage = (size_t)16 * (k + 32) * 2;
+    const size_t fixed = (size_t)a.n_rows * mv2_ldx(a.n_in) * 2 + (size_t)2 * S * 16 * 8 * 4;
+    const int nst = (int)min((size_t)MV4_NST_MAX, (MV3_SMEM_MAX - fixed) / stage);
+    if (nst < 2)
+        return 0;
+    *ks = k;
+    *smem = (size_t)nst * stage + fixed;
+    return nst;
+}
 #endif
 
 template <bool GROUPED>
@@ -1610,6 +2054,52 @@ static mm_err launch(cudaStream_t st, int path, int dtype, mm_mat_args a, int pe
             }
             const int ty = GROUPED ? 1 : (a.n_rows + 7) / 8; // dense: 8-row tiles along x
             cfg.gridDim = GROUPED ? dim3(grid.x, tiles(8)) : dim3(grid.x * ty, 1);
+            int ring_ks = 0;
+            size_t ring_bytes = 0;
+            const int ring_nst = gemv_ring_cfg(a, &ring_ks, &ring_bytes);
+            if (ring_nst > 0) { // GEMV v4 (same bits): W through a ring, one block per SM
+                static uint64_t ring_attr_set;
+                static int sms[64];
+                int dev = 0;
+                MM_GPU_CHECK(cudaGetDevice(&dev));
+                if (!(ring_attr_set & (1ull << (dev & 63)))) {
+                    MM_GPU_CHECK(cudaFuncSetAttribute(gemv_ring_kernel<GROUPED>,
+                                                      cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                      MV3_SMEM_MAX));
+                    MM_GPU_CHECK(cudaDeviceGetAttribute(&sms[dev & 63], cudaDevAttrMultiProcessorCount, dev));
+                    ring_attr_set |= 1ull << (dev & 63);
+                }
+                const int items = mm_div_up(a.n_out, 16) * (GROUPED ? min(a.n_experts, a.n_rows) : 1);
+                cfg.gridDim = dim3((unsigned)max(1, min(items, sms[dev & 63])));
+                cfg.blockDim = dim3((MV_WARPS + 1) * 32);
+                cfg.dynamicSmemBytes = ring_bytes;
+                MM_GPU_CHECK(cudaLaunchKernelEx(&cfg, gemv_ring_kernel<GROUPED>, a, ring_nst, ring_ks));
+                __atomic_fetch_add(&g_gemv_bulk_n, 1ull, __ATOMIC_RELAXED);
+                return MM_OK;
+            }
+            const int wpt3 = gemv_bulk_mode() > 0 && g_gemv_bulk_tpb1 ? MV_WARPS : wpt;
+            const size_t bulk_bytes = gemv_bulk_smem(a, wpt3, xs_bytes);
+            if (bulk_bytes > 0) { // GEMV v3 (same bits): W by bulk copies into shared memory
+                cfg.dynamicSmemBytes = bulk_bytes;
+                const unsigned gx3 = mm_div_up(a.n_out, 16 * (MV_WARPS / wpt3));
+                cfg.gridDim = GROUPED ? dim3(gx3, tiles(8)) : dim3(gx3 * ty, 1);
+                static uint64_t bulk_attr_set;
+                int dev = 0;
+                MM_GPU_CHECK(cudaGetDevice(&dev));
+                if (!(bulk_attr_set & (1ull << (dev & 63)))) {
+                    MM_GPU_CHECK(cudaFuncSetAttribute(gemv_bulk_kernel<GROUPED>,
+                                                      cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                      MV3_SMEM_MAX));
+                    if (g_gemv_bulk_carve >= 0)
+                        MM_GPU_CHECK(cudaFuncSetAttribute(gemv_bulk_kernel<GROUPED>,
+                                                          cudaFuncAttributePreferredSharedMemoryCarveout,
+                                                          g_gemv_bulk_carve));
+                    bulk_attr_set |= 1ull << (dev & 63);
+                }
+                MM_GPU_CHECK(cudaLaunchKernelEx(&cfg, gemv_bulk_kernel<GROUPED>, a, wpt3, ty));
+                __atomic_fetch_add(&g_gemv_bulk_n, 1ull, __ATOMIC_RELAXED);
+                return MM_OK;
+            }
             cfg.dynamicSmemBytes = xs_bytes;
             static uint64_t attr_set; // harmlessly racy, as for the GEMM tiles
             int dev = 0;
@@ -1826,6 +2316,22 @@ extern "C" void mm_gpu_set_gemv_version(int v) {
     g_gemv_version = v >= 2 ? 2 : 1;
 #else
     (void)v;
+#endif
+}
+
+extern "C" void mm_gpu_set_gemv_bulk(int mode) {
+#if MM_GPU_HAVE_WMMA
+    g_gemv_bulk = mode >= 0 && mode <= 3 ? mode : -1;
+#else
+    (void)mode;
+#endif
+}
+
+extern "C" unsigned long long mm_gpu_gemv_bulk_launches(void) {
+#if MM_GPU_HAVE_WMMA
+    return __atomic_load_n(&g_gemv_bulk_n, __ATOMIC_RELAXED);
+#else
+    return 0;
 #endif
 }
 

@@ -7,7 +7,8 @@
 // attention with more loads in flight has the bits of the earlier load grouping; the per-op
 // timer (MM_GPU_OPTIME=1) gives a table without graphs and the same results; GEMV v2 (x tile in
 // shared memory, whole segments of W in flight, gather/scatter row indices) has the earlier
-// GEMV's bits; add_rmsnorm has the bits of axpy then rmsnorm.
+// GEMV's bits, and so has GEMV v3 (W by bulk copies into shared memory); add_rmsnorm has the
+// bits of axpy then rmsnorm.
 // Without the GPU backend (plain `make`) or without a GPU, every case skips and says why.
 #include <math.h>
 #include <stdint.h>
@@ -55,6 +56,8 @@ extern mm_err mm_gpu_moe_matmul_rows(void *stream, int dtype, const void *const 
                                      const float *d_x_up, float *d_y, int64_t y_stride,
                                      const int32_t *d_y_idx, int n_rows) __attribute__((weak));
 extern void mm_gpu_set_gemv_version(int v) __attribute__((weak));
+extern void mm_gpu_set_gemv_bulk(int mode) __attribute__((weak));
+extern unsigned long long mm_gpu_gemv_bulk_launches(void) __attribute__((weak));
 extern void mm_gpu_set_grouped_prefetch(const void *const *d_tab, size_t n_bytes)
     __attribute__((weak));
 extern void mm_gpu_set_grouped_evict_first(int on) __attribute__((weak));
@@ -427,10 +430,21 @@ static uint16_t *rand_w(size_t n) {
     return w;
 }
 
-// Dense: y = x W^T (+ bias) through mm_gpu_matmul with GEMV v1 and v2; strided x and y, every
-// element compared (including the untouched padding between rows).
-static void gemv_dense_case(int n_out, int n_in, int n_rows, bool bias) {
-    const int64_t xs = n_in + 3, ys = n_out + 5;
+// Whether GEMV v3 (bulk copies) ran for the calls since the last call of bulk_taken.
+static bool bulk_taken(void) {
+    static unsigned long long last;
+    const unsigned long long n = mm_gpu_gemv_bulk_launches ? mm_gpu_gemv_bulk_launches() : 0;
+    const bool r = n > last;
+    last = n;
+    return r;
+}
+
+// Dense: y = x W^T (+ bias) through mm_gpu_matmul with GEMV v1, v2, v3 and v4 (bulk modes 2 and
+// 3, where linked); x rows xpad floats apart beyond n_in (3: no vector loads of x), y strided,
+// every element compared (including the untouched padding between rows). Returns 1 if v3 took
+// the product (mode 2), | 2 if mode 3 took it (v4, or v3 where v4 does not apply).
+static int gemv_dense_case(int n_out, int n_in, int n_rows, bool bias, int xpad) {
+    const int64_t xs = n_in + xpad, ys = n_out + 5;
     uint16_t *w = rand_w((size_t)n_out * n_in);
     float *x = malloc((size_t)(n_rows * xs) * 4), *b = malloc((size_t)n_out * 4);
     for (int64_t i = 0; i < n_rows * xs; i++)
@@ -439,30 +453,48 @@ static void gemv_dense_case(int n_out, int n_in, int n_rows, bool bias) {
         b[i] = frand();
     void *dw = dev_copy(w, (size_t)n_out * n_in * 2);
     float *dx = dev_copy(x, (size_t)(n_rows * xs) * 4), *db = dev_copy(b, (size_t)n_out * 4);
-    float *y[2];
-    for (int v = 0; v < 2; v++) {
+    float *y[4];
+    for (int v = 0; v < 4; v++) {
         y[v] = dev_copy(NULL, (size_t)(n_rows * ys) * 4);
         MM_PASS(gpu->ops->fill(gpu->ctx, y[v], -7.0f, n_rows * ys));
     }
     MM_PASS(gpu->ops->synchronize(gpu->ctx));
-    for (int v = 0; v < 2; v++) {
-        mm_gpu_set_gemv_version(v + 1);
+    const int nv = mm_gpu_set_gemv_bulk ? 4 : 2;
+    int taken = 0;
+    for (int v = 0; v < nv; v++) { // v1, v2, then bulk modes 2 (the LM head's size too) and 3
+        mm_gpu_set_gemv_version(v == 0 ? 1 : 2);
+        if (mm_gpu_set_gemv_bulk)
+            mm_gpu_set_gemv_bulk(v >= 2 ? v : 0);
+        bulk_taken();
         MM_PASS(mm_gpu_matmul(NULL, MM_DTYPE_BF16, dw, n_out, n_in, bias ? db : NULL, dx, xs,
                               y[v], ys, n_rows, -1));
+        const bool ran = bulk_taken();
+        MM_TRUE(v >= 2 || !ran); // v3 and v4 never run with their switch off
+        if (v >= 2 && ran)
+            taken |= v - 1;
     }
+    if (mm_gpu_set_gemv_bulk)
+        mm_gpu_set_gemv_bulk(-1);
     mm_gpu_set_gemv_version(2);
     MM_PASS(mm_gpu_stream_sync(NULL));
-    float *h1 = dev_get(y[0], (size_t)(n_rows * ys) * 4), *h2 = dev_get(y[1], (size_t)(n_rows * ys) * 4);
-    size_t diff = 0;
-    for (int64_t i = 0; i < n_rows * ys; i++)
-        if (memcmp(&h1[i], &h2[i], 4) != 0 && diff++ == 0)
-            printf("  dense %dx%d rows %d: first difference at %lld: %.9g vs %.9g\n", n_out, n_in,
-                   n_rows, (long long)i, h2[i], h1[i]);
-    MM_EQ(diff, 0);
-    free(w), free(x), free(b), free(h1), free(h2);
-    void *bufs[] = {dw, dx, db, y[0], y[1]};
-    for (size_t i = 0; i < 5; i++)
+    float *h[4];
+    for (int v = 0; v < nv; v++)
+        h[v] = dev_get(y[v], (size_t)(n_rows * ys) * 4);
+    for (int v = 1; v < nv; v++) {
+        size_t diff = 0;
+        for (int64_t i = 0; i < n_rows * ys; i++)
+            if (memcmp(&h[0][i], &h[v][i], 4) != 0 && diff++ == 0)
+                printf("  dense %dx%d rows %d, variant %d: first difference at %lld: %.9g vs %.9g "
+                       "(v1)\n", n_out, n_in, n_rows, v, (long long)i, h[v][i], h[0][i]);
+        MM_EQ(diff, 0);
+    }
+    free(w), free(x), free(b);
+    for (int v = 0; v < nv; v++)
+        free(h[v]);
+    void *bufs[] = {dw, dx, db, y[0], y[1], y[2], y[3]};
+    for (size_t i = 0; i < 7; i++)
         gpu->ops->buffer_free(gpu->ctx, bufs[i]);
+    return taken;
 }
 
 // Grouped: E experts, rows sorted by expert (counts cnt[], empty experts among them). v1 over
@@ -470,16 +502,21 @@ static void gemv_dense_case(int n_out, int n_in, int n_rows, bool bias) {
 // x_idx/y_idx (mm_gpu_moe_matmul_rows), and for v2 without indices; the backend's
 // moe_matmul_rows against copy_rows + moe_matmul_dev + copy_rows as well. glu: the source
 // rows are [gate | up] and the product's input is swiglu(gate, up): the reference runs the
-// swiglu op on the gathered rows first.
-static void gemv_grouped_case(int n_out, int n_in, int n_src, int E, const int *cnt, bool glu) {
-    int offs[65] = {0};
+// swiglu op on the gathered rows first. GEMV v3 (where linked) runs both v2 forms too and must
+// give v1's bits; x rows are xpad floats apart beyond their width (odd: no vector loads), and
+// each expert's W starts wmis bytes past a 16-byte boundary (8: v3 cannot bulk-copy it; needs
+// an odd xpad and no SwiGLU input, as v1 and v2 then load W without vectors). Returns 1 if v3 took both products
+// (bulk mode 2), | 2 if mode 3 took both (v4 for <= 8 rows in all, else v3).
+static int gemv_grouped_case(int n_out, int n_in, int n_src, int E, const int *cnt, bool glu,
+                              int xpad, int wmis) {
+    int offs[257] = {0};
     for (int e = 0; e < E; e++)
         offs[e + 1] = offs[e] + cnt[e];
     const int n = offs[E];
     int64_t yfull = (int64_t)n + 2; // output rows, 2 never written
     if (yfull % 7 == 0)
         yfull++;
-    const int64_t xw = glu ? 2 * n_in : n_in, xs = xw + 1, ys = n_out + 3;
+    const int64_t xw = glu ? 2 * n_in : n_in, xs = xw + xpad, ys = n_out + 3;
     int32_t *xi = malloc((size_t)n * 4), *yi = malloc((size_t)n * 4);
     for (int p = 0; p < n; p++) {
         xi[p] = (p * 5 + 3) % n_src;            // sorted row p reads source row xi[p] and
@@ -490,11 +527,14 @@ static void gemv_grouped_case(int n_out, int n_in, int n_src, int E, const int *
         xsrc[i] = frand() * 2.0f;
     for (int p = 0; p < n; p++)
         memcpy(xg + p * xs, xsrc + xi[p] * xs, (size_t)xs * 4);
-    void *wp[64];
-    uint16_t *wh[64];
+    void *wp[256], *wbase[256];
+    uint16_t *wh[256];
     for (int e = 0; e < E; e++) {
         wh[e] = rand_w((size_t)n_out * n_in);
-        wp[e] = cnt[e] > 0 || e % 2 ? dev_copy(wh[e], (size_t)n_out * n_in * 2) : NULL;
+        wbase[e] = cnt[e] > 0 || e % 2 ? dev_copy(NULL, (size_t)n_out * n_in * 2 + 16) : NULL;
+        wp[e] = wbase[e] ? (char *)wbase[e] + wmis : NULL;
+        if (wp[e])
+            MM_PASS(gpu->ops->set(gpu->ctx, wp[e], wh[e], (size_t)n_out * n_in * 2));
     }
     void **dwp = dev_copy(wp, (size_t)E * sizeof(void *));
     int32_t *doffs = dev_copy(offs, (size_t)(E + 1) * 4);
@@ -503,6 +543,9 @@ static void gemv_grouped_case(int n_out, int n_in, int n_src, int E, const int *
     float *y1 = dev_copy(NULL, (size_t)(n * ys) * 4), *y2 = dev_copy(NULL, (size_t)(n * ys) * 4);
     float *y3 = dev_copy(NULL, (size_t)(yfull * ys) * 4), *y4 = dev_copy(NULL, (size_t)(yfull * ys) * 4);
     float *y5 = dev_copy(NULL, (size_t)(yfull * ys) * 4); // with the L2 hints (prefetch, evict-first)
+    float *y2b[2], *y3b[2]; // bulk modes 2 and 3
+    for (int v = 0; v < 2; v++)
+        y2b[v] = dev_copy(NULL, (size_t)(n * ys) * 4), y3b[v] = dev_copy(NULL, (size_t)(yfull * ys) * 4);
     float *tmp = dev_copy(NULL, (size_t)(n * ys) * 4), *xin = dev_copy(NULL, (size_t)(n * xs) * 4);
     float *df = dev_copy(NULL, (size_t)(n * n_in) * 4); // the product's input rows
     const float *xin_p = dxg;
@@ -516,7 +559,14 @@ static void gemv_grouped_case(int n_out, int n_in, int n_src, int E, const int *
     MM_PASS(gpu->ops->fill(gpu->ctx, y3, -5.0f, yfull * ys));
     MM_PASS(gpu->ops->fill(gpu->ctx, y4, -5.0f, yfull * ys));
     MM_PASS(gpu->ops->fill(gpu->ctx, y5, -5.0f, yfull * ys));
+    for (int v = 0; v < 2; v++) {
+        MM_PASS(gpu->ops->fill(gpu->ctx, y2b[v], -3.0f, n * ys));
+        MM_PASS(gpu->ops->fill(gpu->ctx, y3b[v], -5.0f, yfull * ys));
+    }
     MM_PASS(gpu->ops->synchronize(gpu->ctx));
+    if (mm_gpu_set_gemv_bulk)
+        mm_gpu_set_gemv_bulk(0); // v2 (y2, y3, y5); v3 below
+    bulk_taken();
     mm_gpu_set_gemv_version(1);
     MM_PASS(mm_gpu_moe_matmul(NULL, MM_DTYPE_BF16, (const void *const *)dwp, doffs, E, n_out, n_in,
                               xin_p, xin_s, y1, ys, n, -1));
@@ -538,6 +588,22 @@ static void gemv_grouped_case(int n_out, int n_in, int n_src, int E, const int *
         mm_gpu_set_grouped_evict_first(0);
         MM_EQ(rp, rr);
     }
+    MM_TRUE(!bulk_taken()); // v3 never runs with its switch off
+    // GEMV v3 / v4: the plain grouped product and the one with row indices (and SwiGLU)
+    int taken = 0;
+    mm_err rrb = MM_EUNSUPP;
+    for (int v = 0; mm_gpu_set_gemv_bulk && v < 2; v++) {
+        mm_gpu_set_gemv_bulk(2 + v);
+        MM_PASS(mm_gpu_moe_matmul(NULL, MM_DTYPE_BF16, (const void *const *)dwp, doffs, E, n_out,
+                                  n_in, xin_p, xin_s, y2b[v], ys, n, -1));
+        const bool t1 = bulk_taken();
+        rrb = mm_gpu_moe_matmul_rows(NULL, MM_DTYPE_BF16, (const void *const *)dwp, doffs, E, n_out,
+                                     n_in, dxsrc, xs, dxi, xup, y3b[v], ys, dyi, n);
+        if (t1 && bulk_taken())
+            taken |= 1 << v;
+        MM_EQ(rrb, rr);
+        mm_gpu_set_gemv_bulk(-1);
+    }
     MM_PASS(mm_gpu_stream_sync(NULL));
     // the backend's op (its stream) against the sequence it stands for
     mm_err rb = gpu->ops->moe_matmul_rows(gpu->ctx, (const void *const *)dwp, MM_DTYPE_BF16, n_out,
@@ -555,9 +621,19 @@ static void gemv_grouped_case(int n_out, int n_in, int n_src, int E, const int *
     float *h1 = dev_get(y1, (size_t)(n * ys) * 4), *h2 = dev_get(y2, (size_t)(n * ys) * 4);
     float *h3 = dev_get(y3, (size_t)(yfull * ys) * 4), *h4 = dev_get(y4, (size_t)(yfull * ys) * 4);
     float *h5 = dev_get(y5, (size_t)(yfull * ys) * 4);
+    float *h2b[2] = {NULL, NULL}, *h3b[2] = {NULL, NULL};
+    for (int v = 0; mm_gpu_set_gemv_bulk && v < 2; v++)
+        h2b[v] = dev_get(y2b[v], (size_t)(n * ys) * 4), h3b[v] = dev_get(y3b[v], (size_t)(yfull * ys) * 4);
     if (rp == MM_OK) // the L2 hints change no bit
         MM_TRUE(memcmp(h3, h5, (size_t)(yfull * ys) * 4) == 0);
     MM_TRUE(memcmp(h1, h2, (size_t)(n * ys) * 4) == 0);
+    size_t diff_b = 0; // bulk modes 2 and 3 (if linked) against v1
+    for (int v = 0; mm_gpu_set_gemv_bulk && v < 2; v++)
+        for (int64_t i = 0; i < n * ys; i++)
+            if (memcmp(&h1[i], &h2b[v][i], 4) != 0 && diff_b++ == 0)
+                printf("  grouped %dx%d, bulk mode %d: first difference at %lld: %.9g vs %.9g (v1)\n",
+                       n_out, n_in, 2 + v, (long long)i, h2b[v][i], h1[i]);
+    MM_EQ(diff_b, 0);
     float *want = malloc((size_t)(yfull * ys) * 4);
     for (int64_t i = 0; i < yfull * ys; i++)
         want[i] = -5.0f;
@@ -574,22 +650,32 @@ static void gemv_grouped_case(int n_out, int n_in, int n_src, int E, const int *
         MM_EQ(rr, MM_EUNSUPP);
     }
     MM_EQ(diff, 0);
+    for (int v = 0; rrb == MM_OK && v < 2; v++)
+        for (int64_t i = 0; i < yfull * ys; i++)
+            if (memcmp(&want[i], &h3b[v][i], 4) != 0 && diff_b++ == 0)
+                printf("  grouped rows %dx%d, bulk mode %d: first difference at %lld: %.9g vs %.9g\n",
+                       n_out, n_in, 2 + v, (long long)i, h3b[v][i], want[i]);
+    MM_EQ(diff_b, 0);
     MM_TRUE(memcmp(want, h4, (size_t)(yfull * ys) * 4) == 0);
     printf("grouped %dx%d%s, %d rows over %d experts: v2 == v1 bits; with row indices %s; "
-           "backend op %s; with the L2 hints %s\n", n_out, n_in,
+           "backend op %s; with the L2 hints %s; v3 %s, bulk mode 3 %s\n", n_out, n_in,
            glu ? " (input swiglu(gate, up))" : "", n, E,
            rr == MM_OK ? "bit-identical" : "not taken (MM_EUNSUPP)",
            rb == MM_OK ? "fused, bit-identical" : "fell back to the copies",
-           rp == MM_OK ? "bit-identical" : "not run");
+           rp == MM_OK ? "bit-identical" : "not run",
+           !mm_gpu_set_gemv_bulk ? "not linked" : taken & 1 ? "taken, bit-identical" : "not taken",
+           taken & 2 ? "taken, bit-identical" : "not taken");
     for (int e = 0; e < E; e++) {
         free(wh[e]);
-        gpu->ops->buffer_free(gpu->ctx, wp[e]);
+        gpu->ops->buffer_free(gpu->ctx, wbase[e]);
     }
     free(xi), free(yi), free(xsrc), free(xg), free(h1), free(h2), free(h3), free(h4), free(h5);
-    free(want);
-    void *bufs[] = {dwp, doffs, dxi, dyi, dxsrc, dxg, y1, y2, y3, y4, y5, tmp, xin, df};
+    free(h2b[0]), free(h3b[0]), free(h2b[1]), free(h3b[1]), free(want);
+    void *bufs[] = {dwp, doffs, dxi, dyi, dxsrc, dxg, y1, y2, y3, y4, y5, y2b[0], y3b[0], y2b[1],
+                    y3b[1], tmp, xin, df};
     for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++)
         gpu->ops->buffer_free(gpu->ctx, bufs[i]);
+    return taken;
 }
 
 static void test_gemv_v2_bits(void) {
@@ -607,20 +693,79 @@ static void test_gemv_v2_bits(void) {
                             {5120, 2048, 64, 0}, {2048, 4096, 64, 0}, {128, 2048, 64, 0},
                             {2048, 4096, 17, 1}, {77, 1000, 33, 1},   {300, 2048, 40, 0}};
     for (size_t i = 0; i < sizeof(dense) / sizeof(dense[0]); i++)
-        gemv_dense_case(dense[i][0], dense[i][1], dense[i][2], dense[i][3] != 0);
-    printf("dense GEMV v2 == v1 bits: %zu shapes (strided x and y, bias, 1..64 rows)\n",
+        gemv_dense_case(dense[i][0], dense[i][1], dense[i][2], dense[i][3] != 0, 3);
+    printf("dense GEMV v2 (and v3) == v1 bits: %zu shapes (strided x and y, bias, 1..64 rows)\n",
            sizeof(dense) / sizeof(dense[0]));
     const int c8[16] = {1, 0, 0, 1, 1, 0, 1, 0, 0, 1, 1, 0, 0, 0, 1, 1}; // decode: 8 of 16
     const int c13[16] = {3, 0, 1, 0, 0, 0, 2, 1, 0, 0, 4, 0, 0, 1, 0, 1}; // a 3- and a 4-row expert
     const int c40[64] = {[0] = 9, [5] = 1, [17] = 12, [40] = 2, [63] = 16}; // tiles of 8 + rest
-    gemv_grouped_case(1536, 2048, 1, 16, c8, false); // [gate; up] at batch 1
-    gemv_grouped_case(2048, 768, 8, 16, c8, false);  // down at batch 1 (8 slot rows)
-    gemv_grouped_case(2048, 768, 8, 16, c8, true);   // down reading swiglu([gate; up])
-    gemv_grouped_case(1536, 2048, 4, 16, c13, false);
-    gemv_grouped_case(100, 300, 13, 16, c13, false); // odd shapes, W rows of 300: no vectors
-    gemv_grouped_case(100, 300, 13, 16, c13, true);  // swiglu with unaligned up rows
-    gemv_grouped_case(96, 1000, 5, 64, c40, false);  // 64 experts: two offset-lookup rounds
-    gemv_grouped_case(96, 1000, 5, 64, c40, true);
+    gemv_grouped_case(1536, 2048, 1, 16, c8, false, 1, 0); // [gate; up] at batch 1
+    gemv_grouped_case(2048, 768, 8, 16, c8, false, 1, 0);  // down at batch 1 (8 slot rows)
+    gemv_grouped_case(2048, 768, 8, 16, c8, true, 1, 0);   // down reading swiglu([gate; up])
+    gemv_grouped_case(1536, 2048, 4, 16, c13, false, 1, 0);
+    gemv_grouped_case(100, 300, 13, 16, c13, false, 1, 0); // odd shapes, W rows of 300: no vectors
+    gemv_grouped_case(100, 300, 13, 16, c13, true, 1, 0);  // swiglu with unaligned up rows
+    gemv_grouped_case(96, 1000, 5, 64, c40, false, 1, 0);  // 64 experts: two offset-lookup rounds
+    gemv_grouped_case(96, 1000, 5, 64, c40, true, 1, 0);
+    gpu_close(NULL);
+}
+
+// GEMV v3 (W by bulk copies into shared memory) == v1 and v2, bit for bit, on odd shapes: 1..8
+// rows (and 33/40: 8-row tiles), n_out not a multiple of the 16-row tile, n_in a multiple of 8
+// but not of the 32-chunk (the zeroed W tail), one segment (8 tiles per block) up to 16
+// segments, bias, x rows with and without vector loads; grouped with empty experts and NULL
+// matrices, gather/scatter indices, SwiGLU input, 64 experts, and experts whose W is not
+// 16-byte aligned (copied by the block's threads). Each shape must be taken by v3 (counted
+// launches), except n_in % 8 != 0 and rows too long for shared memory, which must stay on v2.
+static void test_gemv_bulk_bits(void) {
+    open_gpu();
+    if (!mm_gpu_matmul || !mm_gpu_moe_matmul_rows || !mm_gpu_set_gemv_version ||
+        !mm_gpu_set_gemv_bulk || !mm_gpu_gemv_bulk_launches)
+        MM_SKIP("GEMV v3 not linked");
+    setvbuf(stdout, NULL, _IOLBF, 0); // each shape's line before a failure in the next one
+    // n_out, n_in, rows, bias, x pad, taken by v3
+    const int dense[][6] = {{37, 264, 1, 1, 0, 1},     {100, 776, 2, 0, 4, 1},
+                            {5, 8, 3, 1, 0, 1},        {1000, 1016, 4, 0, 0, 1},
+                            {333, 2056, 5, 1, 3, 1},   {2056, 768, 6, 0, 0, 1},
+                            {130, 4104, 7, 1, 0, 1},   {16, 8, 8, 0, 4, 1},
+                            {5120, 2048, 1, 0, 0, 1},  {2048, 4096, 1, 1, 0, 1},
+                            {2048, 4096, 8, 0, 0, 1},  {300, 2048, 40, 1, 0, 1},
+                            {77, 1000, 33, 0, 4, 1},   {77, 1001, 3, 1, 0, 0},
+                            {17, 12000, 1, 0, 0, 0}};
+    for (size_t i = 0; i < sizeof(dense) / sizeof(dense[0]); i++) {
+        // v3 (mode 2) as the table says; mode 3 (v4, or v3 where v4 does not fit) up to 8 rows
+        // wherever n_in % 8 == 0
+        const int want = dense[i][5] | (dense[i][1] % 8 == 0 && dense[i][2] <= 8 ? 2 : 0);
+        const int taken = gemv_dense_case(dense[i][0], dense[i][1], dense[i][2], dense[i][3] != 0,
+                                          dense[i][4]);
+        if (taken != want)
+            printf("  dense %dx%d rows %d: taken %d, expected %d (1: v3, 2: mode 3)\n",
+                   dense[i][0], dense[i][1], dense[i][2], taken, want);
+        MM_EQ(taken, want);
+    }
+    printf("dense GEMV v3 == v2 == v1 bits: %zu shapes\n", sizeof(dense) / sizeof(dense[0]));
+    const int c8[16] = {1, 0, 0, 1, 1, 0, 1, 0, 0, 1, 1, 0, 0, 0, 1, 1};
+    const int c13[16] = {3, 0, 1, 0, 0, 0, 2, 1, 0, 0, 4, 0, 0, 1, 0, 1};
+    const int c40[64] = {[0] = 9, [5] = 1, [17] = 12, [40] = 2, [63] = 16};
+    const int c3[4] = {2, 0, 1, 0};
+    // c8 (8 rows in all): mode 3 runs v4; more rows: v3 in both modes
+    MM_EQ(gemv_grouped_case(1536, 2048, 1, 16, c8, false, 0, 0), 3);  // [gate; up], vector x
+    MM_EQ(gemv_grouped_case(2048, 768, 8, 16, c8, true, 0, 0), 3);    // down on swiglu, vector x
+    MM_EQ(gemv_grouped_case(1544, 2048, 1, 16, c8, false, 0, 0), 3);  // n_out % 16 != 0
+    MM_EQ(gemv_grouped_case(100, 264, 5, 16, c8, false, 0, 0), 3);    // W tail zeroed
+    MM_EQ(gemv_grouped_case(100, 264, 5, 16, c8, true, 3, 0), 3);
+    MM_EQ(gemv_grouped_case(2056, 776, 8, 16, c8, false, 1, 8), 3);   // W not 16-byte aligned
+    MM_EQ(gemv_grouped_case(40, 8, 3, 4, c3, false, 0, 0), 3);        // 8-wide rows, 3 rows
+    MM_EQ(gemv_grouped_case(100, 264, 13, 16, c13, false, 0, 0), 3);
+    MM_EQ(gemv_grouped_case(100, 264, 13, 16, c13, true, 3, 0), 3);
+    MM_EQ(gemv_grouped_case(40, 8, 4, 16, c13, false, 0, 0), 3);      // one 8-wide row, 8 tiles
+    MM_EQ(gemv_grouped_case(96, 1000, 5, 64, c40, false, 1, 8), 3);
+    MM_EQ(gemv_grouped_case(96, 1000, 5, 64, c40, true, 0, 0), 3);
+    MM_EQ(gemv_grouped_case(100, 300, 13, 16, c13, false, 1, 0), 0);  // n_in % 8: v2
+    int c150[160]; // > 128 experts and rows: pointers and indices loaded after the lookup
+    for (int e = 0; e < 160; e++)
+        c150[e] = e % 16 != 3;
+    MM_EQ(gemv_grouped_case(24, 64, 150, 160, c150, false, 0, 0), 3);
     gpu_close(NULL);
 }
 
@@ -753,6 +898,7 @@ MM_TESTS = {
     {"attention prefill kernel: decode kernel bits", test_attention_prefill_bits},
     {"per-op timer: no graphs, same results", test_optime},
     {"gemv v2 (x in shared memory, row indices) == gemv v1 bits", test_gemv_v2_bits},
+    {"gemv v3 (W by bulk copies into shared memory) == v2 == v1 bits", test_gemv_bulk_bits},
     {"add_rmsnorm == axpy then rmsnorm bits", test_add_rmsnorm_bits},
     {"prefetch hint: order kept, data unchanged", test_prefetch_hint},
     {NULL, NULL},

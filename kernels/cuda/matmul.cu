@@ -1416,19 +1416,23 @@ static int ws_auto_variant(const mm_mat_args &a) {
 // per tile (WS_OPT_IDX), 22 also m64n32 / m64n64 wgmmas for tiles of <= 32 / <= 64 rows
 // (WS_OPT_TAILN), 23 also the tiles published by the producer (WS_OPT_PTILE), 24 23 with
 // warpgroup 1 lagging (LAG), 25 23 with the outputs stored through shared memory by bulk
-// copies (WS_OPT_STAGE; 4 stages), 26 23 with 4 stages; 19 one block per tile. All the same bits.
+// copies (WS_OPT_STAGE; 4 stages), 26 23 with 4 stages, 27 25 for products of at most
+// WS_STAGE_MAX_K k stages (down: 12) and 23 for longer ones ([gate; up]: 32; alone, 25 was
+// faster on down and slower on a gate: not measured in the forward yet); 19 one block per tile.
+// All the same bits.
 // Default 25: the 4K forward (H200, kernels/cuda/bench/NOTES.md prefill version 16) 11.50 ms
 // vs 11.66 with 23, 11.62 with 26, 11.70 with 24, 13.25 with 20 (06:59 UTC); 12.29 with 21 and
 // 12.25 with 22 (06:47 UTC).
 #define WS_GROUPED_W_MAX (2048ull << 20)
 #define WS_GROUPED_DEFAULT 25
+#define WS_STAGE_MAX_K 16
 static int g_ws_grouped = -1; // -1: not read yet
 
 static int ws_grouped_variant(void) {
     if (g_ws_grouped < 0) {
         const char *e = getenv("MM_GPU_WS_GROUPED");
         const int v = e ? atoi(e) : 0;
-        g_ws_grouped = v >= 19 && v <= 26 ? v : WS_GROUPED_DEFAULT;
+        g_ws_grouped = v >= 19 && v <= 27 ? v : WS_GROUPED_DEFAULT;
     }
     return g_ws_grouped;
 }
@@ -1827,14 +1831,16 @@ static mm_err launch_wg(cudaStream_t st, const mm_mat_args &a, bool *ran) {
     // Grouped: 19 (gemm_ws grouped, a block per tile), 20 (the same persistent), 21-26 (20
     // with WS_OPT_IDX, + WS_OPT_TAILN, + WS_OPT_PTILE; 24-26 as ws_grouped_variant says) or
     // gemm_wg's 2-7 (ws_auto_grouped picks MM_GPU_WS_GROUPED's or 2; 13 and 14 stand for 19 and
-    // 20, other dense-only variants for 2); dense: 19 stands for 13, 20-26 for 14.
+    // 20, other dense-only variants for 2; 27 for 25 or 23); dense: 19 stands for 13, 20-27 for 14.
     int var = g_wg_tile ? g_wg_tile : GROUPED ? ws_auto_grouped(a, ldx) : ws_auto_variant(a);
     const bool wp_ok = !GROUPED && a.n_in % 8 == 0 && aligned16(a.w0);
     if (var >= 8 && var <= 10 && !wp_ok)
         var = 4;
     if (GROUPED)
         var = var == 13 || var == 19 ? 19 : var == 14 ? 20 : var >= 20 ? var : var >= 8 ? 2 : var;
-    else if (var >= 19)
+    if (GROUPED && var == 27) // by the k loop's length
+        var = (a.n_in + 63) / 64 <= WS_STAGE_MAX_K ? 25 : 23;
+    else if (!GROUPED && var >= 19)
         var = var == 19 ? 13 : 14;
     const bool rows = a.x_idx != NULL || a.y_idx != NULL || a.x_up != NULL;
     if (rows && !(GROUPED && var >= 19))
@@ -2337,7 +2343,7 @@ extern "C" unsigned long long mm_gpu_gemv_bulk_launches(void) {
 
 extern "C" void mm_gpu_set_gemm_tile(int variant) {
 #if MM_GPU_HAVE_WMMA
-    g_wg_tile = (variant >= 2 && variant <= 26) ? variant : 0;
+    g_wg_tile = (variant >= 2 && variant <= 27) ? variant : 0;
 #else
     (void)variant;
 #endif

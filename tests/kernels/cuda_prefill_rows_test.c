@@ -67,7 +67,7 @@ static void open_or_skip(void) {
 
 // E experts with cnt[e] rows each (sorted by expert), n_src source rows; sorted row p reads
 // source row xi[p] (glu: the input is swiglu(gate, up) of the source row [gate | up]) and its
-// output goes to row yi[p] of yfull rows. variant: mm_gpu_set_gemm_tile's (0 AUTO, 19-26, or
+// output goes to row yi[p] of yfull rows. variant: mm_gpu_set_gemm_tile's (0 AUTO, 19-27, or
 // 2, which must refuse). xs_pad: the source row stride past its width (odd: the scalar loads).
 static int g_ys_pad = 5; // y row stride: n_out + g_ys_pad
 
@@ -187,6 +187,8 @@ static void test_grouped_rows(void) {
     grouped_case(136, 300, 333, 5, c5, false, 25, 1);
     grouped_case(96, 2048, 900, 5, c5, true, 25, 4);
     grouped_case(200, 520, 700, 8, c8, false, 26, 2);
+    grouped_case(200, 520, 700, 8, c8, true, 27, 2);  // 27: 25 at 9 k stages
+    grouped_case(96, 2048, 900, 5, c5, false, 27, 4); // 27: 23 at 32
     g_ys_pad = 5;
     grouped_case(200, 520, 700, 8, c8, false, 25, 2);
     grouped_case(200, 520, 700, 8, c8, false, 2, 2);   // gemm_wg: refused

@@ -1488,6 +1488,7 @@ struct nng_msg *mm_step_engine_run(mm_step_engine *e, const Mmctl__StepPlan *p, 
         sr.error = msg;
         goto reply;
     }
+    mm_mesh_trace(p->step_id, -1, "checked");
     for (size_t i = 0; i < p->n_release; i++)
         mm_pen_table_release(e->pen, p->release[i]);
     const int M = e->c.shards, N = e->c.owners;
@@ -1510,7 +1511,9 @@ struct nng_msg *mm_step_engine_run(mm_step_engine *e, const Mmctl__StepPlan *p, 
         if (e->active[i])
             R += (int64_t)q->n_tokens;
     }
+    mm_mesh_trace(p->step_id, -1, "linked");
     mm_draft_begin(e->dr, p, e->active, (int64_t)e->c.max_tokens - R, e->n_draft, e->draft);
+    mm_mesh_trace(p->step_id, -1, "drafted");
     R = 0;
     for (size_t i = 0; i < p->n_seqs; i++) {
         const Mmctl__SeqStep *q = p->seqs[i];

@@ -50,8 +50,6 @@ static struct attn {
     int n_cur, n_rows;
     uint64_t step_id;
     uint32_t next_layer;     // the layer whose rows come next
-    mm_mesh_graphs *graphs;  // per-layer attention graphs (MM_MESH_GRAPHS=1; NULL: off)
-    bool rows_up;            // this step's positions are on the device (a layer ran op by op)
     bool have_step;
     mm_err step_err;
     char step_msg[200];
@@ -95,7 +93,6 @@ static mm_err on_ctrl(const mm_wire_hdr *h, const uint8_t *p) {
     A.next_layer = 0;
     A.n_cur = 0;
     A.n_rows = 0;
-    A.rows_up = false;
     A.have_step = true;
     A.step_err = MM_OK;
     for (uint32_t i = 0; i < nr; i++) {
@@ -156,19 +153,6 @@ static mm_err on_ctrl(const mm_wire_hdr *h, const uint8_t *p) {
     return MM_OK;
 }
 
-// One layer's attention on the step's rows in d_h (a graph's body: backend ops only, once the
-// positions are on the device).
-struct attn_job {
-    int layer;
-    mm_model_rows rows;
-    float *h;
-};
-
-static mm_err attn_issue(void *arg) {
-    struct attn_job *j = arg;
-    return mm_model_attn_forward(A.model, A.scratch, j->layer, A.kv, &j->rows, j->h);
-}
-
 static mm_err on_frame(void *arg, mm_conn *c, const mm_wire_hdr *h, void *payload) {
     (void)arg;
     if (h->kind == MM_WIRE_CTRL) {
@@ -208,18 +192,9 @@ static mm_err on_frame(void *arg, mm_conn *c, const mm_wire_hdr *h, void *payloa
     float *hd = on_dev ? (float *)payload : A.d_h; // the rows attention works on (device)
     const size_t nb = (size_t)A.n_rows * (size_t)A.d_model * 4;
     mm_err rv = A.d_h && !on_dev ? A.be->ops->set(A.be->ctx, A.d_h, payload, nb) : MM_OK;
-    // the step's first layer runs op by op (it copies the step's positions to the device);
-    // later layers replay a graph of their attention where MM_MESH_GRAPHS=1 (same ops, same
-    // pointers: the key is the layer and the row count; the positions are read when it runs)
-    struct attn_job job = {.layer = (int)h->layer, .rows = rows,
-                           .h = hd ? hd : (float *)payload};
-    if (rv == MM_OK && A.graphs && A.rows_up)
-        rv = mm_mesh_graphs_run(A.graphs, h->layer, (uint64_t)A.n_rows, A.n_rows, attn_issue,
-                                &job);
-    else if (rv == MM_OK)
-        rv = attn_issue(&job);
     if (rv == MM_OK)
-        A.rows_up = true;
+        rv = mm_model_attn_forward(A.model, A.scratch, (int)h->layer, A.kv, &rows,
+                                   hd ? hd : (float *)payload);
     if (rv == MM_OK && A.d_h && !on_dev)
         rv = A.be->ops->get(A.be->ctx, payload, A.d_h, nb);
     if (rv != MM_OK) {
@@ -299,11 +274,8 @@ mm_err attention_start(mm_daemon *d, void *arg, char err[MM_ERRLEN]) {
             mm_log_info("data plane: host frames only (%s)", gerr);
     }
     // device frames handed over in place (no copy out of the ring; MM_MESH_VIEWS=0: copied into
-    // d_h as before); their pointers change per frame, so no graphs then
+    // d_h as before)
     const bool views = dev_frames && mm_mesh_views_env();
-    // MLA's key assembly copies an index list (a set): not recordable
-    if (!A.be->ops->host_memory && !cfg->mla && !views)
-        MM_TRY(mm_mesh_graphs_new(&A.graphs, A.be, 8 * A.n_layers, "attention"));
     for (int i = 0; i < s_max_seqs; i++)
         A.map[i].slot = -1;
     size_t cap = (size_t)s_max_tokens * (size_t)A.d_model * 4;
@@ -336,7 +308,6 @@ void attention_stop(mm_daemon *d, void *arg) {
     free(A.cur);
     free(A.row_seq);
     free(A.row_pos);
-    mm_mesh_graphs_free(A.graphs);
     if (A.be)
         A.be->ops->buffer_free(A.be->ctx, A.d_h);
     mm_model_scratch_free(A.scratch);

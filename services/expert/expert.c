@@ -66,9 +66,6 @@ static struct owner {
     void *stream;
     uint64_t *d_tokens;      // (n_layers, n_experts) rows served through plan frames
     uint64_t *tokens_dev;    // host copy read at each load write
-    mm_mesh_graphs *graphs;  // plan frames' products per (layer, rows, slots) (MM_MESH_GRAPHS=1)
-    float *plan_out;         // where a plan frame's outputs go: d_out, or the reply's place in
-                             // the router's ring (mm_conn_reserve_dev, MM_MESH_INPLACE)
 } O;
 
 // The load CSV is written by a thread of its own: the data thread's tick (load_tick, between
@@ -250,6 +247,11 @@ static mm_err replied(const mm_wire_hdr *h, int L, mm_err rv) {
     return rv;
 }
 
+// a device frame's rows: in place in the conn's ring, or in d_x (MM_MESH_VIEWS=0)
+static bool dev_payload(const void *payload) {
+    return O.d_x != NULL && (payload == (void *)O.d_x || mm_dataserv_on_dev(payload));
+}
+
 // on_plan: a plan frame (after its CTRL, or its shape in its header: MM_MODEL_PLAN_FLAG): x rows
 // (plan_rows of them), then this owner's share of
 // the router's plan as int32s: offs (n_experts + 1), src and dst (plan_slots each), all in
@@ -257,26 +259,6 @@ static mm_err replied(const mm_wire_hdr *h, int L, mm_err rv) {
 // past offs[n_experts] are other owners' and left unspecified), and the reply is one output
 // row per slot, from d_out. The plan is the router's (a member of the same mesh, identity
 // checked at join): its indices are not checked here (they never reach the host).
-// A plan frame's products (a graph's body: backend ops only; every pointer follows from the
-// layer, the rows and the slots, the graph's key).
-struct plan_job {
-    int layer;
-    const float *x;
-    const int32_t *offs, *src, *dst;
-    int64_t nk;
-};
-
-static mm_err plan_issue(void *arg) {
-    const struct plan_job *j = arg;
-    return mm_model_experts_plan(O.model, O.scratch, j->layer, j->offs, j->x, j->src, j->dst,
-                                 j->nk, O.plan_out);
-}
-
-// a device frame's rows: in place in the conn's ring, or in d_x (MM_MESH_VIEWS=0)
-static bool dev_payload(const void *payload) {
-    return O.d_x != NULL && (payload == (void *)O.d_x || mm_dataserv_on_dev(payload));
-}
-
 static mm_err on_plan(mm_conn *c, const mm_wire_hdr *h, void *payload) {
     const int64_t R = O.plan_rows, nk = O.plan_slots, D = O.d_model, E = O.n_experts;
     const int64_t P = mm_model_plan_rows(E, nk, D);
@@ -297,7 +279,6 @@ static mm_err on_plan(mm_conn *c, const mm_wire_hdr *h, void *payload) {
     }
     const float *x = payload; // d_x, or the frame in place (views)
     const int32_t *offs = (const int32_t *)(x + R * D), *src = offs + E + 1, *dst = src + nk;
-    struct plan_job job = {.layer = L, .x = x, .offs = offs, .src = src, .dst = dst, .nk = nk};
     // the outputs written straight into the reply's place in the router's ring where the link
     // allows (MM_MESH_INPLACE; no copy at the send), else into d_out
     const size_t nb = (size_t)(nk * D) * 4;
@@ -305,11 +286,8 @@ static mm_err on_plan(mm_conn *c, const mm_wire_hdr *h, void *payload) {
     if (x != O.d_x && mm_mesh_inplace_env() &&
         mm_conn_reserve_dev(c, nb, &out, mm_deadline_in_ms(2000)) != MM_OK)
         out = NULL; // (a send from d_out reports whatever is wrong with the link)
-    O.plan_out = out ? out : O.d_out;
-    // (graphs key on the layer and shape: only where the rows are always in d_x)
-    mm_err rv = x == O.d_x ? mm_mesh_graphs_run(O.graphs, (uint64_t)L << 32 | (uint64_t)R,
-                                                (uint64_t)nk, R, plan_issue, &job)
-                           : plan_issue(&job);
+    float *plan_out = out ? out : O.d_out; // where the outputs go
+    mm_err rv = mm_model_experts_plan(O.model, O.scratch, L, offs, x, src, dst, nk, plan_out);
     if (rv != MM_OK) {
         snprintf(msg, sizeof(msg), "experts of layer %d (a plan of %lld slots) failed: %s", L,
                  (long long)nk, mm_strerror(rv));
@@ -322,7 +300,7 @@ static mm_err on_plan(mm_conn *c, const mm_wire_hdr *h, void *payload) {
     MM_TRY(mm_wire_hdr_init(&r, MM_WIRE_REPLY, MM_WIRE_F32, h->step_id, h->layer, (uint32_t)nk,
                             h->row_dim));
     r.row_base = h->row_base;
-    struct iovec dv = {.iov_base = O.plan_out, .iov_len = nb};
+    struct iovec dv = {.iov_base = plan_out, .iov_len = nb};
     rv = replied(h, L, mm_conn_sendv_dev(c, &r, &dv, 1, mm_deadline_in_ms(2000)));
     // the rows served, counted after the reply is on its way (off the step's path; the next
     // frame's rows land in d_x after it, in stream order)
@@ -521,10 +499,6 @@ mm_err expert_start(mm_daemon *d, void *arg, char err[MM_ERRLEN]) {
     }
     // device frames handed over in place (no copy out of the ring; MM_MESH_VIEWS=0: into d_x)
     const bool views = O.dev_frames && mm_mesh_views_env();
-    // plan frames' products as graphs (MM_MESH_GRAPHS=1) only where the rows are always in d_x:
-    // a view's place changes per frame (on_plan never replays one then)
-    if (O.dev_frames && !views)
-        MM_TRY(mm_mesh_graphs_new(&O.graphs, O.be, 8 * O.n_layers, "expert owner"));
     O.dirty = true; // write a first (all-zero) CSV soon after start
     MM_TRY(load_writer_start(err));
     const int tick_ms = s_load_ms > 0 ? (int)s_load_ms : 2000;
@@ -557,7 +531,6 @@ void expert_stop(mm_daemon *d, void *arg) {
         O.be->ops->buffer_free(O.be->ctx, O.d_x);
         O.be->ops->buffer_free(O.be->ctx, O.d_out);
     }
-    mm_mesh_graphs_free(O.graphs);
     mm_model_scratch_free(O.scratch);
     mm_model_close(O.model);
     mm_backend_close(O.be);

@@ -15,6 +15,7 @@
 #include "mm/log.h"
 #include "mm/time.h"
 #include "mm/mesh_gtrace.h"
+#include "mm/mesh_graph.h"
 #include "mm/mesh_trace.h"
 #include "mm/model.h"
 #include "mm/placement.h"
@@ -143,8 +144,6 @@ struct mm_step_engine {
     int64_t plan_stride;      // int32s per owner's share of a layer's plan (whole rows of D
                               // for the largest plan); the shares follow the x rows in d_x
     float *d_ysn;             // (owners, T*K, D) owners' replies when several serve a layer
-    mm_mesh_graphs *graphs;   // plan_layer's device chains as graphs (MM_MESH_GRAPHS=1)
-    mm_model_plan plan_ptrs;  // the plan's buffers (the scratch's), for replayed chains
     bool views;               // one serving owner's reply read in place (MM_MESH_VIEWS, on
                               // unless 0)
     bool plan_ctrl;           // plan frames announced by a CTRL frame (MM_MESH_PLAN_CTRL=1);
@@ -509,9 +508,6 @@ mm_err mm_step_engine_open(mm_step_engine **out, const mm_step_conf *c, mm_regis
             e->inplace = mm_mesh_inplace_env();
             const char *pc = getenv("MM_MESH_PLAN_CTRL");
             e->plan_ctrl = pc && strcmp(pc, "1") == 0;
-            // the chains between the hops recorded as graphs (MM_MESH_GRAPHS=1)
-            MM_TRY_GOTO(rv, mm_mesh_graphs_new(&e->graphs, e->be, 16 * (int)NL, "router"),
-                        fail);
         }
     }
     e->xsrc = calloc((size_t)(T * KK), 4);
@@ -601,7 +597,6 @@ void mm_step_engine_close(mm_step_engine *e) {
     mm_sampler_free(e->sampler);
     mm_pen_table_free(e->pen);
     mm_placement_free(e->pl);
-    mm_mesh_graphs_free(e->graphs);
     mm_model_scratch_free(e->scratch);
     mm_model_close(e->model);
     if (e->be) {
@@ -958,17 +953,15 @@ static mm_err plan_layer(mm_step_engine *e, uint64_t step, int L, int64_t R, boo
     }
     int32_t *shares = (int32_t *)(xr + R * D);
     const bool one = e->plan_nserve[L] == 1;
-    // FFN norm, router product, route and plan, the owners' shares: op by op or one graph
-    // (step_dev.c); the plan's buffers are kept from a call that ran (a replay fills nothing).
+    // FFN norm, router product, route and plan, the owners' shares (step_dev.c).
     // h: a lone shard's reply where it sits in its link's ring (h_view), else d_h
     mm_step_dev_layer dl = {.m = e->model, .s = e->scratch, .stream = e->stream, .L = L, .R = R,
                             .nk = nk, .E = E, .N = N,
                             .h = e->h_view ? (float *)e->h_view : e->d_h, .x = xr, .of = of,
                             .shares = shares, .stride = e->plan_stride, .one = one,
                             .ysn = e->d_ysn, .ysn_rows = TK, .eo = e->d_eo,
-                            .sh = shared ? e->d_sh : NULL, .pl = e->plan_ptrs};
-    // (graphs key on pointers: none for rows in a ring)
-    mm_err rv = mm_step_dev_route(in_ring || e->h_view ? NULL : e->graphs, &dl);
+                            .sh = shared ? e->d_sh : NULL};
+    mm_err rv = mm_step_dev_route(&dl);
     *normed = dl.normed && !in_ring; // the host path's x is d_x
     dl.h = e->d_h;
     if (rv == MM_EUNSUPP && dl.normed) {
@@ -977,7 +970,6 @@ static mm_err plan_layer(mm_step_engine *e, uint64_t step, int L, int64_t R, boo
         return MM_OK;
     }
     PLAN_TRY(dl.failed ? dl.failed : "the routing chain", rv);
-    e->plan_ptrs = dl.pl;
     for (int o = 0; o < N; o++) {
         struct peer *op = &e->owners[o];
         op->n = 0;
@@ -1046,15 +1038,15 @@ static mm_err plan_layer(mm_step_engine *e, uint64_t step, int L, int64_t R, boo
                         (unsigned long long)step, L, e->owners[o].why);
             return MM_OK;
         }
-    // pick (several owners) and combine: op by op or one graph (step_dev.c); one owner's reply
-    // read where it landed in the link's ring (views) needs no graph (its place changes)
+    // pick (several owners) and combine (step_dev.c); one owner's reply read where it landed
+    // in the link's ring (views)
     const float *reply = NULL;
     for (int o = 0; o < N && one; o++)
         if (e->plan_serve[(size_t)L * N + o] && e->owners[o].view)
             reply = e->owners[o].view;
     if (reply)
         dl.eo = (float *)reply;
-    rv = mm_step_dev_combine(reply ? NULL : e->graphs, &dl);
+    rv = mm_step_dev_combine(&dl);
     PLAN_TRY(dl.failed ? dl.failed : "picking and combining the owners' rows", rv);
     *done = true;
     return MM_OK;

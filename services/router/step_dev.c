@@ -4,12 +4,11 @@
 
 #include <stddef.h>
 
-// graph keys: (layer << 32 | rows, stage)
-#define KEY(a) ((uint64_t)(uint32_t)(a)->L << 32 | (uint64_t)(a)->R)
-enum { ST_ROUTE = 1, ST_COMBINE_PICK = 3 };
-
-static mm_err route_issue(void *arg) {
-    mm_step_dev_layer *a = arg;
+mm_err mm_step_dev_route(mm_step_dev_layer *a) {
+    a->normed = false;
+    a->failed = NULL;
+    if (!mm_gpu_mesh_plan_split)
+        return MM_EUNSUPP;
     a->failed = "FFN norm";
     mm_err rv = mm_model_ffn_norm(a->m, a->s, a->L, a->h, a->R, a->x);
     if (rv != MM_OK)
@@ -27,22 +26,10 @@ static mm_err route_issue(void *arg) {
     return rv;
 }
 
-mm_err mm_step_dev_route(mm_mesh_graphs *g, mm_step_dev_layer *a) {
-    a->normed = false;
+mm_err mm_step_dev_combine(mm_step_dev_layer *a) {
     a->failed = NULL;
-    if (!mm_gpu_mesh_plan_split)
+    if (!a->one && !mm_gpu_mesh_pick)
         return MM_EUNSUPP;
-    // the plan's buffers are the scratch's, the same on every call: a replay (nothing runs on
-    // the host) leaves a->pl as the caller kept it from the call that was recorded (the first
-    // sight of a key always runs plain)
-    mm_err rv = mm_mesh_graphs_run(g, KEY(a), ST_ROUTE, a->R, route_issue, a);
-    if (rv == MM_OK && a->failed == NULL && !a->normed)
-        a->normed = true;
-    return rv;
-}
-
-static mm_err combine_issue(void *arg) {
-    mm_step_dev_layer *a = arg;
     const int D = mm_model_cfg(a->m)->d_model;
     mm_err rv = MM_OK;
     if (!a->one) {
@@ -57,14 +44,4 @@ static mm_err combine_issue(void *arg) {
     if (rv == MM_OK)
         a->failed = NULL;
     return rv;
-}
-
-mm_err mm_step_dev_combine(mm_mesh_graphs *g, mm_step_dev_layer *a) {
-    a->failed = NULL;
-    if (!a->one && !mm_gpu_mesh_pick)
-        return MM_EUNSUPP;
-    if (a->one) // one op (combine): nothing for a graph to save
-        return combine_issue(a);
-    const uint64_t stage = ST_COMBINE_PICK | (a->sh ? 4u : 0u);
-    return mm_mesh_graphs_run(g, KEY(a), stage, a->R, combine_issue, a);
 }

@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: MIT
 // The router's per-layer device chain of the routing plan (docs/MESH.md "Device frames"),
-// issued op by op or as recorded graphs (mm/mesh_graph.h, MM_MESH_GRAPHS=1): before the owners
-// (FFN norm, router product, route and plan, the owners' shares) and after them (pick, combine).
+// issued op by op: before the owners (FFN norm, router product, route and plan, the owners'
+// shares) and after them (pick, combine).
 // Used by step.c's plan_layer; backend ops only between the hops (no set, get or synchronize).
 #ifndef MM_ROUTER_STEP_DEV_H
 #define MM_ROUTER_STEP_DEV_H
@@ -9,7 +9,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 
-#include "mm/mesh_graph.h"
+#include "mm/err.h"
 #include "mm/model.h"
 
 // GPU entry points of the plan (kernels/cuda/mesh_ops.cu), weak: NULL in a build without GPU
@@ -24,10 +24,8 @@ extern mm_err mm_gpu_mesh_pick(void *stream, const float *d_ys, int64_t ys_owner
                                int dim, float *d_eo) MM_STEP_DEV_WEAK;
 #undef MM_STEP_DEV_WEAK
 
-// One MoE layer's device chain on R rows. Every pointer is fixed for a given (layer, R) (the
-// router's buffers and scratch), so the graphs are keyed by those and by the stage; the one
-// exception, eo pointing at one owner's reply in its link's ring (views), changes per frame,
-// and that combine (one) is never recorded.
+// One MoE layer's device chain on R rows (the router's buffers and scratch; h, x and eo may
+// point into a link's ring).
 typedef struct mm_step_dev_layer {
     const mm_model *m;
     mm_model_scratch *s;
@@ -54,9 +52,9 @@ typedef struct mm_step_dev_layer {
 // mm_step_dev_route: x = FFN norm of h, then the gate, route and plan (mm_model_gate_plan) and
 // every owner's share (mm_gpu_mesh_plan_split). MM_EUNSUPP: the model has no device path (x
 // is made; the plan is not).
-mm_err mm_step_dev_route(mm_mesh_graphs *g, mm_step_dev_layer *a);
+mm_err mm_step_dev_route(mm_step_dev_layer *a);
 // mm_step_dev_combine: each slot's row from its owner's reply (several owners), then combine
 // with the plan's weights into h (mm_model_combine_plan).
-mm_err mm_step_dev_combine(mm_mesh_graphs *g, mm_step_dev_layer *a);
+mm_err mm_step_dev_combine(mm_step_dev_layer *a);
 
 #endif

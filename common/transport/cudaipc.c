@@ -37,8 +37,6 @@
 //   on the conn: the shards and owners hand it to one frame's work, the router to one combine.
 //   Kernels take the view as float/int32 rows, so a descriptor's offset must be a multiple of
 //   ALIGN (the sender's frames always are): any other is MM_EPROTO, never a misaligned pointer.
-// - MM_CUDAIPC_KCOPY=1: rows between device pointers copied by a kernel (ipc.cu) instead of
-//   cudaMemcpyAsync; on the H200 it gained nothing (docs/MESH.md), so it is off.
 // - Ring space: the sender allocates frames (padded to 256 bytes, never wrapping: a frame that
 //   would is placed at the ring's start, the tail skipped) from the device ring by `head`; a
 //   frame may be written once the bytes one lap before it are freed (or were never written). A
@@ -86,7 +84,6 @@ extern void mm_gpu_event_free(void *ev) W;
 extern mm_err mm_gpu_event_record(void *ev, void *stream) W;
 extern mm_err mm_gpu_stream_wait_event(void *stream, void *ev) W;
 extern mm_err mm_gpu_memcpy_any(void *stream, void *d_dst, const void *d_src, size_t n) W;
-extern mm_err mm_gpu_copy_dev(void *stream, void *d_dst, const void *d_src, size_t n) W;
 extern mm_err mm_gpu_stream_sync(void *stream) W;
 extern mm_err mm_gpu_device_pci_id(int dev, char id[32]) W;
 extern mm_err mm_gpu_set_device(int dev) W;
@@ -125,7 +122,6 @@ static void *g_stream;
 static char g_pci[32];
 static uint64_t g_ring_min; // bytes: twice the largest frame the process expects (0: none)
 static bool g_eager_free;   // MM_CUDAIPC_EAGER_FREE=1 (read at mm_transport_gpu_use)
-static bool g_kcopy;        // MM_CUDAIPC_KCOPY=1: device-to-device rows copied by a kernel
 
 mm_err mm_transport_gpu_use(int dev, void *stream, char err[MM_ERRLEN]) {
     if (!have_gpu_code())
@@ -139,8 +135,6 @@ mm_err mm_transport_gpu_use(int dev, void *stream, char err[MM_ERRLEN]) {
     g_set = true;
     const char *ef = getenv("MM_CUDAIPC_EAGER_FREE");
     g_eager_free = ef && strcmp(ef, "1") == 0;
-    const char *kc = getenv("MM_CUDAIPC_KCOPY");
-    g_kcopy = kc && strcmp(kc, "1") == 0 && mm_gpu_copy_dev;
     g_dev = dev;
     g_stream = stream;
     snprintf(g_pci, sizeof(g_pci), "%s", pci);
@@ -522,10 +516,9 @@ static mm_err flush_free(struct ipc_conn *c) {
     return MM_OK;
 }
 
-// copy_d2d: rows between device pointers on the conn's stream (a kernel where MM_CUDAIPC_KCOPY=1)
+// copy_d2d: rows between device pointers on the conn's stream
 static mm_err copy_d2d(struct ipc_conn *c, void *dst, const void *src, size_t n) {
-    return g_kcopy ? mm_gpu_copy_dev(c->stream, dst, src, n)
-                   : mm_gpu_memcpy_any(c->stream, dst, src, n);
+    return mm_gpu_memcpy_any(c->stream, dst, src, n);
 }
 
 static void nap_us(long us) {

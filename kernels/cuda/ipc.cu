@@ -105,30 +105,6 @@ extern "C" mm_err mm_gpu_memcpy_any(void *stream, void *d_dst, const void *d_src
     return MM_OK;
 }
 
-// A frame's rows between device pointers (also IPC-mapped ones) by a kernel instead of the
-// runtime's copy: 16-byte words when every address and the length allow, else the runtime's
-// copy. Same bytes; used by cudaipc.c where MM_CUDAIPC_KCOPY=1 (an A/B of the copy's latency).
-__global__ void ipc_copy16_kernel(uint4 *dst, const uint4 *src, size_t n16) {
-    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n16;
-         i += (size_t)gridDim.x * blockDim.x)
-        dst[i] = src[i];
-}
-
-extern "C" mm_err mm_gpu_copy_dev(void *stream, void *d_dst, const void *d_src, size_t n_bytes) {
-    if (n_bytes == 0)
-        return MM_OK;
-    if ((((uintptr_t)d_dst | (uintptr_t)d_src | (uintptr_t)n_bytes) & 15) != 0)
-        return mm_gpu_memcpy_any(stream, d_dst, d_src, n_bytes);
-    const size_t n16 = n_bytes / 16;
-    size_t blocks = (n16 + 255) / 256;
-    if (blocks > 1024)
-        blocks = 1024;
-    ipc_copy16_kernel<<<(unsigned)blocks, 256, 0, (cudaStream_t)stream>>>(
-        (uint4 *)d_dst, (const uint4 *)d_src, n16);
-    MM_GPU_CHECK(cudaGetLastError());
-    return MM_OK;
-}
-
 extern "C" mm_err mm_gpu_device_pci_id(int dev, char id[32]) {
     if (id == NULL)
         return MM_EINVAL;

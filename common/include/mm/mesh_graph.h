@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: MIT
 // Switches of the mesh's device frames (docs/MESH.md "Device frames"), read once from the env
 // by every stage (shards, owners, the router). (The file's name is historical: it also held
-// the per-stage CUDA graphs, MM_MESH_GRAPHS, removed 2026-11-30 after measurement.)
+// the per-stage CUDA graphs, removed 2026-11-30 after measurement.)
 #ifndef MM_MESH_GRAPH_H
 #define MM_MESH_GRAPH_H
 

@@ -19,10 +19,6 @@
 // (MM_GPU_GRAPHS=0 turns that off; MM_DEVICE_ROUTING=0 turns the whole device path off). On
 // device backends q, k and v share one buffer too and run as one product, followed by one
 // head_norm_rope launch (MM_FUSED_QKV=0: separate products, norms and ropes).
-// Decode steps (<= PF_MAX_ROWS rows) on a backend with the prefetch hints ask it to fetch a
-// weight into its cache a few ops before the product that reads it, where the ops in between
-// are small and leave memory idle (pf_weight's sites; MM_L2_PREFETCH selects them for A/B
-// runs; default none, see PF_DEFAULT). Hints change no result.
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -61,23 +57,7 @@ struct mm_model {
     void **owned;    // backend buffers to free
     size_t n_owned, cap_owned;
     bool dev;        // the engine's device path (see the design notes)
-    int pf;          // the prefetch sites in use (PF_*; 0 without the backend's hints)
 };
-
-// The decode step's prefetch sites (bits of MM_L2_PREFETCH; default PF_DEFAULT).
-enum {
-    PF_WO = 1,        // o_proj after the q/k heads are prepared: fetched during attention
-    PF_QKV_EARLY = 2, // the next layer's q/k/v after the FFN norm: fetched during routing
-                      // (the experts' reads may push it out again)
-    PF_QKV = 4,       // the next layer's q/k/v after the experts: fetched during combine
-    PF_QKV0 = 8,      // layer 0's q/k/v after the embedding
-    PF_DOWN = 16,     // the chosen experts' down matrices, by the [gate; up] product's blocks
-};
-// Off by default: on the H200 (04:00 UTC run) no site paid. Each prefetch kernel is a node of
-// the step's chain, and the op after it waits for its fetch to finish; the products read from
-// L2 gained 1-3 us each (ncu), the chain lost about as much (kernels/cuda/bench/NOTES.md).
-#define PF_DEFAULT 0
-#define PF_MAX_ROWS 64 // rows of a step that gets the hints
 
 const mm_model_config *mm_model_cfg(const mm_model *m) { return &m->c; }
 mm_backend *mm_model_backend(const mm_model *m) { return m->be; }
@@ -509,12 +489,6 @@ static mm_err bind_dev_tables(mm_model *m) {
     const mm_model_config *c = &m->c;
     m->dev = !ops->host_memory && ops->route_plan && ops->moe_matmul_dev &&
              !env_off("MM_DEVICE_ROUTING");
-    const char *pf = getenv("MM_L2_PREFETCH"); // the prefetch sites (PF_*), for A/B runs
-    m->pf = pf && pf[0] ? (int)strtol(pf, NULL, 0) : PF_DEFAULT;
-    if (!ops->prefetch)
-        m->pf &= ~(PF_WO | PF_QKV_EARLY | PF_QKV | PF_QKV0);
-    if (!ops->prefetch_experts)
-        m->pf &= ~PF_DOWN;
     for (int l = 0; m->dev && l < c->n_layers; l++) {
         const struct layer *L = &m->layers[l];
         if (!c->layer_moe[l])
@@ -825,13 +799,6 @@ fail:
 #define OPS (m->be->ops)
 #define CTX (m->be->ctx)
 
-// pf_weight: the backend's prefetch of w when site is in use and the step is a decode step.
-static mm_err pf_weight(const mm_model *m, int site, int64_t n, const mm_weight *w) {
-    if (!(m->pf & site) || n > PF_MAX_ROWS || !w->data)
-        return MM_OK;
-    return OPS->prefetch(CTX, w->data, (size_t)(w->rows * w->cols) * mm_dtype_size(w->dtype));
-}
-
 static mm_err check_rows(const mm_model_scratch *s, int64_t n) {
     return (s && n >= 0 && n <= s->max_rows) ? MM_OK : MM_EINVAL;
 }
@@ -1007,7 +974,6 @@ static mm_err attn_core(const mm_model *m, mm_model_scratch *s, int layer, mm_kv
     st.k = k, st.k_stride = ks, st.v = v, st.v_stride = vs;
     if (!stored)
         MM_TRY(OPS->kv_store(CTX, &st));
-    MM_TRY(pf_weight(m, PF_WO, n, &L->wo)); // o_proj's weights while attention runs
     struct mm_attn_args aa = {.kv = st.kv, .q = q, .q_stride = qs, .out = s->ao,
                               .out_stride = H * c->head_dim_v, .n_rows = n,
                               .row_seq = s->seq_d, .row_pos = s->pos_d, .n_heads = (int)H,
@@ -1263,8 +1229,6 @@ static mm_err experts_plan(const mm_model *m, mm_model_scratch *s, const struct 
     const float *gp = s->g, *up = s->g + F; // SwiGLU's inputs and their row stride
     int64_t gus = 2 * F;
     mm_err rv = MM_EUNSUPP;
-    if ((m->pf & PF_DOWN) && nk <= (int64_t)PF_MAX_ROWS * c->top_k) // down's experts during [gate; up]
-        MM_TRY(OPS->prefetch_experts(CTX, L->ed_tab, (size_t)(D * F) * mm_dtype_size(dd)));
     if (L->gu_fused && OPS->moe_matmul_rows)
         rv = OPS->moe_matmul_rows(CTX, (const void *const *)L->egu_tab, dg, 2 * F, D, E, offs,
                                   x, D, src, NULL, s->g, 2 * F, NULL, nk);
@@ -1306,8 +1270,6 @@ static mm_err moe_layer_dev(const mm_model *m, mm_model_scratch *s, int l, int64
     MM_TRY(experts_plan(m, s, L, s->offs_d, s->x, s->src_d, s->dst_d, n * K, s->eo));
     if (L->has_shared)
         MM_TRY(mm_model_shared_forward(m, s, l, s->x, n, s->sh));
-    if (l + 1 < m->c.n_layers) // the next layer's q/k/v while combine runs
-        MM_TRY(pf_weight(m, PF_QKV, n, &m->layers[l + 1].wqkv));
     return combine_norm(m, s, s->h, n, K, s->wt_d, s->eo, L->has_shared ? s->sh : NULL, norm_w,
                         norm_y);
 }
@@ -1368,8 +1330,6 @@ static mm_err forward_dev_ops(const mm_model *m, mm_model_scratch *s, mm_kv_cach
     } else {
         MM_TRY(OPS->embed(CTX, &m->embed, s->in_d, n, s->h, D));
     }
-    if (n_layers > 0)
-        MM_TRY(pf_weight(m, PF_QKV0, n, &m->layers[0].wqkv));
     for (int l = 0; l < n_layers; l++) {
         // the residual add of the attention output and the FFN norm in one op where the
         // backend has it (same bits as axpy then rmsnorm)
@@ -1380,8 +1340,6 @@ static mm_err forward_dev_ops(const mm_model *m, mm_model_scratch *s, mm_kv_cach
                                     s->x, D, n));
         else
             MM_TRY(mm_model_ffn_norm(m, s, l, s->h, n, s->x));
-        if (l + 1 < n_layers) // the next layer's q/k/v while routing runs
-            MM_TRY(pf_weight(m, PF_QKV_EARLY, n, &m->layers[l + 1].wqkv));
         const mm_weight *next = !chain             ? NULL
                                 : l + 1 < n_layers ? &m->layers[l + 1].attn_norm
                                 : nw > 0           ? &m->norm

@@ -335,17 +335,6 @@ struct mm_backend_ops {
     mm_err (*embed_rmsnorm)(void *ctx, const mm_weight *table, const int32_t *ids,
                             int64_t n_rows, float *out, int64_t out_stride, const mm_weight *w,
                             float eps, float *y, int64_t y_stride);
-    // prefetch (optional; NULL: nothing to do): a hint that changes no result. n_bytes of
-    // backend memory from p (weights, never written by the ops in between) will be read by an
-    // op issued a little later; a device may start bringing them into its cache now, while
-    // the ops issued before that one run (a decode step's small ops leave memory idle).
-    mm_err (*prefetch)(void *ctx, const void *p, size_t n_bytes);
-    // prefetch_experts (optional; NULL: nothing to do): a hint that changes no result. The
-    // grouped product issued next (moe_matmul_rows or moe_matmul_dev) will be followed by one
-    // over `experts` (n_experts pointers in backend memory, to matrices of n_bytes each) with
-    // the same offsets; a device may fetch the matrices of the experts that have rows while
-    // the first product runs. The hint applies to that next grouped product only.
-    mm_err (*prefetch_experts)(void *ctx, const void *const *experts, size_t n_bytes);
 };
 
 // A backend instance: the table plus its context. Not thread-safe (one issuing thread).

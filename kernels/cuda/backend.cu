@@ -51,10 +51,6 @@
 //   node, edge and programmatic-edge counts are logged (info) once per backend.
 //   MM_GPU_ATT_WIDE=1: decode attention loads a key and a chunk's values in one round each
 //   (mm_gpu_set_attention_wide; same bits; not measured yet, so off).
-//   MM_GPU_L2PF=0 leaves out the L2 prefetch hints (prefetch, prefetch_experts: a kernel that
-//   asks the L2 for a weight while the small ops run, and the grouped product's blocks fetching
-//   the next product's experts); MM_GPU_L2PF_EF=1 marks the grouped decode products' weight
-//   loads evict-first in L2 (mm_gpu_set_grouped_evict_first). Same results either way.
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -124,9 +120,6 @@ struct gpu_ctx {
     // launches (each launch's last block clears its rows)
     void *d_amax;
     unsigned *d_count; // route_with_plan's arrival count (zero between launches)
-    // prefetch_experts' hint for the next grouped product (NULL: none); taken by that product
-    const void *const *pf_tab;
-    size_t pf_bytes;
     bool old_kernels; // MM_GPU_OLD_DECODE=1: the earlier argmax/rmsnorm/attention (A/B runs)
 };
 
@@ -659,30 +652,11 @@ static mm_err gpu_moe_matmul_dev(void *ctx, const void *const *experts, enum mm_
     ON_DEVICE();
     char nm[OT_NAME];
     ot_begin(g);
-    mm_gpu_set_grouped_prefetch(g->pf_tab, g->pf_bytes); // prefetch_experts' hint, if any
-    g->pf_tab = NULL;
     const mm_err rv = mm_gpu_moe_matmul(g->stream, dtype, experts, offs, n_experts, (int)rows,
                                         (int)cols, x, x_stride, y, y_stride, (int)n_rows,
                                         MM_GPU_PATH_AUTO);
-    mm_gpu_set_grouped_prefetch(NULL, 0);
     ot_end(g, g->ot ? shape_name(nm, "moe_matmul_dev", rows, cols) : "");
     return rv;
-}
-
-// prefetch (kernels.h): a kernel that asks the L2 for the bytes (mm_gpu_l2_prefetch).
-static mm_err gpu_prefetch(void *ctx, const void *p, size_t n_bytes) {
-    CTX(ctx);
-    ON_DEVICE();
-    TIMED("prefetch", mm_gpu_l2_prefetch(g->stream, p, n_bytes));
-}
-
-// prefetch_experts (kernels.h): kept for the next grouped product, whose blocks prefetch the
-// matrices of their experts from this table (mm_gpu_set_grouped_prefetch).
-static mm_err gpu_prefetch_experts(void *ctx, const void *const *experts, size_t n_bytes) {
-    CTX(ctx);
-    g->pf_tab = experts;
-    g->pf_bytes = n_bytes;
-    return MM_OK;
 }
 
 static mm_err gpu_argmax(void *ctx, const float *logits, int64_t stride, int64_t n_rows,
@@ -810,14 +784,11 @@ static mm_err gpu_moe_matmul_rows(void *ctx, const void *const *experts, enum mm
     ON_DEVICE();
     char nm[OT_NAME];
     ot_begin(g);
-    mm_gpu_set_grouped_prefetch(g->pf_tab, g->pf_bytes); // prefetch_experts' hint, if any
     const mm_err rv = mm_gpu_moe_matmul_rows(g->stream, dtype, experts, offs, n_experts,
                                              (int)rows, (int)cols, x, x_stride, x_idx, x_up,
                                              y, y_stride, y_idx, (int)n_rows);
-    mm_gpu_set_grouped_prefetch(NULL, 0);
-    if (rv == MM_EUNSUPP) // nothing issued: the caller copies the rows itself (the hint stays
-        return rv;        // for the grouped product it then issues)
-    g->pf_tab = NULL;
+    if (rv == MM_EUNSUPP) // nothing issued: the caller copies the rows itself
+        return rv;
     ot_end(g, g->ot ? shape_name(nm, "moe_matmul_rows", rows, cols) : "");
     return rv;
 }
@@ -911,8 +882,6 @@ static const struct mm_backend_ops gpu_ops = {
     .route_with_plan = gpu_route_with_plan,
     .combine_rmsnorm = gpu_combine_rmsnorm,
     .embed_rmsnorm = gpu_embed_rmsnorm,
-    .prefetch = gpu_prefetch,
-    .prefetch_experts = gpu_prefetch_experts,
 };
 
 extern "C" mm_err mm_cuda_backend_open(mm_backend *be, const mm_backend_params *p,
@@ -984,14 +953,6 @@ extern "C" mm_err mm_cuda_backend_open(mm_backend *be, const mm_backend_params *
         g->ops_table.moe_matmul_rows = NULL;
         g->ops_table.add_rmsnorm = NULL;
     }
-    const char *pf = getenv("MM_GPU_L2PF"); // 0: no L2 prefetch hints (A/B; same results)
-    if (g->old_kernels || (pf != NULL && strcmp(pf, "0") == 0)) {
-        g->ops_table.prefetch = NULL;
-        g->ops_table.prefetch_experts = NULL;
-    }
-    const char *ef = getenv("MM_GPU_L2PF_EF"); // 1: grouped decode W loads evict-first
-    mm_gpu_set_grouped_evict_first(!g->old_kernels && ef != NULL && ef[0] != '\0' &&
-                                   strcmp(ef, "0") != 0);
     const char *oc = getenv("MM_GPU_OLD_CHAIN"); // A/B of the per-layer chain fusions alone
     if (no_fusions || (oc != NULL && oc[0] != '\0' && strcmp(oc, "0") != 0)) {
         g->ops_table.head_norm_rope_kv = NULL;

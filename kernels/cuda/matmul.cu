@@ -137,10 +137,6 @@ struct mm_mat_args {
     const int32_t *x_idx;     // GEMV v2 only: row p of the product reads x row x_idx[p] (NULL: p)
     const int32_t *y_idx;     // GEMV v2 only: row p writes y row y_idx[p] (NULL: p)
     const float *x_up;        // GEMV v2 only: x is swiglu(x, x_up) (same stride and rows), or NULL
-    const void *const *pf_tab; // GEMV v2 grouped only: each block also prefetches into L2 its
-                               // slice of pf_tab[e] for its tile's expert e (NULL: none) ...
-    long long pf_bytes;        // ... of pf_bytes per expert (mm_gpu_set_grouped_prefetch)
-    int ef;                    // GEMV v2 grouped only: W loads evict-first in L2
 };
 
 // ---- element loads -------------------------------------------------------------------------
@@ -202,20 +198,6 @@ __device__ __forceinline__ uint4 load_w8(const uint16_t *row, int k, int n_in, b
         h[j] = k + j < n_in ? row[k + j] : (uint16_t)0;
     return make_uint4(h[0] | ((uint32_t)h[1] << 16), h[2] | ((uint32_t)h[3] << 16),
                       h[4] | ((uint32_t)h[5] << 16), h[6] | ((uint32_t)h[7] << 16));
-}
-
-// load_w8 with an L2 cache policy (createpolicy) on the vector load: evict-first for weights
-// read once per step, so that they do not push out weights prefetched for later products.
-__device__ __forceinline__ uint4 load_w8_pol(const uint16_t *row, int k, int n_in, bool vec,
-                                             uint64_t pol) {
-    if (vec && k + 8 <= n_in) {
-        uint4 r;
-        asm("ld.global.nc.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;\n"
-            : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-            : "l"(row + k), "l"(pol));
-        return r;
-    }
-    return load_w8(row, k, n_in, vec);
 }
 
 // 8 f32 of an x row from k, as 4 bf16 pairs (zeros past n_in).
@@ -411,11 +393,6 @@ __global__ void __launch_bounds__(MV_WARPS * 32, 2) gemv_mma_kernel(mm_mat_args 
 // staging of the x tile is the suspect (each thread's pieces are loaded one after the
 // other: one memory round trip per 8-element piece, 8 or more per thread at 8 rows).
 static int g_gemv_version = 2; // mm_gpu_set_gemv_version: 1 = gemv_mma_kernel only (A/B runs)
-// mm_gpu_set_grouped_prefetch (the calling thread's; one thread issues a backend's ops) and
-// mm_gpu_set_grouped_evict_first (process-wide): hints for grouped GEMV v2 products only
-static __thread const void *const *t_pf_tab;
-static __thread size_t t_pf_bytes;
-static int g_grouped_ef;
 
 // bf16 per shared x row: n_in rounded up to 32 (zeros past n_in), + 32 so that the rows read by
 // lanes g and g + 1 in one quarter-warp fall in other banks.
@@ -489,20 +466,7 @@ __global__ void __launch_bounds__(MV_WARPS * 32, 2) gemv_x_kernel(mm_mat_args a,
     const bool vec = a.vec != 0;
     uint4 w0v[U], w1v[U];
     const uint16_t *wr0 = NULL, *wr1 = NULL;
-    uint64_t pol = 0; // a.ef: the evict-first policy of the grouped W loads
-    if (GROUPED && a.ef)
-        asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(pol));
     auto load_round = [&](int kc, int k_end) {
-        if (GROUPED && a.ef) {
-#pragma unroll
-            for (int u = 0; u < U; u++)
-                if (kc + 32 * u < k_end) {
-                    const int k = kc + 32 * u + 8 * t;
-                    w0v[u] = load_w8_pol(wr0, k, a.n_in, vec, pol);
-                    w1v[u] = load_w8_pol(wr1, k, a.n_in, vec, pol);
-                }
-            return;
-        }
 #pragma unroll
         for (int u = 0; u < U; u++)
             if (kc + 32 * u < k_end) {
@@ -545,20 +509,6 @@ __global__ void __launch_bounds__(MV_WARPS * 32, 2) gemv_x_kernel(mm_mat_args a,
         load_round(wit * sl, min(a.n_in, (wit + 1) * sl));
         have = true;
     }
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    // the next product's matrix of this tile's expert (a.pf_tab): slice blockIdx.x of
-    // gridDim.x, split over warp 0's lanes, by bulk prefetches into L2 (nothing returns here)
-    if (GROUPED && a.pf_tab != NULL && warp == 0) {
-        const char *pw = (const char *)a.pf_tab[tile.e];
-        const long long per = ((a.pf_bytes + gridDim.x - 1) / gridDim.x + 511) / 512 * 512;
-        const long long off = (long long)blockIdx.x * per + (long long)lane * (per / 32);
-        const long long end = min(a.pf_bytes, (long long)blockIdx.x * per + per);
-        if (pw != NULL && ((uintptr_t)pw & 15) == 0 && off < end)
-            asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(pw + off),
-                         "r"((uint32_t)min(per / 32, end - off))
-                         : "memory");
-    }
-#endif
     mv_stage_x(a, xsm, ldx, tile.mlen, vec,
                [&](int m) { return a.x_idx ? a.x_idx[tile.m0 + m] : tile.m0 + m; });
     __syncthreads();
@@ -884,7 +834,7 @@ __global__ void __launch_bounds__(MM_THREADS, 2) gemm_mma_async_kernel(mm_mat_ar
 // 16-byte aligned (no bulk copy possible) is copied by the block's threads instead (same bits).
 // Taken where GEMV v2 is, for n_in % 8 == 0 (rows of whole 16-byte pieces) and a 16-byte aligned
 // dense W, when the block's shared memory fits MV3_SMEM_MAX (mm_gpu_set_gemv_bulk: which
-// products). The L2 hints (a.pf_tab, a.ef) are v2-only.
+// products).
 #define MV3_SMEM_MAX (224 << 10) // of the 227 KiB a block may have (static: 1 KiB)
 
 // mbarrier and bulk-copy helpers of GEMV v3 (plain sm_90: gemm_wp.cuh's are sm_90a-only).
@@ -2053,11 +2003,6 @@ static mm_err launch(cudaStream_t st, int path, int dtype, mm_mat_args a, int pe
         cfg.numAttrs = g_pdl ? 1 : 0;
         const size_t xs_bytes = gemv_x_smem(a, GROUPED ? per_tile_rows : min(per_tile_rows, 8));
         if (xs_bytes > 0 && (GROUPED || a.n_rows <= MV2_DENSE_ROWS)) { // GEMV v2 (same bits)
-            if (GROUPED) { // the hints of mm_gpu_set_grouped_prefetch / _evict_first
-                a.pf_tab = t_pf_tab;
-                a.pf_bytes = (long long)(t_pf_bytes & ~(size_t)15);
-                a.ef = g_grouped_ef;
-            }
             const int ty = GROUPED ? 1 : (a.n_rows + 7) / 8; // dense: 8-row tiles along x
             cfg.gridDim = GROUPED ? dim3(grid.x, tiles(8)) : dim3(grid.x * ty, 1);
             int ring_ks = 0;
@@ -2295,23 +2240,6 @@ extern "C" mm_err mm_gpu_moe_matmul_rows(void *stream, int dtype, const void *co
 extern "C" void mm_gpu_set_prefill_fuse(int on) {
 #if MM_GPU_HAVE_WMMA
     g_pf_fuse = on < 0 ? -1 : on != 0;
-#else
-    (void)on;
-#endif
-}
-
-extern "C" void mm_gpu_set_grouped_prefetch(const void *const *d_tab, size_t n_bytes) {
-#if MM_GPU_HAVE_WMMA
-    t_pf_tab = n_bytes >= 16 ? d_tab : NULL;
-    t_pf_bytes = n_bytes;
-#else
-    (void)d_tab, (void)n_bytes;
-#endif
-}
-
-extern "C" void mm_gpu_set_grouped_evict_first(int on) {
-#if MM_GPU_HAVE_WMMA
-    g_grouped_ef = on != 0;
 #else
     (void)on;
 #endif

@@ -249,21 +249,6 @@ mm_err mm_gpu_combine_rmsnorm(void *stream, const float *d_alpha, int k, const f
                               int64_t xs, const float *d_shared, int64_t ss, float *d_h,
                               int64_t hs, int64_t n_rows, const mm_weight *w, float eps,
                               float *d_y, int64_t ys);
-// mm_gpu_l2_prefetch: kernels.h prefetch. Enqueues a kernel that asks the L2 for the 16-byte
-// aligned part of [d_p, d_p + n_bytes) (bulk prefetches, sm_90) and then waits for the kernel
-// before it, so the kernels after it keep their order; reads and writes nothing. Launched as a
-// programmatic dependent (mm_gpu_set_dep_launch). HIP: nothing is enqueued.
-mm_err mm_gpu_l2_prefetch(void *stream, const void *d_p, size_t n_bytes);
-// mm_gpu_set_grouped_prefetch: the calling thread's next grouped decode products (GEMV v2,
-// mm_gpu_moe_matmul / _rows) also prefetch into L2, per block, a slice of d_tab[e]'s n_bytes
-// for the expert e of the block's tile (d_tab: device array of the products' n_experts
-// pointers; NULL: none), i.e. the same experts' matrices of the product that follows. Stays
-// set until changed (set NULL after the call). Changes no result. CUDA only.
-void mm_gpu_set_grouped_prefetch(const void *const *d_tab, size_t n_bytes);
-// mm_gpu_set_grouped_evict_first: 1 marks the weight loads of grouped decode products (GEMV
-// v2) evict-first in L2 (each expert matrix is read once per step), so that weights prefetched
-// for later products stay; 0 (default): plain loads. Process-wide; same bits.
-void mm_gpu_set_grouped_evict_first(int on);
 
 // ---- inter-process memory and events (kernels/cuda/ipc.cu; the cudaipc:// transport) ----------
 // Handles are opaque MM_GPU_IPC_HANDLE_BYTES blobs to ship to another process of the same host.

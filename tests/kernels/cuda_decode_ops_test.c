@@ -58,9 +58,6 @@ extern mm_err mm_gpu_moe_matmul_rows(void *stream, int dtype, const void *const 
 extern void mm_gpu_set_gemv_version(int v) __attribute__((weak));
 extern void mm_gpu_set_gemv_bulk(int mode) __attribute__((weak));
 extern unsigned long long mm_gpu_gemv_bulk_launches(void) __attribute__((weak));
-extern void mm_gpu_set_grouped_prefetch(const void *const *d_tab, size_t n_bytes)
-    __attribute__((weak));
-extern void mm_gpu_set_grouped_evict_first(int on) __attribute__((weak));
 extern void mm_gpu_optime_report(void *backend_ctx) __attribute__((weak));
 
 static void open_gpu(void) {
@@ -542,7 +539,6 @@ static int gemv_grouped_case(int n_out, int n_in, int n_src, int E, const int *c
     float *dxsrc = dev_copy(xsrc, (size_t)(n_src * xs) * 4), *dxg = dev_copy(xg, (size_t)(n * xs) * 4);
     float *y1 = dev_copy(NULL, (size_t)(n * ys) * 4), *y2 = dev_copy(NULL, (size_t)(n * ys) * 4);
     float *y3 = dev_copy(NULL, (size_t)(yfull * ys) * 4), *y4 = dev_copy(NULL, (size_t)(yfull * ys) * 4);
-    float *y5 = dev_copy(NULL, (size_t)(yfull * ys) * 4); // with the L2 hints (prefetch, evict-first)
     float *y2b[2], *y3b[2]; // bulk modes 2 and 3
     for (int v = 0; v < 2; v++)
         y2b[v] = dev_copy(NULL, (size_t)(n * ys) * 4), y3b[v] = dev_copy(NULL, (size_t)(yfull * ys) * 4);
@@ -558,14 +554,13 @@ static int gemv_grouped_case(int n_out, int n_in, int n_src, int E, const int *c
     MM_PASS(gpu->ops->fill(gpu->ctx, y2, -3.0f, n * ys));
     MM_PASS(gpu->ops->fill(gpu->ctx, y3, -5.0f, yfull * ys));
     MM_PASS(gpu->ops->fill(gpu->ctx, y4, -5.0f, yfull * ys));
-    MM_PASS(gpu->ops->fill(gpu->ctx, y5, -5.0f, yfull * ys));
     for (int v = 0; v < 2; v++) {
         MM_PASS(gpu->ops->fill(gpu->ctx, y2b[v], -3.0f, n * ys));
         MM_PASS(gpu->ops->fill(gpu->ctx, y3b[v], -5.0f, yfull * ys));
     }
     MM_PASS(gpu->ops->synchronize(gpu->ctx));
     if (mm_gpu_set_gemv_bulk)
-        mm_gpu_set_gemv_bulk(0); // v2 (y2, y3, y5); v3 below
+        mm_gpu_set_gemv_bulk(0); // v2 (y2, y3); v3 below
     bulk_taken();
     mm_gpu_set_gemv_version(1);
     MM_PASS(mm_gpu_moe_matmul(NULL, MM_DTYPE_BF16, (const void *const *)dwp, doffs, E, n_out, n_in,
@@ -576,18 +571,6 @@ static int gemv_grouped_case(int n_out, int n_in, int n_src, int E, const int *c
     const float *xup = glu ? dxsrc + n_in : NULL;
     const mm_err rr = mm_gpu_moe_matmul_rows(NULL, MM_DTYPE_BF16, (const void *const *)dwp, doffs,
                                              E, n_out, n_in, dxsrc, xs, dxi, xup, y3, ys, dyi, n);
-    // the same product whose blocks also prefetch a table's matrices (here its own experts',
-    // some NULL; bytes not a multiple of 16) and load W evict-first: hints, the same bits
-    mm_err rp = MM_EUNSUPP;
-    if (mm_gpu_set_grouped_prefetch && mm_gpu_set_grouped_evict_first) {
-        mm_gpu_set_grouped_prefetch((const void *const *)dwp, (size_t)n_out * n_in * 2 - 6);
-        mm_gpu_set_grouped_evict_first(1);
-        rp = mm_gpu_moe_matmul_rows(NULL, MM_DTYPE_BF16, (const void *const *)dwp, doffs, E, n_out,
-                                    n_in, dxsrc, xs, dxi, xup, y5, ys, dyi, n);
-        mm_gpu_set_grouped_prefetch(NULL, 0);
-        mm_gpu_set_grouped_evict_first(0);
-        MM_EQ(rp, rr);
-    }
     MM_TRUE(!bulk_taken()); // v3 never runs with its switch off
     // GEMV v3 / v4: the plain grouped product and the one with row indices (and SwiGLU)
     int taken = 0;
@@ -620,12 +603,9 @@ static int gemv_grouped_case(int n_out, int n_in, int n_src, int E, const int *c
     }
     float *h1 = dev_get(y1, (size_t)(n * ys) * 4), *h2 = dev_get(y2, (size_t)(n * ys) * 4);
     float *h3 = dev_get(y3, (size_t)(yfull * ys) * 4), *h4 = dev_get(y4, (size_t)(yfull * ys) * 4);
-    float *h5 = dev_get(y5, (size_t)(yfull * ys) * 4);
     float *h2b[2] = {NULL, NULL}, *h3b[2] = {NULL, NULL};
     for (int v = 0; mm_gpu_set_gemv_bulk && v < 2; v++)
         h2b[v] = dev_get(y2b[v], (size_t)(n * ys) * 4), h3b[v] = dev_get(y3b[v], (size_t)(yfull * ys) * 4);
-    if (rp == MM_OK) // the L2 hints change no bit
-        MM_TRUE(memcmp(h3, h5, (size_t)(yfull * ys) * 4) == 0);
     MM_TRUE(memcmp(h1, h2, (size_t)(n * ys) * 4) == 0);
     size_t diff_b = 0; // bulk modes 2 and 3 (if linked) against v1
     for (int v = 0; mm_gpu_set_gemv_bulk && v < 2; v++)
@@ -658,20 +638,19 @@ static int gemv_grouped_case(int n_out, int n_in, int n_src, int E, const int *c
     MM_EQ(diff_b, 0);
     MM_TRUE(memcmp(want, h4, (size_t)(yfull * ys) * 4) == 0);
     printf("grouped %dx%d%s, %d rows over %d experts: v2 == v1 bits; with row indices %s; "
-           "backend op %s; with the L2 hints %s; v3 %s, bulk mode 3 %s\n", n_out, n_in,
+           "backend op %s; v3 %s, bulk mode 3 %s\n", n_out, n_in,
            glu ? " (input swiglu(gate, up))" : "", n, E,
            rr == MM_OK ? "bit-identical" : "not taken (MM_EUNSUPP)",
            rb == MM_OK ? "fused, bit-identical" : "fell back to the copies",
-           rp == MM_OK ? "bit-identical" : "not run",
            !mm_gpu_set_gemv_bulk ? "not linked" : taken & 1 ? "taken, bit-identical" : "not taken",
            taken & 2 ? "taken, bit-identical" : "not taken");
     for (int e = 0; e < E; e++) {
         free(wh[e]);
         gpu->ops->buffer_free(gpu->ctx, wbase[e]);
     }
-    free(xi), free(yi), free(xsrc), free(xg), free(h1), free(h2), free(h3), free(h4), free(h5);
+    free(xi), free(yi), free(xsrc), free(xg), free(h1), free(h2), free(h3), free(h4);
     free(h2b[0]), free(h3b[0]), free(h2b[1]), free(h3b[1]), free(want);
-    void *bufs[] = {dwp, doffs, dxi, dyi, dxsrc, dxg, y1, y2, y3, y4, y5, y2b[0], y3b[0], y2b[1],
+    void *bufs[] = {dwp, doffs, dxi, dyi, dxsrc, dxg, y1, y2, y3, y4, y2b[0], y3b[0], y2b[1],
                     y3b[1], tmp, xin, df};
     for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++)
         gpu->ops->buffer_free(gpu->ctx, bufs[i]);
@@ -766,40 +745,6 @@ static void test_gemv_bulk_bits(void) {
     for (int e = 0; e < 160; e++)
         c150[e] = e % 16 != 3;
     MM_EQ(gemv_grouped_case(24, 64, 150, 160, c150, false, 0, 0), 3);
-    gpu_close(NULL);
-}
-
-// prefetch (the L2 hint) between ops: it reads and writes nothing and keeps the order of the
-// ops around it. A buffer filled, prefetched (whole, odd sub-ranges, empty, NULL, a 24 MB
-// weight-sized range), then copied: the copy sees the fill's values and the buffer is unchanged.
-static void test_prefetch_hint(void) {
-    open_gpu();
-    if (!gpu->ops->prefetch)
-        MM_SKIP("the backend has no prefetch (MM_GPU_L2PF=0?)");
-    const int64_t n = (24 << 20) / 4 + 7; // floats
-    float *h = rand_f32(n, 1.0f);
-    float *d = dev_copy(h, (size_t)n * 4), *c = dev_copy(NULL, (size_t)n * 4);
-    for (int round = 0; round < 3; round++) {
-        const float v = (float)round - 0.5f;
-        MM_PASS(gpu->ops->fill(gpu->ctx, d, v, 1000)); // the first 1000 become v
-        MM_PASS(gpu->ops->prefetch(gpu->ctx, d, (size_t)n * 4));
-        MM_PASS(gpu->ops->prefetch(gpu->ctx, (const char *)d + 3, 4093));
-        MM_PASS(gpu->ops->prefetch(gpu->ctx, (const char *)d + 17, 5)); // no aligned 16 bytes
-        MM_PASS(gpu->ops->prefetch(gpu->ctx, d, 0));
-        MM_PASS(gpu->ops->prefetch(gpu->ctx, NULL, 64));
-        MM_PASS(gpu->ops->copy_rows(gpu->ctx, d, n, NULL, c, n, NULL, 1, n));
-        for (int i = 0; i < 1000; i++)
-            h[i] = v;
-    }
-    MM_PASS(gpu->ops->synchronize(gpu->ctx));
-    float *hd = dev_get(d, (size_t)n * 4), *hc = dev_get(c, (size_t)n * 4);
-    MM_TRUE(memcmp(hd, h, (size_t)n * 4) == 0);
-    MM_TRUE(memcmp(hc, h, (size_t)n * 4) == 0);
-    printf("prefetch: 3 rounds of fill, 5 prefetches (24 MB, odd ranges, empty, NULL), copy: "
-           "order kept, data unchanged\n");
-    free(h), free(hd), free(hc);
-    gpu->ops->buffer_free(gpu->ctx, d);
-    gpu->ops->buffer_free(gpu->ctx, c);
     gpu_close(NULL);
 }
 
@@ -900,6 +845,5 @@ MM_TESTS = {
     {"gemv v2 (x in shared memory, row indices) == gemv v1 bits", test_gemv_v2_bits},
     {"gemv v3 (W by bulk copies into shared memory) == v2 == v1 bits", test_gemv_bulk_bits},
     {"add_rmsnorm == axpy then rmsnorm bits", test_add_rmsnorm_bits},
-    {"prefetch hint: order kept, data unchanged", test_prefetch_hint},
     {NULL, NULL},
 };

@@ -563,21 +563,6 @@ static void w_graph_free(void *ctx, void *graph) {
     free(g);
 }
 
-// the L2 prefetch hints: nothing to do on the host; counted (they change no result)
-static int g_prefetch, g_prefetch_experts;
-static mm_err w_prefetch(void *ctx, const void *p, size_t n) {
-    (void)ctx;
-    MM_TRUE(p != NULL && n > 0);
-    g_prefetch++;
-    return MM_OK;
-}
-static mm_err w_prefetch_experts(void *ctx, const void *const *experts, size_t n) {
-    (void)ctx;
-    MM_TRUE(experts != NULL && n > 0);
-    g_prefetch_experts++;
-    return MM_OK;
-}
-
 // The CPU table as a device backend with every optional member of the device path (chain:
 // also the per-layer chain fusions).
 static void dev_table(struct mm_backend_ops *o, bool graphs, bool chain) {
@@ -591,7 +576,6 @@ static void dev_table(struct mm_backend_ops *o, bool graphs, bool chain) {
     o->route_plan = w_plan, o->moe_matmul_dev = w_moe, o->argmax = w_argmax;
     o->combine = w_combine, o->head_norm_rope = w_hnr;
     o->moe_matmul_rows = w_moe_rows, o->add_rmsnorm = w_add_rms;
-    o->prefetch = w_prefetch, o->prefetch_experts = w_prefetch_experts;
     if (chain) {
         o->head_norm_rope_kv = w_hnr_kv, o->route_with_plan = w_route_plan;
         o->combine_rmsnorm = w_combine_rms, o->embed_rmsnorm = w_embed_rms;
@@ -699,10 +683,8 @@ static void check(const char *name, bool graphs, bool chain) {
     dev_table(&dev, graphs, chain);
     be->ops = &dev;
     g_captures = g_launches = g_plans = g_combines = g_hnrs = g_moe_rows = g_add_rms = 0;
-    g_moe_rows_unsupp = g_chain = g_prefetch = g_prefetch_experts = 0;
-    setenv("MM_L2_PREFETCH", "31", 1); // every prefetch site (off by default)
+    g_moe_rows_unsupp = g_chain = 0;
     float *got = run(dir, be, true, got_ids, &n_dev);
-    unsetenv("MM_L2_PREFETCH");
     be->ops = g_cpu;
     MM_EQ(n_ref, n_dev);
     // the unwanted row of the batch's middle step is uninitialised in both: mask it out
@@ -724,11 +706,10 @@ static void check(const char *name, bool graphs, bool chain) {
     if (strstr(name, "deepseek") == NULL)
         MM_TRUE(g_hnrs > 0); // the fused q/k/v path was taken
     MM_TRUE(chain ? g_chain > 0 : g_chain == 0);
-    MM_TRUE(g_prefetch > 0 && g_prefetch_experts > 0); // the decode steps' L2 hints
     printf("%s%s: %zu logits equal bit for bit; %d plans, %d graphs recorded, %d replays; "
-           "moe_matmul_rows %d taken, %d refused; %d chain fusions; %d + %d prefetch hints\n",
+           "moe_matmul_rows %d taken, %d refused; %d chain fusions\n",
            name, graphs ? " with graphs" : "", n_ref, g_plans, g_captures, g_launches,
-           g_moe_rows, g_moe_rows_unsupp, g_chain, g_prefetch, g_prefetch_experts);
+           g_moe_rows, g_moe_rows_unsupp, g_chain);
     if (graphs && strstr(name, "deepseek") == NULL) {
         // single-row decode repeats: recorded at the second step, replayed from the third
         MM_TRUE(g_captures >= 1);
@@ -856,41 +837,6 @@ static void test_gpu_chain(void) {
     gpu_chain_case("qwen2moe-tiny");
     gpu_chain_case("mixtral-var");
     gpu_chain_case("glm4moe-tiny");
-}
-
-// The same GPU run without the L2 prefetch hints (MM_GPU_L2PF=0) against one with every
-// prefetch site (MM_L2_PREFETCH=31) and evict-first grouped loads (MM_GPU_L2PF_EF=1): every
-// logit and greedy id bit for bit.
-static void gpu_l2pf_case(const char *name) {
-    char dir[256];
-    snprintf(dir, sizeof dir, "tests/fixtures/models/%s", name);
-    int32_t want_ids[STEPS], got_ids[STEPS];
-    size_t n_ref = 0, n_dev = 0;
-    setenv("MM_GPU_L2PF", "0", 1);
-    mm_backend *be = open_gpu();
-    MM_TRUE(be->ops->prefetch == NULL && be->ops->prefetch_experts == NULL);
-    float *ref = run(dir, be, true, want_ids, &n_ref);
-    mm_backend_close(be);
-    unsetenv("MM_GPU_L2PF");
-    setenv("MM_L2_PREFETCH", "31", 1);
-    setenv("MM_GPU_L2PF_EF", "1", 1);
-    be = open_gpu();
-    if (!be->ops->prefetch || !be->ops->prefetch_experts)
-        MM_TEST_FAIL_("the default GPU table lacks prefetch / prefetch_experts");
-    float *got = run(dir, be, true, got_ids, &n_dev);
-    unsetenv("MM_L2_PREFETCH");
-    unsetenv("MM_GPU_L2PF_EF");
-    same_runs(name, ref, got, n_ref, n_dev, want_ids, got_ids);
-    printf("%s on cuda:0: L2 prefetch hints and evict-first loads == none, %zu logits bit for "
-           "bit\n", name, n_ref);
-    free(ref), free(got);
-    mm_backend_close(be);
-}
-
-static void test_gpu_l2pf(void) {
-    gpu_l2pf_case("qwen3moe-tiny");
-    gpu_l2pf_case("qwen2moe-tiny");
-    gpu_l2pf_case("mixtral-var");
 }
 
 static void test_gpu_old_new(void) {
@@ -1065,6 +1011,5 @@ MM_TESTS = {
     {"cuda: device path == host-routed path bits (mixtral)", test_gpu_mixtral},
     {"cuda: new decode kernels and fused ops == MM_GPU_OLD_DECODE bits", test_gpu_old_new},
     {"cuda: chain fusions == MM_GPU_OLD_CHAIN bits (4 models)", test_gpu_chain},
-    {"cuda: L2 prefetch hints == MM_GPU_L2PF=0 bits (3 models)", test_gpu_l2pf},
     {NULL, NULL},
 };

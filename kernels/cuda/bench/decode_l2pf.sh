@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Decode-step variants on the GPU machine in one run (one `run` call, < 300 s): the GPU tests
 # that cover them, the copy bandwidth, then bench-model batch 1 (graph replay and op by op)
-# over the variants in turn, ROUNDS times (default: the L2 prefetch hints: MM_GPU_L2PF=0 none;
-# MM_L2_PREFETCH=bits the engine's sites, common/model.c PF_*; MM_GPU_L2PF_EF=1 evict-first
-# weight loads in the grouped decode products), batch 64 for the first two variants, and ncu
-# durations of every kernel of a decode step for the first two variants.
+# over the variants in turn, ROUNDS times (default: the build's defaults against GEMV v2,
+# MM_GPU_GEMV_BULK=0; the L2 prefetch hints it was written for were removed after they lost, see
+# NOTES.md), batch 64 for the first two variants, and ncu durations of every kernel of a decode
+# step for the first two variants.
 # Prepare here:
 #     make CUDA=1 BUILD=build/cuda-dec3 -j2 all test-bins build/cuda-dec3/bin/moemesh-gpu-bench
 #     BUILD_CUDA=build/cuda-dec3 bash kernels/cuda/device_run.sh --stage .dev/gpu-dec3
@@ -67,7 +67,7 @@ ab() { # name, extra bench flags (quoted), env...
     echo "$n: $(grep -E "decode: best|op by op|batch 64 decode" "$R/b-$n.txt" |
         sed -E 's/ \(prompts.*//; s/ms\/token/ms/g' | tr '\n' ' ') $pct" | tee -a "$R/ab.txt"
 }
-VARIANTS=${VARIANTS:-"off=MM_GPU_L2PF=0 def=X=0 wo=MM_L2_PREFETCH=1 down=MM_L2_PREFETCH=16 qkv=MM_L2_PREFETCH=12 all-ef=MM_L2_PREFETCH=31,MM_GPU_L2PF_EF=1 early-ef=MM_L2_PREFETCH=27,MM_GPU_L2PF_EF=1 def-ef=MM_GPU_L2PF_EF=1"}
+VARIANTS=${VARIANTS:-"def=X=0 v2=MM_GPU_GEMV_BULK=0"}
 s "bench-model batch 1, variants in turn (graph = paired 'decode: best'; op by op)"
 for i in $(seq 1 "${ROUNDS:-2}"); do
     for v in $VARIANTS; do

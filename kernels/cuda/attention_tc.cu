@@ -63,7 +63,6 @@
 static int g_att_tc = -1;       // -1: from MM_GPU_ATT_TC at first use; 0 off; 1 on
 static int g_att_tc_warps = -1; // -1: from MM_GPU_ATT_TC_WARPS (4 or 8; default 8)
 static int g_att_tc_db = -1;    // -1: from MM_GPU_ATT_TC_DB (0: one key buffer; default 1)
-static int g_att_tc_fast = -1;  // -1: from MM_GPU_ATT_TC_FAST (1: tc2's FAST staging; default 0)
 static int g_att_tc_mt = -1;    // -1: from MM_GPU_ATT_TC_MT (1: one m16 tile per warp; default 2)
 
 #if MM_GPU_HAVE_WMMA
@@ -513,68 +512,7 @@ __global__ void __launch_bounds__(NW * 32, 8 / NW)
 }
 
 // ---- two m16 tiles per warp (MM_GPU_ATT_TC_MT=2, prefill calls only) --------------------------
-// FAST forms of the staging (MM_GPU_ATT_TC_FAST=1; off by default, it did not pay on the H200: 249 M
-// instructions instead of 265 M per 4096-row call, 1.07 vs 1.08 ms, the forward no faster, 24 bytes
-// of spills at 255 registers): the cache table index and slot by
-// shifts when the cache block size is a power of two (tc_blk, tc_issue divide by it per key),
-// and, when the head dims are the kernel's own (dk == DKM, dv == DVM), the copies and the
-// conversion unrolled without the per-piece bounds. The same addresses and values.
-__device__ __forceinline__ int32_t tc_blk_sh(const struct mm_kv_view &kv, int32_t seq, int32_t t,
-                                             int32_t t_lo, int32_t t_hi, int bsh, int *d_err) {
-    if (t < t_lo || t > t_hi)
-        return -1;
-    if (t < 0 || seq < 0 || (t >> bsh) >= kv.max_blocks) {
-        tc_flag(d_err);
-        return -1;
-    }
-    const int32_t blk = kv.block_tables[(int64_t)seq * kv.max_blocks + (t >> bsh)];
-    if (blk < 0)
-        tc_flag(d_err);
-    return blk < 0 ? -1 : blk;
-}
-
-template <int TPK, int DKM, int DVM>
-__device__ __forceinline__ void tc_issue_full(const struct mm_kv_view &kv, int32_t t, int32_t blk,
-                                              int64_t k_off, int64_t v_off, float *row, int part,
-                                              int bsh) {
-    if (blk >= 0) {
-        const float *slot = kv.base + (int64_t)blk * kv.block_stride +
-                            (int64_t)(t & ((1 << bsh) - 1)) * kv.slot_stride;
-#pragma unroll
-        for (int j = 0; j < DKM / 4 / TPK; j++)
-            tc_cp16(row + 4 * (part + TPK * j), slot + k_off + 4 * (part + TPK * j));
-#pragma unroll
-        for (int j = 0; j < DVM / 4 / TPK; j++)
-            tc_cp16(row + DKM + 4 * (part + TPK * j), slot + v_off + 4 * (part + TPK * j));
-    }
-    tc_commit();
-}
-
-template <int DKM, int DVM, int TPK>
-__device__ __forceinline__ void tc_convert_full(const float *row, bool ok, uint16_t *krow,
-                                                uint16_t *vrow, int part) {
-    // K then V (as tc_convert), so at most one half's float4s are live
-    float4 x[DKM / 4 / TPK];
-#pragma unroll
-    for (int j = 0; j < DKM / 4 / TPK; j++)
-        x[j] = ok ? *(const float4 *)(row + 4 * (part + TPK * j)) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll
-    for (int j = 0; j < DKM / 4 / TPK; j++)
-        *(uint2 *)(krow + 4 * (part + TPK * j)) =
-            make_uint2(tc_pack(x[j].x, x[j].y), tc_pack(x[j].z, x[j].w));
-    float4 y[DVM / 4 / TPK];
-#pragma unroll
-    for (int j = 0; j < DVM / 4 / TPK; j++)
-        y[j] = ok ? *(const float4 *)(row + DKM + 4 * (part + TPK * j)) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll
-    for (int j = 0; j < DVM / 4 / TPK; j++)
-        *(uint2 *)(vrow + 4 * (part + TPK * j)) =
-            make_uint2(tc_pack(y[j].x, y[j].y), tc_pack(y[j].z, y[j].w));
-}
-
-// FAST: the rescale of acc is skipped when alpha is 1 for every row of the warp (x * 1 = x
-// exactly: the same bits).
-template <int DKM, int DVM, bool FAST>
+template <int DKM, int DVM>
 __device__ __forceinline__ void
 tc_block2(const uint16_t *qs, int ldq, const uint16_t *kb, const uint16_t *vb, int ldk, int ldv,
           int dkp, int dvp, int32_t c0, const int32_t (&first)[4], const int32_t (&pos)[4], float cs,
@@ -644,8 +582,6 @@ tc_block2(const uint16_t *qs, int ldq, const uint16_t *kb, const uint16_t *vb, i
         m[k] = mn;
     }
     uint32_t pa[2][TC_KEYS / 16][4];
-    const bool scale = !FAST || !__all_sync(0xffffffffu, al[0] == 1.0f && al[1] == 1.0f &&
-                                                               al[2] == 1.0f && al[3] == 1.0f);
 #pragma unroll
     for (int t = 0; t < 2; t++) {
         float ps[2] = {0.0f, 0.0f};
@@ -663,7 +599,6 @@ tc_block2(const uint16_t *qs, int ldq, const uint16_t *kb, const uint16_t *vb, i
 #pragma unroll
         for (int i = 0; i < 2; i++)
             l[2 * t + i] = __fmaf_rn(l[2 * t + i], al[2 * t + i], ps[i]);
-        if (scale)
 #pragma unroll
         for (int n = 0; n < DVM / 8; n++) {
             acc[t][n][0] = __fmul_rn(acc[t][n][0], al[2 * t]);
@@ -697,7 +632,7 @@ tc_block2(const uint16_t *qs, int ldq, const uint16_t *kb, const uint16_t *vb, i
 // two bf16 buffers, one barrier per block) with 256 units per block; warp w takes units
 // 32 w..32 w + 31 (tile t: 32 w + 16 t ..). Only for calls of more than TC_DECODE_ROWS rows.
 #define TC2_WARPS 8
-template <int DKM, int DVM, bool FAST>
+template <int DKM, int DVM>
 __global__ void __launch_bounds__(TC2_WARPS * 32, 1)
     attention_tc2_kernel(struct mm_attn_args a, int gsub, int rows_pb, int *d_err) {
     constexpr int NT = TC2_WARPS * 32, UNITS = TC2_WARPS * 32, TPK = NT / TC_KEYS;
@@ -761,9 +696,6 @@ __global__ void __launch_bounds__(TC2_WARPS * 32, 1)
     const uint16_t *qw = qs + warp * 32 * ldq;
     const float cs = a.scale * 1.4426950408889634f;
     const bool wcomp = warp * 32 < n_units;
-    // staging of this thread's key: the FAST forms where they apply (same addresses, values)
-    const bool full = FAST && dk == DKM && dv == DVM;
-    const int bsh = FAST && (kv.block_size & (kv.block_size - 1)) == 0 ? __ffs(kv.block_size) - 1 : -1;
     for (;;) {
         __syncthreads();
         if (tid == 0) {
@@ -812,15 +744,9 @@ __global__ void __launch_bounds__(TC2_WARPS * 32, 1)
             for (int n = 0; n < DVM / 8; n++)
                 acc[t][n][0] = acc[t][n][1] = acc[t][n][2] = acc[t][n][3] = 0.0f;
         float *srow = stage + skey * sw;
-        auto blk_of = [&](int32_t t) -> int32_t {
-            return bsh >= 0 ? tc_blk_sh(kv, sq, t, t_lo, t_hi, bsh, d_err)
-                            : tc_blk(kv, sq, t, t_lo, t_hi, d_err);
-        };
+        auto blk_of = [&](int32_t t) -> int32_t { return tc_blk(kv, sq, t, t_lo, t_hi, d_err); };
         auto issue = [&](int32_t t, int32_t b) {
-            if (full && bsh >= 0)
-                tc_issue_full<TPK, DKM, DVM>(kv, t, b, k_off, v_off, srow, part, bsh);
-            else
-                tc_issue<TPK>(kv, t, b, k_off, v_off, srow, part);
+            tc_issue<TPK>(kv, t, b, k_off, v_off, srow, part);
         };
         int32_t blk = blk_of(c_lo + skey);
         bool ok = blk >= 0;
@@ -828,11 +754,8 @@ __global__ void __launch_bounds__(TC2_WARPS * 32, 1)
         blk = blk_of(c_lo + TC_KEYS + skey);
         __syncthreads(); // the last pass's reads of both buffers done
         tc_wait_all();
-        if (full)
-            tc_convert_full<DKM, DVM, TPK>(srow, ok, kb + skey * ldk, kb + TC_KEYS * ldk + skey * ldv, part);
-        else
-            tc_convert<DKM, DVM, TPK>(srow, ok, dk, dv, dkp, dvp, kb + skey * ldk,
-                                      kb + TC_KEYS * ldk + skey * ldv, part);
+        tc_convert<DKM, DVM, TPK>(srow, ok, dk, dv, dkp, dvp, kb + skey * ldk,
+                                  kb + TC_KEYS * ldk + skey * ldv, part);
         if (c_lo + TC_KEYS <= t_hi) {
             ok = blk >= 0;
             issue(c_lo + TC_KEYS + skey, blk);
@@ -844,12 +767,8 @@ __global__ void __launch_bounds__(TC2_WARPS * 32, 1)
             if (c0 + TC_KEYS <= t_hi) {
                 uint16_t *kn = kb + (bi ^ 1) * kvsz;
                 tc_wait_all();
-                if (full)
-                    tc_convert_full<DKM, DVM, TPK>(srow, ok, kn + skey * ldk,
-                                                   kn + TC_KEYS * ldk + skey * ldv, part);
-                else
-                    tc_convert<DKM, DVM, TPK>(srow, ok, dk, dv, dkp, dvp, kn + skey * ldk,
-                                              kn + TC_KEYS * ldk + skey * ldv, part);
+                tc_convert<DKM, DVM, TPK>(srow, ok, dk, dv, dkp, dvp, kn + skey * ldk,
+                                          kn + TC_KEYS * ldk + skey * ldv, part);
                 if (c0 + 2 * TC_KEYS <= t_hi) {
                     ok = blk >= 0;
                     issue(c0 + 2 * TC_KEYS + skey, blk);
@@ -858,7 +777,7 @@ __global__ void __launch_bounds__(TC2_WARPS * 32, 1)
             }
             if (wcomp && c0 <= wmax && c0 + TC_KEYS - 1 >= wmin) {
                 const uint16_t *kc = kb + bi * kvsz;
-                tc_block2<DKM, DVM, FAST>(qw, ldq, kc, kc + TC_KEYS * ldk, ldk, ldv, dkp, dvp, c0, first,
+                tc_block2<DKM, DVM>(qw, ldq, kc, kc + TC_KEYS * ldk, ldk, ldv, dkp, dvp, c0, first,
                                     pos, cs, m, l, acc);
             }
             __syncthreads();
@@ -922,11 +841,11 @@ static mm_err tc_launch_kernel(void (*k)(struct mm_attn_args, int, int, int *), 
     return MM_OK;
 }
 
-template <int DKM, int DVM, bool FAST>
+template <int DKM, int DVM>
 static mm_err tc2_launch(void *stream, const struct mm_attn_args *a, int gsub, int rows_pb,
                          int *d_err) {
     static uint64_t attr_set;
-    return tc_launch_kernel(attention_tc2_kernel<DKM, DVM, FAST>, &attr_set, tc2_shmem(DKM, DVM),
+    return tc_launch_kernel(attention_tc2_kernel<DKM, DVM>, &attr_set, tc2_shmem(DKM, DVM),
                             TC2_WARPS * 32, tc2_shmem(a->kv.head_dim_k, a->kv.head_dim_v), stream,
                             a, gsub, rows_pb, d_err);
 }
@@ -984,17 +903,6 @@ static int tc_mt(void) {
     return g_att_tc_mt;
 }
 
-// the FAST staging and rescale skip of attention_tc2_kernel: 0 (default) or 1 (MM_GPU_ATT_TC_FAST=1;
-// H200 04:16 UTC: 1.07 vs 1.08 ms per 4096-row call by ncu, but the whole forward 14.7 vs 14.5-14.6
-// ms: it does not pay, so it is off)
-static int tc_fast(void) {
-    if (g_att_tc_fast < 0) {
-        const char *e = getenv("MM_GPU_ATT_TC_FAST");
-        g_att_tc_fast = e != NULL && strcmp(e, "1") == 0;
-    }
-    return g_att_tc_fast;
-}
-
 static int tc_db(void) {
     if (g_att_tc_db < 0) {
         const char *e = getenv("MM_GPU_ATT_TC_DB");
@@ -1015,13 +923,6 @@ extern "C" void mm_gpu_set_attention_tc_db(int mode) { g_att_tc_db = mode < 0 ? 
 // MM_GPU_ATT_TC_MT (default 2). Same bits. Process-wide.
 extern "C" void mm_gpu_set_attention_tc_mt(int mt);
 extern "C" void mm_gpu_set_attention_tc_mt(int mt) { g_att_tc_mt = mt == 1 || mt == 2 ? mt : -1; }
-
-// mm_gpu_set_attention_tc_fast: attention_tc2_kernel's FAST staging (shifts for the cache slot,
-// unrolled copies and conversion at the kernel's own head dims) and its skip of the rescale when
-// alpha is 1 in a whole warp: 1 on, 0 off, < 0 back to MM_GPU_ATT_TC_FAST (default 0: measured
-// no faster in the whole forward). Same bits.
-extern "C" void mm_gpu_set_attention_tc_fast(int on);
-extern "C" void mm_gpu_set_attention_tc_fast(int on) { g_att_tc_fast = on < 0 ? -1 : on != 0; }
 
 // mm_gpu_set_attention_tc: 1 the tensor-core contract for every attention call whose shape it
 // takes (decode and prefill alike), 0 ops.cu's f32 kernels, < 0 back to MM_GPU_ATT_TC (read at
@@ -1077,10 +978,8 @@ extern "C" mm_err mm_gpu_attention_tc(void *stream, const struct mm_attn_args *a
     const int rows_pb = a->n_rows <= TC_DECODE_ROWS ? 1 : units / gsub;
     mm_err rv;
     if (two)
-        rv = tc_fast() ? (dk <= 64 && dv <= 64 ? tc2_launch<64, 64, true>(stream, a, gsub, rows_pb, d_err)
-                                                : tc2_launch<128, 128, true>(stream, a, gsub, rows_pb, d_err))
-                       : (dk <= 64 && dv <= 64 ? tc2_launch<64, 64, false>(stream, a, gsub, rows_pb, d_err)
-                                                : tc2_launch<128, 128, false>(stream, a, gsub, rows_pb, d_err));
+        rv = dk <= 64 && dv <= 64 ? tc2_launch<64, 64>(stream, a, gsub, rows_pb, d_err)
+                                  : tc2_launch<128, 128>(stream, a, gsub, rows_pb, d_err);
     else if (nw == 4)
         rv = tc_db() ? tc_launch_dims<4, true>(stream, a, gsub, rows_pb, d_err)
                      : tc_launch_dims<4, false>(stream, a, gsub, rows_pb, d_err);

@@ -26,7 +26,6 @@ extern void mm_gpu_set_attention_tc_warps(int warps) __attribute__((weak));
 extern void mm_gpu_set_attention_tc_db(int mode) __attribute__((weak));
 // prefill calls with two m16 tiles per warp (attention_tc2_kernel); absent in older builds
 extern void mm_gpu_set_attention_tc_mt(int mt) __attribute__((weak));
-extern void mm_gpu_set_attention_tc_fast(int on) __attribute__((weak));
 extern mm_err mm_gpu_attention_tc(void *stream, const struct mm_attn_args *a, int *d_err, int *done)
     __attribute__((weak));
 
@@ -229,26 +228,22 @@ static void tc_case(int n_heads, int n_kv, int dk, int dv, int window, const int
     free(got);
 
     // 1b. the same call with 4 warps per block (other tiles), with one key buffer (two
-    // barriers per block), and with two m16 tiles per warp (256 units per block), with and
-    // without its FAST staging
+    // barriers per block), and with two m16 tiles per warp (256 units per block)
     int64_t d_warps = 0;
-    for (int var = 0; var < 4; var++) {
+    for (int var = 0; var < 3; var++) {
         if (var == 0)
             mm_gpu_set_attention_tc_warps(4);
         else if (var == 1)
             mm_gpu_set_attention_tc_db(0);
-        else if (mm_gpu_set_attention_tc_mt && mm_gpu_set_attention_tc_fast) {
+        else if (mm_gpu_set_attention_tc_mt)
             mm_gpu_set_attention_tc_mt(2);
-            mm_gpu_set_attention_tc_fast(var == 2);
-        } else
+        else
             continue;
         tc_whole(&kv, &u, n_rows, qst, d_out, ost, n_heads, dk, window);
         mm_gpu_set_attention_tc_warps(8);
         mm_gpu_set_attention_tc_db(1);
-        if (mm_gpu_set_attention_tc_mt && mm_gpu_set_attention_tc_fast) {
+        if (mm_gpu_set_attention_tc_mt)
             mm_gpu_set_attention_tc_mt(1);
-            mm_gpu_set_attention_tc_fast(-1);
-        }
         got = dev_get(d_out, (size_t)on * 4);
         d_warps += n_diff(all, got, on);
         free(got);
@@ -314,7 +309,7 @@ static void tc_case(int n_heads, int n_kv, int dk, int dv, int window, const int
 
     printf("tc attention %dh/%dkv dk %d dv %d window %d, %d rows of %d seqs: nmse vs cpu %.3e "
            "(tol 2e-4), %lld elements differ from the f32 kernels; differing elements vs the "
-           "whole-prompt call: 4 warps + one key buffer + two tiles per warp (fast, plain) %lld, chunks %lld, decode steps %lld, seqs "
+           "whole-prompt call: 4 warps + one key buffer + two tiles per warp %lld, chunks %lld, decode steps %lld, seqs "
            "interleaved %lld "
            "(of %lld)\n",
            n_heads, n_kv, dk, dv, window, n_rows, n_seqs, nmse, (long long)d_f32,

@@ -4,9 +4,8 @@
 #   MM_GPU_PF_FUSE=0     the earlier gemm_ws x conversion and the MoE layer's gather / SwiGLU /
 #                        scatter as ops of their own (default: inside the grouped gemm_ws product)
 #   MM_GPU_ATT_TC_MT=1   prefill attention with one m16 tile per warp (default: two, tc2)
-#   MM_GPU_ATT_TC_FAST=1 tc2 with its FAST staging and rescale skip (off by default: no gain)
 #   $CONFS               "name:ENV=VAL,ENV=VAL ..." configurations to time (default: old, fuse,
-#                        new, fast; "new:" is every default)
+#                        new; "new:" is every default)
 # Binaries: built with `make CUDA=1 BUILD=build/cuda-pf3 -j2 all test-bins
 # build/cuda-pf3/bin/moemesh-gpu-bench`, staged with `BUILD_CUDA=build/cuda-pf3 bash
 # kernels/cuda/device_run.sh --stage .dev/gpu-pf3` plus `strip -o .dev/gpu-pf3/cuda_prefill_rows_test
@@ -76,7 +75,7 @@ rm -f "$OUT"/logits_*.f32
 echo "== whole-model prefill, 4096 tokens in one forward (synth 4 layers) $(t)"
 wait "$SYNTH_PID"; tail -1 "$OUT/synth.txt"
 BM="$D/moemesh bench-model --model $M --device cuda:0 --prompt-tokens 4096 --decode-tokens 2 --rounds 1 --warmup-tokens 1 --bw-mb 64 --prefill-rows 4096 --prompt-rounds 3"
-CONFS=${CONFS:-"old:MM_GPU_PF_FUSE=0,MM_GPU_ATT_TC_MT=1 fuse:MM_GPU_ATT_TC_MT=1 new: fast:MM_GPU_ATT_TC_FAST=1"}
+CONFS=${CONFS:-"old:MM_GPU_PF_FUSE=0,MM_GPU_ATT_TC_MT=1 fuse:MM_GPU_ATT_TC_MT=1 new:"}
 for i in 1 2; do
     for c in $CONFS; do
         n=${c%%:*}; e=${c#*:}

@@ -166,10 +166,6 @@ mm_err mm_gpu_add_rmsnorm(void *stream, const float *d_a, int64_t as, float *d_h
 mm_err mm_gpu_rope(void *stream, const struct mm_rope_args *a);
 mm_err mm_gpu_kv_store(void *stream, const struct mm_kv_store_args *a, int *d_err);
 mm_err mm_gpu_attention(void *stream, const struct mm_attn_args *a, int *d_err);
-// mm_gpu_set_attention_sv: decode-sized attention (few (row, head) blocks, head_dim_v <= 128)
-// stages each chunk's values in shared memory by cp.async (on; CUDA) or not (default: measured
-// slower, ops.cu). Same bits. Process-wide.
-void mm_gpu_set_attention_sv(int on);
 // mm_gpu_set_attention_wide: decode-sized attention (<= 264 (row, head) blocks) loads a
 // 128-dim key and a 128-key chunk's values in one round each (on), or in 2 and 4 rounds
 // (default; env MM_GPU_ATT_WIDE=1 turns it on at backend open). Same bits. Process-wide.

@@ -638,50 +638,29 @@ extern "C" mm_err mm_gpu_head_norm_rope_kv(void *stream, float *d_x, int64_t n_r
 // round and a whole 128-key chunk's values in one round, so a decode chunk costs one round
 // trip for the scores and one for the values instead of 2 and 4. Same fmaf sequence (the bits
 // do not depend on the grouping; cuda_attention_tcd_test, rows 1..64). 255 registers per
-// thread (no spills), so only for decode-sized calls (<= ATT_SV_MAX_BLOCKS (row, head)
+// thread (no spills), so only for decode-sized calls (<= ATT_WIDE_MAX_BLOCKS (row, head)
 // blocks). Measured (H200, 06:38 UTC, MM_GPU_ATT_TC=0): 23.9 us per decode call at ~194 tokens
 // of context by ncu against 29.2, but the whole-model decode no faster (batch 1 1577 / 1588
 // tok/s against 1589 / 1586), so it stays off. (The CUDA default is the tensor-core contract,
 // attention_tc.cu / attention_tcd.cu; this kernel serves HIP and head dims above 128.)
 #define ATT_K_VEC_WIDE 32
 #define ATT_V_KEYS_WIDE 128
+#define ATT_WIDE_MAX_BLOCKS 264
 static int g_att_wide = 0;
 extern "C" void mm_gpu_set_attention_wide(int on) { g_att_wide = on != 0; }
-
-// Decode form (SV, CUDA; off unless mm_gpu_set_attention_sv(1)): a chunk's values are copied
-// into shared memory by cp.async, issued right after the chunk's slots are known, so they
-// arrive while the scores are computed; the value sums then read shared memory. Same fmaf
-// sequence, same conditions: the bits of the other forms (op test). For head_dim_v <=
-// ATT_SV_DV and few (row, head) blocks (64 KiB of shared memory: 3 blocks per SM). Measured
-// slower than the wider-load kernel (H200, 23:36 UTC: 28.2 us per decode call of Qwen3-30B-A3B
-// vs 22.6 in the run before, 26.1 for the earlier grouping), so it is not the default: the
-// value copies wait behind one barrier for every slot, and 32 cp.async per thread with their
-// address arithmetic delay the key loads of the scores.
-#define ATT_SV_DV 128
-#define ATT_SV_MAX_BLOCKS 264
-static int g_att_sv = 0; // mm_gpu_set_attention_sv: off, slower as measured (see above)
 
 #if MM_GPU_HAVE_WMMA
 __device__ __forceinline__ void att_cp16(void *dst, const void *src) {
     const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src));
 }
-__device__ __forceinline__ void att_cp4(void *dst, const void *src) {
-    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(d), "l"(src));
-}
-__device__ __forceinline__ void att_cp_wait(void) {
-    asm volatile("cp.async.commit_group;\n" ::);
-    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-}
-#define ATT_HAVE_SV 1
+#define ATT_HAVE_CP 1
 #else
-#define ATT_HAVE_SV 0
+#define ATT_HAVE_CP 0
 #endif
 
-// One block per (row, head). Dynamic shared: q (dk) + scores (ATT_CHUNK) [+ values (ATT_CHUNK x
-// dv) when SV].
-template <int ATT_K_VEC, int ATT_V_KEYS, bool SV = false>
+// One block per (row, head). Dynamic shared: q (dk) + scores (ATT_CHUNK).
+template <int ATT_K_VEC, int ATT_V_KEYS>
 __global__ void __launch_bounds__(ATT_THREADS) attention_kernel(struct mm_attn_args a, int *d_err,
                                                                 int early) {
     early_launch(early);
@@ -691,7 +670,6 @@ __global__ void __launch_bounds__(ATT_THREADS) attention_kernel(struct mm_attn_a
     const struct mm_kv_view &kv = a.kv;
     const int dk = kv.head_dim_k, dv = kv.head_dim_v;
     float *qs = sh, *ps = sh + dk;
-    float *vsh = sh + ((dk + ATT_CHUNK + 3) & ~3); // SV: [key][dv], 16-byte aligned
     const int64_t r = blockIdx.x;
     const int h = blockIdx.y, kvh = h / (a.n_heads / kv.n_kv_heads);
     const int32_t seq = a.row_seq[r], pos = a.row_pos[r];
@@ -723,30 +701,6 @@ __global__ void __launch_bounds__(ATT_THREADS) attention_kernel(struct mm_attn_a
             k = kv_slot(kv, seq, t, d_err);
             slots[threadIdx.x] = k;
         }
-#if ATT_HAVE_SV
-        if (SV) { // every slot of the chunk known: start its values on their way
-            __syncthreads();
-            const int n_k = min(ATT_CHUNK, pos - c0 + 1);
-            const int64_t vo0 = v_off + (int64_t)kvh * dv;
-            const bool v16 = (dv & 3) == 0;
-            const int per_key = v16 ? dv / 4 : dv;
-            for (int i = threadIdx.x; i < n_k * per_key; i += ATT_THREADS) {
-                const int u = i / per_key, c = i % per_key;
-                const float *src = slots[u];
-                if (src == NULL)
-                    continue;
-                src += vo0;
-                if (!v16) {
-                    att_cp4(vsh + u * dv + c, src + c);
-                } else if (((uintptr_t)(src + 4 * c) & 15) == 0) {
-                    att_cp16(vsh + u * dv + 4 * c, src + 4 * c);
-                } else {
-                    for (int q = 0; q < 4; q++)
-                        att_cp4(vsh + u * dv + 4 * c + q, src + 4 * c + q);
-                }
-            }
-        }
-#endif
         if (t >= first && t <= pos) {
             if (k != NULL) {
                 k += (int64_t)kvh * dk;
@@ -780,10 +734,6 @@ __global__ void __launch_bounds__(ATT_THREADS) attention_kernel(struct mm_attn_a
         const float m_new = fmaxf(m, cmax);
         const float alpha = m == -INFINITY ? 0.0f : expf(m - m_new);
         ps[threadIdx.x] = s == -INFINITY ? 0.0f : expf(s - m_new);
-#if ATT_HAVE_SV
-        if (SV)
-            att_cp_wait(); // this thread's value copies have landed (the barrier: everyone's)
-#endif
         __syncthreads();
         const int n_t = min(ATT_CHUNK, pos - c0 + 1);
         float psum = 0.0f;
@@ -802,7 +752,7 @@ __global__ void __launch_bounds__(ATT_THREADS) attention_kernel(struct mm_attn_a
 #pragma unroll
                 for (int q = 0; q < ATT_V_KEYS; q++) {
                     const float *slot = u0 + q < n_t ? slots[u0 + q] : NULL;
-                    vv[q] = slot == NULL ? 0.0f : SV ? vsh[(u0 + q) * dv + d] : slot[vo];
+                    vv[q] = slot == NULL ? 0.0f : slot[vo];
                 }
 #pragma unroll
                 for (int q = 0; q < ATT_V_KEYS; q++) {
@@ -836,34 +786,13 @@ static mm_err attention_launch(void *stream, const struct mm_attn_args *a, int *
         return MM_OK;
     const size_t shmem = (size_t)(a->kv.head_dim_k + ATT_CHUNK) * sizeof(float);
     dim3 grid((unsigned)a->n_rows, (unsigned)a->n_heads);
-#if ATT_HAVE_SV
-    if (!ref && g_att_sv && a->kv.head_dim_v <= ATT_SV_DV &&
-        a->n_rows * a->n_heads <= ATT_SV_MAX_BLOCKS) {
-        const size_t sv_shmem = (size_t)(((a->kv.head_dim_k + ATT_CHUNK + 3) & ~3) +
-                                         ATT_CHUNK * a->kv.head_dim_v) * sizeof(float);
-        static uint64_t attr_set; // > 48 KiB: allowed once per device (harmlessly racy)
-        int dev = 0;
-        MM_GPU_CHECK(cudaGetDevice(&dev));
-        if (!(attr_set & (1ull << (dev & 63)))) {
-            MM_GPU_CHECK(cudaFuncSetAttribute(attention_kernel<ATT_K_VEC_DEF, ATT_V_KEYS_DEF, true>,
-                                              cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                              (int)((((4096 + ATT_CHUNK + 3) & ~3) +
-                                                     ATT_CHUNK * ATT_SV_DV) * sizeof(float))));
-            attr_set |= 1ull << (dev & 63);
-        }
-        attention_kernel<ATT_K_VEC_DEF, ATT_V_KEYS_DEF, true>
-            <<<grid, ATT_THREADS, sv_shmem, (cudaStream_t)stream>>>(*a, d_err, g_early);
-        MM_GPU_CHECK(cudaGetLastError());
-        return MM_OK;
-    }
-#endif
     if (ref)
         attention_kernel<8, 16><<<grid, ATT_THREADS, shmem, (cudaStream_t)stream>>>(*a, d_err, g_early);
-    else if (g_att_wide && a->n_rows * a->n_heads <= ATT_SV_MAX_BLOCKS) // 255 registers: few blocks
-        MM_GPU_CHECK(mm_launch_dep(attention_kernel<ATT_K_VEC_WIDE, ATT_V_KEYS_WIDE, false>, grid,
+    else if (g_att_wide && a->n_rows * a->n_heads <= ATT_WIDE_MAX_BLOCKS) // 255 registers: few blocks
+        MM_GPU_CHECK(mm_launch_dep(attention_kernel<ATT_K_VEC_WIDE, ATT_V_KEYS_WIDE>, grid,
                                    dim3(ATT_THREADS), shmem, (cudaStream_t)stream, *a, d_err, g_early));
     else
-        MM_GPU_CHECK(mm_launch_dep(attention_kernel<ATT_K_VEC_DEF, ATT_V_KEYS_DEF, false>, grid,
+        MM_GPU_CHECK(mm_launch_dep(attention_kernel<ATT_K_VEC_DEF, ATT_V_KEYS_DEF>, grid,
                                    dim3(ATT_THREADS), shmem, (cudaStream_t)stream, *a, d_err, g_early));
     MM_GPU_CHECK(cudaGetLastError());
     return MM_OK;
@@ -905,7 +834,7 @@ static mm_err attention_launch(void *stream, const struct mm_attn_args *a, int *
                   (size_t)(ATT_CHUNK - PF_UNITS) * PF_LD * sizeof(float))
 static int g_att_pf = -1; // -1: from MM_GPU_ATT_PREFILL at first use (0 off); 1 auto; 2 always
 
-#if ATT_HAVE_SV
+#if ATT_HAVE_CP
 #define ATT_HAVE_PF 1
 __device__ __forceinline__ void pf_commit(void) { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ __forceinline__ void pf_wait1(void) {
@@ -1211,10 +1140,6 @@ static mm_err attention_pf_launch(void *stream, const struct mm_attn_args *a, in
 // kernel from PF_MIN_ROWS rows: the default, unless MM_GPU_ATT_PREFILL=0), 2 always (tests).
 // Process-wide. Same bits in every mode.
 extern "C" void mm_gpu_set_attention_prefill(int mode) { g_att_pf = mode < 0 ? 0 : mode > 2 ? 2 : mode; }
-
-// mm_gpu_set_attention_sv: the decode attention with values staged in shared memory (default
-// on) or the wider-load kernel for every shape (A/B runs; same bits). Process-wide.
-extern "C" void mm_gpu_set_attention_sv(int on) { g_att_sv = on != 0; }
 
 // attention_tc.cu: the tensor-core contract (MM_GPU_ATT_TC=1) for every call it takes
 extern "C" mm_err mm_gpu_attention_tc(void *stream, const struct mm_attn_args *a, int *d_err, int *done);

@@ -37,7 +37,6 @@ extern mm_err mm_gpu_attention(void *stream, const struct mm_attn_args *a, int *
     __attribute__((weak));
 extern mm_err mm_gpu_attention_ref(void *stream, const struct mm_attn_args *a, int *d_err)
     __attribute__((weak));
-extern void mm_gpu_set_attention_sv(int on) __attribute__((weak));
 extern void mm_gpu_set_attention_prefill(int mode) __attribute__((weak));
 // the tensor-core attention contract (attention_tc.cu, the default): 0 pins ops.cu's f32
 // kernels, whose load groupings and prefill form these cases compare
@@ -237,9 +236,8 @@ static void attn_bits_case(int n_heads, int n_kv, int dk, int dv, int window) {
     MM_PASS(mm_gpu_stream_sync(NULL));
     float *g1 = dev_get(o1, (size_t)(n_rows * ost) * 4), *g2 = dev_get(o2, (size_t)(n_rows * ost) * 4);
     MM_TRUE(memcmp(g1, g2, (size_t)(n_rows * ost) * 4) == 0);
-    // decode-shaped: one row per sequence (its last position), few blocks: the kernel that
-    // stages values in shared memory (mm_gpu_set_attention_sv(1), not the default) and the
-    // default wider-load kernel, against the earlier grouping
+    // decode-shaped: one row per sequence (its last position), few blocks: the default kernel
+    // against the earlier grouping
     int32_t ds[3], dp[3];
     for (int i = 0; i < n_seqs; i++)
         ds[i] = i, dp[i] = lens[i] - 1;
@@ -248,26 +246,17 @@ static void attn_bits_case(int n_heads, int n_kv, int dk, int dv, int window) {
     at.row_pos = dev_copy(dp, sizeof(dp));
     MM_PASS(gpu->ops->fill(gpu->ctx, o1, 1.0f, n_seqs * ost));
     MM_PASS(gpu->ops->fill(gpu->ctx, o2, 2.0f, n_seqs * ost));
-    float *o3 = dev_copy(NULL, (size_t)(n_seqs * ost) * 4);
     MM_PASS(gpu->ops->synchronize(gpu->ctx));
     at.out = o1;
     MM_PASS(mm_gpu_attention_ref(NULL, &at, NULL));
-    mm_gpu_set_attention_sv(1);
     at.out = o2;
-    MM_PASS(mm_gpu_attention(NULL, &at, NULL)); // staged values (decode form)
-    mm_gpu_set_attention_sv(0);
-    at.out = o3;
-    MM_PASS(mm_gpu_attention(NULL, &at, NULL)); // wider loads, no staging (the default)
+    MM_PASS(mm_gpu_attention(NULL, &at, NULL)); // the default kernel
     MM_PASS(mm_gpu_stream_sync(NULL));
     float *d1 = dev_get(o1, (size_t)(n_seqs * ost) * 4), *d2 = dev_get(o2, (size_t)(n_seqs * ost) * 4);
-    float *d3 = dev_get(o3, (size_t)(n_seqs * ost) * 4);
     MM_TRUE(memcmp(d1, d2, (size_t)(n_seqs * ost) * 4) == 0);
-    MM_TRUE(memcmp(d1, d3, (size_t)(n_seqs * ost) * 4) == 0);
-    printf("attention %dh/%dkv dk %d dv %d window %d, %d rows, and %d decode rows (staged "
-           "values): bits equal the earlier load grouping\n", n_heads, n_kv, dk, dv, window,
-           n_rows, n_seqs);
-    free(d1), free(d2), free(d3);
-    gpu->ops->buffer_free(gpu->ctx, o3);
+    printf("attention %dh/%dkv dk %d dv %d window %d, %d rows, and %d decode rows: bits equal "
+           "the earlier load grouping\n", n_heads, n_kv, dk, dv, window, n_rows, n_seqs);
+    free(d1), free(d2);
     gpu->ops->buffer_free(gpu->ctx, (void *)at.row_seq);
     gpu->ops->buffer_free(gpu->ctx, (void *)at.row_pos);
     free(g1), free(g2), free(k), free(v), free(q), free(rs), free(rp);
@@ -279,7 +268,7 @@ static void attn_bits_case(int n_heads, int n_kv, int dk, int dv, int window) {
 
 static void test_attention_bits(void) {
     open_gpu();
-    if (!mm_gpu_attention || !mm_gpu_attention_ref || !mm_gpu_set_attention_sv)
+    if (!mm_gpu_attention || !mm_gpu_attention_ref)
         MM_SKIP("attention kernels not linked");
     if (mm_gpu_set_attention_tc)
         mm_gpu_set_attention_tc(0);

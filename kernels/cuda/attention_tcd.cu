@@ -27,10 +27,9 @@
 //   per call at ~194 tokens of context (ncu) 15.1 us against 19.6 for attention_tc_kernel;
 //   whole-model decode batch 1 (4-layer Qwen3-30B-A3B, graph) 1686-1701 tok/s against
 //   1635-1659, after a 4096-token prompt 699 against 607 tok/s. Two key blocks in flight
-//   (MM_GPU_ATT_TCD_STAGES=2: 203 KB of shared memory) and the L2 prefetch of the keys before
-//   the wait (MM_GPU_ATT_TCD_PF=1) were slower in the whole model (batch 1 1623-1637 and
-//   1653-1670; batch 64 24418 and 24379 against 25864), so the default is one block in flight,
-//   no prefetch. Calls of 64 rows with this default were not measured: the default takes calls
+//   (MM_GPU_ATT_TCD_STAGES=2: 203 KB of shared memory) and an L2 prefetch of the keys before
+//   the wait (removed) were slower in the whole model (batch 1 1623-1637 and 1653-1670; batch
+//   64 24418 and 24379 against 25864), so the default is one block in flight. Calls of 64 rows with this default were not measured: the default takes calls
 //   of at most TCD_AUTO_ROWS rows (batch 1 measured; 2..8 rows the same blocks, more of them in
 //   one wave), MM_GPU_ATT_TCD=1 every decode call (at most 64 rows), =0 none.
 //   CUDA only (HIP has no contract kernel: ops.cu's f32 kernels run there).
@@ -52,7 +51,6 @@
 
 static int g_tcd = -1;        // -1: from MM_GPU_ATT_TCD at first use; 0 off; 1 on; 2 auto
 static int g_tcd_stages = -1; // -1: from MM_GPU_ATT_TCD_STAGES at first use (1 or 2; default 1)
-static int g_tcd_pf = -1;     // -1: from MM_GPU_ATT_TCD_PF at first use (1: L2 prefetch; default 0)
 
 #if MM_GPU_HAVE_WMMA
 #define TCD_HAVE 1
@@ -103,11 +101,6 @@ __device__ __forceinline__ void tcd_ldsm4t(uint32_t r[4], const uint16_t *p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(a));
-}
-
-// An L2 prefetch of n bytes at p (16-byte aligned, n a multiple of 16): no data comes back.
-__device__ __forceinline__ void tcd_prefetch_l2(const void *p, unsigned n) {
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p), "r"(n));
 }
 
 // attention_tc.cu's tc_blk: the cache block of key t when t is in [t_lo, t_hi], else -1.
@@ -177,54 +170,14 @@ __device__ __forceinline__ void tcd_convert(const float *row, bool ok, int dk, i
     }
 }
 
-// PF: every key's K and V rows of this block's row and kv head, asked of the L2 (cp.async.bulk
-// prefetch: nothing comes back, nothing is written) before the kernel waits for the one before
-// it, so the cache reads of the staging find them there. Reads the row's sequence and position
-// and the cache table before that wait: the engine writes them by host copies at the step's
-// start (never by the kernel before), and the K/V rows of earlier steps are final; the rows
-// this step's kernel before writes (the row's own position) are fetched again by the copies
-// after the wait (the L2 is coherent, a prefetch only warms it). The table reads of 4 keys at
-// a time are in flight together.
-__device__ __forceinline__ void tcd_prefetch_keys(const struct mm_attn_args &a, int gsub) {
-    const struct mm_kv_view &kv = a.kv;
-    const int group = a.n_heads / kv.n_kv_heads, per_kv = group / gsub;
-    const int kvh = blockIdx.y / per_kv;
-    const int64_t k_off = (int64_t)kvh * kv.head_dim_k,
-                  v_off = (int64_t)kv.n_kv_heads * kv.head_dim_k + (int64_t)kvh * kv.head_dim_v;
-    const int32_t sq = a.row_seq[blockIdx.x], pos = a.row_pos[blockIdx.x];
-    if (pos < 0 || sq < 0 || pos / kv.block_size >= kv.max_blocks)
-        return;
-    int32_t first = 0;
-    if (a.window > 0 && pos - a.window + 1 > 0)
-        first = pos - a.window + 1;
-    for (int32_t t0 = first + (int32_t)threadIdx.x; t0 <= pos; t0 += 4 * TCD_THREADS) {
-        int32_t b[4];
-#pragma unroll
-        for (int u = 0; u < 4; u++)
-            b[u] = tcd_blk(kv, sq, t0 + u * TCD_THREADS, first, pos, NULL);
-#pragma unroll
-        for (int u = 0; u < 4; u++) {
-            const int32_t t = t0 + u * TCD_THREADS;
-            if (b[u] >= 0) {
-                const float *slot = kv.base + (int64_t)b[u] * kv.block_stride +
-                                    (int64_t)(t % kv.block_size) * kv.slot_stride;
-                tcd_prefetch_l2(slot + k_off, (unsigned)kv.head_dim_k * 4);
-                tcd_prefetch_l2(slot + v_off, (unsigned)kv.head_dim_v * 4);
-            }
-        }
-    }
-}
-
 // One block per (row, gsub query heads of one kv head); gsub <= 16 (one m16 tile: unit u =
 // head h0 + u is tile row u). Dynamic shared memory: two f32 stages [TCD_KEYS][dk + dv + 4]
 // (two key blocks in flight), then two bf16 buffers of [TCD_KEYS][ldk] keys and [ldv] values.
-template <int DKM, int DVM, int NST, bool PF>
+template <int DKM, int DVM, int NST>
 __global__ void __launch_bounds__(TCD_THREADS, 1)
     attention_tcd_kernel(struct mm_attn_args a, int gsub, int *d_err) {
     static_assert(NST == 1 || NST == 2, "stages");
     mm_dep_signal();
-    if (PF) // the keys' rows asked of the L2 while the kernel before (which writes q) runs
-        tcd_prefetch_keys(a, gsub);
     mm_dep_wait();
     extern __shared__ __align__(16) unsigned char tcd_sh[];
     __shared__ float red[TCD_WARPS][16];              // each warp's row maxima of its keys
@@ -439,20 +392,20 @@ static size_t tcd_shmem(int dk, int dv, int nst) {
            2 * ((size_t)TCD_KEYS * (dkp + 8) * 2 + (size_t)TCD_KEYS * (dvp + 8) * 2);
 }
 
-template <int DKM, int DVM, int NST, bool PF>
+template <int DKM, int DVM, int NST>
 static mm_err tcd_launch(void *stream, const struct mm_attn_args *a, int gsub, int *d_err) {
     static uint64_t attr_set; // > 48 KiB: allowed once per device (harmlessly racy)
     int dev = 0;
     MM_GPU_CHECK(cudaGetDevice(&dev));
     if (!(attr_set & (1ull << (dev & 63)))) {
-        MM_GPU_CHECK(cudaFuncSetAttribute(attention_tcd_kernel<DKM, DVM, NST, PF>,
+        MM_GPU_CHECK(cudaFuncSetAttribute(attention_tcd_kernel<DKM, DVM, NST>,
                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
                                           (int)tcd_shmem(DKM, DVM, NST)));
         attr_set |= 1ull << (dev & 63);
     }
     const int group = a->n_heads / a->kv.n_kv_heads;
     dim3 grid((unsigned)a->n_rows, (unsigned)(a->kv.n_kv_heads * (group / gsub)));
-    MM_GPU_CHECK(mm_launch_dep(attention_tcd_kernel<DKM, DVM, NST, PF>, grid, dim3(TCD_THREADS),
+    MM_GPU_CHECK(mm_launch_dep(attention_tcd_kernel<DKM, DVM, NST>, grid, dim3(TCD_THREADS),
                                tcd_shmem(a->kv.head_dim_k, a->kv.head_dim_v, NST),
                                (cudaStream_t)stream, *a, gsub, d_err));
     MM_GPU_CHECK(cudaGetLastError());
@@ -480,21 +433,6 @@ static int tcd_stages(void) {
     }
     return g_tcd_stages;
 }
-
-// every key's K/V rows past the first blocks asked of the L2 at the start (cp.async.bulk
-// prefetch): 0 (default) or 1 (MM_GPU_ATT_TCD_PF=1)
-static int tcd_pf(void) {
-    if (g_tcd_pf < 0) {
-        const char *e = getenv("MM_GPU_ATT_TCD_PF");
-        g_tcd_pf = e != NULL && strcmp(e, "1") == 0;
-    }
-    return g_tcd_pf;
-}
-
-// mm_gpu_set_attention_tcd_pf: 1 the L2 prefetch of the keys' rows at the start, 0 none, < 0
-// back to MM_GPU_ATT_TCD_PF (default 0). Same bits. Process-wide.
-extern "C" void mm_gpu_set_attention_tcd_pf(int on);
-extern "C" void mm_gpu_set_attention_tcd_pf(int on) { g_tcd_pf = on < 0 ? -1 : on != 0; }
 
 // mm_gpu_set_attention_tcd_stages: 1 or 2 key blocks in flight; other values: back to
 // MM_GPU_ATT_TCD_STAGES (default 1). Same bits. Process-wide.
@@ -532,16 +470,10 @@ extern "C" mm_err mm_gpu_attention_tcd(void *stream, const struct mm_attn_args *
             gsub = s;
     const bool small = a->kv.head_dim_k <= 64 && a->kv.head_dim_v <= 64;
     mm_err rv;
-    if (tcd_pf())
-        rv = tcd_stages() == 1 ? (small ? tcd_launch<64, 64, 1, true>(stream, a, gsub, d_err)
-                                        : tcd_launch<128, 128, 1, true>(stream, a, gsub, d_err))
-                               : (small ? tcd_launch<64, 64, 2, true>(stream, a, gsub, d_err)
-                                        : tcd_launch<128, 128, 2, true>(stream, a, gsub, d_err));
-    else
-        rv = tcd_stages() == 1 ? (small ? tcd_launch<64, 64, 1, false>(stream, a, gsub, d_err)
-                                        : tcd_launch<128, 128, 1, false>(stream, a, gsub, d_err))
-                               : (small ? tcd_launch<64, 64, 2, false>(stream, a, gsub, d_err)
-                                        : tcd_launch<128, 128, 2, false>(stream, a, gsub, d_err));
+    rv = tcd_stages() == 1 ? (small ? tcd_launch<64, 64, 1>(stream, a, gsub, d_err)
+                                    : tcd_launch<128, 128, 1>(stream, a, gsub, d_err))
+                           : (small ? tcd_launch<64, 64, 2>(stream, a, gsub, d_err)
+                                    : tcd_launch<128, 128, 2>(stream, a, gsub, d_err));
     if (rv == MM_OK)
         *done = 1;
     return rv;

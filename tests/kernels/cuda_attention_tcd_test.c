@@ -2,8 +2,7 @@
 // Decode attention forms against the kernels whose bits they must keep, every output bit:
 // - attention_tcd_kernel (kernels/cuda/attention_tcd.cu: decode calls of the tensor-core
 //   contract with every warp computing) against attention_tc_kernel's decode form, called
-//   directly and through mm_gpu_attention, with one and two key blocks in flight, with and
-//   without the L2 prefetch of the keys;
+//   directly and through mm_gpu_attention, with one and two key blocks in flight;
 // - ops.cu's f32 decode kernel with wide loads (MM_GPU_ATT_WIDE) against the earlier load
 //   grouping (mm_gpu_attention_ref).
 // Rows are decode-sized calls (1, 5, 33, 64 rows) over 4 sequences of a paged cache filled with
@@ -34,7 +33,6 @@ extern mm_err mm_gpu_attention_tcd(void *stream, const struct mm_attn_args *a, i
 extern void mm_gpu_set_attention_tc(int mode) __attribute__((weak));
 extern void mm_gpu_set_attention_tcd(int mode) __attribute__((weak));
 extern void mm_gpu_set_attention_tcd_stages(int n) __attribute__((weak));
-extern void mm_gpu_set_attention_tcd_pf(int on) __attribute__((weak));
 extern void mm_gpu_set_attention_wide(int on) __attribute__((weak));
 extern mm_err mm_gpu_stream_sync(void *stream) __attribute__((weak));
 
@@ -111,20 +109,17 @@ static void attn_case(int n_heads, int n_kv, int dk, int dv, int window, int wid
             at.out = o1;
             MM_PASS(mm_gpu_attention_tc(NULL, &at, NULL, &done)); // attention_tc_kernel
             MM_TRUE(done == 1);
-            // directly, no L2 prefetch, then through the entry point with it; 2 then 1 key
-            // blocks in flight, and the other way round in the next call
+            // directly, then through the entry point; 2 then 1 key blocks in flight, and the
+            // other way round in the next call
             mm_gpu_set_attention_tcd(1);
             mm_gpu_set_attention_tcd_stages(rc % 2 ? 1 : 2);
-            mm_gpu_set_attention_tcd_pf(0);
             at.out = o2;
             MM_PASS(mm_gpu_attention_tcd(NULL, &at, NULL, &done));
             MM_TRUE(done == 1);
             mm_gpu_set_attention_tcd_stages(rc % 2 ? 2 : 1);
-            mm_gpu_set_attention_tcd_pf(1);
             at.out = o3;
             MM_PASS(mm_gpu_attention(NULL, &at, NULL));
             mm_gpu_set_attention_tcd_stages(-1);
-            mm_gpu_set_attention_tcd_pf(-1);
             mm_gpu_set_attention_tcd(-1);
         } else {
             at.out = o1;
@@ -157,7 +152,7 @@ static void attn_case(int n_heads, int n_kv, int dk, int dv, int window, int wid
 static void open_tc(int on) {
     if (!mm_gpu_attention || !mm_gpu_attention_ref || !mm_gpu_attention_tc ||
         !mm_gpu_attention_tcd || !mm_gpu_set_attention_tc || !mm_gpu_set_attention_tcd ||
-        !mm_gpu_set_attention_tcd_stages || !mm_gpu_set_attention_tcd_pf ||
+        !mm_gpu_set_attention_tcd_stages ||
         !mm_gpu_set_attention_wide || !mm_gpu_stream_sync)
         MM_SKIP("GPU kernels not linked (plain build; `make cuda` builds this test with them)");
     gpu_open(NULL);

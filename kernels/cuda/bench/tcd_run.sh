@@ -7,11 +7,10 @@
 # flight, for decode calls of <= 8 rows; attention_tc_kernel above), old = MM_GPU_ATT_TCD=0
 # (attention_tc_kernel, warp 0 computes, for every decode call), all = MM_GPU_ATT_TCD=1 (the
 # new kernel for every decode call, <= 64 rows), tcd2 = all with two key blocks in flight
-# (MM_GPU_ATT_TCD_STAGES=2), tcdpf = tcd2 with every key's K/V rows asked of the L2 before the
-# wait (MM_GPU_ATT_TCD_PF=1), f32 = MM_GPU_ATT_TC=0 (ops.cu's f32 kernel), wide = f32 with
+# (MM_GPU_ATT_TCD_STAGES=2), f32 = MM_GPU_ATT_TC=0 (ops.cu's f32 kernel), wide = f32 with
 # MM_GPU_ATT_WIDE=1. (The run of 06:47 UTC named them differently, when the new kernel was off
 # by default and took two blocks in flight: its def is old here, its tcd is tcd2, its tcd1 is
-# all, its tcdpf is tcdpf.)
+# all; its tcdpf, tcd2 with the keys' L2 prefetch, was removed after it lost.)
 # Prepare here (a clean worktree of HEAD + these changes, so others' half-done files stay out):
 #     make CUDA=1 BUILD=build/cuda-sm -j2 all test-bins build/cuda-sm/bin/moemesh-gpu-bench
 #     BUILD_CUDA=build/cuda-sm bash kernels/cuda/device_run.sh --stage .dev/gpu-sm
@@ -29,7 +28,7 @@ mkdir -p "$OUT" "$R"
 trap 'tar czf "$OUT/tcd.tgz" -C /tmp tcd' EXIT
 export LD_LIBRARY_PATH="$PWD/$D/lib:${LD_LIBRARY_PATH:-}"
 SKIP=${SKIP:-}
-FORMS=${FORMS:-old def tcd2 tcdpf}
+FORMS=${FORMS:-old def tcd2}
 REPS=${REPS:-3}
 skip() { case " $SKIP " in *" $1 "*) return 0 ;; esac; return 1; }
 M=/tmp/q3-30b-a3b-L4
@@ -37,7 +36,6 @@ B="$D/moemesh bench-model --model $M --device cuda:0 --bw-mb 64"
 s() { echo; echo "== $1 (t+$SECONDS s)"; }
 fenv() { case $1 in def) echo X=0 ;; old) echo MM_GPU_ATT_TCD=0 ;; all) echo MM_GPU_ATT_TCD=1 ;;
          f32) echo MM_GPU_ATT_TC=0 ;; tcd2) echo "MM_GPU_ATT_TCD=1 MM_GPU_ATT_TCD_STAGES=2" ;;
-         tcdpf) echo "MM_GPU_ATT_TCD=1 MM_GPU_ATT_TCD_STAGES=2 MM_GPU_ATT_TCD_PF=1" ;;
          wide) echo "MM_GPU_ATT_TC=0 MM_GPU_ATT_WIDE=1" ;; old) echo MM_GPU_ATT_TCD=0 ;; esac; }
 date -u
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
@@ -56,8 +54,8 @@ if ! skip tests; then
     }
     while IFS= read -r c; do run_t "" X=0 cuda_attention_tcd_test "$c"; done < <(timeout 20 "$D/cuda_attention_tcd_test" --list)
     while IFS= read -r c; do run_t "[TCD=1]" MM_GPU_ATT_TCD=1 cuda_attention_tc_test "$c"; done < <(timeout 20 "$D/cuda_attention_tc_test" --list)
-    while IFS= read -r c; do run_t "[TCD=1 STAGES=2 PF=1]" "MM_GPU_ATT_TCD=1 MM_GPU_ATT_TCD_STAGES=2 MM_GPU_ATT_TCD_PF=1" cuda_attention_tc_test "$c"; done < <(timeout 20 "$D/cuda_attention_tc_test" --list)
-    while IFS= read -r c; do run_t "[TCD=1 PF=1]" "MM_GPU_ATT_TCD=1 MM_GPU_ATT_TCD_PF=1" model_devpath_test "$c"; done < <(timeout 20 "$D/model_devpath_test" --list)
+    while IFS= read -r c; do run_t "[TCD=1 STAGES=2]" "MM_GPU_ATT_TCD=1 MM_GPU_ATT_TCD_STAGES=2" cuda_attention_tc_test "$c"; done < <(timeout 20 "$D/cuda_attention_tc_test" --list)
+    while IFS= read -r c; do run_t "[TCD=1]" "MM_GPU_ATT_TCD=1" model_devpath_test "$c"; done < <(timeout 20 "$D/model_devpath_test" --list)
     echo "GPU tests: $pass passed, $fail failed"
 fi 2>&1 | tee "$R/tests.txt"
 s "copy bandwidth"
@@ -86,11 +84,11 @@ if ! skip b64; then
 fi
 if ! skip long; then
     s "decode after a 4096-token prompt (one forward), batch 1"
-    for f in old def tcd2 tcdpf; do ab "${f}-4k" "--prompt-tokens 4096 --prefill-rows 4096 --decode-tokens 32 --rounds 2" $(fenv $f); done
+    for f in old def tcd2; do ab "${f}-4k" "--prompt-tokens 4096 --prefill-rows 4096 --decode-tokens 32 --rounds 2" $(fenv $f); done
 fi
 if ! skip ncu && command -v ncu > /dev/null; then
     s "ncu: decode attention kernels at 192..196 tokens of context (op by op)"
-    for f in old def tcd2 tcdpf; do
+    for f in old def tcd2; do
         env $(fenv $f) MM_GPU_GRAPHS=0 timeout 40 ncu --clock-control none --cache-control none \
             -k regex:attention --metrics gpu__time_duration.sum,launch__grid_size,launch__registers_per_thread \
             --csv $B --prompt-tokens 192 --warmup-tokens 1 --decode-tokens 4 --rounds 1 > "$R/ncu-$f.csv" 2> "$R/ncu-$f.err" ||
@@ -121,9 +119,9 @@ EOF
     done
 fi
 if ! skip ncu && command -v ncu > /dev/null; then
-    s "ncu sections of one decode attention launch (the 21st: a decode step at ~194 tokens): old, def, tcdpf"
+    s "ncu sections of one decode attention launch (the 21st: a decode step at ~194 tokens): old, def"
     SEC="--section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis"
-    for f in old def tcdpf; do
+    for f in old def; do
         env $(fenv $f) MM_GPU_GRAPHS=0 timeout 40 ncu --clock-control none -k regex:attention_tc --launch-skip 20 --launch-count 1 $SEC \
             $B --prompt-tokens 192 --warmup-tokens 1 --decode-tokens 4 --rounds 1 > "$R/ncu-sec-$f.txt" 2>&1 || echo "ncu $f: rc=$?"
         echo "-- $f"

@@ -1015,161 +1015,6 @@ __global__ void __launch_bounds__(MV_WARPS * 32, 3) gemv_bulk_kernel(mm_mat_args
     });
 }
 
-// ---- GEMV v4 (decode, <= 8 rows in all): W streamed through a ring of shared-memory stages ------
-// One block per SM walks items (a 16-row output tile x one token tile: dense, the n_rows <= 8
-// rows; grouped, one expert's rows) b, b + gridDim.x, ...; a producer warp (warp 8) streams each
-// item's W in k-blocks of ks (a multiple of seg_len(n_in), ~1024) through nst stages (16 rows x
-// ks, one cp.async.bulk per row, full[s] / empty[s] mbarriers), running ahead of the 8
-// consumer warps by up to nst stages (~200 KB per SM in flight), so the consumers' epilogues and
-// barriers never hold the weight stream. x is staged once per block (all n_rows rows, bf16,
-// gathered through x_idx, SwiGLU of x_up applied), and the grouped products' tiles (experts with
-// rows: one tile each, as n_rows <= 8) and y rows are found once per block. Consumer warp w
-// computes the segments sg with sg % 8 == w from the stage holding them (a segment never
-// straddles two k-blocks), with GEMV v1's mma sequence; the segment sums go to part[item & 1]
-// (one consumer barrier per item) and mv_store_y adds them in segment order: the same bits.
-// Dense W is streamed before griddepcontrol.wait (the producer reads nothing an earlier kernel
-// writes); a grouped expert's W that is not 16-byte aligned is copied by the producer's lanes.
-#define MV4_NST_MAX 16
-#define MV4_KS 1024 // k per stage (rounded to whole segments)
-
-template <bool GROUPED>
-__global__ void __launch_bounds__((MV_WARPS + 1) * 32, 1) gemv_ring_kernel(mm_mat_args a, int nst, int ks) {
-    // dynamic: nst stages of 16 x (ks + 32) bf16, n_rows x rows of mv2_ldx(n_in) bf16,
-    // part[2][S][16 * 8] f32
-    extern __shared__ __align__(16) uint16_t rsm[];
-    __shared__ __align__(8) uint64_t full[MV4_NST_MAX], empty[MV4_NST_MAX];
-    __shared__ int tab_m0[8], tab_ml[8], yrow_s[8], ntab_s;
-    __shared__ const uint16_t *tab_w[8];
-    asm volatile("griddepcontrol.launch_dependents;\n" ::);
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    const int g = lane >> 2, t = lane & 3;
-    const int sl = seg_len(a.n_in), S = (a.n_in + sl - 1) / sl;
-    const int ldx = mv2_ldx(a.n_in), sst = ks + 32, nkb = (a.n_in + ks - 1) / ks;
-    const int gx = (a.n_out + 15) / 16;
-    uint16_t *xsm = rsm + (size_t)nst * 16 * sst;
-    float *part = (float *)(xsm + (size_t)a.n_rows * ldx);
-    const uint32_t st0 = (uint32_t)__cvta_generic_to_shared(rsm);
-    const uint32_t f0 = (uint32_t)__cvta_generic_to_shared(full);
-    const uint32_t e0 = (uint32_t)__cvta_generic_to_shared(empty);
-    if (threadIdx.x == 0) {
-        for (int s = 0; s < nst; s++) {
-            mv3_bar_init(f0 + 8 * s, 1);
-            mv3_bar_init(e0 + 8 * s, MV_WARPS);
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    }
-    __syncthreads();
-    int ntab = GROUPED ? 0 : 1;
-    if (warp == MV_WARPS) { // ---- producer
-        int i = 0, kb = 0, c = 0; // next item (b + i * gridDim.x), its k-block, stage count
-        auto produce = [&](int limit) {
-            for (;;) {
-                const int it = (int)blockIdx.x + i * (int)gridDim.x;
-                if (it >= gx * ntab || c >= limit)
-                    return;
-                const int bx = it % gx, j = it / gx, r0 = bx * 16, nr = min(16, a.n_out - r0);
-                const uint16_t *w = GROUPED ? tab_w[j] : (const uint16_t *)a.w0;
-                const int k0 = kb * ks, kl = min(a.n_in, k0 + ks) - k0, kz = (kl + 31) / 32 * 32;
-                const int s = c % nst, r = c / nst;
-                const uint32_t sa = st0 + (uint32_t)s * 16u * (uint32_t)sst * 2u;
-                uint16_t *sp = rsm + (size_t)s * 16 * sst;
-                if (r > 0) { // the consumers are done with the stage's last round
-                    mv3_bar_wait(e0 + 8 * s, (r - 1) & 1);
-                    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-                }
-                const bool ok = ((uintptr_t)w & 15) == 0;
-                for (int p = lane; p < 16 * (kz - kl); p += 32) // zeros past n_in
-                    sp[(p / (kz - kl)) * sst + kl + p % (kz - kl)] = 0;
-                if (!ok) // not 16-byte aligned: plain copies
-                    for (int p = lane; p < nr * kl; p += 32)
-                        sp[(p / kl) * sst + p % kl] = w[(size_t)(r0 + p / kl) * a.n_in + k0 + p % kl];
-                __threadfence_block();
-                __syncwarp();
-                if (lane == 0)
-                    mv3_bar_expect(f0 + 8 * s, ok ? (uint32_t)nr * (uint32_t)kl * 2u : 0u);
-                __syncwarp();
-                if (ok && lane < nr)
-                    mv3_bulk(sa + (uint32_t)lane * (uint32_t)sst * 2u,
-                             w + (size_t)(r0 + lane) * a.n_in + k0, (uint32_t)kl * 2u, f0 + 8 * s);
-                c++;
-                if (++kb == nkb)
-                    kb = 0, i++;
-            }
-        };
-        if (!GROUPED)
-            produce(nst); // the first round of stages, before the wait and the x staging
-        if (GROUPED) {
-            // the tiles: one per expert with rows (n_rows <= 8: each fits one 8-row tile), in
-            // expert order, with the expert's matrix
-            asm volatile("griddepcontrol.wait;\n" ::: "memory");
-            for (int eb = 0; eb < a.n_experts; eb += 32) {
-                const int e = eb + lane;
-                const int lo = e < a.n_experts ? a.offs[e] : 0;
-                const int cnt = e < a.n_experts ? a.offs[e + 1] - lo : 0;
-                const unsigned m = __ballot_sync(0xffffffffu, cnt > 0 && a.wg[min(e, a.n_experts - 1)] != NULL);
-                const int pos = ntab + __popc(m & ((1u << lane) - 1u));
-                if ((m >> lane & 1u) && pos < 8)
-                    tab_m0[pos] = lo, tab_ml[pos] = min(cnt, 8), tab_w[pos] = (const uint16_t *)a.wg[e];
-                ntab = min(8, ntab + __popc(m));
-            }
-            if (lane == 0)
-                ntab_s = ntab;
-        }
-        __syncthreads(); // the tiles and x
-        produce(0x7fffffff);
-        return;
-    }
-    // ---- consumers (warps 0..7): x rows once, y rows, then the items
-    asm volatile("griddepcontrol.wait;\n" ::: "memory");
-    mv_stage_x(a, xsm, ldx, a.n_rows, a.vec != 0,
-               [&](int m) { return a.x_idx ? a.x_idx[m] : m; });
-    if (threadIdx.x < a.n_rows)
-        yrow_s[threadIdx.x] = a.y_idx ? a.y_idx[threadIdx.x] : (int)threadIdx.x;
-    __syncthreads();
-    if (GROUPED)
-        ntab = ntab_s;
-    int c = 0;
-    for (int i = 0;; i++) {
-        const int it = (int)blockIdx.x + i * (int)gridDim.x;
-        if (it >= gx * ntab)
-            break;
-        const int bx = it % gx, j = it / gx;
-        const int m0 = GROUPED ? tab_m0[j] : 0, mlen = GROUPED ? tab_ml[j] : a.n_rows;
-        const uint16_t *xg = xsm + (size_t)(m0 + min(g, mlen - 1)) * ldx; // token g of the tile
-        float *pi = part + (size_t)(i & 1) * S * (16 * 8);
-        for (int kb = 0; kb < nkb; kb++, c++) {
-            const int s = c % nst, r = c / nst, k0 = kb * ks;
-            mv3_bar_wait(f0 + 8 * s, r & 1);
-            const uint16_t *wa = rsm + (size_t)s * 16 * sst + (size_t)g * sst - k0, *wb = wa + 8 * sst;
-            const int sb = k0 / sl, se = min(S, (k0 + ks) / sl); // the stage's segments
-            for (int sg = sb + ((warp - sb) & (MV_WARPS - 1)); sg < se; sg += MV_WARPS) {
-                const int k_end = min(a.n_in, (sg + 1) * sl);
-                float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll 8
-                for (int kc = sg * sl; kc < k_end; kc += 32) {
-                    const int k = kc + 8 * t;
-                    const uint4 xv = *(const uint4 *)(xg + k);
-                    const uint4 w0v = *(const uint4 *)(wa + k), w1v = *(const uint4 *)(wb + k);
-                    const uint32_t A0[4] = {w0v.x, w1v.x, w0v.y, w1v.y};
-                    const uint32_t B0[2] = {xv.x, xv.y};
-                    mma16816(acc, A0, B0);
-                    const uint32_t A1[4] = {w0v.z, w1v.z, w0v.w, w1v.w};
-                    const uint32_t B1[2] = {xv.z, xv.w};
-                    mma16816(acc, A1, B1);
-                }
-                float *pp = pi + sg * (16 * 8);
-#pragma unroll
-                for (int q = 0; q < 4; q++)
-                    pp[(g + (q >> 1) * 8) * 8 + 2 * t + (q & 1)] = acc[q];
-            }
-            __syncwarp();
-            if (lane == 0)
-                asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(e0 + 8 * s) : "memory");
-        }
-        asm volatile("bar.sync 1, %0;\n" ::"n"(MV_WARPS * 32) : "memory"); // part of item i
-        mv_store_y(a, pi, S, 1, bx, mlen, [&](int tok) { return yrow_s[m0 + tok]; });
-    }
-}
 #endif // MM_GPU_HAVE_WMMA
 
 // ---- tiled FMA GEMM (any dtype, any vendor) ------------------------------------------------------
@@ -1913,8 +1758,8 @@ static size_t gemv_x_smem(const mm_mat_args &a, int per_tile_rows) {
 // 0 off (v2); 1 v3 for the products v2 takes of at most 8 rows (dense; grouped as v2: one row
 // per expert on average), the LM head included, so that batch-1 decode runs no v2 beside v3
 // (mixing them cost 6-11% on the H200: a block of one needs the L1 the other's carveout takes);
-// 2 v3 for every product v2 takes (dense 9..64 rows too); 3 as 1, with GEMV v4
-// (gemv_ring_kernel) where it applies. g_gemv_bulk_n counts v3 and v4 launches (tests).
+// 2 v3 for every product v2 takes (dense 9..64 rows too). g_gemv_bulk_n counts v3 launches
+// (tests).
 // MM_GPU_GEMV_BULK_CARVEOUT (diagnosis, read once): the kernel's preferred shared-memory
 // carveout in percent; unset: the largest; -1: none (the driver's choice).
 // MM_GPU_GEMV_BULK_TPB (A/B, read once): 1 (default) v3 blocks of one 16-row tile whatever the
@@ -1932,7 +1777,7 @@ static int gemv_bulk_mode(void) {
     if (g_gemv_bulk < 0) {
         const char *e = getenv("MM_GPU_GEMV_BULK");
         const int v = e && e[0] ? atoi(e) : GEMV_BULK_DEFAULT;
-        g_gemv_bulk = v >= 0 && v <= 3 ? v : GEMV_BULK_DEFAULT;
+        g_gemv_bulk = v >= 0 && v <= 2 ? v : GEMV_BULK_DEFAULT;
     }
     if (g_gemv_bulk_carve == -2) {
         const char *c = getenv("MM_GPU_GEMV_BULK_CARVEOUT");
@@ -1955,25 +1800,6 @@ static size_t gemv_bulk_smem(const mm_mat_args &a, int wpt, size_t xs_bytes) {
     const int tpb = MV_WARPS / wpt, S = (a.n_in + seg_len(a.n_in) - 1) / seg_len(a.n_in);
     const size_t bytes = (size_t)tpb * 16 * mv2_ldx(a.n_in) * 2 + xs_bytes + (size_t)tpb * S * 16 * 8 * 4;
     return bytes <= MV3_SMEM_MAX ? bytes : 0;
-}
-
-// GEMV v4's stages (nst, 0 where it does not take the product: mode < 3, more than 8 rows, n_in
-// % 8 != 0, an unaligned dense W, segments over MV4_KS), k per stage (*ks) and shared memory.
-static int gemv_ring_cfg(const mm_mat_args &a, int *ks, size_t *smem) {
-    if (gemv_bulk_mode() < 3 || a.n_rows > 8 || a.n_in % 8 != 0 || (a.wg == NULL && !aligned16(a.w0)))
-        return 0;
-    const int sl = seg_len(a.n_in), S = (a.n_in + sl - 1) / sl;
-    if (sl > MV4_KS)
-        return 0;
-    const int k = min(sl * (MV4_KS / sl), (a.n_in + sl - 1) / sl * sl);
-    const size_t stage = (size_t)16 * (k + 32) * 2;
-    const size_t fixed = (size_t)a.n_rows * mv2_ldx(a.n_in) * 2 + (size_t)2 * S * 16 * 8 * 4;
-    const int nst = (int)min((size_t)MV4_NST_MAX, (MV3_SMEM_MAX - fixed) / stage);
-    if (nst < 2)
-        return 0;
-    *ks = k;
-    *smem = (size_t)nst * stage + fixed;
-    return nst;
 }
 #endif
 
@@ -2005,29 +1831,6 @@ static mm_err launch(cudaStream_t st, int path, int dtype, mm_mat_args a, int pe
         if (xs_bytes > 0 && (GROUPED || a.n_rows <= MV2_DENSE_ROWS)) { // GEMV v2 (same bits)
             const int ty = GROUPED ? 1 : (a.n_rows + 7) / 8; // dense: 8-row tiles along x
             cfg.gridDim = GROUPED ? dim3(grid.x, tiles(8)) : dim3(grid.x * ty, 1);
-            int ring_ks = 0;
-            size_t ring_bytes = 0;
-            const int ring_nst = gemv_ring_cfg(a, &ring_ks, &ring_bytes);
-            if (ring_nst > 0) { // GEMV v4 (same bits): W through a ring, one block per SM
-                static uint64_t ring_attr_set;
-                static int sms[64];
-                int dev = 0;
-                MM_GPU_CHECK(cudaGetDevice(&dev));
-                if (!(ring_attr_set & (1ull << (dev & 63)))) {
-                    MM_GPU_CHECK(cudaFuncSetAttribute(gemv_ring_kernel<GROUPED>,
-                                                      cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                      MV3_SMEM_MAX));
-                    MM_GPU_CHECK(cudaDeviceGetAttribute(&sms[dev & 63], cudaDevAttrMultiProcessorCount, dev));
-                    ring_attr_set |= 1ull << (dev & 63);
-                }
-                const int items = mm_div_up(a.n_out, 16) * (GROUPED ? min(a.n_experts, a.n_rows) : 1);
-                cfg.gridDim = dim3((unsigned)max(1, min(items, sms[dev & 63])));
-                cfg.blockDim = dim3((MV_WARPS + 1) * 32);
-                cfg.dynamicSmemBytes = ring_bytes;
-                MM_GPU_CHECK(cudaLaunchKernelEx(&cfg, gemv_ring_kernel<GROUPED>, a, ring_nst, ring_ks));
-                __atomic_fetch_add(&g_gemv_bulk_n, 1ull, __ATOMIC_RELAXED);
-                return MM_OK;
-            }
             const int wpt3 = gemv_bulk_mode() > 0 && g_gemv_bulk_tpb1 ? MV_WARPS : wpt;
             const size_t bulk_bytes = gemv_bulk_smem(a, wpt3, xs_bytes);
             if (bulk_bytes > 0) { // GEMV v3 (same bits): W by bulk copies into shared memory
@@ -2255,7 +2058,7 @@ extern "C" void mm_gpu_set_gemv_version(int v) {
 
 extern "C" void mm_gpu_set_gemv_bulk(int mode) {
 #if MM_GPU_HAVE_WMMA
-    g_gemv_bulk = mode >= 0 && mode <= 3 ? mode : -1;
+    g_gemv_bulk = mode >= 0 && mode <= 2 ? mode : -1;
 #else
     (void)mode;
 #endif

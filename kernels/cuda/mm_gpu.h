@@ -95,10 +95,9 @@ mm_err mm_gpu_moe_matmul_rows(void *stream, int dtype, const void *const *d_w,
 void mm_gpu_set_gemv_version(int v);
 // mm_gpu_set_gemv_bulk: GEMV v3 (W of each block by bulk copies into shared memory, the same
 // bits as v2) for products v2 takes with n_in % 8 == 0: 0 off; 1 those of at most 8 rows
-// (dense; grouped as v2), the LM head included; 2 all of them; 3 as 1 with GEMV v4 (W through
-// a ring of stages, one block per SM) where it fits; -1 back to env MM_GPU_GEMV_BULK (read once;
-// default GEMV_BULK_DEFAULT in matmul.cu). mm_gpu_gemv_bulk_launches counts v3 and v4 launches
-// (tests). Process-wide; CUDA only.
+// (dense; grouped as v2), the LM head included; 2 all of them; -1 back to env MM_GPU_GEMV_BULK
+// (read once; default GEMV_BULK_DEFAULT in matmul.cu). mm_gpu_gemv_bulk_launches counts v3
+// launches (tests). Process-wide; CUDA only.
 void mm_gpu_set_gemv_bulk(int mode);
 unsigned long long mm_gpu_gemv_bulk_launches(void);
 

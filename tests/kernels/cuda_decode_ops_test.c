@@ -425,10 +425,10 @@ static bool bulk_taken(void) {
     return r;
 }
 
-// Dense: y = x W^T (+ bias) through mm_gpu_matmul with GEMV v1, v2, v3 and v4 (bulk modes 2 and
-// 3, where linked); x rows xpad floats apart beyond n_in (3: no vector loads of x), y strided,
+// Dense: y = x W^T (+ bias) through mm_gpu_matmul with GEMV v1, v2 and v3 (bulk modes 2 and 1,
+// where linked); x rows xpad floats apart beyond n_in (3: no vector loads of x), y strided,
 // every element compared (including the untouched padding between rows). Returns 1 if v3 took
-// the product (mode 2), | 2 if mode 3 took it (v4, or v3 where v4 does not apply).
+// the product in mode 2, | 2 if it took it in mode 1 (the default).
 static int gemv_dense_case(int n_out, int n_in, int n_rows, bool bias, int xpad) {
     const int64_t xs = n_in + xpad, ys = n_out + 5;
     uint16_t *w = rand_w((size_t)n_out * n_in);
@@ -447,15 +447,15 @@ static int gemv_dense_case(int n_out, int n_in, int n_rows, bool bias, int xpad)
     MM_PASS(gpu->ops->synchronize(gpu->ctx));
     const int nv = mm_gpu_set_gemv_bulk ? 4 : 2;
     int taken = 0;
-    for (int v = 0; v < nv; v++) { // v1, v2, then bulk modes 2 (the LM head's size too) and 3
+    for (int v = 0; v < nv; v++) { // v1, v2, then bulk modes 2 (the LM head's size too) and 1
         mm_gpu_set_gemv_version(v == 0 ? 1 : 2);
         if (mm_gpu_set_gemv_bulk)
-            mm_gpu_set_gemv_bulk(v >= 2 ? v : 0);
+            mm_gpu_set_gemv_bulk(v == 2 ? 2 : v == 3 ? 1 : 0);
         bulk_taken();
         MM_PASS(mm_gpu_matmul(NULL, MM_DTYPE_BF16, dw, n_out, n_in, bias ? db : NULL, dx, xs,
                               y[v], ys, n_rows, -1));
         const bool ran = bulk_taken();
-        MM_TRUE(v >= 2 || !ran); // v3 and v4 never run with their switch off
+        MM_TRUE(v >= 2 || !ran); // v3 never runs with its switch off
         if (v >= 2 && ran)
             taken |= v - 1;
     }
@@ -492,7 +492,7 @@ static int gemv_dense_case(int n_out, int n_in, int n_rows, bool bias, int xpad)
 // give v1's bits; x rows are xpad floats apart beyond their width (odd: no vector loads), and
 // each expert's W starts wmis bytes past a 16-byte boundary (8: v3 cannot bulk-copy it; needs
 // an odd xpad and no SwiGLU input, as v1 and v2 then load W without vectors). Returns 1 if v3 took both products
-// (bulk mode 2), | 2 if mode 3 took both (v4 for <= 8 rows in all, else v3).
+// in bulk mode 2, | 2 if it took both in mode 1 (the default).
 static int gemv_grouped_case(int n_out, int n_in, int n_src, int E, const int *cnt, bool glu,
                               int xpad, int wmis) {
     int offs[257] = {0};
@@ -528,7 +528,7 @@ static int gemv_grouped_case(int n_out, int n_in, int n_src, int E, const int *c
     float *dxsrc = dev_copy(xsrc, (size_t)(n_src * xs) * 4), *dxg = dev_copy(xg, (size_t)(n * xs) * 4);
     float *y1 = dev_copy(NULL, (size_t)(n * ys) * 4), *y2 = dev_copy(NULL, (size_t)(n * ys) * 4);
     float *y3 = dev_copy(NULL, (size_t)(yfull * ys) * 4), *y4 = dev_copy(NULL, (size_t)(yfull * ys) * 4);
-    float *y2b[2], *y3b[2]; // bulk modes 2 and 3
+    float *y2b[2], *y3b[2]; // bulk modes 2 and 1
     for (int v = 0; v < 2; v++)
         y2b[v] = dev_copy(NULL, (size_t)(n * ys) * 4), y3b[v] = dev_copy(NULL, (size_t)(yfull * ys) * 4);
     float *tmp = dev_copy(NULL, (size_t)(n * ys) * 4), *xin = dev_copy(NULL, (size_t)(n * xs) * 4);
@@ -561,11 +561,11 @@ static int gemv_grouped_case(int n_out, int n_in, int n_src, int E, const int *c
     const mm_err rr = mm_gpu_moe_matmul_rows(NULL, MM_DTYPE_BF16, (const void *const *)dwp, doffs,
                                              E, n_out, n_in, dxsrc, xs, dxi, xup, y3, ys, dyi, n);
     MM_TRUE(!bulk_taken()); // v3 never runs with its switch off
-    // GEMV v3 / v4: the plain grouped product and the one with row indices (and SwiGLU)
+    // GEMV v3: the plain grouped product and the one with row indices (and SwiGLU)
     int taken = 0;
     mm_err rrb = MM_EUNSUPP;
     for (int v = 0; mm_gpu_set_gemv_bulk && v < 2; v++) {
-        mm_gpu_set_gemv_bulk(2 + v);
+        mm_gpu_set_gemv_bulk(v ? 1 : 2);
         MM_PASS(mm_gpu_moe_matmul(NULL, MM_DTYPE_BF16, (const void *const *)dwp, doffs, E, n_out,
                                   n_in, xin_p, xin_s, y2b[v], ys, n, -1));
         const bool t1 = bulk_taken();
@@ -596,12 +596,12 @@ static int gemv_grouped_case(int n_out, int n_in, int n_src, int E, const int *c
     for (int v = 0; mm_gpu_set_gemv_bulk && v < 2; v++)
         h2b[v] = dev_get(y2b[v], (size_t)(n * ys) * 4), h3b[v] = dev_get(y3b[v], (size_t)(yfull * ys) * 4);
     MM_TRUE(memcmp(h1, h2, (size_t)(n * ys) * 4) == 0);
-    size_t diff_b = 0; // bulk modes 2 and 3 (if linked) against v1
+    size_t diff_b = 0; // bulk modes 2 and 1 (if linked) against v1
     for (int v = 0; mm_gpu_set_gemv_bulk && v < 2; v++)
         for (int64_t i = 0; i < n * ys; i++)
             if (memcmp(&h1[i], &h2b[v][i], 4) != 0 && diff_b++ == 0)
                 printf("  grouped %dx%d, bulk mode %d: first difference at %lld: %.9g vs %.9g (v1)\n",
-                       n_out, n_in, 2 + v, (long long)i, h2b[v][i], h1[i]);
+                       n_out, n_in, v ? 1 : 2, (long long)i, h2b[v][i], h1[i]);
     MM_EQ(diff_b, 0);
     float *want = malloc((size_t)(yfull * ys) * 4);
     for (int64_t i = 0; i < yfull * ys; i++)
@@ -623,11 +623,11 @@ static int gemv_grouped_case(int n_out, int n_in, int n_src, int E, const int *c
         for (int64_t i = 0; i < yfull * ys; i++)
             if (memcmp(&want[i], &h3b[v][i], 4) != 0 && diff_b++ == 0)
                 printf("  grouped rows %dx%d, bulk mode %d: first difference at %lld: %.9g vs %.9g\n",
-                       n_out, n_in, 2 + v, (long long)i, h3b[v][i], want[i]);
+                       n_out, n_in, v ? 1 : 2, (long long)i, h3b[v][i], want[i]);
     MM_EQ(diff_b, 0);
     MM_TRUE(memcmp(want, h4, (size_t)(yfull * ys) * 4) == 0);
     printf("grouped %dx%d%s, %d rows over %d experts: v2 == v1 bits; with row indices %s; "
-           "backend op %s; v3 %s, bulk mode 3 %s\n", n_out, n_in,
+           "backend op %s; v3 %s, bulk mode 1 %s\n", n_out, n_in,
            glu ? " (input swiglu(gate, up))" : "", n, E,
            rr == MM_OK ? "bit-identical" : "not taken (MM_EUNSUPP)",
            rb == MM_OK ? "fused, bit-identical" : "fell back to the copies",
@@ -701,13 +701,12 @@ static void test_gemv_bulk_bits(void) {
                             {77, 1000, 33, 0, 4, 1},   {77, 1001, 3, 1, 0, 0},
                             {17, 12000, 1, 0, 0, 0}};
     for (size_t i = 0; i < sizeof(dense) / sizeof(dense[0]); i++) {
-        // v3 (mode 2) as the table says; mode 3 (v4, or v3 where v4 does not fit) up to 8 rows
-        // wherever n_in % 8 == 0
-        const int want = dense[i][5] | (dense[i][1] % 8 == 0 && dense[i][2] <= 8 ? 2 : 0);
+        // v3 in mode 2 as the table says; in mode 1 the same up to 8 rows
+        const int want = dense[i][5] | (dense[i][5] && dense[i][2] <= 8 ? 2 : 0);
         const int taken = gemv_dense_case(dense[i][0], dense[i][1], dense[i][2], dense[i][3] != 0,
                                           dense[i][4]);
         if (taken != want)
-            printf("  dense %dx%d rows %d: taken %d, expected %d (1: v3, 2: mode 3)\n",
+            printf("  dense %dx%d rows %d: taken %d, expected %d (1: mode 2, 2: mode 1)\n",
                    dense[i][0], dense[i][1], dense[i][2], taken, want);
         MM_EQ(taken, want);
     }
@@ -716,7 +715,7 @@ static void test_gemv_bulk_bits(void) {
     const int c13[16] = {3, 0, 1, 0, 0, 0, 2, 1, 0, 0, 4, 0, 0, 1, 0, 1};
     const int c40[64] = {[0] = 9, [5] = 1, [17] = 12, [40] = 2, [63] = 16};
     const int c3[4] = {2, 0, 1, 0};
-    // c8 (8 rows in all): mode 3 runs v4; more rows: v3 in both modes
+    // grouped: v3 in both modes
     MM_EQ(gemv_grouped_case(1536, 2048, 1, 16, c8, false, 0, 0), 3);  // [gate; up], vector x
     MM_EQ(gemv_grouped_case(2048, 768, 8, 16, c8, true, 0, 0), 3);    // down on swiglu, vector x
     MM_EQ(gemv_grouped_case(1544, 2048, 1, 16, c8, false, 0, 0), 3);  // n_out % 16 != 0

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# GEMV v3/v4 against v2 on the H200, one command (< 240 s): unpack the staged binaries; the
-# v3/v4 bits case alone, also with MM_GPU_GEMV_BULK_TPB=1; every GPU test case (device_run.sh's
+# GEMV v3 against v2 on the H200, one command (< 240 s): unpack the staged binaries; the
+# v3 bits case alone, also with MM_GPU_GEMV_BULK_TPB=1; every GPU test case (device_run.sh's
 # ops section, with the build's default MM_GPU_GEMV_BULK=1; the synthetic 4-layer Qwen3-30B-A3B
 # checkpoint is written meanwhile); decode_l2pf.sh: copy bandwidth, bench-model batch 1 (graph,
-# op by op) over old (v2) / new (v3) / ring (v4) / tpb1 (v3, 16-row blocks) in turn, twice,
-# batch 64 and ncu of a decode step for old and new, then batch 64 and ncu for ring and tpb1.
+# op by op) over old (v2) / new (v3) / tpb1 (v3, 16-row blocks) in turn, twice, batch 64 and
+# ncu of a decode step for old and new, then batch 64 and ncu for tpb1. (The 07:03 UTC run also
+# had ring, GEMV v4: removed after it lost.)
 # Prepare here (clean tree HEAD + the change, built with BUILD=build/cuda-gv):
 #     BUILD_CUDA=build/cuda-gv bash kernels/cuda/device_run.sh --stage .dev/gpu-gv
 #     (cd .dev && tar cJf gpu-gv.tar.xz gpu-gv)
@@ -31,13 +32,13 @@ OUT=/tmp/gvo SKIP="copy bench invariance meshstep parity gateway" KEEP_MODEL=1 \
 grep -E "^(FAIL|skip) |GPU tests:|first difference|rc=" /tmp/gvo/log | head -30
 cp /tmp/gvo/log "$OUT/ops.log"
 echo "== decode A/B (t+$SECONDS s)"
-VARIANTS="old=MM_GPU_GEMV_BULK=0 new=MM_GPU_GEMV_BULK=1 ring=MM_GPU_GEMV_BULK=3 tpb1=MM_GPU_GEMV_BULK=1,MM_GPU_GEMV_BULK_TPB=1" \
+VARIANTS="old=MM_GPU_GEMV_BULK=0 new=MM_GPU_GEMV_BULK=1 tpb1=MM_GPU_GEMV_BULK=1,MM_GPU_GEMV_BULK_TPB=1" \
     ROUNDS=2 SKIP=tests bash kernels/cuda/bench/decode_l2pf.sh "$D"
 cp /tmp/l2pf/ab.txt /tmp/gvo/ab1.txt 2>/dev/null; tar czf "$OUT/l2pf1.tgz" -C /tmp l2pf
 if [ $SECONDS -lt 170 ]; then
-    echo "== batch 64 and ncu: ring, tpb1 (t+$SECONDS s)"
+    echo "== batch 64 and ncu: tpb1 (t+$SECONDS s)"
     rm -f /tmp/l2pf/ab.txt
-    VARIANTS="ring=MM_GPU_GEMV_BULK=3 tpb1=MM_GPU_GEMV_BULK=1,MM_GPU_GEMV_BULK_TPB=1" ROUNDS=0 SKIP=tests \
+    VARIANTS="tpb1=MM_GPU_GEMV_BULK=1,MM_GPU_GEMV_BULK_TPB=1 old=MM_GPU_GEMV_BULK=0" ROUNDS=0 SKIP=tests \
         bash kernels/cuda/bench/decode_l2pf.sh "$D" 2>&1 | sed -n '/== batch 64/,$p'
 fi
 tar czf "$OUT/gvo.tgz" -C /tmp gvo

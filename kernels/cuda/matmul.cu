@@ -1206,28 +1206,31 @@ static int ws_auto_variant(const mm_mat_args &a) {
 // into the permuted-W cache, or once per product beyond its bound: one pass over the layer's
 // expert weights) is repaid, and that copy stays under WS_GROUPED_W_MAX; else gemm_wg 128 x
 // 128 (2), which permutes W on its way into shared memory.
-// Which gemm_ws grouped variant (MM_GPU_WS_GROUPED, read once: 19-23; default
+// Which gemm_ws grouped variant (MM_GPU_WS_GROUPED, read once: 19-23, 25, 27; default
 // WS_GROUPED_DEFAULT): 20 the earlier epilogue and full 128-token tiles, 21 y rows loaded once
 // per tile (WS_OPT_IDX), 22 also m64n32 / m64n64 wgmmas for tiles of <= 32 / <= 64 rows
-// (WS_OPT_TAILN), 23 also the tiles published by the producer (WS_OPT_PTILE), 24 23 with
-// warpgroup 1 lagging (LAG), 25 23 with the outputs stored through shared memory by bulk
-// copies (WS_OPT_STAGE; 4 stages), 26 23 with 4 stages, 27 25 for products of at most
+// (WS_OPT_TAILN), 23 also the tiles published by the producer (WS_OPT_PTILE), 25 23 with the
+// outputs stored through shared memory by bulk copies (WS_OPT_STAGE; 4 stages), 27 25 for
+// products of at most
 // WS_STAGE_MAX_K k stages (down: 12) and 23 for longer ones ([gate; up]: 32; alone, 25 was
 // faster on down and slower on a gate: not measured in the forward yet); 19 one block per tile.
 // All the same bits.
 // Default 25: the 4K forward (H200, kernels/cuda/bench/NOTES.md prefill version 16) 11.50 ms
-// vs 11.66 with 23, 11.62 with 26, 11.70 with 24, 13.25 with 20 (06:59 UTC); 12.29 with 21 and
-// 12.25 with 22 (06:47 UTC).
+// vs 11.66 with 23, 13.25 with 20 (06:59 UTC); 12.29 with 21 and 12.25 with 22 (06:47 UTC).
+// (24, 23 with warpgroup 1 lagging, 11.70, and 26, 23 with 4 stages, 11.62: removed.)
 #define WS_GROUPED_W_MAX (2048ull << 20)
 #define WS_GROUPED_DEFAULT 25
 #define WS_STAGE_MAX_K 16
 static int g_ws_grouped = -1; // -1: not read yet
 
+// the gemm_ws grouped variants (19-23, 25, 27)
+static bool ws_grouped_ok(int v) { return (v >= 19 && v <= 23) || v == 25 || v == 27; }
+
 static int ws_grouped_variant(void) {
     if (g_ws_grouped < 0) {
         const char *e = getenv("MM_GPU_WS_GROUPED");
         const int v = e ? atoi(e) : 0;
-        g_ws_grouped = v >= 19 && v <= 27 ? v : WS_GROUPED_DEFAULT;
+        g_ws_grouped = ws_grouped_ok(v) ? v : WS_GROUPED_DEFAULT;
     }
     return g_ws_grouped;
 }
@@ -1623,8 +1626,8 @@ static mm_err launch_wg(cudaStream_t st, const mm_mat_args &a, bool *ran) {
     // gemm_wg.cuh's 4. 11-18 (gemm_ws_kernel: W permuted into the workspace too, both operands
     // by bulk copies) take any dense product wg_usable allows; permuting W costs a pass over it
     // (~10 us for 16.8 MB).
-    // Grouped: 19 (gemm_ws grouped, a block per tile), 20 (the same persistent), 21-26 (20
-    // with WS_OPT_IDX, + WS_OPT_TAILN, + WS_OPT_PTILE; 24-26 as ws_grouped_variant says) or
+    // Grouped: 19 (gemm_ws grouped, a block per tile), 20 (the same persistent), 21-23 (20
+    // with WS_OPT_IDX, + WS_OPT_TAILN, + WS_OPT_PTILE), 25 (as ws_grouped_variant says) or
     // gemm_wg's 2-7 (ws_auto_grouped picks MM_GPU_WS_GROUPED's or 2; 13 and 14 stand for 19 and
     // 20, other dense-only variants for 2; 27 for 25 or 23); dense: 19 stands for 13, 20-27 for 14.
     int var = g_wg_tile ? g_wg_tile : GROUPED ? ws_auto_grouped(a, ldx) : ws_auto_variant(a);
@@ -1718,15 +1721,9 @@ static mm_err launch_wg(cudaStream_t st, const mm_mat_args &a, bool *ran) {
     case 23:
         rv = launch_ws_kernel<128, 6, true, true, false, true, WS_OPT_IDX | WS_OPT_TAILN | WS_OPT_PTILE>(st, w, wb, bit);
         break;
-    case 24:
-        rv = launch_ws_kernel<128, 6, true, true, true, true, WS_OPT_IDX | WS_OPT_TAILN | WS_OPT_PTILE>(st, w, wb, bit);
-        break;
     case 25:
         rv = launch_ws_kernel<128, 4, true, true, false, true,
                               WS_OPT_IDX | WS_OPT_TAILN | WS_OPT_PTILE | WS_OPT_STAGE>(st, w, wb, bit);
-        break;
-    case 26:
-        rv = launch_ws_kernel<128, 4, true, true, false, true, WS_OPT_IDX | WS_OPT_TAILN | WS_OPT_PTILE>(st, w, wb, bit);
         break;
     case 3: rv = launch_wg_kernel<GROUPED, 3, 128, 64, 5>(st, w, bit); break;
     case 4: rv = launch_wg_kernel<GROUPED, 2, 192, 64, 5>(st, w, bit); break;
@@ -2074,7 +2071,7 @@ extern "C" unsigned long long mm_gpu_gemv_bulk_launches(void) {
 
 extern "C" void mm_gpu_set_gemm_tile(int variant) {
 #if MM_GPU_HAVE_WMMA
-    g_wg_tile = (variant >= 2 && variant <= 27) ? variant : 0;
+    g_wg_tile = (variant >= 2 && variant <= 23) || variant == 25 || variant == 27 ? variant : 0;
 #else
     (void)variant;
 #endif

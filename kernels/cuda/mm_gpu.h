@@ -131,8 +131,8 @@ void mm_gpu_set_dep_launch(int on);
 // grouped products (a block per tile, persistent; AUTO takes MM_GPU_WS_GROUPED's, default
 // 25, from 128 rows per expert; dense products take 13, 14 for them); 21-23: 20 with the y rows
 // loaded once per tile, + m64n32/m64n64 wgmmas for tiles of <= 32/64 rows, + tiles published
-// by the producer warp; 24-26: 23 with warpgroup 1 lagging, with the outputs stored through
-// shared memory by bulk copies (4 stages), with 4 stages; 27: 25 for products of <= 16 k stages,
+// by the producer warp; 25: 23 with the outputs stored through shared memory by bulk copies (4
+// stages); 27: 25 for products of <= 16 k stages,
 // 23 for longer ones (grouped only; dense take 14). Same bits in all. 7: a
 // bench-only diagnostic without the proxy fence (racy; never for results). Process-wide.
 void mm_gpu_set_gemm_tile(int variant);

@@ -361,16 +361,16 @@ static void bench_moe(double copy_gbs, double peak, int n_tok, const char *tag) 
         float *h_ref = (float *)dalloc((size_t)n_rows * F * 4), *y_ref = (float *)dalloc((size_t)n_rows * D * 4);
         MK(mm_gpu_moe_matmul(g_stream, MM_DTYPE_BF16, d_g, d_offs, E, F, D, x, D, h_ref, F, n_rows, MM_GPU_PATH_GEMV));
         MK(mm_gpu_moe_matmul(g_stream, MM_DTYPE_BF16, d_d, d_offs, E, D, F, h_ref, F, y_ref, D, n_rows, MM_GPU_PATH_GEMV));
-        const int vars[] = {2, 19, 20, -20, 21, 22, 23, 24, 25, 26}; // < 0: without the permuted-W cache
+        const int vars[] = {2, 19, 20, -20, 21, 22, 23, 25, 27}; // < 0: without the permuted-W cache
         const char *vn[] = {"gemm_wg 128 x 128 (W permuted into shared memory)",
                             "gemm_ws grouped, a block per tile", "gemm_ws grouped, persistent",
                             "the same, permuted-W cache off (every expert's W permuted per product)",
                             "20 with the y rows loaded once per tile",
                             "21 with m64n32 / m64n64 wgmmas for tiles of <= 32 / 64 rows",
                             "22 with the tiles published by the producer warp",
-                            "23 with warpgroup 1 lagging", "23 with outputs by bulk row copies, 4 stages",
-                            "23 with 4 stages"};
-        for (int i = 0; i < 10; i++) {
+                            "23 with outputs by bulk row copies, 4 stages",
+                            "25 for <= 16 k stages, else 23"};
+        for (int i = 0; i < (int)(sizeof(vars) / sizeof(vars[0])); i++) {
             mm_gpu_set_gemm_tile(vars[i] < 0 ? -vars[i] : vars[i]);
             mm_gpu_set_wperm_mb(vars[i] < 0 ? 0 : -1);
             CK(cudaMemsetAsync(h, 0xff, (size_t)n_rows * F * 4, g_stream));

@@ -8,8 +8,8 @@
 #   MM_GPU_WS_GROUPED=22  21 + m64n32 / m64n64 wgmmas for tiles of <= 32 / <= 64 rows
 #   MM_GPU_WS_GROUPED=23  22 + each tile published by the producer warp in shared memory (the
 #                         consumer warps no longer look it up over the offsets)
-#   MM_GPU_WS_GROUPED=24  23 + warpgroup 1 lagging; =25 23 + the outputs through shared memory by
-#                         bulk row copies (4 stages); =26 23 with 4 stages
+#   MM_GPU_WS_GROUPED=25  23 + the outputs through shared memory by bulk row copies (4 stages)
+#                         (24, 23 + warpgroup 1 lagging, and 26, 23 with 4 stages: removed)
 #   $CONFS                "name:ENV=VAL,ENV=VAL ..." configurations to time ("new:" = defaults)
 # Binaries: built in a clean worktree of HEAD + these changes with `make CUDA=1
 # BUILD=build/cuda-pf4 -j2 all test-bins build/cuda-pf4/bin/moemesh-gpu-bench`, staged with
@@ -17,7 +17,7 @@
 # .dev/gpu-pf4/cuda_prefill_rows_test build/cuda-pf4/tests/kernels/cuda_prefill_rows_test`, carried
 # as .dev/gpu-pf4.tar.xz (unpacked here when the folder is missing).
 # In order: moemesh synth (background), the bf16 peak, every case of the GPU tests (ALL=0: only
-# the products' and the model's; cuda_prefill_rows_test: variants 19-26 == the gathered grouped
+# the products' and the model's; cuda_prefill_rows_test: variants 19-27 == the gathered grouped
 # GEMV bit for bit), memcheck on the grouped rows cases, moemesh logits bits (mixtral-tiny, 512
 # ids, 128 rows per expert) with variants 20, 23, 25, bench-model's 4K prefill in one forward
 # (each configuration, twice, in turn), decode batch 1 (the default), moemesh-gpu-bench --only
@@ -81,7 +81,7 @@ rm -f "$OUT"/logits_*.f32
 echo "== whole-model prefill, 4096 tokens in one forward (synth 4 layers) $(t)"
 wait "$SYNTH_PID"; tail -1 "$OUT/synth.txt"
 BM="$D/moemesh bench-model --model $M --device cuda:0 --prompt-tokens 4096 --decode-tokens 2 --rounds 1 --warmup-tokens 1 --bw-mb 64 --prefill-rows 4096 --prompt-rounds 3"
-CONFS=${CONFS:-"g20:MM_GPU_WS_GROUPED=20 g23:MM_GPU_WS_GROUPED=23 g24:MM_GPU_WS_GROUPED=24 g25:MM_GPU_WS_GROUPED=25 g26:MM_GPU_WS_GROUPED=26"}
+CONFS=${CONFS:-"g20:MM_GPU_WS_GROUPED=20 g23:MM_GPU_WS_GROUPED=23 g25:MM_GPU_WS_GROUPED=25"}
 for i in 1 2; do
     for c in $CONFS; do
         n=${c%%:*}; e=${c#*:}

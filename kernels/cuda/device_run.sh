@@ -7,7 +7,8 @@
 #     bash kernels/cuda/device_run.sh .dev/gpu-mesh
 # Sections, each with its own time limit, in this order (SKIP="ops parity ..." leaves some out):
 #   ops       every case of the GPU tests: cuda_ops_test, cuda_decode_ops_test,
-#             cuda_chain_ops_test, cuda_attention_tc_test, model_devpath_test, cudaipc_test
+#             cuda_chain_ops_test, cuda_attention_tc_test, cuda_attention_tcd_test,
+#             cuda_prefill_rows_test, cuda_route_plan_test, model_devpath_test, cudaipc_test
 #   synth     moemesh synth (Qwen3-30B-A3B shape, MODEL_LAYERS=4 layers) into /tmp, started in
 #             the background at once so that it overlaps the op tests
 #   copy      device-to-device copy bandwidth (moemesh-gpu-bench --only none): the ceiling
@@ -40,7 +41,8 @@ if [ "${1:-}" = "--stage" ]; then
              bin/moemesh-drafter bin/moemesh-gateway \
              bin/moemesh-gpu-bench tests/kernels/cuda_ops_test tests/kernels/cuda_decode_ops_test \
              tests/kernels/cuda_chain_ops_test tests/kernels/cuda_attention_tc_test \
-             tests/unit/model_devpath_test tests/transport/cudaipc_test; do
+             tests/kernels/cuda_attention_tcd_test tests/kernels/cuda_prefill_rows_test \
+             tests/kernels/cuda_route_plan_test tests/unit/model_devpath_test tests/transport/cudaipc_test; do
         [ -x "$B/$f" ] || { echo "stage: $B/$f missing (make cuda first)"; exit 2; }
         strip -o "$D/$(basename "$f")" "$B/$f" || exit 2
     done
@@ -83,9 +85,9 @@ if ! skip synth; then
 fi
 
 if ! skip ops; then
-    section "GPU tests (cuda_ops_test, cuda_decode_ops_test, cuda_chain_ops_test, cuda_attention_tc_test, model_devpath_test, cudaipc_test)"
+    section "GPU tests (cuda_ops_test, cuda_decode_ops_test, cuda_chain_ops_test, cuda_attention_tc_test, cuda_attention_tcd_test, cuda_prefill_rows_test, cuda_route_plan_test, model_devpath_test, cudaipc_test)"
     pass=0; fail=0
-    for t in cuda_ops_test cuda_decode_ops_test cuda_chain_ops_test cuda_attention_tc_test model_devpath_test cudaipc_test; do
+    for t in cuda_ops_test cuda_decode_ops_test cuda_chain_ops_test cuda_attention_tc_test cuda_attention_tcd_test cuda_prefill_rows_test cuda_route_plan_test model_devpath_test cudaipc_test; do
         [ -x "$D/$t" ] || { echo "MISSING $t (stage again)"; fail=$((fail+1)); continue; }
         while IFS= read -r c; do
             timeout 90 "$D/$t" "$c" > "$OUT/case.txt" 2>&1; rc=$?

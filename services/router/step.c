@@ -1012,7 +1012,11 @@ static mm_err plan_layer(mm_step_engine *e, uint64_t step, int L, int64_t R, boo
     }
     mm_mesh_trace(step, L, "o_send");
     mm_mesh_gstamp(step, L, "o_send");
-    if (shared) // while the owners work
+    // while the owners work. x in the lone owner's ring (in_ring) went with its link when a
+    // send to it failed (lose closed the conn: the peer's ring is unmapped, and reading it would
+    // fault the device); the layer then runs on the host path, which makes x and runs the
+    // shared experts itself.
+    if (shared && !(in_ring && o0->conn == NULL))
         PLAN_TRY("shared experts",
                  mm_model_shared_forward(e->model, e->scratch, L, xr, R, e->d_sh));
     PLAN_TRY("h from the shard's reply", h_from_view(e, R));

@@ -257,7 +257,9 @@ static bool dev_payload(const void *payload) {
 // the router's plan as int32s: offs (n_experts + 1), src and dst (plan_slots each), all in
 // d_x. The experts run on the device straight from the plan (mm_model_experts_plan; slots
 // past offs[n_experts] are other owners' and left unspecified), and the reply is one output
-// row per slot, from d_out. The plan is the router's (a member of the same mesh, identity
+// row per slot, written straight into the reply's place in the router's ring where the link
+// gives one (mm_conn_reserve_dev: views and MM_MESH_INPLACE), else in d_out and copied by the
+// send. The plan is the router's (a member of the same mesh, identity
 // checked at join): its indices are not checked here (they never reach the host).
 static mm_err on_plan(mm_conn *c, const mm_wire_hdr *h, void *payload) {
     const int64_t R = O.plan_rows, nk = O.plan_slots, D = O.d_model, E = O.n_experts;
@@ -272,7 +274,7 @@ static mm_err on_plan(mm_conn *c, const mm_wire_hdr *h, void *payload) {
         h->row_dim != (uint32_t)D || h->format != MM_WIRE_F32 || h->layer >= (uint32_t)O.n_layers ||
         !dev_payload(payload)) {
         snprintf(msg, sizeof(msg), "step %llu layer %u: %u rows of %u that do not match the plan "
-                 "its CTRL frame announced (%lld + %lld rows of %lld, as a device frame)",
+                 "its CTRL frame or header announced (%lld + %lld rows of %lld, as a device frame)",
                  (unsigned long long)h->step_id, h->layer, h->n_rows, h->row_dim, (long long)R,
                  (long long)P, (long long)D);
         return mm_dataserv_reply_error(c, h, MM_EPROTO, msg);

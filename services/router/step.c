@@ -1474,6 +1474,10 @@ struct nng_msg *mm_step_engine_run(mm_step_engine *e, const Mmctl__StepPlan *p, 
     mm_err rv = p->after_step ? mm_follow_wait(e->fl, &e->mu, p->after_step,
                                                e->c.step_timeout_ms, msg, MSG_LEN)
                               : MM_OK;
+    // The wait gave the lock up and took it back after another step's tail: that step's
+    // in_tail would make the next plan spin its whole HANDOFF_SPIN_NS through this step.
+    if (p->after_step && e->handoff)
+        atomic_store(&e->in_tail, false);
     if (rv == MM_OK) {
         p = mm_follow_resolve(e->fl, p, e->c.max_ctx);
         rv = check_plan(e, p, msg);

@@ -14,6 +14,7 @@ HB=100 # heartbeat ms: a dead daemon is marked down after 4 x HB
 fail() {
     echo "FAIL: $*"
     for f in "$RUN"/*.log; do [ -f "$f" ] && { echo "--- $f"; tail -n 15 "$f"; }; done
+    echo "FAIL: $*" # again after the logs: the test runner shows only a failure's last lines
     exit 1
 }
 

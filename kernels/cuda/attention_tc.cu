@@ -48,17 +48,18 @@
 // ncu): 1.08 ms vs 1.19 for the one-tile kernel, the 4K forward 14.5 vs 15.2 ms (ncu on the latter: 1 warp issued every 3.6 cycles per
 // scheduler, 2 warps per scheduler, tensor pipe 6%: latency and instruction bound, ~1170
 // instructions per warp per 64-key block, ~30% of them the staging).
+// Files: the device helpers (bf16 packing, ex2, mma and ldmatrix wrappers, the cache-table lookup,
+// the K/V staging by cp.async and its conversion to bf16) are in attention_tc.cuh, shared with
+// attention_tcd.cu (decode calls with every warp computing); the kernels, tc_block, tc_block2 and
+// the launchers and switches are here.
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "attention_tc.cuh"
 #include "gpu_common.cuh"
 #include "kernels.h"
 #include "mm_gpu.h"
-
-#define TC_KEYS 64
-#define TC_DECODE_ROWS 64 // calls of at most this many rows: one row per block
-#define TC_ERR_INDEX 1    // ops.cu's ERR_INDEX: the backend's device error word
 
 static int g_att_tc = -1;       // -1: from MM_GPU_ATT_TC at first use; 0 off; 1 on
 static int g_att_tc_warps = -1; // -1: from MM_GPU_ATT_TC_WARPS (4 or 8; default 8)
@@ -67,142 +68,6 @@ static int g_att_tc_mt = -1;    // -1: from MM_GPU_ATT_TC_MT (1: one m16 tile pe
 
 #if MM_GPU_HAVE_WMMA
 #define TC_HAVE 1
-
-__device__ __forceinline__ void tc_flag(int *d_err) {
-    if (d_err != NULL)
-        atomicOr(d_err, TC_ERR_INDEX);
-}
-
-// The slot of (seq, pos) in the paged cache, or NULL (flagged) when the table has none.
-__device__ __forceinline__ const float *tc_slot(const struct mm_kv_view &kv, int32_t seq,
-                                                int32_t pos, int *d_err) {
-    if (pos < 0 || seq < 0 || pos / kv.block_size >= kv.max_blocks) {
-        tc_flag(d_err);
-        return NULL;
-    }
-    const int32_t blk = kv.block_tables[(int64_t)seq * kv.max_blocks + pos / kv.block_size];
-    if (blk < 0) {
-        tc_flag(d_err);
-        return NULL;
-    }
-    return kv.base + (int64_t)blk * kv.block_stride +
-           (int64_t)(pos % kv.block_size) * kv.slot_stride;
-}
-
-__device__ __forceinline__ void tc_cp16(void *dst, const void *src) {
-    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src) : "memory");
-}
-__device__ __forceinline__ void tc_commit(void) { asm volatile("cp.async.commit_group;\n" ::); }
-__device__ __forceinline__ void tc_wait_all(void) {
-    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-}
-
-// Two f32 -> packed bf16 (lo in the low half), round to nearest even (matmul.cu's pack_bf16).
-__device__ __forceinline__ uint32_t tc_pack(float lo, float hi) {
-    uint32_t r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-
-__device__ __forceinline__ float tc_ex2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-    return y;
-}
-
-// D += A (16x16 row) * B (16x8 col): a[0] row g k 2t.., a[1] row g+8, a[2]/a[3] the same rows
-// at k 2t+8..; b0 k 2t.. col g, b1 k 2t+8..; d[0..1] row g cols 2t, 2t+1, d[2..3] row g+8.
-__device__ __forceinline__ void tc_mma(float d[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// Four 8x8 bf16 matrices; lanes 8i..8i+7 give the row addresses of matrix i.
-__device__ __forceinline__ void tc_ldsm4(uint32_t r[4], const uint16_t *p) {
-    const unsigned a = (unsigned)__cvta_generic_to_shared(p);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(a));
-}
-__device__ __forceinline__ void tc_ldsm4t(uint32_t r[4], const uint16_t *p) {
-    const unsigned a = (unsigned)__cvta_generic_to_shared(p);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(a));
-}
-
-// The cache block of key t of sequence seq when t is in [t_lo, t_hi] (flagged when the table
-// has none), else -1. Loaded one 64-key block ahead of its copies, so the table read's latency
-// is not on the issue path.
-__device__ __forceinline__ int32_t tc_blk(const struct mm_kv_view &kv, int32_t seq, int32_t t,
-                                          int32_t t_lo, int32_t t_hi, int *d_err) {
-    if (t < t_lo || t > t_hi)
-        return -1;
-    if (t < 0 || seq < 0 || t / kv.block_size >= kv.max_blocks) {
-        tc_flag(d_err);
-        return -1;
-    }
-    const int32_t blk = kv.block_tables[(int64_t)seq * kv.max_blocks + t / kv.block_size];
-    if (blk < 0)
-        tc_flag(d_err);
-    return blk < 0 ? -1 : blk;
-}
-
-// Issues the copies of key c0 + key (cache block blk, -1: none) into its stage row ([key][sw]
-// f32, sw = dk + dv + 4): thread part of the key's TPK threads takes every TPK-th float4. The
-// same thread converts them (tc_convert), so only its own copies need to have landed.
-template <int TPK>
-__device__ __forceinline__ void tc_issue(const struct mm_kv_view &kv, int32_t t, int32_t blk,
-                                         int64_t k_off, int64_t v_off, float *row, int part) {
-    const int dk = kv.head_dim_k, dv = kv.head_dim_v;
-    if (blk >= 0) {
-        const float *slot = kv.base + (int64_t)blk * kv.block_stride +
-                            (int64_t)(t % kv.block_size) * kv.slot_stride;
-        for (int i = part; i < dk / 4; i += TPK)
-            tc_cp16(row + 4 * i, slot + k_off + 4 * i);
-        for (int i = part; i < dv / 4; i += TPK)
-            tc_cp16(row + dk + 4 * i, slot + v_off + 4 * i);
-    }
-    tc_commit();
-}
-
-// This thread's float4s of its key's stage row as bf16 into the K row (dims padded to dkp with
-// zeros) and the V row; zeros when the key was not staged (ok false).
-template <int DKM, int DVM, int TPK>
-__device__ __forceinline__ void tc_convert(const float *row, bool ok, int dk, int dv, int dkp,
-                                           int dvp, uint16_t *krow, uint16_t *vrow, int part) {
-    float4 x[DKM / 4 / TPK];
-#pragma unroll
-    for (int j = 0; j < DKM / 4 / TPK; j++) {
-        const int i = part + TPK * j;
-        x[j] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        if (ok && 4 * i < dk)
-            x[j] = *(const float4 *)(row + 4 * i);
-    }
-#pragma unroll
-    for (int j = 0; j < DKM / 4 / TPK; j++) {
-        const int i = part + TPK * j;
-        if (4 * i < dkp)
-            *(uint2 *)(krow + 4 * i) = make_uint2(tc_pack(x[j].x, x[j].y), tc_pack(x[j].z, x[j].w));
-    }
-    float4 y[DVM / 4 / TPK];
-#pragma unroll
-    for (int j = 0; j < DVM / 4 / TPK; j++) {
-        const int i = part + TPK * j;
-        y[j] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        if (ok && 4 * i < dv)
-            y[j] = *(const float4 *)(row + dk + 4 * i);
-    }
-#pragma unroll
-    for (int j = 0; j < DVM / 4 / TPK; j++) {
-        const int i = part + TPK * j;
-        if (4 * i < dvp)
-            *(uint2 *)(vrow + 4 * i) = make_uint2(tc_pack(y[j].x, y[j].y), tc_pack(y[j].z, y[j].w));
-    }
-}
 
 // One 64-key block for the warp's 16 units (rows g and g + 8 of this thread): scores from kb,
 // mask, online softmax update of m, l and acc, P V from vb.
@@ -435,7 +300,7 @@ __global__ void __launch_bounds__(NW * 32, 8 / NW)
         if constexpr (!DB) {
             for (int32_t c0 = c_lo; c0 <= t_hi; c0 += TC_KEYS) {
                 __syncthreads(); // every read of kb/vb of the last block done
-                tc_wait_all();   // this thread's copies of this block landed
+                tc_wait<0>();    // this thread's copies of this block landed
                 tc_convert<DKM, DVM, TPK>(srow, ok, dk, dv, dkp, dvp, kb + skey * ldk,
                                           vb + skey * ldv, part);
                 __syncthreads(); // kb/vb ready; every stage read done
@@ -453,7 +318,7 @@ __global__ void __launch_bounds__(NW * 32, 8 / NW)
             // c0 is computed from the other buffer; one barrier per block
             const int kvsz = TC_KEYS * (ldk + ldv);
             __syncthreads(); // the last pass's reads of both buffers done
-            tc_wait_all();
+            tc_wait<0>();
             tc_convert<DKM, DVM, TPK>(srow, ok, dk, dv, dkp, dvp, kb + skey * ldk, vb + skey * ldv,
                                       part);
             if (c_lo + TC_KEYS <= t_hi) {
@@ -466,7 +331,7 @@ __global__ void __launch_bounds__(NW * 32, 8 / NW)
             for (int32_t c0 = c_lo; c0 <= t_hi; c0 += TC_KEYS) {
                 if (c0 + TC_KEYS <= t_hi) {
                     uint16_t *kn = kb + (bi ^ 1) * kvsz;
-                    tc_wait_all(); // this thread's copies of the next block landed
+                    tc_wait<0>(); // this thread's copies of the next block landed
                     tc_convert<DKM, DVM, TPK>(srow, ok, dk, dv, dkp, dvp, kn + skey * ldk,
                                               kn + TC_KEYS * ldk + skey * ldv, part);
                     if (c0 + 2 * TC_KEYS <= t_hi) {
@@ -753,7 +618,7 @@ __global__ void __launch_bounds__(TC2_WARPS * 32, 1)
         issue(c_lo + skey, blk);
         blk = blk_of(c_lo + TC_KEYS + skey);
         __syncthreads(); // the last pass's reads of both buffers done
-        tc_wait_all();
+        tc_wait<0>();
         tc_convert<DKM, DVM, TPK>(srow, ok, dk, dv, dkp, dvp, kb + skey * ldk,
                                   kb + TC_KEYS * ldk + skey * ldv, part);
         if (c_lo + TC_KEYS <= t_hi) {
@@ -766,7 +631,7 @@ __global__ void __launch_bounds__(TC2_WARPS * 32, 1)
         for (int32_t c0 = c_lo; c0 <= t_hi; c0 += TC_KEYS) {
             if (c0 + TC_KEYS <= t_hi) {
                 uint16_t *kn = kb + (bi ^ 1) * kvsz;
-                tc_wait_all();
+                tc_wait<0>();
                 tc_convert<DKM, DVM, TPK>(srow, ok, dk, dv, dkp, dvp, kn + skey * ldk,
                                           kn + TC_KEYS * ldk + skey * ldv, part);
                 if (c0 + 2 * TC_KEYS <= t_hi) {
@@ -811,27 +676,20 @@ __global__ void __launch_bounds__(TC2_WARPS * 32, 1)
     }
 }
 
+// attention_tc2_kernel's: one stage, two buffers, then q ([TC2_WARPS * 32][dkp + 8] bf16)
 static size_t tc2_shmem(int dk, int dv) {
-    const int dkp = (dk + 15) & ~15, dvp = (dv + 15) & ~15;
-    return (size_t)TC_KEYS * (dk + dv + 4) * 4 +
-           2 * ((size_t)TC_KEYS * (dkp + 8) * 2 + (size_t)TC_KEYS * (dvp + 8) * 2) +
-           (size_t)TC2_WARPS * 32 * (dkp + 8) * 2;
+    return tc_stage_shmem(dk, dv, 1, 2) + (size_t)TC2_WARPS * 32 * (((dk + 15) & ~15) + 8) * 2;
 }
 
 // tc_launch_kernel: k (an attention_tc or attention_tc2 instance) over the call's grid (blocks
 // of rows_pb rows x kv heads x head groups of gsub), n_threads a block, shmem bytes of dynamic
-// shared memory. > 48 KiB of shared memory: k is allowed max_shmem once per device, *attr_set
-// (k's own) keeping which (harmlessly racy).
+// shared memory; k allowed max_shmem first (tc_allow_shmem, *attr_set k's own).
 static mm_err tc_launch_kernel(void (*k)(struct mm_attn_args, int, int, int *), uint64_t *attr_set,
                                size_t max_shmem, int n_threads, size_t shmem, void *stream,
                                const struct mm_attn_args *a, int gsub, int rows_pb, int *d_err) {
-    int dev = 0;
-    MM_GPU_CHECK(cudaGetDevice(&dev));
-    if (!(*attr_set & (1ull << (dev & 63)))) {
-        MM_GPU_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          (int)max_shmem));
-        *attr_set |= 1ull << (dev & 63);
-    }
+    const mm_err rv = tc_allow_shmem(k, attr_set, max_shmem);
+    if (rv != MM_OK)
+        return rv;
     const int group = a->n_heads / a->kv.n_kv_heads;
     dim3 grid((unsigned)((a->n_rows + rows_pb - 1) / rows_pb),
               (unsigned)(a->kv.n_kv_heads * (group / gsub)));
@@ -850,11 +708,8 @@ static mm_err tc2_launch(void *stream, const struct mm_attn_args *a, int gsub, i
                             a, gsub, rows_pb, d_err);
 }
 
-static size_t tc_shmem(int dk, int dv, bool db) {
-    const int dkp = (dk + 15) & ~15, dvp = (dv + 15) & ~15;
-    return (size_t)TC_KEYS * (dk + dv + 4) * 4 +
-           (db ? 2 : 1) * ((size_t)TC_KEYS * (dkp + 8) * 2 + (size_t)TC_KEYS * (dvp + 8) * 2);
-}
+// attention_tc_kernel's: one stage, one or two (db) buffers
+static size_t tc_shmem(int dk, int dv, bool db) { return tc_stage_shmem(dk, dv, 1, db ? 2 : 1); }
 
 template <int DKM, int DVM, int NW, bool DB>
 static mm_err tc_launch(void *stream, const struct mm_attn_args *a, int gsub, int rows_pb,

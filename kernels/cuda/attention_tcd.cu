@@ -20,6 +20,9 @@
 //   sums read the p values in the same j order (lane (g, tq) of every warp is the thread
 //   (g, tq) of warp 0), the row max is exact in any order (a -0/+0 tie changes no result,
 //   see ops.cu's prefill note), so the outputs are the same bits (cuda_attention_tcd_test).
+// - The staging (tc_blk, tc_issue, tc_convert), tc_pack, tc_ex2, tc_mma and the ldmatrix loads
+//   are attention_tc.cuh's, the same source as attention_tc_kernel's; this file holds the kernel
+//   and its launcher and switches.
 // - Cost per 64-key block: 8 + 8 mmas per warp instead of 64 + 64 on warp 0, and two barriers
 //   instead of one. GQA groups above 16 (one m16 tile) take several blocks per kv head (a row's
 //   result does not depend on its tile neighbours: the contract).
@@ -37,17 +40,15 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "attention_tc.cuh"
 #include "gpu_common.cuh"
 #include "kernels.h"
 #include "mm_gpu.h"
 
-#define TCD_KEYS 64        // attention_tc.cu's TC_KEYS: the contract's key block
-#define TCD_WARPS 8        // one warp per 8-key n-tile of a key block
+#define TCD_WARPS 8     // one warp per 8-key n-tile of a key block
 #define TCD_THREADS (TCD_WARPS * 32)
-#define TCD_TPK (TCD_THREADS / TCD_KEYS) // threads staging one key
-#define TCD_MAX_ROWS 64    // attention_tc.cu's TC_DECODE_ROWS
-#define TCD_AUTO_ROWS 8    // the default takes calls of at most this many rows (see above)
-#define TCD_ERR_INDEX 1    // ops.cu's ERR_INDEX: the backend's device error word
+#define TCD_TPK (TCD_THREADS / TC_KEYS) // threads staging one key
+#define TCD_AUTO_ROWS 8 // the default takes calls of at most this many rows (see above)
 
 static int g_tcd = -1;        // -1: from MM_GPU_ATT_TCD at first use; 0 off; 1 on; 2 auto
 static int g_tcd_stages = -1; // -1: from MM_GPU_ATT_TCD_STAGES at first use (1 or 2; default 1)
@@ -55,124 +56,9 @@ static int g_tcd_stages = -1; // -1: from MM_GPU_ATT_TCD_STAGES at first use (1 
 #if MM_GPU_HAVE_WMMA
 #define TCD_HAVE 1
 
-__device__ __forceinline__ void tcd_flag(int *d_err) {
-    if (d_err != NULL)
-        atomicOr(d_err, TCD_ERR_INDEX);
-}
-
-__device__ __forceinline__ void tcd_cp16(void *dst, const void *src) {
-    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src) : "memory");
-}
-__device__ __forceinline__ void tcd_commit(void) { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N> __device__ __forceinline__ void tcd_wait(void) { // all but the N newest groups
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
-// attention_tc.cu's tc_pack, tc_ex2, tc_mma (the same instructions)
-__device__ __forceinline__ uint32_t tcd_pack(float lo, float hi) {
-    uint32_t r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-
-__device__ __forceinline__ float tcd_ex2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-    return y;
-}
-
-__device__ __forceinline__ void tcd_mma(float d[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// Two 8x8 bf16 matrices; lanes 8i..8i+7 give the row addresses of matrix i (lanes 0..15).
-__device__ __forceinline__ void tcd_ldsm2(uint32_t &r0, uint32_t &r1, const uint16_t *p) {
-    const unsigned a = (unsigned)__cvta_generic_to_shared(p);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
-                 : "=r"(r0), "=r"(r1)
-                 : "r"(a));
-}
-__device__ __forceinline__ void tcd_ldsm4t(uint32_t r[4], const uint16_t *p) {
-    const unsigned a = (unsigned)__cvta_generic_to_shared(p);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(a));
-}
-
-// attention_tc.cu's tc_blk: the cache block of key t when t is in [t_lo, t_hi], else -1.
-__device__ __forceinline__ int32_t tcd_blk(const struct mm_kv_view &kv, int32_t seq, int32_t t,
-                                           int32_t t_lo, int32_t t_hi, int *d_err) {
-    if (t < t_lo || t > t_hi)
-        return -1;
-    if (t < 0 || seq < 0 || t / kv.block_size >= kv.max_blocks) {
-        tcd_flag(d_err);
-        return -1;
-    }
-    const int32_t blk = kv.block_tables[(int64_t)seq * kv.max_blocks + t / kv.block_size];
-    if (blk < 0)
-        tcd_flag(d_err);
-    return blk < 0 ? -1 : blk;
-}
-
-// attention_tc.cu's tc_issue<TCD_TPK>: the copies of key t into its stage row.
-__device__ __forceinline__ void tcd_issue(const struct mm_kv_view &kv, int32_t t, int32_t blk,
-                                          int64_t k_off, int64_t v_off, float *row, int part) {
-    const int dk = kv.head_dim_k, dv = kv.head_dim_v;
-    if (blk >= 0) {
-        const float *slot = kv.base + (int64_t)blk * kv.block_stride +
-                            (int64_t)(t % kv.block_size) * kv.slot_stride;
-        for (int i = part; i < dk / 4; i += TCD_TPK)
-            tcd_cp16(row + 4 * i, slot + k_off + 4 * i);
-        for (int i = part; i < dv / 4; i += TCD_TPK)
-            tcd_cp16(row + dk + 4 * i, slot + v_off + 4 * i);
-    }
-    tcd_commit();
-}
-
-// attention_tc.cu's tc_convert<DKM, DVM, TCD_TPK>: this thread's float4s of its stage row as
-// bf16 into the K row (padded to dkp with zeros) and the V row; zeros when not staged.
-template <int DKM, int DVM>
-__device__ __forceinline__ void tcd_convert(const float *row, bool ok, int dk, int dv, int dkp,
-                                            int dvp, uint16_t *krow, uint16_t *vrow, int part) {
-    float4 x[DKM / 4 / TCD_TPK];
-#pragma unroll
-    for (int j = 0; j < DKM / 4 / TCD_TPK; j++) {
-        const int i = part + TCD_TPK * j;
-        x[j] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        if (ok && 4 * i < dk)
-            x[j] = *(const float4 *)(row + 4 * i);
-    }
-#pragma unroll
-    for (int j = 0; j < DKM / 4 / TCD_TPK; j++) {
-        const int i = part + TCD_TPK * j;
-        if (4 * i < dkp)
-            *(uint2 *)(krow + 4 * i) =
-                make_uint2(tcd_pack(x[j].x, x[j].y), tcd_pack(x[j].z, x[j].w));
-    }
-    float4 y[DVM / 4 / TCD_TPK];
-#pragma unroll
-    for (int j = 0; j < DVM / 4 / TCD_TPK; j++) {
-        const int i = part + TCD_TPK * j;
-        y[j] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        if (ok && 4 * i < dv)
-            y[j] = *(const float4 *)(row + dk + 4 * i);
-    }
-#pragma unroll
-    for (int j = 0; j < DVM / 4 / TCD_TPK; j++) {
-        const int i = part + TCD_TPK * j;
-        if (4 * i < dvp)
-            *(uint2 *)(vrow + 4 * i) =
-                make_uint2(tcd_pack(y[j].x, y[j].y), tcd_pack(y[j].z, y[j].w));
-    }
-}
-
 // One block per (row, gsub query heads of one kv head); gsub <= 16 (one m16 tile: unit u =
-// head h0 + u is tile row u). Dynamic shared memory: two f32 stages [TCD_KEYS][dk + dv + 4]
-// (two key blocks in flight), then two bf16 buffers of [TCD_KEYS][ldk] keys and [ldv] values.
+// head h0 + u is tile row u). Dynamic shared memory: two f32 stages [TC_KEYS][dk + dv + 4]
+// (two key blocks in flight), then two bf16 buffers of [TC_KEYS][ldk] keys and [ldv] values.
 template <int DKM, int DVM, int NST>
 __global__ void __launch_bounds__(TCD_THREADS, 1)
     attention_tcd_kernel(struct mm_attn_args a, int gsub, int *d_err) {
@@ -187,9 +73,9 @@ __global__ void __launch_bounds__(TCD_THREADS, 1)
     const int dk = kv.head_dim_k, dv = kv.head_dim_v;
     const int dkp = (dk + 15) & ~15, dvp = (dv + 15) & ~15;
     const int ldk = dkp + 8, ldv = dvp + 8, sw = dk + dv + 4;
-    const int kvsz = TCD_KEYS * (ldk + ldv);
-    float *stage = (float *)tcd_sh;                           // [NST][TCD_KEYS][sw] f32
-    uint16_t *kb = (uint16_t *)(stage + NST * TCD_KEYS * sw); // buffer b: kb + b * kvsz (K, V)
+    const int kvsz = TC_KEYS * (ldk + ldv);
+    float *stage = (float *)tcd_sh;                          // [NST][TC_KEYS][sw] f32
+    uint16_t *kb = (uint16_t *)(stage + NST * TC_KEYS * sw); // buffer b: kb + b * kvsz (K, V)
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tq = lane & 3;
     const int skey = tid / TCD_TPK, part = tid % TCD_TPK; // the key this thread stages
     const int group = a.n_heads / kv.n_kv_heads, per_kv = group / gsub;
@@ -200,13 +86,13 @@ __global__ void __launch_bounds__(TCD_THREADS, 1)
     const int32_t sq = a.row_seq[r], pos = a.row_pos[r];
     if (pos < 0 || sq < 0 || pos / kv.block_size >= kv.max_blocks) {
         if (tid == 0)
-            tcd_flag(d_err);
+            tc_flag(d_err);
         return;
     }
     int32_t first = 0;
     if (a.window > 0 && pos - a.window + 1 > 0)
         first = pos - a.window + 1;
-    const int32_t c_lo = (first / TCD_KEYS) * TCD_KEYS;
+    const int32_t c_lo = (first / TC_KEYS) * TC_KEYS;
     bool uin[2];
 #pragma unroll
     for (int i = 0; i < 2; i++)
@@ -215,16 +101,16 @@ __global__ void __launch_bounds__(TCD_THREADS, 1)
     // commit group (empty past pos), so "block b landed" is cp.async.wait_group NST - 1 while
     // the groups of blocks b + 1 .. b + NST - 1 are the only newer ones; the cache table is
     // read one block ahead
-    float *const srow0 = stage + skey * sw, *const srow1 = stage + ((NST - 1) * TCD_KEYS + skey) * sw;
-    int32_t blk = tcd_blk(kv, sq, c_lo + skey, first, pos, d_err);
+    float *const srow0 = stage + skey * sw, *const srow1 = stage + ((NST - 1) * TC_KEYS + skey) * sw;
+    int32_t blk = tc_blk(kv, sq, c_lo + skey, first, pos, d_err);
     unsigned okm = blk >= 0 ? 1u : 0u; // bit s: stage row s's key staged
-    tcd_issue(kv, c_lo + skey, blk, k_off, v_off, srow0, part);
+    tc_issue<TCD_TPK>(kv, c_lo + skey, blk, k_off, v_off, srow0, part);
     if (NST == 2) {
-        blk = tcd_blk(kv, sq, c_lo + TCD_KEYS + skey, first, pos, d_err);
+        blk = tc_blk(kv, sq, c_lo + TC_KEYS + skey, first, pos, d_err);
         okm |= blk >= 0 ? 2u : 0u;
-        tcd_issue(kv, c_lo + TCD_KEYS + skey, blk, k_off, v_off, srow1, part);
+        tc_issue<TCD_TPK>(kv, c_lo + TC_KEYS + skey, blk, k_off, v_off, srow1, part);
     }
-    blk = tcd_blk(kv, sq, c_lo + NST * TCD_KEYS + skey, first, pos, d_err);
+    blk = tc_blk(kv, sq, c_lo + NST * TC_KEYS + skey, first, pos, d_err);
     // q as A fragments (attention_tc_kernel's qf of warp 0), loaded while the copies fly
     uint32_t qf[DKM / 16][4];
 #pragma unroll
@@ -240,7 +126,7 @@ __global__ void __launch_bounds__(TCD_THREADS, 1)
                 if (d + 1 < dk)
                     x1 = qp[d + 1];
             }
-            qf[ks][j] = tcd_pack(x0, x1);
+            qf[ks][j] = tc_pack(x0, x1);
         }
     const float cs = a.scale * 1.4426950408889634f;
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
@@ -249,16 +135,16 @@ __global__ void __launch_bounds__(TCD_THREADS, 1)
     for (int n = 0; n < 2; n++)
         acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
     const bool pv = 16 * warp < dvp; // this warp has value dims
-    tcd_wait<NST - 1>();
-    tcd_convert<DKM, DVM>(srow0, okm & 1u, dk, dv, dkp, dvp, kb + skey * ldk,
-                          kb + TCD_KEYS * ldk + skey * ldv, part);
+    tc_wait<NST - 1>();
+    tc_convert<DKM, DVM, TCD_TPK>(srow0, okm & 1u, dk, dv, dkp, dvp, kb + skey * ldk,
+                                  kb + TC_KEYS * ldk + skey * ldv, part);
     okm = (okm & ~1u) | (blk >= 0 ? 1u : 0u); // block NST into stage row 0
-    tcd_issue(kv, c_lo + NST * TCD_KEYS + skey, blk, k_off, v_off, srow0, part);
-    blk = tcd_blk(kv, sq, c_lo + (NST + 1) * TCD_KEYS + skey, first, pos, d_err);
+    tc_issue<TCD_TPK>(kv, c_lo + NST * TC_KEYS + skey, blk, k_off, v_off, srow0, part);
+    blk = tc_blk(kv, sq, c_lo + (NST + 1) * TC_KEYS + skey, first, pos, d_err);
     __syncthreads(); // buffer 0 ready
     int bi = 0;
-    for (int32_t c0 = c_lo; c0 <= pos; c0 += TCD_KEYS) {
-        const uint16_t *kc = kb + bi * kvsz, *vc = kc + TCD_KEYS * ldk;
+    for (int32_t c0 = c_lo; c0 <= pos; c0 += TC_KEYS) {
+        const uint16_t *kc = kb + bi * kvsz, *vc = kc + TC_KEYS * ldk;
         // scores of keys c0 + 8 warp + 2 tq (+1): rows g (s[0..1]) and g + 8 (s[2..3])
         float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
         {
@@ -267,8 +153,8 @@ __global__ void __launch_bounds__(TCD_THREADS, 1)
             for (int ks = 0; ks < DKM / 16; ks++) {
                 if (16 * ks < dkp) {
                     uint32_t b0, b1;
-                    tcd_ldsm2(b0, b1, kp + 16 * ks);
-                    tcd_mma(s, qf[ks], b0, b1);
+                    tc_ldsm2(b0, b1, kp + 16 * ks);
+                    tc_mma(s, qf[ks], b0, b1);
                 }
             }
         }
@@ -298,31 +184,31 @@ __global__ void __launch_bounds__(TCD_THREADS, 1)
             for (int w = 1; w < TCD_WARPS; w++)
                 x = fmaxf(x, red[w][g + 8 * i]);
             const float mn = fmaxf(m[i], __fmul_rn(x, cs));
-            al[i] = mn == m[i] ? 1.0f : tcd_ex2(__fsub_rn(m[i], mn));
+            al[i] = mn == m[i] ? 1.0f : tc_ex2(__fsub_rn(m[i], mn));
             ms[i] = mn == -INFINITY ? 0.0f : -mn;
             m[i] = mn;
         }
         {
-            const float p0 = tcd_ex2(__fmaf_rn(s[0], cs, ms[0]));
-            const float p1 = tcd_ex2(__fmaf_rn(s[1], cs, ms[0]));
-            const float p2 = tcd_ex2(__fmaf_rn(s[2], cs, ms[1]));
-            const float p3 = tcd_ex2(__fmaf_rn(s[3], cs, ms[1]));
-            pk[warp][lane][0] = tcd_pack(p0, p1);
-            pk[warp][lane][1] = tcd_pack(p2, p3);
+            const float p0 = tc_ex2(__fmaf_rn(s[0], cs, ms[0]));
+            const float p1 = tc_ex2(__fmaf_rn(s[1], cs, ms[0]));
+            const float p2 = tc_ex2(__fmaf_rn(s[2], cs, ms[1]));
+            const float p3 = tc_ex2(__fmaf_rn(s[3], cs, ms[1]));
+            pk[warp][lane][0] = tc_pack(p0, p1);
+            pk[warp][lane][1] = tc_pack(p2, p3);
             *(float4 *)pf[warp][lane] = make_float4(p0, p1, p2, p3);
         }
         // block j + 1 (stage row (j + 1) % NST, issued NST blocks ago) into the other buffer,
         // then block j + 1 + NST's copies into that stage row
-        if (c0 + TCD_KEYS <= pos) {
+        if (c0 + TC_KEYS <= pos) {
             uint16_t *kn = kb + (bi ^ 1) * kvsz;
-            tcd_wait<NST - 1>();
+            tc_wait<NST - 1>();
             float *const sr = NST == 1 || bi ? srow0 : srow1;
             const unsigned sb = NST == 1 || bi ? 1u : 2u;
-            tcd_convert<DKM, DVM>(sr, (okm & sb) != 0, dk, dv, dkp, dvp, kn + skey * ldk,
-                                  kn + TCD_KEYS * ldk + skey * ldv, part);
+            tc_convert<DKM, DVM, TCD_TPK>(sr, (okm & sb) != 0, dk, dv, dkp, dvp,
+                                          kn + skey * ldk, kn + TC_KEYS * ldk + skey * ldv, part);
             okm = (okm & ~sb) | (blk >= 0 ? sb : 0u);
-            tcd_issue(kv, c0 + (NST + 1) * TCD_KEYS + skey, blk, k_off, v_off, sr, part);
-            blk = tcd_blk(kv, sq, c0 + (NST + 2) * TCD_KEYS + skey, first, pos, d_err);
+            tc_issue<TCD_TPK>(kv, c0 + (NST + 1) * TC_KEYS + skey, blk, k_off, v_off, sr, part);
+            blk = tc_blk(kv, sq, c0 + (NST + 2) * TC_KEYS + skey, first, pos, d_err);
         }
         __syncthreads(); // every warp's p
         // p summed per thread in n-tile order (tc_block's j order), then l
@@ -347,13 +233,13 @@ __global__ void __launch_bounds__(TCD_THREADS, 1)
             const int mt = lane >> 3;
             const uint16_t *vp = vc + ((mt & 1) * 8 + (lane & 7)) * ldv + (mt >> 1) * 8 + 16 * warp;
 #pragma unroll
-            for (int kk = 0; kk < TCD_KEYS / 16; kk++) {
+            for (int kk = 0; kk < TC_KEYS / 16; kk++) {
                 const uint32_t pa[4] = {pk[2 * kk][lane][0], pk[2 * kk][lane][1],
                                         pk[2 * kk + 1][lane][0], pk[2 * kk + 1][lane][1]};
                 uint32_t b[4];
-                tcd_ldsm4t(b, vp + kk * 16 * ldv);
-                tcd_mma(acc[0], pa, b[0], b[1]);
-                tcd_mma(acc[1], pa, b[2], b[3]);
+                tc_ldsm4t(b, vp + kk * 16 * ldv);
+                tc_mma(acc[0], pa, b[0], b[1]);
+                tc_mma(acc[1], pa, b[2], b[3]);
             }
         }
         // no barrier here: the next buffer was converted before the barrier above, and a warp
@@ -386,27 +272,17 @@ __global__ void __launch_bounds__(TCD_THREADS, 1)
     }
 }
 
-static size_t tcd_shmem(int dk, int dv, int nst) {
-    const int dkp = (dk + 15) & ~15, dvp = (dv + 15) & ~15;
-    return nst * (size_t)TCD_KEYS * (dk + dv + 4) * 4 +
-           2 * ((size_t)TCD_KEYS * (dkp + 8) * 2 + (size_t)TCD_KEYS * (dvp + 8) * 2);
-}
-
 template <int DKM, int DVM, int NST>
 static mm_err tcd_launch(void *stream, const struct mm_attn_args *a, int gsub, int *d_err) {
-    static uint64_t attr_set; // > 48 KiB: allowed once per device (harmlessly racy)
-    int dev = 0;
-    MM_GPU_CHECK(cudaGetDevice(&dev));
-    if (!(attr_set & (1ull << (dev & 63)))) {
-        MM_GPU_CHECK(cudaFuncSetAttribute(attention_tcd_kernel<DKM, DVM, NST>,
-                                          cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          (int)tcd_shmem(DKM, DVM, NST)));
-        attr_set |= 1ull << (dev & 63);
-    }
+    static uint64_t attr_set; // tc_allow_shmem's: this kernel's devices
+    const mm_err rv = tc_allow_shmem(attention_tcd_kernel<DKM, DVM, NST>, &attr_set,
+                                     tc_stage_shmem(DKM, DVM, NST, 2));
+    if (rv != MM_OK)
+        return rv;
     const int group = a->n_heads / a->kv.n_kv_heads;
     dim3 grid((unsigned)a->n_rows, (unsigned)(a->kv.n_kv_heads * (group / gsub)));
     MM_GPU_CHECK(mm_launch_dep(attention_tcd_kernel<DKM, DVM, NST>, grid, dim3(TCD_THREADS),
-                               tcd_shmem(a->kv.head_dim_k, a->kv.head_dim_v, NST),
+                               tc_stage_shmem(a->kv.head_dim_k, a->kv.head_dim_v, NST, 2),
                                (cudaStream_t)stream, *a, gsub, d_err));
     MM_GPU_CHECK(cudaGetLastError());
     return MM_OK;
@@ -458,7 +334,7 @@ extern "C" mm_err mm_gpu_attention_tcd(void *stream, const struct mm_attn_args *
     if (mode == 0 || (mode == 2 && a != NULL && a->n_rows > TCD_AUTO_ROWS))
         return MM_OK;
 #if TCD_HAVE
-    if (a == NULL || a->n_rows <= 0 || a->n_rows > TCD_MAX_ROWS || a->n_heads <= 0 ||
+    if (a == NULL || a->n_rows <= 0 || a->n_rows > TC_DECODE_ROWS || a->n_heads <= 0 ||
         a->kv.n_kv_heads <= 0 || a->n_heads % a->kv.n_kv_heads != 0 || a->kv.head_dim_k <= 0 ||
         a->kv.head_dim_v <= 0 || a->kv.head_dim_k > 128 || a->kv.head_dim_v > 128 ||
         a->kv.head_dim_k % 4 != 0 || a->kv.head_dim_v % 4 != 0)

@@ -1,0 +1,181 @@
+// SPDX-License-Identifier: MIT
+// The device helpers of the tensor-core attention contract (attention_tc.cu's head states the
+// contract), shared by its kernels in attention_tc.cu (attention_tc_kernel, attention_tc2_kernel)
+// and attention_tcd.cu (attention_tcd_kernel, decode calls), so each rounded operation and each
+// staging step has one source: the bf16 packing (tc_pack), ex2 (tc_ex2), the m16n8k16 mma and
+// the ldmatrix loads, the cache-table lookup of a key (tc_blk), the cp.async copies of a key's
+// K and V into its f32 stage row (tc_issue) and their conversion to bf16 rows (tc_convert).
+// Host side, for both files' launchers: the kernels' dynamic shared memory size
+// (tc_stage_shmem) and the once-per-device shared memory allowance (tc_allow_shmem). What stays
+// in the .cu files: the kernels, their per-block steps (tc_block, tc_block2, the split of
+// attention_tcd_kernel) and the launchers and switches.
+// CUDA only (mma.sync, ldmatrix, cp.async): the helpers exist when MM_GPU_HAVE_WMMA; the macros
+// below always (the host code uses them).
+#ifndef MM_GPU_ATTENTION_TC_CUH
+#define MM_GPU_ATTENTION_TC_CUH
+
+#include "gpu_common.cuh"
+#include "kernels.h"
+
+#define TC_KEYS 64        // the contract's key block
+#define TC_DECODE_ROWS 64 // calls of at most this many rows: one row per block
+#define TC_ERR_INDEX 1    // ops.cu's ERR_INDEX: the backend's device error word
+
+#if MM_GPU_HAVE_WMMA
+
+__device__ __forceinline__ void tc_flag(int *d_err) {
+    if (d_err != NULL)
+        atomicOr(d_err, TC_ERR_INDEX);
+}
+
+__device__ __forceinline__ void tc_cp16(void *dst, const void *src) {
+    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src) : "memory");
+}
+__device__ __forceinline__ void tc_commit(void) { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void tc_wait(void) { // all but the N newest groups
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// Two f32 -> packed bf16 (lo in the low half), round to nearest even (matmul.cu's pack_bf16).
+__device__ __forceinline__ uint32_t tc_pack(float lo, float hi) {
+    uint32_t r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+__device__ __forceinline__ float tc_ex2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// D += A (16x16 row) * B (16x8 col): a[0] row g k 2t.., a[1] row g+8, a[2]/a[3] the same rows
+// at k 2t+8..; b0 k 2t.. col g, b1 k 2t+8..; d[0..1] row g cols 2t, 2t+1, d[2..3] row g+8.
+__device__ __forceinline__ void tc_mma(float d[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Two 8x8 bf16 matrices; lanes 8i..8i+7 give the row addresses of matrix i (lanes 0..15).
+__device__ __forceinline__ void tc_ldsm2(uint32_t &r0, uint32_t &r1, const uint16_t *p) {
+    const unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
+                 : "=r"(r0), "=r"(r1)
+                 : "r"(a));
+}
+// Four 8x8 bf16 matrices; lanes 8i..8i+7 give the row addresses of matrix i.
+__device__ __forceinline__ void tc_ldsm4(uint32_t r[4], const uint16_t *p) {
+    const unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+__device__ __forceinline__ void tc_ldsm4t(uint32_t r[4], const uint16_t *p) {
+    const unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+
+// The cache block of key t of sequence seq when t is in [t_lo, t_hi] (flagged when the table
+// has none), else -1. Loaded one 64-key block ahead of its copies, so the table read's latency
+// is not on the issue path.
+__device__ __forceinline__ int32_t tc_blk(const struct mm_kv_view &kv, int32_t seq, int32_t t,
+                                          int32_t t_lo, int32_t t_hi, int *d_err) {
+    if (t < t_lo || t > t_hi)
+        return -1;
+    if (t < 0 || seq < 0 || t / kv.block_size >= kv.max_blocks) {
+        tc_flag(d_err);
+        return -1;
+    }
+    const int32_t blk = kv.block_tables[(int64_t)seq * kv.max_blocks + t / kv.block_size];
+    if (blk < 0)
+        tc_flag(d_err);
+    return blk < 0 ? -1 : blk;
+}
+
+// Issues the copies of key t (cache block blk, -1: none) into its stage row ([key][sw] f32,
+// sw = dk + dv + 4: K at 0, V at dk), then one commit group (empty when blk < 0): thread part
+// of the key's TPK threads takes every TPK-th float4. The same thread converts them
+// (tc_convert), so only its own copies need to have landed.
+template <int TPK>
+__device__ __forceinline__ void tc_issue(const struct mm_kv_view &kv, int32_t t, int32_t blk,
+                                         int64_t k_off, int64_t v_off, float *row, int part) {
+    const int dk = kv.head_dim_k, dv = kv.head_dim_v;
+    if (blk >= 0) {
+        const float *slot = kv.base + (int64_t)blk * kv.block_stride +
+                            (int64_t)(t % kv.block_size) * kv.slot_stride;
+        for (int i = part; i < dk / 4; i += TPK)
+            tc_cp16(row + 4 * i, slot + k_off + 4 * i);
+        for (int i = part; i < dv / 4; i += TPK)
+            tc_cp16(row + dk + 4 * i, slot + v_off + 4 * i);
+    }
+    tc_commit();
+}
+
+// This thread's float4s of its key's stage row as bf16 into the K row (dims padded to dkp with
+// zeros) and the V row (to dvp); zeros when the key was not staged (ok false). The K and V
+// halves stay written out: one helper called twice for them gives the same PTX but for
+// register numbering and one integer add's operand order, yet ptxas allocates registers
+// differently then (other SASS in 5 of the 14 kernels): not the measured kernels any more.
+template <int DKM, int DVM, int TPK>
+__device__ __forceinline__ void tc_convert(const float *row, bool ok, int dk, int dv, int dkp,
+                                           int dvp, uint16_t *krow, uint16_t *vrow, int part) {
+    float4 x[DKM / 4 / TPK];
+#pragma unroll
+    for (int j = 0; j < DKM / 4 / TPK; j++) {
+        const int i = part + TPK * j;
+        x[j] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (ok && 4 * i < dk)
+            x[j] = *(const float4 *)(row + 4 * i);
+    }
+#pragma unroll
+    for (int j = 0; j < DKM / 4 / TPK; j++) {
+        const int i = part + TPK * j;
+        if (4 * i < dkp)
+            *(uint2 *)(krow + 4 * i) = make_uint2(tc_pack(x[j].x, x[j].y), tc_pack(x[j].z, x[j].w));
+    }
+    float4 y[DVM / 4 / TPK];
+#pragma unroll
+    for (int j = 0; j < DVM / 4 / TPK; j++) {
+        const int i = part + TPK * j;
+        y[j] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (ok && 4 * i < dv)
+            y[j] = *(const float4 *)(row + dk + 4 * i);
+    }
+#pragma unroll
+    for (int j = 0; j < DVM / 4 / TPK; j++) {
+        const int i = part + TPK * j;
+        if (4 * i < dvp)
+            *(uint2 *)(vrow + 4 * i) = make_uint2(tc_pack(y[j].x, y[j].y), tc_pack(y[j].z, y[j].w));
+    }
+}
+
+// ---- host side -------------------------------------------------------------------------------
+// Dynamic shared memory of a contract kernel: nst f32 stages [TC_KEYS][dk + dv + 4], then nbuf
+// bf16 buffers of [TC_KEYS][dkp + 8] keys and [TC_KEYS][dvp + 8] values (dims padded to 16).
+static inline size_t tc_stage_shmem(int dk, int dv, int nst, int nbuf) {
+    const int dkp = (dk + 15) & ~15, dvp = (dv + 15) & ~15;
+    return nst * (size_t)TC_KEYS * (dk + dv + 4) * 4 +
+           nbuf * ((size_t)TC_KEYS * (dkp + 8) * 2 + (size_t)TC_KEYS * (dvp + 8) * 2);
+}
+
+// Allows kernel k max_shmem bytes of dynamic shared memory (> 48 KiB needs it) once per device
+// of this process: *attr_set (k's own) keeps which (harmlessly racy).
+template <typename K>
+static mm_err tc_allow_shmem(K k, uint64_t *attr_set, size_t max_shmem) {
+    int dev = 0;
+    MM_GPU_CHECK(cudaGetDevice(&dev));
+    if (!(*attr_set & (1ull << (dev & 63)))) {
+        MM_GPU_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          (int)max_shmem));
+        *attr_set |= 1ull << (dev & 63);
+    }
+    return MM_OK;
+}
+
+#endif // MM_GPU_HAVE_WMMA
+#endif // MM_GPU_ATTENTION_TC_CUH

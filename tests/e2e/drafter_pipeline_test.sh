@@ -38,13 +38,16 @@ start_drafter() {
 metric() { "$BIN/moemesh" status --router "$ROUTER" | grep -o "drafting:.*" | grep -o " $1=[0-9]*" | cut -d= -f2; }
 
 declare -A WANT
-CASES=(g1 gc s1 long)
+CASES=(g1 gc s1 long longc)
 args() {
     case $1 in
     g1) echo --ids $IDS --max-tokens 24 ;;
     gc) echo --ids $IDS --max-tokens 16 --concurrent 6 --all ;;
     s1) echo --ids $IDS --max-tokens 16 --concurrent 4 --all --temperature 0.9 --seed 7 ;;
-    long) echo --ids $IDS --max-tokens 480 ;; # near the fixture's 512 positions: still running when frozen
+    long) echo --ids $IDS --max-tokens 480 ;; # near the fixture's 512 positions
+    # the freeze's request: 3 seqs per step, so that it is still running when the first ahead
+    # hit shows in the router's metrics (~0.5 s of polling; one seq's 96 steps took ~0.6 s)
+    longc) echo --ids $IDS --max-tokens 480 --concurrent 3 --all ;;
     esac
 }
 check() { # CASE WHAT: output with --draft 4 equals the reference
@@ -77,7 +80,7 @@ echo "ok ahead proposals used: ahead_hits=$(metric ahead_hits) ahead_misses=$(me
 # --- the drafter stops answering (frozen) and is killed while an ahead request is in flight:
 # the step waiting for it gives up at its deadline, the request goes on without drafts.
 before=$(metric ahead_hits)
-mg $(args long) --draft 4 >"$RUN/long.out" 2>"$RUN/long.err" &
+mg $(args longc) --draft 4 >"$RUN/long.out" 2>"$RUN/long.err" &
 client=$!
 for _ in $(seq 1 300); do
     [ "$(metric ahead_hits)" -gt "$before" ] && break
@@ -89,7 +92,7 @@ sleep 0.3
 kill -0 $client 2>/dev/null || fail "the long request ended before the drafter could be killed"
 kill -KILL "$PID_d"
 wait $client || fail "the request failed after the drafter died: $(cat "$RUN/long.err")"
-[ "$(cat "$RUN/long.out")" == "${WANT[long]}" ] || fail "losing the drafter changed the output"
+[ "$(cat "$RUN/long.out")" == "${WANT[longc]}" ] || fail "losing the drafter changed the output"
 grep -q "ahead request: no answer within" "$RUN/router.log" ||
     fail "the router did not time out the ahead request in flight: $(grep drafter "$RUN/router.log" | tail -3)"
 echo "ok drafter frozen then killed with an ahead request in flight: output unchanged ($(cat "$RUN/long.err"))"

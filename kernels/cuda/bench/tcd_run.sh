@@ -36,7 +36,7 @@ B="$D/moemesh bench-model --model $M --device cuda:0 --bw-mb 64"
 s() { echo; echo "== $1 (t+$SECONDS s)"; }
 fenv() { case $1 in def) echo X=0 ;; old) echo MM_GPU_ATT_TCD=0 ;; all) echo MM_GPU_ATT_TCD=1 ;;
          f32) echo MM_GPU_ATT_TC=0 ;; tcd2) echo "MM_GPU_ATT_TCD=1 MM_GPU_ATT_TCD_STAGES=2" ;;
-         wide) echo "MM_GPU_ATT_TC=0 MM_GPU_ATT_WIDE=1" ;; old) echo MM_GPU_ATT_TCD=0 ;; esac; }
+         wide) echo "MM_GPU_ATT_TC=0 MM_GPU_ATT_WIDE=1" ;; esac; }
 date -u
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
 ( timeout 150 "$D/moemesh" synth --out "$M" --layers 4 > "$R/synth.txt" 2>&1; echo "rc=$?" >> "$R/synth.txt" ) &

@@ -516,11 +516,6 @@ static mm_err flush_free(struct ipc_conn *c) {
     return MM_OK;
 }
 
-// copy_d2d: rows between device pointers on the conn's stream
-static mm_err copy_d2d(struct ipc_conn *c, void *dst, const void *src, size_t n) {
-    return mm_gpu_memcpy_any(c->stream, dst, src, n);
-}
-
 static void nap_us(long us) {
     struct timespec ts = {.tv_sec = 0, .tv_nsec = us * 1000};
     nanosleep(&ts, NULL);
@@ -616,20 +611,16 @@ static mm_err ipc_sendv_dev(void *ctx, const mm_wire_hdr *hdr, const struct iove
                           d_iov[0].iov_base == (uint8_t *)c->tx_ring + c->rsv_pos;
     uint64_t pos = c->rsv_pos, end = c->rsv_end;
     c->rsv = false;
-    mm_err rv = MM_OK;
-    if (!in_place) {
+    if (in_place)
+        MM_TRY(SHM->status(c->shm)); // (tx_place's first check; the place is taken)
+    else
         MM_TRY(tx_place(c, n, deadline_ns, &pos, &end));
-        rv = mm_gpu_set_device(c->gpu);
-    } else {
-        mm_err f = SHM->status(c->shm);
-        if (f != MM_OK)
-            return f;
-        rv = mm_gpu_set_device(c->gpu);
-    }
+    mm_err rv = mm_gpu_set_device(c->gpu);
     uint64_t o = 0;
     mm_mesh_trace(hdr->step_id, (int)hdr->layer, "s_in");
-    for (int i = 0; i < n_iov && rv == MM_OK && !in_place; i++) {
-        rv = copy_d2d(c, (uint8_t *)c->tx_ring + pos + o, d_iov[i].iov_base, d_iov[i].iov_len);
+    for (int i = 0; i < (in_place ? 0 : n_iov) && rv == MM_OK; i++) {
+        rv = mm_gpu_memcpy_any(c->stream, (uint8_t *)c->tx_ring + pos + o, d_iov[i].iov_base,
+                               d_iov[i].iov_len);
         o += d_iov[i].iov_len;
     }
     mm_mesh_trace(hdr->step_id, (int)hdr->layer, "s_cp");
@@ -729,7 +720,7 @@ static mm_err recv_core(struct ipc_conn *c, mm_wire_hdr *hdr, void *buf, size_t 
         uint64_t o = 0;
         for (int i = 0; i < n_iov && o < n && rv == MM_OK; i++) {
             uint64_t take = d_iov[i].iov_len < n - o ? d_iov[i].iov_len : n - o;
-            rv = copy_d2d(c, d_iov[i].iov_base, src + o, (size_t)take);
+            rv = mm_gpu_memcpy_any(c->stream, d_iov[i].iov_base, src + o, (size_t)take);
             o += take;
         }
     }

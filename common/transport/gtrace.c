@@ -15,6 +15,7 @@
 extern mm_err mm_gpu_mesh_stamp(void *stream, uint64_t *h_slot) W;
 extern mm_err mm_gpu_host_pinned(void **p, size_t n_bytes) W;
 extern void mm_gpu_host_pinned_free(void *p) W;
+extern mm_err mm_gpu_backend_stream(void *backend_ctx, void **stream, int *dev) W;
 #undef W
 
 #define GT_SLOTS (1u << 16) // stamps in flight at most (a full ring drops new stamps)
@@ -83,6 +84,14 @@ bool mm_mesh_gtrace_open(const char *role, void *stream) {
     G.on = true;
     atexit(gtrace_exit);
     return true;
+}
+
+bool mm_mesh_gtrace_open_backend(const char *role, void *backend_ctx) {
+    void *stream = NULL;
+    int dev = 0;
+    if (!mm_gpu_backend_stream || mm_gpu_backend_stream(backend_ctx, &stream, &dev) != MM_OK)
+        return false;
+    return mm_mesh_gtrace_open(role, stream);
 }
 
 void mm_mesh_gstamp(uint64_t step, int layer, const char *tag) {

@@ -23,10 +23,6 @@ mm_opt attention_opts[] = {
     {0},
 };
 
-// GPU entry point (kernels/cuda/backend.cu), weak: NULL in a build without GPU support.
-extern mm_err mm_gpu_backend_stream(void *backend_ctx, void **stream, int *dev)
-    __attribute__((weak));
-
 struct seq_map {
     uint64_t seq_id;
     int32_t slot; // -1: free entry
@@ -289,12 +285,8 @@ mm_err attention_start(mm_daemon *d, void *arg, char err[MM_ERRLEN]) {
     snprintf(detail, sizeof(detail), "shard %lld of %lld, kv %d blocks", c->instance, s_shards,
              mm_kv_cache_blocks_total(A.kv));
     mm_mesh_trace_open("attention");
-    if (dev_frames && mm_gpu_backend_stream) { // MM_MESH_TRACE_GPU=1: GPU stamps
-        void *st = NULL;
-        int sd = 0;
-        if (mm_gpu_backend_stream(A.be->ctx, &st, &sd) == MM_OK)
-            mm_mesh_gtrace_open("attention", st);
-    }
+    if (dev_frames) // MM_MESH_TRACE_GPU=1: GPU stamps
+        mm_mesh_gtrace_open_backend("attention", A.be->ctx);
     mm_log_info("serving attention %s on %s", detail, c->data);
     mm_daemon_set_health(d, MMCTL__HEALTH__HEALTH_READY, detail);
     return MM_OK;

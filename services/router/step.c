@@ -559,12 +559,8 @@ mm_err mm_step_engine_open(mm_step_engine **out, const mm_step_conf *c, mm_regis
         e->owners[i] = (struct peer){.role = "expert", .what = "expert owner", .inst = i};
     pool_start(e);
     mm_mesh_trace_open("router");
-    if (e->dev && mm_gpu_backend_stream) { // MM_MESH_TRACE_GPU=1: GPU stamps of the stages
-        void *st = NULL;
-        int sd = 0;
-        if (mm_gpu_backend_stream(e->be->ctx, &st, &sd) == MM_OK)
-            mm_mesh_gtrace_open("router", st);
-    }
+    if (e->dev) // MM_MESH_TRACE_GPU=1: GPU stamps of the stages
+        mm_mesh_gtrace_open_backend("router", e->be->ctx);
     *out = e;
     return MM_OK;
 fail:

@@ -20,6 +20,9 @@
 // mm_mesh_gtrace_open: role names the file; stream is the backend's stream the stages run on.
 // Returns whether GPU stamps are on. Later calls return the first call's answer.
 bool mm_mesh_gtrace_open(const char *role, void *stream);
+// mm_mesh_gtrace_open_backend: mm_mesh_gtrace_open on the stream of the GPU backend whose ctx
+// is backend_ctx (mm_gpu_backend_stream); false, opening nothing, where there is none.
+bool mm_mesh_gtrace_open_backend(const char *role, void *backend_ctx);
 // mm_mesh_gstamp: a stamp (step, layer, tag) enqueued on the stream (tag: a string literal).
 void mm_mesh_gstamp(uint64_t step, int layer, const char *tag);
 // mm_mesh_gtrace_flush: writes the stamps the GPU has reached, in order (never waits).

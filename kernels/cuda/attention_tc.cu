@@ -734,16 +734,14 @@ static mm_err tc_launch_dims(void *stream, const struct mm_attn_args *a, int gsu
 
 static int tc_mode(void) {
     if (g_att_tc < 0) {
-        const char *e = getenv("MM_GPU_ATT_TC");
-        g_att_tc = !(e != NULL && strcmp(e, "0") == 0); // on unless MM_GPU_ATT_TC=0
+        g_att_tc = !tc_env_is("MM_GPU_ATT_TC", "0"); // on unless MM_GPU_ATT_TC=0
     }
     return g_att_tc;
 }
 
 static int tc_warps(void) {
     if (g_att_tc_warps < 0) {
-        const char *e = getenv("MM_GPU_ATT_TC_WARPS");
-        g_att_tc_warps = e != NULL && strcmp(e, "4") == 0 ? 4 : 8;
+        g_att_tc_warps = tc_env_is("MM_GPU_ATT_TC_WARPS", "4") ? 4 : 8;
     }
     return g_att_tc_warps;
 }
@@ -752,16 +750,14 @@ static int tc_warps(void) {
 // (attention_tc_kernel, MM_GPU_ATT_TC_MT=1). Same bits either way.
 static int tc_mt(void) {
     if (g_att_tc_mt < 0) {
-        const char *e = getenv("MM_GPU_ATT_TC_MT");
-        g_att_tc_mt = e != NULL && strcmp(e, "1") == 0 ? 1 : 2;
+        g_att_tc_mt = tc_env_is("MM_GPU_ATT_TC_MT", "1") ? 1 : 2;
     }
     return g_att_tc_mt;
 }
 
 static int tc_db(void) {
     if (g_att_tc_db < 0) {
-        const char *e = getenv("MM_GPU_ATT_TC_DB");
-        g_att_tc_db = !(e != NULL && strcmp(e, "0") == 0);
+        g_att_tc_db = !tc_env_is("MM_GPU_ATT_TC_DB", "0");
     }
     return g_att_tc_db;
 }

@@ -6,13 +6,17 @@
 // the ldmatrix loads, the cache-table lookup of a key (tc_blk), the cp.async copies of a key's
 // K and V into its f32 stage row (tc_issue) and their conversion to bf16 rows (tc_convert).
 // Host side, for both files' launchers: the kernels' dynamic shared memory size
-// (tc_stage_shmem) and the once-per-device shared memory allowance (tc_allow_shmem). What stays
+// (tc_stage_shmem), the once-per-device shared memory allowance (tc_allow_shmem) and the
+// environment test of the switches (tc_env_is). What stays
 // in the .cu files: the kernels, their per-block steps (tc_block, tc_block2, the split of
 // attention_tcd_kernel) and the launchers and switches.
 // CUDA only (mma.sync, ldmatrix, cp.async): the helpers exist when MM_GPU_HAVE_WMMA; the macros
 // below always (the host code uses them).
 #ifndef MM_GPU_ATTENTION_TC_CUH
 #define MM_GPU_ATTENTION_TC_CUH
+
+#include <stdlib.h>
+#include <string.h>
 
 #include "gpu_common.cuh"
 #include "kernels.h"
@@ -178,4 +182,12 @@ static mm_err tc_allow_shmem(K k, uint64_t *attr_set, size_t max_shmem) {
 }
 
 #endif // MM_GPU_HAVE_WMMA
+
+// Whether environment variable name is set to exactly val: for both files' switch readers
+// (tc_mode, tcd_mode, ...), each of which keeps its answer in its own static.
+static inline int tc_env_is(const char *name, const char *val) {
+    const char *e = getenv(name);
+    return e != NULL && strcmp(e, val) == 0;
+}
+
 #endif // MM_GPU_ATTENTION_TC_CUH

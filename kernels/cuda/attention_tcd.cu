@@ -295,8 +295,7 @@ static mm_err tcd_launch(void *stream, const struct mm_attn_args *a, int gsub, i
 // TCD_AUTO_ROWS rows
 static int tcd_mode(void) {
     if (g_tcd < 0) {
-        const char *e = getenv("MM_GPU_ATT_TCD");
-        g_tcd = e == NULL ? 2 : strcmp(e, "0") == 0 ? 0 : strcmp(e, "1") == 0 ? 1 : 2;
+        g_tcd = tc_env_is("MM_GPU_ATT_TCD", "0") ? 0 : tc_env_is("MM_GPU_ATT_TCD", "1") ? 1 : 2;
     }
     return g_tcd;
 }
@@ -304,8 +303,7 @@ static int tcd_mode(void) {
 // key blocks in flight: 1 (default: attention_tc_kernel's depth) or 2 (MM_GPU_ATT_TCD_STAGES=2)
 static int tcd_stages(void) {
     if (g_tcd_stages < 0) {
-        const char *e = getenv("MM_GPU_ATT_TCD_STAGES");
-        g_tcd_stages = e != NULL && strcmp(e, "2") == 0 ? 2 : 1;
+        g_tcd_stages = tc_env_is("MM_GPU_ATT_TCD_STAGES", "2") ? 2 : 1;
     }
     return g_tcd_stages;
 }

@@ -85,9 +85,10 @@ if ! skip synth; then
 fi
 
 if ! skip ops; then
-    section "GPU tests (cuda_ops_test, cuda_decode_ops_test, cuda_chain_ops_test, cuda_attention_tc_test, cuda_attention_tcd_test, cuda_prefill_rows_test, cuda_route_plan_test, model_devpath_test, cudaipc_test)"
+    GPU_TESTS="cuda_ops_test cuda_decode_ops_test cuda_chain_ops_test cuda_attention_tc_test cuda_attention_tcd_test cuda_prefill_rows_test cuda_route_plan_test model_devpath_test cudaipc_test"
+    section "GPU tests (${GPU_TESTS// /, })"
     pass=0; fail=0
-    for t in cuda_ops_test cuda_decode_ops_test cuda_chain_ops_test cuda_attention_tc_test cuda_attention_tcd_test cuda_prefill_rows_test cuda_route_plan_test model_devpath_test cudaipc_test; do
+    for t in $GPU_TESTS; do
         [ -x "$D/$t" ] || { echo "MISSING $t (stage again)"; fail=$((fail+1)); continue; }
         while IFS= read -r c; do
             timeout 90 "$D/$t" "$c" > "$OUT/case.txt" 2>&1; rc=$?

@@ -305,12 +305,7 @@ static int call_timeout_ms(const mm_daemon *d) {
 static void member_sleep(mm_daemon *d, long long ms) {
     struct timespec ts;
     clock_gettime(CLOCK_REALTIME, &ts);
-    ts.tv_sec += ms / 1000;
-    ts.tv_nsec += (ms % 1000) * 1000000;
-    if (ts.tv_nsec >= 1000000000) {
-        ts.tv_sec++;
-        ts.tv_nsec -= 1000000000;
-    }
+    ts = mm_timespec_add_ms(ts, ms);
     pthread_mutex_lock(&d->wait_mu);
     while (!atomic_load(&d->member_stop))
         if (pthread_cond_timedwait(&d->wait_cv, &d->wait_mu, &ts) == ETIMEDOUT)

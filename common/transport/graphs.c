@@ -6,28 +6,26 @@
 
 #include "mm/mesh_graph.h"
 
-static bool g_views;
-static pthread_once_t g_views_once = PTHREAD_ONCE_INIT;
+static bool g_views, g_inplace;
+static pthread_once_t g_once = PTHREAD_ONCE_INIT;
 
-static void views_read(void) {
-    const char *v = getenv("MM_MESH_VIEWS");
-    g_views = !(v && strcmp(v, "0") == 0);
+// env_on: whether the switch name is on (unless set to "0")
+static bool env_on(const char *name) {
+    const char *v = getenv(name);
+    return !(v && strcmp(v, "0") == 0);
+}
+
+static void env_read(void) {
+    g_views = env_on("MM_MESH_VIEWS");
+    g_inplace = g_views && env_on("MM_MESH_INPLACE"); // (in place needs views)
 }
 
 bool mm_mesh_views_env(void) {
-    pthread_once(&g_views_once, views_read);
+    pthread_once(&g_once, env_read);
     return g_views;
 }
 
-static pthread_once_t g_inplace_once = PTHREAD_ONCE_INIT;
-static bool g_inplace;
-
-static void inplace_read(void) {
-    const char *v = getenv("MM_MESH_INPLACE");
-    g_inplace = !(v && strcmp(v, "0") == 0);
-}
-
 bool mm_mesh_inplace_env(void) {
-    pthread_once(&g_inplace_once, inplace_read);
-    return g_inplace && mm_mesh_views_env();
+    pthread_once(&g_once, env_read);
+    return g_inplace;
 }

@@ -252,15 +252,15 @@ static bool dev_payload(const void *payload) {
     return O.d_x != NULL && (payload == (void *)O.d_x || mm_dataserv_on_dev(payload));
 }
 
-// on_plan: a plan frame (after its CTRL, or its shape in its header: MM_MODEL_PLAN_FLAG): x rows
-// (plan_rows of them), then this owner's share of
-// the router's plan as int32s: offs (n_experts + 1), src and dst (plan_slots each), all in
-// d_x. The experts run on the device straight from the plan (mm_model_experts_plan; slots
-// past offs[n_experts] are other owners' and left unspecified), and the reply is one output
-// row per slot, written straight into the reply's place in the router's ring where the link
-// gives one (mm_conn_reserve_dev: views and MM_MESH_INPLACE), else in d_out and copied by the
-// send. The plan is the router's (a member of the same mesh, identity
-// checked at join): its indices are not checked here (they never reach the host).
+// on_plan: a plan frame (after its CTRL, or its shape in its header: MM_MODEL_PLAN_FLAG): x
+// rows (plan_rows of them), then this owner's share of the router's plan as int32s: offs
+// (n_experts + 1), src and dst (plan_slots each), all in d_x. The experts run on the device
+// straight from the plan (mm_model_experts_plan; slots past offs[n_experts] are other owners'
+// and left unspecified), and the reply is one output row per slot, written straight into the
+// reply's place in the router's ring where the link gives one (mm_conn_reserve_dev: views and
+// MM_MESH_INPLACE), else in d_out and copied by the send. The plan is the router's (a member
+// of the same mesh, identity checked at join): its indices are not checked here (they never
+// reach the host).
 static mm_err on_plan(mm_conn *c, const mm_wire_hdr *h, void *payload) {
     const int64_t R = O.plan_rows, nk = O.plan_slots, D = O.d_model, E = O.n_experts;
     const int64_t P = mm_model_plan_rows(E, nk, D);

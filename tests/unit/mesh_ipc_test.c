@@ -396,10 +396,10 @@ static void test_eager_free(void) {
 
 // Frames of many sizes (wrap skips included) lap the 1 MiB ring 20+ times, taken as views (with
 // work on them) or copied out, sometimes two behind the sender (a send over unfreed bytes times
-// out and the receiver catches up, or, caught up, waits for input and so gives back its last). From the log: every sender copy into ring bytes read before
-// comes after a stream wait on the free event whose latest record before it follows the last
-// read of those bytes (what keeps the sender off bytes a receiver still reads), and the rows
-// arrive intact.
+// out and the receiver catches up, or, caught up, waits for input and so gives back its last).
+// From the log: every sender copy into ring bytes read before comes after a stream wait on the
+// free event whose latest record before it follows the last read of those bytes (what keeps
+// the sender off bytes a receiver still reads), and the rows arrive intact.
 static void test_ring_accounting(void) {
     mm_conn *cli = NULL, *srv = NULL;
     open_pair("acct", &cli, &srv);

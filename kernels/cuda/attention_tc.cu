@@ -822,10 +822,7 @@ extern "C" mm_err mm_gpu_attention_tc(void *stream, const struct mm_attn_args *a
     const bool two = tc_mt() == 2 && a->n_rows > TC_DECODE_ROWS; // prefill: two m16 tiles per warp
     const int nw = two ? TC2_WARPS : tc_warps(), units = nw * 16 * (two ? 2 : 1);
     const int group = a->n_heads / kv->n_kv_heads;
-    int gsub = 1;
-    for (int s = 1; s <= units && s <= group; s++)
-        if (group % s == 0)
-            gsub = s;
+    const int gsub = tc_group_sub(group, units);
     const int rows_pb = a->n_rows <= TC_DECODE_ROWS ? 1 : units / gsub;
     mm_err rv;
     if (two)

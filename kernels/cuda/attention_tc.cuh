@@ -183,6 +183,16 @@ static mm_err tc_allow_shmem(K k, uint64_t *attr_set, size_t max_shmem) {
 
 #endif // MM_GPU_HAVE_WMMA
 
+// The heads of a kv group that share a key block's load: the largest divisor of group that is
+// at most max (both launchers' gsub).
+static inline int tc_group_sub(int group, int max) {
+    int gsub = 1;
+    for (int s = 1; s <= max && s <= group; s++)
+        if (group % s == 0)
+            gsub = s;
+    return gsub;
+}
+
 // Whether environment variable name is set to exactly val: for both files' switch readers
 // (tc_mode, tcd_mode, ...), each of which keeps its answer in its own static.
 static inline int tc_env_is(const char *name, const char *val) {

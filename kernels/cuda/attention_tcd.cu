@@ -338,10 +338,7 @@ extern "C" mm_err mm_gpu_attention_tcd(void *stream, const struct mm_attn_args *
         a->kv.head_dim_k % 4 != 0 || a->kv.head_dim_v % 4 != 0)
         return MM_OK;
     const int group = a->n_heads / a->kv.n_kv_heads;
-    int gsub = 1;
-    for (int s = 1; s <= 16 && s <= group; s++)
-        if (group % s == 0)
-            gsub = s;
+    const int gsub = tc_group_sub(group, 16);
     const bool small = a->kv.head_dim_k <= 64 && a->kv.head_dim_v <= 64;
     mm_err rv;
     rv = tcd_stages() == 1 ? (small ? tcd_launch<64, 64, 1>(stream, a, gsub, d_err)

@@ -6,8 +6,9 @@
 // the ldmatrix loads, the cache-table lookup of a key (tc_blk), the cp.async copies of a key's
 // K and V into its f32 stage row (tc_issue) and their conversion to bf16 rows (tc_convert).
 // Host side, for both files' launchers: the kernels' dynamic shared memory size
-// (tc_stage_shmem), the once-per-device shared memory allowance (tc_allow_shmem) and the
-// environment test of the switches (tc_env_is). What stays
+// (tc_stage_shmem), the once-per-device shared memory allowance (tc_allow_shmem), the heads
+// sharing a key block's load (tc_group_sub) and the environment test of the switches
+// (tc_env_is). What stays
 // in the .cu files: the kernels, their per-block steps (tc_block, tc_block2, the split of
 // attention_tcd_kernel) and the launchers and switches.
 // CUDA only (mma.sync, ldmatrix, cp.async): the helpers exist when MM_GPU_HAVE_WMMA; the macros

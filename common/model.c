@@ -1229,6 +1229,14 @@ static mm_err experts_plan(const mm_model *m, mm_model_scratch *s, const struct 
     const float *gp = s->g, *up = s->g + F; // SwiGLU's inputs and their row stride
     int64_t gus = 2 * F;
     mm_err rv = MM_EUNSUPP;
+    // both products in one call where the backend takes it (moe_ffn_rows: SwiGLU in [gate; up]'s
+    // epilogue, no f32 intermediate); the same bits as the calls below
+    if (L->gu_fused && dg == dd && OPS->moe_ffn_rows) {
+        rv = OPS->moe_ffn_rows(CTX, (const void *const *)L->egu_tab, (const void *const *)L->ed_tab,
+                               dg, F, D, E, offs, x, D, src, out, D, dst, nk);
+        if (rv != MM_EUNSUPP)
+            return rv;
+    }
     if (L->gu_fused && OPS->moe_matmul_rows)
         rv = OPS->moe_matmul_rows(CTX, (const void *const *)L->egu_tab, dg, 2 * F, D, E, offs,
                                   x, D, src, NULL, s->g, 2 * F, NULL, nk);

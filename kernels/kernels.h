@@ -300,6 +300,17 @@ struct mm_backend_ops {
                               const float *x, int64_t x_stride, const int32_t *x_idx,
                               const float *x_up, float *y, int64_t y_stride,
                               const int32_t *y_idx, int64_t n_rows);
+    // moe_ffn_rows (optional; NULL or MM_EUNSUPP: moe_matmul_rows of [gate; up] into a buffer,
+    // then moe_matmul_rows of down with x_up): a MoE layer's routed SwiGLU experts: sorted row p
+    // (offs as moe_matmul_dev) reads x row x_idx[p] (NULL: p), h = [gate; up] of its expert
+    // (experts_gu: (2 * d_ff, d_model) matrices, gate rows first), y row y_idx[p] (NULL: p) =
+    // down (experts_down: (d_model, d_ff)) times swiglu(h[:d_ff], h[d_ff:]). The bits of the
+    // two calls. May return MM_EUNSUPP having issued nothing (shapes it does not take).
+    mm_err (*moe_ffn_rows)(void *ctx, const void *const *experts_gu,
+                           const void *const *experts_down, enum mm_dtype dtype, int64_t d_ff,
+                           int64_t d_model, int n_experts, const int32_t *offs, const float *x,
+                           int64_t x_stride, const int32_t *x_idx, float *y, int64_t y_stride,
+                           const int32_t *y_idx, int64_t n_rows);
     // add_rmsnorm (optional; NULL: axpy with alpha NULL, then rmsnorm): for i < n_rows,
     // h[i, :] += a[i, :] (axpy's one add), then y[i, :] = rmsnorm(w, eps, h[i, :]) with
     // exactly rmsnorm's bits; dim = w->cols. The residual add and the next norm in one pass.

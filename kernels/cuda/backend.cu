@@ -794,6 +794,29 @@ static mm_err gpu_moe_matmul_rows(void *ctx, const void *const *experts, enum mm
     return rv;
 }
 
+static mm_err gpu_moe_ffn_rows(void *ctx, const void *const *experts_gu,
+                               const void *const *experts_down, enum mm_dtype dtype, int64_t d_ff,
+                               int64_t d_model, int n_experts, const int32_t *offs, const float *x,
+                               int64_t x_stride, const int32_t *x_idx, float *y, int64_t y_stride,
+                               const int32_t *y_idx, int64_t n_rows) {
+    CTX(ctx);
+    if (!moe_args_ok(experts_gu, dtype, 2 * d_ff, d_model, offs, n_rows) || experts_down == NULL ||
+        d_ff >= INT32_MAX / 2)
+        return MM_EINVAL;
+    if (n_rows == 0)
+        return MM_OK;
+    ON_DEVICE();
+    char nm[OT_NAME];
+    ot_begin(g);
+    const mm_err rv = mm_gpu_moe_ffn_rows(g->stream, dtype, experts_gu, experts_down, offs,
+                                          n_experts, (int)d_ff, (int)d_model, x, x_stride, x_idx,
+                                          y, y_stride, y_idx, (int)n_rows);
+    if (rv == MM_EUNSUPP) // nothing issued: the caller runs the two products
+        return rv;
+    ot_end(g, g->ot ? shape_name(nm, "moe_ffn_rows", d_ff, d_model) : "");
+    return rv;
+}
+
 static mm_err gpu_head_norm_rope_kv(void *ctx, float *x, int64_t n_rows, int64_t stride,
                                     int n_a, int n_b, int64_t b_off, int head_dim,
                                     const mm_weight *wa, const mm_weight *wb, float eps,
@@ -878,6 +901,7 @@ static const struct mm_backend_ops gpu_ops = {
     .combine = gpu_combine,
     .head_norm_rope = gpu_head_norm_rope,
     .moe_matmul_rows = gpu_moe_matmul_rows,
+    .moe_ffn_rows = gpu_moe_ffn_rows,
     .add_rmsnorm = gpu_add_rmsnorm,
     .head_norm_rope_kv = gpu_head_norm_rope_kv,
     .route_with_plan = gpu_route_with_plan,
@@ -952,6 +976,7 @@ extern "C" mm_err mm_cuda_backend_open(mm_backend *be, const mm_backend_params *
     mm_gpu_set_gemv_version(g->old_kernels ? 1 : 2);
     if (no_fusions) { // the model falls back to the separate ops these stand for
         g->ops_table.moe_matmul_rows = NULL;
+        g->ops_table.moe_ffn_rows = NULL;
         g->ops_table.add_rmsnorm = NULL;
     }
     const char *oc = getenv("MM_GPU_OLD_CHAIN"); // A/B of the per-layer chain fusions alone

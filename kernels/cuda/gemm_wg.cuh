@@ -50,6 +50,7 @@ struct mm_wg_args {
     float *y;
     int64_t y_stride;
     const int32_t *y_idx; // gemm_ws only: row p of the product writes y row y_idx[p] (NULL: p)
+    uint16_t *xo;         // gemm_ws WS_OPT_SWIGLU only: down's x workspace (y unused)
 };
 
 // Position of physical k (inside its 32-chunk) in the operand order: 8t + 4s + 2h + e -> 16s +

@@ -360,8 +360,12 @@ __global__ void __launch_bounds__(WP_THREADS, 1) gemm_wp_kernel(mm_wg_args a, co
 // elements, its 16-byte pieces at c ^ (r & 7), slots permuted per 32-chunk, zeros past n_in.
 // Grouped (wg != NULL): expert blockIdx.y's matrix wg[e] into wb + e * n_out * ldx; experts
 // without rows (offs; NULL: all have) or without a matrix are skipped (their tiles never run).
+// ilv (a [gate; up] matrix, n_out % 16 == 0, for WS_OPT_SWIGLU): output row r = 16b + 8h + g
+// is source row h * n_out / 2 + 8b + g (gate and up of feature 8b + g in one 16-row group);
+// each row's bytes are those of its source row.
 __global__ void wg_convert_w_kernel(const uint16_t *w, int n_out, int n_in, uint16_t *wb, int64_t ldx,
-                                    const void *const *wg = NULL, const int32_t *offs = NULL) {
+                                    const void *const *wg = NULL, const int32_t *offs = NULL,
+                                    int ilv = 0) {
     if (wg != NULL) {
         const int e = blockIdx.y;
         w = (const uint16_t *)wg[e];
@@ -374,7 +378,8 @@ __global__ void wg_convert_w_kernel(const uint16_t *w, int n_out, int n_in, uint
          i += (int64_t)gridDim.x * blockDim.x) {
         const int64_t r = i / per_row;
         const int q = (int)(i % per_row), c = q >> 2, s = (q >> 1) & 1, h = q & 1;
-        const uint16_t *wr = w + r * n_in;
+        const int64_t src = ilv ? ((r >> 3) & 1) * (n_out / 2) + 8 * (r >> 4) + (r & 7) : r;
+        const uint16_t *wr = w + src * n_in;
         uint32_t v[4];
 #pragma unroll
         for (int t = 0; t < 4; t++) { // n_in even, W 4-byte aligned: k < n_in means k + 1 < n_in
@@ -441,10 +446,14 @@ __host__ __device__ constexpr int ws_stage_bytes(int bn) { return 128 * 128 + bn
 #define WS_OUT_LD 132
 #define WS_OUT_BYTES (128 * WS_OUT_LD * 4)
 #define WS_OPT_STAGE 8
+#define WS_OPT_SWIGLU 16
+// WS_OPT_SWIGLU's output tile: 128 token rows of 64 bf16 values, one k block of down's x
+// workspace (128 bytes per row, in the workspace's slot order and swizzle)
+#define WS_GLU_BYTES (128 * 128)
 __host__ __device__ constexpr int ws_smem_bytes(int bn, int st, int opt = 0) {
     // + alignment slack + the ring's barriers + WS_OPT_PTILE's barriers and records
     return st * ws_stage_bytes(bn) + 1024 + 2 * st * 8 + WS_TSLOTS * (8 + 16) +
-           ((opt & WS_OPT_STAGE) ? WS_OUT_BYTES : 0);
+           ((opt & WS_OPT_STAGE) ? WS_OUT_BYTES : (opt & WS_OPT_SWIGLU) ? WS_GLU_BYTES : 0);
 }
 #define WS_THREADS 384
 
@@ -482,6 +491,22 @@ __host__ __device__ constexpr int ws_smem_bytes(int bn, int st, int opt = 0) {
 // threads that issued copies wait until those have read it (bulk wait_group.read), then a
 // named barrier (2) of the 256 consumer threads; the writes are made visible to the copies by
 // fence.proxy.async and the same barrier. The same values: the same bits.
+// WS_OPT_SWIGLU (grouped, not with STAGE; the MoE layer's [gate; up] product,
+// mm_gpu_moe_ffn_rows): W is the interleaved [gate; up] copy (wg_convert_w_kernel's ilv: tile
+// row 16b + 8h + g of output tile T is gate (h = 0) or up (h = 1) of feature 64T + 8b + g), so
+// a consumer thread holds gate and up of one feature for its 32 tokens (tot[4j + c] and
+// tot[4j + 2 + c]: the same f32 sums the plain product stores, as only which tile computes an
+// output changed, not its k order). The epilogue applies mv2_swiglu (swiglu_kernel's
+// expression, as wg_convert_rows_kernel does with x_up) and rounds pairs of features by
+// pack_bf16 (the lane holding feature g ^ 1 swaps one value by shuffle), writing the 32-bit
+// words into a shared-memory tile laid out as down's x workspace (k block T = features 64T ..
+// 64T + 63, 128 bytes per row, slots permuted per 32-chunk, 16-byte pieces at q ^ (row & 7):
+// the tile's rows start at their expert's first row + a multiple of 128, so row & 7 is the
+// swizzle relative to the expert's first row); features >= n_out / 2 are zeros (the
+// conversion's zeros past n_in). Then one consumer thread stores the tile's mlen rows with one
+// bulk copy to a.xo + (T * n_rows + m0) * 64: the bytes wg_convert_rows_kernel writes from the
+// stored f32 [gate; up] with x_up. Before the tile is written again the copy has read it
+// (bulk wait_group.read by the issuing thread, then named barrier 2 of the 256 consumers).
 #define WS_OPT_IDX 1
 #define WS_OPT_TAILN 2
 #define WS_OPT_PTILE 4
@@ -491,13 +516,16 @@ __global__ void __launch_bounds__(WS_THREADS, 1) gemm_ws_kernel(mm_wg_args a, co
     static_assert((OPT & WS_OPT_TAILN) == 0 || (DUAL && BN == 128), "TAILN: two accumulators, 128 tokens");
     static_assert((OPT & WS_OPT_PTILE) == 0 || (GROUPED && ST < WS_TSLOTS), "PTILE: grouped");
     static_assert((OPT & WS_OPT_STAGE) == 0 || BN == 128, "STAGE: 128 tokens");
+    static_assert((OPT & WS_OPT_SWIGLU) == 0 || (GROUPED && BN == 128 && (OPT & WS_OPT_STAGE) == 0),
+                  "SWIGLU: grouped, 128 tokens, not STAGE");
     constexpr bool PTILE = (OPT & WS_OPT_PTILE) != 0, STAGE = (OPT & WS_OPT_STAGE) != 0;
+    constexpr bool GLU = (OPT & WS_OPT_SWIGLU) != 0;
     extern __shared__ __align__(1024) unsigned char ws_smem_raw[];
     constexpr int SB = ws_stage_bytes(BN), WB = 128 * 128, NA = BN / 2;
     const uint32_t raw = (uint32_t)__cvta_generic_to_shared(ws_smem_raw);
     const uint32_t sbase = (raw + 1023u) & ~1023u;
-    const uint32_t obuf = sbase + ST * SB; // STAGE: the output tile
-    const uint32_t full0 = obuf + (STAGE ? WS_OUT_BYTES : 0), empty0 = full0 + 8 * ST;
+    const uint32_t obuf = sbase + ST * SB; // STAGE, SWIGLU: the output tile
+    const uint32_t full0 = obuf + (STAGE ? WS_OUT_BYTES : GLU ? WS_GLU_BYTES : 0), empty0 = full0 + 8 * ST;
     const uint32_t tbar0 = empty0 + 8 * ST, trec0 = tbar0 + 8 * WS_TSLOTS; // PTILE (16-byte aligned)
     const int tiles_n = (a.n_out + 127) / 128;
     const int tiles_y = GROUPED ? a.n_rows / BN + min(a.n_experts, a.n_rows) : (a.n_rows + BN - 1) / BN;
@@ -712,6 +740,41 @@ __global__ void __launch_bounds__(WS_THREADS, 1) gemm_ws_kernel(mm_wg_args a, co
             constexpr int NB = decltype(nbc)::value;
             const int g = lane >> 2, t = lane & 3;
             const int orow = n0 + 64 * wgi + 16 * (warp & 3) + g;
+            if constexpr (GLU) {
+                if (copies) // thread 0: the last tile's copy has read the tile
+                    asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+                asm volatile("bar.sync 2, 256;\n" ::: "memory");
+                const int b = 4 * wgi + (warp & 3);  // 8-feature block of the tile
+                const int fl = 8 * b + g;             // this thread's feature in the tile
+                const bool live = n0 / 2 + fl < a.n_out / 2;
+                const bool odd = (g & 1) != 0;
+                // word (features fl & ~1, fl | 1) of a row: 32-chunk b >> 2, piece 4(b >> 2) +
+                // (g >> 1) before the swizzle, word b & 3 in the piece
+                const int ql = 4 * (b >> 2) + (g >> 1);
+#pragma unroll
+                for (int j = 0; j < NB / 8; j++) {
+                    float v[2];
+#pragma unroll
+                    for (int c = 0; c < 2; c++)
+                        v[c] = live ? mv2_swiglu(tot[4 * j + c], tot[4 * j + 2 + c]) : 0.0f;
+                    // even g keeps token 8j + 2t, odd g token 8j + 2t + 1
+                    const float o = __shfl_xor_sync(0xffffffffu, odd ? v[0] : v[1], 4);
+                    const uint32_t wd = odd ? pack_bf16(o, v[1]) : pack_bf16(v[0], o);
+                    const int tok = 8 * j + 2 * t + (odd ? 1 : 0);
+                    const uint32_t ad = obuf + (uint32_t)(tok * 128 + 16 * (ql ^ (tok & 7)) + 4 * (b & 3));
+                    asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(ad), "r"(wd) : "memory");
+                }
+                asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+                asm volatile("bar.sync 2, 256;\n" ::: "memory");
+                if (threadIdx.x == 0) {
+                    const uint16_t *dst = a.xo + ((size_t)(n0 / 128) * a.n_rows + m0) * 64;
+                    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n"
+                                 ::"l"(dst), "r"(obuf), "r"((uint32_t)mlen * 128u) : "memory");
+                    asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+                    copies = true;
+                }
+                return;
+            }
             if constexpr (STAGE) {
                 if (staged) {
                     if (copies) // the last tile's copies have read the tile

@@ -1293,6 +1293,7 @@ struct wperm_entry {
     const void *w;          // dense: W; grouped: the device table (a.wg)
     int n_out, n_in;
     int n_experts;          // 0: dense
+    int ilv;                // grouped: wg_convert_w_kernel's interleaved [gate; up] rows
     uintptr_t *ex;          // grouped: the table's expert pointers (host copy, owned)
     size_t bytes;           // of the copy
     uint16_t *wb;           // owned (cudaMalloc); grouped: expert e at e * n_out * ldx
@@ -1346,8 +1347,9 @@ static void wperm_drop(int i) { // lock held
 
 // The cached permuted copy of a's W (dense: W; grouped: every expert of a.wg; ldx per row),
 // building it on stream st when it is not there and fits the bound; NULL: not cached (the
-// caller permutes into its workspace).
-static const uint16_t *wperm_get(cudaStream_t st, const mm_mat_args &a, int64_t ldx) {
+// caller permutes into its workspace). ilv (grouped): the interleaved [gate; up] copy
+// (WS_OPT_SWIGLU), an entry of its own beside the plain copy of the same table.
+static const uint16_t *wperm_get(cudaStream_t st, const mm_mat_args &a, int64_t ldx, int ilv = 0) {
     int dev = 0;
     if (cudaGetDevice(&dev) != cudaSuccess) {
         (void)cudaGetLastError();
@@ -1363,7 +1365,8 @@ static const uint16_t *wperm_get(cudaStream_t st, const mm_mat_args &a, int64_t 
         vol |= g_wp_vol[i] == key;
     for (int i = 0; i < g_wp_n; i++) {
         wperm_entry &e = g_wp[i];
-        if (e.dev == dev && e.w == key && e.n_experts == ne && e.n_out == a.n_out && e.n_in == a.n_in) {
+        if (e.dev == dev && e.w == key && e.n_experts == ne && e.n_out == a.n_out && e.n_in == a.n_in &&
+            e.ilv == ilv) {
             if (e.st != st && cudaStreamWaitEvent(st, e.ev, 0) != cudaSuccess) {
                 (void)cudaGetLastError();
                 break; // not known to be written for this stream: do not use it
@@ -1382,7 +1385,7 @@ static const uint16_t *wperm_get(cudaStream_t st, const mm_mat_args &a, int64_t 
         room = n != NULL;
     }
     if (room) {
-        wperm_entry e = {dev, key, a.n_out, a.n_in, ne, NULL, bytes, NULL, NULL, st};
+        wperm_entry e = {dev, key, a.n_out, a.n_in, ne, ilv, NULL, bytes, NULL, NULL, st};
         if (grouped) { // the experts the copy stands for (once per table: a stream drain)
             e.ex = (uintptr_t *)malloc((size_t)ne * sizeof(uintptr_t));
             if (e.ex == NULL ||
@@ -1409,7 +1412,7 @@ static const uint16_t *wperm_get(cudaStream_t st, const mm_mat_args &a, int64_t 
             if (grouped) { // every expert of the table, rows or not
                 const int64_t per = (132 * 16 + ne - 1) / ne;
                 wg_convert_w_kernel<<<dim3((unsigned)(wcb < per ? wcb : per), (unsigned)ne), 256, 0, st>>>(
-                    NULL, a.n_out, a.n_in, e.wb, ldx, a.wg, NULL);
+                    NULL, a.n_out, a.n_in, e.wb, ldx, a.wg, NULL, ilv);
             } else {
                 wg_convert_w_kernel<<<(unsigned)(wcb < 132 * 16 ? wcb : 132 * 16), 256, 0, st>>>(
                     (const uint16_t *)a.w0, a.n_out, a.n_in, e.wb, ldx);
@@ -1737,6 +1740,133 @@ static mm_err launch_wg(cudaStream_t st, const mm_mat_args &a, bool *ran) {
         *ran = true;
     return rv;
 }
+
+// ---- the MoE layer's expert FFN in two products, SwiGLU in [gate; up]'s epilogue -----------------
+// MM_GPU_PF_SWIGLU_EPI (read once; mm_gpu_set_pf_swiglu_epi): 1 (default) lets
+// mm_gpu_moe_ffn_rows run a prefill MoE layer's routed experts as [gate; up] on gemm_ws with
+// WS_OPT_SWIGLU (W interleaved so a tile holds gate and up of 64 features; the epilogue applies
+// SwiGLU and writes down's bf16 x workspace directly) and down on gemm_ws reading that
+// workspace, so the f32 [gate; up] output (201 MB per layer at 4K tokens of Qwen3-30B-A3B) and
+// the conversion pass that read it back are gone; 0: MM_EUNSUPP (the model runs the two
+// mm_gpu_moe_matmul_rows calls). The same bits either way.
+static int g_pf_glu = -1; // -1: not read yet
+
+static bool pf_glu(void) {
+    if (g_pf_glu < 0) {
+        const char *e = getenv("MM_GPU_PF_SWIGLU_EPI");
+        g_pf_glu = e && strcmp(e, "0") == 0 ? 0 : 1;
+    }
+    return g_pf_glu > 0;
+}
+
+// The gemm_ws grouped variant launch_wg<true> resolves for a (19-23, 25), or below 19 (gemm_wg).
+static int ws_grouped_var(const mm_mat_args &a, int64_t ldx) {
+    int var = g_wg_tile ? g_wg_tile : ws_auto_grouped(a, ldx);
+    if (var >= 8 && var <= 10)
+        var = 4;
+    var = var == 13 || var == 19 ? 19 : var == 14 ? 20 : var >= 20 ? var : var >= 8 ? 2 : var;
+    if (var == 27)
+        var = (a.n_in + 63) / 64 <= WS_STAGE_MAX_K ? 25 : 23;
+    return var;
+}
+
+// launch_wg's grouped gemm_ws launches (var from ws_grouped_var, >= 19).
+static mm_err launch_ws_grouped(int var, cudaStream_t st, const mm_wg_args &w, const uint16_t *wb,
+                                uint64_t bit) {
+    switch (var) {
+    case 19: return launch_ws_kernel<128, 6, true, false, false, true>(st, w, wb, bit);
+    case 20: return launch_ws_kernel<128, 6, true, true, false, true>(st, w, wb, bit);
+    case 21: return launch_ws_kernel<128, 6, true, true, false, true, WS_OPT_IDX>(st, w, wb, bit);
+    case 22: return launch_ws_kernel<128, 6, true, true, false, true, WS_OPT_IDX | WS_OPT_TAILN>(st, w, wb, bit);
+    case 23:
+        return launch_ws_kernel<128, 6, true, true, false, true, WS_OPT_IDX | WS_OPT_TAILN | WS_OPT_PTILE>(
+            st, w, wb, bit);
+    default:
+        return launch_ws_kernel<128, 4, true, true, false, true,
+                                WS_OPT_IDX | WS_OPT_TAILN | WS_OPT_PTILE | WS_OPT_STAGE>(st, w, wb, bit);
+    }
+}
+
+// gu: the [gate; up] product's arguments (x, x_idx, offs, n_rows; n_out = 2F, F % 8 == 0);
+// wd: down's expert table (D x F); down's output row p goes to y row y_idx[p]. *ran false with
+// MM_OK: nothing issued but permuted-W cache builds (capturing stream, no workspace, a
+// product gemm_ws would not take): the caller runs the two products.
+static mm_err launch_ffn(cudaStream_t st, const mm_mat_args &gu, const void *const *wd, float *y,
+                         int64_t y_stride, const int32_t *y_idx, bool *ran) {
+    static uint64_t pool_set;
+    *ran = false;
+    cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(st, &cs) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return MM_OK;
+    }
+    if (cs != cudaStreamCaptureStatusNone)
+        return MM_OK;
+    int dev = 0;
+    MM_GPU_CHECK(cudaGetDevice(&dev));
+    const uint64_t bit = 1ull << (dev & 63);
+    if (!(pool_set & bit)) { // as launch_wg
+        cudaMemPool_t pool;
+        MM_GPU_CHECK(cudaDeviceGetDefaultMemPool(&pool, dev));
+        uint64_t keep = 1024ull << 20;
+        MM_GPU_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
+        pool_set |= bit;
+    }
+    const int F = gu.n_out / 2, D = gu.n_in, E = gu.n_experts;
+    const int64_t ldg = (D + WG_LDX - 1) / WG_LDX * WG_LDX, ldd = (F + WG_LDX - 1) / WG_LDX * WG_LDX;
+    mm_mat_args dn = {NULL, F, NULL, wd, gu.offs, E, gu.n_rows, F, D, NULL, y, y_stride,
+                      0, NULL, y_idx, NULL};
+    if (ws_grouped_var(gu, ldg) < 19 || ws_grouped_var(dn, ldd) < 19)
+        return MM_OK;
+    const int vd = ws_grouped_var(dn, ldd);
+    const uint16_t *wgc = wperm_get(st, gu, ldg, 1), *wdc = wperm_get(st, dn, ldd);
+    const size_t xg = (size_t)gu.n_rows * (size_t)ldg * 2, xd = (size_t)gu.n_rows * (size_t)ldd * 2;
+    const size_t wgb = wgc ? 0 : (size_t)E * (size_t)gu.n_out * (size_t)ldg * 2;
+    const size_t wdb = wdc ? 0 : (size_t)E * (size_t)D * (size_t)ldd * 2;
+    char *ws = NULL;
+    if (cudaMallocAsync((void **)&ws, xg + xd + wgb + wdb, st) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return MM_OK;
+    }
+    uint16_t *xgu = (uint16_t *)ws, *xdn = (uint16_t *)(ws + xg);
+    const uint16_t *wbg = wgc ? wgc : (const uint16_t *)(ws + xg + xd);
+    const uint16_t *wbd = wdc ? wdc : (const uint16_t *)(ws + xg + xd + wgb);
+    { // [gate; up]'s x: the routed rows, as launch_wg converts them
+        const int64_t rb = ((int64_t)gu.n_rows + 7) / 8;
+        const unsigned rblocks = (unsigned)(rb < 132 * 16 ? rb : 132 * 16);
+        if (((uintptr_t)gu.x & 7) == 0 && gu.x_stride % 2 == 0)
+            wg_convert_rows_kernel<true><<<rblocks, 256, 0, st>>>(gu.x, gu.x_stride, gu.x_idx, NULL, gu.n_rows,
+                                                                  D, xgu, ldg, gu.offs, E);
+        else
+            wg_convert_rows_kernel<false><<<rblocks, 256, 0, st>>>(gu.x, gu.x_stride, gu.x_idx, NULL, gu.n_rows,
+                                                                   D, xgu, ldg, gu.offs, E);
+        MM_GPU_CHECK(cudaGetLastError());
+    }
+    const int64_t per = (132 * 16 + E - 1) / E;
+    if (wgc == NULL) { // every expert with rows, as launch_wg, interleaved
+        const int64_t wcb = ((int64_t)gu.n_out * (ldg / 8) + 255) / 256;
+        wg_convert_w_kernel<<<dim3((unsigned)(wcb < per ? wcb : per), (unsigned)E), 256, 0, st>>>(
+            NULL, gu.n_out, D, (uint16_t *)wbg, ldg, gu.wg, gu.offs, 1);
+        MM_GPU_CHECK(cudaGetLastError());
+    }
+    if (wdc == NULL) {
+        const int64_t wcb = ((int64_t)D * (ldd / 8) + 255) / 256;
+        wg_convert_w_kernel<<<dim3((unsigned)(wcb < per ? wcb : per), (unsigned)E), 256, 0, st>>>(
+            NULL, D, F, (uint16_t *)wbd, ldd, wd, gu.offs);
+        MM_GPU_CHECK(cudaGetLastError());
+    }
+    mm_wg_args wg = {xgu, ldg, NULL, gu.wg, gu.offs, E, gu.n_rows, D, gu.n_out, NULL, NULL, 0, NULL, xdn};
+    mm_err rv = launch_ws_kernel<128, 6, true, true, false, true,
+                                 WS_OPT_IDX | WS_OPT_TAILN | WS_OPT_PTILE | WS_OPT_SWIGLU>(st, wg, wbg, bit);
+    if (rv == MM_OK) {
+        mm_wg_args w = {xdn, ldd, NULL, wd, gu.offs, E, gu.n_rows, F, D, NULL, y, y_stride, y_idx, NULL};
+        rv = launch_ws_grouped(vd, st, w, wbd, bit);
+    }
+    MM_GPU_CHECK(cudaFreeAsync(ws, st));
+    if (rv == MM_OK)
+        *ran = true;
+    return rv;
+}
 #endif
 
 #if MM_GPU_HAVE_WMMA
@@ -2032,6 +2162,48 @@ extern "C" mm_err mm_gpu_moe_matmul_rows(void *stream, int dtype, const void *co
 #else
     (void)d_x_idx, (void)d_y_idx, (void)d_x_up;
     return MM_EUNSUPP;
+#endif
+}
+
+extern "C" mm_err mm_gpu_moe_ffn_rows(void *stream, int dtype, const void *const *d_wgu,
+                                      const void *const *d_wd, const int32_t *d_offs, int n_experts,
+                                      int d_ff, int d_model, const float *d_x, int64_t x_stride,
+                                      const int32_t *d_x_idx, float *d_y, int64_t y_stride,
+                                      const int32_t *d_y_idx, int n_rows) {
+    if (d_wgu == NULL || d_wd == NULL || d_offs == NULL || n_experts <= 0 || d_x == NULL ||
+        d_y == NULL || n_rows < 0 || d_ff <= 0 || d_ff > INT32_MAX / 2 || d_model <= 0 ||
+        !dtype_ok(dtype) || x_stride < d_model || y_stride < d_model) {
+        mm_log_error("gpu: moe_ffn_rows: bad arguments (dtype=%d n_experts=%d n_rows=%d d_ff=%d "
+                     "d_model=%d)", dtype, n_experts, n_rows, d_ff, d_model);
+        return MM_EINVAL;
+    }
+    if (n_rows == 0)
+        return MM_OK;
+#if MM_GPU_HAVE_WMMA
+    // gemm_ws's interleaved tiles hold 8-feature groups; the products gemm_ws takes (bf16, >= 128
+    // rows per expert on average, sm_90a), as mm_gpu_moe_matmul_rows would take each
+    if (dtype != MM_DTYPE_BF16 || !pf_fuse() || !pf_glu() || d_ff % 8 != 0)
+        return MM_EUNSUPP;
+    mm_mat_args a = {d_x, x_stride, NULL, d_wgu, d_offs, n_experts, n_rows, d_model, 2 * d_ff, NULL,
+                     NULL, 0, 0, d_x_idx, NULL, NULL};
+    const int active = min(n_experts, n_rows);
+    const int per = (n_rows + active - 1) / active;
+    if (auto_path(dtype, per, a) != MM_GPU_PATH_WG)
+        return MM_EUNSUPP;
+    bool ran = false;
+    const mm_err rv = launch_ffn((cudaStream_t)stream, a, d_wd, d_y, y_stride, d_y_idx, &ran);
+    return rv != MM_OK ? rv : ran ? MM_OK : MM_EUNSUPP;
+#else
+    (void)d_x_idx, (void)d_y_idx;
+    return MM_EUNSUPP;
+#endif
+}
+
+extern "C" void mm_gpu_set_pf_swiglu_epi(int on) {
+#if MM_GPU_HAVE_WMMA
+    g_pf_glu = on < 0 ? -1 : on != 0;
+#else
+    (void)on;
 #endif
 }
 

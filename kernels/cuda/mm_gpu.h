@@ -88,6 +88,26 @@ mm_err mm_gpu_moe_matmul_rows(void *stream, int dtype, const void *const *d_w,
                               const float *d_x_up, float *d_y, int64_t y_stride,
                               const int32_t *d_y_idx, int n_rows);
 
+// mm_gpu_moe_ffn_rows: a prefill MoE layer's routed SwiGLU experts in two grouped products:
+// sorted row p (experts by d_offs as mm_gpu_moe_matmul) reads x row d_x_idx[p] (NULL: p),
+// [gate; up] (d_wgu[e]: (2 d_ff, d_model), gate rows first), SwiGLU, down (d_wd[e]: (d_model,
+// d_ff)) into y row d_y_idx[p] (NULL: p): the bits of mm_gpu_moe_matmul_rows([gate; up]) into
+// an f32 buffer, then mm_gpu_moe_matmul_rows(down) with x_up. [gate; up]'s epilogue applies
+// SwiGLU and writes down's bf16 input workspace directly (gemm_ws WS_OPT_SWIGLU, on an
+// interleaved permuted copy of d_wgu kept in the permuted-W cache). MM_EUNSUPP, with nothing
+// enqueued but permuted-W cache builds, unless both products would run on gemm_ws (bf16, >= 128
+// rows per expert on average, sm_90a), d_ff % 8 == 0, the stream is not capturing and
+// mm_gpu_set_prefill_fuse and mm_gpu_set_pf_swiglu_epi are on; the caller then runs the two
+// products.
+mm_err mm_gpu_moe_ffn_rows(void *stream, int dtype, const void *const *d_wgu,
+                           const void *const *d_wd, const int32_t *d_offs, int n_experts, int d_ff,
+                           int d_model, const float *d_x, int64_t x_stride, const int32_t *d_x_idx,
+                           float *d_y, int64_t y_stride, const int32_t *d_y_idx, int n_rows);
+// mm_gpu_set_pf_swiglu_epi: 1 (default; env MM_GPU_PF_SWIGLU_EPI=0 starts it at 0) lets
+// mm_gpu_moe_ffn_rows run; 0 makes it MM_EUNSUPP (the earlier two products); -1 back to the
+// environment's choice. Same bits. Process-wide; CUDA only.
+void mm_gpu_set_pf_swiglu_epi(int on);
+
 // mm_gpu_set_gemv_version: 2 (default) runs bf16 decode products of <= 8 rows per tile on
 // GEMV v2 (x tile in shared memory, whole k segments of W in flight, first loads before the
 // PDL wait); 1 keeps every product on the earlier kernel (A/B runs; MM_GPU_OLD_DECODE=1 sets

@@ -29,6 +29,13 @@ extern mm_err mm_gpu_moe_matmul_rows(void *stream, int dtype, const void *const 
                                      const float *d_x, int64_t x_stride, const int32_t *d_x_idx,
                                      const float *d_x_up, float *d_y, int64_t y_stride,
                                      const int32_t *d_y_idx, int n_rows) __attribute__((weak));
+extern mm_err mm_gpu_moe_ffn_rows(void *stream, int dtype, const void *const *d_wgu,
+                                  const void *const *d_wd, const int32_t *d_offs, int n_experts,
+                                  int d_ff, int d_model, const float *d_x, int64_t x_stride,
+                                  const int32_t *d_x_idx, float *d_y, int64_t y_stride,
+                                  const int32_t *d_y_idx, int n_rows) __attribute__((weak));
+extern void mm_gpu_set_pf_swiglu_epi(int on) __attribute__((weak));
+extern void mm_gpu_set_wperm_mb(long long mb) __attribute__((weak));
 extern void mm_gpu_set_gemm_tile(int variant) __attribute__((weak));
 extern void mm_gpu_set_prefill_fuse(int on) __attribute__((weak));
 extern mm_err mm_gpu_stream_sync(void *stream) __attribute__((weak));
@@ -239,7 +246,156 @@ static void test_dense_conversion(void) {
     gpu_close(NULL);
 }
 
+// The MoE layer's routed experts through mm_gpu_moe_ffn_rows ([gate; up] on gemm_ws with the
+// SwiGLU epilogue writing down's bf16 x workspace, W interleaved) against the two products it
+// replaces (mm_gpu_moe_matmul_rows of [gate; up] into an f32 buffer, then of down with x_up),
+// bit for bit in every y element (rows never written keep their fill). E experts with cnt[e]
+// rows; n_src = ceil(rows / top_k) source rows (sorted row p reads row (5p + 3) % n_src; its
+// output goes to row (7p + 1) % yfull). d_ff % 8 != 0 must be refused (nothing written).
+// variant: mm_gpu_set_gemm_tile's (0 AUTO; 2 must be refused). wperm: the permuted-W cache on
+// (built by the first call, read by a second) or off (W permuted per call into the workspace).
+static void ffn_case(int D, int F, int E, const int *cnt, int top_k, int ys_pad, int variant,
+                     bool wperm) {
+    int32_t offs[65] = {0};
+    for (int e = 0; e < E; e++)
+        offs[e + 1] = offs[e] + cnt[e];
+    const int n = offs[E], n_src = (n + top_k - 1) / top_k;
+    int64_t yfull = (int64_t)n + 3;
+    while (yfull % 7 == 0)
+        yfull++;
+    const int64_t xs = D + 2, ys = D + ys_pad;
+    int32_t *xi = malloc((size_t)n * 4), *yi = malloc((size_t)n * 4);
+    MM_TRUE(xi && yi);
+    for (int p = 0; p < n; p++) {
+        xi[p] = (int32_t)(((int64_t)p * 5 + 3) % n_src);
+        yi[p] = (int32_t)(((int64_t)p * 7 + 1) % yfull);
+    }
+    float *xsrc = rand_f32((int64_t)n_src * xs, 2.0f);
+    void *wgu[64], *wd[64];
+    for (int e = 0; e < E; e++) {
+        uint16_t *a = rand_bf16((int64_t)2 * F * D), *b = rand_bf16((int64_t)D * F);
+        wgu[e] = dev_copy(a, (size_t)2 * F * D * 2);
+        wd[e] = dev_copy(b, (size_t)D * F * 2);
+        free(a), free(b);
+    }
+    void *dwgu = dev_copy(wgu, (size_t)E * sizeof(void *)), *dwd = dev_copy(wd, (size_t)E * sizeof(void *));
+    int32_t *doffs = dev_copy(offs, (size_t)(E + 1) * 4);
+    int32_t *dxi = dev_copy(xi, (size_t)n * 4), *dyi = dev_copy(yi, (size_t)n * 4);
+    float *dx = dev_copy(xsrc, (size_t)(n_src * xs) * 4);
+    float *dg = dev_copy(NULL, (size_t)n * 2 * F * 4);
+    float *y[3];
+    for (int i = 0; i < 3; i++) {
+        y[i] = dev_copy(NULL, (size_t)(yfull * ys) * 4);
+        MM_PASS(gpu->ops->fill(gpu->ctx, y[i], -5.0f, yfull * ys));
+    }
+    MM_PASS(gpu->ops->synchronize(gpu->ctx));
+    if (!wperm)
+        mm_gpu_set_wperm_mb(0);
+    mm_gpu_set_gemm_tile(variant);
+    // the earlier form: switched off, the fused call is refused; then the two products
+    mm_gpu_set_pf_swiglu_epi(0);
+    const mm_err off = mm_gpu_moe_ffn_rows(NULL, MM_DTYPE_BF16, (const void *const *)dwgu,
+                                           (const void *const *)dwd, doffs, E, F, D, dx, xs, dxi,
+                                           y[0], ys, dyi, n);
+    mm_err r1 = mm_gpu_moe_matmul_rows(NULL, MM_DTYPE_BF16, (const void *const *)dwgu, doffs, E,
+                                       2 * F, D, dx, xs, dxi, NULL, dg, 2 * F, NULL, n);
+    if (r1 == MM_EUNSUPP) { // not gemm_ws (variant 2): the ops the model runs then
+        float *dxg = dev_copy(NULL, (size_t)n * D * 4);
+        MM_PASS(gpu->ops->copy_rows(gpu->ctx, dx, xs, dxi, dxg, D, NULL, n, D));
+        MM_PASS(mm_gpu_moe_matmul(NULL, MM_DTYPE_BF16, (const void *const *)dwgu, doffs, E, 2 * F,
+                                  D, dxg, D, dg, 2 * F, n, -1));
+        MM_PASS(mm_gpu_stream_sync(NULL));
+        dev_free(dxg);
+    } else {
+        MM_PASS(r1);
+    }
+    mm_err r2 = mm_gpu_moe_matmul_rows(NULL, MM_DTYPE_BF16, (const void *const *)dwd, doffs, E, D,
+                                       F, dg, 2 * F, NULL, dg + F, y[0], ys, dyi, n);
+    if (r2 == MM_EUNSUPP) {
+        float *df = dev_copy(NULL, (size_t)n * F * 4), *dy = dev_copy(NULL, (size_t)n * D * 4);
+        MM_PASS(gpu->ops->swiglu(gpu->ctx, dg, 2 * F, dg + F, 2 * F, df, F, n, F));
+        MM_PASS(mm_gpu_moe_matmul(NULL, MM_DTYPE_BF16, (const void *const *)dwd, doffs, E, D, F, df,
+                                  F, dy, D, n, -1));
+        MM_PASS(gpu->ops->copy_rows(gpu->ctx, dy, D, NULL, y[0], ys, dyi, n, D));
+        MM_PASS(mm_gpu_stream_sync(NULL));
+        dev_free(df), dev_free(dy);
+    } else {
+        MM_PASS(r2);
+    }
+    // the SwiGLU epilogue, twice (with the cache: built, then read)
+    mm_gpu_set_pf_swiglu_epi(1);
+    mm_err rf[2];
+    for (int i = 0; i < 2; i++)
+        rf[i] = mm_gpu_moe_ffn_rows(NULL, MM_DTYPE_BF16, (const void *const *)dwgu,
+                                    (const void *const *)dwd, doffs, E, F, D, dx, xs, dxi, y[1 + i],
+                                    ys, dyi, n);
+    mm_gpu_set_pf_swiglu_epi(-1);
+    mm_gpu_set_gemm_tile(0);
+    MM_PASS(mm_gpu_stream_sync(NULL));
+    if (!wperm)
+        mm_gpu_set_wperm_mb(-1);
+    MM_EQ(off, MM_EUNSUPP);
+    const bool refuse = F % 8 != 0 || variant == 2;
+    float *h[3];
+    for (int i = 0; i < 3; i++)
+        h[i] = dev_get(y[i], (size_t)(yfull * ys) * 4);
+    int64_t d[2], written = 0;
+    for (int i = 0; i < 2; i++)
+        d[i] = n_diff(h[1 + i], h[0], yfull * ys);
+    for (int64_t i = 0; i < yfull * ys; i++)
+        written += h[0][i] != -5.0f;
+    printf("ffn D %d F %d, %d rows over %d experts (top-%d, %d source rows), y stride %lld, "
+           "variant %d, W cache %s: %s; %lld / %lld of %lld elements differ from the two products' "
+           "(%lld written)\n", D, F, n, E, top_k, n_src, (long long)ys, variant, wperm ? "on" : "off",
+           rf[0] == MM_OK ? "fused" : "refused", (long long)d[0], (long long)d[1],
+           (long long)(yfull * ys), (long long)written);
+    if (refuse) {
+        MM_EQ(rf[0], MM_EUNSUPP);
+        MM_EQ(rf[1], MM_EUNSUPP);
+        // nothing written: the fill everywhere
+        int64_t touched = 0;
+        for (int i = 1; i < 3; i++)
+            for (int64_t k = 0; k < yfull * ys; k++)
+                touched += h[i][k] != -5.0f;
+        MM_EQ(touched, 0);
+    } else {
+        MM_PASS(rf[0]);
+        MM_PASS(rf[1]);
+        MM_EQ(d[0], 0);
+        MM_EQ(d[1], 0);
+        MM_TRUE(written > 0);
+    }
+    for (int e = 0; e < E; e++)
+        dev_free(wgu[e]), dev_free(wd[e]);
+    for (int i = 0; i < 3; i++)
+        dev_free(y[i]), free(h[i]);
+    free(xi), free(yi), free(xsrc);
+    void *bufs[] = {dwgu, dwd, doffs, dxi, dyi, dx, dg};
+    for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++)
+        dev_free(bufs[i]);
+}
+
+static void test_ffn_swiglu_epilogue(void) {
+    open_or_skip();
+    if (!mm_gpu_moe_ffn_rows || !mm_gpu_set_pf_swiglu_epi || !mm_gpu_set_wperm_mb)
+        MM_SKIP("mm_gpu_moe_ffn_rows is not linked");
+    // experts of 0, 1, 63, 64, 65, 200 rows beside larger ones (>= 128 rows per expert on
+    // average, so gemm_ws takes both products): last tiles of 1, 63, 64, 65, 72, 60, 44 rows
+    const int c8[8] = {0, 1, 63, 64, 65, 200, 700, 300};
+    const int c3[3] = {129, 256, 7};
+    ffn_case(520, 200, 8, c8, 8, 4, 0, true);    // F % 64 != 0: the last tile half features
+    ffn_case(520, 200, 8, c8, 2, 5, 0, true);    // top-2; y stride: down's direct stores
+    ffn_case(1024, 768, 8, c8, 8, 4, 0, true);   // the Qwen3-30B-A3B d_ff
+    ffn_case(1024, 768, 8, c8, 8, 4, 0, false);  // W permuted per call (cache off)
+    ffn_case(264, 136, 3, c3, 2, 4, 23, true);   // down on 23
+    ffn_case(264, 136, 3, c3, 8, 5, 19, false);  // down on 19 (a block per tile)
+    ffn_case(520, 100, 8, c8, 8, 4, 0, true);    // d_ff % 8 != 0: refused
+    ffn_case(520, 200, 8, c8, 8, 4, 2, true);    // gemm_wg: refused
+    gpu_close(NULL);
+}
+
 MM_TESTS = {
+    {"moe_ffn_rows: SwiGLU in [gate; up]'s epilogue == the two products' bits", test_ffn_swiglu_epilogue},
     {"grouped prefill rows on gemm_ws: gathered GEMV bits", test_grouped_rows},
     {"dense gemm_ws row conversion: GEMV bits", test_dense_conversion},
     {NULL, NULL},

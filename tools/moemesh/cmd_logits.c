@@ -12,13 +12,15 @@
 
 static int run_logits(int argc, char **argv) {
     char *model = NULL, *ids_s = NULL, *outp = NULL, *device = NULL;
-    long long threads = 0;
+    long long threads = 0, rows = 0;
     mm_opt opts[] = {
         {"model", MM_OPT_STR, &model, NULL, "checkpoint directory (config.json + safetensors)"},
         {"ids", MM_OPT_STR, &ids_s, NULL, "prompt token ids, comma-separated"},
         {"out", MM_OPT_STR, &outp, NULL, "output file: float32 LE [T, vocab]"},
         {"device", MM_OPT_STR, &device, "cpu", "cpu, cuda:N or hip:N"},
         {"threads", MM_OPT_INT, &threads, "0", "CPU threads (0: all cores)"},
+        {"prefill-rows", MM_OPT_INT, &rows, "0",
+         "rows per forward call (the engine's max_rows, 0..8192; 0: the engine's default, 256)"},
         {0},
     };
     mm_cli cli = {.prog = "moemesh logits",
@@ -42,6 +44,10 @@ static int run_logits(int argc, char **argv) {
         fprintf(stderr, "logits: --model DIR, --ids 1,2,3 and --out FILE are required\n");
         goto out;
     }
+    if (rows < 0 || rows > 8192) {
+        fprintf(stderr, "logits: --prefill-rows %lld: want 0..8192 (0: the engine's default)\n", rows);
+        goto out;
+    }
     int64_t n = 0;
     if (mm_engine_ids_parse(ids_s, &ids, &n, err) != MM_OK) {
         fprintf(stderr, "logits: %s\n", err);
@@ -49,7 +55,7 @@ static int run_logits(int argc, char **argv) {
     }
     rc = 1;
     mm_engine_params ep = {.device = device, .n_threads = (int)threads, .max_seqs = 1,
-                           .max_ctx = (int)n};
+                           .max_ctx = (int)n, .max_rows = rows};
     if (mm_engine_open(&e, model, &ep, err) != MM_OK) {
         fprintf(stderr, "logits: %s\n", err);
         goto out;

@@ -1591,6 +1591,111 @@ __global__ void wg_convert_rows_kernel(const float *x, int64_t xs, const int32_t
     }
 }
 
+// wg_convert_rows_kernel<true> with each lane's loads of 4 pieces (16 float2 of x, as many of
+// x_up) issued before any of their conversions and stores: the plain loop issues a piece's 4
+// loads and waits for them before its store, piece by piece, so a warp has ~1 KB in flight.
+// The same values converted by the same operations (mv2_swiglu only where k < n_in, zeros past
+// n_in), packed by pack_bf16 and stored to the same places: the same bytes. x, x_up rows
+// 8-byte aligned (VEC2); read through the read-only path (nothing in the kernel writes them).
+// UP: x_up is not NULL.
+#define WG_CONV_IT 4
+template <bool UP>
+__global__ void wg_convert_rows4_kernel(const float *__restrict__ x, int64_t xs,
+                                        const int32_t *__restrict__ x_idx,
+                                        const float *__restrict__ x_up, int n_rows, int n_in,
+                                        uint16_t *__restrict__ xb, int64_t ldx,
+                                        const int32_t *__restrict__ offs, int n_experts) {
+    const int lane = threadIdx.x & 31;
+    const int per_row = (int)(ldx / 8);
+    const int64_t wstep = ((int64_t)gridDim.x * blockDim.x) >> 5;
+    for (int64_t r = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5; r < n_rows; r += wstep) {
+        int sw = (int)(r & 7);
+        if (offs != NULL) { // as wg_convert_rows_kernel
+            int lo = 0, hi = n_experts;
+            while (hi - lo > 1) {
+                const int mid = (lo + hi) >> 1;
+                if (offs[mid] <= r)
+                    lo = mid;
+                else
+                    hi = mid;
+            }
+            sw = (int)((r - offs[lo]) & 7);
+        }
+        const int64_t src = x_idx != NULL ? (int64_t)x_idx[r] : r;
+        const float *xr = x + src * xs;
+        const float *ur = UP ? x_up + src * xs : NULL;
+        for (int q0 = 0; q0 < per_row; q0 += 32 * WG_CONV_IT) {
+            float2 f[WG_CONV_IT][4], u[WG_CONV_IT][UP ? 4 : 1];
+#pragma unroll
+            for (int i = 0; i < WG_CONV_IT; i++) {
+                const int q = q0 + 32 * i + lane;
+                const int c = q >> 2, s = (q >> 1) & 1, h = q & 1;
+#pragma unroll
+                for (int t = 0; t < 4; t++) { // n_in even: k < n_in means k + 1 < n_in
+                    const int k = 32 * c + 8 * t + 4 * s + 2 * h;
+                    const bool ok = q < per_row && k < n_in;
+                    f[i][t] = ok ? __ldg((const float2 *)(xr + k)) : make_float2(0.0f, 0.0f);
+                    if constexpr (UP)
+                        u[i][t] = ok ? __ldg((const float2 *)(ur + k)) : make_float2(0.0f, 0.0f);
+                }
+            }
+#pragma unroll
+            for (int i = 0; i < WG_CONV_IT; i++) {
+                const int q = q0 + 32 * i + lane;
+                if (q >= per_row)
+                    break;
+                const int c = q >> 2, s = (q >> 1) & 1, h = q & 1;
+                uint32_t v[4];
+#pragma unroll
+                for (int t = 0; t < 4; t++) {
+                    const int k = 32 * c + 8 * t + 4 * s + 2 * h;
+                    float2 g = f[i][t];
+                    if constexpr (UP)
+                        if (k < n_in)
+                            g = make_float2(mv2_swiglu(g.x, u[i][t].x), mv2_swiglu(g.y, u[i][t].y));
+                    v[t] = pack_bf16(g.x, g.y);
+                }
+                uint16_t *dst = xb + ((int64_t)(q >> 3) * n_rows + r) * 64 + 8 * ((q & 7) ^ sw);
+                *(uint4 *)dst = make_uint4(v[0], v[1], v[2], v[3]);
+            }
+        }
+    }
+}
+
+// MM_GPU_CONV_BATCH (read once; mm_gpu_set_conv_batch): 1 (default) the row conversion takes
+// wg_convert_rows4_kernel where x (and x_up) rows are 8-byte aligned; 0 wg_convert_rows_kernel
+// always (A/B). The same bytes.
+static int g_conv_batch = -1; // -1: not read yet
+
+static bool conv_batch(void) {
+    if (g_conv_batch < 0) {
+        const char *e = getenv("MM_GPU_CONV_BATCH");
+        g_conv_batch = e && strcmp(e, "0") == 0 ? 0 : 1;
+    }
+    return g_conv_batch > 0;
+}
+
+// x rows (x_idx, x_up as wg_convert_rows_kernel) into the TILED workspace xb, a warp per row.
+static void convert_rows(cudaStream_t st, const float *x, int64_t xs, const int32_t *x_idx,
+                         const float *x_up, int n_rows, int n_in, uint16_t *xb, int64_t ldx,
+                         const int32_t *offs, int n_experts) {
+    const int64_t rb = ((int64_t)n_rows + 7) / 8;
+    const unsigned rblocks = (unsigned)(rb < 132 * 16 ? rb : 132 * 16);
+    const bool v2 = ((uintptr_t)x & 7) == 0 && xs % 2 == 0 && (x_up == NULL || ((uintptr_t)x_up & 7) == 0);
+    if (v2 && conv_batch() && x_up != NULL)
+        wg_convert_rows4_kernel<true><<<rblocks, 256, 0, st>>>(x, xs, x_idx, x_up, n_rows, n_in, xb,
+                                                               ldx, offs, n_experts);
+    else if (v2 && conv_batch())
+        wg_convert_rows4_kernel<false><<<rblocks, 256, 0, st>>>(x, xs, x_idx, NULL, n_rows, n_in, xb,
+                                                                ldx, offs, n_experts);
+    else if (v2)
+        wg_convert_rows_kernel<true><<<rblocks, 256, 0, st>>>(x, xs, x_idx, x_up, n_rows, n_in, xb, ldx,
+                                                              offs, n_experts);
+    else
+        wg_convert_rows_kernel<false><<<rblocks, 256, 0, st>>>(x, xs, x_idx, x_up, n_rows, n_in, xb, ldx,
+                                                               offs, n_experts);
+}
+
 // Converts x into a stream-ordered workspace (bf16, permuted; gemm_wg.cuh) and runs the
 // wgmma tiles. *ran is false, with MM_OK, when the workspace could not be had or the stream is
 // capturing: the caller then takes the mma.sync path, which gives the same bits. The workspace comes from the
@@ -1664,18 +1769,8 @@ static mm_err launch_wg(cudaStream_t st, const mm_mat_args &a, bool *ran) {
     const int64_t cb = (pieces + 255) / 256;
     const unsigned cblocks = (unsigned)(cb < 132 * 16 ? cb : 132 * 16);
     if (tiled && (rows || pf_fuse())) { // a warp per row (8 per block)
-        const int64_t rb = ((int64_t)a.n_rows + 7) / 8;
-        const unsigned rblocks = (unsigned)(rb < 132 * 16 ? rb : 132 * 16);
-        const bool v2 = ((uintptr_t)a.x & 7) == 0 && a.x_stride % 2 == 0 &&
-                        (a.x_up == NULL || ((uintptr_t)a.x_up & 7) == 0);
-        if (v2)
-            wg_convert_rows_kernel<true><<<rblocks, 256, 0, st>>>(
-                a.x, a.x_stride, a.x_idx, a.x_up, a.n_rows, a.n_in, (uint16_t *)ws, ldx,
-                GROUPED ? a.offs : NULL, a.n_experts);
-        else
-            wg_convert_rows_kernel<false><<<rblocks, 256, 0, st>>>(
-                a.x, a.x_stride, a.x_idx, a.x_up, a.n_rows, a.n_in, (uint16_t *)ws, ldx,
-                GROUPED ? a.offs : NULL, a.n_experts);
+        convert_rows(st, a.x, a.x_stride, a.x_idx, a.x_up, a.n_rows, a.n_in, (uint16_t *)ws, ldx,
+                     GROUPED ? a.offs : NULL, a.n_experts);
     } else if (tiled) // grouped gemm_ws: rows swizzled relative to their expert's first row
         wg_convert_x_kernel<true><<<cblocks, 256, 0, st>>>(a.x, a.x_stride, a.n_rows, a.n_in, (uint16_t *)ws,
                                                            ldx, GROUPED ? a.offs : NULL, a.n_experts);
@@ -1831,17 +1926,9 @@ static mm_err launch_ffn(cudaStream_t st, const mm_mat_args &gu, const void *con
     uint16_t *xgu = (uint16_t *)ws, *xdn = (uint16_t *)(ws + xg);
     const uint16_t *wbg = wgc ? wgc : (const uint16_t *)(ws + xg + xd);
     const uint16_t *wbd = wdc ? wdc : (const uint16_t *)(ws + xg + xd + wgb);
-    { // [gate; up]'s x: the routed rows, as launch_wg converts them
-        const int64_t rb = ((int64_t)gu.n_rows + 7) / 8;
-        const unsigned rblocks = (unsigned)(rb < 132 * 16 ? rb : 132 * 16);
-        if (((uintptr_t)gu.x & 7) == 0 && gu.x_stride % 2 == 0)
-            wg_convert_rows_kernel<true><<<rblocks, 256, 0, st>>>(gu.x, gu.x_stride, gu.x_idx, NULL, gu.n_rows,
-                                                                  D, xgu, ldg, gu.offs, E);
-        else
-            wg_convert_rows_kernel<false><<<rblocks, 256, 0, st>>>(gu.x, gu.x_stride, gu.x_idx, NULL, gu.n_rows,
-                                                                   D, xgu, ldg, gu.offs, E);
-        MM_GPU_CHECK(cudaGetLastError());
-    }
+    // [gate; up]'s x: the routed rows, as launch_wg converts them
+    convert_rows(st, gu.x, gu.x_stride, gu.x_idx, NULL, gu.n_rows, D, xgu, ldg, gu.offs, E);
+    MM_GPU_CHECK(cudaGetLastError());
     const int64_t per = (132 * 16 + E - 1) / E;
     if (wgc == NULL) { // every expert with rows, as launch_wg, interleaved
         const int64_t wcb = ((int64_t)gu.n_out * (ldg / 8) + 255) / 256;
@@ -2196,6 +2283,14 @@ extern "C" mm_err mm_gpu_moe_ffn_rows(void *stream, int dtype, const void *const
 #else
     (void)d_x_idx, (void)d_y_idx;
     return MM_EUNSUPP;
+#endif
+}
+
+extern "C" void mm_gpu_set_conv_batch(int on) {
+#if MM_GPU_HAVE_WMMA
+    g_conv_batch = on < 0 ? -1 : on != 0;
+#else
+    (void)on;
 #endif
 }
 

@@ -107,6 +107,10 @@ mm_err mm_gpu_moe_ffn_rows(void *stream, int dtype, const void *const *d_wgu,
 // mm_gpu_moe_ffn_rows run; 0 makes it MM_EUNSUPP (the earlier two products); -1 back to the
 // environment's choice. Same bits. Process-wide; CUDA only.
 void mm_gpu_set_pf_swiglu_epi(int on);
+// mm_gpu_set_conv_batch: 1 (default; env MM_GPU_CONV_BATCH=0 starts it at 0) converts gemm_ws's
+// x a warp per row with each lane's loads of 4 pieces issued before their stores; 0 piece by
+// piece (A/B). Same bytes; -1 back to the environment's choice. Process-wide; CUDA only.
+void mm_gpu_set_conv_batch(int on);
 
 // mm_gpu_set_gemv_version: 2 (default) runs bf16 decode products of <= 8 rows per tile on
 // GEMV v2 (x tile in shared memory, whole k segments of W in flight, first loads before the

@@ -35,6 +35,7 @@ extern mm_err mm_gpu_moe_ffn_rows(void *stream, int dtype, const void *const *d_
                                   const int32_t *d_x_idx, float *d_y, int64_t y_stride,
                                   const int32_t *d_y_idx, int n_rows) __attribute__((weak));
 extern void mm_gpu_set_pf_swiglu_epi(int on) __attribute__((weak));
+extern void mm_gpu_set_conv_batch(int on) __attribute__((weak));
 extern void mm_gpu_set_wperm_mb(long long mb) __attribute__((weak));
 extern void mm_gpu_set_gemm_tile(int variant) __attribute__((weak));
 extern void mm_gpu_set_prefill_fuse(int on) __attribute__((weak));
@@ -394,7 +395,29 @@ static void test_ffn_swiglu_epilogue(void) {
     gpu_close(NULL);
 }
 
+// The row conversion piece by piece (mm_gpu_set_conv_batch(0), the earlier loop) on cases the
+// tests above run with the default (each lane's loads of 4 pieces first): both against the
+// same references.
+static void test_conv_piecewise(void) {
+    open_or_skip();
+    if (!mm_gpu_set_conv_batch || !mm_gpu_moe_ffn_rows || !mm_gpu_set_pf_swiglu_epi || !mm_gpu_set_wperm_mb)
+        MM_SKIP("mm_gpu_set_conv_batch is not linked");
+    const int c8[8] = {130, 0, 301, 128, 257, 7, 140, 200};
+    const int c5[5] = {129, 300, 2, 200, 140};
+    const int f8[8] = {0, 1, 63, 64, 65, 200, 700, 300};
+    mm_gpu_set_conv_batch(0);
+    grouped_case(200, 520, 700, 8, c8, true, 0, 2);  // swiglu input, scatter
+    grouped_case(136, 300, 333, 5, c5, true, 0, 1);  // odd stride: the scalar loads either way
+    grouped_case(96, 2048, 900, 5, c5, false, 23, 4);
+    dense_case(300, 520, 333, 2, 0);
+    dense_case(256, 2048, 4096, 0, 14);
+    ffn_case(520, 200, 8, f8, 8, 4, 0, true);
+    mm_gpu_set_conv_batch(-1);
+    gpu_close(NULL);
+}
+
 MM_TESTS = {
+    {"row conversion piece by piece: the same bits", test_conv_piecewise},
     {"moe_ffn_rows: SwiGLU in [gate; up]'s epilogue == the two products' bits", test_ffn_swiglu_epilogue},
     {"grouped prefill rows on gemm_ws: gathered GEMV bits", test_grouped_rows},
     {"dense gemm_ws row conversion: GEMV bits", test_dense_conversion},

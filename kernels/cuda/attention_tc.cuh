@@ -25,6 +25,7 @@
 #define TC_KEYS 64        // the contract's key block
 #define TC_DECODE_ROWS 64 // calls of at most this many rows: one row per block
 #define TC_ERR_INDEX 1    // ops.cu's ERR_INDEX: the backend's device error word
+#define TC_KB_BUFS 3      // key buffers of the kernels' bf16-cache form: two blocks in flight
 
 #if MM_GPU_HAVE_WMMA
 
@@ -121,6 +122,56 @@ __device__ __forceinline__ void tc_issue(const struct mm_kv_view &kv, int32_t t,
     tc_commit();
 }
 
+// A bf16 cache (struct mm_kv_view.dtype, attention_tc.cu's mm_gpu_kv_dtype): issues the copies
+// of key t (cache block blk, -1: none) straight into its bf16 K row (krow) and V row (vrow) of a
+// key buffer, 16 bytes (8 dims) a copy, then one commit group; for blk < 0 (a key outside the
+// tile's range, or a missing table entry) plain stores of zeros instead, as tc_convert writes
+// for a key not staged. Thread part of the key's TPK threads takes every TPK-th piece. The
+// cache's bf16 are the f32 values rounded as tc_pack rounds them (ops.cu kv_put), so the
+// buffers hold the same bits as tc_convert writes from an f32 cache. Needs dk and dv multiples
+// of 8 and 16-byte-aligned slots (mm_gpu_kv_dtype's shapes); the pad dims [dk, dkp) and
+// [dv, dvp) are never written here (tc_zero_pads, once per kernel).
+template <int TPK>
+__device__ __forceinline__ void tc_issue_bf16(const struct mm_kv_view &kv, int32_t t, int32_t blk,
+                                              int64_t k_off, int64_t v_off, uint16_t *krow,
+                                              uint16_t *vrow, int part) {
+    const int dk = kv.head_dim_k, dv = kv.head_dim_v;
+    if (blk >= 0) {
+        const uint16_t *slot = (const uint16_t *)kv.base + (int64_t)blk * kv.block_stride +
+                               (int64_t)(t % kv.block_size) * kv.slot_stride;
+        for (int i = part; i < dk / 8; i += TPK)
+            tc_cp16(krow + 8 * i, slot + k_off + 8 * i);
+        for (int i = part; i < dv / 8; i += TPK)
+            tc_cp16(vrow + 8 * i, slot + v_off + 8 * i);
+    } else {
+        for (int i = part; i < dk / 8; i += TPK)
+            *(uint4 *)(krow + 8 * i) = make_uint4(0u, 0u, 0u, 0u);
+        for (int i = part; i < dv / 8; i += TPK)
+            *(uint4 *)(vrow + 8 * i) = make_uint4(0u, 0u, 0u, 0u);
+    }
+    tc_commit();
+}
+
+// Zeros in the pad dims [dk, dkp) of every K row and [dv, dvp) of every V row of nbuf key
+// buffers (kb + b * kvsz: [TC_KEYS][ldk] K, then [TC_KEYS][ldv] V), for tc_issue_bf16, which
+// leaves them alone (q is zero there, and 0 times stale shared memory could be NaN). dk and dv
+// are multiples of 8, so a pad is 0 or 8 dims: one 16-byte store. Visible after the caller's
+// next barrier.
+__device__ __forceinline__ void tc_zero_pads(uint16_t *kb, int nbuf, int kvsz, int dk, int dv,
+                                             int ldk, int ldv) {
+    const int dkp = (dk + 15) & ~15, dvp = (dv + 15) & ~15;
+    if (dk == dkp && dv == dvp)
+        return;
+    for (int i = threadIdx.x; i < nbuf * TC_KEYS; i += blockDim.x) {
+        uint16_t *b = kb + (i / TC_KEYS) * kvsz;
+        const int key = i % TC_KEYS;
+        if (dk < dkp)
+            *(uint4 *)(b + key * ldk + dk) = make_uint4(0u, 0u, 0u, 0u);
+        if (dv < dvp)
+            *(uint4 *)(b + TC_KEYS * ldk + key * ldv + dv) = make_uint4(0u, 0u, 0u, 0u);
+    }
+}
+
 // This thread's float4s of its key's stage row as bf16 into the K row (dims padded to dkp with
 // zeros) and the V row (to dvp); zeros when the key was not staged (ok false). The K and V
 // halves stay written out: one helper called twice for them gives the same PTX but for
@@ -160,8 +211,9 @@ __device__ __forceinline__ void tc_convert(const float *row, bool ok, int dk, in
 }
 
 // ---- host side -------------------------------------------------------------------------------
-// Dynamic shared memory of a contract kernel: nst f32 stages [TC_KEYS][dk + dv + 4], then nbuf
-// bf16 buffers of [TC_KEYS][dkp + 8] keys and [TC_KEYS][dvp + 8] values (dims padded to 16).
+// Dynamic shared memory of a contract kernel: nst f32 stages [TC_KEYS][dk + dv + 4] (none for a
+// bf16 cache), then nbuf bf16 buffers of [TC_KEYS][dkp + 8] keys and [TC_KEYS][dvp + 8] values
+// (dims padded to 16).
 static inline size_t tc_stage_shmem(int dk, int dv, int nst, int nbuf) {
     const int dkp = (dk + 15) & ~15, dvp = (dv + 15) & ~15;
     return nst * (size_t)TC_KEYS * (dk + dv + 4) * 4 +

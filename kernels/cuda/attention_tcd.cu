@@ -59,7 +59,9 @@ static int g_tcd_stages = -1; // -1: from MM_GPU_ATT_TCD_STAGES at first use (1 
 // One block per (row, gsub query heads of one kv head); gsub <= 16 (one m16 tile: unit u =
 // head h0 + u is tile row u). Dynamic shared memory: two f32 stages [TC_KEYS][dk + dv + 4]
 // (two key blocks in flight), then two bf16 buffers of [TC_KEYS][ldk] keys and [ldv] values.
-template <int DKM, int DVM, int NST>
+// KB: a bf16 cache: no stage, TC_KB_BUFS key buffers, block j copied straight into buffer
+// j % 3 while block j - 2 is computed (NST unused; the launcher gives 1).
+template <int DKM, int DVM, int NST, bool KB>
 __global__ void __launch_bounds__(TCD_THREADS, 1)
     attention_tcd_kernel(struct mm_attn_args a, int gsub, int *d_err) {
     static_assert(NST == 1 || NST == 2, "stages");
@@ -74,8 +76,8 @@ __global__ void __launch_bounds__(TCD_THREADS, 1)
     const int dkp = (dk + 15) & ~15, dvp = (dv + 15) & ~15;
     const int ldk = dkp + 8, ldv = dvp + 8, sw = dk + dv + 4;
     const int kvsz = TC_KEYS * (ldk + ldv);
-    float *stage = (float *)tcd_sh;                          // [NST][TC_KEYS][sw] f32
-    uint16_t *kb = (uint16_t *)(stage + NST * TC_KEYS * sw); // buffer b: kb + b * kvsz (K, V)
+    float *stage = (float *)tcd_sh; // [NST][TC_KEYS][sw] f32 (f32 cache only)
+    uint16_t *kb = (uint16_t *)(stage + (KB ? 0 : NST * TC_KEYS * sw)); // buffer b: kb + b * kvsz
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tq = lane & 3;
     const int skey = tid / TCD_TPK, part = tid % TCD_TPK; // the key this thread stages
     const int group = a.n_heads / kv.n_kv_heads, per_kv = group / gsub;
@@ -102,15 +104,29 @@ __global__ void __launch_bounds__(TCD_THREADS, 1)
     // the groups of blocks b + 1 .. b + NST - 1 are the only newer ones; the cache table is
     // read one block ahead
     float *const srow0 = stage + skey * sw, *const srow1 = stage + ((NST - 1) * TC_KEYS + skey) * sw;
+    // bf16 cache: key skey's rows in buffer b
+    auto kb_issue = [&](int32_t t, int32_t b, int buf) {
+        uint16_t *k = kb + buf * kvsz + skey * ldk;
+        tc_issue_bf16<TCD_TPK>(kv, t, b, k_off, v_off, k, kb + buf * kvsz + TC_KEYS * ldk + skey * ldv,
+                               part);
+    };
     int32_t blk = tc_blk(kv, sq, c_lo + skey, first, pos, d_err);
     unsigned okm = blk >= 0 ? 1u : 0u; // bit s: stage row s's key staged
-    tc_issue<TCD_TPK>(kv, c_lo + skey, blk, k_off, v_off, srow0, part);
-    if (NST == 2) {
-        blk = tc_blk(kv, sq, c_lo + TC_KEYS + skey, first, pos, d_err);
-        okm |= blk >= 0 ? 2u : 0u;
-        tc_issue<TCD_TPK>(kv, c_lo + TC_KEYS + skey, blk, k_off, v_off, srow1, part);
+    if constexpr (KB) {
+        tc_zero_pads(kb, TC_KB_BUFS, kvsz, dk, dv, ldk, ldv);
+        kb_issue(c_lo + skey, blk, 0);
+        kb_issue(c_lo + TC_KEYS + skey, tc_blk(kv, sq, c_lo + TC_KEYS + skey, first, pos, d_err),
+                 1);
+        blk = tc_blk(kv, sq, c_lo + 2 * TC_KEYS + skey, first, pos, d_err);
+    } else {
+        tc_issue<TCD_TPK>(kv, c_lo + skey, blk, k_off, v_off, srow0, part);
+        if (NST == 2) {
+            blk = tc_blk(kv, sq, c_lo + TC_KEYS + skey, first, pos, d_err);
+            okm |= blk >= 0 ? 2u : 0u;
+            tc_issue<TCD_TPK>(kv, c_lo + TC_KEYS + skey, blk, k_off, v_off, srow1, part);
+        }
+        blk = tc_blk(kv, sq, c_lo + NST * TC_KEYS + skey, first, pos, d_err);
     }
-    blk = tc_blk(kv, sq, c_lo + NST * TC_KEYS + skey, first, pos, d_err);
     // q as A fragments (attention_tc_kernel's qf of warp 0), loaded while the copies fly
     uint32_t qf[DKM / 16][4];
 #pragma unroll
@@ -135,12 +151,16 @@ __global__ void __launch_bounds__(TCD_THREADS, 1)
     for (int n = 0; n < 2; n++)
         acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
     const bool pv = 16 * warp < dvp; // this warp has value dims
-    tc_wait<NST - 1>();
-    tc_convert<DKM, DVM, TCD_TPK>(srow0, okm & 1u, dk, dv, dkp, dvp, kb + skey * ldk,
-                                  kb + TC_KEYS * ldk + skey * ldv, part);
-    okm = (okm & ~1u) | (blk >= 0 ? 1u : 0u); // block NST into stage row 0
-    tc_issue<TCD_TPK>(kv, c_lo + NST * TC_KEYS + skey, blk, k_off, v_off, srow0, part);
-    blk = tc_blk(kv, sq, c_lo + (NST + 1) * TC_KEYS + skey, first, pos, d_err);
+    if constexpr (KB) {
+        tc_wait<1>(); // this thread's copies of block 0 landed (block 1's may fly)
+    } else {
+        tc_wait<NST - 1>();
+        tc_convert<DKM, DVM, TCD_TPK>(srow0, okm & 1u, dk, dv, dkp, dvp, kb + skey * ldk,
+                                      kb + TC_KEYS * ldk + skey * ldv, part);
+        okm = (okm & ~1u) | (blk >= 0 ? 1u : 0u); // block NST into stage row 0
+        tc_issue<TCD_TPK>(kv, c_lo + NST * TC_KEYS + skey, blk, k_off, v_off, srow0, part);
+        blk = tc_blk(kv, sq, c_lo + (NST + 1) * TC_KEYS + skey, first, pos, d_err);
+    }
     __syncthreads(); // buffer 0 ready
     int bi = 0;
     for (int32_t c0 = c_lo; c0 <= pos; c0 += TC_KEYS) {
@@ -197,9 +217,21 @@ __global__ void __launch_bounds__(TCD_THREADS, 1)
             pk[warp][lane][1] = tc_pack(p2, p3);
             *(float4 *)pf[warp][lane] = make_float4(p0, p1, p2, p3);
         }
+        // bf16 cache: block j + 2's copies into buffer (j + 2) % 3 (block j - 1's: every warp
+        // read it before the barrier above), then this thread's copies of block j + 1 landed
+        // (made visible to all by the barrier below)
+        if constexpr (KB) {
+            if (c0 + 2 * TC_KEYS <= pos) {
+                kb_issue(c0 + 2 * TC_KEYS + skey, blk, bi == 0 ? TC_KB_BUFS - 1 : bi - 1);
+                blk = tc_blk(kv, sq, c0 + 3 * TC_KEYS + skey, first, pos, d_err);
+            } else {
+                tc_commit(); // an empty group: block j + 1's stays the newest but one
+            }
+            tc_wait<1>();
+        }
         // block j + 1 (stage row (j + 1) % NST, issued NST blocks ago) into the other buffer,
         // then block j + 1 + NST's copies into that stage row
-        if (c0 + TC_KEYS <= pos) {
+        if (!KB && c0 + TC_KEYS <= pos) {
             uint16_t *kn = kb + (bi ^ 1) * kvsz;
             tc_wait<NST - 1>();
             float *const sr = NST == 1 || bi ? srow0 : srow1;
@@ -242,10 +274,10 @@ __global__ void __launch_bounds__(TCD_THREADS, 1)
                 tc_mma(acc[1], pa, b[2], b[3]);
             }
         }
-        // no barrier here: the next buffer was converted before the barrier above, and a warp
-        // writes red, pk, pf or a buffer again only after the next block's first barrier,
-        // which every warp reaches after its reads of this block
-        bi ^= 1;
+        // no barrier here: the next buffer was converted (or copied) before the barrier above,
+        // and a warp writes red, pk, pf or a buffer again only after the next block's first
+        // barrier, which every warp reaches after its reads of this block
+        bi = KB ? (bi == TC_KB_BUFS - 1 ? 0 : bi + 1) : bi ^ 1;
     }
     // l over the row's 4 threads (attention_tc_kernel's butterfly), then this warp's dims
 #pragma unroll
@@ -272,17 +304,22 @@ __global__ void __launch_bounds__(TCD_THREADS, 1)
     }
 }
 
-template <int DKM, int DVM, int NST>
+// dynamic shared memory: NST stages and two buffers (f32 cache), TC_KB_BUFS buffers (bf16)
+static size_t tcd_shmem(int dk, int dv, int nst, bool kb) {
+    return kb ? tc_stage_shmem(dk, dv, 0, TC_KB_BUFS) : tc_stage_shmem(dk, dv, nst, 2);
+}
+
+template <int DKM, int DVM, int NST, bool KB>
 static mm_err tcd_launch(void *stream, const struct mm_attn_args *a, int gsub, int *d_err) {
     static uint64_t attr_set; // tc_allow_shmem's: this kernel's devices
-    const mm_err rv = tc_allow_shmem(attention_tcd_kernel<DKM, DVM, NST>, &attr_set,
-                                     tc_stage_shmem(DKM, DVM, NST, 2));
+    const mm_err rv = tc_allow_shmem(attention_tcd_kernel<DKM, DVM, NST, KB>, &attr_set,
+                                     tcd_shmem(DKM, DVM, NST, KB));
     if (rv != MM_OK)
         return rv;
     const int group = a->n_heads / a->kv.n_kv_heads;
     dim3 grid((unsigned)a->n_rows, (unsigned)(a->kv.n_kv_heads * (group / gsub)));
-    MM_GPU_CHECK(mm_launch_dep(attention_tcd_kernel<DKM, DVM, NST>, grid, dim3(TCD_THREADS),
-                               tc_stage_shmem(a->kv.head_dim_k, a->kv.head_dim_v, NST, 2),
+    MM_GPU_CHECK(mm_launch_dep(attention_tcd_kernel<DKM, DVM, NST, KB>, grid, dim3(TCD_THREADS),
+                               tcd_shmem(a->kv.head_dim_k, a->kv.head_dim_v, NST, KB),
                                (cudaStream_t)stream, *a, gsub, d_err));
     MM_GPU_CHECK(cudaGetLastError());
     return MM_OK;
@@ -341,10 +378,14 @@ extern "C" mm_err mm_gpu_attention_tcd(void *stream, const struct mm_attn_args *
     const int gsub = tc_group_sub(group, 16);
     const bool small = a->kv.head_dim_k <= 64 && a->kv.head_dim_v <= 64;
     mm_err rv;
-    rv = tcd_stages() == 1 ? (small ? tcd_launch<64, 64, 1>(stream, a, gsub, d_err)
-                                    : tcd_launch<128, 128, 1>(stream, a, gsub, d_err))
-                           : (small ? tcd_launch<64, 64, 2>(stream, a, gsub, d_err)
-                                    : tcd_launch<128, 128, 2>(stream, a, gsub, d_err));
+    if (a->kv.dtype == MM_DTYPE_BF16) // attention_tc.cu checked the bf16 shape
+        rv = small ? tcd_launch<64, 64, 1, true>(stream, a, gsub, d_err)
+                   : tcd_launch<128, 128, 1, true>(stream, a, gsub, d_err);
+    else
+        rv = tcd_stages() == 1 ? (small ? tcd_launch<64, 64, 1, false>(stream, a, gsub, d_err)
+                                        : tcd_launch<128, 128, 1, false>(stream, a, gsub, d_err))
+                               : (small ? tcd_launch<64, 64, 2, false>(stream, a, gsub, d_err)
+                                        : tcd_launch<128, 128, 2, false>(stream, a, gsub, d_err));
     if (rv == MM_OK)
         *done = 1;
     return rv;

@@ -38,6 +38,15 @@
 // V by ldmatrix.trans; P stays in registers (the score accumulators are the next mma's A
 // fragments). Rows of several sequences in one block are done one sequence at a time
 // (passes), like ops.cu's prefill kernel.
+// A bf16 cache (struct mm_kv_view.dtype; mm_gpu_kv_dtype below makes one by default where every
+// read goes through these kernels: MM_GPU_KV_BF16=0 keeps f32): ops.cu's kv_store and
+// head_norm_rope_kv round K and V with the instruction tc_pack rounds an f32 cache's K and V
+// with, so the kernels see the same bf16 operands and give the same bits. Their KB forms
+// (tc_kb_pass, attention_tcd_kernel's NB) have no f32 stage and no conversion: each thread's
+// cp.async copies go straight into the ldmatrix layout ([key][dim] rows padded by 8), into one of
+// TC_KB_BUFS (3) buffers, two key blocks in flight, one barrier per block (4K prefill, H200 09:20
+// UTC: 1015 vs 1119 us per 4096-row call by the per-op timer; decode after a 4K prompt 793 vs 670
+// tok/s; docs/BENCHMARKS.md).
 // Shapes: head dims up to 128, multiples of 4, a 16-byte-aligned cache; other shapes (and HIP
 // builds) keep ops.cu's kernels for decode and prefill alike, so the contract never depends on
 // the number of rows. (A 192/128 form ran on the H200 at 01:48 UTC with wrong results, cause
@@ -84,21 +93,24 @@ __device__ __forceinline__ void tc_kb_pass(const struct mm_kv_view &kv, int32_t 
                                            int32_t t_lo, int32_t t_hi, int64_t k_off,
                                            int64_t v_off, uint16_t *kb, int kvsz, int ldk,
                                            int ldv, int skey, int part, int *d_err, F compute) {
-    auto issue = [&](int32_t t, int32_t blk, int b) {
+    auto issue = [&](int32_t blk, int32_t r, int b) {
         uint16_t *k = kb + b * kvsz + skey * ldk;
-        tc_issue_bf16<TPK>(kv, t, blk, k_off, v_off, k, kb + b * kvsz + TC_KEYS * ldk + skey * ldv,
-                           part);
+        tc_issue_bf16<TPK>(kv, blk, r, k_off, v_off, k, kb + b * kvsz + TC_KEYS * ldk + skey * ldv,
+                           part, d_err);
     };
-    issue(c_lo + skey, tc_blk(kv, sq, c_lo + skey, t_lo, t_hi, d_err), 0);
-    issue(c_lo + TC_KEYS + skey, tc_blk(kv, sq, c_lo + TC_KEYS + skey, t_lo, t_hi, d_err), 1);
-    int32_t blk = tc_blk(kv, sq, c_lo + 2 * TC_KEYS + skey, t_lo, t_hi, d_err);
+    int32_t r;
+    int32_t blk = tc_blk_kb(kv, sq, c_lo + skey, t_lo, t_hi, r, d_err);
+    issue(blk, r, 0);
+    blk = tc_blk_kb(kv, sq, c_lo + TC_KEYS + skey, t_lo, t_hi, r, d_err);
+    issue(blk, r, 1);
+    blk = tc_blk_kb(kv, sq, c_lo + 2 * TC_KEYS + skey, t_lo, t_hi, r, d_err);
     int bi = 0;
     for (int32_t c0 = c_lo; c0 <= t_hi; c0 += TC_KEYS) {
         tc_wait<1>();    // this thread's copies of block c0 landed
         __syncthreads(); // everyone's; every read of the buffer of block c0 - 64 done
         if (c0 + 2 * TC_KEYS <= t_hi) {
-            issue(c0 + 2 * TC_KEYS + skey, blk, bi == 0 ? TC_KB_BUFS - 1 : bi - 1);
-            blk = tc_blk(kv, sq, c0 + 3 * TC_KEYS + skey, t_lo, t_hi, d_err);
+            issue(blk, r, bi == 0 ? TC_KB_BUFS - 1 : bi - 1);
+            blk = tc_blk_kb(kv, sq, c0 + 3 * TC_KEYS + skey, t_lo, t_hi, r, d_err);
         } else {
             tc_commit(); // an empty group: block c0 + 64's stays the newest but one
         }

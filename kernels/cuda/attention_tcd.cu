@@ -36,6 +36,10 @@
 //   of at most TCD_AUTO_ROWS rows (batch 1 measured; 2..8 rows the same blocks, more of them in
 //   one wave), MM_GPU_ATT_TCD=1 every decode call (at most 64 rows), =0 none.
 //   CUDA only (HIP has no contract kernel: ops.cu's f32 kernels run there).
+// - A bf16 cache (attention_tc.cu's mm_gpu_kv_dtype): no stage and no conversion; each key's
+//   K and V rows copied by cp.async straight into one of NB buffers (MM_GPU_ATT_TCD_KB_BUFS: 3,
+//   4 or 6), NB - 1 key blocks in flight, the copies of block j + NB - 1 issued after block j's
+//   first barrier into the buffer block j - 1 left. Same bits (cuda_attention_tc_test).
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -52,6 +56,8 @@
 
 static int g_tcd = -1;        // -1: from MM_GPU_ATT_TCD at first use; 0 off; 1 on; 2 auto
 static int g_tcd_stages = -1; // -1: from MM_GPU_ATT_TCD_STAGES at first use (1 or 2; default 1)
+static int g_tcd_kb_bufs = -1; // -1: from MM_GPU_ATT_TCD_KB_BUFS at first use (3, 4, 6; default 3)
+static int g_tcd_gsub = -1;    // -1: from MM_GPU_ATT_TCD_GSUB at first use (1..16; default 16)
 
 #if MM_GPU_HAVE_WMMA
 #define TCD_HAVE 1
@@ -59,12 +65,15 @@ static int g_tcd_stages = -1; // -1: from MM_GPU_ATT_TCD_STAGES at first use (1 
 // One block per (row, gsub query heads of one kv head); gsub <= 16 (one m16 tile: unit u =
 // head h0 + u is tile row u). Dynamic shared memory: two f32 stages [TC_KEYS][dk + dv + 4]
 // (two key blocks in flight), then two bf16 buffers of [TC_KEYS][ldk] keys and [ldv] values.
-// KB: a bf16 cache: no stage, TC_KB_BUFS key buffers, block j copied straight into buffer
-// j % 3 while block j - 2 is computed (NST unused; the launcher gives 1).
-template <int DKM, int DVM, int NST, bool KB>
+// NB > 0: a bf16 cache: no stage, NB key buffers, block j copied straight into buffer j % NB
+// while block j - NB + 1 is computed (NB - 1 blocks in flight; NST unused, the launcher gives 1).
+// NB 0: an f32 cache (NST stages, two buffers).
+template <int DKM, int DVM, int NST, int NB>
 __global__ void __launch_bounds__(TCD_THREADS, 1)
     attention_tcd_kernel(struct mm_attn_args a, int gsub, int *d_err) {
     static_assert(NST == 1 || NST == 2, "stages");
+    static_assert(NB == 0 || NB >= 3, "bf16 buffers");
+    constexpr bool KB = NB > 0;
     mm_dep_signal();
     mm_dep_wait();
     extern __shared__ __align__(16) unsigned char tcd_sh[];
@@ -105,19 +114,23 @@ __global__ void __launch_bounds__(TCD_THREADS, 1)
     // read one block ahead
     float *const srow0 = stage + skey * sw, *const srow1 = stage + ((NST - 1) * TC_KEYS + skey) * sw;
     // bf16 cache: key skey's rows in buffer b
-    auto kb_issue = [&](int32_t t, int32_t b, int buf) {
+    // (blk, kr: tc_blk_kb's table entry and slot of the next key to copy)
+    int32_t kr = 0;
+    auto kb_issue = [&](int32_t b, int buf) {
         uint16_t *k = kb + buf * kvsz + skey * ldk;
-        tc_issue_bf16<TCD_TPK>(kv, t, b, k_off, v_off, k, kb + buf * kvsz + TC_KEYS * ldk + skey * ldv,
-                               part);
+        tc_issue_bf16<TCD_TPK>(kv, b, kr, k_off, v_off, k,
+                               kb + buf * kvsz + TC_KEYS * ldk + skey * ldv, part, d_err);
     };
-    int32_t blk = tc_blk(kv, sq, c_lo + skey, first, pos, d_err);
+    int32_t blk = KB ? tc_blk_kb(kv, sq, c_lo + skey, first, pos, kr, d_err)
+                     : tc_blk(kv, sq, c_lo + skey, first, pos, d_err);
     unsigned okm = blk >= 0 ? 1u : 0u; // bit s: stage row s's key staged
-    if constexpr (KB) {
-        tc_zero_pads(kb, TC_KB_BUFS, kvsz, dk, dv, ldk, ldv);
-        kb_issue(c_lo + skey, blk, 0);
-        kb_issue(c_lo + TC_KEYS + skey, tc_blk(kv, sq, c_lo + TC_KEYS + skey, first, pos, d_err),
-                 1);
-        blk = tc_blk(kv, sq, c_lo + 2 * TC_KEYS + skey, first, pos, d_err);
+    if constexpr (KB) { // blocks 0 .. NB - 2 into buffers 0 .. NB - 2 (one group each)
+        tc_zero_pads(kb, NB, kvsz, dk, dv, ldk, ldv);
+#pragma unroll
+        for (int b = 0; b < NB - 1; b++) {
+            kb_issue(blk, b);
+            blk = tc_blk_kb(kv, sq, c_lo + (b + 1) * TC_KEYS + skey, first, pos, kr, d_err);
+        }
     } else {
         tc_issue<TCD_TPK>(kv, c_lo + skey, blk, k_off, v_off, srow0, part);
         if (NST == 2) {
@@ -152,7 +165,7 @@ __global__ void __launch_bounds__(TCD_THREADS, 1)
         acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
     const bool pv = 16 * warp < dvp; // this warp has value dims
     if constexpr (KB) {
-        tc_wait<1>(); // this thread's copies of block 0 landed (block 1's may fly)
+        tc_wait<(KB ? NB - 2 : 0)>(); // this thread's copies of block 0 landed (1.. may fly)
     } else {
         tc_wait<NST - 1>();
         tc_convert<DKM, DVM, TCD_TPK>(srow0, okm & 1u, dk, dv, dkp, dvp, kb + skey * ldk,
@@ -217,17 +230,18 @@ __global__ void __launch_bounds__(TCD_THREADS, 1)
             pk[warp][lane][1] = tc_pack(p2, p3);
             *(float4 *)pf[warp][lane] = make_float4(p0, p1, p2, p3);
         }
-        // bf16 cache: block j + 2's copies into buffer (j + 2) % 3 (block j - 1's: every warp
-        // read it before the barrier above), then this thread's copies of block j + 1 landed
-        // (made visible to all by the barrier below)
+        // bf16 cache: block j + NB - 1's copies into buffer (j + NB - 1) % NB (block j - 1's:
+        // every warp read it before the barrier above), then this thread's copies of block
+        // j + 1 landed (the groups of blocks j + 2 .. j + NB - 1 are the only newer ones; made
+        // visible to all by the barrier below)
         if constexpr (KB) {
-            if (c0 + 2 * TC_KEYS <= pos) {
-                kb_issue(c0 + 2 * TC_KEYS + skey, blk, bi == 0 ? TC_KB_BUFS - 1 : bi - 1);
-                blk = tc_blk(kv, sq, c0 + 3 * TC_KEYS + skey, first, pos, d_err);
+            if (c0 + (NB - 1) * TC_KEYS <= pos) {
+                kb_issue(blk, bi == 0 ? NB - 1 : bi - 1);
+                blk = tc_blk_kb(kv, sq, c0 + NB * TC_KEYS + skey, first, pos, kr, d_err);
             } else {
-                tc_commit(); // an empty group: block j + 1's stays the newest but one
+                tc_commit(); // an empty group: the count of newer groups stays NB - 2
             }
-            tc_wait<1>();
+            tc_wait<(KB ? NB - 2 : 0)>();
         }
         // block j + 1 (stage row (j + 1) % NST, issued NST blocks ago) into the other buffer,
         // then block j + 1 + NST's copies into that stage row
@@ -277,7 +291,7 @@ __global__ void __launch_bounds__(TCD_THREADS, 1)
         // no barrier here: the next buffer was converted (or copied) before the barrier above,
         // and a warp writes red, pk, pf or a buffer again only after the next block's first
         // barrier, which every warp reaches after its reads of this block
-        bi = KB ? (bi == TC_KB_BUFS - 1 ? 0 : bi + 1) : bi ^ 1;
+        bi = KB ? (bi == NB - 1 ? 0 : bi + 1) : bi ^ 1;
     }
     // l over the row's 4 threads (attention_tc_kernel's butterfly), then this warp's dims
 #pragma unroll
@@ -304,22 +318,22 @@ __global__ void __launch_bounds__(TCD_THREADS, 1)
     }
 }
 
-// dynamic shared memory: NST stages and two buffers (f32 cache), TC_KB_BUFS buffers (bf16)
-static size_t tcd_shmem(int dk, int dv, int nst, bool kb) {
-    return kb ? tc_stage_shmem(dk, dv, 0, TC_KB_BUFS) : tc_stage_shmem(dk, dv, nst, 2);
+// dynamic shared memory: NST stages and two buffers (f32 cache, nb 0), nb buffers (bf16)
+static size_t tcd_shmem(int dk, int dv, int nst, int nb) {
+    return nb > 0 ? tc_stage_shmem(dk, dv, 0, nb) : tc_stage_shmem(dk, dv, nst, 2);
 }
 
-template <int DKM, int DVM, int NST, bool KB>
+template <int DKM, int DVM, int NST, int NB>
 static mm_err tcd_launch(void *stream, const struct mm_attn_args *a, int gsub, int *d_err) {
     static uint64_t attr_set; // tc_allow_shmem's: this kernel's devices
-    const mm_err rv = tc_allow_shmem(attention_tcd_kernel<DKM, DVM, NST, KB>, &attr_set,
-                                     tcd_shmem(DKM, DVM, NST, KB));
+    const mm_err rv = tc_allow_shmem(attention_tcd_kernel<DKM, DVM, NST, NB>, &attr_set,
+                                     tcd_shmem(DKM, DVM, NST, NB));
     if (rv != MM_OK)
         return rv;
     const int group = a->n_heads / a->kv.n_kv_heads;
     dim3 grid((unsigned)a->n_rows, (unsigned)(a->kv.n_kv_heads * (group / gsub)));
-    MM_GPU_CHECK(mm_launch_dep(attention_tcd_kernel<DKM, DVM, NST, KB>, grid, dim3(TCD_THREADS),
-                               tcd_shmem(a->kv.head_dim_k, a->kv.head_dim_v, NST, KB),
+    MM_GPU_CHECK(mm_launch_dep(attention_tcd_kernel<DKM, DVM, NST, NB>, grid, dim3(TCD_THREADS),
+                               tcd_shmem(a->kv.head_dim_k, a->kv.head_dim_v, NST, NB),
                                (cudaStream_t)stream, *a, gsub, d_err));
     MM_GPU_CHECK(cudaGetLastError());
     return MM_OK;
@@ -344,6 +358,39 @@ static int tcd_stages(void) {
     }
     return g_tcd_stages;
 }
+
+// key buffers of the bf16-cache form: 3 (two blocks in flight, the default), 4 or 6
+// (MM_GPU_ATT_TCD_KB_BUFS; dk = dv = 128: 104, 139, 209 KB of shared memory). Same bits.
+static int tcd_kb_bufs(void) {
+    if (g_tcd_kb_bufs < 0) {
+        g_tcd_kb_bufs = tc_env_is("MM_GPU_ATT_TCD_KB_BUFS", "6")   ? 6
+                        : tc_env_is("MM_GPU_ATT_TCD_KB_BUFS", "4") ? 4
+                                                                   : 3;
+    }
+    return g_tcd_kb_bufs;
+}
+
+// the most query heads of a kv head one block takes (tc_group_sub): 16 (the default: Qwen3's
+// group of 8 in one block) down to 1 (MM_GPU_ATT_TCD_GSUB: more blocks, each walking the same
+// keys for fewer heads; same bits: a row's result does not depend on its tile neighbours)
+static int tcd_gsub(void) {
+    if (g_tcd_gsub < 0) {
+        const char *e = getenv("MM_GPU_ATT_TCD_GSUB");
+        const int v = e != NULL ? atoi(e) : 16;
+        g_tcd_gsub = v >= 1 && v <= 16 ? v : 16;
+    }
+    return g_tcd_gsub;
+}
+
+// mm_gpu_set_attention_tcd_kb_bufs: 3, 4 or 6 key buffers for a bf16 cache; other values:
+// back to MM_GPU_ATT_TCD_KB_BUFS. mm_gpu_set_attention_tcd_gsub: 1..16 heads per block at
+// most; other values: back to MM_GPU_ATT_TCD_GSUB. Same bits. Process-wide.
+extern "C" void mm_gpu_set_attention_tcd_kb_bufs(int n);
+extern "C" void mm_gpu_set_attention_tcd_kb_bufs(int n) {
+    g_tcd_kb_bufs = n == 3 || n == 4 || n == 6 ? n : -1;
+}
+extern "C" void mm_gpu_set_attention_tcd_gsub(int n);
+extern "C" void mm_gpu_set_attention_tcd_gsub(int n) { g_tcd_gsub = n >= 1 && n <= 16 ? n : -1; }
 
 // mm_gpu_set_attention_tcd_stages: 1 or 2 key blocks in flight; other values: back to
 // MM_GPU_ATT_TCD_STAGES (default 1). Same bits. Process-wide.
@@ -375,17 +422,26 @@ extern "C" mm_err mm_gpu_attention_tcd(void *stream, const struct mm_attn_args *
         a->kv.head_dim_k % 4 != 0 || a->kv.head_dim_v % 4 != 0)
         return MM_OK;
     const int group = a->n_heads / a->kv.n_kv_heads;
-    const int gsub = tc_group_sub(group, 16);
+    const int gsub = tc_group_sub(group, tcd_gsub());
     const bool small = a->kv.head_dim_k <= 64 && a->kv.head_dim_v <= 64;
     mm_err rv;
-    if (a->kv.dtype == MM_DTYPE_BF16) // attention_tc.cu checked the bf16 shape
-        rv = small ? tcd_launch<64, 64, 1, true>(stream, a, gsub, d_err)
-                   : tcd_launch<128, 128, 1, true>(stream, a, gsub, d_err);
-    else
-        rv = tcd_stages() == 1 ? (small ? tcd_launch<64, 64, 1, false>(stream, a, gsub, d_err)
-                                        : tcd_launch<128, 128, 1, false>(stream, a, gsub, d_err))
-                               : (small ? tcd_launch<64, 64, 2, false>(stream, a, gsub, d_err)
-                                        : tcd_launch<128, 128, 2, false>(stream, a, gsub, d_err));
+    if (a->kv.dtype == MM_DTYPE_BF16) { // attention_tc.cu checked the bf16 shape
+        const int nb = tcd_kb_bufs();
+        if (nb == 6)
+            rv = small ? tcd_launch<64, 64, 1, 6>(stream, a, gsub, d_err)
+                       : tcd_launch<128, 128, 1, 6>(stream, a, gsub, d_err);
+        else if (nb == 4)
+            rv = small ? tcd_launch<64, 64, 1, 4>(stream, a, gsub, d_err)
+                       : tcd_launch<128, 128, 1, 4>(stream, a, gsub, d_err);
+        else
+            rv = small ? tcd_launch<64, 64, 1, 3>(stream, a, gsub, d_err)
+                       : tcd_launch<128, 128, 1, 3>(stream, a, gsub, d_err);
+    } else {
+        rv = tcd_stages() == 1 ? (small ? tcd_launch<64, 64, 1, 0>(stream, a, gsub, d_err)
+                                        : tcd_launch<128, 128, 1, 0>(stream, a, gsub, d_err))
+                               : (small ? tcd_launch<64, 64, 2, 0>(stream, a, gsub, d_err)
+                                        : tcd_launch<128, 128, 2, 0>(stream, a, gsub, d_err));
+    }
     if (rv == MM_OK)
         *done = 1;
     return rv;

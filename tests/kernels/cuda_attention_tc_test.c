@@ -28,8 +28,11 @@ extern void mm_gpu_set_attention_tc_db(int mode) __attribute__((weak));
 extern void mm_gpu_set_attention_tc_mt(int mt) __attribute__((weak));
 extern mm_err mm_gpu_attention_tc(void *stream, const struct mm_attn_args *a, int *d_err, int *done)
     __attribute__((weak));
-// decode calls with every warp computing (attention_tcd.cu): 0 none (attention_tc_kernel)
+// decode calls with every warp computing (attention_tcd.cu): 0 none (attention_tc_kernel); its
+// key buffers for a bf16 cache (3, 4, 6) and heads per block (1..16)
 extern void mm_gpu_set_attention_tcd(int mode) __attribute__((weak));
+extern void mm_gpu_set_attention_tcd_kb_bufs(int n) __attribute__((weak));
+extern void mm_gpu_set_attention_tcd_gsub(int n) __attribute__((weak));
 
 static mm_backend *cpu;
 
@@ -146,9 +149,9 @@ static void tc_whole(const struct mm_kv_view *kv, const struct tc_rows *u, int n
 // Each way a row reaches the contract again, each time from a cache of NaN (bf16 0xffff),
 // stored by kv_store into bf16 then attended: the whole prompt with the default tiles (one per
 // warp, 8 warps), 4 warps, two tiles per warp, and with the contract switched off (a bf16 cache
-// is read by the contract anyway); chunks of 37, 128, 1, 200; decode steps (attention_tcd.cu,
-// then attention_tc_kernel with mm_gpu_set_attention_tcd(0)); the sequences interleaved (one
-// and two tiles). *d_out_n: output elements differing from all, summed; *d_store_n: cache
+// is read by the contract anyway); chunks of 37, 128, 1, 200; decode steps (attention_tcd.cu
+// with 3, 6 and 4 key buffers, then attention_tc_kernel with mm_gpu_set_attention_tcd(0)); the
+// sequences interleaved (one and two tiles). *d_out_n: output elements differing from all, summed; *d_store_n: cache
 // elements that are not the host's round-to-nearest-even bf16 of k and v after the first run.
 static void tc_case_kb(const struct mm_kv_view *kv, const int32_t *tables, int64_t pool_n,
                        const int *lens, int n_seqs, int n_rows, const float *q, const float *k,
@@ -220,15 +223,23 @@ static void tc_case_kb(const struct mm_kv_view *kv, const int32_t *tables, int64
     tc_rows_free(&u);
 
     // decode steps: step p holds position p of every sequence that long; attention_tcd.cu's
-    // kernel, then attention_tc_kernel
+    // kernel with 3 key buffers, with 6 and one head per block, with 4 and two heads per block,
+    // then attention_tc_kernel
     int n = 0;
     for (int p = 0; p < max_len; p++)
         for (int s = 0, r = 0; s < n_seqs; r += lens[s], s++)
             if (p < lens[s])
                 order[n++] = r + p;
     u = tc_upload(order, n_rows, q, qst, k, kst, v, vst, rs, rp);
-    for (int tcd = 1; tcd >= (mm_gpu_set_attention_tcd ? 0 : 1); tcd--) {
-        if (tcd == 0)
+    const bool tcd_knobs = mm_gpu_set_attention_tcd_kb_bufs && mm_gpu_set_attention_tcd_gsub;
+    for (int tcd = 3; tcd >= (mm_gpu_set_attention_tcd ? 0 : 3); tcd--) {
+        if ((tcd == 2 || tcd == 1) && !tcd_knobs)
+            continue;
+        if (tcd == 2)
+            mm_gpu_set_attention_tcd_kb_bufs(6), mm_gpu_set_attention_tcd_gsub(1);
+        else if (tcd == 1)
+            mm_gpu_set_attention_tcd_kb_bufs(4), mm_gpu_set_attention_tcd_gsub(2);
+        else if (tcd == 0)
             mm_gpu_set_attention_tcd(0);
         KB_FRESH();
         for (int p = 0, r = 0; p < max_len; p++) {
@@ -245,6 +256,8 @@ static void tc_case_kb(const struct mm_kv_view *kv, const int32_t *tables, int64
         }
         if (mm_gpu_set_attention_tcd)
             mm_gpu_set_attention_tcd(-1);
+        if (tcd_knobs)
+            mm_gpu_set_attention_tcd_kb_bufs(-1), mm_gpu_set_attention_tcd_gsub(-1);
         KB_CHECK();
     }
     tc_rows_free(&u);
@@ -458,8 +471,8 @@ static void tc_case(int n_heads, int n_kv, int dk, int dv, int window, const int
            (long long)on);
     if (kb_shape)
         printf("  bf16 cache: %lld elements differ from the f32 cache's whole-prompt call over %d "
-               "runs (whole x4 settings, chunks, decode x2 kernels, interleaved x2); %lld stored "
-               "elements differ from the host's bf16 of k, v\n",
+               "runs (whole x4 settings, chunks, decode x4 kernels/settings, interleaved x2); %lld "
+               "stored elements differ from the host's bf16 of k, v\n",
                (long long)d_kb, kb_runs, (long long)d_store);
     else
         printf("  bf16 cache: not for this shape (head dims not multiples of 8): kv_dtype f32\n");

@@ -44,9 +44,10 @@
 // with, so the kernels see the same bf16 operands and give the same bits. Their KB forms
 // (tc_kb_pass, attention_tcd_kernel's NB) have no f32 stage and no conversion: each thread's
 // cp.async copies go straight into the ldmatrix layout ([key][dim] rows padded by 8), into one of
-// TC_KB_BUFS (3) buffers, two key blocks in flight, one barrier per block (4K prefill, H200 09:20
-// UTC: 1015 vs 1119 us per 4096-row call by the per-op timer; decode after a 4K prompt 793 vs 670
-// tok/s; docs/BENCHMARKS.md).
+// TC_KB_BUFS (3) buffers, two key blocks in flight, one barrier per block (H200, 2026-11-30 09:20
+// and 09:31 UTC: 1015 vs 1119 us per 4096-row prefill call by the per-op timer, the 4K forward
+// 11.20 vs 11.60 ms; decode after a 4K prompt 844-850 vs 679 tok/s; docs/BENCHMARKS.md). (The
+// f32 branches below keep their earlier indentation inside the KB test: same code as before.)
 // Shapes: head dims up to 128, multiples of 4, a 16-byte-aligned cache; other shapes (and HIP
 // builds) keep ops.cu's kernels for decode and prefill alike, so the contract never depends on
 // the number of rows. (A 192/128 form ran on the H200 at 01:48 UTC with wrong results, cause

@@ -9,10 +9,11 @@
 struct mm_kv_cache {
     mm_kv_params p;
     mm_backend *be;
-    float *pool;            // backend memory, n_blocks blocks
+    void *pool;             // backend memory, n_blocks blocks of p.dtype elements
     int n_blocks;
     int max_blocks;         // per sequence
-    int64_t slot_floats;    // K + V of one token
+    int64_t slot_floats;    // K + V of one token, in elements (f32 or bf16)
+    size_t elem_bytes;      // 4 (f32) or 2 (bf16)
     int32_t *free_ids;      // stack of free block ids
     int n_free;
     int32_t *tables;        // (max_seqs, max_blocks) host; -1 = none
@@ -22,12 +23,27 @@ struct mm_kv_cache {
     bool *seq_used;
 };
 
+size_t mm_kv_token_bytes(const mm_kv_params *p) {
+    const size_t eb = p->dtype == MM_DTYPE_F32 ? 4 : p->dtype == MM_DTYPE_BF16 ? 2 : 0;
+    return (size_t)p->n_layers * (size_t)p->n_kv_heads * (size_t)(p->head_dim_k + p->head_dim_v) *
+           eb;
+}
+
 mm_err mm_kv_cache_new(mm_kv_cache **out, const mm_kv_params *p, mm_backend *be,
                        char err[MM_ERRLEN]) {
     *out = NULL;
     if (!p || !be || p->n_layers <= 0 || p->n_kv_heads <= 0 || p->head_dim_k <= 0 ||
         p->head_dim_v <= 0 || p->block_size <= 0 || p->max_seqs <= 0 || p->max_ctx <= 0)
         return mm_errf(err, MM_EINVAL, "kv cache: bad parameters");
+    if (p->dtype != MM_DTYPE_F32 && p->dtype != MM_DTYPE_BF16)
+        return mm_errf(err, MM_EINVAL, "kv cache: dtype %s (f32 or bf16 only)",
+                       mm_dtype_name(p->dtype));
+    if (p->dtype == MM_DTYPE_BF16 &&
+        (!be->ops->kv_dtype || be->ops->kv_dtype(be->ctx, p->n_kv_heads, p->head_dim_k,
+                                                 p->head_dim_v) != MM_DTYPE_BF16))
+        return mm_errf(err, MM_EINVAL, "kv cache: backend %s does not read a bf16 cache of %d "
+                       "kv heads, head dims %d/%d", be->ops->name, p->n_kv_heads, p->head_dim_k,
+                       p->head_dim_v);
     mm_kv_cache *kv = calloc(1, sizeof(*kv));
     if (!kv)
         return MM_ENOMEM;
@@ -35,7 +51,8 @@ mm_err mm_kv_cache_new(mm_kv_cache **out, const mm_kv_params *p, mm_backend *be,
     kv->p = *p;
     kv->be = be;
     kv->slot_floats = (int64_t)p->n_kv_heads * (p->head_dim_k + p->head_dim_v);
-    size_t block_bytes = (size_t)kv->slot_floats * 4 * (size_t)p->block_size * (size_t)p->n_layers;
+    kv->elem_bytes = p->dtype == MM_DTYPE_BF16 ? 2 : 4;
+    size_t block_bytes = mm_kv_token_bytes(p) * (size_t)p->block_size;
     size_t nb = p->budget_bytes / block_bytes;
     if (nb < 1) {
         rv = mm_errf(err, MM_EINVAL, "kv cache: budget %zu bytes is less than one block (%zu)",
@@ -46,7 +63,7 @@ mm_err mm_kv_cache_new(mm_kv_cache **out, const mm_kv_params *p, mm_backend *be,
         nb = INT32_MAX / 2;
     kv->n_blocks = (int)nb;
     kv->max_blocks = (p->max_ctx + p->block_size - 1) / p->block_size;
-    MM_TRY_GOTO(rv, be->ops->buffer_alloc(be->ctx, nb * block_bytes, (void **)&kv->pool), fail);
+    MM_TRY_GOTO(rv, be->ops->buffer_alloc(be->ctx, nb * block_bytes, &kv->pool), fail);
     size_t n_tab = (size_t)p->max_seqs * (size_t)kv->max_blocks;
     kv->free_ids = malloc(nb * sizeof(int32_t));
     kv->tables = malloc(n_tab * sizeof(int32_t));
@@ -160,7 +177,7 @@ int32_t mm_kv_cache_seq_len(const mm_kv_cache *kv, int32_t seq) {
 void mm_kv_cache_view(const mm_kv_cache *kv, int layer, struct mm_kv_view *out) {
     const int64_t layer_floats = kv->slot_floats * kv->p.block_size;
     *out = (struct mm_kv_view){
-        .base = kv->pool + (int64_t)layer * layer_floats,
+        .base = (float *)((char *)kv->pool + (size_t)layer * (size_t)layer_floats * kv->elem_bytes),
         .block_size = kv->p.block_size,
         .block_stride = layer_floats * kv->p.n_layers,
         .slot_stride = kv->slot_floats,
@@ -169,6 +186,7 @@ void mm_kv_cache_view(const mm_kv_cache *kv, int layer, struct mm_kv_view *out) 
         .head_dim_v = kv->p.head_dim_v,
         .block_tables = kv->d_tables,
         .max_blocks = kv->max_blocks,
+        .dtype = kv->p.dtype,
     };
 }
 

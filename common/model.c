@@ -619,6 +619,13 @@ void mm_model_kv_params(const mm_model *m, mm_kv_params *p) {
     p->head_dim_k = m->c.head_dim;
     p->head_dim_v = m->c.head_dim_v;
     p->block_size = 16;
+    // the backend's cache dtype (bf16 where its attention rounds K and V to bf16 anyway). MLA
+    // keeps f32: its real head dims (DeepSeek V3: 192 for keys) are outside the tensor-core
+    // contract, so a bf16 MLA cache would exist only for small test models
+    const struct mm_backend_ops *ops = m->be->ops;
+    p->dtype = !m->c.mla && ops->kv_dtype ? ops->kv_dtype(m->be->ctx, p->n_kv_heads,
+                                                          p->head_dim_k, p->head_dim_v)
+                                          : MM_DTYPE_F32;
 }
 
 // ---- scratch --------------------------------------------------------------------------------

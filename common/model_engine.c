@@ -27,7 +27,7 @@ mm_err mm_engine_open(mm_engine **out, const char *model_dir, const mm_engine_pa
     mm_model_kv_params(e->model, &kp);
     kp.max_seqs = ep.max_seqs > 0 ? ep.max_seqs : 4;
     kp.max_ctx = e->max_ctx;
-    size_t per_tok = (size_t)kp.n_layers * kp.n_kv_heads * (kp.head_dim_k + kp.head_dim_v) * 4;
+    size_t per_tok = mm_kv_token_bytes(&kp); // the cache's dtype (bf16 on CUDA's contract)
     kp.budget_bytes = ep.kv_bytes ? ep.kv_bytes
                                   : per_tok * (size_t)(kp.max_ctx + kp.block_size) * kp.max_seqs;
     MM_TRY_GOTO(rv, mm_kv_cache_new(&e->kv, &kp, e->be, err), fail);

@@ -82,7 +82,9 @@ struct mm_rope_args {
 // One layer of the pool. Token t of a sequence lives in slot t % block_size of block
 // block_table[t / block_size]; that slot starts at
 //     base + block * block_stride + (t % block_size) * slot_stride
-// and holds K (n_kv_heads, head_dim_k) followed by V (n_kv_heads, head_dim_v), f32.
+// and holds K (n_kv_heads, head_dim_k) followed by V (n_kv_heads, head_dim_v), in the view's
+// dtype: f32, or bf16 where the backend's kv_dtype asked for it (then base points at bf16
+// elements, cast, and the strides count bf16 elements).
 // MLA (DeepSeek V3) is stored decompressed, as transformers computes it: n_kv_heads = n_heads,
 // head_dim_k = qk_nope + qk_rope, head_dim_v = v_head_dim.
 struct mm_kv_view {
@@ -93,6 +95,9 @@ struct mm_kv_view {
     int n_kv_heads, head_dim_k, head_dim_v;
     const int32_t *block_tables; // (n_seqs, max_blocks) block ids, row per sequence
     int max_blocks;              // row length of block_tables
+    enum mm_dtype dtype;         // MM_DTYPE_F32 (0: every backend) or MM_DTYPE_BF16 (only a
+                                 // backend whose kv_dtype returns it takes such a view: its
+                                 // kv_store rounds to nearest even, its attention reads it)
 };
 
 // kv_store writes rows into the cache: row r goes to sequence row_seq[r], position
@@ -346,6 +351,12 @@ struct mm_backend_ops {
     mm_err (*embed_rmsnorm)(void *ctx, const mm_weight *table, const int32_t *ids,
                             int64_t n_rows, float *out, int64_t out_stride, const mm_weight *w,
                             float eps, float *y, int64_t y_stride);
+    // kv_dtype (optional; NULL: MM_DTYPE_F32): the element type this backend wants for a KV
+    // cache of this shape (mm_kv_params.dtype, struct mm_kv_view.dtype). MM_DTYPE_BF16 only
+    // where every attention read of such a cache rounds K and V to bf16 (round to nearest
+    // even) anyway, so the stored bf16 gives the same bits as an f32 cache in half the bytes.
+    // Decided when a cache is made: the cache keeps its dtype for its life.
+    enum mm_dtype (*kv_dtype)(void *ctx, int n_kv_heads, int head_dim_k, int head_dim_v);
 };
 
 // A backend instance: the table plus its context. Not thread-safe (one issuing thread).

@@ -168,8 +168,8 @@ static inline float *kv_slot(const struct mm_kv_view *kv, int32_t seq, int32_t p
 
 static mm_err cpu_kv_store(void *ctx, const struct mm_kv_store_args *a) {
     (void)ctx;
-    if (!a || !a->kv.base || !a->kv.block_tables)
-        return MM_EINVAL;
+    if (!a || !a->kv.base || !a->kv.block_tables || a->kv.dtype != MM_DTYPE_F32)
+        return MM_EINVAL; // f32 caches only (no kv_dtype: the CPU never asks for bf16)
     const int64_t nk = (int64_t)a->kv.n_kv_heads * a->kv.head_dim_k;
     const int64_t nv = (int64_t)a->kv.n_kv_heads * a->kv.head_dim_v;
     for (int64_t r = 0; r < a->n_rows; r++) {
@@ -234,7 +234,7 @@ static void attn_chunk(void *arg, int64_t b, int64_t e) {
 
 static mm_err cpu_attention(void *ctx, const struct mm_attn_args *a) {
     if (!a || !a->q || !a->out || a->n_heads <= 0 || a->kv.n_kv_heads <= 0 ||
-        a->n_heads % a->kv.n_kv_heads != 0)
+        a->n_heads % a->kv.n_kv_heads != 0 || a->kv.dtype != MM_DTYPE_F32)
         return MM_EINVAL;
     for (int64_t r = 0; r < a->n_rows; r++)
         if (a->row_pos[r] < 0 || a->row_pos[r] / a->kv.block_size >= a->kv.max_blocks)

@@ -38,6 +38,16 @@
 // V by ldmatrix.trans; P stays in registers (the score accumulators are the next mma's A
 // fragments). Rows of several sequences in one block are done one sequence at a time
 // (passes), like ops.cu's prefill kernel.
+// A bf16 cache (struct mm_kv_view.dtype; mm_gpu_kv_dtype below makes one by default where every
+// read goes through these kernels: MM_GPU_KV_BF16=0 keeps f32): ops.cu's kv_store and
+// head_norm_rope_kv round K and V with the instruction tc_pack rounds an f32 cache's K and V
+// with, so the kernels see the same bf16 operands and give the same bits. Their KB forms
+// (tc_kb_pass, attention_tcd_kernel's NB) have no f32 stage and no conversion: each thread's
+// cp.async copies go straight into the ldmatrix layout ([key][dim] rows padded by 8), into one of
+// TC_KB_BUFS (3) buffers, two key blocks in flight, one barrier per block (H200, 2026-11-30 09:20
+// and 09:31 UTC: 1015 vs 1119 us per 4096-row prefill call by the per-op timer, the 4K forward
+// 11.20 vs 11.60 ms; decode after a 4K prompt 844-850 vs 679 tok/s; docs/BENCHMARKS.md). (The
+// f32 branches below keep their earlier indentation inside the KB test: same code as before.)
 // Shapes: head dims up to 128, multiples of 4, a 16-byte-aligned cache; other shapes (and HIP
 // builds) keep ops.cu's kernels for decode and prefill alike, so the contract never depends on
 // the number of rows. (A 192/128 form ran on the H200 at 01:48 UTC with wrong results, cause
@@ -65,9 +75,50 @@ static int g_att_tc = -1;       // -1: from MM_GPU_ATT_TC at first use; 0 off; 1
 static int g_att_tc_warps = -1; // -1: from MM_GPU_ATT_TC_WARPS (4 or 8; default 8)
 static int g_att_tc_db = -1;    // -1: from MM_GPU_ATT_TC_DB (0: one key buffer; default 1)
 static int g_att_tc_mt = -1;    // -1: from MM_GPU_ATT_TC_MT (1: one m16 tile per warp; default 2)
+static int g_kv_bf16 = -1;      // -1: from MM_GPU_KV_BF16 at the next cache made; 0 f32; 1 bf16
 
 #if MM_GPU_HAVE_WMMA
 #define TC_HAVE 1
+
+// The key blocks of one pass from a bf16 cache (both prefill kernels' and the one-tile kernel's
+// KB form): blocks c_lo, c_lo + 64, .. up to t_hi, block j copied by tc_issue_bf16 into buffer
+// j % TC_KB_BUFS two blocks ahead, so one block's copies fly while two blocks are computed.
+// Per block: this thread waits for its own copies of block j (cp.async.wait_group 1: block
+// j + 1's group is the only newer one; every issue commits one group, empty past t_hi), one
+// barrier (block j visible to all; every warp done with block j - 1's buffer), block j + 2's
+// copies into that buffer, then compute(c0, buffer) (the caller's tc_block / tc_block2). The
+// caller's barriers before the pass (the pass loop's) order the last pass's reads of the
+// buffers before this pass's first copies. skey, part: this thread's key and piece of it.
+template <int TPK, typename F>
+__device__ __forceinline__ void tc_kb_pass(const struct mm_kv_view &kv, int32_t sq, int32_t c_lo,
+                                           int32_t t_lo, int32_t t_hi, int64_t k_off,
+                                           int64_t v_off, uint16_t *kb, int kvsz, int ldk,
+                                           int ldv, int skey, int part, int *d_err, F compute) {
+    auto issue = [&](int32_t blk, int32_t r, int b) {
+        uint16_t *k = kb + b * kvsz + skey * ldk;
+        tc_issue_bf16<TPK>(kv, blk, r, k_off, v_off, k, kb + b * kvsz + TC_KEYS * ldk + skey * ldv,
+                           part, d_err);
+    };
+    int32_t r;
+    int32_t blk = tc_blk_kb(kv, sq, c_lo + skey, t_lo, t_hi, r, d_err);
+    issue(blk, r, 0);
+    blk = tc_blk_kb(kv, sq, c_lo + TC_KEYS + skey, t_lo, t_hi, r, d_err);
+    issue(blk, r, 1);
+    blk = tc_blk_kb(kv, sq, c_lo + 2 * TC_KEYS + skey, t_lo, t_hi, r, d_err);
+    int bi = 0;
+    for (int32_t c0 = c_lo; c0 <= t_hi; c0 += TC_KEYS) {
+        tc_wait<1>();    // this thread's copies of block c0 landed
+        __syncthreads(); // everyone's; every read of the buffer of block c0 - 64 done
+        if (c0 + 2 * TC_KEYS <= t_hi) {
+            issue(blk, r, bi == 0 ? TC_KB_BUFS - 1 : bi - 1);
+            blk = tc_blk_kb(kv, sq, c0 + 3 * TC_KEYS + skey, t_lo, t_hi, r, d_err);
+        } else {
+            tc_commit(); // an empty group: block c0 + 64's stays the newest but one
+        }
+        compute(c0, kb + bi * kvsz);
+        bi = bi == TC_KB_BUFS - 1 ? 0 : bi + 1;
+    }
+}
 
 // One 64-key block for the warp's 16 units (rows g and g + 8 of this thread): scores from kb,
 // mask, online softmax update of m, l and acc, P V from vb.
@@ -176,7 +227,8 @@ tc_block(const uint32_t (&qf)[DKM / 16][4], const uint16_t *kb, const uint16_t *
     }
 }
 
-template <int DKM, int DVM, int NW, bool DB>
+// KB: the cache is bf16 (TC_KB_BUFS key buffers filled by tc_issue_bf16, DB unused), else f32.
+template <int DKM, int DVM, int NW, bool DB, bool KB>
 __global__ void __launch_bounds__(NW * 32, 8 / NW)
     attention_tc_kernel(struct mm_attn_args a, int gsub, int rows_pb, int *d_err) {
     constexpr int NT = NW * 32, UNITS = NW * 16, TPK = NT / TC_KEYS;
@@ -191,11 +243,14 @@ __global__ void __launch_bounds__(NW * 32, 8 / NW)
     const int dk = kv.head_dim_k, dv = kv.head_dim_v;
     const int dkp = (dk + 15) & ~15, dvp = (dv + 15) & ~15;
     const int ldk = dkp + 8, ldv = dvp + 8, sw = dk + dv + 4;
-    float *stage = (float *)tc_sh;                     // [TC_KEYS][sw] f32
-    uint16_t *kb = (uint16_t *)(stage + TC_KEYS * sw); // [TC_KEYS][ldk] bf16
-    uint16_t *vb = kb + TC_KEYS * ldk;                 // [TC_KEYS][ldv] bf16
+    float *stage = (float *)tc_sh;                                // [TC_KEYS][sw] f32 (f32 cache)
+    uint16_t *kb = (uint16_t *)(stage + (KB ? 0 : TC_KEYS * sw)); // [TC_KEYS][ldk] bf16
+    uint16_t *vb = kb + TC_KEYS * ldk;                            // [TC_KEYS][ldv] bf16
+    const int kvsz = TC_KEYS * (ldk + ldv); // one key buffer (K then V)
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tq = lane & 3;
     const int skey = tid / TPK, part = tid % TPK; // the key this thread stages and converts
+    if constexpr (KB)
+        tc_zero_pads(kb, TC_KB_BUFS, kvsz, dk, dv, ldk, ldv);
     const int group = a.n_heads / kv.n_kv_heads, per_kv = group / gsub;
     const int kvh = blockIdx.y / per_kv, h0 = kvh * group + (blockIdx.y % per_kv) * gsub;
     // heavy (late) row tiles first: the causal prefix grows with the row
@@ -292,6 +347,16 @@ __global__ void __launch_bounds__(NW * 32, 8 / NW)
 #pragma unroll
         for (int n = 0; n < DVM / 8; n++)
             acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+        if constexpr (KB) {
+            // bf16 cache: block j's keys copied straight into buffer j % 3 two blocks ahead
+            // (issued while block j - 2 is computed), one barrier per block
+            tc_kb_pass<TPK>(kv, sq, c_lo, t_lo, t_hi, k_off, v_off, kb, kvsz, ldk, ldv, skey, part,
+                            d_err, [&](int32_t c0, const uint16_t *kc) {
+                                if (wcomp && c0 <= wmax && c0 + TC_KEYS - 1 >= wmin)
+                                    tc_block<DKM, DVM>(qf, kc, kc + TC_KEYS * ldk, ldk, ldv, dkp,
+                                                       dvp, c0, first, pos, cs, m, l, acc);
+                            });
+        } else {
         float *srow = stage + skey * sw;
         int32_t blk = tc_blk(kv, sq, c_lo + skey, t_lo, t_hi, d_err);
         bool ok = blk >= 0;
@@ -316,7 +381,6 @@ __global__ void __launch_bounds__(NW * 32, 8 / NW)
         } else {
             // two bf16 buffers: block c0 + 64 is converted (and c0 + 128's copies issued) while
             // c0 is computed from the other buffer; one barrier per block
-            const int kvsz = TC_KEYS * (ldk + ldv);
             __syncthreads(); // the last pass's reads of both buffers done
             tc_wait<0>();
             tc_convert<DKM, DVM, TPK>(srow, ok, dk, dv, dkp, dvp, kb + skey * ldk, vb + skey * ldv,
@@ -349,6 +413,7 @@ __global__ void __launch_bounds__(NW * 32, 8 / NW)
                 bi ^= 1;
             }
         }
+        } // f32 cache
         // l over the row's 4 threads (a butterfly: the same sum in all four), then the outputs
 #pragma unroll
         for (int i = 0; i < 2; i++) {
@@ -496,8 +561,9 @@ tc_block2(const uint16_t *qs, int ldq, const uint16_t *kb, const uint16_t *vb, i
 // structure (passes per sequence, the staging and conversion of each 64-key block into one of
 // two bf16 buffers, one barrier per block) with 256 units per block; warp w takes units
 // 32 w..32 w + 31 (tile t: 32 w + 16 t ..). Only for calls of more than TC_DECODE_ROWS rows.
+// KB: the cache is bf16 (tc_kb_pass: TC_KB_BUFS key buffers, no f32 stage), else f32.
 #define TC2_WARPS 8
-template <int DKM, int DVM>
+template <int DKM, int DVM, bool KB>
 __global__ void __launch_bounds__(TC2_WARPS * 32, 1)
     attention_tc2_kernel(struct mm_attn_args a, int gsub, int rows_pb, int *d_err) {
     constexpr int NT = TC2_WARPS * 32, UNITS = TC2_WARPS * 32, TPK = NT / TC_KEYS;
@@ -512,12 +578,15 @@ __global__ void __launch_bounds__(TC2_WARPS * 32, 1)
     const int dk = kv.head_dim_k, dv = kv.head_dim_v;
     const int dkp = (dk + 15) & ~15, dvp = (dv + 15) & ~15;
     const int ldk = dkp + 8, ldv = dvp + 8, sw = dk + dv + 4, ldq = ldk;
-    float *stage = (float *)tc_sh;                     // [TC_KEYS][sw] f32
-    uint16_t *kb = (uint16_t *)(stage + TC_KEYS * sw); // 2 x ([TC_KEYS][ldk] + [TC_KEYS][ldv]) bf16
+    float *stage = (float *)tc_sh; // [TC_KEYS][sw] f32 (f32 cache only)
+    // 2 (f32 cache) or TC_KB_BUFS (bf16) x ([TC_KEYS][ldk] + [TC_KEYS][ldv]) bf16
+    uint16_t *kb = (uint16_t *)(stage + (KB ? 0 : TC_KEYS * sw));
     const int kvsz = TC_KEYS * (ldk + ldv);
-    uint16_t *qs = kb + 2 * kvsz;                      // [UNITS][ldq] bf16
+    uint16_t *qs = kb + (KB ? TC_KB_BUFS : 2) * kvsz; // [UNITS][ldq] bf16
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tq = lane & 3;
     const int skey = tid / TPK, part = tid % TPK;
+    if constexpr (KB)
+        tc_zero_pads(kb, TC_KB_BUFS, kvsz, dk, dv, ldk, ldv);
     const int group = a.n_heads / kv.n_kv_heads, per_kv = group / gsub;
     const int kvh = blockIdx.y / per_kv, h0 = kvh * group + (blockIdx.y % per_kv) * gsub;
     const int64_t r0 = (int64_t)(gridDim.x - 1 - blockIdx.x) * rows_pb;
@@ -608,6 +677,14 @@ __global__ void __launch_bounds__(TC2_WARPS * 32, 1)
 #pragma unroll
             for (int n = 0; n < DVM / 8; n++)
                 acc[t][n][0] = acc[t][n][1] = acc[t][n][2] = acc[t][n][3] = 0.0f;
+        if constexpr (KB) {
+            tc_kb_pass<TPK>(kv, sq, c_lo, t_lo, t_hi, k_off, v_off, kb, kvsz, ldk, ldv, skey, part,
+                            d_err, [&](int32_t c0, const uint16_t *kc) {
+                                if (wcomp && c0 <= wmax && c0 + TC_KEYS - 1 >= wmin)
+                                    tc_block2<DKM, DVM>(qw, ldq, kc, kc + TC_KEYS * ldk, ldk, ldv,
+                                                        dkp, dvp, c0, first, pos, cs, m, l, acc);
+                            });
+        } else {
         float *srow = stage + skey * sw;
         auto blk_of = [&](int32_t t) -> int32_t { return tc_blk(kv, sq, t, t_lo, t_hi, d_err); };
         auto issue = [&](int32_t t, int32_t b) {
@@ -648,6 +725,7 @@ __global__ void __launch_bounds__(TC2_WARPS * 32, 1)
             __syncthreads();
             bi ^= 1;
         }
+        } // f32 cache
 #pragma unroll
         for (int k = 0; k < 4; k++) {
             l[k] = __fadd_rn(l[k], __shfl_xor_sync(0xffffffffu, l[k], 1));
@@ -676,9 +754,11 @@ __global__ void __launch_bounds__(TC2_WARPS * 32, 1)
     }
 }
 
-// attention_tc2_kernel's: one stage, two buffers, then q ([TC2_WARPS * 32][dkp + 8] bf16)
-static size_t tc2_shmem(int dk, int dv) {
-    return tc_stage_shmem(dk, dv, 1, 2) + (size_t)TC2_WARPS * 32 * (((dk + 15) & ~15) + 8) * 2;
+// attention_tc2_kernel's: one stage and two buffers (f32 cache) or TC_KB_BUFS buffers (bf16),
+// then q ([TC2_WARPS * 32][dkp + 8] bf16)
+static size_t tc2_shmem(int dk, int dv, bool kb) {
+    return (kb ? tc_stage_shmem(dk, dv, 0, TC_KB_BUFS) : tc_stage_shmem(dk, dv, 1, 2)) +
+           (size_t)TC2_WARPS * 32 * (((dk + 15) & ~15) + 8) * 2;
 }
 
 // tc_launch_kernel: k (an attention_tc or attention_tc2 instance) over the call's grid (blocks
@@ -699,34 +779,47 @@ static mm_err tc_launch_kernel(void (*k)(struct mm_attn_args, int, int, int *), 
     return MM_OK;
 }
 
-template <int DKM, int DVM>
+template <int DKM, int DVM, bool KB>
 static mm_err tc2_launch(void *stream, const struct mm_attn_args *a, int gsub, int rows_pb,
                          int *d_err) {
     static uint64_t attr_set;
-    return tc_launch_kernel(attention_tc2_kernel<DKM, DVM>, &attr_set, tc2_shmem(DKM, DVM),
-                            TC2_WARPS * 32, tc2_shmem(a->kv.head_dim_k, a->kv.head_dim_v), stream,
-                            a, gsub, rows_pb, d_err);
+    return tc_launch_kernel(attention_tc2_kernel<DKM, DVM, KB>, &attr_set, tc2_shmem(DKM, DVM, KB),
+                            TC2_WARPS * 32, tc2_shmem(a->kv.head_dim_k, a->kv.head_dim_v, KB),
+                            stream, a, gsub, rows_pb, d_err);
 }
 
-// attention_tc_kernel's: one stage, one or two (db) buffers
-static size_t tc_shmem(int dk, int dv, bool db) { return tc_stage_shmem(dk, dv, 1, db ? 2 : 1); }
+// attention_tc_kernel's: one stage, one or two (db) buffers (f32 cache); TC_KB_BUFS (bf16)
+static size_t tc_shmem(int dk, int dv, bool db, bool kb) {
+    return kb ? tc_stage_shmem(dk, dv, 0, TC_KB_BUFS) : tc_stage_shmem(dk, dv, 1, db ? 2 : 1);
+}
 
-template <int DKM, int DVM, int NW, bool DB>
+template <int DKM, int DVM, int NW, bool DB, bool KB>
 static mm_err tc_launch(void *stream, const struct mm_attn_args *a, int gsub, int rows_pb,
                         int *d_err) {
     static uint64_t attr_set;
-    return tc_launch_kernel(attention_tc_kernel<DKM, DVM, NW, DB>, &attr_set,
-                            tc_shmem(DKM, DVM, DB), NW * 32,
-                            tc_shmem(a->kv.head_dim_k, a->kv.head_dim_v, DB), stream, a, gsub,
+    return tc_launch_kernel(attention_tc_kernel<DKM, DVM, NW, DB, KB>, &attr_set,
+                            tc_shmem(DKM, DVM, DB, KB), NW * 32,
+                            tc_shmem(a->kv.head_dim_k, a->kv.head_dim_v, DB, KB), stream, a, gsub,
                             rows_pb, d_err);
 }
 
+// DB only matters for an f32 cache (the bf16 form has one pipeline): kb takes DB = true.
 template <int NW, bool DB>
 static mm_err tc_launch_dims(void *stream, const struct mm_attn_args *a, int gsub, int rows_pb,
                              int *d_err) {
-    if (a->kv.head_dim_k <= 64 && a->kv.head_dim_v <= 64)
-        return tc_launch<64, 64, NW, DB>(stream, a, gsub, rows_pb, d_err);
-    return tc_launch<128, 128, NW, DB>(stream, a, gsub, rows_pb, d_err);
+    const bool small = a->kv.head_dim_k <= 64 && a->kv.head_dim_v <= 64;
+    if (a->kv.dtype == MM_DTYPE_BF16)
+        return small ? tc_launch<64, 64, NW, true, true>(stream, a, gsub, rows_pb, d_err)
+                     : tc_launch<128, 128, NW, true, true>(stream, a, gsub, rows_pb, d_err);
+    return small ? tc_launch<64, 64, NW, DB, false>(stream, a, gsub, rows_pb, d_err)
+                 : tc_launch<128, 128, NW, DB, false>(stream, a, gsub, rows_pb, d_err);
+}
+
+// A bf16 cache's shape for these kernels (tc_issue_bf16's 16-byte copies): head dims multiples
+// of 8 (up to 128, checked by the caller), 16-byte-aligned slots.
+static bool tc_kb_shape_ok(const struct mm_kv_view *kv) {
+    return kv->head_dim_k % 8 == 0 && kv->head_dim_v % 8 == 0 && ((uintptr_t)kv->base & 15) == 0 &&
+           kv->block_stride % 8 == 0 && kv->slot_stride % 8 == 0;
 }
 #else
 #define TC_HAVE 0
@@ -781,6 +874,31 @@ extern "C" void mm_gpu_set_attention_tc_mt(int mt) { g_att_tc_mt = mt == 1 || mt
 extern "C" void mm_gpu_set_attention_tc(int mode);
 extern "C" void mm_gpu_set_attention_tc(int mode) { g_att_tc = mode < 0 ? -1 : mode != 0; }
 
+// mm_gpu_set_kv_bf16: 1 bf16 KV caches where mm_gpu_kv_dtype allows them (the default), 0 f32
+// caches always, < 0 back to MM_GPU_KV_BF16 (read at the next cache made; on unless "0").
+// Process-wide; a cache keeps the dtype it was made with.
+extern "C" void mm_gpu_set_kv_bf16(int mode);
+extern "C" void mm_gpu_set_kv_bf16(int mode) { g_kv_bf16 = mode < 0 ? -1 : mode != 0; }
+
+// mm_gpu_kv_dtype: the dtype of a new KV cache of this shape (the backend's kv_dtype):
+// MM_DTYPE_BF16 when the contract is on (mm_gpu_set_attention_tc / MM_GPU_ATT_TC), bf16 caches
+// are allowed (mm_gpu_set_kv_bf16 / MM_GPU_KV_BF16) and every read of the cache goes through
+// the contract's kernels: head dims multiples of 8 up to 128 (the shapes mm_gpu_attention_tc
+// takes, whatever the number of rows, with tc_issue_bf16's 16-byte copies); else MM_DTYPE_F32.
+// The contract rounds K and V to bf16 (cvt.rn) before every product, and ops.cu's kv_store
+// rounds with the same instruction, so attention over the bf16 cache gives the bits it gives
+// over an f32 cache (cuda_attention_tc_test), in half the bytes. A bf16 cache is then read by
+// the contract even if it is switched off later (mm_gpu_attention_tc); ops.cu's f32 kernels
+// refuse it. HIP builds (no contract kernels): f32 always.
+extern "C" enum mm_dtype mm_gpu_kv_dtype(int n_kv_heads, int head_dim_k, int head_dim_v);
+extern "C" enum mm_dtype mm_gpu_kv_dtype(int n_kv_heads, int head_dim_k, int head_dim_v) {
+    if (g_kv_bf16 < 0)
+        g_kv_bf16 = !tc_env_is("MM_GPU_KV_BF16", "0");
+    const bool shape = n_kv_heads > 0 && head_dim_k > 0 && head_dim_v > 0 && head_dim_k <= 128 &&
+                       head_dim_v <= 128 && head_dim_k % 8 == 0 && head_dim_v % 8 == 0;
+    return TC_HAVE && shape && g_kv_bf16 && tc_mode() ? MM_DTYPE_BF16 : MM_DTYPE_F32;
+}
+
 // mm_gpu_set_attention_tc_warps: warps per block of the contract's kernel, 4 (two blocks per
 // multiprocessor) or 8 (one); other values: back to MM_GPU_ATT_TC_WARPS. Same bits either way
 // (a row's result does not depend on its neighbours in the tile). Process-wide.
@@ -801,7 +919,10 @@ extern "C" mm_err mm_gpu_attention_tc(void *stream, const struct mm_attn_args *a
 extern "C" mm_err mm_gpu_attention_tc(void *stream, const struct mm_attn_args *a, int *d_err,
                                       int *done) {
     *done = 0;
-    if (!tc_mode())
+    // a bf16 cache is read by the contract whatever the switch (its dtype was chosen with the
+    // contract on, and no other kernel reads it: mm_gpu_kv_dtype)
+    const bool kb = a != NULL && a->kv.dtype == MM_DTYPE_BF16;
+    if (!tc_mode() && !kb)
         return MM_OK;
 #if TC_HAVE
     if (a == NULL || a->q == NULL || a->out == NULL || a->row_seq == NULL || a->row_pos == NULL ||
@@ -814,6 +935,8 @@ extern "C" mm_err mm_gpu_attention_tc(void *stream, const struct mm_attn_args *a
     if (dk <= 0 || dv <= 0 || dk % 4 != 0 || dv % 4 != 0 || dk > 128 || dv > 128 ||
         ((uintptr_t)kv->base & 15) != 0 || kv->block_stride % 4 != 0 || kv->slot_stride % 4 != 0)
         return MM_OK;
+    if (kv->dtype != MM_DTYPE_F32 && !(kb && tc_kb_shape_ok(kv)))
+        return MM_OK; // ops.cu refuses the call (a dtype or bf16 shape no kernel reads)
     if (a->n_rows <= TC_DECODE_ROWS) { // decode calls: every warp computes (attention_tcd.cu)
         const mm_err drv = mm_gpu_attention_tcd(stream, a, d_err, done);
         if (drv != MM_OK || *done)
@@ -825,9 +948,13 @@ extern "C" mm_err mm_gpu_attention_tc(void *stream, const struct mm_attn_args *a
     const int gsub = tc_group_sub(group, units);
     const int rows_pb = a->n_rows <= TC_DECODE_ROWS ? 1 : units / gsub;
     mm_err rv;
-    if (two)
-        rv = dk <= 64 && dv <= 64 ? tc2_launch<64, 64>(stream, a, gsub, rows_pb, d_err)
-                                  : tc2_launch<128, 128>(stream, a, gsub, rows_pb, d_err);
+    const bool small = dk <= 64 && dv <= 64;
+    if (two && kb)
+        rv = small ? tc2_launch<64, 64, true>(stream, a, gsub, rows_pb, d_err)
+                   : tc2_launch<128, 128, true>(stream, a, gsub, rows_pb, d_err);
+    else if (two)
+        rv = small ? tc2_launch<64, 64, false>(stream, a, gsub, rows_pb, d_err)
+                   : tc2_launch<128, 128, false>(stream, a, gsub, rows_pb, d_err);
     else if (nw == 4)
         rv = tc_db() ? tc_launch_dims<4, true>(stream, a, gsub, rows_pb, d_err)
                      : tc_launch_dims<4, false>(stream, a, gsub, rows_pb, d_err);
@@ -838,7 +965,7 @@ extern "C" mm_err mm_gpu_attention_tc(void *stream, const struct mm_attn_args *a
         *done = 1;
     return rv;
 #else
-    (void)stream, (void)a, (void)d_err;
+    (void)stream, (void)a, (void)d_err, (void)kb;
     return MM_OK;
 #endif
 }

@@ -25,6 +25,7 @@
 #define TC_KEYS 64        // the contract's key block
 #define TC_DECODE_ROWS 64 // calls of at most this many rows: one row per block
 #define TC_ERR_INDEX 1    // ops.cu's ERR_INDEX: the backend's device error word
+#define TC_KB_BUFS 3      // key buffers of the kernels' bf16-cache form: two blocks in flight
 
 #if MM_GPU_HAVE_WMMA
 
@@ -121,6 +122,90 @@ __device__ __forceinline__ void tc_issue(const struct mm_kv_view &kv, int32_t t,
     tc_commit();
 }
 
+// tc_blk's form for the bf16 cache's kernels: the table entry of key t, raw (a missing entry,
+// -1, is flagged by tc_issue_bf16 where it is used, so nothing here waits for the load: it is
+// issued one 64-key block ahead of its copies), *r its slot in the block (t % block_size, by a
+// shift for the usual power-of-two block sizes); TC_NO_KEY when t is outside [t_lo, t_hi] or
+// (flagged) a bad index.
+#define TC_NO_KEY INT32_MIN
+__device__ __forceinline__ int32_t tc_blk_kb(const struct mm_kv_view &kv, int32_t seq, int32_t t,
+                                             int32_t t_lo, int32_t t_hi, int32_t &r, int *d_err) {
+    r = 0;
+    if (t < t_lo || t > t_hi)
+        return TC_NO_KEY;
+    const int bs = kv.block_size;
+    if (t < 0 || seq < 0 || bs <= 0) {
+        tc_flag(d_err);
+        return TC_NO_KEY;
+    }
+    int32_t q;
+    if ((bs & (bs - 1)) == 0) {
+        q = t >> (__ffs(bs) - 1);
+        r = t & (bs - 1);
+    } else {
+        q = t / bs;
+        r = t - q * bs;
+    }
+    if (q >= kv.max_blocks) {
+        tc_flag(d_err);
+        return TC_NO_KEY;
+    }
+    return kv.block_tables[(int64_t)seq * kv.max_blocks + q];
+}
+
+// A bf16 cache (struct mm_kv_view.dtype, attention_tc.cu's mm_gpu_kv_dtype): issues the copies
+// of key t (cache block blk, -1: none) straight into its bf16 K row (krow) and V row (vrow) of a
+// key buffer, 16 bytes (8 dims) a copy, then one commit group; for blk < 0 (a key outside the
+// tile's range, or a missing table entry) plain stores of zeros instead, as tc_convert writes
+// for a key not staged. Thread part of the key's TPK threads takes every TPK-th piece. The
+// cache's bf16 are the f32 values rounded as tc_pack rounds them (ops.cu kv_put), so the
+// buffers hold the same bits as tc_convert writes from an f32 cache. Needs dk and dv multiples
+// of 8 and 16-byte-aligned slots (mm_gpu_kv_dtype's shapes); the pad dims [dk, dkp) and
+// [dv, dvp) are never written here (tc_zero_pads, once per kernel).
+// blk and r come from tc_blk_kb (a missing table entry is flagged here, where it is used).
+template <int TPK>
+__device__ __forceinline__ void tc_issue_bf16(const struct mm_kv_view &kv, int32_t blk, int32_t r,
+                                              int64_t k_off, int64_t v_off, uint16_t *krow,
+                                              uint16_t *vrow, int part, int *d_err) {
+    const int dk = kv.head_dim_k, dv = kv.head_dim_v;
+    if (blk >= 0) {
+        const uint16_t *slot = (const uint16_t *)kv.base + (int64_t)blk * kv.block_stride +
+                               (int64_t)r * kv.slot_stride;
+        for (int i = part; i < dk / 8; i += TPK)
+            tc_cp16(krow + 8 * i, slot + k_off + 8 * i);
+        for (int i = part; i < dv / 8; i += TPK)
+            tc_cp16(vrow + 8 * i, slot + v_off + 8 * i);
+    } else {
+        if (blk != TC_NO_KEY) // in range, but the table has no block
+            tc_flag(d_err);
+        for (int i = part; i < dk / 8; i += TPK)
+            *(uint4 *)(krow + 8 * i) = make_uint4(0u, 0u, 0u, 0u);
+        for (int i = part; i < dv / 8; i += TPK)
+            *(uint4 *)(vrow + 8 * i) = make_uint4(0u, 0u, 0u, 0u);
+    }
+    tc_commit();
+}
+
+// Zeros in the pad dims [dk, dkp) of every K row and [dv, dvp) of every V row of nbuf key
+// buffers (kb + b * kvsz: [TC_KEYS][ldk] K, then [TC_KEYS][ldv] V), for tc_issue_bf16, which
+// leaves them alone (q is zero there, and 0 times stale shared memory could be NaN). dk and dv
+// are multiples of 8, so a pad is 0 or 8 dims: one 16-byte store. Visible after the caller's
+// next barrier.
+__device__ __forceinline__ void tc_zero_pads(uint16_t *kb, int nbuf, int kvsz, int dk, int dv,
+                                             int ldk, int ldv) {
+    const int dkp = (dk + 15) & ~15, dvp = (dv + 15) & ~15;
+    if (dk == dkp && dv == dvp)
+        return;
+    for (int i = threadIdx.x; i < nbuf * TC_KEYS; i += blockDim.x) {
+        uint16_t *b = kb + (i / TC_KEYS) * kvsz;
+        const int key = i % TC_KEYS;
+        if (dk < dkp)
+            *(uint4 *)(b + key * ldk + dk) = make_uint4(0u, 0u, 0u, 0u);
+        if (dv < dvp)
+            *(uint4 *)(b + TC_KEYS * ldk + key * ldv + dv) = make_uint4(0u, 0u, 0u, 0u);
+    }
+}
+
 // This thread's float4s of its key's stage row as bf16 into the K row (dims padded to dkp with
 // zeros) and the V row (to dvp); zeros when the key was not staged (ok false). The K and V
 // halves stay written out: one helper called twice for them gives the same PTX but for
@@ -160,8 +245,9 @@ __device__ __forceinline__ void tc_convert(const float *row, bool ok, int dk, in
 }
 
 // ---- host side -------------------------------------------------------------------------------
-// Dynamic shared memory of a contract kernel: nst f32 stages [TC_KEYS][dk + dv + 4], then nbuf
-// bf16 buffers of [TC_KEYS][dkp + 8] keys and [TC_KEYS][dvp + 8] values (dims padded to 16).
+// Dynamic shared memory of a contract kernel: nst f32 stages [TC_KEYS][dk + dv + 4] (none for a
+// bf16 cache), then nbuf bf16 buffers of [TC_KEYS][dkp + 8] keys and [TC_KEYS][dvp + 8] values
+// (dims padded to 16).
 static inline size_t tc_stage_shmem(int dk, int dv, int nst, int nbuf) {
     const int dkp = (dk + 15) & ~15, dvp = (dv + 15) & ~15;
     return nst * (size_t)TC_KEYS * (dk + dv + 4) * 4 +

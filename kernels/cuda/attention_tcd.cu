@@ -36,6 +36,10 @@
 //   of at most TCD_AUTO_ROWS rows (batch 1 measured; 2..8 rows the same blocks, more of them in
 //   one wave), MM_GPU_ATT_TCD=1 every decode call (at most 64 rows), =0 none.
 //   CUDA only (HIP has no contract kernel: ops.cu's f32 kernels run there).
+// - A bf16 cache (attention_tc.cu's mm_gpu_kv_dtype): no stage and no conversion; each key's
+//   K and V rows copied by cp.async straight into one of NB buffers (MM_GPU_ATT_TCD_KB_BUFS: 3,
+//   4 or 6), NB - 1 key blocks in flight, the copies of block j + NB - 1 issued after block j's
+//   first barrier into the buffer block j - 1 left. Same bits (cuda_attention_tc_test).
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -52,6 +56,8 @@
 
 static int g_tcd = -1;        // -1: from MM_GPU_ATT_TCD at first use; 0 off; 1 on; 2 auto
 static int g_tcd_stages = -1; // -1: from MM_GPU_ATT_TCD_STAGES at first use (1 or 2; default 1)
+static int g_tcd_kb_bufs = -1; // -1: from MM_GPU_ATT_TCD_KB_BUFS at first use (3, 4, 6; default 3)
+static int g_tcd_gsub = -1;    // -1: from MM_GPU_ATT_TCD_GSUB at first use (1..16; default 16)
 
 #if MM_GPU_HAVE_WMMA
 #define TCD_HAVE 1
@@ -59,10 +65,15 @@ static int g_tcd_stages = -1; // -1: from MM_GPU_ATT_TCD_STAGES at first use (1 
 // One block per (row, gsub query heads of one kv head); gsub <= 16 (one m16 tile: unit u =
 // head h0 + u is tile row u). Dynamic shared memory: two f32 stages [TC_KEYS][dk + dv + 4]
 // (two key blocks in flight), then two bf16 buffers of [TC_KEYS][ldk] keys and [ldv] values.
-template <int DKM, int DVM, int NST>
+// NB > 0: a bf16 cache: no stage, NB key buffers, block j copied straight into buffer j % NB
+// while block j - NB + 1 is computed (NB - 1 blocks in flight; NST unused, the launcher gives 1).
+// NB 0: an f32 cache (NST stages, two buffers).
+template <int DKM, int DVM, int NST, int NB>
 __global__ void __launch_bounds__(TCD_THREADS, 1)
     attention_tcd_kernel(struct mm_attn_args a, int gsub, int *d_err) {
     static_assert(NST == 1 || NST == 2, "stages");
+    static_assert(NB == 0 || NB >= 3, "bf16 buffers");
+    constexpr bool KB = NB > 0;
     mm_dep_signal();
     mm_dep_wait();
     extern __shared__ __align__(16) unsigned char tcd_sh[];
@@ -74,8 +85,8 @@ __global__ void __launch_bounds__(TCD_THREADS, 1)
     const int dkp = (dk + 15) & ~15, dvp = (dv + 15) & ~15;
     const int ldk = dkp + 8, ldv = dvp + 8, sw = dk + dv + 4;
     const int kvsz = TC_KEYS * (ldk + ldv);
-    float *stage = (float *)tcd_sh;                          // [NST][TC_KEYS][sw] f32
-    uint16_t *kb = (uint16_t *)(stage + NST * TC_KEYS * sw); // buffer b: kb + b * kvsz (K, V)
+    float *stage = (float *)tcd_sh; // [NST][TC_KEYS][sw] f32 (f32 cache only)
+    uint16_t *kb = (uint16_t *)(stage + (KB ? 0 : NST * TC_KEYS * sw)); // buffer b: kb + b * kvsz
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tq = lane & 3;
     const int skey = tid / TCD_TPK, part = tid % TCD_TPK; // the key this thread stages
     const int group = a.n_heads / kv.n_kv_heads, per_kv = group / gsub;
@@ -102,15 +113,33 @@ __global__ void __launch_bounds__(TCD_THREADS, 1)
     // the groups of blocks b + 1 .. b + NST - 1 are the only newer ones; the cache table is
     // read one block ahead
     float *const srow0 = stage + skey * sw, *const srow1 = stage + ((NST - 1) * TC_KEYS + skey) * sw;
-    int32_t blk = tc_blk(kv, sq, c_lo + skey, first, pos, d_err);
+    // bf16 cache: key skey's rows in buffer b
+    // (blk, kr: tc_blk_kb's table entry and slot of the next key to copy)
+    int32_t kr = 0;
+    auto kb_issue = [&](int32_t b, int buf) {
+        uint16_t *k = kb + buf * kvsz + skey * ldk;
+        tc_issue_bf16<TCD_TPK>(kv, b, kr, k_off, v_off, k,
+                               kb + buf * kvsz + TC_KEYS * ldk + skey * ldv, part, d_err);
+    };
+    int32_t blk = KB ? tc_blk_kb(kv, sq, c_lo + skey, first, pos, kr, d_err)
+                     : tc_blk(kv, sq, c_lo + skey, first, pos, d_err);
     unsigned okm = blk >= 0 ? 1u : 0u; // bit s: stage row s's key staged
-    tc_issue<TCD_TPK>(kv, c_lo + skey, blk, k_off, v_off, srow0, part);
-    if (NST == 2) {
-        blk = tc_blk(kv, sq, c_lo + TC_KEYS + skey, first, pos, d_err);
-        okm |= blk >= 0 ? 2u : 0u;
-        tc_issue<TCD_TPK>(kv, c_lo + TC_KEYS + skey, blk, k_off, v_off, srow1, part);
+    if constexpr (KB) { // blocks 0 .. NB - 2 into buffers 0 .. NB - 2 (one group each)
+        tc_zero_pads(kb, NB, kvsz, dk, dv, ldk, ldv);
+#pragma unroll
+        for (int b = 0; b < NB - 1; b++) {
+            kb_issue(blk, b);
+            blk = tc_blk_kb(kv, sq, c_lo + (b + 1) * TC_KEYS + skey, first, pos, kr, d_err);
+        }
+    } else {
+        tc_issue<TCD_TPK>(kv, c_lo + skey, blk, k_off, v_off, srow0, part);
+        if (NST == 2) {
+            blk = tc_blk(kv, sq, c_lo + TC_KEYS + skey, first, pos, d_err);
+            okm |= blk >= 0 ? 2u : 0u;
+            tc_issue<TCD_TPK>(kv, c_lo + TC_KEYS + skey, blk, k_off, v_off, srow1, part);
+        }
+        blk = tc_blk(kv, sq, c_lo + NST * TC_KEYS + skey, first, pos, d_err);
     }
-    blk = tc_blk(kv, sq, c_lo + NST * TC_KEYS + skey, first, pos, d_err);
     // q as A fragments (attention_tc_kernel's qf of warp 0), loaded while the copies fly
     uint32_t qf[DKM / 16][4];
 #pragma unroll
@@ -135,12 +164,16 @@ __global__ void __launch_bounds__(TCD_THREADS, 1)
     for (int n = 0; n < 2; n++)
         acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
     const bool pv = 16 * warp < dvp; // this warp has value dims
-    tc_wait<NST - 1>();
-    tc_convert<DKM, DVM, TCD_TPK>(srow0, okm & 1u, dk, dv, dkp, dvp, kb + skey * ldk,
-                                  kb + TC_KEYS * ldk + skey * ldv, part);
-    okm = (okm & ~1u) | (blk >= 0 ? 1u : 0u); // block NST into stage row 0
-    tc_issue<TCD_TPK>(kv, c_lo + NST * TC_KEYS + skey, blk, k_off, v_off, srow0, part);
-    blk = tc_blk(kv, sq, c_lo + (NST + 1) * TC_KEYS + skey, first, pos, d_err);
+    if constexpr (KB) {
+        tc_wait<(KB ? NB - 2 : 0)>(); // this thread's copies of block 0 landed (1.. may fly)
+    } else {
+        tc_wait<NST - 1>();
+        tc_convert<DKM, DVM, TCD_TPK>(srow0, okm & 1u, dk, dv, dkp, dvp, kb + skey * ldk,
+                                      kb + TC_KEYS * ldk + skey * ldv, part);
+        okm = (okm & ~1u) | (blk >= 0 ? 1u : 0u); // block NST into stage row 0
+        tc_issue<TCD_TPK>(kv, c_lo + NST * TC_KEYS + skey, blk, k_off, v_off, srow0, part);
+        blk = tc_blk(kv, sq, c_lo + (NST + 1) * TC_KEYS + skey, first, pos, d_err);
+    }
     __syncthreads(); // buffer 0 ready
     int bi = 0;
     for (int32_t c0 = c_lo; c0 <= pos; c0 += TC_KEYS) {
@@ -197,9 +230,22 @@ __global__ void __launch_bounds__(TCD_THREADS, 1)
             pk[warp][lane][1] = tc_pack(p2, p3);
             *(float4 *)pf[warp][lane] = make_float4(p0, p1, p2, p3);
         }
+        // bf16 cache: block j + NB - 1's copies into buffer (j + NB - 1) % NB (block j - 1's:
+        // every warp read it before the barrier above), then this thread's copies of block
+        // j + 1 landed (the groups of blocks j + 2 .. j + NB - 1 are the only newer ones; made
+        // visible to all by the barrier below)
+        if constexpr (KB) {
+            if (c0 + (NB - 1) * TC_KEYS <= pos) {
+                kb_issue(blk, bi == 0 ? NB - 1 : bi - 1);
+                blk = tc_blk_kb(kv, sq, c0 + NB * TC_KEYS + skey, first, pos, kr, d_err);
+            } else {
+                tc_commit(); // an empty group: the count of newer groups stays NB - 2
+            }
+            tc_wait<(KB ? NB - 2 : 0)>();
+        }
         // block j + 1 (stage row (j + 1) % NST, issued NST blocks ago) into the other buffer,
         // then block j + 1 + NST's copies into that stage row
-        if (c0 + TC_KEYS <= pos) {
+        if (!KB && c0 + TC_KEYS <= pos) {
             uint16_t *kn = kb + (bi ^ 1) * kvsz;
             tc_wait<NST - 1>();
             float *const sr = NST == 1 || bi ? srow0 : srow1;
@@ -242,10 +288,10 @@ __global__ void __launch_bounds__(TCD_THREADS, 1)
                 tc_mma(acc[1], pa, b[2], b[3]);
             }
         }
-        // no barrier here: the next buffer was converted before the barrier above, and a warp
-        // writes red, pk, pf or a buffer again only after the next block's first barrier,
-        // which every warp reaches after its reads of this block
-        bi ^= 1;
+        // no barrier here: the next buffer was converted (or copied) before the barrier above,
+        // and a warp writes red, pk, pf or a buffer again only after the next block's first
+        // barrier, which every warp reaches after its reads of this block
+        bi = KB ? (bi == NB - 1 ? 0 : bi + 1) : bi ^ 1;
     }
     // l over the row's 4 threads (attention_tc_kernel's butterfly), then this warp's dims
 #pragma unroll
@@ -272,17 +318,22 @@ __global__ void __launch_bounds__(TCD_THREADS, 1)
     }
 }
 
-template <int DKM, int DVM, int NST>
+// dynamic shared memory: NST stages and two buffers (f32 cache, nb 0), nb buffers (bf16)
+static size_t tcd_shmem(int dk, int dv, int nst, int nb) {
+    return nb > 0 ? tc_stage_shmem(dk, dv, 0, nb) : tc_stage_shmem(dk, dv, nst, 2);
+}
+
+template <int DKM, int DVM, int NST, int NB>
 static mm_err tcd_launch(void *stream, const struct mm_attn_args *a, int gsub, int *d_err) {
     static uint64_t attr_set; // tc_allow_shmem's: this kernel's devices
-    const mm_err rv = tc_allow_shmem(attention_tcd_kernel<DKM, DVM, NST>, &attr_set,
-                                     tc_stage_shmem(DKM, DVM, NST, 2));
+    const mm_err rv = tc_allow_shmem(attention_tcd_kernel<DKM, DVM, NST, NB>, &attr_set,
+                                     tcd_shmem(DKM, DVM, NST, NB));
     if (rv != MM_OK)
         return rv;
     const int group = a->n_heads / a->kv.n_kv_heads;
     dim3 grid((unsigned)a->n_rows, (unsigned)(a->kv.n_kv_heads * (group / gsub)));
-    MM_GPU_CHECK(mm_launch_dep(attention_tcd_kernel<DKM, DVM, NST>, grid, dim3(TCD_THREADS),
-                               tc_stage_shmem(a->kv.head_dim_k, a->kv.head_dim_v, NST, 2),
+    MM_GPU_CHECK(mm_launch_dep(attention_tcd_kernel<DKM, DVM, NST, NB>, grid, dim3(TCD_THREADS),
+                               tcd_shmem(a->kv.head_dim_k, a->kv.head_dim_v, NST, NB),
                                (cudaStream_t)stream, *a, gsub, d_err));
     MM_GPU_CHECK(cudaGetLastError());
     return MM_OK;
@@ -307,6 +358,39 @@ static int tcd_stages(void) {
     }
     return g_tcd_stages;
 }
+
+// key buffers of the bf16-cache form: 3 (two blocks in flight, the default), 4 or 6
+// (MM_GPU_ATT_TCD_KB_BUFS; dk = dv = 128: 104, 139, 209 KB of shared memory). Same bits.
+static int tcd_kb_bufs(void) {
+    if (g_tcd_kb_bufs < 0) {
+        g_tcd_kb_bufs = tc_env_is("MM_GPU_ATT_TCD_KB_BUFS", "6")   ? 6
+                        : tc_env_is("MM_GPU_ATT_TCD_KB_BUFS", "4") ? 4
+                                                                   : 3;
+    }
+    return g_tcd_kb_bufs;
+}
+
+// the most query heads of a kv head one block takes (tc_group_sub): 16 (the default: Qwen3's
+// group of 8 in one block) down to 1 (MM_GPU_ATT_TCD_GSUB: more blocks, each walking the same
+// keys for fewer heads; same bits: a row's result does not depend on its tile neighbours)
+static int tcd_gsub(void) {
+    if (g_tcd_gsub < 0) {
+        const char *e = getenv("MM_GPU_ATT_TCD_GSUB");
+        const int v = e != NULL ? atoi(e) : 16;
+        g_tcd_gsub = v >= 1 && v <= 16 ? v : 16;
+    }
+    return g_tcd_gsub;
+}
+
+// mm_gpu_set_attention_tcd_kb_bufs: 3, 4 or 6 key buffers for a bf16 cache; other values:
+// back to MM_GPU_ATT_TCD_KB_BUFS. mm_gpu_set_attention_tcd_gsub: 1..16 heads per block at
+// most; other values: back to MM_GPU_ATT_TCD_GSUB. Same bits. Process-wide.
+extern "C" void mm_gpu_set_attention_tcd_kb_bufs(int n);
+extern "C" void mm_gpu_set_attention_tcd_kb_bufs(int n) {
+    g_tcd_kb_bufs = n == 3 || n == 4 || n == 6 ? n : -1;
+}
+extern "C" void mm_gpu_set_attention_tcd_gsub(int n);
+extern "C" void mm_gpu_set_attention_tcd_gsub(int n) { g_tcd_gsub = n >= 1 && n <= 16 ? n : -1; }
 
 // mm_gpu_set_attention_tcd_stages: 1 or 2 key blocks in flight; other values: back to
 // MM_GPU_ATT_TCD_STAGES (default 1). Same bits. Process-wide.
@@ -338,13 +422,26 @@ extern "C" mm_err mm_gpu_attention_tcd(void *stream, const struct mm_attn_args *
         a->kv.head_dim_k % 4 != 0 || a->kv.head_dim_v % 4 != 0)
         return MM_OK;
     const int group = a->n_heads / a->kv.n_kv_heads;
-    const int gsub = tc_group_sub(group, 16);
+    const int gsub = tc_group_sub(group, tcd_gsub());
     const bool small = a->kv.head_dim_k <= 64 && a->kv.head_dim_v <= 64;
     mm_err rv;
-    rv = tcd_stages() == 1 ? (small ? tcd_launch<64, 64, 1>(stream, a, gsub, d_err)
-                                    : tcd_launch<128, 128, 1>(stream, a, gsub, d_err))
-                           : (small ? tcd_launch<64, 64, 2>(stream, a, gsub, d_err)
-                                    : tcd_launch<128, 128, 2>(stream, a, gsub, d_err));
+    if (a->kv.dtype == MM_DTYPE_BF16) { // attention_tc.cu checked the bf16 shape
+        const int nb = tcd_kb_bufs();
+        if (nb == 6)
+            rv = small ? tcd_launch<64, 64, 1, 6>(stream, a, gsub, d_err)
+                       : tcd_launch<128, 128, 1, 6>(stream, a, gsub, d_err);
+        else if (nb == 4)
+            rv = small ? tcd_launch<64, 64, 1, 4>(stream, a, gsub, d_err)
+                       : tcd_launch<128, 128, 1, 4>(stream, a, gsub, d_err);
+        else
+            rv = small ? tcd_launch<64, 64, 1, 3>(stream, a, gsub, d_err)
+                       : tcd_launch<128, 128, 1, 3>(stream, a, gsub, d_err);
+    } else {
+        rv = tcd_stages() == 1 ? (small ? tcd_launch<64, 64, 1, 0>(stream, a, gsub, d_err)
+                                        : tcd_launch<128, 128, 1, 0>(stream, a, gsub, d_err))
+                               : (small ? tcd_launch<64, 64, 2, 0>(stream, a, gsub, d_err)
+                                        : tcd_launch<128, 128, 2, 0>(stream, a, gsub, d_err));
+    }
     if (rv == MM_OK)
         *done = 1;
     return rv;

@@ -575,6 +575,14 @@ static mm_err gpu_attention(void *ctx, const struct mm_attn_args *a) {
     TIMED("attention", mm_gpu_attention(g->stream, a, g->d_err));
 }
 
+// attention_tc.cu: bf16 where every read of the cache goes through the tensor-core contract
+extern "C" enum mm_dtype mm_gpu_kv_dtype(int n_kv_heads, int head_dim_k, int head_dim_v);
+
+static enum mm_dtype gpu_kv_dtype(void *ctx, int n_kv_heads, int head_dim_k, int head_dim_v) {
+    (void)ctx;
+    return mm_gpu_kv_dtype(n_kv_heads, head_dim_k, head_dim_v);
+}
+
 static mm_err gpu_embed(void *ctx, const mm_weight *t, const int32_t *ids, int64_t n_rows,
                         float *out, int64_t os) {
     CTX(ctx);
@@ -907,6 +915,7 @@ static const struct mm_backend_ops gpu_ops = {
     .route_with_plan = gpu_route_with_plan,
     .combine_rmsnorm = gpu_combine_rmsnorm,
     .embed_rmsnorm = gpu_embed_rmsnorm,
+    .kv_dtype = gpu_kv_dtype,
 };
 
 extern "C" mm_err mm_cuda_backend_open(mm_backend *be, const mm_backend_params *p,
@@ -979,6 +988,8 @@ extern "C" mm_err mm_cuda_backend_open(mm_backend *be, const mm_backend_params *
         g->ops_table.moe_ffn_rows = NULL;
         g->ops_table.add_rmsnorm = NULL;
     }
+    if (g->old_kernels) // the earlier attention (mm_gpu_attention_ref) reads f32 caches only
+        g->ops_table.kv_dtype = NULL;
     const char *oc = getenv("MM_GPU_OLD_CHAIN"); // A/B of the per-layer chain fusions alone
     if (no_fusions || (oc != NULL && oc[0] != '\0' && strcmp(oc, "0") != 0)) {
         g->ops_table.head_norm_rope_kv = NULL;

@@ -19,6 +19,20 @@ __device__ __forceinline__ uint16_t mm_gpu_f32_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
+// Two f32 -> packed bf16 (lo in the low half), round to nearest even, by the instruction the
+// tensor-core paths round with (cvt.rn.bf16x2.f32: matmul.cu's pack_bf16, attention_tc.cuh's
+// tc_pack), so a value stored as bf16 here has the bits those paths give it, NaN included.
+// HIP: mm_gpu_f32_to_bf16 (the same for every non-NaN input).
+__device__ __forceinline__ uint32_t mm_gpu_pack_bf16x2(float lo, float hi) {
+#if MM_GPU_HAVE_WMMA
+    uint32_t r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+#else
+    return (uint32_t)mm_gpu_f32_to_bf16(lo) | ((uint32_t)mm_gpu_f32_to_bf16(hi) << 16);
+#endif
+}
+
 // Low and high bf16 of a 32-bit word holding two of them (little-endian: element 0 low).
 __device__ __forceinline__ float mm_bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float mm_bf16_hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }

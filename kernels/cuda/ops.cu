@@ -423,9 +423,22 @@ __device__ __forceinline__ float wload_rt(int dt, const void *w, int64_t i) {
            : dt == MM_DTYPE_F16 ? wload<MM_DTYPE_F16>(w, i) : wload<MM_DTYPE_F32>(w, i);
 }
 
-// kv_slot (below): the cache slot of (seq, pos), or NULL (error word set) for a bad index.
+// kv_slot (below): the cache slot of (seq, pos), or NULL (error word set) for a bad index;
+// kv_slot_at: its element offset from kv.base (any dtype), or -1.
 __device__ __forceinline__ float *kv_slot(const struct mm_kv_view &kv, int32_t seq, int32_t pos,
                                           int *d_err);
+__device__ __forceinline__ int64_t kv_slot_at(const struct mm_kv_view &kv, int32_t seq,
+                                              int32_t pos, int *d_err);
+
+// One element of a cache slot: f32, or bf16 (the low half of mm_gpu_pack_bf16x2: the rounding
+// the tensor-core attention applies to an f32 cache's K and V, so either cache gives it the
+// same bf16 operands).
+__device__ __forceinline__ void kv_put(void *slot, bool kb, int64_t i, float y) {
+    if (kb)
+        ((uint16_t *)slot)[i] = (uint16_t)(mm_gpu_pack_bf16x2(y, 0.0f) & 0xffffu);
+    else
+        ((float *)slot)[i] = y;
+}
 
 // STORE (head_norm_rope_kv_kernel): also kv_store's work for the row: group b's heads are the
 // keys (n_b == n_kv_heads, head_dim == head_dim_k) and each key warp writes every element of
@@ -445,18 +458,24 @@ __device__ __forceinline__ void hnr_body(float *x, int64_t n_rows, int64_t strid
     const bool active = wid < n_rows * nh;
     const int64_t r = active ? wid / nh : 0;
     const int h = active ? (int)(wid % nh) : 0;
-    float *slot = NULL; // STORE: this head's place in the row's cache slot (keys, values)
+    // STORE: this head's place in the row's cache slot (keys, values), f32 or bf16 (kb)
+    void *slot = NULL;
+    const bool kb = STORE && st->kv.dtype == MM_DTYPE_BF16;
     if (STORE && active && h >= n_a) {
-        slot = kv_slot(st->kv, st->row_seq[r], st->row_pos[r], d_err);
-        if (slot != NULL && h >= n_a + n_b) { // a value head: a copy
+        const int64_t at = kv_slot_at(st->kv, st->row_seq[r], st->row_pos[r], d_err);
+        int64_t off = -1; // this head's first element
+        if (at >= 0 && h >= n_a + n_b) { // a value head: a copy
             const int hv = h - n_a - n_b, dv = st->kv.head_dim_v;
             const float *vr = st->v + r * st->v_stride + (int64_t)hv * dv;
-            float *sv = slot + (int64_t)st->kv.n_kv_heads * st->kv.head_dim_k + (int64_t)hv * dv;
+            off = at + (int64_t)st->kv.n_kv_heads * st->kv.head_dim_k + (int64_t)hv * dv;
+            void *sv = kb ? (void *)((uint16_t *)st->kv.base + off) : (void *)(st->kv.base + off);
             for (int k = lane; k < dv; k += MM_WARP_SIZE)
-                sv[k] = vr[k];
+                kv_put(sv, kb, k, vr[k]);
+        } else if (at >= 0) {
+            off = at + (int64_t)(h - n_a) * hd;
         }
-        if (slot != NULL)
-            slot += (int64_t)(h - n_a) * hd;
+        if (off >= 0)
+            slot = kb ? (void *)((uint16_t *)st->kv.base + off) : (void *)(st->kv.base + off);
     }
     const bool vhead = STORE && h >= n_a + n_b;
     float *xr = x + r * stride + (h < n_a ? (int64_t)h * hd : b_off + (int64_t)(h - n_a) * hd);
@@ -475,12 +494,12 @@ __device__ __forceinline__ void hnr_body(float *x, int64_t n_rows, int64_t strid
             const float y = wload_rt(dt, w, k) * (xr[k] * rs);
             xr[k] = y;
             if (STORE && slot != NULL && (k < ro || k >= ro + rd))
-                slot[k] = y; // not rotated: final now
+                kv_put(slot, kb, k, y); // not rotated: final now
         }
     } else if (STORE && active && !vhead && slot != NULL) {
         for (int k = lane; k < hd; k += MM_WARP_SIZE) // no norm: the elements rope leaves
             if (k < ro || k >= ro + rd)
-                slot[k] = xr[k];
+                kv_put(slot, kb, k, xr[k]);
     }
     __syncthreads();
     if (!active || vhead)
@@ -497,8 +516,8 @@ __device__ __forceinline__ void hnr_body(float *x, int64_t n_rows, int64_t strid
         xh[i0] = y0;
         xh[i1] = y1;
         if (STORE && slot != NULL) {
-            slot[ro + i0] = y0;
-            slot[ro + i1] = y1;
+            kv_put(slot, kb, ro + i0, y0);
+            kv_put(slot, kb, ro + i1, y1);
         }
     }
 }
@@ -546,18 +565,28 @@ extern "C" mm_err mm_gpu_head_norm_rope(void *stream, float *d_x, int64_t n_rows
 }
 
 // ---- paged KV cache ---------------------------------------------------------------------------
-__device__ __forceinline__ float *kv_slot(const struct mm_kv_view &kv, int32_t seq, int32_t pos,
-                                          int *d_err) {
+// The cache is f32, or bf16 (struct mm_kv_view.dtype) where attention_tc.cu's
+// mm_gpu_kv_dtype chose it: only the tensor-core contract's kernels read a bf16 cache (they
+// round an f32 cache's K and V to bf16 with the same instruction kv_put stores with, so both
+// caches give them the same operands); ops.cu's f32 kernels refuse it (MM_EINVAL).
+__device__ __forceinline__ int64_t kv_slot_at(const struct mm_kv_view &kv, int32_t seq,
+                                              int32_t pos, int *d_err) {
     if (pos < 0 || seq < 0 || pos / kv.block_size >= kv.max_blocks) {
         flag(d_err, ERR_INDEX);
-        return NULL;
+        return -1;
     }
     const int32_t blk = kv.block_tables[(int64_t)seq * kv.max_blocks + pos / kv.block_size];
     if (blk < 0) {
         flag(d_err, ERR_INDEX);
-        return NULL;
+        return -1;
     }
-    return kv.base + (int64_t)blk * kv.block_stride + (int64_t)(pos % kv.block_size) * kv.slot_stride;
+    return (int64_t)blk * kv.block_stride + (int64_t)(pos % kv.block_size) * kv.slot_stride;
+}
+
+__device__ __forceinline__ float *kv_slot(const struct mm_kv_view &kv, int32_t seq, int32_t pos,
+                                          int *d_err) {
+    const int64_t at = kv_slot_at(kv, seq, pos, d_err);
+    return at < 0 ? NULL : kv.base + at;
 }
 
 __global__ void kv_store_kernel(struct mm_kv_store_args a, int *d_err) {
@@ -566,17 +595,40 @@ __global__ void kv_store_kernel(struct mm_kv_store_args a, int *d_err) {
     const int64_t nk = (int64_t)a.kv.n_kv_heads * a.kv.head_dim_k;
     const int64_t nv = (int64_t)a.kv.n_kv_heads * a.kv.head_dim_v;
     const int64_t r = blockIdx.x;
-    float *slot = kv_slot(a.kv, a.row_seq[r], a.row_pos[r], d_err);
-    if (slot == NULL)
+    const int64_t at = kv_slot_at(a.kv, a.row_seq[r], a.row_pos[r], d_err);
+    if (at < 0)
         return;
+    if (a.kv.dtype == MM_DTYPE_BF16) { // pairs (nk, nv even: kv_bf16_shape_ok)
+        uint32_t *slot = (uint32_t *)((uint16_t *)a.kv.base + at);
+        for (int64_t j = 2 * threadIdx.x; j < nk + nv; j += 2 * blockDim.x) {
+            const float *x = j < nk ? a.k + r * a.k_stride + j : a.v + r * a.v_stride + (j - nk);
+            slot[j / 2] = mm_gpu_pack_bf16x2(x[0], x[1]);
+        }
+        return;
+    }
+    float *slot = a.kv.base + at;
     for (int64_t j = threadIdx.x; j < nk + nv; j += blockDim.x)
         slot[j] = j < nk ? a.k[r * a.k_stride + j] : a.v[r * a.v_stride + (j - nk)];
+}
+
+// A bf16 view's shape: the one mm_gpu_kv_dtype gives bf16 for (head dims multiples of 8 up to
+// 128, 16-byte-aligned slots), so stores go in pairs and the readers copy 16-byte pieces.
+static bool kv_bf16_shape_ok(const struct mm_kv_view *kv) {
+    return kv->head_dim_k > 0 && kv->head_dim_v > 0 && kv->head_dim_k <= 128 &&
+           kv->head_dim_v <= 128 && kv->head_dim_k % 8 == 0 && kv->head_dim_v % 8 == 0 &&
+           ((uintptr_t)kv->base & 15) == 0 && kv->block_stride % 8 == 0 &&
+           kv->slot_stride % 8 == 0;
+}
+
+// A view these kernels take: f32, or bf16 of kv_bf16_shape_ok's shape.
+static bool kv_view_ok(const struct mm_kv_view *kv) {
+    return kv->dtype == MM_DTYPE_F32 || (kv->dtype == MM_DTYPE_BF16 && kv_bf16_shape_ok(kv));
 }
 
 extern "C" mm_err mm_gpu_kv_store(void *stream, const struct mm_kv_store_args *a, int *d_err) {
     if (a == NULL || a->kv.base == NULL || a->kv.block_tables == NULL || a->k == NULL ||
         a->v == NULL || a->row_seq == NULL || a->row_pos == NULL || a->kv.block_size <= 0 ||
-        a->n_rows < 0)
+        a->n_rows < 0 || !kv_view_ok(&a->kv))
         return MM_EINVAL;
     if (a->n_rows == 0)
         return MM_OK;
@@ -596,7 +648,7 @@ extern "C" mm_err mm_gpu_head_norm_rope_kv(void *stream, float *d_x, int64_t n_r
                                            const struct mm_kv_store_args *st, int *d_err) {
     if (st == NULL || st->kv.base == NULL || st->kv.block_tables == NULL || st->k == NULL ||
         st->v == NULL || st->row_seq == NULL || st->row_pos == NULL || st->kv.block_size <= 0 ||
-        st->n_rows < 0)
+        st->n_rows < 0 || !kv_view_ok(&st->kv))
         return MM_EINVAL;
     const bool one = d_x != NULL && st->k == d_x + b_off && st->k_stride == stride &&
                      n_b == st->kv.n_kv_heads && head_dim == st->kv.head_dim_k &&
@@ -777,7 +829,7 @@ __global__ void __launch_bounds__(ATT_THREADS) attention_kernel(struct mm_attn_a
 
 static mm_err attention_launch(void *stream, const struct mm_attn_args *a, int *d_err, bool ref) {
     if (a == NULL || a->q == NULL || a->out == NULL || a->row_seq == NULL || a->row_pos == NULL ||
-        a->kv.base == NULL || a->kv.block_tables == NULL || a->n_heads <= 0 ||
+        a->kv.dtype != MM_DTYPE_F32 || a->kv.base == NULL || a->kv.block_tables == NULL || a->n_heads <= 0 ||
         a->kv.n_kv_heads <= 0 || a->n_heads % a->kv.n_kv_heads != 0 || a->kv.block_size <= 0 ||
         a->kv.head_dim_k <= 0 || a->kv.head_dim_v <= 0 || a->kv.head_dim_v > ATT_MAX_DV ||
         a->kv.head_dim_k > 4096 || a->n_rows < 0)
@@ -1100,9 +1152,9 @@ static mm_err attention_pf_launch(void *stream, const struct mm_attn_args *a, in
         g_att_pf = e != NULL && e[0] == '0' && e[1] == '\0' ? 0 : 1;
     }
     if (a == NULL || a->q == NULL || a->out == NULL || a->row_seq == NULL || a->row_pos == NULL ||
-        a->kv.base == NULL || a->kv.block_tables == NULL || a->n_heads <= 0 ||
-        a->kv.n_kv_heads <= 0 || a->n_heads % a->kv.n_kv_heads != 0 || a->kv.block_size <= 0 ||
-        a->n_rows <= 0 || a->n_rows > (int64_t)PF_UNITS * 0x7fffffff)
+        a->kv.dtype != MM_DTYPE_F32 || a->kv.base == NULL || a->kv.block_tables == NULL ||
+        a->n_heads <= 0 || a->kv.n_kv_heads <= 0 || a->n_heads % a->kv.n_kv_heads != 0 ||
+        a->kv.block_size <= 0 || a->n_rows <= 0 || a->n_rows > (int64_t)PF_UNITS * 0x7fffffff)
         return MM_OK; // the decode launcher reports bad arguments
     if (!force && (g_att_pf == 0 || (g_att_pf == 1 && a->n_rows < PF_MIN_ROWS)))
         return MM_OK;
@@ -1149,6 +1201,13 @@ extern "C" mm_err mm_gpu_attention(void *stream, const struct mm_attn_args *a, i
     const mm_err trv = mm_gpu_attention_tc(stream, a, d_err, &tc);
     if (trv != MM_OK || tc)
         return trv;
+    if (a != NULL && a->kv.dtype != MM_DTYPE_F32) { // a bf16 cache: the contract's kernels only
+        mm_log_error("attention: a %s KV cache is read only by the tensor-core contract, which "
+                     "did not take this call (%d heads, %d kv heads, head dims %d/%d)",
+                     mm_dtype_name(a->kv.dtype), a->n_heads, a->kv.n_kv_heads,
+                     a->kv.head_dim_k, a->kv.head_dim_v);
+        return MM_EINVAL;
+    }
     bool done = false; // many rows (prefill chunks): the prefill kernel, same bits
     const mm_err rv = attention_pf_launch(stream, a, d_err, g_att_pf == 2, &done);
     if (rv != MM_OK || done)

@@ -282,8 +282,12 @@ mm_err attention_start(mm_daemon *d, void *arg, char err[MM_ERRLEN]) {
     else
         MM_TRY(mm_dataserv_start_dev(&A.ds, c->data, cap, dev_frames ? A.d_h : NULL, d_cap,
                                      on_frame, NULL, 1000, NULL, err));
-    snprintf(detail, sizeof(detail), "shard %lld of %lld, kv %d blocks", c->instance, s_shards,
-             mm_kv_cache_blocks_total(A.kv));
+    snprintf(detail, sizeof(detail), "shard %lld of %lld, kv %d blocks %s", c->instance,
+             s_shards, mm_kv_cache_blocks_total(A.kv), kp.dtype == MM_DTYPE_BF16 ? "bf16" : "f32");
+    // the cache's own figure (bf16 on CUDA's tensor-core attention: the gateway's --kv-dtype)
+    mm_log_info("kv cache: %s, %zu bytes per token, %lld tokens in --kv-mb %lld",
+                kp.dtype == MM_DTYPE_BF16 ? "bf16" : "f32", mm_kv_token_bytes(&kp),
+                (long long)mm_kv_cache_blocks_total(A.kv) * kp.block_size, s_kv_mb);
     mm_mesh_trace_open("attention");
     if (dev_frames) // MM_MESH_TRACE_GPU=1: GPU stamps
         mm_mesh_gtrace_open_backend("attention", A.be->ctx);

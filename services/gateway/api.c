@@ -1779,8 +1779,17 @@ mm_err gw_api_open(gw_api **out, uv_loop_t *loop, gw_mesh *mesh, const gw_api_co
     a->max_ctx = sc.max_ctx;
     sc.block_size = 16; // mm_model_kv_params
     int hv = cfg.head_dim_v > 0 ? cfg.head_dim_v : cfg.head_dim;
+    // the shards' bytes per element (their mm_kv_token_bytes): f32 unless told bf16
+    double elem_bytes = 4.0;
+    if (c->kv_dtype != NULL && strcmp(c->kv_dtype, "bf16") == 0) {
+        elem_bytes = 2.0;
+    } else if (c->kv_dtype != NULL && c->kv_dtype[0] != '\0' && strcmp(c->kv_dtype, "f32") != 0) {
+        rv = mm_errf(err, MM_EINVAL, "--kv-dtype %s: f32 or bf16 (as the shards' caches)",
+                     c->kv_dtype);
+        goto fail;
+    }
     double block_bytes =
-        (double)cfg.n_kv_heads * (cfg.head_dim + hv) * 4.0 * sc.block_size * cfg.n_layers;
+        (double)cfg.n_kv_heads * (cfg.head_dim + hv) * elem_bytes * sc.block_size * cfg.n_layers;
     sc.shard_kv_blocks = block_bytes > 0 ? (int64_t)(c->kv_mb * 1048576.0 / block_bytes) : 0;
     MM_TRY_GOTO(rv, gw_sched_new(&a->sched, &sc, mesh, &k_ops, a, err), fail);
     mm_log_info("serving %s: context %d, %lld KV tokens per shard x %d shards, eos ids %d",

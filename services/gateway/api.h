@@ -50,6 +50,8 @@ typedef struct gw_api_conf {
     int health_timeout_ms;
     gw_sched_conf sched;     // max_ctx etc. (sched.max_ctx is capped by the model)
     double kv_mb;            // per shard, to size sched.shard_kv_blocks from the model
+    const char *kv_dtype;    // the shards' cache elements: "f32" (NULL too) or "bf16" (a shard
+                             // on CUDA with the tensor-core attention: its log says which)
 } gw_api_conf;
 
 // gw_api_open loads the tokenizer, the chat template (optional) and the model config, sizes

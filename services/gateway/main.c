@@ -10,7 +10,7 @@
 #include "gateway.h"
 #include "mm/log.h"
 
-static char *s_host, *s_model_name, *s_api_key;
+static char *s_host, *s_model_name, *s_api_key, *s_kv_dtype;
 static long long s_port, s_max_body_bytes, s_health_timeout_ms, s_max_waiting, s_max_step_seqs,
     s_max_batch_tokens, s_shards, s_shard_max_seqs, s_max_ctx, s_step_timeout_ms, s_keepalive_ms,
     s_health_ms;
@@ -34,6 +34,9 @@ static mm_opt s_gateway_opts[] = {
     {"shard-max-seqs", MM_OPT_INT, &s_shard_max_seqs, "64",
      "sequences one shard holds (as the shards' --max-seqs)"},
     {"kv-mb", MM_OPT_DBL, &s_kv_mb, "64", "KV budget of one shard in MiB (as the shards' --kv-mb)"},
+    {"kv-dtype", MM_OPT_STR, &s_kv_dtype, "f32", "the shards' KV cache elements, f32 or bf16 (a "
+     "shard's start-up log names its own: bf16 on CUDA with the tensor-core attention); sizes "
+     "the admission budget with --kv-mb"},
     {"max-ctx", MM_OPT_INT, &s_max_ctx, "4096", "longest sequence (capped by the model)"},
     {"step-timeout-ms", MM_OPT_INT, &s_step_timeout_ms, "15000",
      "deadline of one StepPlan call to the router"},
@@ -121,6 +124,7 @@ int main(int argc, char **argv) {
             .health_ms = (int)s_health_ms,
             .health_timeout_ms = (int)s_health_timeout_ms,
             .kv_mb = s_kv_mb,
+            .kv_dtype = s_kv_dtype,
             .sched = {.max_waiting = (int)s_max_waiting,
                       .max_step_seqs = (int)s_max_step_seqs,
                       .max_step_tokens = (int)s_max_batch_tokens,

@@ -28,6 +28,11 @@ extern void mm_gpu_set_attention_tc_db(int mode) __attribute__((weak));
 extern void mm_gpu_set_attention_tc_mt(int mt) __attribute__((weak));
 extern mm_err mm_gpu_attention_tc(void *stream, const struct mm_attn_args *a, int *d_err, int *done)
     __attribute__((weak));
+// decode calls with every warp computing (attention_tcd.cu): 0 none (attention_tc_kernel); its
+// key buffers for a bf16 cache (3, 4, 6) and heads per block (1..16)
+extern void mm_gpu_set_attention_tcd(int mode) __attribute__((weak));
+extern void mm_gpu_set_attention_tcd_kb_bufs(int n) __attribute__((weak));
+extern void mm_gpu_set_attention_tcd_gsub(int n) __attribute__((weak));
 
 static mm_backend *cpu;
 
@@ -137,6 +142,144 @@ static void tc_whole(const struct mm_kv_view *kv, const struct tc_rows *u, int n
                               .scale = 1.0f / sqrtf((float)dk),
                               .window = window};
     MM_PASS(gpu->ops->attention(gpu->ctx, &at));
+}
+
+// The bf16 cache (struct mm_kv_view.dtype, the backend's kv_dtype for head dims multiples of
+// 8): kv is the f32 case's view, all its f32 whole-prompt outputs (row-major, seq-major rows).
+// Each way a row reaches the contract again, each time from a cache of NaN (bf16 0xffff),
+// stored by kv_store into bf16 then attended: the whole prompt with the default tiles (one per
+// warp, 8 warps), 4 warps, two tiles per warp, and with the contract switched off (a bf16 cache
+// is read by the contract anyway); chunks of 37, 128, 1, 200; decode steps (attention_tcd.cu
+// with 3, 6 and 4 key buffers, then attention_tc_kernel with mm_gpu_set_attention_tcd(0)); the
+// sequences interleaved (one and two tiles). *d_out_n: output elements differing from all, summed; *d_store_n: cache
+// elements that are not the host's round-to-nearest-even bf16 of k and v after the first run.
+static void tc_case_kb(const struct mm_kv_view *kv, const int32_t *tables, int64_t pool_n,
+                       const int *lens, int n_seqs, int n_rows, const float *q, const float *k,
+                       const float *v, const int32_t *rs, const int32_t *rp, int n_heads, int dk,
+                       int dv, int window, const float *all, float *d_out, int64_t *d_out_n,
+                       int64_t *d_store_n, int *n_runs) {
+    const int n_kv = kv->n_kv_heads, bs = kv->block_size;
+    const int64_t kst = (int64_t)n_kv * dk, vst = (int64_t)n_kv * dv;
+    const int64_t qst = (int64_t)n_heads * dk, ost = (int64_t)n_heads * dv,
+                  on = (int64_t)n_rows * ost;
+    struct mm_kv_view kb = *kv;
+    kb.dtype = MM_DTYPE_BF16;
+    kb.base = dev_copy(NULL, (size_t)pool_n * 2);
+    uint16_t *nan16 = malloc((size_t)pool_n * 2);
+    int32_t *order = malloc((size_t)n_rows * 4);
+    MM_TRUE(nan16 && order);
+    memset(nan16, 0xff, (size_t)pool_n * 2);
+    int max_len = 0;
+    for (int s = 0; s < n_seqs; s++)
+        max_len = lens[s] > max_len ? lens[s] : max_len;
+    int64_t d = 0;
+    *d_store_n = -1;
+    *n_runs = 0;
+    // compares the outputs (row i of the call order = original row order[i]) with all
+    void *d_cache = kb.base;
+#define KB_FRESH()                                                                                   do {                                                                                                 MM_PASS(gpu->ops->set(gpu->ctx, d_cache, nan16, (size_t)pool_n * 2));                            MM_PASS(gpu->ops->fill(gpu->ctx, d_out, 7.0f, on));                                          } while (0)
+#define KB_CHECK()                                                                                   do {                                                                                                 float *got_ = dev_get(d_out, (size_t)on * 4);                                                    for (int i_ = 0; i_ < n_rows; i_++)                                                                  d += n_diff(all + (int64_t)order[i_] * ost, got_ + (int64_t)i_ * ost, ost);                  free(got_);                                                                                      ++*n_runs;                                                                                   } while (0)
+
+    // whole prompt, seq-major, under four settings; then the stored bits
+    for (int i = 0; i < n_rows; i++)
+        order[i] = i;
+    struct tc_rows u = tc_upload(order, n_rows, q, qst, k, kst, v, vst, rs, rp);
+    const int whole[1] = {n_rows};
+    for (int var = 0; var < 4; var++) {
+        if (var == 1)
+            mm_gpu_set_attention_tc_warps(4);
+        else if (var == 2 && mm_gpu_set_attention_tc_mt)
+            mm_gpu_set_attention_tc_mt(2);
+        else if (var == 3)
+            mm_gpu_set_attention_tc(0);
+        KB_FRESH();
+        tc_run(&kb, &u, n_rows, qst, kst, vst, d_out, ost, n_heads, dk, window, whole, 1);
+        mm_gpu_set_attention_tc_warps(8);
+        if (mm_gpu_set_attention_tc_mt)
+            mm_gpu_set_attention_tc_mt(1);
+        mm_gpu_set_attention_tc(1);
+        KB_CHECK();
+        if (var == 0) {
+            uint16_t *c16 = dev_get(kb.base, (size_t)pool_n * 2);
+            const int64_t slot = kv->slot_stride, bstride = kv->block_stride;
+            int64_t ds = 0;
+            for (int i = 0; i < n_rows; i++) {
+                const int32_t blk = tables[(int64_t)rs[i] * kv->max_blocks + rp[i] / bs];
+                const uint16_t *sl = c16 + (int64_t)blk * bstride + (int64_t)(rp[i] % bs) * slot;
+                for (int64_t j = 0; j < kst; j++)
+                    ds += sl[j] != mm_f32_to_bf16(k[(int64_t)i * kst + j]);
+                for (int64_t j = 0; j < vst; j++)
+                    ds += sl[kst + j] != mm_f32_to_bf16(v[(int64_t)i * vst + j]);
+            }
+            free(c16);
+            *d_store_n = ds;
+        }
+    }
+    // chunked prefill
+    const int chunks[4] = {37, 128, 1, 200};
+    KB_FRESH();
+    tc_run(&kb, &u, n_rows, qst, kst, vst, d_out, ost, n_heads, dk, window, chunks, 4);
+    KB_CHECK();
+    tc_rows_free(&u);
+
+    // decode steps: step p holds position p of every sequence that long; attention_tcd.cu's
+    // kernel with 3 key buffers, with 6 and one head per block, with 4 and two heads per block,
+    // then attention_tc_kernel
+    int n = 0;
+    for (int p = 0; p < max_len; p++)
+        for (int s = 0, r = 0; s < n_seqs; r += lens[s], s++)
+            if (p < lens[s])
+                order[n++] = r + p;
+    u = tc_upload(order, n_rows, q, qst, k, kst, v, vst, rs, rp);
+    const bool tcd_knobs = mm_gpu_set_attention_tcd_kb_bufs && mm_gpu_set_attention_tcd_gsub;
+    for (int tcd = 3; tcd >= (mm_gpu_set_attention_tcd ? 0 : 3); tcd--) {
+        if ((tcd == 2 || tcd == 1) && !tcd_knobs)
+            continue;
+        if (tcd == 2)
+            mm_gpu_set_attention_tcd_kb_bufs(6), mm_gpu_set_attention_tcd_gsub(1);
+        else if (tcd == 1)
+            mm_gpu_set_attention_tcd_kb_bufs(4), mm_gpu_set_attention_tcd_gsub(2);
+        else if (tcd == 0)
+            mm_gpu_set_attention_tcd(0);
+        KB_FRESH();
+        for (int p = 0, r = 0; p < max_len; p++) {
+            int w = 0;
+            for (int s = 0; s < n_seqs; s++)
+                w += p < lens[s];
+            const int one[1] = {w};
+            struct tc_rows us = u;
+            us.q += (int64_t)r * qst, us.k += (int64_t)r * kst, us.v += (int64_t)r * vst;
+            us.seq += r, us.pos += r;
+            tc_run(&kb, &us, w, qst, kst, vst, d_out + (int64_t)r * ost, ost, n_heads, dk, window,
+                   one, 1);
+            r += w;
+        }
+        if (mm_gpu_set_attention_tcd)
+            mm_gpu_set_attention_tcd(-1);
+        if (tcd_knobs)
+            mm_gpu_set_attention_tcd_kb_bufs(-1), mm_gpu_set_attention_tcd_gsub(-1);
+        KB_CHECK();
+    }
+    tc_rows_free(&u);
+
+    // the sequences' rows interleaved, one call, one then two tiles per warp
+    interleave_rows(lens, n_seqs, n_rows, order);
+    u = tc_upload(order, n_rows, q, qst, k, kst, v, vst, rs, rp);
+    for (int mt = 1; mt <= (mm_gpu_set_attention_tc_mt ? 2 : 1); mt++) {
+        if (mm_gpu_set_attention_tc_mt)
+            mm_gpu_set_attention_tc_mt(mt);
+        KB_FRESH();
+        tc_run(&kb, &u, n_rows, qst, kst, vst, d_out, ost, n_heads, dk, window, whole, 1);
+        KB_CHECK();
+    }
+    if (mm_gpu_set_attention_tc_mt)
+        mm_gpu_set_attention_tc_mt(1);
+    tc_rows_free(&u);
+#undef KB_FRESH
+#undef KB_CHECK
+    *d_out_n = d;
+    gpu->ops->buffer_free(gpu->ctx, kb.base);
+    free(nan16), free(order);
 }
 
 static void tc_case(int n_heads, int n_kv, int dk, int dv, int window, const int *lens,
@@ -307,6 +450,17 @@ static void tc_case(int n_heads, int n_kv, int dk, int dv, int window, const int
         mm_gpu_set_attention_tc_mt(1);
     tc_rows_free(&u);
 
+    // 5. a bf16 cache where the backend makes one (head dims multiples of 8): the same bits
+    const bool kb_shape = dk % 8 == 0 && dv % 8 == 0;
+    MM_TRUE(gpu->ops->kv_dtype != NULL);
+    MM_EQ((int)gpu->ops->kv_dtype(gpu->ctx, n_kv, dk, dv),
+          (int)(kb_shape ? MM_DTYPE_BF16 : MM_DTYPE_F32));
+    int64_t d_kb = 0, d_store = 0;
+    int kb_runs = 0;
+    if (kb_shape)
+        tc_case_kb(&kv, tables, pool_n, lens, n_seqs, n_rows, q, k, v, rs, rp, n_heads, dk, dv,
+                   window, all, d_out, &d_kb, &d_store, &kb_runs);
+
     printf("tc attention %dh/%dkv dk %d dv %d window %d, %d rows of %d seqs: nmse vs cpu %.3e "
            "(tol 2e-4), %lld elements differ from the f32 kernels; differing elements vs the "
            "whole-prompt call: 4 warps + one key buffer + two tiles per warp %lld, chunks %lld, decode steps %lld, seqs "
@@ -315,6 +469,13 @@ static void tc_case(int n_heads, int n_kv, int dk, int dv, int window, const int
            n_heads, n_kv, dk, dv, window, n_rows, n_seqs, nmse, (long long)d_f32,
            (long long)d_warps, (long long)d_chunks, (long long)d_decode, (long long)d_mixed,
            (long long)on);
+    if (kb_shape)
+        printf("  bf16 cache: %lld elements differ from the f32 cache's whole-prompt call over %d "
+               "runs (whole x4 settings, chunks, decode x4 kernels/settings, interleaved x2); %lld "
+               "stored elements differ from the host's bf16 of k, v\n",
+               (long long)d_kb, kb_runs, (long long)d_store);
+    else
+        printf("  bf16 cache: not for this shape (head dims not multiples of 8): kv_dtype f32\n");
     fflush(stdout);
     MM_TRUE(nmse <= 2e-4);
     MM_TRUE(d_f32 > 0);
@@ -322,6 +483,8 @@ static void tc_case(int n_heads, int n_kv, int dk, int dv, int window, const int
     MM_EQ(d_chunks, 0);
     MM_EQ(d_decode, 0);
     MM_EQ(d_mixed, 0);
+    MM_EQ(d_kb, 0);
+    MM_EQ(d_store, 0);
     gpu->ops->buffer_free(gpu->ctx, kv.base);
     gpu->ops->buffer_free(gpu->ctx, (void *)kv.block_tables);
     gpu->ops->buffer_free(gpu->ctx, d_out);

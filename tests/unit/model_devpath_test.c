@@ -19,6 +19,10 @@
 // the tensor-core attention contract (kernels/cuda/attention_tc.cu, the default on CUDA): 0
 // pins ops.cu's f32 kernels, < 0 back to the default (absent from builds without CUDA)
 extern void mm_gpu_set_attention_tc(int mode) __attribute__((weak));
+// bf16 KV caches under the contract (attention_tc.cu): 0 f32 always, 1 bf16 where allowed, < 0
+// back to MM_GPU_KV_BF16
+extern void mm_gpu_set_kv_bf16(int mode) __attribute__((weak));
+static enum mm_dtype g_run_kv_dtype; // the cache dtype of run()'s last model
 
 static const struct mm_backend_ops *g_cpu; // the real CPU table
 
@@ -606,8 +610,8 @@ static float *run(const char *dir, mm_backend *be, bool dev_argmax, int32_t *pic
     mm_model_kv_params(m, &kp);
     kp.max_seqs = 4;
     kp.max_ctx = 64;
-    kp.budget_bytes = (size_t)kp.n_layers * kp.n_kv_heads * (kp.head_dim_k + kp.head_dim_v) * 4 *
-                      (64 + 16) * 4;
+    kp.budget_bytes = mm_kv_token_bytes(&kp) * (64 + 16) * 4;
+    g_run_kv_dtype = kp.dtype;
     mm_kv_cache *kv = NULL;
     MM_PASS(mm_kv_cache_new(&kv, &kp, be, err));
     float *lg = NULL;
@@ -832,6 +836,39 @@ static void gpu_chain_case(const char *name) {
     mm_backend_close(be);
 }
 
+// The same GPU run with an f32 KV cache (mm_gpu_set_kv_bf16(0), as MM_GPU_KV_BF16=0) against
+// the default bf16 cache of the tensor-core contract: every logit and greedy id bit for bit
+// (the contract rounds K and V to bf16 either way), and the default really made a bf16 cache.
+static void gpu_kv_bf16_case(const char *name) {
+    char dir[256];
+    snprintf(dir, sizeof dir, "tests/fixtures/models/%s", name);
+    int32_t want_ids[STEPS], got_ids[STEPS];
+    size_t n_ref = 0, n_dev = 0;
+    mm_backend *be = open_gpu();
+    if (!mm_gpu_set_kv_bf16)
+        MM_TEST_FAIL_("the GPU build lacks mm_gpu_set_kv_bf16");
+    mm_gpu_set_kv_bf16(0);
+    float *ref = run(dir, be, true, want_ids, &n_ref);
+    const enum mm_dtype d_ref = g_run_kv_dtype;
+    mm_gpu_set_kv_bf16(1);
+    float *got = run(dir, be, true, got_ids, &n_dev);
+    const enum mm_dtype d_got = g_run_kv_dtype;
+    mm_gpu_set_kv_bf16(-1);
+    MM_EQ((int)d_ref, (int)MM_DTYPE_F32);
+    MM_EQ((int)d_got, (int)MM_DTYPE_BF16);
+    same_runs(name, ref, got, n_ref, n_dev, want_ids, got_ids);
+    printf("%s on cuda:0: bf16 KV cache == f32 KV cache, %zu logits bit for bit\n", name, n_ref);
+    free(ref), free(got);
+    mm_backend_close(be);
+}
+
+static void test_gpu_kv_bf16(void) {
+    gpu_kv_bf16_case("qwen3moe-tiny");
+    gpu_kv_bf16_case("qwen2moe-tiny");
+    gpu_kv_bf16_case("mixtral-var"); // head_dim 8: padded to 16 in the kernels
+    gpu_kv_bf16_case("glm4moe-tiny");
+}
+
 static void test_gpu_chain(void) {
     gpu_chain_case("qwen3moe-tiny");
     gpu_chain_case("qwen2moe-tiny");
@@ -1011,5 +1048,6 @@ MM_TESTS = {
     {"cuda: device path == host-routed path bits (mixtral)", test_gpu_mixtral},
     {"cuda: new decode kernels and fused ops == MM_GPU_OLD_DECODE bits", test_gpu_old_new},
     {"cuda: chain fusions == MM_GPU_OLD_CHAIN bits (4 models)", test_gpu_chain},
+    {"cuda: bf16 KV cache == f32 KV cache bits (4 models)", test_gpu_kv_bf16},
     {NULL, NULL},
 };

@@ -15,6 +15,7 @@
 #include "cmd.h"
 #include "mm/config.h"
 #include "mm/engine.h"
+#include "mm/kv_cache.h"
 #include "mm/time.h"
 
 // ---- bandwidth: every thread sums its slice of a buffer larger than any cache ---------------
@@ -233,6 +234,10 @@ static int run_bench_model(int argc, char **argv) {
     printf("model %s: %s, %d layers, d_model %d, %d experts top-%d, vocab %d; %d threads; "
            "open %.2f s\n", model, c->model_type, c->n_layers, c->d_model, c->n_experts,
            c->top_k, c->vocab, e->be->n_threads, (double)(mm_now_ns() - t0) / 1e9);
+    const mm_kv_params *kvp = mm_kv_cache_params(e->kv);
+    printf("kv cache: %s, %zu bytes per token, %d blocks of %d tokens\n",
+           mm_dtype_name(kvp->dtype), mm_kv_token_bytes(kvp), mm_kv_cache_blocks_total(e->kv),
+           kvp->block_size);
     ids = malloc((size_t)(prompt + decode + warm) * sizeof(int32_t));
     float *last = malloc((size_t)c->vocab * 4);
     if (!ids || !last) {

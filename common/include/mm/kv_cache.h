@@ -2,8 +2,9 @@
 // Paged KV cache: a pool of fixed-size blocks carved once from a byte budget, a block table
 // per sequence slot, and blocks returned to the pool when a sequence ends (vLLM-style).
 //
-// Design notes: the pool is one backend buffer laid out [block][layer][slot][K | V] (f32;
-// K = n_kv_heads*head_dim_k, V = n_kv_heads*head_dim_v per token), so a sequence's block ids
+// Design notes: the pool is one backend buffer laid out [block][layer][slot][K | V] (f32, or
+// bf16 where the backend asks for it: mm_kv_params.dtype; K = n_kv_heads*head_dim_k,
+// V = n_kv_heads*head_dim_v elements per token), so a sequence's block ids
 // are shared by all layers. Block tables are a (max_seqs, max_blocks) int32 array kept on the
 // host and mirrored to backend memory when the backend is not host memory. Nothing is
 // allocated after new: reserve only pops free block ids. Attention reads through the table,
@@ -26,13 +27,21 @@ typedef struct mm_kv_params {
     size_t budget_bytes; // pool size; n_blocks = budget / block bytes
     int max_seqs;        // sequence slots
     int max_ctx;         // longest sequence in tokens (sets the table width)
+    enum mm_dtype dtype; // MM_DTYPE_F32 (0) or MM_DTYPE_BF16 (mm_model_kv_params asks the
+                         // backend's kv_dtype); the pool's element type
 } mm_kv_params;
+
+// mm_kv_token_bytes: bytes one token takes in a pool of p's shape and dtype (all layers, K
+// and V): what budget_bytes is divided by (times block_size). 0 for a dtype the cache does not
+// take.
+size_t mm_kv_token_bytes(const mm_kv_params *p);
 
 typedef struct mm_kv_cache mm_kv_cache;
 
 // mm_kv_cache_new sizes the pool from p->budget_bytes in backend memory of be (borrowed; must
-// outlive the cache). Returns owned *out. Errors: MM_EINVAL (bad params, or a budget smaller
-// than one block, named in err), MM_ENOMEM, MM_EDEVICE.
+// outlive the cache). Returns owned *out. Errors: MM_EINVAL (bad params, a dtype other than
+// f32/bf16, a bf16 cache on a backend whose kv_dtype does not ask for it for this shape, or a
+// budget smaller than one block, named in err), MM_ENOMEM, MM_EDEVICE.
 mm_err mm_kv_cache_new(mm_kv_cache **out, const mm_kv_params *p, mm_backend *be,
                        char err[MM_ERRLEN]);
 // mm_kv_cache_free releases everything; accepts NULL.

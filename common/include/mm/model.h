@@ -119,7 +119,8 @@ double mm_model_decode_bytes(const mm_model *m);
 // steps take no page faults (an engine that will use all experts, and benchmarks; an expert
 // daemon touches only its own experts by running them). Returns a checksum to keep the reads.
 unsigned mm_model_touch(const mm_model *m);
-// mm_model_kv_params fills the KV-cache geometry this model needs (budget etc. left to caller).
+// mm_model_kv_params fills the KV-cache geometry this model needs and the dtype its backend
+// wants (kv_dtype: bf16 on CUDA's tensor-core contract, else f32; budget etc. left to caller).
 void mm_model_kv_params(const mm_model *m, mm_kv_params *p);
 
 // ---- scratch --------------------------------------------------------------------------------

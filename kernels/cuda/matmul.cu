@@ -1985,6 +1985,13 @@ static size_t gemv_x_smem(const mm_mat_args &a, int per_tile_rows) {
 // (tests).
 // MM_GPU_GEMV_BULK_CARVEOUT (diagnosis, read once): the kernel's preferred shared-memory
 // carveout in percent; unset: the largest; -1: none (the driver's choice).
+// MM_GPU_GEMV_BULK_MAX_MB (A/B, read once): v3 takes dense products whose W is at most this
+// many MiB (the LM head of Qwen3-30B-A3B, 593 MiB, then runs on v2: 149-154 us against v3's
+// 164 us alone on the H200); unset or 0: no limit.
+// MM_GPU_GEMV_BULK_ROWS (A/B, read once): the most rows of a dense product v3 takes in mode 1
+// (1..8, default 8; batch 8 ran 5% slower on v3 than on v2, H200 08:30 UTC).
+// MM_GPU_GEMV_X_CARVEOUT (A/B, read once): v2's preferred shared-memory carveout in percent
+// (100: as v3's, so a step mixing them keeps one carveout); unset: the driver's choice.
 // MM_GPU_GEMV_BULK_TPB (A/B, read once): 1 (default) v3 blocks of one 16-row tile whatever the
 // segment count (down, 3 segments: 16 rows, 42 KB, 3 busy warps per block); 0 v2's tiles per
 // block (down: 64 rows, 110 KB). Same bits. H200, 07:03 UTC: decode batch 1 1707/1725 tok/s
@@ -1994,6 +2001,9 @@ static size_t gemv_x_smem(const mm_mat_args &a, int per_tile_rows) {
 static int g_gemv_bulk = -1; // -1: not read yet
 static int g_gemv_bulk_carve = -2; // -2: not read yet
 static int g_gemv_bulk_tpb1;
+static long long g_gemv_bulk_max_bytes; // 0: no limit
+static int g_gemv_x_carve = -1;         // -1: the driver's choice
+static int g_gemv_bulk_rows = 8;
 static unsigned long long g_gemv_bulk_n;
 
 static int gemv_bulk_mode(void) {
@@ -2008,6 +2018,15 @@ static int gemv_bulk_mode(void) {
         g_gemv_bulk_carve = v >= -1 && v <= 100 ? v : cudaSharedmemCarveoutMaxShared;
         const char *t1 = getenv("MM_GPU_GEMV_BULK_TPB");
         g_gemv_bulk_tpb1 = !(t1 && strcmp(t1, "0") == 0);
+        const char *mb = getenv("MM_GPU_GEMV_BULK_MAX_MB");
+        const long long m = mb && mb[0] ? atoll(mb) : 0;
+        g_gemv_bulk_max_bytes = m > 0 ? m << 20 : 0;
+        const char *xc = getenv("MM_GPU_GEMV_X_CARVEOUT");
+        const int x = xc && xc[0] ? atoi(xc) : -1;
+        g_gemv_x_carve = x >= 0 && x <= 100 ? x : -1;
+        const char *br = getenv("MM_GPU_GEMV_BULK_ROWS");
+        const int r = br && br[0] ? atoi(br) : 8;
+        g_gemv_bulk_rows = r >= 1 && r <= 8 ? r : 8;
     }
     return g_gemv_bulk;
 }
@@ -2018,7 +2037,10 @@ static size_t gemv_bulk_smem(const mm_mat_args &a, int wpt, size_t xs_bytes) {
     const int mode = gemv_bulk_mode();
     if (mode == 0 || a.n_in % 8 != 0)
         return 0;
-    if (a.wg == NULL && (!aligned16(a.w0) || (mode != 2 && a.n_rows > 8)))
+    if (a.wg == NULL && (!aligned16(a.w0) || (mode != 2 && a.n_rows > g_gemv_bulk_rows)))
+        return 0;
+    if (a.wg == NULL && g_gemv_bulk_max_bytes > 0 &&
+        (long long)a.n_out * a.n_in * 2 > g_gemv_bulk_max_bytes)
         return 0;
     const int tpb = MV_WARPS / wpt, S = (a.n_in + seg_len(a.n_in) - 1) / seg_len(a.n_in);
     const size_t bytes = (size_t)tpb * 16 * mv2_ldx(a.n_in) * 2 + xs_bytes + (size_t)tpb * S * 16 * 8 * 4;
@@ -2085,6 +2107,10 @@ static mm_err launch(cudaStream_t st, int path, int dtype, mm_mat_args a, int pe
                 MM_GPU_CHECK(cudaFuncSetAttribute(gemv_x_kernel<GROUPED>,
                                                   cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                   MV2_SMEM_MAX));
+                if (g_gemv_x_carve >= 0)
+                    MM_GPU_CHECK(cudaFuncSetAttribute(gemv_x_kernel<GROUPED>,
+                                                      cudaFuncAttributePreferredSharedMemoryCarveout,
+                                                      g_gemv_x_carve));
                 attr_set |= 1ull << (dev & 63);
             }
             MM_GPU_CHECK(cudaLaunchKernelEx(&cfg, gemv_x_kernel<GROUPED>, a, wpt, ty));

@@ -47,9 +47,9 @@
 //   MM_GPU_OLD_CHAIN=1 leaves out the per-layer chain fusions (head_norm_rope_kv,
 //   route_with_plan, combine_rmsnorm, embed_rmsnorm: the model then issues the two ops each
 //   stands for);
-//   MM_GPU_OLD_DECODE and MM_GPU_OLD_FUSIONS leave them out too. MM_GPU_FUSED_GATE=0 leaves
-//   out moe_gate alone (a decode step's add_rmsnorm, router product and route_with_plan in one
-//   launch; route_plan.cu). The first recorded graph's
+//   MM_GPU_OLD_DECODE and MM_GPU_OLD_FUSIONS leave them out too. MM_GPU_FUSED_GATE=0 / =1
+//   leaves out / puts in moe_gate alone (a decode step's add_rmsnorm, router product and
+//   route_with_plan in one launch; route_plan.cu; FUSED_GATE_DEFAULT below when unset). The first recorded graph's
 //   node, edge and programmatic-edge counts are logged (info) once per backend.
 //   MM_GPU_ATT_WIDE=1: decode attention loads a key and a chunk's values in one round each
 //   (mm_gpu_set_attention_wide; same bits; off: 23.9 vs 29.2 us per call by ncu, but the
@@ -864,6 +864,10 @@ static mm_err gpu_moe_gate(void *ctx, const float *a, int64_t as, float *h, int6
     return rv;
 }
 
+// moe_gate in the table unless MM_GPU_FUSED_GATE says otherwise (docs/BENCHMARKS.md, "The MoE
+// gate in one launch").
+#define FUSED_GATE_DEFAULT 1
+
 static const struct mm_backend_ops gpu_ops = {
     .version = MM_BACKEND_V1,
     .name = MM_GPU_VENDOR,
@@ -982,8 +986,8 @@ extern "C" mm_err mm_cuda_backend_open(mm_backend *be, const mm_backend_params *
         g->ops_table.embed_rmsnorm = NULL;
         g->ops_table.moe_gate = NULL;
     }
-    const char *fg = getenv("MM_GPU_FUSED_GATE"); // 0: the MoE gate as three launches (A/B)
-    if (fg != NULL && strcmp(fg, "0") == 0)
+    const char *fg = getenv("MM_GPU_FUSED_GATE"); // 0 / 1: the MoE gate in three launches / one
+    if (fg != NULL && fg[0] != '\0' ? strcmp(fg, "0") == 0 : !FUSED_GATE_DEFAULT)
         g->ops_table.moe_gate = NULL;
     const char *ot = getenv("MM_GPU_OPTIME");
     if (ot != NULL && strcmp(ot, "0") != 0 && ot[0] != '\0') {

@@ -506,9 +506,11 @@ extern "C" mm_err mm_gpu_route_with_plan(void *stream, const struct mm_route_par
 //   and the norm's weights are loaded before the wait on the previous kernel (neither is
 //   written by a kernel);
 // - the block that finishes last (arrival count in *count, reset by that block, so a graph
-//   replays) writes h (+ a) to h (every block has read h by then), routes the rows with
-//   route_plan_fused_kernel's steps (route_row_scores for all rows at once, a warp each, then
-//   route_row_pick row by row) and makes the plan (plan_small / plan_body).
+//   replays) writes h (+ a) to h (every block has read h by then), routes the rows and makes
+//   the plan (plan_small / plan_body). One row: route_plan_fused_kernel's steps (route_row_
+//   scores, route_row_pick). More: warp w routes row w, all at once, with route_kernel's steps
+//   (the picks one at a time, route_finish), the same ids and weights; routing 8 rows one
+//   after the other by the block's steps cost 10% of the batch-8 step (H200, 09:21 UTC).
 // Rows 1..GATE_MAX_ROWS, bf16 router weights, CUDA (mma) only: other shapes are MM_EUNSUPP and
 // the caller issues the three ops. MM_GPU_FUSED_GATE=0 takes the op out of the table (A/B).
 #define GATE_MAX_ROWS 8
@@ -542,8 +544,11 @@ struct gate_args {
 };
 
 #if MM_GPU_HAVE_WMMA
-template <int DT>
-__global__ void __launch_bounds__(PLAN_THREADS) moe_gate_kernel(const struct gate_args g) {
+// DT: the norm weight's dtype; EPT: norm elements per thread (dim <= EPT * PLAN_THREADS).
+// Two blocks' worth of registers per SM at most, so that a block fits beside the GEMV blocks of
+// the product before it and is resident, its weights loading, when that product ends.
+template <int DT, int EPT>
+__global__ void __launch_bounds__(PLAN_THREADS, 2) moe_gate_kernel(const struct gate_args g) {
     extern __shared__ __align__(16) unsigned char gsm[];
     __shared__ float part[SEG_MAX][16 * 8]; // [tile * S + segment][row * 8 + token]
     __shared__ float rs_sh[GATE_MAX_ROWS];
@@ -551,7 +556,7 @@ __global__ void __launch_bounds__(PLAN_THREADS) moe_gate_kernel(const struct gat
     __shared__ int nan_sh[GATE_MAX_ROWS];
     __shared__ int last;
     __shared__ float sum_sh;
-    constexpr int U = GATE_UNROLL, EPT = RMS_MAX_DIM / PLAN_THREADS;
+    constexpr int U = GATE_UNROLL, LB = 8; // LB: loads of h (and a) in flight per thread
     mm_dep_signal(); // the grouped product after it prefetches its weights meanwhile
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     const int gq = lane >> 2, t = lane & 3;
@@ -582,10 +587,22 @@ __global__ void __launch_bounds__(PLAN_THREADS) moe_gate_kernel(const struct gat
     float *xf = (float *)gsm;                     // n rows of dim: h (+ a)
     uint16_t *xb = (uint16_t *)(gsm + g.xb_off);  // n rows of ldx: the normed rows in bf16
     const int ldx = mv2_ldx(dim), kp = (dim + 31) / 32 * 32;
-    for (int i = tid; i < n * dim; i += PLAN_THREADS) {
-        const int r = i / dim, k = i - r * dim;
-        const float hv = g.h[r * g.hs + k];
-        xf[i] = g.a != NULL ? __fadd_rn(hv, g.a[r * g.as + k]) : hv; // axpy's one add
+    for (int i0 = tid; i0 < n * dim; i0 += LB * PLAN_THREADS) { // all LB loads, then the adds
+        float hv[LB], av[LB];
+#pragma unroll
+        for (int j = 0; j < LB; j++) {
+            const int i = i0 + j * PLAN_THREADS, r = i / dim, k = i - r * dim;
+            if (i < n * dim) {
+                hv[j] = g.h[r * g.hs + k];
+                av[j] = g.a != NULL ? g.a[r * g.as + k] : 0.0f;
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < LB; j++) {
+            const int i = i0 + j * PLAN_THREADS;
+            if (i < n * dim)
+                xf[i] = g.a != NULL ? __fadd_rn(hv[j], av[j]) : hv[j]; // axpy's one add
+        }
     }
     for (int i = tid; i < n * (kp - dim); i += PLAN_THREADS) // zeros past dim (x tile)
         xb[(i / (kp - dim)) * ldx + dim + i % (kp - dim)] = 0;
@@ -675,12 +692,29 @@ __global__ void __launch_bounds__(PLAN_THREADS) moe_gate_kernel(const struct gat
     }
     __syncthreads(); // the logits are in lsh
     const int rf = g.rsz / 4; // floats per row's routing area
-    if (warp < n)
-        route_row_scores(g.p, lsh + warp * E, (float *)gsm + warp * rf, &nan_sh[warp], lane);
-    __syncthreads();
-    for (int r = 0; r < n; r++)
-        route_row_pick(g.p, (float *)gsm + r * rf, nan_sh[r], ids_sh, g.ids + r * K,
-                       g.weights + r * K, &sum_sh); // ends with a barrier
+    float *rr = (float *)gsm + warp * rf; // warp w < n: row w's
+    if (n == 1) { // route_plan_fused_kernel's steps: the picks by rank (or serial on a NaN)
+        if (warp == 0)
+            route_row_scores(g.p, lsh, rr, &nan_sh[0], lane);
+        __syncthreads();
+        route_row_pick(g.p, rr, nan_sh[0], ids_sh, g.ids, g.weights, &sum_sh); // + barrier
+    } else { // warp w routes row w, all rows at once: the picks one at a time (the same ids
+             // as by rank, and the rank path's own choice on a NaN row), then route_finish
+             // (lane 0: the same operations as route_finish_block's)
+        unsigned char *taken = (unsigned char *)(rr + 2 * E + K);
+        if (warp < n) {
+            route_scores(g.p, lsh + warp * E, rr, rr + E, taken, lane);
+            __syncwarp();
+            if (g.p.n_group > 1 && lane == 0)
+                route_groups(g.p, rr + E);
+            __syncwarp();
+        }
+        route_pick_serial(g.p, rr, rr + E, taken, rr + 2 * E, g.ids + warp * K, warp < n,
+                          lane); // a barrier per pick, met by every thread
+        if (warp < n && lane == 0)
+            route_finish(g.p, rr + 2 * E, g.weights + warp * K);
+        __syncthreads();
+    }
     if (n * K <= PLAN_THREADS)
         plan_small<false>(g.ids, g.weights, n, K, E, g.offs, g.src_row, g.dst_slot, g.wt,
                           g.d_err);
@@ -732,17 +766,25 @@ extern "C" mm_err mm_gpu_moe_gate(void *stream, const float *d_a, int64_t as, fl
                           d_weights, d_offs, d_src_row, d_dst_slot, d_wt, d_err, d_count,
                           (int)xb_off, (int)rsz, (int)lsh_off, (int)plan_off};
     g.vec = dim % 8 == 0 && ((uintptr_t)router->data & 15) == 0;
-    void (*kern)(const struct gate_args) = nw->dtype == MM_DTYPE_BF16 ? moe_gate_kernel<MM_DTYPE_BF16>
-                                           : nw->dtype == MM_DTYPE_F16
-                                               ? moe_gate_kernel<MM_DTYPE_F16>
-                                               : moe_gate_kernel<MM_DTYPE_F32>;
-    static uint64_t attr_set[3]; // per weight dtype and device (harmlessly racy, as matmul.cu's)
-    const int di = nw->dtype == MM_DTYPE_BF16 ? 0 : nw->dtype == MM_DTYPE_F16 ? 1 : 2;
+    const int ei = dim <= 8 * PLAN_THREADS ? 0 : dim <= 16 * PLAN_THREADS ? 1 : 2;
+#define GATE_PICK(D)                                                                               \
+    (ei == 0 ? moe_gate_kernel<D, 8> : ei == 1 ? moe_gate_kernel<D, 16> : moe_gate_kernel<D, 32>)
+    void (*kern)(const struct gate_args) = nw->dtype == MM_DTYPE_BF16  ? GATE_PICK(MM_DTYPE_BF16)
+                                           : nw->dtype == MM_DTYPE_F16 ? GATE_PICK(MM_DTYPE_F16)
+                                                                       : GATE_PICK(MM_DTYPE_F32);
+#undef GATE_PICK
+    // per kernel (weight dtype, elements per thread) and device (harmlessly racy, as matmul.cu's)
+    static uint64_t attr_set[9];
+    const int di = 3 * (nw->dtype == MM_DTYPE_BF16 ? 0 : nw->dtype == MM_DTYPE_F16 ? 1 : 2) + ei;
     int dev = 0;
     MM_GPU_CHECK(cudaGetDevice(&dev));
     if (!(attr_set[di] & (1ull << (dev & 63)))) {
         MM_GPU_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                           GATE_SMEM_MAX));
+        // the carveout of the decode GEMVs around it (matmul.cu, GEMV v3), so that its blocks
+        // can be resident beside theirs without the SM changing its split of L1 and shared
+        MM_GPU_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                          cudaSharedmemCarveoutMaxShared));
         attr_set[di] |= 1ull << (dev & 63);
     }
     MM_GPU_CHECK(mm_launch_dep(kern, dim3(blocks), dim3(PLAN_THREADS), shmem,

@@ -873,8 +873,8 @@ static void gpu_chain_case(const char *name) {
 }
 
 // The same GPU run with the MoE gate as three launches (MM_GPU_FUSED_GATE=0: add_rmsnorm, the
-// router product, route_with_plan) against the default (moe_gate: one launch per decode
-// layer): every logit and greedy id bit for bit.
+// router product, route_with_plan) against one launch per decode layer (=1, moe_gate): every
+// logit and greedy id bit for bit.
 static void gpu_gate_case(const char *name) {
     char dir[256];
     snprintf(dir, sizeof dir, "tests/fixtures/models/%s", name);
@@ -885,10 +885,11 @@ static void gpu_gate_case(const char *name) {
     MM_TRUE(be->ops->moe_gate == NULL);
     float *ref = run(dir, be, true, want_ids, &n_ref);
     mm_backend_close(be);
-    unsetenv("MM_GPU_FUSED_GATE");
+    setenv("MM_GPU_FUSED_GATE", "1", 1);
     be = open_gpu();
+    unsetenv("MM_GPU_FUSED_GATE");
     if (!be->ops->moe_gate)
-        MM_TEST_FAIL_("the default GPU table lacks moe_gate");
+        MM_TEST_FAIL_("the GPU table lacks moe_gate with MM_GPU_FUSED_GATE=1");
     float *got = run(dir, be, true, got_ids, &n_dev);
     same_runs(name, ref, got, n_ref, n_dev, want_ids, got_ids);
     printf("%s on cuda:0: moe_gate (one launch) == add_rmsnorm, router product, "

@@ -864,9 +864,9 @@ static mm_err gpu_moe_gate(void *ctx, const float *a, int64_t as, float *h, int6
     return rv;
 }
 
-// moe_gate in the table unless MM_GPU_FUSED_GATE says otherwise (docs/BENCHMARKS.md, "The MoE
-// gate in one launch").
-#define FUSED_GATE_DEFAULT 1
+// moe_gate in the table only with MM_GPU_FUSED_GATE=1: measured slower than the three launches
+// (docs/BENCHMARKS.md, "The MoE gate in one launch").
+#define FUSED_GATE_DEFAULT 0
 
 static const struct mm_backend_ops gpu_ops = {
     .version = MM_BACKEND_V1,

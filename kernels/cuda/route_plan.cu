@@ -512,7 +512,8 @@ extern "C" mm_err mm_gpu_route_with_plan(void *stream, const struct mm_route_par
 //   (the picks one at a time, route_finish), the same ids and weights; routing 8 rows one
 //   after the other by the block's steps cost 10% of the batch-8 step (H200, 09:21 UTC).
 // Rows 1..GATE_MAX_ROWS, bf16 router weights, CUDA (mma) only: other shapes are MM_EUNSUPP and
-// the caller issues the three ops. MM_GPU_FUSED_GATE=0 takes the op out of the table (A/B).
+// the caller issues the three ops. Off unless MM_GPU_FUSED_GATE=1 (backend.cu): the first
+// version measured slower than the three launches (docs/BENCHMARKS.md).
 #define GATE_MAX_ROWS 8
 #define GATE_WARPS (PLAN_THREADS / 32)
 #define GATE_UNROLL 8 // 32-wide k chunks of router rows in flight per warp (gemv_x_kernel's)
@@ -692,13 +693,14 @@ __global__ void __launch_bounds__(PLAN_THREADS, 2) moe_gate_kernel(const struct 
     }
     __syncthreads(); // the logits are in lsh
     const int rf = g.rsz / 4; // floats per row's routing area
-    float *rr = (float *)gsm + warp * rf; // warp w < n: row w's
-    if (n == 1) { // route_plan_fused_kernel's steps: the picks by rank (or serial on a NaN)
+    if (n == 1) { // route_plan_fused_kernel's steps: the picks by rank (or serial on a NaN),
+                  // by the whole block on row 0's area
         if (warp == 0)
-            route_row_scores(g.p, lsh, rr, &nan_sh[0], lane);
+            route_row_scores(g.p, lsh, (float *)gsm, &nan_sh[0], lane);
         __syncthreads();
-        route_row_pick(g.p, rr, nan_sh[0], ids_sh, g.ids, g.weights, &sum_sh); // + barrier
-    } else { // warp w routes row w, all rows at once: the picks one at a time (the same ids
+        route_row_pick(g.p, (float *)gsm, nan_sh[0], ids_sh, g.ids, g.weights, &sum_sh);
+    } else {
+        float *rr = (float *)gsm + warp * rf; // warp w < n: row w's area // warp w routes row w, all rows at once: the picks one at a time (the same ids
              // as by rank, and the rank path's own choice on a NaN row), then route_finish
              // (lane 0: the same operations as route_finish_block's)
         unsigned char *taken = (unsigned char *)(rr + 2 * E + K);

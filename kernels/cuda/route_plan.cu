@@ -699,10 +699,10 @@ __global__ void __launch_bounds__(PLAN_THREADS, 2) moe_gate_kernel(const struct 
             route_row_scores(g.p, lsh, (float *)gsm, &nan_sh[0], lane);
         __syncthreads();
         route_row_pick(g.p, (float *)gsm, nan_sh[0], ids_sh, g.ids, g.weights, &sum_sh);
-    } else {
-        float *rr = (float *)gsm + warp * rf; // warp w < n: row w's area // warp w routes row w, all rows at once: the picks one at a time (the same ids
+    } else { // warp w routes row w, all rows at once: the picks one at a time (the same ids
              // as by rank, and the rank path's own choice on a NaN row), then route_finish
              // (lane 0: the same operations as route_finish_block's)
+        float *rr = (float *)gsm + warp * rf; // warp w < n: row w's area
         unsigned char *taken = (unsigned char *)(rr + 2 * E + K);
         if (warp < n) {
             route_scores(g.p, lsh + warp * E, rr, rr + E, taken, lane);

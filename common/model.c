@@ -1219,23 +1219,6 @@ static mm_err gate_plan(const mm_model *m, mm_model_scratch *s, int l, const flo
                            s->wt_d);
 }
 
-// gate_fused: h += a (a non-NULL; else h is only read), x = ffn_norm(h), then gate_plan's
-// outputs, in one op where the backend has moe_gate and takes the shape (the same bits as
-// add_rmsnorm or rmsnorm, then gate_plan). MM_EUNSUPP, nothing issued: the caller runs those.
-static mm_err gate_fused(const mm_model *m, mm_model_scratch *s, int l, const float *a,
-                         float *h, int64_t n, float *x) {
-    const mm_model_config *c = &m->c;
-    const struct layer *L = &m->layers[l];
-    if (!OPS->moe_gate || !s->dev)
-        return MM_EUNSUPP;
-    struct mm_route_params rp = c->route;
-    rp.bias = L->e_bias;
-    const int64_t D = c->d_model;
-    return OPS->moe_gate(CTX, a, D, h, D, &L->ffn_norm, c->eps, x, D, &L->router, &rp, s->rl, n,
-                         s->ids_d, (float *)(s->ids_d + n * c->top_k), s->offs_d, s->src_d,
-                         s->dst_d, s->wt_d);
-}
-
 // experts_plan: the routed experts of layer L on nk plan slots: sorted slot p reads x row
 // src[p], its output goes to out row dst[p]; [gate; up] (or gate, up) and down as grouped
 // products over device expert tables. Issues ops only.
@@ -1290,17 +1273,15 @@ static mm_err experts_plan(const mm_model *m, mm_model_scratch *s, const struct 
     return OPS->copy_rows(CTX, s->yout, D, NULL, out, D, dst, nk, D);
 }
 
-// moe_layer_dev: moe_layer with the plan made on the device: route, plan (unless gated: the
-// plan is made already, gate_fused), gather the routed rows in expert order, [gate; up] (or
-// gate, up) and down as grouped products over device expert tables, scatter to the (row,
-// rank) slots, combine with the plan's rank-major weights (and then norm_w's norm of h into
-// norm_y, if norm_w: combine_norm).
+// moe_layer_dev: moe_layer with the plan made on the device: route, plan, gather the routed
+// rows in expert order, [gate; up] (or gate, up) and down as grouped products over device
+// expert tables, scatter to the (row, rank) slots, combine with the plan's rank-major weights
+// (and then norm_w's norm of h into norm_y, if norm_w: combine_norm).
 static mm_err moe_layer_dev(const mm_model *m, mm_model_scratch *s, int l, int64_t n,
-                            const mm_weight *norm_w, float *norm_y, bool gated) {
+                            const mm_weight *norm_w, float *norm_y) {
     const struct layer *L = &m->layers[l];
     const int K = m->c.top_k;
-    if (!gated)
-        MM_TRY(gate_plan(m, s, l, s->x, n));
+    MM_TRY(gate_plan(m, s, l, s->x, n));
     MM_TRY(experts_plan(m, s, L, s->offs_d, s->x, s->src_d, s->dst_d, n * K, s->eo));
     if (L->has_shared)
         MM_TRY(mm_model_shared_forward(m, s, l, s->x, n, s->sh));
@@ -1317,26 +1298,6 @@ mm_err mm_model_gate_plan(const mm_model *m, mm_model_scratch *s, int layer, con
     if (!s->dev)
         return MM_EUNSUPP;
     MM_TRY(gate_plan(m, s, layer, x, n));
-    *plan = (mm_model_plan){.ids = s->ids_d, .offs = s->offs_d, .src = s->src_d,
-                            .dst = s->dst_d, .wt = s->wt_d};
-    return MM_OK;
-}
-
-mm_err mm_model_ffn_gate_plan(const mm_model *m, mm_model_scratch *s, int layer, const float *h,
-                              int64_t n, float *x, mm_model_plan *plan, bool *normed) {
-    *normed = false;
-    if (!mm_model_layer_is_moe(m, layer) || !plan || n <= 0)
-        return MM_EINVAL;
-    MM_TRY(check_rows(s, n));
-    // no addend: moe_gate only reads h (the cast keeps the op's one signature)
-    mm_err rv = gate_fused(m, s, layer, NULL, (float *)h, n, x);
-    if (rv == MM_EUNSUPP) {
-        MM_TRY(mm_model_ffn_norm(m, s, layer, h, n, x));
-        *normed = true;
-        rv = s->dev ? gate_plan(m, s, layer, x, n) : MM_EUNSUPP;
-    }
-    MM_TRY(rv);
-    *normed = true;
     *plan = (mm_model_plan){.ids = s->ids_d, .offs = s->offs_d, .src = s->src_d,
                             .dst = s->dst_d, .wt = s->wt_d};
     return MM_OK;
@@ -1387,14 +1348,9 @@ static mm_err forward_dev_ops(const mm_model *m, mm_model_scratch *s, mm_kv_cach
     for (int l = 0; l < n_layers; l++) {
         // the residual add of the attention output and the FFN norm in one op where the
         // backend has it (same bits as axpy then rmsnorm)
-        // (and on MoE layers the gate, route and plan too, where the backend has moe_gate)
-        const bool fuse = OPS->add_rmsnorm != NULL, moe = mm_model_layer_is_moe(m, l);
+        const bool fuse = OPS->add_rmsnorm != NULL;
         MM_TRY(attn_core(m, s, l, kv, n, s->h, fuse, normed));
-        const mm_err gated = fuse && moe ? gate_fused(m, s, l, s->tmp, s->h, n, s->x)
-                                         : MM_EUNSUPP;
-        if (gated != MM_EUNSUPP)
-            MM_TRY(gated);
-        else if (fuse)
+        if (fuse)
             MM_TRY(OPS->add_rmsnorm(CTX, s->tmp, D, s->h, D, &m->layers[l].ffn_norm, m->c.eps,
                                     s->x, D, n));
         else
@@ -1403,8 +1359,8 @@ static mm_err forward_dev_ops(const mm_model *m, mm_model_scratch *s, mm_kv_cach
                                 : l + 1 < n_layers ? &m->layers[l + 1].attn_norm
                                 : nw > 0           ? &m->norm
                                                    : NULL;
-        if (moe) {
-            MM_TRY(moe_layer_dev(m, s, l, n, next, s->xn, gated == MM_OK));
+        if (mm_model_layer_is_moe(m, l)) {
+            MM_TRY(moe_layer_dev(m, s, l, n, next, s->xn));
         } else {
             MM_TRY(mm_model_shared_forward(m, s, l, s->x, n, s->sh));
             MM_TRY(combine_norm(m, s, s->h, n, 0, NULL, NULL, s->sh, next, s->xn));

@@ -357,19 +357,6 @@ struct mm_backend_ops {
     // even) anyway, so the stored bf16 gives the same bits as an f32 cache in half the bytes.
     // Decided when a cache is made: the cache keeps its dtype for its life.
     enum mm_dtype (*kv_dtype)(void *ctx, int n_kv_heads, int head_dim_k, int head_dim_v);
-    // moe_gate (optional; NULL or MM_EUNSUPP: the three ops below): the MoE gate of a decode
-    // step in one call: add_rmsnorm(a, a_stride, h, h_stride, norm, eps, x, x_stride, n_rows)
-    // (a NULL: rmsnorm(norm, eps, h, h_stride, x, x_stride, n_rows), h not written), then
-    // matmul(router, NULL, x, x_stride, logits, p->n_experts, n_rows), then
-    // route_with_plan(p, logits, p->n_experts, n_rows, ids, weights, offs, src_row, dst_slot,
-    // wt): every output with exactly the bits of that sequence. router->rows == p->n_experts,
-    // router->cols == norm->cols. May return MM_EUNSUPP having issued nothing (a shape it does
-    // not take: decode row counts only); the caller then issues the sequence.
-    mm_err (*moe_gate)(void *ctx, const float *a, int64_t a_stride, float *h, int64_t h_stride,
-                       const mm_weight *norm, float eps, float *x, int64_t x_stride,
-                       const mm_weight *router, const struct mm_route_params *p, float *logits,
-                       int64_t n_rows, int32_t *ids, float *weights, int32_t *offs,
-                       int32_t *src_row, int32_t *dst_slot, float *wt);
 };
 
 // A backend instance: the table plus its context. Not thread-safe (one issuing thread).

@@ -47,9 +47,7 @@
 //   MM_GPU_OLD_CHAIN=1 leaves out the per-layer chain fusions (head_norm_rope_kv,
 //   route_with_plan, combine_rmsnorm, embed_rmsnorm: the model then issues the two ops each
 //   stands for);
-//   MM_GPU_OLD_DECODE and MM_GPU_OLD_FUSIONS leave them out too. MM_GPU_FUSED_GATE=0 / =1
-//   leaves out / puts in moe_gate alone (a decode step's add_rmsnorm, router product and
-//   route_with_plan in one launch; route_plan.cu; FUSED_GATE_DEFAULT below when unset). The first recorded graph's
+//   MM_GPU_OLD_DECODE and MM_GPU_OLD_FUSIONS leave them out too. The first recorded graph's
 //   node, edge and programmatic-edge counts are logged (info) once per backend.
 //   MM_GPU_ATT_WIDE=1: decode attention loads a key and a chunk's values in one round each
 //   (mm_gpu_set_attention_wide; same bits; off: 23.9 vs 29.2 us per call by ncu, but the
@@ -122,7 +120,7 @@ struct gpu_ctx {
     // argmax workspace: per row a 64-bit (value, id) key and an arrival count, zero between
     // launches (each launch's last block clears its rows)
     void *d_amax;
-    unsigned *d_count; // arrival counts (zero between launches): [0] route_with_plan, [1] moe_gate
+    unsigned *d_count; // route_with_plan's arrival count (zero between launches)
     bool old_kernels; // MM_GPU_OLD_DECODE=1: the earlier argmax/rmsnorm/attention (A/B runs)
 };
 
@@ -878,27 +876,6 @@ static mm_err gpu_add_rmsnorm(void *ctx, const float *a, int64_t as, float *h, i
     TIMED("add_rmsnorm", mm_gpu_add_rmsnorm(g->stream, a, as, h, hs, w, eps, y, ys, n_rows));
 }
 
-static mm_err gpu_moe_gate(void *ctx, const float *a, int64_t as, float *h, int64_t hs,
-                           const mm_weight *nw, float eps, float *x, int64_t xs,
-                           const mm_weight *router, const struct mm_route_params *p,
-                           float *logits, int64_t n_rows, int32_t *ids, float *weights,
-                           int32_t *offs, int32_t *src_row, int32_t *dst_slot, float *wt) {
-    CTX(ctx);
-    ON_DEVICE();
-    ot_begin(g);
-    const mm_err rv = mm_gpu_moe_gate(g->stream, a, as, h, hs, nw, eps, x, xs, router, p, logits,
-                                      n_rows, ids, weights, offs, src_row, dst_slot, wt,
-                                      g->d_err, g->d_count + 1);
-    if (rv == MM_EUNSUPP) // nothing issued: the caller runs the three ops
-        return rv;
-    ot_end(g, "moe_gate");
-    return rv;
-}
-
-// moe_gate in the table only with MM_GPU_FUSED_GATE=1: measured slower than the three launches
-// (docs/BENCHMARKS.md, "The MoE gate in one launch").
-#define FUSED_GATE_DEFAULT 0
-
 static const struct mm_backend_ops gpu_ops = {
     .version = MM_BACKEND_V1,
     .name = MM_GPU_VENDOR,
@@ -939,7 +916,6 @@ static const struct mm_backend_ops gpu_ops = {
     .combine_rmsnorm = gpu_combine_rmsnorm,
     .embed_rmsnorm = gpu_embed_rmsnorm,
     .kv_dtype = gpu_kv_dtype,
-    .moe_gate = gpu_moe_gate,
 };
 
 extern "C" mm_err mm_cuda_backend_open(mm_backend *be, const mm_backend_params *p,
@@ -974,9 +950,9 @@ extern "C" mm_err mm_cuda_backend_open(mm_backend *be, const mm_backend_params *
     if (e == cudaSuccess)
         e = cudaMemset(g->d_amax, 0, MM_GPU_ARGMAX_WS_BYTES(AMAX_ROWS));
     if (e == cudaSuccess)
-        e = cudaMalloc((void **)&g->d_count, 2 * sizeof(unsigned));
+        e = cudaMalloc((void **)&g->d_count, sizeof(unsigned));
     if (e == cudaSuccess)
-        e = cudaMemset(g->d_count, 0, 2 * sizeof(unsigned));
+        e = cudaMemset(g->d_count, 0, sizeof(unsigned));
     if (e == cudaSuccess && cudaMallocHost((void **)&g->h_stage, STAGE_BYTES) != cudaSuccess) {
         (void)cudaGetLastError(); // no pinned memory: small copies go direct (slower, correct)
         g->h_stage = NULL;
@@ -1020,11 +996,7 @@ extern "C" mm_err mm_cuda_backend_open(mm_backend *be, const mm_backend_params *
         g->ops_table.route_with_plan = NULL;
         g->ops_table.combine_rmsnorm = NULL;
         g->ops_table.embed_rmsnorm = NULL;
-        g->ops_table.moe_gate = NULL;
     }
-    const char *fg = getenv("MM_GPU_FUSED_GATE"); // 0 / 1: the MoE gate in three launches / one
-    if (fg != NULL && fg[0] != '\0' ? strcmp(fg, "0") == 0 : !FUSED_GATE_DEFAULT)
-        g->ops_table.moe_gate = NULL;
     const char *ot = getenv("MM_GPU_OPTIME");
     if (ot != NULL && strcmp(ot, "0") != 0 && ot[0] != '\0') {
         if (ot_open(g)) { // op by op: a graph would hide the ops from the events

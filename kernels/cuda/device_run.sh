@@ -6,10 +6,9 @@
 # which .git/info/exclude ignores), then on the GPU machine, from the repo root, carrying it:
 #     bash kernels/cuda/device_run.sh .dev/gpu-mesh
 # Sections, each with its own time limit, in this order (SKIP="ops parity ..." leaves some out):
-#   ops       every case of the GPU tests (GPU_TEST_BINS below): cuda_ops_test,
-#             cuda_decode_ops_test, cuda_chain_ops_test, cuda_attention_tc_test,
-#             cuda_attention_tcd_test, cuda_prefill_rows_test, cuda_route_plan_test,
-#             cuda_moe_gate_test, model_devpath_test, cudaipc_test
+#   ops       every case of the GPU tests: cuda_ops_test, cuda_decode_ops_test,
+#             cuda_chain_ops_test, cuda_attention_tc_test, cuda_attention_tcd_test,
+#             cuda_prefill_rows_test, cuda_route_plan_test, model_devpath_test, cudaipc_test
 #   synth     moemesh synth (Qwen3-30B-A3B shape, MODEL_LAYERS=4 layers) into /tmp, started in
 #             the background at once so that it overlaps the op tests
 #   copy      device-to-device copy bandwidth (moemesh-gpu-bench --only none): the ceiling
@@ -34,18 +33,16 @@
 # Output: $OUT/log (also stdout). Exit 0 when every section that ran passed; 1 otherwise;
 # 2 when the binaries are missing. Without a GPU every section fails with its reason.
 set -u
-# The GPU test binaries (under the build's tests/), staged by --stage and run by "ops" (one list).
-GPU_TEST_BINS="kernels/cuda_ops_test kernels/cuda_decode_ops_test kernels/cuda_chain_ops_test
-    kernels/cuda_attention_tc_test kernels/cuda_attention_tcd_test kernels/cuda_prefill_rows_test
-    kernels/cuda_route_plan_test kernels/cuda_moe_gate_test unit/model_devpath_test
-    transport/cudaipc_test"
 if [ "${1:-}" = "--stage" ]; then
     D=${2:-.dev/gpu-mesh}
     B=${BUILD_CUDA:-build/cuda}
     mkdir -p "$D/lib" || exit 2
     for f in bin/moemesh bin/moemesh-router bin/moemesh-attention bin/moemesh-expert \
-             bin/moemesh-drafter bin/moemesh-gateway bin/moemesh-gpu-bench \
-             $(for t in $GPU_TEST_BINS; do echo "tests/$t"; done); do
+             bin/moemesh-drafter bin/moemesh-gateway \
+             bin/moemesh-gpu-bench tests/kernels/cuda_ops_test tests/kernels/cuda_decode_ops_test \
+             tests/kernels/cuda_chain_ops_test tests/kernels/cuda_attention_tc_test \
+             tests/kernels/cuda_attention_tcd_test tests/kernels/cuda_prefill_rows_test \
+             tests/kernels/cuda_route_plan_test tests/unit/model_devpath_test tests/transport/cudaipc_test; do
         [ -x "$B/$f" ] || { echo "stage: $B/$f missing (make cuda first)"; exit 2; }
         strip -o "$D/$(basename "$f")" "$B/$f" || exit 2
     done
@@ -88,7 +85,7 @@ if ! skip synth; then
 fi
 
 if ! skip ops; then
-    GPU_TESTS=$(for t in $GPU_TEST_BINS; do basename "$t"; done | tr '\n' ' ' | sed 's/ $//')
+    GPU_TESTS="cuda_ops_test cuda_decode_ops_test cuda_chain_ops_test cuda_attention_tc_test cuda_attention_tcd_test cuda_prefill_rows_test cuda_route_plan_test model_devpath_test cudaipc_test"
     section "GPU tests (${GPU_TESTS// /, })"
     pass=0; fail=0
     for t in $GPU_TESTS; do

@@ -34,7 +34,6 @@
 
 #include "gpu_common.cuh"
 #include "mm_gpu.h"
-#include "mma.cuh"
 #if MM_GPU_HAVE_WMMA
 #include <cudaTypedefs.h> // cuTensorMapEncodeTiled's type (TMA maps for gemm_wp.cuh)
 #endif
@@ -165,7 +164,42 @@ __device__ __forceinline__ float wget(const void *w, int64_t i) {
     return ((const float *)w)[i];
 }
 
+// Two f32 -> packed bf16 (a low), round to nearest even. Every path that feeds the tensor
+// cores converts through this one function, so x rounds identically everywhere.
+__device__ __forceinline__ uint32_t pack_bf16(float a, float b) {
 #if MM_GPU_HAVE_WMMA
+    uint32_t r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(b), "f"(a));
+    return r;
+#else
+    return (uint32_t)mm_gpu_f32_to_bf16(a) | ((uint32_t)mm_gpu_f32_to_bf16(b) << 16);
+#endif
+}
+
+#if MM_GPU_HAVE_WMMA
+// ---- mma.sync m16n8k16 (CUDA) ----------------------------------------------------------------
+// D += A (16x16, row) * B (16x8, col). a[0]: row g slots 2t..; a[1]: row g+8; a[2], a[3]: the
+// same rows at slots 2t+8..; b[0]: slots 2t.., col g; b[1]: slots 2t+8.., col g. d[0], d[1]:
+// row g cols 2t, 2t+1; d[2], d[3]: row g+8.
+__device__ __forceinline__ void mma16816(float d[4], const uint32_t a[4], const uint32_t b[2]) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// 8 bf16 of a weight row from k (zeros past n_in); fast when vec and the 8 are in range.
+__device__ __forceinline__ uint4 load_w8(const uint16_t *row, int k, int n_in, bool vec) {
+    if (vec && k + 8 <= n_in)
+        return __ldg((const uint4 *)(row + k));
+    uint16_t h[8];
+#pragma unroll
+    for (int j = 0; j < 8; j++)
+        h[j] = k + j < n_in ? row[k + j] : (uint16_t)0;
+    return make_uint4(h[0] | ((uint32_t)h[1] << 16), h[2] | ((uint32_t)h[3] << 16),
+                      h[4] | ((uint32_t)h[5] << 16), h[6] | ((uint32_t)h[7] << 16));
+}
+
 // 8 f32 of an x row from k, as 4 bf16 pairs (zeros past n_in).
 __device__ __forceinline__ uint4 load_x8(const float *row, int k, int n_in, bool vec) {
     float v[8];
@@ -196,6 +230,19 @@ __device__ __forceinline__ void load_x8f(const float *row, int k, int n_in, bool
         lo = make_float4(v[0], v[1], v[2], v[3]);
         hi = make_float4(v[4], v[5], v[6], v[7]);
     }
+}
+
+// ---- K segments ------------------------------------------------------------------------------
+// Both mma paths split k into S <= 16 fixed segments of seg_len(n_in) (a multiple of 32, at
+// least 256): each segment accumulates its chunks from zero, and the segment sums are added
+// in segment order, 0 + p0 + p1 + ... . The GEMV spreads segments over warps (parallelism for
+// small matrices at batch 1); the GEMM walks them in order with a second accumulator. The
+// split depends on n_in only, so the bits do not depend on the path or on n_rows.
+#define SEG_MAX 16
+__host__ __device__ __forceinline__ int seg_len(int n_in) {
+    int l = (n_in + SEG_MAX - 1) / SEG_MAX;
+    l = (l + 31) / 32 * 32;
+    return l < 256 ? 256 : l;
 }
 
 // ---- GEMV through mma: W in A (16 outputs), x^T in B (8 tokens per group) -----------------------
@@ -346,6 +393,10 @@ __global__ void __launch_bounds__(MV_WARPS * 32, 2) gemv_mma_kernel(mm_mat_args 
 // staging of the x tile is the suspect (each thread's pieces are loaded one after the
 // other: one memory round trip per 8-element piece, 8 or more per thread at 8 rows).
 static int g_gemv_version = 2; // mm_gpu_set_gemv_version: 1 = gemv_mma_kernel only (A/B runs)
+
+// bf16 per shared x row: n_in rounded up to 32 (zeros past n_in), + 32 so that the rows read by
+// lanes g and g + 1 in one quarter-warp fall in other banks.
+__host__ __device__ __forceinline__ int mv2_ldx(int n_in) { return (n_in + 31) / 32 * 32 + 32; }
 
 // silu(g) * u, written as swiglu_kernel (ops.cu) writes it, so both round alike (the op test
 // checks the fused path against that kernel bit for bit).
@@ -1934,13 +1985,6 @@ static size_t gemv_x_smem(const mm_mat_args &a, int per_tile_rows) {
 // (tests).
 // MM_GPU_GEMV_BULK_CARVEOUT (diagnosis, read once): the kernel's preferred shared-memory
 // carveout in percent; unset: the largest; -1: none (the driver's choice).
-// MM_GPU_GEMV_BULK_MAX_MB (A/B, read once): v3 takes dense products whose W is at most this
-// many MiB (the LM head of Qwen3-30B-A3B, 593 MiB, then runs on v2: 149-154 us against v3's
-// 164 us alone on the H200); unset or 0: no limit.
-// MM_GPU_GEMV_BULK_ROWS (A/B, read once): the most rows of a dense product v3 takes in mode 1
-// (1..8, default 8; batch 8 ran 5% slower on v3 than on v2, H200 08:30 UTC).
-// MM_GPU_GEMV_X_CARVEOUT (A/B, read once): v2's preferred shared-memory carveout in percent
-// (100: as v3's, so a step mixing them keeps one carveout); unset: the driver's choice.
 // MM_GPU_GEMV_BULK_TPB (A/B, read once): 1 (default) v3 blocks of one 16-row tile whatever the
 // segment count (down, 3 segments: 16 rows, 42 KB, 3 busy warps per block); 0 v2's tiles per
 // block (down: 64 rows, 110 KB). Same bits. H200, 07:03 UTC: decode batch 1 1707/1725 tok/s
@@ -1950,9 +1994,6 @@ static size_t gemv_x_smem(const mm_mat_args &a, int per_tile_rows) {
 static int g_gemv_bulk = -1; // -1: not read yet
 static int g_gemv_bulk_carve = -2; // -2: not read yet
 static int g_gemv_bulk_tpb1;
-static long long g_gemv_bulk_max_bytes; // 0: no limit
-static int g_gemv_x_carve = -1;         // -1: the driver's choice
-static int g_gemv_bulk_rows = 8;
 static unsigned long long g_gemv_bulk_n;
 
 static int gemv_bulk_mode(void) {
@@ -1967,15 +2008,6 @@ static int gemv_bulk_mode(void) {
         g_gemv_bulk_carve = v >= -1 && v <= 100 ? v : cudaSharedmemCarveoutMaxShared;
         const char *t1 = getenv("MM_GPU_GEMV_BULK_TPB");
         g_gemv_bulk_tpb1 = !(t1 && strcmp(t1, "0") == 0);
-        const char *mb = getenv("MM_GPU_GEMV_BULK_MAX_MB");
-        const long long m = mb && mb[0] ? atoll(mb) : 0;
-        g_gemv_bulk_max_bytes = m > 0 ? m << 20 : 0;
-        const char *xc = getenv("MM_GPU_GEMV_X_CARVEOUT");
-        const int x = xc && xc[0] ? atoi(xc) : -1;
-        g_gemv_x_carve = x >= 0 && x <= 100 ? x : -1;
-        const char *br = getenv("MM_GPU_GEMV_BULK_ROWS");
-        const int r = br && br[0] ? atoi(br) : 8;
-        g_gemv_bulk_rows = r >= 1 && r <= 8 ? r : 8;
     }
     return g_gemv_bulk;
 }
@@ -1986,10 +2018,7 @@ static size_t gemv_bulk_smem(const mm_mat_args &a, int wpt, size_t xs_bytes) {
     const int mode = gemv_bulk_mode();
     if (mode == 0 || a.n_in % 8 != 0)
         return 0;
-    if (a.wg == NULL && (!aligned16(a.w0) || (mode != 2 && a.n_rows > g_gemv_bulk_rows)))
-        return 0;
-    if (a.wg == NULL && g_gemv_bulk_max_bytes > 0 &&
-        (long long)a.n_out * a.n_in * 2 > g_gemv_bulk_max_bytes)
+    if (a.wg == NULL && (!aligned16(a.w0) || (mode != 2 && a.n_rows > 8)))
         return 0;
     const int tpb = MV_WARPS / wpt, S = (a.n_in + seg_len(a.n_in) - 1) / seg_len(a.n_in);
     const size_t bytes = (size_t)tpb * 16 * mv2_ldx(a.n_in) * 2 + xs_bytes + (size_t)tpb * S * 16 * 8 * 4;
@@ -2056,10 +2085,6 @@ static mm_err launch(cudaStream_t st, int path, int dtype, mm_mat_args a, int pe
                 MM_GPU_CHECK(cudaFuncSetAttribute(gemv_x_kernel<GROUPED>,
                                                   cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                   MV2_SMEM_MAX));
-                if (g_gemv_x_carve >= 0)
-                    MM_GPU_CHECK(cudaFuncSetAttribute(gemv_x_kernel<GROUPED>,
-                                                      cudaFuncAttributePreferredSharedMemoryCarveout,
-                                                      g_gemv_x_carve));
                 attr_set |= 1ull << (dev & 63);
             }
             MM_GPU_CHECK(cudaLaunchKernelEx(&cfg, gemv_x_kernel<GROUPED>, a, wpt, ty));

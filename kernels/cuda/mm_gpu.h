@@ -258,16 +258,6 @@ mm_err mm_gpu_route_with_plan(void *stream, const struct mm_route_params *p,
                               const float *d_logits, int64_t ls, int64_t n_rows, int32_t *d_ids,
                               float *d_weights, int32_t *d_offs, int32_t *d_src_row,
                               int32_t *d_dst_slot, float *d_wt, int *d_err, unsigned *d_count);
-// mm_gpu_moe_gate: kernels.h moe_gate (add_rmsnorm, or rmsnorm with d_a NULL; the router
-// product; route_with_plan) in one launch for 1..8 rows with a bf16 router (route_plan.cu);
-// MM_EUNSUPP, nothing issued, for other shapes and on HIP. d_count: one device word as
-// mm_gpu_route_with_plan's (its own word, or one shared by calls on one stream).
-mm_err mm_gpu_moe_gate(void *stream, const float *d_a, int64_t as, float *d_h, int64_t hs,
-                       const mm_weight *nw, float eps, float *d_x, int64_t xs,
-                       const mm_weight *router, const struct mm_route_params *p, float *d_logits,
-                       int64_t n_rows, int32_t *d_ids, float *d_weights, int32_t *d_offs,
-                       int32_t *d_src_row, int32_t *d_dst_slot, float *d_wt, int *d_err,
-                       unsigned *d_count);
 // mm_gpu_embed_rmsnorm: kernels.h embed_rmsnorm (embed, then y = rmsnorm(out)) in one launch,
 // a block per row (rows longer than 8192: the two launches).
 mm_err mm_gpu_embed_rmsnorm(void *stream, const mm_weight *t, const int32_t *d_ids,

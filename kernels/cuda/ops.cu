@@ -28,7 +28,6 @@
 #include "gpu_common.cuh"
 #include "kernels.h"
 #include "mm_gpu.h"
-#include "rms.cuh"
 #include "route.cuh"
 
 #define ERR_INDEX 1
@@ -36,6 +35,25 @@
 __device__ __forceinline__ void flag(int *d_err, int bit) {
     if (d_err != NULL)
         atomicOr(d_err, bit);
+}
+
+template <int DT>
+__device__ __forceinline__ float wload(const void *w, int64_t i) {
+    if (DT == MM_DTYPE_BF16)
+        return mm_gpu_bf16_to_f32(((const uint16_t *)w)[i]);
+    if (DT == MM_DTYPE_F16) {
+        const uint16_t h = ((const uint16_t *)w)[i];
+        const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+        const uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+        if (exp == 0) {
+            const float v = (float)man * 5.9604644775390625e-8f;
+            return sign ? -v : v;
+        }
+        if (exp == 31)
+            return __uint_as_float(sign | 0x7f800000u | (man << 13));
+        return __uint_as_float(sign | ((exp - 15 + 127) << 23) | (man << 13));
+    }
+    return ((const float *)w)[i];
 }
 
 static unsigned warp_threads(void) { return (unsigned)mm__gpu_warp_size(); }
@@ -69,6 +87,59 @@ __device__ __forceinline__ void early_launch(int on) {
 }
 
 // ---- rmsnorm ---------------------------------------------------------------------------------
+// The sum of squares is one fixed order: lane l of a warp sums x[l], x[l + W], x[l + 2W], ...
+// (W the warp width) in turn, then the lanes meet in a butterfly (every lane gets the same
+// sum). rmsnorm_row_kernel keeps that order but first loads the row into shared memory with a
+// whole block (a decode row of 2048 is 8 loads per thread, all in flight, instead of 64 per
+// lane in rounds of 8), then one warp sums from shared memory and every thread scales its
+// elements: the bits of rmsnorm_kernel (one warp per row), which stays for rows too long for
+// shared memory and as the reference of the op test.
+#define RMS_THREADS 256
+#define RMS_MAX_DIM 8192
+
+// The norm of a row already in shared memory (xsh, dim), written to yr: the sum of squares in
+// one warp in the lane-strided order, then every thread scales its elements by its weights wv
+// (rms_load_w). Shared by rmsnorm_row_kernel and add_rmsnorm_kernel, so both have the warp
+// kernel's bits.
+// This thread's weights (elements threadIdx.x + i * RMS_THREADS), loaded before the row so
+// that both are in flight together.
+// NT: the block's threads (RMS_THREADS, or CR_THREADS for combine_rmsnorm_kernel; the same
+// arithmetic per element either way).
+// EPT: the elements each thread scales (dim <= NT * EPT).
+template <int DT, int NT = RMS_THREADS, int EPT = RMS_MAX_DIM / NT>
+__device__ __forceinline__ void rms_load_w(const void *w, int dim, float wv[EPT]) {
+#pragma unroll
+    for (int i = 0; i < EPT; i++) {
+        const int k = threadIdx.x + i * NT;
+        wv[i] = k < dim ? wload<DT>(w, k) : 0.0f;
+    }
+}
+
+template <int NT = RMS_THREADS, int EPT = RMS_MAX_DIM / NT>
+__device__ __forceinline__ void rms_from_shared(const float *xsh, const float *wv, int dim, float eps,
+                                                float *yr) {
+    __shared__ float rs_sh;
+    __syncthreads();
+    if (threadIdx.x < MM_WARP_SIZE) {
+        const int lane = threadIdx.x;
+        float ss = 0.0f;
+#pragma unroll 8
+        for (int k = lane; k < dim; k += MM_WARP_SIZE)
+            ss += xsh[k] * xsh[k];
+        ss = mm_warp_sum(ss);
+        if (lane == 0)
+            rs_sh = 1.0f / sqrtf(ss / (float)dim + eps);
+    }
+    __syncthreads();
+    const float rs = rs_sh;
+#pragma unroll
+    for (int i = 0; i < EPT; i++) {
+        const int k = threadIdx.x + i * NT;
+        if (k < dim)
+            yr[k] = wv[i] * (xsh[k] * rs);
+    }
+}
+
 template <int DT>
 __global__ void __launch_bounds__(RMS_THREADS) rmsnorm_row_kernel(const void *w, int dim, float eps,
                                                                   const float *x, int64_t xs,

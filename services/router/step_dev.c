@@ -9,9 +9,13 @@ mm_err mm_step_dev_route(mm_step_dev_layer *a) {
     a->failed = NULL;
     if (!mm_gpu_mesh_plan_split)
         return MM_EUNSUPP;
-    // one backend op where it has moe_gate, else the norm then mm_model_gate_plan
-    a->failed = "FFN norm, router product and routing (mm_model_ffn_gate_plan)";
-    mm_err rv = mm_model_ffn_gate_plan(a->m, a->s, a->L, a->h, a->R, a->x, &a->pl, &a->normed);
+    a->failed = "FFN norm";
+    mm_err rv = mm_model_ffn_norm(a->m, a->s, a->L, a->h, a->R, a->x);
+    if (rv != MM_OK)
+        return rv;
+    a->normed = true;
+    a->failed = "router product and routing (mm_model_gate_plan)";
+    rv = mm_model_gate_plan(a->m, a->s, a->L, a->x, a->R, &a->pl);
     if (rv != MM_OK)
         return rv;
     a->failed = "the owners' shares (mm_gpu_mesh_plan_split)";

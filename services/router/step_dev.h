@@ -49,9 +49,9 @@ typedef struct mm_step_dev_layer {
     const char *failed;      // the stage that failed (for the error text)
 } mm_step_dev_layer;
 
-// mm_step_dev_route: x = FFN norm of h, then the gate, route and plan (mm_model_ffn_gate_plan:
-// one backend op where it has moe_gate) and every owner's share (mm_gpu_mesh_plan_split).
-// MM_EUNSUPP: the model has no device path (x is made; the plan is not).
+// mm_step_dev_route: x = FFN norm of h, then the gate, route and plan (mm_model_gate_plan) and
+// every owner's share (mm_gpu_mesh_plan_split). MM_EUNSUPP: the model has no device path (x
+// is made; the plan is not).
 mm_err mm_step_dev_route(mm_step_dev_layer *a);
 // mm_step_dev_combine: each slot's row from its owner's reply (several owners), then combine
 // with the plan's weights into h (mm_model_combine_plan).

@@ -510,42 +510,6 @@ static mm_err w_combine_rms(void *ctx, const float *alpha, int k, const float *x
     RECORD(t_combine_rms, a);
 }
 
-// moe_gate on the host: add_rmsnorm (or rmsnorm with no addend), the router product,
-// route_with_plan; refused (MM_EUNSUPP, nothing recorded) above 3 rows, as the CUDA backend
-// refuses prefill shapes, so both the one op and its fallback run in every check
-static int g_gates, g_gates_unsupp;
-struct a_gate {
-    struct a_add_rms nm;
-    struct a_matmul mm;
-    struct a_route_plan rp;
-};
-static mm_err t_gate(void *ctx, const void *b) {
-    const struct a_gate *a = b;
-    if (a->nm.a)
-        MM_TRY(t_add_rms(ctx, &a->nm));
-    else
-        MM_TRY(g_cpu->rmsnorm(ctx, a->nm.w, a->nm.eps, a->nm.h, a->nm.hs, a->nm.y, a->nm.ys,
-                              a->nm.n));
-    MM_TRY(t_matmul(ctx, &a->mm));
-    return t_route_plan(ctx, &a->rp);
-}
-static mm_err w_gate(void *ctx, const float *x, int64_t xs, float *h, int64_t hs,
-                     const mm_weight *nw, float eps, float *y, int64_t ys, const mm_weight *rw,
-                     const struct mm_route_params *p, float *logits, int64_t n, int32_t *ids,
-                     float *w, int32_t *offs, int32_t *src, int32_t *dst, float *wt) {
-    if (n > 3) {
-        g_gates_unsupp++;
-        return MM_EUNSUPP;
-    }
-    g_gates++, g_plans++, g_chain++;
-    const int E = p->n_experts;
-    struct a_gate a = {{x, xs, h, hs, nw, eps, y, ys, n},
-                       {rw, NULL, y, ys, logits, E, n},
-                       {{*p, logits, E, n, ids, w},
-                        {ids, w, n, p->top_k, E, offs, src, dst, wt}}};
-    RECORD(t_gate, a);
-}
-
 struct a_embed_rms {
     struct a_embed e;
     struct a_rmsnorm r;
@@ -619,7 +583,6 @@ static void dev_table(struct mm_backend_ops *o, bool graphs, bool chain) {
     if (chain) {
         o->head_norm_rope_kv = w_hnr_kv, o->route_with_plan = w_route_plan;
         o->combine_rmsnorm = w_combine_rms, o->embed_rmsnorm = w_embed_rms;
-        o->moe_gate = w_gate;
     }
     if (graphs) {
         o->capture_begin = w_capture_begin, o->capture_end = w_capture_end;
@@ -724,7 +687,7 @@ static void check(const char *name, bool graphs, bool chain) {
     dev_table(&dev, graphs, chain);
     be->ops = &dev;
     g_captures = g_launches = g_plans = g_combines = g_hnrs = g_moe_rows = g_add_rms = 0;
-    g_moe_rows_unsupp = g_chain = g_gates = g_gates_unsupp = 0;
+    g_moe_rows_unsupp = g_chain = 0;
     float *got = run(dir, be, true, got_ids, &n_dev);
     be->ops = g_cpu;
     MM_EQ(n_ref, n_dev);
@@ -747,13 +710,10 @@ static void check(const char *name, bool graphs, bool chain) {
     if (strstr(name, "deepseek") == NULL)
         MM_TRUE(g_hnrs > 0); // the fused q/k/v path was taken
     MM_TRUE(chain ? g_chain > 0 : g_chain == 0);
-    // the MoE gate in one op (decode) and refused (prefill: the separate ops, same bits)
-    MM_TRUE(chain ? g_gates > 0 && g_gates_unsupp > 0 : g_gates + g_gates_unsupp == 0);
     printf("%s%s: %zu logits equal bit for bit; %d plans, %d graphs recorded, %d replays; "
-           "moe_matmul_rows %d taken, %d refused; %d chain fusions; moe_gate %d taken, %d "
-           "refused\n",
+           "moe_matmul_rows %d taken, %d refused; %d chain fusions\n",
            name, graphs ? " with graphs" : "", n_ref, g_plans, g_captures, g_launches,
-           g_moe_rows, g_moe_rows_unsupp, g_chain, g_gates, g_gates_unsupp);
+           g_moe_rows, g_moe_rows_unsupp, g_chain);
     if (graphs && strstr(name, "deepseek") == NULL) {
         // single-row decode repeats: recorded at the second step, replayed from the third
         MM_TRUE(g_captures >= 1);
@@ -907,40 +867,6 @@ static void test_gpu_kv_bf16(void) {
     gpu_kv_bf16_case("qwen2moe-tiny");
     gpu_kv_bf16_case("mixtral-var"); // head_dim 8: padded to 16 in the kernels
     gpu_kv_bf16_case("glm4moe-tiny");
-}
-
-// The same GPU run with the MoE gate as three launches (MM_GPU_FUSED_GATE=0: add_rmsnorm, the
-// router product, route_with_plan) against one launch per decode layer (=1, moe_gate): every
-// logit and greedy id bit for bit.
-static void gpu_gate_case(const char *name) {
-    char dir[256];
-    snprintf(dir, sizeof dir, "tests/fixtures/models/%s", name);
-    int32_t want_ids[STEPS], got_ids[STEPS];
-    size_t n_ref = 0, n_dev = 0;
-    setenv("MM_GPU_FUSED_GATE", "0", 1);
-    mm_backend *be = open_gpu();
-    MM_TRUE(be->ops->moe_gate == NULL);
-    float *ref = run(dir, be, true, want_ids, &n_ref);
-    mm_backend_close(be);
-    setenv("MM_GPU_FUSED_GATE", "1", 1);
-    be = open_gpu();
-    unsetenv("MM_GPU_FUSED_GATE");
-    if (!be->ops->moe_gate)
-        MM_TEST_FAIL_("the GPU table lacks moe_gate with MM_GPU_FUSED_GATE=1");
-    float *got = run(dir, be, true, got_ids, &n_dev);
-    same_runs(name, ref, got, n_ref, n_dev, want_ids, got_ids);
-    printf("%s on cuda:0: moe_gate (one launch) == add_rmsnorm, router product, "
-           "route_with_plan, %zu logits bit for bit\n", name, n_ref);
-    free(ref), free(got);
-    mm_backend_close(be);
-}
-
-static void test_gpu_gate(void) {
-    gpu_gate_case("qwen3moe-tiny");
-    gpu_gate_case("qwen2moe-tiny");
-    gpu_gate_case("mixtral-var");
-    gpu_gate_case("glm4moe-tiny");
-    gpu_gate_case("deepseekv3-tiny");
 }
 
 static void test_gpu_chain(void) {
@@ -1123,6 +1049,5 @@ MM_TESTS = {
     {"cuda: new decode kernels and fused ops == MM_GPU_OLD_DECODE bits", test_gpu_old_new},
     {"cuda: chain fusions == MM_GPU_OLD_CHAIN bits (4 models)", test_gpu_chain},
     {"cuda: bf16 KV cache == f32 KV cache bits (4 models)", test_gpu_kv_bf16},
-    {"cuda: moe_gate == MM_GPU_FUSED_GATE=0 bits (5 models)", test_gpu_gate},
     {NULL, NULL},
 };

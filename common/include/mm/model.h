@@ -211,11 +211,6 @@ static inline int64_t mm_model_plan_rows(int64_t n_experts, int64_t n_slots, int
 // route_plan of layer on x (n, d_model) on the device.
 mm_err mm_model_gate_plan(const mm_model *m, mm_model_scratch *s, int layer, const float *x,
                           int64_t n, mm_model_plan *plan);
-// mm_model_ffn_gate_plan: mm_model_ffn_norm(h -> x), then mm_model_gate_plan(x), in one
-// backend op where the backend has moe_gate (same bits; h is only read). *normed: x is made
-// (also on MM_EUNSUPP: the model has no device path, x is made and the plan is not).
-mm_err mm_model_ffn_gate_plan(const mm_model *m, mm_model_scratch *s, int layer, const float *h,
-                              int64_t n, float *x, mm_model_plan *plan, bool *normed);
 // mm_model_experts_plan: the routed experts of layer on n_slots plan slots (all backend
 // memory): sorted slot p reads x row src[p] and its output goes to out row dst[p], expert e's
 // slots being [offs[e], offs[e+1]). offs[n_experts] may be below n_slots (an owner's share of

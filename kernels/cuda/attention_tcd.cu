@@ -56,7 +56,7 @@
 
 static int g_tcd = -1;        // -1: from MM_GPU_ATT_TCD at first use; 0 off; 1 on; 2 auto
 static int g_tcd_stages = -1; // -1: from MM_GPU_ATT_TCD_STAGES at first use (1 or 2; default 1)
-static int g_tcd_kb_bufs = -1; // -1: from MM_GPU_ATT_TCD_KB_BUFS at first use (3, 4, 6; default 3)
+static int g_tcd_kb_bufs = -1; // -1: from MM_GPU_ATT_TCD_KB_BUFS at first use (3, 4, 6; default 4)
 static int g_tcd_gsub = -1;    // -1: from MM_GPU_ATT_TCD_GSUB at first use (1..16; default 16)
 
 #if MM_GPU_HAVE_WMMA
@@ -359,13 +359,15 @@ static int tcd_stages(void) {
     return g_tcd_stages;
 }
 
-// key buffers of the bf16-cache form: 3 (two blocks in flight, the default), 4 or 6
-// (MM_GPU_ATT_TCD_KB_BUFS; dk = dv = 128: 104, 139, 209 KB of shared memory). Same bits.
+// key buffers of the bf16-cache form: 3, 4 (three blocks in flight, the default) or 6
+// (MM_GPU_ATT_TCD_KB_BUFS; dk = dv = 128: 104, 139, 209 KB of shared memory). Same bits. H200
+// (09:31 and 09:54 UTC, in turn): decode after a 4096-token prompt 4 buffers 875-890 tok/s
+// against 3 buffers 844-850; batch 1 the same within noise (1752/1774 against 1772/1737).
 static int tcd_kb_bufs(void) {
     if (g_tcd_kb_bufs < 0) {
         g_tcd_kb_bufs = tc_env_is("MM_GPU_ATT_TCD_KB_BUFS", "6")   ? 6
-                        : tc_env_is("MM_GPU_ATT_TCD_KB_BUFS", "4") ? 4
-                                                                   : 3;
+                        : tc_env_is("MM_GPU_ATT_TCD_KB_BUFS", "3") ? 3
+                                                                   : 4;
     }
     return g_tcd_kb_bufs;
 }

@@ -223,7 +223,7 @@ static void tc_case_kb(const struct mm_kv_view *kv, const int32_t *tables, int64
     tc_rows_free(&u);
 
     // decode steps: step p holds position p of every sequence that long; attention_tcd.cu's
-    // kernel with 3 key buffers, with 6 and one head per block, with 4 and two heads per block,
+    // kernel with 4 key buffers (the default), with 6 and one head per block, with 3 and two heads per block,
     // then attention_tc_kernel
     int n = 0;
     for (int p = 0; p < max_len; p++)
@@ -238,7 +238,7 @@ static void tc_case_kb(const struct mm_kv_view *kv, const int32_t *tables, int64
         if (tcd == 2)
             mm_gpu_set_attention_tcd_kb_bufs(6), mm_gpu_set_attention_tcd_gsub(1);
         else if (tcd == 1)
-            mm_gpu_set_attention_tcd_kb_bufs(4), mm_gpu_set_attention_tcd_gsub(2);
+            mm_gpu_set_attention_tcd_kb_bufs(3), mm_gpu_set_attention_tcd_gsub(2);
         else if (tcd == 0)
             mm_gpu_set_attention_tcd(0);
         KB_FRESH();

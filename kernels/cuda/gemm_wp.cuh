@@ -507,15 +507,9 @@ __host__ __device__ constexpr int ws_smem_bytes(int bn, int st, int opt = 0) {
 // bulk copy to a.xo + (T * n_rows + m0) * 64: the bytes wg_convert_rows_kernel writes from the
 // stored f32 [gate; up] with x_up. Before the tile is written again the copy has read it
 // (bulk wait_group.read by the issuing thread, then named barrier 2 of the 256 consumers).
-// WS_OPT_YPRE (with STAGE): consumer thread r < mlen loads its token row's y index (y_idx[m0 + r])
-// when the tile starts, so the load's latency passes under the k loop instead of standing
-// between the tile's shared-memory stores and its row's bulk copy (ncu on down, 12 k stages per
-// tile: 2.3 cycles of long-scoreboard stall per issued instruction, 0.5 in [gate; up], whose
-// consumers load nothing from global memory). The same rows: the same bits.
 #define WS_OPT_IDX 1
 #define WS_OPT_TAILN 2
 #define WS_OPT_PTILE 4
-#define WS_OPT_YPRE 32
 template <int BN, int ST, bool DUAL, bool LAG, bool GROUPED = false, int OPT = 0>
 __global__ void __launch_bounds__(WS_THREADS, 1) gemm_ws_kernel(mm_wg_args a, const uint16_t *wb) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -525,8 +519,7 @@ __global__ void __launch_bounds__(WS_THREADS, 1) gemm_ws_kernel(mm_wg_args a, co
     static_assert((OPT & WS_OPT_SWIGLU) == 0 || (GROUPED && BN == 128 && (OPT & WS_OPT_STAGE) == 0),
                   "SWIGLU: grouped, 128 tokens, not STAGE");
     constexpr bool PTILE = (OPT & WS_OPT_PTILE) != 0, STAGE = (OPT & WS_OPT_STAGE) != 0;
-    constexpr bool GLU = (OPT & WS_OPT_SWIGLU) != 0, YPRE = (OPT & WS_OPT_YPRE) != 0;
-    static_assert(!YPRE || STAGE, "YPRE: the staged epilogue's row copies");
+    constexpr bool GLU = (OPT & WS_OPT_SWIGLU) != 0;
     extern __shared__ __align__(1024) unsigned char ws_smem_raw[];
     constexpr int SB = ws_stage_bytes(BN), WB = 128 * 128, NA = BN / 2;
     const uint32_t raw = (uint32_t)__cvta_generic_to_shared(ws_smem_raw);
@@ -743,7 +736,6 @@ __global__ void __launch_bounds__(WS_THREADS, 1) gemm_ws_kernel(mm_wg_args a, co
         // STAGE: rows 16-byte aligned (else the direct stores below)
         const bool staged = STAGE && ((uintptr_t)a.y & 15) == 0 && a.y_stride % 4 == 0 && a.n_out % 4 == 0;
         bool copies = false; // STAGE: this thread has bulk copies in flight
-        int64_t ypre = 0;    // YPRE: the y row of this thread's token row of the tile
         auto store = [&](auto nbc, int n0, int m0, int mlen) {
             constexpr int NB = decltype(nbc)::value;
             const int g = lane >> 2, t = lane & 3;
@@ -809,7 +801,7 @@ __global__ void __launch_bounds__(WS_THREADS, 1) gemm_ws_kernel(mm_wg_args a, co
                     const int r = threadIdx.x; // consumer thread r: token row r
                     copies = r < mlen;
                     if (copies) {
-                        const int64_t yr = YPRE ? ypre : a.y_idx ? (int64_t)a.y_idx[m0 + r] : (int64_t)(m0 + r);
+                        const int64_t yr = a.y_idx ? (int64_t)a.y_idx[m0 + r] : (int64_t)(m0 + r);
                         const uint32_t bytes = (uint32_t)min(128, a.n_out - n0) * 4;
                         asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n"
                                      ::"l"(a.y + (size_t)yr * a.y_stride + n0),
@@ -880,10 +872,6 @@ __global__ void __launch_bounds__(WS_THREADS, 1) gemm_ws_kernel(mm_wg_args a, co
             }
             if (lag && wgi == 1)
                 asm volatile("bar.sync 1, 256;\n" ::: "memory");
-            if constexpr (YPRE) { // used by the staged store only (row r < mlen)
-                const int r = threadIdx.x;
-                ypre = r >= mlen ? 0 : a.y_idx ? (int64_t)a.y_idx[m0 + r] : (int64_t)(m0 + r);
-            }
 #pragma unroll
             for (int i = 0; i < NA; i++)
                 tot[i] = 0.0f;

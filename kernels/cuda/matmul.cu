@@ -1206,17 +1206,15 @@ static int ws_auto_variant(const mm_mat_args &a) {
 // into the permuted-W cache, or once per product beyond its bound: one pass over the layer's
 // expert weights) is repaid, and that copy stays under WS_GROUPED_W_MAX; else gemm_wg 128 x
 // 128 (2), which permutes W on its way into shared memory.
-// Which gemm_ws grouped variant (MM_GPU_WS_GROUPED, read once: 19-23, 25, 27, 28; default
+// Which gemm_ws grouped variant (MM_GPU_WS_GROUPED, read once: 19-23, 25, 27; default
 // WS_GROUPED_DEFAULT): 20 the earlier epilogue and full 128-token tiles, 21 y rows loaded once
 // per tile (WS_OPT_IDX), 22 also m64n32 / m64n64 wgmmas for tiles of <= 32 / <= 64 rows
 // (WS_OPT_TAILN), 23 also the tiles published by the producer (WS_OPT_PTILE), 25 23 with the
 // outputs stored through shared memory by bulk copies (WS_OPT_STAGE; 4 stages), 27 25 for
 // products of at most
 // WS_STAGE_MAX_K k stages (down: 12) and 23 for longer ones ([gate; up]: 32; alone, 25 was
-// faster on down and slower on a gate: not measured in the forward yet); 28 25 with each
-// consumer's y row index loaded at the tile's start (WS_OPT_YPRE; built after the 09:29 UTC run
-// of 2026-11-30, not run on a GPU yet); 19 one block per tile. All the same bits. (With
-// mm_gpu_moe_ffn_rows the variant applies to down; [gate; up] is its own WS_OPT_SWIGLU form.)
+// faster on down and slower on a gate: not measured in the forward yet); 19 one block per tile.
+// All the same bits.
 // Default 25: the 4K forward (H200, kernels/cuda/bench/NOTES.md prefill version 16) 11.50 ms
 // vs 11.66 with 23, 13.25 with 20 (06:59 UTC); 12.29 with 21 and 12.25 with 22 (06:47 UTC).
 // (24, 23 with warpgroup 1 lagging, 11.70, and 26, 23 with 4 stages, 11.62: removed.)
@@ -1225,8 +1223,8 @@ static int ws_auto_variant(const mm_mat_args &a) {
 #define WS_STAGE_MAX_K 16
 static int g_ws_grouped = -1; // -1: not read yet
 
-// the gemm_ws grouped variants (19-23, 25, 27, 28)
-static bool ws_grouped_ok(int v) { return (v >= 19 && v <= 23) || v == 25 || v == 27 || v == 28; }
+// the gemm_ws grouped variants (19-23, 25, 27)
+static bool ws_grouped_ok(int v) { return (v >= 19 && v <= 23) || v == 25 || v == 27; }
 
 static int ws_grouped_variant(void) {
     if (g_ws_grouped < 0) {
@@ -1825,10 +1823,6 @@ static mm_err launch_wg(cudaStream_t st, const mm_mat_args &a, bool *ran) {
         rv = launch_ws_kernel<128, 4, true, true, false, true,
                               WS_OPT_IDX | WS_OPT_TAILN | WS_OPT_PTILE | WS_OPT_STAGE>(st, w, wb, bit);
         break;
-    case 28:
-        rv = launch_ws_kernel<128, 4, true, true, false, true,
-                              WS_OPT_IDX | WS_OPT_TAILN | WS_OPT_PTILE | WS_OPT_STAGE | WS_OPT_YPRE>(st, w, wb, bit);
-        break;
     case 3: rv = launch_wg_kernel<GROUPED, 3, 128, 64, 5>(st, w, bit); break;
     case 4: rv = launch_wg_kernel<GROUPED, 2, 192, 64, 5>(st, w, bit); break;
     case 5: rv = launch_wg_kernel<GROUPED, 2, 128, 128, 3>(st, w, bit); break;
@@ -1871,7 +1865,7 @@ static int ws_grouped_var(const mm_mat_args &a, int64_t ldx) {
     return var;
 }
 
-// launch_wg's grouped gemm_ws launches (var from ws_grouped_var, >= 19; 25 for any other).
+// launch_wg's grouped gemm_ws launches (var from ws_grouped_var, >= 19).
 static mm_err launch_ws_grouped(int var, cudaStream_t st, const mm_wg_args &w, const uint16_t *wb,
                                 uint64_t bit) {
     switch (var) {
@@ -1882,9 +1876,6 @@ static mm_err launch_ws_grouped(int var, cudaStream_t st, const mm_wg_args &w, c
     case 23:
         return launch_ws_kernel<128, 6, true, true, false, true, WS_OPT_IDX | WS_OPT_TAILN | WS_OPT_PTILE>(
             st, w, wb, bit);
-    case 28:
-        return launch_ws_kernel<128, 4, true, true, false, true,
-                                WS_OPT_IDX | WS_OPT_TAILN | WS_OPT_PTILE | WS_OPT_STAGE | WS_OPT_YPRE>(st, w, wb, bit);
     default:
         return launch_ws_kernel<128, 4, true, true, false, true,
                                 WS_OPT_IDX | WS_OPT_TAILN | WS_OPT_PTILE | WS_OPT_STAGE>(st, w, wb, bit);
@@ -2347,7 +2338,7 @@ extern "C" unsigned long long mm_gpu_gemv_bulk_launches(void) {
 
 extern "C" void mm_gpu_set_gemm_tile(int variant) {
 #if MM_GPU_HAVE_WMMA
-    g_wg_tile = (variant >= 2 && variant <= 23) || variant == 25 || variant == 27 || variant == 28 ? variant : 0;
+    g_wg_tile = (variant >= 2 && variant <= 23) || variant == 25 || variant == 27 ? variant : 0;
 #else
     (void)variant;
 #endif

@@ -157,8 +157,7 @@ void mm_gpu_set_dep_launch(int on);
 // loaded once per tile, + m64n32/m64n64 wgmmas for tiles of <= 32/64 rows, + tiles published
 // by the producer warp; 25: 23 with the outputs stored through shared memory by bulk copies (4
 // stages); 27: 25 for products of <= 16 k stages,
-// 23 for longer ones (grouped only; dense take 14); 28: 25 with the y row indices loaded at
-// each tile's start (grouped only; dense take 14). Same bits in all. 7: a
+// 23 for longer ones (grouped only; dense take 14). Same bits in all. 7: a
 // bench-only diagnostic without the proxy fence (racy; never for results). Process-wide.
 void mm_gpu_set_gemm_tile(int variant);
 // mm_gpu_set_prefill_fuse: 1 (default; env MM_GPU_PF_FUSE=0 starts it at 0) converts gemm_ws's x

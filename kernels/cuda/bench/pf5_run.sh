@@ -6,8 +6,6 @@
 #   old   MM_GPU_PF_SWIGLU_EPI=0 MM_GPU_CONV_BATCH=0 (f32 [gate; up] output, down's conversion
 #         pass with x_up, the piecewise row conversion: the form before)
 #   epi   MM_GPU_CONV_BATCH=0 (the SwiGLU epilogue alone)
-#   d28   MM_GPU_WS_GROUPED=28 (down with its y row indices loaded at each tile's start; built
-#         after run B, so not in the default CONFS="new old epi" of that run: CONFS="new d28 old")
 # Binaries: `make CUDA=1 BUILD=build/cuda -j2 all test-bins`, staged with `BUILD_CUDA=build/cuda
 # bash kernels/cuda/device_run.sh --stage .dev/gpu` (then only moemesh, cuda_prefill_rows_test,
 # cuda_ops_test, model_devpath_test, cuda_decode_ops_test and lib/ are needed), carried as
@@ -63,8 +61,8 @@ PEAK=$(timeout 40 python3 kernels/cuda/bench/bf16_peak.py 2>&1 | tail -1); echo 
 wait $SP; tail -2 $O/synth.txt
 echo "== 4K prefill, 4 layers, configurations in turn $(t)"
 BM="$D/moemesh bench-model --model $M --device cuda:0 --prompt-tokens 4096 --decode-tokens 2 --rounds 1 --warmup-tokens 1 --prefill-rows 4096 --prompt-rounds 3"
-for i in 1 2; do for s in ${CONFS:-new old epi}; do
-  case $s in new) E="";; old) E="MM_GPU_PF_SWIGLU_EPI=0 MM_GPU_CONV_BATCH=0";; epi) E="MM_GPU_CONV_BATCH=0";; d28) E="MM_GPU_WS_GROUPED=28";; esac
+for i in 1 2; do for s in new old epi; do
+  case $s in new) E="";; old) E="MM_GPU_PF_SWIGLU_EPI=0 MM_GPU_CONV_BATCH=0";; epi) E="MM_GPU_CONV_BATCH=0";; esac
   echo "-- $s ($E) run $i $(t)"
   env $E timeout 40 $BM > $O/prefill_${s}_$i.txt 2>&1 || echo "bench-model rc=$?"
   grep -E "^prompt:|failed|error" $O/prefill_${s}_$i.txt

@@ -284,10 +284,20 @@ mm_err attention_start(mm_daemon *d, void *arg, char err[MM_ERRLEN]) {
                                      on_frame, NULL, 1000, NULL, err));
     snprintf(detail, sizeof(detail), "shard %lld of %lld, kv %d blocks %s", c->instance,
              s_shards, mm_kv_cache_blocks_total(A.kv), kp.dtype == MM_DTYPE_BF16 ? "bf16" : "f32");
-    // the cache's own figure (bf16 on CUDA's tensor-core attention: the gateway's --kv-dtype)
-    mm_log_info("kv cache: %s, %zu bytes per token, %lld tokens in --kv-mb %lld",
-                kp.dtype == MM_DTYPE_BF16 ? "bf16" : "f32", mm_kv_token_bytes(&kp),
-                (long long)mm_kv_cache_blocks_total(A.kv) * kp.block_size, s_kv_mb);
+    // the cache's own figure (bf16 on CUDA's tensor-core attention), stated in our Hello: the
+    // gateway admits by it (docs/GATEWAY.md, "KV admission")
+    mm_kv_capacity kvc = {.block_size = (uint32_t)kp.block_size,
+                          .blocks = (uint64_t)mm_kv_cache_blocks_total(A.kv),
+                          .token_bytes = (uint32_t)mm_kv_token_bytes(&kp),
+                          .budget_bytes = (uint64_t)kp.budget_bytes,
+                          .max_seqs = (uint32_t)kp.max_seqs,
+                          .max_ctx = (uint32_t)kp.max_ctx};
+    MM_TRY(mm_kv_capacity_check(&kvc, err));
+    MM_TRY(mm_daemon_set_kv_capacity(d, &kvc, err));
+    mm_log_info("kv cache: %s, %zu bytes per token, %lld tokens in --kv-mb %lld (%d seqs of up "
+                "to %d tokens)", kp.dtype == MM_DTYPE_BF16 ? "bf16" : "f32",
+                mm_kv_token_bytes(&kp), (long long)mm_kv_cache_blocks_total(A.kv) * kp.block_size,
+                s_kv_mb, kp.max_seqs, kp.max_ctx);
     mm_mesh_trace_open("attention");
     if (dev_frames) // MM_MESH_TRACE_GPU=1: GPU stamps
         mm_mesh_gtrace_open_backend("attention", A.be->ctx);

@@ -118,7 +118,7 @@ json_t *gw_health_json(const Mmctl__StatusReply *reply, const mm_identity *self,
 // router's StatusReply hands it to the gateway, which calls gw_sched_shard_report for every
 // attention member. A shard admits nothing until its capacity is known. The gateway's
 // --kv-mb / --shard-max-seqs only lower what a shard states (a cap), and size a shard that
-// states nothing (a shard without --model or an older build: the fallback). A bad statement
+// states nothing (a shard without --model: the fallback). A bad statement
 // (mm_kv_capacity_check) is logged naming the shard and not trusted: that shard admits
 // nothing. A shard that rejoins with another capacity is picked up at the next status answer.
 #include "mm/identity.h"

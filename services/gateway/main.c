@@ -37,7 +37,7 @@ static mm_opt s_gateway_opts[] = {
     {"kv-mb", MM_OPT_DBL, &s_kv_mb, "0", "KV admission per attention shard in MiB: 0 takes the "
      "capacity each shard states in its hello (its --kv-mb in its own cache's bytes per token, "
      "bf16 or f32); N lowers that to N MiB, and is the budget for a shard that states none "
-     "(a shard without --model or an older build; else 64)"},
+     "(a shard without --model; else 64)"},
     {"kv-dtype", MM_OPT_STR, &s_kv_dtype, "f32", "only for a shard that states no KV capacity: "
      "its cache's elements, f32 or bf16, to size --kv-mb in tokens"},
     {"max-ctx", MM_OPT_INT, &s_max_ctx, "4096", "longest sequence (capped by the model)"},

@@ -317,7 +317,7 @@ void gw_sched_shard_report(gw_sched *s, uint32_t shard, const char *name,
         h->cap = s->c.fallback_kv_blocks;
         h->max_seqs = s->c.fallback_max_seqs;
         h->max_ctx = s->c.max_ctx;
-        mm_log_warn("%s states no KV capacity (a shard without --model, or an older build): "
+        mm_log_warn("%s states no KV capacity (a shard without --model): "
                     "admitting %lld tokens and %d seqs there, the gateway's fallback from its "
                     "--kv-mb, --kv-dtype and --shard-max-seqs", name,
                     (long long)(h->cap * s->c.block_size), h->max_seqs);

@@ -65,6 +65,12 @@ wait_log "$RUN/gateway.log" "attention/0: admitting 256 KV tokens" ||
 grep -q "kv-mb=0" "$RUN/gateway.log" || fail "the gateway was meant to run without --kv-mb"
 grep -q "attention/0 KV capacity: 256 tokens" "$RUN/router.log" ||
     fail "the router did not log the shard's capacity"
+http_code >/dev/null
+kv=$(hjson 'h["roles"]["attention"]["instances"][0].get("kv_capacity")')
+case "$kv" in
+*"'tokens': 256"*"'token_bytes': 1024"*) ;;
+*) fail "/health does not show the shard's stated KV capacity: $kv" ;;
+esac
 
 # 1a. more than the shard holds: 400 naming the KV (not a 503 from the shard)
 post /v1/completions '{"prompt":[5],"max_tokens":300}'

@@ -117,7 +117,7 @@ static void test_hello_kv_capacity(void) {
     MM_EQ(out->status_reply->members[0]->identity->kv_blocks, 3000);
     MM_EQ(out->status_reply->members[0]->identity->max_seqs, 48);
     mm_ctl_msg_free(out);
-    // not stated (another role, an older build): all zero
+    // not stated (another role, a shard without --model): all zero
     fill_identity(&id, "expert", 0);
     mm_ctl_identity_to_pb(&id, &pb);
     env.hello = &hello;

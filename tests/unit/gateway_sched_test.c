@@ -244,7 +244,7 @@ static void test_flags_lower_only(void) {
     gw_sched_free(s);
 }
 
-// A shard that states nothing (no --model, an older build) is sized by the fallback.
+// A shard that states nothing (no --model) is sized by the fallback.
 static void test_fallback(void) {
     gw_sched *s = open_sched(1, 0, 0);
     struct tseq t[5];

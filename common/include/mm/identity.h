@@ -21,7 +21,7 @@ extern const char *const mm_roles[MM_N_ROLES]; // gateway router attention exper
 
 // An attention shard's KV capacity, stated in its Hello (Identity fields 14-19) so that the
 // gateway admits by what the shards really hold. All 0: not reported (another role, a shard
-// without --model, an older build).
+// without --model; a daemon of another build is refused at join anyway).
 typedef struct mm_kv_capacity {
     uint32_t block_size;   // tokens per KV block
     uint64_t blocks;       // KV blocks of the cache

@@ -1672,13 +1672,16 @@ static void on_ka(uv_timer_t *t) {
     }
 }
 
-// fail_stuck: the mesh cannot serve and no shard has a usable KV capacity, so nothing would
+// fail_stuck: when the mesh cannot serve and no shard has a usable KV capacity, nothing would
 // ever admit the waiting seqs: they end now (503) instead of waiting for a capacity.
 static void fail_stuck(gw_api *a) {
     char kv_why[160];
-    if (a->mesh_ok || gw_sched_kv_ready(a->sched, kv_why, sizeof(kv_why)))
-        return;
-    gw_sched_fail_waiting(a->sched, MM_EPEERDOWN, a->mesh_why);
+    if (!a->mesh_ok && !gw_sched_kv_ready(a->sched, kv_why, sizeof(kv_why)))
+        gw_sched_fail_waiting(a->sched, MM_EPEERDOWN, a->mesh_why);
+    // Requests failed here (or by a capacity statement, gw_sched_shard_report) are answered
+    // now: no step result may come to flush them.
+    if (a->dirty)
+        on_flush(a, 0, 0, 0, 0);
 }
 
 void gw_api_note_status(void *arg, mm_err rv, const Mmctl__StatusReply *reply,

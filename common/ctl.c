@@ -245,6 +245,12 @@ void mm_ctl_identity_to_pb(const mm_identity *id, Mmctl__Identity *pb) {
     pb->device = (char *)id->device;
     pb->heartbeat_ms = id->heartbeat_ms;
     pb->numerics = (char *)id->numerics;
+    pb->kv_block_size = id->kv.block_size;
+    pb->kv_blocks = id->kv.blocks;
+    pb->kv_token_bytes = id->kv.token_bytes;
+    pb->kv_budget_bytes = id->kv.budget_bytes;
+    pb->max_seqs = id->kv.max_seqs;
+    pb->max_ctx = id->kv.max_ctx;
 }
 
 void mm_ctl_identity_from_pb(const Mmctl__Identity *pb, mm_identity *id) {
@@ -263,6 +269,12 @@ void mm_ctl_identity_from_pb(const Mmctl__Identity *pb, mm_identity *id) {
     snprintf(id->device, sizeof(id->device), "%s", pb->device);
     id->heartbeat_ms = pb->heartbeat_ms;
     snprintf(id->numerics, sizeof(id->numerics), "%s", pb->numerics);
+    id->kv.block_size = pb->kv_block_size;
+    id->kv.blocks = pb->kv_blocks;
+    id->kv.token_bytes = pb->kv_token_bytes;
+    id->kv.budget_bytes = pb->kv_budget_bytes;
+    id->kv.max_seqs = pb->max_seqs;
+    id->kv.max_ctx = pb->max_ctx;
 }
 
 const char *mm_ctl_health_name(Mmctl__Health h) {

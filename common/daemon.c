@@ -245,6 +245,13 @@ const char *mm_daemon_role(const mm_daemon *d) { return d->spec.role; }
 int mm_daemon_signal_fd(const mm_daemon *d) { return d->sig_fd; }
 int mm_daemon_event_fd(const mm_daemon *d) { return d->ev_fd; }
 
+mm_err mm_daemon_set_kv_capacity(mm_daemon *d, const mm_kv_capacity *kv, char err[MM_ERRLEN]) {
+    if (d->member_started)
+        return mm_errf(err, MM_EINVAL, "the KV capacity must be set before the daemon joins");
+    d->id.kv = *kv;
+    return MM_OK;
+}
+
 void mm_daemon_set_health(mm_daemon *d, Mmctl__Health health, const char *detail) {
     pthread_mutex_lock(&d->mu);
     d->health = health;

@@ -28,6 +28,34 @@ const char *mm_identity_name(const mm_identity *id, char *buf, size_t n) {
     return buf;
 }
 
+bool mm_kv_capacity_reported(const mm_kv_capacity *c) {
+    return c->block_size || c->blocks || c->token_bytes || c->budget_bytes || c->max_seqs ||
+           c->max_ctx;
+}
+
+mm_err mm_kv_capacity_check(const mm_kv_capacity *c, char err[MM_ERRLEN]) {
+    if (c->block_size < 1 || c->block_size > 4096)
+        return mm_errf(err, MM_EINVAL, "KV block size %u (want 1..4096 tokens)", c->block_size);
+    if (c->blocks < 1 || c->blocks > 0x7fffffffull)
+        return mm_errf(err, MM_EINVAL, "KV blocks %llu (want 1..2^31-1)",
+                       (unsigned long long)c->blocks);
+    if (c->blocks * c->block_size > (1ull << 40))
+        return mm_errf(err, MM_EINVAL, "KV tokens %llu (over 2^40)",
+                       (unsigned long long)(c->blocks * c->block_size));
+    if (c->token_bytes < 1 || c->token_bytes > (1u << 30))
+        return mm_errf(err, MM_EINVAL, "KV bytes per token %u (want 1..2^30)", c->token_bytes);
+    // blocks x block_size x token_bytes <= budget, by division (the product may overflow)
+    if (c->budget_bytes / c->token_bytes / c->block_size < c->blocks)
+        return mm_errf(err, MM_EINVAL, "KV blocks %llu of %u tokens x %u bytes do not fit the "
+                       "stated budget of %llu bytes", (unsigned long long)c->blocks,
+                       c->block_size, c->token_bytes, (unsigned long long)c->budget_bytes);
+    if (c->max_seqs < 1 || c->max_seqs > (1u << 20))
+        return mm_errf(err, MM_EINVAL, "max seqs %u (want 1..2^20)", c->max_seqs);
+    if (c->max_ctx < 1 || c->max_ctx > (1u << 24))
+        return mm_errf(err, MM_EINVAL, "max ctx %u (want 1..2^24 tokens)", c->max_ctx);
+    return MM_OK;
+}
+
 static void digest_to_fp(const unsigned char *md, char out[MM_FP_LEN]) {
     int k = snprintf(out, MM_FP_LEN, "sha256:");
     for (int i = 0; i < 8; i++)

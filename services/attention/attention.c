@@ -12,10 +12,12 @@
 #include "mm/mesh_trace.h"
 #include "mm/model.h"
 
-static long long s_shards, s_kv_mb, s_max_seqs, s_max_tokens, s_threads, s_max_ctx;
+static long long s_shards, s_max_seqs, s_max_tokens, s_threads, s_max_ctx;
+static double s_kv_mb;
 mm_opt attention_opts[] = {
     {"shards", MM_OPT_INT, &s_shards, "1", "number of attention shards in the mesh"},
-    {"kv-mb", MM_OPT_INT, &s_kv_mb, "64", "KV cache budget in MiB (paged pool)"},
+    {"kv-mb", MM_OPT_DBL, &s_kv_mb, "64", "KV cache budget in MiB (paged pool; fractions allowed, "
+     "e.g. 0.25). Stated to the mesh in this shard's hello: the gateway admits by it"},
     {"max-seqs", MM_OPT_INT, &s_max_seqs, "64", "sequences this shard holds at once"},
     {"max-ctx", MM_OPT_INT, &s_max_ctx, "4096", "longest sequence (capped by the model)"},
     {"max-batch-tokens", MM_OPT_INT, &s_max_tokens, "256", "rows per step (as the router's)"},
@@ -136,7 +138,7 @@ static mm_err on_ctrl(const mm_wire_hdr *h, const uint8_t *p) {
                            (unsigned long long)id, pos, len);
         mm_err rv = mm_kv_cache_reserve(A.kv, slot, pos + n);
         if (rv != MM_OK)
-            return mm_errf(A.step_msg, rv, "seq %llu: cannot hold %d tokens: %s (--kv-mb %lld, "
+            return mm_errf(A.step_msg, rv, "seq %llu: cannot hold %d tokens: %s (--kv-mb %g, "
                            "--max-ctx %lld)", (unsigned long long)id, pos + n, mm_strerror(rv),
                            s_kv_mb, s_max_ctx);
         A.cur[A.n_cur++] = (struct step_seq){slot, pos, n};
@@ -236,9 +238,11 @@ mm_err attention_start(mm_daemon *d, void *arg, char err[MM_ERRLEN]) {
         mm_daemon_set_health(d, MMCTL__HEALTH__HEALTH_READY, detail);
         return MM_OK;
     }
-    if (s_max_tokens < 1 || s_max_seqs < 1 || s_kv_mb < 1 || s_max_ctx < 1)
-        return mm_errf(err, MM_EINVAL, "--max-batch-tokens, --max-seqs, --kv-mb and --max-ctx "
-                       "must be >= 1");
+    if (s_max_tokens < 1 || s_max_seqs < 1 || s_max_ctx < 1)
+        return mm_errf(err, MM_EINVAL, "--max-batch-tokens, --max-seqs and --max-ctx must be "
+                       ">= 1");
+    if (!(s_kv_mb > 0) || s_kv_mb > 1048576.0 * 64)
+        return mm_errf(err, MM_EINVAL, "--kv-mb %g: must be > 0 and at most 64 TiB", s_kv_mb);
     mm_backend_params bp = {.n_threads = (int)s_threads};
     mm_mesh_gpu_spin(c->device);
     MM_TRY(mm_backend_open(&A.be, c->device ? c->device : "cpu", &bp, err));
@@ -250,7 +254,7 @@ mm_err attention_start(mm_daemon *d, void *arg, char err[MM_ERRLEN]) {
     mm_model_kv_params(A.model, &kp);
     kp.max_seqs = (int)s_max_seqs;
     kp.max_ctx = (int)(cfg->max_pos > 0 && s_max_ctx > cfg->max_pos ? cfg->max_pos : s_max_ctx);
-    kp.budget_bytes = (size_t)s_kv_mb << 20;
+    kp.budget_bytes = (size_t)(s_kv_mb * 1048576.0);
     MM_TRY(mm_kv_cache_new(&A.kv, &kp, A.be, err));
     MM_TRY(mm_model_scratch_new(&A.scratch, A.model, s_max_tokens, err));
     A.map = calloc((size_t)s_max_seqs, sizeof(*A.map));
@@ -284,10 +288,20 @@ mm_err attention_start(mm_daemon *d, void *arg, char err[MM_ERRLEN]) {
                                      on_frame, NULL, 1000, NULL, err));
     snprintf(detail, sizeof(detail), "shard %lld of %lld, kv %d blocks %s", c->instance,
              s_shards, mm_kv_cache_blocks_total(A.kv), kp.dtype == MM_DTYPE_BF16 ? "bf16" : "f32");
-    // the cache's own figure (bf16 on CUDA's tensor-core attention: the gateway's --kv-dtype)
-    mm_log_info("kv cache: %s, %zu bytes per token, %lld tokens in --kv-mb %lld",
-                kp.dtype == MM_DTYPE_BF16 ? "bf16" : "f32", mm_kv_token_bytes(&kp),
-                (long long)mm_kv_cache_blocks_total(A.kv) * kp.block_size, s_kv_mb);
+    // the cache's own figure (bf16 on CUDA's tensor-core attention), stated in our Hello: the
+    // gateway admits by it (docs/GATEWAY.md, "KV admission")
+    mm_kv_capacity kvc = {.block_size = (uint32_t)kp.block_size,
+                          .blocks = (uint64_t)mm_kv_cache_blocks_total(A.kv),
+                          .token_bytes = (uint32_t)mm_kv_token_bytes(&kp),
+                          .budget_bytes = (uint64_t)kp.budget_bytes,
+                          .max_seqs = (uint32_t)kp.max_seqs,
+                          .max_ctx = (uint32_t)kp.max_ctx};
+    MM_TRY(mm_kv_capacity_check(&kvc, err));
+    MM_TRY(mm_daemon_set_kv_capacity(d, &kvc, err));
+    mm_log_info("kv cache: %s, %zu bytes per token, %lld tokens in --kv-mb %g (%d seqs of up "
+                "to %d tokens)", kp.dtype == MM_DTYPE_BF16 ? "bf16" : "f32",
+                mm_kv_token_bytes(&kp), (long long)mm_kv_cache_blocks_total(A.kv) * kp.block_size,
+                s_kv_mb, kp.max_seqs, kp.max_ctx);
     mm_mesh_trace_open("attention");
     if (dev_frames) // MM_MESH_TRACE_GPU=1: GPU stamps
         mm_mesh_gtrace_open_backend("attention", A.be->ctx);

@@ -1672,18 +1672,42 @@ static void on_ka(uv_timer_t *t) {
     }
 }
 
+// fail_stuck: when the mesh cannot serve and no shard has a usable KV capacity, nothing would
+// ever admit the waiting seqs: they end now (503) instead of waiting for a capacity.
+static void fail_stuck(gw_api *a) {
+    char kv_why[160];
+    if (!a->mesh_ok && !gw_sched_kv_ready(a->sched, kv_why, sizeof(kv_why)))
+        gw_sched_fail_waiting(a->sched, MM_EPEERDOWN, a->mesh_why);
+    // Requests failed here (or by a capacity statement, gw_sched_shard_report) are answered
+    // now: no step result may come to flush them.
+    if (a->dirty)
+        on_flush(a, 0, 0, 0, 0);
+}
+
 void gw_api_note_status(void *arg, mm_err rv, const Mmctl__StatusReply *reply,
                         const char *err) {
     gw_api *a = arg;
     if (rv != MM_OK) {
         a->mesh_ok = false;
         snprintf(a->mesh_why, sizeof(a->mesh_why), "router unreachable: %s", err);
+        fail_stuck(a);
         return;
     }
     if (reply->n_members > 0 && !strcmp(reply->members[0]->identity->role, "router"))
         snprintf(a->router_detail, sizeof(a->router_detail), "%s", reply->members[0]->detail);
     gw_sched_router_limits(a->sched, reply->max_step_seqs, reply->max_batch_tokens,
                            reply->attention_shards);
+    // every attention shard's KV capacity (Identity fields 14-19): admission follows it
+    for (size_t i = 0; i < reply->n_members; i++) {
+        const Mmctl__Identity *pid = reply->members[i]->identity;
+        if (!pid || strcmp(pid->role, "attention") != 0)
+            continue;
+        mm_identity id;
+        char name[40];
+        mm_ctl_identity_from_pb(pid, &id);
+        gw_sched_shard_report(a->sched, id.instance, mm_identity_name(&id, name, sizeof(name)),
+                              &id.kv);
+    }
     static const char *need[] = {"attention", "expert"};
     char why[MM_ERRLEN] = "";
     for (size_t k = 0; k < 2; k++) {
@@ -1696,8 +1720,12 @@ void gw_api_note_status(void *arg, mm_err rv, const Mmctl__StatusReply *reply,
             snprintf(why + strlen(why), sizeof(why) - strlen(why), "%sno %s is up",
                      why[0] ? "; " : "", need[k]);
     }
+    char kv_why[160];
+    if (!why[0] && !gw_sched_kv_ready(a->sched, kv_why, sizeof(kv_why)))
+        snprintf(why, sizeof(why), "%s", kv_why);
     a->mesh_ok = why[0] == 0;
     snprintf(a->mesh_why, sizeof(a->mesh_why), "%s", why);
+    fail_stuck(a);
 }
 
 static void on_health(void *arg, mm_err rv, const Mmctl__StatusReply *reply, const char *err) {
@@ -1715,6 +1743,7 @@ static void on_health_timer(uv_timer_t *t) {
         MM_OK) {
         a->mesh_ok = false;
         snprintf(a->mesh_why, sizeof(a->mesh_why), "router unreachable: %s", err);
+        fail_stuck(a);
     }
 }
 
@@ -1788,13 +1817,23 @@ mm_err gw_api_open(gw_api **out, uv_loop_t *loop, gw_mesh *mesh, const gw_api_co
                      c->kv_dtype);
         goto fail;
     }
+    // Admission follows each shard's own statement of its KV capacity (gw_sched_shard_report);
+    // --kv-mb and --shard-max-seqs only lower it, and size a shard that states none (64 MiB
+    // and 64 seqs, the shards' defaults, when not given).
     double block_bytes =
         (double)cfg.n_kv_heads * (cfg.head_dim + hv) * elem_bytes * sc.block_size * cfg.n_layers;
-    sc.shard_kv_blocks = block_bytes > 0 ? (int64_t)(c->kv_mb * 1048576.0 / block_bytes) : 0;
+    if (!(c->kv_mb >= 0)) {
+        rv = mm_errf(err, MM_EINVAL, "--kv-mb %g: must be >= 0 (0: the shards' own)", c->kv_mb);
+        goto fail;
+    }
+    const double fb_mb = c->kv_mb > 0 ? c->kv_mb : 64.0;
+    sc.kv_mb = c->kv_mb;
+    sc.fallback_kv_blocks = block_bytes > 0 ? (int64_t)(fb_mb * 1048576.0 / block_bytes) : 0;
+    sc.fallback_max_seqs = sc.shard_max_seqs > 0 ? sc.shard_max_seqs : 64;
     MM_TRY_GOTO(rv, gw_sched_new(&a->sched, &sc, mesh, &k_ops, a, err), fail);
-    mm_log_info("serving %s: context %d, %lld KV tokens per shard x %d shards, eos ids %d",
-                a->model_name, a->max_ctx, (long long)(sc.shard_kv_blocks * sc.block_size),
-                sc.shards, a->n_eos);
+    mm_log_info("serving %s: context %d, %d attention shards (KV admission by their stated "
+                "capacity%s), eos ids %d", a->model_name, a->max_ctx, sc.shards,
+                c->kv_mb > 0 ? ", at most the gateway's --kv-mb" : "", a->n_eos);
     uv_timer_init(loop, &a->ka_timer);
     uv_timer_init(loop, &a->health_timer);
     a->ka_timer.data = a->health_timer.data = a;

@@ -49,9 +49,10 @@ typedef struct gw_api_conf {
     int health_ms;           // how often the mesh's membership is refreshed
     int health_timeout_ms;
     gw_sched_conf sched;     // max_ctx etc. (sched.max_ctx is capped by the model)
-    double kv_mb;            // per shard, to size sched.shard_kv_blocks from the model
-    const char *kv_dtype;    // the shards' cache elements: "f32" (NULL too) or "bf16" (a shard
-                             // on CUDA with the tensor-core attention: its log says which)
+    double kv_mb;            // --kv-mb: caps each shard's stated KV budget (0: none), and
+                             // sizes a shard that states none (0: 64 MiB)
+    const char *kv_dtype;    // with it, for a shard that states no capacity: "f32" (NULL too)
+                             // or "bf16" (bytes per element of that shard's cache)
 } gw_api_conf;
 
 // gw_api_open loads the tokenizer, the chat template (optional) and the model config, sizes

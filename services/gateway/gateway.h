@@ -112,6 +112,16 @@ json_t *gw_health_json(const Mmctl__StatusReply *reply, const mm_identity *self,
 // then newly admitted seqs (FCFS: the queue's head waits for KV and seq slots; nothing passes
 // it). A seq is admitted only when its whole KV need (prompt + max new tokens, in blocks) fits
 // its shard's free blocks, so a running seq never runs out of KV.
+//
+// KV admission by the shards' own capacity: each attention shard states its KV cache (blocks,
+// block size, bytes per token, budget, max seqs, max ctx) in its Hello (mm_kv_capacity); the
+// router's StatusReply hands it to the gateway, which calls gw_sched_shard_report for every
+// attention member. A shard admits nothing until its capacity is known. The gateway's
+// --kv-mb / --shard-max-seqs only lower what a shard states (a cap), and size a shard that
+// states nothing (a shard without --model: the fallback). A bad statement
+// (mm_kv_capacity_check) is logged naming the shard and not trusted: that shard admits
+// nothing. A shard that rejoins with another capacity is picked up at the next status answer.
+#include "mm/identity.h"
 #include "mm/sampler.h"
 
 typedef struct gw_sched gw_sched;
@@ -121,9 +131,12 @@ typedef struct gw_sched_conf {
     int max_step_seqs;        // the router's --max-step-seqs
     int max_step_tokens;      // the router's --max-batch-tokens
     int shards;               // attention shards (seq -> shard: seq_id % shards)
-    int shard_max_seqs;       // the shards' --max-seqs
-    int64_t shard_kv_blocks;  // KV blocks of one shard (from --kv-mb and the model)
-    int block_size;           // tokens per KV block
+    int shard_max_seqs;       // --shard-max-seqs: caps each shard's stated max seqs (0: none)
+    double kv_mb;             // --kv-mb: caps each shard's stated KV budget in MiB (0: none)
+    int64_t fallback_kv_blocks; // KV blocks of a shard that states no capacity (from --kv-mb,
+                              // else 64 MiB, --kv-dtype and the model)
+    int fallback_max_seqs;    // max seqs of a shard that states none (--shard-max-seqs, else 64)
+    int block_size;           // tokens per KV block (a shard stating another is not trusted)
     int max_ctx;              // longest sequence (prompt + generated)
     int step_timeout_ms;      // deadline of one StepPlan call
     bool pipeline;            // --pipeline-plans: the next plan goes out before the previous
@@ -182,6 +195,21 @@ typedef struct gw_sched_stats {
 void gw_sched_router_limits(gw_sched *s, uint32_t max_step_seqs, uint32_t max_batch_tokens,
                             uint32_t shards);
 
+// gw_sched_shard_report tells the scheduler what attention shard `shard` (its instance; name:
+// "attention/N" for logs) states about its KV cache (kv borrowed; all 0: states nothing).
+// Admission on that shard follows from the next plan on; a change (restart with other flags)
+// is logged once, a bad statement (MM_EINVAL from mm_kv_capacity_check, a block size other
+// than conf.block_size) is logged as an error naming the shard and the shard admits nothing.
+// Waiting seqs that no shard can ever hold any more fail (MM_EINVAL). Loop thread only.
+void gw_sched_shard_report(gw_sched *s, uint32_t shard, const char *name,
+                           const mm_kv_capacity *kv);
+// gw_sched_kv_ready says whether some shard has a known, usable capacity; when not, why holds
+// one line saying what is missing (n bytes).
+bool gw_sched_kv_ready(const gw_sched *s, char *why, size_t n);
+// gw_sched_fail_waiting fails every waiting seq with code and msg (the mesh cannot serve and
+// no shard's capacity is known: nothing would ever admit them).
+void gw_sched_fail_waiting(gw_sched *s, mm_err code, const char *msg);
+
 // gw_sched_new returns owned *out. ops and arg are borrowed. Errors: MM_EINVAL, MM_ENOMEM.
 mm_err gw_sched_new(gw_sched **out, const gw_sched_conf *c, gw_mesh *mesh,
                     const gw_sched_ops *ops, void *arg, char err[MM_ERRLEN]);
@@ -189,7 +217,8 @@ void gw_sched_free(gw_sched *s); // accepts NULL; call after the loop stopped
 // gw_sched_check says whether a seq with n_prompt tokens and max_gen new ones could ever run.
 // Errors: MM_EINVAL naming the limit (context, KV capacity).
 mm_err gw_sched_check(const gw_sched *s, int n_prompt, int max_gen, char err[MM_ERRLEN]);
-// gw_sched_seq_kv_tokens: the most tokens (prompt + generated) one seq's KV can hold.
+// gw_sched_seq_kv_tokens: the most tokens (prompt + generated) one seq's KV can hold on the
+// largest shard whose capacity is known (the conf's max_ctx while none is known).
 int64_t gw_sched_seq_kv_tokens(const gw_sched *s);
 // gw_sched_submit queues n seqs (one request's choices) at the tail. Errors: MM_EFULL (queue
 // full: nothing queued), MM_EINVAL (gw_sched_check failed).

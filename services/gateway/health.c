@@ -24,7 +24,8 @@ static json_t *member_json(const Mmctl__Member *m) {
                               (json_int_t)id->protocol_version, "build_id", id->build_id,
                               "model_fingerprint", id->model_fingerprint, "placement_fingerprint",
                               id->placement_fingerprint, "incarnation", inc);
-    return json_pack("{s:s, s:I, s:s, s:b, s:s, s:s, s:I, s:s, s:s, s:s, s:I, s:I, s:o}",
+    json_t *out =
+        json_pack("{s:s, s:I, s:s, s:b, s:s, s:s, s:I, s:s, s:s, s:s, s:I, s:I, s:o}",
                      "role", id->role, "instance", (json_int_t)id->instance,
                      "health", mm_ctl_health_name(m->health),
                      "up", (int)(m->health == MMCTL__HEALTH__HEALTH_READY),
@@ -32,6 +33,19 @@ static json_t *member_json(const Mmctl__Member *m) {
                      "pid", (json_int_t)id->pid, "host", id->host, "device", id->device,
                      "detail", m->detail, "last_seen_ms_ago", (json_int_t)m->last_seen_ms_ago,
                      "joins", (json_int_t)m->joins, "identity", ident);
+    // an attention shard's stated KV capacity (what the gateway admits by), as stated
+    if (out && (id->kv_block_size || id->kv_blocks || id->kv_token_bytes || id->kv_budget_bytes ||
+                id->max_seqs || id->max_ctx))
+        json_object_set_new(out, "kv_capacity",
+                            json_pack("{s:I, s:I, s:I, s:I, s:I, s:I, s:I}", "tokens",
+                                      (json_int_t)(id->kv_blocks * id->kv_block_size),
+                                      "blocks", (json_int_t)id->kv_blocks, "block_size",
+                                      (json_int_t)id->kv_block_size, "token_bytes",
+                                      (json_int_t)id->kv_token_bytes, "budget_bytes",
+                                      (json_int_t)id->kv_budget_bytes, "max_seqs",
+                                      (json_int_t)id->max_seqs, "max_ctx",
+                                      (json_int_t)id->max_ctx));
+    return out;
 }
 
 json_t *gw_health_json(const Mmctl__StatusReply *reply, const mm_identity *self,

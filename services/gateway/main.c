@@ -31,12 +31,15 @@ static mm_opt s_gateway_opts[] = {
     {"max-batch-tokens", MM_OPT_INT, &s_max_batch_tokens, "256",
      "tokens per step (as the router's): decode tokens plus prefill chunks"},
     {"attention-shards", MM_OPT_INT, &s_shards, "1", "attention shards in the mesh"},
-    {"shard-max-seqs", MM_OPT_INT, &s_shard_max_seqs, "64",
-     "sequences one shard holds (as the shards' --max-seqs)"},
-    {"kv-mb", MM_OPT_DBL, &s_kv_mb, "64", "KV budget of one shard in MiB (as the shards' --kv-mb)"},
-    {"kv-dtype", MM_OPT_STR, &s_kv_dtype, "f32", "the shards' KV cache elements, f32 or bf16 (a "
-     "shard's start-up log names its own: bf16 on CUDA with the tensor-core attention); sizes "
-     "the admission budget with --kv-mb"},
+    {"shard-max-seqs", MM_OPT_INT, &s_shard_max_seqs, "0",
+     "sequences admitted per attention shard: 0 takes what each shard states (its --max-seqs); "
+     "N lowers that to N, and is the count for a shard that states none (else 64)"},
+    {"kv-mb", MM_OPT_DBL, &s_kv_mb, "0", "KV admission per attention shard in MiB: 0 takes the "
+     "capacity each shard states in its hello (its --kv-mb in its own cache's bytes per token, "
+     "bf16 or f32); N lowers that to N MiB, and is the budget for a shard that states none "
+     "(a shard without --model; else 64)"},
+    {"kv-dtype", MM_OPT_STR, &s_kv_dtype, "f32", "only for a shard that states no KV capacity: "
+     "its cache's elements, f32 or bf16, to size --kv-mb in tokens"},
     {"max-ctx", MM_OPT_INT, &s_max_ctx, "4096", "longest sequence (capped by the model)"},
     {"step-timeout-ms", MM_OPT_INT, &s_step_timeout_ms, "15000",
      "deadline of one StepPlan call to the router"},

@@ -15,6 +15,10 @@
 // - Seq ids: id % shards is the seq's attention shard (docs/MESH.md), so the scheduler picks
 //   the shard with room at admission and makes the id land there: id = base * shards + shard,
 //   base increasing from the start time in microseconds (never reused, even across restarts).
+// - KV admission per shard by what the shard states (gw_sched_shard_report; gateway.h): a
+//   shard's `cap` blocks, `max_seqs` and `max_ctx` start unknown (nothing admitted there) and
+//   follow each statement; `used` counts the blocks of its running seqs, so a shard that
+//   rejoins smaller than what it runs admits nothing until enough of them end.
 // - No allocation per step: the plan builders, the plans' seq arrays and the release list are
 //   sized once.
 #include <stdlib.h>
@@ -41,14 +45,25 @@ struct plan { // a plan in flight
     int *chunk;    // (max_step_seqs) tokens of each entry (a follow entry: 1)
 };
 
+enum shard_state { SH_UNKNOWN, SH_STATED, SH_FALLBACK, SH_BAD };
+
+struct shard {
+    int seqs;            // running seqs placed here
+    int64_t used;        // their KV blocks
+    int64_t cap;         // KV blocks admission may use (0: admits nothing)
+    int max_seqs;        // seqs admission may place here
+    int max_ctx;         // the longest seq it holds
+    int state;           // enum shard_state
+    mm_kv_capacity rep;  // what it last stated (a change is logged once)
+};
+
 struct gw_sched {
     gw_sched_conf c;
     gw_mesh *mesh;
     gw_sched_ops ops;
     void *arg;
     struct list waiting, running;
-    int *shard_seqs;          // (shards) running seqs per shard
-    int64_t *shard_free;      // (shards) free KV blocks per shard
+    struct shard *sh;         // (shards)
     uint64_t next_base, step_id;
     mm_step_builder *b[2];    // one per plan slot: a plan's envelope is borrowed until its
                               // result (mesh.c's sender thread packs it later)
@@ -93,11 +108,14 @@ mm_err gw_sched_new(gw_sched **out, const gw_sched_conf *c, gw_mesh *mesh,
                     const gw_sched_ops *ops, void *arg, char err[MM_ERRLEN]) {
     *out = NULL;
     if (c->max_waiting < 0 || c->max_step_seqs < 1 || c->max_step_tokens < 1 || c->shards < 1 ||
-        c->shard_max_seqs < 1 || c->shard_kv_blocks < 1 || c->block_size < 1 ||
+        c->shard_max_seqs < 0 || !(c->kv_mb >= 0) || c->block_size < 1 ||
         c->max_ctx < 2 || c->step_timeout_ms < 1)
-        return mm_errf(err, MM_EINVAL, "scheduler: --max-waiting >= 0, --max-step-seqs, "
-                       "--max-batch-tokens, --attention-shards, --shard-max-seqs, --kv-mb, "
+        return mm_errf(err, MM_EINVAL, "scheduler: --max-waiting, --shard-max-seqs, --kv-mb >= 0, "
+                       "--max-step-seqs, --max-batch-tokens, --attention-shards, "
                        "--step-timeout-ms >= 1 and --max-ctx >= 2 are required");
+    if (c->fallback_kv_blocks < 1 || c->fallback_max_seqs < 1)
+        return mm_errf(err, MM_EINVAL, "scheduler: the KV budget for shards that state none "
+                       "(--kv-mb, --kv-dtype) holds no KV block of this model");
     gw_sched *s = calloc(1, sizeof(*s));
     if (!s)
         return MM_ENOMEM;
@@ -108,9 +126,8 @@ mm_err gw_sched_new(gw_sched **out, const gw_sched_conf *c, gw_mesh *mesh,
     // Ids from the start time in microseconds x 256: a restarted (or second) gateway never
     // reuses an id the shards may still hold.
     s->next_base = (mm_now_ns() / 1000) << 8;
-    s->shard_seqs = calloc((size_t)c->shards, sizeof(*s->shard_seqs));
-    s->shard_free = calloc((size_t)c->shards, sizeof(*s->shard_free));
-    bool ok = s->shard_seqs && s->shard_free;
+    s->sh = calloc((size_t)c->shards, sizeof(*s->sh));
+    bool ok = s->sh != NULL;
     for (int k = 0; k < 2 && ok; k++) {
         s->fl[k].seqs = calloc((size_t)c->max_step_seqs, sizeof(*s->fl[k].seqs));
         s->fl[k].chunk = calloc((size_t)c->max_step_seqs, sizeof(*s->fl[k].chunk));
@@ -121,9 +138,7 @@ mm_err gw_sched_new(gw_sched **out, const gw_sched_conf *c, gw_mesh *mesh,
         gw_sched_free(s);
         return MM_ENOMEM;
     }
-    for (int i = 0; i < c->shards; i++)
-        s->shard_free[i] = c->shard_kv_blocks;
-    *out = s;
+    *out = s; // (every shard SH_UNKNOWN: nothing is admitted before a statement)
     return MM_OK;
 }
 
@@ -138,8 +153,7 @@ void gw_sched_free(gw_sched *s) {
         free(s->fl[k].seqs);
         free(s->fl[k].chunk);
     }
-    free(s->shard_seqs);
-    free(s->shard_free);
+    free(s->sh);
     free(s);
 }
 
@@ -150,15 +164,43 @@ mm_err gw_sched_check(const gw_sched *s, int n_prompt, int max_gen, char err[MM_
         return mm_errf(err, MM_EINVAL,
                        "this model's maximum context length is %d tokens; the request has %d "
                        "prompt tokens and asks for %d more", s->c.max_ctx, n_prompt, max_gen);
-    if (blocks_for(s, n_prompt + max_gen) > s->c.shard_kv_blocks)
+    bool known = false;
+    for (int i = 0; i < s->c.shards && !known; i++)
+        known = s->sh[i].state != SH_UNKNOWN;
+    // (no shard's capacity known yet: the seq waits, and fails then if none can hold it)
+    if (known && (int64_t)n_prompt + max_gen > gw_sched_seq_kv_tokens(s))
         return mm_errf(err, MM_EINVAL,
                        "the request needs %d tokens of KV cache; one attention shard holds %lld",
-                       n_prompt + max_gen, (long long)(s->c.shard_kv_blocks * s->c.block_size));
+                       n_prompt + max_gen, (long long)gw_sched_seq_kv_tokens(s));
     return MM_OK;
 }
 
+// shard_seq_tokens: the most tokens one seq may have on shard h.
+static int64_t shard_seq_tokens(const gw_sched *s, const struct shard *h) {
+    if (h->max_seqs < 1)
+        return 0;
+    int64_t t = h->cap * s->c.block_size;
+    return t < h->max_ctx ? t : h->max_ctx;
+}
+
 int64_t gw_sched_seq_kv_tokens(const gw_sched *s) {
-    return s->c.shard_kv_blocks * s->c.block_size;
+    int64_t best = -1;
+    for (int i = 0; i < s->c.shards; i++)
+        if (s->sh[i].state != SH_UNKNOWN && shard_seq_tokens(s, &s->sh[i]) > best)
+            best = shard_seq_tokens(s, &s->sh[i]);
+    return best < 0 ? s->c.max_ctx : best;
+}
+
+// fits_ever: some shard could hold q once its other seqs end (or a shard is still unknown).
+static bool fits_ever(const gw_sched *s, const gw_seq *q) {
+    for (int i = 0; i < s->c.shards; i++) {
+        const struct shard *h = &s->sh[i];
+        if (h->state == SH_UNKNOWN ||
+            (h->max_seqs >= 1 && h->cap >= q->kv_blocks &&
+             (int64_t)q->n_prompt + q->max_gen <= h->max_ctx))
+            return true;
+    }
+    return false;
 }
 
 static void kick(gw_sched *s);
@@ -193,8 +235,8 @@ mm_err gw_sched_submit(gw_sched *s, gw_seq **seqs, int n, char err[MM_ERRLEN]) {
 static void finish(gw_sched *s, gw_seq *q) {
     if (q->state == GW_SEQ_RUNNING) {
         list_remove(&s->running, q);
-        s->shard_seqs[q->shard]--;
-        s->shard_free[q->shard] += q->kv_blocks;
+        s->sh[q->shard].seqs--;
+        s->sh[q->shard].used -= q->kv_blocks;
         if (q->ever_planned) {
             if (s->n_release < MAX_RELEASE)
                 s->release[s->n_release++] = q->id;
@@ -234,6 +276,120 @@ void gw_sched_router_limits(gw_sched *s, uint32_t max_step_seqs, uint32_t max_ba
     }
 }
 
+static void fail_seq(gw_sched *s, gw_seq *q, mm_err code, const char *msg);
+
+// prune fails the waiting seqs that no shard can ever hold (a shard restarted smaller, or
+// stated a bad capacity). Not while a plan is built: ops.fail may cancel other seqs.
+static void prune(gw_sched *s) {
+    for (gw_seq *q = s->waiting.head; q;) {
+        if (fits_ever(s, q)) {
+            q = q->next;
+            continue;
+        }
+        char msg[MM_ERRLEN];
+        snprintf(msg, sizeof(msg), "the request needs %d tokens of KV cache; one attention "
+                 "shard holds %lld", q->n_prompt + q->max_gen,
+                 (long long)gw_sched_seq_kv_tokens(s));
+        fail_seq(s, q, MM_EINVAL, msg);
+        q = s->waiting.head; // (the failure may have cancelled others: start over)
+    }
+}
+
+void gw_sched_shard_report(gw_sched *s, uint32_t shard, const char *name,
+                           const mm_kv_capacity *kv) {
+    if (shard >= (uint32_t)s->c.shards)
+        return; // (a shard count other than ours: gw_sched_router_limits says so)
+    struct shard *h = &s->sh[shard];
+    if (h->state != SH_UNKNOWN && !memcmp(&h->rep, kv, sizeof(*kv)))
+        return; // nothing new
+    const bool again = h->state != SH_UNKNOWN;
+    h->rep = *kv;
+    char kerr[MM_ERRLEN] = "";
+    mm_err krv = MM_OK;
+    if (mm_kv_capacity_reported(kv)) {
+        krv = mm_kv_capacity_check(kv, kerr);
+        if (krv == MM_OK && kv->block_size != (uint32_t)s->c.block_size)
+            krv = mm_errf(kerr, MM_EINVAL, "KV blocks of %u tokens, the gateway counts blocks "
+                          "of %d", kv->block_size, s->c.block_size);
+    }
+    if (!mm_kv_capacity_reported(kv)) {
+        h->state = SH_FALLBACK;
+        h->cap = s->c.fallback_kv_blocks;
+        h->max_seqs = s->c.fallback_max_seqs;
+        h->max_ctx = s->c.max_ctx;
+        mm_log_warn("%s states no KV capacity (a shard without --model): "
+                    "admitting %lld tokens and %d seqs there, the gateway's fallback from its "
+                    "--kv-mb, --kv-dtype and --shard-max-seqs", name,
+                    (long long)(h->cap * s->c.block_size), h->max_seqs);
+    } else if (krv != MM_OK) {
+        h->state = SH_BAD;
+        h->cap = 0;
+        h->max_seqs = h->max_ctx = 0;
+        mm_log_error("%s states a bad KV capacity: %s; not trusted: nothing is admitted on it "
+                     "until it states a good one", name, kerr);
+    } else {
+        h->state = SH_STATED;
+        h->cap = (int64_t)kv->blocks;
+        h->max_seqs = (int)kv->max_seqs;
+        h->max_ctx = (int)kv->max_ctx;
+        const double mib = (double)kv->budget_bytes / 1048576.0;
+        char note[160] = "";
+        if (s->c.kv_mb > 0) {
+            int64_t cap = (int64_t)(s->c.kv_mb * 1048576.0 /
+                                    ((double)kv->token_bytes * kv->block_size));
+            if (cap < h->cap) {
+                h->cap = cap;
+                snprintf(note, sizeof(note), "; lowered by the gateway's --kv-mb %g", s->c.kv_mb);
+            } else if (s->c.kv_mb > mib + 1e-9) {
+                mm_log_warn("gateway --kv-mb %g is above %s's %.1f MiB: admitting by the "
+                            "shard's", s->c.kv_mb, name, mib);
+            }
+        }
+        if (s->c.shard_max_seqs > 0 && s->c.shard_max_seqs < h->max_seqs) {
+            h->max_seqs = s->c.shard_max_seqs;
+            snprintf(note + strlen(note), sizeof(note) - strlen(note),
+                     "; seqs lowered by the gateway's --shard-max-seqs %d", s->c.shard_max_seqs);
+        } else if (s->c.shard_max_seqs > h->max_seqs) {
+            mm_log_warn("gateway --shard-max-seqs %d is above %s's %u: admitting by the shard's",
+                        s->c.shard_max_seqs, name, kv->max_seqs);
+        }
+        mm_log_info("%s%s: admitting %lld KV tokens (%llu stated, %u bytes per token, %.1f MiB), "
+                    "%d seqs of up to %d tokens%s", name, again ? " states a new capacity" : "",
+                    (long long)(h->cap * s->c.block_size),
+                    (unsigned long long)(kv->blocks * kv->block_size), kv->token_bytes, mib,
+                    h->max_seqs, h->max_ctx, note);
+    }
+    if (h->used > h->cap)
+        mm_log_warn("%s holds %lld KV blocks of running seqs, above its %lld: it admits nothing "
+                    "until they end", name, (long long)h->used, (long long)h->cap);
+    prune(s);
+    kick(s);
+}
+
+bool gw_sched_kv_ready(const gw_sched *s, char *why, size_t n) {
+    int unknown = 0, bad = 0;
+    for (int i = 0; i < s->c.shards; i++) {
+        const struct shard *h = &s->sh[i];
+        if (h->cap > 0 && h->max_seqs > 0 && h->max_ctx > 0)
+            return true;
+        unknown += h->state == SH_UNKNOWN;
+        bad += h->state == SH_BAD;
+    }
+    if (bad > 0)
+        snprintf(why, n, "no attention shard has a usable KV capacity (%d stated a bad one: "
+                 "see the gateway's log)", bad);
+    else if (unknown > 0)
+        snprintf(why, n, "no attention shard has stated its KV capacity yet");
+    else
+        snprintf(why, n, "no attention shard has room for a sequence (KV capacity 0)");
+    return false;
+}
+
+void gw_sched_fail_waiting(gw_sched *s, mm_err code, const char *msg) {
+    for (gw_seq *q; (q = s->waiting.head);)
+        fail_seq(s, q, code, msg);
+}
+
 void gw_sched_cancel(gw_sched *s, gw_seq *q) {
     if (q->state == GW_SEQ_DONE || q->state == GW_SEQ_NEW)
         return;
@@ -247,11 +403,11 @@ void gw_sched_cancel(gw_sched *s, gw_seq *q) {
 void gw_sched_get_stats(const gw_sched *s, gw_sched_stats *st) {
     st->running = s->running.n;
     st->waiting = s->waiting.n;
-    st->kv_blocks_total = s->c.shard_kv_blocks * s->c.shards;
-    int64_t free_blocks = 0;
-    for (int i = 0; i < s->c.shards; i++)
-        free_blocks += s->shard_free[i];
-    st->kv_blocks_used = st->kv_blocks_total - free_blocks;
+    st->kv_blocks_total = st->kv_blocks_used = 0;
+    for (int i = 0; i < s->c.shards; i++) {
+        st->kv_blocks_total += s->sh[i].cap;
+        st->kv_blocks_used += s->sh[i].used;
+    }
     st->steps = s->steps;
     st->step_errors = s->step_errors;
 }
@@ -259,20 +415,27 @@ void gw_sched_get_stats(const gw_sched *s, gw_sched_stats *st) {
 // admit: the waiting head moves to running when a shard has a slot and its KV; FCFS.
 static gw_seq *admit_one(gw_sched *s) {
     gw_seq *q = s->waiting.head;
-    if (!q || s->running.n >= s->c.shards * s->c.shard_max_seqs)
+    if (!q)
         return NULL;
     int best = -1;
-    for (int i = 0; i < s->c.shards; i++)
-        if (s->shard_seqs[i] < s->c.shard_max_seqs && s->shard_free[i] >= q->kv_blocks &&
-            (best < 0 || s->shard_free[i] > s->shard_free[best]))
+    int64_t best_free = 0;
+    for (int i = 0; i < s->c.shards; i++) {
+        const struct shard *h = &s->sh[i];
+        int64_t free_blocks = h->cap - h->used;
+        if (h->seqs < h->max_seqs && free_blocks >= q->kv_blocks &&
+            (int64_t)q->n_prompt + q->max_gen <= h->max_ctx &&
+            (best < 0 || free_blocks > best_free)) {
             best = i;
+            best_free = free_blocks;
+        }
+    }
     if (best < 0)
         return NULL;
     list_remove(&s->waiting, q);
     q->shard = best;
     q->id = s->next_base++ * (uint64_t)s->c.shards + (uint64_t)best;
-    s->shard_seqs[best]++;
-    s->shard_free[best] -= q->kv_blocks;
+    s->sh[best].seqs++;
+    s->sh[best].used += q->kv_blocks;
     q->state = GW_SEQ_RUNNING;
     list_push(&s->running, q);
     return q;

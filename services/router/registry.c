@@ -171,6 +171,18 @@ static nng_msg *on_hello(mm_registry *r, const Mmctl__Hello *h, const char *peer
     if (them.heartbeat_ms * 2 > r->down_after_ms)
         mm_log_warn("%s heartbeats every %u ms, but members are marked down after %u ms of "
                     "silence: expect flapping", name, them.heartbeat_ms, r->down_after_ms);
+    if (mm_kv_capacity_reported(&them.kv)) { // (the gateway, which admits by it, checks too)
+        char kerr[MM_ERRLEN] = "";
+        if (mm_kv_capacity_check(&them.kv, kerr) != MM_OK)
+            mm_log_error("%s states a bad KV capacity: %s (gateways will not trust it)", name,
+                         kerr);
+        else if (m->id.incarnation != them.incarnation)
+            mm_log_info("%s KV capacity: %llu tokens (%llu blocks of %u, %u bytes per token), "
+                        "%u seqs of up to %u tokens", name,
+                        (unsigned long long)(them.kv.blocks * them.kv.block_size),
+                        (unsigned long long)them.kv.blocks, them.kv.block_size,
+                        them.kv.token_bytes, them.kv.max_seqs, them.kv.max_ctx);
+    }
     m->id = them;
     m->up = true;
     m->last_seen_ms = mm_now_ms();

@@ -483,7 +483,8 @@ finally:
     g2.send_signal(signal.SIGTERM)
     g2.wait(5)
 
-# ---- admission bounded by KV: a gateway whose shard holds 25 blocks (400 tokens) ------------
+# ---- admission bounded by KV: a gateway capped by --kv-mb 0.4 at 25 blocks (400 tokens) of
+# its shard (which states 64 MiB: the gateway flag only lowers what a shard states) ---------
 g3, port3 = spawn_gateway(["--listen", "ipc://%s/gateway-2.ctl" % RUN, "--instance", "2",
                            "--kv-mb", "0.4", "--heartbeat-ms", "100"], RUN + "/gateway3.log")
 try:
@@ -518,6 +519,9 @@ try:
     if res3 != [200, 200] or seen.get("num_requests_waiting") != 1 or \
             seen.get("num_requests_running") != 1 or not 0.5 < seen.get("kv_cache_usage_perc", 0) < 1:
         fail("KV-bounded admission: %s, metrics seen %s" % (res3, seen))
+    if "attention/0: admitting 400 KV tokens (65536 stated" not in open(RUN + "/gateway3.log").read():
+        fail("the gateway did not log its --kv-mb cap on the shard's statement: %s"
+             % open(RUN + "/gateway3.log").read()[-600:])
 finally:
     g3.send_signal(signal.SIGTERM)
     g3.wait(5)

@@ -26,7 +26,8 @@ free_port() {
 BASE="http://127.0.0.1:$PORT"
 OWNERS=${OWNERS:-2}
 
-# mesh_start [gateway flags...]: router (extra flags in $ROUTER_FLAGS), one attention shard,
+# mesh_start [gateway flags...]: router (extra flags in $ROUTER_FLAGS), one attention shard
+# (extra flags in $ATTN_FLAGS),
 # $OWNERS expert owners and the gateway; waits until the gateway can serve a completion. Sets DATA_A and DATA_E<i>.
 mesh_start() {
     local common=(--router "$ROUTER" --model "$MODEL" --owners "$OWNERS" --heartbeat-ms 100
@@ -35,8 +36,9 @@ mesh_start() {
     start router "$BIN/moemesh-router" "${common[@]}" --down-after-ms 600 --threads 1 ${ROUTER_FLAGS:-}
     for _ in $(seq 1 50); do [ -S "$RUN/router.ctl" ] && break; sleep 0.1; done
     DATA_A="tcp://127.0.0.1:$(free_port)"
+    # shellcheck disable=SC2086  # ATTN_FLAGS: extra shard flags, word-split on purpose
     start attention "$BIN/moemesh-attention" "${common[@]}" --listen "ipc://$RUN/attention-0.ctl" \
-        --data "$DATA_A" --threads 1
+        --data "$DATA_A" --threads 1 ${ATTN_FLAGS:-}
     for i in $(seq 0 $((OWNERS - 1))); do
         local d="tcp://127.0.0.1:$(free_port)"
         eval "DATA_E$i=$d"

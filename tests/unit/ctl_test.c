@@ -69,6 +69,105 @@ static void test_hello_round_trip(void) {
     mm_ctl_msg_free(out);
 }
 
+static const mm_kv_capacity k_cap = {.block_size = 16, .blocks = 3000, .token_bytes = 8192,
+                                      .budget_bytes = 3000ull * 16 * 8192 + 100,
+                                      .max_seqs = 48, .max_ctx = 40960};
+
+// An attention shard's Hello carries its KV capacity (Identity fields 14-19) and the Member
+// entries of a status answer hand it on; a daemon that states none reads back as not reported.
+static void test_hello_kv_capacity(void) {
+    mm_identity id, back;
+    fill_identity(&id, "attention", 1);
+    id.kv = k_cap;
+    Mmctl__Identity pb;
+    mm_ctl_identity_to_pb(&id, &pb);
+    MM_EQ(pb.kv_blocks, 3000);
+    MM_EQ(pb.kv_token_bytes, 8192);
+    Mmctl__Hello hello = MMCTL__HELLO__INIT;
+    hello.identity = &pb;
+    mm_ctl_msg env = MMCTL__ENVELOPE__INIT;
+    env.body_case = MMCTL__ENVELOPE__BODY_HELLO;
+    env.hello = &hello;
+    mm_ctl_msg *out = round_trip(&env);
+    mm_ctl_identity_from_pb(out->hello->identity, &back);
+    MM_TRUE(memcmp(&id, &back, sizeof(id)) == 0);
+    MM_TRUE(mm_kv_capacity_reported(&back.kv));
+    MM_EQ(back.kv.blocks, 3000);
+    MM_EQ(back.kv.block_size, 16);
+    MM_EQ(back.kv.budget_bytes, 3000ull * 16 * 8192 + 100);
+    MM_EQ(back.kv.max_seqs, 48);
+    MM_EQ(back.kv.max_ctx, 40960);
+    mm_ctl_msg_free(out);
+    // the same through a StatusReply's Member (what the gateway reads)
+    Mmctl__Member m = MMCTL__MEMBER__INIT, *mp = &m;
+    m.identity = &pb;
+    m.health = MMCTL__HEALTH__HEALTH_READY;
+    Mmctl__StatusReply sr = MMCTL__STATUS_REPLY__INIT;
+    mm_identity rid;
+    Mmctl__Identity rpb;
+    fill_identity(&rid, "router", 0);
+    mm_ctl_identity_to_pb(&rid, &rpb);
+    sr.router = &rpb;
+    sr.n_members = 1;
+    sr.members = &mp;
+    mm_ctl_msg env2 = MMCTL__ENVELOPE__INIT;
+    env2.body_case = MMCTL__ENVELOPE__BODY_STATUS_REPLY;
+    env2.status_reply = &sr;
+    out = round_trip(&env2);
+    MM_EQ(out->status_reply->members[0]->identity->kv_blocks, 3000);
+    MM_EQ(out->status_reply->members[0]->identity->max_seqs, 48);
+    mm_ctl_msg_free(out);
+    // not stated (another role, a shard without --model): all zero
+    fill_identity(&id, "expert", 0);
+    mm_ctl_identity_to_pb(&id, &pb);
+    env.hello = &hello;
+    out = round_trip(&env);
+    mm_ctl_identity_from_pb(out->hello->identity, &back);
+    MM_TRUE(!mm_kv_capacity_reported(&back.kv));
+    mm_ctl_msg_free(out);
+}
+
+// A peer's stated capacity is checked field by field before anyone trusts it.
+static void test_kv_capacity_check(void) {
+    char err[MM_ERRLEN] = "";
+    MM_PASS(mm_kv_capacity_check(&k_cap, err));
+    mm_kv_capacity c = {0};
+    MM_TRUE(!mm_kv_capacity_reported(&c));
+    MM_FAIL(mm_kv_capacity_check(&c, err), MM_EINVAL);
+    static const struct {
+        const char *field;
+        int which;
+        uint64_t v;
+    } bad[] = {{"block size", 0, 0},       {"block size", 0, 5000},
+               {"KV blocks", 1, 0},        {"KV blocks", 1, 1ull << 31},
+               {"bytes per token", 2, 0},  {"bytes per token", 2, (1ull << 30) + 1},
+               {"budget", 3, 0},           {"budget", 3, 3000ull * 16 * 8192 - 1},
+               {"max seqs", 4, 0},         {"max seqs", 4, (1u << 20) + 1},
+               {"max ctx", 5, 0},          {"max ctx", 5, (1u << 24) + 1},
+               {"KV tokens", 6, 0}};
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        c = k_cap;
+        switch (bad[i].which) {
+        case 0: c.block_size = (uint32_t)bad[i].v; break;
+        case 1: c.blocks = bad[i].v; break;
+        case 2: c.token_bytes = (uint32_t)bad[i].v; break;
+        case 3: c.budget_bytes = bad[i].v; break;
+        case 4: c.max_seqs = (uint32_t)bad[i].v; break;
+        case 5: c.max_ctx = (uint32_t)bad[i].v; break;
+        default: // 2^40 tokens and more: 2^31-1 blocks of 4096
+            c.blocks = 0x7fffffffull;
+            c.block_size = 4096;
+            c.token_bytes = 1;
+            c.budget_bytes = ~0ull;
+        }
+        err[0] = 0;
+        MM_FAIL(mm_kv_capacity_check(&c, err), MM_EINVAL);
+        if (!strstr(err, bad[i].field))
+            fprintf(stderr, "case %zu: '%s' does not name %s\n", i, err, bad[i].field);
+        MM_TRUE(strstr(err, bad[i].field) != NULL);
+    }
+}
+
 static void test_status_round_trip(void) {
     mm_identity ids[3];
     Mmctl__Identity pbs[3];
@@ -640,6 +739,8 @@ static void test_url_prepare(void) {
 MM_TESTS = {
     {"ctl hello round trip", test_hello_round_trip},
     {"ctl status round trip", test_status_round_trip},
+    {"ctl hello carries the KV capacity", test_hello_kv_capacity},
+    {"identity KV capacity check", test_kv_capacity_check},
     {"ctl small bodies round trip", test_small_bodies_round_trip},
     {"ctl random garbage rejected", test_garbage_rejected},
     {"ctl truncated messages rejected", test_truncated_rejected},

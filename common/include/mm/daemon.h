@@ -78,6 +78,11 @@ const mm_daemon_conf *mm_daemon_get_conf(const mm_daemon *d);
 const mm_identity *mm_daemon_get_identity(const mm_daemon *d);
 const char *mm_daemon_role(const mm_daemon *d);
 
+// mm_daemon_set_kv_capacity states the KV capacity (copied) that this daemon's Hello carries
+// (an attention shard, from its role start hook). Call before mm_daemon_start (the identity is
+// read by the member thread afterwards). Errors: MM_EINVAL when the member link already runs.
+mm_err mm_daemon_set_kv_capacity(mm_daemon *d, const mm_kv_capacity *kv, char err[MM_ERRLEN]);
+
 // mm_daemon_set_health sets what the next heartbeat reports (detail: short text, may be NULL).
 // Thread-safe.
 void mm_daemon_set_health(mm_daemon *d, Mmctl__Health health, const char *detail);

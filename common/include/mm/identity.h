@@ -19,6 +19,18 @@
 #define MM_N_ROLES 5
 extern const char *const mm_roles[MM_N_ROLES]; // gateway router attention expert drafter
 
+// An attention shard's KV capacity, stated in its Hello (Identity fields 14-19) so that the
+// gateway admits by what the shards really hold. All 0: not reported (another role, a shard
+// without --model; a daemon of another build is refused at join anyway).
+typedef struct mm_kv_capacity {
+    uint32_t block_size;   // tokens per KV block
+    uint64_t blocks;       // KV blocks of the cache
+    uint32_t token_bytes;  // bytes one token takes (all layers, K and V)
+    uint64_t budget_bytes; // the byte budget the blocks were carved from (--kv-mb)
+    uint32_t max_seqs;     // sequences held at once
+    uint32_t max_ctx;      // longest sequence one slot holds
+} mm_kv_capacity;
+
 typedef struct mm_identity {
     uint32_t protocol_version;          // MM_CTL_PROTOCOL_VERSION
     char build_id[64];                  // mm_build_id()
@@ -34,6 +46,7 @@ typedef struct mm_identity {
     char device[32];                    // --device
     uint32_t heartbeat_ms;
     char numerics[32];                  // mm_identity_numerics: "" on the CPU
+    mm_kv_capacity kv;                  // attention shards (mm_daemon_set_kv_capacity)
 } mm_identity;
 
 // mm_role_index returns the position of role in mm_roles, or -1 when it is not a role.
@@ -66,6 +79,15 @@ void mm_identity_numerics(const char *device, char *out, size_t n);
 // MM_ADDR_LEN) holding both values as text. Pure; thread-safe.
 mm_err mm_identity_check(const mm_identity *ours, const mm_identity *theirs, const char **field,
                          char ours_val[MM_ADDR_LEN], char theirs_val[MM_ADDR_LEN]);
+
+// mm_kv_capacity_reported: whether c states anything (a field is non-zero).
+bool mm_kv_capacity_reported(const mm_kv_capacity *c);
+
+// mm_kv_capacity_check validates a reported capacity from a peer before anyone trusts it:
+// every field set and within sane bounds (block size 1..4096, blocks 1..2^31-1, 1..2^40
+// tokens, token bytes 1..2^30, max seqs 1..2^20, max ctx 1..2^24), and the blocks fit the
+// stated budget. Errors: MM_EINVAL naming the first bad field and its value. Pure.
+mm_err mm_kv_capacity_check(const mm_kv_capacity *c, char err[MM_ERRLEN]);
 
 // mm_identity_name writes "role/instance" into buf (at least 32 bytes).
 const char *mm_identity_name(const mm_identity *id, char *buf, size_t n);

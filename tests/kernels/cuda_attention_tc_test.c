@@ -34,6 +34,10 @@ extern void mm_gpu_set_attention_tcd(int mode) __attribute__((weak));
 extern void mm_gpu_set_attention_tcd_kb_bufs(int n) __attribute__((weak));
 extern void mm_gpu_set_attention_tcd_gsub(int n) __attribute__((weak));
 
+// prefill calls over a bf16 cache with dk = dv = 128 on wgmma (attention_tcw.cu, sm_90a):
+// 1 on, 0 off, < 0 MM_GPU_ATT_TCW (default off); absent in older builds
+extern void mm_gpu_set_attention_tcw(int mode) __attribute__((weak));
+
 static mm_backend *cpu;
 
 static void open_backends(void) {
@@ -492,6 +496,115 @@ static void tc_case(int n_heads, int n_kv, int dk, int dv, int window, const int
     free(order);
 }
 
+// attention_tcw_kernel against attention_tc2_kernel (today's prefill kernel), bit for bit, over
+// a bf16 cache filled with NaN first: the whole prompt in one call with the switch off is the
+// reference; then with it on: the whole prompt, chunks of 100 and 300 rows (calls starting
+// mid-sequence; chunks of at most 64 rows would be decode calls), and the sequences' rows
+// interleaved. Prints the differing elements, the largest difference and the NMSE of each way.
+static void tcw_case(int n_heads, int n_kv, int window, const int *lens, int n_seqs) {
+    const int bs = 16, dk = 128, dv = 128;
+    int max_len = 0;
+    for (int s = 0; s < n_seqs; s++)
+        max_len = lens[s] > max_len ? lens[s] : max_len;
+    const int max_blocks = (max_len + bs - 1) / bs + 1, n_blocks = n_seqs * max_blocks;
+    const int64_t slot = (int64_t)n_kv * (dk + dv), bstride = slot * bs;
+    const int64_t pool_n = (int64_t)n_blocks * bstride;
+    int32_t *tables = malloc((size_t)n_blocks * 4);
+    MM_TRUE(tables != NULL);
+    for (int i = 0; i < n_blocks; i++)
+        tables[i] = (int32_t)(((int64_t)i * 7 + 3) % n_blocks);
+    int32_t *rs = NULL, *rp = NULL;
+    const int n_rows = seq_rows(lens, n_seqs, &rs, &rp);
+    const int64_t kst = (int64_t)n_kv * dk, vst = (int64_t)n_kv * dv;
+    const int64_t qst = (int64_t)n_heads * dk, ost = (int64_t)n_heads * dv,
+                  on = (int64_t)n_rows * ost;
+    float *k = rand_f32(n_rows * kst, 1.0f), *v = rand_f32(n_rows * vst, 1.0f);
+    float *q = rand_f32(n_rows * qst, 3.0f);
+    struct mm_kv_view kv = {.base = dev_copy(NULL, (size_t)pool_n * 2),
+                            .dtype = MM_DTYPE_BF16,
+                            .block_size = bs,
+                            .block_stride = bstride,
+                            .slot_stride = slot,
+                            .n_kv_heads = n_kv,
+                            .head_dim_k = dk,
+                            .head_dim_v = dv,
+                            .block_tables = dev_copy(tables, (size_t)n_blocks * 4),
+                            .max_blocks = max_blocks};
+    uint16_t *nan16 = malloc((size_t)pool_n * 2);
+    int32_t *order = malloc((size_t)n_rows * 4);
+    MM_TRUE(nan16 && order);
+    memset(nan16, 0xff, (size_t)pool_n * 2);
+    float *d_out = dev_copy(NULL, (size_t)on * 4);
+    for (int i = 0; i < n_rows; i++)
+        order[i] = i;
+    struct tc_rows u = tc_upload(order, n_rows, q, qst, k, kst, v, vst, rs, rp);
+    const int whole[1] = {n_rows}, chunks[2] = {100, 300};
+    float *ref = NULL;
+    int64_t d_tot = 0;
+    if (mm_gpu_set_attention_tc_mt) // the reference: two m16 tiles per warp (the default)
+        mm_gpu_set_attention_tc_mt(2);
+    for (int way = 0; way < 4; way++) {
+        if (way == 3) { // interleaved rows
+            tc_rows_free(&u);
+            interleave_rows(lens, n_seqs, n_rows, order);
+            u = tc_upload(order, n_rows, q, qst, k, kst, v, vst, rs, rp);
+        }
+        mm_gpu_set_attention_tcw(way > 0);
+        MM_PASS(gpu->ops->set(gpu->ctx, kv.base, nan16, (size_t)pool_n * 2));
+        MM_PASS(gpu->ops->fill(gpu->ctx, d_out, 7.0f, on));
+        if (way == 2)
+            tc_run(&kv, &u, n_rows, qst, kst, vst, d_out, ost, n_heads, dk, window, chunks, 2);
+        else
+            tc_run(&kv, &u, n_rows, qst, kst, vst, d_out, ost, n_heads, dk, window, whole, 1);
+        mm_gpu_set_attention_tcw(-1);
+        float *got = dev_get(d_out, (size_t)on * 4);
+        if (way == 0) {
+            ref = got;
+            continue;
+        }
+        int64_t d = 0;
+        double mx = 0, num = 0, den = 0;
+        for (int i = 0; i < n_rows; i++) {
+            const float *a = ref + (int64_t)order[i] * ost, *b = got + (int64_t)i * ost;
+            d += n_diff(a, b, ost);
+            for (int64_t j = 0; j < ost; j++) {
+                const double e = isnan(b[j]) ? INFINITY : fabs((double)a[j] - b[j]);
+                mx = e > mx ? e : mx;
+                num += e * e, den += (double)a[j] * a[j];
+            }
+        }
+        printf("tcw %dh/%dkv window %d, %d rows of %d seqs, %s: %lld of %lld elements differ from "
+               "attention_tc2_kernel, max |diff| %.3e, nmse %.3e\n",
+               n_heads, n_kv, window, n_rows, n_seqs,
+               way == 1 ? "whole" : way == 2 ? "chunks 100/300" : "interleaved", (long long)d,
+               (long long)on, mx, den > 0 ? num / den : num);
+        fflush(stdout);
+        d_tot += d;
+        free(got);
+    }
+    tc_rows_free(&u);
+    if (mm_gpu_set_attention_tc_mt)
+        mm_gpu_set_attention_tc_mt(1);
+    MM_EQ(d_tot, 0);
+    gpu->ops->buffer_free(gpu->ctx, kv.base);
+    gpu->ops->buffer_free(gpu->ctx, (void *)kv.block_tables);
+    gpu->ops->buffer_free(gpu->ctx, d_out);
+    free(tables), free(rs), free(rp), free(k), free(v), free(q), free(ref), free(nan16), free(order);
+}
+
+static void test_tcw(void) {
+    open_backends();
+    if (!mm_gpu_set_attention_tcw) {
+        close_backends();
+        MM_SKIP("no attention_tcw.cu in this build");
+    }
+    const int lens[7] = {1, 15, 64, 65, 200, 517, 1100}, two[2] = {300, 77};
+    tcw_case(32, 4, 0, lens, 7); // Qwen3-30B-A3B's heads
+    tcw_case(6, 3, 40, two, 2);  // sliding window, GQA 2
+    tcw_case(16, 16, 0, two, 2); // no GQA: 128 rows per block
+    close_backends();
+}
+
 static void test_tc_gqa8(void) {
     open_backends();
     const int two[2] = {300, 77};
@@ -517,5 +630,6 @@ static void test_tc_shapes(void) {
 MM_TESTS = {
     {"tc attention GQA 8: cpu tolerance, decode == chunks == whole bits", test_tc_gqa8},
     {"tc attention odd shapes: cpu tolerance, decode == chunks == whole bits", test_tc_shapes},
+    {"tcw attention (wgmma prefill) == attention_tc2_kernel bits", test_tcw},
     {NULL, NULL},
 };

@@ -65,10 +65,18 @@ __device__ __forceinline__ void tcw_commit(void) {
 __device__ __forceinline__ void tcw_wait0(void) {
     asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
 }
+// Pins registers in place (no instruction): every write to them stays before the next asm
+// volatile (wgmma.fence: the PTX rule for accumulator and A registers written before a
+// wgmma), and every read after the last one (wgmma.wait_group).
 template <int N> __device__ __forceinline__ void tcw_pin(float (&d)[N]) {
 #pragma unroll
     for (int i = 0; i < N; i++)
         asm volatile("" : "+f"(d[i])::"memory");
+}
+__device__ __forceinline__ void tcw_pin_a(uint32_t (&a)[4][4]) {
+#pragma unroll
+    for (int i = 0; i < 16; i++)
+        asm volatile("" : "+r"(a[i >> 2][i & 3])::"memory");
 }
 // S (64 x 64 f32) += Q (64 x 16) K^T (16 x 64), both from shared memory, K-major
 __device__ __forceinline__ void tcw_qk(float (&d)[32], uint64_t da, uint64_t db) {
@@ -128,6 +136,7 @@ __device__ __forceinline__ void tcw_block(uint32_t qa, uint32_t kb, int32_t c0,
         s[i] = 0.0f;
     {
         const uint64_t qd = tcw_desc_k(qa), kd = tcw_desc_k(kb);
+        tcw_pin<32>(s); // the zeros written before the fence (else nvcc sinks them past it)
         tcw_fence();
 #pragma unroll
         for (int ks = 0; ks < 8; ks++) // dims 16 ks..: half ks / 4, +32 bytes per step inside it
@@ -191,6 +200,8 @@ __device__ __forceinline__ void tcw_block(uint32_t qa, uint32_t kb, int32_t c0,
     }
     {
         const uint64_t vd = tcw_desc_mn(kb + TCW_TILE);
+        tcw_pin<64>(acc); // the rescaled O and P written before the fence
+        tcw_pin_a(pa);
         tcw_fence();
 #pragma unroll
         for (int kk = 0; kk < TC_KEYS / 16; kk++) // keys 16 kk..: two 8-key atoms, 2048 bytes

@@ -21,6 +21,10 @@
 // masked block leaves a row's state unchanged (the contract), so the bits do not depend on it.
 // K/V rows: cp.async by all threads (4 per key) straight into the swizzled layout, 3 buffers,
 // two blocks in flight (tc_kb_pass's pipeline), a proxy fence before each block's barrier.
+// Status (docs/BENCHMARKS.md "Prefill attention on wgmma"): the one H200 run (10:11 UTC,
+// before the register pins in tcw_block) gave wrong outputs and 543.6 vs 965.3 us per 4096-row
+// call; the pinned form is unmeasured. Keep it off until cuda_attention_tc_test's "tcw" case
+// shows 0 differing elements.
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>

@@ -35,6 +35,16 @@
 #include "mm_gpu.h"
 
 static int g_att_tcw = -1; // -1: from MM_GPU_ATT_TCW at first use (on only when "1"); 0; 1
+// Diagnostic mode (tests only; 0 off): kind + 10 * blk, kind 1: the raw S = Q K^T of key block
+// blk of the pass (keys 64 blk..) written to dims 0..63 of each unit's output (64..127 zero);
+// kind 2: P one-hot (unit with position p takes key 64 blk + p % 64 with weight 1), the output
+// is that key's V row; kind 3: kind 2 with the V descriptor's LBO and SBO swapped; kind 4: kind 2
+// with P's A-fragment registers in the order {0, 2, 1, 3}. No softmax, no block skipping.
+// Full attention variants: kind 5 V descriptor's offsets swapped, 6 P registers {0, 2, 1, 3},
+// 7 no key blocks skipped, 8 every block's copies waited for and a barrier after each block.
+static int g_att_tcw_diag = -1;
+extern "C" void mm_gpu_set_attention_tcw_diag(int mode);
+extern "C" void mm_gpu_set_attention_tcw_diag(int mode) { g_att_tcw_diag = mode; }
 
 // mm_gpu_set_attention_tcw: 1 the wgmma prefill kernel for the calls it takes, 0 not, < 0 back
 // to MM_GPU_ATT_TCW (default off). Process-wide.
@@ -59,6 +69,11 @@ __device__ __forceinline__ uint64_t tcw_desc_k(uint32_t saddr) {
 __device__ __forceinline__ uint64_t tcw_desc_mn(uint32_t saddr) {
     return (uint64_t)((saddr & 0x3ffff) >> 4) | ((uint64_t)(8192 >> 4) << 16) |
            ((uint64_t)(1024 >> 4) << 32) | (1ull << 62);
+}
+// diagnostic kind 3: tcw_desc_mn with the two offsets swapped
+__device__ __forceinline__ uint64_t tcw_desc_mn_swap(uint32_t saddr) {
+    return (uint64_t)((saddr & 0x3ffff) >> 4) | ((uint64_t)(1024 >> 4) << 16) |
+           ((uint64_t)(8192 >> 4) << 32) | (1ull << 62);
 }
 __device__ __forceinline__ void tcw_fence(void) {
     asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
@@ -129,10 +144,11 @@ __device__ __forceinline__ uint32_t tcw_off(int r, int p) {
 // One 64-key block for the warpgroup's 64 units: tc_block's operations (same elements, same
 // order) with S and P V on wgmma. qd: the warpgroup's Q tile; kb: the block's K tile (V at
 // + TCW_TILE), shared addresses.
+template <bool DIAG>
 __device__ __forceinline__ void tcw_block(uint32_t qa, uint32_t kb, int32_t c0,
                                           const int32_t (&first)[2], const int32_t (&pos)[2],
                                           float cs, float (&m)[2], float (&l)[2],
-                                          float (&acc)[64]) {
+                                          float (&acc)[64], int kind) {
     const int tq = threadIdx.x & 3;
     float s[32];
 #pragma unroll
@@ -148,6 +164,42 @@ __device__ __forceinline__ void tcw_block(uint32_t qa, uint32_t kb, int32_t c0,
         tcw_commit();
         tcw_wait0();
         tcw_pin<32>(s);
+    }
+    if (DIAG && kind == 1) { // raw S into dims 0..63
+#pragma unroll
+        for (int i = 0; i < 64; i++)
+            acc[i] = i < 32 ? s[i] : 0.0f;
+        return;
+    }
+    if (DIAG && kind <= 4) { // one-hot P: row i takes key pos[i] % 64 of the block
+        uint32_t pd[TC_KEYS / 16][4];
+#pragma unroll
+        for (int j = 0; j < TC_KEYS / 8; j++) {
+            float pv[4];
+#pragma unroll
+            for (int e = 0; e < 4; e++)
+                pv[e] = (8 * j + 2 * tq + (e & 1)) == (pos[e >> 1] & 63) ? 1.0f : 0.0f;
+            pd[j >> 1][(j & 1) * 2 + 0] = tc_pack(pv[0], pv[1]);
+            pd[j >> 1][(j & 1) * 2 + 1] = tc_pack(pv[2], pv[3]);
+        }
+        if (kind == 4)
+#pragma unroll
+            for (int kk = 0; kk < TC_KEYS / 16; kk++) {
+                const uint32_t t = pd[kk][1];
+                pd[kk][1] = pd[kk][2], pd[kk][2] = t;
+            }
+        const uint64_t vd =
+            kind == 3 ? tcw_desc_mn_swap(kb + TCW_TILE) : tcw_desc_mn(kb + TCW_TILE);
+        tcw_pin<64>(acc);
+        tcw_pin_a(pd);
+        tcw_fence();
+#pragma unroll
+        for (int kk = 0; kk < TC_KEYS / 16; kk++)
+            tcw_pv(acc, pd[kk], vd + kk * 128);
+        tcw_commit();
+        tcw_wait0();
+        tcw_pin<64>(acc);
+        return;
     }
     // s[4 j + e]: tc_block's s[j][e] (keys c0 + 8 j + 2 tq + (e & 1), rows g (e < 2), g + 8)
     float mx[2] = {-INFINITY, -INFINITY};
@@ -202,8 +254,15 @@ __device__ __forceinline__ void tcw_block(uint32_t qa, uint32_t kb, int32_t c0,
         acc[4 * n + 2] = __fmul_rn(acc[4 * n + 2], al[1]);
         acc[4 * n + 3] = __fmul_rn(acc[4 * n + 3], al[1]);
     }
+    if (DIAG && kind == 6)
+#pragma unroll
+        for (int kk = 0; kk < TC_KEYS / 16; kk++) {
+            const uint32_t t = pa[kk][1];
+            pa[kk][1] = pa[kk][2], pa[kk][2] = t;
+        }
     {
-        const uint64_t vd = tcw_desc_mn(kb + TCW_TILE);
+        const uint64_t vd = DIAG && kind == 5 ? tcw_desc_mn_swap(kb + TCW_TILE)
+                                              : tcw_desc_mn(kb + TCW_TILE);
         tcw_pin<64>(acc); // the rescaled O and P written before the fence
         tcw_pin_a(pa);
         tcw_fence();
@@ -217,8 +276,9 @@ __device__ __forceinline__ void tcw_block(uint32_t qa, uint32_t kb, int32_t c0,
 }
 #endif // __CUDA_ARCH_FEAT_SM90_ALL
 
+template <bool DIAG>
 __global__ void __launch_bounds__(TCW_THREADS, 1)
-    attention_tcw_kernel(struct mm_attn_args a, int gsub, int rows_pb, int *d_err) {
+    attention_tcw_kernel(struct mm_attn_args a, int gsub, int rows_pb, int *d_err, int diag) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     constexpr int TPK = TCW_THREADS / TC_KEYS; // threads per key of the copies
     mm_dep_signal();
@@ -376,11 +436,26 @@ __global__ void __launch_bounds__(TCW_THREADS, 1)
             } else {
                 tc_commit();
             }
-            if (c0 <= wmax && c0 + TC_KEYS - 1 >= wmin)
-                tcw_block(sbase + wg * TCW_TILE, kvs + bi * 2 * TCW_TILE, c0, first, pos, cs, m, l,
-                          acc);
+            if (DIAG && diag % 10 >= 5) { // full attention, variants 5..8
+                if (diag % 10 == 7 || (c0 <= wmax && c0 + TC_KEYS - 1 >= wmin))
+                    tcw_block<true>(sbase + wg * TCW_TILE, kvs + bi * 2 * TCW_TILE, c0, first, pos,
+                                    cs, m, l, acc, diag % 10);
+                if (diag % 10 == 8) {
+                    tc_wait<0>();
+                    __syncthreads();
+                }
+            } else if (DIAG) {
+                if (c0 == c_lo + (diag / 10) * TC_KEYS)
+                    tcw_block<true>(sbase + wg * TCW_TILE, kvs + bi * 2 * TCW_TILE, c0, first, pos,
+                                    cs, m, l, acc, diag % 10);
+            } else if (c0 <= wmax && c0 + TC_KEYS - 1 >= wmin) {
+                tcw_block<false>(sbase + wg * TCW_TILE, kvs + bi * 2 * TCW_TILE, c0, first, pos,
+                                 cs, m, l, acc, 0);
+            }
             bi = bi == TCW_BUFS - 1 ? 0 : bi + 1;
         }
+        if (DIAG && diag % 10 <= 4)
+            l[0] = l[1] = 0.25f; // the four threads' sum below: 1
 #pragma unroll
         for (int i = 0; i < 2; i++) {
             l[i] = __fadd_rn(l[i], __shfl_xor_sync(0xffffffffu, l[i], 1));
@@ -406,7 +481,7 @@ __global__ void __launch_bounds__(TCW_THREADS, 1)
     }
     tc_wait<0>();
 #else
-    (void)a, (void)gsub, (void)rows_pb, (void)d_err;
+    (void)a, (void)gsub, (void)rows_pb, (void)d_err, (void)diag;
     __trap(); // launched only on compute capability 9.0, whose sm_90a image has the body
 #endif
 }
@@ -445,16 +520,28 @@ extern "C" mm_err mm_gpu_attention_tcw(void *stream, const struct mm_attn_args *
 #if MM_GPU_HAVE_WMMA
     if (!tcw_device_ok())
         return MM_OK;
-    static uint64_t attr_set;
-    const mm_err rv = tc_allow_shmem(attention_tcw_kernel, &attr_set, TCW_SHMEM);
+    static uint64_t attr_set, attr_set_diag;
+    if (g_att_tcw_diag < 0) {
+        const char *e = getenv("MM_GPU_ATT_TCW_DIAG");
+        g_att_tcw_diag = e != NULL ? atoi(e) : 0;
+    }
+    const int diag = g_att_tcw_diag;
+    const mm_err rv = diag ? tc_allow_shmem(attention_tcw_kernel<true>, &attr_set_diag, TCW_SHMEM)
+                           : tc_allow_shmem(attention_tcw_kernel<false>, &attr_set, TCW_SHMEM);
     if (rv != MM_OK)
         return rv;
     const int group = a->n_heads / a->kv.n_kv_heads;
     const int gsub = tc_group_sub(group, TCW_UNITS), rows_pb = TCW_UNITS / gsub;
     dim3 grid((unsigned)((a->n_rows + rows_pb - 1) / rows_pb),
               (unsigned)(a->kv.n_kv_heads * (group / gsub)));
-    MM_GPU_CHECK(mm_launch_dep(attention_tcw_kernel, grid, dim3(TCW_THREADS), (size_t)TCW_SHMEM,
-                               (cudaStream_t)stream, *a, gsub, rows_pb, d_err));
+    if (diag)
+        MM_GPU_CHECK(mm_launch_dep(attention_tcw_kernel<true>, grid, dim3(TCW_THREADS),
+                                   (size_t)TCW_SHMEM, (cudaStream_t)stream, *a, gsub, rows_pb,
+                                   d_err, diag));
+    else
+        MM_GPU_CHECK(mm_launch_dep(attention_tcw_kernel<false>, grid, dim3(TCW_THREADS),
+                                   (size_t)TCW_SHMEM, (cudaStream_t)stream, *a, gsub, rows_pb,
+                                   d_err, 0));
     MM_GPU_CHECK(cudaGetLastError());
     *done = 1;
     return MM_OK;

@@ -498,6 +498,35 @@ static void tc_case(int n_heads, int n_kv, int dk, int dv, int window, const int
     free(order);
 }
 
+// A block table that is a permutation of [0, n): i -> (i * m + 3) % n with m >= 7 the first
+// stride coprime to n (i * 7 + 3 alone aliases blocks when 7 divides n: 7 sequences of 70 blocks
+// each hit only 70 of the 490, so the sequences overwrote each other's keys in the cache and
+// kv_store's racing writes to a shared slot made the reference and the checked run read
+// different caches: the "wrong" tcw outputs of the 10:11 and 10:20 UTC H200 runs). Checked.
+static int32_t *perm_tables(int n) {
+    int m = 7;
+    for (;;) {
+        int a = m, b = n;
+        while (b != 0) {
+            const int t = a % b;
+            a = b, b = t;
+        }
+        if (a == 1)
+            break;
+        m += 2;
+    }
+    int32_t *t = malloc((size_t)n * 4);
+    unsigned char *seen = calloc((size_t)n, 1);
+    MM_TRUE(t != NULL && seen != NULL);
+    for (int i = 0; i < n; i++) {
+        t[i] = (int32_t)(((int64_t)i * m + 3) % n);
+        MM_TRUE(!seen[t[i]]);
+        seen[t[i]] = 1;
+    }
+    free(seen);
+    return t;
+}
+
 // attention_tcw_kernel against attention_tc2_kernel (today's prefill kernel), bit for bit, over
 // a bf16 cache filled with NaN first: the whole prompt in one call with the switch off is the
 // reference; then with it on: the whole prompt, chunks of 100 and 300 rows (calls starting
@@ -511,10 +540,7 @@ static void tcw_case(int n_heads, int n_kv, int window, const int *lens, int n_s
     const int max_blocks = (max_len + bs - 1) / bs + 1, n_blocks = n_seqs * max_blocks;
     const int64_t slot = (int64_t)n_kv * (dk + dv), bstride = slot * bs;
     const int64_t pool_n = (int64_t)n_blocks * bstride;
-    int32_t *tables = malloc((size_t)n_blocks * 4);
-    MM_TRUE(tables != NULL);
-    for (int i = 0; i < n_blocks; i++)
-        tables[i] = (int32_t)(((int64_t)i * 7 + 3) % n_blocks);
+    int32_t *tables = perm_tables(n_blocks);
     int32_t *rs = NULL, *rp = NULL;
     const int n_rows = seq_rows(lens, n_seqs, &rs, &rp);
     const int64_t kst = (int64_t)n_kv * dk, vst = (int64_t)n_kv * dv;
@@ -626,10 +652,7 @@ static void test_tcw_diag(void) {
     const int max_blocks = (300 + bs - 1) / bs + 1, n_blocks = max_blocks;
     const int64_t slot = (int64_t)n_kv * (dk + dv), bstride = slot * bs;
     const int64_t pool_n = (int64_t)n_blocks * bstride;
-    int32_t *tables = malloc((size_t)n_blocks * 4);
-    MM_TRUE(tables != NULL);
-    for (int i = 0; i < n_blocks; i++)
-        tables[i] = (int32_t)(((int64_t)i * 7 + 3) % n_blocks);
+    int32_t *tables = perm_tables(n_blocks);
     int32_t *rs = NULL, *rp = NULL;
     const int n_rows = seq_rows(lens, 1, &rs, &rp);
     const int64_t kst = (int64_t)n_kv * dk, vst = (int64_t)n_kv * dv;
@@ -657,8 +680,11 @@ static void test_tcw_diag(void) {
     const int whole[1] = {n_rows};
     const int modes[] = {1, 21, 2, 22, 3, 4};
     const int group = n_heads / n_kv;
-    // K / V of key t, kv head h, dim d (bf16 values; 0 past the sequence)
+    // K / V of key t, kv head h, dim d (bf16 values; 0 past the sequence). In the diagnostic
+    // modes the kernel's keys past the last position of the row's tile (rows_pb = 16 rows: 8
+    // heads per block) are zeros: KEYR is KEYV limited to row r's tile.
 #define KEYV(arr, t, h, d) ((t) < n_rows ? bf((arr)[(int64_t)(t) * kst + (h) * 128 + (d)]) : 0.0f)
+#define KEYR(arr, t, h, d) ((t) <= (r | 15) ? KEYV(arr, t, h, d) : 0.0f)
     for (size_t mi = 0; mi < sizeof(modes) / sizeof(modes[0]); mi++) {
         const int mode = modes[mi], kind = mode % 10, blk = mode / 10;
         for (int r = 0; r < n_rows; r++)
@@ -672,10 +698,10 @@ static void test_tcw_diag(void) {
                         if (d < 64)
                             for (int x = 0; x < 128; x++)
                                 sum += (double)bf(q[(int64_t)r * qst + h * 128 + x]) *
-                                       KEYV(k, t, kvh, x);
+                                       KEYR(k, t, kvh, x);
                         w[d] = (float)sum;
                     } else {
-                        w[d] = KEYV(v, 64 * blk + r % 64, kvh, d);
+                        w[d] = KEYR(v, 64 * blk + r % 64, kvh, d);
                     }
                 }
             }
@@ -750,7 +776,10 @@ static void test_tcw_diag(void) {
         free(got);
     }
 #undef KEYV
+#undef KEYR
     // full attention: the tcw kernel (0) and its variants 5..8 against attention_tc2_kernel
+    if (mm_gpu_set_attention_tc_mt)
+        mm_gpu_set_attention_tc_mt(2);
     float *ref = NULL;
     const int fulls[] = {-1, 0, 5, 6, 7, 8, 0};
     for (size_t fi = 0; fi < sizeof(fulls) / sizeof(fulls[0]); fi++) {

@@ -288,6 +288,35 @@ static void tc_case_kb(const struct mm_kv_view *kv, const int32_t *tables, int64
     free(nan16), free(order);
 }
 
+// A block table that is a permutation of [0, n): i -> (i * m + 3) % n with m >= 7 the first
+// stride coprime to n (i * 7 + 3 alone aliases blocks when 7 divides n: 7 sequences of 70 blocks
+// each hit only 70 of the 490, so the sequences overwrote each other's keys in the cache and
+// kv_store's racing writes to a shared slot made the reference and the checked run read
+// different caches: the "wrong" tcw outputs of the 10:11 and 10:20 UTC H200 runs). Checked.
+static int32_t *perm_tables(int n) {
+    int m = 7;
+    for (;;) {
+        int a = m, b = n;
+        while (b != 0) {
+            const int t = a % b;
+            a = b, b = t;
+        }
+        if (a == 1)
+            break;
+        m += 2;
+    }
+    int32_t *t = malloc((size_t)n * 4);
+    unsigned char *seen = calloc((size_t)n, 1);
+    MM_TRUE(t != NULL && seen != NULL);
+    for (int i = 0; i < n; i++) {
+        t[i] = (int32_t)(((int64_t)i * m + 3) % n);
+        MM_TRUE(!seen[t[i]]);
+        seen[t[i]] = 1;
+    }
+    free(seen);
+    return t;
+}
+
 static void tc_case(int n_heads, int n_kv, int dk, int dv, int window, const int *lens,
                     int n_seqs) {
     const int bs = 16;
@@ -298,10 +327,7 @@ static void tc_case(int n_heads, int n_kv, int dk, int dv, int window, const int
     const int max_blocks = (max_len + bs - 1) / bs + 1, n_blocks = n_seqs * max_blocks;
     const int64_t slot = (int64_t)n_kv * (dk + dv), bstride = slot * bs;
     const int64_t pool_n = (int64_t)n_blocks * bstride;
-    int32_t *tables = malloc((size_t)n_blocks * 4);
-    MM_TRUE(tables != NULL);
-    for (int i = 0; i < n_blocks; i++) // a permutation: a sequence's blocks far apart
-        tables[i] = (int32_t)(((int64_t)i * 7 + 3) % n_blocks);
+    int32_t *tables = perm_tables(n_blocks); // a sequence's blocks far apart
     int32_t *rs = NULL, *rp = NULL;
     const int n_rows = seq_rows(lens, n_seqs, &rs, &rp);
     const int64_t kst = (int64_t)n_kv * dk, vst = (int64_t)n_kv * dv;
@@ -496,35 +522,6 @@ static void tc_case(int n_heads, int n_kv, int dk, int dv, int window, const int
     gpu->ops->buffer_free(gpu->ctx, d_out);
     free(tables), free(rs), free(rp), free(k), free(v), free(q), free(pool), free(ref), free(all);
     free(order);
-}
-
-// A block table that is a permutation of [0, n): i -> (i * m + 3) % n with m >= 7 the first
-// stride coprime to n (i * 7 + 3 alone aliases blocks when 7 divides n: 7 sequences of 70 blocks
-// each hit only 70 of the 490, so the sequences overwrote each other's keys in the cache and
-// kv_store's racing writes to a shared slot made the reference and the checked run read
-// different caches: the "wrong" tcw outputs of the 10:11 and 10:20 UTC H200 runs). Checked.
-static int32_t *perm_tables(int n) {
-    int m = 7;
-    for (;;) {
-        int a = m, b = n;
-        while (b != 0) {
-            const int t = a % b;
-            a = b, b = t;
-        }
-        if (a == 1)
-            break;
-        m += 2;
-    }
-    int32_t *t = malloc((size_t)n * 4);
-    unsigned char *seen = calloc((size_t)n, 1);
-    MM_TRUE(t != NULL && seen != NULL);
-    for (int i = 0; i < n; i++) {
-        t[i] = (int32_t)(((int64_t)i * m + 3) % n);
-        MM_TRUE(!seen[t[i]]);
-        seen[t[i]] = 1;
-    }
-    free(seen);
-    return t;
 }
 
 // attention_tcw_kernel against attention_tc2_kernel (today's prefill kernel), bit for bit, over

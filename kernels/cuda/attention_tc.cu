@@ -911,6 +911,11 @@ extern "C" void mm_gpu_set_attention_tc_warps(int warps) {
 extern "C" mm_err mm_gpu_attention_tcd(void *stream, const struct mm_attn_args *a, int *d_err,
                                        int *done);
 
+// attention_tcw.cu: prefill calls over a bf16 cache with dk = dv = 128 on wgmma (same bits;
+// MM_GPU_ATT_TCW=1, default off)
+extern "C" mm_err mm_gpu_attention_tcw(void *stream, const struct mm_attn_args *a, int *d_err,
+                                       int *done);
+
 // mm_gpu_attention_tc: runs a on the tensor cores and sets *done when the contract is on and
 // takes a's shape (head dims, cache alignment: never the number of rows); *done 0 otherwise
 // (bad arguments included: the f32 launchers report them).
@@ -941,6 +946,11 @@ extern "C" mm_err mm_gpu_attention_tc(void *stream, const struct mm_attn_args *a
         const mm_err drv = mm_gpu_attention_tcd(stream, a, d_err, done);
         if (drv != MM_OK || *done)
             return drv;
+    }
+    if (kb && a->n_rows > TC_DECODE_ROWS) { // prefill over a bf16 cache: wgmma where it takes it
+        const mm_err wrv = mm_gpu_attention_tcw(stream, a, d_err, done);
+        if (wrv != MM_OK || *done)
+            return wrv;
     }
     const bool two = tc_mt() == 2 && a->n_rows > TC_DECODE_ROWS; // prefill: two m16 tiles per warp
     const int nw = two ? TC2_WARPS : tc_warps(), units = nw * 16 * (two ? 2 : 1);

@@ -34,6 +34,12 @@ extern void mm_gpu_set_attention_tcd(int mode) __attribute__((weak));
 extern void mm_gpu_set_attention_tcd_kb_bufs(int n) __attribute__((weak));
 extern void mm_gpu_set_attention_tcd_gsub(int n) __attribute__((weak));
 
+// prefill calls over a bf16 cache with dk = dv = 128 on wgmma (attention_tcw.cu, sm_90a):
+// 1 on, 0 off, < 0 MM_GPU_ATT_TCW (default off); absent in older builds
+extern void mm_gpu_set_attention_tcw(int mode) __attribute__((weak));
+// its diagnostic modes (kind + 10 * key block; attention_tcw.cu's g_att_tcw_diag): 0 off
+extern void mm_gpu_set_attention_tcw_diag(int mode) __attribute__((weak));
+
 static mm_backend *cpu;
 
 static void open_backends(void) {
@@ -282,6 +288,35 @@ static void tc_case_kb(const struct mm_kv_view *kv, const int32_t *tables, int64
     free(nan16), free(order);
 }
 
+// A block table that is a permutation of [0, n): i -> (i * m + 3) % n with m >= 7 the first
+// stride coprime to n (i * 7 + 3 alone aliases blocks when 7 divides n: 7 sequences of 70 blocks
+// each hit only 70 of the 490, so the sequences overwrote each other's keys in the cache and
+// kv_store's racing writes to a shared slot made the reference and the checked run read
+// different caches: the "wrong" tcw outputs of the 10:11 and 10:20 UTC H200 runs). Checked.
+static int32_t *perm_tables(int n) {
+    int m = 7;
+    for (;;) {
+        int a = m, b = n;
+        while (b != 0) {
+            const int t = a % b;
+            a = b, b = t;
+        }
+        if (a == 1)
+            break;
+        m += 2;
+    }
+    int32_t *t = malloc((size_t)n * 4);
+    unsigned char *seen = calloc((size_t)n, 1);
+    MM_TRUE(t != NULL && seen != NULL);
+    for (int i = 0; i < n; i++) {
+        t[i] = (int32_t)(((int64_t)i * m + 3) % n);
+        MM_TRUE(!seen[t[i]]);
+        seen[t[i]] = 1;
+    }
+    free(seen);
+    return t;
+}
+
 static void tc_case(int n_heads, int n_kv, int dk, int dv, int window, const int *lens,
                     int n_seqs) {
     const int bs = 16;
@@ -292,10 +327,7 @@ static void tc_case(int n_heads, int n_kv, int dk, int dv, int window, const int
     const int max_blocks = (max_len + bs - 1) / bs + 1, n_blocks = n_seqs * max_blocks;
     const int64_t slot = (int64_t)n_kv * (dk + dv), bstride = slot * bs;
     const int64_t pool_n = (int64_t)n_blocks * bstride;
-    int32_t *tables = malloc((size_t)n_blocks * 4);
-    MM_TRUE(tables != NULL);
-    for (int i = 0; i < n_blocks; i++) // a permutation: a sequence's blocks far apart
-        tables[i] = (int32_t)(((int64_t)i * 7 + 3) % n_blocks);
+    int32_t *tables = perm_tables(n_blocks); // a sequence's blocks far apart
     int32_t *rs = NULL, *rp = NULL;
     const int n_rows = seq_rows(lens, n_seqs, &rs, &rp);
     const int64_t kst = (int64_t)n_kv * dk, vst = (int64_t)n_kv * dv;
@@ -492,6 +524,304 @@ static void tc_case(int n_heads, int n_kv, int dk, int dv, int window, const int
     free(order);
 }
 
+// attention_tcw_kernel against attention_tc2_kernel (today's prefill kernel), bit for bit, over
+// a bf16 cache filled with NaN first: the whole prompt in one call with the switch off is the
+// reference; then with it on: the whole prompt, chunks of 100 and 300 rows (calls starting
+// mid-sequence; chunks of at most 64 rows would be decode calls), and the sequences' rows
+// interleaved. Prints the differing elements, the largest difference and the NMSE of each way.
+static void tcw_case(int n_heads, int n_kv, int window, const int *lens, int n_seqs) {
+    const int bs = 16, dk = 128, dv = 128;
+    int max_len = 0;
+    for (int s = 0; s < n_seqs; s++)
+        max_len = lens[s] > max_len ? lens[s] : max_len;
+    const int max_blocks = (max_len + bs - 1) / bs + 1, n_blocks = n_seqs * max_blocks;
+    const int64_t slot = (int64_t)n_kv * (dk + dv), bstride = slot * bs;
+    const int64_t pool_n = (int64_t)n_blocks * bstride;
+    int32_t *tables = perm_tables(n_blocks);
+    int32_t *rs = NULL, *rp = NULL;
+    const int n_rows = seq_rows(lens, n_seqs, &rs, &rp);
+    const int64_t kst = (int64_t)n_kv * dk, vst = (int64_t)n_kv * dv;
+    const int64_t qst = (int64_t)n_heads * dk, ost = (int64_t)n_heads * dv,
+                  on = (int64_t)n_rows * ost;
+    float *k = rand_f32(n_rows * kst, 1.0f), *v = rand_f32(n_rows * vst, 1.0f);
+    float *q = rand_f32(n_rows * qst, 3.0f);
+    struct mm_kv_view kv = {.base = dev_copy(NULL, (size_t)pool_n * 2),
+                            .dtype = MM_DTYPE_BF16,
+                            .block_size = bs,
+                            .block_stride = bstride,
+                            .slot_stride = slot,
+                            .n_kv_heads = n_kv,
+                            .head_dim_k = dk,
+                            .head_dim_v = dv,
+                            .block_tables = dev_copy(tables, (size_t)n_blocks * 4),
+                            .max_blocks = max_blocks};
+    uint16_t *nan16 = malloc((size_t)pool_n * 2);
+    int32_t *order = malloc((size_t)n_rows * 4);
+    MM_TRUE(nan16 && order);
+    memset(nan16, 0xff, (size_t)pool_n * 2);
+    float *d_out = dev_copy(NULL, (size_t)on * 4);
+    for (int i = 0; i < n_rows; i++)
+        order[i] = i;
+    struct tc_rows u = tc_upload(order, n_rows, q, qst, k, kst, v, vst, rs, rp);
+    const int whole[1] = {n_rows}, chunks[2] = {100, 300};
+    float *ref = NULL;
+    int64_t d_tot = 0;
+    if (mm_gpu_set_attention_tc_mt) // the reference: two m16 tiles per warp (the default)
+        mm_gpu_set_attention_tc_mt(2);
+    for (int way = 0; way < 4; way++) {
+        if (way == 3) { // interleaved rows
+            tc_rows_free(&u);
+            interleave_rows(lens, n_seqs, n_rows, order);
+            u = tc_upload(order, n_rows, q, qst, k, kst, v, vst, rs, rp);
+        }
+        mm_gpu_set_attention_tcw(way > 0);
+        MM_PASS(gpu->ops->set(gpu->ctx, kv.base, nan16, (size_t)pool_n * 2));
+        MM_PASS(gpu->ops->fill(gpu->ctx, d_out, 7.0f, on));
+        if (way == 2)
+            tc_run(&kv, &u, n_rows, qst, kst, vst, d_out, ost, n_heads, dk, window, chunks, 2);
+        else
+            tc_run(&kv, &u, n_rows, qst, kst, vst, d_out, ost, n_heads, dk, window, whole, 1);
+        mm_gpu_set_attention_tcw(-1);
+        float *got = dev_get(d_out, (size_t)on * 4);
+        if (way == 0) {
+            ref = got;
+            continue;
+        }
+        int64_t d = 0;
+        double mx = 0, num = 0, den = 0;
+        for (int i = 0; i < n_rows; i++) {
+            const float *a = ref + (int64_t)order[i] * ost, *b = got + (int64_t)i * ost;
+            d += n_diff(a, b, ost);
+            for (int64_t j = 0; j < ost; j++) {
+                const double e = isnan(b[j]) ? INFINITY : fabs((double)a[j] - b[j]);
+                mx = e > mx ? e : mx;
+                num += e * e, den += (double)a[j] * a[j];
+            }
+        }
+        printf("tcw %dh/%dkv window %d, %d rows of %d seqs, %s: %lld of %lld elements differ from "
+               "attention_tc2_kernel, max |diff| %.3e, nmse %.3e\n",
+               n_heads, n_kv, window, n_rows, n_seqs,
+               way == 1 ? "whole" : way == 2 ? "chunks 100/300" : "interleaved", (long long)d,
+               (long long)on, mx, den > 0 ? num / den : num);
+        fflush(stdout);
+        d_tot += d;
+        free(got);
+    }
+    tc_rows_free(&u);
+    if (mm_gpu_set_attention_tc_mt)
+        mm_gpu_set_attention_tc_mt(1);
+    MM_EQ(d_tot, 0);
+    gpu->ops->buffer_free(gpu->ctx, kv.base);
+    gpu->ops->buffer_free(gpu->ctx, (void *)kv.block_tables);
+    gpu->ops->buffer_free(gpu->ctx, d_out);
+    free(tables), free(rs), free(rp), free(k), free(v), free(q), free(ref), free(nan16), free(order);
+}
+
+static void test_tcw(void) {
+    open_backends();
+    if (!mm_gpu_set_attention_tcw) {
+        close_backends();
+        MM_SKIP("no attention_tcw.cu in this build");
+    }
+    const int lens[7] = {1, 15, 64, 65, 200, 517, 1100}, two[2] = {300, 77};
+    tcw_case(32, 4, 0, lens, 7); // Qwen3-30B-A3B's heads
+    tcw_case(6, 3, 40, two, 2);  // sliding window, GQA 2
+    tcw_case(16, 16, 0, two, 2); // no GQA: 128 rows per block
+    close_backends();
+}
+
+static float bf(float x) { return mm_bf16_to_f32(mm_f32_to_bf16(x)); }
+
+// attention_tcw_kernel's diagnostic modes against host references, one sequence of 300 rows,
+// 32 heads over 4 kv heads (runs only with MM_TCW_DIAG_TEST=1): kind 1 the raw S of a key block
+// (tolerance: f32 sums in another order), kinds 2..4 one-hot P (a V row, exact). Prints, per
+// mode, the elements off and samples (expected vs got, and which key / dim the got value is).
+static void test_tcw_diag(void) {
+    const char *env = getenv("MM_TCW_DIAG_TEST");
+    if (env == NULL || strcmp(env, "1") != 0)
+        MM_SKIP("diagnostics: MM_TCW_DIAG_TEST=1 runs them");
+    open_backends();
+    if (!mm_gpu_set_attention_tcw || !mm_gpu_set_attention_tcw_diag) {
+        close_backends();
+        MM_SKIP("no attention_tcw.cu diagnostics in this build");
+    }
+    const int n_heads = 32, n_kv = 4, bs = 16, dk = 128, dv = 128, lens[1] = {300};
+    const int max_blocks = (300 + bs - 1) / bs + 1, n_blocks = max_blocks;
+    const int64_t slot = (int64_t)n_kv * (dk + dv), bstride = slot * bs;
+    const int64_t pool_n = (int64_t)n_blocks * bstride;
+    int32_t *tables = perm_tables(n_blocks);
+    int32_t *rs = NULL, *rp = NULL;
+    const int n_rows = seq_rows(lens, 1, &rs, &rp);
+    const int64_t kst = (int64_t)n_kv * dk, vst = (int64_t)n_kv * dv;
+    const int64_t qst = (int64_t)n_heads * dk, ost = (int64_t)n_heads * dv,
+                  on = (int64_t)n_rows * ost;
+    float *k = rand_f32(n_rows * kst, 1.0f), *v = rand_f32(n_rows * vst, 1.0f);
+    float *q = rand_f32(n_rows * qst, 3.0f);
+    struct mm_kv_view kv = {.base = dev_copy(NULL, (size_t)pool_n * 2),
+                            .dtype = MM_DTYPE_BF16,
+                            .block_size = bs,
+                            .block_stride = bstride,
+                            .slot_stride = slot,
+                            .n_kv_heads = n_kv,
+                            .head_dim_k = dk,
+                            .head_dim_v = dv,
+                            .block_tables = dev_copy(tables, (size_t)n_blocks * 4),
+                            .max_blocks = max_blocks};
+    int32_t *order = malloc((size_t)n_rows * 4);
+    float *want = malloc((size_t)on * 4);
+    MM_TRUE(order && want);
+    for (int i = 0; i < n_rows; i++)
+        order[i] = i;
+    float *d_out = dev_copy(NULL, (size_t)on * 4);
+    struct tc_rows u = tc_upload(order, n_rows, q, qst, k, kst, v, vst, rs, rp);
+    const int whole[1] = {n_rows};
+    const int modes[] = {1, 21, 2, 22, 3, 4};
+    const int group = n_heads / n_kv;
+    // K / V of key t, kv head h, dim d (bf16 values; 0 past the sequence). In the diagnostic
+    // modes the kernel's keys past the last position of the row's tile (rows_pb = 16 rows: 8
+    // heads per block) are zeros: KEYR is KEYV limited to row r's tile.
+#define KEYV(arr, t, h, d) ((t) < n_rows ? bf((arr)[(int64_t)(t) * kst + (h) * 128 + (d)]) : 0.0f)
+#define KEYR(arr, t, h, d) ((t) <= (r | 15) ? KEYV(arr, t, h, d) : 0.0f)
+    for (size_t mi = 0; mi < sizeof(modes) / sizeof(modes[0]); mi++) {
+        const int mode = modes[mi], kind = mode % 10, blk = mode / 10;
+        for (int r = 0; r < n_rows; r++)
+            for (int h = 0; h < n_heads; h++) {
+                const int kvh = h / group;
+                float *w = want + (int64_t)r * ost + h * 128;
+                for (int d = 0; d < 128; d++) {
+                    if (kind == 1) {
+                        double sum = 0;
+                        const int t = 64 * blk + d;
+                        if (d < 64)
+                            for (int x = 0; x < 128; x++)
+                                sum += (double)bf(q[(int64_t)r * qst + h * 128 + x]) *
+                                       KEYR(k, t, kvh, x);
+                        w[d] = (float)sum;
+                    } else {
+                        w[d] = KEYR(v, 64 * blk + r % 64, kvh, d);
+                    }
+                }
+            }
+        mm_gpu_set_attention_tcw_diag(mode);
+        mm_gpu_set_attention_tcw(1);
+        MM_PASS(gpu->ops->fill(gpu->ctx, d_out, 7.0f, on));
+        tc_run(&kv, &u, n_rows, qst, kst, vst, d_out, ost, n_heads, dk, 0, whole, 1);
+        mm_gpu_set_attention_tcw(-1);
+        mm_gpu_set_attention_tcw_diag(0);
+        float *got = dev_get(d_out, (size_t)on * 4);
+        int64_t off = 0, shown = 0;
+        for (int64_t i = 0; i < on; i++) {
+            const double tol = kind == 1 ? 2e-3 * (1.0 + fabs(want[i])) : 0.0;
+            if (!(fabs((double)got[i] - want[i]) <= tol))
+                off++;
+        }
+        printf("DIAG mode %d (kind %d: %s, key block %d): %lld of %lld elements off\n", mode, kind,
+               kind == 1   ? "raw S"
+               : kind == 2 ? "one-hot P V"
+               : kind == 3 ? "one-hot P V, V desc LBO/SBO swapped"
+                           : "one-hot P V, P regs {0,2,1,3}",
+               blk, (long long)off, (long long)on);
+        for (int r = 0; r < n_rows && shown < 6; r += 37)
+            for (int h = 0; h < n_heads && shown < 6; h += 13) {
+                const int kvh = h / group;
+                const float *w = want + (int64_t)r * ost + h * 128, *g = got + (int64_t)r * ost + h * 128;
+                int bad = 0;
+                for (int d = 0; d < 128; d++)
+                    bad += !(fabs((double)g[d] - w[d]) <= (kind == 1 ? 2e-3 * (1.0 + fabs(w[d])) : 0.0));
+                printf("  row %d head %d: %d of 128 off; d0..3 want %.5g %.5g %.5g %.5g got %.5g %.5g "
+                       "%.5g %.5g; d64 want %.5g got %.5g\n",
+                       r, h, bad, w[0], w[1], w[2], w[3], g[0], g[1], g[2], g[3], w[64], g[64]);
+                if (bad == 0)
+                    continue;
+                shown++;
+                if (kind != 1) { // which key's V row (and dims) the output matches best
+                    int bk = -1, bn = -1;
+                    for (int t = 0; t < 64 * 5; t++) {
+                        int n = 0;
+                        for (int d = 0; d < 128; d++)
+                            n += g[d] == KEYV(v, t, kvh, d);
+                        if (n > bn)
+                            bn = n, bk = t;
+                    }
+                    printf("    best V key %d (want %d): %d of 128 dims equal;", bk,
+                           64 * blk + r % 64, bn);
+                    for (int d = 0; d < 6; d++) { // dims of the wanted key holding g[d]
+                        int dd = -1;
+                        for (int x = 0; x < 128 && dd < 0; x++)
+                            if (g[d] == KEYV(v, 64 * blk + r % 64, kvh, x))
+                                dd = x;
+                        printf(" g[%d]=want[%d]", d, dd);
+                    }
+                    printf("\n");
+                } else { // which (key, head) S column the got values are
+                    for (int d = 0; d < 4; d++) {
+                        int bt = -1;
+                        double be = 1e30;
+                        for (int t = 0; t < 64 * 5; t++) {
+                            double sum = 0;
+                            for (int x = 0; x < 128; x++)
+                                sum += (double)bf(q[(int64_t)r * qst + h * 128 + x]) *
+                                       KEYV(k, t, kvh, x);
+                            if (fabs(sum - g[d]) < be)
+                                be = fabs(sum - g[d]), bt = t;
+                        }
+                        printf("    got[%d] %.5g nearest S key %d (|e| %.2g)\n", d, g[d], bt, be);
+                    }
+                }
+            }
+        fflush(stdout);
+        free(got);
+    }
+#undef KEYV
+#undef KEYR
+    // full attention: the tcw kernel (0) and its variants 5..8 against attention_tc2_kernel
+    if (mm_gpu_set_attention_tc_mt)
+        mm_gpu_set_attention_tc_mt(2);
+    float *ref = NULL;
+    const int fulls[] = {-1, 0, 5, 6, 7, 8, 0};
+    for (size_t fi = 0; fi < sizeof(fulls) / sizeof(fulls[0]); fi++) {
+        const int mode = fulls[fi];
+        mm_gpu_set_attention_tcw_diag(mode < 0 ? 0 : mode);
+        mm_gpu_set_attention_tcw(mode >= 0);
+        MM_PASS(gpu->ops->fill(gpu->ctx, d_out, 7.0f, on));
+        tc_run(&kv, &u, n_rows, qst, kst, vst, d_out, ost, n_heads, dk, 0, whole, 1);
+        mm_gpu_set_attention_tcw(-1);
+        mm_gpu_set_attention_tcw_diag(0);
+        float *got = dev_get(d_out, (size_t)on * 4);
+        if (mode < 0) {
+            ref = got;
+            continue;
+        }
+        double num = 0, den = 0;
+        for (int64_t i = 0; i < on; i++) {
+            const double e = isnan(got[i]) ? INFINITY : fabs((double)ref[i] - got[i]);
+            num += e * e, den += (double)ref[i] * ref[i];
+        }
+        int64_t rows_bad = 0;
+        for (int r = 0; r < n_rows; r++)
+            rows_bad += n_diff(ref + (int64_t)r * ost, got + (int64_t)r * ost, ost) != 0;
+        printf("DIAG full attention variant %d: %lld of %lld elements differ, %lld of %d rows, "
+               "nmse %.3e; row 0 h0 d0..2 ref %.6g %.6g %.6g got %.6g %.6g %.6g; row 299 d0 ref "
+               "%.6g got %.6g\n",
+               mode, (long long)n_diff(ref, got, on), (long long)on, (long long)rows_bad, n_rows,
+               num / (den > 0 ? den : 1), ref[0], ref[1], ref[2], got[0], got[1], got[2],
+               ref[299 * ost], got[299 * ost]);
+        for (int r = 0; r < n_rows; r += 64) { // first differing row per 64
+            const int64_t dd = n_diff(ref + (int64_t)r * ost, got + (int64_t)r * ost, ost);
+            printf("    row %d: %lld of %lld differ\n", r, (long long)dd, (long long)ost);
+        }
+        fflush(stdout);
+        free(got);
+    }
+    free(ref);
+    tc_rows_free(&u);
+    gpu->ops->buffer_free(gpu->ctx, kv.base);
+    gpu->ops->buffer_free(gpu->ctx, (void *)kv.block_tables);
+    gpu->ops->buffer_free(gpu->ctx, d_out);
+    free(tables), free(rs), free(rp), free(k), free(v), free(q), free(want), free(order);
+    close_backends();
+}
+
 static void test_tc_gqa8(void) {
     open_backends();
     const int two[2] = {300, 77};
@@ -517,5 +847,7 @@ static void test_tc_shapes(void) {
 MM_TESTS = {
     {"tc attention GQA 8: cpu tolerance, decode == chunks == whole bits", test_tc_gqa8},
     {"tc attention odd shapes: cpu tolerance, decode == chunks == whole bits", test_tc_shapes},
+    {"tcw attention (wgmma prefill) == attention_tc2_kernel bits", test_tcw},
+    {"tcw diagnostics (MM_TCW_DIAG_TEST=1)", test_tcw_diag},
     {NULL, NULL},
 };

@@ -1,0 +1,553 @@
+// SPDX-License-Identifier: MIT
+// Prefill attention of the tensor-core contract (attention_tc.cu's head states it) on Hopper's
+// warpgroup instruction (wgmma, sm_90a): attention_tcw_kernel, for prefill calls (more than
+// TC_DECODE_ROWS rows) over a bf16 cache with dk = dv = 128, behind MM_GPU_ATT_TCW=1 /
+// mm_gpu_set_attention_tcw (default off); every other call keeps attention_tc.cu's kernels.
+//
+// Layout: a block of 2 warpgroups (256 threads) takes 128 (row, head) units of one kv head
+// (rows_pb rows x gsub heads, unit u = row * gsub + head, as attention_tc2_kernel), warpgroup w
+// units 64 w..64 w + 63 as the wgmma M dimension (warp w4 of the warpgroup: rows 16 w4.. of it,
+// so a thread's rows are those of mma.sync's m16 tile: g and g + 8). Per 64-key block:
+// S = Q K^T by 8 wgmma m64n64k16 (Q and K from shared memory, K-major, 128-byte swizzle; dims in
+// 16-wide steps in ascending order, from a zeroed accumulator as tc_block's mma chain), then
+// tc_block's mask / max / exp2 / sum / rescale operations on the same (row, key) elements in the
+// same order (a thread's accumulator of m64nN holds, per n8 chunk, the (row, column) elements of
+// mma.sync m16n8's fragment), P rounded to bf16 as the register A operand of 4 wgmma
+// m64n128k16 with V from shared memory (MN-major: V rows are [key][dim]), 16 keys per step in
+// ascending order. Every wgmma group is waited for (wait_group 0) before its accumulators are
+// touched again. If wgmma's k16 step rounds as mma.sync's (as it does for the GEMMs:
+// gemm_wg.cuh), the outputs carry attention_tc2_kernel's bits (cuda_attention_tc_test).
+// Key blocks are skipped per warpgroup (all its units masked) rather than per warp: a wholly
+// masked block leaves a row's state unchanged (the contract), so the bits do not depend on it.
+// K/V rows: cp.async by all threads (4 per key) straight into the swizzled layout, 3 buffers,
+// two blocks in flight (tc_kb_pass's pipeline), a proxy fence before each block's barrier.
+// Status (docs/BENCHMARKS.md "Prefill attention on wgmma"): on the H200 (10:29 UTC run) 0
+// differing elements vs attention_tc2_kernel in all of cuda_attention_tc_test's "tcw" checks, and
+// 546.0 vs 966.5 us per 4096-row call (4K forward 9.04 vs 10.6 ms). The wrong outputs of the
+// earlier runs came from the test's block table (not a permutation), not from this kernel.
+// Default off until the lead switches it on.
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "attention_tc.cuh"
+#include "gpu_common.cuh"
+#include "kernels.h"
+#include "mm_gpu.h"
+
+static int g_att_tcw = -1; // -1: from MM_GPU_ATT_TCW at first use (on only when "1"); 0; 1
+// Diagnostic mode (tests only; 0 off): kind + 10 * blk, kind 1: the raw S = Q K^T of key block
+// blk of the pass (keys 64 blk..) written to dims 0..63 of each unit's output (64..127 zero);
+// kind 2: P one-hot (unit with position p takes key 64 blk + p % 64 with weight 1), the output
+// is that key's V row; kind 3: kind 2 with the V descriptor's LBO and SBO swapped; kind 4: kind 2
+// with P's A-fragment registers in the order {0, 2, 1, 3}. No softmax, no block skipping.
+// Full attention variants: kind 5 V descriptor's offsets swapped, 6 P registers {0, 2, 1, 3},
+// 7 no key blocks skipped, 8 every block's copies waited for and a barrier after each block.
+static int g_att_tcw_diag = -1;
+extern "C" void mm_gpu_set_attention_tcw_diag(int mode);
+extern "C" void mm_gpu_set_attention_tcw_diag(int mode) { g_att_tcw_diag = mode; }
+
+// mm_gpu_set_attention_tcw: 1 the wgmma prefill kernel for the calls it takes, 0 not, < 0 back
+// to MM_GPU_ATT_TCW (default off). Process-wide.
+extern "C" void mm_gpu_set_attention_tcw(int mode);
+extern "C" void mm_gpu_set_attention_tcw(int mode) { g_att_tcw = mode < 0 ? -1 : mode != 0; }
+
+#if MM_GPU_HAVE_WMMA
+#define TCW_THREADS 256
+#define TCW_UNITS 128
+#define TCW_BUFS 3
+#define TCW_TILE 16384 // bytes of one 64 x 128 bf16 operand tile: two 8 KiB halves of 64 dims
+#define TCW_SHMEM (2 * TCW_TILE + TCW_BUFS * 2 * TCW_TILE + 1024) // + 1024-byte alignment slack
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// K-major, 128-byte swizzle, 8-row atoms 1024 bytes apart (gemm_wg.cuh's wg_desc)
+__device__ __forceinline__ uint64_t tcw_desc_k(uint32_t saddr) {
+    return (uint64_t)((saddr & 0x3ffff) >> 4) | ((uint64_t)(16 >> 4) << 16) |
+           ((uint64_t)(1024 >> 4) << 32) | (1ull << 62);
+}
+// MN-major (B = V as [key][dim]), 128-byte swizzle: 64 dims per 128-byte row, the two 64-dim
+// halves 8 KiB apart (leading byte offset), 8-key atoms 1024 bytes apart (stride byte offset)
+__device__ __forceinline__ uint64_t tcw_desc_mn(uint32_t saddr) {
+    return (uint64_t)((saddr & 0x3ffff) >> 4) | ((uint64_t)(8192 >> 4) << 16) |
+           ((uint64_t)(1024 >> 4) << 32) | (1ull << 62);
+}
+// diagnostic kind 3: tcw_desc_mn with the two offsets swapped
+__device__ __forceinline__ uint64_t tcw_desc_mn_swap(uint32_t saddr) {
+    return (uint64_t)((saddr & 0x3ffff) >> 4) | ((uint64_t)(1024 >> 4) << 16) |
+           ((uint64_t)(8192 >> 4) << 32) | (1ull << 62);
+}
+__device__ __forceinline__ void tcw_fence(void) {
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void tcw_commit(void) {
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void tcw_wait0(void) {
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+}
+// Pins registers in place (no instruction): every write to them stays before the next asm
+// volatile (wgmma.fence: the PTX rule for accumulator and A registers written before a
+// wgmma), and every read after the last one (wgmma.wait_group).
+template <int N> __device__ __forceinline__ void tcw_pin(float (&d)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; i++)
+        asm volatile("" : "+f"(d[i])::"memory");
+}
+__device__ __forceinline__ void tcw_pin_a(uint32_t (&a)[4][4]) {
+#pragma unroll
+    for (int i = 0; i < 16; i++)
+        asm volatile("" : "+r"(a[i >> 2][i & 3])::"memory");
+}
+// S (64 x 64 f32) += Q (64 x 16) K^T (16 x 64), both from shared memory, K-major
+__device__ __forceinline__ void tcw_qk(float (&d)[32], uint64_t da, uint64_t db) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
+                 " %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+                 "%32, %33, p, 1, 1, 0, 0;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+                   "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+                   "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
+                   "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+                   "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+                   "+f"(d[30]), "+f"(d[31])
+                 : "l"(da), "l"(db), "r"(1));
+}
+// O (64 x 128 f32) += P (64 x 16, registers: mma.sync's A fragment) V (16 x 128, shared, MN-major)
+__device__ __forceinline__ void tcw_pv(float (&d)[64], const uint32_t (&a)[4], uint64_t db) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
+                 " %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
+                 " %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
+                 " %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+                 "{%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+                   "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+                   "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
+                   "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+                   "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+                   "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),
+                   "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
+                   "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+                   "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]),
+                   "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]),
+                   "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+}
+
+// Byte offset of 16-byte piece p (dims 8 p..8 p + 7, p < 16) of row r (< 64) in a 64 x 128
+// operand tile: half p / 8, the 128-byte swizzle inside it (piece p % 8 at (p % 8) ^ (r % 8)).
+__device__ __forceinline__ uint32_t tcw_off(int r, int p) {
+    return (uint32_t)((p >> 3) * 8192 + r * 128 + (((p & 7) ^ (r & 7)) << 4));
+}
+
+// One 64-key block for the warpgroup's 64 units: tc_block's operations (same elements, same
+// order) with S and P V on wgmma. qd: the warpgroup's Q tile; kb: the block's K tile (V at
+// + TCW_TILE), shared addresses.
+template <bool DIAG>
+__device__ __forceinline__ void tcw_block(uint32_t qa, uint32_t kb, int32_t c0,
+                                          const int32_t (&first)[2], const int32_t (&pos)[2],
+                                          float cs, float (&m)[2], float (&l)[2],
+                                          float (&acc)[64], int kind) {
+    const int tq = threadIdx.x & 3;
+    float s[32];
+#pragma unroll
+    for (int i = 0; i < 32; i++)
+        s[i] = 0.0f;
+    {
+        const uint64_t qd = tcw_desc_k(qa), kd = tcw_desc_k(kb);
+        tcw_pin<32>(s); // the zeros written before the fence (else nvcc sinks them past it)
+        tcw_fence();
+#pragma unroll
+        for (int ks = 0; ks < 8; ks++) // dims 16 ks..: half ks / 4, +32 bytes per step inside it
+            tcw_qk(s, qd + (ks >> 2) * 512 + (ks & 3) * 2, kd + (ks >> 2) * 512 + (ks & 3) * 2);
+        tcw_commit();
+        tcw_wait0();
+        tcw_pin<32>(s);
+    }
+    if (DIAG && kind == 1) { // raw S into dims 0..63
+#pragma unroll
+        for (int i = 0; i < 64; i++)
+            acc[i] = i < 32 ? s[i] : 0.0f;
+        return;
+    }
+    if (DIAG && kind <= 4) { // one-hot P: row i takes key pos[i] % 64 of the block
+        uint32_t pd[TC_KEYS / 16][4];
+#pragma unroll
+        for (int j = 0; j < TC_KEYS / 8; j++) {
+            float pv[4];
+#pragma unroll
+            for (int e = 0; e < 4; e++)
+                pv[e] = (8 * j + 2 * tq + (e & 1)) == (pos[e >> 1] & 63) ? 1.0f : 0.0f;
+            pd[j >> 1][(j & 1) * 2 + 0] = tc_pack(pv[0], pv[1]);
+            pd[j >> 1][(j & 1) * 2 + 1] = tc_pack(pv[2], pv[3]);
+        }
+        if (kind == 4)
+#pragma unroll
+            for (int kk = 0; kk < TC_KEYS / 16; kk++) {
+                const uint32_t t = pd[kk][1];
+                pd[kk][1] = pd[kk][2], pd[kk][2] = t;
+            }
+        const uint64_t vd =
+            kind == 3 ? tcw_desc_mn_swap(kb + TCW_TILE) : tcw_desc_mn(kb + TCW_TILE);
+        tcw_pin<64>(acc);
+        tcw_pin_a(pd);
+        tcw_fence();
+#pragma unroll
+        for (int kk = 0; kk < TC_KEYS / 16; kk++)
+            tcw_pv(acc, pd[kk], vd + kk * 128);
+        tcw_commit();
+        tcw_wait0();
+        tcw_pin<64>(acc);
+        return;
+    }
+    // s[4 j + e]: tc_block's s[j][e] (keys c0 + 8 j + 2 tq + (e & 1), rows g (e < 2), g + 8)
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        if (c0 >= first[i] && c0 + TC_KEYS - 1 <= pos[i]) {
+#pragma unroll
+            for (int j = 0; j < TC_KEYS / 8; j++)
+                mx[i] = fmaxf(mx[i], fmaxf(s[4 * j + 2 * i], s[4 * j + 2 * i + 1]));
+        } else {
+#pragma unroll
+            for (int j = 0; j < TC_KEYS / 8; j++)
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    const int32_t t = c0 + 8 * j + 2 * tq + e;
+                    if (!(t >= first[i] && t <= pos[i]))
+                        s[4 * j + 2 * i + e] = -INFINITY;
+                    mx[i] = fmaxf(mx[i], s[4 * j + 2 * i + e]);
+                }
+        }
+    }
+    float al[2], ms[2];
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
+        mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
+        const float mn = fmaxf(m[i], __fmul_rn(mx[i], cs));
+        al[i] = mn == m[i] ? 1.0f : tc_ex2(__fsub_rn(m[i], mn));
+        ms[i] = mn == -INFINITY ? 0.0f : -mn;
+        m[i] = mn;
+    }
+    uint32_t pa[TC_KEYS / 16][4];
+    float ps[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int j = 0; j < TC_KEYS / 8; j++) {
+        const float p0 = tc_ex2(__fmaf_rn(s[4 * j + 0], cs, ms[0]));
+        const float p1 = tc_ex2(__fmaf_rn(s[4 * j + 1], cs, ms[0]));
+        const float p2 = tc_ex2(__fmaf_rn(s[4 * j + 2], cs, ms[1]));
+        const float p3 = tc_ex2(__fmaf_rn(s[4 * j + 3], cs, ms[1]));
+        ps[0] = __fadd_rn(__fadd_rn(ps[0], p0), p1);
+        ps[1] = __fadd_rn(__fadd_rn(ps[1], p2), p3);
+        pa[j >> 1][(j & 1) * 2 + 0] = tc_pack(p0, p1);
+        pa[j >> 1][(j & 1) * 2 + 1] = tc_pack(p2, p3);
+    }
+#pragma unroll
+    for (int i = 0; i < 2; i++)
+        l[i] = __fmaf_rn(l[i], al[i], ps[i]);
+#pragma unroll
+    for (int n = 0; n < 16; n++) {
+        acc[4 * n + 0] = __fmul_rn(acc[4 * n + 0], al[0]);
+        acc[4 * n + 1] = __fmul_rn(acc[4 * n + 1], al[0]);
+        acc[4 * n + 2] = __fmul_rn(acc[4 * n + 2], al[1]);
+        acc[4 * n + 3] = __fmul_rn(acc[4 * n + 3], al[1]);
+    }
+    if (DIAG && kind == 6)
+#pragma unroll
+        for (int kk = 0; kk < TC_KEYS / 16; kk++) {
+            const uint32_t t = pa[kk][1];
+            pa[kk][1] = pa[kk][2], pa[kk][2] = t;
+        }
+    {
+        const uint64_t vd = DIAG && kind == 5 ? tcw_desc_mn_swap(kb + TCW_TILE)
+                                              : tcw_desc_mn(kb + TCW_TILE);
+        tcw_pin<64>(acc); // the rescaled O and P written before the fence
+        tcw_pin_a(pa);
+        tcw_fence();
+#pragma unroll
+        for (int kk = 0; kk < TC_KEYS / 16; kk++) // keys 16 kk..: two 8-key atoms, 2048 bytes
+            tcw_pv(acc, pa[kk], vd + kk * 128);
+        tcw_commit();
+        tcw_wait0();
+        tcw_pin<64>(acc);
+    }
+}
+#endif // __CUDA_ARCH_FEAT_SM90_ALL
+
+template <bool DIAG>
+__global__ void __launch_bounds__(TCW_THREADS, 1)
+    attention_tcw_kernel(struct mm_attn_args a, int gsub, int rows_pb, int *d_err, int diag) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    constexpr int TPK = TCW_THREADS / TC_KEYS; // threads per key of the copies
+    mm_dep_signal();
+    mm_dep_wait();
+    extern __shared__ __align__(1024) unsigned char tcw_raw[];
+    __shared__ int32_t r_seq[TCW_UNITS], r_pos[TCW_UNITS], r_first[TCW_UNITS];
+    __shared__ int r_state[TCW_UNITS]; // 0 done or invalid, 1 to do, 2 in this pass
+    __shared__ int32_t seg[4];         // seq, c_lo, t_lo, t_hi
+    __shared__ int32_t wrange[TCW_THREADS / 32][2];
+    const uint32_t sraw = (uint32_t)__cvta_generic_to_shared(tcw_raw);
+    const uint32_t sbase = (sraw + 1023u) & ~1023u; // Q tiles (warpgroup w at w * TCW_TILE)
+    unsigned char *gbase = tcw_raw + (sbase - sraw);
+    const uint32_t kvs = sbase + 2 * TCW_TILE; // buffer b: K at kvs + 2 b TCW_TILE, V + TCW_TILE
+    const struct mm_kv_view &kv = a.kv;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tq = lane & 3;
+    const int wg = warp >> 2;
+    const int skey = tid / TPK, part = tid % TPK;
+    const int group = a.n_heads / kv.n_kv_heads, per_kv = group / gsub;
+    const int kvh = blockIdx.y / per_kv, h0 = kvh * group + (blockIdx.y % per_kv) * gsub;
+    const int64_t r0 = (int64_t)(gridDim.x - 1 - blockIdx.x) * rows_pb; // heavy tiles first
+    const int n_units = rows_pb * gsub;
+    const int64_t k_off = (int64_t)kvh * 128, v_off = (int64_t)kv.n_kv_heads * 128 + kvh * 128;
+    if (tid < rows_pb) {
+        const int64_t r = r0 + tid;
+        int st = 0;
+        int32_t sq = -1, ps = -1, fi = 0;
+        if (r < a.n_rows) {
+            sq = a.row_seq[r], ps = a.row_pos[r];
+            if (ps < 0 || sq < 0 || ps / kv.block_size >= kv.max_blocks) {
+                tc_flag(d_err);
+            } else {
+                st = 1;
+                if (a.window > 0 && ps - a.window + 1 > 0)
+                    fi = ps - a.window + 1;
+            }
+        }
+        r_seq[tid] = sq, r_pos[tid] = ps, r_first[tid] = fi, r_state[tid] = st;
+    }
+    // q as bf16 (tc_pack of the pairs tc_block's qf holds; zeros for units without a row) into
+    // the warpgroups' swizzled tiles; visible to wgmma after the fence and barrier of the
+    // first key block
+    for (int i = tid; i < TCW_UNITS * 16; i += TCW_THREADS) {
+        const int u = i >> 4, p = i & 15;
+        uint32_t w[4] = {0u, 0u, 0u, 0u};
+        if (u < n_units && r0 + u / gsub < a.n_rows) {
+            const float *qp =
+                a.q + (r0 + u / gsub) * a.q_stride + (int64_t)(h0 + u % gsub) * 128 + 8 * p;
+#pragma unroll
+            for (int j = 0; j < 4; j++)
+                w[j] = tc_pack(qp[2 * j], qp[2 * j + 1]);
+        }
+        *(uint4 *)(gbase + (u >> 6) * TCW_TILE + tcw_off(u & 63, p)) =
+            make_uint4(w[0], w[1], w[2], w[3]);
+    }
+    // this thread's units: rows g and g + 8 of its warp's 16 in its warpgroup's 64
+    auto unit = [&](int i) { return warp * 16 + g + 8 * i; };
+    auto uin = [&](int i) { return unit(i) < n_units && r0 + unit(i) / gsub < a.n_rows; };
+    const float cs = a.scale * 1.4426950408889634f;
+    // key block b's copies of key skey (blk, r from tc_blk_kb), 4 of its 16 pieces of K and V
+    auto issue = [&](int32_t blk, int32_t r, int b) {
+        unsigned char *kt = gbase + 2 * TCW_TILE + b * 2 * TCW_TILE;
+        if (blk >= 0) {
+            const uint16_t *slot = (const uint16_t *)kv.base + (int64_t)blk * kv.block_stride +
+                                   (int64_t)r * kv.slot_stride;
+#pragma unroll
+            for (int j = 0; j < 16 / TPK; j++) {
+                const int p = part + TPK * j;
+                const uint32_t o = tcw_off(skey, p);
+                tc_cp16(kt + o, slot + k_off + 8 * p);
+                tc_cp16(kt + TCW_TILE + o, slot + v_off + 8 * p);
+            }
+        } else {
+            if (blk != TC_NO_KEY)
+                tc_flag(d_err);
+#pragma unroll
+            for (int j = 0; j < 16 / TPK; j++) {
+                const uint32_t o = tcw_off(skey, part + TPK * j);
+                *(uint4 *)(kt + o) = make_uint4(0u, 0u, 0u, 0u);
+                *(uint4 *)(kt + TCW_TILE + o) = make_uint4(0u, 0u, 0u, 0u);
+            }
+        }
+        tc_commit();
+    };
+    for (;;) {
+        __syncthreads();
+        if (tid == 0) {
+            int32_t sq = -1, c_lo = 0, t_lo = 0, t_hi = -1;
+            for (int r = 0; r < rows_pb; r++)
+                if (r_state[r] == 1 && sq < 0)
+                    sq = r_seq[r];
+            for (int r = 0; r < rows_pb; r++)
+                if (r_state[r] == 1 && r_seq[r] == sq) {
+                    r_state[r] = 2;
+                    const int32_t cf = (r_first[r] / TC_KEYS) * TC_KEYS;
+                    if (t_hi < 0 || cf < c_lo)
+                        c_lo = cf;
+                    if (t_hi < 0 || r_first[r] < t_lo)
+                        t_lo = r_first[r];
+                    if (r_pos[r] > t_hi)
+                        t_hi = r_pos[r];
+                }
+            seg[0] = sq, seg[1] = c_lo, seg[2] = t_lo, seg[3] = t_hi;
+        }
+        __syncthreads();
+        const int32_t sq = seg[0], c_lo = seg[1], t_lo = seg[2], t_hi = seg[3];
+        if (sq < 0)
+            break;
+        bool on[2];
+        int32_t pos[2], first[2];
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            const int ur = uin(i) ? unit(i) / gsub : 0;
+            on[i] = uin(i) && r_state[ur] == 2;
+            pos[i] = on[i] ? r_pos[ur] : -1;
+            first[i] = on[i] ? r_first[ur] : 0x7fffffff;
+        }
+        // the warpgroup's key range (wgmma is warpgroup-wide): blocks outside it are masked for
+        // all its units and skipped
+        int32_t wmax = max(pos[0], pos[1]), wmin = min(first[0], first[1]);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            wmax = max(wmax, __shfl_xor_sync(0xffffffffu, wmax, o));
+            wmin = min(wmin, __shfl_xor_sync(0xffffffffu, wmin, o));
+        }
+        if (lane == 0)
+            wrange[warp][0] = wmax, wrange[warp][1] = wmin;
+        __syncthreads();
+#pragma unroll
+        for (int w = 0; w < 4; w++) {
+            wmax = max(wmax, wrange[4 * wg + w][0]);
+            wmin = min(wmin, wrange[4 * wg + w][1]);
+        }
+        float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+        float acc[64];
+#pragma unroll
+        for (int i = 0; i < 64; i++)
+            acc[i] = 0.0f;
+        // tc_kb_pass's pipeline: block j into buffer j % 3 two blocks ahead, one barrier per
+        // block; the cp.async (and zero) writes are made visible to wgmma's async proxy by each
+        // writer's fence before the barrier
+        int32_t r;
+        int32_t blk = tc_blk_kb(kv, sq, c_lo + skey, t_lo, t_hi, r, d_err);
+        issue(blk, r, 0);
+        blk = tc_blk_kb(kv, sq, c_lo + TC_KEYS + skey, t_lo, t_hi, r, d_err);
+        issue(blk, r, 1);
+        blk = tc_blk_kb(kv, sq, c_lo + 2 * TC_KEYS + skey, t_lo, t_hi, r, d_err);
+        int bi = 0;
+        for (int32_t c0 = c_lo; c0 <= t_hi; c0 += TC_KEYS) {
+            tc_wait<1>();
+            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+            __syncthreads();
+            if (c0 + 2 * TC_KEYS <= t_hi) {
+                issue(blk, r, bi == 0 ? TCW_BUFS - 1 : bi - 1);
+                blk = tc_blk_kb(kv, sq, c0 + 3 * TC_KEYS + skey, t_lo, t_hi, r, d_err);
+            } else {
+                tc_commit();
+            }
+            if (DIAG && diag % 10 >= 5) { // full attention, variants 5..8
+                if (diag % 10 == 7 || (c0 <= wmax && c0 + TC_KEYS - 1 >= wmin))
+                    tcw_block<true>(sbase + wg * TCW_TILE, kvs + bi * 2 * TCW_TILE, c0, first, pos,
+                                    cs, m, l, acc, diag % 10);
+                if (diag % 10 == 8) {
+                    tc_wait<0>();
+                    __syncthreads();
+                }
+            } else if (DIAG) {
+                if (c0 == c_lo + (diag / 10) * TC_KEYS)
+                    tcw_block<true>(sbase + wg * TCW_TILE, kvs + bi * 2 * TCW_TILE, c0, first, pos,
+                                    cs, m, l, acc, diag % 10);
+            } else if (c0 <= wmax && c0 + TC_KEYS - 1 >= wmin) {
+                tcw_block<false>(sbase + wg * TCW_TILE, kvs + bi * 2 * TCW_TILE, c0, first, pos,
+                                 cs, m, l, acc, 0);
+            }
+            bi = bi == TCW_BUFS - 1 ? 0 : bi + 1;
+        }
+        if (DIAG && diag % 10 <= 4)
+            l[0] = l[1] = 0.25f; // the four threads' sum below: 1
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            l[i] = __fadd_rn(l[i], __shfl_xor_sync(0xffffffffu, l[i], 1));
+            l[i] = __fadd_rn(l[i], __shfl_xor_sync(0xffffffffu, l[i], 2));
+        }
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            if (!on[i])
+                continue;
+            const float inv = 1.0f / l[i];
+            const int u = unit(i);
+            float *o = a.out + (r0 + u / gsub) * a.out_stride + (int64_t)(h0 + u % gsub) * 128;
+#pragma unroll
+            for (int n = 0; n < 16; n++) {
+                const int d = 8 * n + 2 * tq;
+                o[d] = __fmul_rn(acc[4 * n + 2 * i], inv);
+                o[d + 1] = __fmul_rn(acc[4 * n + 2 * i + 1], inv);
+            }
+        }
+        __syncthreads(); // every r_state read of this pass done
+        if (tid < rows_pb && r_state[tid] == 2)
+            r_state[tid] = 0;
+    }
+    tc_wait<0>();
+#else
+    (void)a, (void)gsub, (void)rows_pb, (void)d_err, (void)diag;
+    __trap(); // launched only on compute capability 9.0, whose sm_90a image has the body
+#endif
+}
+
+// The kernel runs on compute capability 9.0 only (the sm_90a image). Cached per device.
+static bool tcw_device_ok(void) {
+    static signed char ok[64]; // 0 unknown, 1 yes, -1 no
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64)
+        return false;
+    if (ok[dev] == 0) {
+        int major = 0, minor = 0;
+        if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+            cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess)
+            return false;
+        ok[dev] = major == 9 && minor == 0 ? 1 : -1;
+    }
+    return ok[dev] > 0;
+}
+#endif // MM_GPU_HAVE_WMMA
+
+// mm_gpu_attention_tcw: runs a on attention_tcw_kernel and sets *done when the switch is on
+// and a is a prefill call (more than TC_DECODE_ROWS rows) over a bf16 cache with dk = dv = 128
+// on a compute capability 9.0 device; *done 0 otherwise. The caller (mm_gpu_attention_tc) has
+// checked the arguments and the cache's shape (tc_kb_shape_ok).
+extern "C" mm_err mm_gpu_attention_tcw(void *stream, const struct mm_attn_args *a, int *d_err,
+                                       int *done);
+extern "C" mm_err mm_gpu_attention_tcw(void *stream, const struct mm_attn_args *a, int *d_err,
+                                       int *done) {
+    *done = 0;
+    if (g_att_tcw < 0)
+        g_att_tcw = tc_env_is("MM_GPU_ATT_TCW", "1");
+    if (!g_att_tcw || a == NULL || a->kv.dtype != MM_DTYPE_BF16 || a->n_rows <= TC_DECODE_ROWS ||
+        a->kv.head_dim_k != 128 || a->kv.head_dim_v != 128)
+        return MM_OK;
+#if MM_GPU_HAVE_WMMA
+    if (!tcw_device_ok())
+        return MM_OK;
+    static uint64_t attr_set, attr_set_diag;
+    if (g_att_tcw_diag < 0) {
+        const char *e = getenv("MM_GPU_ATT_TCW_DIAG");
+        g_att_tcw_diag = e != NULL ? atoi(e) : 0;
+    }
+    const int diag = g_att_tcw_diag;
+    const mm_err rv = diag ? tc_allow_shmem(attention_tcw_kernel<true>, &attr_set_diag, TCW_SHMEM)
+                           : tc_allow_shmem(attention_tcw_kernel<false>, &attr_set, TCW_SHMEM);
+    if (rv != MM_OK)
+        return rv;
+    const int group = a->n_heads / a->kv.n_kv_heads;
+    const int gsub = tc_group_sub(group, TCW_UNITS), rows_pb = TCW_UNITS / gsub;
+    dim3 grid((unsigned)((a->n_rows + rows_pb - 1) / rows_pb),
+              (unsigned)(a->kv.n_kv_heads * (group / gsub)));
+    if (diag)
+        MM_GPU_CHECK(mm_launch_dep(attention_tcw_kernel<true>, grid, dim3(TCW_THREADS),
+                                   (size_t)TCW_SHMEM, (cudaStream_t)stream, *a, gsub, rows_pb,
+                                   d_err, diag));
+    else
+        MM_GPU_CHECK(mm_launch_dep(attention_tcw_kernel<false>, grid, dim3(TCW_THREADS),
+                                   (size_t)TCW_SHMEM, (cudaStream_t)stream, *a, gsub, rows_pb,
+                                   d_err, 0));
+    MM_GPU_CHECK(cudaGetLastError());
+    *done = 1;
+    return MM_OK;
+#else
+    (void)stream, (void)d_err;
+    return MM_OK;
+#endif
+}

@@ -912,7 +912,7 @@ extern "C" mm_err mm_gpu_attention_tcd(void *stream, const struct mm_attn_args *
                                        int *done);
 
 // attention_tcw.cu: prefill calls over a bf16 cache with dk = dv = 128 on wgmma (same bits;
-// MM_GPU_ATT_TCW=1, default off)
+// MM_GPU_ATT_TCW, on unless 0)
 extern "C" mm_err mm_gpu_attention_tcw(void *stream, const struct mm_attn_args *a, int *d_err,
                                        int *done);
 

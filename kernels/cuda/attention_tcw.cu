@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: MIT
 // Prefill attention of the tensor-core contract (attention_tc.cu's head states it) on Hopper's
 // warpgroup instruction (wgmma, sm_90a): attention_tcw_kernel, for prefill calls (more than
-// TC_DECODE_ROWS rows) over a bf16 cache with dk = dv = 128, behind MM_GPU_ATT_TCW=1 /
-// mm_gpu_set_attention_tcw (default off); every other call keeps attention_tc.cu's kernels.
+// TC_DECODE_ROWS rows) over a bf16 cache with dk = dv = 128 (MM_GPU_ATT_TCW=0 /
+// mm_gpu_set_attention_tcw(0): off); every other call keeps attention_tc.cu's kernels.
 //
 // Layout: a block of 2 warpgroups (256 threads) takes 128 (row, head) units of one kv head
 // (rows_pb rows x gsub heads, unit u = row * gsub + head, as attention_tc2_kernel), warpgroup w
@@ -25,7 +25,7 @@
 // differing elements vs attention_tc2_kernel in all of cuda_attention_tc_test's "tcw" checks, and
 // 546.0 vs 966.5 us per 4096-row call (4K forward 9.04 vs 10.6 ms). The wrong outputs of the
 // earlier runs came from the test's block table (not a permutation), not from this kernel.
-// Default off until the lead switches it on.
+// On by default since (the 4K forward in the session's side-by-side run: docs/BENCHMARKS.md).
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -35,7 +35,7 @@
 #include "kernels.h"
 #include "mm_gpu.h"
 
-static int g_att_tcw = -1; // -1: from MM_GPU_ATT_TCW at first use (on only when "1"); 0; 1
+static int g_att_tcw = -1; // -1: from MM_GPU_ATT_TCW at first use (off only when "0"); 0; 1
 // Diagnostic mode (tests only; 0 off): kind + 10 * blk, kind 1: the raw S = Q K^T of key block
 // blk of the pass (keys 64 blk..) written to dims 0..63 of each unit's output (64..127 zero);
 // kind 2: P one-hot (unit with position p takes key 64 blk + p % 64 with weight 1), the output
@@ -48,7 +48,7 @@ extern "C" void mm_gpu_set_attention_tcw_diag(int mode);
 extern "C" void mm_gpu_set_attention_tcw_diag(int mode) { g_att_tcw_diag = mode; }
 
 // mm_gpu_set_attention_tcw: 1 the wgmma prefill kernel for the calls it takes, 0 not, < 0 back
-// to MM_GPU_ATT_TCW (default off). Process-wide.
+// to MM_GPU_ATT_TCW (default on). Process-wide.
 extern "C" void mm_gpu_set_attention_tcw(int mode);
 extern "C" void mm_gpu_set_attention_tcw(int mode) { g_att_tcw = mode < 0 ? -1 : mode != 0; }
 
@@ -514,7 +514,7 @@ extern "C" mm_err mm_gpu_attention_tcw(void *stream, const struct mm_attn_args *
                                        int *done) {
     *done = 0;
     if (g_att_tcw < 0)
-        g_att_tcw = tc_env_is("MM_GPU_ATT_TCW", "1");
+        g_att_tcw = !tc_env_is("MM_GPU_ATT_TCW", "0");
     if (!g_att_tcw || a == NULL || a->kv.dtype != MM_DTYPE_BF16 || a->n_rows <= TC_DECODE_ROWS ||
         a->kv.head_dim_k != 128 || a->kv.head_dim_v != 128)
         return MM_OK;

@@ -1,10 +1,13 @@
 // SPDX-License-Identifier: MIT
 // The device helpers of the tensor-core attention contract (attention_tc.cu's head states the
-// contract), shared by its kernels in attention_tc.cu (attention_tc_kernel, attention_tc2_kernel)
-// and attention_tcd.cu (attention_tcd_kernel, decode calls), so each rounded operation and each
-// staging step has one source: the bf16 packing (tc_pack), ex2 (tc_ex2), the m16n8k16 mma and
-// the ldmatrix loads, the cache-table lookup of a key (tc_blk), the cp.async copies of a key's
-// K and V into its f32 stage row (tc_issue) and their conversion to bf16 rows (tc_convert).
+// contract), shared by its kernels in attention_tc.cu (attention_tc_kernel, attention_tc2_kernel),
+// attention_tcd.cu (attention_tcd_kernel, decode calls) and attention_tcw.cu
+// (attention_tcw_kernel, prefill on wgmma), so each rounded operation and each staging step has
+// one source: the bf16 packing (tc_pack), ex2 (tc_ex2), the m16n8k16 mma and the ldmatrix
+// loads, the cache-table lookup of a key (tc_blk, tc_blk_kb), the cp.async copies of a key's K
+// and V into its f32 stage row (tc_issue) and their conversion to bf16 rows (tc_convert), the
+// copies straight from a bf16 cache (tc_issue_bf16), and a prefill block's next pass of rows
+// (tc_next_pass).
 // Host side, for both files' launchers: the kernels' dynamic shared memory size
 // (tc_stage_shmem), the once-per-device shared memory allowance (tc_allow_shmem), the heads
 // sharing a key block's load (tc_group_sub) and the environment test of the switches
@@ -184,6 +187,31 @@ __device__ __forceinline__ void tc_issue_bf16(const struct mm_kv_view &kv, int32
             *(uint4 *)(vrow + 8 * i) = make_uint4(0u, 0u, 0u, 0u);
     }
     tc_commit();
+}
+
+// tc_next_pass (thread 0 of a prefill block): the rows of the block's next pass: the first
+// row still to do (state 1) names the sequence, and every row of it still to do goes to state 2;
+// seg = (that sequence, or -1 when no row is left; the start of the key block of its earliest
+// first key; its earliest first key; its last position).
+__device__ __forceinline__ void tc_next_pass(int rows_pb, int *r_state, const int32_t *r_seq,
+                                             const int32_t *r_first, const int32_t *r_pos,
+                                             int32_t seg[4]) {
+    int32_t sq = -1, c_lo = 0, t_lo = 0, t_hi = -1;
+    for (int r = 0; r < rows_pb; r++)
+        if (r_state[r] == 1 && sq < 0)
+            sq = r_seq[r];
+    for (int r = 0; r < rows_pb; r++)
+        if (r_state[r] == 1 && r_seq[r] == sq) {
+            r_state[r] = 2;
+            const int32_t cf = (r_first[r] / TC_KEYS) * TC_KEYS;
+            if (t_hi < 0 || cf < c_lo)
+                c_lo = cf;
+            if (t_hi < 0 || r_first[r] < t_lo)
+                t_lo = r_first[r];
+            if (r_pos[r] > t_hi)
+                t_hi = r_pos[r];
+        }
+    seg[0] = sq, seg[1] = c_lo, seg[2] = t_lo, seg[3] = t_hi;
 }
 
 // Zeros in the pad dims [dk, dkp) of every K row and [dv, dvp) of every V row of nbuf key

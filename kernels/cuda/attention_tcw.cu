@@ -365,24 +365,8 @@ __global__ void __launch_bounds__(TCW_THREADS, 1)
     };
     for (;;) {
         __syncthreads();
-        if (tid == 0) {
-            int32_t sq = -1, c_lo = 0, t_lo = 0, t_hi = -1;
-            for (int r = 0; r < rows_pb; r++)
-                if (r_state[r] == 1 && sq < 0)
-                    sq = r_seq[r];
-            for (int r = 0; r < rows_pb; r++)
-                if (r_state[r] == 1 && r_seq[r] == sq) {
-                    r_state[r] = 2;
-                    const int32_t cf = (r_first[r] / TC_KEYS) * TC_KEYS;
-                    if (t_hi < 0 || cf < c_lo)
-                        c_lo = cf;
-                    if (t_hi < 0 || r_first[r] < t_lo)
-                        t_lo = r_first[r];
-                    if (r_pos[r] > t_hi)
-                        t_hi = r_pos[r];
-                }
-            seg[0] = sq, seg[1] = c_lo, seg[2] = t_lo, seg[3] = t_hi;
-        }
+        if (tid == 0)
+            tc_next_pass(rows_pb, r_state, r_seq, r_first, r_pos, seg);
         __syncthreads();
         const int32_t sq = seg[0], c_lo = seg[1], t_lo = seg[2], t_hi = seg[3];
         if (sq < 0)

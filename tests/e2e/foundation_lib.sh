@@ -29,9 +29,12 @@ cleanup() {
 }
 trap cleanup EXIT
 
-# A free loopback port derived from our pid, so parallel runs do not collide.
+# A free loopback port derived from our pid, so parallel runs do not collide. Below the
+# kernel's ephemeral range (ip_local_port_range, 32768 up on Debian): a port from that range can
+# be taken between this probe and the daemon's bind by any socket bound to port 0 (the data
+# planes' free_port, outgoing connections), as a gateway's "address already in use" once showed.
 pick_port() {
-    local p=$((20000 + ($$ * 13) % 20000))
+    local p=$((20000 + ($$ * 13) % 12000))
     for _ in $(seq 1 50); do
         (exec 3<>/dev/tcp/127.0.0.1/$p) 2>/dev/null || { echo $p; return; }
         p=$((p + 1))

@@ -20,7 +20,10 @@ done
 
 # A second free port range for the data plane (tcp://), away from the HTTP port.
 free_port() {
-    python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1]); s.close()'
+    python3 -c 'import socket,sys
+while True:
+    s=socket.socket(); s.bind(("127.0.0.1",0)); p=s.getsockname()[1]; s.close()
+    if p != int(sys.argv[1]): print(p); break' "$PORT"
 }
 
 BASE="http://127.0.0.1:$PORT"

@@ -712,12 +712,15 @@ static void test_async_wait(void) {
     mm_ctl_msg_free(rep);
     mm_ctl_async_free(b);
     mm_ctl_server_close(srv);
-    // nobody answers: the call ends by its own deadline (150 ms), the wait sees it end
+    // nobody answers: the call ends by its own deadline (150 ms), the wait sees it end; or, when
+    // the request still went out on the pipe of the server being closed, by that pipe's
+    // failure (seen once under load: MM_ETRANSPORT): either way an error and no reply, in time
     MM_PASS(mm_ctl_call_start(cl, &env, 150, NULL, NULL, &b, err));
     t0 = mm_now_ms();
     MM_TRUE(mm_ctl_async_wait(b, 10000));
     MM_TRUE(mm_now_ms() - t0 < 5000);
-    MM_FAIL(mm_ctl_async_result(b, &rep, err), MM_ETIMEDOUT);
+    const mm_err end = mm_ctl_async_result(b, &rep, err);
+    MM_TRUE(end == MM_ETIMEDOUT || end == MM_ETRANSPORT);
     MM_NULL(rep);
     mm_ctl_async_free(b);
     mm_ctl_client_close(cl);

@@ -36,14 +36,15 @@
 #include "mm_gpu.h"
 
 static int g_att_tcw = -1; // -1: from MM_GPU_ATT_TCW at first use (off only when "0"); 0; 1
-// Diagnostic mode (tests only; 0 off): kind + 10 * blk, kind 1: the raw S = Q K^T of key block
+// Diagnostic mode (tests only, set by mm_gpu_set_attention_tcw_diag, never from the environment,
+// so no service can run it by mistake; 0 off): kind + 10 * blk, kind 1: the raw S = Q K^T of key block
 // blk of the pass (keys 64 blk..) written to dims 0..63 of each unit's output (64..127 zero);
 // kind 2: P one-hot (unit with position p takes key 64 blk + p % 64 with weight 1), the output
 // is that key's V row; kind 3: kind 2 with the V descriptor's LBO and SBO swapped; kind 4: kind 2
 // with P's A-fragment registers in the order {0, 2, 1, 3}. No softmax, no block skipping.
 // Full attention variants: kind 5 V descriptor's offsets swapped, 6 P registers {0, 2, 1, 3},
 // 7 no key blocks skipped, 8 every block's copies waited for and a barrier after each block.
-static int g_att_tcw_diag = -1;
+static int g_att_tcw_diag = 0;
 extern "C" void mm_gpu_set_attention_tcw_diag(int mode);
 extern "C" void mm_gpu_set_attention_tcw_diag(int mode) { g_att_tcw_diag = mode; }
 
@@ -506,10 +507,6 @@ extern "C" mm_err mm_gpu_attention_tcw(void *stream, const struct mm_attn_args *
     if (!tcw_device_ok())
         return MM_OK;
     static uint64_t attr_set, attr_set_diag;
-    if (g_att_tcw_diag < 0) {
-        const char *e = getenv("MM_GPU_ATT_TCW_DIAG");
-        g_att_tcw_diag = e != NULL ? atoi(e) : 0;
-    }
     const int diag = g_att_tcw_diag;
     const mm_err rv = diag ? tc_allow_shmem(attention_tcw_kernel<true>, &attr_set_diag, TCW_SHMEM)
                            : tc_allow_shmem(attention_tcw_kernel<false>, &attr_set, TCW_SHMEM);

@@ -472,21 +472,6 @@ __global__ void __launch_bounds__(TCW_THREADS, 1)
 #endif
 }
 
-// The kernel runs on compute capability 9.0 only (the sm_90a image). Cached per device.
-static bool tcw_device_ok(void) {
-    static signed char ok[64]; // 0 unknown, 1 yes, -1 no
-    int dev = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64)
-        return false;
-    if (ok[dev] == 0) {
-        int major = 0, minor = 0;
-        if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
-            cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess)
-            return false;
-        ok[dev] = major == 9 && minor == 0 ? 1 : -1;
-    }
-    return ok[dev] > 0;
-}
 #endif // MM_GPU_HAVE_WMMA
 
 // mm_gpu_attention_tcw: runs a on attention_tcw_kernel and sets *done when the switch is on
@@ -504,7 +489,7 @@ extern "C" mm_err mm_gpu_attention_tcw(void *stream, const struct mm_attn_args *
         a->kv.head_dim_k != 128 || a->kv.head_dim_v != 128)
         return MM_OK;
 #if MM_GPU_HAVE_WMMA
-    if (!tcw_device_ok())
+    if (!mm_gpu_cc90())
         return MM_OK;
     static uint64_t attr_set, attr_set_diag;
     const int diag = g_att_tcw_diag;

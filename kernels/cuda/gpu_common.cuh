@@ -84,6 +84,26 @@ __device__ __forceinline__ float mm_block_max(float v) {
 
 static inline unsigned mm_div_up(long a, long b) { return (unsigned)((a + b - 1) / b); }
 
+#if MM_GPU_HAVE_WMMA
+// mm_gpu_cc90: the current device is compute capability 9.0, whose sm_90a image holds the
+// wgmma kernels (newer parts run the compute_90 PTX, where they have no body). Cached per
+// device (per translation unit); false when the device cannot be asked.
+static inline bool mm_gpu_cc90(void) {
+    static signed char ok[64]; // 0 unknown, 1 yes, -1 no
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64)
+        return false;
+    if (ok[dev] == 0) {
+        int major = 0, minor = 0;
+        if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+            cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess)
+            return false;
+        ok[dev] = major == 9 && minor == 0 ? 1 : -1;
+    }
+    return ok[dev] > 0;
+}
+#endif
+
 // ---- programmatic dependent launch of the small ops (sm_90) -------------------------------------
 // mm_launch_dep launches k as a programmatic dependent of the stream's previous kernel when
 // mm__gpu_dep is set (mm_gpu_set_dep_launch; the backend's default): its blocks may be scheduled

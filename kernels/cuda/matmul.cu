@@ -1088,23 +1088,15 @@ static bool aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
 #if MM_GPU_HAVE_WMMA
 static int g_wg_tile = 0; // wgmma block variant (mm_gpu_set_gemm_tile); 0: per product kind
 
-// The wgmma kernel runs on compute capability 9.0 only (the sm_90a image; newer parts run
-// the compute_90 PTX, where it has no body). Cached per device.
+// The wgmma kernel runs on compute capability 9.0 only (mm_gpu_cc90); MM_GPU_WGMMA=0 turns the
+// path off (diagnosis; the mma.sync tiles give the same bits). Read once.
 static bool wg_device_ok(void) {
-    static signed char ok[64]; // 0 unknown, 1 yes, -1 no
-    int dev = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64)
-        return false;
-    if (ok[dev] == 0) {
-        int major = 0, minor = 0;
-        if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
-            cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess)
-            return false;
-        // MM_GPU_WGMMA=0 turns the path off (diagnosis; the mma.sync tiles give the same bits)
+    static int off = -1;
+    if (off < 0) {
         const char *env = getenv("MM_GPU_WGMMA");
-        ok[dev] = (major == 9 && minor == 0 && !(env && strcmp(env, "0") == 0)) ? 1 : -1;
+        off = env && strcmp(env, "0") == 0;
     }
-    return ok[dev] > 0;
+    return !off && mm_gpu_cc90();
 }
 
 static bool wg_usable(const mm_mat_args &a) {

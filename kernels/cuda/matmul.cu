@@ -1688,19 +1688,13 @@ static void convert_rows(cudaStream_t st, const float *x, int64_t xs, const int3
                                                                offs, n_experts);
 }
 
-// Converts x into a stream-ordered workspace (bf16, permuted; gemm_wg.cuh) and runs the
-// wgmma tiles. *ran is false, with MM_OK, when the workspace could not be had or the stream is
-// capturing: the caller then takes the mma.sync path, which gives the same bits. The workspace comes from the
-// device's default memory pool (cudaMallocAsync, released with cudaFreeAsync on the same
-// stream), which keeps up to 1 GiB reserved between products so that steady-state
-// prefill does not map memory (a grouped gemm_ws product of a 4K prefill takes ~0.95 GB: x and
-// every expert's permuted W).
-template <bool GROUPED>
-static mm_err launch_wg(cudaStream_t st, const mm_mat_args &a, bool *ran) {
+// wg_stream_ok: *bit is the current device's bit (1 << device) when the stream may take the
+// wgmma products' stream-ordered workspaces, 0 when not: inside a stream capture (decode graphs
+// take the mma.sync tiles: no allocation nodes or pool calls in captured graphs; same bits). The
+// device's default pool then keeps 1 GiB between products (set once per device).
+static mm_err wg_stream_ok(cudaStream_t st, uint64_t *bit_out) {
     static uint64_t pool_set;
-    *ran = false;
-    // Inside a stream capture (decode graphs) take the mma.sync tiles: no allocation nodes or
-    // pool calls in captured graphs. Same bits.
+    *bit_out = 0;
     cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
     if (cudaStreamIsCapturing(st, &cs) != cudaSuccess) {
         (void)cudaGetLastError();
@@ -1718,6 +1712,24 @@ static mm_err launch_wg(cudaStream_t st, const mm_mat_args &a, bool *ran) {
         MM_GPU_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
         pool_set |= bit;
     }
+    *bit_out = bit;
+    return MM_OK;
+}
+
+// Converts x into a stream-ordered workspace (bf16, permuted; gemm_wg.cuh) and runs the
+// wgmma tiles. *ran is false, with MM_OK, when the workspace could not be had or the stream is
+// capturing: the caller then takes the mma.sync path, which gives the same bits. The workspace comes from the
+// device's default memory pool (cudaMallocAsync, released with cudaFreeAsync on the same
+// stream), which keeps up to 1 GiB reserved between products so that steady-state
+// prefill does not map memory (a grouped gemm_ws product of a 4K prefill takes ~0.95 GB: x and
+// every expert's permuted W).
+template <bool GROUPED>
+static mm_err launch_wg(cudaStream_t st, const mm_mat_args &a, bool *ran) {
+    *ran = false;
+    uint64_t bit = 0;
+    MM_TRY(wg_stream_ok(st, &bit));
+    if (bit == 0)
+        return MM_OK;
     const int64_t ldx = (a.n_in + WG_LDX - 1) / WG_LDX * WG_LDX;
     // Variant: the explicit one (mm_gpu_set_gemm_tile), else grouped 2, dense
     // ws_auto_variant (14, 13 or 4). The warp-specialised kernels with W
@@ -1880,25 +1892,11 @@ static mm_err launch_ws_grouped(int var, cudaStream_t st, const mm_wg_args &w, c
 // product gemm_ws would not take): the caller runs the two products.
 static mm_err launch_ffn(cudaStream_t st, const mm_mat_args &gu, const void *const *wd, float *y,
                          int64_t y_stride, const int32_t *y_idx, bool *ran) {
-    static uint64_t pool_set;
     *ran = false;
-    cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
-    if (cudaStreamIsCapturing(st, &cs) != cudaSuccess) {
-        (void)cudaGetLastError();
+    uint64_t bit = 0;
+    MM_TRY(wg_stream_ok(st, &bit));
+    if (bit == 0)
         return MM_OK;
-    }
-    if (cs != cudaStreamCaptureStatusNone)
-        return MM_OK;
-    int dev = 0;
-    MM_GPU_CHECK(cudaGetDevice(&dev));
-    const uint64_t bit = 1ull << (dev & 63);
-    if (!(pool_set & bit)) { // as launch_wg
-        cudaMemPool_t pool;
-        MM_GPU_CHECK(cudaDeviceGetDefaultMemPool(&pool, dev));
-        uint64_t keep = 1024ull << 20;
-        MM_GPU_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
-        pool_set |= bit;
-    }
     const int F = gu.n_out / 2, D = gu.n_in, E = gu.n_experts;
     const int64_t ldg = (D + WG_LDX - 1) / WG_LDX * WG_LDX, ldd = (F + WG_LDX - 1) / WG_LDX * WG_LDX;
     mm_mat_args dn = {NULL, F, NULL, wd, gu.offs, E, gu.n_rows, F, D, NULL, y, y_stride,

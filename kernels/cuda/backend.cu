@@ -34,6 +34,8 @@
 //   GPU starts it:
 //   the times are then the GPU's own (kernel plus its launch on the device), without the host
 //   gaps of op-by-op issue that =1 includes (tokens/s in that mode mean nothing).
+//   MM_GPU_OPTIME_SKIP=N leaves each step class's first N steps out of the table (the first
+//   forward of a shape builds caches and loads modules: warm figures only).
 //   MM_GPU_OPTIME_SPLIT=1 gives each call of a name within a step its own row ("#n": the
 //   n-th call, so per layer for the per-layer ops). MM_GPU_PDL=0 launches the GEMVs without
 //   programmatic dependent launch (process-wide; A/B of the early launch). The step's small
@@ -93,6 +95,8 @@ struct optime {
     int n_base;               // names seen, for split
     char base[OT_KEYS][OT_NAME];
     int occ[OT_KEYS];         // calls of each base name in the current step
+    int skip;                 // MM_GPU_OPTIME_SKIP=N: each class's first N steps are not counted
+    long seen[OT_CLASSES];    // steps begun per class, counted or not
 };
 
 struct gpu_ctx {
@@ -157,7 +161,7 @@ static void ot_begin(struct gpu_ctx *g) {
 
 static void ot_end(struct gpu_ctx *g, const char *name) {
     struct optime *t = g->ot;
-    if (t == NULL)
+    if (t == NULL || t->cur < 0) // a skipped step: its pair is not kept (the slot is reused)
         return;
     char full[OT_NAME];
     if (t->split && t->cur != 0) { // per call within a step (not the load's many sets)
@@ -204,8 +208,10 @@ static void ot_step(struct gpu_ctx *g, int64_t n_rows) {
         t->rows[c] = n_rows;
     else if (t->rows[c] != n_rows)
         t->rows[c] = -2; // the last class: every other row count
-    t->cur = c;
-    t->steps[c]++;
+    t->seen[c]++;
+    t->cur = t->seen[c] <= t->skip ? -1 : c;
+    if (t->cur == c)
+        t->steps[c]++;
     for (int b = 0; b < t->n_base; b++)
         t->occ[b] = 0;
     if (t->hold_ms > 0) // the host issues the whole step while the GPU waits: no host gaps
@@ -254,6 +260,7 @@ static void ot_reset(struct optime *t) {
     memset(t->us, 0, sizeof(t->us));
     memset(t->calls, 0, sizeof(t->calls));
     memset(t->steps, 0, sizeof(t->steps));
+    memset(t->seen, 0, sizeof(t->seen));
     for (int c = 0; c < OT_CLASSES; c++)
         t->rows[c] = -1;
     t->rows[0] = 0;
@@ -1003,6 +1010,10 @@ extern "C" mm_err mm_cuda_backend_open(mm_backend *be, const mm_backend_params *
             g->ot->hold_ms = strcmp(ot, "2") == 0 ? 4 : 0;
             const char *sp = getenv("MM_GPU_OPTIME_SPLIT");
             g->ot->split = sp != NULL && sp[0] != '\0' && strcmp(sp, "0") != 0;
+            const char *sk = getenv("MM_GPU_OPTIME_SKIP");
+            g->ot->skip = sk != NULL ? atoi(sk) : 0;
+            if (g->ot->skip < 0)
+                g->ot->skip = 0;
             g->ops_table.capture_begin = NULL;
             g->ops_table.capture_end = NULL;
             g->ops_table.graph_launch = NULL;

@@ -1831,8 +1831,11 @@ mm_err gw_api_open(gw_api **out, uv_loop_t *loop, gw_mesh *mesh, const gw_api_co
     sc.fallback_kv_blocks = block_bytes > 0 ? (int64_t)(fb_mb * 1048576.0 / block_bytes) : 0;
     sc.fallback_max_seqs = sc.shard_max_seqs > 0 ? sc.shard_max_seqs : 64;
     MM_TRY_GOTO(rv, gw_sched_new(&a->sched, &sc, mesh, &k_ops, a, err), fail);
-    mm_log_info("serving %s: context %d, %d attention shards (KV admission by their stated "
-                "capacity%s), eos ids %d", a->model_name, a->max_ctx, sc.shards,
+    char n_sh[24] = "the router's";
+    if (sc.shards > 0)
+        snprintf(n_sh, sizeof(n_sh), "%d", sc.shards);
+    mm_log_info("serving %s: context %d, %s attention shards (KV admission by their stated "
+                "capacity%s), eos ids %d", a->model_name, a->max_ctx, n_sh,
                 c->kv_mb > 0 ? ", at most the gateway's --kv-mb" : "", a->n_eos);
     uv_timer_init(loop, &a->ka_timer);
     uv_timer_init(loop, &a->health_timer);

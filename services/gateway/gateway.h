@@ -126,11 +126,14 @@ json_t *gw_health_json(const Mmctl__StatusReply *reply, const mm_identity *self,
 
 typedef struct gw_sched gw_sched;
 
+#define GW_MAX_SHARDS 65535 // as the router's --attention-shards
+
 typedef struct gw_sched_conf {
     int max_waiting;          // queued seqs beyond which submit says MM_EFULL (HTTP 429)
     int max_step_seqs;        // the router's --max-step-seqs
     int max_step_tokens;      // the router's --max-batch-tokens
-    int shards;               // attention shards (seq -> shard: seq_id % shards)
+    int shards;               // attention shards (seq -> shard: seq_id % shards); 0: the
+                              // router's count (StatusReply), nothing admitted before it
     int shard_max_seqs;       // --shard-max-seqs: caps each shard's stated max seqs (0: none)
     double kv_mb;             // --kv-mb: caps each shard's stated KV budget in MiB (0: none)
     int64_t fallback_kv_blocks; // KV blocks of a shard that states no capacity (from --kv-mb,

@@ -30,7 +30,9 @@ static mm_opt s_gateway_opts[] = {
     {"max-step-seqs", MM_OPT_INT, &s_max_step_seqs, "64", "sequences per step (as the router's)"},
     {"max-batch-tokens", MM_OPT_INT, &s_max_batch_tokens, "256",
      "tokens per step (as the router's): decode tokens plus prefill chunks"},
-    {"attention-shards", MM_OPT_INT, &s_shards, "1", "attention shards in the mesh"},
+    {"attention-shards", MM_OPT_INT, &s_shards, "0", "attention shards in the mesh: 0 takes "
+     "the router's count (requests wait until it has said it); N fixes it (a router with "
+     "another count is logged as an error)"},
     {"shard-max-seqs", MM_OPT_INT, &s_shard_max_seqs, "0",
      "sequences admitted per attention shard: 0 takes what each shard states (its --max-seqs); "
      "N lowers that to N, and is the count for a shard that states none (else 64)"},

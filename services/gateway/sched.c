@@ -15,6 +15,11 @@
 // - Seq ids: id % shards is the seq's attention shard (docs/MESH.md), so the scheduler picks
 //   the shard with room at admission and makes the id land there: id = base * shards + shard,
 //   base increasing from the start time in microseconds (never reused, even across restarts).
+// - The shard count: the router's (StatusReply.attention_shards, gw_sched_router_limits) unless
+//   --attention-shards fixes it. Until the router has said it, nothing is admitted (requests
+//   wait); a router that comes back with another count pauses admission until the running seqs
+//   of the old count have ended (their ids map to the old shards), then KV admission starts
+//   over from the new shards' statements (adopt_shards).
 // - KV admission per shard by what the shard states (gw_sched_shard_report; gateway.h): a
 //   shard's `cap` blocks, `max_seqs` and `max_ctx` start unknown (nothing admitted there) and
 //   follow each statement; `used` counts the blocks of its running seqs, so a shard that
@@ -63,7 +68,9 @@ struct gw_sched {
     gw_sched_ops ops;
     void *arg;
     struct list waiting, running;
-    struct shard *sh;         // (shards)
+    struct shard *sh;         // (n_sh)
+    int n_sh;                 // attention shards admission places seqs on (0: not known yet)
+    int want_sh;              // the router's new count, adopted once nothing runs (0: none)
     uint64_t next_base, step_id;
     mm_step_builder *b[2];    // one per plan slot: a plan's envelope is borrowed until its
                               // result (mesh.c's sender thread packs it later)
@@ -72,7 +79,8 @@ struct gw_sched {
     uint64_t release[MAX_RELEASE];
     int n_release;
     bool stopped;
-    bool shards_warned; // the router's shard count differs (gw_sched_router_limits)
+    bool shards_warned; // the router's shard count differs from --attention-shards
+    int paused_for;     // the count a pause of admission was logged for (adopt_shards)
     uint64_t steps, step_errors;
 };
 
@@ -107,12 +115,14 @@ static int64_t blocks_for(const gw_sched *s, int n_tokens) {
 mm_err gw_sched_new(gw_sched **out, const gw_sched_conf *c, gw_mesh *mesh,
                     const gw_sched_ops *ops, void *arg, char err[MM_ERRLEN]) {
     *out = NULL;
-    if (c->max_waiting < 0 || c->max_step_seqs < 1 || c->max_step_tokens < 1 || c->shards < 1 ||
+    if (c->max_waiting < 0 || c->max_step_seqs < 1 || c->max_step_tokens < 1 || c->shards < 0 ||
+        c->shards > GW_MAX_SHARDS ||
         c->shard_max_seqs < 0 || !(c->kv_mb >= 0) || c->block_size < 1 ||
         c->max_ctx < 2 || c->step_timeout_ms < 1)
         return mm_errf(err, MM_EINVAL, "scheduler: --max-waiting, --shard-max-seqs, --kv-mb >= 0, "
-                       "--max-step-seqs, --max-batch-tokens, --attention-shards, "
-                       "--step-timeout-ms >= 1 and --max-ctx >= 2 are required");
+                       "--attention-shards 0..%d (0: the router's), --max-step-seqs, "
+                       "--max-batch-tokens, --step-timeout-ms >= 1 and --max-ctx >= 2 are "
+                       "required", GW_MAX_SHARDS);
     if (c->fallback_kv_blocks < 1 || c->fallback_max_seqs < 1)
         return mm_errf(err, MM_EINVAL, "scheduler: the KV budget for shards that state none "
                        "(--kv-mb, --kv-dtype) holds no KV block of this model");
@@ -126,7 +136,8 @@ mm_err gw_sched_new(gw_sched **out, const gw_sched_conf *c, gw_mesh *mesh,
     // Ids from the start time in microseconds x 256: a restarted (or second) gateway never
     // reuses an id the shards may still hold.
     s->next_base = (mm_now_ns() / 1000) << 8;
-    s->sh = calloc((size_t)c->shards, sizeof(*s->sh));
+    s->n_sh = c->shards; // (0: the router's, when it says)
+    s->sh = calloc((size_t)(c->shards > 0 ? c->shards : 1), sizeof(*s->sh));
     bool ok = s->sh != NULL;
     for (int k = 0; k < 2 && ok; k++) {
         s->fl[k].seqs = calloc((size_t)c->max_step_seqs, sizeof(*s->fl[k].seqs));
@@ -165,7 +176,7 @@ mm_err gw_sched_check(const gw_sched *s, int n_prompt, int max_gen, char err[MM_
                        "this model's maximum context length is %d tokens; the request has %d "
                        "prompt tokens and asks for %d more", s->c.max_ctx, n_prompt, max_gen);
     bool known = false;
-    for (int i = 0; i < s->c.shards && !known; i++)
+    for (int i = 0; i < s->n_sh && !known; i++)
         known = s->sh[i].state != SH_UNKNOWN;
     // (no shard's capacity known yet: the seq waits, and fails then if none can hold it)
     if (known && (int64_t)n_prompt + max_gen > gw_sched_seq_kv_tokens(s))
@@ -185,7 +196,7 @@ static int64_t shard_seq_tokens(const gw_sched *s, const struct shard *h) {
 
 int64_t gw_sched_seq_kv_tokens(const gw_sched *s) {
     int64_t best = -1;
-    for (int i = 0; i < s->c.shards; i++)
+    for (int i = 0; i < s->n_sh; i++)
         if (s->sh[i].state != SH_UNKNOWN && shard_seq_tokens(s, &s->sh[i]) > best)
             best = shard_seq_tokens(s, &s->sh[i]);
     return best < 0 ? s->c.max_ctx : best;
@@ -193,7 +204,9 @@ int64_t gw_sched_seq_kv_tokens(const gw_sched *s) {
 
 // fits_ever: some shard could hold q once its other seqs end (or a shard is still unknown).
 static bool fits_ever(const gw_sched *s, const gw_seq *q) {
-    for (int i = 0; i < s->c.shards; i++) {
+    if (s->n_sh == 0 || s->want_sh > 0)
+        return true; // the shards are not known yet
+    for (int i = 0; i < s->n_sh; i++) {
         const struct shard *h = &s->sh[i];
         if (h->state == SH_UNKNOWN ||
             (h->max_seqs >= 1 && h->cap >= q->kv_blocks &&
@@ -252,6 +265,41 @@ static void finish(gw_sched *s, gw_seq *q) {
         s->ops.dropped(s->arg, q);
 }
 
+// adopt_shards takes the router's new shard count (want_sh) once no seq of the old count runs
+// or rides in a plan in flight: fresh shard records (nothing admitted before their statements,
+// which the same status answer brings), and the old count's pending releases dropped (their
+// ids name shards of the old layout). Until then admission is paused (admit_one).
+static void adopt_shards(gw_sched *s) {
+    if (s->want_sh == 0)
+        return;
+    if (s->running.n > 0 || s->n_fl > 0) {
+        if (s->paused_for != s->want_sh) {
+            s->paused_for = s->want_sh;
+            mm_log_warn("the router now has %d attention shards (the gateway counted %d): "
+                        "admission paused until the %d running seqs end", s->want_sh, s->n_sh,
+                        s->running.n);
+        }
+        return;
+    }
+    struct shard *sh = calloc((size_t)s->want_sh, sizeof(*sh));
+    if (!sh) {
+        mm_log_error("no memory for %d attention shard records: kept %d (tried again at the "
+                     "next status answer)", s->want_sh, s->n_sh);
+        return;
+    }
+    if (s->n_sh > 0)
+        mm_log_warn("attention shards: %d, the router's (was %d); KV admission starts over "
+                    "from their statements%s", s->want_sh, s->n_sh,
+                    s->n_release > 0 ? "; the old layout's pending releases dropped" : "");
+    else
+        mm_log_info("attention shards: %d, the router's", s->want_sh);
+    free(s->sh);
+    s->sh = sh;
+    s->n_sh = s->want_sh;
+    s->want_sh = s->paused_for = 0;
+    s->n_release = 0;
+}
+
 void gw_sched_router_limits(gw_sched *s, uint32_t max_step_seqs, uint32_t max_batch_tokens,
                             uint32_t shards) {
     // Plans within the router's limits: a plan above them would be refused whole (every seq in
@@ -268,11 +316,20 @@ void gw_sched_router_limits(gw_sched *s, uint32_t max_step_seqs, uint32_t max_ba
                     s->c.max_step_tokens, max_batch_tokens, max_batch_tokens);
         s->c.max_step_tokens = (int)max_batch_tokens;
     }
-    if (shards > 0 && (int)shards != s->c.shards && !s->shards_warned) {
-        s->shards_warned = true; // KV admission per shard would be wrong: said once, loudly
-        mm_log_error("gateway --attention-shards %d differs from the router's %u: KV admission "
-                     "counts the wrong shards; restart the gateway with --attention-shards %u",
-                     s->c.shards, shards, shards);
+    if (shards > GW_MAX_SHARDS) {
+        mm_log_error("the router reports %u attention shards, above the gateway's %d: ignored",
+                     shards, GW_MAX_SHARDS);
+    } else if (shards > 0 && s->c.shards > 0 && (int)shards != s->c.shards) {
+        if (!s->shards_warned) { // KV admission per shard would be wrong: said once, loudly
+            s->shards_warned = true;
+            mm_log_error("gateway --attention-shards %d differs from the router's %u: KV "
+                         "admission counts the wrong shards; restart the gateway with "
+                         "--attention-shards %u (or 0: the router's)", s->c.shards, shards,
+                         shards);
+        }
+    } else if (shards > 0 && s->c.shards == 0) {
+        s->want_sh = (int)shards == s->n_sh ? 0 : (int)shards;
+        adopt_shards(s);
     }
 }
 
@@ -297,7 +354,7 @@ static void prune(gw_sched *s) {
 
 void gw_sched_shard_report(gw_sched *s, uint32_t shard, const char *name,
                            const mm_kv_capacity *kv) {
-    if (shard >= (uint32_t)s->c.shards)
+    if (shard >= (uint32_t)s->n_sh)
         return; // (a shard count other than ours: gw_sched_router_limits says so)
     struct shard *h = &s->sh[shard];
     if (h->state != SH_UNKNOWN && !memcmp(&h->rep, kv, sizeof(*kv)))
@@ -368,7 +425,11 @@ void gw_sched_shard_report(gw_sched *s, uint32_t shard, const char *name,
 
 bool gw_sched_kv_ready(const gw_sched *s, char *why, size_t n) {
     int unknown = 0, bad = 0;
-    for (int i = 0; i < s->c.shards; i++) {
+    if (s->n_sh == 0) {
+        snprintf(why, n, "the router has not reported its attention shards yet");
+        return false;
+    }
+    for (int i = 0; i < s->n_sh; i++) {
         const struct shard *h = &s->sh[i];
         if (h->cap > 0 && h->max_seqs > 0 && h->max_ctx > 0)
             return true;
@@ -404,7 +465,7 @@ void gw_sched_get_stats(const gw_sched *s, gw_sched_stats *st) {
     st->running = s->running.n;
     st->waiting = s->waiting.n;
     st->kv_blocks_total = st->kv_blocks_used = 0;
-    for (int i = 0; i < s->c.shards; i++) {
+    for (int i = 0; i < s->n_sh; i++) {
         st->kv_blocks_total += s->sh[i].cap;
         st->kv_blocks_used += s->sh[i].used;
     }
@@ -415,11 +476,11 @@ void gw_sched_get_stats(const gw_sched *s, gw_sched_stats *st) {
 // admit: the waiting head moves to running when a shard has a slot and its KV; FCFS.
 static gw_seq *admit_one(gw_sched *s) {
     gw_seq *q = s->waiting.head;
-    if (!q)
+    if (!q || s->want_sh > 0) // (a change of the shard count: paused until adopt_shards)
         return NULL;
     int best = -1;
     int64_t best_free = 0;
-    for (int i = 0; i < s->c.shards; i++) {
+    for (int i = 0; i < s->n_sh; i++) {
         const struct shard *h = &s->sh[i];
         int64_t free_blocks = h->cap - h->used;
         if (h->seqs < h->max_seqs && free_blocks >= q->kv_blocks &&
@@ -433,7 +494,7 @@ static gw_seq *admit_one(gw_sched *s) {
         return NULL;
     list_remove(&s->waiting, q);
     q->shard = best;
-    q->id = s->next_base++ * (uint64_t)s->c.shards + (uint64_t)best;
+    q->id = s->next_base++ * (uint64_t)s->n_sh + (uint64_t)best;
     s->sh[best].seqs++;
     s->sh[best].used += q->kv_blocks;
     q->state = GW_SEQ_RUNNING;
@@ -556,6 +617,7 @@ static bool plan_next(gw_sched *s) {
 }
 
 static void kick(gw_sched *s) {
+    adopt_shards(s); // (a change of the shard count waits for the old seqs to end)
     const int depth = s->c.pipeline ? 2 : 1;
     while (s->n_fl < depth && !s->stopped && plan_next(s)) {
     }

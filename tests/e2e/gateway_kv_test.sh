@@ -12,51 +12,6 @@
 #    default --shard-max-seqs admitted: that default would have under-admitted this shard.
 . tests/e2e/gateway_lib.sh
 
-# load N PROMPT_TOKEN MAX_TOKENS: N concurrent completions; prints "codes=... waiting=W
-# running=R" (the largest num_requests_waiting / running /metrics showed meanwhile).
-load() {
-    python3 - "$BASE" "$@" <<'PY'
-import http.client, json, sys, threading, time, urllib.parse
-base, n, tok, max_tokens = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-u = urllib.parse.urlparse(base)
-codes = [None] * n
-errs = [""] * n
-gate = threading.Barrier(n)
-def one(i):
-    c = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
-    body = json.dumps({"prompt": [tok + i % 7], "max_tokens": max_tokens, "temperature": 0,
-                       "ignore_eos": True})
-    gate.wait()
-    c.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
-    r = c.getresponse()
-    codes[i] = r.status
-    errs[i] = r.read().decode()[:200]
-ts = [threading.Thread(target=one, args=(i,)) for i in range(n)]
-for t in ts:
-    t.start()
-seen = {"waiting": 0, "running": 0}
-while any(t.is_alive() for t in ts):
-    c = http.client.HTTPConnection(u.hostname, u.port, timeout=10)
-    c.request("GET", "/metrics")
-    for line in c.getresponse().read().decode().splitlines():
-        for k in ("waiting", "running"):
-            if line.startswith("moemesh:num_requests_%s{" % k):
-                seen[k] = max(seen[k], int(float(line.rsplit(" ", 1)[1])))
-    time.sleep(0.005)
-for t in ts:
-    t.join()
-bad = [e for c, e in zip(codes, errs) if c != 200]
-print("codes=%s waiting=%d running=%d %s" % (",".join(sorted(set(str(c) for c in codes))),
-      seen["waiting"], seen["running"], bad[0] if bad else ""))
-PY
-}
-
-# wait_log FILE TEXT: up to 10 s for TEXT in FILE.
-wait_log() {
-    for _ in $(seq 1 100); do grep -q -- "$2" "$1" && return 0; sleep 0.1; done
-    return 1
-}
-
 # (96 seqs per step at the router and the gateway, so that the shard's slots are what bounds the
 # sequences running at once in part 2)
 ATTN_FLAGS="--kv-mb 0.25" ROUTER_FLAGS="--max-step-seqs 96" mesh_start --max-step-seqs 96

@@ -29,19 +29,27 @@ while True:
 BASE="http://127.0.0.1:$PORT"
 OWNERS=${OWNERS:-2}
 
-# mesh_start [gateway flags...]: router (extra flags in $ROUTER_FLAGS), one attention shard
-# (extra flags in $ATTN_FLAGS),
-# $OWNERS expert owners and the gateway; waits until the gateway can serve a completion. Sets DATA_A and DATA_E<i>.
+SHARDS=${SHARDS:-1}
+
+# mesh_start [gateway flags...]: router (extra flags in $ROUTER_FLAGS), $SHARDS attention shards
+# (extra flags in $ATTN_FLAGS), $OWNERS expert owners and the gateway; waits until the gateway
+# can serve a completion. Sets DATA_A (shard 0's data address; shard i: DATA_A<i>) and DATA_E<i>.
 mesh_start() {
     local common=(--router "$ROUTER" --model "$MODEL" --owners "$OWNERS" --heartbeat-ms 100
                   --log-level info)
     # shellcheck disable=SC2086  # ROUTER_FLAGS: extra router flags, word-split on purpose
-    start router "$BIN/moemesh-router" "${common[@]}" --down-after-ms 600 --threads 1 ${ROUTER_FLAGS:-}
+    start router "$BIN/moemesh-router" "${common[@]}" --down-after-ms 600 --threads 1 \
+        --attention-shards "$SHARDS" ${ROUTER_FLAGS:-}
     for _ in $(seq 1 50); do [ -S "$RUN/router.ctl" ] && break; sleep 0.1; done
-    DATA_A="tcp://127.0.0.1:$(free_port)"
-    # shellcheck disable=SC2086  # ATTN_FLAGS: extra shard flags, word-split on purpose
-    start attention "$BIN/moemesh-attention" "${common[@]}" --listen "ipc://$RUN/attention-0.ctl" \
-        --data "$DATA_A" --threads 1 ${ATTN_FLAGS:-}
+    for i in $(seq 0 $((SHARDS - 1))); do
+        local d="tcp://127.0.0.1:$(free_port)" name=attention
+        eval "DATA_A$i=$d"
+        [ "$i" -gt 0 ] && name="attention$i"
+        # shellcheck disable=SC2086  # ATTN_FLAGS: extra shard flags, word-split on purpose
+        start "$name" "$BIN/moemesh-attention" "${common[@]}" --listen "ipc://$RUN/attention-$i.ctl" \
+            --instance "$i" --shards "$SHARDS" --data "$d" --threads 1 ${ATTN_FLAGS:-}
+    done
+    DATA_A=$DATA_A0
     for i in $(seq 0 $((OWNERS - 1))); do
         local d="tcp://127.0.0.1:$(free_port)"
         eval "DATA_E$i=$d"
@@ -76,3 +84,48 @@ expect() { # expect STATUS WHAT
 
 # hjson EXPR: a python expression over the last /health body (bound to h).
 hjson() { python3 -c "import json,sys; h=json.load(open('$RUN/health.json')); print($1)"; }
+
+# load N PROMPT_TOKEN MAX_TOKENS: N concurrent completions; prints "codes=... waiting=W
+# running=R" (the largest num_requests_waiting / running /metrics showed meanwhile).
+load() {
+    python3 - "$BASE" "$@" <<'PY'
+import http.client, json, sys, threading, time, urllib.parse
+base, n, tok, max_tokens = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+u = urllib.parse.urlparse(base)
+codes = [None] * n
+errs = [""] * n
+gate = threading.Barrier(n)
+def one(i):
+    c = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
+    body = json.dumps({"prompt": [tok + i % 7], "max_tokens": max_tokens, "temperature": 0,
+                       "ignore_eos": True})
+    gate.wait()
+    c.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
+    r = c.getresponse()
+    codes[i] = r.status
+    errs[i] = r.read().decode()[:200]
+ts = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+for t in ts:
+    t.start()
+seen = {"waiting": 0, "running": 0}
+while any(t.is_alive() for t in ts):
+    c = http.client.HTTPConnection(u.hostname, u.port, timeout=10)
+    c.request("GET", "/metrics")
+    for line in c.getresponse().read().decode().splitlines():
+        for k in ("waiting", "running"):
+            if line.startswith("moemesh:num_requests_%s{" % k):
+                seen[k] = max(seen[k], int(float(line.rsplit(" ", 1)[1])))
+    time.sleep(0.005)
+for t in ts:
+    t.join()
+bad = [e for c, e in zip(codes, errs) if c != 200]
+print("codes=%s waiting=%d running=%d %s" % (",".join(sorted(set(str(c) for c in codes))),
+      seen["waiting"], seen["running"], bad[0] if bad else ""))
+PY
+}
+
+# wait_log FILE TEXT: up to 10 s for TEXT in FILE.
+wait_log() {
+    for _ in $(seq 1 100); do grep -q -- "$2" "$1" && return 0; sleep 0.1; done
+    return 1
+}

@@ -3,7 +3,8 @@
 // shard states (gw_sched_shard_report): nothing is admitted before a statement, admission
 // follows the statement (a bf16 shard's twice-the-tokens included), the gateway's --kv-mb /
 // --shard-max-seqs only lower it, a shard stating nothing gets the fallback, a bad statement is
-// not trusted, and a shard that restarts with another capacity is followed. The mesh is a stub
+// not trusted, a shard that restarts with another capacity is followed, and the shard count is
+// the router's unless --attention-shards fixes it. The mesh is a stub
 // that records each plan; the test answers it as the router would.
 #include <string.h>
 
@@ -344,6 +345,86 @@ static void test_restatement(void) {
     gw_sched_free(s);
 }
 
+// --attention-shards 0 (the default): the router's count. Nothing is admitted before the router
+// has said it (a shard's statement before that is not placed); then the seqs land on its shards
+// (id % count). A router that comes back with another count pauses admission until the running
+// seqs of the old count end, then admission starts over from the new shards' statements. A fixed
+// --attention-shards keeps its count whatever the router says.
+static void test_router_shard_count(void) {
+    gw_sched *s = open_sched(0, 0, 0);
+    struct tseq t[5];
+    gw_seq *q[5];
+    for (int i = 0; i < 3; i++)
+        submit(s, q[i] = mk(&t[i], 10, 150)); // 10 blocks each
+    int run, wait;
+    int64_t total, used;
+    stats(s, &run, &wait, &total, &used);
+    MM_EQ(run, 0);
+    MM_EQ(wait, 3);
+    char why[160] = "";
+    MM_TRUE(!gw_sched_kv_ready(s, why, sizeof(why)));
+    MM_TRUE(strstr(why, "router has not reported") != NULL);
+    mm_kv_capacity c0 = cap_of(25, 1024, 8), c1 = cap_of(10, 1024, 8);
+    gw_sched_shard_report(s, 0, "attention/0", &c0); // before the count: not placed
+    stats(s, &run, &wait, &total, &used);
+    MM_EQ(run, 0);
+    MM_EQ(g_mesh.n_sent, 0);
+    gw_sched_router_limits(s, 0, 0, 70000); // above any router's: ignored
+    MM_EQ(s->n_sh, 0);
+    gw_sched_router_limits(s, 0, 0, 2);
+    MM_EQ(s->n_sh, 2);
+    gw_sched_shard_report(s, 0, "attention/0", &c0);
+    gw_sched_shard_report(s, 1, "attention/1", &c1);
+    MM_TRUE(gw_sched_kv_ready(s, why, sizeof(why)));
+    stats(s, &run, &wait, &total, &used);
+    MM_EQ(run, 2); // both on shard 0 (most free blocks); the third waits for the plan slot
+    MM_EQ(total, 35);
+    MM_EQ(g_mesh.plan->step_plan->n_seqs, 2);
+    MM_EQ(g_mesh.plan->step_plan->seqs[0]->seq_id % 2, 0);
+    MM_EQ(g_mesh.plan->step_plan->seqs[1]->seq_id % 2, 0);
+    answer_plan();
+    stats(s, &run, &wait, &total, &used);
+    MM_EQ(run, 3);
+    MM_EQ(g_mesh.plan->step_plan->seqs[2]->seq_id % 2, 1); // shard 1 had the most room left
+    // the router comes back with 3 shards: nothing new is admitted while the 2-shard seqs run
+    gw_sched_router_limits(s, 0, 0, 3);
+    MM_EQ(s->n_sh, 2);
+    submit(s, q[3] = mk(&t[3], 10, 20));
+    stats(s, &run, &wait, &total, &used);
+    MM_EQ(run, 3);
+    MM_EQ(wait, 1);
+    for (int i = 0; i < 3; i++)
+        gw_sched_cancel(s, q[i]);
+    answer_plan(); // the plan in flight held them: they end with its result
+    stats(s, &run, &wait, &total, &used);
+    MM_EQ(run, 0);
+    MM_EQ(s->n_sh, 3);
+    MM_EQ(total, 0); // fresh records: nothing admitted before the new shards state
+    MM_EQ(wait, 1);
+    mm_kv_capacity c2 = cap_of(40, 1024, 8);
+    gw_sched_shard_report(s, 2, "attention/2", &c2);
+    stats(s, &run, &wait, &total, &used);
+    MM_EQ(run, 1);
+    MM_EQ(total, 40);
+    const Mmctl__StepPlan *p = g_mesh.plan->step_plan;
+    MM_EQ(p->seqs[p->n_seqs - 1]->seq_id % 3, 2);
+    gw_sched_router_limits(s, 0, 0, 3); // the same count again: nothing changes
+    MM_EQ(s->n_sh, 3);
+    stats(s, &run, &wait, &total, &used);
+    MM_EQ(total, 40);
+    gw_sched_stop(s);
+    gw_sched_free(s);
+    // a fixed count stays (the difference is logged as an error)
+    s = open_sched(2, 0, 0);
+    gw_sched_router_limits(s, 0, 0, 3);
+    MM_EQ(s->n_sh, 2);
+    gw_sched_shard_report(s, 1, "attention/1", &c1);
+    submit(s, q[4] = mk(&t[4], 10, 20));
+    MM_EQ(g_mesh.plan->step_plan->seqs[0]->seq_id % 2, 1);
+    gw_sched_stop(s);
+    gw_sched_free(s);
+}
+
 MM_TESTS = {
     {"gateway sched: admission by the shards' stated KV capacity", test_admission_by_statement},
     {"gateway sched: a bf16 shard's capacity is admitted whole", test_bf16_statement},
@@ -351,5 +432,6 @@ MM_TESTS = {
     {"gateway sched: a shard stating nothing gets the fallback", test_fallback},
     {"gateway sched: bad statements are not trusted", test_bad_statement},
     {"gateway sched: a restarted shard's new capacity is followed", test_restatement},
+    {"gateway sched: the router's shard count is followed", test_router_shard_count},
     {NULL, NULL},
 };

@@ -2,7 +2,8 @@
 // Device helpers of the mesh's device routing plan (docs/MESH.md "Device frames"): the router
 // splits a layer's plan (route_plan's offs/src/dst) into each expert owner's share, picks each
 // (row, rank) slot's output from its owner's reply, and owners count their experts' rows,
-// all on the device, so that no host reads the routing during a step. Pure index and copy
+// all on the device, so that no host reads the routing during a step; owners check the share
+// they receive before their products read it (mm_gpu_mesh_plan_check). Pure index and copy
 // work: no arithmetic on the rows, so nothing here can change a bit. Compiled by nvcc or
 // hipcc (vendor.h). The C callers (services/router/step.c, services/expert/expert.c) declare
 // these entry points weak: a build without GPU support has none.
@@ -86,6 +87,49 @@ __global__ void mesh_pick_kernel(const float *ys, int64_t ys_owner_rows, const i
 __global__ void mesh_count_kernel(const int32_t *offs, int E, uint64_t *counts) {
     for (int e = blockIdx.x * blockDim.x + threadIdx.x; e < E; e += gridDim.x * blockDim.x)
         counts[e] += (uint64_t)(offs[e + 1] - offs[e]);
+}
+
+// A plan share that breaks mm_model_experts_plan's contract (offs non-decreasing from 0 up to at
+// most n; every src in [0, rows); every dst in [0, n)) is emptied in place before the products
+// read it (offs all 0: no expert has rows; src 0 and dst p: valid rows past offs[E]), so no
+// product reads or writes outside its buffers, and flag[0] = tag, flag[1] = step_lo (pinned host
+// memory the owner's host reads at its next frame). One block; nothing is changed in a good share.
+__global__ void mesh_plan_check_kernel(int32_t *offs, int E, int32_t *src, int32_t *dst, int n,
+                                       int rows, uint32_t tag, uint32_t step_lo,
+                                       volatile uint32_t *flag) {
+    int bad = threadIdx.x == 0 && (offs[0] != 0 || offs[E] > n);
+    for (int e = threadIdx.x; e < E; e += blockDim.x)
+        bad |= offs[e + 1] < offs[e];
+    for (int p = threadIdx.x; p < n; p += blockDim.x)
+        bad |= src[p] < 0 || src[p] >= rows || dst[p] < 0 || dst[p] >= n;
+    if (!__syncthreads_or(bad))
+        return;
+    for (int e = threadIdx.x; e <= E; e += blockDim.x)
+        offs[e] = 0;
+    for (int p = threadIdx.x; p < n; p += blockDim.x)
+        src[p] = 0, dst[p] = p;
+    if (threadIdx.x == 0) {
+        flag[1] = step_lo;
+        __threadfence_system();
+        flag[0] = tag;
+        __threadfence_system();
+    }
+}
+
+// mm_gpu_mesh_plan_check: an expert owner's check of the plan share it received (offs (E+1),
+// src and dst (n_slots) at d_plan, device, writable: the frame's own bytes) against x rows of
+// `rows`: a bad share is emptied in place and h_flag (pinned host, 2 words, device-writable)
+// set to {tag (non-zero), step_lo}; see mesh_plan_check_kernel.
+extern "C" mm_err mm_gpu_mesh_plan_check(void *stream, int32_t *d_plan, int n_experts,
+                                         int n_slots, int rows, uint32_t tag, uint32_t step_lo,
+                                         uint32_t *h_flag) {
+    if (!d_plan || !h_flag || n_experts < 1 || n_slots < 0 || rows < 1 || tag == 0)
+        return MM_EINVAL;
+    mesh_plan_check_kernel<<<1, SPLIT_THREADS, 0, (cudaStream_t)stream>>>(
+        d_plan, n_experts, d_plan + n_experts + 1, d_plan + n_experts + 1 + n_slots, n_slots,
+        rows, tag, step_lo, h_flag);
+    MM_GPU_CHECK(cudaGetLastError());
+    return MM_OK;
 }
 
 // mm_gpu_mesh_plan_split: for owners 0..n_owners-1, owner o's share of a plan (offs (E+1), src

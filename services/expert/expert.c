@@ -37,6 +37,11 @@ mm_opt expert_opts[] = {
 extern mm_err mm_gpu_backend_stream(void *backend_ctx, void **stream, int *dev) W;
 extern mm_err mm_gpu_mesh_count(void *stream, const int32_t *d_offs, int n_experts,
                                 uint64_t *d_counts) W;
+extern mm_err mm_gpu_mesh_plan_check(void *stream, int32_t *d_plan, int n_experts, int n_slots,
+                                     int rows, uint32_t tag, uint32_t step_lo,
+                                     uint32_t *h_flag) W;
+extern mm_err mm_gpu_host_pinned(void **p, size_t n_bytes) W;
+extern void mm_gpu_host_pinned_free(void *p) W;
 #undef W
 
 static struct owner {
@@ -66,6 +71,8 @@ static struct owner {
     void *stream;
     uint64_t *d_tokens;      // (n_layers, n_experts) rows served through plan frames
     uint64_t *tokens_dev;    // host copy read at each load write
+    uint32_t *bad_plan;      // pinned {layer + 1, step's low 32 bits} of a plan share the device
+                             // check emptied (mm_gpu_mesh_plan_check); {0, 0}: none
 } O;
 
 // The load CSV is written by a thread of its own: the data thread's tick (load_tick, between
@@ -258,9 +265,12 @@ static bool dev_payload(const void *payload) {
 // straight from the plan (mm_model_experts_plan; slots past offs[n_experts] are other owners'
 // and left unspecified), and the reply is one output row per slot, written straight into the
 // reply's place in the router's ring where the link gives one (mm_conn_reserve_dev: views and
-// MM_MESH_INPLACE), else in d_out and copied by the send. The plan is the router's (a member
-// of the same mesh, identity checked at join): its indices are not checked here (they never
-// reach the host).
+// MM_MESH_INPLACE), else in d_out and copied by the send. The plan's indices never reach the
+// host: the device checks the share before the products read it (mm_gpu_mesh_plan_check:
+// offsets rising from 0 within the slots, rows and slots in range); a bad share is emptied
+// there (no product reads or writes outside its buffers; that reply's rows are not the
+// experts'), and the host, seeing the flag at the next frame, logs the error and refuses that
+// frame naming the bad one, so the router fails the step and relinks.
 static mm_err on_plan(mm_conn *c, const mm_wire_hdr *h, void *payload) {
     const int64_t R = O.plan_rows, nk = O.plan_slots, D = O.d_model, E = O.n_experts;
     const int64_t P = mm_model_plan_rows(E, nk, D);
@@ -279,8 +289,26 @@ static mm_err on_plan(mm_conn *c, const mm_wire_hdr *h, void *payload) {
                  (long long)P, (long long)D);
         return mm_dataserv_reply_error(c, h, MM_EPROTO, msg);
     }
+    if (O.bad_plan && O.bad_plan[0]) { // an earlier share was bad (flag set by the device)
+        const uint32_t bl = O.bad_plan[0] - 1, bs = O.bad_plan[1];
+        O.bad_plan[0] = O.bad_plan[1] = 0;
+        char bad[MM_ERRLEN];
+        snprintf(bad, sizeof(bad), "the router's plan for layer %u of step %u (low 32 bits) "
+                 "broke the plan contract (offsets not rising from 0 within the slots, or a row "
+                 "or slot index out of range): its experts were not run; step %llu layer %u "
+                 "refused", bl, bs, (unsigned long long)h->step_id, h->layer);
+        mm_log_error("%s", bad);
+        return mm_dataserv_reply_error(c, h, MM_EPROTO, bad);
+    }
     const float *x = payload; // d_x, or the frame in place (views)
-    const int32_t *offs = (const int32_t *)(x + R * D), *src = offs + E + 1, *dst = src + nk;
+    int32_t *offs = (int32_t *)(x + R * D), *src = offs + E + 1, *dst = src + nk;
+    if (O.bad_plan && mm_gpu_mesh_plan_check(O.stream, offs, (int)E, (int)nk, (int)R,
+                                             (uint32_t)L + 1, (uint32_t)h->step_id,
+                                             O.bad_plan) != MM_OK) {
+        snprintf(msg, sizeof(msg), "step %llu layer %d: the plan check could not be issued",
+                 (unsigned long long)h->step_id, L);
+        return mm_dataserv_reply_error(c, h, MM_EDEVICE, msg);
+    }
     // the outputs written straight into the reply's place in the router's ring where the link
     // allows (MM_MESH_INPLACE; no copy at the send), else into d_out
     const size_t nb = (size_t)(nk * D) * 4;
@@ -497,6 +525,11 @@ mm_err expert_start(mm_daemon *d, void *arg, char err[MM_ERRLEN]) {
             if (!O.tokens_dev)
                 return MM_ENOMEM;
             MM_TRY(O.be->ops->set(O.be->ctx, O.d_tokens, O.tokens_dev, ne * 8));
+            // plan frames' shares are checked on the device before their products read them
+            if (!mm_gpu_mesh_plan_check || !mm_gpu_host_pinned ||
+                mm_gpu_host_pinned((void **)&O.bad_plan, 8) != MM_OK)
+                return mm_errf(err, MM_ENOMEM, "no pinned host word for the plan check");
+            O.bad_plan[0] = O.bad_plan[1] = 0;
         }
     }
     // device frames handed over in place (no copy out of the ring; MM_MESH_VIEWS=0: into d_x)
@@ -528,6 +561,8 @@ void expert_stop(mm_daemon *d, void *arg) {
     free(O.tokens);
     free(O.offs);
     free(O.tokens_dev);
+    if (O.bad_plan && mm_gpu_host_pinned_free)
+        mm_gpu_host_pinned_free(O.bad_plan);
     if (O.be) {
         O.be->ops->buffer_free(O.be->ctx, O.d_tokens);
         O.be->ops->buffer_free(O.be->ctx, O.d_x);

@@ -7,7 +7,9 @@
 // (routing's), piled on two experts (long runs of one expert), ids and weights not 16-byte
 // aligned, and out-of-range ids (counted as expert 0, the next synchronize says MM_EINVAL);
 // then route_with_plan with the parallel plan (route, then the plan in its own launch) against
-// the one-launch form: ids, weights and the plan, calls in a row.
+// the one-launch form: ids, weights and the plan, calls in a row. And an expert owner's check
+// of the plan share it receives (mesh_ops.cu mm_gpu_mesh_plan_check): a good share is left as it
+// is, a bad one (each way the contract can break) is emptied in place and flagged.
 // Without the GPU backend (plain `make`) or without a GPU, every case skips and says why.
 #include <math.h>
 #include <stdint.h>
@@ -21,6 +23,13 @@
 #include "gpu_test.h"
 
 extern void mm_gpu_set_route_plan_par(int min_slots) __attribute__((weak));
+extern mm_err mm_gpu_backend_stream(void *backend_ctx, void **stream, int *dev)
+    __attribute__((weak));
+extern mm_err mm_gpu_mesh_plan_check(void *stream, int32_t *d_plan, int n_experts, int n_slots,
+                                     int rows, uint32_t tag, uint32_t step_lo, uint32_t *h_flag)
+    __attribute__((weak));
+extern mm_err mm_gpu_host_pinned(void **p, size_t n_bytes) __attribute__((weak));
+extern void mm_gpu_host_pinned_free(void *p) __attribute__((weak));
 
 static void open_gpu(void) {
     gpu_open(NULL);
@@ -222,8 +231,82 @@ static void test_route_with_plan_par(void) {
     gpu_close(NULL);
 }
 
+// A plan share of E experts and n slots over `rows` x rows: offs (E+1) | src (n) | dst (n).
+// Good: a permutation of the slots in expert order, some experts empty. Each bad form breaks
+// one rule; the check must empty exactly those (offs 0, src 0, dst p) and set the flag to
+// {tag, step}, and leave a good share's bytes as they were with the flag 0.
+static void test_mesh_plan_check(void) {
+    gpu_open(NULL);
+    void *st = NULL;
+    int dev = 0;
+    if (!mm_gpu_mesh_plan_check || !mm_gpu_host_pinned || !mm_gpu_backend_stream ||
+        mm_gpu_backend_stream(gpu->ctx, &st, &dev) != MM_OK) {
+        gpu_close(NULL);
+        MM_SKIP("no GPU backend stream or no mesh plan check in this build");
+    }
+    uint32_t *flag = NULL;
+    MM_PASS(mm_gpu_host_pinned((void **)&flag, 8));
+    enum { E = 60, N = 700, ROWS = 100 };
+    const int W = E + 1 + 2 * N;
+    int32_t good[E + 1 + 2 * N], bad[E + 1 + 2 * N];
+    int32_t *offs = good, *src = good + E + 1, *dst = src + N;
+    offs[0] = 0;
+    for (int e = 0; e < E; e++)
+        offs[e + 1] = offs[e] + (e % 3 == 1 ? 0 : (e == E - 1 ? N - offs[e] : (int)urand(15)));
+    MM_TRUE(offs[E] == N);
+    for (int p = 0; p < N; p++)
+        src[p] = (int32_t)urand(ROWS), dst[p] = (N - 1 - p);
+    const char *what[] = {"none (good)", "offs[0] = 1", "offs falling", "offs[E] > n",
+                          "src = rows", "src < 0", "dst = n", "dst < 0", "a share within n, "
+                          "offs[E] < n (good)"};
+    for (int k = 0; k < 9; k++) {
+        memcpy(bad, good, sizeof(good));
+        int32_t *bo = bad, *bs = bad + E + 1, *bd = bs + N;
+        switch (k) {
+        case 1: bo[0] = 1; break;
+        case 2: bo[17] = bo[18] + 1; break;
+        case 3: bo[E] = N + 1; break;
+        case 4: bs[N - 1] = ROWS; break;
+        case 5: bs[3] = -1; break;
+        case 6: bd[500] = N; break;
+        case 7: bd[0] = -5; break;
+        case 8: bo[E] = N - 10; break; // fewer slots are this owner's: still valid
+        default: break;
+        }
+        const bool is_bad = k >= 1 && k <= 7;
+        flag[0] = flag[1] = 0;
+        int32_t *d = dev_copy(bad, sizeof(bad));
+        MM_PASS(mm_gpu_mesh_plan_check(st, d, E, N, ROWS, 7u + (uint32_t)k, 1000u + (uint32_t)k,
+                                       flag));
+        MM_PASS(gpu->ops->synchronize(gpu->ctx));
+        int32_t *out = dev_get(d, sizeof(bad));
+        if (!is_bad) {
+            if (memcmp(out, bad, sizeof(bad)) != 0 || flag[0] != 0)
+                MM_TEST_FAIL_("plan check, %s: a good share was changed or flagged (flag %u)",
+                              what[k], flag[0]);
+        } else {
+            if (flag[0] != 7u + (uint32_t)k || flag[1] != 1000u + (uint32_t)k)
+                MM_TEST_FAIL_("plan check, %s: flag {%u, %u}, want {%u, %u}", what[k], flag[0],
+                              flag[1], 7u + (uint32_t)k, 1000u + (uint32_t)k);
+            for (int i = 0; i < W; i++) {
+                const int32_t want = i <= E ? 0 : i < E + 1 + N ? 0 : i - (E + 1 + N);
+                if (out[i] != want)
+                    MM_TEST_FAIL_("plan check, %s: word %d is %d after emptying, want %d",
+                                  what[k], i, out[i], want);
+            }
+        }
+        free(out);
+        dev_free(d);
+    }
+    MM_FAIL(mm_gpu_mesh_plan_check(st, NULL, E, N, ROWS, 1, 0, flag), MM_EINVAL);
+    MM_FAIL(mm_gpu_mesh_plan_check(st, (int32_t *)flag, E, N, ROWS, 0, 0, flag), MM_EINVAL);
+    mm_gpu_host_pinned_free(flag);
+    gpu_close(NULL);
+}
+
 MM_TESTS = {
     {"route_plan by many blocks == one block == host plan", test_route_plan_par},
     {"route_with_plan with the parallel plan == one launch bits", test_route_with_plan_par},
+    {"mesh plan check: good shares unchanged, bad ones emptied and flagged", test_mesh_plan_check},
     {0},
 };

@@ -162,7 +162,7 @@ extern "C" mm_err mm_gpu_mesh_pick(void *, const float *, int64_t, const int32_t
                                    const int32_t *, int, int, float *);
 extern "C" mm_err mm_gpu_mesh_count(void *, const int32_t *, int, uint64_t *);
 extern "C" mm_err mm_gpu_mesh_plan_check(void *, int32_t *, int, int, int, uint32_t, uint32_t,
-                                         uint32_t *);
+                                         uint32_t *, uint64_t *);
 extern "C" {
 __attribute__((used)) void *mm__gpu_mesh_ops_keep[] = {
     (void *)mm_gpu_mesh_plan_split, (void *)mm_gpu_mesh_pick, (void *)mm_gpu_mesh_count,

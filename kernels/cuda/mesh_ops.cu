@@ -93,17 +93,21 @@ __global__ void mesh_count_kernel(const int32_t *offs, int E, uint64_t *counts) 
 // most n; every src in [0, rows); every dst in [0, n)) is emptied in place before the products
 // read it (offs all 0: no expert has rows; src 0 and dst p: valid rows past offs[E]), so no
 // product reads or writes outside its buffers, and flag[0] = tag, flag[1] = step_lo (pinned host
-// memory the owner's host reads at its next frame). One block; nothing is changed in a good share.
+// memory the owner's host reads at its next frame). One block; nothing is changed in a good share,
+// whose rows per expert are added to counts (if not NULL; mesh_count_kernel's sums).
 __global__ void mesh_plan_check_kernel(int32_t *offs, int E, int32_t *src, int32_t *dst, int n,
                                        int rows, uint32_t tag, uint32_t step_lo,
-                                       volatile uint32_t *flag) {
+                                       volatile uint32_t *flag, uint64_t *counts) {
     int bad = threadIdx.x == 0 && (offs[0] != 0 || offs[E] > n);
     for (int e = threadIdx.x; e < E; e += blockDim.x)
         bad |= offs[e + 1] < offs[e];
     for (int p = threadIdx.x; p < n; p += blockDim.x)
         bad |= src[p] < 0 || src[p] >= rows || dst[p] < 0 || dst[p] >= n;
-    if (!__syncthreads_or(bad))
+    if (!__syncthreads_or(bad)) {
+        for (int e = threadIdx.x; counts != NULL && e < E; e += blockDim.x)
+            counts[e] += (uint64_t)(offs[e + 1] - offs[e]);
         return;
+    }
     for (int e = threadIdx.x; e <= E; e += blockDim.x)
         offs[e] = 0;
     for (int p = threadIdx.x; p < n; p += blockDim.x)
@@ -119,15 +123,16 @@ __global__ void mesh_plan_check_kernel(int32_t *offs, int E, int32_t *src, int32
 // mm_gpu_mesh_plan_check: an expert owner's check of the plan share it received (offs (E+1),
 // src and dst (n_slots) at d_plan, device, writable: the frame's own bytes) against x rows of
 // `rows`: a bad share is emptied in place and h_flag (pinned host, 2 words, device-writable)
-// set to {tag (non-zero), step_lo}; see mesh_plan_check_kernel.
+// set to {tag (non-zero), step_lo}; see mesh_plan_check_kernel. d_counts (device, n_experts
+// u64, or NULL): a good share's rows per expert added, as mm_gpu_mesh_count does.
 extern "C" mm_err mm_gpu_mesh_plan_check(void *stream, int32_t *d_plan, int n_experts,
                                          int n_slots, int rows, uint32_t tag, uint32_t step_lo,
-                                         uint32_t *h_flag) {
+                                         uint32_t *h_flag, uint64_t *d_counts) {
     if (!d_plan || !h_flag || n_experts < 1 || n_slots < 0 || rows < 1 || tag == 0)
         return MM_EINVAL;
     mesh_plan_check_kernel<<<1, SPLIT_THREADS, 0, (cudaStream_t)stream>>>(
         d_plan, n_experts, d_plan + n_experts + 1, d_plan + n_experts + 1 + n_slots, n_slots,
-        rows, tag, step_lo, h_flag);
+        rows, tag, step_lo, h_flag, d_counts);
     MM_GPU_CHECK(cudaGetLastError());
     return MM_OK;
 }

@@ -39,7 +39,7 @@ extern mm_err mm_gpu_mesh_count(void *stream, const int32_t *d_offs, int n_exper
                                 uint64_t *d_counts) W;
 extern mm_err mm_gpu_mesh_plan_check(void *stream, int32_t *d_plan, int n_experts, int n_slots,
                                      int rows, uint32_t tag, uint32_t step_lo,
-                                     uint32_t *h_flag) W;
+                                     uint32_t *h_flag, uint64_t *d_counts) W;
 extern mm_err mm_gpu_host_pinned(void **p, size_t n_bytes) W;
 extern void mm_gpu_host_pinned_free(void *p) W;
 #undef W
@@ -302,9 +302,11 @@ static mm_err on_plan(mm_conn *c, const mm_wire_hdr *h, void *payload) {
     }
     const float *x = payload; // d_x, or the frame in place (views)
     int32_t *offs = (int32_t *)(x + R * D), *src = offs + E + 1, *dst = src + nk;
+    // (with the check, the rows served are counted by it: no launch of its own after the send)
     if (O.bad_plan && mm_gpu_mesh_plan_check(O.stream, offs, (int)E, (int)nk, (int)R,
-                                             (uint32_t)L + 1, (uint32_t)h->step_id,
-                                             O.bad_plan) != MM_OK) {
+                                             (uint32_t)L + 1, (uint32_t)h->step_id, O.bad_plan,
+                                             O.d_tokens ? O.d_tokens + (size_t)L * (size_t)E
+                                                        : NULL) != MM_OK) {
         snprintf(msg, sizeof(msg), "step %llu layer %d: the plan check could not be issued",
                  (unsigned long long)h->step_id, L);
         return mm_dataserv_reply_error(c, h, MM_EDEVICE, msg);
@@ -334,7 +336,7 @@ static mm_err on_plan(mm_conn *c, const mm_wire_hdr *h, void *payload) {
     rv = replied(h, L, mm_conn_sendv_dev(c, &r, &dv, 1, mm_deadline_in_ms(2000)));
     // the rows served, counted after the reply is on its way (off the step's path; the next
     // frame's rows land in d_x after it, in stream order)
-    if (rv == MM_OK && O.d_tokens &&
+    if (rv == MM_OK && O.d_tokens && !O.bad_plan &&
         mm_gpu_mesh_count(O.stream, offs, (int)E, O.d_tokens + (size_t)L * (size_t)E) != MM_OK)
         mm_log_warn("step %llu layer %d: counting the rows served failed; --load-csv misses them",
                     (unsigned long long)h->step_id, L);

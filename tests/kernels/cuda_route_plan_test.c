@@ -26,8 +26,8 @@ extern void mm_gpu_set_route_plan_par(int min_slots) __attribute__((weak));
 extern mm_err mm_gpu_backend_stream(void *backend_ctx, void **stream, int *dev)
     __attribute__((weak));
 extern mm_err mm_gpu_mesh_plan_check(void *stream, int32_t *d_plan, int n_experts, int n_slots,
-                                     int rows, uint32_t tag, uint32_t step_lo, uint32_t *h_flag)
-    __attribute__((weak));
+                                     int rows, uint32_t tag, uint32_t step_lo, uint32_t *h_flag,
+                                     uint64_t *d_counts) __attribute__((weak));
 extern mm_err mm_gpu_host_pinned(void **p, size_t n_bytes) __attribute__((weak));
 extern void mm_gpu_host_pinned_free(void *p) __attribute__((weak));
 
@@ -276,8 +276,12 @@ static void test_mesh_plan_check(void) {
         const bool is_bad = k >= 1 && k <= 7;
         flag[0] = flag[1] = 0;
         int32_t *d = dev_copy(bad, sizeof(bad));
+        uint64_t c0[E];
+        for (int e = 0; e < E; e++)
+            c0[e] = 5; // counts so far
+        uint64_t *dc = dev_copy(c0, sizeof(c0));
         MM_PASS(mm_gpu_mesh_plan_check(st, d, E, N, ROWS, 7u + (uint32_t)k, 1000u + (uint32_t)k,
-                                       flag));
+                                       flag, dc));
         MM_PASS(gpu->ops->synchronize(gpu->ctx));
         int32_t *out = dev_get(d, sizeof(bad));
         if (!is_bad) {
@@ -295,11 +299,20 @@ static void test_mesh_plan_check(void) {
                                   what[k], i, out[i], want);
             }
         }
+        uint64_t *c = dev_get(dc, sizeof(c0)); // a good share's rows counted, a bad one's not
+        for (int e = 0; e < E; e++) {
+            const uint64_t want = is_bad ? 5 : 5 + (uint64_t)(bad[e + 1] - bad[e]);
+            if (c[e] != want)
+                MM_TEST_FAIL_("plan check, %s: expert %d counted %llu, want %llu", what[k], e,
+                              (unsigned long long)c[e], (unsigned long long)want);
+        }
+        free(c);
         free(out);
         dev_free(d);
+        dev_free(dc);
     }
-    MM_FAIL(mm_gpu_mesh_plan_check(st, NULL, E, N, ROWS, 1, 0, flag), MM_EINVAL);
-    MM_FAIL(mm_gpu_mesh_plan_check(st, (int32_t *)flag, E, N, ROWS, 0, 0, flag), MM_EINVAL);
+    MM_FAIL(mm_gpu_mesh_plan_check(st, NULL, E, N, ROWS, 1, 0, flag, NULL), MM_EINVAL);
+    MM_FAIL(mm_gpu_mesh_plan_check(st, (int32_t *)flag, E, N, ROWS, 0, 0, flag, NULL), MM_EINVAL);
     mm_gpu_host_pinned_free(flag);
     gpu_close(NULL);
 }

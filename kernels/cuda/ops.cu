@@ -899,6 +899,107 @@ __global__ void __launch_bounds__(256) head_norm_rope_kv_pf_kernel(
     }
 }
 
+// A block per row (UPW units per warp: warp w takes heads w, w + NW, ...; NW warps of 256
+// threads): as head_norm_rope_kv_pf_kernel, but the row's rotation cos and sin (rope_kernel's
+// expressions of the same inputs, so the same values) are computed once per warp for all its
+// heads instead of once per head, the norm weights of each group and the cache slot loaded
+// once per warp.
+template <int HD, int UPW>
+__global__ void __launch_bounds__(256) head_norm_rope_kv_row_kernel(
+    float *x, int64_t stride, int n_a, int n_b, int64_t b_off, const void *wa, int wa_dt,
+    const void *wb, int wb_dt, float eps, struct mm_rope_args ra, struct mm_kv_store_args st,
+    int *d_err) {
+    constexpr int J = HD / MM_WARP_SIZE, JH = J / 2, NW = 256 / MM_WARP_SIZE;
+    static_assert(J % 2 == 0, "a lane holds both elements of its NeoX pairs");
+    mm_dep_signal();
+    mm_dep_wait();
+    const int lane = threadIdx.x % MM_WARP_SIZE, warp = threadIdx.x / MM_WARP_SIZE;
+    const int64_t r = blockIdx.x;
+    const int n_v = st.kv.n_kv_heads, nh = n_a + n_b + n_v;
+    const bool kb = st.kv.dtype == MM_DTYPE_BF16;
+    float v[UPW][J];
+    bool kvw = false; // this warp has a key or value head
+#pragma unroll
+    for (int t = 0; t < UPW; t++) {
+        const int h = warp + NW * t;
+        if (h >= nh)
+            continue;
+        kvw = kvw || h >= n_a;
+        const float *src = h < n_a         ? x + r * stride + (int64_t)h * HD
+                           : h < n_a + n_b ? x + r * stride + b_off + (int64_t)(h - n_a) * HD
+                                           : st.v + r * st.v_stride + (int64_t)(h - n_a - n_b) * HD;
+#pragma unroll
+        for (int j = 0; j < J; j++)
+            v[t][j] = src[lane + MM_WARP_SIZE * j];
+    }
+    float wva[J], wvb[J], fr[JH];
+#pragma unroll
+    for (int j = 0; j < J; j++) {
+        wva[j] = wa != NULL ? wload_rt(wa_dt, wa, lane + MM_WARP_SIZE * j) : 0.0f;
+        wvb[j] = wb != NULL ? wload_rt(wb_dt, wb, lane + MM_WARP_SIZE * j) : 0.0f;
+    }
+#pragma unroll
+    for (int j = 0; j < JH; j++)
+        fr[j] = ra.inv_freq[lane + MM_WARP_SIZE * j];
+    const float pos = (float)ra.pos[r];
+    const int64_t at = kvw ? kv_slot_at(st.kv, st.row_seq[r], st.row_pos[r], d_err) : -1;
+    float cs[JH], sn[JH];
+#pragma unroll
+    for (int j = 0; j < JH; j++) {
+        const float ang = pos * fr[j];
+        cs[j] = cosf(ang) * ra.mscale;
+        sn[j] = sinf(ang) * ra.mscale;
+    }
+#pragma unroll
+    for (int t = 0; t < UPW; t++) {
+        const int h = warp + NW * t;
+        if (h >= nh)
+            continue;
+        if (h >= n_a + n_b) { // a value head: a copy
+            if (at >= 0) {
+                const int64_t off = at + (int64_t)st.kv.n_kv_heads * st.kv.head_dim_k +
+                                    (int64_t)(h - n_a - n_b) * HD;
+                void *sv = kb ? (void *)((uint16_t *)st.kv.base + off) : (void *)(st.kv.base + off);
+#pragma unroll
+                for (int j = 0; j < J; j++)
+                    kv_put(sv, kb, lane + MM_WARP_SIZE * j, v[t][j]);
+            }
+            continue;
+        }
+        if ((h < n_a ? wa : wb) != NULL) {
+            float ss = 0.0f;
+#pragma unroll
+            for (int j = 0; j < J; j++)
+                ss += v[t][j] * v[t][j];
+            ss = mm_warp_sum(ss);
+            const float rs = 1.0f / sqrtf(ss / (float)HD + eps);
+#pragma unroll
+            for (int j = 0; j < J; j++)
+                v[t][j] = (h < n_a ? wva[j] : wvb[j]) * (v[t][j] * rs);
+        }
+#pragma unroll
+        for (int j = 0; j < JH; j++) {
+            const float c = cs[j], s = sn[j];
+            const float x0 = v[t][j], x1 = v[t][j + JH];
+            const float y0 = x0 * c - x1 * s, y1 = x1 * c + x0 * s;
+            v[t][j] = y0;
+            v[t][j + JH] = y1;
+        }
+        float *xr = x + r * stride + (h < n_a ? (int64_t)h * HD : b_off + (int64_t)(h - n_a) * HD);
+#pragma unroll
+        for (int j = 0; j < J; j++)
+            xr[lane + MM_WARP_SIZE * j] = v[t][j];
+        if (h >= n_a && at >= 0) {
+            const int64_t off = at + (int64_t)(h - n_a) * HD;
+            void *sk = kb ? (void *)((uint16_t *)st.kv.base + off) : (void *)(st.kv.base + off);
+#pragma unroll
+            for (int j = 0; j < J; j++)
+                kv_put(sk, kb, lane + MM_WARP_SIZE * j, v[t][j]);
+        }
+    }
+}
+#define HNR_ROW_MAX_UPW 6
+
 extern "C" mm_err mm_gpu_head_norm_rope(void *stream, float *d_x, int64_t n_rows, int64_t stride,
                                         int n_a, int n_b, int64_t b_off, int head_dim,
                                         const mm_weight *wa, const mm_weight *wb, float eps,
@@ -1029,6 +1130,23 @@ extern "C" mm_err mm_gpu_head_norm_rope_kv(void *stream, float *d_x, int64_t n_r
     if (ra->style == MM_ROPE_NEOX && ra->rot_offset == 0 && ra->rot_dim == head_dim &&
         head_dim == HNR_PF_HD && st->kv.head_dim_v == HNR_PF_HD &&
         HNR_PF_HD % (2 * warp_threads()) == 0 && rowops_pf(n_rows)) {
+        const int upw = (int)mm_div_up(n_a + 2 * (int64_t)n_b, per_block); // a block per row
+        if (upw <= HNR_ROW_MAX_UPW && n_rows <= INT32_MAX) {
+            void (*kern)(float *, int64_t, int, int, int64_t, const void *, int, const void *, int,
+                         float, struct mm_rope_args, struct mm_kv_store_args, int *) =
+                upw == 1   ? head_norm_rope_kv_row_kernel<HNR_PF_HD, 1>
+                : upw == 2 ? head_norm_rope_kv_row_kernel<HNR_PF_HD, 2>
+                : upw == 3 ? head_norm_rope_kv_row_kernel<HNR_PF_HD, 3>
+                : upw == 4 ? head_norm_rope_kv_row_kernel<HNR_PF_HD, 4>
+                : upw == 5 ? head_norm_rope_kv_row_kernel<HNR_PF_HD, 5>
+                           : head_norm_rope_kv_row_kernel<HNR_PF_HD, 6>;
+            MM_GPU_CHECK(mm_launch_dep(kern, dim3((unsigned)n_rows), dim3(256), 0,
+                (cudaStream_t)stream, d_x, stride, n_a, n_b, b_off, wa ? wa->data : NULL,
+                wa ? (int)wa->dtype : 0, wb ? wb->data : NULL, wb ? (int)wb->dtype : 0, eps, *ra,
+                *st, d_err));
+            MM_GPU_CHECK(cudaGetLastError());
+            return MM_OK;
+        }
         const int64_t pw = mm_div_up(warps, HNR_PF_UNITS); // warps of HNR_PF_UNITS units
         MM_GPU_CHECK(mm_launch_dep(head_norm_rope_kv_pf_kernel<HNR_PF_HD>,
             dim3(mm_div_up(pw, per_block)), dim3(256), 0, (cudaStream_t)stream, d_x, n_rows,
@@ -1637,6 +1755,50 @@ __global__ void __launch_bounds__(RMS_THREADS) embed_rmsnorm_kernel(
     rms_from_shared(xsh, wv, cols, eps, y + i * ys);
 }
 
+// embed_rmsnorm_kernel's prefill form (see "prefill forms of the row ops"): the row's table
+// elements (or, for a bad id, out's row as it is) all loaded before the first store, VPT
+// pieces of 4 per thread; the same values (wload_rt) and rms_from_shared4's norm.
+template <int DT, int VPT>
+__global__ void __launch_bounds__(RMS_THREADS) embed_rmsnorm_pf_kernel(
+    const void *table, int tdt, int64_t rows, int cols, const int32_t *ids, float *out,
+    int64_t os, const void *w, float eps, float *y, int64_t ys, int *d_err, int early) {
+    extern __shared__ float4 xsh4[]; // cols / 4
+    early_launch(early);
+    float4 wv[VPT];
+    rms_load_w4<DT, RMS_THREADS, VPT>(w, cols, wv); // weights: never written by a kernel
+    mm_dep_wait();
+    const int64_t i = blockIdx.x;
+    const int32_t id = ids[i];
+    float4 *orow = (float4 *)(out + i * os);
+    const bool bad = id < 0 || id >= rows;
+    if (bad && threadIdx.x == 0)
+        flag(d_err, ERR_INDEX);
+    float4 ev[VPT];
+#pragma unroll
+    for (int q = 0; q < VPT; q++) {
+        const int k4 = threadIdx.x + q * RMS_THREADS;
+        if (4 * k4 < cols) {
+            if (bad) {
+                ev[q] = orow[k4];
+            } else {
+                const int64_t e = (int64_t)id * cols + 4 * k4;
+                ev[q] = make_float4(wload_rt(tdt, table, e), wload_rt(tdt, table, e + 1),
+                                    wload_rt(tdt, table, e + 2), wload_rt(tdt, table, e + 3));
+            }
+        }
+    }
+#pragma unroll
+    for (int q = 0; q < VPT; q++) {
+        const int k4 = threadIdx.x + q * RMS_THREADS;
+        if (4 * k4 < cols) {
+            if (!bad)
+                orow[k4] = ev[q];
+            xsh4[k4] = ev[q];
+        }
+    }
+    rms_from_shared4<RMS_THREADS, VPT>((const float *)xsh4, wv, cols, eps, y + i * ys);
+}
+
 extern "C" mm_err mm_gpu_embed_rmsnorm(void *stream, const mm_weight *t, const int32_t *ids,
                                        int64_t n_rows, float *out, int64_t os, const mm_weight *w,
                                        float eps, float *y, int64_t ys, int *d_err) {
@@ -1654,6 +1816,27 @@ extern "C" mm_err mm_gpu_embed_rmsnorm(void *stream, const mm_weight *t, const i
     const int cols = (int)t->cols;
     const size_t shmem = (size_t)cols * sizeof(float);
     cudaStream_t st = (cudaStream_t)stream;
+    if (cols % 4 == 0 && al16(out, os) && al16(y, ys) && rowops_pf(n_rows)) {
+        const int vpt = cols <= 4 * RMS_THREADS ? 1 : cols <= 8 * RMS_THREADS ? 2
+                        : cols <= 16 * RMS_THREADS ? 4 : 8;
+        void (*kern)(const void *, int, int64_t, int, const int32_t *, float *, int64_t,
+                     const void *, float, float *, int64_t, int *, int) = NULL;
+#define ER_PICK(D)                                                                                  \
+    kern = vpt == 1 ? embed_rmsnorm_pf_kernel<D, 1> : vpt == 2 ? embed_rmsnorm_pf_kernel<D, 2>      \
+           : vpt == 4 ? embed_rmsnorm_pf_kernel<D, 4> : embed_rmsnorm_pf_kernel<D, 8>
+        switch (w->dtype) {
+        case MM_DTYPE_BF16: ER_PICK(MM_DTYPE_BF16); break;
+        case MM_DTYPE_F16: ER_PICK(MM_DTYPE_F16); break;
+        case MM_DTYPE_F32: ER_PICK(MM_DTYPE_F32); break;
+        default: return MM_EINVAL;
+        }
+#undef ER_PICK
+        MM_GPU_CHECK(mm_launch_dep(kern, dim3((unsigned)n_rows), dim3(RMS_THREADS), shmem, st,
+                                   t->data, (int)t->dtype, t->rows, cols, ids, out, os, w->data,
+                                   eps, y, ys, d_err, g_early));
+        MM_GPU_CHECK(cudaGetLastError());
+        return MM_OK;
+    }
     switch (w->dtype) {
     case MM_DTYPE_BF16: MM_GPU_CHECK(mm_launch_dep(embed_rmsnorm_kernel<MM_DTYPE_BF16>, dim3((unsigned)n_rows), dim3(RMS_THREADS), shmem, st, t->data, (int)t->dtype, t->rows, cols, ids, out, os, w->data, eps, y, ys, d_err, g_early)); break;
     case MM_DTYPE_F16: MM_GPU_CHECK(mm_launch_dep(embed_rmsnorm_kernel<MM_DTYPE_F16>, dim3((unsigned)n_rows), dim3(RMS_THREADS), shmem, st, t->data, (int)t->dtype, t->rows, cols, ids, out, os, w->data, eps, y, ys, d_err, g_early)); break;

@@ -451,7 +451,9 @@ __global__ void __launch_bounds__(PLAN_THREADS) route_plan_fused_kernel(
 // weight as route_finish_block), so the same ids and weights as route_plan_fused_kernel, whose
 // 256-thread block per row kept one warp busy for the scores (34 us at 4096 rows, ncu).
 // The picks below are route_pick_serial and route_pick_rank with a warp's barrier instead of
-// the block's.
+// the block's; up to 8 experts per lane the serial picks run from registers for every row (K
+// rounds of a warp argmax: cheaper for one warp than ranking each expert against all E, and
+// the same ids as the ranks wherever no choice score is NaN, route.cuh).
 #define RW_WARPS 8
 #define RW_SHMEM_MAX (48u << 10)
 extern "C" int mm__gpu_rowops_pf(int64_t n_rows); // ops.cu
@@ -487,6 +489,41 @@ __device__ __forceinline__ void route_pick_serial_warp(const struct mm_route_par
         }
         rw_warp_sync();
     }
+}
+
+// route_pick_serial_warp with this lane's choice scores (experts lane + W j, j < EPL, E <= W
+// EPL) and taken flags in registers: the same scan order and warp argmax, so the same picks
+// (and, without a NaN choice score, route_pick_rank's). ids_out and wk in shared memory.
+template <int EPL>
+__device__ __forceinline__ void route_pick_serial_reg(const struct mm_route_params &p,
+                                                      const float *prob, const float *choice,
+                                                      float *wk, int32_t *ids_out, int lane) {
+    const int E = p.n_experts, K = p.top_k;
+    float cv[EPL];
+    unsigned tk = 0; // bit j: expert lane + W j taken
+#pragma unroll
+    for (int j = 0; j < EPL; j++)
+        cv[j] = lane + MM_WARP_SIZE * j < E ? choice[lane + MM_WARP_SIZE * j] : 0.0f;
+    for (int t = 0; t < K; t++) {
+        float bs = 0.0f;
+        int bid = -1;
+#pragma unroll
+        for (int j = 0; j < EPL; j++) {
+            const int e = lane + MM_WARP_SIZE * j;
+            if (e < E && !((tk >> j) & 1u) && (bid < 0 || better(cv[j], e, bs, bid))) {
+                bs = cv[j];
+                bid = e;
+            }
+        }
+        warp_best(bs, bid);
+        if (bid % MM_WARP_SIZE == lane)
+            tk |= 1u << (bid / MM_WARP_SIZE);
+        if (lane == 0) {
+            ids_out[t] = bid;
+            wk[t] = prob[bid];
+        }
+    }
+    rw_warp_sync();
 }
 
 __device__ __forceinline__ void route_pick_rank_warp(const struct mm_route_params &p,
@@ -525,6 +562,9 @@ static size_t rw_warp_bytes(int E, int K) {
     return ((route_shmem_bytes(E, K) + 15) & ~(size_t)15) + (((size_t)K * 4 + 15) & ~(size_t)15);
 }
 
+// EPL > 0: the picks one at a time from registers (E <= W EPL); 0: from shared memory, by
+// rank without a NaN choice score.
+template <int EPL>
 __global__ void __launch_bounds__(RW_WARPS * MM_WARP_SIZE) route_rows_warp_kernel(
     struct mm_route_params p, const float *logits, int64_t ls, int n_rows, int32_t *ids,
     float *weights, int warp_bytes, int ids_off) {
@@ -548,10 +588,14 @@ __global__ void __launch_bounds__(RW_WARPS * MM_WARP_SIZE) route_rows_warp_kerne
             route_groups(p, choice);
         rw_warp_sync();
     }
-    if (nan)
+    if constexpr (EPL > 0) {
+        (void)nan;
+        route_pick_serial_reg<EPL>(p, prob, choice, wk, ids_sh, lane);
+    } else if (nan) {
         route_pick_serial_warp(p, prob, choice, taken, wk, ids_sh, lane);
-    else
+    } else {
         route_pick_rank_warp(p, prob, choice, wk, ids_sh, lane);
+    }
     for (int t = lane; t < K; t += MM_WARP_SIZE)
         ids[r * K + t] = ids_sh[t];
     if (lane == 0)
@@ -577,7 +621,12 @@ extern "C" mm_err mm_gpu_route_with_plan(void *stream, const struct mm_route_par
     const size_t rwb = rw_warp_bytes(p->n_experts, p->top_k);
     if (par && RW_WARPS * rwb <= RW_SHMEM_MAX && n_rows <= INT32_MAX && mm__gpu_rowops_pf(n_rows)) {
         // a warp per row, then the parallel plan
-        MM_GPU_CHECK(mm_launch_dep(route_rows_warp_kernel, dim3(mm_div_up(n_rows, RW_WARPS)),
+        const int ws = mm__gpu_warp_size(), E = p->n_experts;
+        void (*kern)(struct mm_route_params, const float *, int64_t, int, int32_t *, float *, int,
+                     int) = E <= ws ? route_rows_warp_kernel<1> : E <= 2 * ws ? route_rows_warp_kernel<2>
+                                  : E <= 4 * ws ? route_rows_warp_kernel<4>
+                                  : E <= 8 * ws ? route_rows_warp_kernel<8> : route_rows_warp_kernel<0>;
+        MM_GPU_CHECK(mm_launch_dep(kern, dim3(mm_div_up(n_rows, RW_WARPS)),
             dim3(RW_WARPS * mm__gpu_warp_size()), RW_WARPS * rwb, (cudaStream_t)stream, *p,
             d_logits, ls, (int)n_rows, d_ids, d_weights, (int)rwb, (int)plan_off));
         MM_GPU_CHECK(cudaGetLastError());

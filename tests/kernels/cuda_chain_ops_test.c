@@ -7,8 +7,9 @@
 // without norms; x and the whole cache compared) and its fallback for other layouts,
 // combine_rmsnorm == combine then rmsnorm (with and without the shared row, bf16 and f32
 // norm weights; h and y compared), embed_rmsnorm == embed then rmsnorm, and the prefill
-// forms of add_rmsnorm, combine_rmsnorm and head_norm_rope_kv (ops.cu, MM_GPU_ROWOPS_PF)
-// against the decode forms at 4096 rows, odd row counts and dims, and decode shapes.
+// forms of add_rmsnorm, combine_rmsnorm, head_norm_rope_kv and embed_rmsnorm (ops.cu,
+// MM_GPU_ROWOPS_PF) against the decode forms at 4096 rows, odd row counts and dims, and decode
+// shapes, and route_with_plan's warp-per-row routing against route then route_plan.
 // Without the GPU backend (plain `make`) or without a GPU, every case skips and says why.
 #include <math.h>
 #include <stdint.h>
@@ -526,6 +527,45 @@ static void pf_hnr_kv_case(int n, int H, int KV, bool norms, enum mm_dtype kdt) 
     free(tables), free(rs), free(rp), free(x), free(inv), free(wq), free(wk);
 }
 
+static void pf_embed_rms_case(int n, int vocab, int dim, enum mm_dtype tdt, enum mm_dtype wdt) {
+    const size_t tb = tdt == MM_DTYPE_F32 ? 4 : 2;
+    void *th = malloc((size_t)vocab * dim * tb), *wh = host_w(dim, wdt);
+    for (int64_t i = 0; i < (int64_t)vocab * dim; i++) {
+        const float v = frand() * 0.2f;
+        if (tdt == MM_DTYPE_F32)
+            ((float *)th)[i] = v;
+        else
+            ((uint16_t *)th)[i] = mm_f32_to_bf16(v);
+    }
+    int32_t *ids = malloc((size_t)n * 4);
+    for (int i = 0; i < n; i++)
+        ids[i] = (i * 7919 + 13) % vocab;
+    mm_weight t = {.data = dev_copy(th, (size_t)vocab * dim * tb), .dtype = tdt, .rows = vocab,
+                   .cols = dim};
+    mm_weight w = {.data = dev_copy(wh, (size_t)dim * (wdt == MM_DTYPE_F32 ? 4 : 2)),
+                   .dtype = wdt, .rows = 1, .cols = dim};
+    int32_t *di = dev_copy(ids, (size_t)n * 4);
+    const size_t on = (size_t)n * dim;
+    float *dout[2], *dy[2];
+    for (int j = 0; j < 2; j++) {
+        dout[j] = dev_copy(NULL, on * 4), dy[j] = dev_copy(NULL, on * 4);
+        fill_dev(dout[j], on * 4, 0x55);
+        fill_dev(dy[j], on * 4, 0x55);
+        mm_gpu_set_rowops_pf(j == 0 ? 0 : 2);
+        MM_PASS(gpu->ops->embed_rmsnorm(gpu->ctx, &t, di, n, dout[j], dim, &w, 1e-6f, dy[j], dim));
+    }
+    mm_gpu_set_rowops_pf(1);
+    MM_PASS(gpu->ops->synchronize(gpu->ctx));
+    same_dev("embed_rmsnorm out", dout[1], dout[0], on * 4);
+    same_dev("embed_rmsnorm y", dy[1], dy[0], on * 4);
+    printf("embed_rmsnorm %d rows, %s table %dx%d, %s norm: prefill form same bits\n", n,
+           dt_name(tdt), vocab, dim, dt_name(wdt));
+    void *b[] = {dout[0], dout[1], dy[0], dy[1], di, (void *)t.data, (void *)w.data};
+    for (size_t i = 0; i < sizeof(b) / sizeof(b[0]); i++)
+        dev_free(b[i]);
+    free(th), free(wh), free(ids);
+}
+
 static void test_rowops_pf(void) {
     open_gpu();
     if (!mm_gpu_set_rowops_pf)
@@ -553,6 +593,13 @@ static void test_rowops_pf(void) {
     pf_hnr_kv_case(64, 32, 4, true, MM_DTYPE_F32);
     pf_hnr_kv_case(333, 16, 2, true, MM_DTYPE_BF16);
     pf_hnr_kv_case(7, 8, 8, true, MM_DTYPE_F32);
+    pf_hnr_kv_case(50, 64, 4, true, MM_DTYPE_BF16); // 72 heads: the form of 2 heads per warp
+    pf_hnr_kv_case(129, 64, 8, false, MM_DTYPE_F32);
+    pf_embed_rms_case(4096, 5000, 2048, MM_DTYPE_BF16, MM_DTYPE_BF16); // 4K prefill
+    pf_embed_rms_case(1, 1000, 2048, MM_DTYPE_BF16, MM_DTYPE_BF16);
+    pf_embed_rms_case(130, 300, 1000, MM_DTYPE_F32, MM_DTYPE_F32);
+    pf_embed_rms_case(9, 100, 8192, MM_DTYPE_BF16, MM_DTYPE_F16);
+    pf_embed_rms_case(5, 100, 1002, MM_DTYPE_BF16, MM_DTYPE_BF16); // the first form twice
     // route_with_plan's routing a warp per row (with the parallel plan, forced at every size)
     // against route (ops.cu's one-warp kernel, picks one at a time) then route_plan
     if (mm_gpu_set_route_plan_par) {

@@ -451,9 +451,11 @@ __global__ void __launch_bounds__(PLAN_THREADS) route_plan_fused_kernel(
 // weight as route_finish_block), so the same ids and weights as route_plan_fused_kernel, whose
 // 256-thread block per row kept one warp busy for the scores (34 us at 4096 rows, ncu).
 // The picks below are route_pick_serial and route_pick_rank with a warp's barrier instead of
-// the block's; up to 8 experts per lane the serial picks run from registers for every row (K
-// rounds of a warp argmax: cheaper for one warp than ranking each expert against all E, and
-// the same ids as the ranks wherever no choice score is NaN, route.cuh).
+// the block's; up to 8 experts per lane, a row without a NaN choice score is picked one at a
+// time from registers (K rounds of a warp argmax: cheaper for one warp than ranking each
+// expert against all E; the same ids as the ranks, route.cuh), a row with one by
+// route_pick_serial_warp. H200 (ncu, 4096 rows, E 128, K 8): 26.0 us (the block per row) ->
+// 23.0 (a warp per row, ranks) -> 12.3 (register picks).
 #define RW_WARPS 8
 #define RW_SHMEM_MAX (48u << 10)
 extern "C" int mm__gpu_rowops_pf(int64_t n_rows); // ops.cu
@@ -492,8 +494,12 @@ __device__ __forceinline__ void route_pick_serial_warp(const struct mm_route_par
 }
 
 // route_pick_serial_warp with this lane's choice scores (experts lane + W j, j < EPL, E <= W
-// EPL) and taken flags in registers: the same scan order and warp argmax, so the same picks
-// (and, without a NaN choice score, route_pick_rank's). ids_out and wk in shared memory.
+// EPL) and taken flags in registers: the same scan order and warp argmax, each pick lane 0's
+// (with a NaN score the lanes' warp argmax can differ: route_pick_serial takes lane 0's), so
+// the same picks, and, without a NaN choice score, route_pick_rank's. ids_out and wk in shared
+// memory. route_rows_warp_kernel takes it for rows without a NaN choice score only (H200,
+// 12:02 UTC: the first form, without the broadcast, picked -1 on a NaN row; the NaN rows keep
+// route_pick_serial_warp, checked on the device at 11:50).
 template <int EPL>
 __device__ __forceinline__ void route_pick_serial_reg(const struct mm_route_params &p,
                                                       const float *prob, const float *choice,
@@ -516,6 +522,7 @@ __device__ __forceinline__ void route_pick_serial_reg(const struct mm_route_para
             }
         }
         warp_best(bs, bid);
+        bid = mm_shfl(bid, 0); // lane 0's, as route_pick_serial (lanes may differ on NaN ties)
         if (bid % MM_WARP_SIZE == lane)
             tk |= 1u << (bid / MM_WARP_SIZE);
         if (lane == 0) {
@@ -588,9 +595,8 @@ __global__ void __launch_bounds__(RW_WARPS * MM_WARP_SIZE) route_rows_warp_kerne
             route_groups(p, choice);
         rw_warp_sync();
     }
-    if constexpr (EPL > 0) {
-        (void)nan;
-        route_pick_serial_reg<EPL>(p, prob, choice, wk, ids_sh, lane);
+    if (EPL > 0 && !nan) { // (EPL 0: not instantiated)
+        route_pick_serial_reg<(EPL > 0 ? EPL : 1)>(p, prob, choice, wk, ids_sh, lane);
     } else if (nan) {
         route_pick_serial_warp(p, prob, choice, taken, wk, ids_sh, lane);
     } else {

@@ -18,6 +18,12 @@
 //   was last left (the copies out of it have run), so the caller may reuse src at once and the
 //   wait is rare (a part holds thousands of decode-step copies). Larger copies go straight from
 //   the caller's (pageable) memory as before.
+// - Device-to-host copies (`get`) of GET_PINNED_MIN..GET_PINNED_BYTES bytes (a prefill's last
+//   logits row: 608 KB for a 151936-word vocabulary) land in a pinned buffer by DMA, then one
+//   memcpy into the caller's memory after the drain `get` does anyway: a copy straight into
+//   pageable memory goes through the driver's own staging in pieces (~190-220 us for 608 KB on
+//   the H200 machine, MM_GPU_OPTIME). Env MM_GPU_GET_PINNED=0: the direct copy (A/B). The same
+//   bytes either way.
 // - Graphs (capture_begin/end, graph_launch): the stream is recorded in thread-local capture
 //   mode; set/get/synchronize are refused while recording (they would record host addresses
 //   or wait for work that does not run).
@@ -71,6 +77,8 @@
 #define STAGE_BYTES (1u << 20)
 #define STAGE_PARTS 4
 #define STAGE_MAX (64u << 10)
+#define GET_PINNED_MIN (64u << 10)
+#define GET_PINNED_BYTES (8u << 20)
 #define AMAX_ROWS 1024 // argmax workspace rows (more rows run in several launches)
 
 #define OT_POOL 2048  // event pairs between two reads
@@ -111,6 +119,7 @@ struct gpu_ctx {
     char *d_moe, *h_moe; // MOE_SLOTS slots on the device; one slot on the host
     // pinned staging ring for small copies (NULL: pinned memory unavailable, copy directly)
     char *h_stage;
+    char *h_get; // pinned landing buffer of `get` (GET_PINNED_BYTES; NULL: copy directly)
     int stage_part;                     // the part in use
     size_t stage_off;                   // next free byte inside it
     cudaEvent_t stage_ev[STAGE_PARTS];  // recorded when the part was left
@@ -365,6 +374,8 @@ static void gpu_close(void *ctx) {
             (void)cudaEventDestroy(g->stage_ev[i]);
     if (g->h_stage != NULL)
         (void)cudaFreeHost(g->h_stage);
+    if (g->h_get != NULL)
+        (void)cudaFreeHost(g->h_get);
     free(g);
 }
 
@@ -445,13 +456,18 @@ static mm_err gpu_get(void *ctx, void *dst, const void *src, size_t n_bytes) {
         return MM_EINVAL;
     MM_TRY(not_capturing(g, "get"));
     ON_DEVICE();
+    // a mid-sized copy lands in the pinned buffer, then one memcpy after the drain
+    const bool pinned = g->h_get != NULL && n_bytes >= GET_PINNED_MIN && n_bytes <= GET_PINNED_BYTES;
     if (n_bytes > 0) {
         ot_begin(g);
-        MM_GPU_CHECK(cudaMemcpyAsync(dst, src, n_bytes, cudaMemcpyDeviceToHost, g->stream));
+        MM_GPU_CHECK(cudaMemcpyAsync(pinned ? g->h_get : dst, src, n_bytes,
+                                     cudaMemcpyDeviceToHost, g->stream));
         ot_end(g, "get");
     }
     const mm_err rv = check_err_word(g);
     ot_read(g); // the stream has drained: reading the pairs waits for nothing
+    if (pinned && (rv == MM_OK || rv == MM_EINVAL)) // drained (EINVAL: an op's bad index)
+        memcpy(dst, g->h_get, n_bytes);
     return rv;
 }
 
@@ -963,6 +979,12 @@ extern "C" mm_err mm_cuda_backend_open(mm_backend *be, const mm_backend_params *
     if (e == cudaSuccess && cudaMallocHost((void **)&g->h_stage, STAGE_BYTES) != cudaSuccess) {
         (void)cudaGetLastError(); // no pinned memory: small copies go direct (slower, correct)
         g->h_stage = NULL;
+    }
+    const char *gp = getenv("MM_GPU_GET_PINNED"); // 0: `get` copies straight to the caller
+    if (e == cudaSuccess && !(gp != NULL && strcmp(gp, "0") == 0) &&
+        cudaMallocHost((void **)&g->h_get, GET_PINNED_BYTES) != cudaSuccess) {
+        (void)cudaGetLastError(); // no pinned memory: direct copies (slower, correct)
+        g->h_get = NULL;
     }
     if (e != cudaSuccess) {
         rv = mm_errf(err, MM_EDEVICE, "%s:%d: device setup failed: %s", MM_GPU_VENDOR, dev,

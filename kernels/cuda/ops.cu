@@ -23,7 +23,10 @@
 //   bits of head_norm_rope then kv_store); combine_rmsnorm_kernel runs combine's operations
 //   for a row, then the row's norm as rmsnorm_row_kernel (the next layer's input norm).
 //   route_plan.cu has route + plan; the routing steps are route.cuh's.
+// - Prefill forms (MM_GPU_ROWOPS_PF; "prefill forms of the row ops" below): from 128 rows the
+//   row ops above issue a row's loads before its stores; the same operations, so the same bits.
 #include <math.h>
+#include <stdlib.h>
 
 #include "gpu_common.cuh"
 #include "kernels.h"
@@ -247,6 +250,214 @@ __global__ void __launch_bounds__(CR_THREADS) combine_rmsnorm_kernel(
     rms_from_shared<CR_THREADS, EPT>(xsh, wv, dim, eps, y + i * ys);
 }
 
+// ---- prefill forms of the row ops (many rows) -------------------------------------------------
+// add_rmsnorm, combine_rmsnorm, embed_rmsnorm and head_norm_rope_kv have a second form for
+// calls of many rows (prefill chunks), with every element's operations and their order as
+// above, so the same bits: each thread issues all its loads of the row (16-byte pieces) before
+// its first store (the forms above interleave loads and stores in a loop the compiler cannot
+// reorder, as h and a may alias: one round trip per element step), and head_norm_rope_kv runs
+// a block per row, each head in registers from its load to its stores (no barrier between norm
+// and rope, one load and one store per element; the NeoX pairs (i, i + 64) of a 128-dim head
+// sit in one lane) and the row's cos/sin computed once per warp, not once per head.
+// H200, ncu per 4096-row call of Qwen3-30B-A3B (2026-11-30 12:02 UTC): head_norm_rope_kv
+// 105.0 -> 58.1 us, add_rmsnorm 55.5 -> 32.2 (the copy rate), combine_rmsnorm 96.5 -> 94.7
+// (bytes-bound both), embed_rmsnorm 52.7 -> 24.2; the 4K forward of 4 layers 9.0 -> 8.6 ms.
+// MM_GPU_ROWOPS_PF (read at first use; mm_gpu_set_rowops_pf): 0 the forms above always, 1
+// (default) the prefill forms from ROWOPS_PF_MIN rows, 2 the prefill forms wherever they apply
+// (tests). Decode steps (1..64 rows) keep the forms above. route_plan.cu's routing a warp per
+// row (route_with_plan with the parallel plan) follows the same switch.
+#define ROWOPS_PF_MIN 128
+static int g_rowops_pf = -1; // -1: not read yet
+
+extern "C" void mm_gpu_set_rowops_pf(int mode);
+extern "C" void mm_gpu_set_rowops_pf(int mode) { g_rowops_pf = mode < 0 ? 0 : mode > 2 ? 2 : mode; }
+
+static bool rowops_pf(int64_t n_rows) {
+    if (g_rowops_pf < 0) {
+        const char *e = getenv("MM_GPU_ROWOPS_PF");
+        g_rowops_pf = e && e[0] != '\0' ? (atoi(e) < 0 ? 0 : atoi(e) > 2 ? 2 : atoi(e)) : 1;
+    }
+    return g_rowops_pf == 2 || (g_rowops_pf == 1 && n_rows >= ROWOPS_PF_MIN);
+}
+
+// For route_plan.cu's warp-per-row routing (the same switch and threshold).
+extern "C" int mm__gpu_rowops_pf(int64_t n_rows);
+extern "C" int mm__gpu_rowops_pf(int64_t n_rows) { return rowops_pf(n_rows) ? 1 : 0; }
+
+// 16-byte pieces: the pointer 16-byte aligned and the stride a multiple of 4 floats
+static bool al16(const void *p, int64_t stride) {
+    return ((uintptr_t)p & 15) == 0 && stride % 4 == 0;
+}
+
+// This thread's weights for its VPT pieces (elements 4 * (threadIdx.x + i * NT) + 0..3).
+template <int DT, int NT, int VPT>
+__device__ __forceinline__ void rms_load_w4(const void *w, int dim, float4 wv[VPT]) {
+#pragma unroll
+    for (int i = 0; i < VPT; i++) {
+        const int k = 4 * (threadIdx.x + i * NT);
+        wv[i] = k < dim ? make_float4(wload<DT>(w, k), wload<DT>(w, k + 1), wload<DT>(w, k + 2),
+                                      wload<DT>(w, k + 3))
+                        : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+}
+
+// rms_from_shared with each thread scaling its VPT pieces: the same sum (one warp, the
+// lane-strided order, butterfly), the same wv * (x * rs) per element. dim % 4 == 0, yr 16-byte
+// aligned.
+template <int NT, int VPT>
+__device__ __forceinline__ void rms_from_shared4(const float *xsh, const float4 *wv, int dim,
+                                                 float eps, float *yr) {
+    __shared__ float rs_sh;
+    __syncthreads();
+    if (threadIdx.x < MM_WARP_SIZE) {
+        const int lane = threadIdx.x;
+        float ss = 0.0f;
+#pragma unroll 8
+        for (int k = lane; k < dim; k += MM_WARP_SIZE)
+            ss += xsh[k] * xsh[k];
+        ss = mm_warp_sum(ss);
+        if (lane == 0)
+            rs_sh = 1.0f / sqrtf(ss / (float)dim + eps);
+    }
+    __syncthreads();
+    const float rs = rs_sh;
+#pragma unroll
+    for (int i = 0; i < VPT; i++) {
+        const int k4 = threadIdx.x + i * NT;
+        if (4 * k4 < dim) {
+            const float4 xv = ((const float4 *)xsh)[k4];
+            float4 y;
+            y.x = wv[i].x * (xv.x * rs);
+            y.y = wv[i].y * (xv.y * rs);
+            y.z = wv[i].z * (xv.z * rs);
+            y.w = wv[i].w * (xv.w * rs);
+            ((float4 *)yr)[k4] = y;
+        }
+    }
+}
+
+__device__ __forceinline__ float4 add4_rn(float4 a, float4 b) {
+    return make_float4(__fadd_rn(a.x, b.x), __fadd_rn(a.y, b.y), __fadd_rn(a.z, b.z),
+                       __fadd_rn(a.w, b.w));
+}
+
+// add_rmsnorm_kernel's prefill form: a block of RMS_THREADS per row, VPT pieces per thread.
+template <int DT, int VPT>
+__global__ void __launch_bounds__(RMS_THREADS) add_rmsnorm_pf_kernel(const float *a, int64_t as,
+                                                                     float *h, int64_t hs,
+                                                                     const void *w, int dim,
+                                                                     float eps, float *y,
+                                                                     int64_t ys, int early) {
+    extern __shared__ float4 xsh4[]; // dim / 4
+    early_launch(early);
+    float4 wv[VPT];
+    rms_load_w4<DT, RMS_THREADS, VPT>(w, dim, wv); // weights: never written by a kernel
+    mm_dep_wait();
+    const int64_t r = blockIdx.x;
+    const float4 *ar = (const float4 *)(a + r * as);
+    float4 *hr = (float4 *)(h + r * hs);
+    float4 av[VPT], hv[VPT];
+#pragma unroll
+    for (int i = 0; i < VPT; i++) {
+        const int k4 = threadIdx.x + i * RMS_THREADS;
+        if (4 * k4 < dim) {
+            hv[i] = hr[k4];
+            av[i] = ar[k4];
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < VPT; i++) {
+        const int k4 = threadIdx.x + i * RMS_THREADS;
+        if (4 * k4 < dim) {
+            const float4 v = add4_rn(hv[i], av[i]);
+            hr[k4] = v;
+            xsh4[k4] = v;
+        }
+    }
+    rms_from_shared4<RMS_THREADS, VPT>((const float *)xsh4, wv, dim, eps, y + r * ys);
+}
+
+// combine_rmsnorm_kernel's prefill form: a block of CR_THREADS per row, VPT pieces per thread;
+// the loads of UNR ranks (and the row's h and shared pieces) issued together, then each
+// element's rank-ordered products and adds, the shared row and the residual add as there.
+template <int DT, int VPT>
+__global__ void __launch_bounds__(CR_THREADS) combine_rmsnorm_pf_kernel(
+    const float *alpha, int k, const float *x, int64_t xs, const float *shared, int64_t ss,
+    float *h, int64_t hs, int64_t n_rows, const void *w, int dim, float eps, float *y, int64_t ys,
+    int early) {
+    constexpr int UNR = 8 / VPT; // ranks whose loads go together
+    extern __shared__ float4 xsh4[]; // dim / 4
+    early_launch(early);
+    float4 wv[VPT];
+    rms_load_w4<DT, CR_THREADS, VPT>(w, dim, wv); // weights: never written by a kernel
+    mm_dep_wait();
+    const int64_t i = blockIdx.x;
+    float4 *hr = (float4 *)(h + i * hs);
+    const float *xr = x + i * k * xs;
+    float4 acc[VPT], hv[VPT], sv[VPT];
+#pragma unroll
+    for (int q = 0; q < VPT; q++) {
+        acc[q] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        const int j4 = threadIdx.x + q * CR_THREADS;
+        if (4 * j4 < dim) {
+            hv[q] = hr[j4];
+            if (shared != NULL)
+                sv[q] = ((const float4 *)(shared + i * ss))[j4];
+        }
+    }
+    int r = 0;
+    for (; r + UNR <= k; r += UNR) {
+        float4 xv[UNR][VPT];
+        float av[UNR];
+#pragma unroll
+        for (int u = 0; u < UNR; u++) {
+            av[u] = alpha[(int64_t)(r + u) * n_rows + i];
+#pragma unroll
+            for (int q = 0; q < VPT; q++) {
+                const int j4 = threadIdx.x + q * CR_THREADS;
+                xv[u][q] = 4 * j4 < dim ? ((const float4 *)(xr + (int64_t)(r + u) * xs))[j4]
+                                        : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < UNR; u++)
+#pragma unroll
+            for (int q = 0; q < VPT; q++) {
+                acc[q].x = __fadd_rn(acc[q].x, __fmul_rn(av[u], xv[u][q].x));
+                acc[q].y = __fadd_rn(acc[q].y, __fmul_rn(av[u], xv[u][q].y));
+                acc[q].z = __fadd_rn(acc[q].z, __fmul_rn(av[u], xv[u][q].z));
+                acc[q].w = __fadd_rn(acc[q].w, __fmul_rn(av[u], xv[u][q].w));
+            }
+    }
+    for (; r < k; r++) {
+        const float av = alpha[(int64_t)r * n_rows + i];
+#pragma unroll
+        for (int q = 0; q < VPT; q++) {
+            const int j4 = threadIdx.x + q * CR_THREADS;
+            if (4 * j4 < dim) {
+                const float4 xv = ((const float4 *)(xr + (int64_t)r * xs))[j4];
+                acc[q].x = __fadd_rn(acc[q].x, __fmul_rn(av, xv.x));
+                acc[q].y = __fadd_rn(acc[q].y, __fmul_rn(av, xv.y));
+                acc[q].z = __fadd_rn(acc[q].z, __fmul_rn(av, xv.z));
+                acc[q].w = __fadd_rn(acc[q].w, __fmul_rn(av, xv.w));
+            }
+        }
+    }
+#pragma unroll
+    for (int q = 0; q < VPT; q++) {
+        const int j4 = threadIdx.x + q * CR_THREADS;
+        if (4 * j4 < dim) {
+            float4 a = acc[q];
+            if (shared != NULL)
+                a = add4_rn(a, sv[q]);
+            const float4 v = add4_rn(hv[q], a);
+            hr[j4] = v;
+            xsh4[j4] = v;
+        }
+    }
+    rms_from_shared4<CR_THREADS, VPT>((const float *)xsh4, wv, dim, eps, y + i * ys);
+}
+
 template <int DT>
 __global__ void rmsnorm_kernel(const void *w, int dim, float eps, const float *x, int64_t xs,
                                float *y, int64_t ys, int64_t n_rows, int early) {
@@ -312,6 +523,26 @@ extern "C" mm_err mm_gpu_add_rmsnorm(void *stream, const float *a, int64_t as, f
     const size_t shmem = (size_t)dim * sizeof(float);
     const unsigned grid = (unsigned)n_rows;
     cudaStream_t st = (cudaStream_t)stream;
+    if (dim % 4 == 0 && al16(a, as) && al16(h, hs) && al16(y, ys) && rowops_pf(n_rows)) {
+        const int vpt = dim <= 4 * RMS_THREADS ? 1 : dim <= 8 * RMS_THREADS ? 2
+                        : dim <= 16 * RMS_THREADS ? 4 : 8;
+        void (*kern)(const float *, int64_t, float *, int64_t, const void *, int, float, float *,
+                     int64_t, int) = NULL;
+#define AR_PICK(D)                                                                                  \
+    kern = vpt == 1 ? add_rmsnorm_pf_kernel<D, 1> : vpt == 2 ? add_rmsnorm_pf_kernel<D, 2>          \
+           : vpt == 4 ? add_rmsnorm_pf_kernel<D, 4> : add_rmsnorm_pf_kernel<D, 8>
+        switch (w->dtype) {
+        case MM_DTYPE_BF16: AR_PICK(MM_DTYPE_BF16); break;
+        case MM_DTYPE_F16: AR_PICK(MM_DTYPE_F16); break;
+        case MM_DTYPE_F32: AR_PICK(MM_DTYPE_F32); break;
+        default: return MM_EINVAL;
+        }
+#undef AR_PICK
+        MM_GPU_CHECK(mm_launch_dep(kern, dim3(grid), dim3(RMS_THREADS), shmem, st, a, as, h, hs,
+                                   w->data, dim, eps, y, ys, g_early));
+        MM_GPU_CHECK(cudaGetLastError());
+        return MM_OK;
+    }
     switch (w->dtype) {
     case MM_DTYPE_BF16: MM_GPU_CHECK(mm_launch_dep(add_rmsnorm_kernel<MM_DTYPE_BF16>, dim3(grid), dim3(RMS_THREADS), shmem, st, a, as, h, hs, w->data, dim, eps, y, ys, g_early)); break;
     case MM_DTYPE_F16: MM_GPU_CHECK(mm_launch_dep(add_rmsnorm_kernel<MM_DTYPE_F16>, dim3(grid), dim3(RMS_THREADS), shmem, st, a, as, h, hs, w->data, dim, eps, y, ys, g_early)); break;
@@ -343,6 +574,26 @@ extern "C" mm_err mm_gpu_combine_rmsnorm(void *stream, const float *alpha, int k
                     : dim <= 8 * CR_THREADS ? 8 : 16;
     void (*kern)(const float *, int, const float *, int64_t, const float *, int64_t, float *,
                  int64_t, int64_t, const void *, int, float, float *, int64_t, int) = NULL;
+    // the prefill form: 16-byte pieces of every row it reads or writes
+    const bool pf = dim % 4 == 0 && (k == 0 || al16(x, xs)) && (shared == NULL || al16(shared, ss)) &&
+                    al16(h, hs) && al16(y, ys) && rowops_pf(n_rows);
+    const int vpt = dim <= 4 * CR_THREADS ? 1 : dim <= 8 * CR_THREADS ? 2 : 4;
+#define CR_PICK_PF(D)                                                                               \
+    kern = vpt == 1 ? combine_rmsnorm_pf_kernel<D, 1> : vpt == 2 ? combine_rmsnorm_pf_kernel<D, 2>  \
+           : combine_rmsnorm_pf_kernel<D, 4>
+    if (pf) {
+        switch (w->dtype) {
+        case MM_DTYPE_BF16: CR_PICK_PF(MM_DTYPE_BF16); break;
+        case MM_DTYPE_F16: CR_PICK_PF(MM_DTYPE_F16); break;
+        case MM_DTYPE_F32: CR_PICK_PF(MM_DTYPE_F32); break;
+        default: return MM_EINVAL;
+        }
+        MM_GPU_CHECK(mm_launch_dep(kern, dim3(grid), dim3(CR_THREADS), shmem, st, alpha, k, x, xs,
+                                   shared, ss, h, hs, n_rows, w->data, dim, eps, y, ys, g_early));
+        MM_GPU_CHECK(cudaGetLastError());
+        return MM_OK;
+    }
+#undef CR_PICK_PF
 #define CR_PICK(D)                                                                                  \
     kern = ept == 1 ? combine_rmsnorm_kernel<D, 1> : ept == 2 ? combine_rmsnorm_kernel<D, 2>        \
            : ept == 4 ? combine_rmsnorm_kernel<D, 4> : ept == 8 ? combine_rmsnorm_kernel<D, 8>      \
@@ -542,6 +793,219 @@ __global__ void head_norm_rope_kv_kernel(float *x, int64_t n_rows, int64_t strid
                    d_err);
 }
 
+// head_norm_rope_kv_kernel's prefill form (see "prefill forms of the row ops" above): NeoX
+// rotation of whole heads of HD dims, keys from group b of x, values of HD dims. A warp takes
+// HNR_PF_UNITS (row, head) units in turn, each held in registers (lane l: elements l + W j, W
+// the warp width), all loaded before the first is computed: the norm (rmsnorm_kernel's
+// lane-strided sum and scale), the rotation of the pairs (i, i + HD / 2), which sit in one
+// lane, with rope_kernel's expressions, then x and the cache slot written once. A value head
+// is copied to its slot. The operations of hnr_body<true> per element, so the same bits.
+#define HNR_PF_UNITS 2
+#define HNR_PF_HD 128
+template <int HD>
+__global__ void __launch_bounds__(256) head_norm_rope_kv_pf_kernel(
+    float *x, int64_t n_rows, int64_t stride, int n_a, int n_b, int64_t b_off, const void *wa,
+    int wa_dt, const void *wb, int wb_dt, float eps, struct mm_rope_args ra,
+    struct mm_kv_store_args st, int *d_err) {
+    constexpr int J = HD / MM_WARP_SIZE, JH = J / 2, U = HNR_PF_UNITS;
+    static_assert(J % 2 == 0, "a lane holds both elements of its NeoX pairs");
+    mm_dep_signal();
+    mm_dep_wait();
+    const int lane = threadIdx.x % MM_WARP_SIZE;
+    const int64_t gw = (int64_t)blockIdx.x * (blockDim.x / MM_WARP_SIZE) + threadIdx.x / MM_WARP_SIZE;
+    const int n_v = st.kv.n_kv_heads, nh = n_a + n_b + n_v;
+    const int64_t units = n_rows * nh;
+    const bool kb = st.kv.dtype == MM_DTYPE_BF16;
+    float v[U][J], wv[U][J], fr[U][JH];
+    int64_t rr[U], at[U];
+    int hh[U];
+    float pos[U];
+    // every load of the warp's units first: the head, its norm weights, the rotation's
+    // frequencies and position, and (keys and values) the cache slot
+#pragma unroll
+    for (int t = 0; t < U; t++) {
+        const int64_t u = gw * U + t;
+        hh[t] = -1;
+        rr[t] = 0;
+        at[t] = -1;
+        if (u >= units)
+            continue;
+        const int64_t r = u / nh;
+        const int h = (int)(u % nh);
+        rr[t] = r;
+        hh[t] = h;
+        const float *src = h < n_a         ? x + r * stride + (int64_t)h * HD
+                           : h < n_a + n_b ? x + r * stride + b_off + (int64_t)(h - n_a) * HD
+                                           : st.v + r * st.v_stride + (int64_t)(h - n_a - n_b) * HD;
+#pragma unroll
+        for (int j = 0; j < J; j++)
+            v[t][j] = src[lane + MM_WARP_SIZE * j];
+        if (h < n_a + n_b) {
+            const void *w = h < n_a ? wa : wb;
+            const int dt = h < n_a ? wa_dt : wb_dt;
+#pragma unroll
+            for (int j = 0; j < J; j++)
+                wv[t][j] = w != NULL ? wload_rt(dt, w, lane + MM_WARP_SIZE * j) : 0.0f;
+#pragma unroll
+            for (int j = 0; j < JH; j++)
+                fr[t][j] = ra.inv_freq[lane + MM_WARP_SIZE * j];
+            pos[t] = (float)ra.pos[r];
+        }
+        if (h >= n_a)
+            at[t] = kv_slot_at(st.kv, st.row_seq[r], st.row_pos[r], d_err);
+    }
+#pragma unroll
+    for (int t = 0; t < U; t++) {
+        const int h = hh[t];
+        if (h < 0)
+            continue;
+        const int64_t r = rr[t];
+        if (h >= n_a + n_b) { // a value head: a copy
+            if (at[t] >= 0) {
+                const int64_t off = at[t] + (int64_t)st.kv.n_kv_heads * st.kv.head_dim_k +
+                                    (int64_t)(h - n_a - n_b) * HD;
+                void *sv = kb ? (void *)((uint16_t *)st.kv.base + off) : (void *)(st.kv.base + off);
+#pragma unroll
+                for (int j = 0; j < J; j++)
+                    kv_put(sv, kb, lane + MM_WARP_SIZE * j, v[t][j]);
+            }
+            continue;
+        }
+        if ((h < n_a ? wa : wb) != NULL) {
+            float ss = 0.0f;
+#pragma unroll
+            for (int j = 0; j < J; j++)
+                ss += v[t][j] * v[t][j];
+            ss = mm_warp_sum(ss);
+            const float rs = 1.0f / sqrtf(ss / (float)HD + eps);
+#pragma unroll
+            for (int j = 0; j < J; j++)
+                v[t][j] = wv[t][j] * (v[t][j] * rs);
+        }
+#pragma unroll
+        for (int j = 0; j < JH; j++) {
+            const float ang = pos[t] * fr[t][j];
+            const float c = cosf(ang) * ra.mscale, sn = sinf(ang) * ra.mscale;
+            const float x0 = v[t][j], x1 = v[t][j + JH];
+            const float y0 = x0 * c - x1 * sn, y1 = x1 * c + x0 * sn;
+            v[t][j] = y0;
+            v[t][j + JH] = y1;
+        }
+        float *xr = x + r * stride + (h < n_a ? (int64_t)h * HD : b_off + (int64_t)(h - n_a) * HD);
+#pragma unroll
+        for (int j = 0; j < J; j++)
+            xr[lane + MM_WARP_SIZE * j] = v[t][j];
+        if (h >= n_a && at[t] >= 0) {
+            const int64_t off = at[t] + (int64_t)(h - n_a) * HD;
+            void *sk = kb ? (void *)((uint16_t *)st.kv.base + off) : (void *)(st.kv.base + off);
+#pragma unroll
+            for (int j = 0; j < J; j++)
+                kv_put(sk, kb, lane + MM_WARP_SIZE * j, v[t][j]);
+        }
+    }
+}
+
+// A block per row (UPW units per warp: warp w takes heads w, w + NW, ...; NW warps of 256
+// threads): as head_norm_rope_kv_pf_kernel, but the row's rotation cos and sin (rope_kernel's
+// expressions of the same inputs, so the same values) are computed once per warp for all its
+// heads instead of once per head, the norm weights of each group and the cache slot loaded
+// once per warp.
+template <int HD, int UPW>
+__global__ void __launch_bounds__(256) head_norm_rope_kv_row_kernel(
+    float *x, int64_t stride, int n_a, int n_b, int64_t b_off, const void *wa, int wa_dt,
+    const void *wb, int wb_dt, float eps, struct mm_rope_args ra, struct mm_kv_store_args st,
+    int *d_err) {
+    constexpr int J = HD / MM_WARP_SIZE, JH = J / 2, NW = 256 / MM_WARP_SIZE;
+    static_assert(J % 2 == 0, "a lane holds both elements of its NeoX pairs");
+    mm_dep_signal();
+    mm_dep_wait();
+    const int lane = threadIdx.x % MM_WARP_SIZE, warp = threadIdx.x / MM_WARP_SIZE;
+    const int64_t r = blockIdx.x;
+    const int n_v = st.kv.n_kv_heads, nh = n_a + n_b + n_v;
+    const bool kb = st.kv.dtype == MM_DTYPE_BF16;
+    float v[UPW][J];
+    bool kvw = false; // this warp has a key or value head
+#pragma unroll
+    for (int t = 0; t < UPW; t++) {
+        const int h = warp + NW * t;
+        if (h >= nh)
+            continue;
+        kvw = kvw || h >= n_a;
+        const float *src = h < n_a         ? x + r * stride + (int64_t)h * HD
+                           : h < n_a + n_b ? x + r * stride + b_off + (int64_t)(h - n_a) * HD
+                                           : st.v + r * st.v_stride + (int64_t)(h - n_a - n_b) * HD;
+#pragma unroll
+        for (int j = 0; j < J; j++)
+            v[t][j] = src[lane + MM_WARP_SIZE * j];
+    }
+    float wva[J], wvb[J], fr[JH];
+#pragma unroll
+    for (int j = 0; j < J; j++) {
+        wva[j] = wa != NULL ? wload_rt(wa_dt, wa, lane + MM_WARP_SIZE * j) : 0.0f;
+        wvb[j] = wb != NULL ? wload_rt(wb_dt, wb, lane + MM_WARP_SIZE * j) : 0.0f;
+    }
+#pragma unroll
+    for (int j = 0; j < JH; j++)
+        fr[j] = ra.inv_freq[lane + MM_WARP_SIZE * j];
+    const float pos = (float)ra.pos[r];
+    const int64_t at = kvw ? kv_slot_at(st.kv, st.row_seq[r], st.row_pos[r], d_err) : -1;
+    float cs[JH], sn[JH];
+#pragma unroll
+    for (int j = 0; j < JH; j++) {
+        const float ang = pos * fr[j];
+        cs[j] = cosf(ang) * ra.mscale;
+        sn[j] = sinf(ang) * ra.mscale;
+    }
+#pragma unroll
+    for (int t = 0; t < UPW; t++) {
+        const int h = warp + NW * t;
+        if (h >= nh)
+            continue;
+        if (h >= n_a + n_b) { // a value head: a copy
+            if (at >= 0) {
+                const int64_t off = at + (int64_t)st.kv.n_kv_heads * st.kv.head_dim_k +
+                                    (int64_t)(h - n_a - n_b) * HD;
+                void *sv = kb ? (void *)((uint16_t *)st.kv.base + off) : (void *)(st.kv.base + off);
+#pragma unroll
+                for (int j = 0; j < J; j++)
+                    kv_put(sv, kb, lane + MM_WARP_SIZE * j, v[t][j]);
+            }
+            continue;
+        }
+        if ((h < n_a ? wa : wb) != NULL) {
+            float ss = 0.0f;
+#pragma unroll
+            for (int j = 0; j < J; j++)
+                ss += v[t][j] * v[t][j];
+            ss = mm_warp_sum(ss);
+            const float rs = 1.0f / sqrtf(ss / (float)HD + eps);
+#pragma unroll
+            for (int j = 0; j < J; j++)
+                v[t][j] = (h < n_a ? wva[j] : wvb[j]) * (v[t][j] * rs);
+        }
+#pragma unroll
+        for (int j = 0; j < JH; j++) {
+            const float c = cs[j], s = sn[j];
+            const float x0 = v[t][j], x1 = v[t][j + JH];
+            const float y0 = x0 * c - x1 * s, y1 = x1 * c + x0 * s;
+            v[t][j] = y0;
+            v[t][j + JH] = y1;
+        }
+        float *xr = x + r * stride + (h < n_a ? (int64_t)h * HD : b_off + (int64_t)(h - n_a) * HD);
+#pragma unroll
+        for (int j = 0; j < J; j++)
+            xr[lane + MM_WARP_SIZE * j] = v[t][j];
+        if (h >= n_a && at >= 0) {
+            const int64_t off = at + (int64_t)(h - n_a) * HD;
+            void *sk = kb ? (void *)((uint16_t *)st.kv.base + off) : (void *)(st.kv.base + off);
+#pragma unroll
+            for (int j = 0; j < J; j++)
+                kv_put(sk, kb, lane + MM_WARP_SIZE * j, v[t][j]);
+        }
+    }
+}
+#define HNR_ROW_MAX_UPW 6
+
 extern "C" mm_err mm_gpu_head_norm_rope(void *stream, float *d_x, int64_t n_rows, int64_t stride,
                                         int n_a, int n_b, int64_t b_off, int head_dim,
                                         const mm_weight *wa, const mm_weight *wb, float eps,
@@ -669,6 +1133,34 @@ extern "C" mm_err mm_gpu_head_norm_rope_kv(void *stream, float *d_x, int64_t n_r
     if (warps == 0)
         return MM_OK;
     const unsigned per_block = 256 / warp_threads();
+    if (ra->style == MM_ROPE_NEOX && ra->rot_offset == 0 && ra->rot_dim == head_dim &&
+        head_dim == HNR_PF_HD && st->kv.head_dim_v == HNR_PF_HD &&
+        HNR_PF_HD % (2 * warp_threads()) == 0 && rowops_pf(n_rows)) {
+        const int upw = (int)mm_div_up(n_a + 2 * (int64_t)n_b, per_block); // a block per row
+        if (upw <= HNR_ROW_MAX_UPW && n_rows <= INT32_MAX) {
+            void (*kern)(float *, int64_t, int, int, int64_t, const void *, int, const void *, int,
+                         float, struct mm_rope_args, struct mm_kv_store_args, int *) =
+                upw == 1   ? head_norm_rope_kv_row_kernel<HNR_PF_HD, 1>
+                : upw == 2 ? head_norm_rope_kv_row_kernel<HNR_PF_HD, 2>
+                : upw == 3 ? head_norm_rope_kv_row_kernel<HNR_PF_HD, 3>
+                : upw == 4 ? head_norm_rope_kv_row_kernel<HNR_PF_HD, 4>
+                : upw == 5 ? head_norm_rope_kv_row_kernel<HNR_PF_HD, 5>
+                           : head_norm_rope_kv_row_kernel<HNR_PF_HD, 6>;
+            MM_GPU_CHECK(mm_launch_dep(kern, dim3((unsigned)n_rows), dim3(256), 0,
+                (cudaStream_t)stream, d_x, stride, n_a, n_b, b_off, wa ? wa->data : NULL,
+                wa ? (int)wa->dtype : 0, wb ? wb->data : NULL, wb ? (int)wb->dtype : 0, eps, *ra,
+                *st, d_err));
+            MM_GPU_CHECK(cudaGetLastError());
+            return MM_OK;
+        }
+        const int64_t pw = mm_div_up(warps, HNR_PF_UNITS); // warps of HNR_PF_UNITS units
+        MM_GPU_CHECK(mm_launch_dep(head_norm_rope_kv_pf_kernel<HNR_PF_HD>,
+            dim3(mm_div_up(pw, per_block)), dim3(256), 0, (cudaStream_t)stream, d_x, n_rows,
+            stride, n_a, n_b, b_off, wa ? wa->data : NULL, wa ? (int)wa->dtype : 0,
+            wb ? wb->data : NULL, wb ? (int)wb->dtype : 0, eps, *ra, *st, d_err));
+        MM_GPU_CHECK(cudaGetLastError());
+        return MM_OK;
+    }
     MM_GPU_CHECK(mm_launch_dep(head_norm_rope_kv_kernel, dim3(mm_div_up(warps, per_block)),
         dim3(256), 0, (cudaStream_t)stream, d_x, n_rows, stride, n_a, n_b, b_off, head_dim,
         wa ? wa->data : NULL, wa ? (int)wa->dtype : 0, wb ? wb->data : NULL,
@@ -1269,6 +1761,50 @@ __global__ void __launch_bounds__(RMS_THREADS) embed_rmsnorm_kernel(
     rms_from_shared(xsh, wv, cols, eps, y + i * ys);
 }
 
+// embed_rmsnorm_kernel's prefill form (see "prefill forms of the row ops"): the row's table
+// elements (or, for a bad id, out's row as it is) all loaded before the first store, VPT
+// pieces of 4 per thread; the same values (wload_rt) and rms_from_shared4's norm.
+template <int DT, int VPT>
+__global__ void __launch_bounds__(RMS_THREADS) embed_rmsnorm_pf_kernel(
+    const void *table, int tdt, int64_t rows, int cols, const int32_t *ids, float *out,
+    int64_t os, const void *w, float eps, float *y, int64_t ys, int *d_err, int early) {
+    extern __shared__ float4 xsh4[]; // cols / 4
+    early_launch(early);
+    float4 wv[VPT];
+    rms_load_w4<DT, RMS_THREADS, VPT>(w, cols, wv); // weights: never written by a kernel
+    mm_dep_wait();
+    const int64_t i = blockIdx.x;
+    const int32_t id = ids[i];
+    float4 *orow = (float4 *)(out + i * os);
+    const bool bad = id < 0 || id >= rows;
+    if (bad && threadIdx.x == 0)
+        flag(d_err, ERR_INDEX);
+    float4 ev[VPT];
+#pragma unroll
+    for (int q = 0; q < VPT; q++) {
+        const int k4 = threadIdx.x + q * RMS_THREADS;
+        if (4 * k4 < cols) {
+            if (bad) {
+                ev[q] = orow[k4];
+            } else {
+                const int64_t e = (int64_t)id * cols + 4 * k4;
+                ev[q] = make_float4(wload_rt(tdt, table, e), wload_rt(tdt, table, e + 1),
+                                    wload_rt(tdt, table, e + 2), wload_rt(tdt, table, e + 3));
+            }
+        }
+    }
+#pragma unroll
+    for (int q = 0; q < VPT; q++) {
+        const int k4 = threadIdx.x + q * RMS_THREADS;
+        if (4 * k4 < cols) {
+            if (!bad)
+                orow[k4] = ev[q];
+            xsh4[k4] = ev[q];
+        }
+    }
+    rms_from_shared4<RMS_THREADS, VPT>((const float *)xsh4, wv, cols, eps, y + i * ys);
+}
+
 extern "C" mm_err mm_gpu_embed_rmsnorm(void *stream, const mm_weight *t, const int32_t *ids,
                                        int64_t n_rows, float *out, int64_t os, const mm_weight *w,
                                        float eps, float *y, int64_t ys, int *d_err) {
@@ -1286,6 +1822,27 @@ extern "C" mm_err mm_gpu_embed_rmsnorm(void *stream, const mm_weight *t, const i
     const int cols = (int)t->cols;
     const size_t shmem = (size_t)cols * sizeof(float);
     cudaStream_t st = (cudaStream_t)stream;
+    if (cols % 4 == 0 && al16(out, os) && al16(y, ys) && rowops_pf(n_rows)) {
+        const int vpt = cols <= 4 * RMS_THREADS ? 1 : cols <= 8 * RMS_THREADS ? 2
+                        : cols <= 16 * RMS_THREADS ? 4 : 8;
+        void (*kern)(const void *, int, int64_t, int, const int32_t *, float *, int64_t,
+                     const void *, float, float *, int64_t, int *, int) = NULL;
+#define ER_PICK(D)                                                                                  \
+    kern = vpt == 1 ? embed_rmsnorm_pf_kernel<D, 1> : vpt == 2 ? embed_rmsnorm_pf_kernel<D, 2>      \
+           : vpt == 4 ? embed_rmsnorm_pf_kernel<D, 4> : embed_rmsnorm_pf_kernel<D, 8>
+        switch (w->dtype) {
+        case MM_DTYPE_BF16: ER_PICK(MM_DTYPE_BF16); break;
+        case MM_DTYPE_F16: ER_PICK(MM_DTYPE_F16); break;
+        case MM_DTYPE_F32: ER_PICK(MM_DTYPE_F32); break;
+        default: return MM_EINVAL;
+        }
+#undef ER_PICK
+        MM_GPU_CHECK(mm_launch_dep(kern, dim3((unsigned)n_rows), dim3(RMS_THREADS), shmem, st,
+                                   t->data, (int)t->dtype, t->rows, cols, ids, out, os, w->data,
+                                   eps, y, ys, d_err, g_early));
+        MM_GPU_CHECK(cudaGetLastError());
+        return MM_OK;
+    }
     switch (w->dtype) {
     case MM_DTYPE_BF16: MM_GPU_CHECK(mm_launch_dep(embed_rmsnorm_kernel<MM_DTYPE_BF16>, dim3((unsigned)n_rows), dim3(RMS_THREADS), shmem, st, t->data, (int)t->dtype, t->rows, cols, ids, out, os, w->data, eps, y, ys, d_err, g_early)); break;
     case MM_DTYPE_F16: MM_GPU_CHECK(mm_launch_dep(embed_rmsnorm_kernel<MM_DTYPE_F16>, dim3((unsigned)n_rows), dim3(RMS_THREADS), shmem, st, t->data, (int)t->dtype, t->rows, cols, ids, out, os, w->data, eps, y, ys, d_err, g_early)); break;

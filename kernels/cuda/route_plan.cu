@@ -443,6 +443,171 @@ __global__ void __launch_bounds__(PLAN_THREADS) route_plan_fused_kernel(
         plan_body<true>(ids, weights, n_rows, K, E, offs, src_row, dst_slot, wt, d_err, base);
 }
 
+// ---- routing a warp per row (prefill) ------------------------------------------------------------
+// route_with_plan's routing at many rows (ops.cu's prefill row-op forms: from 128 rows, with
+// the parallel plan) by route_rows_warp_kernel: a block of RW_WARPS warps, each routing one
+// row alone with route.cuh's steps (scores, NaN check, group limit, then the picks by rank or,
+// with a NaN choice score, one at a time) and route_finish on lane 0 (the same operations per
+// weight as route_finish_block), so the same ids and weights as route_plan_fused_kernel, whose
+// 256-thread block per row kept one warp busy for the scores (34 us at 4096 rows, ncu).
+// The picks below are route_pick_serial and route_pick_rank with a warp's barrier instead of
+// the block's; up to 8 experts per lane, a row without a NaN choice score is picked one at a
+// time from registers (K rounds of a warp argmax: cheaper for one warp than ranking each
+// expert against all E; the same ids as the ranks, route.cuh), a row with one by
+// route_pick_serial_warp. H200 (ncu, 4096 rows, E 128, K 8): 26.0 us (the block per row) ->
+// 23.0 (a warp per row, ranks) -> 12.3 (register picks).
+#define RW_WARPS 8
+#define RW_SHMEM_MAX (48u << 10)
+extern "C" int mm__gpu_rowops_pf(int64_t n_rows); // ops.cu
+
+// A warp's barrier over its shared memory (HIP's wavefront runs in lockstep: a fence orders
+// its writes).
+__device__ __forceinline__ void rw_warp_sync(void) {
+#if MM_GPU_HAVE_WMMA
+    __syncwarp();
+#else
+    __threadfence_block();
+#endif
+}
+
+__device__ __forceinline__ void route_pick_serial_warp(const struct mm_route_params &p,
+                                                       const float *prob, const float *choice,
+                                                       unsigned char *taken, float *wk,
+                                                       int32_t *ids_out, int lane) {
+    const int E = p.n_experts, K = p.top_k;
+    for (int t = 0; t < K; t++) {
+        float bs = 0.0f;
+        int bid = -1;
+        for (int e = lane; e < E; e += MM_WARP_SIZE)
+            if (!taken[e] && (bid < 0 || better(choice[e], e, bs, bid))) {
+                bs = choice[e];
+                bid = e;
+            }
+        warp_best(bs, bid);
+        if (lane == 0) {
+            taken[bid] = 1;
+            ids_out[t] = bid;
+            wk[t] = prob[bid];
+        }
+        rw_warp_sync();
+    }
+}
+
+// route_pick_serial_warp with this lane's choice scores (experts lane + W j, j < EPL, E <= W
+// EPL) and taken flags in registers: the same scan order and warp argmax, each pick lane 0's
+// (with a NaN score the lanes' warp argmax can differ: route_pick_serial takes lane 0's), so
+// the same picks, and, without a NaN choice score, route_pick_rank's. ids_out and wk in shared
+// memory. route_rows_warp_kernel takes it for rows without a NaN choice score only (H200,
+// 12:02 UTC: the first form, without the broadcast, picked -1 on a NaN row; the NaN rows keep
+// route_pick_serial_warp, checked on the device at 11:50).
+template <int EPL>
+__device__ __forceinline__ void route_pick_serial_reg(const struct mm_route_params &p,
+                                                      const float *prob, const float *choice,
+                                                      float *wk, int32_t *ids_out, int lane) {
+    const int E = p.n_experts, K = p.top_k;
+    float cv[EPL];
+    unsigned tk = 0; // bit j: expert lane + W j taken
+#pragma unroll
+    for (int j = 0; j < EPL; j++)
+        cv[j] = lane + MM_WARP_SIZE * j < E ? choice[lane + MM_WARP_SIZE * j] : 0.0f;
+    for (int t = 0; t < K; t++) {
+        float bs = 0.0f;
+        int bid = -1;
+#pragma unroll
+        for (int j = 0; j < EPL; j++) {
+            const int e = lane + MM_WARP_SIZE * j;
+            if (e < E && !((tk >> j) & 1u) && (bid < 0 || better(cv[j], e, bs, bid))) {
+                bs = cv[j];
+                bid = e;
+            }
+        }
+        warp_best(bs, bid);
+        bid = mm_shfl(bid, 0); // lane 0's, as route_pick_serial (lanes may differ on NaN ties)
+        if (bid % MM_WARP_SIZE == lane)
+            tk |= 1u << (bid / MM_WARP_SIZE);
+        if (lane == 0) {
+            ids_out[t] = bid;
+            wk[t] = prob[bid];
+        }
+    }
+    rw_warp_sync();
+}
+
+__device__ __forceinline__ void route_pick_rank_warp(const struct mm_route_params &p,
+                                                     const float *prob, const float *choice,
+                                                     float *wk, int32_t *ids_sh, int lane) {
+    const int E = p.n_experts, K = p.top_k;
+    for (int e = lane; e < E; e += MM_WARP_SIZE) {
+        const float ce = choice[e];
+        int rank = 0;
+        if ((E & 3) == 0) { // choice is 16-byte aligned (the per-warp layout below)
+            const float4 *c4 = (const float4 *)choice;
+#pragma unroll 4
+            for (int j4 = 0; j4 < E / 4; j4++) {
+                const float4 c = c4[j4];
+                rank += better(c.x, 4 * j4, ce, e);
+                rank += better(c.y, 4 * j4 + 1, ce, e);
+                rank += better(c.z, 4 * j4 + 2, ce, e);
+                rank += better(c.w, 4 * j4 + 3, ce, e);
+            }
+        } else {
+            for (int j = 0; j < E; j++)
+                rank += better(choice[j], j, ce, e);
+        }
+        if (rank < K)
+            ids_sh[rank] = e;
+    }
+    rw_warp_sync();
+    for (int t = lane; t < K; t += MM_WARP_SIZE)
+        wk[t] = prob[ids_sh[t]];
+    rw_warp_sync();
+}
+
+// A warp's shared memory: route_shmem_bytes (prob, choice, wk, taken), then K ids; 16-byte
+// multiples so that every warp's choice is 16-byte aligned.
+static size_t rw_warp_bytes(int E, int K) {
+    return ((route_shmem_bytes(E, K) + 15) & ~(size_t)15) + (((size_t)K * 4 + 15) & ~(size_t)15);
+}
+
+// EPL > 0: the picks one at a time from registers (E <= W EPL); 0: from shared memory, by
+// rank without a NaN choice score.
+template <int EPL>
+__global__ void __launch_bounds__(RW_WARPS * MM_WARP_SIZE) route_rows_warp_kernel(
+    struct mm_route_params p, const float *logits, int64_t ls, int n_rows, int32_t *ids,
+    float *weights, int warp_bytes, int ids_off) {
+    extern __shared__ float4 rw_sh[];
+    mm_dep_signal();
+    mm_dep_wait();
+    const int E = p.n_experts, K = p.top_k;
+    const int lane = threadIdx.x % MM_WARP_SIZE, warp = threadIdx.x / MM_WARP_SIZE;
+    const int64_t r = (int64_t)blockIdx.x * RW_WARPS + warp;
+    if (r >= n_rows)
+        return; // no block barrier below
+    float *rsh = (float *)((char *)rw_sh + (size_t)warp * warp_bytes);
+    float *prob = rsh, *choice = rsh + E, *wk = rsh + 2 * E;
+    unsigned char *taken = (unsigned char *)(rsh + 2 * E + K);
+    int32_t *ids_sh = (int32_t *)((char *)rsh + ids_off);
+    route_scores(p, logits + r * ls, prob, choice, taken, lane);
+    const int nan = route_warp_nan(p, choice, lane);
+    rw_warp_sync();
+    if (p.n_group > 1) {
+        if (lane == 0)
+            route_groups(p, choice);
+        rw_warp_sync();
+    }
+    if (EPL > 0 && !nan) { // (EPL 0: not instantiated)
+        route_pick_serial_reg<(EPL > 0 ? EPL : 1)>(p, prob, choice, wk, ids_sh, lane);
+    } else if (nan) {
+        route_pick_serial_warp(p, prob, choice, taken, wk, ids_sh, lane);
+    } else {
+        route_pick_rank_warp(p, prob, choice, wk, ids_sh, lane);
+    }
+    for (int t = lane; t < K; t += MM_WARP_SIZE)
+        ids[r * K + t] = ids_sh[t];
+    if (lane == 0)
+        route_finish(p, wk, weights + r * K);
+}
+
 extern "C" mm_err mm_gpu_route_with_plan(void *stream, const struct mm_route_params *p,
                                          const float *d_logits, int64_t ls, int64_t n_rows,
                                          int32_t *d_ids, float *d_weights, int32_t *d_offs,
@@ -459,6 +624,21 @@ extern "C" mm_err mm_gpu_route_with_plan(void *stream, const struct mm_route_par
                                  d_src_row, d_dst_slot, d_wt, d_err);
     const size_t plan_off = (route_shmem_bytes(p->n_experts, p->top_k) + 15) & ~(size_t)15;
     const bool par = plan_par(n_rows * p->top_k);
+    const size_t rwb = rw_warp_bytes(p->n_experts, p->top_k);
+    if (par && RW_WARPS * rwb <= RW_SHMEM_MAX && n_rows <= INT32_MAX && mm__gpu_rowops_pf(n_rows)) {
+        // a warp per row, then the parallel plan
+        const int ws = mm__gpu_warp_size(), E = p->n_experts;
+        void (*kern)(struct mm_route_params, const float *, int64_t, int, int32_t *, float *, int,
+                     int) = E <= ws ? route_rows_warp_kernel<1> : E <= 2 * ws ? route_rows_warp_kernel<2>
+                                  : E <= 4 * ws ? route_rows_warp_kernel<4>
+                                  : E <= 8 * ws ? route_rows_warp_kernel<8> : route_rows_warp_kernel<0>;
+        MM_GPU_CHECK(mm_launch_dep(kern, dim3(mm_div_up(n_rows, RW_WARPS)),
+            dim3(RW_WARPS * mm__gpu_warp_size()), RW_WARPS * rwb, (cudaStream_t)stream, *p,
+            d_logits, ls, (int)n_rows, d_ids, d_weights, (int)rwb, (int)plan_off));
+        MM_GPU_CHECK(cudaGetLastError());
+        return plan_par_launch((cudaStream_t)stream, d_ids, d_weights, n_rows, p->top_k,
+                               p->n_experts, d_offs, d_src_row, d_dst_slot, d_wt, d_err);
+    }
     const size_t shmem = plan_off + (par ? 0 : (size_t)p->n_experts * sizeof(int32_t));
     MM_GPU_CHECK(mm_launch_dep(route_plan_fused_kernel, dim3((unsigned)n_rows), dim3(PLAN_THREADS),
         shmem, (cudaStream_t)stream, *p, d_logits, ls, (int)n_rows, d_ids, d_weights, d_offs,

@@ -6,7 +6,10 @@
 // kv_store (the fused q/k/v layout of Qwen3; NeoX and interleaved, partial rotation, with and
 // without norms; x and the whole cache compared) and its fallback for other layouts,
 // combine_rmsnorm == combine then rmsnorm (with and without the shared row, bf16 and f32
-// norm weights; h and y compared), embed_rmsnorm == embed then rmsnorm.
+// norm weights; h and y compared), embed_rmsnorm == embed then rmsnorm, and the prefill
+// forms of add_rmsnorm, combine_rmsnorm, head_norm_rope_kv and embed_rmsnorm (ops.cu,
+// MM_GPU_ROWOPS_PF) against the decode forms at 4096 rows, odd row counts and dims, and decode
+// shapes, and route_with_plan's warp-per-row routing against route then route_plan.
 // Without the GPU backend (plain `make`) or without a GPU, every case skips and says why.
 #include <math.h>
 #include <stdint.h>
@@ -29,6 +32,10 @@ extern void mm_gpu_set_attention_wide(int on) __attribute__((weak));
 // kernels, whose load groupings the wide-load case compares
 extern void mm_gpu_set_attention_tc(int mode) __attribute__((weak));
 extern mm_err mm_gpu_stream_sync(void *stream) __attribute__((weak));
+// ops.cu's prefill row-op forms: 0 never, 1 from 128 rows (default), 2 wherever they apply
+extern void mm_gpu_set_rowops_pf(int mode) __attribute__((weak));
+// route_plan.cu: the parallel plan from min_slots slots (< 0: back to the default)
+extern void mm_gpu_set_route_plan_par(int min_slots) __attribute__((weak));
 
 static void open_gpu(void) {
     gpu_open(NULL);
@@ -384,11 +391,239 @@ static void test_attention_wide(void) {
     gpu_close(NULL);
 }
 
+// ---- prefill forms of the row ops (ops.cu, MM_GPU_ROWOPS_PF) --------------------------------------
+// Each case runs the op twice on the same inputs, with the forms above (mode 0) and with the
+// prefill forms wherever they apply (mode 2), and compares every output word.
+static void *host_w(int dim, enum mm_dtype wdt) {
+    void *wh = malloc((size_t)dim * 4);
+    for (int i = 0; i < dim; i++) {
+        const float v = 1.0f + frand() * 0.5f;
+        if (wdt == MM_DTYPE_F32)
+            ((float *)wh)[i] = v;
+        else if (wdt == MM_DTYPE_BF16)
+            ((uint16_t *)wh)[i] = mm_f32_to_bf16(v);
+        else // f16 in [1, 1.5): exponent 15, a random mantissa below 0x200
+            ((uint16_t *)wh)[i] = (uint16_t)(0x3c00 + (int)((v - 0.5f) * 255.0f) % 0x200);
+    }
+    return wh;
+}
+
+static const char *dt_name(enum mm_dtype d) {
+    return d == MM_DTYPE_F32 ? "f32" : d == MM_DTYPE_BF16 ? "bf16" : "f16";
+}
+
+// add_rmsnorm: rows of a (stride as) into h (stride hs), norm into y (stride ys)
+static void pf_add_rms_case(int n, int dim, int pad, enum mm_dtype wdt) {
+    const int64_t S = dim + pad;
+    const size_t N = (size_t)n * S;
+    float *a = rand_f32((int64_t)N, 2.0f), *h = rand_f32((int64_t)N, 5.0f);
+    void *wh = host_w(dim, wdt);
+    mm_weight w = {.data = dev_copy(wh, (size_t)dim * (wdt == MM_DTYPE_F32 ? 4 : 2)),
+                   .dtype = wdt, .rows = 1, .cols = dim};
+    float *da = dev_copy(a, N * 4), *dh[2], *dy[2];
+    for (int j = 0; j < 2; j++) {
+        dh[j] = dev_copy(h, N * 4);
+        dy[j] = dev_copy(NULL, N * 4);
+        fill_dev(dy[j], N * 4, 0x33);
+        mm_gpu_set_rowops_pf(j == 0 ? 0 : 2);
+        MM_PASS(gpu->ops->add_rmsnorm(gpu->ctx, da, S, dh[j], S, &w, 1e-6f, dy[j], S, n));
+    }
+    mm_gpu_set_rowops_pf(1);
+    MM_PASS(gpu->ops->synchronize(gpu->ctx));
+    same_dev("add_rmsnorm h", dh[1], dh[0], N * 4);
+    same_dev("add_rmsnorm y", dy[1], dy[0], N * 4);
+    printf("add_rmsnorm %d rows, dim %d, stride %lld, %s weights: prefill form same bits\n", n,
+           dim, (long long)S, dt_name(wdt));
+    void *b[] = {da, dh[0], dh[1], dy[0], dy[1], (void *)w.data};
+    for (size_t i = 0; i < sizeof(b) / sizeof(b[0]); i++)
+        dev_free(b[i]);
+    free(a), free(h), free(wh);
+}
+
+static void pf_combine_rms_case(int n, int k, int dim, bool shared, enum mm_dtype wdt) {
+    const size_t hn = (size_t)n * dim, xn = (size_t)n * k * dim;
+    float *x = rand_f32((int64_t)xn + 4, 1.0f), *al = rand_f32((int64_t)n * k + 4, 0.3f);
+    float *h = rand_f32((int64_t)hn, 5.0f), *sh = rand_f32((int64_t)hn, 1.0f);
+    void *wh = host_w(dim, wdt);
+    mm_weight w = {.data = dev_copy(wh, (size_t)dim * (wdt == MM_DTYPE_F32 ? 4 : 2)),
+                   .dtype = wdt, .rows = 1, .cols = dim};
+    float *dx = dev_copy(x, xn * 4 + 16), *da = dev_copy(al, (size_t)n * k * 4 + 16);
+    float *dsh = shared ? dev_copy(sh, hn * 4) : NULL;
+    float *dh[2], *dy[2];
+    for (int j = 0; j < 2; j++) {
+        dh[j] = dev_copy(h, hn * 4);
+        dy[j] = dev_copy(NULL, hn * 4);
+        fill_dev(dy[j], hn * 4, 0x44);
+        mm_gpu_set_rowops_pf(j == 0 ? 0 : 2);
+        MM_PASS(gpu->ops->combine_rmsnorm(gpu->ctx, da, k, dx, dim, dsh, dim, dh[j], dim, n, &w,
+                                          1e-6f, dy[j], dim));
+    }
+    mm_gpu_set_rowops_pf(1);
+    MM_PASS(gpu->ops->synchronize(gpu->ctx));
+    same_dev("combine_rmsnorm h", dh[1], dh[0], hn * 4);
+    same_dev("combine_rmsnorm y", dy[1], dy[0], hn * 4);
+    printf("combine_rmsnorm %d rows, k %d, dim %d, %s, %s weights: prefill form same bits\n", n,
+           k, dim, shared ? "shared row" : "no shared row", dt_name(wdt));
+    void *b[] = {dh[0], dh[1], dy[0], dy[1], dx, da, dsh, (void *)w.data};
+    for (size_t i = 0; i < sizeof(b) / sizeof(b[0]); i++)
+        if (b[i])
+            dev_free(b[i]);
+    free(x), free(al), free(h), free(sh), free(wh);
+}
+
+// head_norm_rope_kv on the fused q/k/v layout, every row in its own cache slot (seq r % 2,
+// position r / 2), cache f32 or bf16; x and the whole cache compared.
+static void pf_hnr_kv_case(int n, int H, int KV, bool norms, enum mm_dtype kdt) {
+    const int hd = 128, bs = 16, n_seqs = 2, max_blocks = (n / n_seqs) / bs + 2;
+    const int n_blocks = n_seqs * max_blocks;
+    const int64_t W = (int64_t)(H + 2 * KV) * hd, slot = (int64_t)KV * 2 * hd;
+    const size_t es = kdt == MM_DTYPE_BF16 ? 2 : 4;
+    const size_t pool_b = (size_t)n_blocks * bs * slot * es, xn = (size_t)n * W;
+    int32_t *tables = malloc((size_t)n_blocks * 4), *rs = malloc((size_t)n * 4);
+    int32_t *rp = malloc((size_t)n * 4);
+    for (int i = 0; i < n_blocks; i++)
+        tables[i] = n_blocks - 1 - i;
+    for (int r = 0; r < n; r++)
+        rs[r] = r % n_seqs, rp[r] = r / n_seqs;
+    float *x = rand_f32((int64_t)xn, 3.0f), *inv = malloc((size_t)hd / 2 * 4);
+    for (int i = 0; i < hd / 2; i++)
+        inv[i] = powf(1e6f, -2.0f * (float)i / (float)hd);
+    void *wq = host_w(hd, MM_DTYPE_BF16), *wk = host_w(hd, MM_DTYPE_BF16);
+    mm_weight wa = {.data = dev_copy(wq, (size_t)hd * 2), .dtype = MM_DTYPE_BF16, .rows = 1,
+                    .cols = hd};
+    mm_weight wb = {.data = dev_copy(wk, (size_t)hd * 2), .dtype = MM_DTYPE_BF16, .rows = 1,
+                    .cols = hd};
+    struct mm_rope_args ra = {.rot_offset = 0, .rot_dim = hd, .pos = dev_copy(rp, (size_t)n * 4),
+                              .inv_freq = dev_copy(inv, (size_t)hd / 2 * 4), .mscale = 1.0f,
+                              .style = MM_ROPE_NEOX};
+    const int32_t *dt = dev_copy(tables, (size_t)n_blocks * 4), *ds = dev_copy(rs, (size_t)n * 4);
+    float *dx[2];
+    void *pool[2];
+    const mm_weight *pa = norms ? &wa : NULL, *pb = norms ? &wb : NULL;
+    for (int j = 0; j < 2; j++) {
+        dx[j] = dev_copy(x, xn * 4);
+        pool[j] = dev_copy(NULL, pool_b);
+        fill_dev(pool[j], pool_b, 0x7f);
+        struct mm_kv_store_args st = {
+            .kv = {.base = pool[j], .dtype = kdt, .block_size = bs, .block_stride = bs * slot,
+                   .slot_stride = slot, .n_kv_heads = KV, .head_dim_k = hd, .head_dim_v = hd,
+                   .block_tables = dt, .max_blocks = max_blocks},
+            .k = dx[j] + (int64_t)H * hd, .k_stride = W, .v = dx[j] + (int64_t)(H + KV) * hd,
+            .v_stride = W, .n_rows = n, .row_seq = ds, .row_pos = ra.pos};
+        mm_gpu_set_rowops_pf(j == 0 ? 0 : 2);
+        MM_PASS(gpu->ops->head_norm_rope_kv(gpu->ctx, dx[j], n, W, H, KV, (int64_t)H * hd, hd, pa,
+                                            pb, 1e-6f, &ra, &st));
+    }
+    mm_gpu_set_rowops_pf(1);
+    MM_PASS(gpu->ops->synchronize(gpu->ctx));
+    same_dev("head_norm_rope_kv x", dx[1], dx[0], xn * 4);
+    same_dev("head_norm_rope_kv cache", pool[1], pool[0], pool_b);
+    printf("head_norm_rope_kv %d rows, %d/%d heads of %d, %s, %s cache: prefill form same bits\n",
+           n, H, KV, hd, norms ? "norms" : "no norms", dt_name(kdt));
+    void *b[] = {dx[0], dx[1], pool[0], pool[1], (void *)dt, (void *)ds, (void *)ra.pos,
+                 (void *)ra.inv_freq, (void *)wa.data, (void *)wb.data};
+    for (size_t i = 0; i < sizeof(b) / sizeof(b[0]); i++)
+        dev_free(b[i]);
+    free(tables), free(rs), free(rp), free(x), free(inv), free(wq), free(wk);
+}
+
+static void pf_embed_rms_case(int n, int vocab, int dim, enum mm_dtype tdt, enum mm_dtype wdt) {
+    const size_t tb = tdt == MM_DTYPE_F32 ? 4 : 2;
+    void *th = malloc((size_t)vocab * dim * tb), *wh = host_w(dim, wdt);
+    for (int64_t i = 0; i < (int64_t)vocab * dim; i++) {
+        const float v = frand() * 0.2f;
+        if (tdt == MM_DTYPE_F32)
+            ((float *)th)[i] = v;
+        else
+            ((uint16_t *)th)[i] = mm_f32_to_bf16(v);
+    }
+    int32_t *ids = malloc((size_t)n * 4);
+    for (int i = 0; i < n; i++)
+        ids[i] = (i * 7919 + 13) % vocab;
+    mm_weight t = {.data = dev_copy(th, (size_t)vocab * dim * tb), .dtype = tdt, .rows = vocab,
+                   .cols = dim};
+    mm_weight w = {.data = dev_copy(wh, (size_t)dim * (wdt == MM_DTYPE_F32 ? 4 : 2)),
+                   .dtype = wdt, .rows = 1, .cols = dim};
+    int32_t *di = dev_copy(ids, (size_t)n * 4);
+    const size_t on = (size_t)n * dim;
+    float *dout[2], *dy[2];
+    for (int j = 0; j < 2; j++) {
+        dout[j] = dev_copy(NULL, on * 4), dy[j] = dev_copy(NULL, on * 4);
+        fill_dev(dout[j], on * 4, 0x55);
+        fill_dev(dy[j], on * 4, 0x55);
+        mm_gpu_set_rowops_pf(j == 0 ? 0 : 2);
+        MM_PASS(gpu->ops->embed_rmsnorm(gpu->ctx, &t, di, n, dout[j], dim, &w, 1e-6f, dy[j], dim));
+    }
+    mm_gpu_set_rowops_pf(1);
+    MM_PASS(gpu->ops->synchronize(gpu->ctx));
+    same_dev("embed_rmsnorm out", dout[1], dout[0], on * 4);
+    same_dev("embed_rmsnorm y", dy[1], dy[0], on * 4);
+    printf("embed_rmsnorm %d rows, %s table %dx%d, %s norm: prefill form same bits\n", n,
+           dt_name(tdt), vocab, dim, dt_name(wdt));
+    void *b[] = {dout[0], dout[1], dy[0], dy[1], di, (void *)t.data, (void *)w.data};
+    for (size_t i = 0; i < sizeof(b) / sizeof(b[0]); i++)
+        dev_free(b[i]);
+    free(th), free(wh), free(ids);
+}
+
+static void test_rowops_pf(void) {
+    open_gpu();
+    if (!mm_gpu_set_rowops_pf)
+        MM_SKIP("the backend has no prefill row-op forms");
+    pf_add_rms_case(4096, 2048, 0, MM_DTYPE_BF16); // Qwen3-30B-A3B 4K prefill
+    pf_add_rms_case(129, 2048, 4, MM_DTYPE_F32);
+    pf_add_rms_case(1, 2048, 0, MM_DTYPE_BF16); // decode shapes (forced)
+    pf_add_rms_case(64, 2048, 0, MM_DTYPE_BF16);
+    pf_add_rms_case(77, 1000, 8, MM_DTYPE_F16);
+    pf_add_rms_case(5, 8192, 0, MM_DTYPE_BF16);
+    pf_add_rms_case(3, 4100, 0, MM_DTYPE_BF16);
+    pf_add_rms_case(9, 1002, 0, MM_DTYPE_BF16); // not in 16-byte pieces: the first form twice
+    pf_combine_rms_case(4096, 8, 2048, false, MM_DTYPE_BF16); // 4K prefill
+    pf_combine_rms_case(1000, 8, 2048, true, MM_DTYPE_F32);
+    pf_combine_rms_case(1, 8, 2048, false, MM_DTYPE_BF16); // decode shapes (forced)
+    pf_combine_rms_case(64, 8, 2048, false, MM_DTYPE_BF16);
+    pf_combine_rms_case(131, 3, 4000, true, MM_DTYPE_BF16); // fewer ranks than one load group
+    pf_combine_rms_case(7, 5, 8192, false, MM_DTYPE_F16);
+    pf_combine_rms_case(50, 0, 1024, true, MM_DTYPE_BF16); // a dense layer: the shared row only
+    pf_combine_rms_case(33, 8, 2052, false, MM_DTYPE_BF16);
+    pf_hnr_kv_case(4096, 32, 4, true, MM_DTYPE_BF16); // 4K prefill, the bf16 cache
+    pf_hnr_kv_case(4096, 32, 4, true, MM_DTYPE_F32);
+    pf_hnr_kv_case(129, 32, 4, false, MM_DTYPE_BF16);
+    pf_hnr_kv_case(1, 32, 4, true, MM_DTYPE_BF16); // decode shapes (forced)
+    pf_hnr_kv_case(64, 32, 4, true, MM_DTYPE_F32);
+    pf_hnr_kv_case(333, 16, 2, true, MM_DTYPE_BF16);
+    pf_hnr_kv_case(7, 8, 8, true, MM_DTYPE_F32);
+    pf_hnr_kv_case(50, 64, 4, true, MM_DTYPE_BF16); // 72 heads: the form of 2 heads per warp
+    pf_hnr_kv_case(129, 64, 8, false, MM_DTYPE_F32);
+    pf_embed_rms_case(4096, 5000, 2048, MM_DTYPE_BF16, MM_DTYPE_BF16); // 4K prefill
+    pf_embed_rms_case(1, 1000, 2048, MM_DTYPE_BF16, MM_DTYPE_BF16);
+    pf_embed_rms_case(130, 300, 1000, MM_DTYPE_F32, MM_DTYPE_F32);
+    pf_embed_rms_case(9, 100, 8192, MM_DTYPE_BF16, MM_DTYPE_F16);
+    pf_embed_rms_case(5, 100, 1002, MM_DTYPE_BF16, MM_DTYPE_BF16); // the first form twice
+    // route_with_plan's routing a warp per row (with the parallel plan, forced at every size)
+    // against route (ops.cu's one-warp kernel, picks one at a time) then route_plan
+    if (mm_gpu_set_route_plan_par) {
+        mm_gpu_set_rowops_pf(2);
+        mm_gpu_set_route_plan_par(2);
+        route_case(4096, 128, 8, MM_ROUTE_SOFTMAX, false, true, 1.0f, 0, 0, 0, -1); // 4K prefill
+        route_case(4096, 128, 8, MM_ROUTE_SOFTMAX, false, true, 1.0f, 0, 0, 6, 4000); // ties, NaN
+        route_case(1, 128, 8, MM_ROUTE_SOFTMAX, false, true, 1.0f, 0, 0, 0, -1);
+        route_case(129, 60, 4, MM_ROUTE_SOFTMAX, false, true, 1.0f, 0, 0, 3, 2);
+        route_case(77, 30, 3, MM_ROUTE_SOFTMAX, false, true, 1.0f, 0, 0, 4, -1); // E % 4 != 0
+        route_case(300, 256, 8, MM_ROUTE_SIGMOID, true, true, 2.5f, 8, 4, 5, -1); // groups
+        route_case(9, 1000, 300, MM_ROUTE_SOFTMAX, false, true, 1.0f, 0, 0, 0, -1); // too big
+        mm_gpu_set_route_plan_par(-1);
+        mm_gpu_set_rowops_pf(1);
+    }
+    gpu_close(NULL);
+}
+
 MM_TESTS = {
     {"route_with_plan == route then route_plan bits", test_route_with_plan},
     {"head_norm_rope_kv == head_norm_rope then kv_store bits", test_head_norm_rope_kv},
     {"combine_rmsnorm == combine then rmsnorm bits", test_combine_rmsnorm},
     {"embed_rmsnorm == embed then rmsnorm bits", test_embed_rmsnorm},
     {"decode attention wide loads == earlier grouping bits", test_attention_wide},
+    {"prefill row-op forms == the decode forms bits", test_rowops_pf},
     {0},
 };

@@ -406,6 +406,10 @@ extern "C" void mm_gpu_set_attention_tcd_stages(int n) { g_tcd_stages = n == 1 |
 extern "C" void mm_gpu_set_attention_tcd(int mode);
 extern "C" void mm_gpu_set_attention_tcd(int mode) { g_tcd = mode < 0 ? -1 : mode > 2 ? 2 : mode; }
 
+// attention_tcs.cu: decode calls with the key blocks split over many blocks (same bits)
+extern "C" mm_err mm_gpu_attention_tcs(void *stream, const struct mm_attn_args *a, int gsub,
+                                       int *d_err, int *done);
+
 // mm_gpu_attention_tcd: runs a decode call of the contract and sets *done when on and a's
 // shape is one it takes (attention_tc.cu calls it after its own shape checks: head dims <= 128,
 // multiples of 4, a 16-byte-aligned cache); *done 0 otherwise.
@@ -428,6 +432,11 @@ extern "C" mm_err mm_gpu_attention_tcd(void *stream, const struct mm_attn_args *
     const bool small = a->kv.head_dim_k <= 64 && a->kv.head_dim_v <= 64;
     mm_err rv;
     if (a->kv.dtype == MM_DTYPE_BF16) { // attention_tc.cu checked the bf16 shape
+        // the key blocks split over many blocks where it takes the call (attention_tcs.cu,
+        // MM_GPU_ATT_SPLITK; same bits)
+        const mm_err srv = mm_gpu_attention_tcs(stream, a, gsub, d_err, done);
+        if (srv != MM_OK || *done)
+            return srv;
         const int nb = tcd_kb_bufs();
         if (nb == 6)
             rv = small ? tcd_launch<64, 64, 1, 6>(stream, a, gsub, d_err)

@@ -39,6 +39,7 @@ extern mm_err mm_gpu_stream_sync(void *stream) __attribute__((weak));
 extern mm_err mm_gpu_attention_tcs(void *stream, const struct mm_attn_args *a, int gsub,
                                    int *d_err, int *done) __attribute__((weak));
 extern void mm_gpu_set_attention_splitk(int mode) __attribute__((weak));
+extern void mm_gpu_set_attention_splitk_min(int n) __attribute__((weak));
 
 #define BS 16         // cache block size (tokens)
 #define MAX_BLOCKS 72 // per sequence: 1152 positions
@@ -199,8 +200,9 @@ static void test_wide_bits(void) {
 // paged cache of 16-token blocks (tables that send every sequence's blocks far apart, sequences
 // sharing the pool under other permutations), calls of 1..8 rows, each row another sequence at
 // its last position (the lengths in another order per call). Per call: attention_tc_kernel
-// (the reference), attention_tcd_kernel, attention_tcs_kernel called directly, and the entry
-// point with the split on; every output bit compared. An f32 cache: the split refuses it and
+// (the reference), attention_tcd_kernel, attention_tcs_kernel called directly (every row split,
+// or rows of at most 20 key blocks on its tcd_block, every other call), and the entry point
+// with the split on (its default threshold); every output bit compared. An f32 cache: the split refuses it and
 // the entry point's fallback (attention_tcd_kernel) gives the same bits. Then a call with a bad
 // row: the error flag set as attention_tcd_kernel sets it, the good rows' bits kept.
 #define SK_BLOCKS 570 // per sequence: 9120 positions
@@ -284,9 +286,12 @@ static void split_case(int n_heads, int n_kv, int dk, int dv, int window, int bf
         MM_PASS(mm_gpu_attention_tcd(NULL, &at, NULL, &done)); // attention_tcd_kernel
         MM_TRUE(done == 1);
         mm_gpu_set_attention_splitk(1);
+        // every row split (odd calls), or rows of at most 20 key blocks on tcd_block (even)
+        mm_gpu_set_attention_splitk_min(n % 2 ? 0 : 20);
         at.out = o[2];
         MM_PASS(mm_gpu_attention_tcs(NULL, &at, gsub, NULL, &done)); // attention_tcs_kernel
         MM_EQ(done, bf16 ? 1 : 0); // an f32 cache: refused
+        mm_gpu_set_attention_splitk_min(-1);
         mm_gpu_set_attention_tcd(-1);
         at.out = o[3];
         MM_PASS(mm_gpu_attention(NULL, &at, NULL)); // the entry point, split on
@@ -356,7 +361,7 @@ static void split_case(int n_heads, int n_kv, int dk, int dv, int window, int bf
 }
 
 static void test_split_bits(void) {
-    if (!mm_gpu_attention_tcs || !mm_gpu_set_attention_splitk)
+    if (!mm_gpu_attention_tcs || !mm_gpu_set_attention_splitk || !mm_gpu_set_attention_splitk_min)
         MM_SKIP("GPU kernels not linked (plain build; `make cuda` builds this test with them)");
     open_tc(1);
     split_case(32, 4, 128, 128, 0, 1);    // Qwen3-30B-A3B: GQA 8

@@ -1,7 +1,9 @@
 // SPDX-License-Identifier: MIT
 // Decode calls of the tensor-core attention contract (attention_tc.cu) over long contexts, the
 // key blocks split over many multiprocessors: the same bits as attention_tcd_kernel (and so as
-// attention_tc_kernel), in less time once a row has many 64-key blocks.
+// attention_tc_kernel), in less time once a row has many 64-key blocks. Included by
+// attention_tcd.cu alone (its kernel runs attention_tcd.cu's tcd_block for rows of few key
+// blocks, and device code cannot be called across files).
 //
 // Design notes:
 // - attention_tcd_kernel walks a row's key blocks one after the other in one block per (row,
@@ -9,72 +11,86 @@
 //   per call on the H200 for ~8 MB read. But in the contract only the out accumulator is a
 //   real chain (the P V mma accumulates into C = the scaled running out); the scores of every
 //   key block, their mask and raw row maxima do not depend on earlier blocks, and the running
-//   max, alpha, p and l are cheap scalar chains once the scores are there.
-// - Phase A (every block of the grid, one warp per 64-key block, grid (G, tiles, rows), each
-//   block striding over the row's key blocks): the warp copies its block's K rows (bf16 cache,
-//   zeros for keys outside [first, pos] as tc_issue_bf16 writes them) into its own shared
-//   buffer, computes the scores by the mma sequence of attention_tcd_kernel (n-tile jn = keys
-//   8 jn.., dims in 16-wide steps in ascending order: the same operands and C chain per output
-//   element), masks them as it does (-inf outside [first, pos] and for heads past the tile) and
-//   stores them, f32, to a workspace record of the (row, tile, key block) in the lane layout
-//   the P fragments need ([n-tile][lane][4]).
+//   max, alpha, p and l are cheap chains once the scores are there.
+// - Grid (G, tiles, rows), 8 warps a block. A row of at most min_kb key blocks
+//   (MM_GPU_ATT_SPLITK_MIN) is attention_tcd_kernel's block: block 0 of its tile runs
+//   tcd_block (the others return). Longer rows:
+// - Phase A (every block, one warp per 64-key block, each block striding over the row's key
+//   blocks): the warp copies its block's K rows (bf16 cache; zeros for keys outside [first,
+//   pos], as tc_issue_bf16 writes them) into its own shared buffer, asks L2 for the block's V
+//   rows (prefetch: phase B reads them soon), computes the scores by attention_tcd_kernel's mma
+//   sequence (n-tile jn = keys 8 jn.., dims in 16-wide steps in ascending order: the same
+//   operands and C chain per output element), masks them as it does (-inf outside [first,
+//   pos] and for heads past the tile) and stores them, f32, to the workspace record of the
+//   (row, tile, key block) in the lane layout the P fragments need ([n-tile][lane][4]).
 // - Hand-off: the blocks of a (row, tile) count themselves on a device counter (threadfence,
 //   atomicAdd); the last one (or the only one, when the row has at most 8 key blocks) runs
-//   phase B with its warps and sets the counter back to 0 for the next call.
-// - Phase B (the last block, warp w = value dims 16 w .. 16 w + 15, two n-tiles, no block-wide
-//   barrier): per key block in order the warp's own copies of the score record and of its
-//   value columns (cp.async, TCS_RING - 1 blocks in flight, the cache table read one block
-//   ahead), then tc_block's softmax step: raw row max over the row's 4 threads (the same
-//   butterfly), m' = max(m, fmul(mx, cs)), alpha, p = ex2(fma(x, cs, -m')), the per-thread p
-//   sums in n-tile order, l = fma(l, alpha, ps), out = out * alpha, then the 4 P V mmas per
-//   n-tile (P rounded to bf16, 16 keys per step in ascending order, C = out). Every warp
-//   recomputes p and l (cheap); only its two out n-tiles are its own. At the end l's butterfly
-//   and out * (1 / l), as attention_tcd_kernel. Each rounded operation has attention_tcd's
-//   operands, so the outputs are the same bits (cuda_attention_tcd_test).
+//   phase B and sets the counter back to 0 for the next call.
+// - Phase B (the last block): the row's cache table entries into shared memory (one round),
+//   then warp w (w < 4) takes value dims 32 w .. 32 w + 31 (four n-tiles; no block-wide barrier
+//   from here): per key block in order its own copies of the score record and of its value
+//   columns (cp.async, TCS_RING - 1 blocks in flight), then tc_block's softmax step: raw row max
+//   over the row's 4 threads (the same butterfly), m' = max(m, fmul(mx, cs)), alpha, p =
+//   ex2(fma(x, cs, -m')), the per-thread p sums in n-tile order, l = fma(l, alpha, ps), out =
+//   out * alpha, then the 4 P V mmas per n-tile (P rounded to bf16, 16 keys per step in
+//   ascending order, C = out). Block j's P V and block j + 1's softmax are one stretch of code
+//   (the scheduler interleaves them: only out is a chain). Every warp recomputes p and l
+//   (cheap); only its four out n-tiles are its own. At the end l's butterfly and out * (1 / l),
+//   as attention_tcd_kernel. Each rounded operation has attention_tcd's operands, so the
+//   outputs are the same bits (cuda_attention_tcd_test).
 // - Workspace: per (device, stream) a buffer of rows x tiles x key blocks score records (4 KB
 //   each: 16 units x 64 keys f32) and the counters, made (cudaMalloc, counters zeroed on the
 //   stream) by an uncaptured call for calls of up to TCS_MAX_ROWS rows of that cache shape (a
 //   decode step's first run is uncaptured: common/model.c records a shape the second time it
 //   runs); a call that finds it too small while the stream is capturing, a cache that is not
-//   bf16, or more than TCS_MAX_ROWS rows leave the call to attention_tcd_kernel (same bits).
-//   A grown buffer does not free the smaller one (a recorded graph may still name it).
+//   bf16, more than TCS_MAX_ROWS rows or a table of more than TCS_TAB blocks per sequence leave
+//   the call to attention_tcd_kernel (same bits). A grown buffer does not free the smaller one
+//   (a recorded graph may still name it).
 // - Bad rows (pos < 0, a bad sequence, pos past the table) set the error flag and leave their
 //   outputs alone, as attention_tcd_kernel; a missing table entry is flagged and read as zeros.
-// - Switch: MM_GPU_ATT_SPLITK (0 off, 1 on; mm_gpu_set_attention_splitk). The host does not
-//   know a row's context (positions are device data, and decode steps are recorded graphs), so
-//   the switch takes every decode call of a bf16 cache of at most TCS_MAX_ROWS rows.
+// - Switches: MM_GPU_ATT_SPLITK (0 off, 1 on; mm_gpu_set_attention_splitk),
+//   MM_GPU_ATT_SPLITK_MIN (rows of at most this many key blocks take tcd_block;
+//   mm_gpu_set_attention_splitk_min). The host does not know a row's context (positions are
+//   device data, and decode steps are recorded graphs), so the choice is made per row on the
+//   device.
 // CUDA only (mma.sync, ldmatrix, cp.async): HIP builds compile the switches alone.
-#include <math.h>
+#ifndef MM_GPU_ATTENTION_TCS_CUH
+#define MM_GPU_ATTENTION_TCS_CUH
+
 #include <pthread.h>
-#include <stdlib.h>
-#include <string.h>
 
-#include "attention_tc.cuh"
-#include "gpu_common.cuh"
-#include "kernels.h"
-#include "mm_gpu.h"
+#define TCS_WARPS 8             // phase A: one key block per warp
+#define TCS_PBW 4               // phase B: 32 value dims per warp
+#define TCS_REC (TC_KEYS * 16)  // floats of one score record (16 units x 64 keys)
+#define TCS_RING 5              // phase B: key blocks in a warp's ring (4 in flight)
+#define TCS_LDV 40              // bf16 per value row of a warp's 32 dims (80 B: no conflicts)
+#define TCS_SLOT (TCS_REC * 4 + TC_KEYS * TCS_LDV * 2) // bytes of one ring slot (9216)
+#define TCS_TAB 4096            // cache blocks per sequence at most (table in shared memory)
+#define TCS_MAX_CTAS 16         // phase A blocks per (row, tile) at most (8 key blocks each)
+#define TCS_MAX_ROWS 8          // calls of at most this many rows
+#define TCS_MAX_WS (1ull << 30) // workspace bytes at most (larger: attention_tcd_kernel)
+#define TCS_SHORT_NB 4          // tcd_block's key buffers for the rows of few key blocks
+#define TCS_MIN_DEFAULT 8       // MM_GPU_ATT_SPLITK_MIN unset: rows of <= 8 key blocks: tcd_block
+#define TCS_DEFAULT 0           // MM_GPU_ATT_SPLITK unset: off
 
-#define TCS_WARPS 8                  // phase A: one key block per warp; phase B: 16 dims per warp
-#define TCS_THREADS (TCS_WARPS * 32)
-#define TCS_REC (TC_KEYS * 16)       // floats of one score record (16 units x 64 keys)
-#define TCS_RING 4                   // phase B: key blocks in a warp's ring (3 in flight)
-#define TCS_LDV 24                   // bf16 per value row of a warp's 16 dims (48 B: no conflicts)
-#define TCS_SLOT (TCS_REC * 4 + TC_KEYS * TCS_LDV * 2) // bytes of one ring slot (7168)
-#define TCS_MAX_CTAS 16              // phase A blocks per (row, tile) at most (8 key blocks each)
-#define TCS_MAX_ROWS 8               // calls of at most this many rows
-#define TCS_MAX_WS (1ull << 30)      // workspace bytes at most (larger: attention_tcd_kernel)
-
-static int g_tcs = -1; // -1: from MM_GPU_ATT_SPLITK at first use; 0 off; 1 on
+static int g_tcs = -1;     // -1: from MM_GPU_ATT_SPLITK at first use; 0 off; 1 on
+static int g_tcs_min = -1; // -1: from MM_GPU_ATT_SPLITK_MIN at first use
 
 #if MM_GPU_HAVE_WMMA
 #define TCS_HAVE 1
+static_assert(TCS_WARPS * 32 == TCD_THREADS, "tcd_block runs in these blocks");
+
+__device__ __forceinline__ void tcs_prefetch_l2(const void *p) {
+    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
+}
 
 // grid (G, tiles = n_kv_heads x (group / gsub), rows); ws: [rows][tiles][max_kb] records; cnt:
-// [rows][tiles] counters (0 between calls).
-template <int DKM>
-__global__ void __launch_bounds__(TCS_THREADS, 1)
-    attention_tcs_kernel(struct mm_attn_args a, int gsub, int max_kb, float *ws, unsigned *cnt,
-                         int *d_err) {
+// [rows][tiles] counters (0 between calls). DKM, DVM: attention_tcd_kernel's (64 when both
+// head dims are at most 64, else 128).
+template <int DKM, int DVM>
+__global__ void __launch_bounds__(TCD_THREADS, 1)
+    attention_tcs_kernel(struct mm_attn_args a, int gsub, int max_kb, int min_kb, float *ws,
+                         unsigned *cnt, int *d_err) {
     mm_dep_signal();
     mm_dep_wait();
     extern __shared__ __align__(16) unsigned char tcs_sh[];
@@ -99,6 +115,11 @@ __global__ void __launch_bounds__(TCS_THREADS, 1)
         first = pos - a.window + 1;
     const int32_t c_lo = (first / TC_KEYS) * TC_KEYS;
     const int nkb = pos / TC_KEYS - c_lo / TC_KEYS + 1; // the row's key blocks
+    if (nkb <= min_kb) { // few key blocks: attention_tcd_kernel's block
+        if (blockIdx.x == 0)
+            tcd_block<DKM, DVM, 1, TCS_SHORT_NB>(a, gsub, d_err, blockIdx.z, blockIdx.y);
+        return;
+    }
     const int nct = min((nkb + TCS_WARPS - 1) / TCS_WARPS, (int)gridDim.x); // blocks with work
     if ((int)blockIdx.x >= nct)
         return;
@@ -143,10 +164,14 @@ __global__ void __launch_bounds__(TCS_THREADS, 1)
                 const int32_t blk = tc_blk_kb(kv, sq, c0 + key, first, pos, kr, d_err);
                 uint16_t *krow = kw + key * ldk;
                 if (blk >= 0) {
-                    const uint16_t *src = (const uint16_t *)kv.base + (int64_t)blk * kv.block_stride +
-                                          (int64_t)kr * kv.slot_stride + k_off;
+                    const uint16_t *slot = (const uint16_t *)kv.base +
+                                           (int64_t)blk * kv.block_stride +
+                                           (int64_t)kr * kv.slot_stride;
                     for (int i = 0; i < dk / 8; i++)
-                        tc_cp16(krow + 8 * i, src + 8 * i);
+                        tc_cp16(krow + 8 * i, slot + k_off + 8 * i);
+                    const uintptr_t v0 = (uintptr_t)(slot + v_off), v1 = v0 + 2 * (uintptr_t)dv;
+                    for (uintptr_t ln = v0 & ~(uintptr_t)127; ln < v1; ln += 128)
+                        tcs_prefetch_l2((const void *)ln);
                 } else {
                     if (blk != TC_NO_KEY) // in range, but the table has no block
                         tc_flag(d_err);
@@ -210,19 +235,23 @@ __global__ void __launch_bounds__(TCS_THREADS, 1)
             return;
     }
 
-    // ---- phase B: warp w's dims 16 w .. 16 w + 15 over every key block in order
-    if (16 * warp >= dvp)
+    // ---- phase B
+    // the row's cache table entries (blocks e0 ..) into shared memory, for the value copies
+    const int bs = kv.block_size;
+    const bool bs2 = (bs & (bs - 1)) == 0;
+    const int bsh = __ffs(bs) - 1;
+    const int32_t e0 = c_lo / bs, ne = pos / bs - e0 + 1; // ne <= max_blocks <= TCS_TAB
+    int32_t *const tab = (int32_t *)tcs_sh;
+    for (int i = tid; i < ne; i += TCD_THREADS)
+        tab[i] = kv.block_tables[(int64_t)sq * kv.max_blocks + e0 + i];
+    __syncthreads();
+    // warp w: dims 32 w .. 32 w + 31 over every key block in order
+    if (warp >= TCS_PBW || 32 * warp >= dvp)
         return;
-    unsigned char *const ring = tcs_sh + warp * TCS_RING * TCS_SLOT;
-    const uint16_t *const vbase = (const uint16_t *)kv.base + v_off + 16 * warp;
-    // the table entries (and slots) of keys lane and lane + 32 of the next block to copy
-    int32_t vb[2], vr[2];
-    auto lookup = [&](int jb) {
-#pragma unroll
-        for (int h = 0; h < 2; h++)
-            vb[h] = tc_blk_kb(kv, sq, c_lo + jb * TC_KEYS + lane + 32 * h, first, pos, vr[h], d_err);
-    };
-    // block jb's score record (this thread's own pieces) and value columns into slot sl
+    unsigned char *const ring = tcs_sh + TCS_TAB * 4 + warp * TCS_RING * TCS_SLOT;
+    const uint16_t *const vbase = (const uint16_t *)kv.base + v_off + 32 * warp;
+    // block jb's score record (this thread's own pieces) and value columns (keys lane and
+    // lane + 32: zeros outside [first, pos], past dv, or for a missing table entry) into slot sl
     auto issue = [&](int jb, int sl) {
         unsigned char *p = ring + sl * TCS_SLOT;
         const float *src = rec0 + (int64_t)jb * TCS_REC;
@@ -232,44 +261,41 @@ __global__ void __launch_bounds__(TCS_THREADS, 1)
         uint16_t *vd = (uint16_t *)(p + TCS_REC * 4);
 #pragma unroll
         for (int h = 0; h < 2; h++) {
-            uint16_t *row = vd + (lane + 32 * h) * TCS_LDV;
-            if (vb[h] < 0 && vb[h] != TC_NO_KEY)
-                tc_flag(d_err);
+            const int key = lane + 32 * h;
+            const int32_t t = c_lo + jb * TC_KEYS + key;
+            uint16_t *row = vd + key * TCS_LDV;
+            const uint16_t *vs = NULL;
+            if (t >= first && t <= pos) {
+                const int32_t q = bs2 ? t >> bsh : t / bs, kr = t - q * bs;
+                const int32_t blk = tab[q - e0];
+                if (blk >= 0)
+                    vs = vbase + (int64_t)blk * kv.block_stride + (int64_t)kr * kv.slot_stride;
+                else
+                    tc_flag(d_err);
+            }
 #pragma unroll
-            for (int pc = 0; pc < 2; pc++) {
-                if (vb[h] >= 0 && 16 * warp + 8 * pc < dv)
-                    tc_cp16(row + 8 * pc, vbase + (int64_t)vb[h] * kv.block_stride +
-                                              (int64_t)vr[h] * kv.slot_stride + 8 * pc);
+            for (int pc = 0; pc < 4; pc++) {
+                if (vs != NULL && 32 * warp + 8 * pc < dv)
+                    tc_cp16(row + 8 * pc, vs + 8 * pc);
                 else
                     *(uint4 *)(row + 8 * pc) = make_uint4(0u, 0u, 0u, 0u);
             }
         }
         tc_commit();
     };
-    {
-        int32_t pb[TCS_RING - 1][2], pr[TCS_RING - 1][2]; // the first blocks' entries, loaded at once
 #pragma unroll
-        for (int b = 0; b < TCS_RING - 1; b++)
-#pragma unroll
-            for (int h = 0; h < 2; h++)
-                pb[b][h] = tc_blk_kb(kv, sq, c_lo + b * TC_KEYS + lane + 32 * h, first, pos,
-                                     pr[b][h], d_err);
-#pragma unroll
-        for (int b = 0; b < TCS_RING - 1; b++) {
-            vb[0] = pb[b][0], vb[1] = pb[b][1], vr[0] = pr[b][0], vr[1] = pr[b][1];
-            if (b < nkb)
-                issue(b, b);
-            else
-                tc_commit();
-        }
-        lookup(TCS_RING - 1);
+    for (int b = 0; b < TCS_RING - 1; b++) {
+        if (b < nkb)
+            issue(b, b);
+        else
+            tc_commit();
     }
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
-    float acc[2][4];
+    float acc[4][4];
 #pragma unroll
-    for (int n = 0; n < 2; n++)
+    for (int n = 0; n < 4; n++)
         acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
-    // tc_block's softmax step on block jb's masked scores (slot sl): row max over the row's 4
+    // tc_block's softmax step on the masked scores in slot sl: row max over the row's 4
     // threads, m, alpha (*ax), p as the P fragments (px), l
     auto soft = [&](int sl, uint32_t (&px)[TC_KEYS / 16][4], float (&ax)[2]) {
         const unsigned char *p = ring + sl * TCS_SLOT;
@@ -308,12 +334,12 @@ __global__ void __launch_bounds__(TCS_THREADS, 1)
         for (int i = 0; i < 2; i++)
             l[i] = __fmaf_rn(l[i], ax[i], ps[i]);
     };
-    // out = out * alpha, then P V of the warp's two n-tiles from slot sl's value columns
+    // out = out * alpha, then P V of the warp's four n-tiles from slot sl's value columns
     const int mt = lane >> 3;
     const int voff = ((mt & 1) * 8 + (lane & 7)) * TCS_LDV + (mt >> 1) * 8;
     auto pv = [&](int sl, const uint32_t (&px)[TC_KEYS / 16][4], const float (&ax)[2]) {
 #pragma unroll
-        for (int n = 0; n < 2; n++) {
+        for (int n = 0; n < 4; n++) {
             acc[n][0] = __fmul_rn(acc[n][0], ax[0]);
             acc[n][1] = __fmul_rn(acc[n][1], ax[0]);
             acc[n][2] = __fmul_rn(acc[n][2], ax[1]);
@@ -322,14 +348,17 @@ __global__ void __launch_bounds__(TCS_THREADS, 1)
         const uint16_t *vp = (const uint16_t *)(ring + sl * TCS_SLOT + TCS_REC * 4) + voff;
 #pragma unroll
         for (int kk = 0; kk < TC_KEYS / 16; kk++) {
-            uint32_t b[4];
-            tc_ldsm4t(b, vp + kk * 16 * TCS_LDV);
-            tc_mma(acc[0], px[kk], b[0], b[1]);
-            tc_mma(acc[1], px[kk], b[2], b[3]);
+#pragma unroll
+            for (int dp = 0; dp < 2; dp++) {
+                uint32_t b[4];
+                tc_ldsm4t(b, vp + kk * 16 * TCS_LDV + 16 * dp);
+                tc_mma(acc[2 * dp], px[kk], b[0], b[1]);
+                tc_mma(acc[2 * dp + 1], px[kk], b[2], b[3]);
+            }
         }
     };
     // software pipelined: iteration jb runs block jb's P V (the out chain) and block jb + 1's
-    // softmax (independent of out) in one stretch of code, so the scheduler can interleave them
+    // softmax (independent of out) in one stretch of code
     uint32_t pa[TC_KEYS / 16][4];
     float al[2];
     tc_wait<TCS_RING - 2>(); // this thread's copies of block 0 landed
@@ -338,12 +367,10 @@ __global__ void __launch_bounds__(TCS_THREADS, 1)
     for (int jb = 0; jb + 1 < nkb; jb++) {
         __syncwarp(); // every lane done with block jb - 1's slot
         const int nx = jb + TCS_RING - 1;
-        if (nx < nkb) {
+        if (nx < nkb)
             issue(nx, nx % TCS_RING); // into block jb - 1's slot
-            lookup(nx + 1);
-        } else {
+        else
             tc_commit(); // an empty group: the count of newer groups stays TCS_RING - 2
-        }
         tc_wait<TCS_RING - 2>(); // this thread's copies of block jb + 1 landed
         __syncwarp();            // every lane's
         uint32_t pn[TC_KEYS / 16][4];
@@ -371,8 +398,8 @@ __global__ void __launch_bounds__(TCS_THREADS, 1)
         const float inv = 1.0f / l[i];
         float *o = a.out + r * a.out_stride + (int64_t)(h0 + g + 8 * i) * dv;
 #pragma unroll
-        for (int n = 0; n < 2; n++) {
-            const int d = 16 * warp + 8 * n + 2 * tq;
+        for (int n = 0; n < 4; n++) {
+            const int d = 32 * warp + 8 * n + 2 * tq;
             if (d < dv)
                 o[d] = __fmul_rn(acc[n][2 * i], inv);
             if (d + 1 < dv)
@@ -381,21 +408,24 @@ __global__ void __launch_bounds__(TCS_THREADS, 1)
     }
 }
 
-// dynamic shared memory: phase A's 8 warps' K rows, or phase B's rings (the larger)
+// dynamic shared memory: tcd_block's key buffers, phase A's 8 warps' K rows, or phase B's
+// table and rings (the largest)
 static size_t tcs_shmem(int dk, int dv) {
     const int dkp = (dk + 15) & ~15, dvp = (dv + 15) & ~15;
+    const size_t sh = tcd_shmem(dk, dv, 1, TCS_SHORT_NB);
     const size_t pa = (size_t)TCS_WARPS * TC_KEYS * (dkp + 8) * 2;
-    const size_t pb = (size_t)(dvp / 16) * TCS_RING * TCS_SLOT;
-    return pa > pb ? pa : pb;
+    const size_t pb = (size_t)TCS_TAB * 4 + (size_t)((dvp + 31) / 32) * TCS_RING * TCS_SLOT;
+    const size_t x = sh > pa ? sh : pa;
+    return x > pb ? x : pb;
 }
 
 // The workspace of one (device, stream): score records and counters (see the head).
 struct tcs_ws {
     int dev;
     void *stream;
-    float *rec;      // device: records
-    size_t rec_n;    // floats
-    unsigned *cnt;   // device: counters, 0 between calls
+    float *rec;    // device: records
+    size_t rec_n;  // floats
+    unsigned *cnt; // device: counters, 0 between calls
     size_t cnt_n;
 };
 #define TCS_WS_MAX 16
@@ -405,7 +435,7 @@ static pthread_mutex_t g_tcs_mu = PTHREAD_MUTEX_INITIALIZER;
 
 // *rec, *cnt: a workspace of at least rec_n floats and cnt_n counters for stream st on the
 // current device, made (for want_rec, want_cnt) when the stream is not capturing; NULL when
-// there is none (capturing, or the table is full): the caller falls back.
+// there is none (capturing, no memory, or the table is full): the caller falls back.
 static mm_err tcs_workspace(cudaStream_t st, size_t rec_n, size_t cnt_n, size_t want_rec,
                             size_t want_cnt, float **rec, unsigned **cnt) {
     *rec = NULL, *cnt = NULL;
@@ -452,20 +482,21 @@ static mm_err tcs_workspace(cudaStream_t st, size_t rec_n, size_t cnt_n, size_t 
     return MM_OK;
 }
 
-template <int DKM>
+template <int DKM, int DVM>
 static mm_err tcs_launch(void *stream, const struct mm_attn_args *a, int gsub, int max_kb,
-                         float *rec, unsigned *cnt, int *d_err) {
+                         int min_kb, float *rec, unsigned *cnt, int *d_err) {
     static uint64_t attr_set; // tc_allow_shmem's: this kernel's devices
-    const mm_err rv = tc_allow_shmem(attention_tcs_kernel<DKM>, &attr_set, tcs_shmem(128, 128));
+    const mm_err rv = tc_allow_shmem(attention_tcs_kernel<DKM, DVM>, &attr_set,
+                                     tcs_shmem(DKM, DVM));
     if (rv != MM_OK)
         return rv;
     const int group = a->n_heads / a->kv.n_kv_heads;
     const int tiles = a->kv.n_kv_heads * (group / gsub);
     const int gx = min((max_kb + TCS_WARPS - 1) / TCS_WARPS, TCS_MAX_CTAS);
     dim3 grid((unsigned)gx, (unsigned)tiles, (unsigned)a->n_rows);
-    MM_GPU_CHECK(mm_launch_dep(attention_tcs_kernel<DKM>, grid, dim3(TCS_THREADS),
+    MM_GPU_CHECK(mm_launch_dep(attention_tcs_kernel<DKM, DVM>, grid, dim3(TCD_THREADS),
                                tcs_shmem(a->kv.head_dim_k, a->kv.head_dim_v), (cudaStream_t)stream,
-                               *a, gsub, max_kb, rec, cnt, d_err));
+                               *a, gsub, max_kb, min_kb, rec, cnt, d_err));
     MM_GPU_CHECK(cudaGetLastError());
     return MM_OK;
 }
@@ -473,8 +504,7 @@ static mm_err tcs_launch(void *stream, const struct mm_attn_args *a, int gsub, i
 #define TCS_HAVE 0
 #endif
 
-// 0 off, 1 on (MM_GPU_ATT_SPLITK; unset: TCS_DEFAULT)
-#define TCS_DEFAULT 0
+// 0 off, 1 on (MM_GPU_ATT_SPLITK; unset or other values: TCS_DEFAULT)
 static int tcs_mode(void) {
     if (g_tcs < 0) {
         g_tcs = tc_env_is("MM_GPU_ATT_SPLITK", "0")   ? 0
@@ -484,23 +514,46 @@ static int tcs_mode(void) {
     return g_tcs;
 }
 
+// rows of at most this many 64-key blocks take tcd_block (MM_GPU_ATT_SPLITK_MIN, 0..1000000;
+// unset or other values: TCS_MIN_DEFAULT)
+static int tcs_min(void) {
+    if (g_tcs_min < 0) {
+        const char *e = getenv("MM_GPU_ATT_SPLITK_MIN");
+        char *end = NULL;
+        const long v = e != NULL ? strtol(e, &end, 10) : -1;
+        g_tcs_min = e != NULL && end != e && *end == '\0' && v >= 0 && v <= 1000000
+                        ? (int)v
+                        : TCS_MIN_DEFAULT;
+    }
+    return g_tcs_min;
+}
+
 // mm_gpu_set_attention_splitk: 1 decode calls of a bf16 cache (at most TCS_MAX_ROWS rows) on
 // attention_tcs_kernel, 0 none, < 0 back to MM_GPU_ATT_SPLITK (read at the next call). Same
 // bits. Process-wide.
 extern "C" void mm_gpu_set_attention_splitk(int mode);
 extern "C" void mm_gpu_set_attention_splitk(int mode) { g_tcs = mode < 0 ? -1 : mode != 0; }
 
+// mm_gpu_set_attention_splitk_min: rows of at most n key blocks take tcd_block inside
+// attention_tcs_kernel (0: none); n < 0: back to MM_GPU_ATT_SPLITK_MIN. Same bits.
+// Process-wide.
+extern "C" void mm_gpu_set_attention_splitk_min(int n);
+extern "C" void mm_gpu_set_attention_splitk_min(int n) { g_tcs_min = n < 0 ? -1 : n; }
+
 // mm_gpu_attention_tcs: runs a decode call of the contract split over the key blocks and sets
-// *done when on and it takes a (bf16 cache, at most TCS_MAX_ROWS rows, a workspace to hand);
-// *done 0 otherwise. attention_tcd.cu calls it after its own shape checks (head dims <= 128,
-// multiples of 4; attention_tc.cu's bf16 shape: multiples of 8, 16-byte-aligned slots).
+// *done when on and it takes a (bf16 cache, at most TCS_MAX_ROWS rows, at most TCS_TAB cache
+// blocks per sequence, a workspace to hand); *done 0 otherwise. mm_gpu_attention_tcd calls it
+// after its own shape checks (head dims <= 128, multiples of 4; attention_tc.cu's bf16 shape:
+// multiples of 8, 16-byte-aligned slots); gsub: its heads per block.
 extern "C" mm_err mm_gpu_attention_tcs(void *stream, const struct mm_attn_args *a, int gsub,
                                        int *d_err, int *done);
 extern "C" mm_err mm_gpu_attention_tcs(void *stream, const struct mm_attn_args *a, int gsub,
                                        int *d_err, int *done) {
     *done = 0;
     if (tcs_mode() == 0 || a == NULL || a->kv.dtype != MM_DTYPE_BF16 || a->n_rows <= 0 ||
-        a->n_rows > TCS_MAX_ROWS || a->kv.block_size <= 0 || a->kv.max_blocks <= 0 || gsub <= 0)
+        a->n_rows > TCS_MAX_ROWS || a->kv.block_size <= 0 || a->kv.max_blocks <= 0 ||
+        a->kv.max_blocks > TCS_TAB || gsub <= 0 || a->kv.n_kv_heads <= 0 ||
+        a->n_heads % a->kv.n_kv_heads != 0 || (a->n_heads / a->kv.n_kv_heads) % gsub != 0)
         return MM_OK;
 #if TCS_HAVE
     const int group = a->n_heads / a->kv.n_kv_heads;
@@ -517,9 +570,11 @@ extern "C" mm_err mm_gpu_attention_tcs(void *stream, const struct mm_attn_args *
                          &rec, &cnt));
     if (rec == NULL)
         return MM_OK;
-    const bool small = a->kv.head_dim_k <= 64;
-    const mm_err rv = small ? tcs_launch<64>(stream, a, gsub, (int)max_kb, rec, cnt, d_err)
-                            : tcs_launch<128>(stream, a, gsub, (int)max_kb, rec, cnt, d_err);
+    const bool small = a->kv.head_dim_k <= 64 && a->kv.head_dim_v <= 64; // tcd's forms
+    const int mk = tcs_min();
+    const mm_err rv = small ? tcs_launch<64, 64>(stream, a, gsub, (int)max_kb, mk, rec, cnt, d_err)
+                            : tcs_launch<128, 128>(stream, a, gsub, (int)max_kb, mk, rec, cnt,
+                                                   d_err);
     if (rv == MM_OK)
         *done = 1;
     return rv;
@@ -528,3 +583,5 @@ extern "C" mm_err mm_gpu_attention_tcs(void *stream, const struct mm_attn_args *
     return MM_OK;
 #endif
 }
+
+#endif // MM_GPU_ATTENTION_TCS_CUH

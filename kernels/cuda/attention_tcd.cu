@@ -40,6 +40,9 @@
 //   K and V rows copied by cp.async straight into one of NB buffers (MM_GPU_ATT_TCD_KB_BUFS: 3,
 //   4 or 6), NB - 1 key blocks in flight, the copies of block j + NB - 1 issued after block j's
 //   first barrier into the buffer block j - 1 left. Same bits (cuda_attention_tc_test).
+// - The kernel's body is tcd_block, a device function, so that attention_tcs.cuh's kernel
+//   (decode calls with the key blocks split over many blocks, MM_GPU_ATT_SPLITK, included
+//   below) runs it for rows of few key blocks.
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>

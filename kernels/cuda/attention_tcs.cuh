@@ -53,6 +53,16 @@
 //   mm_gpu_set_attention_splitk_min). The host does not know a row's context (positions are
 //   device data, and decode steps are recorded graphs), so the choice is made per row on the
 //   device.
+// - Measured (H200, 2026-11-30 12:15 UTC, 4-layer synthetic Qwen3-30B-A3B, bf16 cache, batch 1;
+//   docs/BENCHMARKS.md): per call after a 4096-token prompt 90.4 us against 139.6 for
+//   attention_tcd_kernel (per-op timer), decode 1054 / 1060 tok/s against 871 / 868 (+21.5%);
+//   at 128 tokens of context (rows on tcd_block) 1635 / 1616 against 1697 / 1720 (-4..-6%, cause
+//   not established), so off by default. Every row split (MIN 0): 18.9 against 17.6 us per
+//   call at 5 key blocks, 26.5 against 25.4 at 9: MIN 12 lies past both (the crossover
+//   interpolated, not measured). Phase B costs ~1.1 us per key block (slope between 9 and 65
+//   blocks), far above its arithmetic; what bounds it is not established (the run's ncu caught
+//   a warm-up call). The first form (11:55 UTC: 8 phase-B warps of 16 dims, the cache table
+//   read from global one block ahead, 4 slots) gave 96.6 us per call.
 // CUDA only (mma.sync, ldmatrix, cp.async): HIP builds compile the switches alone.
 #ifndef MM_GPU_ATTENTION_TCS_CUH
 #define MM_GPU_ATTENTION_TCS_CUH
@@ -70,8 +80,8 @@
 #define TCS_MAX_ROWS 8          // calls of at most this many rows
 #define TCS_MAX_WS (1ull << 30) // workspace bytes at most (larger: attention_tcd_kernel)
 #define TCS_SHORT_NB 4          // tcd_block's key buffers for the rows of few key blocks
-#define TCS_MIN_DEFAULT 8       // MM_GPU_ATT_SPLITK_MIN unset: rows of <= 8 key blocks: tcd_block
-#define TCS_DEFAULT 0           // MM_GPU_ATT_SPLITK unset: off
+#define TCS_MIN_DEFAULT 12      // MM_GPU_ATT_SPLITK_MIN unset: rows of <= 12 key blocks: tcd_block
+#define TCS_DEFAULT 0           // MM_GPU_ATT_SPLITK unset: off (short context loses; see the head)
 
 static int g_tcs = -1;     // -1: from MM_GPU_ATT_SPLITK at first use; 0 off; 1 on
 static int g_tcs_min = -1; // -1: from MM_GPU_ATT_SPLITK_MIN at first use

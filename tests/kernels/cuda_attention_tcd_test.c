@@ -4,7 +4,9 @@
 //   contract with every warp computing) against attention_tc_kernel's decode form, called
 //   directly and through mm_gpu_attention, with one and two key blocks in flight;
 // - ops.cu's f32 decode kernel with wide loads (MM_GPU_ATT_WIDE) against the earlier load
-//   grouping (mm_gpu_attention_ref).
+//   grouping (mm_gpu_attention_ref);
+// - attention_tcs_kernel (attention_tcs.cuh: the key blocks split over many blocks,
+//   MM_GPU_ATT_SPLITK) against both, over contexts up to 9000 keys (split_case below).
 // Rows are decode-sized calls (1, 5, 33, 64 rows) over 4 sequences of a paged cache filled with
 // random values (keys past a row's position are there, so any leak shows), at positions that
 // cross the 64-key blocks and the 128-key chunks (0, 1, 62..65, 127..129, 191, 200, 255, 256,

@@ -40,6 +40,9 @@
 //   K and V rows copied by cp.async straight into one of NB buffers (MM_GPU_ATT_TCD_KB_BUFS: 3,
 //   4 or 6), NB - 1 key blocks in flight, the copies of block j + NB - 1 issued after block j's
 //   first barrier into the buffer block j - 1 left. Same bits (cuda_attention_tc_test).
+// - The kernel's body is tcd_block, a device function, so that attention_tcs.cuh's kernel
+//   (decode calls with the key blocks split over many blocks, MM_GPU_ATT_SPLITK, included
+//   below) runs it for rows of few key blocks.
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -68,14 +71,14 @@ static int g_tcd_gsub = -1;    // -1: from MM_GPU_ATT_TCD_GSUB at first use (1..
 // NB > 0: a bf16 cache: no stage, NB key buffers, block j copied straight into buffer j % NB
 // while block j - NB + 1 is computed (NB - 1 blocks in flight; NST unused, the launcher gives 1).
 // NB 0: an f32 cache (NST stages, two buffers).
+// tcd_block: the block of row rb and tile ty (blockIdx.x and .y of attention_tcd_kernel's
+// grid; attention_tcs.cuh's kernel runs it for rows of few key blocks), after mm_dep_wait.
 template <int DKM, int DVM, int NST, int NB>
-__global__ void __launch_bounds__(TCD_THREADS, 1)
-    attention_tcd_kernel(struct mm_attn_args a, int gsub, int *d_err) {
+__device__ __forceinline__ void tcd_block(const struct mm_attn_args &a, int gsub, int *d_err,
+                                          unsigned rb, unsigned ty) {
     static_assert(NST == 1 || NST == 2, "stages");
     static_assert(NB == 0 || NB >= 3, "bf16 buffers");
     constexpr bool KB = NB > 0;
-    mm_dep_signal();
-    mm_dep_wait();
     extern __shared__ __align__(16) unsigned char tcd_sh[];
     __shared__ float red[TCD_WARPS][16];              // each warp's row maxima of its keys
     __shared__ uint32_t pk[TCD_WARPS][32][2];         // P as bf16 pairs: [n-tile][lane][row]
@@ -90,8 +93,8 @@ __global__ void __launch_bounds__(TCD_THREADS, 1)
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tq = lane & 3;
     const int skey = tid / TCD_TPK, part = tid % TCD_TPK; // the key this thread stages
     const int group = a.n_heads / kv.n_kv_heads, per_kv = group / gsub;
-    const int kvh = blockIdx.y / per_kv, h0 = kvh * group + (blockIdx.y % per_kv) * gsub;
-    const int64_t r = blockIdx.x;
+    const int kvh = ty / per_kv, h0 = kvh * group + (ty % per_kv) * gsub;
+    const int64_t r = rb;
     const int64_t k_off = (int64_t)kvh * dk,
                   v_off = (int64_t)kv.n_kv_heads * dk + (int64_t)kvh * dv;
     const int32_t sq = a.row_seq[r], pos = a.row_pos[r];
@@ -318,6 +321,14 @@ __global__ void __launch_bounds__(TCD_THREADS, 1)
     }
 }
 
+template <int DKM, int DVM, int NST, int NB>
+__global__ void __launch_bounds__(TCD_THREADS, 1)
+    attention_tcd_kernel(struct mm_attn_args a, int gsub, int *d_err) {
+    mm_dep_signal();
+    mm_dep_wait();
+    tcd_block<DKM, DVM, NST, NB>(a, gsub, d_err, blockIdx.x, blockIdx.y);
+}
+
 // dynamic shared memory: NST stages and two buffers (f32 cache, nb 0), nb buffers (bf16)
 static size_t tcd_shmem(int dk, int dv, int nst, int nb) {
     return nb > 0 ? tc_stage_shmem(dk, dv, 0, nb) : tc_stage_shmem(dk, dv, nst, 2);
@@ -341,6 +352,9 @@ static mm_err tcd_launch(void *stream, const struct mm_attn_args *a, int gsub, i
 #else
 #define TCD_HAVE 0
 #endif
+
+// decode calls with the key blocks split over many blocks (mm_gpu_attention_tcs; same bits)
+#include "attention_tcs.cuh"
 
 // 0 off, 1 every decode call, 2 (MM_GPU_ATT_TCD unset or other values) calls of at most
 // TCD_AUTO_ROWS rows
@@ -428,6 +442,11 @@ extern "C" mm_err mm_gpu_attention_tcd(void *stream, const struct mm_attn_args *
     const bool small = a->kv.head_dim_k <= 64 && a->kv.head_dim_v <= 64;
     mm_err rv;
     if (a->kv.dtype == MM_DTYPE_BF16) { // attention_tc.cu checked the bf16 shape
+        // the key blocks split over many blocks where it takes the call (attention_tcs.cuh,
+        // MM_GPU_ATT_SPLITK; same bits)
+        const mm_err srv = mm_gpu_attention_tcs(stream, a, gsub, d_err, done);
+        if (srv != MM_OK || *done)
+            return srv;
         const int nb = tcd_kb_bufs();
         if (nb == 6)
             rv = small ? tcd_launch<64, 64, 1, 6>(stream, a, gsub, d_err)

@@ -1,0 +1,597 @@
+// SPDX-License-Identifier: MIT
+// Decode calls of the tensor-core attention contract (attention_tc.cu) over long contexts, the
+// key blocks split over many multiprocessors: the same bits as attention_tcd_kernel (and so as
+// attention_tc_kernel), in less time once a row has many 64-key blocks. Included by
+// attention_tcd.cu alone (its kernel runs attention_tcd.cu's tcd_block for rows of few key
+// blocks, and device code cannot be called across files).
+//
+// Design notes:
+// - attention_tcd_kernel walks a row's key blocks one after the other in one block per (row,
+//   kv head): at 4096 keys 64 rounds of (copies, two barriers, scores, softmax, P V), ~137 us
+//   per call on the H200 for ~8 MB read. But in the contract only the out accumulator is a
+//   real chain (the P V mma accumulates into C = the scaled running out); the scores of every
+//   key block, their mask and raw row maxima do not depend on earlier blocks, and the running
+//   max, alpha, p and l are cheap chains once the scores are there.
+// - Grid (G, tiles, rows), 8 warps a block. A row of at most min_kb key blocks
+//   (MM_GPU_ATT_SPLITK_MIN) is attention_tcd_kernel's block: block 0 of its tile runs
+//   tcd_block (the others return). Longer rows:
+// - Phase A (every block, one warp per 64-key block, each block striding over the row's key
+//   blocks): the warp copies its block's K rows (bf16 cache; zeros for keys outside [first,
+//   pos], as tc_issue_bf16 writes them) into its own shared buffer, asks L2 for the block's V
+//   rows (prefetch: phase B reads them soon), computes the scores by attention_tcd_kernel's mma
+//   sequence (n-tile jn = keys 8 jn.., dims in 16-wide steps in ascending order: the same
+//   operands and C chain per output element), masks them as it does (-inf outside [first,
+//   pos] and for heads past the tile) and stores them, f32, to the workspace record of the
+//   (row, tile, key block) in the lane layout the P fragments need ([n-tile][lane][4]).
+// - Hand-off: the blocks of a (row, tile) count themselves on a device counter (threadfence,
+//   atomicAdd); the last one (or the only one, when the row has at most 8 key blocks) runs
+//   phase B and sets the counter back to 0 for the next call.
+// - Phase B (the last block): the row's cache table entries into shared memory (one round),
+//   then warp w (w < 4) takes value dims 32 w .. 32 w + 31 (four n-tiles; no block-wide barrier
+//   from here): per key block in order its own copies of the score record and of its value
+//   columns (cp.async, TCS_RING - 1 blocks in flight), then tc_block's softmax step: raw row max
+//   over the row's 4 threads (the same butterfly), m' = max(m, fmul(mx, cs)), alpha, p =
+//   ex2(fma(x, cs, -m')), the per-thread p sums in n-tile order, l = fma(l, alpha, ps), out =
+//   out * alpha, then the 4 P V mmas per n-tile (P rounded to bf16, 16 keys per step in
+//   ascending order, C = out). Block j's P V and block j + 1's softmax are one stretch of code
+//   (the scheduler interleaves them: only out is a chain). Every warp recomputes p and l
+//   (cheap); only its four out n-tiles are its own. At the end l's butterfly and out * (1 / l),
+//   as attention_tcd_kernel. Each rounded operation has attention_tcd's operands, so the
+//   outputs are the same bits (cuda_attention_tcd_test).
+// - Workspace: per (device, stream) a buffer of rows x tiles x key blocks score records (4 KB
+//   each: 16 units x 64 keys f32) and the counters, made (cudaMalloc, counters zeroed on the
+//   stream) by an uncaptured call for calls of up to TCS_MAX_ROWS rows of that cache shape (a
+//   decode step's first run is uncaptured: common/model.c records a shape the second time it
+//   runs); a call that finds it too small while the stream is capturing, a cache that is not
+//   bf16, more than TCS_MAX_ROWS rows or a table of more than TCS_TAB blocks per sequence leave
+//   the call to attention_tcd_kernel (same bits). A grown buffer does not free the smaller one
+//   (a recorded graph may still name it).
+// - Bad rows (pos < 0, a bad sequence, pos past the table) set the error flag and leave their
+//   outputs alone, as attention_tcd_kernel; a missing table entry is flagged and read as zeros.
+// - Switches: MM_GPU_ATT_SPLITK (0 off, 1 on; mm_gpu_set_attention_splitk),
+//   MM_GPU_ATT_SPLITK_MIN (rows of at most this many key blocks take tcd_block;
+//   mm_gpu_set_attention_splitk_min). The host does not know a row's context (positions are
+//   device data, and decode steps are recorded graphs), so the choice is made per row on the
+//   device.
+// - Measured (H200, 2026-11-30 12:15 UTC, 4-layer synthetic Qwen3-30B-A3B, bf16 cache, batch 1;
+//   docs/BENCHMARKS.md): per call after a 4096-token prompt 90.4 us against 139.6 for
+//   attention_tcd_kernel (per-op timer), decode 1054 / 1060 tok/s against 871 / 868 (+21.5%);
+//   at 128 tokens of context (rows on tcd_block) 1635 / 1616 against 1697 / 1720 (-4..-6%, cause
+//   not established), so off by default. Every row split (MIN 0): 18.9 against 17.6 us per
+//   call at 5 key blocks, 26.5 against 25.4 at 9: MIN 12 lies past both (the crossover
+//   interpolated, not measured). Phase B costs ~1.1 us per key block (slope between 9 and 65
+//   blocks), far above its arithmetic; what bounds it is not established (the run's ncu caught
+//   a warm-up call). The first form (11:55 UTC: 8 phase-B warps of 16 dims, the cache table
+//   read from global one block ahead, 4 slots) gave 96.6 us per call.
+// CUDA only (mma.sync, ldmatrix, cp.async): HIP builds compile the switches alone.
+#ifndef MM_GPU_ATTENTION_TCS_CUH
+#define MM_GPU_ATTENTION_TCS_CUH
+
+#include <pthread.h>
+
+#define TCS_WARPS 8             // phase A: one key block per warp
+#define TCS_PBW 4               // phase B: 32 value dims per warp
+#define TCS_REC (TC_KEYS * 16)  // floats of one score record (16 units x 64 keys)
+#define TCS_RING 5              // phase B: key blocks in a warp's ring (4 in flight)
+#define TCS_LDV 40              // bf16 per value row of a warp's 32 dims (80 B: no conflicts)
+#define TCS_SLOT (TCS_REC * 4 + TC_KEYS * TCS_LDV * 2) // bytes of one ring slot (9216)
+#define TCS_TAB 4096            // cache blocks per sequence at most (table in shared memory)
+#define TCS_MAX_CTAS 16         // phase A blocks per (row, tile) at most (8 key blocks each)
+#define TCS_MAX_ROWS 8          // calls of at most this many rows
+#define TCS_MAX_WS (1ull << 30) // workspace bytes at most (larger: attention_tcd_kernel)
+#define TCS_SHORT_NB 4          // tcd_block's key buffers for the rows of few key blocks
+#define TCS_MIN_DEFAULT 12      // MM_GPU_ATT_SPLITK_MIN unset: rows of <= 12 key blocks: tcd_block
+#define TCS_DEFAULT 0           // MM_GPU_ATT_SPLITK unset: off (short context loses; see the head)
+
+static int g_tcs = -1;     // -1: from MM_GPU_ATT_SPLITK at first use; 0 off; 1 on
+static int g_tcs_min = -1; // -1: from MM_GPU_ATT_SPLITK_MIN at first use
+
+#if MM_GPU_HAVE_WMMA
+#define TCS_HAVE 1
+static_assert(TCS_WARPS * 32 == TCD_THREADS, "tcd_block runs in these blocks");
+
+__device__ __forceinline__ void tcs_prefetch_l2(const void *p) {
+    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
+}
+
+// grid (G, tiles = n_kv_heads x (group / gsub), rows); ws: [rows][tiles][max_kb] records; cnt:
+// [rows][tiles] counters (0 between calls). DKM, DVM: attention_tcd_kernel's (64 when both
+// head dims are at most 64, else 128).
+template <int DKM, int DVM>
+__global__ void __launch_bounds__(TCD_THREADS, 1)
+    attention_tcs_kernel(struct mm_attn_args a, int gsub, int max_kb, int min_kb, float *ws,
+                         unsigned *cnt, int *d_err) {
+    mm_dep_signal();
+    mm_dep_wait();
+    extern __shared__ __align__(16) unsigned char tcs_sh[];
+    __shared__ int last;
+    const struct mm_kv_view &kv = a.kv;
+    const int dk = kv.head_dim_k, dv = kv.head_dim_v;
+    const int dkp = (dk + 15) & ~15, dvp = (dv + 15) & ~15, ldk = dkp + 8;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tq = lane & 3;
+    const int group = a.n_heads / kv.n_kv_heads, per_kv = group / gsub;
+    const int kvh = blockIdx.y / per_kv, h0 = kvh * group + (blockIdx.y % per_kv) * gsub;
+    const int64_t r = blockIdx.z;
+    const int64_t k_off = (int64_t)kvh * dk,
+                  v_off = (int64_t)kv.n_kv_heads * dk + (int64_t)kvh * dv;
+    const int32_t sq = a.row_seq[r], pos = a.row_pos[r];
+    if (pos < 0 || sq < 0 || pos / kv.block_size >= kv.max_blocks) {
+        if (tid == 0)
+            tc_flag(d_err);
+        return;
+    }
+    int32_t first = 0;
+    if (a.window > 0 && pos - a.window + 1 > 0)
+        first = pos - a.window + 1;
+    const int32_t c_lo = (first / TC_KEYS) * TC_KEYS;
+    const int nkb = pos / TC_KEYS - c_lo / TC_KEYS + 1; // the row's key blocks
+    if (nkb <= min_kb) { // few key blocks: attention_tcd_kernel's block
+        if (blockIdx.x == 0)
+            tcd_block<DKM, DVM, 1, TCS_SHORT_NB>(a, gsub, d_err, blockIdx.z, blockIdx.y);
+        return;
+    }
+    const int nct = min((nkb + TCS_WARPS - 1) / TCS_WARPS, (int)gridDim.x); // blocks with work
+    if ((int)blockIdx.x >= nct)
+        return;
+    const int64_t unit = r * gridDim.y + blockIdx.y;
+    float *const rec0 = ws + unit * max_kb * TCS_REC;
+    bool uin[2];
+#pragma unroll
+    for (int i = 0; i < 2; i++)
+        uin[i] = g + 8 * i < gsub;
+    const float cs = a.scale * 1.4426950408889634f;
+
+    // ---- phase A: scores of key blocks blockIdx.x * 8 + warp, + 8 G, ..
+    {
+        uint16_t *const kw = (uint16_t *)tcs_sh + warp * TC_KEYS * ldk; // this warp's K rows
+        if (dk < dkp) // pad dims: zeros (q is zero there; stale shared memory could be NaN)
+            for (int key = lane; key < TC_KEYS; key += 32)
+                *(uint4 *)(kw + key * ldk + dk) = make_uint4(0u, 0u, 0u, 0u);
+        // q as A fragments (attention_tcd_kernel's qf)
+        uint32_t qf[DKM / 16][4];
+#pragma unroll
+        for (int ks = 0; ks < DKM / 16; ks++)
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                const int i = j & 1, d = 16 * ks + 8 * (j >> 1) + 2 * tq;
+                float x0 = 0.0f, x1 = 0.0f;
+                if (uin[i]) {
+                    const float *qp = a.q + r * a.q_stride + (int64_t)(h0 + g + 8 * i) * dk;
+                    if (d < dk)
+                        x0 = qp[d];
+                    if (d + 1 < dk)
+                        x1 = qp[d + 1];
+                }
+                qf[ks][j] = tc_pack(x0, x1);
+            }
+        for (int jb = blockIdx.x * TCS_WARPS + warp; jb < nkb; jb += gridDim.x * TCS_WARPS) {
+            const int32_t c0 = c_lo + jb * TC_KEYS;
+            __syncwarp(); // the last block's ldmatrix reads done before the copies overwrite
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int key = lane + 32 * h;
+                int32_t kr;
+                const int32_t blk = tc_blk_kb(kv, sq, c0 + key, first, pos, kr, d_err);
+                uint16_t *krow = kw + key * ldk;
+                if (blk >= 0) {
+                    const uint16_t *slot = (const uint16_t *)kv.base +
+                                           (int64_t)blk * kv.block_stride +
+                                           (int64_t)kr * kv.slot_stride;
+                    for (int i = 0; i < dk / 8; i++)
+                        tc_cp16(krow + 8 * i, slot + k_off + 8 * i);
+                    const uintptr_t v0 = (uintptr_t)(slot + v_off), v1 = v0 + 2 * (uintptr_t)dv;
+                    for (uintptr_t ln = v0 & ~(uintptr_t)127; ln < v1; ln += 128)
+                        tcs_prefetch_l2((const void *)ln);
+                } else {
+                    if (blk != TC_NO_KEY) // in range, but the table has no block
+                        tc_flag(d_err);
+                    for (int i = 0; i < dk / 8; i++)
+                        *(uint4 *)(krow + 8 * i) = make_uint4(0u, 0u, 0u, 0u);
+                }
+            }
+            tc_commit();
+            tc_wait<0>();
+            __syncwarp(); // every lane's rows visible to the warp
+            float s[TC_KEYS / 8][4];
+#pragma unroll
+            for (int jn = 0; jn < TC_KEYS / 8; jn++)
+                s[jn][0] = s[jn][1] = s[jn][2] = s[jn][3] = 0.0f;
+            {
+                const int mt = lane >> 3;
+                const uint16_t *kp = kw + ((mt >> 1) * 8 + (lane & 7)) * ldk + (mt & 1) * 8;
+#pragma unroll
+                for (int ks = 0; ks < DKM / 16; ks++) {
+                    if (16 * ks < dkp) {
+#pragma unroll
+                        for (int np = 0; np < TC_KEYS / 16; np++) {
+                            uint32_t b[4];
+                            tc_ldsm4(b, kp + np * 16 * ldk + 16 * ks);
+                            tc_mma(s[2 * np], qf[ks], b[0], b[1]);
+                            tc_mma(s[2 * np + 1], qf[ks], b[2], b[3]);
+                        }
+                    }
+                }
+            }
+            float4 *rec = (float4 *)(rec0 + (int64_t)jb * TCS_REC);
+#pragma unroll
+            for (int jn = 0; jn < TC_KEYS / 8; jn++) {
+#pragma unroll
+                for (int i = 0; i < 2; i++)
+#pragma unroll
+                    for (int e = 0; e < 2; e++) {
+                        const int32_t t = c0 + 8 * jn + 2 * tq + e;
+                        if (!(uin[i] && t >= first && t <= pos))
+                            s[jn][2 * i + e] = -INFINITY;
+                    }
+                rec[jn * 32 + lane] = make_float4(s[jn][0], s[jn][1], s[jn][2], s[jn][3]);
+            }
+        }
+    }
+
+    // ---- hand-off: the last block of the (row, tile) goes on
+    __threadfence();
+    __syncthreads(); // also: every warp's phase-A reads of shared memory done
+    if (nct > 1) {
+        if (tid == 0) {
+            const unsigned old = atomicAdd(cnt + unit, 1u);
+            last = old == (unsigned)(nct - 1);
+            if (last) {
+                cnt[unit] = 0u; // every block of this call has counted: ready for the next call
+                __threadfence();
+            }
+        }
+        __syncthreads();
+        if (!last)
+            return;
+    }
+
+    // ---- phase B
+    // the row's cache table entries (blocks e0 ..) into shared memory, for the value copies
+    const int bs = kv.block_size;
+    const bool bs2 = (bs & (bs - 1)) == 0;
+    const int bsh = __ffs(bs) - 1;
+    const int32_t e0 = c_lo / bs, ne = pos / bs - e0 + 1; // ne <= max_blocks <= TCS_TAB
+    int32_t *const tab = (int32_t *)tcs_sh;
+    for (int i = tid; i < ne; i += TCD_THREADS)
+        tab[i] = kv.block_tables[(int64_t)sq * kv.max_blocks + e0 + i];
+    __syncthreads();
+    // warp w: dims 32 w .. 32 w + 31 over every key block in order
+    if (warp >= TCS_PBW || 32 * warp >= dvp)
+        return;
+    unsigned char *const ring = tcs_sh + TCS_TAB * 4 + warp * TCS_RING * TCS_SLOT;
+    const uint16_t *const vbase = (const uint16_t *)kv.base + v_off + 32 * warp;
+    // block jb's score record (this thread's own pieces) and value columns (keys lane and
+    // lane + 32: zeros outside [first, pos], past dv, or for a missing table entry) into slot sl
+    auto issue = [&](int jb, int sl) {
+        unsigned char *p = ring + sl * TCS_SLOT;
+        const float *src = rec0 + (int64_t)jb * TCS_REC;
+#pragma unroll
+        for (int jn = 0; jn < TC_KEYS / 8; jn++)
+            tc_cp16(p + (jn * 32 + lane) * 16, src + (jn * 32 + lane) * 4);
+        uint16_t *vd = (uint16_t *)(p + TCS_REC * 4);
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int key = lane + 32 * h;
+            const int32_t t = c_lo + jb * TC_KEYS + key;
+            uint16_t *row = vd + key * TCS_LDV;
+            const uint16_t *vs = NULL;
+            if (t >= first && t <= pos) {
+                const int32_t q = bs2 ? t >> bsh : t / bs, kr = t - q * bs;
+                const int32_t blk = tab[q - e0];
+                if (blk >= 0)
+                    vs = vbase + (int64_t)blk * kv.block_stride + (int64_t)kr * kv.slot_stride;
+                else
+                    tc_flag(d_err);
+            }
+#pragma unroll
+            for (int pc = 0; pc < 4; pc++) {
+                if (vs != NULL && 32 * warp + 8 * pc < dv)
+                    tc_cp16(row + 8 * pc, vs + 8 * pc);
+                else
+                    *(uint4 *)(row + 8 * pc) = make_uint4(0u, 0u, 0u, 0u);
+            }
+        }
+        tc_commit();
+    };
+#pragma unroll
+    for (int b = 0; b < TCS_RING - 1; b++) {
+        if (b < nkb)
+            issue(b, b);
+        else
+            tc_commit();
+    }
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+    float acc[4][4];
+#pragma unroll
+    for (int n = 0; n < 4; n++)
+        acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+    // tc_block's softmax step on the masked scores in slot sl: row max over the row's 4
+    // threads, m, alpha (*ax), p as the P fragments (px), l
+    auto soft = [&](int sl, uint32_t (&px)[TC_KEYS / 16][4], float (&ax)[2]) {
+        const unsigned char *p = ring + sl * TCS_SLOT;
+        float s[TC_KEYS / 8][4];
+#pragma unroll
+        for (int jn = 0; jn < TC_KEYS / 8; jn++) {
+            const float4 x = *(const float4 *)(p + (jn * 32 + lane) * 16);
+            s[jn][0] = x.x, s[jn][1] = x.y, s[jn][2] = x.z, s[jn][3] = x.w;
+        }
+        float mx[2] = {-INFINITY, -INFINITY}, ms[2];
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+#pragma unroll
+            for (int jn = 0; jn < TC_KEYS / 8; jn++)
+                mx[i] = fmaxf(mx[i], fmaxf(s[jn][2 * i], s[jn][2 * i + 1]));
+            mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
+            mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
+            const float mn = fmaxf(m[i], __fmul_rn(mx[i], cs));
+            ax[i] = mn == m[i] ? 1.0f : tc_ex2(__fsub_rn(m[i], mn));
+            ms[i] = mn == -INFINITY ? 0.0f : -mn;
+            m[i] = mn;
+        }
+        float ps[2] = {0.0f, 0.0f};
+#pragma unroll
+        for (int jn = 0; jn < TC_KEYS / 8; jn++) {
+            const float p0 = tc_ex2(__fmaf_rn(s[jn][0], cs, ms[0]));
+            const float p1 = tc_ex2(__fmaf_rn(s[jn][1], cs, ms[0]));
+            const float p2 = tc_ex2(__fmaf_rn(s[jn][2], cs, ms[1]));
+            const float p3 = tc_ex2(__fmaf_rn(s[jn][3], cs, ms[1]));
+            ps[0] = __fadd_rn(__fadd_rn(ps[0], p0), p1);
+            ps[1] = __fadd_rn(__fadd_rn(ps[1], p2), p3);
+            px[jn >> 1][(jn & 1) * 2 + 0] = tc_pack(p0, p1);
+            px[jn >> 1][(jn & 1) * 2 + 1] = tc_pack(p2, p3);
+        }
+#pragma unroll
+        for (int i = 0; i < 2; i++)
+            l[i] = __fmaf_rn(l[i], ax[i], ps[i]);
+    };
+    // out = out * alpha, then P V of the warp's four n-tiles from slot sl's value columns
+    const int mt = lane >> 3;
+    const int voff = ((mt & 1) * 8 + (lane & 7)) * TCS_LDV + (mt >> 1) * 8;
+    auto pv = [&](int sl, const uint32_t (&px)[TC_KEYS / 16][4], const float (&ax)[2]) {
+#pragma unroll
+        for (int n = 0; n < 4; n++) {
+            acc[n][0] = __fmul_rn(acc[n][0], ax[0]);
+            acc[n][1] = __fmul_rn(acc[n][1], ax[0]);
+            acc[n][2] = __fmul_rn(acc[n][2], ax[1]);
+            acc[n][3] = __fmul_rn(acc[n][3], ax[1]);
+        }
+        const uint16_t *vp = (const uint16_t *)(ring + sl * TCS_SLOT + TCS_REC * 4) + voff;
+#pragma unroll
+        for (int kk = 0; kk < TC_KEYS / 16; kk++) {
+#pragma unroll
+            for (int dp = 0; dp < 2; dp++) {
+                uint32_t b[4];
+                tc_ldsm4t(b, vp + kk * 16 * TCS_LDV + 16 * dp);
+                tc_mma(acc[2 * dp], px[kk], b[0], b[1]);
+                tc_mma(acc[2 * dp + 1], px[kk], b[2], b[3]);
+            }
+        }
+    };
+    // software pipelined: iteration jb runs block jb's P V (the out chain) and block jb + 1's
+    // softmax (independent of out) in one stretch of code
+    uint32_t pa[TC_KEYS / 16][4];
+    float al[2];
+    tc_wait<TCS_RING - 2>(); // this thread's copies of block 0 landed
+    __syncwarp();            // every lane's
+    soft(0, pa, al);
+    for (int jb = 0; jb + 1 < nkb; jb++) {
+        __syncwarp(); // every lane done with block jb - 1's slot
+        const int nx = jb + TCS_RING - 1;
+        if (nx < nkb)
+            issue(nx, nx % TCS_RING); // into block jb - 1's slot
+        else
+            tc_commit(); // an empty group: the count of newer groups stays TCS_RING - 2
+        tc_wait<TCS_RING - 2>(); // this thread's copies of block jb + 1 landed
+        __syncwarp();            // every lane's
+        uint32_t pn[TC_KEYS / 16][4];
+        float an[2];
+        soft((jb + 1) % TCS_RING, pn, an);
+        pv(jb % TCS_RING, pa, al);
+#pragma unroll
+        for (int kk = 0; kk < TC_KEYS / 16; kk++)
+#pragma unroll
+            for (int e = 0; e < 4; e++)
+                pa[kk][e] = pn[kk][e];
+        al[0] = an[0], al[1] = an[1];
+    }
+    pv((nkb - 1) % TCS_RING, pa, al);
+    // l over the row's 4 threads (attention_tcd_kernel's butterfly), then this warp's dims
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        l[i] = __fadd_rn(l[i], __shfl_xor_sync(0xffffffffu, l[i], 1));
+        l[i] = __fadd_rn(l[i], __shfl_xor_sync(0xffffffffu, l[i], 2));
+    }
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        if (!uin[i])
+            continue;
+        const float inv = 1.0f / l[i];
+        float *o = a.out + r * a.out_stride + (int64_t)(h0 + g + 8 * i) * dv;
+#pragma unroll
+        for (int n = 0; n < 4; n++) {
+            const int d = 32 * warp + 8 * n + 2 * tq;
+            if (d < dv)
+                o[d] = __fmul_rn(acc[n][2 * i], inv);
+            if (d + 1 < dv)
+                o[d + 1] = __fmul_rn(acc[n][2 * i + 1], inv);
+        }
+    }
+}
+
+// dynamic shared memory: tcd_block's key buffers, phase A's 8 warps' K rows, or phase B's
+// table and rings (the largest)
+static size_t tcs_shmem(int dk, int dv) {
+    const int dkp = (dk + 15) & ~15, dvp = (dv + 15) & ~15;
+    const size_t sh = tcd_shmem(dk, dv, 1, TCS_SHORT_NB);
+    const size_t pa = (size_t)TCS_WARPS * TC_KEYS * (dkp + 8) * 2;
+    const size_t pb = (size_t)TCS_TAB * 4 + (size_t)((dvp + 31) / 32) * TCS_RING * TCS_SLOT;
+    const size_t x = sh > pa ? sh : pa;
+    return x > pb ? x : pb;
+}
+
+// The workspace of one (device, stream): score records and counters (see the head).
+struct tcs_ws {
+    int dev;
+    void *stream;
+    float *rec;    // device: records
+    size_t rec_n;  // floats
+    unsigned *cnt; // device: counters, 0 between calls
+    size_t cnt_n;
+};
+#define TCS_WS_MAX 16
+static struct tcs_ws g_tcs_ws[TCS_WS_MAX];
+static int g_tcs_ws_n;
+static pthread_mutex_t g_tcs_mu = PTHREAD_MUTEX_INITIALIZER;
+
+// *rec, *cnt: a workspace of at least rec_n floats and cnt_n counters for stream st on the
+// current device, made (for want_rec, want_cnt) when the stream is not capturing; NULL when
+// there is none (capturing, no memory, or the table is full): the caller falls back.
+static mm_err tcs_workspace(cudaStream_t st, size_t rec_n, size_t cnt_n, size_t want_rec,
+                            size_t want_cnt, float **rec, unsigned **cnt) {
+    *rec = NULL, *cnt = NULL;
+    int dev = 0;
+    MM_GPU_CHECK(cudaGetDevice(&dev));
+    pthread_mutex_lock(&g_tcs_mu);
+    struct tcs_ws *w = NULL;
+    for (int i = 0; i < g_tcs_ws_n; i++)
+        if (g_tcs_ws[i].dev == dev && g_tcs_ws[i].stream == (void *)st)
+            w = &g_tcs_ws[i];
+    if (w != NULL && w->rec_n >= rec_n && w->cnt_n >= cnt_n) {
+        *rec = w->rec, *cnt = w->cnt;
+        pthread_mutex_unlock(&g_tcs_mu);
+        return MM_OK;
+    }
+    cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(st, &cap) != cudaSuccess) {
+        (void)cudaGetLastError();
+        cap = cudaStreamCaptureStatusActive;
+    }
+    if (cap != cudaStreamCaptureStatusNone || (w == NULL && g_tcs_ws_n == TCS_WS_MAX)) {
+        pthread_mutex_unlock(&g_tcs_mu);
+        return MM_OK;
+    }
+    float *nr = NULL;
+    unsigned *nc = NULL;
+    if (cudaMalloc((void **)&nr, want_rec * 4) != cudaSuccess ||
+        cudaMalloc((void **)&nc, want_cnt * 4) != cudaSuccess ||
+        cudaMemsetAsync(nc, 0, want_cnt * 4, st) != cudaSuccess) {
+        (void)cudaGetLastError(); // no memory: the caller falls back
+        if (nr != NULL)
+            (void)cudaFree(nr);
+        if (nc != NULL)
+            (void)cudaFree(nc);
+        pthread_mutex_unlock(&g_tcs_mu);
+        return MM_OK;
+    }
+    if (w == NULL)
+        w = &g_tcs_ws[g_tcs_ws_n++];
+    // the smaller buffers stay allocated: a recorded graph may name them
+    *w = (struct tcs_ws){dev, (void *)st, nr, want_rec, nc, want_cnt};
+    *rec = nr, *cnt = nc;
+    pthread_mutex_unlock(&g_tcs_mu);
+    return MM_OK;
+}
+
+template <int DKM, int DVM>
+static mm_err tcs_launch(void *stream, const struct mm_attn_args *a, int gsub, int max_kb,
+                         int min_kb, float *rec, unsigned *cnt, int *d_err) {
+    static uint64_t attr_set; // tc_allow_shmem's: this kernel's devices
+    const mm_err rv = tc_allow_shmem(attention_tcs_kernel<DKM, DVM>, &attr_set,
+                                     tcs_shmem(DKM, DVM));
+    if (rv != MM_OK)
+        return rv;
+    const int group = a->n_heads / a->kv.n_kv_heads;
+    const int tiles = a->kv.n_kv_heads * (group / gsub);
+    const int gx = min((max_kb + TCS_WARPS - 1) / TCS_WARPS, TCS_MAX_CTAS);
+    dim3 grid((unsigned)gx, (unsigned)tiles, (unsigned)a->n_rows);
+    MM_GPU_CHECK(mm_launch_dep(attention_tcs_kernel<DKM, DVM>, grid, dim3(TCD_THREADS),
+                               tcs_shmem(a->kv.head_dim_k, a->kv.head_dim_v), (cudaStream_t)stream,
+                               *a, gsub, max_kb, min_kb, rec, cnt, d_err));
+    MM_GPU_CHECK(cudaGetLastError());
+    return MM_OK;
+}
+#else
+#define TCS_HAVE 0
+#endif
+
+// 0 off, 1 on (MM_GPU_ATT_SPLITK; unset or other values: TCS_DEFAULT)
+static int tcs_mode(void) {
+    if (g_tcs < 0) {
+        g_tcs = tc_env_is("MM_GPU_ATT_SPLITK", "0")   ? 0
+                : tc_env_is("MM_GPU_ATT_SPLITK", "1") ? 1
+                                                      : TCS_DEFAULT;
+    }
+    return g_tcs;
+}
+
+// rows of at most this many 64-key blocks take tcd_block (MM_GPU_ATT_SPLITK_MIN, 0..1000000;
+// unset or other values: TCS_MIN_DEFAULT)
+static int tcs_min(void) {
+    if (g_tcs_min < 0) {
+        const char *e = getenv("MM_GPU_ATT_SPLITK_MIN");
+        char *end = NULL;
+        const long v = e != NULL ? strtol(e, &end, 10) : -1;
+        g_tcs_min = e != NULL && end != e && *end == '\0' && v >= 0 && v <= 1000000
+                        ? (int)v
+                        : TCS_MIN_DEFAULT;
+    }
+    return g_tcs_min;
+}
+
+// mm_gpu_set_attention_splitk: 1 decode calls of a bf16 cache (at most TCS_MAX_ROWS rows) on
+// attention_tcs_kernel, 0 none, < 0 back to MM_GPU_ATT_SPLITK (read at the next call). Same
+// bits. Process-wide.
+extern "C" void mm_gpu_set_attention_splitk(int mode);
+extern "C" void mm_gpu_set_attention_splitk(int mode) { g_tcs = mode < 0 ? -1 : mode != 0; }
+
+// mm_gpu_set_attention_splitk_min: rows of at most n key blocks take tcd_block inside
+// attention_tcs_kernel (0: none); n < 0: back to MM_GPU_ATT_SPLITK_MIN. Same bits.
+// Process-wide.
+extern "C" void mm_gpu_set_attention_splitk_min(int n);
+extern "C" void mm_gpu_set_attention_splitk_min(int n) { g_tcs_min = n < 0 ? -1 : n; }
+
+// mm_gpu_attention_tcs: runs a decode call of the contract split over the key blocks and sets
+// *done when on and it takes a (bf16 cache, at most TCS_MAX_ROWS rows, at most TCS_TAB cache
+// blocks per sequence, a workspace to hand); *done 0 otherwise. mm_gpu_attention_tcd calls it
+// after its own shape checks (head dims <= 128, multiples of 4; attention_tc.cu's bf16 shape:
+// multiples of 8, 16-byte-aligned slots); gsub: its heads per block.
+extern "C" mm_err mm_gpu_attention_tcs(void *stream, const struct mm_attn_args *a, int gsub,
+                                       int *d_err, int *done);
+extern "C" mm_err mm_gpu_attention_tcs(void *stream, const struct mm_attn_args *a, int gsub,
+                                       int *d_err, int *done) {
+    *done = 0;
+    if (tcs_mode() == 0 || a == NULL || a->kv.dtype != MM_DTYPE_BF16 || a->n_rows <= 0 ||
+        a->n_rows > TCS_MAX_ROWS || a->kv.block_size <= 0 || a->kv.max_blocks <= 0 ||
+        a->kv.max_blocks > TCS_TAB || gsub <= 0 || a->kv.n_kv_heads <= 0 ||
+        a->n_heads % a->kv.n_kv_heads != 0 || (a->n_heads / a->kv.n_kv_heads) % gsub != 0)
+        return MM_OK;
+#if TCS_HAVE
+    const int group = a->n_heads / a->kv.n_kv_heads;
+    const size_t tiles = (size_t)a->kv.n_kv_heads * (size_t)(group / gsub);
+    const int64_t keys = (int64_t)a->kv.max_blocks * a->kv.block_size;
+    const size_t max_kb = (size_t)((keys + TC_KEYS - 1) / TC_KEYS);
+    const size_t per_row = tiles * max_kb * TCS_REC;
+    if (per_row * TCS_MAX_ROWS * 4 > TCS_MAX_WS || max_kb > 0x7fffffff)
+        return MM_OK;
+    float *rec = NULL;
+    unsigned *cnt = NULL;
+    MM_TRY(tcs_workspace((cudaStream_t)stream, per_row * (size_t)a->n_rows,
+                         tiles * (size_t)a->n_rows, per_row * TCS_MAX_ROWS, tiles * TCS_MAX_ROWS,
+                         &rec, &cnt));
+    if (rec == NULL)
+        return MM_OK;
+    const bool small = a->kv.head_dim_k <= 64 && a->kv.head_dim_v <= 64; // tcd's forms
+    const int mk = tcs_min();
+    const mm_err rv = small ? tcs_launch<64, 64>(stream, a, gsub, (int)max_kb, mk, rec, cnt, d_err)
+                            : tcs_launch<128, 128>(stream, a, gsub, (int)max_kb, mk, rec, cnt,
+                                                   d_err);
+    if (rv == MM_OK)
+        *done = 1;
+    return rv;
+#else
+    (void)stream, (void)d_err;
+    return MM_OK;
+#endif
+}
+
+#endif // MM_GPU_ATTENTION_TCS_CUH

@@ -656,11 +656,13 @@ struct mm_model_scratch {
     bool dev;
     int32_t *in_d, *h_in;
     int64_t rows_n; // rows whose pos/seq mm_model_attn_forward last set (h_in holds them), -1
+    int long_ctx;   // the staged rows reach MM_ATT_LONG_POS (mm_attn_args long_ctx; step key)
     int32_t *offs_d, *src_d, *dst_d, *tok_d; // routing plan (E+1, R*K, R*K), argmax (R)
     float *wt_d;                             // rank-major routing weights (K, R)
     // recorded steps, keyed by shape and the buffers baked into them
     struct step_graph {
         int64_t n, nw;
+        int long_ctx; // baked into the attention calls
         const void *kv, *pool, *tables, *logits; // the cache, and its buffers (a cache freed
                                                  // and another made at the same address)
         void *graph;
@@ -927,6 +929,15 @@ static mm_err check_attn_rows(const mm_model *m, const mm_kv_cache *kv, const mm
     return MM_OK;
 }
 
+// long_ctx: 1 when some row's position is at least MM_ATT_LONG_POS (mm_attn_args long_ctx: a
+// backend may take its long-context attention; the same bits either way).
+static int long_ctx(const mm_model_rows *rows) {
+    for (int64_t i = 0; i < rows->n_rows; i++)
+        if (rows->pos[i] >= MM_ATT_LONG_POS)
+            return 1;
+    return 0;
+}
+
 // attn_core: the attention of layer on n rows whose positions and sequences are in s->pos_d
 // and s->seq_d already. defer_residual: the output projection stays in s->tmp and h is not
 // updated (the caller adds it with the backend's add_rmsnorm). normed: s->xn already holds
@@ -955,6 +966,7 @@ mm_err mm_model_attn_forward(const mm_model *m, mm_model_scratch *s, int layer, 
         memcpy(s->h_in + 2 * R, rows->seq, (size_t)n * 4);
         MM_TRY(OPS->set(CTX, s->pos_d, s->h_in + R, (size_t)(R + n) * 4));
         s->rows_n = n;
+        s->long_ctx = long_ctx(rows);
     }
     return attn_core(m, s, layer, kv, n, h, false, false);
 }
@@ -984,7 +996,8 @@ static mm_err attn_core(const mm_model *m, mm_model_scratch *s, int layer, mm_kv
     struct mm_attn_args aa = {.kv = st.kv, .q = q, .q_stride = qs, .out = s->ao,
                               .out_stride = H * c->head_dim_v, .n_rows = n,
                               .row_seq = s->seq_d, .row_pos = s->pos_d, .n_heads = (int)H,
-                              .scale = c->attn_scale, .window = c->window};
+                              .scale = c->attn_scale, .window = c->window,
+                              .long_ctx = s->long_ctx};
     MM_TRY(OPS->attention(CTX, &aa));
     MM_TRY(OPS->matmul(CTX, &L->wo, NULL, s->ao, H * c->head_dim_v, s->tmp, D, n));
     if (defer_residual)
@@ -1380,16 +1393,17 @@ static mm_err forward_dev_ops(const mm_model *m, mm_model_scratch *s, mm_kv_cach
     return mm_model_head(m, s, s->hn, nw, logits);
 }
 
-static struct step_graph step_key(int64_t n, int64_t nw, const mm_kv_cache *kv,
+static struct step_graph step_key(int64_t n, int64_t nw, int long_ctx, const mm_kv_cache *kv,
                                   const void *logits) {
     struct mm_kv_view v;
     mm_kv_cache_view(kv, 0, &v);
-    return (struct step_graph){.n = n, .nw = nw, .kv = kv, .pool = v.base,
+    return (struct step_graph){.n = n, .nw = nw, .long_ctx = long_ctx, .kv = kv, .pool = v.base,
                                .tables = v.block_tables, .logits = logits};
 }
 
 static bool same_key(const struct step_graph *g, const struct step_graph *k) {
-    return g->n == k->n && g->nw == k->nw && g->kv == k->kv && g->pool == k->pool &&
+    return g->n == k->n && g->nw == k->nw && g->long_ctx == k->long_ctx && g->kv == k->kv &&
+           g->pool == k->pool &&
            g->tables == k->tables && g->logits == k->logits;
 }
 
@@ -1415,6 +1429,7 @@ static mm_err forward_dev(const mm_model *m, mm_model_scratch *s, mm_kv_cache *k
             s->h_in[3 * R + nw++] = (int32_t)i;
     }
     s->rows_n = -1; // pos_d/seq_d rewritten: mm_model_attn_forward sets its rows again
+    s->long_ctx = long_ctx(rows);
     MM_TRY(OPS->set(CTX, s->in_d, s->h_in, (size_t)(3 * R + (nw > 0 ? nw : 0)) * 4));
     // Steps of more than 64 rows (prefill chunks) are not recorded: their launches are few
     // against their work, and inside a capture the GPU's prefill GEMMs cannot take their
@@ -1422,7 +1437,7 @@ static mm_err forward_dev(const mm_model *m, mm_model_scratch *s, mm_kv_cache *k
     if (s->no_graphs || m->c.mla || n > 64)
         return forward_dev_ops(m, s, kv, n, nw, logits);
     s->tick++;
-    const struct step_graph key = step_key(n, nw, kv, logits);
+    const struct step_graph key = step_key(n, nw, s->long_ctx, kv, logits);
     for (int i = 0; i < MM_MODEL_GRAPHS; i++) {
         struct step_graph *g = &s->graphs[i];
         if (g->graph && same_key(g, &key)) {

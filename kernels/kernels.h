@@ -133,7 +133,14 @@ struct mm_attn_args {
     int n_heads;
     float scale;            // usually head_dim_k^-0.5 (times yarn mscale^2 for DeepSeek)
     int window;
+    int long_ctx;           // 1: some row's position is >= MM_ATT_LONG_POS (as the caller knows
+                            // it on the host); a backend may then take a form made for long
+                            // contexts; the same results either way (0: not known or short)
 };
+
+// MM_ATT_LONG_POS: the position from which a row counts as a long context (mm_attn_args
+// long_ctx): 12 of the contract's 64-key blocks (kernels/cuda/attention_tcs.cuh).
+#define MM_ATT_LONG_POS 768
 
 // ---- MoE routing -----------------------------------------------------------------------------
 enum mm_route_score {

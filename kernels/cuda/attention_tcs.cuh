@@ -48,17 +48,20 @@
 //   (a recorded graph may still name it).
 // - Bad rows (pos < 0, a bad sequence, pos past the table) set the error flag and leave their
 //   outputs alone, as attention_tcd_kernel; a missing table entry is flagged and read as zeros.
-// - Switches: MM_GPU_ATT_SPLITK (0 off, 1 on; mm_gpu_set_attention_splitk),
-//   MM_GPU_ATT_SPLITK_MIN (rows of at most this many key blocks take tcd_block;
-//   mm_gpu_set_attention_splitk_min). The host does not know a row's context (positions are
-//   device data, and decode steps are recorded graphs), so the choice is made per row on the
-//   device.
+// - Switches: MM_GPU_ATT_SPLITK (0 off, 1 on, 2 (default) the calls marked long_ctx;
+//   mm_gpu_set_attention_splitk), MM_GPU_ATT_SPLITK_MIN (rows of at most this many key blocks
+//   take tcd_block; mm_gpu_set_attention_splitk_min). Positions are device data inside a
+//   recorded decode step, so the kernel chooses per row on the device; the caller's long_ctx
+//   (common/model.c: some row at position >= MM_ATT_LONG_POS = 12 key blocks, the recorded
+//   steps keyed by it) keeps calls of short rows only on attention_tcd_kernel, where the split
+//   kernel lost 4-6% (below).
 // - Measured (H200, 2026-11-30 12:15 UTC, 4-layer synthetic Qwen3-30B-A3B, bf16 cache, batch 1;
 //   docs/BENCHMARKS.md): per call after a 4096-token prompt 90.4 us against 139.6 for
 //   attention_tcd_kernel (per-op timer), decode 1054 / 1060 tok/s against 871 / 868 (+21.5%);
 //   at 128 tokens of context (rows on tcd_block) 1635 / 1616 against 1697 / 1720 (-4..-6%, cause
-//   not established), so off by default. Every row split (MIN 0): 18.9 against 17.6 us per
-//   call at 5 key blocks, 26.5 against 25.4 at 9: MIN 12 lies past both (the crossover
+//   not established), so by default only for calls marked long_ctx (mode 2). Every row split
+//   (MIN 0): 18.9 against 17.6 us per call at 5 key blocks, 26.5 against 25.4 at 9: MIN 12
+//   lies past both (the crossover
 //   interpolated, not measured). Phase B costs ~1.1 us per key block (slope between 9 and 65
 //   blocks), far above its arithmetic; what bounds it is not established (the run's ncu caught
 //   a warm-up call). The first form (11:55 UTC: 8 phase-B warps of 16 dims, the cache table
@@ -81,9 +84,9 @@
 #define TCS_MAX_WS (1ull << 30) // workspace bytes at most (larger: attention_tcd_kernel)
 #define TCS_SHORT_NB 4          // tcd_block's key buffers for the rows of few key blocks
 #define TCS_MIN_DEFAULT 12      // MM_GPU_ATT_SPLITK_MIN unset: rows of <= 12 key blocks: tcd_block
-#define TCS_DEFAULT 0           // MM_GPU_ATT_SPLITK unset: off (short context loses; see the head)
+#define TCS_DEFAULT 2           // MM_GPU_ATT_SPLITK unset: calls the caller marks long_ctx
 
-static int g_tcs = -1;     // -1: from MM_GPU_ATT_SPLITK at first use; 0 off; 1 on
+static int g_tcs = -1;     // -1: from MM_GPU_ATT_SPLITK at first use; 0 off; 1 on; 2 auto
 static int g_tcs_min = -1; // -1: from MM_GPU_ATT_SPLITK_MIN at first use
 
 #if MM_GPU_HAVE_WMMA
@@ -514,11 +517,14 @@ static mm_err tcs_launch(void *stream, const struct mm_attn_args *a, int gsub, i
 #define TCS_HAVE 0
 #endif
 
-// 0 off, 1 on (MM_GPU_ATT_SPLITK; unset or other values: TCS_DEFAULT)
+// 0 off, 1 on, 2 auto: the calls whose caller marks them long_ctx (mm_attn_args; common/model.c
+// sets it when some row's position is at least MM_ATT_LONG_POS, and keys its recorded steps by
+// it) (MM_GPU_ATT_SPLITK; unset or other values: TCS_DEFAULT)
 static int tcs_mode(void) {
     if (g_tcs < 0) {
         g_tcs = tc_env_is("MM_GPU_ATT_SPLITK", "0")   ? 0
                 : tc_env_is("MM_GPU_ATT_SPLITK", "1") ? 1
+                : tc_env_is("MM_GPU_ATT_SPLITK", "2") ? 2
                                                       : TCS_DEFAULT;
     }
     return g_tcs;
@@ -539,10 +545,12 @@ static int tcs_min(void) {
 }
 
 // mm_gpu_set_attention_splitk: 1 decode calls of a bf16 cache (at most TCS_MAX_ROWS rows) on
-// attention_tcs_kernel, 0 none, < 0 back to MM_GPU_ATT_SPLITK (read at the next call). Same
-// bits. Process-wide.
+// attention_tcs_kernel, 2 those marked long_ctx, 0 none, < 0 back to MM_GPU_ATT_SPLITK (read at
+// the next call). Same bits. Process-wide.
 extern "C" void mm_gpu_set_attention_splitk(int mode);
-extern "C" void mm_gpu_set_attention_splitk(int mode) { g_tcs = mode < 0 ? -1 : mode != 0; }
+extern "C" void mm_gpu_set_attention_splitk(int mode) {
+    g_tcs = mode < 0 ? -1 : mode >= 2 ? 2 : mode != 0;
+}
 
 // mm_gpu_set_attention_splitk_min: rows of at most n key blocks take tcd_block inside
 // attention_tcs_kernel (0: none); n < 0: back to MM_GPU_ATT_SPLITK_MIN. Same bits.
@@ -560,7 +568,9 @@ extern "C" mm_err mm_gpu_attention_tcs(void *stream, const struct mm_attn_args *
 extern "C" mm_err mm_gpu_attention_tcs(void *stream, const struct mm_attn_args *a, int gsub,
                                        int *d_err, int *done) {
     *done = 0;
-    if (tcs_mode() == 0 || a == NULL || a->kv.dtype != MM_DTYPE_BF16 || a->n_rows <= 0 ||
+    const int mode = tcs_mode();
+    if (mode == 0 || a == NULL || (mode == 2 && !a->long_ctx) || a->kv.dtype != MM_DTYPE_BF16 ||
+        a->n_rows <= 0 ||
         a->n_rows > TCS_MAX_ROWS || a->kv.block_size <= 0 || a->kv.max_blocks <= 0 ||
         a->kv.max_blocks > TCS_TAB || gsub <= 0 || a->kv.n_kv_heads <= 0 ||
         a->n_heads % a->kv.n_kv_heads != 0 || (a->n_heads / a->kv.n_kv_heads) % gsub != 0)

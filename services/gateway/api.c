@@ -84,6 +84,7 @@ struct greq {
     int refs;
     int n_live;                // choices not yet done
     bool started, final_sent, sending, failed, dirty, think_open, ending, responded;
+    char *tool_head;           // owned: the tool call head the prompt wrote (tool_choice), or NULL
     int fail_status;
     char fail_msg[MM_ERRLEN];
     mm_err fail_code;
@@ -261,6 +262,7 @@ static void greq_free(struct greq *g) {
         free(c->seq.tokens);
     }
     free(g->ch);
+    free(g->tool_head);
     for (int i = 0; i < g->n_prompts; i++)
         free(g->prompt_text ? g->prompt_text[i] : NULL);
     free(g->prompt_text);
@@ -1178,6 +1180,10 @@ static void submit(gw_api *a, struct greq *g, const struct common *o, struct per
         char idp[64];
         snprintf(idp, sizeof(idp), "call_%s_%d", g->id + 9, i);
         gw_chat_parse_init(&c->cp, g->think_open, g->parse_tools, idp);
+        if (g->tool_head && !gw_chat_parse_force_tool(&c->cp, g->tool_head)) {
+            bad(e, 500, "tool_choice", "out of memory");
+            goto fail;
+        }
         int np = g->prompt_len[p];
         // Without max_tokens: the rest of the context, or of what one shard's KV holds.
         long long room = gw_sched_seq_kv_tokens(a->sched) < a->max_ctx
@@ -1446,13 +1452,77 @@ static bool check_tools(const json_t *tools, const json_t *choice, struct perr *
         if (!tools || json_is_null(tools) || json_array_size(tools) == 0)
             if (!json_is_string(choice) || strcmp(json_string_value(choice), "none"))
                 return bad(e, 400, "tool_choice", "'tool_choice' needs 'tools'");
+        const char *name =
+            json_is_object(choice)
+                ? json_string_value(json_object_get(json_object_get(choice, "function"), "name"))
+                : NULL;
+        bool found = name == NULL;
+        size_t i;
+        json_t *t;
+        json_array_foreach(tools, i, t) {
+            const char *tn = json_string_value(json_object_get(json_object_get(t, "function"),
+                                                               "name"));
+            found = found || (tn && !strcmp(tn, name));
+        }
+        if (!found)
+            return bad(e, 400, "tool_choice", "'tool_choice' names function '%s', which is not "
+                       "in 'tools'", name);
     }
+    return true;
+}
+
+// force_tool_call: tool_choice "required" or a named function, with a template that writes
+// Qwen3's (Hermes) <tool_call> blocks (its tools prompt names the tag): the prompt opens the
+// call itself, "<tool_call>\n{\"name\": " and, for a named function, its name and ", \"arguments\": "
+// (closing a <think> block the template opened first), so the model writes the rest of that
+// call; *head (owned) gets what follows "<tool_call>" for the output parser. Other templates:
+// nothing changes (*head NULL; the model is not constrained). False out of memory.
+static bool force_tool_call(const json_t *choice, bool *think_open, char **out, size_t *out_len,
+                            char **head) {
+    *head = NULL;
+    const bool required = json_is_string(choice) && !strcmp(json_string_value(choice), "required");
+    if (!required && !json_is_object(choice))
+        return true;
+    if (!memmem(*out, *out_len, "<tool_call>", 11))
+        return true;
+    gw_buf h = {0};
+    gw_buf_adds(&h, "\n{\"name\": ");
+    if (required) {
+        gw_buf_adds(&h, "\"");
+    } else {
+        json_t *nm = json_object_get(json_object_get(choice, "function"), "name");
+        char *q = json_dumps(nm, JSON_ENCODE_ANY); // the name as a JSON string, escaped
+        if (!q) {
+            free(h.p);
+            return false;
+        }
+        gw_buf_adds(&h, q);
+        gw_buf_adds(&h, ", \"arguments\": ");
+        free(q);
+    }
+    if (!h.p)
+        return false;
+    const char *close = *think_open ? "\n</think>\n\n" : "";
+    const size_t nc = strlen(close), n = *out_len + nc + 11 + h.len;
+    char *o = realloc(*out, n + 1);
+    if (!o) {
+        free(h.p);
+        return false;
+    }
+    memcpy(o + *out_len, close, nc);
+    memcpy(o + *out_len + nc, "<tool_call>", 11);
+    memcpy(o + *out_len + nc + 11, h.p, h.len);
+    o[n] = 0;
+    *out = o;
+    *out_len = n;
+    *think_open = false;
+    *head = h.p;
     return true;
 }
 
 // render_chat renders body's messages with the template into *out (owned).
 static bool render_chat(gw_api *a, const json_t *body, bool *think_open, char **out,
-                        size_t *out_len, struct perr *e) {
+                        size_t *out_len, char **tool_head, struct perr *e) {
     if (!a->ct)
         return bad(e, 400, "messages", "this model has no chat template (%s); use "
                    "/v1/completions", a->ct_err);
@@ -1498,6 +1568,11 @@ static bool render_chat(gw_api *a, const json_t *body, bool *think_open, char **
     while (n > 0 && ((*out)[n - 1] == '\n' || (*out)[n - 1] == ' '))
         n--;
     *think_open = n >= 7 && memcmp(*out + n - 7, "<think>", 7) == 0;
+    if (ro.tools && choice && !force_tool_call(choice, think_open, out, out_len, tool_head)) {
+        free(*out);
+        *out = NULL;
+        return bad(e, 500, "tool_choice", "out of memory");
+    }
     return true;
 }
 
@@ -1526,7 +1601,7 @@ static int route_chat(void *arg, h2o_req_t *req) {
     char *text = NULL;
     size_t text_len = 0;
     if (ok)
-        ok = render_chat(a, body, &g->think_open, &text, &text_len, &e);
+        ok = render_chat(a, body, &g->think_open, &text, &text_len, &g->tool_head, &e);
     if (ok) {
         json_t *tools = json_object_get(body, "tools");
         json_t *choice = json_object_get(body, "tool_choice");
@@ -1586,9 +1661,11 @@ static int route_tokenize(void *arg, h2o_req_t *req) {
         char *text = NULL;
         size_t n = 0;
         bool think = false;
-        ok = render_chat(a, body, &think, &text, &n, &e) &&
+        char *head = NULL; // (the tokens count the tool call head a tool_choice writes)
+        ok = render_chat(a, body, &think, &text, &n, &head, &e) &&
              add_prompt(g, text, n, NULL, &all, &offs, &lens, &texts, &e);
         free(text);
+        free(head);
     } else if (ok) {
         if (!json_is_string(prompt))
             ok = bad(&e, 400, "prompt", "'prompt' (a string) or 'messages' is required");

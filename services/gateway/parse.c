@@ -40,7 +40,18 @@ void gw_chat_parse_init(gw_chat_parse *p, bool think_open, bool tools, const cha
     snprintf(p->id_prefix, sizeof(p->id_prefix), "%s", id_prefix ? id_prefix : "call");
 }
 
+bool gw_chat_parse_force_tool(gw_chat_parse *p, const char *head) {
+    free(p->forced);
+    p->forced = strdup(head);
+    if (!p->forced)
+        return false;
+    p->tools = true;
+    p->mode = GW_PARSE_TOOL;
+    return true;
+}
+
 void gw_chat_parse_fini(gw_chat_parse *p) {
+    free(p->forced);
     free(p->reasoning.p);
     free(p->content.p);
     json_decref(p->tool_calls);
@@ -118,14 +129,26 @@ void gw_chat_parse_feed(gw_chat_parse *p, const char *t, size_t limit, bool fina
         if (p->mode == GW_PARSE_TOOL) {
             const char *e = memmem(s, n, C_CLOSE, strlen(C_CLOSE));
             if (!e) {
-                if (final) { // unterminated: the model's text as it is
+                if (final) { // unterminated: the text as it is (with the prompt's head)
                     gw_buf_adds(&p->content, C_OPEN);
+                    if (p->forced)
+                        gw_buf_adds(&p->content, p->forced);
                     gw_buf_add(&p->content, s, n);
                     p->parsed = limit;
                 }
                 return;
             }
-            add_tool_call(p, s, (size_t)(e - s));
+            if (p->forced) { // the first block: its head was written by the prompt
+                gw_buf b = {0};
+                gw_buf_adds(&b, p->forced);
+                gw_buf_add(&b, s, (size_t)(e - s));
+                add_tool_call(p, b.p ? b.p : "", b.len);
+                free(b.p);
+                free(p->forced);
+                p->forced = NULL;
+            } else {
+                add_tool_call(p, s, (size_t)(e - s));
+            }
             p->parsed += (size_t)(e - s) + strlen(C_CLOSE);
             p->mode = GW_PARSE_CONTENT;
             continue;

@@ -30,10 +30,16 @@ typedef struct gw_chat_parse {
     gw_buf reasoning, content;
     json_t *tool_calls;   // owned array of {"id", "type": "function", "function": {...}}
     char id_prefix[64];   // tool call ids: <prefix>_<n>
+    char *forced;         // owned: the start of a tool call the prompt already wrote (after
+                          // its <tool_call>), read as the first block's head; NULL: none
 } gw_chat_parse;
 
 // gw_chat_parse_init: think_open when the prompt itself opened a <think> block.
 void gw_chat_parse_init(gw_chat_parse *p, bool think_open, bool tools, const char *id_prefix);
+// gw_chat_parse_force_tool: the prompt ended inside a tool call it opened (tool_choice: the
+// gateway wrote "<tool_call>" and `head`, e.g. "\n{\"name\": \"f\", \"arguments\": "): the
+// output starts in that block, and head is read in front of it. Returns false out of memory.
+bool gw_chat_parse_force_tool(gw_chat_parse *p, const char *head);
 // gw_chat_parse_feed consumes text[p->parsed, limit) (text: the whole output so far). final:
 // no more text will come, so held-back tag prefixes and an unterminated block are text.
 void gw_chat_parse_feed(gw_chat_parse *p, const char *text, size_t limit, bool final);

@@ -97,9 +97,57 @@ static void test_tools_off_and_malformed(void) {
     gw_chat_parse_fini(&p);
 }
 
+// tool_choice: the prompt wrote "<tool_call>" and the call's head; the output is the rest of
+// that call (then maybe more calls). Whole and streamed; a named function, "required" (the
+// model writes the name), a second call after it, and an unterminated forced call kept as
+// the text with its head.
+static void forced(gw_chat_parse *p, const char *head, const char *text, size_t step) {
+    gw_chat_parse_init(p, false, false, "call_x");
+    MM_TRUE(gw_chat_parse_force_tool(p, head));
+    size_t n = strlen(text);
+    if (step)
+        for (size_t k = step; k < n; k += step)
+            gw_chat_parse_feed(p, text, k, false);
+    gw_chat_parse_feed(p, text, n, true);
+}
+
+static void test_forced_tool(void) {
+    const char *named = "\n{\"name\": \"get_weather\", \"arguments\": ";
+    for (size_t step = 0; step <= 4; step++) {
+        gw_chat_parse p;
+        forced(&p, named, "{\"city\": \"Paris\"}}\n</tool_call>\n<tool_call>\n{\"name\": "
+                          "\"now\", \"arguments\": {}}\n</tool_call>", step);
+        MM_STREQ(str(&p.content), "\n");
+        MM_EQ(json_array_size(p.tool_calls), 2);
+        json_t *f = json_object_get(json_array_get(p.tool_calls, 0), "function");
+        MM_STREQ(json_string_value(json_object_get(f, "name")), "get_weather");
+        MM_STREQ(json_string_value(json_object_get(f, "arguments")), "{\"city\":\"Paris\"}");
+        f = json_object_get(json_array_get(p.tool_calls, 1), "function");
+        MM_STREQ(json_string_value(json_object_get(f, "name")), "now");
+        gw_chat_parse_fini(&p);
+        forced(&p, "\n{\"name\": \"", "now\", \"arguments\": {\"tz\": \"UTC\"}}\n</tool_call>", step);
+        MM_EQ(json_array_size(p.tool_calls), 1);
+        f = json_object_get(json_array_get(p.tool_calls, 0), "function");
+        MM_STREQ(json_string_value(json_object_get(f, "name")), "now");
+        MM_STREQ(json_string_value(json_object_get(f, "arguments")), "{\"tz\":\"UTC\"}");
+        MM_STREQ(str(&p.content), "");
+        gw_chat_parse_fini(&p);
+    }
+    gw_chat_parse p;
+    forced(&p, named, "{\"city\": \"Par", 2); // max_tokens hit inside the call
+    MM_STREQ(str(&p.content), "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Par");
+    MM_TRUE(p.tool_calls == NULL);
+    gw_chat_parse_fini(&p);
+    forced(&p, named, "not json</tool_call>", 0); // unreadable: the block as written
+    MM_STREQ(str(&p.content),
+             "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": not json</tool_call>");
+    gw_chat_parse_fini(&p);
+}
+
 MM_TESTS = {
     {"think blocks become reasoning (whole and streamed)", test_think},
     {"tool_call blocks become tool_calls (whole and streamed)", test_tools},
     {"tool blocks without tools, malformed, unterminated", test_tools_off_and_malformed},
+    {"a tool call the prompt opened (tool_choice) is read with its head", test_forced_tool},
     {NULL, NULL},
 };

@@ -343,3 +343,21 @@ mm_err mm_chat_template_render(const mm_chat_template *ct, const json_t *message
     json_decref(ctx);
     return rv;
 }
+
+bool mm_chat_template_hermes_tools(const mm_chat_template *ct) {
+    if (!ct)
+        return false;
+    json_t *msgs = json_pack("[{s:s, s:s}]", "role", "user", "content", "x");
+    json_t *tools = json_pack("[{s:s, s:{s:s, s:s, s:{s:s}}}]", "type", "function", "function",
+                              "name", "f", "description", "d", "parameters", "type", "object");
+    mm_chat_render_opts ro = {.add_generation_prompt = true, .enable_thinking = -1, .tools = tools};
+    char *out = NULL, err[MM_ERRLEN] = "";
+    size_t n = 0;
+    bool yes = false;
+    if (msgs && tools && mm_chat_template_render(ct, msgs, &ro, &out, &n, err) == MM_OK)
+        yes = memmem(out, n, "<tool_call>\n{\"name\"", 19) != NULL;
+    free(out);
+    json_decref(msgs);
+    json_decref(tools);
+    return yes;
+}

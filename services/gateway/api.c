@@ -106,6 +106,7 @@ struct gw_api {
     mm_tokenizer *tk;
     mm_chat_template *ct;
     char ct_err[MM_ERRLEN];
+    bool hermes_tools; // the template's tools prompt asks for <tool_call>\n{"name": ...} blocks
     int32_t eos[MAX_EOS];
     int n_eos;
     int max_ctx;
@@ -1472,7 +1473,7 @@ static bool check_tools(const json_t *tools, const json_t *choice, struct perr *
 }
 
 // force_tool_call: tool_choice "required" or a named function, with a template that writes
-// Qwen3's (Hermes) <tool_call> blocks (its tools prompt names the tag): the prompt opens the
+// Qwen3's (Hermes) <tool_call> blocks (mm_chat_template_hermes_tools): the prompt opens the
 // call itself, "<tool_call>\n{\"name\": " and, for a named function, its name and ", \"arguments\": "
 // (closing a <think> block the template opened first), so the model writes the rest of that
 // call; *head (owned) gets what follows "<tool_call>" for the output parser. Other templates:
@@ -1482,8 +1483,6 @@ static bool force_tool_call(const json_t *choice, bool *think_open, char **out, 
     *head = NULL;
     const bool required = json_is_string(choice) && !strcmp(json_string_value(choice), "required");
     if (!required && !json_is_object(choice))
-        return true;
-    if (!memmem(*out, *out_len, "<tool_call>", 11))
         return true;
     gw_buf h = {0};
     gw_buf_adds(&h, "\n{\"name\": ");
@@ -1568,7 +1567,9 @@ static bool render_chat(gw_api *a, const json_t *body, bool *think_open, char **
     while (n > 0 && ((*out)[n - 1] == '\n' || (*out)[n - 1] == ' '))
         n--;
     *think_open = n >= 7 && memcmp(*out + n - 7, "<think>", 7) == 0;
-    if (ro.tools && choice && !force_tool_call(choice, think_open, out, out_len, tool_head)) {
+    // (only where an assistant turn was opened, and the template writes Hermes blocks)
+    if (ro.tools && choice && ag && a->hermes_tools &&
+        !force_tool_call(choice, think_open, out, out_len, tool_head)) {
         free(*out);
         *out = NULL;
         return bad(e, 500, "tool_choice", "out of memory");
@@ -1870,6 +1871,8 @@ mm_err gw_api_open(gw_api **out, uv_loop_t *loop, gw_mesh *mesh, const gw_api_co
     if (mm_chat_template_open(c->model_dir, &a->ct, a->ct_err) != MM_OK) {
         mm_log_warn("no chat template: %s (POST /v1/chat/completions answers 400)", a->ct_err);
         a->ct = NULL;
+    } else {
+        a->hermes_tools = mm_chat_template_hermes_tools(a->ct);
     }
     add_eos(a, cfg.eos_id);
     static const char *names[] = {"<|im_end|>", "<|endoftext|>", "<|eot_id|>",

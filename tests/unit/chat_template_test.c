@@ -348,6 +348,29 @@ static void test_concurrent_renders(void) {
     mm_chat_template_close(ct);
 }
 
+// mm_chat_template_hermes_tools: the gateway forces a tool call's head (tool_choice) only for
+// templates whose tools prompt asks for Qwen3's <tool_call>\n{"name": ...} blocks.
+static void test_hermes_tools(void) {
+    char err[MM_ERRLEN] = "";
+    const char *no[] = {"tests/fixtures/templates/glm-4.6", "tests/fixtures/templates/deepseek-v3",
+                        "tests/fixtures/templates/deepseek-v3.1", "tests/fixtures/templates/kimi-k2",
+                        "tests/fixtures/templates/mixtral-8x7b-instruct",
+                        "tests/fixtures/models/qwen3moe-tiny"};
+    for (size_t i = 0; i < sizeof(no) / sizeof(no[0]); i++) {
+        mm_chat_template *ct = NULL;
+        MM_PASS(mm_chat_template_open(no[i], &ct, err));
+        if (mm_chat_template_hermes_tools(ct))
+            MM_TEST_FAIL_("%s: taken for a Hermes tools template", no[i]);
+        mm_chat_template_close(ct);
+    }
+    MM_TRUE(!mm_chat_template_hermes_tools(NULL));
+    const char *dir = qwen3_dir();
+    mm_chat_template *ct = NULL;
+    MM_PASS(mm_chat_template_open(dir, &ct, err));
+    MM_TRUE(mm_chat_template_hermes_tools(ct));
+    mm_chat_template_close(ct);
+}
+
 MM_TESTS = {
     {"chat_template_qwen3_transformers_fixtures", test_qwen3_transformers_fixtures},
     {"chat_template_qwen3_unseen_conversations", test_qwen3_unseen_conversations},
@@ -358,5 +381,6 @@ MM_TESTS = {
     {"chat_template_open_errors", test_open_errors},
     {"chat_template_cli", test_cli},
     {"chat_template_concurrent_renders", test_concurrent_renders},
+    {"chat_template_hermes_tools", test_hermes_tools},
     {NULL, NULL},
 };

@@ -59,4 +59,10 @@ mm_err mm_chat_template_render(const mm_chat_template *ct, const json_t *message
                                const mm_chat_render_opts *opts, char **out, size_t *out_len,
                                char err[MM_ERRLEN]);
 
+// mm_chat_template_hermes_tools: whether ct's tools prompt asks for Qwen3's (Hermes) tool call
+// blocks, <tool_call>\n{"name": ...}: found in a probe render with one tool and one plain user
+// message (no request's text decides it; GLM's <tool_call>NAME\n<arg_key> blocks and templates
+// that ignore tools do not match). False when the probe does not render.
+bool mm_chat_template_hermes_tools(const mm_chat_template *ct);
+
 #endif

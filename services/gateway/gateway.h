@@ -126,7 +126,8 @@ json_t *gw_health_json(const Mmctl__StatusReply *reply, const mm_identity *self,
 
 typedef struct gw_sched gw_sched;
 
-#define GW_MAX_SHARDS 65535 // as the router's --attention-shards
+#define GW_MAX_SHARDS 1024 // attention shards at most (seq ids: base * shards + shard, base
+                           // ~2^8 x microseconds of uptime, stay below 2^64 for years)
 
 typedef struct gw_sched_conf {
     int max_waiting;          // queued seqs beyond which submit says MM_EFULL (HTTP 429)

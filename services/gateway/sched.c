@@ -17,9 +17,12 @@
 //   base increasing from the start time in microseconds (never reused, even across restarts).
 // - The shard count: the router's (StatusReply.attention_shards, gw_sched_router_limits) unless
 //   --attention-shards fixes it. Until the router has said it, nothing is admitted (requests
-//   wait); a router that comes back with another count pauses admission until the running seqs
-//   of the old count have ended (their ids map to the old shards), then KV admission starts
-//   over from the new shards' statements (adopt_shards).
+//   wait); a router that comes back with another count fails the running seqs at once (their
+//   ids map to shards of the old count: the router routes them by the new one, and the shards
+//   would refuse their positions) and pauses admission until the plans in flight are answered,
+//   then KV admission starts over from the new shards' statements (adopt_shards). A shard that
+//   lived through the change keeps the failed seqs' KV until it restarts (their releases would
+//   be routed by the new count).
 // - KV admission per shard by what the shard states (gw_sched_shard_report; gateway.h): a
 //   shard's `cap` blocks, `max_seqs` and `max_ctx` start unknown (nothing admitted there) and
 //   follow each statement; `used` counts the blocks of its running seqs, so a shard that
@@ -265,10 +268,13 @@ static void finish(gw_sched *s, gw_seq *q) {
         s->ops.dropped(s->arg, q);
 }
 
+static void fail_seq(gw_sched *s, gw_seq *q, mm_err code, const char *msg);
+
 // adopt_shards takes the router's new shard count (want_sh) once no seq of the old count runs
 // or rides in a plan in flight: fresh shard records (nothing admitted before their statements,
-// which the same status answer brings), and the old count's pending releases dropped (their
-// ids name shards of the old layout). Until then admission is paused (admit_one).
+// which the same status answer brings, or the next one for an adoption deferred to kick), and
+// the old count's pending releases dropped (their ids name shards of the old layout). Until
+// then admission is paused (admit_one).
 static void adopt_shards(gw_sched *s) {
     if (s->want_sh == 0)
         return;
@@ -276,8 +282,8 @@ static void adopt_shards(gw_sched *s) {
         if (s->paused_for != s->want_sh) {
             s->paused_for = s->want_sh;
             mm_log_warn("the router now has %d attention shards (the gateway counted %d): "
-                        "admission paused until the %d running seqs end", s->want_sh, s->n_sh,
-                        s->running.n);
+                        "admission paused until the %d plans in flight are answered",
+                        s->want_sh, s->n_sh, s->n_fl);
         }
         return;
     }
@@ -329,11 +335,18 @@ void gw_sched_router_limits(gw_sched *s, uint32_t max_step_seqs, uint32_t max_ba
         }
     } else if (shards > 0 && s->c.shards == 0) {
         s->want_sh = (int)shards == s->n_sh ? 0 : (int)shards;
+        if (s->want_sh > 0 && s->n_sh > 0 && s->running.n > 0) {
+            char msg[MM_ERRLEN];
+            snprintf(msg, sizeof(msg), "the router's attention shard count changed from %d to %d: "
+                     "this sequence's KV is on a shard of the old layout", s->n_sh, s->want_sh);
+            mm_log_warn("%s; failing the %d running sequences", msg, s->running.n);
+            for (gw_seq *q; (q = s->running.head);)
+                fail_seq(s, q, MM_EPEERDOWN, msg);
+        }
         adopt_shards(s);
     }
 }
 
-static void fail_seq(gw_sched *s, gw_seq *q, mm_err code, const char *msg);
 
 // prune fails the waiting seqs that no shard can ever hold (a shard restarted smaller, or
 // stated a bad capacity). Not while a plan is built: ops.fail may cancel other seqs.

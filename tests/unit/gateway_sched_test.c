@@ -347,8 +347,9 @@ static void test_restatement(void) {
 
 // --attention-shards 0 (the default): the router's count. Nothing is admitted before the router
 // has said it (a shard's statement before that is not placed); then the seqs land on its shards
-// (id % count). A router that comes back with another count pauses admission until the running
-// seqs of the old count end, then admission starts over from the new shards' statements. A fixed
+// (id % count). A router that comes back with another count fails the running seqs of the old
+// count at once and pauses admission until the plan in flight is answered, then admission
+// starts over from the new shards' statements. A fixed
 // --attention-shards keeps its count whatever the router says.
 static void test_router_shard_count(void) {
     gw_sched *s = open_sched(0, 0, 0);
@@ -369,7 +370,7 @@ static void test_router_shard_count(void) {
     stats(s, &run, &wait, &total, &used);
     MM_EQ(run, 0);
     MM_EQ(g_mesh.n_sent, 0);
-    gw_sched_router_limits(s, 0, 0, 70000); // above any router's: ignored
+    gw_sched_router_limits(s, 0, 0, 70000); // above GW_MAX_SHARDS: ignored
     MM_EQ(s->n_sh, 0);
     gw_sched_router_limits(s, 0, 0, 2);
     MM_EQ(s->n_sh, 2);
@@ -386,16 +387,18 @@ static void test_router_shard_count(void) {
     stats(s, &run, &wait, &total, &used);
     MM_EQ(run, 3);
     MM_EQ(g_mesh.plan->step_plan->seqs[2]->seq_id % 2, 1); // shard 1 had the most room left
-    // the router comes back with 3 shards: nothing new is admitted while the 2-shard seqs run
+    // the router comes back with 3 shards: the 2-shard seqs fail at once (their KV is on the
+    // old layout), and nothing new is admitted until the plan in flight is answered
     gw_sched_router_limits(s, 0, 0, 3);
+    MM_EQ(g_own.failed, 3);
+    MM_EQ(g_own.last_code, MM_EPEERDOWN);
+    MM_TRUE(strstr(g_own.last_msg, "shard count changed from 2 to 3") != NULL);
     MM_EQ(s->n_sh, 2);
     submit(s, q[3] = mk(&t[3], 10, 20));
     stats(s, &run, &wait, &total, &used);
-    MM_EQ(run, 3);
+    MM_EQ(run, 0);
     MM_EQ(wait, 1);
-    for (int i = 0; i < 3; i++)
-        gw_sched_cancel(s, q[i]);
-    answer_plan(); // the plan in flight held them: they end with its result
+    answer_plan(); // the plan in flight held them: they are dropped with its result
     stats(s, &run, &wait, &total, &used);
     MM_EQ(run, 0);
     MM_EQ(s->n_sh, 3);

@@ -71,6 +71,8 @@ static struct owner {
     void *stream;
     uint64_t *d_tokens;      // (n_layers, n_experts) rows served through plan frames
     uint64_t *tokens_dev;    // host copy read at each load write
+    uint32_t bad_layer, bad_step; // a bad share seen (layer + 1, step's low 32 bits; 0: none),
+                             // refused at the next plan frame (plan_flag_poll)
     uint32_t *bad_plan;      // pinned {layer + 1, step's low 32 bits} of a plan share the device
                              // check emptied (mm_gpu_mesh_plan_check); {0, 0}: none
 } O;
@@ -131,11 +133,29 @@ static void *load_writer_main(void *arg) {
     return NULL;
 }
 
+// plan_flag_poll (data thread: each tick and each plan frame): takes the device check's verdict
+// on earlier plan shares (mm_gpu_mesh_plan_check writes {layer + 1, step} to pinned memory,
+// the step word first) and logs it once; on_plan refuses the next plan frame naming it.
+static void plan_flag_poll(void) {
+    if (!O.bad_plan)
+        return;
+    const uint32_t tag = __atomic_exchange_n(&O.bad_plan[0], 0u, __ATOMIC_ACQ_REL);
+    if (tag == 0 || O.bad_layer != 0)
+        return; // (a second bad share before the refusal: the first one is named)
+    O.bad_layer = tag;
+    O.bad_step = __atomic_load_n(&O.bad_plan[1], __ATOMIC_ACQUIRE);
+    mm_log_error("the router's plan for layer %u of step %u (low 32 bits) broke the plan "
+                 "contract (offsets not rising from 0 within the slots, or a row or slot index "
+                 "out of range): its experts were not run and that reply's rows were not theirs; "
+                 "the next plan frame is refused", tag - 1, O.bad_step);
+}
+
 // load_tick (data thread, every --load-interval-ms; and once at stop): when rows were served
 // since the last one (or the last write failed), read the plan frames' counts from the device
 // and hand the counts to the writer. Never waits for the file.
 static void load_tick(void *arg) {
     (void)arg;
+    plan_flag_poll();
     if (!s_load_csv || !W.started || (!O.dirty && !atomic_load(&W.retry)))
         return;
     const size_t ne = (size_t)O.n_layers * (size_t)O.n_experts;
@@ -268,9 +288,11 @@ static bool dev_payload(const void *payload) {
 // MM_MESH_INPLACE), else in d_out and copied by the send. The plan's indices never reach the
 // host: the device checks the share before the products read it (mm_gpu_mesh_plan_check:
 // offsets rising from 0 within the slots, rows and slots in range); a bad share is emptied
-// there (no product reads or writes outside its buffers; that reply's rows are not the
-// experts'), and the host, seeing the flag at the next frame, logs the error and refuses that
-// frame naming the bad one, so the router fails the step and relinks.
+// there (no product reads or writes outside its buffers), but its reply still goes out, with
+// rows that are not the experts' (the host would have to wait for its GPU to know). The host
+// sees the flag at the next tick or frame (plan_flag_poll), logs it and refuses the next plan
+// frame naming the bad one, so the router fails that step and relinks; a bad share at a step's
+// last MoE layer is not refused within its own step.
 static mm_err on_plan(mm_conn *c, const mm_wire_hdr *h, void *payload) {
     const int64_t R = O.plan_rows, nk = O.plan_slots, D = O.d_model, E = O.n_experts;
     const int64_t P = mm_model_plan_rows(E, nk, D);
@@ -289,15 +311,15 @@ static mm_err on_plan(mm_conn *c, const mm_wire_hdr *h, void *payload) {
                  (long long)P, (long long)D);
         return mm_dataserv_reply_error(c, h, MM_EPROTO, msg);
     }
-    if (O.bad_plan && O.bad_plan[0]) { // an earlier share was bad (flag set by the device)
-        const uint32_t bl = O.bad_plan[0] - 1, bs = O.bad_plan[1];
-        O.bad_plan[0] = O.bad_plan[1] = 0;
+    plan_flag_poll();
+    if (O.bad_layer != 0) { // an earlier share was bad (flag set by the device)
         char bad[MM_ERRLEN];
         snprintf(bad, sizeof(bad), "the router's plan for layer %u of step %u (low 32 bits) "
                  "broke the plan contract (offsets not rising from 0 within the slots, or a row "
                  "or slot index out of range): its experts were not run; step %llu layer %u "
-                 "refused", bl, bs, (unsigned long long)h->step_id, h->layer);
-        mm_log_error("%s", bad);
+                 "refused", O.bad_layer - 1, O.bad_step, (unsigned long long)h->step_id,
+                 h->layer);
+        O.bad_layer = O.bad_step = 0;
         return mm_dataserv_reply_error(c, h, MM_EPROTO, bad);
     }
     const float *x = payload; // d_x, or the frame in place (views)

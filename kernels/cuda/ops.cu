@@ -284,6 +284,17 @@ static bool rowops_pf(int64_t n_rows) {
 extern "C" int mm__gpu_rowops_pf(int64_t n_rows);
 extern "C" int mm__gpu_rowops_pf(int64_t n_rows) { return rowops_pf(n_rows) ? 1 : 0; }
 
+// Launches of the prefill forms (tests: a form taken where it should be, not where it must not).
+static unsigned long long g_rowops_pf_n;
+extern "C" void mm__gpu_rowops_pf_count(void);
+extern "C" void mm__gpu_rowops_pf_count(void) {
+    __atomic_fetch_add(&g_rowops_pf_n, 1ull, __ATOMIC_RELAXED);
+}
+extern "C" unsigned long long mm_gpu_rowops_pf_launches(void);
+extern "C" unsigned long long mm_gpu_rowops_pf_launches(void) {
+    return __atomic_load_n(&g_rowops_pf_n, __ATOMIC_RELAXED);
+}
+
 // 16-byte pieces: the pointer 16-byte aligned and the stride a multiple of 4 floats
 static bool al16(const void *p, int64_t stride) {
     return ((uintptr_t)p & 15) == 0 && stride % 4 == 0;
@@ -524,6 +535,7 @@ extern "C" mm_err mm_gpu_add_rmsnorm(void *stream, const float *a, int64_t as, f
     const unsigned grid = (unsigned)n_rows;
     cudaStream_t st = (cudaStream_t)stream;
     if (dim % 4 == 0 && al16(a, as) && al16(h, hs) && al16(y, ys) && rowops_pf(n_rows)) {
+        mm__gpu_rowops_pf_count();
         const int vpt = dim <= 4 * RMS_THREADS ? 1 : dim <= 8 * RMS_THREADS ? 2
                         : dim <= 16 * RMS_THREADS ? 4 : 8;
         void (*kern)(const float *, int64_t, float *, int64_t, const void *, int, float, float *,
@@ -582,6 +594,7 @@ extern "C" mm_err mm_gpu_combine_rmsnorm(void *stream, const float *alpha, int k
     kern = vpt == 1 ? combine_rmsnorm_pf_kernel<D, 1> : vpt == 2 ? combine_rmsnorm_pf_kernel<D, 2>  \
            : combine_rmsnorm_pf_kernel<D, 4>
     if (pf) {
+        mm__gpu_rowops_pf_count();
         switch (w->dtype) {
         case MM_DTYPE_BF16: CR_PICK_PF(MM_DTYPE_BF16); break;
         case MM_DTYPE_F16: CR_PICK_PF(MM_DTYPE_F16); break;
@@ -1138,6 +1151,7 @@ extern "C" mm_err mm_gpu_head_norm_rope_kv(void *stream, float *d_x, int64_t n_r
         HNR_PF_HD % (2 * warp_threads()) == 0 && rowops_pf(n_rows)) {
         const int upw = (int)mm_div_up(n_a + 2 * (int64_t)n_b, per_block); // a block per row
         if (upw <= HNR_ROW_MAX_UPW && n_rows <= INT32_MAX) {
+            mm__gpu_rowops_pf_count();
             void (*kern)(float *, int64_t, int, int, int64_t, const void *, int, const void *, int,
                          float, struct mm_rope_args, struct mm_kv_store_args, int *) =
                 upw == 1   ? head_norm_rope_kv_row_kernel<HNR_PF_HD, 1>
@@ -1823,6 +1837,7 @@ extern "C" mm_err mm_gpu_embed_rmsnorm(void *stream, const mm_weight *t, const i
     const size_t shmem = (size_t)cols * sizeof(float);
     cudaStream_t st = (cudaStream_t)stream;
     if (cols % 4 == 0 && al16(out, os) && al16(y, ys) && rowops_pf(n_rows)) {
+        mm__gpu_rowops_pf_count();
         const int vpt = cols <= 4 * RMS_THREADS ? 1 : cols <= 8 * RMS_THREADS ? 2
                         : cols <= 16 * RMS_THREADS ? 4 : 8;
         void (*kern)(const void *, int, int64_t, int, const int32_t *, float *, int64_t,

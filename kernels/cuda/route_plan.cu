@@ -459,6 +459,7 @@ __global__ void __launch_bounds__(PLAN_THREADS) route_plan_fused_kernel(
 #define RW_WARPS 8
 #define RW_SHMEM_MAX (48u << 10)
 extern "C" int mm__gpu_rowops_pf(int64_t n_rows); // ops.cu
+extern "C" void mm__gpu_rowops_pf_count(void);     // ops.cu
 
 // A warp's barrier over its shared memory (HIP's wavefront runs in lockstep: a fence orders
 // its writes).
@@ -627,6 +628,7 @@ extern "C" mm_err mm_gpu_route_with_plan(void *stream, const struct mm_route_par
     const size_t rwb = rw_warp_bytes(p->n_experts, p->top_k);
     if (par && RW_WARPS * rwb <= RW_SHMEM_MAX && n_rows <= INT32_MAX && mm__gpu_rowops_pf(n_rows)) {
         // a warp per row, then the parallel plan
+        mm__gpu_rowops_pf_count();
         const int ws = mm__gpu_warp_size(), E = p->n_experts;
         void (*kern)(struct mm_route_params, const float *, int64_t, int, int32_t *, float *, int,
                      int) = E <= ws ? route_rows_warp_kernel<1> : E <= 2 * ws ? route_rows_warp_kernel<2>

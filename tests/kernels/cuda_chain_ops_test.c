@@ -34,6 +34,18 @@ extern void mm_gpu_set_attention_tc(int mode) __attribute__((weak));
 extern mm_err mm_gpu_stream_sync(void *stream) __attribute__((weak));
 // ops.cu's prefill row-op forms: 0 never, 1 from 128 rows (default), 2 wherever they apply
 extern void mm_gpu_set_rowops_pf(int mode) __attribute__((weak));
+extern unsigned long long mm_gpu_rowops_pf_launches(void) __attribute__((weak));
+
+// PF_TAKEN(want, call): the call's prefill-form runs launched a prefill form (want) or did not
+// (!want), by the backend's own count of those launches (ops.cu), so a shape that silently
+// falls back to the decode form (and would compare that form with itself) is caught.
+#define PF_TAKEN(want, call)                                                                      \
+    do {                                                                                          \
+        const unsigned long long b_ = mm_gpu_rowops_pf_launches();                                \
+        call;                                                                                     \
+        if ((mm_gpu_rowops_pf_launches() > b_) != (want))                                         \
+            MM_TEST_FAIL_("%s: the prefill form was %s", #call, (want) ? "not taken" : "taken"); \
+    } while (0)
 // route_plan.cu: the parallel plan from min_slots slots (< 0: back to the default)
 extern void mm_gpu_set_route_plan_par(int min_slots) __attribute__((weak));
 
@@ -568,17 +580,17 @@ static void pf_embed_rms_case(int n, int vocab, int dim, enum mm_dtype tdt, enum
 
 static void test_rowops_pf(void) {
     open_gpu();
-    if (!mm_gpu_set_rowops_pf)
+    if (!mm_gpu_set_rowops_pf || !mm_gpu_rowops_pf_launches)
         MM_SKIP("the backend has no prefill row-op forms");
-    pf_add_rms_case(4096, 2048, 0, MM_DTYPE_BF16); // Qwen3-30B-A3B 4K prefill
+    PF_TAKEN(true, pf_add_rms_case(4096, 2048, 0, MM_DTYPE_BF16)); // Qwen3-30B-A3B 4K prefill
     pf_add_rms_case(129, 2048, 4, MM_DTYPE_F32);
     pf_add_rms_case(1, 2048, 0, MM_DTYPE_BF16); // decode shapes (forced)
     pf_add_rms_case(64, 2048, 0, MM_DTYPE_BF16);
     pf_add_rms_case(77, 1000, 8, MM_DTYPE_F16);
     pf_add_rms_case(5, 8192, 0, MM_DTYPE_BF16);
     pf_add_rms_case(3, 4100, 0, MM_DTYPE_BF16);
-    pf_add_rms_case(9, 1002, 0, MM_DTYPE_BF16); // not in 16-byte pieces: the first form twice
-    pf_combine_rms_case(4096, 8, 2048, false, MM_DTYPE_BF16); // 4K prefill
+    PF_TAKEN(false, pf_add_rms_case(9, 1002, 0, MM_DTYPE_BF16)); // not in 16-byte pieces: the first form twice
+    PF_TAKEN(true, pf_combine_rms_case(4096, 8, 2048, false, MM_DTYPE_BF16)); // 4K prefill
     pf_combine_rms_case(1000, 8, 2048, true, MM_DTYPE_F32);
     pf_combine_rms_case(1, 8, 2048, false, MM_DTYPE_BF16); // decode shapes (forced)
     pf_combine_rms_case(64, 8, 2048, false, MM_DTYPE_BF16);
@@ -586,7 +598,7 @@ static void test_rowops_pf(void) {
     pf_combine_rms_case(7, 5, 8192, false, MM_DTYPE_F16);
     pf_combine_rms_case(50, 0, 1024, true, MM_DTYPE_BF16); // a dense layer: the shared row only
     pf_combine_rms_case(33, 8, 2052, false, MM_DTYPE_BF16);
-    pf_hnr_kv_case(4096, 32, 4, true, MM_DTYPE_BF16); // 4K prefill, the bf16 cache
+    PF_TAKEN(true, pf_hnr_kv_case(4096, 32, 4, true, MM_DTYPE_BF16)); // 4K prefill, the bf16 cache
     pf_hnr_kv_case(4096, 32, 4, true, MM_DTYPE_F32);
     pf_hnr_kv_case(129, 32, 4, false, MM_DTYPE_BF16);
     pf_hnr_kv_case(1, 32, 4, true, MM_DTYPE_BF16); // decode shapes (forced)
@@ -595,23 +607,23 @@ static void test_rowops_pf(void) {
     pf_hnr_kv_case(7, 8, 8, true, MM_DTYPE_F32);
     pf_hnr_kv_case(50, 64, 4, true, MM_DTYPE_BF16); // 72 heads: the form of 2 heads per warp
     pf_hnr_kv_case(129, 64, 8, false, MM_DTYPE_F32);
-    pf_embed_rms_case(4096, 5000, 2048, MM_DTYPE_BF16, MM_DTYPE_BF16); // 4K prefill
+    PF_TAKEN(true, pf_embed_rms_case(4096, 5000, 2048, MM_DTYPE_BF16, MM_DTYPE_BF16)); // 4K prefill
     pf_embed_rms_case(1, 1000, 2048, MM_DTYPE_BF16, MM_DTYPE_BF16);
     pf_embed_rms_case(130, 300, 1000, MM_DTYPE_F32, MM_DTYPE_F32);
     pf_embed_rms_case(9, 100, 8192, MM_DTYPE_BF16, MM_DTYPE_F16);
-    pf_embed_rms_case(5, 100, 1002, MM_DTYPE_BF16, MM_DTYPE_BF16); // the first form twice
+    PF_TAKEN(false, pf_embed_rms_case(5, 100, 1002, MM_DTYPE_BF16, MM_DTYPE_BF16)); // the first form twice
     // route_with_plan's routing a warp per row (with the parallel plan, forced at every size)
     // against route (ops.cu's one-warp kernel, picks one at a time) then route_plan
     if (mm_gpu_set_route_plan_par) {
         mm_gpu_set_rowops_pf(2);
         mm_gpu_set_route_plan_par(2);
-        route_case(4096, 128, 8, MM_ROUTE_SOFTMAX, false, true, 1.0f, 0, 0, 0, -1); // 4K prefill
+        PF_TAKEN(true, route_case(4096, 128, 8, MM_ROUTE_SOFTMAX, false, true, 1.0f, 0, 0, 0, -1)); // 4K prefill
         route_case(4096, 128, 8, MM_ROUTE_SOFTMAX, false, true, 1.0f, 0, 0, 6, 4000); // ties, NaN
         route_case(1, 128, 8, MM_ROUTE_SOFTMAX, false, true, 1.0f, 0, 0, 0, -1);
         route_case(129, 60, 4, MM_ROUTE_SOFTMAX, false, true, 1.0f, 0, 0, 3, 2);
         route_case(77, 30, 3, MM_ROUTE_SOFTMAX, false, true, 1.0f, 0, 0, 4, -1); // E % 4 != 0
         route_case(300, 256, 8, MM_ROUTE_SIGMOID, true, true, 2.5f, 8, 4, 5, -1); // groups
-        route_case(9, 1000, 300, MM_ROUTE_SOFTMAX, false, true, 1.0f, 0, 0, 0, -1); // too big
+        PF_TAKEN(false, route_case(9, 1000, 300, MM_ROUTE_SOFTMAX, false, true, 1.0f, 0, 0, 0, -1)); // too big
         mm_gpu_set_route_plan_par(-1);
         mm_gpu_set_rowops_pf(1);
     }

@@ -130,27 +130,7 @@ tc_block(const uint32_t (&qf)[DKM / 16][4], const uint16_t *kb, const uint16_t *
     const int lane = threadIdx.x & 31, tq = lane & 3;
     // scores: s[j] = keys c0 + 8 j + 2 tq (+1) of rows g (s[j][0..1]) and g + 8 ([2..3])
     float s[TC_KEYS / 8][4];
-#pragma unroll
-    for (int j = 0; j < TC_KEYS / 8; j++)
-        s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
-    {
-        // lane's ldmatrix row: matrix mt = lane / 8 is keys 8 (mt / 2) + lane % 8 of the
-        // 16-key pair, dims 8 (mt % 2) of the 16-dim step
-        const int mt = lane >> 3;
-        const uint16_t *kp = kb + ((mt >> 1) * 8 + (lane & 7)) * ldk + (mt & 1) * 8;
-#pragma unroll
-        for (int ks = 0; ks < DKM / 16; ks++) {
-            if (16 * ks < dkp) {
-#pragma unroll
-                for (int np = 0; np < TC_KEYS / 16; np++) {
-                    uint32_t b[4];
-                    tc_ldsm4(b, kp + np * 16 * ldk + 16 * ks);
-                    tc_mma(s[2 * np], qf[ks], b[0], b[1]);
-                    tc_mma(s[2 * np + 1], qf[ks], b[2], b[3]);
-                }
-            }
-        }
-    }
+    tc_scores<DKM>(qf, kb, ldk, dkp, s);
     // mask (keys outside [first, pos]: -inf; blocks wholly inside skip the tests), row
     // max of the raw scores over the row's 4 threads (a fixed butterfly)
     float mx[2] = {-INFINITY, -INFINITY};
@@ -172,35 +152,10 @@ tc_block(const uint32_t (&qf)[DKM / 16][4], const uint16_t *kb, const uint16_t *
                 }
         }
     }
-    // in log2 units: t = x * cs; m' = max(m, max t) (fmul is monotonic: max of the
-    // scaled scores = the scaled max); p = 2^(x * cs - m') in one fma
-    float al[2], ms[2];
-#pragma unroll
-    for (int i = 0; i < 2; i++) {
-        mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
-        mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
-        const float mn = fmaxf(m[i], __fmul_rn(mx[i], cs));
-        al[i] = mn == m[i] ? 1.0f : tc_ex2(__fsub_rn(m[i], mn));
-        ms[i] = mn == -INFINITY ? 0.0f : -mn;
-        m[i] = mn;
-    }
-    // p summed per thread in j order; P as the A fragments of P V
+    // the online softmax step: m, alpha, P (the A fragments of P V), l
     uint32_t pa[TC_KEYS / 16][4];
-    float ps[2] = {0.0f, 0.0f};
-#pragma unroll
-    for (int j = 0; j < TC_KEYS / 8; j++) {
-        const float p0 = tc_ex2(__fmaf_rn(s[j][0], cs, ms[0]));
-        const float p1 = tc_ex2(__fmaf_rn(s[j][1], cs, ms[0]));
-        const float p2 = tc_ex2(__fmaf_rn(s[j][2], cs, ms[1]));
-        const float p3 = tc_ex2(__fmaf_rn(s[j][3], cs, ms[1]));
-        ps[0] = __fadd_rn(__fadd_rn(ps[0], p0), p1);
-        ps[1] = __fadd_rn(__fadd_rn(ps[1], p2), p3);
-        pa[j >> 1][(j & 1) * 2 + 0] = tc_pack(p0, p1);
-        pa[j >> 1][(j & 1) * 2 + 1] = tc_pack(p2, p3);
-    }
-#pragma unroll
-    for (int i = 0; i < 2; i++)
-        l[i] = __fmaf_rn(l[i], al[i], ps[i]);
+    float al[2];
+    tc_softmax(s, mx, cs, m, l, pa, al);
 #pragma unroll
     for (int n = 0; n < DVM / 8; n++) {
         acc[n][0] = __fmul_rn(acc[n][0], al[0]);
@@ -285,22 +240,12 @@ __global__ void __launch_bounds__(NW * 32, 8 / NW)
         uh[i] = u < n_units ? u % gsub : 0;
     }
     // q as A fragments: qf[ks][i + 2 half] = row i's dims 16 ks + 8 half + 2 tq, +1
+    const float *q_row[2];
+#pragma unroll
+    for (int i = 0; i < 2; i++)
+        q_row[i] = uin[i] ? a.q + (r0 + ur[i]) * a.q_stride + (int64_t)(h0 + uh[i]) * dk : NULL;
     uint32_t qf[DKM / 16][4];
-#pragma unroll
-    for (int ks = 0; ks < DKM / 16; ks++)
-#pragma unroll
-        for (int j = 0; j < 4; j++) {
-            const int i = j & 1, d = 16 * ks + 8 * (j >> 1) + 2 * tq;
-            float x0 = 0.0f, x1 = 0.0f;
-            if (uin[i]) {
-                const float *qp = a.q + (r0 + ur[i]) * a.q_stride + (int64_t)(h0 + uh[i]) * dk;
-                if (d < dk)
-                    x0 = qp[d];
-                if (d + 1 < dk)
-                    x1 = qp[d + 1];
-            }
-            qf[ks][j] = tc_pack(x0, x1);
-        }
+    tc_q_frag<DKM>(q_row, dk, tq, qf);
     const float cs = a.scale * 1.4426950408889634f;
     const bool wcomp = warp * 16 < n_units; // this warp has units to compute
     for (;;) {

@@ -296,6 +296,92 @@ static mm_err tc_allow_shmem(K k, uint64_t *attr_set, size_t max_shmem) {
     return MM_OK;
 }
 
+// tc_q_frag: this thread's two units' q (rows g and g + 8 of the m16 tile; q_row[i] their q
+// rows, NULL for a unit not in the tile) as the mma A fragments: qf[ks][i + 2 half] = unit i's
+// dims 16 ks + 8 half + 2 tq, + 1, rounded to bf16 (zeros past dk and for absent units).
+template <int DKM>
+__device__ __forceinline__ void tc_q_frag(const float *const (&q_row)[2], int dk, int tq,
+                                          uint32_t (&qf)[DKM / 16][4]) {
+#pragma unroll
+    for (int ks = 0; ks < DKM / 16; ks++)
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const int i = j & 1, d = 16 * ks + 8 * (j >> 1) + 2 * tq;
+            float x0 = 0.0f, x1 = 0.0f;
+            if (q_row[i] != NULL) {
+                if (d < dk)
+                    x0 = q_row[i][d];
+                if (d + 1 < dk)
+                    x1 = q_row[i][d + 1];
+            }
+            qf[ks][j] = tc_pack(x0, x1);
+        }
+}
+
+// tc_scores: the contract's raw scores of one 64-key block for the warp's 16 units from the K
+// tile kb ([key][dim] bf16 rows of ldk, dims past dkp skipped): s[j] = keys 8 j + 2 tq (+1) of
+// rows g (s[j][0..1]) and g + 8 ([2..3]), dims in 16-wide steps in ascending order.
+template <int DKM>
+__device__ __forceinline__ void tc_scores(const uint32_t (&qf)[DKM / 16][4], const uint16_t *kb,
+                                          int ldk, int dkp, float (&s)[TC_KEYS / 8][4]) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int j = 0; j < TC_KEYS / 8; j++)
+        s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+    // lane's ldmatrix row: matrix mt = lane / 8 is keys 8 (mt / 2) + lane % 8 of the 16-key
+    // pair, dims 8 (mt % 2) of the 16-dim step
+    const int mt = lane >> 3;
+    const uint16_t *kp = kb + ((mt >> 1) * 8 + (lane & 7)) * ldk + (mt & 1) * 8;
+#pragma unroll
+    for (int ks = 0; ks < DKM / 16; ks++) {
+        if (16 * ks < dkp) {
+#pragma unroll
+            for (int np = 0; np < TC_KEYS / 16; np++) {
+                uint32_t b[4];
+                tc_ldsm4(b, kp + np * 16 * ldk + 16 * ks);
+                tc_mma(s[2 * np], qf[ks], b[0], b[1]);
+                tc_mma(s[2 * np + 1], qf[ks], b[2], b[3]);
+            }
+        }
+    }
+}
+
+// tc_softmax: the contract's online softmax step on one block's masked scores s, given this
+// thread's raw row maxima mx (over its own scores): the row max over the row's 4 threads (a
+// fixed butterfly), m' = max(m, c * max x), alpha (al), p = 2^(fma(x, c, -m')) as the P V A
+// fragments (pa), p summed per thread in j order, l = fma(l, alpha, that sum).
+__device__ __forceinline__ void tc_softmax(const float (&s)[TC_KEYS / 8][4], float (&mx)[2],
+                                           float cs, float (&m)[2], float (&l)[2],
+                                           uint32_t (&pa)[TC_KEYS / 16][4], float (&al)[2]) {
+    // in log2 units: t = x * cs; m' = max(m, max t) (fmul is monotonic: max of the
+    // scaled scores = the scaled max); p = 2^(x * cs - m') in one fma
+    float ms[2];
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
+        mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
+        const float mn = fmaxf(m[i], __fmul_rn(mx[i], cs));
+        al[i] = mn == m[i] ? 1.0f : tc_ex2(__fsub_rn(m[i], mn));
+        ms[i] = mn == -INFINITY ? 0.0f : -mn;
+        m[i] = mn;
+    }
+    float ps[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int j = 0; j < TC_KEYS / 8; j++) {
+        const float p0 = tc_ex2(__fmaf_rn(s[j][0], cs, ms[0]));
+        const float p1 = tc_ex2(__fmaf_rn(s[j][1], cs, ms[0]));
+        const float p2 = tc_ex2(__fmaf_rn(s[j][2], cs, ms[1]));
+        const float p3 = tc_ex2(__fmaf_rn(s[j][3], cs, ms[1]));
+        ps[0] = __fadd_rn(__fadd_rn(ps[0], p0), p1);
+        ps[1] = __fadd_rn(__fadd_rn(ps[1], p2), p3);
+        pa[j >> 1][(j & 1) * 2 + 0] = tc_pack(p0, p1);
+        pa[j >> 1][(j & 1) * 2 + 1] = tc_pack(p2, p3);
+    }
+#pragma unroll
+    for (int i = 0; i < 2; i++)
+        l[i] = __fmaf_rn(l[i], al[i], ps[i]);
+}
+
 #endif // MM_GPU_HAVE_WMMA
 
 // The heads of a kv group that share a key block's load: the largest divisor of group that is

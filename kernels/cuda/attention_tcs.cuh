@@ -151,22 +151,12 @@ __global__ void __launch_bounds__(TCD_THREADS, 1)
             for (int key = lane; key < TC_KEYS; key += 32)
                 *(uint4 *)(kw + key * ldk + dk) = make_uint4(0u, 0u, 0u, 0u);
         // q as A fragments (attention_tcd_kernel's qf)
+        const float *q_row[2];
+#pragma unroll
+        for (int i = 0; i < 2; i++)
+            q_row[i] = uin[i] ? a.q + r * a.q_stride + (int64_t)(h0 + g + 8 * i) * dk : NULL;
         uint32_t qf[DKM / 16][4];
-#pragma unroll
-        for (int ks = 0; ks < DKM / 16; ks++)
-#pragma unroll
-            for (int j = 0; j < 4; j++) {
-                const int i = j & 1, d = 16 * ks + 8 * (j >> 1) + 2 * tq;
-                float x0 = 0.0f, x1 = 0.0f;
-                if (uin[i]) {
-                    const float *qp = a.q + r * a.q_stride + (int64_t)(h0 + g + 8 * i) * dk;
-                    if (d < dk)
-                        x0 = qp[d];
-                    if (d + 1 < dk)
-                        x1 = qp[d + 1];
-                }
-                qf[ks][j] = tc_pack(x0, x1);
-            }
+        tc_q_frag<DKM>(q_row, dk, tq, qf);
         for (int jb = blockIdx.x * TCS_WARPS + warp; jb < nkb; jb += gridDim.x * TCS_WARPS) {
             const int32_t c0 = c_lo + jb * TC_KEYS;
             __syncwarp(); // the last block's ldmatrix reads done before the copies overwrite
@@ -196,25 +186,7 @@ __global__ void __launch_bounds__(TCD_THREADS, 1)
             tc_wait<0>();
             __syncwarp(); // every lane's rows visible to the warp
             float s[TC_KEYS / 8][4];
-#pragma unroll
-            for (int jn = 0; jn < TC_KEYS / 8; jn++)
-                s[jn][0] = s[jn][1] = s[jn][2] = s[jn][3] = 0.0f;
-            {
-                const int mt = lane >> 3;
-                const uint16_t *kp = kw + ((mt >> 1) * 8 + (lane & 7)) * ldk + (mt & 1) * 8;
-#pragma unroll
-                for (int ks = 0; ks < DKM / 16; ks++) {
-                    if (16 * ks < dkp) {
-#pragma unroll
-                        for (int np = 0; np < TC_KEYS / 16; np++) {
-                            uint32_t b[4];
-                            tc_ldsm4(b, kp + np * 16 * ldk + 16 * ks);
-                            tc_mma(s[2 * np], qf[ks], b[0], b[1]);
-                            tc_mma(s[2 * np + 1], qf[ks], b[2], b[3]);
-                        }
-                    }
-                }
-            }
+            tc_scores<DKM>(qf, kw, ldk, dkp, s);
             float4 *rec = (float4 *)(rec0 + (int64_t)jb * TCS_REC);
 #pragma unroll
             for (int jn = 0; jn < TC_KEYS / 8; jn++) {
@@ -318,34 +290,13 @@ __global__ void __launch_bounds__(TCD_THREADS, 1)
             const float4 x = *(const float4 *)(p + (jn * 32 + lane) * 16);
             s[jn][0] = x.x, s[jn][1] = x.y, s[jn][2] = x.z, s[jn][3] = x.w;
         }
-        float mx[2] = {-INFINITY, -INFINITY}, ms[2];
+        float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-        for (int i = 0; i < 2; i++) {
+        for (int i = 0; i < 2; i++)
 #pragma unroll
             for (int jn = 0; jn < TC_KEYS / 8; jn++)
                 mx[i] = fmaxf(mx[i], fmaxf(s[jn][2 * i], s[jn][2 * i + 1]));
-            mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
-            mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
-            const float mn = fmaxf(m[i], __fmul_rn(mx[i], cs));
-            ax[i] = mn == m[i] ? 1.0f : tc_ex2(__fsub_rn(m[i], mn));
-            ms[i] = mn == -INFINITY ? 0.0f : -mn;
-            m[i] = mn;
-        }
-        float ps[2] = {0.0f, 0.0f};
-#pragma unroll
-        for (int jn = 0; jn < TC_KEYS / 8; jn++) {
-            const float p0 = tc_ex2(__fmaf_rn(s[jn][0], cs, ms[0]));
-            const float p1 = tc_ex2(__fmaf_rn(s[jn][1], cs, ms[0]));
-            const float p2 = tc_ex2(__fmaf_rn(s[jn][2], cs, ms[1]));
-            const float p3 = tc_ex2(__fmaf_rn(s[jn][3], cs, ms[1]));
-            ps[0] = __fadd_rn(__fadd_rn(ps[0], p0), p1);
-            ps[1] = __fadd_rn(__fadd_rn(ps[1], p2), p3);
-            px[jn >> 1][(jn & 1) * 2 + 0] = tc_pack(p0, p1);
-            px[jn >> 1][(jn & 1) * 2 + 1] = tc_pack(p2, p3);
-        }
-#pragma unroll
-        for (int i = 0; i < 2; i++)
-            l[i] = __fmaf_rn(l[i], ax[i], ps[i]);
+        tc_softmax(s, mx, cs, m, l, px, ax);
     };
     // out = out * alpha, then P V of the warp's four n-tiles from slot sl's value columns
     const int mt = lane >> 3;

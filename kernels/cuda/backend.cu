@@ -358,6 +358,8 @@ static void gpu_close(void *ctx) {
     if (g->stream != NULL) {
         if (!g->lost) // a lost stream never drains: leave it to process exit
             (void)mm__gpu_drain(g->stream, "close");
+        if (!g->lost)
+            mm_gpu_stream_forget(g->stream);
         (void)cudaStreamDestroy(g->stream);
     }
     if (g->d_amax != NULL)

@@ -1185,12 +1185,38 @@ static mm_err launch_wp_kernel(cudaStream_t st, const mm_wg_args &w, uint64_t bi
 // and from 1024 rows with more outputs (not measured between 1024 and 4096 rows: W is then
 // reused by >= 8 token tiles, so its permutation, one pass over W, ~10 us per 16.8 MB, is
 // repaid as at 4096 rows). With many outputs and few rows it would not be: 4.
+static int ws_small_mode(void);
 static int ws_auto_variant(const mm_mat_args &a) {
+    if (a.n_rows > 8 && a.n_rows < 128 && ws_small_mode() > 0)
+        return 28; // 4 where W's permuted copy is not cached (launch_wg)
     if (a.n_rows >= 4096 && a.n_out <= 8192) // 16384 x 2048 at 4096 rows: 13 faster (669 vs
         return 14;                           // 740 us, and 688 vs 699 us: H200 runs 23:48/23:54)
     if (a.n_rows >= 1024 || (a.n_rows >= 128 && a.n_out <= 4096))
         return 13;
     return 4;
+}
+
+// MM_GPU_WS_SMALL (read once; mm_gpu_set_ws_small), dense bf16 products of 9..127 rows (batch
+// decode: a 64-row step's LM head and q/k/v): 0, as before: GEMV v2 (8-row tiles) for up to 64
+// rows of at most MV2_DENSE_W_MAX weights, else gemm_wg 128 x 192 (4, W permuted on its way by
+// 4-byte copies, 3x the tensor work of 64 rows) eagerly and the mma.sync tiles inside recorded
+// graphs (x f32 from L2 in every block); 1 (default): those that took 4 or the mma.sync tiles
+// run gemm_ws persistent (28) on the cached permuted W, its tiles of <= 32 / <= 64 rows on
+// m64n32 / m64n64 wgmmas (WS_OPT_TAILN), eagerly and inside graphs (x workspace: cws_get);
+// 2: also those GEMV v2 took, when they have at least WS_SMALL_TILES tiles of 128 outputs.
+// Where W's copy is neither cached nor fits the cache's bound, as 0. The same bits in all.
+#define WS_SMALL_DEFAULT 1
+#define WS_SMALL_TILES 16
+static int g_ws_small = -1; // -1: not read yet
+static unsigned long long g_ws_small_n; // variant 28 launches (mm_gpu_ws_small_launches)
+
+static int ws_small_mode(void) {
+    if (g_ws_small < 0) {
+        const char *e = getenv("MM_GPU_WS_SMALL");
+        const int v = e && e[0] ? atoi(e) : WS_SMALL_DEFAULT;
+        g_ws_small = v >= 0 && v <= 2 ? v : WS_SMALL_DEFAULT;
+    }
+    return g_ws_small;
 }
 
 // AUTO's grouped variant: gemm_ws grouped and persistent (20) when the experts hold >= 128
@@ -1341,7 +1367,10 @@ static void wperm_drop(int i) { // lock held
 // building it on stream st when it is not there and fits the bound; NULL: not cached (the
 // caller permutes into its workspace). ilv (grouped): the interleaved [gate; up] copy
 // (WS_OPT_SWIGLU), an entry of its own beside the plain copy of the same table.
-static const uint16_t *wperm_get(cudaStream_t st, const mm_mat_args &a, int64_t ldx, int ilv = 0) {
+// lookup (a capturing stream): only a copy built on st itself, never a build (no allocation,
+// kernel or event wait may enter a recorded graph); NULL otherwise.
+static const uint16_t *wperm_get(cudaStream_t st, const mm_mat_args &a, int64_t ldx, int ilv = 0,
+                                 bool lookup = false) {
     int dev = 0;
     if (cudaGetDevice(&dev) != cudaSuccess) {
         (void)cudaGetLastError();
@@ -1359,6 +1388,8 @@ static const uint16_t *wperm_get(cudaStream_t st, const mm_mat_args &a, int64_t 
         wperm_entry &e = g_wp[i];
         if (e.dev == dev && e.w == key && e.n_experts == ne && e.n_out == a.n_out && e.n_in == a.n_in &&
             e.ilv == ilv) {
+            if (lookup && e.st != st)
+                break;
             if (e.st != st && cudaStreamWaitEvent(st, e.ev, 0) != cudaSuccess) {
                 (void)cudaGetLastError();
                 break; // not known to be written for this stream: do not use it
@@ -1368,7 +1399,7 @@ static const uint16_t *wperm_get(cudaStream_t st, const mm_mat_args &a, int64_t 
         }
     }
     const size_t bytes = (size_t)(grouped ? ne : 1) * (size_t)a.n_out * (size_t)ldx * 2;
-    bool room = out == NULL && !vol && g_wp_used + bytes <= wperm_limit(dev);
+    bool room = !lookup && out == NULL && !vol && g_wp_used + bytes <= wperm_limit(dev);
     if (room && g_wp_n == g_wp_cap) {
         const int cap = g_wp_cap ? 2 * g_wp_cap : 64;
         wperm_entry *n = (wperm_entry *)realloc(g_wp, (size_t)cap * sizeof(*n));
@@ -1425,7 +1456,85 @@ static const uint16_t *wperm_get(cudaStream_t st, const mm_mat_args &a, int64_t 
     pthread_mutex_unlock(&g_wp_mu);
     return out;
 }
+
+// Whether a dense weight's permuted copy is in the cache or would fit its bound (no build).
+static bool wperm_fits(const mm_mat_args &a, int64_t ldx) {
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return false;
+    }
+    const size_t bytes = (size_t)a.n_out * (size_t)ldx * 2;
+    pthread_mutex_lock(&g_wp_mu);
+    bool ok = g_wp_used + bytes <= wperm_limit(dev);
+    for (int i = 0; !ok && i < g_wp_n; i++) {
+        const wperm_entry &e = g_wp[i];
+        ok = e.dev == dev && e.w == a.w0 && e.n_experts == 0 && e.n_out == a.n_out &&
+             e.n_in == a.n_in && e.ilv == 0;
+    }
+    pthread_mutex_unlock(&g_wp_mu);
+    return ok;
+}
+
+// ---- x workspace of the small gemm_ws products, also inside recorded graphs -----------------
+// Decode steps of up to 64 rows are recorded as CUDA graphs (common/model.c), where a product
+// may not take a stream-ordered workspace (no allocation nodes). Dense products of 9..127 rows
+// on gemm_ws (variant 28, ws_small_mode) therefore convert x into a device buffer of the stream
+// (CWS_BYTES, allocated at the stream's first such product outside a capture, reused by every
+// later one: the stream orders them) and read W from the permuted-W cache; inside a capture
+// they run only when both are there (else the mma.sync tiles, the same bits). The buffer is
+// freed by mm_gpu_stream_forget (the backend, before it destroys its stream) and never moves
+// while the stream lives, so recorded graphs stay valid.
+#define CWS_BYTES (2u << 20) // x of 64 rows of up to 16384 k (bf16)
+#define CWS_MAX 64
+struct cws_entry {
+    int dev;
+    cudaStream_t st;
+    void *buf;
+};
+static cws_entry g_cws[CWS_MAX];
+static int g_cws_n;
+static pthread_mutex_t g_cws_mu = PTHREAD_MUTEX_INITIALIZER;
+
+// The stream's buffer; alloc: allocate it when missing (never inside a capture). NULL: none.
+static void *cws_get(cudaStream_t st, int dev, bool alloc) {
+    void *out = NULL;
+    pthread_mutex_lock(&g_cws_mu);
+    for (int i = 0; i < g_cws_n && out == NULL; i++)
+        if (g_cws[i].dev == dev && g_cws[i].st == st)
+            out = g_cws[i].buf;
+    if (out == NULL && alloc && g_cws_n < CWS_MAX) {
+        if (cudaMalloc(&out, CWS_BYTES) != cudaSuccess) {
+            (void)cudaGetLastError();
+            out = NULL;
+        } else {
+            g_cws[g_cws_n++] = cws_entry{dev, st, out};
+        }
+    }
+    pthread_mutex_unlock(&g_cws_mu);
+    return out;
+}
 #endif // MM_GPU_HAVE_WMMA
+
+extern "C" void mm_gpu_stream_forget(void *stream) {
+#if MM_GPU_HAVE_WMMA
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return;
+    }
+    pthread_mutex_lock(&g_cws_mu);
+    for (int i = 0; i < g_cws_n; i++)
+        if (g_cws[i].dev == dev && g_cws[i].st == (cudaStream_t)stream) {
+            (void)cudaFree(g_cws[i].buf);
+            g_cws[i] = g_cws[--g_cws_n];
+            break;
+        }
+    pthread_mutex_unlock(&g_cws_mu);
+#else
+    (void)stream;
+#endif
+}
 
 // cuMemGetAddressRange through the runtime's driver entry points (no -lcuda), for the range of
 // the allocation a freed pointer starts.
@@ -1692,16 +1801,22 @@ static void convert_rows(cudaStream_t st, const float *x, int64_t xs, const int3
 // wgmma products' stream-ordered workspaces, 0 when not: inside a stream capture (decode graphs
 // take the mma.sync tiles: no allocation nodes or pool calls in captured graphs; same bits). The
 // device's default pool then keeps 1 GiB between products (set once per device).
-static mm_err wg_stream_ok(cudaStream_t st, uint64_t *bit_out) {
+// *capturing (when given): the stream is capturing (*bit_out is then 0).
+static mm_err wg_stream_ok(cudaStream_t st, uint64_t *bit_out, bool *capturing = NULL) {
     static uint64_t pool_set;
     *bit_out = 0;
+    if (capturing)
+        *capturing = false;
     cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
     if (cudaStreamIsCapturing(st, &cs) != cudaSuccess) {
         (void)cudaGetLastError();
         return MM_OK;
     }
-    if (cs != cudaStreamCaptureStatusNone)
+    if (cs != cudaStreamCaptureStatusNone) {
+        if (capturing)
+            *capturing = cs == cudaStreamCaptureStatusActive;
         return MM_OK;
+    }
     int dev = 0;
     MM_GPU_CHECK(cudaGetDevice(&dev));
     const uint64_t bit = 1ull << (dev & 63);
@@ -1723,12 +1838,15 @@ static mm_err wg_stream_ok(cudaStream_t st, uint64_t *bit_out) {
 // stream), which keeps up to 1 GiB reserved between products so that steady-state
 // prefill does not map memory (a grouped gemm_ws product of a 4K prefill takes ~0.95 GB: x and
 // every expert's permuted W).
+// Inside a capture only dense variant 28 runs (ws_small_mode; its W cached and its x in the
+// stream's buffer, cws_get); everything else reports *ran false there.
 template <bool GROUPED>
 static mm_err launch_wg(cudaStream_t st, const mm_mat_args &a, bool *ran) {
     *ran = false;
     uint64_t bit = 0;
-    MM_TRY(wg_stream_ok(st, &bit));
-    if (bit == 0)
+    bool capturing = false;
+    MM_TRY(wg_stream_ok(st, &bit, &capturing));
+    if (bit == 0 && !capturing)
         return MM_OK;
     const int64_t ldx = (a.n_in + WG_LDX - 1) / WG_LDX * WG_LDX;
     // Variant: the explicit one (mm_gpu_set_gemm_tile), else grouped 2, dense
@@ -1747,23 +1865,42 @@ static mm_err launch_wg(cudaStream_t st, const mm_mat_args &a, bool *ran) {
     if (var >= 8 && var <= 10 && !wp_ok)
         var = 4;
     if (GROUPED)
-        var = var == 13 || var == 19 ? 19 : var == 14 ? 20 : var >= 20 ? var : var >= 8 ? 2 : var;
+        var = var == 13 || var == 19 ? 19 : var == 14 || var == 28 ? 20 : var >= 20 ? var : var >= 8 ? 2 : var;
     if (GROUPED && var == 27) // by the k loop's length
         var = (a.n_in + 63) / 64 <= WS_STAGE_MAX_K ? 25 : 23;
-    else if (!GROUPED && var >= 19)
+    else if (!GROUPED && var >= 19 && var != 28)
         var = var == 19 ? 13 : 14;
     const bool rows = a.x_idx != NULL || a.y_idx != NULL || a.x_up != NULL;
     if (rows && !(GROUPED && var >= 19))
         return MM_EUNSUPP; // row indices and SwiGLU: gemm_ws grouped only (nothing issued)
+    if (capturing && (GROUPED || var != 28))
+        return MM_OK;
+    const size_t xbytes = (size_t)a.n_rows * (size_t)ldx * 2;
+    const uint16_t *wcached = NULL;
+    void *ws = NULL;
+    bool own_ws = false; // ws from the stream's buffer (cws_get): not freed here
+    if (var == 28) { // only on the cached W; x in the stream's buffer where it fits
+        int dev = 0;
+        MM_GPU_CHECK(cudaGetDevice(&dev));
+        wcached = wperm_get(st, a, ldx, 0, capturing);
+        if (wcached != NULL && xbytes <= CWS_BYTES)
+            ws = cws_get(st, dev, !capturing);
+        own_ws = ws != NULL;
+        if (capturing && (wcached == NULL || ws == NULL))
+            return MM_OK; // the mma.sync tiles, the same bits
+        if (wcached == NULL)
+            var = 4;
+        if (capturing)
+            bit = 1ull << (dev & 63); // the kernel's attributes were set by an eager product
+    }
     const bool tiled = var >= 8, wperm = var >= 11;
     // the cached permuted W where there is one (wperm_get builds it on first use)
-    const uint16_t *wcached = wperm ? wperm_get(st, a, ldx) : NULL;
-    const size_t xbytes = (size_t)a.n_rows * (size_t)ldx * 2;
+    if (wperm && wcached == NULL)
+        wcached = wperm_get(st, a, ldx);
     const size_t wbytes = wperm && wcached == NULL
                               ? (size_t)(GROUPED ? a.n_experts : 1) * (size_t)a.n_out * (size_t)ldx * 2
                               : 0;
-    void *ws = NULL;
-    if (cudaMallocAsync(&ws, xbytes + wbytes, st) != cudaSuccess) {
+    if (ws == NULL && cudaMallocAsync(&ws, xbytes + wbytes, st) != cudaSuccess) {
         (void)cudaGetLastError();
         return MM_OK;
     }
@@ -1827,6 +1964,10 @@ static mm_err launch_wg(cudaStream_t st, const mm_mat_args &a, bool *ran) {
         rv = launch_ws_kernel<128, 4, true, true, false, true,
                               WS_OPT_IDX | WS_OPT_TAILN | WS_OPT_PTILE | WS_OPT_STAGE>(st, w, wb, bit);
         break;
+    case 28:
+        rv = launch_ws_kernel<128, 6, true, true, false, false, WS_OPT_TAILN>(st, w, wb, bit);
+        __atomic_fetch_add(&g_ws_small_n, 1ull, __ATOMIC_RELAXED);
+        break;
     case 3: rv = launch_wg_kernel<GROUPED, 3, 128, 64, 5>(st, w, bit); break;
     case 4: rv = launch_wg_kernel<GROUPED, 2, 192, 64, 5>(st, w, bit); break;
     case 5: rv = launch_wg_kernel<GROUPED, 2, 128, 128, 3>(st, w, bit); break;
@@ -1834,7 +1975,8 @@ static mm_err launch_wg(cudaStream_t st, const mm_mat_args &a, bool *ran) {
     case 7: rv = launch_wg_kernel<GROUPED, 2, 128, 64, 5, 2>(st, w, bit); break; // diagnostic
     default: rv = launch_wg_kernel<GROUPED, 2, 128, 64, 5>(st, w, bit); break;
     }
-    MM_GPU_CHECK(cudaFreeAsync(ws, st));
+    if (!own_ws)
+        MM_GPU_CHECK(cudaFreeAsync(ws, st));
     if (rv == MM_OK)
         *ran = true;
     return rv;
@@ -1863,7 +2005,7 @@ static int ws_grouped_var(const mm_mat_args &a, int64_t ldx) {
     int var = g_wg_tile ? g_wg_tile : ws_auto_grouped(a, ldx);
     if (var >= 8 && var <= 10)
         var = 4;
-    var = var == 13 || var == 19 ? 19 : var == 14 ? 20 : var >= 20 ? var : var >= 8 ? 2 : var;
+    var = var == 13 || var == 19 ? 19 : var == 14 || var == 28 ? 20 : var >= 20 ? var : var >= 8 ? 2 : var;
     if (var == 27)
         var = (a.n_in + 63) / 64 <= WS_STAGE_MAX_K ? 25 : 23;
     return var;
@@ -2146,6 +2288,15 @@ static int default_path(int dtype, int rows_per_tile) {
 static int auto_path(int dtype, int rows_per_tile, const mm_mat_args &a) {
     int p = default_path(dtype, rows_per_tile);
 #if MM_GPU_HAVE_WMMA
+    if (p != MM_GPU_PATH_FMA && a.wg == NULL && a.n_rows > 8 && a.n_rows < 128 && ws_small_mode() > 0 &&
+        wg_usable(a)) { // gemm_ws 28 where W's permuted copy is or can be cached (ws_small_mode)
+        const bool v2 = a.n_rows <= MV2_DENSE_ROWS && gemv_x_smem(a, 8) > 0 &&
+                        (p == MM_GPU_PATH_GEMV || (g_gemv_version >= 2 &&
+                         (long long)a.n_out * a.n_in * 2 <= MV2_DENSE_W_MAX));
+        const bool take = !v2 || (ws_small_mode() >= 2 && a.n_out >= 128 * WS_SMALL_TILES);
+        if (take && wperm_fits(a, (a.n_in + WG_LDX - 1) / WG_LDX * WG_LDX))
+            return MM_GPU_PATH_WG;
+    }
     if (p == MM_GPU_PATH_MMA && a.wg == NULL && g_gemv_version >= 2 &&
         a.n_rows <= MV2_DENSE_ROWS && (long long)a.n_out * a.n_in * 2 <= MV2_DENSE_W_MAX &&
         gemv_x_smem(a, 8) > 0)
@@ -2328,9 +2479,25 @@ extern "C" unsigned long long mm_gpu_gemv_bulk_launches(void) {
 
 extern "C" void mm_gpu_set_gemm_tile(int variant) {
 #if MM_GPU_HAVE_WMMA
-    g_wg_tile = (variant >= 2 && variant <= 23) || variant == 25 || variant == 27 ? variant : 0;
+    g_wg_tile = (variant >= 2 && variant <= 23) || variant == 25 || variant == 27 || variant == 28 ? variant : 0;
 #else
     (void)variant;
+#endif
+}
+
+extern "C" void mm_gpu_set_ws_small(int mode) {
+#if MM_GPU_HAVE_WMMA
+    g_ws_small = mode >= 0 && mode <= 2 ? mode : -1;
+#else
+    (void)mode;
+#endif
+}
+
+extern "C" unsigned long long mm_gpu_ws_small_launches(void) {
+#if MM_GPU_HAVE_WMMA
+    return __atomic_load_n(&g_ws_small_n, __ATOMIC_RELAXED);
+#else
+    return 0;
 #endif
 }
 

@@ -160,6 +160,19 @@ void mm_gpu_set_dep_launch(int on);
 // 23 for longer ones (grouped only; dense take 14). Same bits in all. 7: a
 // bench-only diagnostic without the proxy fence (racy; never for results). Process-wide.
 void mm_gpu_set_gemm_tile(int variant);
+// (28: gemm_ws persistent, dense, m64n32 / m64n64 wgmmas for tiles of <= 32 / <= 64 rows, on the
+// cached permuted W only (else 4); what mm_gpu_set_ws_small's modes pick.)
+// mm_gpu_set_ws_small: dense bf16 products of 9..127 rows (batch decode's LM head and q/k/v):
+// 0 as before (GEMV v2, else gemm_wg 4 eagerly and the mma.sync tiles inside recorded graphs);
+// 1 (default; env MM_GPU_WS_SMALL) those that took 4 or the mma.sync tiles on gemm_ws 28,
+// eagerly and inside graphs; 2 also those GEMV v2 took, from 16 tiles of 128 outputs; -1 back to
+// the environment's choice. Same bits. Process-wide. mm_gpu_ws_small_launches counts variant
+// 28's launches (recorded ones when they are recorded).
+void mm_gpu_set_ws_small(int mode);
+unsigned long long mm_gpu_ws_small_launches(void);
+// mm_gpu_stream_forget frees what matmul.cu keeps per stream (the x buffer of variant 28, which
+// recorded graphs use); call it once the stream has drained, before destroying it.
+void mm_gpu_stream_forget(void *stream);
 // mm_gpu_set_prefill_fuse: 1 (default; env MM_GPU_PF_FUSE=0 starts it at 0) converts gemm_ws's x
 // a warp per row and lets mm_gpu_moe_matmul_rows take grouped prefill products (>= 128 rows per
 // expert) on gemm_ws with its gather, SwiGLU and scatter inside; 0: the earlier conversion, and

@@ -44,6 +44,9 @@ extern void mm_gpu_set_attention_tc(int mode) __attribute__((weak));
 // The permuted-W cache of the gemm_ws path (kernels/cuda/mm_gpu.h).
 extern size_t mm_gpu_wperm_bytes(void) __attribute__((weak));
 extern void mm_gpu_set_wperm_mb(long long mb) __attribute__((weak));
+// Dense products of 9..127 rows on gemm_ws variant 28 (kernels/cuda/mm_gpu.h).
+extern void mm_gpu_set_ws_small(int mode) __attribute__((weak));
+extern unsigned long long mm_gpu_ws_small_launches(void) __attribute__((weak));
 
 static mm_backend *cpu;
 
@@ -226,23 +229,25 @@ static int path_bits_case(int64_t n_rows, int64_t n_in, int64_t n_out, int64_t x
     void *dw = dev_copy(hw, (size_t)(n_out * n_in) * 2);
     float *dx = dev_copy(x, (size_t)(n_rows * xs) * 4);
     float *db = bias ? dev_copy(b, (size_t)n_out * 4) : NULL;
-    enum { NP = 18 };
+    enum { NP = 19 };
     float *dy[NP] = {NULL};
-    // GEMV, MMA, WG (16 variants of mm_gpu_set_gemm_tile)
-    const int paths[NP] = {0, 2, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3};
-    const int variant[NP] = {2, 2, 2, 3, 4, 5, 6, 11, 12, 13, 14, 15, 16, 17, 18, 8, 9, 10};
+    // GEMV, MMA, WG (17 variants of mm_gpu_set_gemm_tile)
+    const int paths[NP] = {0, 2, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3};
+    const int variant[NP] = {2, 2, 2, 3, 4, 5, 6, 11, 12, 13, 14, 15, 16, 17, 18, 8, 9, 10, 28};
     // 11-17: gemm_ws (W permuted into a workspace, both operands by bulk copies from a producer
     // warpgroup; 128 or 192 tokens, drains or two accumulators, one block per tile or
     // persistent, warpgroup 1 lagging or not, 6 or 7 stages). 8, 9, 10: the warp-specialised kernel with W
     // from registers (W by row bulk copies, one TMA tile, or 16-byte cp.async; dense, n_in % 8
-    // == 0, else the 128x192 kernel runs in its place)
+    // == 0, else the 128x192 kernel runs in its place); 28: 14 with m64n32 / m64n64 wgmmas for
+    // tiles of <= 32 / <= 64 rows (the last tile here), x in the stream's own buffer
     const char *names[NP] = {"gemv", "mma.sync", "wgmma 128x128", "wgmma 192x128", "wgmma 128x192",
                              "wgmma 128x128 k128", "wgmma 128x128 rel.fence", "wgmma bulk 128x128",
                              "wgmma bulk 128x192", "wgmma bulk 128x128 2acc",
                              "wgmma bulk 128x128 2acc persist", "wgmma bulk 128x128 2acc pers lag",
                              "wgmma bulk 128x192 lag", "wgmma bulk 128x192 persist lag",
                              "wgmma bulk 128x128 2acc pers lag st7",
-                             "wgmma ws 128x128", "wgmma ws 128x128 W tma", "wgmma ws 128x128 W cp.async"};
+                             "wgmma ws 128x128", "wgmma ws 128x128 W tma", "wgmma ws 128x128 W cp.async",
+                             "wgmma bulk small tiles (28)"};
     mm_err rv[NP];
     MM_PASS(gpu->ops->synchronize(gpu->ctx));
     for (int p = 0; p < NP; p++) {
@@ -305,6 +310,96 @@ static void test_matmul_paths_bits(void) {
     if (!wg)
         printf("wgmma path not available on this device (needs compute capability 9.0)\n");
     gpu_close(&cpu);
+}
+
+// Dense products of 9..127 rows on gemm_ws 28 (mm_gpu_set_ws_small 1: 65..127 rows; 2: also
+// GEMV v2's shapes with >= 16 output tiles), through the backend's matmul eagerly and recorded
+// as a graph (x converted into the stream's own buffer, W from the permuted-W cache), the graph
+// replayed over new x: each the GEMV's bits, and the launch count shows that 28 ran both times.
+static void test_ws_small_graph(void) {
+    gpu_open(NULL);
+    if (!mm_gpu_matmul || !mm_gpu_stream_sync || !mm_gpu_set_ws_small || !mm_gpu_ws_small_launches ||
+        !mm_gpu_set_gemm_tile || !gpu->ops->capture_begin)
+        MM_SKIP("mm_gpu_set_ws_small not linked");
+    { // wgmma at all?
+        float *dx = dev_copy((float[16 * 16]){0}, 16 * 16 * 4), *dy = NULL;
+        void *hw = NULL;
+        (void)make_weight(MM_DTYPE_BF16, 16, 16, &hw);
+        void *dw = dev_copy(hw, 16 * 16 * 2);
+        MM_PASS(gpu->ops->buffer_alloc(gpu->ctx, 16 * 16 * 4, (void **)&dy));
+        mm_gpu_set_gemm_tile(28);
+        const mm_err rv = mm_gpu_matmul(NULL, MM_DTYPE_BF16, dw, 16, 16, NULL, dx, 16, dy, 16, 16, 3);
+        mm_gpu_set_gemm_tile(0);
+        MM_PASS(mm_gpu_stream_sync(NULL));
+        dev_free(dw), dev_free(dx), dev_free(dy);
+        free(hw);
+        if (rv == MM_EUNSUPP) {
+            gpu_close(NULL);
+            MM_SKIP("no wgmma on this device (needs compute capability 9.0)");
+        }
+        MM_PASS(rv);
+    }
+    const struct { int rows, n_in, n_out, mode; } cs[] = {
+        {100, 1032, 300, 1},  // a 128-row tile, n_out off the 128 tile
+        {64, 2048, 2304, 2},  // m64n64, exactly 64 rows
+        {40, 2056, 2100, 2},  // m64n64, n_in off the 64 k-stage
+        {20, 520, 2176, 2},   // m64n32
+        {9, 4104, 2048, 2},   // the fewest rows taken, 16 k segments
+    };
+    int bad = 0;
+    for (size_t c = 0; c < sizeof(cs) / sizeof(cs[0]); c++) {
+        const int R = cs[c].rows, K = cs[c].n_in, N = cs[c].n_out;
+        void *hw = NULL;
+        (void)make_weight(MM_DTYPE_BF16, N, K, &hw);
+        void *dw = dev_copy(hw, (size_t)N * K * 2);
+        float *x = rand_f32((int64_t)R * K, 2.0f), *dx = dev_copy(x, (size_t)R * K * 4);
+        float *dy = NULL, *dg = NULL;
+        MM_PASS(gpu->ops->buffer_alloc(gpu->ctx, (size_t)R * N * 4, (void **)&dy));
+        MM_PASS(gpu->ops->buffer_alloc(gpu->ctx, (size_t)R * N * 4, (void **)&dg));
+        const mm_weight w = {.dtype = MM_DTYPE_BF16, .rows = N, .cols = K, .data = dw};
+        mm_gpu_set_ws_small(cs[c].mode);
+        for (int round = 0; round < 2; round++) { // 0: eager; 1: recorded, replayed on new x
+            MM_PASS(gpu->ops->fill(gpu->ctx, dy, NAN, (int64_t)R * N));
+            const unsigned long long n0 = mm_gpu_ws_small_launches();
+            void *graph = NULL;
+            if (round == 1) {
+                MM_PASS(gpu->ops->capture_begin(gpu->ctx));
+                MM_PASS(gpu->ops->matmul(gpu->ctx, &w, NULL, dx, K, dy, N, R));
+                MM_PASS(gpu->ops->capture_end(gpu->ctx, &graph));
+                free(x);
+                x = rand_f32((int64_t)R * K, 2.0f);
+                MM_PASS(gpu->ops->set(gpu->ctx, dx, x, (size_t)R * K * 4));
+                MM_PASS(gpu->ops->graph_launch(gpu->ctx, graph));
+            } else {
+                MM_PASS(gpu->ops->matmul(gpu->ctx, &w, NULL, dx, K, dy, N, R));
+            }
+            const unsigned long long ran = mm_gpu_ws_small_launches() - n0;
+            MM_PASS(gpu->ops->synchronize(gpu->ctx)); // the GEMV below runs on the null stream
+            MM_PASS(mm_gpu_matmul(NULL, MM_DTYPE_BF16, dw, N, K, NULL, dx, K, dg, N, R, 0));
+            MM_PASS(mm_gpu_stream_sync(NULL));
+            if (graph)
+                gpu->ops->graph_free(gpu->ctx, graph);
+            float *y = dev_get(dy, (size_t)R * N * 4), *g = dev_get(dg, (size_t)R * N * 4);
+            char what[96];
+            snprintf(what, sizeof(what), "gemm_ws 28 %s %dx%d -> %d (mode %d)",
+                     round ? "recorded" : "eager", R, K, N, cs[c].mode);
+            bad |= bits_compare(what, y, g, R, N, N);
+            if (ran != 1)
+                MM_TEST_FAIL_("%s: variant 28 launched %llu times, not once", what, ran);
+            free(y), free(g);
+        }
+        mm_gpu_set_ws_small(0); // the old choice does not take it
+        const unsigned long long n0 = mm_gpu_ws_small_launches();
+        MM_PASS(gpu->ops->matmul(gpu->ctx, &w, NULL, dx, K, dy, N, R));
+        MM_PASS(gpu->ops->synchronize(gpu->ctx));
+        MM_EQ(mm_gpu_ws_small_launches(), n0);
+        mm_gpu_set_ws_small(-1);
+        dev_free(dw), dev_free(dx), dev_free(dy), dev_free(dg);
+        free(hw), free(x);
+    }
+    if (bad)
+        MM_TEST_FAIL_("gemm_ws 28 gave other bits than the GEMV (see above)");
+    gpu_close(NULL);
 }
 
 // All routed rows of a layer in one grouped launch = per-expert table matmuls, bit for bit,
@@ -902,6 +997,7 @@ MM_TESTS = {
     {"matmul row bits independent of batch", test_matmul_bits_batch_invariant},
     {"matmul paths bits equal gemv", test_matmul_paths_bits},
     {"grouped expert matmul equals per-expert", test_moe_matmul_grouped},
+    {"small dense products on gemm_ws, eager and recorded", test_ws_small_graph},
     {"permuted-W cache follows weight writes", test_wperm_cache},
     {"permuted-W cache follows expert and table writes", test_wperm_cache_grouped},
     {"rmsnorm vs cpu", test_rmsnorm},

@@ -119,7 +119,7 @@ fi
 if ! skip bench && [ -f "$M/config.json" ]; then
     section "bench-model --device cuda:0 (batch 1, then batch $BATCH)"
     timeout 150 "$D/moemesh" bench-model --model "$M" --device cuda:0 --prompt-tokens 128 \
-        --decode-tokens 32 --rounds 2 --bw-mb 64 --batch "$BATCH" > "$OUT/bench.txt" 2>&1 ||
+        --decode-tokens 32 --rounds 2 --bw-mb 64 --bw-seconds 0.2 --batch "$BATCH" > "$OUT/bench.txt" 2>&1 ||
         { echo "bench-model failed rc=$?"; FAILED+=(bench); }
     grep -vE "^round|roofline|memory read" "$OUT/bench.txt"
     MB=$(grep -oE 'weights read per decode token: [0-9.]+' "$OUT/bench.txt" | grep -oE '[0-9.]+$')

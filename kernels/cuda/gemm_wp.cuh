@@ -425,12 +425,12 @@ __device__ __forceinline__ void wgmma_m64n32k16(float *d, uint64_t da, uint64_t 
 template <int NB, int BN>
 __device__ __forceinline__ void ws_wgmma(float (&d)[BN / 2], uint64_t da, uint64_t db, int scale_d = 1) {
     static_assert(NB <= BN, "a tile's tokens fit its accumulators");
-    if constexpr (NB == BN)
-        wgmma_tile<BN>(d, da, db, scale_d);
-    else if constexpr (NB == 64)
+    if constexpr (NB == 64)
         wgmma_m64n64k16(d, da, db, scale_d);
-    else
+    else if constexpr (NB == 32)
         wgmma_m64n32k16(d, da, db, scale_d);
+    else
+        wgmma_tile<BN>(d, da, db, scale_d);
 }
 #endif
 template <int N>

@@ -1200,14 +1200,30 @@ static int ws_auto_variant(const mm_mat_args &a) {
 // decode: a 64-row step's LM head and q/k/v): 0, as before: GEMV v2 (8-row tiles) for up to 64
 // rows of at most MV2_DENSE_W_MAX weights, else gemm_wg 128 x 192 (4, W permuted on its way by
 // 4-byte copies, 3x the tensor work of 64 rows) eagerly and the mma.sync tiles inside recorded
-// graphs (x f32 from L2 in every block); 1 (default): those that took 4 or the mma.sync tiles
-// run gemm_ws persistent (28) on the cached permuted W, its tiles of <= 32 / <= 64 rows on
-// m64n32 / m64n64 wgmmas (WS_OPT_TAILN), eagerly and inside graphs (x workspace: cws_get);
-// 2: also those GEMV v2 took, when they have at least WS_SMALL_TILES tiles of 128 outputs.
-// Where W's copy is neither cached nor fits the cache's bound, as 0. The same bits in all.
-#define WS_SMALL_DEFAULT 1
+// graphs (x f32 from L2 in every block); 1: those that took 4 or the mma.sync tiles run
+// gemm_ws persistent (28) on the cached permuted W, its tiles of <= 32 / <= 64 rows on m64n32 /
+// m64n64 wgmmas (WS_OPT_TAILN), eagerly and inside graphs (x workspace: cws_get); 2 (default):
+// also those GEMV v2 took, when they have at least WS_SMALL_TILES tiles of 128 outputs. Where
+// W's copy is neither cached nor fits the cache's bound, as 0. The same bits in all. H200
+// (14:12 and 14:20 UTC, 4-layer Qwen3-30B-A3B shape, engine decode tok/s, 0 / 1 / 2): batch 16
+// 8040 / 7958 / 9296, batch 32 13390 / 13296 / 18966, batch 64 25394 / 27451 / 29630; per
+// 64-row call LM head 398 -> 178 us (1), o_proj 56 -> 40 us (2), q/k/v 65 -> 24 us.
+// MM_GPU_WS_SMALL_BN64 (read once; mm_gpu_set_ws_small_bn64): 1 (default) runs 28's products of
+// <= 64 rows as 29, 64-token tiles with 9 stages of 24 KB (more bytes in flight per SM than 28's
+// 6 stages sized for 128 tokens; H200 batch 64: 30323 / 30181 vs 29424 / 29539 tok/s, LM head
+// 166 us, o_proj 37); 0 28. Same bits.
+#define WS_SMALL_DEFAULT 2
 #define WS_SMALL_TILES 16
 static int g_ws_small = -1; // -1: not read yet
+static int g_ws_bn64 = -1;  // -1: not read yet
+
+static bool ws_bn64(void) {
+    if (g_ws_bn64 < 0) {
+        const char *e = getenv("MM_GPU_WS_SMALL_BN64");
+        g_ws_bn64 = e && strcmp(e, "0") == 0 ? 0 : 1;
+    }
+    return g_ws_bn64 > 0;
+}
 static unsigned long long g_ws_small_n; // variant 28 launches (mm_gpu_ws_small_launches)
 
 static int ws_small_mode(void) {
@@ -1865,21 +1881,21 @@ static mm_err launch_wg(cudaStream_t st, const mm_mat_args &a, bool *ran) {
     if (var >= 8 && var <= 10 && !wp_ok)
         var = 4;
     if (GROUPED)
-        var = var == 13 || var == 19 ? 19 : var == 14 || var == 28 ? 20 : var >= 20 ? var : var >= 8 ? 2 : var;
+        var = var == 13 || var == 19 ? 19 : var == 14 || var >= 28 ? 20 : var >= 20 ? var : var >= 8 ? 2 : var;
     if (GROUPED && var == 27) // by the k loop's length
         var = (a.n_in + 63) / 64 <= WS_STAGE_MAX_K ? 25 : 23;
-    else if (!GROUPED && var >= 19 && var != 28)
+    else if (!GROUPED && var >= 19 && var != 28 && var != 29)
         var = var == 19 ? 13 : 14;
     const bool rows = a.x_idx != NULL || a.y_idx != NULL || a.x_up != NULL;
     if (rows && !(GROUPED && var >= 19))
         return MM_EUNSUPP; // row indices and SwiGLU: gemm_ws grouped only (nothing issued)
-    if (capturing && (GROUPED || var != 28))
+    if (capturing && (GROUPED || (var != 28 && var != 29)))
         return MM_OK;
     const size_t xbytes = (size_t)a.n_rows * (size_t)ldx * 2;
     const uint16_t *wcached = NULL;
     void *ws = NULL;
     bool own_ws = false; // ws from the stream's buffer (cws_get): not freed here
-    if (var == 28) { // only on the cached W; x in the stream's buffer where it fits
+    if (var == 28 || var == 29) { // only on the cached W; x in the stream's buffer where it fits
         int dev = 0;
         MM_GPU_CHECK(cudaGetDevice(&dev));
         wcached = wperm_get(st, a, ldx, 0, capturing);
@@ -1890,6 +1906,8 @@ static mm_err launch_wg(cudaStream_t st, const mm_mat_args &a, bool *ran) {
             return MM_OK; // the mma.sync tiles, the same bits
         if (wcached == NULL)
             var = 4;
+        else if (a.n_rows <= 64 && g_wg_tile == 0 && ws_bn64())
+            var = 29;
         if (capturing)
             bit = 1ull << (dev & 63); // the kernel's attributes were set by an eager product
     }
@@ -1968,6 +1986,10 @@ static mm_err launch_wg(cudaStream_t st, const mm_mat_args &a, bool *ran) {
         rv = launch_ws_kernel<128, 6, true, true, false, false, WS_OPT_TAILN>(st, w, wb, bit);
         __atomic_fetch_add(&g_ws_small_n, 1ull, __ATOMIC_RELAXED);
         break;
+    case 29:
+        rv = launch_ws_kernel<64, 9, true, true, false, false, 0>(st, w, wb, bit);
+        __atomic_fetch_add(&g_ws_small_n, 1ull, __ATOMIC_RELAXED);
+        break;
     case 3: rv = launch_wg_kernel<GROUPED, 3, 128, 64, 5>(st, w, bit); break;
     case 4: rv = launch_wg_kernel<GROUPED, 2, 192, 64, 5>(st, w, bit); break;
     case 5: rv = launch_wg_kernel<GROUPED, 2, 128, 128, 3>(st, w, bit); break;
@@ -2005,7 +2027,7 @@ static int ws_grouped_var(const mm_mat_args &a, int64_t ldx) {
     int var = g_wg_tile ? g_wg_tile : ws_auto_grouped(a, ldx);
     if (var >= 8 && var <= 10)
         var = 4;
-    var = var == 13 || var == 19 ? 19 : var == 14 || var == 28 ? 20 : var >= 20 ? var : var >= 8 ? 2 : var;
+    var = var == 13 || var == 19 ? 19 : var == 14 || var >= 28 ? 20 : var >= 20 ? var : var >= 8 ? 2 : var;
     if (var == 27)
         var = (a.n_in + 63) / 64 <= WS_STAGE_MAX_K ? 25 : 23;
     return var;
@@ -2479,7 +2501,7 @@ extern "C" unsigned long long mm_gpu_gemv_bulk_launches(void) {
 
 extern "C" void mm_gpu_set_gemm_tile(int variant) {
 #if MM_GPU_HAVE_WMMA
-    g_wg_tile = (variant >= 2 && variant <= 23) || variant == 25 || variant == 27 || variant == 28 ? variant : 0;
+    g_wg_tile = (variant >= 2 && variant <= 23) || variant == 25 || variant == 27 || variant == 28 || variant == 29 ? variant : 0;
 #else
     (void)variant;
 #endif
@@ -2490,6 +2512,14 @@ extern "C" void mm_gpu_set_ws_small(int mode) {
     g_ws_small = mode >= 0 && mode <= 2 ? mode : -1;
 #else
     (void)mode;
+#endif
+}
+
+extern "C" void mm_gpu_set_ws_small_bn64(int on) {
+#if MM_GPU_HAVE_WMMA
+    g_ws_bn64 = on < 0 ? -1 : on ? 1 : 0;
+#else
+    (void)on;
 #endif
 }
 

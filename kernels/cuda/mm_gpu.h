@@ -161,14 +161,18 @@ void mm_gpu_set_dep_launch(int on);
 // bench-only diagnostic without the proxy fence (racy; never for results). Process-wide.
 void mm_gpu_set_gemm_tile(int variant);
 // (28: gemm_ws persistent, dense, m64n32 / m64n64 wgmmas for tiles of <= 32 / <= 64 rows, on the
-// cached permuted W only (else 4); what mm_gpu_set_ws_small's modes pick.)
+// cached permuted W only (else 4); what mm_gpu_set_ws_small's modes pick. 29: the same on
+// 64-token tiles with 9 stages.)
 // mm_gpu_set_ws_small: dense bf16 products of 9..127 rows (batch decode's LM head and q/k/v):
 // 0 as before (GEMV v2, else gemm_wg 4 eagerly and the mma.sync tiles inside recorded graphs);
-// 1 (default; env MM_GPU_WS_SMALL) those that took 4 or the mma.sync tiles on gemm_ws 28,
-// eagerly and inside graphs; 2 also those GEMV v2 took, from 16 tiles of 128 outputs; -1 back to
-// the environment's choice. Same bits. Process-wide. mm_gpu_ws_small_launches counts variant
+// 1 those that took 4 or the mma.sync tiles on gemm_ws 28, eagerly and inside graphs; 2
+// (default; env MM_GPU_WS_SMALL) also those GEMV v2 took, from 16 tiles of 128 outputs; -1 back
+// to the environment's choice. Same bits. Process-wide. mm_gpu_ws_small_launches counts variant
 // 28's launches (recorded ones when they are recorded).
 void mm_gpu_set_ws_small(int mode);
+// mm_gpu_set_ws_small_bn64: 1 runs those of <= 64 rows as variant 29 (64-token tiles, 9
+// stages), 0 as 28, -1 the environment's MM_GPU_WS_SMALL_BN64 (default 1). Same bits.
+void mm_gpu_set_ws_small_bn64(int on);
 unsigned long long mm_gpu_ws_small_launches(void);
 // mm_gpu_stream_forget frees what matmul.cu keeps per stream (the x buffer of variant 28, which
 // recorded graphs use); call it once the stream has drained, before destroying it.

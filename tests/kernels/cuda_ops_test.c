@@ -47,6 +47,7 @@ extern void mm_gpu_set_wperm_mb(long long mb) __attribute__((weak));
 // Dense products of 9..127 rows on gemm_ws variant 28 (kernels/cuda/mm_gpu.h).
 extern void mm_gpu_set_ws_small(int mode) __attribute__((weak));
 extern unsigned long long mm_gpu_ws_small_launches(void) __attribute__((weak));
+extern void mm_gpu_set_ws_small_bn64(int on) __attribute__((weak));
 
 static mm_backend *cpu;
 
@@ -229,17 +230,18 @@ static int path_bits_case(int64_t n_rows, int64_t n_in, int64_t n_out, int64_t x
     void *dw = dev_copy(hw, (size_t)(n_out * n_in) * 2);
     float *dx = dev_copy(x, (size_t)(n_rows * xs) * 4);
     float *db = bias ? dev_copy(b, (size_t)n_out * 4) : NULL;
-    enum { NP = 19 };
+    enum { NP = 20 };
     float *dy[NP] = {NULL};
     // GEMV, MMA, WG (17 variants of mm_gpu_set_gemm_tile)
-    const int paths[NP] = {0, 2, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3};
-    const int variant[NP] = {2, 2, 2, 3, 4, 5, 6, 11, 12, 13, 14, 15, 16, 17, 18, 8, 9, 10, 28};
+    const int paths[NP] = {0, 2, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3};
+    const int variant[NP] = {2, 2, 2, 3, 4, 5, 6, 11, 12, 13, 14, 15, 16, 17, 18, 8, 9, 10, 28, 29};
     // 11-17: gemm_ws (W permuted into a workspace, both operands by bulk copies from a producer
     // warpgroup; 128 or 192 tokens, drains or two accumulators, one block per tile or
     // persistent, warpgroup 1 lagging or not, 6 or 7 stages). 8, 9, 10: the warp-specialised kernel with W
     // from registers (W by row bulk copies, one TMA tile, or 16-byte cp.async; dense, n_in % 8
     // == 0, else the 128x192 kernel runs in its place); 28: 14 with m64n32 / m64n64 wgmmas for
-    // tiles of <= 32 / <= 64 rows (the last tile here), x in the stream's own buffer
+    // tiles of <= 32 / <= 64 rows (the last tile here), x in the stream's own buffer; 29: 28 on
+    // 64-token tiles with 9 stages
     const char *names[NP] = {"gemv", "mma.sync", "wgmma 128x128", "wgmma 192x128", "wgmma 128x192",
                              "wgmma 128x128 k128", "wgmma 128x128 rel.fence", "wgmma bulk 128x128",
                              "wgmma bulk 128x192", "wgmma bulk 128x128 2acc",
@@ -247,7 +249,7 @@ static int path_bits_case(int64_t n_rows, int64_t n_in, int64_t n_out, int64_t x
                              "wgmma bulk 128x192 lag", "wgmma bulk 128x192 persist lag",
                              "wgmma bulk 128x128 2acc pers lag st7",
                              "wgmma ws 128x128", "wgmma ws 128x128 W tma", "wgmma ws 128x128 W cp.async",
-                             "wgmma bulk small tiles (28)"};
+                             "wgmma bulk small tiles (28)", "wgmma bulk 64-token tiles (29)"};
     mm_err rv[NP];
     MM_PASS(gpu->ops->synchronize(gpu->ctx));
     for (int p = 0; p < NP; p++) {
@@ -313,13 +315,14 @@ static void test_matmul_paths_bits(void) {
 }
 
 // Dense products of 9..127 rows on gemm_ws 28 (mm_gpu_set_ws_small 1: 65..127 rows; 2: also
-// GEMV v2's shapes with >= 16 output tiles), through the backend's matmul eagerly and recorded
+// GEMV v2's shapes with >= 16 output tiles; up to 64 rows also as 29, mm_gpu_set_ws_small_bn64),
+// through the backend's matmul eagerly and recorded
 // as a graph (x converted into the stream's own buffer, W from the permuted-W cache), the graph
 // replayed over new x: each the GEMV's bits, and the launch count shows that 28 ran both times.
 static void test_ws_small_graph(void) {
     gpu_open(NULL);
     if (!mm_gpu_matmul || !mm_gpu_stream_sync || !mm_gpu_set_ws_small || !mm_gpu_ws_small_launches ||
-        !mm_gpu_set_gemm_tile || !gpu->ops->capture_begin)
+        !mm_gpu_set_gemm_tile || !mm_gpu_set_ws_small_bn64 || !gpu->ops->capture_begin)
         MM_SKIP("mm_gpu_set_ws_small not linked");
     { // wgmma at all?
         float *dx = dev_copy((float[16 * 16]){0}, 16 * 16 * 4), *dy = NULL;
@@ -358,11 +361,12 @@ static void test_ws_small_graph(void) {
         MM_PASS(gpu->ops->buffer_alloc(gpu->ctx, (size_t)R * N * 4, (void **)&dg));
         const mm_weight w = {.dtype = MM_DTYPE_BF16, .rows = N, .cols = K, .data = dw};
         mm_gpu_set_ws_small(cs[c].mode);
-        for (int round = 0; round < 2; round++) { // 0: eager; 1: recorded, replayed on new x
+        for (int round = 0; round < (R <= 64 ? 4 : 2); round++) { // eager, recorded (then 29)
+            mm_gpu_set_ws_small_bn64(round >= 2);
             MM_PASS(gpu->ops->fill(gpu->ctx, dy, NAN, (int64_t)R * N));
             const unsigned long long n0 = mm_gpu_ws_small_launches();
             void *graph = NULL;
-            if (round == 1) {
+            if (round % 2 == 1) { // recorded, replayed on new x
                 MM_PASS(gpu->ops->capture_begin(gpu->ctx));
                 MM_PASS(gpu->ops->matmul(gpu->ctx, &w, NULL, dx, K, dy, N, R));
                 MM_PASS(gpu->ops->capture_end(gpu->ctx, &graph));
@@ -381,13 +385,14 @@ static void test_ws_small_graph(void) {
                 gpu->ops->graph_free(gpu->ctx, graph);
             float *y = dev_get(dy, (size_t)R * N * 4), *g = dev_get(dg, (size_t)R * N * 4);
             char what[96];
-            snprintf(what, sizeof(what), "gemm_ws 28 %s %dx%d -> %d (mode %d)",
-                     round ? "recorded" : "eager", R, K, N, cs[c].mode);
+            snprintf(what, sizeof(what), "gemm_ws %d %s %dx%d -> %d (mode %d)", round >= 2 ? 29 : 28,
+                     round % 2 ? "recorded" : "eager", R, K, N, cs[c].mode);
             bad |= bits_compare(what, y, g, R, N, N);
             if (ran != 1)
-                MM_TEST_FAIL_("%s: variant 28 launched %llu times, not once", what, ran);
+                MM_TEST_FAIL_("%s: launched %llu times, not once", what, ran);
             free(y), free(g);
         }
+        mm_gpu_set_ws_small_bn64(-1);
         mm_gpu_set_ws_small(0); // the old choice does not take it
         const unsigned long long n0 = mm_gpu_ws_small_launches();
         MM_PASS(gpu->ops->matmul(gpu->ctx, &w, NULL, dx, K, dy, N, R));
@@ -398,7 +403,7 @@ static void test_ws_small_graph(void) {
         free(hw), free(x);
     }
     if (bad)
-        MM_TEST_FAIL_("gemm_ws 28 gave other bits than the GEMV (see above)");
+        MM_TEST_FAIL_("gemm_ws 28 or 29 gave other bits than the GEMV (see above)");
     gpu_close(NULL);
 }
 

@@ -173,6 +173,7 @@ static int run_bench_model(int argc, char **argv) {
     long long batch = 1, prefill_rows = 128, prompt_rounds = 1;
     double bw_seconds = 2.0;
     bool paired = true;
+    char *paired_s = NULL;
     mm_opt opts[] = {
         {"model", MM_OPT_STR, &model, NULL, "checkpoint directory"},
         {"prompt-tokens", MM_OPT_INT, &prompt, "128", "prompt length for the prefill figure"},
@@ -182,8 +183,10 @@ static int run_bench_model(int argc, char **argv) {
          "time the prompt this many times (each a new sequence; the first also builds caches)"},
         {"decode-tokens", MM_OPT_INT, &decode, "32", "tokens to decode for the decode figure"},
         {"warmup-tokens", MM_OPT_INT, &warm, "4", "decode steps before timing (pages in)"},
-        {"paired", MM_OPT_BOOL, &paired, "true",
-         "alternate each decode token with one bandwidth pass (else: bw-seconds first)"},
+        {"paired", MM_OPT_STR, &paired_s, "auto",
+         "true: alternate each decode token with one host bandwidth pass; false: bw-seconds "
+         "first, then the tokens back to back; auto: true on cpu, false on a GPU (the host "
+         "pass is not the GPU's roofline and only delays the next step's launch)"},
         {"bw-seconds", MM_OPT_DBL, &bw_seconds, "2", "unpaired: bandwidth time per round"},
         {"rounds", MM_OPT_INT, &rounds, "3", "decode rounds (each with a bandwidth pass)"},
         {"threads", MM_OPT_INT, &threads, "0", "CPU threads (0: all cores)"},
@@ -212,6 +215,14 @@ static int run_bench_model(int argc, char **argv) {
     if (!model || prompt < 1 || decode < 1 || bw_mb < 64 || rounds < 1 || rounds > 64 ||
         batch < 1 || batch > 128) {
         fprintf(stderr, "bench-model: --model DIR is required (--rounds 1..64, --batch 1..128)\n");
+        goto done;
+    }
+    if (strcmp(paired_s, "auto") == 0)
+        paired = strcmp(device, "cpu") == 0;
+    else if (strcmp(paired_s, "true") == 0 || strcmp(paired_s, "false") == 0)
+        paired = strcmp(paired_s, "true") == 0;
+    else {
+        fprintf(stderr, "bench-model: --paired must be true, false or auto (got '%s')\n", paired_s);
         goto done;
     }
     if (prefill_rows < 1 || prefill_rows > 8192 || prefill_rows < batch || prompt_rounds < 1 ||

@@ -117,14 +117,21 @@ extern "C" mm_err mm_gpu_stream_sync(void *stream) {
     return mm__gpu_drain((cudaStream_t)stream, "stream sync");
 }
 
+static int g_drain_ms = 0; // 0: not read yet (MM_GPU_DRAIN_TIMEOUT_MS, read once)
+
 static int drain_timeout_ms(void) {
-    static int ms = 0;
+    int ms = __atomic_load_n(&g_drain_ms, __ATOMIC_RELAXED);
     if (ms == 0) {
         const char *v = getenv("MM_GPU_DRAIN_TIMEOUT_MS");
         long n = v != NULL ? strtol(v, NULL, 10) : 0;
         ms = n > 0 && n < 86400000L ? (int)n : 30000;
+        __atomic_store_n(&g_drain_ms, ms, __ATOMIC_RELAXED);
     }
     return ms;
+}
+
+extern "C" void mm_gpu_set_drain_timeout_ms(int ms) {
+    __atomic_store_n(&g_drain_ms, ms > 0 && ms < 86400000 ? ms : 0, __ATOMIC_RELAXED);
 }
 
 static double now_s(void) {

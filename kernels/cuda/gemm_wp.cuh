@@ -507,9 +507,14 @@ __host__ __device__ constexpr int ws_smem_bytes(int bn, int st, int opt = 0) {
 // bulk copy to a.xo + (T * n_rows + m0) * 64: the bytes wg_convert_rows_kernel writes from the
 // stored f32 [gate; up] with x_up. Before the tile is written again the copy has read it
 // (bulk wait_group.read by the issuing thread, then named barrier 2 of the 256 consumers).
+// WS_OPT_HALFN (dense, DUAL, BN 64, none of the other bits): a tile is 64 outputs x 64 tokens,
+// both warpgroups on its 64 W rows, warpgroup i on tokens 32i..32i+31 (m64n32 wgmmas): twice the
+// tiles (and SMs) of 128-output tiles for products with few outputs (o_proj, q/k/v at batch 64);
+// each output's k order is unchanged: the same bits.
 #define WS_OPT_IDX 1
 #define WS_OPT_TAILN 2
 #define WS_OPT_PTILE 4
+#define WS_OPT_HALFN 32
 template <int BN, int ST, bool DUAL, bool LAG, bool GROUPED = false, int OPT = 0>
 __global__ void __launch_bounds__(WS_THREADS, 1) gemm_ws_kernel(mm_wg_args a, const uint16_t *wb) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -520,6 +525,10 @@ __global__ void __launch_bounds__(WS_THREADS, 1) gemm_ws_kernel(mm_wg_args a, co
                   "SWIGLU: grouped, 128 tokens, not STAGE");
     constexpr bool PTILE = (OPT & WS_OPT_PTILE) != 0, STAGE = (OPT & WS_OPT_STAGE) != 0;
     constexpr bool GLU = (OPT & WS_OPT_SWIGLU) != 0;
+    constexpr bool HALFN = (OPT & WS_OPT_HALFN) != 0;
+    static_assert(!HALFN || (OPT == WS_OPT_HALFN && DUAL && BN == 64 && !GROUPED && !LAG),
+                  "HALFN: dense, two accumulators, 64 tokens, alone");
+    constexpr int TM = HALFN ? 64 : 128; // outputs per tile
     extern __shared__ __align__(1024) unsigned char ws_smem_raw[];
     constexpr int SB = ws_stage_bytes(BN), WB = 128 * 128, NA = BN / 2;
     const uint32_t raw = (uint32_t)__cvta_generic_to_shared(ws_smem_raw);
@@ -527,7 +536,7 @@ __global__ void __launch_bounds__(WS_THREADS, 1) gemm_ws_kernel(mm_wg_args a, co
     const uint32_t obuf = sbase + ST * SB; // STAGE, SWIGLU: the output tile
     const uint32_t full0 = obuf + (STAGE ? WS_OUT_BYTES : GLU ? WS_GLU_BYTES : 0), empty0 = full0 + 8 * ST;
     const uint32_t tbar0 = empty0 + 8 * ST, trec0 = tbar0 + 8 * WS_TSLOTS; // PTILE (16-byte aligned)
-    const int tiles_n = (a.n_out + 127) / 128;
+    const int tiles_n = (a.n_out + TM - 1) / TM;
     const int tiles_y = GROUPED ? a.n_rows / BN + min(a.n_experts, a.n_rows) : (a.n_rows + BN - 1) / BN;
     const int n_tiles = tiles_n * tiles_y;
     const int n_k = (a.n_in + 63) / 64;
@@ -535,7 +544,7 @@ __global__ void __launch_bounds__(WS_THREADS, 1) gemm_ws_kernel(mm_wg_args a, co
     // The tile's first output, first row, rows and W; false: no such tile (grouped). Grouped:
     // called by whole warps (mm_tile_find).
     auto tile_at = [&](int tile, int &n0, int &m0, int &mlen, const uint16_t *&wt) -> bool {
-        n0 = tile % tiles_n * 128;
+        n0 = tile % tiles_n * TM;
         if constexpr (GROUPED) {
             const mm_tile t = mm_tile_find(a.offs, a.n_experts, BN, tile / tiles_n);
             m0 = t.m0, mlen = t.mlen;
@@ -585,7 +594,7 @@ __global__ void __launch_bounds__(WS_THREADS, 1) gemm_ws_kernel(mm_wg_args a, co
                 if constexpr (PTILE)
                     publish(n0, m0, mlen);
                 const uint32_t xbytes = (uint32_t)mlen * 128;
-                const uint32_t wbytes = (uint32_t)min(128, a.n_out - n0) * 128;
+                const uint32_t wbytes = (uint32_t)min(TM, a.n_out - n0) * 128;
                 for (int kt = 0; kt < n_k; kt++, u++) {
                     const int s = u % ST;
                     if (u >= ST)
@@ -621,8 +630,8 @@ __global__ void __launch_bounds__(WS_THREADS, 1) gemm_ws_kernel(mm_wg_args a, co
                 wp_bar_wait_asm(full0 + 8 * s, (uint32_t)((u / ST) & 1));
             const uint32_t stage = sbase + s * SB;
             const uint64_t half = (uint64_t)(4 * cc);
-            const uint64_t a0 = wg_desc(stage + wgi * (64 * 128)) + half;
-            const uint64_t b0 = wg_desc(stage + WB) + half;
+            const uint64_t a0 = wg_desc(stage + (HALFN ? 0 : wgi * (64 * 128))) + half;
+            const uint64_t b0 = wg_desc(stage + WB + (HALFN ? wgi * (BN / 2) * 128 : 0)) + half;
             wg_fence();
             ws_wgmma<NB, BN>(acc, a0, b0, fresh ? 0 : 1);
             ws_wgmma<NB, BN>(acc, a0 + 2, b0 + 2); // +32 bytes: the chunk's second k16
@@ -739,7 +748,7 @@ __global__ void __launch_bounds__(WS_THREADS, 1) gemm_ws_kernel(mm_wg_args a, co
         auto store = [&](auto nbc, int n0, int m0, int mlen) {
             constexpr int NB = decltype(nbc)::value;
             const int g = lane >> 2, t = lane & 3;
-            const int orow = n0 + 64 * wgi + 16 * (warp & 3) + g;
+            const int orow = n0 + (HALFN ? 0 : 64 * wgi) + 16 * (warp & 3) + g;
             if constexpr (GLU) {
                 if (copies) // thread 0: the last tile's copy has read the tile
                     asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
@@ -841,7 +850,7 @@ __global__ void __launch_bounds__(WS_THREADS, 1) gemm_ws_kernel(mm_wg_args a, co
                                 a.y[(size_t)yrow[2 * j + c] * a.y_stride + o] = v;
                             }
                         } else {
-                            const int tok = 8 * j + 2 * t + c;
+                            const int tok = (HALFN ? wgi * (BN / 2) : 0) + 8 * j + 2 * t + c;
                             if (tok < mlen) {
                                 float v = tot[4 * j + 2 * h + c];
                                 if (a.bias)
@@ -890,7 +899,7 @@ __global__ void __launch_bounds__(WS_THREADS, 1) gemm_ws_kernel(mm_wg_args a, co
                 else
                     run(ws_int<BN>{});
             } else {
-                run(ws_int<BN>{});
+                run(ws_int<HALFN ? BN / 2 : BN>{});
             }
             u0 += n_k;
         }

@@ -1216,6 +1216,20 @@ static int ws_auto_variant(const mm_mat_args &a) {
 #define WS_SMALL_TILES 16
 static int g_ws_small = -1; // -1: not read yet
 static int g_ws_bn64 = -1;  // -1: not read yet
+// MM_GPU_WS_SMALL_HALF (read once; mm_gpu_set_ws_small_half): 1 (default) runs 29's products
+// with fewer than WS_HALF_TILES tiles of 128 outputs as 30 (64-output tiles, each warpgroup on
+// 32 of the tokens: twice the blocks; H200 14:37 UTC, batch 64: 30487 / 30673 vs 30249 / 30230
+// tok/s, o_proj 37 -> 33 us, q/k/v 24 -> 22; batch 32 19266 vs 18946); 0 29. Same bits.
+#define WS_HALF_TILES 132
+static int g_ws_half = -1; // -1: not read yet
+
+static bool ws_half(void) {
+    if (g_ws_half < 0) {
+        const char *e = getenv("MM_GPU_WS_SMALL_HALF");
+        g_ws_half = e && strcmp(e, "0") == 0 ? 0 : 1;
+    }
+    return g_ws_half > 0;
+}
 
 static bool ws_bn64(void) {
     if (g_ws_bn64 < 0) {
@@ -1296,7 +1310,7 @@ static mm_err launch_ws_kernel(cudaStream_t st, const mm_wg_args &w, const uint1
     }
     const unsigned tiles_y = GROUPED ? (unsigned)(w.n_rows / BN + min(w.n_experts, w.n_rows))
                                      : mm_div_up(w.n_rows, BN);
-    const unsigned tiles = mm_div_up(w.n_out, 128) * tiles_y;
+    const unsigned tiles = mm_div_up(w.n_out, (OPT & WS_OPT_HALFN) ? 64 : 128) * tiles_y;
     const unsigned sm = (unsigned)(sms[dev & 63] > 0 ? sms[dev & 63] : 1);
     const unsigned grid = PERSIST && tiles > sm ? sm : tiles;
     gemm_ws_kernel<BN, ST, DUAL, LAG, GROUPED, OPT><<<grid, WS_THREADS, ws_smem_bytes(BN, ST, OPT), st>>>(w, wb);
@@ -1884,18 +1898,18 @@ static mm_err launch_wg(cudaStream_t st, const mm_mat_args &a, bool *ran) {
         var = var == 13 || var == 19 ? 19 : var == 14 || var >= 28 ? 20 : var >= 20 ? var : var >= 8 ? 2 : var;
     if (GROUPED && var == 27) // by the k loop's length
         var = (a.n_in + 63) / 64 <= WS_STAGE_MAX_K ? 25 : 23;
-    else if (!GROUPED && var >= 19 && var != 28 && var != 29)
+    else if (!GROUPED && var >= 19 && (var < 28 || var > 30))
         var = var == 19 ? 13 : 14;
     const bool rows = a.x_idx != NULL || a.y_idx != NULL || a.x_up != NULL;
     if (rows && !(GROUPED && var >= 19))
         return MM_EUNSUPP; // row indices and SwiGLU: gemm_ws grouped only (nothing issued)
-    if (capturing && (GROUPED || (var != 28 && var != 29)))
+    if (capturing && (GROUPED || var < 28 || var > 30))
         return MM_OK;
     const size_t xbytes = (size_t)a.n_rows * (size_t)ldx * 2;
     const uint16_t *wcached = NULL;
     void *ws = NULL;
     bool own_ws = false; // ws from the stream's buffer (cws_get): not freed here
-    if (var == 28 || var == 29) { // only on the cached W; x in the stream's buffer where it fits
+    if (var >= 28 && var <= 30) { // only on the cached W; x in the stream's buffer where it fits
         int dev = 0;
         MM_GPU_CHECK(cudaGetDevice(&dev));
         wcached = wperm_get(st, a, ldx, 0, capturing);
@@ -1907,7 +1921,7 @@ static mm_err launch_wg(cudaStream_t st, const mm_mat_args &a, bool *ran) {
         if (wcached == NULL)
             var = 4;
         else if (a.n_rows <= 64 && g_wg_tile == 0 && ws_bn64())
-            var = 29;
+            var = ws_half() && (a.n_out + 127) / 128 < WS_HALF_TILES ? 30 : 29;
         if (capturing)
             bit = 1ull << (dev & 63); // the kernel's attributes were set by an eager product
     }
@@ -1988,6 +2002,10 @@ static mm_err launch_wg(cudaStream_t st, const mm_mat_args &a, bool *ran) {
         break;
     case 29:
         rv = launch_ws_kernel<64, 9, true, true, false, false, 0>(st, w, wb, bit);
+        __atomic_fetch_add(&g_ws_small_n, 1ull, __ATOMIC_RELAXED);
+        break;
+    case 30:
+        rv = launch_ws_kernel<64, 9, true, true, false, false, WS_OPT_HALFN>(st, w, wb, bit);
         __atomic_fetch_add(&g_ws_small_n, 1ull, __ATOMIC_RELAXED);
         break;
     case 3: rv = launch_wg_kernel<GROUPED, 3, 128, 64, 5>(st, w, bit); break;
@@ -2501,7 +2519,7 @@ extern "C" unsigned long long mm_gpu_gemv_bulk_launches(void) {
 
 extern "C" void mm_gpu_set_gemm_tile(int variant) {
 #if MM_GPU_HAVE_WMMA
-    g_wg_tile = (variant >= 2 && variant <= 23) || variant == 25 || variant == 27 || variant == 28 || variant == 29 ? variant : 0;
+    g_wg_tile = (variant >= 2 && variant <= 23) || variant == 25 || variant == 27 || (variant >= 28 && variant <= 30) ? variant : 0;
 #else
     (void)variant;
 #endif
@@ -2512,6 +2530,14 @@ extern "C" void mm_gpu_set_ws_small(int mode) {
     g_ws_small = mode >= 0 && mode <= 2 ? mode : -1;
 #else
     (void)mode;
+#endif
+}
+
+extern "C" void mm_gpu_set_ws_small_half(int on) {
+#if MM_GPU_HAVE_WMMA
+    g_ws_half = on < 0 ? -1 : on ? 1 : 0;
+#else
+    (void)on;
 #endif
 }
 

@@ -41,6 +41,9 @@ mm_err mm_gpu_stream_sync(void *stream); // bounded: MM_ETIMEDOUT after MM_GPU_D
 // mm_gpu_stream_hold enqueues a host function that sleeps ms milliseconds: the stream's later
 // work waits for it (tests of the bounded drains use it to stand for a peer that never frees).
 mm_err mm_gpu_stream_hold(void *stream, int ms);
+// mm_gpu_set_drain_timeout_ms sets every drain's deadline (ms > 0; 0 or less: the environment's
+// MM_GPU_DRAIN_TIMEOUT_MS again, default 30000). Process-wide.
+void mm_gpu_set_drain_timeout_ms(int ms);
 
 // ---- matrix products ----------------------------------------------------------------------
 // Paths of a product. AUTO picks GEMV or MMA for bf16 on CUDA (they give the same bits for a
@@ -162,7 +165,7 @@ void mm_gpu_set_dep_launch(int on);
 void mm_gpu_set_gemm_tile(int variant);
 // (28: gemm_ws persistent, dense, m64n32 / m64n64 wgmmas for tiles of <= 32 / <= 64 rows, on the
 // cached permuted W only (else 4); what mm_gpu_set_ws_small's modes pick. 29: the same on
-// 64-token tiles with 9 stages.)
+// 64-token tiles with 9 stages; 30: 29 on 64-output tiles, each warpgroup on 32 tokens.)
 // mm_gpu_set_ws_small: dense bf16 products of 9..127 rows (batch decode's LM head and q/k/v):
 // 0 as before (GEMV v2, else gemm_wg 4 eagerly and the mma.sync tiles inside recorded graphs);
 // 1 those that took 4 or the mma.sync tiles on gemm_ws 28, eagerly and inside graphs; 2
@@ -173,6 +176,10 @@ void mm_gpu_set_ws_small(int mode);
 // mm_gpu_set_ws_small_bn64: 1 runs those of <= 64 rows as variant 29 (64-token tiles, 9
 // stages), 0 as 28, -1 the environment's MM_GPU_WS_SMALL_BN64 (default 1). Same bits.
 void mm_gpu_set_ws_small_bn64(int on);
+// mm_gpu_set_ws_small_half: 1 runs those of fewer than 132 tiles of 128 outputs as variant 30
+// (64-output tiles, each warpgroup on half the tokens), 0 as 29, -1 the environment's
+// MM_GPU_WS_SMALL_HALF (default 1). Same bits.
+void mm_gpu_set_ws_small_half(int on);
 unsigned long long mm_gpu_ws_small_launches(void);
 // mm_gpu_stream_forget frees what matmul.cu keeps per stream (the x buffer of variant 28, which
 // recorded graphs use); call it once the stream has drained, before destroying it.

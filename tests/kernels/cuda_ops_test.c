@@ -31,6 +31,7 @@ extern mm_err mm_gpu_stream_sync(void *stream) __attribute__((weak));
 extern mm_err mm_gpu_stream_hold(void *stream, int ms) __attribute__((weak));
 extern mm_err mm_gpu_stream_new(void **stream) __attribute__((weak));
 extern void mm_gpu_stream_free(void *stream) __attribute__((weak));
+extern void mm_gpu_set_drain_timeout_ms(int ms) __attribute__((weak));
 
 // Dense product with a forced path (kernels/cuda/mm_gpu.h: 0 GEMV, 2 mma.sync tiles, 3 wgmma).
 extern mm_err mm_gpu_matmul(void *stream, int dtype, const void *d_w, int n_out, int n_in,
@@ -48,6 +49,7 @@ extern void mm_gpu_set_wperm_mb(long long mb) __attribute__((weak));
 extern void mm_gpu_set_ws_small(int mode) __attribute__((weak));
 extern unsigned long long mm_gpu_ws_small_launches(void) __attribute__((weak));
 extern void mm_gpu_set_ws_small_bn64(int on) __attribute__((weak));
+extern void mm_gpu_set_ws_small_half(int on) __attribute__((weak));
 
 static mm_backend *cpu;
 
@@ -230,18 +232,18 @@ static int path_bits_case(int64_t n_rows, int64_t n_in, int64_t n_out, int64_t x
     void *dw = dev_copy(hw, (size_t)(n_out * n_in) * 2);
     float *dx = dev_copy(x, (size_t)(n_rows * xs) * 4);
     float *db = bias ? dev_copy(b, (size_t)n_out * 4) : NULL;
-    enum { NP = 20 };
+    enum { NP = 21 };
     float *dy[NP] = {NULL};
     // GEMV, MMA, WG (17 variants of mm_gpu_set_gemm_tile)
-    const int paths[NP] = {0, 2, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3};
-    const int variant[NP] = {2, 2, 2, 3, 4, 5, 6, 11, 12, 13, 14, 15, 16, 17, 18, 8, 9, 10, 28, 29};
+    const int paths[NP] = {0, 2, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3};
+    const int variant[NP] = {2, 2, 2, 3, 4, 5, 6, 11, 12, 13, 14, 15, 16, 17, 18, 8, 9, 10, 28, 29, 30};
     // 11-17: gemm_ws (W permuted into a workspace, both operands by bulk copies from a producer
     // warpgroup; 128 or 192 tokens, drains or two accumulators, one block per tile or
     // persistent, warpgroup 1 lagging or not, 6 or 7 stages). 8, 9, 10: the warp-specialised kernel with W
     // from registers (W by row bulk copies, one TMA tile, or 16-byte cp.async; dense, n_in % 8
     // == 0, else the 128x192 kernel runs in its place); 28: 14 with m64n32 / m64n64 wgmmas for
     // tiles of <= 32 / <= 64 rows (the last tile here), x in the stream's own buffer; 29: 28 on
-    // 64-token tiles with 9 stages
+    // 64-token tiles with 9 stages; 30: 29 on 64-output tiles, a warpgroup per 32 tokens
     const char *names[NP] = {"gemv", "mma.sync", "wgmma 128x128", "wgmma 192x128", "wgmma 128x192",
                              "wgmma 128x128 k128", "wgmma 128x128 rel.fence", "wgmma bulk 128x128",
                              "wgmma bulk 128x192", "wgmma bulk 128x128 2acc",
@@ -249,7 +251,8 @@ static int path_bits_case(int64_t n_rows, int64_t n_in, int64_t n_out, int64_t x
                              "wgmma bulk 128x192 lag", "wgmma bulk 128x192 persist lag",
                              "wgmma bulk 128x128 2acc pers lag st7",
                              "wgmma ws 128x128", "wgmma ws 128x128 W tma", "wgmma ws 128x128 W cp.async",
-                             "wgmma bulk small tiles (28)", "wgmma bulk 64-token tiles (29)"};
+                             "wgmma bulk small tiles (28)", "wgmma bulk 64-token tiles (29)",
+                             "wgmma bulk 64x64 tiles (30)"};
     mm_err rv[NP];
     MM_PASS(gpu->ops->synchronize(gpu->ctx));
     for (int p = 0; p < NP; p++) {
@@ -315,14 +318,16 @@ static void test_matmul_paths_bits(void) {
 }
 
 // Dense products of 9..127 rows on gemm_ws 28 (mm_gpu_set_ws_small 1: 65..127 rows; 2: also
-// GEMV v2's shapes with >= 16 output tiles; up to 64 rows also as 29, mm_gpu_set_ws_small_bn64),
+// GEMV v2's shapes with >= 16 output tiles; up to 64 rows also as 29 and 30,
+// mm_gpu_set_ws_small_bn64 and _half),
 // through the backend's matmul eagerly and recorded
 // as a graph (x converted into the stream's own buffer, W from the permuted-W cache), the graph
 // replayed over new x: each the GEMV's bits, and the launch count shows that 28 ran both times.
 static void test_ws_small_graph(void) {
     gpu_open(NULL);
     if (!mm_gpu_matmul || !mm_gpu_stream_sync || !mm_gpu_set_ws_small || !mm_gpu_ws_small_launches ||
-        !mm_gpu_set_gemm_tile || !mm_gpu_set_ws_small_bn64 || !gpu->ops->capture_begin)
+        !mm_gpu_set_gemm_tile || !mm_gpu_set_ws_small_bn64 || !mm_gpu_set_ws_small_half ||
+        !gpu->ops->capture_begin)
         MM_SKIP("mm_gpu_set_ws_small not linked");
     { // wgmma at all?
         float *dx = dev_copy((float[16 * 16]){0}, 16 * 16 * 4), *dy = NULL;
@@ -361,8 +366,9 @@ static void test_ws_small_graph(void) {
         MM_PASS(gpu->ops->buffer_alloc(gpu->ctx, (size_t)R * N * 4, (void **)&dg));
         const mm_weight w = {.dtype = MM_DTYPE_BF16, .rows = N, .cols = K, .data = dw};
         mm_gpu_set_ws_small(cs[c].mode);
-        for (int round = 0; round < (R <= 64 ? 4 : 2); round++) { // eager, recorded (then 29)
+        for (int round = 0; round < (R <= 64 ? 6 : 2); round++) { // eager, recorded (28, 29, 30)
             mm_gpu_set_ws_small_bn64(round >= 2);
+            mm_gpu_set_ws_small_half(round >= 4);
             MM_PASS(gpu->ops->fill(gpu->ctx, dy, NAN, (int64_t)R * N));
             const unsigned long long n0 = mm_gpu_ws_small_launches();
             void *graph = NULL;
@@ -385,7 +391,7 @@ static void test_ws_small_graph(void) {
                 gpu->ops->graph_free(gpu->ctx, graph);
             float *y = dev_get(dy, (size_t)R * N * 4), *g = dev_get(dg, (size_t)R * N * 4);
             char what[96];
-            snprintf(what, sizeof(what), "gemm_ws %d %s %dx%d -> %d (mode %d)", round >= 2 ? 29 : 28,
+            snprintf(what, sizeof(what), "gemm_ws %d %s %dx%d -> %d (mode %d)", 28 + round / 2,
                      round % 2 ? "recorded" : "eager", R, K, N, cs[c].mode);
             bad |= bits_compare(what, y, g, R, N, N);
             if (ran != 1)
@@ -393,6 +399,7 @@ static void test_ws_small_graph(void) {
             free(y), free(g);
         }
         mm_gpu_set_ws_small_bn64(-1);
+        mm_gpu_set_ws_small_half(-1);
         mm_gpu_set_ws_small(0); // the old choice does not take it
         const unsigned long long n0 = mm_gpu_ws_small_launches();
         MM_PASS(gpu->ops->matmul(gpu->ctx, &w, NULL, dx, K, dy, N, R));
@@ -403,7 +410,7 @@ static void test_ws_small_graph(void) {
         free(hw), free(x);
     }
     if (bad)
-        MM_TEST_FAIL_("gemm_ws 28 or 29 gave other bits than the GEMV (see above)");
+        MM_TEST_FAIL_("gemm_ws 28, 29 or 30 gave other bits than the GEMV (see above)");
     gpu_close(NULL);
 }
 
@@ -977,13 +984,14 @@ static void test_argmax(void) {
     gpu_close(&cpu);
 }
 
-// Drains have a deadline: a stream held longer than MM_GPU_DRAIN_TIMEOUT_MS gives MM_ETIMEDOUT
-// (not a hang), and drains once the hold has passed.
+// Drains have a deadline: a stream held longer than the drain timeout gives MM_ETIMEDOUT (not a
+// hang), and drains once the hold has passed. (The setter, not MM_GPU_DRAIN_TIMEOUT_MS, which a
+// process reads once: with all cases in one process an earlier drain has read it.)
 static void test_drain_deadline(void) {
-    setenv("MM_GPU_DRAIN_TIMEOUT_MS", "300", 1); // read at the first drain of this process
     gpu_open(&cpu);
-    if (!mm_gpu_stream_hold || !mm_gpu_stream_new || !mm_gpu_stream_sync)
+    if (!mm_gpu_stream_hold || !mm_gpu_stream_new || !mm_gpu_stream_sync || !mm_gpu_set_drain_timeout_ms)
         MM_SKIP("mm_gpu_stream_hold not linked");
+    mm_gpu_set_drain_timeout_ms(300);
     void *s = NULL;
     MM_PASS(mm_gpu_stream_new(&s));
     MM_PASS(mm_gpu_stream_hold(s, 1500));
@@ -993,6 +1001,7 @@ static void test_drain_deadline(void) {
     nanosleep(&ts, NULL);
     MM_PASS(mm_gpu_stream_sync(s));
     mm_gpu_stream_free(s);
+    mm_gpu_set_drain_timeout_ms(0);
     gpu_close(&cpu);
 }
 

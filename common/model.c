@@ -1442,7 +1442,15 @@ static mm_err forward_dev(const mm_model *m, mm_model_scratch *s, mm_kv_cache *k
         struct step_graph *g = &s->graphs[i];
         if (g->graph && same_key(g, &key)) {
             g->used = s->tick;
-            return OPS->graph_launch(CTX, g->graph);
+            const mm_err rv = OPS->graph_launch(CTX, g->graph);
+            if (rv != MM_ECLOSED)
+                return rv;
+            // it refers to memory the backend released (a cached weight copy), nothing ran:
+            // drop it; the next step of this shape records it again
+            OPS->graph_free(CTX, g->graph);
+            g->graph = NULL;
+            s->last = key;
+            return forward_dev_ops(m, s, kv, n, nw, logits);
         }
     }
     if (!same_key(&s->last, &key)) {

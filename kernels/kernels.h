@@ -277,7 +277,8 @@ struct mm_backend_ops {
     // or synchronize may be issued until capture_end); capture_end returns the recording as
     // an owned *graph (graph_free) or an error (the ops were dropped, the backend is usable).
     // graph_launch runs the recorded ops again with the same arguments: pointers are fixed,
-    // the data behind them is read when the graph runs.
+    // the data behind them is read when the graph runs. MM_ECLOSED: the recording refers to
+    // memory the backend has since released (nothing was launched): free it, record again.
     mm_err (*capture_begin)(void *ctx);
     mm_err (*capture_end)(void *ctx, void **graph);
     mm_err (*graph_launch)(void *ctx, void *graph);

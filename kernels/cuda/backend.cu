@@ -125,6 +125,7 @@ struct gpu_ctx {
     cudaEvent_t stage_ev[STAGE_PARTS];  // recorded when the part was left
     bool stage_live[STAGE_PARTS];       // its event has been recorded
     bool capturing;                     // between capture_begin and capture_end
+    unsigned long long cap_epoch;       // mm_gpu_wperm_epoch at capture_begin
     bool graph_told;                    // graph_tell has logged a recorded graph
     struct optime *ot;                  // per-op timer (MM_GPU_OPTIME=1), else NULL
     struct mm_backend_ops ops_table;    // gpu_ops less what the env turns off (graphs when ot
@@ -358,8 +359,7 @@ static void gpu_close(void *ctx) {
     if (g->stream != NULL) {
         if (!g->lost) // a lost stream never drains: leave it to process exit
             (void)mm__gpu_drain(g->stream, "close");
-        if (!g->lost)
-            mm_gpu_stream_forget(g->stream);
+        mm_gpu_stream_forget(g->stream); // frees matmul.cu's buffer of a drained stream
         (void)cudaStreamDestroy(g->stream);
     }
     if (g->d_amax != NULL)
@@ -732,11 +732,20 @@ static void graph_tell(struct gpu_ctx *g, cudaGraph_t gr) {
 #endif
 }
 
+// A recording and the permuted-W epoch it was made in (mm_gpu_wperm_epoch): products inside it
+// may read cached permuted weights, which a later weight write or free releases; such a graph
+// is never replayed (graph_launch: MM_ECLOSED, nothing launched).
+struct gpu_graph {
+    cudaGraphExec_t ex;
+    unsigned long long epoch;
+};
+
 static mm_err gpu_capture_begin(void *ctx) {
     CTX(ctx);
     if (g->capturing)
         return MM_EINVAL;
     ON_DEVICE();
+    g->cap_epoch = mm_gpu_wperm_epoch();
     MM_GPU_CHECK(cudaStreamBeginCapture(g->stream, cudaStreamCaptureModeThreadLocal));
     g->capturing = true;
     return MM_OK;
@@ -767,7 +776,14 @@ static mm_err gpu_capture_end(void *ctx, void **graph) {
         mm_log_warn("gpu: graph capture failed: %s", cudaGetErrorString(e));
         return MM_EDEVICE;
     }
-    *graph = (void *)ex;
+    struct gpu_graph *gg = (struct gpu_graph *)malloc(sizeof(*gg));
+    if (gg == NULL) {
+        (void)cudaGraphExecDestroy(ex);
+        return MM_ENOMEM;
+    }
+    gg->ex = ex;
+    gg->epoch = g->cap_epoch;
+    *graph = gg;
     return MM_OK;
 }
 
@@ -775,8 +791,11 @@ static mm_err gpu_graph_launch(void *ctx, void *graph) {
     CTX(ctx);
     if (graph == NULL || g->capturing)
         return MM_EINVAL;
+    const struct gpu_graph *gg = (const struct gpu_graph *)graph;
+    if (gg->epoch != mm_gpu_wperm_epoch())
+        return MM_ECLOSED; // it may read a released permuted weight: record it again
     ON_DEVICE();
-    MM_GPU_CHECK(cudaGraphLaunch((cudaGraphExec_t)graph, g->stream));
+    MM_GPU_CHECK(cudaGraphLaunch(gg->ex, g->stream));
     return MM_OK;
 }
 
@@ -785,7 +804,8 @@ static void gpu_graph_free(void *ctx, void *graph) {
     if (graph == NULL)
         return;
     (void)cudaSetDevice(g->dev);
-    (void)cudaGraphExecDestroy((cudaGraphExec_t)graph);
+    (void)cudaGraphExecDestroy(((struct gpu_graph *)graph)->ex);
+    free(graph);
 }
 
 static mm_err gpu_combine(void *ctx, const float *alpha, int k, const float *x, int64_t xs,

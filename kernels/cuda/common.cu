@@ -109,8 +109,10 @@ extern "C" mm_err mm_gpu_stream_new(void **stream) {
 }
 
 extern "C" void mm_gpu_stream_free(void *stream) {
-    if (stream != NULL)
+    if (stream != NULL) {
+        mm_gpu_stream_forget(stream); // matmul.cu's buffer of the stream (freed if drained)
         (void)cudaStreamDestroy((cudaStream_t)stream);
+    }
 }
 
 extern "C" mm_err mm_gpu_stream_sync(void *stream) {

@@ -1238,7 +1238,7 @@ static bool ws_bn64(void) {
     }
     return g_ws_bn64 > 0;
 }
-static unsigned long long g_ws_small_n; // variant 28 launches (mm_gpu_ws_small_launches)
+static unsigned long long g_ws_small_n[3]; // variants 28-30 launched (mm_gpu_ws_small_launches)
 
 static int ws_small_mode(void) {
     if (g_ws_small < 0) {
@@ -1375,16 +1375,24 @@ static size_t wperm_limit(int dev) {
     }
     if (g_wp_mb >= 0)
         return (size_t)g_wp_mb << 20;
-    size_t total = 0;
-    cudaDeviceProp pr;
-    if (cudaGetDeviceProperties(&pr, dev) == cudaSuccess)
-        total = pr.totalGlobalMem;
-    else
-        (void)cudaGetLastError();
-    return total / 10;
+    static size_t total[64]; // per device, read once (lock held)
+    if (total[dev & 63] == 0) {
+        cudaDeviceProp pr;
+        if (cudaGetDeviceProperties(&pr, dev) == cudaSuccess)
+            total[dev & 63] = pr.totalGlobalMem;
+        else
+            (void)cudaGetLastError();
+    }
+    return total[dev & 63] / 10;
 }
 
+// Dropped copies move the epoch (mm_gpu_wperm_epoch): a recorded graph may point at one (the
+// small products of variants 28-30 read W from the cache inside graphs), and the backend
+// refuses to replay a graph recorded in an earlier epoch.
+static unsigned long long g_wp_epoch;
+
 static void wperm_drop(int i) { // lock held
+    __atomic_fetch_add(&g_wp_epoch, 1ull, __ATOMIC_RELEASE);
     free(g_wp[i].ex);
     (void)cudaFree(g_wp[i].wb);
     (void)cudaEventDestroy(g_wp[i].ev);
@@ -1556,7 +1564,12 @@ extern "C" void mm_gpu_stream_forget(void *stream) {
     pthread_mutex_lock(&g_cws_mu);
     for (int i = 0; i < g_cws_n; i++)
         if (g_cws[i].dev == dev && g_cws[i].st == (cudaStream_t)stream) {
-            (void)cudaFree(g_cws[i].buf);
+            // a stream with work still queued (a lost one) keeps its buffer: leaked, never
+            // handed to a later stream that gets the same handle
+            if (cudaStreamQuery((cudaStream_t)stream) == cudaSuccess)
+                (void)cudaFree(g_cws[i].buf);
+            else
+                (void)cudaGetLastError();
             g_cws[i] = g_cws[--g_cws_n];
             break;
         }
@@ -1996,18 +2009,9 @@ static mm_err launch_wg(cudaStream_t st, const mm_mat_args &a, bool *ran) {
         rv = launch_ws_kernel<128, 4, true, true, false, true,
                               WS_OPT_IDX | WS_OPT_TAILN | WS_OPT_PTILE | WS_OPT_STAGE>(st, w, wb, bit);
         break;
-    case 28:
-        rv = launch_ws_kernel<128, 6, true, true, false, false, WS_OPT_TAILN>(st, w, wb, bit);
-        __atomic_fetch_add(&g_ws_small_n, 1ull, __ATOMIC_RELAXED);
-        break;
-    case 29:
-        rv = launch_ws_kernel<64, 9, true, true, false, false, 0>(st, w, wb, bit);
-        __atomic_fetch_add(&g_ws_small_n, 1ull, __ATOMIC_RELAXED);
-        break;
-    case 30:
-        rv = launch_ws_kernel<64, 9, true, true, false, false, WS_OPT_HALFN>(st, w, wb, bit);
-        __atomic_fetch_add(&g_ws_small_n, 1ull, __ATOMIC_RELAXED);
-        break;
+    case 28: rv = launch_ws_kernel<128, 6, true, true, false, false, WS_OPT_TAILN>(st, w, wb, bit); break;
+    case 29: rv = launch_ws_kernel<64, 9, true, true, false, false, 0>(st, w, wb, bit); break;
+    case 30: rv = launch_ws_kernel<64, 9, true, true, false, false, WS_OPT_HALFN>(st, w, wb, bit); break;
     case 3: rv = launch_wg_kernel<GROUPED, 3, 128, 64, 5>(st, w, bit); break;
     case 4: rv = launch_wg_kernel<GROUPED, 2, 192, 64, 5>(st, w, bit); break;
     case 5: rv = launch_wg_kernel<GROUPED, 2, 128, 128, 3>(st, w, bit); break;
@@ -2019,6 +2023,8 @@ static mm_err launch_wg(cudaStream_t st, const mm_mat_args &a, bool *ran) {
         MM_GPU_CHECK(cudaFreeAsync(ws, st));
     if (rv == MM_OK)
         *ran = true;
+    if (rv == MM_OK && var >= 28 && var <= 30)
+        __atomic_fetch_add(&g_ws_small_n[var - 28], 1ull, __ATOMIC_RELAXED);
     return rv;
 }
 
@@ -2273,7 +2279,13 @@ static mm_err launch(cudaStream_t st, int path, int dtype, mm_mat_args a, int pe
         const mm_err rv = launch_wg<GROUPED>(st, a, &ran);
         if (rv != MM_OK || ran)
             return rv;
-        path = MM_GPU_PATH_MMA; // no workspace memory: the mma.sync tiles give the same bits
+        // not run (no workspace, or inside a capture without the cached W): GEMV v2 where it
+        // takes the product (what ws_small_mode 2 took it from), else the mma.sync tiles; the
+        // same bits
+        if (!GROUPED && ws_small_mode() > 0 && a.n_rows <= MV2_DENSE_ROWS && gemv_x_smem(a, 8) > 0 &&
+            (a.n_rows <= 32 || (long long)a.n_out * a.n_in * 2 <= MV2_DENSE_W_MAX))
+            return launch<GROUPED>(st, MM_GPU_PATH_GEMV, dtype, a, per_tile_rows);
+        path = MM_GPU_PATH_MMA;
     }
     if (dtype == MM_DTYPE_BF16 && path == MM_GPU_PATH_MMA) {
         // > 48 KiB of dynamic shared memory must be allowed once per device and kernel. The
@@ -2549,9 +2561,18 @@ extern "C" void mm_gpu_set_ws_small_bn64(int on) {
 #endif
 }
 
-extern "C" unsigned long long mm_gpu_ws_small_launches(void) {
+extern "C" unsigned long long mm_gpu_ws_small_launches(int variant) {
 #if MM_GPU_HAVE_WMMA
-    return __atomic_load_n(&g_ws_small_n, __ATOMIC_RELAXED);
+    return variant >= 28 && variant <= 30 ? __atomic_load_n(&g_ws_small_n[variant - 28], __ATOMIC_RELAXED) : 0;
+#else
+    (void)variant;
+    return 0;
+#endif
+}
+
+extern "C" unsigned long long mm_gpu_wperm_epoch(void) {
+#if MM_GPU_HAVE_WMMA
+    return __atomic_load_n(&g_wp_epoch, __ATOMIC_ACQUIRE);
 #else
     return 0;
 #endif

@@ -170,8 +170,8 @@ void mm_gpu_set_gemm_tile(int variant);
 // 0 as before (GEMV v2, else gemm_wg 4 eagerly and the mma.sync tiles inside recorded graphs);
 // 1 those that took 4 or the mma.sync tiles on gemm_ws 28, eagerly and inside graphs; 2
 // (default; env MM_GPU_WS_SMALL) also those GEMV v2 took, from 16 tiles of 128 outputs; -1 back
-// to the environment's choice. Same bits. Process-wide. mm_gpu_ws_small_launches counts variant
-// 28's launches (recorded ones when they are recorded).
+// to the environment's choice. Same bits. Process-wide. mm_gpu_ws_small_launches(v) counts
+// variant v's (28, 29, 30) launches (recorded ones when they are recorded).
 void mm_gpu_set_ws_small(int mode);
 // mm_gpu_set_ws_small_bn64: 1 runs those of <= 64 rows as variant 29 (64-token tiles, 9
 // stages), 0 as 28, -1 the environment's MM_GPU_WS_SMALL_BN64 (default 1). Same bits.
@@ -180,7 +180,11 @@ void mm_gpu_set_ws_small_bn64(int on);
 // (64-output tiles, each warpgroup on half the tokens), 0 as 29, -1 the environment's
 // MM_GPU_WS_SMALL_HALF (default 1). Same bits.
 void mm_gpu_set_ws_small_half(int on);
-unsigned long long mm_gpu_ws_small_launches(void);
+unsigned long long mm_gpu_ws_small_launches(int variant);
+// mm_gpu_wperm_epoch moves whenever a permuted-W copy is dropped (a weight written or freed,
+// the bound lowered): graphs recorded before may point at it (variants 28-30), so the backend
+// replays only graphs recorded in the current epoch.
+unsigned long long mm_gpu_wperm_epoch(void);
 // mm_gpu_stream_forget frees what matmul.cu keeps per stream (the x buffer of variant 28, which
 // recorded graphs use); call it once the stream has drained, before destroying it.
 void mm_gpu_stream_forget(void *stream);

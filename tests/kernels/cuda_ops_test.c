@@ -47,7 +47,7 @@ extern size_t mm_gpu_wperm_bytes(void) __attribute__((weak));
 extern void mm_gpu_set_wperm_mb(long long mb) __attribute__((weak));
 // Dense products of 9..127 rows on gemm_ws variant 28 (kernels/cuda/mm_gpu.h).
 extern void mm_gpu_set_ws_small(int mode) __attribute__((weak));
-extern unsigned long long mm_gpu_ws_small_launches(void) __attribute__((weak));
+extern unsigned long long mm_gpu_ws_small_launches(int variant) __attribute__((weak));
 extern void mm_gpu_set_ws_small_bn64(int on) __attribute__((weak));
 extern void mm_gpu_set_ws_small_half(int on) __attribute__((weak));
 
@@ -256,6 +256,8 @@ static int path_bits_case(int64_t n_rows, int64_t n_in, int64_t n_out, int64_t x
     mm_err rv[NP];
     MM_PASS(gpu->ops->synchronize(gpu->ctx));
     for (int p = 0; p < NP; p++) {
+        const unsigned long long n0 =
+            mm_gpu_ws_small_launches && variant[p] >= 28 ? mm_gpu_ws_small_launches(variant[p]) : 0;
         MM_PASS(gpu->ops->buffer_alloc(gpu->ctx, (size_t)(n_rows * ys) * 4, (void **)&dy[p]));
         MM_PASS(gpu->ops->fill(gpu->ctx, dy[p], NAN, n_rows * ys));
         MM_PASS(gpu->ops->synchronize(gpu->ctx));
@@ -264,6 +266,10 @@ static int path_bits_case(int64_t n_rows, int64_t n_in, int64_t n_out, int64_t x
         rv[p] = mm_gpu_matmul(NULL, MM_DTYPE_BF16, dw, (int)n_out, (int)n_in, db, dx, xs, dy[p], ys,
                               (int)n_rows, paths[p]);
         MM_PASS(mm_gpu_stream_sync(NULL));
+        // variants 28-30 fall back to 4 where W's permuted copy is not cached: make sure they ran
+        if (rv[p] == MM_OK && mm_gpu_ws_small_launches && variant[p] >= 28 &&
+            mm_gpu_ws_small_launches(variant[p]) != n0 + 1)
+            MM_TEST_FAIL_("%s did not run (its W not in the permuted-W cache?)", names[p]);
     }
     if (mm_gpu_set_gemm_tile)
         mm_gpu_set_gemm_tile(0);
@@ -370,7 +376,8 @@ static void test_ws_small_graph(void) {
             mm_gpu_set_ws_small_bn64(round >= 2);
             mm_gpu_set_ws_small_half(round >= 4);
             MM_PASS(gpu->ops->fill(gpu->ctx, dy, NAN, (int64_t)R * N));
-            const unsigned long long n0 = mm_gpu_ws_small_launches();
+            const int v = 28 + round / 2; // the variant this round must run
+            const unsigned long long n0 = mm_gpu_ws_small_launches(v);
             void *graph = NULL;
             if (round % 2 == 1) { // recorded, replayed on new x
                 MM_PASS(gpu->ops->capture_begin(gpu->ctx));
@@ -383,7 +390,7 @@ static void test_ws_small_graph(void) {
             } else {
                 MM_PASS(gpu->ops->matmul(gpu->ctx, &w, NULL, dx, K, dy, N, R));
             }
-            const unsigned long long ran = mm_gpu_ws_small_launches() - n0;
+            const unsigned long long ran = mm_gpu_ws_small_launches(v) - n0;
             MM_PASS(gpu->ops->synchronize(gpu->ctx)); // the GEMV below runs on the null stream
             MM_PASS(mm_gpu_matmul(NULL, MM_DTYPE_BF16, dw, N, K, NULL, dx, K, dg, N, R, 0));
             MM_PASS(mm_gpu_stream_sync(NULL));
@@ -391,20 +398,43 @@ static void test_ws_small_graph(void) {
                 gpu->ops->graph_free(gpu->ctx, graph);
             float *y = dev_get(dy, (size_t)R * N * 4), *g = dev_get(dg, (size_t)R * N * 4);
             char what[96];
-            snprintf(what, sizeof(what), "gemm_ws %d %s %dx%d -> %d (mode %d)", 28 + round / 2,
+            snprintf(what, sizeof(what), "gemm_ws %d %s %dx%d -> %d (mode %d)", v,
                      round % 2 ? "recorded" : "eager", R, K, N, cs[c].mode);
             bad |= bits_compare(what, y, g, R, N, N);
             if (ran != 1)
-                MM_TEST_FAIL_("%s: launched %llu times, not once", what, ran);
+                MM_TEST_FAIL_("%s: variant %d launched %llu times, not once", what, v, ran);
+            free(y), free(g);
+        }
+        if (c == 1) { // a weight rewritten after a recording: the graph is refused, not replayed
+            void *graph = NULL;
+            MM_PASS(gpu->ops->capture_begin(gpu->ctx));
+            MM_PASS(gpu->ops->matmul(gpu->ctx, &w, NULL, dx, K, dy, N, R));
+            MM_PASS(gpu->ops->capture_end(gpu->ctx, &graph));
+            free(hw);
+            (void)make_weight(MM_DTYPE_BF16, N, K, &hw);
+            MM_PASS(gpu->ops->set(gpu->ctx, dw, hw, (size_t)N * K * 2)); // drops W's copy
+            MM_FAIL(gpu->ops->graph_launch(gpu->ctx, graph), MM_ECLOSED);
+            gpu->ops->graph_free(gpu->ctx, graph);
+            MM_PASS(gpu->ops->fill(gpu->ctx, dy, NAN, (int64_t)R * N));
+            MM_PASS(gpu->ops->matmul(gpu->ctx, &w, NULL, dx, K, dy, N, R)); // a new copy
+            MM_PASS(gpu->ops->synchronize(gpu->ctx));
+            MM_PASS(mm_gpu_matmul(NULL, MM_DTYPE_BF16, dw, N, K, NULL, dx, K, dg, N, R, 0));
+            MM_PASS(mm_gpu_stream_sync(NULL));
+            float *y = dev_get(dy, (size_t)R * N * 4), *g = dev_get(dg, (size_t)R * N * 4);
+            bad |= bits_compare("gemm_ws after the weight was rewritten", y, g, R, N, N);
             free(y), free(g);
         }
         mm_gpu_set_ws_small_bn64(-1);
         mm_gpu_set_ws_small_half(-1);
         mm_gpu_set_ws_small(0); // the old choice does not take it
-        const unsigned long long n0 = mm_gpu_ws_small_launches();
+        unsigned long long n0 = 0, n1 = 0;
+        for (int v = 28; v <= 30; v++)
+            n0 += mm_gpu_ws_small_launches(v);
         MM_PASS(gpu->ops->matmul(gpu->ctx, &w, NULL, dx, K, dy, N, R));
         MM_PASS(gpu->ops->synchronize(gpu->ctx));
-        MM_EQ(mm_gpu_ws_small_launches(), n0);
+        for (int v = 28; v <= 30; v++)
+            n1 += mm_gpu_ws_small_launches(v);
+        MM_EQ(n1, n0);
         mm_gpu_set_ws_small(-1);
         dev_free(dw), dev_free(dx), dev_free(dy), dev_free(dg);
         free(hw), free(x);

@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <unistd.h>
 
 #if defined(__x86_64__)
@@ -217,12 +218,17 @@ static int run_bench_model(int argc, char **argv) {
         fprintf(stderr, "bench-model: --model DIR is required (--rounds 1..64, --batch 1..128)\n");
         goto done;
     }
-    if (strcmp(paired_s, "auto") == 0)
+    if (!strcasecmp(paired_s, "auto"))
         paired = strcmp(device, "cpu") == 0;
-    else if (strcmp(paired_s, "true") == 0 || strcmp(paired_s, "false") == 0)
-        paired = strcmp(paired_s, "true") == 0;
+    else if (!strcmp(paired_s, "1") || !strcasecmp(paired_s, "true") ||
+             !strcasecmp(paired_s, "yes") || !strcasecmp(paired_s, "on"))
+        paired = true;
+    else if (!strcmp(paired_s, "0") || !strcasecmp(paired_s, "false") ||
+             !strcasecmp(paired_s, "no") || !strcasecmp(paired_s, "off"))
+        paired = false;
     else {
-        fprintf(stderr, "bench-model: --paired must be true, false or auto (got '%s')\n", paired_s);
+        fprintf(stderr, "bench-model: --paired takes a value, true, false or auto (got '%s')\n",
+                paired_s);
         goto done;
     }
     if (prefill_rows < 1 || prefill_rows > 8192 || prefill_rows < batch || prompt_rounds < 1 ||

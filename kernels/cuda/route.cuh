@@ -116,12 +116,22 @@ __device__ __forceinline__ void route_groups(const struct mm_route_params &p, fl
             choice[e] = 0.0f;
 }
 
-// The K picks one at a time by warp 0 (the threads of other warps pass active false and only
-// meet the barriers, which every thread of the block must reach). ids_out (K) gets the ids.
-__device__ __forceinline__ void route_pick_serial(const struct mm_route_params &p,
-                                                  const float *prob, const float *choice,
-                                                  unsigned char *taken, float *wk,
-                                                  int32_t *ids_out, bool active, int lane) {
+// Who runs a pick step and its barrier: the whole block (G::first(lane) threadIdx.x, stride
+// blockDim.x, __syncthreads), or one warp alone (route_plan.cu's route_warp_group).
+struct route_block_group {
+    __device__ static unsigned first(int) { return threadIdx.x; }
+    __device__ static unsigned stride() { return blockDim.x; }
+    __device__ static void sync() { __syncthreads(); }
+};
+
+// The K picks one at a time by one warp (active; threads that pass active false only meet
+// the barriers), G::sync() after each pick (with the block's barrier every thread of the block
+// must reach it). ids_out (K) gets the ids.
+template <class G>
+__device__ __forceinline__ void route_pick_serial_by(const struct mm_route_params &p,
+                                                     const float *prob, const float *choice,
+                                                     unsigned char *taken, float *wk,
+                                                     int32_t *ids_out, bool active, int lane) {
     const int E = p.n_experts, K = p.top_k;
     for (int t = 0; t < K; t++) {
         if (active) {
@@ -139,8 +149,16 @@ __device__ __forceinline__ void route_pick_serial(const struct mm_route_params &
                 wk[t] = prob[bid];
             }
         }
-        __syncthreads();
+        G::sync();
     }
+}
+
+// by warp 0 of the block (the other warps pass active false)
+__device__ __forceinline__ void route_pick_serial(const struct mm_route_params &p,
+                                                  const float *prob, const float *choice,
+                                                  unsigned char *taken, float *wk,
+                                                  int32_t *ids_out, bool active, int lane) {
+    route_pick_serial_by<route_block_group>(p, prob, choice, taken, wk, ids_out, active, lane);
 }
 
 // Warp 0 after route_scores (each lane reads back the choice scores it wrote): 1 on every
@@ -157,13 +175,14 @@ __device__ __forceinline__ int route_warp_nan(const struct mm_route_params &p, c
     return nan;
 }
 
-// The K picks at once: each thread ranks its experts against all E (see the notes). ids_sh
-// (K, shared) gets the ids; wk the weights. Ends with a barrier. No NaN choice score.
-__device__ __forceinline__ void route_pick_rank(const struct mm_route_params &p,
-                                                const float *prob, const float *choice,
-                                                float *wk, int32_t *ids_sh) {
+// The K picks at once: G's threads each rank their experts against all E (see the notes).
+// ids_sh (K, shared) gets the ids; wk the weights. Ends with G::sync(). No NaN choice score.
+template <class G>
+__device__ __forceinline__ void route_pick_rank_by(const struct mm_route_params &p,
+                                                   const float *prob, const float *choice,
+                                                   float *wk, int32_t *ids_sh, int lane) {
     const int E = p.n_experts, K = p.top_k;
-    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    for (int e = G::first(lane); e < E; e += G::stride()) {
         const float ce = choice[e];
         int rank = 0;
         if ((E & 3) == 0) { // choice is 16-byte aligned (route_shmem_bytes' layout)
@@ -183,10 +202,17 @@ __device__ __forceinline__ void route_pick_rank(const struct mm_route_params &p,
         if (rank < K)
             ids_sh[rank] = e;
     }
-    __syncthreads();
-    for (int t = threadIdx.x; t < K; t += blockDim.x)
+    G::sync();
+    for (int t = G::first(lane); t < K; t += G::stride())
         wk[t] = prob[ids_sh[t]];
-    __syncthreads();
+    G::sync();
+}
+
+// by the whole block
+__device__ __forceinline__ void route_pick_rank(const struct mm_route_params &p,
+                                                const float *prob, const float *choice,
+                                                float *wk, int32_t *ids_sh) {
+    route_pick_rank_by<route_block_group>(p, prob, choice, wk, ids_sh, 0);
 }
 
 // The whole block: route_finish's renorm and scale (the sum on thread 0 in pick order, then

@@ -450,8 +450,8 @@ __global__ void __launch_bounds__(PLAN_THREADS) route_plan_fused_kernel(
 // with a NaN choice score, one at a time) and route_finish on lane 0 (the same operations per
 // weight as route_finish_block), so the same ids and weights as route_plan_fused_kernel, whose
 // 256-thread block per row kept one warp busy for the scores (34 us at 4096 rows, ncu).
-// The picks below are route_pick_serial and route_pick_rank with a warp's barrier instead of
-// the block's; up to 8 experts per lane, a row without a NaN choice score is picked one at a
+// The picks below are route.cuh's route_pick_serial_by and route_pick_rank_by with a warp's
+// barrier instead of the block's; up to 8 experts per lane, a row without a NaN choice score is picked one at a
 // time from registers (K rounds of a warp argmax: cheaper for one warp than ranking each
 // expert against all E; the same ids as the ranks, route.cuh), a row with one by
 // route_pick_serial_warp. H200 (ncu, 4096 rows, E 128, K 8): 26.0 us (the block per row) ->
@@ -471,27 +471,18 @@ __device__ __forceinline__ void rw_warp_sync(void) {
 #endif
 }
 
+// route.cuh's pick steps by one warp alone (its lanes, its barrier)
+struct route_warp_group {
+    __device__ static int first(int lane) { return lane; }
+    __device__ static int stride() { return MM_WARP_SIZE; }
+    __device__ static void sync() { rw_warp_sync(); }
+};
+
 __device__ __forceinline__ void route_pick_serial_warp(const struct mm_route_params &p,
                                                        const float *prob, const float *choice,
                                                        unsigned char *taken, float *wk,
                                                        int32_t *ids_out, int lane) {
-    const int E = p.n_experts, K = p.top_k;
-    for (int t = 0; t < K; t++) {
-        float bs = 0.0f;
-        int bid = -1;
-        for (int e = lane; e < E; e += MM_WARP_SIZE)
-            if (!taken[e] && (bid < 0 || better(choice[e], e, bs, bid))) {
-                bs = choice[e];
-                bid = e;
-            }
-        warp_best(bs, bid);
-        if (lane == 0) {
-            taken[bid] = 1;
-            ids_out[t] = bid;
-            wk[t] = prob[bid];
-        }
-        rw_warp_sync();
-    }
+    route_pick_serial_by<route_warp_group>(p, prob, choice, taken, wk, ids_out, true, lane);
 }
 
 // route_pick_serial_warp with this lane's choice scores (experts lane + W j, j < EPL, E <= W
@@ -537,31 +528,7 @@ __device__ __forceinline__ void route_pick_serial_reg(const struct mm_route_para
 __device__ __forceinline__ void route_pick_rank_warp(const struct mm_route_params &p,
                                                      const float *prob, const float *choice,
                                                      float *wk, int32_t *ids_sh, int lane) {
-    const int E = p.n_experts, K = p.top_k;
-    for (int e = lane; e < E; e += MM_WARP_SIZE) {
-        const float ce = choice[e];
-        int rank = 0;
-        if ((E & 3) == 0) { // choice is 16-byte aligned (the per-warp layout below)
-            const float4 *c4 = (const float4 *)choice;
-#pragma unroll 4
-            for (int j4 = 0; j4 < E / 4; j4++) {
-                const float4 c = c4[j4];
-                rank += better(c.x, 4 * j4, ce, e);
-                rank += better(c.y, 4 * j4 + 1, ce, e);
-                rank += better(c.z, 4 * j4 + 2, ce, e);
-                rank += better(c.w, 4 * j4 + 3, ce, e);
-            }
-        } else {
-            for (int j = 0; j < E; j++)
-                rank += better(choice[j], j, ce, e);
-        }
-        if (rank < K)
-            ids_sh[rank] = e;
-    }
-    rw_warp_sync();
-    for (int t = lane; t < K; t += MM_WARP_SIZE)
-        wk[t] = prob[ids_sh[t]];
-    rw_warp_sync();
+    route_pick_rank_by<route_warp_group>(p, prob, choice, wk, ids_sh, lane);
 }
 
 // A warp's shared memory: route_shmem_bytes (prob, choice, wk, taken), then K ids; 16-byte

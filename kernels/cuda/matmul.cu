@@ -389,7 +389,8 @@ __global__ void __launch_bounds__(MV_WARPS * 32, 2) gemv_mma_kernel(mm_mat_args 
 #define MV2_GROUPED_ROWS 1            // grouped products: up to this many rows per expert
 // The two limits are measured (H200, 23:36 UTC run, per-op GPU times at batch 64): dense
 // 2048x4096 (16.8 MB) 56 us in v2 vs 99 us on wgmma, 128x2048 9.4 vs 52.6, but 5120x2048
-// (21 MB) 64.7 vs 56.8; grouped [gate; up] at ~4 rows per expert 307 us vs 243 in v1. The
+// (21 MB) 64.7 vs 56.8; grouped [gate; up] at ~4 rows per expert 307 us vs 243 in v1 (and v3,
+// 2026-11-30 15:20 UTC: 334 vs 242, down 220 vs 131 with the separate ops; NOTES.md). The
 // staging of the x tile is the suspect (each thread's pieces are loaded one after the
 // other: one memory round trip per 8-element piece, 8 or more per thread at 8 rows).
 static int g_gemv_version = 2; // mm_gpu_set_gemv_version: 1 = gemv_mma_kernel only (A/B runs)

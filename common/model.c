@@ -1401,6 +1401,20 @@ static struct step_graph step_key(int64_t n, int64_t nw, int long_ctx, const mm_
                                .tables = v.block_tables, .logits = logits};
 }
 
+// Launches g's recording. MM_ECLOSED from the backend: it refers to memory since released (a
+// cached weight copy) and nothing ran: the recording is dropped, the step runs op by op and
+// the next step of this shape records it again.
+static mm_err replay(const mm_model *m, mm_model_scratch *s, mm_kv_cache *kv,
+                     struct step_graph *g, int64_t n, int64_t nw, float *logits) {
+    const mm_err rv = OPS->graph_launch(CTX, g->graph);
+    if (rv != MM_ECLOSED)
+        return rv;
+    OPS->graph_free(CTX, g->graph);
+    g->graph = NULL;
+    s->last = *g;
+    return forward_dev_ops(m, s, kv, n, nw, logits);
+}
+
 static bool same_key(const struct step_graph *g, const struct step_graph *k) {
     return g->n == k->n && g->nw == k->nw && g->long_ctx == k->long_ctx && g->kv == k->kv &&
            g->pool == k->pool &&
@@ -1442,15 +1456,7 @@ static mm_err forward_dev(const mm_model *m, mm_model_scratch *s, mm_kv_cache *k
         struct step_graph *g = &s->graphs[i];
         if (g->graph && same_key(g, &key)) {
             g->used = s->tick;
-            const mm_err rv = OPS->graph_launch(CTX, g->graph);
-            if (rv != MM_ECLOSED)
-                return rv;
-            // it refers to memory the backend released (a cached weight copy), nothing ran:
-            // drop it; the next step of this shape records it again
-            OPS->graph_free(CTX, g->graph);
-            g->graph = NULL;
-            s->last = key;
-            return forward_dev_ops(m, s, kv, n, nw, logits);
+            return replay(m, s, kv, g, n, nw, logits);
         }
     }
     if (!same_key(&s->last, &key)) {
@@ -1484,7 +1490,7 @@ static mm_err forward_dev(const mm_model *m, mm_model_scratch *s, mm_kv_cache *k
     *slot = key;
     slot->graph = graph;
     slot->used = s->tick;
-    return OPS->graph_launch(CTX, graph);
+    return replay(m, s, kv, slot, n, nw, logits);
 }
 
 bool mm_model_scratch_graphs(mm_model_scratch *s, bool on) {

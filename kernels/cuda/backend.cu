@@ -792,6 +792,8 @@ static mm_err gpu_graph_launch(void *ctx, void *graph) {
     if (graph == NULL || g->capturing)
         return MM_EINVAL;
     const struct gpu_graph *gg = (const struct gpu_graph *)graph;
+    // (not atomic with the launch: a weight written or freed, or the cache's bound lowered, on
+    // another thread while this one decodes with it is the caller's race, as without graphs)
     if (gg->epoch != mm_gpu_wperm_epoch())
         return MM_ECLOSED; // it may read a released permuted weight: record it again
     ON_DEVICE();

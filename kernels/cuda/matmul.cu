@@ -1562,9 +1562,11 @@ extern "C" void mm_gpu_stream_forget(void *stream) {
         (void)cudaGetLastError();
         return;
     }
+    // a stream handle names one stream of one device, whichever is current (the null stream:
+    // the current device's)
     pthread_mutex_lock(&g_cws_mu);
     for (int i = 0; i < g_cws_n; i++)
-        if (g_cws[i].dev == dev && g_cws[i].st == (cudaStream_t)stream) {
+        if (g_cws[i].st == (cudaStream_t)stream && (stream != NULL || g_cws[i].dev == dev)) {
             // a stream with work still queued (a lost one) keeps its buffer: leaked, never
             // handed to a later stream that gets the same handle
             if (cudaStreamQuery((cudaStream_t)stream) == cudaSuccess)

@@ -145,21 +145,13 @@ __device__ __forceinline__ void tcd_block(const struct mm_attn_args &a, int gsub
     }
     // q as A fragments (attention_tc_kernel's qf of warp 0), loaded while the copies fly
     uint32_t qf[DKM / 16][4];
+    {
+        const float *q_row[2];
 #pragma unroll
-    for (int ks = 0; ks < DKM / 16; ks++)
-#pragma unroll
-        for (int j = 0; j < 4; j++) {
-            const int i = j & 1, d = 16 * ks + 8 * (j >> 1) + 2 * tq;
-            float x0 = 0.0f, x1 = 0.0f;
-            if (uin[i]) {
-                const float *qp = a.q + r * a.q_stride + (int64_t)(h0 + g + 8 * i) * dk;
-                if (d < dk)
-                    x0 = qp[d];
-                if (d + 1 < dk)
-                    x1 = qp[d + 1];
-            }
-            qf[ks][j] = tc_pack(x0, x1);
-        }
+        for (int i = 0; i < 2; i++)
+            q_row[i] = uin[i] ? a.q + r * a.q_stride + (int64_t)(h0 + g + 8 * i) * dk : NULL;
+        tc_q_frag<DKM>(q_row, dk, tq, qf);
+    }
     const float cs = a.scale * 1.4426950408889634f;
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
     float acc[2][4]; // n-tiles 2 warp, 2 warp + 1 (dims 16 warp ..)

@@ -346,8 +346,7 @@ __global__ void __launch_bounds__(NW * 32, 8 / NW)
         // l over the row's 4 threads (a butterfly: the same sum in all four), then the outputs
 #pragma unroll
         for (int i = 0; i < 2; i++) {
-            l[i] = __fadd_rn(l[i], __shfl_xor_sync(0xffffffffu, l[i], 1));
-            l[i] = __fadd_rn(l[i], __shfl_xor_sync(0xffffffffu, l[i], 2));
+            l[i] = tc_quad_sum(l[i]);
         }
 #pragma unroll
         for (int i = 0; i < 2; i++) {
@@ -358,10 +357,7 @@ __global__ void __launch_bounds__(NW * 32, 8 / NW)
 #pragma unroll
             for (int n = 0; n < DVM / 8; n++) {
                 const int d = 8 * n + 2 * tq;
-                if (d < dv)
-                    o[d] = __fmul_rn(acc[n][2 * i], inv);
-                if (d + 1 < dv)
-                    o[d + 1] = __fmul_rn(acc[n][2 * i + 1], inv);
+                tc_store2(o, d, dv, acc[n][2 * i], acc[n][2 * i + 1], inv);
             }
         }
         __syncthreads(); // every r_state read of this pass done
@@ -433,12 +429,7 @@ tc_block2(const uint16_t *qs, int ldq, const uint16_t *kb, const uint16_t *vb, i
     float al[4], ms[4];
 #pragma unroll
     for (int k = 0; k < 4; k++) {
-        mx[k] = fmaxf(mx[k], __shfl_xor_sync(0xffffffffu, mx[k], 1));
-        mx[k] = fmaxf(mx[k], __shfl_xor_sync(0xffffffffu, mx[k], 2));
-        const float mn = fmaxf(m[k], __fmul_rn(mx[k], cs));
-        al[k] = mn == m[k] ? 1.0f : tc_ex2(__fsub_rn(m[k], mn));
-        ms[k] = mn == -INFINITY ? 0.0f : -mn;
-        m[k] = mn;
+        tc_max_step(mx[k], cs, m[k], al[k], ms[k]);
     }
     uint32_t pa[2][TC_KEYS / 16][4];
 #pragma unroll
@@ -641,8 +632,7 @@ __global__ void __launch_bounds__(TC2_WARPS * 32, 1)
         } // f32 cache
 #pragma unroll
         for (int k = 0; k < 4; k++) {
-            l[k] = __fadd_rn(l[k], __shfl_xor_sync(0xffffffffu, l[k], 1));
-            l[k] = __fadd_rn(l[k], __shfl_xor_sync(0xffffffffu, l[k], 2));
+            l[k] = tc_quad_sum(l[k]);
         }
 #pragma unroll
         for (int k = 0; k < 4; k++) {
@@ -655,10 +645,7 @@ __global__ void __launch_bounds__(TC2_WARPS * 32, 1)
 #pragma unroll
             for (int n = 0; n < DVM / 8; n++) {
                 const int d = 8 * n + 2 * tq;
-                if (d < dv)
-                    o[d] = __fmul_rn(acc[t][n][2 * i], inv);
-                if (d + 1 < dv)
-                    o[d + 1] = __fmul_rn(acc[t][n][2 * i + 1], inv);
+                tc_store2(o, d, dv, acc[t][n][2 * i], acc[t][n][2 * i + 1], inv);
             }
         }
         __syncthreads();

@@ -59,6 +59,37 @@ __device__ __forceinline__ float tc_ex2(float x) {
     return y;
 }
 
+// A row's value over the 4 threads that hold it (lanes 4g..4g+3), by a fixed butterfly: the
+// same result in all four. tc_quad_max: the maximum; tc_quad_sum: the sum, rounded per add.
+__device__ __forceinline__ float tc_quad_max(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float tc_quad_sum(float x) {
+    x = __fadd_rn(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    return __fadd_rn(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+
+// The online softmax's max step for one row, in log2 units: mx (this thread's raw max) becomes
+// the row's (tc_quad_max); m' = max(m, c * mx) (fmul is monotonic: the scaled max), alpha =
+// 2^(m - m') (1 when unchanged), ms = -m' for p's fma (0 while m' is -inf); m = m'.
+__device__ __forceinline__ void tc_max_step(float &mx, float cs, float &m, float &al, float &ms) {
+    mx = tc_quad_max(mx);
+    const float mn = fmaxf(m, __fmul_rn(mx, cs));
+    al = mn == m ? 1.0f : tc_ex2(__fsub_rn(m, mn));
+    ms = mn == -INFINITY ? 0.0f : -mn;
+    m = mn;
+}
+
+// Two adjacent outputs o[d], o[d + 1] = a0 / l, a1 / l (as a0 * inv, inv = 1 / l), each only
+// below dv.
+__device__ __forceinline__ void tc_store2(float *o, int d, int dv, float a0, float a1, float inv) {
+    if (d < dv)
+        o[d] = __fmul_rn(a0, inv);
+    if (d + 1 < dv)
+        o[d + 1] = __fmul_rn(a1, inv);
+}
+
 // D += A (16x16 row) * B (16x8 col): a[0] row g k 2t.., a[1] row g+8, a[2]/a[3] the same rows
 // at k 2t+8..; b0 k 2t.. col g, b1 k 2t+8..; d[0..1] row g cols 2t, 2t+1, d[2..3] row g+8.
 __device__ __forceinline__ void tc_mma(float d[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
@@ -358,12 +389,7 @@ __device__ __forceinline__ void tc_softmax(const float (&s)[TC_KEYS / 8][4], flo
     float ms[2];
 #pragma unroll
     for (int i = 0; i < 2; i++) {
-        mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
-        mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
-        const float mn = fmaxf(m[i], __fmul_rn(mx[i], cs));
-        al[i] = mn == m[i] ? 1.0f : tc_ex2(__fsub_rn(m[i], mn));
-        ms[i] = mn == -INFINITY ? 0.0f : -mn;
-        m[i] = mn;
+        tc_max_step(mx[i], cs, m[i], al[i], ms[i]);
     }
     float ps[2] = {0.0f, 0.0f};
 #pragma unroll

@@ -196,8 +196,7 @@ __device__ __forceinline__ void tcd_block(const struct mm_attn_args &a, int gsub
                     s[2 * i + e] = -INFINITY;
                 mx[i] = fmaxf(mx[i], s[2 * i + e]);
             }
-            mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
-            mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
+            mx[i] = tc_quad_max(mx[i]);
         }
         if (tq == 0) {
             red[warp][g] = mx[0];
@@ -291,8 +290,7 @@ __device__ __forceinline__ void tcd_block(const struct mm_attn_args &a, int gsub
     // l over the row's 4 threads (attention_tc_kernel's butterfly), then this warp's dims
 #pragma unroll
     for (int i = 0; i < 2; i++) {
-        l[i] = __fadd_rn(l[i], __shfl_xor_sync(0xffffffffu, l[i], 1));
-        l[i] = __fadd_rn(l[i], __shfl_xor_sync(0xffffffffu, l[i], 2));
+        l[i] = tc_quad_sum(l[i]);
     }
     if (!pv)
         return;
@@ -305,10 +303,7 @@ __device__ __forceinline__ void tcd_block(const struct mm_attn_args &a, int gsub
 #pragma unroll
         for (int n = 0; n < 2; n++) {
             const int d = 16 * warp + 8 * n + 2 * tq;
-            if (d < dv)
-                o[d] = __fmul_rn(acc[n][2 * i], inv);
-            if (d + 1 < dv)
-                o[d + 1] = __fmul_rn(acc[n][2 * i + 1], inv);
+            tc_store2(o, d, dv, acc[n][2 * i], acc[n][2 * i + 1], inv);
         }
     }
 }

@@ -352,8 +352,7 @@ __global__ void __launch_bounds__(TCD_THREADS, 1)
     // l over the row's 4 threads (attention_tcd_kernel's butterfly), then this warp's dims
 #pragma unroll
     for (int i = 0; i < 2; i++) {
-        l[i] = __fadd_rn(l[i], __shfl_xor_sync(0xffffffffu, l[i], 1));
-        l[i] = __fadd_rn(l[i], __shfl_xor_sync(0xffffffffu, l[i], 2));
+        l[i] = tc_quad_sum(l[i]);
     }
 #pragma unroll
     for (int i = 0; i < 2; i++) {
@@ -364,10 +363,7 @@ __global__ void __launch_bounds__(TCD_THREADS, 1)
 #pragma unroll
         for (int n = 0; n < 4; n++) {
             const int d = 32 * warp + 8 * n + 2 * tq;
-            if (d < dv)
-                o[d] = __fmul_rn(acc[n][2 * i], inv);
-            if (d + 1 < dv)
-                o[d + 1] = __fmul_rn(acc[n][2 * i + 1], inv);
+            tc_store2(o, d, dv, acc[n][2 * i], acc[n][2 * i + 1], inv);
         }
     }
 }

@@ -226,12 +226,7 @@ __device__ __forceinline__ void tcw_block(uint32_t qa, uint32_t kb, int32_t c0,
     float al[2], ms[2];
 #pragma unroll
     for (int i = 0; i < 2; i++) {
-        mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
-        mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
-        const float mn = fmaxf(m[i], __fmul_rn(mx[i], cs));
-        al[i] = mn == m[i] ? 1.0f : tc_ex2(__fsub_rn(m[i], mn));
-        ms[i] = mn == -INFINITY ? 0.0f : -mn;
-        m[i] = mn;
+        tc_max_step(mx[i], cs, m[i], al[i], ms[i]);
     }
     uint32_t pa[TC_KEYS / 16][4];
     float ps[2] = {0.0f, 0.0f};
@@ -444,8 +439,7 @@ __global__ void __launch_bounds__(TCW_THREADS, 1)
             l[0] = l[1] = 0.25f; // the four threads' sum below: 1
 #pragma unroll
         for (int i = 0; i < 2; i++) {
-            l[i] = __fadd_rn(l[i], __shfl_xor_sync(0xffffffffu, l[i], 1));
-            l[i] = __fadd_rn(l[i], __shfl_xor_sync(0xffffffffu, l[i], 2));
+            l[i] = tc_quad_sum(l[i]);
         }
 #pragma unroll
         for (int i = 0; i < 2; i++) {

@@ -118,9 +118,9 @@ __device__ __forceinline__ void rms_load_w(const void *w, int dim, float wv[EPT]
     }
 }
 
-template <int NT = RMS_THREADS, int EPT = RMS_MAX_DIM / NT>
-__device__ __forceinline__ void rms_from_shared(const float *xsh, const float *wv, int dim, float eps,
-                                                float *yr) {
+// 1 / sqrt(mean(x^2) + eps) of the row in xsh (dim floats), summed by warp 0 in lane-strided
+// order and a butterfly, for the whole block. Starts and ends with a barrier.
+__device__ __forceinline__ float rms_inv_shared(const float *xsh, int dim, float eps) {
     __shared__ float rs_sh;
     __syncthreads();
     if (threadIdx.x < MM_WARP_SIZE) {
@@ -135,6 +135,13 @@ __device__ __forceinline__ void rms_from_shared(const float *xsh, const float *w
     }
     __syncthreads();
     const float rs = rs_sh;
+    return rs;
+}
+
+template <int NT = RMS_THREADS, int EPT = RMS_MAX_DIM / NT>
+__device__ __forceinline__ void rms_from_shared(const float *xsh, const float *wv, int dim, float eps,
+                                                float *yr) {
+    const float rs = rms_inv_shared(xsh, dim, eps);
 #pragma unroll
     for (int i = 0; i < EPT; i++) {
         const int k = threadIdx.x + i * NT;
@@ -318,20 +325,7 @@ __device__ __forceinline__ void rms_load_w4(const void *w, int dim, float4 wv[VP
 template <int NT, int VPT>
 __device__ __forceinline__ void rms_from_shared4(const float *xsh, const float4 *wv, int dim,
                                                  float eps, float *yr) {
-    __shared__ float rs_sh;
-    __syncthreads();
-    if (threadIdx.x < MM_WARP_SIZE) {
-        const int lane = threadIdx.x;
-        float ss = 0.0f;
-#pragma unroll 8
-        for (int k = lane; k < dim; k += MM_WARP_SIZE)
-            ss += xsh[k] * xsh[k];
-        ss = mm_warp_sum(ss);
-        if (lane == 0)
-            rs_sh = 1.0f / sqrtf(ss / (float)dim + eps);
-    }
-    __syncthreads();
-    const float rs = rs_sh;
+    const float rs = rms_inv_shared(xsh, dim, eps);
 #pragma unroll
     for (int i = 0; i < VPT; i++) {
         const int k4 = threadIdx.x + i * NT;

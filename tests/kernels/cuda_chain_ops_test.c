@@ -284,9 +284,9 @@ static void test_combine_rmsnorm(void) {
 }
 
 // ---- embed_rmsnorm ------------------------------------------------------------------------------
-static void embed_rms_case(int n, int vocab, int dim, enum mm_dtype tdt, enum mm_dtype wdt) {
-    const size_t tb = tdt == MM_DTYPE_F32 ? 4 : 2, wb = wdt == MM_DTYPE_F32 ? 4 : 2;
-    void *th = malloc((size_t)vocab * dim * tb), *wh = malloc((size_t)dim * wb);
+// An embedding table of vocab x dim random values in [-0.2, 0.2), f32 or bf16 (owned: free).
+static void *host_table(int vocab, int dim, enum mm_dtype tdt) {
+    void *th = malloc((size_t)vocab * dim * (tdt == MM_DTYPE_F32 ? 4 : 2));
     for (int64_t i = 0; i < (int64_t)vocab * dim; i++) {
         const float v = frand() * 0.2f;
         if (tdt == MM_DTYPE_F32)
@@ -294,6 +294,12 @@ static void embed_rms_case(int n, int vocab, int dim, enum mm_dtype tdt, enum mm
         else
             ((uint16_t *)th)[i] = mm_f32_to_bf16(v);
     }
+    return th;
+}
+
+static void embed_rms_case(int n, int vocab, int dim, enum mm_dtype tdt, enum mm_dtype wdt) {
+    const size_t tb = tdt == MM_DTYPE_F32 ? 4 : 2, wb = wdt == MM_DTYPE_F32 ? 4 : 2;
+    void *wh = malloc((size_t)dim * wb), *th = host_table(vocab, dim, tdt);
     for (int i = 0; i < dim; i++) {
         const float v = 1.0f + frand() * 0.5f;
         if (wdt == MM_DTYPE_F32)
@@ -541,14 +547,7 @@ static void pf_hnr_kv_case(int n, int H, int KV, bool norms, enum mm_dtype kdt) 
 
 static void pf_embed_rms_case(int n, int vocab, int dim, enum mm_dtype tdt, enum mm_dtype wdt) {
     const size_t tb = tdt == MM_DTYPE_F32 ? 4 : 2;
-    void *th = malloc((size_t)vocab * dim * tb), *wh = host_w(dim, wdt);
-    for (int64_t i = 0; i < (int64_t)vocab * dim; i++) {
-        const float v = frand() * 0.2f;
-        if (tdt == MM_DTYPE_F32)
-            ((float *)th)[i] = v;
-        else
-            ((uint16_t *)th)[i] = mm_f32_to_bf16(v);
-    }
+    void *wh = host_w(dim, wdt), *th = host_table(vocab, dim, tdt);
     int32_t *ids = malloc((size_t)n * 4);
     for (int i = 0; i < n; i++)
         ids[i] = (i * 7919 + 13) % vocab;

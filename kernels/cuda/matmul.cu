@@ -1089,6 +1089,16 @@ static bool aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
 #if MM_GPU_HAVE_WMMA
 static int g_wg_tile = 0; // wgmma block variant (mm_gpu_set_gemm_tile); 0: per product kind
 
+// An on/off switch read from the environment once: on unless `name` is "0". *cached: -1 not
+// read yet (a setter may store 0 or 1, or -1 to read the environment again).
+static bool switch_on(int *cached, const char *name) {
+    if (*cached < 0) {
+        const char *e = getenv(name);
+        *cached = e && strcmp(e, "0") == 0 ? 0 : 1;
+    }
+    return *cached > 0;
+}
+
 // The wgmma kernel runs on compute capability 9.0 only (mm_gpu_cc90); MM_GPU_WGMMA=0 turns the
 // path off (diagnosis; the mma.sync tiles give the same bits). Read once.
 static bool wg_device_ok(void) {
@@ -1224,21 +1234,9 @@ static int g_ws_bn64 = -1;  // -1: not read yet
 #define WS_HALF_TILES 132
 static int g_ws_half = -1; // -1: not read yet
 
-static bool ws_half(void) {
-    if (g_ws_half < 0) {
-        const char *e = getenv("MM_GPU_WS_SMALL_HALF");
-        g_ws_half = e && strcmp(e, "0") == 0 ? 0 : 1;
-    }
-    return g_ws_half > 0;
-}
+static bool ws_half(void) { return switch_on(&g_ws_half, "MM_GPU_WS_SMALL_HALF"); }
 
-static bool ws_bn64(void) {
-    if (g_ws_bn64 < 0) {
-        const char *e = getenv("MM_GPU_WS_SMALL_BN64");
-        g_ws_bn64 = e && strcmp(e, "0") == 0 ? 0 : 1;
-    }
-    return g_ws_bn64 > 0;
-}
+static bool ws_bn64(void) { return switch_on(&g_ws_bn64, "MM_GPU_WS_SMALL_BN64"); }
 static unsigned long long g_ws_small_n[3]; // variants 28-30 launched (mm_gpu_ws_small_launches)
 
 static int ws_small_mode(void) {
@@ -1674,13 +1672,7 @@ extern "C" size_t mm_gpu_wperm_bytes(void) {
 // around them). The same bytes in the workspace and the same values stored: the same bits.
 static int g_pf_fuse = -1; // -1: not read yet
 
-static bool pf_fuse(void) {
-    if (g_pf_fuse < 0) {
-        const char *e = getenv("MM_GPU_PF_FUSE");
-        g_pf_fuse = e && strcmp(e, "0") == 0 ? 0 : 1;
-    }
-    return g_pf_fuse > 0;
-}
+static bool pf_fuse(void) { return switch_on(&g_pf_fuse, "MM_GPU_PF_FUSE"); }
 
 // x (f32, any stride) -> the TILED workspace of wg_convert_x_kernel<true> (same layout, same
 // bytes), one warp per workspace row r: source row x_idx[r] (NULL: r); x_up (NULL: none): the
@@ -1814,13 +1806,7 @@ __global__ void wg_convert_rows4_kernel(const float *__restrict__ x, int64_t xs,
 // always (A/B). The same bytes.
 static int g_conv_batch = -1; // -1: not read yet
 
-static bool conv_batch(void) {
-    if (g_conv_batch < 0) {
-        const char *e = getenv("MM_GPU_CONV_BATCH");
-        g_conv_batch = e && strcmp(e, "0") == 0 ? 0 : 1;
-    }
-    return g_conv_batch > 0;
-}
+static bool conv_batch(void) { return switch_on(&g_conv_batch, "MM_GPU_CONV_BATCH"); }
 
 // x rows (x_idx, x_up as wg_convert_rows_kernel) into the TILED workspace xb, a warp per row.
 static void convert_rows(cudaStream_t st, const float *x, int64_t xs, const int32_t *x_idx,
@@ -2041,13 +2027,7 @@ static mm_err launch_wg(cudaStream_t st, const mm_mat_args &a, bool *ran) {
 // mm_gpu_moe_matmul_rows calls). The same bits either way.
 static int g_pf_glu = -1; // -1: not read yet
 
-static bool pf_glu(void) {
-    if (g_pf_glu < 0) {
-        const char *e = getenv("MM_GPU_PF_SWIGLU_EPI");
-        g_pf_glu = e && strcmp(e, "0") == 0 ? 0 : 1;
-    }
-    return g_pf_glu > 0;
-}
+static bool pf_glu(void) { return switch_on(&g_pf_glu, "MM_GPU_PF_SWIGLU_EPI"); }
 
 // The gemm_ws grouped variant launch_wg<true> resolves for a (19-23, 25), or below 19 (gemm_wg).
 static int ws_grouped_var(const mm_mat_args &a, int64_t ldx) {

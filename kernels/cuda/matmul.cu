@@ -50,6 +50,14 @@ struct mm_tile {
 // round before the scan, so a layer's lookup costs one memory round trip, not one per 32
 // experts (the loads do not depend on each other; the early exit kept them apart).
 #define TF_BATCH 4
+// An int32 load, through the L2 only with CG (data another kernel may have written since this
+// SM last cached it, read before griddepcontrol.wait).
+template <bool CG>
+__device__ __forceinline__ int32_t ld_i32(const int32_t *p) {
+    return CG ? mm_ld_cg(p) : *p;
+}
+
+template <bool CG = false>
 __device__ __forceinline__ mm_tile mm_tile_find(const int32_t *offs, int n_experts, int tm, int y) {
     const int lane = threadIdx.x % MM_WARP_SIZE;
     int base = 0; // tiles before this chunk of experts
@@ -59,8 +67,8 @@ __device__ __forceinline__ mm_tile mm_tile_find(const int32_t *offs, int n_exper
 #pragma unroll
         for (int i = 0; i < TF_BATCH; i++) {
             const int e = eb + i * MM_WARP_SIZE + lane;
-            lo_b[i] = e < n_experts ? offs[e] : 0;
-            hi_b[i] = e < n_experts ? offs[e + 1] : 0;
+            lo_b[i] = e < n_experts ? ld_i32<CG>(offs + e) : 0;
+            hi_b[i] = e < n_experts ? ld_i32<CG>(offs + e + 1) : 0;
         }
 #pragma unroll
         for (int i = 0; i < TF_BATCH; i++) {
@@ -137,7 +145,16 @@ struct mm_mat_args {
     const int32_t *x_idx;     // GEMV v2 only: row p of the product reads x row x_idx[p] (NULL: p)
     const int32_t *y_idx;     // GEMV v2 only: row p writes y row y_idx[p] (NULL: p)
     const float *x_up;        // GEMV v2 only: x is swiglu(x, x_up) (same stride and rows), or NULL
+    int xcap;                 // GEMV v3 grouped: x rows staged at a time (0: 8, a whole tile)
+    int pdl;                  // GEMV v3 grouped: 0 as every kernel; PDL_LATE, PDL_EARLY (below)
 };
+// GEMV v3 grouped's programmatic-launch modes (mm_gpu_moe_ffn_rows at decode): PDL_LATE lets the
+// next kernel launch only after this one's griddepcontrol.wait (so once the kernel before this
+// one is complete); PDL_EARLY, for a product launched right after a PDL_LATE one whose plan
+// (offsets, row indices, expert pointers) was complete before that one started, looks its tile
+// up and issues its W copies before its own wait, through the L2.
+#define PDL_LATE 1
+#define PDL_EARLY 2
 
 // ---- element loads -------------------------------------------------------------------------
 __device__ __forceinline__ float mm_f16_to_f32_dev(uint16_t h) {
@@ -869,6 +886,7 @@ __device__ __forceinline__ void mv3_bar_wait(uint32_t bar, uint32_t parity) {
 // x and y rows (x_idx / y_idx, or the row itself; lanes past mlen: the tile's last row). With at
 // most 128 experts and 128 rows the pointers and indices are loaded before the offsets, in the
 // same round, and shuffled out after the scan; beyond that they are loaded after it.
+template <bool CG>
 __device__ __forceinline__ mm_tile mv3_tile_find(const mm_mat_args &a, const void **w, int *xrow,
                                                  int *yrow) {
     const int lane = threadIdx.x % 32;
@@ -879,10 +897,10 @@ __device__ __forceinline__ mm_tile mv3_tile_find(const mm_mat_args &a, const voi
     for (int i = 0; i < 4; i++) {
         const int j = lane + 32 * i;
         wp[i] = pe && j < a.n_experts ? (unsigned long long)a.wg[j] : 0ull;
-        xi[i] = pr && a.x_idx && j < a.n_rows ? a.x_idx[j] : j;
-        yi[i] = pr && a.y_idx && j < a.n_rows ? a.y_idx[j] : j;
+        xi[i] = pr && a.x_idx && j < a.n_rows ? ld_i32<CG>(a.x_idx + j) : j;
+        yi[i] = pr && a.y_idx && j < a.n_rows ? ld_i32<CG>(a.y_idx + j) : j;
     }
-    const mm_tile t = mm_tile_find(a.offs, a.n_experts, 8, blockIdx.y);
+    const mm_tile t = mm_tile_find<CG>(a.offs, a.n_experts, 8, blockIdx.y);
     if (t.mlen == 0)
         return t;
     const int p = t.m0 + min(lane, t.mlen - 1);
@@ -899,8 +917,8 @@ __device__ __forceinline__ mm_tile mv3_tile_find(const mm_mat_args &a, const voi
             xr = vx, yr = vy;
     }
     *w = pe ? (const void *)wv : a.wg[t.e];
-    *xrow = pr || !a.x_idx ? xr : a.x_idx[p];
-    *yrow = pr || !a.y_idx ? yr : a.y_idx[p];
+    *xrow = pr || !a.x_idx ? xr : ld_i32<CG>(a.x_idx + p);
+    *yrow = pr || !a.y_idx ? yr : ld_i32<CG>(a.y_idx + p);
     return t;
 }
 
@@ -912,7 +930,9 @@ __global__ void __launch_bounds__(MV_WARPS * 32, 3) gemv_bulk_kernel(mm_mat_args
     __shared__ __align__(8) uint64_t bars[MV_WARPS]; // per 16-row tile: its W rows' copies
     __shared__ int info[3 + 2 * 8];                  // grouped: m0, mlen, bulk; x rows; y rows
     __shared__ const void *w_s;
-    asm volatile("griddepcontrol.launch_dependents;\n" ::);
+    const bool early = GROUPED && a.pdl == PDL_EARLY;
+    if (!(GROUPED && a.pdl == PDL_LATE))
+        asm volatile("griddepcontrol.launch_dependents;\n" ::);
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int g = lane >> 2, t = lane & 3;
     const int tpb = MV_WARPS / wpt, tib = warp / wpt, wit = warp % wpt;
@@ -921,8 +941,9 @@ __global__ void __launch_bounds__(MV_WARPS * 32, 3) gemv_bulk_kernel(mm_mat_args
     const int rb = bx * tpb * 16, r0 = rb + tib * 16;
     const int nrw = min(tpb * 16, a.n_out - rb); // W rows the block copies (>= 1)
     const int ldx = mv2_ldx(a.n_in);
+    const int cap = GROUPED && a.xcap > 0 ? a.xcap : 8; // x rows staged per pass
     uint16_t *xsm = wsm + (size_t)tpb * 16 * ldx;
-    float *part = (float *)(xsm + (size_t)min(8, a.n_rows) * ldx);
+    float *part = (float *)(xsm + (size_t)min(cap, a.n_rows) * ldx);
     const uint32_t wsa = (uint32_t)__cvta_generic_to_shared(wsm);
     const uint32_t bar0 = (uint32_t)__cvta_generic_to_shared(bars);
     if (threadIdx.x == 0) {
@@ -951,12 +972,16 @@ __global__ void __launch_bounds__(MV_WARPS * 32, 3) gemv_bulk_kernel(mm_mat_args
     int bulk = 1;
     if (!GROUPED && warp == 0)
         issue(w); // W is never written by an earlier kernel: before the wait
-    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+    if (!early)
+        asm volatile("griddepcontrol.wait;\n" ::: "memory");
+    if (GROUPED && a.pdl == PDL_LATE)
+        asm volatile("griddepcontrol.launch_dependents;\n" ::);
     if (GROUPED) {
         if (warp == 0) {
             const void *wv = NULL;
             int xr = 0, yr = 0;
-            const mm_tile tt = mv3_tile_find(a, &wv, &xr, &yr);
+            const mm_tile tt = early ? mv3_tile_find<true>(a, &wv, &xr, &yr)
+                                     : mv3_tile_find<false>(a, &wv, &xr, &yr);
             const int ml = wv != NULL ? tt.mlen : 0;
             const int ok = ml > 0 ? issue((const uint16_t *)wv) : 0;
             if (lane == 0)
@@ -965,6 +990,8 @@ __global__ void __launch_bounds__(MV_WARPS * 32, 3) gemv_bulk_kernel(mm_mat_args
                 info[3 + lane] = xr, info[11 + lane] = yr;
         }
         __syncthreads();
+        if (early) // the tile and its W copies are under way; x is the kernel before's output
+            asm volatile("griddepcontrol.wait;\n" ::: "memory");
         tile.e = 0, tile.m0 = info[0], tile.mlen = info[1], bulk = info[2];
         w = (const uint16_t *)w_s;
         if (tile.mlen == 0)
@@ -974,46 +1001,58 @@ __global__ void __launch_bounds__(MV_WARPS * 32, 3) gemv_bulk_kernel(mm_mat_args
         tile.m0 = (int)(blockIdx.x % ty) * 8;
         tile.mlen = min(8, a.n_rows - tile.m0);
     }
-    mv_stage_x(a, xsm, ldx, tile.mlen, a.vec != 0, [&](int m) {
-        return GROUPED ? info[3 + m] : a.x_idx ? a.x_idx[tile.m0 + m] : tile.m0 + m;
-    });
-    const int kp = (a.n_in + 31) / 32 * 32, zp = kp - a.n_in; // W's zeros past n_in
-    for (int p = threadIdx.x; p < tpb * 16 * zp; p += MV_WARPS * 32)
-        wsm[(size_t)(p / zp) * ldx + a.n_in + p % zp] = 0;
-    if (!bulk)
-        for (int p = threadIdx.x; p < nrw * a.n_in; p += MV_WARPS * 32)
-            wsm[(size_t)(p / a.n_in) * ldx + p % a.n_in] = w[(size_t)(rb + p / a.n_in) * a.n_in + p % a.n_in];
-    __syncthreads();
-    if (r0 < a.n_out) {
-        mv3_bar_wait(bar0 + 8 * tib, 0);
-        const uint16_t *xg = xsm + min(g, tile.mlen - 1) * ldx; // token g (past mlen: a valid row)
-        const uint16_t *wa = wsm + (size_t)(tib * 16 + g) * ldx, *wb = wa + 8 * ldx;
-        for (int sg = wit; sg < S; sg += wpt) {
-            const int k_end = min(a.n_in, (sg + 1) * sl);
-            float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll 8
-            for (int kc = sg * sl; kc < k_end; kc += 32) {
-                const int k = kc + 8 * t;
-                const uint4 xv = *(const uint4 *)(xg + k);
-                const uint4 w0v = *(const uint4 *)(wa + k), w1v = *(const uint4 *)(wb + k);
-                const uint32_t A0[4] = {w0v.x, w1v.x, w0v.y, w1v.y};
-                const uint32_t B0[2] = {xv.x, xv.y};
-                mma16816(acc, A0, B0);
-                const uint32_t A1[4] = {w0v.z, w1v.z, w0v.w, w1v.w};
-                const uint32_t B1[2] = {xv.z, xv.w};
-                mma16816(acc, A1, B1);
-            }
-            // acc[0..1]: outputs g, tokens 2t, 2t+1; acc[2..3]: output g+8.
-            float *pp = part + (tib * S + sg) * (16 * 8);
-#pragma unroll
-            for (int i = 0; i < 4; i++)
-                pp[(g + (i >> 1) * 8) * 8 + 2 * t + (i & 1)] = acc[i];
+    // The tile's rows in passes of at most cap rows (grouped: a.xcap, so that a smaller x tile
+    // leaves room for more blocks per SM; one pass where cap >= mlen): each pass stages its rows,
+    // runs the whole mma sequence on them over the W the block holds and stores their outputs.
+    // A token's outputs depend only on its own x row: the same bits in any number of passes.
+    for (int s0 = 0; s0 < tile.mlen; s0 += cap) {
+        const int ml = min(cap, tile.mlen - s0);
+        if (s0 > 0)
+            __syncthreads(); // the pass before has read part and its x rows
+        mv_stage_x(a, xsm, ldx, ml, a.vec != 0, [&](int m) {
+            return GROUPED ? info[3 + s0 + m] : a.x_idx ? a.x_idx[tile.m0 + m] : tile.m0 + m;
+        });
+        if (s0 == 0) {
+            const int kp = (a.n_in + 31) / 32 * 32, zp = kp - a.n_in; // W's zeros past n_in
+            for (int p = threadIdx.x; p < tpb * 16 * zp; p += MV_WARPS * 32)
+                wsm[(size_t)(p / zp) * ldx + a.n_in + p % zp] = 0;
+            if (!bulk)
+                for (int p = threadIdx.x; p < nrw * a.n_in; p += MV_WARPS * 32)
+                    wsm[(size_t)(p / a.n_in) * ldx + p % a.n_in] =
+                        w[(size_t)(rb + p / a.n_in) * a.n_in + p % a.n_in];
         }
+        __syncthreads();
+        if (r0 < a.n_out) {
+            mv3_bar_wait(bar0 + 8 * tib, 0); // after the first pass: phase 0 is complete
+            const uint16_t *xg = xsm + min(g, ml - 1) * ldx; // token g (past ml: a valid row)
+            const uint16_t *wa = wsm + (size_t)(tib * 16 + g) * ldx, *wb = wa + 8 * ldx;
+            for (int sg = wit; sg < S; sg += wpt) {
+                const int k_end = min(a.n_in, (sg + 1) * sl);
+                float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll 8
+                for (int kc = sg * sl; kc < k_end; kc += 32) {
+                    const int k = kc + 8 * t;
+                    const uint4 xv = *(const uint4 *)(xg + k);
+                    const uint4 w0v = *(const uint4 *)(wa + k), w1v = *(const uint4 *)(wb + k);
+                    const uint32_t A0[4] = {w0v.x, w1v.x, w0v.y, w1v.y};
+                    const uint32_t B0[2] = {xv.x, xv.y};
+                    mma16816(acc, A0, B0);
+                    const uint32_t A1[4] = {w0v.z, w1v.z, w0v.w, w1v.w};
+                    const uint32_t B1[2] = {xv.z, xv.w};
+                    mma16816(acc, A1, B1);
+                }
+                // acc[0..1]: outputs g, tokens 2t, 2t+1; acc[2..3]: output g+8.
+                float *pp = part + (tib * S + sg) * (16 * 8);
+#pragma unroll
+                for (int i = 0; i < 4; i++)
+                    pp[(g + (i >> 1) * 8) * 8 + 2 * t + (i & 1)] = acc[i];
+            }
+        }
+        __syncthreads();
+        mv_store_y(a, part, S, tpb, bx, ml, [&](int tok) {
+            return GROUPED ? info[11 + s0 + tok] : a.y_idx ? a.y_idx[tile.m0 + tok] : tile.m0 + tok;
+        });
     }
-    __syncthreads();
-    mv_store_y(a, part, S, tpb, bx, tile.mlen, [&](int tok) {
-        return GROUPED ? info[11 + tok] : a.y_idx ? a.y_idx[tile.m0 + tok] : tile.m0 + tok;
-    });
 }
 
 #endif // MM_GPU_HAVE_WMMA
@@ -1523,6 +1562,7 @@ static bool wperm_fits(const mm_mat_args &a, int64_t ldx) {
 // freed by mm_gpu_stream_forget (the backend, before it destroys its stream) and never moves
 // while the stream lives, so recorded graphs stay valid.
 #define CWS_BYTES (2u << 20) // x of 64 rows of up to 16384 k (bf16)
+#define FFD_G_BYTES (4u << 20) // after it: the [gate | up] rows of a decode MoE FFN (f32)
 #define CWS_MAX 64
 struct cws_entry {
     int dev;
@@ -1541,7 +1581,7 @@ static void *cws_get(cudaStream_t st, int dev, bool alloc) {
         if (g_cws[i].dev == dev && g_cws[i].st == st)
             out = g_cws[i].buf;
     if (out == NULL && alloc && g_cws_n < CWS_MAX) {
-        if (cudaMalloc(&out, CWS_BYTES) != cudaSuccess) {
+        if (cudaMalloc(&out, CWS_BYTES + FFD_G_BYTES) != cudaSuccess) {
             (void)cudaGetLastError();
             out = NULL;
         } else {
@@ -2148,6 +2188,31 @@ static int g_gemv_bulk_carve = -2; // -2: not read yet
 static int g_gemv_bulk_tpb1;
 static unsigned long long g_gemv_bulk_n;
 
+// MM_GPU_GEMV_XCAP (read once unless mm_gpu_set_gemv_xcap set it): x rows a grouped GEMV v3
+// block stages at a time, 1, 2, 4 or 8; unset or 0: 1 for products of at most XCAP1_ROWS rows,
+// else 8. A tile of more rows runs in passes over the W the block holds (same bits). A decode
+// step's tiles hold one row each at batch 1 (a token's top-k experts are distinct), and at cap 1
+// [gate; up]'s block (2048 k) takes 74.8 KB instead of 101.5: 3 blocks per SM instead of 2.
+// H200, 2026-11-30 16:43 UTC: [gate; up] 25.7 -> 23.3 us per call, batch 1 +2.3% (three pairs
+// in turn), batch 2 and 4 within 1.3%, batch 16 -6% at cap 1 (its tiles hold several rows).
+#define XCAP1_ROWS 16
+static int g_gemv_xcap = -1; // -1: not read yet
+
+static int gemv_xcap(int n_rows) {
+    if (g_gemv_xcap < 0) {
+        const char *e = getenv("MM_GPU_GEMV_XCAP");
+        const int v = e && e[0] ? atoi(e) : 0;
+        g_gemv_xcap = v == 1 || v == 2 || v == 4 || v == 8 ? v : 0;
+    }
+    return g_gemv_xcap > 0 ? g_gemv_xcap : n_rows <= XCAP1_ROWS ? 1 : 8;
+}
+
+// The x tile's bytes of a GEMV v3 block of a (grouped: at most a.xcap rows).
+static size_t gemv_bulk_xs(const mm_mat_args &a) {
+    const int cap = a.wg != NULL && a.xcap > 0 ? a.xcap : 8;
+    return (size_t)min(cap, min(8, a.n_rows)) * (size_t)mv2_ldx(a.n_in) * 2;
+}
+
 static int gemv_bulk_mode(void) {
     if (g_gemv_bulk < 0) {
         const char *e = getenv("MM_GPU_GEMV_BULK");
@@ -2207,7 +2272,9 @@ static mm_err launch(cudaStream_t st, int path, int dtype, mm_mat_args a, int pe
             const int ty = GROUPED ? 1 : (a.n_rows + 7) / 8; // dense: 8-row tiles along x
             cfg.gridDim = GROUPED ? dim3(grid.x, tiles(8)) : dim3(grid.x * ty, 1);
             const int wpt3 = gemv_bulk_mode() > 0 && g_gemv_bulk_tpb1 ? MV_WARPS : wpt;
-            const size_t bulk_bytes = gemv_bulk_smem(a, wpt3, xs_bytes);
+            if (GROUPED)
+                a.xcap = gemv_xcap(a.n_rows);
+            const size_t bulk_bytes = gemv_bulk_smem(a, wpt3, gemv_bulk_xs(a));
             if (bulk_bytes > 0) { // GEMV v3 (same bits): W by bulk copies into shared memory
                 cfg.dynamicSmemBytes = bulk_bytes;
                 const unsigned gx3 = mm_div_up(a.n_out, 16 * (MV_WARPS / wpt3));
@@ -2428,6 +2495,61 @@ extern "C" mm_err mm_gpu_moe_matmul_rows(void *stream, int dtype, const void *co
 #endif
 }
 
+#if MM_GPU_HAVE_WMMA
+// MM_GPU_FFN_DEC (read once unless mm_gpu_set_ffn_dec set it): 0 leaves a decode step's MoE FFN
+// to the caller's two calls. g_ffd_n counts the FFNs run here (tests). Taken up to XCAP1_ROWS
+// rows: H200, 2026-11-30 16:51 UTC, batch 1 1824-1843 tok/s against 1810-1833 with the two
+// calls (three pairs in turn; op by op 39.0 against 44.0 us per layer), batch 2 +1.3%, batch
+// 4-16 (once each) 1-2% below the two calls.
+static int g_ffd = -1;
+static unsigned long long g_ffd_n;
+
+// A decode step's MoE FFN (at most 16 rows, both products on GEMV v3, the stream's
+// buffer for the [gate | up] rows: inside a capture only once an eager call made it): [gate; up]
+// with PDL_LATE, then down with PDL_EARLY, so down's blocks look their tiles up and stream their
+// W while [gate; up]'s last blocks run. The same launches as the caller's two calls otherwise:
+// the same bits. *ran false: nothing issued.
+static mm_err launch_ffn_dec(cudaStream_t st, const void *const *wgu, const void *const *wd,
+                             const int32_t *offs, int E, int F, int D, const float *x,
+                             int64_t x_stride, const int32_t *x_idx, float *y, int64_t y_stride,
+                             const int32_t *y_idx, int n_rows, bool *ran) {
+    *ran = false;
+    if (!switch_on(&g_ffd, "MM_GPU_FFN_DEC") || gemv_bulk_mode() == 0 || !g_gemv_bulk_tpb1 ||
+        g_gemv_version < 2 || n_rows > E || n_rows > XCAP1_ROWS || F % 8 != 0 ||
+        (size_t)n_rows * 2 * F * 4 > FFD_G_BYTES)
+        return MM_OK;
+    mm_mat_args gu = {x, x_stride, NULL, wgu, offs, E, n_rows, D, 2 * F, NULL, NULL, 2 * F, 0,
+                      x_idx, NULL, NULL, 0, PDL_LATE};
+    gu.vec = D % 8 == 0 && x_stride % 4 == 0 && aligned16(x);
+    mm_mat_args dn = {NULL, 2 * F, NULL, wd, offs, E, n_rows, F, D, NULL, y, y_stride, 0, NULL,
+                      y_idx, NULL, 0, PDL_EARLY};
+    dn.vec = 1; // the stream's rows: 16-byte aligned, stride 2 d_ff (d_ff % 8 == 0)
+    // both must take GEMV v3 (launch<true>'s choice for one row per expert): down's early reads
+    // rely on [gate; up]'s late trigger
+    gu.xcap = gemv_xcap(n_rows), dn.xcap = gu.xcap;
+    if (gemv_x_smem(gu, 1) == 0 || gemv_x_smem(dn, 1) == 0 ||
+        gemv_bulk_smem(gu, MV_WARPS, gemv_bulk_xs(gu)) == 0 ||
+        gemv_bulk_smem(dn, MV_WARPS, gemv_bulk_xs(dn)) == 0)
+        return MM_OK;
+    cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+    MM_GPU_CHECK(cudaStreamIsCapturing(st, &cs));
+    int dev = 0;
+    MM_GPU_CHECK(cudaGetDevice(&dev));
+    char *buf = (char *)cws_get(st, dev, cs == cudaStreamCaptureStatusNone);
+    if (buf == NULL)
+        return MM_OK;
+    float *g = (float *)(buf + CWS_BYTES);
+    gu.y = g;
+    dn.x = g;
+    dn.x_up = g + F;
+    MM_TRY(launch<true>(st, MM_GPU_PATH_GEMV, MM_DTYPE_BF16, gu, 1));
+    MM_TRY(launch<true>(st, MM_GPU_PATH_GEMV, MM_DTYPE_BF16, dn, 1));
+    __atomic_fetch_add(&g_ffd_n, 1ull, __ATOMIC_RELAXED);
+    *ran = true;
+    return MM_OK;
+}
+#endif
+
 extern "C" mm_err mm_gpu_moe_ffn_rows(void *stream, int dtype, const void *const *d_wgu,
                                       const void *const *d_wd, const int32_t *d_offs, int n_experts,
                                       int d_ff, int d_model, const float *d_x, int64_t x_stride,
@@ -2443,6 +2565,13 @@ extern "C" mm_err mm_gpu_moe_ffn_rows(void *stream, int dtype, const void *const
     if (n_rows == 0)
         return MM_OK;
 #if MM_GPU_HAVE_WMMA
+    if (dtype == MM_DTYPE_BF16) { // decode: GEMV v3's two launches, down's W streamed early
+        bool ran = false;
+        MM_TRY(launch_ffn_dec((cudaStream_t)stream, d_wgu, d_wd, d_offs, n_experts, d_ff, d_model,
+                              d_x, x_stride, d_x_idx, d_y, y_stride, d_y_idx, n_rows, &ran));
+        if (ran)
+            return MM_OK;
+    }
     // gemm_ws's interleaved tiles hold 8-feature groups; the products gemm_ws takes (bf16, >= 128
     // rows per expert on average, sm_90a), as mm_gpu_moe_matmul_rows would take each
     if (dtype != MM_DTYPE_BF16 || !pf_fuse() || !pf_glu() || d_ff % 8 != 0)
@@ -2459,6 +2588,30 @@ extern "C" mm_err mm_gpu_moe_ffn_rows(void *stream, int dtype, const void *const
 #else
     (void)d_x_idx, (void)d_y_idx;
     return MM_EUNSUPP;
+#endif
+}
+
+extern "C" void mm_gpu_set_ffn_dec(int on) {
+#if MM_GPU_HAVE_WMMA
+    g_ffd = on < 0 ? -1 : on ? 1 : 0;
+#else
+    (void)on;
+#endif
+}
+
+extern "C" unsigned long long mm_gpu_ffn_dec_launches(void) {
+#if MM_GPU_HAVE_WMMA
+    return __atomic_load_n(&g_ffd_n, __ATOMIC_RELAXED);
+#else
+    return 0;
+#endif
+}
+
+extern "C" void mm_gpu_set_gemv_xcap(int cap) {
+#if MM_GPU_HAVE_WMMA
+    g_gemv_xcap = cap == 1 || cap == 2 || cap == 4 || cap == 8 ? cap : -1;
+#else
+    (void)cap;
 #endif
 }
 

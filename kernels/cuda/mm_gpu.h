@@ -97,11 +97,15 @@ mm_err mm_gpu_moe_matmul_rows(void *stream, int dtype, const void *const *d_w,
 // d_ff)) into y row d_y_idx[p] (NULL: p): the bits of mm_gpu_moe_matmul_rows([gate; up]) into
 // an f32 buffer, then mm_gpu_moe_matmul_rows(down) with x_up. [gate; up]'s epilogue applies
 // SwiGLU and writes down's bf16 input workspace directly (gemm_ws WS_OPT_SWIGLU, on an
-// interleaved permuted copy of d_wgu kept in the permuted-W cache). MM_EUNSUPP, with nothing
-// enqueued but permuted-W cache builds, unless both products would run on gemm_ws (bf16, >= 128
-// rows per expert on average, sm_90a), d_ff % 8 == 0, the stream is not capturing and
-// mm_gpu_set_prefill_fuse and mm_gpu_set_pf_swiglu_epi are on; the caller then runs the two
-// products.
+// interleaved permuted copy of d_wgu kept in the permuted-W cache). At decode (bf16, n_rows <=
+// 16 and <= n_experts, both products on GEMV v3, d_ff % 8 == 0, mm_gpu_set_ffn_dec on) the two products
+// run as GEMV v3's launches with the [gate | up] rows in a buffer of the stream, down's blocks
+// looking their tiles up and streaming their W before [gate; up] has finished (inside a capture
+// only once an eager call made that buffer). MM_EUNSUPP, with nothing enqueued but permuted-W
+// cache builds, unless one of the two applies (prefill: both products would run on gemm_ws
+// (bf16, >= 128 rows per expert on average, sm_90a), d_ff % 8 == 0, the stream is not capturing
+// and mm_gpu_set_prefill_fuse and mm_gpu_set_pf_swiglu_epi are on); the caller then runs the
+// two products.
 mm_err mm_gpu_moe_ffn_rows(void *stream, int dtype, const void *const *d_wgu,
                            const void *const *d_wd, const int32_t *d_offs, int n_experts, int d_ff,
                            int d_model, const float *d_x, int64_t x_stride, const int32_t *d_x_idx,
@@ -110,6 +114,16 @@ mm_err mm_gpu_moe_ffn_rows(void *stream, int dtype, const void *const *d_wgu,
 // mm_gpu_moe_ffn_rows run; 0 makes it MM_EUNSUPP (the earlier two products); -1 back to the
 // environment's choice. Same bits. Process-wide; CUDA only.
 void mm_gpu_set_pf_swiglu_epi(int on);
+// mm_gpu_set_ffn_dec: 1 (default; env MM_GPU_FFN_DEC=0 starts it at 0) lets mm_gpu_moe_ffn_rows
+// run a decode step's two products itself; 0 leaves them to the caller; -1 back to the
+// environment's choice. Same bits. mm_gpu_ffn_dec_launches counts those FFNs. Process-wide;
+// CUDA only (0 elsewhere).
+void mm_gpu_set_ffn_dec(int on);
+unsigned long long mm_gpu_ffn_dec_launches(void);
+// mm_gpu_set_gemv_xcap: x rows a grouped GEMV v3 block stages at a time (1, 2, 4 or 8; any
+// other value: back to MM_GPU_GEMV_XCAP or the default, 1 for products of at most 16 rows, else
+// 8); a tile of more rows runs in passes. Same bits. Process-wide; CUDA only.
+void mm_gpu_set_gemv_xcap(int cap);
 // mm_gpu_set_conv_batch: 1 (default; env MM_GPU_CONV_BATCH=0 starts it at 0) converts gemm_ws's
 // x a warp per row with each lane's loads of 4 pieces issued before their stores; 0 piece by
 // piece (A/B). Same bytes; -1 back to the environment's choice. Process-wide; CUDA only.

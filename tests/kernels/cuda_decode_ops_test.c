@@ -7,8 +7,8 @@
 // attention with more loads in flight has the bits of the earlier load grouping; the per-op
 // timer (MM_GPU_OPTIME=1) gives a table without graphs and the same results; GEMV v2 (x tile in
 // shared memory, whole segments of W in flight, gather/scatter row indices) has the earlier
-// GEMV's bits, and so has GEMV v3 (W by bulk copies into shared memory); add_rmsnorm has the
-// bits of axpy then rmsnorm.
+// GEMV's bits, and so has GEMV v3 (W by bulk copies into shared memory, its grouped x tile in
+// passes of a few rows); add_rmsnorm has the bits of axpy then rmsnorm.
 // Without the GPU backend (plain `make`) or without a GPU, every case skips and says why.
 #include <math.h>
 #include <stdint.h>
@@ -58,6 +58,14 @@ extern void mm_gpu_set_gemv_version(int v) __attribute__((weak));
 extern void mm_gpu_set_gemv_bulk(int mode) __attribute__((weak));
 extern unsigned long long mm_gpu_gemv_bulk_launches(void) __attribute__((weak));
 extern void mm_gpu_optime_report(void *backend_ctx) __attribute__((weak));
+extern void mm_gpu_set_gemv_xcap(int cap) __attribute__((weak));
+extern mm_err mm_gpu_moe_ffn_rows(void *stream, int dtype, const void *const *d_wgu,
+                                  const void *const *d_wd, const int32_t *d_offs, int n_experts,
+                                  int d_ff, int d_model, const float *d_x, int64_t x_stride,
+                                  const int32_t *d_x_idx, float *d_y, int64_t y_stride,
+                                  const int32_t *d_y_idx, int n_rows) __attribute__((weak));
+extern void mm_gpu_set_ffn_dec(int on) __attribute__((weak));
+extern unsigned long long mm_gpu_ffn_dec_launches(void) __attribute__((weak));
 
 static void open_gpu(void) {
     if (!mm_gpu_argmax_ws || !mm_gpu_stream_sync)
@@ -736,6 +744,229 @@ static void test_gemv_bulk_bits(void) {
     gpu_close(NULL);
 }
 
+// ---- a decode step's MoE FFN through mm_gpu_moe_ffn_rows against the caller's two calls ---------
+// Whether mm_gpu_moe_ffn_rows ran a decode FFN since the last call of ffd_taken.
+static bool ffd_taken(void) {
+    static unsigned long long last;
+    const unsigned long long n = mm_gpu_ffn_dec_launches();
+    const bool r = n > last;
+    last = n;
+    return r;
+}
+
+// E experts with cnt[e] slot rows each (sorted by expert); slot p reads source row
+// (5p + 3) % n_src (rows xpad floats apart beyond d_model: odd, no vector loads) and its output
+// goes to row (7p + 1) % yfull; each expert's W starts wmis bytes past a 16-byte boundary (8:
+// copied by the blocks' threads). Reference: mm_gpu_set_ffn_dec(0), where mm_gpu_moe_ffn_rows
+// must refuse, then the two mm_gpu_moe_matmul_rows calls the model makes. Then its own launches
+// ([gate; up] triggering its dependents late, down looking its plan up and issuing its W before
+// its wait) on the NULL stream twice, and through the backend's op eagerly and recorded in a
+// graph replayed twice: every y element bit for bit, rows never written keep their fill. fused:
+// whether it must take the FFN (false: it must refuse and write nothing).
+static void ffd_case(int D, int F, int E, const int *cnt, int n_src, int xpad, int wmis, bool fused) {
+    int offs[257] = {0};
+    for (int e = 0; e < E; e++)
+        offs[e + 1] = offs[e] + cnt[e];
+    const int n = offs[E];
+    int64_t yfull = (int64_t)n + 3;
+    while (yfull % 7 == 0)
+        yfull++;
+    const int64_t xs = D + xpad, ys = D + 5;
+    int32_t *xi = malloc((size_t)n * 4), *yi = malloc((size_t)n * 4);
+    MM_TRUE(xi && yi);
+    for (int p = 0; p < n; p++) {
+        xi[p] = (p * 5 + 3) % n_src;
+        yi[p] = (int32_t)((p * 7 + 1) % yfull);
+    }
+    float *xsrc = rand_f32((int64_t)n_src * xs, 2.0f);
+    void *gu[256], *dn[256], *gub[256], *dnb[256];
+    for (int e = 0; e < E; e++) {
+        uint16_t *a = rand_w((size_t)2 * F * D), *b = rand_w((size_t)D * F);
+        gub[e] = dev_copy(NULL, (size_t)2 * F * D * 2 + 16);
+        dnb[e] = dev_copy(NULL, (size_t)D * F * 2 + 16);
+        gu[e] = (char *)gub[e] + wmis, dn[e] = (char *)dnb[e] + wmis;
+        MM_PASS(gpu->ops->set(gpu->ctx, gu[e], a, (size_t)2 * F * D * 2));
+        MM_PASS(gpu->ops->set(gpu->ctx, dn[e], b, (size_t)D * F * 2));
+        free(a), free(b);
+    }
+    void *dgu = dev_copy(gu, (size_t)E * sizeof(void *)), *ddn = dev_copy(dn, (size_t)E * sizeof(void *));
+    int32_t *doffs = dev_copy(offs, (size_t)(E + 1) * 4);
+    int32_t *dxi = dev_copy(xi, (size_t)n * 4), *dyi = dev_copy(yi, (size_t)n * 4);
+    float *dx = dev_copy(xsrc, (size_t)(n_src * xs) * 4);
+    float *dg = dev_copy(NULL, (size_t)n * 2 * F * 4);
+    enum { NY = 6 }; // reference, NULL stream x2, backend eager, graph x2
+    float *y[NY];
+    for (int i = 0; i < NY; i++) {
+        y[i] = dev_copy(NULL, (size_t)(yfull * ys) * 4);
+        MM_PASS(gpu->ops->fill(gpu->ctx, y[i], -5.0f, yfull * ys));
+    }
+    MM_PASS(gpu->ops->synchronize(gpu->ctx));
+    const void *const *wgu = (const void *const *)dgu, *const *wdn = (const void *const *)ddn;
+    mm_gpu_set_ffn_dec(0);
+    ffd_taken();
+    MM_EQ(mm_gpu_moe_ffn_rows(NULL, MM_DTYPE_BF16, wgu, wdn, doffs, E, F, D, dx, xs, dxi, y[0], ys,
+                              dyi, n), MM_EUNSUPP);
+    mm_err r1 = mm_gpu_moe_matmul_rows(NULL, MM_DTYPE_BF16, wgu, doffs, E, 2 * F, D, dx, xs, dxi,
+                                       NULL, dg, 2 * F, NULL, n);
+    float *tmp = dev_copy(NULL, (size_t)n * (xs > 2 * F ? xs : 2 * F) * 4);
+    float *tmp2 = dev_copy(NULL, (size_t)n * D * 4);
+    if (r1 == MM_EUNSUPP) { // more rows than GEMV v2 takes: the ops the model runs then
+        MM_PASS(gpu->ops->copy_rows(gpu->ctx, dx, xs, dxi, tmp, D, NULL, n, D));
+        MM_PASS(mm_gpu_moe_matmul(NULL, MM_DTYPE_BF16, wgu, doffs, E, 2 * F, D, tmp, D, dg, 2 * F,
+                                  n, -1));
+    } else {
+        MM_PASS(r1);
+    }
+    mm_err r2 = mm_gpu_moe_matmul_rows(NULL, MM_DTYPE_BF16, wdn, doffs, E, D, F, dg, 2 * F, NULL,
+                                       dg + F, y[0], ys, dyi, n);
+    if (r2 == MM_EUNSUPP) {
+        MM_PASS(gpu->ops->swiglu(gpu->ctx, dg, 2 * F, dg + F, 2 * F, tmp, F, n, F));
+        MM_PASS(mm_gpu_moe_matmul(NULL, MM_DTYPE_BF16, wdn, doffs, E, D, F, tmp, F, tmp2, D, n, -1));
+        MM_PASS(gpu->ops->copy_rows(gpu->ctx, tmp2, D, NULL, y[0], ys, dyi, n, D));
+    } else {
+        MM_PASS(r2);
+    }
+    MM_PASS(mm_gpu_stream_sync(NULL));
+    MM_PASS(gpu->ops->synchronize(gpu->ctx));
+    MM_TRUE(!ffd_taken());
+    mm_gpu_set_ffn_dec(1);
+    mm_err rf[2];
+    bool took[3];
+    for (int i = 0; i < 2; i++) {
+        rf[i] = mm_gpu_moe_ffn_rows(NULL, MM_DTYPE_BF16, wgu, wdn, doffs, E, F, D, dx, xs, dxi,
+                                    y[1 + i], ys, dyi, n);
+        took[i] = ffd_taken();
+    }
+    MM_PASS(mm_gpu_stream_sync(NULL));
+    // the backend's op on its own stream: eagerly, then recorded and replayed twice
+    const mm_err rb = gpu->ops->moe_ffn_rows(gpu->ctx, wgu, wdn, MM_DTYPE_BF16, F, D, E, doffs,
+                                             dx, xs, dxi, y[3], ys, dyi, n);
+    took[2] = ffd_taken();
+    void *graph = NULL;
+    MM_PASS(gpu->ops->capture_begin(gpu->ctx));
+    const mm_err rg = gpu->ops->moe_ffn_rows(gpu->ctx, wgu, wdn, MM_DTYPE_BF16, F, D, E, doffs,
+                                             dx, xs, dxi, y[4], ys, dyi, n);
+    MM_PASS(gpu->ops->capture_end(gpu->ctx, &graph));
+    const bool took_g = ffd_taken();
+    for (int i = 0; i < 2; i++) {
+        if (i == 1) { // the second replay into a freshly filled y: all of it written again
+            MM_PASS(gpu->ops->fill(gpu->ctx, y[4], -5.0f, yfull * ys));
+            MM_PASS(gpu->ops->synchronize(gpu->ctx));
+        }
+        if (rg == MM_OK)
+            MM_PASS(gpu->ops->graph_launch(gpu->ctx, graph));
+        MM_PASS(gpu->ops->synchronize(gpu->ctx));
+        if (i == 0)
+            MM_PASS(gpu->ops->copy_rows(gpu->ctx, y[4], ys, NULL, y[5], ys, NULL, yfull, ys));
+    }
+    MM_PASS(gpu->ops->synchronize(gpu->ctx));
+    gpu->ops->graph_free(gpu->ctx, graph);
+    mm_gpu_set_ffn_dec(-1);
+    float *h[NY];
+    for (int i = 0; i < NY; i++)
+        h[i] = dev_get(y[i], (size_t)(yfull * ys) * 4);
+    int64_t written = 0, d[NY] = {0};
+    for (int64_t i = 0; i < yfull * ys; i++)
+        written += h[0][i] != -5.0f;
+    for (int v = 1; v < NY; v++)
+        d[v] = n_diff(h[v], h[0], yfull * ys);
+    printf("ffn decode D %d F %d, %d slots over %d experts, x pad %d, W %d bytes off: %s; %lld / "
+           "%lld / %lld / %lld / %lld of %lld elements differ from the two products' (%lld "
+           "written)\n", D, F, n, E, xpad, wmis, rf[0] == MM_OK ? "taken" : "refused",
+           (long long)d[1], (long long)d[2], (long long)d[3], (long long)d[4], (long long)d[5],
+           (long long)(yfull * ys), (long long)written);
+    MM_TRUE(written > 0);
+    if (fused) {
+        MM_PASS(rf[0]);
+        MM_PASS(rf[1]);
+        MM_PASS(rb);
+        MM_PASS(rg);
+        MM_TRUE(took[0] && took[1] && took[2] && took_g);
+        for (int v = 1; v < NY; v++)
+            MM_EQ(d[v], 0);
+    } else {
+        MM_EQ(rf[0], MM_EUNSUPP);
+        MM_EQ(rf[1], MM_EUNSUPP);
+        MM_EQ(rb, MM_EUNSUPP);
+        MM_EQ(rg, MM_EUNSUPP);
+        MM_TRUE(!took[0] && !took[1] && !took[2] && !took_g);
+        for (int v = 1; v < NY; v++) { // nothing written
+            int64_t touched = 0;
+            for (int64_t i = 0; i < yfull * ys; i++)
+                touched += h[v][i] != -5.0f;
+            MM_EQ(touched, 0);
+        }
+    }
+    for (int e = 0; e < E; e++)
+        dev_free(gub[e]), dev_free(dnb[e]);
+    for (int i = 0; i < NY; i++)
+        dev_free(y[i]), free(h[i]);
+    free(xi), free(yi), free(xsrc);
+    void *bufs[] = {dgu, ddn, doffs, dxi, dyi, dx, dg, tmp, tmp2};
+    for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++)
+        dev_free(bufs[i]);
+}
+
+static void test_ffn_decode_bits(void) {
+    open_gpu();
+    if (!mm_gpu_moe_ffn_rows || !mm_gpu_set_ffn_dec || !mm_gpu_ffn_dec_launches ||
+        !mm_gpu_moe_matmul_rows || !gpu->ops->moe_ffn_rows || !gpu->ops->capture_begin)
+        MM_SKIP("the decode MoE FFN is not linked");
+    setvbuf(stdout, NULL, _IOLBF, 0);
+    const int c8[16] = {1, 0, 0, 1, 1, 0, 1, 0, 0, 1, 1, 0, 0, 0, 1, 1};   // batch 1, top-8
+    const int c13[16] = {3, 0, 1, 0, 0, 0, 2, 1, 0, 0, 4, 0, 0, 1, 0, 1}; // tiles of 1..4 rows
+    const int c16[16] = {[0] = 8, [15] = 8};                              // two 8-row tiles
+    const int c40[64] = {[0] = 9, [5] = 1, [17] = 12, [40] = 2, [63] = 16}; // 40 rows
+    const int c6[4] = {3, 0, 3, 0};                                       // more slots than experts
+    ffd_case(2048, 768, 16, c8, 1, 0, 0, true);    // Qwen3-30B-A3B's shape at batch 1
+    ffd_case(2048, 768, 16, c13, 4, 0, 0, true);
+    ffd_case(264, 136, 16, c13, 5, 3, 0, true);    // odd stride: scalar x loads; W tail zeroed
+    ffd_case(264, 136, 16, c13, 5, 1, 8, true);    // W not 16-byte aligned: copied by threads
+    ffd_case(520, 200, 16, c16, 2, 0, 0, true);    // a row per pass: 8 passes per tile
+    int c160[160] = {0}; // > 128 experts: pointers and indices loaded after the lookup
+    for (int e = 3; e < 160; e += 13)
+        c160[e] = 1; // 13 slots
+    ffd_case(64, 24, 160, c160, 9, 0, 0, true);
+    if (mm_gpu_set_gemv_xcap) { // x staged 2 and 8 rows at a time
+        mm_gpu_set_gemv_xcap(2);
+        ffd_case(2048, 768, 16, c13, 4, 0, 0, true);
+        mm_gpu_set_gemv_xcap(8);
+        ffd_case(520, 200, 16, c16, 2, 0, 0, true);
+        mm_gpu_set_gemv_xcap(-1);
+    }
+    ffd_case(520, 100, 16, c13, 5, 0, 0, false);   // d_ff % 8 != 0: refused
+    ffd_case(264, 136, 4, c6, 2, 0, 0, false);     // 6 slots over 4 experts: refused
+    ffd_case(520, 200, 64, c40, 7, 0, 0, false);   // 40 slots (> 16): refused
+    gpu_close(NULL);
+}
+
+// GEMV v3 grouped with its x tile staged 1, 2 or 8 rows at a time (mm_gpu_set_gemv_xcap; the
+// default stages one row for products of up to 16 rows): tiles of more rows run in passes over
+// the W the block holds; every output bit for bit as v1's, and v3 must take every case
+// (counted launches).
+static void test_gemv_bulk_xcap(void) {
+    open_gpu();
+    if (!mm_gpu_moe_matmul_rows || !mm_gpu_set_gemv_version || !mm_gpu_set_gemv_bulk ||
+        !mm_gpu_gemv_bulk_launches || !mm_gpu_set_gemv_xcap)
+        MM_SKIP("GEMV v3's x passes not linked");
+    setvbuf(stdout, NULL, _IOLBF, 0);
+    const int c8[16] = {1, 0, 0, 1, 1, 0, 1, 0, 0, 1, 1, 0, 0, 0, 1, 1};
+    const int c13[16] = {3, 0, 1, 0, 0, 0, 2, 1, 0, 0, 4, 0, 0, 1, 0, 1};
+    const int c40[64] = {[0] = 9, [5] = 1, [17] = 12, [40] = 2, [63] = 16};
+    const int caps[3] = {1, 2, 8};
+    for (int i = 0; i < 3; i++) {
+        mm_gpu_set_gemv_xcap(caps[i]);
+        printf("x staged %d row(s) at a time:\n", caps[i]);
+        MM_EQ(gemv_grouped_case(1536, 2048, 1, 16, c8, false, 0, 0), 3);
+        MM_EQ(gemv_grouped_case(2048, 768, 8, 16, c13, true, 0, 0), 3); // 2..4-row tiles
+        MM_EQ(gemv_grouped_case(100, 264, 13, 16, c13, false, 3, 0), 3);
+        MM_EQ(gemv_grouped_case(2056, 776, 8, 16, c13, false, 1, 8), 3); // W copied by threads
+        MM_EQ(gemv_grouped_case(96, 1000, 5, 64, c40, true, 0, 0), 3);   // 8-row tiles
+    }
+    mm_gpu_set_gemv_xcap(-1);
+    gpu_close(NULL);
+}
+
 // add_rmsnorm: h += a then rmsnorm(h), against axpy then rmsnorm (both h and y bit for bit).
 static void test_add_rmsnorm_bits(void) {
     open_gpu();
@@ -833,5 +1064,7 @@ MM_TESTS = {
     {"gemv v2 (x in shared memory, row indices) == gemv v1 bits", test_gemv_v2_bits},
     {"gemv v3 (W by bulk copies into shared memory) == v2 == v1 bits", test_gemv_bulk_bits},
     {"add_rmsnorm == axpy then rmsnorm bits", test_add_rmsnorm_bits},
+    {"gemv v3 grouped, x in passes of 1, 2 or 8 rows == v1 bits", test_gemv_bulk_xcap},
+    {"moe_ffn_rows at decode (down's W before its wait) == the two products' bits", test_ffn_decode_bits},
     {NULL, NULL},
 };

@@ -26,6 +26,8 @@ __device__ __forceinline__ unsigned long long mm_gpu_global_ns(void) {
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
     return t;
 }
+// an int32 load through the L2 only (not an SM's cache of it: another kernel may have written it)
+__device__ __forceinline__ int mm_ld_cg(const int *p) { return __ldcg(p); }
 
 // "no GPU here" codes: a host without the driver reports InsufficientDriver (35), a host with
 // the driver and no card NoDevice (100). Both mean: skip, not fail.

@@ -32,6 +32,9 @@ __device__ __forceinline__ unsigned long long mm_gpu_global_ns(void) {
 #endif
 }
 
+// an int32 load that bypasses the non-coherent caches (volatile: a coherent load on AMD)
+__device__ __forceinline__ int mm_ld_cg(const int *p) { return *(const volatile int *)p; }
+
 #define cudaError_t                 hipError_t
 #define cudaSuccess                 hipSuccess
 #define cudaErrorInsufficientDriver hipErrorInsufficientDriver

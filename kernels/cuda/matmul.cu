@@ -922,8 +922,8 @@ __device__ __forceinline__ mm_tile mv3_tile_find(const mm_mat_args &a, const voi
     return t;
 }
 
-template <bool GROUPED>
-__global__ void __launch_bounds__(MV_WARPS * 32, 3) gemv_bulk_kernel(mm_mat_args a, int wpt, int ty) {
+template <bool GROUPED, int MINB>
+__global__ void __launch_bounds__(MV_WARPS * 32, MINB) gemv_bulk_kernel(mm_mat_args a, int wpt, int ty) {
     // dynamic: tpb * 16 W rows, then min(8, n_rows) x rows (both of mv2_ldx(n_in) bf16), then
     // part[tpb * S][16 * 8] f32
     extern __shared__ __align__(16) uint16_t wsm[];
@@ -1001,10 +1001,17 @@ __global__ void __launch_bounds__(MV_WARPS * 32, 3) gemv_bulk_kernel(mm_mat_args
         tile.m0 = (int)(blockIdx.x % ty) * 8;
         tile.mlen = min(8, a.n_rows - tile.m0);
     }
+    const int kp = (a.n_in + 31) / 32 * 32, zp = kp - a.n_in; // W's zeros past n_in
+    for (int p = threadIdx.x; p < tpb * 16 * zp; p += MV_WARPS * 32)
+        wsm[(size_t)(p / zp) * ldx + a.n_in + p % zp] = 0;
+    if (!bulk)
+        for (int p = threadIdx.x; p < nrw * a.n_in; p += MV_WARPS * 32)
+            wsm[(size_t)(p / a.n_in) * ldx + p % a.n_in] = w[(size_t)(rb + p / a.n_in) * a.n_in + p % a.n_in];
     // The tile's rows in passes of at most cap rows (grouped: a.xcap, so that a smaller x tile
     // leaves room for more blocks per SM; one pass where cap >= mlen): each pass stages its rows,
     // runs the whole mma sequence on them over the W the block holds and stores their outputs.
     // A token's outputs depend only on its own x row: the same bits in any number of passes.
+#pragma unroll 1
     for (int s0 = 0; s0 < tile.mlen; s0 += cap) {
         const int ml = min(cap, tile.mlen - s0);
         if (s0 > 0)
@@ -1012,15 +1019,6 @@ __global__ void __launch_bounds__(MV_WARPS * 32, 3) gemv_bulk_kernel(mm_mat_args
         mv_stage_x(a, xsm, ldx, ml, a.vec != 0, [&](int m) {
             return GROUPED ? info[3 + s0 + m] : a.x_idx ? a.x_idx[tile.m0 + m] : tile.m0 + m;
         });
-        if (s0 == 0) {
-            const int kp = (a.n_in + 31) / 32 * 32, zp = kp - a.n_in; // W's zeros past n_in
-            for (int p = threadIdx.x; p < tpb * 16 * zp; p += MV_WARPS * 32)
-                wsm[(size_t)(p / zp) * ldx + a.n_in + p % zp] = 0;
-            if (!bulk)
-                for (int p = threadIdx.x; p < nrw * a.n_in; p += MV_WARPS * 32)
-                    wsm[(size_t)(p / a.n_in) * ldx + p % a.n_in] =
-                        w[(size_t)(rb + p / a.n_in) * a.n_in + p % a.n_in];
-        }
         __syncthreads();
         if (r0 < a.n_out) {
             mv3_bar_wait(bar0 + 8 * tib, 0); // after the first pass: phase 0 is complete
@@ -2229,6 +2227,32 @@ static int gemv_bulk_mode(void) {
     return g_gemv_bulk;
 }
 
+// Blocks per SM GEMV v3 is compiled for (its register cap, MINB): dense 3 (59 registers; their
+// shared memory allows at most 3 at the decode shapes), grouped 4 (64 registers, 8 bytes of
+// spills; the form for 3 takes 70, so 3 per SM: down's 28 KB blocks fit 4). H200 17:13 UTC,
+// against the grouped form at 79 registers (3 per SM), in turn: batch 1 +1.1%, batch 4 / 8 / 16
+// +3.9 / +3.5 / +6.0%, down 21.3 -> 19.2 us per call; a grouped form for 6 per SM (40 registers,
+// 56 bytes of spills) was slower at batch 1 (1801-1826 tok/s) and not kept.
+// Launches gemv_bulk_kernel<GROUPED, MINB> with cfg (its shared-memory limit raised once per
+// device and form).
+template <bool GROUPED, int MINB>
+static mm_err launch_bulk(cudaLaunchConfig_t *cfg, const mm_mat_args &a, int wpt, int ty) {
+    static uint64_t attr_set; // harmlessly racy, as for the other kernels
+    int dev = 0;
+    MM_GPU_CHECK(cudaGetDevice(&dev));
+    if (!(attr_set & (1ull << (dev & 63)))) {
+        MM_GPU_CHECK(cudaFuncSetAttribute(gemv_bulk_kernel<GROUPED, MINB>,
+                                          cudaFuncAttributeMaxDynamicSharedMemorySize, MV3_SMEM_MAX));
+        if (g_gemv_bulk_carve >= 0)
+            MM_GPU_CHECK(cudaFuncSetAttribute(gemv_bulk_kernel<GROUPED, MINB>,
+                                              cudaFuncAttributePreferredSharedMemoryCarveout,
+                                              g_gemv_bulk_carve));
+        attr_set |= 1ull << (dev & 63);
+    }
+    MM_GPU_CHECK(cudaLaunchKernelEx(cfg, gemv_bulk_kernel<GROUPED, MINB>, a, wpt, ty));
+    return MM_OK;
+}
+
 // Shared memory of a GEMV v3 block (W rows of its tpb tiles, the x tile of xs_bytes, the
 // segment sums), or 0 where v3 does not take the product (see gemv_bulk_kernel).
 static size_t gemv_bulk_smem(const mm_mat_args &a, int wpt, size_t xs_bytes) {
@@ -2279,20 +2303,7 @@ static mm_err launch(cudaStream_t st, int path, int dtype, mm_mat_args a, int pe
                 cfg.dynamicSmemBytes = bulk_bytes;
                 const unsigned gx3 = mm_div_up(a.n_out, 16 * (MV_WARPS / wpt3));
                 cfg.gridDim = GROUPED ? dim3(gx3, tiles(8)) : dim3(gx3 * ty, 1);
-                static uint64_t bulk_attr_set;
-                int dev = 0;
-                MM_GPU_CHECK(cudaGetDevice(&dev));
-                if (!(bulk_attr_set & (1ull << (dev & 63)))) {
-                    MM_GPU_CHECK(cudaFuncSetAttribute(gemv_bulk_kernel<GROUPED>,
-                                                      cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                      MV3_SMEM_MAX));
-                    if (g_gemv_bulk_carve >= 0)
-                        MM_GPU_CHECK(cudaFuncSetAttribute(gemv_bulk_kernel<GROUPED>,
-                                                          cudaFuncAttributePreferredSharedMemoryCarveout,
-                                                          g_gemv_bulk_carve));
-                    bulk_attr_set |= 1ull << (dev & 63);
-                }
-                MM_GPU_CHECK(cudaLaunchKernelEx(&cfg, gemv_bulk_kernel<GROUPED>, a, wpt3, ty));
+                MM_TRY((launch_bulk<GROUPED, GROUPED ? 4 : 3>(&cfg, a, wpt3, ty)));
                 __atomic_fetch_add(&g_gemv_bulk_n, 1ull, __ATOMIC_RELAXED);
                 return MM_OK;
             }

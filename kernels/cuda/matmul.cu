@@ -922,7 +922,7 @@ __device__ __forceinline__ mm_tile mv3_tile_find(const mm_mat_args &a, const voi
     return t;
 }
 
-template <bool GROUPED, int MINB>
+template <bool GROUPED, int MINB, bool PASSES>
 __global__ void __launch_bounds__(MV_WARPS * 32, MINB) gemv_bulk_kernel(mm_mat_args a, int wpt, int ty) {
     // dynamic: tpb * 16 W rows, then min(8, n_rows) x rows (both of mv2_ldx(n_in) bf16), then
     // part[tpb * S][16 * 8] f32
@@ -941,7 +941,7 @@ __global__ void __launch_bounds__(MV_WARPS * 32, MINB) gemv_bulk_kernel(mm_mat_a
     const int rb = bx * tpb * 16, r0 = rb + tib * 16;
     const int nrw = min(tpb * 16, a.n_out - rb); // W rows the block copies (>= 1)
     const int ldx = mv2_ldx(a.n_in);
-    const int cap = GROUPED && a.xcap > 0 ? a.xcap : 8; // x rows staged per pass
+    const int cap = PASSES && a.xcap > 0 ? a.xcap : 8; // x rows staged per pass
     uint16_t *xsm = wsm + (size_t)tpb * 16 * ldx;
     float *part = (float *)(xsm + (size_t)min(cap, a.n_rows) * ldx);
     const uint32_t wsa = (uint32_t)__cvta_generic_to_shared(wsm);
@@ -1012,8 +1012,8 @@ __global__ void __launch_bounds__(MV_WARPS * 32, MINB) gemv_bulk_kernel(mm_mat_a
     // runs the whole mma sequence on them over the W the block holds and stores their outputs.
     // A token's outputs depend only on its own x row: the same bits in any number of passes.
 #pragma unroll 1
-    for (int s0 = 0; s0 < tile.mlen; s0 += cap) {
-        const int ml = min(cap, tile.mlen - s0);
+    for (int s0 = 0; s0 < (PASSES ? tile.mlen : 1); s0 += cap) {
+        const int ml = PASSES ? min(cap, tile.mlen - s0) : tile.mlen;
         if (s0 > 0)
             __syncthreads(); // the pass before has read part and its x rows
         mv_stage_x(a, xsm, ldx, ml, a.vec != 0, [&](int m) {
@@ -2227,29 +2227,34 @@ static int gemv_bulk_mode(void) {
     return g_gemv_bulk;
 }
 
-// Blocks per SM GEMV v3 is compiled for (its register cap, MINB): dense 3 (59 registers; their
-// shared memory allows at most 3 at the decode shapes), grouped 4 (64 registers, 8 bytes of
-// spills; the form for 3 takes 70, so 3 per SM: down's 28 KB blocks fit 4). H200 17:13 UTC,
-// against the grouped form at 79 registers (3 per SM), in turn: batch 1 +1.1%, batch 4 / 8 / 16
-// +3.9 / +3.5 / +6.0%, down 21.3 -> 19.2 us per call; a grouped form for 6 per SM (40 registers,
-// 56 bytes of spills) was slower at batch 1 (1801-1826 tok/s) and not kept.
-// Launches gemv_bulk_kernel<GROUPED, MINB> with cfg (its shared-memory limit raised once per
+// GEMV v3's forms: PASSES (grouped products whose x tile holds fewer rows than a tile may have,
+// a.xcap) compiled for 4 blocks per SM (64 registers, 8 bytes of spills; for 3 it takes 70, so
+// only 3 fit: down's 28 KB blocks fit 4), the others for 3 (58-59 registers, 4 fit; their
+// shared memory allows at most 3 at the dense decode shapes) with one pass, the code of the
+// form before the passes. H200 17:13 UTC, the passes' form for 4 against one form for all at 79
+// registers (3 per SM), in turn: batch 1 +1.1%, batch 4 / 8 / 16 +3.9 / +3.5 / +6.0%, down 21.3
+// -> 19.2 us per call; 17:32 UTC, with the one-pass form for 3 (58 registers) beside it, batch
+// 4 / 8 / 16 are back at the figures of the binaries before the passes (4631-4641 / 6568-6585
+// / 9261-9292 tok/s against 4641-4650 / 6565-6614 / 9353-9426), where the passes' form for 4
+// alone gave 4446-4451 / 6356-6370 / 9058-9078. A grouped form for 6 per SM (40 registers, 56
+// bytes of spills) was slower at batch 1 (1801-1826 tok/s) and not kept.
+// Launches gemv_bulk_kernel<GROUPED, MINB, PASSES> with cfg (its shared-memory limit raised once per
 // device and form).
-template <bool GROUPED, int MINB>
+template <bool GROUPED, int MINB, bool PASSES>
 static mm_err launch_bulk(cudaLaunchConfig_t *cfg, const mm_mat_args &a, int wpt, int ty) {
     static uint64_t attr_set; // harmlessly racy, as for the other kernels
     int dev = 0;
     MM_GPU_CHECK(cudaGetDevice(&dev));
     if (!(attr_set & (1ull << (dev & 63)))) {
-        MM_GPU_CHECK(cudaFuncSetAttribute(gemv_bulk_kernel<GROUPED, MINB>,
+        MM_GPU_CHECK(cudaFuncSetAttribute(gemv_bulk_kernel<GROUPED, MINB, PASSES>,
                                           cudaFuncAttributeMaxDynamicSharedMemorySize, MV3_SMEM_MAX));
         if (g_gemv_bulk_carve >= 0)
-            MM_GPU_CHECK(cudaFuncSetAttribute(gemv_bulk_kernel<GROUPED, MINB>,
+            MM_GPU_CHECK(cudaFuncSetAttribute(gemv_bulk_kernel<GROUPED, MINB, PASSES>,
                                               cudaFuncAttributePreferredSharedMemoryCarveout,
                                               g_gemv_bulk_carve));
         attr_set |= 1ull << (dev & 63);
     }
-    MM_GPU_CHECK(cudaLaunchKernelEx(cfg, gemv_bulk_kernel<GROUPED, MINB>, a, wpt, ty));
+    MM_GPU_CHECK(cudaLaunchKernelEx(cfg, gemv_bulk_kernel<GROUPED, MINB, PASSES>, a, wpt, ty));
     return MM_OK;
 }
 
@@ -2303,7 +2308,14 @@ static mm_err launch(cudaStream_t st, int path, int dtype, mm_mat_args a, int pe
                 cfg.dynamicSmemBytes = bulk_bytes;
                 const unsigned gx3 = mm_div_up(a.n_out, 16 * (MV_WARPS / wpt3));
                 cfg.gridDim = GROUPED ? dim3(gx3, tiles(8)) : dim3(gx3 * ty, 1);
-                MM_TRY((launch_bulk<GROUPED, GROUPED ? 4 : 3>(&cfg, a, wpt3, ty)));
+                if constexpr (GROUPED) {
+                    if (a.xcap < min(8, a.n_rows)) // tiles may take several passes
+                        MM_TRY((launch_bulk<true, 4, true>(&cfg, a, wpt3, ty)));
+                    else
+                        MM_TRY((launch_bulk<true, 3, false>(&cfg, a, wpt3, ty)));
+                } else {
+                    MM_TRY((launch_bulk<false, 3, false>(&cfg, a, wpt3, ty)));
+                }
                 __atomic_fetch_add(&g_gemv_bulk_n, 1ull, __ATOMIC_RELAXED);
                 return MM_OK;
             }

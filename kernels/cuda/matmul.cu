@@ -2191,8 +2191,9 @@ static unsigned long long g_gemv_bulk_n;
 // else 8. A tile of more rows runs in passes over the W the block holds (same bits). A decode
 // step's tiles hold one row each at batch 1 (a token's top-k experts are distinct), and at cap 1
 // [gate; up]'s block (2048 k) takes 74.8 KB instead of 101.5: 3 blocks per SM instead of 2.
-// H200, 2026-11-30 16:43 UTC: [gate; up] 25.7 -> 23.3 us per call, batch 1 +2.3% (three pairs
-// in turn), batch 2 and 4 within 1.3%, batch 16 -6% at cap 1 (its tiles hold several rows).
+// H200, 2026-11-30 16:43 UTC: [gate; up] 25.7 -> 23.3 us per call op by op; batch 16 -6% at cap
+// 1 (its tiles hold several rows). In recorded decode steps batch 1 is unchanged against the
+// kernel before the passes (17:32 UTC, NOTES.md): programmatic launches already hid it there.
 #define XCAP1_ROWS 16
 static int g_gemv_xcap = -1; // -1: not read yet
 

@@ -768,16 +768,10 @@ static void ffd_case(int D, int F, int E, const int *cnt, int n_src, int xpad, i
     for (int e = 0; e < E; e++)
         offs[e + 1] = offs[e] + cnt[e];
     const int n = offs[E];
-    int64_t yfull = (int64_t)n + 3;
-    while (yfull % 7 == 0)
-        yfull++;
     const int64_t xs = D + xpad, ys = D + 5;
-    int32_t *xi = malloc((size_t)n * 4), *yi = malloc((size_t)n * 4);
-    MM_TRUE(xi && yi);
-    for (int p = 0; p < n; p++) {
-        xi[p] = (p * 5 + 3) % n_src;
-        yi[p] = (int32_t)((p * 7 + 1) % yfull);
-    }
+    int32_t *xi, *yi;
+    int64_t yfull;
+    plan_rows(n, n_src, &xi, &yi, &yfull);
     float *xsrc = rand_f32((int64_t)n_src * xs, 2.0f);
     void *gu[256], *dn[256], *gub[256], *dnb[256];
     for (int e = 0; e < E; e++) {

@@ -85,16 +85,10 @@ static void grouped_case(int n_out, int n_in, int n_src, int E, const int *cnt, 
     for (int e = 0; e < E; e++)
         offs[e + 1] = offs[e] + cnt[e];
     const int n = offs[E];
-    int64_t yfull = (int64_t)n + 3;
-    while (yfull % 7 == 0)
-        yfull++;
     const int64_t xw = glu ? 2 * (int64_t)n_in : n_in, xs = xw + xs_pad, ys = n_out + g_ys_pad;
-    int32_t *xi = malloc((size_t)n * 4), *yi = malloc((size_t)n * 4);
-    MM_TRUE(xi && yi);
-    for (int p = 0; p < n; p++) {
-        xi[p] = (int32_t)(((int64_t)p * 5 + 3) % n_src);
-        yi[p] = (int32_t)(((int64_t)p * 7 + 1) % yfull); // distinct: 7 and yfull coprime
-    }
+    int32_t *xi, *yi;
+    int64_t yfull;
+    plan_rows(n, n_src, &xi, &yi, &yfull);
     float *xsrc = rand_f32((int64_t)n_src * xs, 2.0f);
     float *xg = malloc((size_t)(n * xs) * 4 + 4);
     MM_TRUE(xg != NULL);
@@ -261,16 +255,10 @@ static void ffn_case(int D, int F, int E, const int *cnt, int top_k, int ys_pad,
     for (int e = 0; e < E; e++)
         offs[e + 1] = offs[e] + cnt[e];
     const int n = offs[E], n_src = (n + top_k - 1) / top_k;
-    int64_t yfull = (int64_t)n + 3;
-    while (yfull % 7 == 0)
-        yfull++;
     const int64_t xs = D + 2, ys = D + ys_pad;
-    int32_t *xi = malloc((size_t)n * 4), *yi = malloc((size_t)n * 4);
-    MM_TRUE(xi && yi);
-    for (int p = 0; p < n; p++) {
-        xi[p] = (int32_t)(((int64_t)p * 5 + 3) % n_src);
-        yi[p] = (int32_t)(((int64_t)p * 7 + 1) % yfull);
-    }
+    int32_t *xi, *yi;
+    int64_t yfull;
+    plan_rows(n, n_src, &xi, &yi, &yfull);
     float *xsrc = rand_f32((int64_t)n_src * xs, 2.0f);
     void *wgu[64], *wd[64];
     for (int e = 0; e < E; e++) {

@@ -138,6 +138,23 @@ static inline void *dev_get(const void *d, size_t n_bytes) {
 
 static inline void dev_free(void *d) { gpu->ops->buffer_free(gpu->ctx, d); }
 
+// Row maps of a test's grouped product of n sorted rows: row p reads source row (5p + 3) % n_src
+// and writes output row (7p + 1) % *yfull, where *yfull is n + 3 raised until 7 does not divide
+// it (7 and *yfull coprime: the n output rows are distinct, and 3 or more are never written).
+// *xi and *yi are owned (free).
+static inline void plan_rows(int n, int n_src, int32_t **xi, int32_t **yi, int64_t *yfull) {
+    int64_t yf = (int64_t)n + 3;
+    while (yf % 7 == 0)
+        yf++;
+    int32_t *x = malloc((size_t)n * 4 + 4), *y = malloc((size_t)n * 4 + 4);
+    MM_TRUE(x != NULL && y != NULL);
+    for (int p = 0; p < n; p++) {
+        x[p] = (int32_t)(((int64_t)p * 5 + 3) % n_src);
+        y[p] = (int32_t)(((int64_t)p * 7 + 1) % yf);
+    }
+    *xi = x, *yi = y, *yfull = yf;
+}
+
 // How many of the n floats differ from b's in their bits.
 static inline int64_t n_diff(const float *a, const float *b, int64_t n) {
     int64_t d = 0;

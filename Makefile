@@ -67,7 +67,7 @@ HIPCC        ?= hipcc
 HIP_ARCHS    := --offload-arch=gfx90a --offload-arch=gfx1030
 GPU_SRCS     := $(wildcard kernels/cuda/*.cu)
 GPU_HDRS     := $(wildcard kernels/cuda/*.h kernels/cuda/*.cuh kernels/cuda/vendor/*.h kernels/*.h)
-GPU_EXTRA    ?=
+GPU_EXTRA    ?= # more nvcc/hipcc flags, e.g. -DMM_GPU_DIAG_SKIP for a diagnostic build (kernels/cuda/backend.cu)
 GPU_FLAGS    := -O3 -std=c++17 -Icommon/include -Ikernels -Ikernels/cuda -I$(BUILD)/gen $(GPU_EXTRA)
 GPU_BENCH    := $(BUILD)/bin/moemesh-gpu-bench
 ifeq ($(CUDA),1)

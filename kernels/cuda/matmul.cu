@@ -924,8 +924,8 @@ __device__ __forceinline__ mm_tile mv3_tile_find(const mm_mat_args &a, const voi
 
 template <bool GROUPED, int MINB, bool PASSES>
 __global__ void __launch_bounds__(MV_WARPS * 32, MINB) gemv_bulk_kernel(mm_mat_args a, int wpt, int ty) {
-    // dynamic: tpb * 16 W rows, then min(8, n_rows) x rows (both of mv2_ldx(n_in) bf16), then
-    // part[tpb * S][16 * 8] f32
+    // dynamic: tpb * 16 W rows, then min(cap, n_rows) x rows (both of mv2_ldx(n_in) bf16), then
+    // part[tpb * S][16 * 8] f32 (gemv_bulk_xs and gemv_bulk_smem size it on the host)
     extern __shared__ __align__(16) uint16_t wsm[];
     __shared__ __align__(8) uint64_t bars[MV_WARPS]; // per 16-row tile: its W rows' copies
     __shared__ int info[3 + 2 * 8];                  // grouped: m0, mlen, bulk; x rows; y rows
@@ -1556,7 +1556,8 @@ static bool wperm_fits(const mm_mat_args &a, int64_t ldx) {
 // on gemm_ws (variant 28, ws_small_mode) therefore convert x into a device buffer of the stream
 // (CWS_BYTES, allocated at the stream's first such product outside a capture, reused by every
 // later one: the stream orders them) and read W from the permuted-W cache; inside a capture
-// they run only when both are there (else the mma.sync tiles, the same bits). The buffer is
+// they run only when both are there (else the mma.sync tiles, the same bits). FFD_G_BYTES more
+// after it hold a decode MoE FFN's [gate | up] rows (launch_ffn_dec). The buffer is
 // freed by mm_gpu_stream_forget (the backend, before it destroys its stream) and never moves
 // while the stream lives, so recorded graphs stay valid.
 #define CWS_BYTES (2u << 20) // x of 64 rows of up to 16384 k (bf16)
@@ -2239,8 +2240,9 @@ static int gemv_bulk_mode(void) {
 // / 9261-9292 tok/s against 4641-4650 / 6565-6614 / 9353-9426), where the passes' form for 4
 // alone gave 4446-4451 / 6356-6370 / 9058-9078. A grouped form for 6 per SM (40 registers, 56
 // bytes of spills) was slower at batch 1 (1801-1826 tok/s) and not kept.
-// Launches gemv_bulk_kernel<GROUPED, MINB, PASSES> with cfg (its shared-memory limit raised once per
-// device and form).
+//
+// Launches gemv_bulk_kernel<GROUPED, MINB, PASSES> with cfg (its shared-memory limit raised once
+// per device and form).
 template <bool GROUPED, int MINB, bool PASSES>
 static mm_err launch_bulk(cudaLaunchConfig_t *cfg, const mm_mat_args &a, int wpt, int ty) {
     static uint64_t attr_set; // harmlessly racy, as for the other kernels
@@ -2270,6 +2272,15 @@ static size_t gemv_bulk_smem(const mm_mat_args &a, int wpt, size_t xs_bytes) {
     const int tpb = MV_WARPS / wpt, S = (a.n_in + seg_len(a.n_in) - 1) / seg_len(a.n_in);
     const size_t bytes = (size_t)tpb * 16 * mv2_ldx(a.n_in) * 2 + xs_bytes + (size_t)tpb * S * 16 * 8 * 4;
     return bytes <= MV3_SMEM_MAX ? bytes : 0;
+}
+
+// GEMV v3's choice for a product launch() gives GEMV v2 or v3 (wpt: v2's warps per tile): sets
+// *wpt3 (v3's) and, grouped, a->xcap; returns v3's shared memory per block, 0 where v2 takes it.
+static size_t bulk_choice(mm_mat_args *a, int wpt, int *wpt3) {
+    *wpt3 = gemv_bulk_mode() > 0 && g_gemv_bulk_tpb1 ? MV_WARPS : wpt;
+    if (a->wg != NULL)
+        a->xcap = gemv_xcap(a->n_rows);
+    return gemv_bulk_smem(*a, *wpt3, gemv_bulk_xs(*a));
 }
 #endif
 
@@ -2301,10 +2312,8 @@ static mm_err launch(cudaStream_t st, int path, int dtype, mm_mat_args a, int pe
         if (xs_bytes > 0 && (GROUPED || a.n_rows <= MV2_DENSE_ROWS)) { // GEMV v2 (same bits)
             const int ty = GROUPED ? 1 : (a.n_rows + 7) / 8; // dense: 8-row tiles along x
             cfg.gridDim = GROUPED ? dim3(grid.x, tiles(8)) : dim3(grid.x * ty, 1);
-            const int wpt3 = gemv_bulk_mode() > 0 && g_gemv_bulk_tpb1 ? MV_WARPS : wpt;
-            if (GROUPED)
-                a.xcap = gemv_xcap(a.n_rows);
-            const size_t bulk_bytes = gemv_bulk_smem(a, wpt3, gemv_bulk_xs(a));
+            int wpt3 = wpt;
+            const size_t bulk_bytes = bulk_choice(&a, wpt, &wpt3);
             if (bulk_bytes > 0) { // GEMV v3 (same bits): W by bulk copies into shared memory
                 cfg.dynamicSmemBytes = bulk_bytes;
                 const unsigned gx3 = mm_div_up(a.n_out, 16 * (MV_WARPS / wpt3));
@@ -2538,8 +2547,10 @@ static mm_err launch_ffn_dec(cudaStream_t st, const void *const *wgu, const void
                              int64_t x_stride, const int32_t *x_idx, float *y, int64_t y_stride,
                              const int32_t *y_idx, int n_rows, bool *ran) {
     *ran = false;
+    // (v3 blocks of one 16-row tile: launch<true> then takes the warps per tile bulk_choice
+    // takes below)
     if (!switch_on(&g_ffd, "MM_GPU_FFN_DEC") || gemv_bulk_mode() == 0 || !g_gemv_bulk_tpb1 ||
-        g_gemv_version < 2 || n_rows > E || n_rows > XCAP1_ROWS || F % 8 != 0 ||
+        n_rows > E || n_rows > XCAP1_ROWS || F % 8 != 0 ||
         (size_t)n_rows * 2 * F * 4 > FFD_G_BYTES)
         return MM_OK;
     mm_mat_args gu = {x, x_stride, NULL, wgu, offs, E, n_rows, D, 2 * F, NULL, NULL, 2 * F, 0,
@@ -2548,12 +2559,11 @@ static mm_err launch_ffn_dec(cudaStream_t st, const void *const *wgu, const void
     mm_mat_args dn = {NULL, 2 * F, NULL, wd, offs, E, n_rows, F, D, NULL, y, y_stride, 0, NULL,
                       y_idx, NULL, 0, PDL_EARLY};
     dn.vec = 1; // the stream's rows: 16-byte aligned, stride 2 d_ff (d_ff % 8 == 0)
-    // both must take GEMV v3 (launch<true>'s choice for one row per expert): down's early reads
-    // rely on [gate; up]'s late trigger
-    gu.xcap = gemv_xcap(n_rows), dn.xcap = gu.xcap;
+    // both must take GEMV v3 (launch<true>'s own choice, per tile rows 1): down's early reads rely
+    // on [gate; up]'s late trigger
+    int w3 = 0;
     if (gemv_x_smem(gu, 1) == 0 || gemv_x_smem(dn, 1) == 0 ||
-        gemv_bulk_smem(gu, MV_WARPS, gemv_bulk_xs(gu)) == 0 ||
-        gemv_bulk_smem(dn, MV_WARPS, gemv_bulk_xs(dn)) == 0)
+        bulk_choice(&gu, MV_WARPS, &w3) == 0 || bulk_choice(&dn, MV_WARPS, &w3) == 0)
         return MM_OK;
     cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
     MM_GPU_CHECK(cudaStreamIsCapturing(st, &cs));

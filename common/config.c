@@ -41,18 +41,23 @@ static mm_err set_value(mm_opt *o, const char *val, const char *source, char *er
         return MM_OK;
     }
     case MM_OPT_BOOL:
-        if (!strcmp(val, "1") || !strcasecmp(val, "true") || !strcasecmp(val, "yes") ||
-            !strcasecmp(val, "on"))
-            *(bool *)o->dst = true;
-        else if (!strcmp(val, "0") || !strcasecmp(val, "false") || !strcasecmp(val, "no") ||
-                 !strcasecmp(val, "off"))
-            *(bool *)o->dst = false;
-        else
+        if (!mm_parse_bool(val, (bool *)o->dst))
             return mm_errf(err, MM_EINVAL, "--%s: '%s' from %s is not true or false", o->name,
                            val, source);
         return MM_OK;
     }
     return MM_EINVAL;
+}
+
+bool mm_parse_bool(const char *s, bool *out) {
+    if (!strcmp(s, "1") || !strcasecmp(s, "true") || !strcasecmp(s, "yes") || !strcasecmp(s, "on"))
+        *out = true;
+    else if (!strcmp(s, "0") || !strcasecmp(s, "false") || !strcasecmp(s, "no") ||
+             !strcasecmp(s, "off"))
+        *out = false;
+    else
+        return false;
+    return true;
 }
 
 static mm_opt *find_opt(mm_opt *opts, const char *name, size_t len) {

@@ -220,13 +220,7 @@ static int run_bench_model(int argc, char **argv) {
     }
     if (!strcasecmp(paired_s, "auto"))
         paired = strcmp(device, "cpu") == 0;
-    else if (!strcmp(paired_s, "1") || !strcasecmp(paired_s, "true") ||
-             !strcasecmp(paired_s, "yes") || !strcasecmp(paired_s, "on"))
-        paired = true;
-    else if (!strcmp(paired_s, "0") || !strcasecmp(paired_s, "false") ||
-             !strcasecmp(paired_s, "no") || !strcasecmp(paired_s, "off"))
-        paired = false;
-    else {
+    else if (!mm_parse_bool(paired_s, &paired)) {
         fprintf(stderr, "bench-model: --paired takes a value, true, false or auto (got '%s')\n",
                 paired_s);
         goto done;

@@ -40,6 +40,10 @@ typedef struct mm_cli {
 // successful parse with mm_config_fini.
 mm_err mm_config_parse(mm_cli *cli, int argc, char **argv, char err[MM_ERRLEN]);
 
+// mm_parse_bool reads a boolean word as the options do: "1", "true", "yes", "on" (any case)
+// set *out true; "0", "false", "no", "off" false. Anything else returns false, *out untouched.
+bool mm_parse_bool(const char *s, bool *out);
+
 // mm_config_usage prints --help text for cli to stdout.
 void mm_config_usage(const mm_cli *cli);
 

@@ -18,7 +18,10 @@
 // the whole step is recorded once per (rows, wanted rows) shape as a graph and replayed
 // (MM_GPU_GRAPHS=0 turns that off; MM_DEVICE_ROUTING=0 turns the whole device path off). On
 // device backends q, k and v share one buffer too and run as one product, followed by one
-// head_norm_rope launch (MM_FUSED_QKV=0: separate products, norms and ropes).
+// head_norm_rope launch (MM_FUSED_QKV=0: separate products, norms and ropes). Greedy decode
+// can overlap steps there (mm_model_pick_async, mm_model_forward_next): the argmax writes the
+// picks where the next step's ids go and the backend's fetch starts them to the host, so the
+// next step is issued (its positions copied, its recording launched) before they are read.
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -655,6 +658,7 @@ struct mm_model_scratch {
     // (pos_d and seq_d point into it), filled from h_in by one set per step
     bool dev;
     int32_t *in_d, *h_in;
+    int64_t picks; // ids at in_d that mm_model_pick_async left for mm_model_forward_next
     int64_t rows_n; // rows whose pos/seq mm_model_attn_forward last set (h_in holds them), -1
     int long_ctx;   // the staged rows reach MM_ATT_LONG_POS (mm_attn_args long_ctx; step key)
     int32_t *offs_d, *src_d, *dst_d, *tok_d; // routing plan (E+1, R*K, R*K), argmax (R)
@@ -1424,19 +1428,22 @@ static bool same_key(const struct step_graph *g, const struct step_graph *k) {
 // forward_dev: checks on the host, the inputs in one copy, then the step: replayed when this
 // shape was recorded, recorded when it repeats the previous step's shape (decode), else
 // issued op by op.
+// ids NULL: the rows' ids are the picks mm_model_pick_async left at in_d (only the rest of the
+// inputs is copied).
 static mm_err forward_dev(const mm_model *m, mm_model_scratch *s, mm_kv_cache *kv,
                           const mm_model_rows *rows, const int32_t *ids, const bool *want_logits,
                           float *logits) {
     const int64_t n = rows->n_rows, R = s->max_rows;
-    if (!kv)
+    if (!kv || (!ids && n > s->picks))
         return MM_EINVAL;
-    for (int64_t i = 0; i < n; i++)
+    for (int64_t i = 0; ids && i < n; i++)
         if (ids[i] < 0 || ids[i] >= m->c.vocab)
             return MM_EINVAL;
     MM_TRY(check_attn_rows(m, kv, rows));
     int64_t nw = 0;
     for (int64_t i = 0; i < n; i++) {
-        s->h_in[i] = ids[i];
+        if (ids)
+            s->h_in[i] = ids[i];
         s->h_in[R + i] = rows->pos[i];
         s->h_in[2 * R + i] = rows->seq[i];
         if (!want_logits || want_logits[i])
@@ -1444,7 +1451,12 @@ static mm_err forward_dev(const mm_model *m, mm_model_scratch *s, mm_kv_cache *k
     }
     s->rows_n = -1; // pos_d/seq_d rewritten: mm_model_attn_forward sets its rows again
     s->long_ctx = long_ctx(rows);
-    MM_TRY(OPS->set(CTX, s->in_d, s->h_in, (size_t)(3 * R + (nw > 0 ? nw : 0)) * 4));
+    if (ids) {
+        s->picks = 0; // the ids' place is rewritten
+        MM_TRY(OPS->set(CTX, s->in_d, s->h_in, (size_t)(3 * R + (nw > 0 ? nw : 0)) * 4));
+    } else {
+        MM_TRY(OPS->set(CTX, s->in_d + R, s->h_in + R, (size_t)(2 * R + (nw > 0 ? nw : 0)) * 4));
+    }
     // Steps of more than 64 rows (prefill chunks) are not recorded: their launches are few
     // against their work, and inside a capture the GPU's prefill GEMMs cannot take their
     // workspace path (kernels/cuda/matmul.cu launch_wg: the mma.sync tiles instead, same bits)
@@ -1510,11 +1522,46 @@ mm_err mm_model_argmax(const mm_model *m, mm_model_scratch *s, const float *logi
     return OPS->get(CTX, ids, s->tok_d, (size_t)n * 4);
 }
 
+bool mm_model_can_overlap(const mm_model *m, const mm_model_scratch *s) {
+    return s && s->dev && s->tok_d && OPS->argmax && OPS->fetch && OPS->fetch_wait;
+}
+
+mm_err mm_model_pick_async(const mm_model *m, mm_model_scratch *s, const float *logits, int64_t n,
+                           uint64_t *ticket) {
+    MM_TRY(check_rows(s, n));
+    if (!mm_model_can_overlap(m, s))
+        return MM_EUNSUPP;
+    if (n < 1 || (size_t)n * 4 > MM_FETCH_BYTES || !logits || !ticket)
+        return MM_EINVAL;
+    s->picks = 0;
+    MM_TRY(OPS->argmax(CTX, logits, m->c.vocab, n, m->c.vocab, s->in_d));
+    s->picks = n;
+    return OPS->fetch(CTX, s->in_d, (size_t)n * 4, ticket);
+}
+
+mm_err mm_model_pick_wait(const mm_model *m, mm_model_scratch *s, uint64_t ticket, int32_t *ids) {
+    if (!mm_model_can_overlap(m, s))
+        return MM_EUNSUPP;
+    return OPS->fetch_wait(CTX, ticket, ids);
+}
+
+mm_err mm_model_forward_next(const mm_model *m, mm_model_scratch *s, mm_kv_cache *kv,
+                             const mm_model_rows *rows, const bool *want_logits, float *logits) {
+    MM_TRY(check_rows(s, rows->n_rows));
+    if (!mm_model_can_overlap(m, s))
+        return MM_EUNSUPP;
+    if (rows->n_rows < 1)
+        return MM_EINVAL;
+    return forward_dev(m, s, kv, rows, NULL, want_logits, logits);
+}
+
 mm_err mm_model_forward(const mm_model *m, mm_model_scratch *s, mm_kv_cache *kv,
                         const mm_model_rows *rows, const int32_t *ids, const bool *want_logits,
                         float *logits) {
     const int64_t n = rows->n_rows, D = m->c.d_model;
     MM_TRY(check_rows(s, n));
+    if (!ids && n > 0)
+        return MM_EINVAL;
     if (n == 0)
         return MM_OK;
     if (s->dev)

@@ -147,6 +147,116 @@ mm_err mm_engine_prefill_greedy(mm_engine *e, int32_t seq, const int32_t *ids, i
     return prefill(e, seq, ids, n, NULL, NULL, next, err);
 }
 
+// issue: step t of mm_engine_decode_greedy (positions len0 + t), its ids the host's `ids`
+// (step 0, or one step at a time) or the device's picks of step t - 1 (ids NULL); with overlap
+// the picks are started on their way to the host (*ticket).
+static mm_err issue(mm_engine *e, const int32_t *seqs, int n, const int32_t *len0, int t,
+                    const int32_t *ids, bool overlap, uint64_t *ticket, char err[MM_ERRLEN]) {
+    int32_t *pos = e->row_pos, *sq = e->row_seq;
+    for (int i = 0; i < n; i++) {
+        pos[i] = len0[i] + t;
+        sq[i] = seqs[i];
+        if (pos[i] + 1 > e->max_ctx)
+            return mm_errf(err, MM_EINVAL, "decode step %d: sequence %d would exceed max context %d",
+                           t, seqs[i], e->max_ctx);
+        const mm_err rv = mm_kv_cache_reserve(e->kv, seqs[i], pos[i] + 1);
+        if (rv != MM_OK)
+            return mm_errf(err, rv, "decode step %d: kv cache: cannot reserve %d positions for "
+                           "sequence %d", t, pos[i] + 1, seqs[i]);
+    }
+    mm_model_rows rows = {.n_rows = n, .seq = sq, .pos = pos};
+    mm_err rv = ids ? mm_model_forward(e->model, e->scratch, e->kv, &rows, ids, NULL, e->logits)
+                    : mm_model_forward_next(e->model, e->scratch, e->kv, &rows, NULL, e->logits);
+    if (rv == MM_OK && overlap)
+        rv = mm_model_pick_async(e->model, e->scratch, e->logits, n, ticket);
+    return rv == MM_OK ? MM_OK : mm_errf(err, rv, "decode step %d: %s", t, mm_strerror(rv));
+}
+
+static bool env_is_zero(const char *name) {
+    const char *v = getenv(name);
+    return v && strcmp(v, "0") == 0;
+}
+
+bool mm_engine_overlaps(const mm_engine *e) {
+    return mm_model_can_overlap(e->model, e->scratch) && !env_is_zero("MM_ENGINE_OVERLAP");
+}
+
+mm_err mm_engine_decode_greedy(mm_engine *e, const int32_t *seqs, int n_seqs,
+                               const int32_t *first, int steps, int32_t eos, int32_t *out,
+                               int *done, char err[MM_ERRLEN]) {
+    const mm_model_config *c = mm_model_cfg(e->model);
+    *done = 0;
+    if (!seqs || !first || !out || n_seqs < 1 || n_seqs > e->max_rows || steps < 0)
+        return mm_errf(err, MM_EINVAL, "decode: %d sequences (1..%lld) and %d steps", n_seqs,
+                       (long long)e->max_rows, steps);
+    if (steps == 0)
+        return MM_OK;
+    int32_t *len0 = malloc((size_t)n_seqs * sizeof(int32_t));
+    if (!len0)
+        return MM_ENOMEM;
+    mm_err rv = MM_OK;
+    for (int i = 0; i < n_seqs && rv == MM_OK; i++) {
+        len0[i] = mm_kv_cache_seq_len(e->kv, seqs[i]);
+        if (first[i] < 0 || first[i] >= c->vocab)
+            rv = mm_errf(err, MM_EINVAL, "decode: token id %d of sequence %d is outside the "
+                         "vocabulary (%d)", first[i], seqs[i], c->vocab);
+        for (int j = 0; j < i && rv == MM_OK; j++)
+            if (seqs[j] == seqs[i])
+                rv = mm_errf(err, MM_EINVAL, "decode: sequence %d given twice", seqs[i]);
+    }
+    if (rv != MM_OK) {
+        free(len0);
+        return rv;
+    }
+    const bool overlap = mm_engine_overlaps(e) && (size_t)n_seqs * 4 <= MM_FETCH_BYTES;
+    uint64_t cur = 0; // the ticket of step t's picks, on their way (overlap)
+    char err2[MM_ERRLEN] = "";
+    if (overlap)
+        rv = issue(e, seqs, n_seqs, len0, 0, first, true, &cur, err);
+    for (int t = 0; t < steps && rv == MM_OK; t++) {
+        int32_t *picks = out + (size_t)t * n_seqs;
+        mm_err ahead = MM_OK;
+        if (!overlap) {
+            const int32_t *ids = t == 0 ? first : picks - n_seqs;
+            rv = issue(e, seqs, n_seqs, len0, t, ids, false, NULL, err);
+            if (rv == MM_OK)
+                rv = mm_engine_greedy(e, e->logits, n_seqs, picks);
+            if (rv != MM_OK)
+                break;
+        } else {
+            // step t + 1 goes out before step t's picks are read; an error there is reported
+            // once step t's picks are in (unless step t ends the run)
+            uint64_t nxt = 0;
+            if (t + 1 < steps)
+                ahead = issue(e, seqs, n_seqs, len0, t + 1, NULL, true, &nxt, err2);
+            rv = mm_model_pick_wait(e->model, e->scratch, cur, picks);
+            cur = ahead == MM_OK ? nxt : 0;
+            if (rv != MM_OK) {
+                mm_errf(err, rv, "decode step %d: reading the picks: %s", t, mm_strerror(rv));
+                break;
+            }
+        }
+        *done = t + 1;
+        bool stop = false;
+        for (int i = 0; i < n_seqs && eos >= 0; i++)
+            stop |= picks[i] == eos;
+        if (stop)
+            break;
+        if (ahead != MM_OK) {
+            rv = ahead;
+            memcpy(err, err2, MM_ERRLEN);
+        }
+    }
+    if (cur) { // a step past the stop or the failure is on its way: wait for it, drop its picks
+        int32_t *scratch = e->row_pos; // n_seqs ints, unused now
+        (void)mm_model_pick_wait(e->model, e->scratch, cur, scratch);
+    }
+    for (int i = 0; i < n_seqs; i++) // the tokens fed: first and every pick but the last
+        mm_kv_cache_truncate(e->kv, seqs[i], len0[i] + *done);
+    free(len0);
+    return rv;
+}
+
 mm_err mm_engine_generate(mm_engine *e, const int32_t *prompt, int64_t n_prompt, int max_new,
                           int32_t eos, int32_t *out, int *n_out, float *step_logits,
                           char err[MM_ERRLEN]) {
@@ -164,6 +274,15 @@ mm_err mm_engine_generate(mm_engine *e, const int32_t *prompt, int64_t n_prompt,
     }
     int32_t tok = 0;
     MM_TRY_GOTO(rv, prefill(e, seq, prompt, n_prompt, NULL, last, last ? NULL : &tok, err), out);
+    if (!step_logits && max_new > 0) { // greedy ids only: decode steps overlapped where possible
+        out[(*n_out)++] = tok;
+        if ((eos >= 0 && tok == eos) || max_new == 1)
+            goto out;
+        int done = 0;
+        rv = mm_engine_decode_greedy(e, &seq, 1, &tok, max_new - 1, eos, out + 1, &done, err);
+        *n_out += done;
+        goto out;
+    }
     for (int t = 0; t < max_new; t++) {
         if (step_logits) {
             memcpy(step_logits + (size_t)t * c->vocab, last, (size_t)c->vocab * 4);

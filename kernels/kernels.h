@@ -365,7 +365,21 @@ struct mm_backend_ops {
     // even) anyway, so the stored bf16 gives the same bits as an f32 cache in half the bytes.
     // Decided when a cache is made: the cache keeps its dtype for its life.
     enum mm_dtype (*kv_dtype)(void *ctx, int n_kv_heads, int head_dim_k, int head_dim_v);
+    // fetch / fetch_wait (optional, both or neither; NULL: callers use get): a result read
+    // without waiting for the ops issued after it, so a caller may issue its next step before
+    // it reads this one's (greedy decode's picks). fetch enqueues a copy of n_bytes
+    // (1..MM_FETCH_BYTES) of backend memory src, ordered after every op issued before it, into
+    // a slot of the backend's own host memory and returns its ticket (MM_EBUSY: MM_FETCH_SLOTS
+    // fetches are waiting already; MM_EINVAL while a graph is being recorded). fetch_wait
+    // waits for that copy alone (ops issued after the fetch go on running), copies the bytes
+    // to host dst and frees the slot; a ticket not outstanding is MM_EINVAL. Errors as get's:
+    // a bad index met by an op issued before the fetch is MM_EINVAL (dst written all the
+    // same), and fetches already issued when it is reported may report it again.
+    mm_err (*fetch)(void *ctx, const void *src, size_t n_bytes, uint64_t *ticket);
+    mm_err (*fetch_wait)(void *ctx, uint64_t ticket, void *dst);
 };
+#define MM_FETCH_BYTES 4096
+#define MM_FETCH_SLOTS 4
 
 // A backend instance: the table plus its context. Not thread-safe (one issuing thread).
 typedef struct mm_backend {

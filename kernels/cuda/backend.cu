@@ -24,6 +24,13 @@
 //   pageable memory goes through the driver's own staging in pieces (~190-220 us for 608 KB on
 //   the H200 machine, MM_GPU_OPTIME). Env MM_GPU_GET_PINNED=0: the direct copy (A/B). The same
 //   bytes either way.
+// - `fetch` (a result read without draining the stream, so the caller can issue its next
+//   step first): one small launch (mm_gpu_fetch_copy, a programmatic dependent of the kernel
+//   before it) writes the bytes and the error word into a pinned slot, then an event marks
+//   the slot; fetch_wait polls that event alone (MM_GPU_DRAIN_TIMEOUT_MS as every drain).
+//   MM_GPU_FETCH_COPY=1: two async copies instead of the launch (A/B). The error word is left
+//   set for get/synchronize to report and clear (only a drained stream can clear it without
+//   losing a later op's report).
 // - Graphs (capture_begin/end, graph_launch): the stream is recorded in thread-local capture
 //   mode; set/get/synchronize are refused while recording (they would record host addresses
 //   or wait for work that does not run).
@@ -135,6 +142,14 @@ struct gpu_ctx {
     // launches (each launch's last block clears its rows)
     void *d_amax;
     unsigned *d_count; // route_with_plan's arrival count (zero between launches)
+    // fetch slots: pinned, MM_FETCH_SLOTS x FETCH_STRIDE bytes (the result, then the error
+    // word at MM_FETCH_BYTES); ticket t lives in slot t % MM_FETCH_SLOTS
+    char *h_fetch;
+    cudaEvent_t fetch_ev[MM_FETCH_SLOTS];
+    uint64_t fetch_ticket[MM_FETCH_SLOTS]; // the slot's outstanding ticket, 0: free
+    size_t fetch_n[MM_FETCH_SLOTS];
+    uint64_t fetch_next;                   // the next ticket (from 1)
+    bool fetch_copy; // MM_GPU_FETCH_COPY=1: two async copies instead of the one launch (A/B)
     bool old_kernels; // MM_GPU_OLD_DECODE=1: the earlier argmax/rmsnorm/attention (A/B runs)
 };
 
@@ -406,6 +421,11 @@ static void gpu_close(void *ctx) {
         (void)cudaFreeHost(g->h_stage);
     if (g->h_get != NULL)
         (void)cudaFreeHost(g->h_get);
+    for (int i = 0; i < MM_FETCH_SLOTS; i++)
+        if (g->fetch_ev[i] != NULL)
+            (void)cudaEventDestroy(g->fetch_ev[i]);
+    if (g->h_fetch != NULL)
+        (void)cudaFreeHost(g->h_fetch);
     free(g);
 }
 
@@ -499,6 +519,67 @@ static mm_err gpu_get(void *ctx, void *dst, const void *src, size_t n_bytes) {
     if (pinned && (rv == MM_OK || rv == MM_EINVAL)) // drained (EINVAL: an op's bad index)
         memcpy(dst, g->h_get, n_bytes);
     return rv;
+}
+
+// fetch: the result and the error word go to a pinned slot by one small launch (or two
+// copies with MM_GPU_FETCH_COPY=1), then an event marks the slot; nothing drains the stream.
+#define FETCH_STRIDE (MM_FETCH_BYTES + 256)
+static mm_err gpu_fetch(void *ctx, const void *src, size_t n_bytes, uint64_t *ticket) {
+    CTX(ctx);
+    if (src == NULL || ticket == NULL || n_bytes == 0 || n_bytes > MM_FETCH_BYTES)
+        return MM_EINVAL;
+    MM_TRY(not_capturing(g, "fetch"));
+    if (g->lost)
+        return MM_EDEVICE;
+    ON_DEVICE();
+    const uint64_t t = g->fetch_next;
+    const int slot = (int)(t % MM_FETCH_SLOTS);
+    if (g->fetch_ticket[slot] != 0)
+        return MM_EBUSY;
+    char *h = g->h_fetch + (size_t)slot * FETCH_STRIDE;
+    int *h_err = (int *)(h + MM_FETCH_BYTES);
+    ot_begin(g);
+    if (g->fetch_copy) {
+        MM_GPU_CHECK(cudaMemcpyAsync(h, src, n_bytes, cudaMemcpyDeviceToHost, g->stream));
+        MM_GPU_CHECK(cudaMemcpyAsync(h_err, g->d_err, sizeof(int), cudaMemcpyDeviceToHost,
+                                     g->stream));
+    } else {
+        MM_TRY(mm_gpu_fetch_copy(g->stream, h, src, n_bytes, g->d_err, h_err));
+    }
+    ot_end(g, "fetch");
+    MM_GPU_CHECK(cudaEventRecord(g->fetch_ev[slot], g->stream));
+    g->fetch_ticket[slot] = t;
+    g->fetch_n[slot] = n_bytes;
+    g->fetch_next = t + 1;
+    *ticket = t;
+    return MM_OK;
+}
+
+static mm_err gpu_fetch_wait(void *ctx, uint64_t ticket, void *dst) {
+    CTX(ctx);
+    const int slot = (int)(ticket % MM_FETCH_SLOTS);
+    if (dst == NULL || ticket == 0 || g->fetch_ticket[slot] != ticket)
+        return MM_EINVAL;
+    MM_TRY(not_capturing(g, "fetch_wait"));
+    if (g->lost)
+        return MM_EDEVICE;
+    ON_DEVICE();
+    const mm_err rv = mm__gpu_wait_event(g->fetch_ev[slot], "fetch");
+    g->fetch_ticket[slot] = 0;
+    if (rv != MM_OK) {
+        g->lost = rv == MM_ETIMEDOUT; // the stream stays blocked: refuse further drains
+        return rv;
+    }
+    const char *h = g->h_fetch + (size_t)slot * FETCH_STRIDE;
+    memcpy(dst, h, g->fetch_n[slot]);
+    int err = 0;
+    memcpy(&err, h + MM_FETCH_BYTES, sizeof(int));
+    if (err != 0) { // left set: the next get or synchronize reports it again and clears it
+        mm_log_error("gpu: an op met an index out of range (KV position/block, embedding id or "
+                     "row index); the rows concerned were skipped");
+        return MM_EINVAL;
+    }
+    return MM_OK;
 }
 
 static mm_err gpu_synchronize(void *ctx) {
@@ -993,6 +1074,8 @@ static const struct mm_backend_ops gpu_ops = {
     .combine_rmsnorm = gpu_combine_rmsnorm,
     .embed_rmsnorm = gpu_embed_rmsnorm,
     .kv_dtype = gpu_kv_dtype,
+    .fetch = gpu_fetch,
+    .fetch_wait = gpu_fetch_wait,
 };
 
 extern "C" mm_err mm_cuda_backend_open(mm_backend *be, const mm_backend_params *p,
@@ -1040,6 +1123,16 @@ extern "C" mm_err mm_cuda_backend_open(mm_backend *be, const mm_backend_params *
         (void)cudaGetLastError(); // no pinned memory: direct copies (slower, correct)
         g->h_get = NULL;
     }
+    for (int i = 0; i < MM_FETCH_SLOTS && e == cudaSuccess; i++)
+        e = cudaEventCreateWithFlags(&g->fetch_ev[i], cudaEventDisableTiming);
+    if (e == cudaSuccess &&
+        cudaMallocHost((void **)&g->h_fetch, (size_t)MM_FETCH_SLOTS * FETCH_STRIDE) != cudaSuccess) {
+        (void)cudaGetLastError(); // no pinned memory: no fetch (callers use get)
+        g->h_fetch = NULL;
+    }
+    g->fetch_next = 1;
+    const char *fc = getenv("MM_GPU_FETCH_COPY"); // 1: fetch by two async copies (A/B)
+    g->fetch_copy = fc != NULL && fc[0] != '\0' && strcmp(fc, "0") != 0;
     if (e != cudaSuccess) {
         rv = mm_errf(err, MM_EDEVICE, "%s:%d: device setup failed: %s", MM_GPU_VENDOR, dev,
                      cudaGetErrorString(e));
@@ -1048,6 +1141,10 @@ extern "C" mm_err mm_cuda_backend_open(mm_backend *be, const mm_backend_params *
     }
     g->ops_table = gpu_ops;
     be->ops = &g->ops_table;
+    if (g->h_fetch == NULL) {
+        g->ops_table.fetch = NULL;
+        g->ops_table.fetch_wait = NULL;
+    }
     const char *old = getenv("MM_GPU_OLD_DECODE"); // A/B: same results, earlier kernels
     g->old_kernels = old != NULL && old[0] != '\0' && strcmp(old, "0") != 0;
     const char *fu = getenv("MM_GPU_OLD_FUSIONS"); // A/B of the fused ops alone

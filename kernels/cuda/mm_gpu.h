@@ -265,6 +265,12 @@ mm_err mm_gpu_argmax(void *stream, const float *d_logits, int64_t ls, int64_t n_
 #define MM_GPU_ARGMAX_WS_BYTES(ws_rows) ((size_t)(ws_rows) * 12u)
 mm_err mm_gpu_argmax_ws(void *stream, const float *d_logits, int64_t ls, int64_t n_rows,
                         int vocab, int32_t *d_ids, void *d_ws, int ws_rows);
+// mm_gpu_fetch_copy: one small launch (a programmatic dependent of the kernel before it) that
+// copies n bytes of device memory d_src to h_dst and the device word *d_err to *h_err, both
+// pinned host memory written from the device (unified addressing), so a result leaves without
+// a copy-engine operation. n <= 65536.
+mm_err mm_gpu_fetch_copy(void *stream, void *h_dst, const void *d_src, size_t n, const int *d_err,
+                         int *h_err);
 // mm_gpu_route_plan: the grouped product's plan from route's ids/weights (kernels.h
 // route_plan), one launch (one block, or many from 2048 slots: route_plan.cu); d_wt may be
 // NULL (then d_weights may be too). Out-of-range ids count as expert 0 and set d_err.

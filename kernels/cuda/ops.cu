@@ -2155,3 +2155,31 @@ extern "C" mm_err mm_gpu_argmax(void *stream, const float *logits, int64_t ls, i
     MM_GPU_CHECK(cudaGetLastError());
     return MM_OK;
 }
+
+// ---- fetch: a result copied to pinned host memory by the device (backend fetch) -------------------
+__global__ void __launch_bounds__(128) fetch_kernel(unsigned char *dst, const unsigned char *src,
+                                                    unsigned n, const int *err, int *err_dst) {
+    mm_dep_wait();
+    const bool words = ((((uintptr_t)dst | (uintptr_t)src | n) & 3u) == 0);
+    if (words) {
+        for (unsigned i = threadIdx.x; i < n / 4; i += blockDim.x)
+            ((unsigned *)dst)[i] = ((const unsigned *)src)[i];
+    } else {
+        for (unsigned i = threadIdx.x; i < n; i += blockDim.x)
+            dst[i] = src[i];
+    }
+    if (threadIdx.x == 0)
+        *err_dst = *err;
+    __threadfence_system();
+}
+
+extern "C" mm_err mm_gpu_fetch_copy(void *stream, void *h_dst, const void *d_src, size_t n,
+                                    const int *d_err, int *h_err) {
+    if (h_dst == NULL || d_src == NULL || d_err == NULL || h_err == NULL || n == 0 || n > 65536)
+        return MM_EINVAL;
+    MM_GPU_CHECK(mm_launch_dep(fetch_kernel, dim3(1), dim3(128), 0, (cudaStream_t)stream,
+                               (unsigned char *)h_dst, (const unsigned char *)d_src, (unsigned)n,
+                               d_err, h_err));
+    MM_GPU_CHECK(cudaGetLastError());
+    return MM_OK;
+}

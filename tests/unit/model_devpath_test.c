@@ -13,6 +13,7 @@
 
 #include "mm_test.h"
 #include "mm/dtype.h"
+#include "mm/engine.h"
 #include "mm/kv_cache.h"
 #include "mm/model.h"
 
@@ -539,6 +540,42 @@ static mm_err w_get(void *ctx, void *dst, const void *src, size_t n) {
     return g_rec ? MM_EINVAL : g_cpu->get(ctx, dst, src, n);
 }
 
+// fetch on the dressed table: the CPU ops have run when they return, so the copy is made at
+// issue; slots and tickets behave as the GPU backend's (MM_FETCH_SLOTS, EBUSY, stale tickets)
+static uint64_t g_fnext = 1, g_fticket[MM_FETCH_SLOTS];
+static char g_fbuf[MM_FETCH_SLOTS][MM_FETCH_BYTES];
+static size_t g_fn[MM_FETCH_SLOTS];
+static int g_fetches;
+static mm_err w_fetch(void *ctx, const void *src, size_t n, uint64_t *ticket) {
+    (void)ctx;
+    if (g_rec || !src || !ticket || n == 0 || n > MM_FETCH_BYTES)
+        return MM_EINVAL;
+    const int slot = (int)(g_fnext % MM_FETCH_SLOTS);
+    if (g_fticket[slot])
+        return MM_EBUSY;
+    memcpy(g_fbuf[slot], src, n);
+    g_fn[slot] = n;
+    g_fticket[slot] = g_fnext;
+    *ticket = g_fnext++;
+    g_fetches++;
+    return MM_OK;
+}
+static mm_err w_fetch_wait(void *ctx, uint64_t ticket, void *dst) {
+    (void)ctx;
+    const int slot = (int)(ticket % MM_FETCH_SLOTS);
+    if (g_rec || !dst || !ticket || g_fticket[slot] != ticket)
+        return MM_EINVAL;
+    memcpy(dst, g_fbuf[slot], g_fn[slot]);
+    g_fticket[slot] = 0;
+    return MM_OK;
+}
+static int fetches_outstanding(void) {
+    int n = 0;
+    for (int i = 0; i < MM_FETCH_SLOTS; i++)
+        n += g_fticket[i] != 0;
+    return n;
+}
+
 static mm_err w_capture_begin(void *ctx) {
     (void)ctx;
     if (g_rec)
@@ -593,6 +630,7 @@ static void dev_table(struct mm_backend_ops *o, bool graphs, bool chain) {
         o->head_norm_rope_kv = w_hnr_kv, o->route_with_plan = w_route_plan;
         o->combine_rmsnorm = w_combine_rms, o->embed_rmsnorm = w_embed_rms;
     }
+    o->fetch = w_fetch, o->fetch_wait = w_fetch_wait;
     if (graphs) {
         o->capture_begin = w_capture_begin, o->capture_end = w_capture_end;
         o->graph_launch = w_graph_launch, o->graph_free = w_graph_free;
@@ -1035,6 +1073,202 @@ static void test_gpu_plan(void) {
     mm_backend_close(be);
 }
 
+// ---- overlapped greedy decode (mm_engine_decode_greedy) -----------------------------------------
+// The same picks and the same cache with the next step issued before the picks are read as
+// one step at a time (MM_ENGINE_OVERLAP=0): 8 steps of one sequence; an eos stop (the step
+// issued past it discarded: the sequence continues with the picks the one-at-a-time run made);
+// three sequences together; refusals and a run past max context.
+static void overlap_checks(mm_engine *e, const char *what, bool expect_overlap) {
+    char err[MM_ERRLEN] = "";
+    const int V = mm_model_cfg(e->model)->vocab;
+    const int32_t prompt[5] = {11, 42 % V, 7, 5, 18};
+    int32_t sa, sb, sc, ref[8], got[8], tok = 0, tok0 = 0;
+    int done = -1;
+    MM_PASS(mm_kv_cache_seq_new(e->kv, &sa));
+    MM_PASS(mm_engine_prefill_greedy(e, sa, prompt, 5, &tok0, err));
+    setenv("MM_ENGINE_OVERLAP", "0", 1);
+    MM_TRUE(!mm_engine_overlaps(e));
+    MM_PASS(mm_engine_decode_greedy(e, &sa, 1, &tok0, 8, -1, ref, &done, err));
+    unsetenv("MM_ENGINE_OVERLAP");
+    MM_EQ(done, 8);
+    MM_EQ(mm_kv_cache_seq_len(e->kv, sa), 5 + 8);
+    MM_EQ(mm_engine_overlaps(e), expect_overlap);
+    MM_PASS(mm_kv_cache_seq_new(e->kv, &sb));
+    MM_PASS(mm_engine_prefill_greedy(e, sb, prompt, 5, &tok, err));
+    MM_EQ(tok, tok0);
+    MM_PASS(mm_engine_decode_greedy(e, &sb, 1, &tok, 8, -1, got, &done, err));
+    MM_EQ(done, 8);
+    MM_EQ(mm_kv_cache_seq_len(e->kv, sb), 5 + 8);
+    for (int t = 0; t < 8; t++)
+        MM_EQ(got[t], ref[t]);
+    // eos: the first step that picks ref[3] ends the run
+    int k = 0;
+    while (ref[k] != ref[3])
+        k++;
+    MM_PASS(mm_kv_cache_seq_new(e->kv, &sc));
+    MM_PASS(mm_engine_prefill_greedy(e, sc, prompt, 5, &tok, err));
+    MM_PASS(mm_engine_decode_greedy(e, &sc, 1, &tok, 8, ref[3], got, &done, err));
+    MM_EQ(done, k + 1);
+    MM_EQ(mm_kv_cache_seq_len(e->kv, sc), 5 + k + 1);
+    for (int t = 0; t <= k; t++)
+        MM_EQ(got[t], ref[t]);
+    if (k < 7) { // the rest from the last pick: the one-at-a-time run's picks
+        tok = got[k];
+        MM_PASS(mm_engine_decode_greedy(e, &sc, 1, &tok, 7 - k, -1, got, &done, err));
+        MM_EQ(done, 7 - k);
+        for (int t = 0; t < 7 - k; t++)
+            MM_EQ(got[t], ref[k + 1 + t]);
+    }
+    // three sequences together, both ways
+    const int32_t seqs[3] = {sa, sb, sc}, first[3] = {3, 9 % V, 27 % V};
+    int32_t b_ref[12], b_got[12];
+    int32_t len[3];
+    for (int i = 0; i < 3; i++)
+        len[i] = mm_kv_cache_seq_len(e->kv, seqs[i]);
+    setenv("MM_ENGINE_OVERLAP", "0", 1);
+    MM_PASS(mm_engine_decode_greedy(e, seqs, 3, first, 4, -1, b_ref, &done, err));
+    unsetenv("MM_ENGINE_OVERLAP");
+    for (int i = 0; i < 3; i++) {
+        MM_EQ(mm_kv_cache_seq_len(e->kv, seqs[i]), len[i] + 4);
+        mm_kv_cache_truncate(e->kv, seqs[i], len[i]);
+    }
+    MM_PASS(mm_engine_decode_greedy(e, seqs, 3, first, 4, -1, b_got, &done, err));
+    MM_EQ(done, 4);
+    for (int i = 0; i < 12; i++)
+        MM_EQ(b_got[i], b_ref[i]);
+    // refusals: nothing runs, nothing changes
+    const int32_t twice[2] = {sa, sa}, bad[1] = {V};
+    MM_FAIL(mm_engine_decode_greedy(e, seqs, 0, first, 4, -1, got, &done, err), MM_EINVAL);
+    MM_FAIL(mm_engine_decode_greedy(e, twice, 2, first, 4, -1, got, &done, err), MM_EINVAL);
+    MM_TRUE(strstr(err, "twice") != NULL);
+    MM_FAIL(mm_engine_decode_greedy(e, &sa, 1, bad, 4, -1, got, &done, err), MM_EINVAL);
+    MM_TRUE(strstr(err, "vocabulary") != NULL);
+    MM_EQ(done, 0);
+    // past max context: the steps that fit run, the error names the limit, the cache holds
+    // the tokens fed
+    const int32_t la = mm_kv_cache_seq_len(e->kv, sa), room = e->max_ctx - la;
+    int32_t *many = malloc((size_t)(room + 4) * 4);
+    MM_FAIL(mm_engine_decode_greedy(e, &sa, 1, first, room + 3, -1, many, &done, err), MM_EINVAL);
+    MM_TRUE(strstr(err, "max context") != NULL);
+    MM_EQ(done, room);
+    MM_EQ(mm_kv_cache_seq_len(e->kv, sa), la + room);
+    free(many);
+    for (int i = 0; i < 3; i++)
+        mm_kv_cache_seq_free(e->kv, seqs[i]);
+    printf("%s: overlapped greedy decode (%s) == one step at a time: 8 steps, eos stop at step "
+           "%d and on, 3 sequences x 4 steps, max context\n", what,
+           expect_overlap ? "steps overlapped" : "no overlap on this backend", k);
+}
+
+// the dressed table (every device member, graphs, fetch), and the plain CPU table (no overlap)
+static void engine_case(const char *name, bool dressed) {
+    char dir[256], err[MM_ERRLEN] = "";
+    snprintf(dir, sizeof dir, "tests/fixtures/models/%s", name);
+    mm_backend *be = NULL;
+    mm_backend_params bp = {.n_threads = 2};
+    MM_PASS(mm_backend_open(&be, "cpu", &bp, err));
+    g_cpu = be->ops;
+    struct mm_backend_ops dev;
+    dev_table(&dev, true, true);
+    if (dressed)
+        be->ops = &dev;
+    g_fetches = 0;
+    mm_engine e = {.be = be, .max_rows = 8, .max_ctx = 48};
+    MM_PASS(mm_model_open(&e.model, dir, be, err));
+    const int V = mm_model_cfg(e.model)->vocab;
+    MM_PASS(mm_model_scratch_new(&e.scratch, e.model, e.max_rows, err));
+    mm_kv_params kp;
+    mm_model_kv_params(e.model, &kp);
+    kp.max_seqs = 4;
+    kp.max_ctx = e.max_ctx;
+    kp.budget_bytes = mm_kv_token_bytes(&kp) * (size_t)(e.max_ctx + 16) * 4;
+    MM_PASS(mm_kv_cache_new(&e.kv, &kp, be, err));
+    MM_PASS(be->ops->buffer_alloc(be->ctx, (size_t)e.max_rows * V * 4, (void **)&e.logits));
+    e.h_logits = malloc((size_t)e.max_rows * V * 4);
+    e.row_pos = malloc((size_t)e.max_rows * 4);
+    e.row_seq = malloc((size_t)e.max_rows * 4);
+    e.row_want = malloc((size_t)e.max_rows);
+    overlap_checks(&e, name, dressed);
+    if (dressed) {
+        MM_TRUE(g_fetches > 0);
+        MM_EQ(fetches_outstanding(), 0);
+    }
+    be->ops->buffer_free(be->ctx, e.logits);
+    free(e.h_logits), free(e.row_pos), free(e.row_seq), free(e.row_want);
+    mm_kv_cache_free(e.kv);
+    mm_model_scratch_free(e.scratch);
+    mm_model_close(e.model);
+    be->ops = g_cpu;
+    mm_backend_close(be);
+}
+static void test_engine_overlap(void) {
+    engine_case("qwen3moe-tiny", true);
+    engine_case("qwen2moe-tiny", true);
+    engine_case("deepseekv3-tiny", true);
+    engine_case("qwen3moe-tiny", false);
+}
+
+// On the GPU: the engine's overlapped decode (fetch by the one-launch copy, and by two copies
+// with MM_GPU_FETCH_COPY=1) == one step at a time; fetch's slots and refusals.
+static void gpu_engine_case(const char *name, const char *fetch_copy) {
+    char dir[256], err[MM_ERRLEN] = "";
+    snprintf(dir, sizeof dir, "tests/fixtures/models/%s", name);
+    if (fetch_copy)
+        setenv("MM_GPU_FETCH_COPY", fetch_copy, 1);
+    mm_engine *e = NULL;
+    mm_engine_params ep = {.device = "cuda:0", .max_seqs = 4, .max_ctx = 48, .max_rows = 8};
+    mm_err rv = mm_engine_open(&e, dir, &ep, err);
+    unsetenv("MM_GPU_FETCH_COPY");
+    if (rv == MM_EUNSUPP)
+        MM_SKIP("%s", err);
+    MM_PASS(rv);
+    char what[96];
+    snprintf(what, sizeof what, "%s on cuda:0%s", name, fetch_copy ? " (fetch by copies)" : "");
+    overlap_checks(e, what, true);
+    mm_engine_close(e);
+}
+static void test_gpu_engine_overlap(void) {
+    gpu_engine_case("qwen3moe-tiny", NULL);
+    gpu_engine_case("qwen3moe-tiny", "1");
+    gpu_engine_case("glm4moe-tiny", NULL);
+    // the backend's fetch: slots, refusals, stale tickets, results in order of issue
+    mm_backend *be = open_gpu();
+    const struct mm_backend_ops *o = be->ops;
+    MM_TRUE(o->fetch && o->fetch_wait);
+    int32_t *d = NULL, h[MM_FETCH_BYTES / 4], back[MM_FETCH_BYTES / 4];
+    MM_PASS(o->buffer_alloc(be->ctx, MM_FETCH_BYTES * 2, (void **)&d));
+    uint64_t tk[MM_FETCH_SLOTS + 1], extra = 0;
+    for (int i = 0; i < MM_FETCH_SLOTS; i++) {
+        for (int j = 0; j < MM_FETCH_BYTES / 4; j++)
+            h[j] = i * 100000 + j;
+        MM_PASS(o->set(be->ctx, d, h, MM_FETCH_BYTES));
+        MM_PASS(o->fetch(be->ctx, d, i == 1 ? 7 : MM_FETCH_BYTES, &tk[i])); // 7: a byte tail
+    }
+    MM_FAIL(o->fetch(be->ctx, d, 4, &extra), MM_EBUSY);
+    MM_FAIL(o->fetch(be->ctx, d, 0, &extra), MM_EINVAL);
+    MM_FAIL(o->fetch(be->ctx, d, MM_FETCH_BYTES + 1, &extra), MM_EINVAL);
+    for (int i = MM_FETCH_SLOTS - 1; i >= 0; i--) { // waited for in any order
+        memset(back, 0xff, sizeof back);
+        MM_PASS(o->fetch_wait(be->ctx, tk[i], back));
+        const int n = i == 1 ? 1 : MM_FETCH_BYTES / 4;
+        for (int j = 0; j < n; j++)
+            MM_EQ(back[j], i * 100000 + j);
+        if (i == 1) { // 7 bytes: the eighth is untouched
+            MM_EQ(((unsigned char *)back)[6], (unsigned char)((100000 + 1) >> 16));
+            MM_EQ(((unsigned char *)back)[7], 0xff);
+        }
+        MM_FAIL(o->fetch_wait(be->ctx, tk[i], back), MM_EINVAL); // no longer outstanding
+    }
+    MM_FAIL(o->fetch_wait(be->ctx, 0, back), MM_EINVAL);
+    MM_PASS(o->fetch(be->ctx, (const char *)d + 4, 8, &tk[MM_FETCH_SLOTS])); // at an offset
+    MM_PASS(o->fetch_wait(be->ctx, tk[MM_FETCH_SLOTS], back));
+    MM_EQ(back[0], (MM_FETCH_SLOTS - 1) * 100000 + 1);
+    o->buffer_free(be->ctx, d);
+    mm_backend_close(be);
+    printf("cuda:0 fetch: %d slots in flight, the next refused, results whole and in place\n",
+           MM_FETCH_SLOTS);
+}
+
 static void test_qwen3moe(void) { check("qwen3moe-tiny", false, true); }
 static void test_qwen3moe_graphs(void) { check("qwen3moe-tiny", true, true); }
 static void test_qwen3moe_nochain(void) { check("qwen3moe-tiny", true, false); }
@@ -1069,5 +1303,9 @@ MM_TESTS = {
     {"cuda: new decode kernels and fused ops == MM_GPU_OLD_DECODE bits", test_gpu_old_new},
     {"cuda: chain fusions == MM_GPU_OLD_CHAIN bits (4 models)", test_gpu_chain},
     {"cuda: bf16 KV cache == f32 KV cache bits (4 models)", test_gpu_kv_bf16},
+    {"engine: overlapped greedy decode == one step at a time (dressed table, CPU)",
+     test_engine_overlap},
+    {"cuda: engine's overlapped greedy decode == one step at a time; fetch slots",
+     test_gpu_engine_overlap},
     {NULL, NULL},
 };

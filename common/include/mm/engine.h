@@ -57,6 +57,25 @@ int32_t mm_engine_argmax(const float *x, int64_t n);
 // come back), else the rows are read into e->h_logits and scanned with mm_engine_argmax.
 mm_err mm_engine_greedy(mm_engine *e, const float *logits, int64_t n, int32_t *ids);
 
+// mm_engine_decode_greedy: greedy decoding of n_seqs sequences together (1..max_rows, each
+// from mm_kv_cache_seq_new and distinct), one forward pass per step: step 0 appends first[i]
+// to seqs[i], each later step the previous step's pick; out (steps x n_seqs, step-major)
+// receives the picks. Stops after `steps` steps, or after the first step in which some
+// sequence picked eos (eos >= 0); *done = the steps whose picks are in out. Each sequence then
+// holds the tokens fed: first[i] and its picks of every step before the last (so the last
+// picks are the next tokens to feed, as after mm_engine_prefill_greedy). Where the model can
+// overlap (mm_model_can_overlap: a device with argmax and fetch) step t+1 is issued before
+// step t's picks are read, so the device does not wait for the host between steps; a step
+// issued past the stop is discarded (its positions dropped from the cache). Env
+// MM_ENGINE_OVERLAP=0: one step at a time (same picks). Errors as mm_engine_prefill, naming
+// the step; picks of the steps before a failed one stay in out (*done counts them).
+// mm_engine_overlaps: whether mm_engine_decode_greedy overlaps its steps on e (the model can,
+// and MM_ENGINE_OVERLAP is not 0).
+bool mm_engine_overlaps(const mm_engine *e);
+mm_err mm_engine_decode_greedy(mm_engine *e, const int32_t *seqs, int n_seqs,
+                               const int32_t *first, int steps, int32_t eos, int32_t *out,
+                               int *done, char err[MM_ERRLEN]);
+
 // mm_engine_generate: prefill prompt into a fresh sequence, then greedy-decode max_new tokens
 // one at a time with the KV cache; out (max_new) receives them. If eos >= 0 it stops after
 // emitting eos; *n_out is the count. If step_logits (host, (max_new, vocab)) is not NULL it

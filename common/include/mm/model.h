@@ -247,4 +247,20 @@ bool mm_model_scratch_graphs(mm_model_scratch *s, bool on);
 mm_err mm_model_argmax(const mm_model *m, mm_model_scratch *s, const float *logits, int64_t n,
                        int32_t *ids);
 
+// ---- overlapped greedy decode (the engine's device path with argmax and fetch) ---------------
+// A step is issued before the previous step's picks reach the host: mm_model_pick_async picks
+// the greedy ids of logits' first n rows on the device, leaves them where the next step's ids
+// go and starts their copy to the host (returns its ticket); mm_model_forward_next runs the
+// next step with those ids (row i takes the pick of logits row i, n_rows <= the picks left)
+// without waiting for them; mm_model_pick_wait(ticket) waits for that copy alone. Same bits as
+// mm_model_argmax then mm_model_forward with the read ids. mm_model_can_overlap says whether
+// m and s have it; the others are MM_EUNSUPP without it. Any mm_model_forward drops the picks
+// left (mm_model_forward_next is then MM_EINVAL until the next mm_model_pick_async).
+bool mm_model_can_overlap(const mm_model *m, const mm_model_scratch *s);
+mm_err mm_model_pick_async(const mm_model *m, mm_model_scratch *s, const float *logits, int64_t n,
+                           uint64_t *ticket);
+mm_err mm_model_pick_wait(const mm_model *m, mm_model_scratch *s, uint64_t ticket, int32_t *ids);
+mm_err mm_model_forward_next(const mm_model *m, mm_model_scratch *s, mm_kv_cache *kv,
+                             const mm_model_rows *rows, const bool *want_logits, float *logits);
+
 #endif

@@ -2198,6 +2198,27 @@ static unsigned long long g_gemv_bulk_n;
 #define XCAP1_ROWS 16
 static int g_gemv_xcap = -1; // -1: not read yet
 
+// MM_GPU_GEMV_GTPB (read once unless mm_gpu_set_gemv_gtpb set it): 16-row tiles per grouped GEMV
+// v3 block, 1, 2 or 4, where its segments leave warps idle (tiles x segments <= 8 warps, one
+// segment per warp: down's 768-long rows are 3 segments, so one tile keeps 3 of 8 warps busy;
+// [gate; up]'s 2048 are 8 and keep one tile); unset: GEMV_GTPB_DEFAULT. Each output's segment
+// sums and their order are the tile's own: the same bits. H200, 2026-11-30 20:14 UTC, 2 against
+// 1 in turn: down 15.7 vs 19.5 us per call op by op, decode batch 1 1943-1947 vs 1891-1898
+// tok/s, batch 4 / 8 / 16 +4.2 / +4.2 / +7.4%. At 20:19, two segments per warp allowed: [gate;
+// up] in 2-tile blocks (128 KB, one per SM) 26.7 vs 24.0 us, down in 4-tile blocks batch 1
+// 1951-1956 but batch 4 / 8 / 16 -4.6 / -6.5 / -7.9% against 2-tile down blocks: not kept.
+#define GEMV_GTPB_DEFAULT 2
+static int g_gemv_gtpb = -1; // -1: not read yet
+
+static int gemv_gtpb(void) {
+    if (g_gemv_gtpb < 0) {
+        const char *e = getenv("MM_GPU_GEMV_GTPB");
+        const int v = e && e[0] ? atoi(e) : GEMV_GTPB_DEFAULT;
+        g_gemv_gtpb = v == 1 || v == 2 || v == 4 ? v : GEMV_GTPB_DEFAULT;
+    }
+    return g_gemv_gtpb;
+}
+
 static int gemv_xcap(int n_rows) {
     if (g_gemv_xcap < 0) {
         const char *e = getenv("MM_GPU_GEMV_XCAP");
@@ -2278,8 +2299,12 @@ static size_t gemv_bulk_smem(const mm_mat_args &a, int wpt, size_t xs_bytes) {
 // *wpt3 (v3's) and, grouped, a->xcap; returns v3's shared memory per block, 0 where v2 takes it.
 static size_t bulk_choice(mm_mat_args *a, int wpt, int *wpt3) {
     *wpt3 = gemv_bulk_mode() > 0 && g_gemv_bulk_tpb1 ? MV_WARPS : wpt;
-    if (a->wg != NULL)
+    if (a->wg != NULL) {
         a->xcap = gemv_xcap(a->n_rows);
+        const int t = gemv_gtpb(), S = (a->n_in + seg_len(a->n_in) - 1) / seg_len(a->n_in);
+        if (*wpt3 == MV_WARPS && t > 1 && S * t <= MV_WARPS)
+            *wpt3 = MV_WARPS / t; // several tiles per block, each of its segments on a warp
+    }
     return gemv_bulk_smem(*a, *wpt3, gemv_bulk_xs(*a));
 }
 #endif
@@ -2638,6 +2663,14 @@ extern "C" unsigned long long mm_gpu_ffn_dec_launches(void) {
     return __atomic_load_n(&g_ffd_n, __ATOMIC_RELAXED);
 #else
     return 0;
+#endif
+}
+
+extern "C" void mm_gpu_set_gemv_gtpb(int t) {
+#if MM_GPU_HAVE_WMMA
+    g_gemv_gtpb = t == 1 || t == 2 || t == 4 ? t : -1;
+#else
+    (void)t;
 #endif
 }
 

@@ -124,6 +124,10 @@ unsigned long long mm_gpu_ffn_dec_launches(void);
 // other value: back to MM_GPU_GEMV_XCAP or the default, 1 for products of at most 16 rows, else
 // 8); a tile of more rows runs in passes. Same bits. Process-wide; CUDA only.
 void mm_gpu_set_gemv_xcap(int cap);
+// mm_gpu_set_gemv_gtpb: 16-row tiles per grouped GEMV v3 block (1, 2 or 4, where tiles x
+// segments fit the block's 8 warps; any other value: back to MM_GPU_GEMV_GTPB). Same bits.
+// Process-wide.
+void mm_gpu_set_gemv_gtpb(int t);
 // mm_gpu_set_conv_batch: 1 (default; env MM_GPU_CONV_BATCH=0 starts it at 0) converts gemm_ws's
 // x a warp per row with each lane's loads of 4 pieces issued before their stores; 0 piece by
 // piece (A/B). Same bytes; -1 back to the environment's choice. Process-wide; CUDA only.

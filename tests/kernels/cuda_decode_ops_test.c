@@ -59,6 +59,7 @@ extern void mm_gpu_set_gemv_bulk(int mode) __attribute__((weak));
 extern unsigned long long mm_gpu_gemv_bulk_launches(void) __attribute__((weak));
 extern void mm_gpu_optime_report(void *backend_ctx) __attribute__((weak));
 extern void mm_gpu_set_gemv_xcap(int cap) __attribute__((weak));
+extern void mm_gpu_set_gemv_gtpb(int t) __attribute__((weak));
 extern mm_err mm_gpu_moe_ffn_rows(void *stream, int dtype, const void *const *d_wgu,
                                   const void *const *d_wd, const int32_t *d_offs, int n_experts,
                                   int d_ff, int d_model, const float *d_x, int64_t x_stride,
@@ -928,6 +929,19 @@ static void test_ffn_decode_bits(void) {
         ffd_case(520, 200, 16, c16, 2, 0, 0, true);
         mm_gpu_set_gemv_xcap(-1);
     }
+    if (mm_gpu_set_gemv_gtpb) { // 1, 2 and 4 tiles per block where the segments leave warps idle
+        mm_gpu_set_gemv_gtpb(1);
+        ffd_case(2048, 768, 16, c8, 1, 0, 0, true);
+        ffd_case(264, 136, 16, c13, 5, 3, 0, true);
+        mm_gpu_set_gemv_gtpb(2);
+        ffd_case(2048, 768, 16, c8, 1, 0, 0, true);
+        ffd_case(2048, 768, 16, c13, 4, 0, 0, true);
+        ffd_case(264, 136, 16, c13, 5, 1, 8, true);
+        mm_gpu_set_gemv_gtpb(4);
+        ffd_case(264, 136, 16, c13, 5, 3, 0, true);
+        ffd_case(520, 200, 16, c16, 2, 0, 0, true);
+        mm_gpu_set_gemv_gtpb(-1);
+    }
     ffd_case(520, 100, 16, c13, 5, 0, 0, false);   // d_ff % 8 != 0: refused
     ffd_case(264, 136, 4, c6, 2, 0, 0, false);     // 6 slots over 4 experts: refused
     ffd_case(520, 200, 64, c40, 7, 0, 0, false);   // 40 slots (> 16): refused
@@ -958,6 +972,17 @@ static void test_gemv_bulk_xcap(void) {
         MM_EQ(gemv_grouped_case(96, 1000, 5, 64, c40, true, 0, 0), 3);   // 8-row tiles
     }
     mm_gpu_set_gemv_xcap(-1);
+    if (mm_gpu_set_gemv_gtpb) { // several tiles per block where segments leave warps idle
+        for (int t = 1; t <= 4; t *= 2) {
+            mm_gpu_set_gemv_gtpb(t);
+            printf("%d tiles per block:\n", t);
+            MM_EQ(gemv_grouped_case(2048, 768, 8, 16, c13, true, 0, 0), 3);
+            MM_EQ(gemv_grouped_case(100, 264, 13, 16, c13, false, 3, 0), 3);
+            MM_EQ(gemv_grouped_case(2056, 776, 8, 16, c13, false, 1, 8), 3);
+            MM_EQ(gemv_grouped_case(96, 1000, 5, 64, c40, true, 0, 0), 3);
+        }
+        mm_gpu_set_gemv_gtpb(-1);
+    }
     gpu_close(NULL);
 }
 

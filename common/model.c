@@ -1542,7 +1542,12 @@ mm_err mm_model_pick_async(const mm_model *m, mm_model_scratch *s, const float *
 mm_err mm_model_pick_wait(const mm_model *m, mm_model_scratch *s, uint64_t ticket, int32_t *ids) {
     if (!mm_model_can_overlap(m, s))
         return MM_EUNSUPP;
-    return OPS->fetch_wait(CTX, ticket, ids);
+    const mm_err rv = OPS->fetch_wait(CTX, ticket, ids);
+    // a bad index reported here stays set on the device until a synchronize or get reports
+    // and clears it: clear it now, so that the next call of this scratch does not fail for it
+    if (rv == MM_EINVAL && OPS->synchronize)
+        (void)OPS->synchronize(CTX);
+    return rv;
 }
 
 mm_err mm_model_forward_next(const mm_model *m, mm_model_scratch *s, mm_kv_cache *kv,

@@ -1263,10 +1263,33 @@ static void test_gpu_engine_overlap(void) {
     MM_PASS(o->fetch(be->ctx, (const char *)d + 4, 8, &tk[MM_FETCH_SLOTS])); // at an offset
     MM_PASS(o->fetch_wait(be->ctx, tk[MM_FETCH_SLOTS], back));
     MM_EQ(back[0], (MM_FETCH_SLOTS - 1) * 100000 + 1);
+    // a bad index met by an op before the fetch: the fetch reports it (its bytes still come
+    // back) and leaves it for synchronize, which reports and clears it; the next fetch is clean
+    uint16_t tab[4 * 8] = {0};
+    mm_weight table = {.data = NULL, .dtype = MM_DTYPE_BF16, .rows = 4, .cols = 8};
+    MM_PASS(o->buffer_alloc(be->ctx, sizeof tab, (void **)&table.data));
+    MM_PASS(o->set(be->ctx, (void *)table.data, tab, sizeof tab));
+    const int32_t bad_id = 9;
+    int32_t *d_id = NULL;
+    float *d_row = NULL;
+    MM_PASS(o->buffer_alloc(be->ctx, 4, (void **)&d_id));
+    MM_PASS(o->buffer_alloc(be->ctx, 8 * 4, (void **)&d_row));
+    MM_PASS(o->set(be->ctx, d_id, &bad_id, 4));
+    MM_PASS(o->embed(be->ctx, &table, d_id, 1, d_row, 8));
+    MM_PASS(o->fetch(be->ctx, d, 8, &tk[0]));
+    MM_FAIL(o->fetch_wait(be->ctx, tk[0], back), MM_EINVAL);
+    MM_EQ(back[0], (MM_FETCH_SLOTS - 1) * 100000);
+    MM_FAIL(o->synchronize(be->ctx), MM_EINVAL);
+    MM_PASS(o->fetch(be->ctx, d, 8, &tk[0]));
+    MM_PASS(o->fetch_wait(be->ctx, tk[0], back));
+    MM_PASS(o->synchronize(be->ctx));
+    o->buffer_free(be->ctx, (void *)table.data);
+    o->buffer_free(be->ctx, d_id);
+    o->buffer_free(be->ctx, d_row);
     o->buffer_free(be->ctx, d);
     mm_backend_close(be);
-    printf("cuda:0 fetch: %d slots in flight, the next refused, results whole and in place\n",
-           MM_FETCH_SLOTS);
+    printf("cuda:0 fetch: %d slots in flight, the next refused, results whole and in place, a "
+           "bad index reported once\n", MM_FETCH_SLOTS);
 }
 
 static void test_qwen3moe(void) { check("qwen3moe-tiny", false, true); }

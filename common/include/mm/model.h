@@ -253,7 +253,9 @@ mm_err mm_model_argmax(const mm_model *m, mm_model_scratch *s, const float *logi
 // go and starts their copy to the host (returns its ticket); mm_model_forward_next runs the
 // next step with those ids (row i takes the pick of logits row i, n_rows <= the picks left)
 // without waiting for them; mm_model_pick_wait(ticket) waits for that copy alone. Same bits as
-// mm_model_argmax then mm_model_forward with the read ids. mm_model_can_overlap says whether
+// mm_model_argmax then mm_model_forward with the read ids. A bad index an op met before the
+// picks' copy is mm_model_pick_wait's MM_EINVAL (the device's error word is then cleared, as get
+// clears it). mm_model_can_overlap says whether
 // m and s have it; the others are MM_EUNSUPP without it. Any mm_model_forward drops the picks
 // left (mm_model_forward_next is then MM_EINVAL until the next mm_model_pick_async).
 bool mm_model_can_overlap(const mm_model *m, const mm_model_scratch *s);

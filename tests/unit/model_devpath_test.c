@@ -720,13 +720,20 @@ static float *run(const char *dir, mm_backend *be, bool dev_argmax, int32_t *pic
     return all;
 }
 
-static void check(const char *name, bool graphs, bool chain) {
-    char dir[256], err[MM_ERRLEN] = "";
-    snprintf(dir, sizeof dir, "tests/fixtures/models/%s", name);
+// cpu_fixture: the CPU backend (its table kept in g_cpu) and fixture name's directory in dir.
+static mm_backend *cpu_fixture(const char *name, char dir[256]) {
+    char err[MM_ERRLEN] = "";
+    snprintf(dir, 256, "tests/fixtures/models/%s", name);
     mm_backend *be = NULL;
     mm_backend_params bp = {.n_threads = 2};
     MM_PASS(mm_backend_open(&be, "cpu", &bp, err));
     g_cpu = be->ops;
+    return be;
+}
+
+static void check(const char *name, bool graphs, bool chain) {
+    char dir[256];
+    mm_backend *be = cpu_fixture(name, dir);
     int32_t want_ids[STEPS], got_ids[STEPS];
     size_t n_ref = 0, n_dev = 0;
     float *ref = run(dir, be, false, want_ids, &n_ref);
@@ -1163,11 +1170,7 @@ static void overlap_checks(mm_engine *e, const char *what, bool expect_overlap) 
 // the dressed table (every device member, graphs, fetch), and the plain CPU table (no overlap)
 static void engine_case(const char *name, bool dressed) {
     char dir[256], err[MM_ERRLEN] = "";
-    snprintf(dir, sizeof dir, "tests/fixtures/models/%s", name);
-    mm_backend *be = NULL;
-    mm_backend_params bp = {.n_threads = 2};
-    MM_PASS(mm_backend_open(&be, "cpu", &bp, err));
-    g_cpu = be->ops;
+    mm_backend *be = cpu_fixture(name, dir);
     struct mm_backend_ops dev;
     dev_table(&dev, true, true);
     if (dressed)

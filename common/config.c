@@ -60,6 +60,12 @@ bool mm_parse_bool(const char *s, bool *out) {
     return true;
 }
 
+bool mm_env_off(const char *name) {
+    const char *v = getenv(name);
+    bool on = true;
+    return v && mm_parse_bool(v, &on) && !on;
+}
+
 static mm_opt *find_opt(mm_opt *opts, const char *name, size_t len) {
     for (mm_opt *o = opts; o->name; o++)
         if (strlen(o->name) == len && !strncmp(o->name, name, len))

@@ -26,6 +26,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "mm/config.h"
 #include "mm/log.h"
 #include "mm/model.h"
 #include "mm/safetensors.h"
@@ -480,18 +481,13 @@ static mm_err upload_ptrs(mm_model *m, const mm_weight *ws, int n, const void *c
     return rv;
 }
 
-static bool env_off(const char *name) {
-    const char *v = getenv(name);
-    return v && (strcmp(v, "0") == 0 || strcmp(v, "off") == 0 || strcmp(v, "false") == 0);
-}
-
 // The device path needs a device backend with route_plan and moe_matmul_dev, and every
 // layer's experts in one dtype; then each MoE layer gets its expert pointer tables.
 static mm_err bind_dev_tables(mm_model *m) {
     const struct mm_backend_ops *ops = m->be->ops;
     const mm_model_config *c = &m->c;
     m->dev = !ops->host_memory && ops->route_plan && ops->moe_matmul_dev &&
-             !env_off("MM_DEVICE_ROUTING");
+             !mm_env_off("MM_DEVICE_ROUTING");
     for (int l = 0; m->dev && l < c->n_layers; l++) {
         const struct layer *L = &m->layers[l];
         if (!c->layer_moe[l])
@@ -743,7 +739,7 @@ mm_err mm_model_scratch_new(mm_model_scratch **out, const mm_model *m, int64_t m
     F32(xn, R * D);
     F32(q, R * qdim);
     F32(k, R * kdim);
-    if (!m->be->ops->host_memory && !c->mla && !env_off("MM_FUSED_QKV"))
+    if (!m->be->ops->host_memory && !c->mla && !mm_env_off("MM_FUSED_QKV"))
         F32(qkv, R * (qdim + 2 * kdim));
     F32(v, R * vdim);
     F32(ao, R * aodim);
@@ -793,7 +789,7 @@ mm_err mm_model_scratch_new(mm_model_scratch **out, const mm_model *m, int64_t m
     s->rt = malloc(2 * R * K * 4);
     s->h_in = malloc(4 * R * 4);
     s->rows_n = -1;
-    s->no_graphs = !m->be->ops->capture_begin || env_off("MM_GPU_GRAPHS");
+    s->no_graphs = !m->be->ops->capture_begin || mm_env_off("MM_GPU_GRAPHS");
     if (!s->ids || !s->wts || !s->cnt || !s->slot_list || !s->row_list || !s->want_idx ||
         !s->offs2 || !s->rt || !s->h_in) {
         rv = MM_ENOMEM;

@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "mm/config.h"
 #include "mm/engine.h"
 
 mm_err mm_engine_open(mm_engine **out, const char *model_dir, const mm_engine_params *p,
@@ -172,13 +173,8 @@ static mm_err issue(mm_engine *e, const int32_t *seqs, int n, const int32_t *len
     return rv == MM_OK ? MM_OK : mm_errf(err, rv, "decode step %d: %s", t, mm_strerror(rv));
 }
 
-static bool env_is_zero(const char *name) {
-    const char *v = getenv(name);
-    return v && strcmp(v, "0") == 0;
-}
-
 bool mm_engine_overlaps(const mm_engine *e) {
-    return mm_model_can_overlap(e->model, e->scratch) && !env_is_zero("MM_ENGINE_OVERLAP");
+    return mm_model_can_overlap(e->model, e->scratch) && !mm_env_off("MM_ENGINE_OVERLAP");
 }
 
 mm_err mm_engine_decode_greedy(mm_engine *e, const int32_t *seqs, int n_seqs,

@@ -372,9 +372,9 @@ struct mm_backend_ops {
     // a slot of the backend's own host memory and returns its ticket (MM_EBUSY: MM_FETCH_SLOTS
     // fetches are waiting already; MM_EINVAL while a graph is being recorded). fetch_wait
     // waits for that copy alone (ops issued after the fetch go on running), copies the bytes
-    // to host dst and frees the slot; a ticket not outstanding is MM_EINVAL. Errors as get's:
-    // a bad index met by an op issued before the fetch is MM_EINVAL (dst written all the
-    // same), and fetches already issued when it is reported may report it again.
+    // to host dst and frees the slot; a ticket not outstanding is MM_EINVAL. A bad index met by
+    // an op issued before the fetch is MM_EINVAL (dst written all the same); unlike get, the
+    // report does not clear it: later fetches report it too until a get or synchronize does.
     mm_err (*fetch)(void *ctx, const void *src, size_t n_bytes, uint64_t *ticket);
     mm_err (*fetch_wait)(void *ctx, uint64_t ticket, void *dst);
 };

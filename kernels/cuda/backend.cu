@@ -372,6 +372,13 @@ extern "C" mm_err mm_gpu_attention_ref(void *stream, const struct mm_attn_args *
 #define CTX(c) struct gpu_ctx *g = (struct gpu_ctx *)(c)
 #define ON_DEVICE() MM_GPU_CHECK(cudaSetDevice(g->dev))
 
+// bad_index: an op met an index out of range (the device error word was set): logged, MM_EINVAL.
+static mm_err bad_index(void) {
+    mm_log_error("gpu: an op met an index out of range (KV position/block, embedding id or row "
+                 "index); the rows concerned were skipped");
+    return MM_EINVAL;
+}
+
 static mm_err check_err_word(struct gpu_ctx *g) {
     if (g->lost) {
         mm_log_error("gpu: device context lost after a drain timed out; restart the process");
@@ -386,9 +393,7 @@ static mm_err check_err_word(struct gpu_ctx *g) {
     }
     if (h != 0) {
         MM_GPU_CHECK(cudaMemsetAsync(g->d_err, 0, sizeof(int), g->stream));
-        mm_log_error("gpu: an op met an index out of range (KV position/block, embedding id or "
-                     "row index); the rows concerned were skipped");
-        return MM_EINVAL;
+        return bad_index();
     }
     return MM_OK;
 }
@@ -574,12 +579,8 @@ static mm_err gpu_fetch_wait(void *ctx, uint64_t ticket, void *dst) {
     memcpy(dst, h, g->fetch_n[slot]);
     int err = 0;
     memcpy(&err, h + MM_FETCH_BYTES, sizeof(int));
-    if (err != 0) { // left set: the next get or synchronize reports it again and clears it
-        mm_log_error("gpu: an op met an index out of range (KV position/block, embedding id or "
-                     "row index); the rows concerned were skipped");
-        return MM_EINVAL;
-    }
-    return MM_OK;
+    // left set: the next get or synchronize reports it again and clears it
+    return err != 0 ? bad_index() : MM_OK;
 }
 
 static mm_err gpu_synchronize(void *ctx) {

@@ -366,7 +366,7 @@ static int run_bench_model(int argc, char **argv) {
         for (long long i = 0; paired && i < decode; i++) {
             t0 = mm_now_ns();
             // greedy: the backend picks the token when it can (one id read back per step)
-            if (greedy_run(e, s, &tok, 1, picks, err) != 0)
+            if (mm_engine_prefill_greedy(e, s, &tok, 1, &tok, err) != MM_OK)
                 goto fail;
             dt += (double)(mm_now_ns() - t0) / 1e9;
             bw_t += read_pass(bwbuf, bwb, e->be->n_threads);

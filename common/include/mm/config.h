@@ -43,6 +43,9 @@ mm_err mm_config_parse(mm_cli *cli, int argc, char **argv, char err[MM_ERRLEN]);
 // mm_parse_bool reads a boolean word as the options do: "1", "true", "yes", "on" (any case)
 // set *out true; "0", "false", "no", "off" false. Anything else returns false, *out untouched.
 bool mm_parse_bool(const char *s, bool *out);
+// mm_env_off: environment variable name is set to one of mm_parse_bool's false words (the
+// switches that are on unless turned off, e.g. MM_GPU_GRAPHS=0).
+bool mm_env_off(const char *name);
 
 // mm_config_usage prints --help text for cli to stdout.
 void mm_config_usage(const mm_cli *cli);

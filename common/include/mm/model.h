@@ -255,9 +255,9 @@ mm_err mm_model_argmax(const mm_model *m, mm_model_scratch *s, const float *logi
 // without waiting for them; mm_model_pick_wait(ticket) waits for that copy alone. Same bits as
 // mm_model_argmax then mm_model_forward with the read ids. A bad index an op met before the
 // picks' copy is mm_model_pick_wait's MM_EINVAL (the device's error word is then cleared, as get
-// clears it). mm_model_can_overlap says whether
-// m and s have it; the others are MM_EUNSUPP without it. Any mm_model_forward drops the picks
-// left (mm_model_forward_next is then MM_EINVAL until the next mm_model_pick_async).
+// clears it). mm_model_can_overlap says whether m and s have it; the others are MM_EUNSUPP
+// without it. Any mm_model_forward drops the picks left (mm_model_forward_next is then
+// MM_EINVAL until the next mm_model_pick_async).
 bool mm_model_can_overlap(const mm_model *m, const mm_model_scratch *s);
 mm_err mm_model_pick_async(const mm_model *m, mm_model_scratch *s, const float *logits, int64_t n,
                            uint64_t *ticket);

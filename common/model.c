@@ -1556,6 +1556,39 @@ mm_err mm_model_forward_next(const mm_model *m, mm_model_scratch *s, mm_kv_cache
     return forward_dev(m, s, kv, rows, NULL, want_logits, logits);
 }
 
+mm_err mm_model_embed_picks(const mm_model *m, mm_model_scratch *s, const int32_t *ids, int64_t n,
+                            const int32_t *rows, const int32_t *src, int64_t np, float *h) {
+    MM_TRY(check_rows(s, n));
+    if (!mm_model_can_overlap(m, s))
+        return MM_EUNSUPP;
+    if (n < 1 || !h)
+        return MM_EINVAL;
+    if (!ids) {
+        if (n > s->picks)
+            return MM_EINVAL;
+        return OPS->embed(CTX, &m->embed, s->in_d, n, h, m->c.d_model);
+    }
+    const int64_t H = m->c.n_heads, K = m->c.top_k;
+    if (np < 0 || np > n || (np > 0 && (!rows || !src)) ||
+        n + 2 * np > s->max_rows * (H > K ? H : K)) // (idx_d: the ids, then src, then rows)
+        return MM_EINVAL;
+    for (int64_t k = 0; k < np; k++)
+        if (rows[k] < 0 || rows[k] >= n || src[k] < 0 || src[k] >= s->picks)
+            return MM_EINVAL;
+    for (int64_t i = 0; i < n; i++) // (a pick's row too: a placeholder the copy overwrites)
+        if (ids[i] < 0 || ids[i] >= m->c.vocab)
+            return MM_EINVAL;
+    MM_TRY(OPS->set(CTX, s->idx_d, ids, (size_t)n * 4));
+    if (np > 0) {
+        MM_TRY(OPS->set(CTX, s->idx_d + n, src, (size_t)np * 4));
+        MM_TRY(OPS->set(CTX, s->idx_d + n + np, rows, (size_t)np * 4));
+        // the picks' ids into their rows: 4-byte words copied as they are (width 1)
+        MM_TRY(OPS->copy_rows(CTX, (const float *)s->in_d, 1, s->idx_d + n, (float *)s->idx_d, 1,
+                              s->idx_d + n + np, np, 1));
+    }
+    return OPS->embed(CTX, &m->embed, s->idx_d, n, h, m->c.d_model);
+}
+
 mm_err mm_model_forward(const mm_model *m, mm_model_scratch *s, mm_kv_cache *kv,
                         const mm_model_rows *rows, const int32_t *ids, const bool *want_logits,
                         float *logits) {

@@ -147,6 +147,17 @@ if ! skip invariance || ! skip meshstep; then
         echo --router "$ROUTER" --model "$MODEL" --owners "$OWNERS" --heartbeat-ms $HB --threads 1 \
             --device cuda:0 ${PLACEMENT:+--placement "$PLACEMENT"}
     }
+    # expect_same_ids WHAT IDS N [ARGS...]: greedy ids without logprobs (picked on the device by
+    # both) through the mesh equal generate's (sequence 0's with --concurrent)
+    expect_same_ids() {
+        local what=$1 ids=$2 n=$3 want got; shift 3
+        want=$("$BIN/moemesh" generate --model "$MODEL" --ids "$ids" --max-tokens "$n" --threads 1 \
+            --device cuda:0) || fail "$what: generate failed"
+        got=$("$BIN/moemesh" mesh-generate --router "$ROUTER" --ids "$ids" --max-tokens "$n" "$@" \
+            2>"$RUN/client.err") || fail "$what: mesh-generate failed: $(cat "$RUN/client.err")"
+        [ "$got" = "$want" ] || { echo "want $want"; echo "got  $got"; fail "$what: mesh ids differ from moemesh generate"; }
+        echo "ok $what: $n ids equal generate's"
+    }
     reference() { "$BIN/moemesh" generate --model "$MODEL" --ids "$1" --max-tokens "$2" --logprobs \
         --top-logprobs 3 --threads 1 --device cuda:0; }
     wait_ready() { # GPU daemons load the model onto the device first: up to 90 s
@@ -191,6 +202,10 @@ if ! skip invariance; then
         ( expect_same "$o owners, $s shards" 11,42,7,300,5,99,18 8 ) || ok=0
         if [ $o = 2 ]; then ( expect_same "$o owners, prompt in chunks of 3" 11,42,7,300,5,99,18 8 --chunk 3 ) || ok=0; fi
         if [ $o = 2 ]; then ( expect_same "$o owners, pipelined plans" 11,42,7,300,5,99,18 8 --pipeline ) || ok=0; fi
+        # greedy without logprobs: picked on the device; pipelined, each step begun by the one
+        # before it (MM_ROUTER_EARLY) before its picks reach the router's host
+        if [ $o != 3 ]; then ( expect_same_ids "$o owners, device picks, pipelined plans" 11,42,7,300,5,99,18 24 --pipeline ) || ok=0; fi
+        if [ $o = 2 ]; then ( expect_same_ids "$o owners, device picks, among 5 concurrent, pipelined" 11,42,7,300,5,99,18 24 --pipeline --concurrent 5 ) || ok=0; fi
         if [ $o = 3 ]; then ( expect_same "$o owners, among 8 concurrent" 11,42,7,300,5,99,18 8 --concurrent 9 ) || ok=0; fi
         grep -h "joined\|linked" "$RUN"/router.log 2>/dev/null | sed 's/^/    /' | head -6
         mesh_stop

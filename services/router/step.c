@@ -12,6 +12,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "mm/config.h"
 #include "mm/log.h"
 #include "mm/time.h"
 #include "mm/mesh_gtrace.h"
@@ -185,6 +186,25 @@ struct mm_step_engine {
     float *draft_lp;     // (max_seqs, MM_DRAFT_MAX_K) logprobs of the tokens after `token`
     int32_t *draft_tok;  // (max_seqs, MM_DRAFT_MAX_K) those tokens
     mm_follow *fl;       // pipelined plans: the last steps' picks (step_follow.h)
+    bool sh_host;        // this step: some shard takes host rows (run_start)
+    int32_t *pk_row, *pk_src; // (max_tokens) rows embedding a device pick, and which (run_start)
+    // A plan begun early (MM_ROUTER_EARLY, on unless 0; docs/MESH.md "Steps begun early"): a
+    // step whose picks are made on the device starts their copy to the host, then begins the
+    // plan waiting to follow it (its checks, its CTRL frames, the embedding of those picks on the
+    // device and the first layer's rows to the shards: step_begin) before it reads them; the
+    // plan's own thread goes on from there once it has the engine.
+    bool early;
+    _Atomic(const Mmctl__StepPlan *) wait_p; // a follow plan waiting for the engine
+    pthread_cond_t begun_cv;          // (mu) a begun plan's thread took it over
+    const Mmctl__StepPlan *begun;     // the plan begun (as its thread holds it), or NULL
+    const Mmctl__StepPlan *begun_p;   // ... resolved
+    int64_t begun_R;                  // its rows
+    uint64_t begun_t0;
+    mm_err begun_lrv;                 // its forward's start failed (fails its rows)
+    char begun_msg[MSG_LEN];
+    mm_err pred_rv;                   // the picks it embedded never came back: its rows fail
+    char pred_msg[MSG_LEN];
+    char early_msg[MSG_LEN];          // a begun-from step's error after its results were built
 };
 
 static const char *peer_name(const struct peer *p, char *buf, size_t n) {
@@ -407,6 +427,9 @@ mm_err mm_step_engine_open(mm_step_engine **out, const mm_step_conf *c, mm_regis
     pthread_cond_init(&e->tail_cv, NULL);
     const char *ho = getenv("MM_ROUTER_HANDOFF");
     e->handoff = !(ho && strcmp(ho, "0") == 0);
+    e->early = !mm_env_off("MM_ROUTER_EARLY");
+    pthread_cond_init(&e->begun_cv, NULL);
+    atomic_init(&e->wait_p, NULL);
     e->c = *c;
     e->reg = reg;
     mm_err rv = MM_OK;
@@ -542,7 +565,9 @@ mm_err mm_step_engine_open(mm_step_engine **out, const mm_step_conf *c, mm_regis
     e->srv_of = calloc((size_t)S, sizeof(*e->srv_of));
     e->acc_of = calloc((size_t)S, sizeof(*e->acc_of));
     e->ps_of = calloc((size_t)S, sizeof(*e->ps_of));
-    if (!e->shards || !e->owners || !e->ids || !e->h || !e->x || !e->sh || !e->stage ||
+    e->pk_row = calloc((size_t)T, 4);
+    e->pk_src = calloc((size_t)T, 4);
+    if (!e->pk_row || !e->pk_src || !e->shards || !e->owners || !e->ids || !e->h || !e->x || !e->sh || !e->stage ||
         !e->gids || !e->gw || !e->xs || !e->ys || !e->eo || !e->slot_of || !e->todo || !e->e_cnt ||
         !e->e_off || !e->e_owner || !e->ctrl || !e->last || !e->hn || !e->logits || !e->pick_ids || !e->lrows ||
         !e->seq_shard || !e->seq_row || !e->seq_failed || !e->seq_msg || !e->seq_code ||
@@ -586,6 +611,7 @@ void mm_step_engine_close(mm_step_engine *e) {
     free(e->draft_lp); free(e->draft_tok); free(e->xsrc); free(e->iov);
     free(e->sp_of); free(e->lrow); free(e->items); free(e->srv_of); free(e->acc_of);
     free(e->ps_of);
+    free(e->pk_row); free(e->pk_src);
     free(e->lrows);
     free(e->owner_of); free(e->plan_live); free(e->plan_serve); free(e->plan_nserve);
     mm_draft_close(e->dr);
@@ -605,6 +631,7 @@ void mm_step_engine_close(mm_step_engine *e) {
     }
     mm_backend_close(e->be);
     pthread_cond_destroy(&e->tail_cv);
+    pthread_cond_destroy(&e->begun_cv);
     pthread_mutex_destroy(&e->tail_mu);
     pthread_mutex_destroy(&e->mu);
     free(e);
@@ -793,7 +820,9 @@ static mm_err send_frame_dev(struct peer *p, enum mm_wire_kind kind, uint64_t st
 
 // ---- the step -------------------------------------------------------------------------------
 
-static mm_err check_plan(mm_step_engine *e, const Mmctl__StepPlan *p, char *msg) {
+// pending: tokens MM_FOLLOW_PENDING(k) are the device's picks of the step before (a plan begun
+// early: ids the device's argmax makes, so inside the vocab)
+static mm_err check_plan(mm_step_engine *e, const Mmctl__StepPlan *p, bool pending, char *msg) {
     if (p->n_seqs > (size_t)e->c.max_seqs)
         return mm_errf(msg, MM_EINVAL, "plan has %zu seqs; this router takes at most %d per step "
                        "(--max-step-seqs)", p->n_seqs, e->c.max_seqs);
@@ -809,7 +838,8 @@ static mm_err check_plan(mm_step_engine *e, const Mmctl__StepPlan *p, char *msg)
                 return mm_errf(msg, MM_EINVAL, "seq %llu appears twice in the plan",
                                (unsigned long long)q->seq_id);
         for (size_t t = 0; t < q->n_tokens; t++)
-            if (q->tokens[t] < 0 || q->tokens[t] >= e->V)
+            if ((q->tokens[t] < 0 || q->tokens[t] >= e->V) &&
+                !(pending && MM_FOLLOW_IS_PENDING(q->tokens[t])))
                 return mm_errf(msg, MM_EINVAL, "seq %llu: token %d is outside the vocab (%d)",
                                (unsigned long long)q->seq_id, q->tokens[t], e->V);
         if ((uint64_t)q->pos + q->n_tokens > (uint64_t)e->c.max_ctx)
@@ -1092,19 +1122,56 @@ static void send_releases(mm_step_engine *e, const Mmctl__StepPlan *p) {
     }
 }
 
-// run_layers: the forward pass of the active rows. Returns an error (msg set) that fails them.
-// On a device backend, a peer whose link carries device frames (p->gpu, cudaipc://) gets its
-// rows straight from the backend arrays and answers into them (no host copy, no drain); other
-// peers go through the host exchange arrays as before (one `get` per stage group).
-static mm_err run_layers(mm_step_engine *e, const Mmctl__StepPlan *p, int64_t R, char *msg) {
+// attn_send: layer L's rows to the shards (each shard's seqs in plan order): device frames
+// straight from d_h, host frames through `stage`.
+static mm_err attn_send(mm_step_engine *e, const Mmctl__StepPlan *p, int L, char *msg) {
     const uint64_t step = p->step_id;
-    const int D = e->D, K = e->K, M = e->c.shards, N = e->c.owners;
-    const int tmo = e->c.step_timeout_ms;
+    const int D = e->D, M = e->c.shards, tmo = e->c.step_timeout_ms;
+    for (int s = 0; s < M; s++) {
+        struct peer *sp = &e->shards[s];
+        if (!sp->live || sp->n == 0)
+            continue;
+        if (sp->gpu) {
+            MM_TRY(send_frame_dev(sp, MM_WIRE_ROWS, step, (uint32_t)L, (uint32_t)sp->n,
+                                  (uint32_t)D, 0, 0, tmo, msg));
+            sp->pending = true;
+            // a lone shard's reply read in place where the layer's MoE goes through the
+            // device plan (plan_layer reads h there; h_from_view copies it into d_h)
+            sp->want_view = e->inplace && M == 1 && e->plan_on && !e->sh_host &&
+                            sp->n_iov == 1 && sp->iov[0].iov_base == (void *)e->d_h &&
+                            mm_model_layer_is_moe(e->model, L);
+            continue;
+        }
+        int64_t o = sp->off;
+        for (size_t i = 0; i < p->n_seqs; i++)
+            if (e->seq_row[i] >= 0 && e->seq_shard[i] == s) {
+                int64_t n = (int64_t)e->seq_n[i];
+                memcpy(e->stage + o * D, e->h + (int64_t)e->seq_row[i] * D,
+                       (size_t)(n * D) * 4);
+                o += n;
+            }
+        MM_TRY(send_frame(sp, MM_WIRE_ROWS, MM_WIRE_F32, step, (uint32_t)L,
+                          (uint32_t)sp->n, (uint32_t)D, e->stage + sp->off * D, tmo, msg));
+        sp->pending = true;
+    }
+    mm_mesh_trace(step, L, "a_send");
+    mm_mesh_gstamp(step, L, "a_send");
+    return MM_OK;
+}
+
+// run_start: the forward pass's start: each live shard's CTRL frame (its seqs and the
+// releases) and its rows' region, then the embedding into h. early (a plan begun early): the
+// ids are the picks the step before left on the device (mm_model_embed_picks), and layer 0's
+// rows go to the shards too. Returns an error (msg set) that fails the active rows.
+static mm_err run_start(mm_step_engine *e, const Mmctl__StepPlan *p, int64_t R, bool early,
+                        char *msg) {
+    const uint64_t step = p->step_id;
+    const int D = e->D, M = e->c.shards;
     e->h_view = NULL;
     // Per shard: CTRL with its seqs and the releases; then its rows' region in `stage`.
     int64_t off = 0;
     int n_iov = 0;
-    bool sh_host = false; // some shard takes host rows: keep e->h current on the host
+    e->sh_host = false; // some shard takes host rows: keep e->h current on the host
     for (int s = 0; s < M; s++) {
         struct peer *sp = &e->shards[s];
         if (!sp->live)
@@ -1138,52 +1205,56 @@ static mm_err run_layers(mm_step_engine *e, const Mmctl__StepPlan *p, int64_t R,
         }
         n_iov += sp->n_iov;
         if (!sp->gpu && sp->n > 0)
-            sh_host = true;
+            e->sh_host = true;
         MM_TRY(ctrl_send(e, s, p, ns, c, msg));
         off += sp->n;
     }
     mm_mesh_trace(step, -1, "ctrl");
-    MM_TRY(mm_model_embed(e->model, e->scratch, e->ids, R, DP(e, h)));
+    if (early) { // rows with a pending token take the device's pick it names
+        int64_t np = 0;
+        bool same = true; // row r takes pick r, every row: the picks are the ids as they lie
+        for (int64_t r = 0; r < R; r++)
+            if (MM_FOLLOW_IS_PENDING(e->ids[r])) {
+                e->pk_src[np] = (int32_t)MM_FOLLOW_PICK(e->ids[r]);
+                e->pk_row[np] = (int32_t)r;
+                same = same && e->pk_src[np] == r;
+                np++;
+                e->ids[r] = 0; // (a placeholder the pick overwrites on the device)
+            }
+        same = same && np == R;
+        MM_TRY(mm_model_embed_picks(e->model, e->scratch, same ? NULL : e->ids, R, e->pk_row,
+                                    e->pk_src, np, DP(e, h)));
+    } else
+        MM_TRY(mm_model_embed(e->model, e->scratch, e->ids, R, DP(e, h)));
     mm_mesh_trace(step, -1, "embed");
     mm_mesh_gstamp(step, -1, "embed");
-    if (sh_host)
+    if (e->sh_host)
         MM_TRY(to_host(e, e->h, e->d_h, R * D));
+    if (early)
+        MM_TRY(attn_send(e, p, 0, msg));
+    return MM_OK;
+}
+
+// run_layers: the forward pass of the active rows. Returns an error (msg set) that fails them.
+// On a device backend, a peer whose link carries device frames (p->gpu, cudaipc://) gets its
+// rows straight from the backend arrays and answers into them (no host copy, no drain); other
+// peers go through the host exchange arrays as before (one `get` per stage group). run_start
+// has run (step_begin); begun: early, so layer 0's rows are with the shards already.
+static mm_err run_layers(mm_step_engine *e, const Mmctl__StepPlan *p, int64_t R, bool begun,
+                         char *msg) {
+    const uint64_t step = p->step_id;
+    const int D = e->D, K = e->K, M = e->c.shards, N = e->c.owners;
+    const int tmo = e->c.step_timeout_ms;
+    const bool sh_host = e->sh_host; // (run_start ran: step_begin)
     const int n_layers = e->cfg->n_layers;
     for (int L = 0; L < n_layers; L++) {
         // h back on the host after this layer: for host-path shards, and after the last layer
         // on a host backend (the sampled rows are read from e->h; a device gathers them from
         // d_h itself: mm_step_engine_run)
         const bool h_out = sh_host || (L == n_layers - 1 && !e->dev);
-        // attention on the shards: gather each shard's rows (seqs in plan order), send.
-        for (int s = 0; s < M; s++) {
-            struct peer *sp = &e->shards[s];
-            if (!sp->live || sp->n == 0)
-                continue;
-            if (sp->gpu) {
-                MM_TRY(send_frame_dev(sp, MM_WIRE_ROWS, step, (uint32_t)L, (uint32_t)sp->n,
-                                      (uint32_t)D, 0, 0, tmo, msg));
-                sp->pending = true;
-                // a lone shard's reply read in place where the layer's MoE goes through the
-                // device plan (plan_layer reads h there; h_from_view copies it into d_h)
-                sp->want_view = e->inplace && M == 1 && e->plan_on && !sh_host &&
-                                sp->n_iov == 1 && sp->iov[0].iov_base == (void *)e->d_h &&
-                                mm_model_layer_is_moe(e->model, L);
-                continue;
-            }
-            int64_t o = sp->off;
-            for (size_t i = 0; i < p->n_seqs; i++)
-                if (e->seq_row[i] >= 0 && e->seq_shard[i] == s) {
-                    int64_t n = (int64_t)e->seq_n[i];
-                    memcpy(e->stage + o * D, e->h + (int64_t)e->seq_row[i] * D,
-                           (size_t)(n * D) * 4);
-                    o += n;
-                }
-            MM_TRY(send_frame(sp, MM_WIRE_ROWS, MM_WIRE_F32, step, (uint32_t)L,
-                              (uint32_t)sp->n, (uint32_t)D, e->stage + sp->off * D, tmo, msg));
-            sp->pending = true;
-        }
-        mm_mesh_trace(step, L, "a_send");
-        mm_mesh_gstamp(step, L, "a_send");
+        // attention on the shards: each shard's rows (seqs in plan order)
+        if (!(begun && L == 0))
+            MM_TRY(attn_send(e, p, L, msg));
         e->h_view = NULL;
         MM_TRY(gather(e, e->shards, M, step, (uint32_t)L, e->stage, false, msg));
         if (M == 1 && e->shards[0].view) // (a view: one segment of all R rows, want_view above)
@@ -1428,13 +1499,29 @@ static void tail_set(mm_step_engine *e, bool on) {
     pthread_mutex_unlock(&e->tail_mu);
 }
 
-static void engine_lock(mm_step_engine *e) {
+// wait_publish: a follow plan about to wait for the engine offers itself to be begun early by
+// the step it follows (begin_next); wait_unpublish withdraws the offer once it has the engine.
+static void wait_publish(mm_step_engine *e, const Mmctl__StepPlan *p) {
+    if (!e->early || !p->after_step || atomic_load(&e->wait_p) != NULL)
+        return;
+    const Mmctl__StepPlan *none = NULL;
+    atomic_compare_exchange_strong(&e->wait_p, &none, p);
+}
+
+static void wait_unpublish(mm_step_engine *e, const Mmctl__StepPlan *p) {
+    const Mmctl__StepPlan *mine = p;
+    atomic_compare_exchange_strong(&e->wait_p, &mine, NULL);
+}
+
+static void engine_lock(mm_step_engine *e, const Mmctl__StepPlan *p) {
+    wait_publish(e, p);
     if (!e->handoff) {
         pthread_mutex_lock(&e->mu);
         return;
     }
     uint64_t spin_from = 0;
     while (pthread_mutex_trylock(&e->mu) != 0) {
+        wait_publish(e, p); // (taken by a step that then did not begin it)
         if (atomic_load(&e->in_tail)) { // the running step is replying: the lock is near
             const uint64_t now = mm_now_ns();
             if (!spin_from)
@@ -1458,43 +1545,60 @@ static void engine_lock(mm_step_engine *e) {
     atomic_store(&e->in_tail, false);
 }
 
-struct nng_msg *mm_step_engine_run(mm_step_engine *e, const Mmctl__StepPlan *p, uint64_t seq) {
-    engine_lock(e);
-    mm_mesh_trace(p->step_id, -1, "run");
+// step_begin: a plan's start, up to its forward's first layer: its place after the step it
+// follows, its checks, its active rows, and (rows > 0) run_start. A refusal of the whole plan is
+// returned (msg set); *lrv is run_start's failure, which fails the rows. early (begin_next: the
+// engine's step before it runs this on its own thread, its picks still on their way): the plan
+// must take some of that step's pending picks (mm_follow_n_pending), pass its checks, and have
+// every seq on a live shard with a device link, without draft rows or penalties;
+// else MM_EBUSY, with nothing sent, released or drafted (the plan's own thread then begins it as
+// usual).
+static mm_err step_begin(mm_step_engine *e, const Mmctl__StepPlan **pp, bool early, int64_t *R_out,
+                         mm_err *lrv, uint64_t *t0, char *msg) {
+    const Mmctl__StepPlan *p = *pp;
+    *R_out = 0;
+    *lrv = MM_OK;
     mm_follow_arrived(e->fl, p->step_id); // (a plan that follows it now waits for it to run)
-    char msg[MSG_LEN] = "";
-    Mmctl__StepResult sr = MMCTL__STEP_RESULT__INIT;
-    sr.step_id = p->step_id;
-    sr.error = "";
     // Pipelined plans: run after step after_step (waited for), follow seqs take its picks.
-    mm_err rv = p->after_step ? mm_follow_wait(e->fl, &e->mu, p->after_step,
-                                               e->c.step_timeout_ms, msg, MSG_LEN)
-                              : MM_OK;
+    mm_err rv = p->after_step && !early ? mm_follow_wait(e->fl, &e->mu, p->after_step,
+                                                         e->c.step_timeout_ms, msg, MSG_LEN)
+                                        : MM_OK;
     // The wait gave the lock up and took it back after another step's tail: that step's
     // in_tail would make the next plan spin its whole HANDOFF_SPIN_NS through this step.
-    if (p->after_step && e->handoff)
+    if (p->after_step && e->handoff && !early)
         atomic_store(&e->in_tail, false);
     if (rv == MM_OK) {
         p = mm_follow_resolve(e->fl, p, e->c.max_ctx);
-        rv = check_plan(e, p, msg);
+        *pp = p;
+        for (size_t i = 0; early && i < p->n_seqs; i++)
+            if (p->seqs[i]->max_draft != 0) // (no draft rows: row i is seq i's one token)
+                return MM_EBUSY;
+        if (early && mm_follow_n_pending(e->fl) == 0)
+            return MM_EBUSY;
+        rv = check_plan(e, p, early, msg);
     }
-    if (rv != MM_OK) {
-        mm_log_warn("step %llu refused: %s", (unsigned long long)p->step_id, msg);
-        sr.error_code = (uint32_t)rv;
-        sr.error = msg;
-        goto reply;
-    }
+    if (rv != MM_OK)
+        return early ? MM_EBUSY : rv;
     mm_mesh_trace(p->step_id, -1, "checked");
-    for (size_t i = 0; i < p->n_release; i++)
-        mm_pen_table_release(e->pen, p->release[i]);
     const int M = e->c.shards, N = e->c.owners;
     for (int s = 0; s < M; s++)
         peer_ensure(e, &e->shards[s]);
     if (e->E > 0 && p->n_seqs > 0) // a plan of releases only needs no owner
         for (int o = 0; o < N; o++)
             peer_ensure(e, &e->owners[o]);
+    // early: every seq on a live shard with a device link (rows i = seqs i, no host copy) and
+    // without penalties (their counts would be fed the pending tokens)
+    for (size_t i = 0; early && i < p->n_seqs; i++) {
+        const struct peer *sp = &e->shards[p->seqs[i]->seq_id % (uint64_t)M];
+        mm_sampling sp_i;
+        mm_step_sampling_from_pb(p->seqs[i]->sampling, &sp_i);
+        if (!sp->live || !sp->gpu || mm_sampling_has_penalty(&sp_i))
+            return MM_EBUSY;
+    }
+    for (size_t i = 0; i < p->n_release; i++)
+        mm_pen_table_release(e->pen, p->release[i]);
     // Active rows: the seqs of live shards, in plan order; each seq's tokens, then its drafts.
-    const uint64_t t0 = mm_now_ns();
+    *t0 = mm_now_ns();
     int64_t R = 0;
     for (size_t i = 0; i < p->n_seqs; i++) {
         const Mmctl__SeqStep *q = p->seqs[i];
@@ -1532,11 +1636,91 @@ struct nng_msg *mm_step_engine_run(mm_step_engine *e, const Mmctl__StepPlan *p, 
     }
     mm_mesh_trace(p->step_id, (int)R, "rows"); // (the layer field carries the row count)
     mm_mesh_trace(p->step_id, -1, "start");
+    *R_out = R;
     if (R == 0 && p->n_release > 0)
         send_releases(e, p);
+    if (R > 0)
+        *lrv = run_start(e, p, R, early, msg);
+    return MM_OK;
+}
+
+// begin_next: the step `prev` has started its picks' copy to the host; if the plan that follows
+// it is waiting for the engine (wait_publish), begin it here (step_begin, early) so that its
+// device work queues behind prev's. Returns whether it was begun: its thread goes on from there.
+static bool begin_next(mm_step_engine *e, const Mmctl__StepPlan *prev) {
+    const Mmctl__StepPlan *q = atomic_load(&e->wait_p);
+    if (!q || q->after_step != prev->step_id ||
+        !atomic_compare_exchange_strong(&e->wait_p, &q, NULL))
+        return false;
+    const Mmctl__StepPlan *rp = q;
+    char msg[MSG_LEN] = "";
+    int64_t R = 0;
+    mm_err lrv = MM_OK;
+    uint64_t t0 = 0;
+    mm_mesh_trace(q->step_id, -1, "run");
+    if (step_begin(e, &rp, true, &R, &lrv, &t0, msg) != MM_OK) {
+        mm_mesh_trace(q->step_id, -1, "not_begun");
+        return false;
+    }
+    e->begun = q;
+    e->begun_p = rp;
+    e->begun_R = R;
+    e->begun_t0 = t0;
+    e->begun_lrv = lrv;
+    snprintf(e->begun_msg, MSG_LEN, "%s", msg);
+    e->pred_rv = MM_OK;
+    e->pred_msg[0] = 0;
+    return true;
+}
+
+struct nng_msg *mm_step_engine_run(mm_step_engine *e, const Mmctl__StepPlan *p, uint64_t seq) {
+    engine_lock(e, p);
+    wait_unpublish(e, p);
+    // a plan begun by the step before it runs next: another plan waits for its thread
+    while (e->begun && e->begun != p)
+        pthread_cond_wait(&e->begun_cv, &e->mu);
+    char msg[MSG_LEN] = "";
+    Mmctl__StepResult sr = MMCTL__STEP_RESULT__INIT;
+    sr.step_id = p->step_id;
+    sr.error = "";
+    int64_t R = 0;
+    uint64_t t0 = 0;
+    mm_err lrv = MM_OK; // the forward's start failed (fails the active rows)
+    bool begun = false, recorded = false;
+    bool early = false; // picks left on the device, read after the next plan is begun
+    uint64_t ticket = 0;
+    int64_t ns_early = 0; // their count
+    mm_err rv = MM_OK;
+    if (e->begun == p) { // begun early: its checks, rows and forward's start are done
+        begun = true;
+        p = e->begun_p;
+        R = e->begun_R;
+        t0 = e->begun_t0;
+        lrv = e->begun_lrv;
+        snprintf(msg, MSG_LEN, "%s", e->begun_msg);
+        e->begun = NULL;
+        pthread_cond_broadcast(&e->begun_cv);
+        mm_mesh_trace(p->step_id, -1, "taken");
+    } else {
+        mm_mesh_trace(p->step_id, -1, "run");
+        e->pred_rv = MM_OK;
+        rv = step_begin(e, &p, false, &R, &lrv, &t0, msg);
+    }
+    if (rv != MM_OK) {
+        mm_log_warn("step %llu refused: %s", (unsigned long long)p->step_id, msg);
+        sr.error_code = (uint32_t)rv;
+        sr.error = msg;
+        goto reply;
+    }
+    const int M = e->c.shards, N = e->c.owners;
     if (R > 0) {
-        rv = run_layers(e, p, R, msg);
+        rv = lrv != MM_OK ? lrv : run_layers(e, p, R, begun, msg);
         mm_mesh_trace(p->step_id, -1, "layers");
+        if (rv == MM_OK && e->pred_rv != MM_OK) { // its input picks never reached the host
+            rv = e->pred_rv;
+            snprintf(msg, MSG_LEN, "%s", e->pred_msg);
+        }
+        e->pred_rv = MM_OK;
         if (rv != MM_OK) {
             if (!msg[0]) // a local stage that returned a code only: the requests still get a text
                 snprintf(msg, MSG_LEN, "the router's forward pass of step %llu failed: %s",
@@ -1557,9 +1741,10 @@ struct nng_msg *mm_step_engine_run(mm_step_engine *e, const Mmctl__StepPlan *p, 
             // final norm + head on the last row of each sampling seq and on its draft rows,
             // then sampling and verification.
             // (a device gathers them from d_h: no read of h)
-            int64_t ns = 0;
+            int64_t ns = 0, nsamp = 0;
             for (size_t i = 0; i < p->n_seqs; i++)
                 if (e->seq_row[i] >= 0 && p->seqs[i]->sample) {
+                    nsamp++;
                     int64_t r = e->seq_row[i] + (int64_t)p->seqs[i]->n_tokens - 1;
                     if (!e->dev)
                         memcpy(e->last + ns * e->D, e->h + r * e->D,
@@ -1600,7 +1785,22 @@ struct nng_msg *mm_step_engine_run(mm_step_engine *e, const Mmctl__StepPlan *p, 
                     rv = mm_model_head(e->model, e->scratch, DP(e, hn), ns, DP(e, logits));
                 mm_mesh_trace(p->step_id, -1, "head");
                 mm_mesh_gstamp(p->step_id, -1, "head");
-                if (rv == MM_OK && dev_pick) {
+                // Begun early (begin_next) can be the next plan of a step whose seqs are all
+                // picked on the device, without draft rows: its picks stay on the device, where
+                // the next step's embedding reads them, and come to the host by a fetch.
+                early = rv == MM_OK && dev_pick && e->early && ns == nsamp &&
+                        (size_t)ns * 4 <= MM_FETCH_BYTES &&
+                        mm_model_can_overlap(e->model, e->scratch);
+                if (early) {
+                    const mm_err arv = mm_model_pick_async(e->model, e->scratch, DP(e, logits),
+                                                           ns, &ticket);
+                    if (arv != MM_OK) // (nothing issued: picked as below)
+                        early = false;
+                    else
+                        mm_mesh_trace(p->step_id, -1, "fetch");
+                    ns_early = ns;
+                }
+                if (rv == MM_OK && dev_pick && !early) {
                     const mm_err arv =
                         mm_model_argmax(e->model, e->scratch, DP(e, logits), ns, e->pick_ids);
                     if (arv == MM_EUNSUPP)
@@ -1653,7 +1853,16 @@ struct nng_msg *mm_step_engine_run(mm_step_engine *e, const Mmctl__StepPlan *p, 
             }
             // Verification of the draft rows (mm/spec.h): plain decoding's picks, drafts
             // accepted while they equal them.
-            if (rv == MM_OK && dev_pick)
+            if (rv == MM_OK && early) // tokens when the picks come (after the next plan's begin)
+                for (int k = 0; k < n_items; k++) {
+                    const int32_t i = e->items[k];
+                    e->smp[i].token = MM_FOLLOW_PENDING(e->lrow[i]); // (its pick: one row)
+                    e->smp[i].logprob = 0;
+                    e->smp[i].n_top = 0;
+                    e->acc_of[i] = 0;
+                    e->srv_of[i] = MM_OK;
+                }
+            else if (rv == MM_OK && dev_pick)
                 for (int k = 0; k < n_items; k++)
                     pick_dev(e, e->items[k]);
             else if (rv == MM_OK)
@@ -1680,9 +1889,11 @@ struct nng_msg *mm_step_engine_run(mm_step_engine *e, const Mmctl__StepPlan *p, 
                     }
                 }
             }
-            mm_mesh_trace(p->step_id, -1, "picked");
-            if (e->handoff)
-                tail_set(e, true); // a plan waiting for the lock may start spinning
+            if (!early) {
+                mm_mesh_trace(p->step_id, -1, "picked");
+                if (e->handoff)
+                    tail_set(e, true); // a plan waiting for the lock may start spinning
+            }
             mm_log_debug("step %llu: %lld rows in %.3f ms", (unsigned long long)p->step_id,
                          (long long)R, (double)(mm_now_ns() - t0) / 1e6);
         }
@@ -1720,10 +1931,45 @@ struct nng_msg *mm_step_engine_run(mm_step_engine *e, const Mmctl__StepPlan *p, 
     sr.n_results = p->n_seqs;
     sr.results = e->res_p;
     mm_draft_end(e->dr, mm_now_ns() - t0);
+    if (early) {
+        // The results are built but for their tokens: record them pending, begin the plan that
+        // follows (if it waits), then read the picks. From here on the per-seq arrays belong to
+        // the plan begun; this step answers from e->res alone.
+        mm_follow_record(e->fl, p, e->res_p, sr.n_results, 0, "");
+        recorded = true;
+        const bool next = begin_next(e, p);
+        const mm_err prv = mm_model_pick_wait(e->model, e->scratch, ticket, e->pick_ids);
+        if (prv == MM_OK) {
+            for (size_t i = 0; i < p->n_seqs; i++)
+                if (e->res[i].error_code == 0 && MM_FOLLOW_IS_PENDING(e->res[i].token))
+                    e->res[i].token = e->pick_ids[MM_FOLLOW_PICK(e->res[i].token)];
+            mm_follow_set_tokens(e->fl, p->step_id, e->pick_ids, (size_t)ns_early);
+            if (next) // the begun plan's tokens, for the drafting histories
+                mm_draft_fed(e->dr, e->begun_p, e->pick_ids, (size_t)ns_early);
+        } else {
+            snprintf(e->early_msg, MSG_LEN, "reading step %llu's picks from the device failed: %s",
+                     (unsigned long long)p->step_id, mm_strerror(prv));
+            mm_log_warn("%s", e->early_msg);
+            for (size_t i = 0; i < p->n_seqs; i++) {
+                e->res[i].token = -1;
+                e->res[i].error_code = (uint32_t)prv;
+                e->res[i].error = e->early_msg;
+            }
+            mm_follow_fail(e->fl, p->step_id, prv, e->early_msg);
+            if (next) { // its rows embedded these picks: they fail too
+                e->pred_rv = prv;
+                snprintf(e->pred_msg, MSG_LEN, "%s", e->early_msg);
+            }
+        }
+        mm_mesh_trace(p->step_id, -1, "picked");
+        if (e->handoff)
+            tail_set(e, true);
+    }
 reply:;
     if (e->handoff && !atomic_load(&e->in_tail)) // (a step that picked nothing: refused, failed)
         tail_set(e, true);
-    mm_follow_record(e->fl, p, e->res_p, sr.n_results, sr.error_code, sr.error);
+    if (!recorded)
+        mm_follow_record(e->fl, p, e->res_p, sr.n_results, sr.error_code, sr.error);
     mm_ctl_msg env = MMCTL__ENVELOPE__INIT;
     env.body_case = MMCTL__ENVELOPE__BODY_STEP_RESULT;
     env.step_result = &sr;

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: MIT
 // The router's drafting state; see step_draft.h and docs/MESH.md (Drafting).
 #include "step_draft.h"
+#include "step_follow.h"
 
 #include <stdarg.h>
 #include <stdio.h>
@@ -1016,6 +1017,18 @@ static void app(char *buf, int *n, const char *fmt, ...) {
 }
 
 static void detail_build(mm_draft *d);
+
+void mm_draft_fed(mm_draft *d, const Mmctl__StepPlan *p, const int32_t *picks, size_t n) {
+    for (size_t i = 0; d->c.max_k > 0 && i < p->n_seqs; i++) {
+        const Mmctl__SeqStep *q = p->seqs[i];
+        if (q->n_tokens != 1 || !MM_FOLLOW_IS_PENDING(q->tokens[0]) ||
+            MM_FOLLOW_PICK(q->tokens[0]) >= (int64_t)n)
+            continue;
+        struct rseq *r = find(d, q->seq_id);
+        if (r && !r->broken && r->last_step == d->step_no && (int64_t)q->pos < (int64_t)r->len)
+            r->hist[q->pos] = picks[MM_FOLLOW_PICK(q->tokens[0])];
+    }
+}
 
 void mm_draft_end(mm_draft *d, uint64_t step_ns) {
     (void)step_ns;

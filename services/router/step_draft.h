@@ -108,6 +108,11 @@ size_t mm_draft_ctrl_max(const mm_draft *d); // largest tail in bytes
 void mm_draft_verified(mm_draft *d, const Mmctl__SeqStep *q, uint32_t n_draft,
                        uint32_t accepted, const int32_t *drafts);
 
+// mm_draft_fed: the step just begun (p, the last mm_draft_begin's plan) fed some seqs a token
+// still on the device then (MM_FOLLOW_PENDING(k): a plan begun early); picks (n) are those
+// tokens now, for the seqs' histories.
+void mm_draft_fed(mm_draft *d, const Mmctl__StepPlan *p, const int32_t *picks, size_t n);
+
 // mm_draft_end closes the step: its wall time feeds the width costs; metrics are published in
 // the router's status detail (at most every 50 ms while steps run: mm_draft_detail_flush).
 void mm_draft_end(mm_draft *d, uint64_t step_ns);

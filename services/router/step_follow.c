@@ -34,14 +34,19 @@ struct mm_follow {
     int head;          // next slot to write
     uint64_t seen[FOLLOW_SEEN]; // plans that reached mm_step_engine_run (mm_follow_arrived)
     int seen_head;
-    // the last resolved plan
-    Mmctl__StepPlan rp;
-    Mmctl__SeqStep *rs;   // (max_seqs)
-    Mmctl__SeqStep **rsp; // (max_seqs)
-    int32_t *tok;         // (max_seqs) the follow entries' input tokens
-    int32_t *drop_code;   // (max_seqs) 0: runs
-    char (*drop_msg)[FOLLOW_MSG];
-    size_t n_resolved;    // entries of the last resolved plan with drop_code set (0: none)
+    // the last two resolved plans (a plan begun early, mm_step_engine_run, is resolved while
+    // the step before it still answers from its own); cur: the newer
+    struct resolved {
+        Mmctl__StepPlan rp;
+        Mmctl__SeqStep *rs;   // (max_seqs)
+        Mmctl__SeqStep **rsp; // (max_seqs)
+        int32_t *tok;         // (max_seqs) the follow entries' input tokens
+        int32_t *drop_code;   // (max_seqs) 0: runs
+        char (*drop_msg)[FOLLOW_MSG];
+        size_t n_resolved;    // entries with drop_code set (0: none)
+        size_t n_pending;     // entries that run on a pending token
+    } res[2];
+    int cur;
 };
 
 mm_err mm_follow_new(mm_follow **out, int max_seqs) {
@@ -63,17 +68,21 @@ mm_err mm_follow_new(mm_follow **out, int max_seqs) {
         r->msg = calloc(n, sizeof(*r->msg));
         ok = ok && r->seq && r->tok && r->next_pos && r->code && r->msg;
     }
-    f->rs = calloc(n, sizeof(*f->rs));
-    f->rsp = calloc(n, sizeof(*f->rsp));
-    f->tok = calloc(n, sizeof(*f->tok));
-    f->drop_code = calloc(n, sizeof(*f->drop_code));
-    f->drop_msg = calloc(n, sizeof(*f->drop_msg));
+    for (int k = 0; k < 2; k++) {
+        struct resolved *v = &f->res[k];
+        v->rs = calloc(n, sizeof(*v->rs));
+        v->rsp = calloc(n, sizeof(*v->rsp));
+        v->tok = calloc(n, sizeof(*v->tok));
+        v->drop_code = calloc(n, sizeof(*v->drop_code));
+        v->drop_msg = calloc(n, sizeof(*v->drop_msg));
+        ok = ok && v->rs && v->rsp && v->tok && v->drop_code && v->drop_msg;
+    }
     pthread_condattr_t ca;
     pthread_condattr_init(&ca);
     pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
     pthread_cond_init(&f->cv, &ca);
     pthread_condattr_destroy(&ca);
-    if (!ok || !f->rs || !f->rsp || !f->tok || !f->drop_code || !f->drop_msg) {
+    if (!ok) {
         mm_follow_free(f);
         return MM_ENOMEM;
     }
@@ -92,19 +101,22 @@ void mm_follow_free(mm_follow *f) {
         free(r->code);
         free(r->msg);
     }
-    free(f->rs);
-    free(f->rsp);
-    free(f->tok);
-    free(f->drop_code);
-    free(f->drop_msg);
+    for (int k = 0; k < 2; k++) {
+        struct resolved *v = &f->res[k];
+        free(v->rs);
+        free(v->rsp);
+        free(v->tok);
+        free(v->drop_code);
+        free(v->drop_msg);
+    }
     pthread_cond_destroy(&f->cv);
     free(f);
 }
 
 // find: the newest record of step `id`, or NULL.
-static const struct step_rec *find(const mm_follow *f, uint64_t id) {
+static struct step_rec *find(mm_follow *f, uint64_t id) {
     for (int k = 1; k <= FOLLOW_STEPS; k++) {
-        const struct step_rec *r = &f->ring[(f->head - k + FOLLOW_STEPS) % FOLLOW_STEPS];
+        struct step_rec *r = &f->ring[(f->head - k + FOLLOW_STEPS) % FOLLOW_STEPS];
         if (r->used && r->step_id == id)
             return r;
     }
@@ -157,36 +169,39 @@ mm_err mm_follow_wait(mm_follow *f, pthread_mutex_t *mu, uint64_t after, int tim
 }
 
 // drop: entry i of the resolved plan runs no row, answered with (code, why).
-static void drop(mm_follow *f, size_t i, int32_t code, const char *fmt, ...)
+static void drop(struct resolved *v, size_t i, int32_t code, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
-static void drop(mm_follow *f, size_t i, int32_t code, const char *fmt, ...) {
+static void drop(struct resolved *v, size_t i, int32_t code, const char *fmt, ...) {
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(f->drop_msg[i], FOLLOW_MSG, fmt, ap);
+    vsnprintf(v->drop_msg[i], FOLLOW_MSG, fmt, ap);
     va_end(ap);
-    f->drop_code[i] = code;
-    f->n_resolved++;
+    v->drop_code[i] = code;
+    v->n_resolved++;
 }
 
 const Mmctl__StepPlan *mm_follow_resolve(mm_follow *f, const Mmctl__StepPlan *p, int max_ctx) {
-    f->n_resolved = 0;
+    f->cur ^= 1; // (the other set may hold the plan of the step still answering)
+    struct resolved *v = &f->res[f->cur];
+    v->n_resolved = 0;
+    v->n_pending = 0;
     bool any = false;
     for (size_t i = 0; i < p->n_seqs && !any; i++)
         any = p->seqs[i]->follow;
     if (!any || p->n_seqs > (size_t)f->max_seqs) // (too many seqs: check_plan refuses it)
         return p;
     const struct step_rec *rec = find(f, p->after_step);
-    f->rp = *p;
-    f->rp.seqs = f->rsp;
+    v->rp = *p;
+    v->rp.seqs = v->rsp;
     for (size_t i = 0; i < p->n_seqs; i++) {
         const Mmctl__SeqStep *q = p->seqs[i];
-        Mmctl__SeqStep *o = &f->rs[i];
+        Mmctl__SeqStep *o = &v->rs[i];
         *o = *q; // shallow: tokens and sampling stay the plan's
-        f->rsp[i] = o;
-        f->drop_code[i] = 0;
+        v->rsp[i] = o;
+        v->drop_code[i] = 0;
         if (!q->follow)
             continue;
-        o->tokens = &f->tok[i]; // (a dropped entry: 0 tokens at a valid address, for memcpy)
+        o->tokens = &v->tok[i]; // (a dropped entry: 0 tokens at a valid address, for memcpy)
         const unsigned long long id = (unsigned long long)q->seq_id,
                                  after = (unsigned long long)p->after_step;
         size_t j = rec && i < rec->n && rec->seq[i] == q->seq_id ? i : (size_t)-1;
@@ -194,47 +209,76 @@ const Mmctl__StepPlan *mm_follow_resolve(mm_follow *f, const Mmctl__StepPlan *p,
             if (rec->seq[k] == q->seq_id)
                 j = k;
         if (!rec || j == (size_t)-1) {
-            drop(f, i, MM_EINVAL, "seq %llu follows step %llu but was not in it", id, after);
+            drop(v, i, MM_EINVAL, "seq %llu follows step %llu but was not in it", id, after);
             continue;
         }
         if (rec->code[j] != 0) {
-            drop(f, i, rec->code[j], "seq %llu: dropped, it failed at step %llu: %s", id, after,
+            drop(v, i, rec->code[j], "seq %llu: dropped, it failed at step %llu: %s", id, after,
                  rec->msg[j]);
             continue;
         }
-        if (rec->tok[j] < 0) {
-            drop(f, i, MM_EINVAL, "seq %llu follows step %llu but sampled no token there", id,
+        if (rec->tok[j] < 0 && !MM_FOLLOW_IS_PENDING(rec->tok[j])) {
+            drop(v, i, MM_EINVAL, "seq %llu follows step %llu but sampled no token there", id,
                  after);
             continue;
         }
         const uint32_t pos = rec->next_pos[j];
         o->pos = pos; // (also for a dropped entry: the drafting state sees the seq go on)
         if (q->end_pos != 0 && pos >= q->end_pos) {
-            drop(f, i, MM_ECANCELED, "seq %llu: dropped at position %u (its end position %u: "
+            drop(v, i, MM_ECANCELED, "seq %llu: dropped at position %u (its end position %u: "
                  "the client ends it)", id, pos, q->end_pos);
             continue;
         }
         if ((int64_t)pos + 1 > (int64_t)max_ctx) {
-            drop(f, i, MM_EINVAL, "seq %llu: position %u is at the context limit %d", id, pos,
+            drop(v, i, MM_EINVAL, "seq %llu: position %u is at the context limit %d", id, pos,
                  max_ctx);
             continue;
         }
-        f->tok[i] = rec->tok[j];
+        v->tok[i] = rec->tok[j];
         o->n_tokens = 1;
+        v->n_pending += MM_FOLLOW_IS_PENDING(rec->tok[j]);
         // draft rows stay before end_pos: the client reserved KV up to it (the client could
         // not bound max_draft by the tokens its pending step may still add)
         if (q->end_pos != 0 && o->max_draft > q->end_pos - pos - 1)
             o->max_draft = q->end_pos - pos - 1;
     }
-    return &f->rp;
+    return &v->rp;
 }
 
 const char *mm_follow_dropped(const mm_follow *f, size_t i, int32_t *code) {
-    if (f->n_resolved == 0 || i >= (size_t)f->max_seqs || f->drop_code[i] == 0)
+    const struct resolved *v = &f->res[f->cur];
+    if (v->n_resolved == 0 || i >= (size_t)f->max_seqs || v->drop_code[i] == 0)
         return NULL;
     if (code)
-        *code = f->drop_code[i];
-    return f->drop_msg[i];
+        *code = v->drop_code[i];
+    return v->drop_msg[i];
+}
+
+size_t mm_follow_n_pending(const mm_follow *f) { return f->res[f->cur].n_pending; }
+
+void mm_follow_set_tokens(mm_follow *f, uint64_t step_id, const int32_t *picks, size_t n) {
+    struct step_rec *r = find(f, step_id);
+    if (!r)
+        return;
+    for (size_t i = 0; i < r->n; i++)
+        if (r->code[i] == 0 && MM_FOLLOW_IS_PENDING(r->tok[i])) {
+            const int64_t k = MM_FOLLOW_PICK(r->tok[i]);
+            r->tok[i] = k < (int64_t)n ? picks[k] : -1; // (none: "sampled no token")
+        }
+    pthread_cond_broadcast(&f->cv);
+}
+
+void mm_follow_fail(mm_follow *f, uint64_t step_id, int32_t code, const char *msg) {
+    struct step_rec *r = find(f, step_id);
+    if (!r)
+        return;
+    for (size_t i = 0; i < r->n; i++)
+        if (r->code[i] == 0) {
+            r->code[i] = code ? code : MM_EINVAL;
+            r->tok[i] = -1;
+            snprintf(r->msg[i], FOLLOW_MSG, "%s", msg && msg[0] ? msg : "the step failed");
+        }
+    pthread_cond_broadcast(&f->cv);
 }
 
 void mm_follow_record(mm_follow *f, const Mmctl__StepPlan *p, Mmctl__SeqResult *const *res,
@@ -262,7 +306,7 @@ void mm_follow_record(mm_follow *f, const Mmctl__StepPlan *p, Mmctl__SeqResult *
             snprintf(r->msg[i], FOLLOW_MSG, "%s", s->error ? s->error : "");
             continue;
         }
-        r->tok[i] = s->n_more > 0 ? s->more[s->n_more - 1] : s->token;
+        r->tok[i] = s->n_more > 0 ? s->more[s->n_more - 1] : s->token; // (or MM_FOLLOW_PENDING)
         r->next_pos[i] = q->pos + (uint32_t)q->n_tokens + (uint32_t)s->n_more;
     }
     pthread_cond_broadcast(&f->cv);

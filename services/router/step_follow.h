@@ -37,8 +37,17 @@ void mm_follow_arrived(mm_follow *f, uint64_t step_id);
 mm_err mm_follow_wait(mm_follow *f, pthread_mutex_t *mu, uint64_t after, int timeout_ms,
                       char *msg, size_t msg_len);
 
+// A step whose picks are still on their way from the device (a plan begun early:
+// mm_step_engine_run) records its results with token MM_FOLLOW_PENDING(k), k the seq's pick in
+// the step's device picks; a follow entry of such a step resolves to that token (the caller
+// embeds the device's pick k instead), and mm_follow_set_tokens / mm_follow_fail then make the
+// record final.
+#define MM_FOLLOW_PENDING(k) (-2 - (int32_t)(k))
+#define MM_FOLLOW_IS_PENDING(t) ((t) <= -2)
+#define MM_FOLLOW_PICK(t) (-2 - (int64_t)(t))
+
 // mm_follow_resolve: the plan to run for p (borrowed; the returned plan is valid until the
-// next call and shares p's arrays): p itself when it has no follow entries, else a copy whose
+// next call but one, and shares p's arrays): p itself when it has no follow entries, else a copy whose
 // follow entries carry the token and position from step p->after_step (and max_draft cut so
 // that draft rows stay before end_pos). An entry that cannot
 // run keeps no tokens; mm_follow_dropped then names why. max_ctx: the router's context limit.
@@ -47,6 +56,16 @@ const Mmctl__StepPlan *mm_follow_resolve(mm_follow *f, const Mmctl__StepPlan *p,
 // mm_follow_dropped: entry i of the last resolved plan cannot run: its message (and *code),
 // else NULL.
 const char *mm_follow_dropped(const mm_follow *f, size_t i, int32_t *code);
+
+// mm_follow_n_pending: entries of the last resolved plan that run (not dropped) on a pending
+// token (MM_FOLLOW_PENDING(k)).
+size_t mm_follow_n_pending(const mm_follow *f);
+
+// mm_follow_set_tokens: the recorded step step_id's pending tokens become the picks they name
+// (picks: n of them); wakes plans waiting for it. mm_follow_fail: every seq of that step that
+// had not failed fails with (code, msg) instead.
+void mm_follow_set_tokens(mm_follow *f, uint64_t step_id, const int32_t *picks, size_t n);
+void mm_follow_fail(mm_follow *f, uint64_t step_id, int32_t code, const char *msg);
 
 // mm_follow_record: step p (the plan run, resolved) ended with results res (n_res, plan order;
 // 0 when the whole step failed with whole_code/whole_msg). Wakes plans waiting for it.

@@ -245,7 +245,90 @@ static void test_wait_never_arrived(void) {
     mm_follow_free(f);
 }
 
+// A step whose picks are still on the device records pending tokens (MM_FOLLOW_PENDING(k): pick
+// k): a plan that follows it resolves at once, its entries carrying those (the router embeds
+// the device's picks for them); the step before's resolved plan stays valid while it answers;
+// the record then becomes final (the picks' tokens) or failed (its followers dropped).
+static void test_pending(void) {
+    mm_follow *f = NULL;
+    MM_PASS(mm_follow_new(&f, N));
+    struct plan a; // step 30: seqs 1, 2, 3 decode; 4 is a prompt chunk (samples nothing)
+    plan_init(&a, 30, 0);
+    add(&a, 1, 4, 1, 100, 0);
+    add(&a, 2, 7, 1, 200, 0);
+    add(&a, 4, 0, 3, 400, 0)->sample = false;
+    add(&a, 3, 9, 1, 300, 0);
+    struct results ra;
+    result(&ra, 0, 1, MM_FOLLOW_PENDING(0), 0, "", 0, 0);
+    result(&ra, 1, 2, MM_FOLLOW_PENDING(1), 0, "", 0, 0);
+    result(&ra, 2, 4, -1, 0, "", 0, 0);
+    result(&ra, 3, 3, MM_FOLLOW_PENDING(2), 0, "", 0, 0);
+    mm_follow_record(f, &a.p, ra.rp, 4, 0, "");
+    struct plan b; // step 31 follows 30 in another order, with a new seq and the chunk's seq
+    plan_init(&b, 31, 30);
+    add(&b, 3, 0, 0, 0, 0);
+    add(&b, 9, 0, 2, 900, 0);
+    add(&b, 1, 0, 0, 0, 0);
+    add(&b, 4, 0, 0, 0, 0); // sampled nothing at 30: dropped
+    add(&b, 2, 0, 0, 0, 0);
+    const Mmctl__StepPlan *rb = mm_follow_resolve(f, &b.p, 64);
+    MM_EQ(mm_follow_n_pending(f), 3);
+    MM_EQ(rb->seqs[0]->tokens[0], MM_FOLLOW_PENDING(2));
+    MM_EQ(rb->seqs[0]->pos, 10);
+    MM_EQ(rb->seqs[1]->tokens[0], 900);
+    MM_EQ(rb->seqs[2]->tokens[0], MM_FOLLOW_PENDING(0));
+    MM_EQ(rb->seqs[2]->pos, 5);
+    MM_TRUE(mm_follow_dropped(f, 3, NULL) != NULL);
+    MM_EQ(rb->seqs[4]->tokens[0], MM_FOLLOW_PENDING(1));
+    MM_TRUE(MM_FOLLOW_IS_PENDING(MM_FOLLOW_PENDING(0)) && !MM_FOLLOW_IS_PENDING(-1) &&
+            MM_FOLLOW_PICK(MM_FOLLOW_PENDING(7)) == 7);
+    // the picks arrive: step 30's record is final; a plan resolved now gets the tokens, and
+    // step 31's resolved plan (still running) is untouched by that resolve
+    const int32_t picks[3] = {11, 21, 31};
+    mm_follow_set_tokens(f, 30, picks, 3);
+    struct plan c;
+    plan_init(&c, 32, 30);
+    add(&c, 2, 0, 0, 0, 0);
+    add(&c, 1, 0, 0, 0, 0);
+    add(&c, 3, 0, 0, 0, 0);
+    const Mmctl__StepPlan *rc = mm_follow_resolve(f, &c.p, 64);
+    MM_EQ(mm_follow_n_pending(f), 0);
+    MM_EQ(rc->seqs[0]->tokens[0], 21);
+    MM_EQ(rc->seqs[1]->tokens[0], 11);
+    MM_EQ(rc->seqs[2]->tokens[0], 31);
+    MM_EQ(rb->seqs[0]->tokens[0], MM_FOLLOW_PENDING(2)); // step 31's own copy
+    MM_EQ(rb->seqs[2]->seq_id, 1);
+    // pending again (step 33), then failed: its followers are dropped with the message
+    struct plan d;
+    plan_init(&d, 33, 0);
+    add(&d, 1, 5, 1, 11, 0);
+    struct results rd;
+    result(&rd, 0, 1, MM_FOLLOW_PENDING(0), 0, "", 0, 0);
+    mm_follow_record(f, &d.p, rd.rp, 1, 0, "");
+    struct plan h;
+    plan_init(&h, 35, 33);
+    add(&h, 1, 0, 0, 0, 0);
+    mm_follow_resolve(f, &h.p, 64);
+    MM_EQ(mm_follow_n_pending(f), 1);
+    mm_follow_fail(f, 33, MM_EDEVICE, "reading step 33's picks from the device failed");
+    mm_follow_resolve(f, &h.p, 64);
+    int32_t code = 0;
+    const char *why = mm_follow_dropped(f, 0, &code);
+    MM_TRUE(why && strstr(why, "failed at step 33") && strstr(why, "picks from the device"));
+    MM_EQ(code, MM_EDEVICE);
+    MM_EQ(mm_follow_n_pending(f), 0);
+    // a pick the step did not make (set_tokens with fewer picks): "sampled no token"
+    mm_follow_record(f, &d.p, rd.rp, 1, 0, "");
+    mm_follow_set_tokens(f, 33, picks, 0);
+    mm_follow_resolve(f, &h.p, 64);
+    why = mm_follow_dropped(f, 0, NULL);
+    MM_TRUE(why && strstr(why, "sampled no token"));
+    mm_follow_free(f);
+}
+
 MM_TESTS = {
+    {"router pipelined plans: pending device picks, followed at once, then final or failed",
+     test_pending},
     {"router pipelined plans: follow entries resolved from the step before, drops named",
      test_resolve},
     {"router pipelined plans: a plan waits for its after_step", test_wait_order},

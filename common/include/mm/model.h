@@ -264,5 +264,12 @@ mm_err mm_model_pick_async(const mm_model *m, mm_model_scratch *s, const float *
 mm_err mm_model_pick_wait(const mm_model *m, mm_model_scratch *s, uint64_t ticket, int32_t *ids);
 mm_err mm_model_forward_next(const mm_model *m, mm_model_scratch *s, mm_kv_cache *kv,
                              const mm_model_rows *rows, const bool *want_logits, float *logits);
+// mm_model_embed_picks: mm_model_embed of n rows whose ids are ids[] (host), except rows
+// rows[k] (k < np), which take pick src[k] of those mm_model_pick_async left, read on the device
+// (ids[rows[k]] must hold some id of the vocab, overwritten there): the mesh's router starts a step with it before the previous step's
+// picks reach its host. ids NULL: row i takes pick i (np ignored). MM_EINVAL for a row or pick
+// out of range, or fewer picks left than named.
+mm_err mm_model_embed_picks(const mm_model *m, mm_model_scratch *s, const int32_t *ids, int64_t n,
+                            const int32_t *rows, const int32_t *src, int64_t np, float *h);
 
 #endif

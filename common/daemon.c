@@ -52,7 +52,8 @@ static const mm_opt common_opts[] = {
     {"placement", MM_OPT_STR, NULL, NULL, "placement JSON file (default: uniform over --owners)"},
     {"instance", MM_OPT_INT, NULL, "0", "instance number of this role"},
     {"owners", MM_OPT_INT, NULL, "1", "number of expert owners in the mesh"},
-    {"device", MM_OPT_STR, NULL, "cpu", "compute device: cpu, cuda:N or hip:N"},
+    {"device", MM_OPT_STR, NULL, "cpu", "compute device: cpu, cuda:N or hip:N (cpu-dev: the CPU "
+     "with a GPU's device paths, for tests)"},
     {"log-level", MM_OPT_STR, NULL, "info", "error, warn, info or debug"},
     {"heartbeat-ms", MM_OPT_INT, NULL, "250", "interval between heartbeats to the router"},
     {0},
@@ -74,7 +75,7 @@ static void *common_dst(mm_daemon_conf *c, const char *name) {
 
 static mm_err check_device(const char *dev, char *err) {
     char *end = NULL;
-    if (!strcmp(dev, "cpu"))
+    if (!strcmp(dev, "cpu") || !strcmp(dev, "cpu-dev"))
         return MM_OK;
     const char *num = !strncmp(dev, "cuda:", 5) ? dev + 5 : !strncmp(dev, "hip:", 4) ? dev + 4 : NULL;
     if (num && *num) {
@@ -82,7 +83,7 @@ static mm_err check_device(const char *dev, char *err) {
         if (*end == 0 && v >= 0 && v < 1024)
             return MM_OK;
     }
-    return mm_errf(err, MM_EINVAL, "--device '%s': expected cpu, cuda:N or hip:N", dev);
+    return mm_errf(err, MM_EINVAL, "--device '%s': expected cpu, cpu-dev, cuda:N or hip:N", dev);
 }
 
 // The default --listen: an ipc socket beside the router's, named after role and instance.

@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: MIT
-// Backend selection by spec string ("cpu", "cuda:0", "hip:0"); see kernels.h.
+// Backend selection by spec string ("cpu", "cpu-dev", "cuda:0", "hip:0"); see kernels.h.
 #include <stdlib.h>
 #include <string.h>
 
@@ -19,6 +19,8 @@ mm_err mm_backend_open(mm_backend **out, const char *spec, const mm_backend_para
     mm_err rv;
     if (!spec || strcmp(spec, "cpu") == 0) {
         rv = mm_cpu_backend_open(be, &params, err);
+    } else if (strcmp(spec, "cpu-dev") == 0) {
+        rv = mm_cpu_dev_backend_open(be, &params, err);
     } else if (strncmp(spec, "cuda", 4) == 0 || strncmp(spec, "hip", 3) == 0) {
         const char *c = strchr(spec, ':');
         if (c) {
@@ -26,7 +28,7 @@ mm_err mm_backend_open(mm_backend **out, const char *spec, const mm_backend_para
             long d = strtol(c + 1, &end, 10);
             if (!end || *end || d < 0 || d > 1024) {
                 free(be);
-                return mm_errf(err, MM_EINVAL, "bad device '%s' (want cpu, cuda:N or hip:N)",
+                return mm_errf(err, MM_EINVAL, "bad device '%s' (want cpu, cpu-dev, cuda:N or hip:N)",
                                spec);
             }
             params.device = (int)d;
@@ -41,7 +43,7 @@ mm_err mm_backend_open(mm_backend **out, const char *spec, const mm_backend_para
         rv = mm_cuda_backend_open(be, &params, err);
     } else {
         free(be);
-        return mm_errf(err, MM_EINVAL, "unknown device '%s' (want cpu, cuda:N or hip:N)", spec);
+        return mm_errf(err, MM_EINVAL, "unknown device '%s' (want cpu, cpu-dev, cuda:N or hip:N)", spec);
     }
     if (rv != MM_OK) {
         free(be);

@@ -404,6 +404,9 @@ void mm_backend_close(mm_backend *be);
 // Constructors of the individual backends, used by mm_backend_open. A backend that is not
 // compiled in is a weak undefined symbol (NULL).
 mm_err mm_cpu_backend_open(mm_backend *be, const mm_backend_params *p, char err[MM_ERRLEN]);
+// "cpu-dev": the CPU kernels with a device backend's contract (kernels/cpu/cpu.c), for running
+// and testing the device paths without a GPU.
+mm_err mm_cpu_dev_backend_open(mm_backend *be, const mm_backend_params *p, char err[MM_ERRLEN]);
 mm_err mm_cuda_backend_open(mm_backend *be, const mm_backend_params *p, char err[MM_ERRLEN]);
 
 #ifdef __cplusplus

@@ -406,6 +406,115 @@ static mm_err cpu_route(void *ctx, const struct mm_route_params *p, const float 
     return MM_OK;
 }
 
+// ---- "cpu-dev": the CPU kernels with a device backend's contract ------------------------------
+// host_memory false (weights copied in, data moved by set/get), and the device path's ops:
+// route_plan, moe_matmul_dev, argmax, fetch/fetch_wait, each run at once (the CPU has no
+// queue: a fetch's slot holds the bytes when fetch returns). So the model's and the mesh
+// router's device paths (device routing plans, device picks, steps begun early) run, and are
+// tested, on a machine without a GPU. Slower than "cpu" (every weight copied once at load).
+static mm_err cpu_route_plan(void *ctx, const int32_t *ids, const float *weights, int64_t n,
+                             int k, int e, int32_t *offs, int32_t *src, int32_t *dst,
+                             float *wt) {
+    (void)ctx;
+    if (!ids || !offs || !src || !dst || n < 0 || k < 1 || e < 1 || (wt && !weights))
+        return MM_EINVAL;
+    const int64_t nk = n * k;
+    int32_t *next = malloc((size_t)e * 4);
+    if (!next)
+        return MM_ENOMEM;
+    mm_err rv = MM_OK;
+    memset(offs, 0, (size_t)(e + 1) * 4);
+    for (int64_t t = 0; t < nk; t++) {
+        const bool ok = ids[t] >= 0 && ids[t] < e;
+        if (!ok)
+            rv = MM_EINVAL; // counted as expert 0, as the contract says; reported now
+        offs[(ok ? ids[t] : 0) + 1]++;
+    }
+    for (int x = 0; x < e; x++)
+        offs[x + 1] += offs[x];
+    memcpy(next, offs, (size_t)e * 4);
+    for (int64_t t = 0; t < nk; t++) { // stable: one expert's slots in slot order
+        const int32_t p = next[ids[t] >= 0 && ids[t] < e ? ids[t] : 0]++;
+        src[p] = (int32_t)(t / k);
+        dst[p] = (int32_t)t;
+    }
+    if (wt)
+        for (int64_t t = 0; t < nk; t++)
+            wt[(t % k) * n + t / k] = weights[t];
+    free(next);
+    return rv;
+}
+
+static mm_err cpu_moe_matmul_dev(void *ctx, const void *const *experts, enum mm_dtype dtype,
+                                 int64_t rows, int64_t cols, int n_experts, const int32_t *offs,
+                                 const float *x, int64_t xs, float *y, int64_t ys,
+                                 int64_t n_rows) {
+    if (!experts || !offs || n_experts < 1 || offs[0] != 0 || offs[n_experts] > n_rows)
+        return MM_EINVAL;
+    for (int i = 0; i < n_experts; i++) { // rows from offs[n_experts] on belong to none
+        if (offs[i + 1] < offs[i])
+            return MM_EINVAL;
+        if (offs[i + 1] == offs[i])
+            continue;
+        const mm_weight w = {dtype, rows, cols, experts[i]};
+        MM_TRY(cpu_matmul(ctx, &w, NULL, x + (int64_t)offs[i] * xs, xs, y + (int64_t)offs[i] * ys,
+                          ys, offs[i + 1] - offs[i]));
+    }
+    return MM_OK;
+}
+
+// the largest of each row, the lowest index on ties, NaN never chosen (a row of NaNs: 0)
+static mm_err cpu_argmax(void *ctx, const float *logits, int64_t stride, int64_t n, int vocab,
+                         int32_t *ids) {
+    (void)ctx;
+    if (!logits || !ids || n < 0 || vocab < 1)
+        return MM_EINVAL;
+    for (int64_t i = 0; i < n; i++) {
+        const float *r = logits + i * stride;
+        int32_t best = -1;
+        float bv = 0;
+        for (int j = 0; j < vocab; j++)
+            if (r[j] == r[j] && (best < 0 || r[j] > bv))
+                best = j, bv = r[j];
+        ids[i] = best < 0 ? 0 : best;
+    }
+    return MM_OK;
+}
+
+struct cpu_dev_ctx {
+    struct cpu_ctx cpu; // (first: the CPU kernels take it as their ctx)
+    uint64_t fetch_next;
+    uint64_t fetch_ticket[MM_FETCH_SLOTS]; // 0: free
+    size_t fetch_n[MM_FETCH_SLOTS];
+    unsigned char fetch_buf[MM_FETCH_SLOTS][MM_FETCH_BYTES];
+};
+
+static mm_err cpu_fetch(void *ctx, const void *src, size_t n_bytes, uint64_t *ticket) {
+    struct cpu_dev_ctx *c = ctx;
+    if (!src || !ticket || n_bytes == 0 || n_bytes > MM_FETCH_BYTES)
+        return MM_EINVAL;
+    const uint64_t t = c->fetch_next;
+    const int slot = (int)(t % MM_FETCH_SLOTS);
+    if (c->fetch_ticket[slot] != 0)
+        return MM_EBUSY;
+    memcpy(c->fetch_buf[slot], src, n_bytes);
+    c->fetch_ticket[slot] = t;
+    c->fetch_n[slot] = n_bytes;
+    c->fetch_next = t + 1;
+    *ticket = t;
+    return MM_OK;
+}
+
+static mm_err cpu_fetch_wait(void *ctx, uint64_t ticket, void *dst) {
+    struct cpu_dev_ctx *c = ctx;
+    const int slot = (int)(ticket % MM_FETCH_SLOTS);
+    if (!dst || ticket == 0 || c->fetch_ticket[slot] != ticket)
+        return MM_EINVAL;
+    memcpy(dst, c->fetch_buf[slot], c->fetch_n[slot]);
+    c->fetch_ticket[slot] = 0;
+    return MM_OK;
+}
+
 // ---- table ----------------------------------------------------------------------------------
 static void cpu_close(void *ctx) {
     struct cpu_ctx *c = ctx;
@@ -439,10 +548,26 @@ static const struct mm_backend_ops cpu_ops = {
     .fill = cpu_fill,
 };
 
+static struct mm_backend_ops cpu_dev_ops; // cpu_ops with the device contract (cpu-dev above)
+
+static mm_err cpu_open(mm_backend *be, const mm_backend_params *p, bool dev, char err[MM_ERRLEN]);
+
 mm_err mm_cpu_backend_open(mm_backend *be, const mm_backend_params *p, char err[MM_ERRLEN]) {
-    struct cpu_ctx *c = calloc(1, sizeof(*c));
+    return cpu_open(be, p, false, err);
+}
+
+mm_err mm_cpu_dev_backend_open(mm_backend *be, const mm_backend_params *p,
+                               char err[MM_ERRLEN]) {
+    return cpu_open(be, p, true, err);
+}
+
+static mm_err cpu_open(mm_backend *be, const mm_backend_params *p, bool dev, char err[MM_ERRLEN]) {
+    // (a cpu-dev context is a CPU context followed by its fetch slots)
+    struct cpu_ctx *c = dev ? calloc(1, sizeof(struct cpu_dev_ctx)) : calloc(1, sizeof(*c));
     if (!c)
         return MM_ENOMEM;
+    if (dev)
+        ((struct cpu_dev_ctx *)c)->fetch_next = 1;
     int n = p && p->n_threads > 0 ? p->n_threads : (int)sysconf(_SC_NPROCESSORS_ONLN);
     if (n < 1)
         n = 1;
@@ -454,7 +579,18 @@ mm_err mm_cpu_backend_open(mm_backend *be, const mm_backend_params *p, char err[
         return mm_errf(err, rv, "cpu backend: cannot start %d worker threads", n);
     }
     c->dot = mm__dot_select(&c->dot_name);
-    be->ops = &cpu_ops;
+    if (dev && cpu_dev_ops.version == 0) { // (filled once; read-only afterwards)
+        struct mm_backend_ops o = cpu_ops;
+        o.name = "cpu-dev";
+        o.host_memory = false;
+        o.route_plan = cpu_route_plan;
+        o.moe_matmul_dev = cpu_moe_matmul_dev;
+        o.argmax = cpu_argmax;
+        o.fetch = cpu_fetch;
+        o.fetch_wait = cpu_fetch_wait;
+        cpu_dev_ops = o;
+    }
+    be->ops = dev ? &cpu_dev_ops : &cpu_ops;
     be->ctx = c;
     be->n_threads = n;
     return MM_OK;

@@ -1550,7 +1550,7 @@ static void engine_lock(mm_step_engine *e, const Mmctl__StepPlan *p) {
 // returned (msg set); *lrv is run_start's failure, which fails the rows. early (begin_next: the
 // engine's step before it runs this on its own thread, its picks still on their way): the plan
 // must take some of that step's pending picks (mm_follow_n_pending), pass its checks, and have
-// every seq on a live shard with a device link, without draft rows or penalties;
+// every seq on a live shard, without draft rows or penalties;
 // else MM_EBUSY, with nothing sent, released or drafted (the plan's own thread then begins it as
 // usual).
 static mm_err step_begin(mm_step_engine *e, const Mmctl__StepPlan **pp, bool early, int64_t *R_out,
@@ -1586,13 +1586,13 @@ static mm_err step_begin(mm_step_engine *e, const Mmctl__StepPlan **pp, bool ear
     if (e->E > 0 && p->n_seqs > 0) // a plan of releases only needs no owner
         for (int o = 0; o < N; o++)
             peer_ensure(e, &e->owners[o]);
-    // early: every seq on a live shard with a device link (rows i = seqs i, no host copy) and
-    // without penalties (their counts would be fed the pending tokens)
+    // early: every seq on a live shard (a seq of a shard that is down gets its error from the
+    // plan's own thread) and without penalties (their counts would be fed the pending tokens)
     for (size_t i = 0; early && i < p->n_seqs; i++) {
         const struct peer *sp = &e->shards[p->seqs[i]->seq_id % (uint64_t)M];
         mm_sampling sp_i;
         mm_step_sampling_from_pb(p->seqs[i]->sampling, &sp_i);
-        if (!sp->live || !sp->gpu || mm_sampling_has_penalty(&sp_i))
+        if (!sp->live || mm_sampling_has_penalty(&sp_i))
             return MM_EBUSY;
     }
     for (size_t i = 0; i < p->n_release; i++)
@@ -1676,9 +1676,13 @@ static bool begin_next(mm_step_engine *e, const Mmctl__StepPlan *prev) {
 struct nng_msg *mm_step_engine_run(mm_step_engine *e, const Mmctl__StepPlan *p, uint64_t seq) {
     engine_lock(e, p);
     wait_unpublish(e, p);
-    // a plan begun by the step before it runs next: another plan waits for its thread
-    while (e->begun && e->begun != p)
+    // a plan begun by the step before it runs next: another plan waits for its thread (which
+    // may be waiting for in_tail in engine_lock: set it again, as engine_lock cleared it)
+    while (e->begun && e->begun != p) {
+        if (e->handoff)
+            tail_set(e, true);
         pthread_cond_wait(&e->begun_cv, &e->mu);
+    }
     char msg[MSG_LEN] = "";
     Mmctl__StepResult sr = MMCTL__STEP_RESULT__INIT;
     sr.step_id = p->step_id;

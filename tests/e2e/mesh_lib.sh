@@ -38,7 +38,9 @@ start() {
     eval "PID_$name=$!"
 }
 
-# Mesh settings (set before mesh_start): MODEL, OWNERS, SHARDS, PLACEMENT (file or empty).
+# Mesh settings (set before mesh_start): MODEL, OWNERS, SHARDS, PLACEMENT (file or empty),
+# ROUTER_ARGS (more router options, e.g. --device cpu-dev).
+ROUTER_ARGS=""
 MODEL=${MODEL:-tests/fixtures/models/qwen3moe-tiny}
 OWNERS=1; SHARDS=1; PLACEMENT=""
 common() {
@@ -54,7 +56,7 @@ GEN=0
 mesh_start() {
     GEN=$((GEN + 1))
     start router "$BIN/moemesh-router" $(common) --listen "$ROUTER" --attention-shards "$SHARDS" \
-        --step-timeout-ms 5000
+        --step-timeout-ms 5000 $ROUTER_ARGS
     for ((i = 0; i < SHARDS; i++)); do start_shard $i; done
     for ((i = 0; i < OWNERS; i++)); do start_owner $i; done
     wait_ready "$SHARDS" "$OWNERS" || fail "mesh (shards $SHARDS, owners $OWNERS) not ready"

@@ -315,7 +315,64 @@ static void t_misc(void) {
     mm_backend_close(be);
 }
 
+// "cpu-dev": the CPU kernels with a device backend's contract and the device path's ops
+static void t_cpu_dev(void) {
+    mm_backend *be = NULL;
+    char err[MM_ERRLEN] = "";
+    mm_backend_params p = {.n_threads = 1};
+    MM_PASS(mm_backend_open(&be, "cpu-dev", &p, err));
+    const struct mm_backend_ops *o = be->ops;
+    MM_TRUE(!o->host_memory && strcmp(o->name, "cpu-dev") == 0);
+    MM_TRUE(o->argmax && o->fetch && o->fetch_wait && o->route_plan && o->moe_matmul_dev);
+    // argmax: the largest, the lowest index on ties, NaN never chosen; a row of NaNs: 0
+    const float nan = NAN;
+    float lg[12] = {1, 3, 3, 2, nan, -1, nan, -2, nan, nan, nan, nan};
+    int32_t ids[3] = {-5, -5, -5};
+    MM_PASS(o->argmax(be->ctx, lg, 4, 3, 4, ids));
+    MM_TRUE(ids[0] == 1 && ids[1] == 1 && ids[2] == 0);
+    // fetch: MM_FETCH_SLOTS tickets outstanding, the next one busy; a stale ticket refused
+    uint64_t t[MM_FETCH_SLOTS + 1];
+    for (int i = 0; i < MM_FETCH_SLOTS; i++) {
+        ids[0] = 100 + i;
+        MM_PASS(o->fetch(be->ctx, ids, 4, &t[i]));
+    }
+    MM_FAIL(o->fetch(be->ctx, ids, 4, &t[MM_FETCH_SLOTS]), MM_EBUSY);
+    MM_FAIL(o->fetch(be->ctx, ids, MM_FETCH_BYTES + 1, &t[MM_FETCH_SLOTS]), MM_EINVAL);
+    int32_t got = 0;
+    MM_PASS(o->fetch_wait(be->ctx, t[2], &got));
+    MM_EQ(got, 102);
+    MM_FAIL(o->fetch_wait(be->ctx, t[2], &got), MM_EINVAL);
+    for (int i = 0; i < MM_FETCH_SLOTS; i++)
+        if (i != 2)
+            MM_PASS(o->fetch_wait(be->ctx, t[i], &got));
+    // route_plan: slots t = row * k + rank sorted by expert, stable; weights by rank
+    const int32_t rid[6] = {2, 0, 0, 2, 1, 0}; // 3 rows, top 2, 3 experts
+    const float rw[6] = {.1f, .2f, .3f, .4f, .5f, .6f};
+    int32_t offs[4], src[6], dst[6];
+    float wt[6];
+    MM_PASS(o->route_plan(be->ctx, rid, rw, 3, 2, 3, offs, src, dst, wt));
+    MM_TRUE(offs[0] == 0 && offs[1] == 3 && offs[2] == 4 && offs[3] == 6);
+    const int32_t want_dst[6] = {1, 2, 5, 4, 0, 3};
+    for (int i = 0; i < 6; i++) {
+        MM_EQ(dst[i], want_dst[i]);
+        MM_EQ(src[i], want_dst[i] / 2);
+    }
+    MM_TRUE(wt[0] == .1f && wt[1] == .3f && wt[2] == .5f && wt[3] == .2f && wt[5] == .6f);
+    const int32_t rbad[2] = {0, 7};
+    MM_FAIL(o->route_plan(be->ctx, rbad, rw, 1, 2, 3, offs, src, dst, NULL), MM_EINVAL);
+    // moe_matmul_dev: expert e's rows [offs[e], offs[e+1]), == moe_matmul per expert
+    float W0[4] = {1, 0, 0, 1}, W1[4] = {0, 2, 2, 0}; // (2 x 2) f32
+    const void *ex[2] = {W0, W1};
+    const int32_t mo[3] = {0, 1, 3};
+    float xm[8] = {1, 2, 3, 4, 5, 6, 7, 8}, ym[8] = {0};
+    MM_PASS(o->moe_matmul_dev(be->ctx, ex, MM_DTYPE_F32, 2, 2, 2, mo, xm, 2, ym, 2, 4));
+    MM_TRUE(ym[0] == 1 && ym[1] == 2 && ym[2] == 8 && ym[3] == 6 && ym[4] == 12 && ym[5] == 10);
+    MM_TRUE(ym[6] == 0 && ym[7] == 0); // row 3 belongs to no expert: untouched
+    mm_backend_close(be);
+}
+
 MM_TESTS = {
+    {"cpu-dev backend: argmax, fetch slots, route_plan, moe_matmul_dev", t_cpu_dev},
     {"cpu matmul bf16/f16/f32 odd shapes, row bits independent of n_rows", t_matmul},
     {"cpu matmul same bits with 1, 2, 5 threads", t_matmul_threads},
     {"cpu rmsnorm and swiglu", t_rmsnorm_swiglu},

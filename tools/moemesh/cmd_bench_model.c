@@ -226,7 +226,7 @@ static int run_bench_model(int argc, char **argv) {
         {"rounds", MM_OPT_INT, &rounds, "3", "decode rounds (each with a bandwidth pass)"},
         {"threads", MM_OPT_INT, &threads, "0", "CPU threads (0: all cores)"},
         {"bw-mb", MM_OPT_INT, &bw_mb, "1024", "buffer for the bandwidth measurement (MiB)"},
-        {"device", MM_OPT_STR, &device, "cpu", "cpu, cuda:N or hip:N"},
+        {"device", MM_OPT_STR, &device, "cpu", "cpu, cuda:N or hip:N (cpu-dev: tests)"},
         {"batch", MM_OPT_INT, &batch, "1",
          "also decode this many sequences together (2..128: one forward pass per step)"},
         {0},

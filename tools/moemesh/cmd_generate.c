@@ -26,7 +26,7 @@ static int run_generate(int argc, char **argv) {
         {"max-tokens", MM_OPT_INT, &max_tokens, "16", "tokens to generate"},
         {"stop-at-eos", MM_OPT_BOOL, &stop_eos, "false", "stop after the config's eos token"},
         {"text", MM_OPT_BOOL, &text, "false", "also print the decoded text on a second line"},
-        {"device", MM_OPT_STR, &device, "cpu", "cpu, cuda:N or hip:N"},
+        {"device", MM_OPT_STR, &device, "cpu", "cpu, cuda:N or hip:N (cpu-dev: tests)"},
         {"threads", MM_OPT_INT, &threads, "0", "CPU threads (0: all cores)"},
         {"logprobs", MM_OPT_BOOL, &logprobs, "false",
          "print one line per token: id and logprob (%.9g)"},

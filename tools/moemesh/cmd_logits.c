@@ -17,7 +17,7 @@ static int run_logits(int argc, char **argv) {
         {"model", MM_OPT_STR, &model, NULL, "checkpoint directory (config.json + safetensors)"},
         {"ids", MM_OPT_STR, &ids_s, NULL, "prompt token ids, comma-separated"},
         {"out", MM_OPT_STR, &outp, NULL, "output file: float32 LE [T, vocab]"},
-        {"device", MM_OPT_STR, &device, "cpu", "cpu, cuda:N or hip:N"},
+        {"device", MM_OPT_STR, &device, "cpu", "cpu, cuda:N or hip:N (cpu-dev: tests)"},
         {"threads", MM_OPT_INT, &threads, "0", "CPU threads (0: all cores)"},
         {"prefill-rows", MM_OPT_INT, &rows, "0",
          "rows per forward call (the engine's max_rows, 0..8192; 0: the engine's default, 256)"},

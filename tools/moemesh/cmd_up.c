@@ -61,7 +61,7 @@ static mm_opt s_opts[] = {
     {"run-dir", MM_OPT_STR, &s_run_dir, "/tmp/moemesh", "directory of the ipc sockets"},
     {"router", MM_OPT_STR, &s_router, NULL, "router control address (default ipc://RUN-DIR/router.ctl)"},
     {"placement", MM_OPT_STR, &s_placement, NULL, "placement JSON file (default uniform)"},
-    {"device", MM_OPT_STR, &s_device, "cpu", "device of every daemon: cpu, cuda:N, hip:N"},
+    {"device", MM_OPT_STR, &s_device, "cpu", "device of every daemon: cpu, cuda:N, hip:N (cpu-dev: tests)"},
     {"log-level", MM_OPT_STR, &s_log_level, "info", "log level of up and every daemon"},
     {"heartbeat-ms", MM_OPT_INT, &s_heartbeat_ms, "250", "daemon heartbeat interval"},
     {"restart-max-ms", MM_OPT_INT, &s_restart_max_ms, "5000", "longest wait before restarting a daemon"},

@@ -19,6 +19,13 @@
 // - Ordering without host waits, per direction, with two interprocess events:
 //     data: the sender records it on its stream after copying a frame's rows, before the
 //           descriptor is published; the receiver's stream waits for it before copying out.
+//           With frame flags (both sides' drivers have stream memory operations, said in the
+//           HELLO; MM_CUDAIPC_FLAGS=0: events) the sender's stream instead writes the frame's
+//           sequence number (1, 2, ... per direction, carried in the descriptor, checked in
+//           turn by the receiver) into a u32 just past the receiver's ring, and the receiver's
+//           stream waits until the word reaches it (cyclic >=): a waiting stream wakes sooner
+//           than on an event's record, and the receiver owns the word, so closing a conn first
+//           sets it to the last value waited for, releasing a wait whose writer died.
 //     free: the receiver records it on its stream after its copy-out is enqueued, then
 //           advances `freed` (bytes of the device ring it is done with) in the shm control
 //           page; before writing over ring bytes it has used before, the sender's stream waits
@@ -52,12 +59,11 @@
 //   none, and cudaipc:// URLs are refused with MM_EUNSUPP.
 // - Death: the peer's death is shm's (socket hang-up: MM_EPEERDOWN). A conn closed or
 //   inherited through fork() frees its device resources only in the process that made it.
-//   Known gap: a stream wait is enqueued only for a frame whose descriptor arrived (its data
-//   event recorded), but if the sender dies before its GPU runs that record, the receiver's
-//   stream may wait on it for good (CUDA leaves an IPC event of a dead process undefined), and
-//   the receiver's next stream drain has no deadline (the backend's get). Closing that needs
-//   flags the receiver can release itself (stream wait-value on memory it owns) or drains with
-//   deadlines in the backend.
+//   Known gap (events only, no frame flags): a stream wait is enqueued only for a frame whose
+//   descriptor arrived (its data event recorded), but if the sender dies before its GPU runs
+//   that record, the receiver's stream may wait on it for good (CUDA leaves an IPC event of a
+//   dead process undefined), and the receiver's next stream drain has no deadline (the
+//   backend's get). With frame flags the conn's close releases the wait (above).
 #include <errno.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -90,6 +96,10 @@ extern mm_err mm_gpu_set_device(int dev) W;
 extern mm_err mm_gpu_alloc(void **d_out, size_t n_bytes) W;
 extern void mm_gpu_free(void *d) W;
 extern mm_err mm_gpu_backend_stream(void *backend_ctx, void **stream, int *dev) W;
+extern bool mm_gpu_flags_ok(void) W;
+extern mm_err mm_gpu_flag_write(void *stream, void *d_flag, uint32_t v) W;
+extern mm_err mm_gpu_flag_wait(void *stream, const void *d_flag, uint32_t v) W;
+extern mm_err mm_gpu_flag_set(void *d_flag, uint32_t v) W;
 #undef W
 
 extern const struct mm_transport_ops mm__transport_shm_raw;
@@ -99,12 +109,19 @@ extern const struct mm_transport_ops mm__transport_shm_raw;
 #define HELLO_SEQ (UINT64_MAX - 1)  // conn_seq of the handshake frames
 #define ACK_SEQ (UINT64_MAX - 2)
 #define IPC_MAGIC 0x43504955u       // "UIPC"
-#define IPC_VERSION 1u
+#define IPC_VERSION 2u // 2: frame flags (struct hello.flags, struct desc.seq)
 #define RING_DEFAULT_MB 64
 #define RING_MAX_MB 4096
 #define ALIGN 256u
 
 static const char *const NO_GPU = "this build has no GPU support (build with make cuda or make hip)";
+
+// Frame flags: both sides' builds and drivers have stream memory operations (and
+// MM_CUDAIPC_FLAGS is not 0); said in the HELLO, so the two ends agree.
+static bool have_flags(void) {
+    return mm_gpu_flags_ok && mm_gpu_flag_write && mm_gpu_flag_wait && mm_gpu_flag_set &&
+           mm_gpu_flags_ok();
+}
 
 static bool have_gpu_code(void) {
     return mm_gpu_ipc_mem_export && mm_gpu_ipc_mem_open && mm_gpu_ipc_mem_close &&
@@ -170,8 +187,8 @@ struct hello {
     char pci[32];
     uint64_t ring_bytes;
     int32_t pid;
-    uint32_t pad_;
-    uint8_t ring[HANDLE_BYTES];    // my rx ring
+    uint32_t flags;                // 1: frame flags (have_flags)
+    uint8_t ring[HANDLE_BYTES];    // my rx ring (ring_bytes, then FLAG_BYTES: the flag word)
     uint8_t ev_data[HANDLE_BYTES]; // recorded by me after writing into the peer's ring
     uint8_t ev_free[HANDLE_BYTES]; // recorded by me after reading my ring
 };
@@ -185,7 +202,10 @@ struct desc {
     mm_wire_hdr hdr; // the real frame's header, sealed by the generic layer
     uint64_t off;    // rows at ring + off
     uint64_t end;    // the sender's head after this frame (absolute bytes, wrap skips included)
+    uint32_t seq;    // frame flags: the flag value written after the rows (0: none)
+    uint32_t pad_;
 };
+#define FLAG_BYTES ALIGN // after a ring's bytes: the u32 flag its sender writes
 
 struct ipc_conn {
     void *shm;
@@ -196,6 +216,13 @@ struct ipc_conn {
     void *stream;
     struct ipc_ctl *ctl;
     int side;
+    // frame flags (both sides have them): the sender writes a sequence number into the flag
+    // word after the receiver's ring once a frame's rows are written; the receiver's stream
+    // waits for it instead of the data event (a wait that may be enqueued early wakes sooner)
+    bool flags;
+    uint32_t tx_seq;     // the last value written into the peer's flag
+    uint32_t rx_seq;     // the last value my stream waited for in my flag
+    uint32_t rx_next;    // the value the next descriptor must carry (each frame adds one)
     // rx: my ring, the peer's data event (opened), my free event
     void *rx_ring;
     uint64_t rx_bytes;
@@ -274,6 +301,10 @@ static void conn_free(struct ipc_conn *c) {
     if (c->owner_pid == getpid() && have_gpu_code()) {
         if (c->gpu >= 0)
             (void)mm_gpu_set_device(c->gpu);
+        // a wait of my stream on a frame whose writer died (or never ran its write) would hold
+        // the drain below for good: the flag is mine, so I release it
+        if (c->flags && c->rx_ring != NULL)
+            (void)mm_gpu_flag_set((uint8_t *)c->rx_ring + c->rx_bytes, c->rx_seq);
         if (c->stream != NULL && (c->tx_ring != NULL || c->rx_ring != NULL))
             (void)mm_gpu_stream_sync(c->stream); // copies into the peer's ring are done
         mm_gpu_ipc_mem_close(c->tx_ring);
@@ -336,7 +367,9 @@ static mm_err handshake(struct ipc_conn *c, const mm_url *u, uint64_t deadline_n
         if (rb > ((uint64_t)RING_MAX_MB << 20))
             rb = (uint64_t)RING_MAX_MB << 20;
         c->rx_bytes = rb;
-        if (mm_gpu_set_device(c->gpu) != MM_OK || mm_gpu_alloc(&c->rx_ring, rb) != MM_OK ||
+        if (mm_gpu_set_device(c->gpu) != MM_OK ||
+            mm_gpu_alloc(&c->rx_ring, rb + FLAG_BYTES) != MM_OK ||
+            (have_flags() && mm_gpu_flag_set((uint8_t *)c->rx_ring + rb, 0) != MM_OK) ||
             mm_gpu_ipc_mem_export(c->rx_ring, me.ring) != MM_OK ||
             mm_gpu_ipc_event_new(&c->tx_ev_data, me.ev_data) != MM_OK ||
             mm_gpu_ipc_event_new(&c->rx_ev_free, me.ev_free) != MM_OK) {
@@ -347,6 +380,7 @@ static mm_err handshake(struct ipc_conn *c, const mm_url *u, uint64_t deadline_n
         me.has_gpu = gpu;
         me.dev = c->gpu;
         me.ring_bytes = rb;
+        me.flags = gpu && have_flags();
     }
     rv = send_internal(c, HELLO_SEQ, &me, sizeof(me), deadline_ns);
     if (rv != MM_OK)
@@ -375,10 +409,13 @@ static mm_err handshake(struct ipc_conn *c, const mm_url *u, uint64_t deadline_n
     struct ack pa;
     MM_TRY(recv_internal(c, ACK_SEQ, &pa, sizeof(pa), deadline_ns, err));
     c->dev = a.ok && pa.ok && pa.magic == IPC_MAGIC;
+    c->flags = c->dev && me.flags == 1 && peer.flags == 1;
+    c->rx_next = 1;
     if (c->dev)
         mm_mesh_trace_open("ipc"); // MM_MESH_TRACE: the device hops' host calls
     mm_log_debug("cudaipc %s: %s (my device %s, peer pid %d device %s)", u->text,
-                 c->dev ? "device frames" : "host frames only", me.pci, peer.pid, peer.pci);
+                 c->dev ? c->flags ? "device frames, flags" : "device frames, events"
+                       : "host frames only", me.pci, peer.pid, peer.pci);
     return MM_OK;
 }
 
@@ -624,17 +661,32 @@ static mm_err ipc_sendv_dev(void *ctx, const mm_wire_hdr *hdr, const struct iove
         o += d_iov[i].iov_len;
     }
     mm_mesh_trace(hdr->step_id, (int)hdr->layer, "s_cp");
-    if (rv == MM_OK)
+    const uint32_t seq = c->tx_seq + 1;
+    if (rv == MM_OK && c->flags)
+        rv = mm_gpu_flag_write(c->stream, (uint8_t *)c->tx_ring + c->tx_bytes, seq);
+    else if (rv == MM_OK)
         rv = mm_gpu_event_record(c->tx_ev_data, c->stream);
     mm_mesh_trace(hdr->step_id, (int)hdr->layer, "s_rec");
     if (rv != MM_OK)
         return MM_EDEVICE; // nothing announced: the ring bytes are simply not used
-    struct desc d = {.hdr = *hdr, .off = pos, .end = end};
+    if (c->flags)
+        c->tx_seq = seq;
+    struct desc d = {.hdr = *hdr, .off = pos, .end = end, .seq = c->flags ? seq : 0};
     rv = send_internal(c, DESC_SEQ, &d, sizeof(d), deadline_ns);
     if (rv == MM_OK)
         c->tx_head = end;
     mm_mesh_trace(hdr->step_id, (int)hdr->layer, "s_desc");
     return rv;
+}
+
+// rx_wait: my stream waits for a frame's rows: for its flag value (frame flags), else for the
+// peer's data event (recorded before the descriptor was published).
+static mm_err rx_wait(struct ipc_conn *c, const struct desc *d) {
+    if (!c->flags)
+        return mm_gpu_stream_wait_event(c->stream, c->rx_ev_data);
+    MM_TRY(mm_gpu_flag_wait(c->stream, (uint8_t *)c->rx_ring + c->rx_bytes, d->seq));
+    c->rx_seq = d->seq;
+    return MM_OK;
 }
 
 // recv_core: a host frame into buf; a device frame's rows copied into d_iov (or buf when n_iov
@@ -678,17 +730,21 @@ static mm_err recv_core(struct ipc_conn *c, mm_wire_hdr *hdr, void *buf, size_t 
     const uint64_t n = hdr->payload_bytes;
     // (off and n checked apart: a peer's off near 2^64 must not wrap the sum into range)
     if (!c->dev || mm_wire_hdr_check(hdr, NULL) != MM_OK || d.off > c->rx_bytes ||
-        n > c->rx_bytes - d.off || d.end < n || d.off % ALIGN != 0) {
-        mm_log_warn("cudaipc: bad device-frame descriptor (offset %llu, %llu bytes)",
-                    (unsigned long long)d.off, (unsigned long long)n);
+        n > c->rx_bytes - d.off || d.end < n || d.off % ALIGN != 0 ||
+        (c->flags && d.seq != c->rx_next)) { // (a flag value out of turn could hold my stream)
+        mm_log_warn("cudaipc: bad device-frame descriptor (offset %llu, %llu bytes, flag %u "
+                    "where %u was due)", (unsigned long long)d.off, (unsigned long long)n,
+                    d.seq, c->flags ? c->rx_next : 0);
         SHM->shutdown(c->shm);
         return MM_EPROTO;
     }
+    if (c->flags)
+        c->rx_next++;
     if (view != NULL) { // no copy: the rows stay in the ring until the free is paid
         mm_mesh_trace(hdr->step_id, (int)hdr->layer, "r_desc");
         rv = mm_gpu_set_device(c->gpu);
         if (rv == MM_OK && n > 0)
-            rv = mm_gpu_stream_wait_event(c->stream, c->rx_ev_data);
+            rv = rx_wait(c, &d);
         if (rv != MM_OK) {
             SHM->shutdown(c->shm);
             return MM_EDEVICE;
@@ -709,7 +765,7 @@ static mm_err recv_core(struct ipc_conn *c, mm_wire_hdr *hdr, void *buf, size_t 
     mm_mesh_trace(hdr->step_id, (int)hdr->layer, "r_desc");
     rv = mm_gpu_set_device(c->gpu);
     if (rv == MM_OK && fits && n > 0)
-        rv = mm_gpu_stream_wait_event(c->stream, c->rx_ev_data);
+        rv = rx_wait(c, &d);
     mm_mesh_trace(hdr->step_id, (int)hdr->layer, "r_wait");
     const uint8_t *src = (const uint8_t *)c->rx_ring + d.off;
     if (rv == MM_OK && fits && to_host && n > 0) {

@@ -13,6 +13,8 @@
 //   call, in whichever process made it: the transport records before it publishes a frame, and
 //   waits only after it has seen the frame, so the wait always covers the data.
 // - Nothing here blocks except mm_gpu_event_sync; every other call only enqueues.
+#include <pthread.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "gpu_common.cuh"
@@ -103,6 +105,90 @@ extern "C" mm_err mm_gpu_memcpy_any(void *stream, void *d_dst, const void *d_src
     // cudaMemcpyDefault: unified addressing picks device-to-device or peer (another GPU).
     MM_GPU_CHECK(cudaMemcpyAsync(d_dst, d_src, n_bytes, cudaMemcpyDefault, (cudaStream_t)stream));
     return MM_OK;
+}
+
+// ---- frame flags (mm_gpu.h) ------------------------------------------------------------------
+#if MM_GPU_HAVE_STREAM_MEMOPS
+#include <cudaTypedefs.h>
+static PFN_cuStreamWaitValue32_v11070 g_wait_value;
+static PFN_cuStreamWriteValue32_v11070 g_write_value;
+static pthread_once_t g_flags_once = PTHREAD_ONCE_INIT;
+static bool g_flags;
+
+static void flags_init(void) {
+    const char *env = getenv("MM_CUDAIPC_FLAGS");
+    if (env && strcmp(env, "0") == 0)
+        return;
+    cudaDriverEntryPointQueryResult q1, q2;
+    if (cudaGetDriverEntryPointByVersion("cuStreamWaitValue32", (void **)&g_wait_value, 11070,
+                                         cudaEnableDefault, &q1) != cudaSuccess ||
+        cudaGetDriverEntryPointByVersion("cuStreamWriteValue32", (void **)&g_write_value, 11070,
+                                         cudaEnableDefault, &q2) != cudaSuccess ||
+        q1 != cudaDriverEntryPointSuccess || q2 != cudaDriverEntryPointSuccess ||
+        !g_wait_value || !g_write_value) {
+        (void)cudaGetLastError();
+        mm_log_info("cudaipc: no stream memory operations in this driver: interprocess events");
+        return;
+    }
+    g_flags = true;
+}
+#endif
+
+extern "C" bool mm_gpu_flags_ok(void) {
+#if MM_GPU_HAVE_STREAM_MEMOPS
+    pthread_once(&g_flags_once, flags_init);
+    return g_flags;
+#else
+    return false;
+#endif
+}
+
+extern "C" mm_err mm_gpu_flag_write(void *stream, void *d_flag, uint32_t v) {
+#if MM_GPU_HAVE_STREAM_MEMOPS
+    if (!mm_gpu_flags_ok() || d_flag == NULL)
+        return MM_EUNSUPP;
+    // (the default flags: a memory barrier before the write, so the work it orders is visible)
+    const CUresult r = g_write_value((CUstream)stream, (CUdeviceptr)(uintptr_t)d_flag, v,
+                                     CU_STREAM_WRITE_VALUE_DEFAULT);
+    if (r != CUDA_SUCCESS) {
+        mm__gpu_report("cuStreamWriteValue32", __FILE__, __LINE__, "driver error");
+        return MM_EDEVICE;
+    }
+    return MM_OK;
+#else
+    (void)stream, (void)d_flag, (void)v;
+    return MM_EUNSUPP;
+#endif
+}
+
+extern "C" mm_err mm_gpu_flag_wait(void *stream, const void *d_flag, uint32_t v) {
+#if MM_GPU_HAVE_STREAM_MEMOPS
+    if (!mm_gpu_flags_ok() || d_flag == NULL)
+        return MM_EUNSUPP;
+    const CUresult r = g_wait_value((CUstream)stream, (CUdeviceptr)(uintptr_t)d_flag, v,
+                                    CU_STREAM_WAIT_VALUE_GEQ);
+    if (r != CUDA_SUCCESS) {
+        mm__gpu_report("cuStreamWaitValue32", __FILE__, __LINE__, "driver error");
+        return MM_EDEVICE;
+    }
+    return MM_OK;
+#else
+    (void)stream, (void)d_flag, (void)v;
+    return MM_EUNSUPP;
+#endif
+}
+
+extern "C" mm_err mm_gpu_flag_set(void *d_flag, uint32_t v) {
+    if (d_flag == NULL)
+        return MM_EINVAL;
+    cudaStream_t s;
+    MM_GPU_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    const cudaError_t e1 = cudaMemcpyAsync(d_flag, &v, sizeof(v), cudaMemcpyHostToDevice, s);
+    const mm_err w = e1 == cudaSuccess ? mm__gpu_drain(s, "frame flag") : MM_EDEVICE;
+    (void)cudaStreamDestroy(s);
+    if (e1 != cudaSuccess)
+        mm__gpu_report("cudaMemcpyAsync(flag)", __FILE__, __LINE__, cudaGetErrorString(e1));
+    return w;
 }
 
 extern "C" mm_err mm_gpu_device_pci_id(int dev, char id[32]) {

@@ -339,6 +339,23 @@ void mm_gpu_event_free(void *ev);
 mm_err mm_gpu_event_record(void *ev, void *stream);
 mm_err mm_gpu_stream_wait_event(void *stream, void *ev);
 mm_err mm_gpu_event_sync(void *ev); // blocks until ev's latest record has run
+// Frame flags (the cudaipc transport, common/transport/cudaipc.c): a u32 in device memory (an
+// IPC-mapped one of another process on this GPU included) that one stream writes after the work
+// it orders, and another's stream waits for, enqueued possibly before the write (on the H200
+// under MPS a waiting stream wakes ~4 us after such a write, ~13 us after an interprocess
+// event's record: docs/BENCHMARKS.md "Frame flags"). mm_gpu_flags_ok:
+// the build and the driver have them (CUDA: cuStreamWaitValue32 / cuStreamWriteValue32 through
+// the runtime's driver entry points; HIP: not yet); MM_CUDAIPC_FLAGS=0 says no.
+// mm_gpu_flag_write: *d_flag = v once the stream's earlier work is done (and visible);
+// mm_gpu_flag_wait: the stream waits until (int32_t)(*d_flag - v) >= 0 (a cyclic compare, so
+// the sequence may wrap); mm_gpu_flag_set: *d_flag = v now, from the host, by a stream of its
+// own (not behind the callers' streams, which may be waiting for it): releases a wait whose
+// writer died.
+bool mm_gpu_flags_ok(void);
+mm_err mm_gpu_flag_write(void *stream, void *d_flag, uint32_t v);
+mm_err mm_gpu_flag_wait(void *stream, const void *d_flag, uint32_t v);
+mm_err mm_gpu_flag_set(void *d_flag, uint32_t v);
+
 // mm_gpu_memcpy_any: stream-ordered copy between any device pointers (also IPC-mapped ones of
 // another device: a peer copy).
 mm_err mm_gpu_memcpy_any(void *stream, void *d_dst, const void *d_src, size_t n_bytes);

@@ -18,6 +18,9 @@
 // - a view-mode data server (mm_dataserv_start_view) hands its handler the rows in the ring
 //   (mm_dataserv_on_dev true), and answers a device frame that is not rows (a CTRL list its
 //   handler would read on the host) with an error instead of handing over a device pointer.
+// - frame flags (when both ends have them): the sender writes 1, 2, ... after each frame's rows,
+//   the receiver waits for exactly that value, each direction on its own word; a conn's close
+//   sets its own word to the last value it waited for.
 // In a build with GPU support (make CUDA=1) the real entry points exist and this file skips.
 #include <pthread.h>
 #include <stdint.h>
@@ -35,13 +38,13 @@
 #include "cuda/mm_gpu.h"
 
 // ---- the fake GPU ------------------------------------------------------------------------------
-enum op_kind { OP_COPY, OP_RECORD, OP_WAIT, OP_WORK };
+enum op_kind { OP_COPY, OP_RECORD, OP_WAIT, OP_WORK, OP_FWRITE, OP_FWAIT, OP_FSET };
 struct op {
     enum op_kind k;
     const void *ev;  // OP_RECORD, OP_WAIT: the event (its creator's object)
-    const void *src; // OP_COPY, OP_WORK
-    void *dst;
-    size_t n;
+    const void *src; // OP_COPY, OP_WORK; OP_FWAIT: the flag
+    void *dst;       // OP_FWRITE, OP_FSET: the flag
+    size_t n;        // bytes; OP_F*: the value
 };
 #define LOG_MAX 65536
 static struct op g_log[LOG_MAX];
@@ -126,6 +129,31 @@ mm_err mm_gpu_alloc(void **d_out, size_t n_bytes) { // 256-byte aligned, as cuda
     return MM_OK;
 }
 void mm_gpu_free(void *d) { free(d); }
+// frame flags (off unless a case turns them on before its conns are made): a wait whose value
+// the flag has not reached yet would block a real stream; here it is counted as a fault
+static bool g_flags;
+static int g_flag_faults;
+bool mm_gpu_flags_ok(void) { return g_flags; }
+mm_err mm_gpu_flag_write(void *stream, void *d_flag, uint32_t v) {
+    (void)stream;
+    memcpy(d_flag, &v, 4);
+    log_op((struct op){.k = OP_FWRITE, .dst = d_flag, .n = v});
+    return MM_OK;
+}
+mm_err mm_gpu_flag_wait(void *stream, const void *d_flag, uint32_t v) {
+    (void)stream;
+    uint32_t cur;
+    memcpy(&cur, d_flag, 4);
+    if ((int32_t)(cur - v) < 0)
+        g_flag_faults++;
+    log_op((struct op){.k = OP_FWAIT, .src = d_flag, .n = v});
+    return MM_OK;
+}
+mm_err mm_gpu_flag_set(void *d_flag, uint32_t v) {
+    memcpy(d_flag, &v, 4);
+    log_op((struct op){.k = OP_FSET, .dst = d_flag, .n = v});
+    return MM_OK;
+}
 
 // ---- helpers -----------------------------------------------------------------------------------
 #define FRAME (400u << 10) // bytes: two fit in the 1 MiB ring, a third reuses the first's bytes
@@ -642,6 +670,76 @@ static void test_dataserv_views(void) {
     mm_dataserv_stop(ds);
 }
 
+// Frame flags: the sender's stream writes 1, 2, ... past the receiver's ring after each frame's
+// rows (instead of recording the data event), the receiver's stream waits for exactly that
+// value before it reads them (never before the write, in this fake), views and copies alike,
+// each direction its own sequence; closing a conn sets its own flag to the last value it waited
+// for (releasing a wait whose writer died).
+static void test_frame_flags(void) {
+    g_flags = true;
+    g_flag_faults = 0;
+    mm_conn *cli = NULL, *srv = NULL;
+    const int mark = log_mark();
+    open_pair("flags", &cli, &srv);
+    float *d = frame_data(3.0f), *dst = malloc(FRAME);
+    mm_wire_hdr h;
+    for (int i = 1; i <= 5; i++) {
+        MM_PASS(send_frame(cli, (uint64_t)i, d, mm_deadline_in_ms(2000)));
+        if (i % 2) {
+            const void *view = NULL;
+            MM_PASS(mm_conn_recv_view(srv, &h, NULL, 0, &view, mm_deadline_in_ms(2000)));
+            MM_TRUE(memcmp(view, d, FRAME) == 0);
+        } else {
+            struct iovec dv = {.iov_base = dst, .iov_len = FRAME};
+            bool on_dev = false;
+            MM_PASS(mm_conn_recv_dev(srv, &h, NULL, 0, &dv, 1, &on_dev, mm_deadline_in_ms(2000)));
+            MM_TRUE(on_dev && memcmp(dst, d, FRAME) == 0);
+        }
+        MM_EQ(h.step_id, (uint64_t)i);
+    }
+    MM_PASS(send_frame(srv, 9, d, mm_deadline_in_ms(2000))); // the other direction: from 1
+    const void *view = NULL;
+    MM_PASS(mm_conn_recv_view(cli, &h, NULL, 0, &view, mm_deadline_in_ms(2000)));
+    MM_EQ(h.step_id, 9u);
+    pthread_mutex_lock(&g_mu);
+    int nw = 0, nwait = 0, bad = 0;
+    const void *to_srv = NULL;
+    for (int i = mark; i < g_n; i++) {
+        const struct op *o = &g_log[i];
+        if (o->k == OP_FWRITE && nw < 5) {
+            nw++;
+            bad += o->n != (size_t)nw;
+            to_srv = o->dst;
+        } else if (o->k == OP_FWRITE) {
+            bad += o->n != 1 || o->dst == to_srv; // srv -> cli: its own word, its own count
+        }
+        if (o->k == OP_FWAIT && nwait < 5) {
+            nwait++;
+            bad += o->n != (size_t)nwait || o->src != to_srv;
+        }
+    }
+    pthread_mutex_unlock(&g_mu);
+    MM_EQ(bad, 0);
+    MM_EQ(nw, 5);
+    MM_EQ(nwait, 5);
+    MM_EQ(count_since(mark, OP_FWRITE), 6);
+    MM_EQ(count_since(mark, OP_FWAIT), 6);
+    MM_EQ(g_flag_faults, 0);
+    const int closed = log_mark();
+    close_pair(cli, srv);
+    MM_TRUE(count_since(closed, OP_FSET) == 2); // each side's own word, before its drain
+    pthread_mutex_lock(&g_mu);
+    bool srv_set = false;
+    for (int i = closed; i < g_n; i++)
+        if (g_log[i].k == OP_FSET && g_log[i].dst == to_srv)
+            srv_set = g_log[i].n == 5;
+    pthread_mutex_unlock(&g_mu);
+    MM_TRUE(srv_set);
+    free(d);
+    free(dst);
+    g_flags = false;
+}
+
 #define CASE(name, fn) {name, fn}
 #else
 static void gpu_build(void) {
@@ -651,6 +749,7 @@ static void gpu_build(void) {
 #endif
 
 MM_TESTS = {
+    CASE("ipc frame flags: written after the rows, waited for in turn, released at close", test_frame_flags),
     CASE("ipc views: the free is paid after the work on the view", test_view_free_after_work),
     CASE("ipc views: a held view's bytes are not reused; the sender times out", test_view_holds_ring),
     CASE("ipc views: a send short of space does not pay a held view's free", test_view_not_paid_by_send),

@@ -13,6 +13,10 @@
 #define MM_GPU_MAX_WARP_SIZE 32
 // Tensor cores through nvcuda::wmma (bf16 x bf16 -> f32); HIP builds take the FMA path.
 #define MM_GPU_HAVE_WMMA 1
+// Stream memory operations (cuStreamWaitValue32 / cuStreamWriteValue32, reached through the
+// runtime's driver entry points): the cudaipc transport's frame flags (kernels/cuda/ipc.cu).
+// HIP builds keep the interprocess events.
+#define MM_GPU_HAVE_STREAM_MEMOPS 1
 typedef __nv_bfloat16 mm_gpu_wmma_bf16;
 namespace mm_wmma = nvcuda::wmma;
 

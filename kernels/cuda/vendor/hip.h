@@ -18,6 +18,7 @@
 #endif
 #define MM_GPU_MAX_WARP_SIZE 64
 #define MM_GPU_HAVE_WMMA 0
+#define MM_GPU_HAVE_STREAM_MEMOPS 0 // (vendor/cuda.h): the cudaipc transport keeps its events
 
 // ROCm 5.2 has no *_sync shuffles; a full wavefront takes part in every call we make.
 #define mm_shfl_xor(v, mask) __shfl_xor((v), (mask))

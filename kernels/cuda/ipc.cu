@@ -143,39 +143,34 @@ extern "C" bool mm_gpu_flags_ok(void) {
 #endif
 }
 
-extern "C" mm_err mm_gpu_flag_write(void *stream, void *d_flag, uint32_t v) {
+// flag_op: one stream memory operation on d_flag (write: *d_flag = v after the stream's earlier
+// work, with the default memory barrier so that work is visible; else wait until
+// (int32_t)(*d_flag - v) >= 0)
+static mm_err flag_op(void *stream, const void *d_flag, uint32_t v, bool write) {
 #if MM_GPU_HAVE_STREAM_MEMOPS
     if (!mm_gpu_flags_ok() || d_flag == NULL)
         return MM_EUNSUPP;
-    // (the default flags: a memory barrier before the write, so the work it orders is visible)
-    const CUresult r = g_write_value((CUstream)stream, (CUdeviceptr)(uintptr_t)d_flag, v,
-                                     CU_STREAM_WRITE_VALUE_DEFAULT);
+    const CUdeviceptr at = (CUdeviceptr)(uintptr_t)d_flag;
+    const CUresult r = write ? g_write_value((CUstream)stream, at, v, CU_STREAM_WRITE_VALUE_DEFAULT)
+                             : g_wait_value((CUstream)stream, at, v, CU_STREAM_WAIT_VALUE_GEQ);
     if (r != CUDA_SUCCESS) {
-        mm__gpu_report("cuStreamWriteValue32", __FILE__, __LINE__, "driver error");
+        mm__gpu_report(write ? "cuStreamWriteValue32" : "cuStreamWaitValue32", __FILE__, __LINE__,
+                       "driver error");
         return MM_EDEVICE;
     }
     return MM_OK;
 #else
-    (void)stream, (void)d_flag, (void)v;
+    (void)stream, (void)d_flag, (void)v, (void)write;
     return MM_EUNSUPP;
 #endif
 }
 
+extern "C" mm_err mm_gpu_flag_write(void *stream, void *d_flag, uint32_t v) {
+    return flag_op(stream, d_flag, v, true);
+}
+
 extern "C" mm_err mm_gpu_flag_wait(void *stream, const void *d_flag, uint32_t v) {
-#if MM_GPU_HAVE_STREAM_MEMOPS
-    if (!mm_gpu_flags_ok() || d_flag == NULL)
-        return MM_EUNSUPP;
-    const CUresult r = g_wait_value((CUstream)stream, (CUdeviceptr)(uintptr_t)d_flag, v,
-                                    CU_STREAM_WAIT_VALUE_GEQ);
-    if (r != CUDA_SUCCESS) {
-        mm__gpu_report("cuStreamWaitValue32", __FILE__, __LINE__, "driver error");
-        return MM_EDEVICE;
-    }
-    return MM_OK;
-#else
-    (void)stream, (void)d_flag, (void)v;
-    return MM_EUNSUPP;
-#endif
+    return flag_op(stream, d_flag, v, false);
 }
 
 extern "C" mm_err mm_gpu_flag_set(void *d_flag, uint32_t v) {

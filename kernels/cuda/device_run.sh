@@ -17,7 +17,8 @@
 #             generate --device cuda:0: greedy tokens and logprobs bit for bit, 1, 2, 3 owners,
 #             for each data plane in INV_SCHEMES (default "shm": device to device)
 #   meshstep  the mesh on the synthetic checkpoint: decode step time (mesh-generate --timing),
-#             batch 1 with 1 and 3 owners, and BATCH concurrent sequences with 1 owner, for each
+#             batch 1 with 1 and 3 owners, and BATCH concurrent sequences with 1 owner (admitted
+#             one per step, and all at once: --stagger false), for each
 #             of MESH_PIPELINE (default "0"; "0 1" also times mesh-generate --pipeline), once per
 #             data plane in MESH_SCHEMES (default "host shm": host = shm://NAME?gpu=0, rows through
 #             host memory; shm = shm://NAME, rows device to device through CUDA IPC, as GPU
@@ -232,6 +233,12 @@ if ! skip meshstep && [ -f "$M/config.json" ]; then
                 --max-tokens 96 --concurrent "$BATCH" --timing "${pa[@]}" > /dev/null 2> "$RUN/timing.txt" ||
                 { cat "$RUN/timing.txt"; FAILED+=(meshstep); }
             echo "mesh $(data_url NAME), $o owner(s), 1 shard, $BATCH concurrent$pn: $(grep -E 'decode steps|decode period|decode step max|generated' "$RUN/timing.txt" | tr '\n' ' ')"
+            # the same BATCH sequences admitted at once: ~95 decode steps of all BATCH, the shape
+            # of bench-model's greedy batch decode
+            timeout 90 "$BIN/moemesh" mesh-generate --router "$ROUTER" --ids 11,12,13,14 \
+                --max-tokens 96 --concurrent "$BATCH" --stagger false --timing "${pa[@]}" > /dev/null 2> "$RUN/timing.txt" ||
+                { cat "$RUN/timing.txt"; FAILED+=(meshstep); }
+            echo "mesh $(data_url NAME), $o owner(s), 1 shard, $BATCH admitted at once$pn: $(grep -E 'decode steps|decode period|decode step max|generated' "$RUN/timing.txt" | tr '\n' ' ')"
         fi
         done
         grep -h "linked" "$RUN"/router.log 2>/dev/null | sed 's/^/    /' | head -4

@@ -52,6 +52,7 @@ t0=$(taken)
 expect_ids "pipelined, alone" $IDS 16 --pipeline
 expect_ids "pipelined, among 5 (admitted and ending at different steps)" $IDS 16 --pipeline --concurrent 5
 expect_ids "pipelined, prompt in chunks of 2, among 3" $IDS 12 --pipeline --concurrent 3 --chunk 2
+expect_ids "pipelined, among 6 admitted at once" $IDS 12 --pipeline --concurrent 6 --stagger false
 expect_ids "unpipelined" $IDS 12
 t1=$(taken)
 [ "$t1" -gt "$t0" ] || fail "no plan was begun early (router trace: $t0 -> $t1 'taken' events)"

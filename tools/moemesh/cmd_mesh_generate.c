@@ -4,8 +4,9 @@
 // per step with every active sequence (prompt chunks and decode tokens together), releases
 // finished sequences in the next plan, and prints sequence 0 in the format of
 // `moemesh generate` (--logprobs: one "ID LOGPROB[ top=...]" line per token, %.9g).
-// --concurrent K adds K-1 other sequences (rotations of the prompt, admitted one per step,
-// generating different lengths) that share sequence 0's steps.
+// --concurrent K adds K-1 other sequences (rotations of the prompt, admitted one per step, or
+// all at the first step with --stagger false, generating different lengths) that share
+// sequence 0's steps.
 // --draft N lets the router verify up to N drafted tokens per seq per step (SeqStep.max_draft;
 // the tokens it accepts come back in SeqResult.more); the counts go to stderr.
 #include <stdio.h>
@@ -88,7 +89,7 @@ static int run_mesh_generate(int argc, char **argv) {
               max_batch = 256, draft = 0;
     uint64_t n_drafted = 0, n_accepted = 0, n_dsteps = 0;
     double temperature = 0;
-    bool logprobs = false, all = false, timing = false, pipeline = false;
+    bool logprobs = false, all = false, timing = false, pipeline = false, stagger = true;
     mm_opt opts[] = {
         {"router", MM_OPT_STR, &router, MM_CTL_DEFAULT_ROUTER, "the router's control URL"},
         {"ids", MM_OPT_STR, &ids_s, NULL, "prompt token ids, comma-separated"},
@@ -96,6 +97,9 @@ static int run_mesh_generate(int argc, char **argv) {
         {"logprobs", MM_OPT_BOOL, &logprobs, "false", "one line per token: id and logprob"},
         {"top-logprobs", MM_OPT_INT, &top, "0", "with --logprobs: the N best tokens too"},
         {"concurrent", MM_OPT_INT, &concurrent, "1", "sequences sharing the steps (1..256)"},
+        {"stagger", MM_OPT_BOOL, &stagger, "true",
+         "admit the --concurrent sequences one per step (false: all from the first step, as far "
+         "as --max-batch-tokens lets their prompts in)"},
         {"chunk", MM_OPT_INT, &chunk, "0", "prefill chunk in tokens (0: whole prompt)"},
         {"max-batch-tokens", MM_OPT_INT, &max_batch, "256", "tokens per step (router's limit)"},
         {"temperature", MM_OPT_DBL, &temperature, "0", "0: greedy; else seeded sampling"},
@@ -162,7 +166,7 @@ static int run_mesh_generate(int argc, char **argv) {
         s->max_new = j == 0 ? (int)max_tokens : (int)max_tokens + (j % 4) - 1;
         if (s->max_new < 1)
             s->max_new = 1;
-        s->start_step = j;
+        s->start_step = stagger ? j : 0;
         s->prompt = malloc((size_t)s->n_prompt * 4);
         s->out = malloc((size_t)s->max_new * 4);
         s->lp = malloc((size_t)s->max_new * 4);

@@ -675,6 +675,8 @@ static mm_err ipc_sendv_dev(void *ctx, const mm_wire_hdr *hdr, const struct iove
     rv = send_internal(c, DESC_SEQ, &d, sizeof(d), deadline_ns);
     if (rv == MM_OK)
         c->tx_head = end;
+    else if (c->flags) // the flag moved past a frame never announced: the receiver would refuse
+        SHM->shutdown(c->shm); // the next descriptor (out of turn); end the conn here instead
     mm_mesh_trace(hdr->step_id, (int)hdr->layer, "s_desc");
     return rv;
 }

@@ -7,6 +7,7 @@
 // so a result's bits do not depend on the thread count or on the other rows of the call.
 // Every op completes before returning; nothing is allocated per call.
 #include <math.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -419,29 +420,29 @@ static mm_err cpu_route_plan(void *ctx, const int32_t *ids, const float *weights
     if (!ids || !offs || !src || !dst || n < 0 || k < 1 || e < 1 || (wt && !weights))
         return MM_EINVAL;
     const int64_t nk = n * k;
-    int32_t *next = malloc((size_t)e * 4);
-    if (!next)
-        return MM_ENOMEM;
     mm_err rv = MM_OK;
+    // Counting sort in offs itself: offs[x + 1] counts expert x's slots (an id out of range
+    // counts as expert 0, as the contract says, and is reported now); summed, offs[x + 1] is
+    // expert x's end; shifted up one place, expert x's start, the cursor its slots are written
+    // at, which ends at its end: offs then holds the plan's offsets.
     memset(offs, 0, (size_t)(e + 1) * 4);
     for (int64_t t = 0; t < nk; t++) {
-        const bool ok = ids[t] >= 0 && ids[t] < e;
-        if (!ok)
-            rv = MM_EINVAL; // counted as expert 0, as the contract says; reported now
-        offs[(ok ? ids[t] : 0) + 1]++;
+        if (ids[t] < 0 || ids[t] >= e)
+            rv = MM_EINVAL;
+        offs[(ids[t] >= 0 && ids[t] < e ? ids[t] : 0) + 1]++;
     }
-    for (int x = 0; x < e; x++)
+    for (int x = 1; x < e; x++)
         offs[x + 1] += offs[x];
-    memcpy(next, offs, (size_t)e * 4);
+    for (int x = e; x > 0; x--)
+        offs[x] = offs[x - 1];
     for (int64_t t = 0; t < nk; t++) { // stable: one expert's slots in slot order
-        const int32_t p = next[ids[t] >= 0 && ids[t] < e ? ids[t] : 0]++;
+        const int32_t p = offs[(ids[t] >= 0 && ids[t] < e ? ids[t] : 0) + 1]++;
         src[p] = (int32_t)(t / k);
         dst[p] = (int32_t)t;
     }
     if (wt)
         for (int64_t t = 0; t < nk; t++)
             wt[(t % k) * n + t / k] = weights[t];
-    free(next);
     return rv;
 }
 
@@ -549,6 +550,19 @@ static const struct mm_backend_ops cpu_ops = {
 };
 
 static struct mm_backend_ops cpu_dev_ops; // cpu_ops with the device contract (cpu-dev above)
+static pthread_once_t cpu_dev_once = PTHREAD_ONCE_INIT;
+
+static void cpu_dev_ops_init(void) {
+    struct mm_backend_ops o = cpu_ops;
+    o.name = "cpu-dev";
+    o.host_memory = false;
+    o.route_plan = cpu_route_plan;
+    o.moe_matmul_dev = cpu_moe_matmul_dev;
+    o.argmax = cpu_argmax;
+    o.fetch = cpu_fetch;
+    o.fetch_wait = cpu_fetch_wait;
+    cpu_dev_ops = o;
+}
 
 static mm_err cpu_open(mm_backend *be, const mm_backend_params *p, bool dev, char err[MM_ERRLEN]);
 
@@ -579,17 +593,8 @@ static mm_err cpu_open(mm_backend *be, const mm_backend_params *p, bool dev, cha
         return mm_errf(err, rv, "cpu backend: cannot start %d worker threads", n);
     }
     c->dot = mm__dot_select(&c->dot_name);
-    if (dev && cpu_dev_ops.version == 0) { // (filled once; read-only afterwards)
-        struct mm_backend_ops o = cpu_ops;
-        o.name = "cpu-dev";
-        o.host_memory = false;
-        o.route_plan = cpu_route_plan;
-        o.moe_matmul_dev = cpu_moe_matmul_dev;
-        o.argmax = cpu_argmax;
-        o.fetch = cpu_fetch;
-        o.fetch_wait = cpu_fetch_wait;
-        cpu_dev_ops = o;
-    }
+    if (dev)
+        pthread_once(&cpu_dev_once, cpu_dev_ops_init); // (read-only afterwards)
     be->ops = dev ? &cpu_dev_ops : &cpu_ops;
     be->ctx = c;
     be->n_threads = n;

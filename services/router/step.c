@@ -202,8 +202,8 @@ struct mm_step_engine {
     uint64_t begun_t0;
     mm_err begun_lrv;                 // its forward's start failed (fails its rows)
     char begun_msg[MSG_LEN];
-    mm_err pred_rv;                   // the picks it embedded never came back: its rows fail
-    char pred_msg[MSG_LEN];
+    mm_err pred_rv;                   // the picks it embedded never came back: its rows fail,
+                                      // with early_msg (read before its own tail writes it)
     char early_msg[MSG_LEN];          // a begun-from step's error after its results were built
 };
 
@@ -1669,7 +1669,6 @@ static bool begin_next(mm_step_engine *e, const Mmctl__StepPlan *prev) {
     e->begun_lrv = lrv;
     snprintf(e->begun_msg, MSG_LEN, "%s", msg);
     e->pred_rv = MM_OK;
-    e->pred_msg[0] = 0;
     return true;
 }
 
@@ -1722,7 +1721,7 @@ struct nng_msg *mm_step_engine_run(mm_step_engine *e, const Mmctl__StepPlan *p, 
         mm_mesh_trace(p->step_id, -1, "layers");
         if (rv == MM_OK && e->pred_rv != MM_OK) { // its input picks never reached the host
             rv = e->pred_rv;
-            snprintf(msg, MSG_LEN, "%s", e->pred_msg);
+            snprintf(msg, MSG_LEN, "%s", e->early_msg);
         }
         e->pred_rv = MM_OK;
         if (rv != MM_OK) {
@@ -1960,10 +1959,8 @@ struct nng_msg *mm_step_engine_run(mm_step_engine *e, const Mmctl__StepPlan *p, 
                 e->res[i].error = e->early_msg;
             }
             mm_follow_fail(e->fl, p->step_id, prv, e->early_msg);
-            if (next) { // its rows embedded these picks: they fail too
+            if (next) // its rows embedded these picks: they fail too (with early_msg)
                 e->pred_rv = prv;
-                snprintf(e->pred_msg, MSG_LEN, "%s", e->early_msg);
-            }
         }
         mm_mesh_trace(p->step_id, -1, "picked");
         if (e->handoff)

@@ -8,6 +8,11 @@
 // %globaltimer. Latency = the consumer's stamp - the producer's busy-kernel end stamp (one clock),
 // median of 190 iterations (10 warm-up). Run it with and without MPS:
 //     nvcc -O2 -arch=sm_90 -o ipc_wake kernels/cuda/bench/ipc_wake.cu && for m in 0 1 2; do ./ipc_wake $m; done
+// Two arguments pick the two sides apart: `ipc_wake P W`, P the signal (0 event record, 1
+// cuStreamWriteValue32, 2 a flag kernel, 3 the busy kernel writing the flag itself as it ends),
+// W the wait (0 event wait, 1 cuStreamWaitValue32, 2 a spin kernel then the stamp, 3 a spin
+// kernel that lets its dependents launch at once, the stamp launched as a programmatic
+// dependent waiting at griddepcontrol.wait).
 #include <cuda.h>
 #include <cuda_runtime.h>
 #include <cudaTypedefs.h>
@@ -20,8 +25,11 @@
 
 #define CK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); exit(1);} } while (0)
 __device__ __forceinline__ unsigned long long gtime() { unsigned long long t; asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t)); return t; }
-__global__ void busy(unsigned long long ns, unsigned long long *end) {
-    unsigned long long t0 = gtime(); while (gtime() - t0 < ns) {} if (end) *end = gtime(); }
+__global__ void busy(unsigned long long ns, unsigned long long *end, volatile unsigned *f, unsigned v) {
+    unsigned long long t0 = gtime(); while (gtime() - t0 < ns) {} if (end) *end = gtime();
+    if (f) { __threadfence_system(); *f = v; } }
+__global__ void stamp_pdl(unsigned long long *out) { asm volatile("griddepcontrol.wait;" ::: "memory"); *out = gtime(); }
+__global__ void spinwait_pdl(volatile unsigned *f, unsigned v) { asm volatile("griddepcontrol.launch_dependents;"); while (*f < v) {} }
 __global__ void stamp(unsigned long long *out) { *out = gtime(); }
 __global__ void setflag(volatile unsigned *f, unsigned v) { __threadfence_system(); *f = v; }
 __global__ void spinwait(volatile unsigned *f, unsigned v) { while (*f < v) { __nanosleep(100); } }
@@ -30,6 +38,7 @@ struct shm { cudaIpcMemHandle_t mh; cudaIpcEventHandle_t eh; volatile int go, re
 
 int main(int argc, char **argv) {
     int mode = argc > 1 ? atoi(argv[1]) : 0; // 0 event, 1 wait-value + write-value, 2 spin kernel + flag kernel
+    const int sig = mode, wt = argc > 2 ? atoi(argv[2]) : mode;
     const int N = 200;
     struct shm *S = (struct shm *)mmap(NULL, 4096, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
     memset((void *)S, 0, 4096);
@@ -51,10 +60,20 @@ int main(int argc, char **argv) {
         for (int i = 0; i < N; i++) {
             while (S->go != i + 1) {}
             // A's busy kernel (200 us) and its signal are enqueued: wait for it on the GPU
-            if (mode == 0) CK(cudaStreamWaitEvent(st, ev, 0));
-            else if (mode == 1) { CUresult r = waitv((CUstream)st, (CUdeviceptr)flag, (cuuint32_t)(i + 1), CU_STREAM_WAIT_VALUE_GEQ); if (r) { fprintf(stderr, "waitv %d\n", r); exit(1);} }
-            else spinwait<<<1, 1, 0, st>>>(flag, i + 1);
-            stamp<<<1, 1, 0, st>>>(bst + i);
+            if (wt == 0) CK(cudaStreamWaitEvent(st, ev, 0));
+            else if (wt == 1) { CUresult r = waitv((CUstream)st, (CUdeviceptr)flag, (cuuint32_t)(i + 1), CU_STREAM_WAIT_VALUE_GEQ); if (r) { fprintf(stderr, "waitv %d\n", r); exit(1);} }
+            else if (wt == 2) spinwait<<<1, 1, 0, st>>>(flag, i + 1);
+            else spinwait_pdl<<<1, 1, 0, st>>>(flag, i + 1);
+            if (wt == 3) {
+                cudaLaunchConfig_t cfg = {};
+                cfg.gridDim = dim3(1); cfg.blockDim = dim3(1); cfg.stream = st;
+                cudaLaunchAttribute at[1];
+                at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+                at[0].val.programmaticStreamSerializationAllowed = 1;
+                cfg.attrs = at; cfg.numAttrs = 1;
+                CK(cudaLaunchKernelEx(&cfg, stamp_pdl, bst + i));
+            } else
+                stamp<<<1, 1, 0, st>>>(bst + i);
             CK(cudaStreamSynchronize(st));
             S->iter = i + 1;
             unsigned long long a, b;
@@ -65,8 +84,10 @@ int main(int argc, char **argv) {
         for (int i = 0; i < n; i++) sum += lat[i];
         // median
         for (int i = 0; i < n; i++) for (int j = i + 1; j < n; j++) if (lat[j] < lat[i]) { double t = lat[i]; lat[i] = lat[j]; lat[j] = t; }
-        printf("mode %d (%s): wake-up latency mean %.2f us, median %.2f us, p90 %.2f us, min %.2f\n", mode,
-               mode == 0 ? "IPC event" : mode == 1 ? "cuStreamWaitValue32 / cuStreamWriteValue32" : "spin kernel / flag kernel",
+        static const char *const sn[] = {"event record", "cuStreamWriteValue32", "flag kernel", "flag by the busy kernel"};
+        static const char *const wn[] = {"event wait", "cuStreamWaitValue32", "spin kernel", "spin kernel + dependent launch"};
+        printf("signal %d / wait %d (%s / %s): wake-up latency mean %.2f us, median %.2f us, p90 %.2f us, min %.2f\n", sig, wt,
+               sn[sig & 3], wn[wt & 3],
                sum / n, lat[n / 2], lat[n * 9 / 10], lat[0]);
         S->stop = 1;
         return 0;
@@ -88,8 +109,9 @@ int main(int argc, char **argv) {
     S->ready = 1;
     for (int i = 0; i < N; i++) {
         while (S->iter != i) {}
-        busy<<<1, 1, 0, st>>>(200000, aend + i);
-        if (mode == 0) CK(cudaEventRecord(ev, st));
+        busy<<<1, 1, 0, st>>>(200000, aend + i, sig == 3 ? flag : NULL, (unsigned)(i + 1));
+        if (sig == 3) {}
+        else if (mode == 0) CK(cudaEventRecord(ev, st));
         else if (mode == 1) { CUresult r = writev((CUstream)st, (CUdeviceptr)flag, (cuuint32_t)(i + 1), CU_STREAM_WRITE_VALUE_DEFAULT); if (r) { fprintf(stderr, "writev %d\n", r); exit(1);} }
         else setflag<<<1, 1, 0, st>>>(flag, i + 1);
         S->go = i + 1;

@@ -941,12 +941,19 @@ static int long_ctx(const mm_model_rows *rows) {
 // attn_core: the attention of layer on n rows whose positions and sequences are in s->pos_d
 // and s->seq_d already. defer_residual: the output projection stays in s->tmp and h is not
 // updated (the caller adds it with the backend's add_rmsnorm). normed: s->xn already holds
-// the layer's input norm of h (the previous layer's combine_rmsnorm wrote it).
+// the layer's input norm of h (the previous layer's combine_rmsnorm wrote it). Else out (which
+// may be h; h itself is not written) = h + the output, through the backend's matmul_res where
+// it takes the product (the residual in o_proj's epilogue), else o_proj into s->tmp and an axpy.
 static mm_err attn_core(const mm_model *m, mm_model_scratch *s, int layer, mm_kv_cache *kv,
-                        int64_t n, float *h, bool defer_residual, bool normed);
+                        int64_t n, float *h, bool defer_residual, bool normed, float *out);
 
 mm_err mm_model_attn_forward(const mm_model *m, mm_model_scratch *s, int layer, mm_kv_cache *kv,
                              const mm_model_rows *rows, float *h) {
+    return mm_model_attn_forward_to(m, s, layer, kv, rows, h, h);
+}
+
+mm_err mm_model_attn_forward_to(const mm_model *m, mm_model_scratch *s, int layer,
+                                mm_kv_cache *kv, const mm_model_rows *rows, float *h, float *out) {
     const mm_model_config *c = &m->c;
     const int64_t n = rows->n_rows;
     if (layer < 0 || layer >= c->n_layers || !kv)
@@ -968,11 +975,11 @@ mm_err mm_model_attn_forward(const mm_model *m, mm_model_scratch *s, int layer, 
         s->rows_n = n;
         s->long_ctx = long_ctx(rows);
     }
-    return attn_core(m, s, layer, kv, n, h, false, false);
+    return attn_core(m, s, layer, kv, n, h, false, false, out ? out : h);
 }
 
 static mm_err attn_core(const mm_model *m, mm_model_scratch *s, int layer, mm_kv_cache *kv,
-                        int64_t n, float *h, bool defer_residual, bool normed) {
+                        int64_t n, float *h, bool defer_residual, bool normed, float *out) {
     const mm_model_config *c = &m->c;
     const struct layer *L = &m->layers[layer];
     const int64_t D = c->d_model, H = c->n_heads;
@@ -999,10 +1006,17 @@ static mm_err attn_core(const mm_model *m, mm_model_scratch *s, int layer, mm_kv
                               .scale = c->attn_scale, .window = c->window,
                               .long_ctx = s->long_ctx};
     MM_TRY(OPS->attention(CTX, &aa));
+    if (!defer_residual && OPS->matmul_res) { // the residual in o_proj's epilogue: same bits
+        const mm_err rv = OPS->matmul_res(CTX, &L->wo, s->ao, H * c->head_dim_v, h, D, out, D, n);
+        if (rv != MM_EUNSUPP)
+            return rv;
+    }
     MM_TRY(OPS->matmul(CTX, &L->wo, NULL, s->ao, H * c->head_dim_v, s->tmp, D, n));
     if (defer_residual)
         return MM_OK;
-    return OPS->axpy(CTX, NULL, s->tmp, D, h, D, n, D); // residual
+    if (out != h)
+        MM_TRY(OPS->copy_rows(CTX, h, D, NULL, out, D, NULL, n, D));
+    return OPS->axpy(CTX, NULL, s->tmp, D, out, D, n, D); // residual
 }
 
 mm_err mm_model_ffn_norm(const mm_model *m, mm_model_scratch *s, int layer, const float *h,
@@ -1216,7 +1230,7 @@ static mm_err moe_layer(const mm_model *m, mm_model_scratch *s, int l, int64_t n
 // gate_plan: router product, route and route_plan of layer on n rows of x, into the
 // scratch's plan buffers (ids_d, offs_d, src_d, dst_d, wt_d); issues ops only.
 static mm_err gate_plan(const mm_model *m, mm_model_scratch *s, int l, const float *x,
-                        int64_t n) {
+                        int64_t n, int32_t *offs_d, int32_t *src_d, int32_t *dst_d) {
     const mm_model_config *c = &m->c;
     const struct layer *L = &m->layers[l];
     const int K = c->top_k, E = c->n_experts;
@@ -1225,11 +1239,10 @@ static mm_err gate_plan(const mm_model *m, mm_model_scratch *s, int l, const flo
     rp.bias = L->e_bias;
     float *wts_d = (float *)(s->ids_d + n * K);
     if (OPS->route_with_plan) // one op where the backend has it, the same outputs
-        return OPS->route_with_plan(CTX, &rp, s->rl, E, n, s->ids_d, wts_d, s->offs_d, s->src_d,
-                                    s->dst_d, s->wt_d);
+        return OPS->route_with_plan(CTX, &rp, s->rl, E, n, s->ids_d, wts_d, offs_d, src_d, dst_d,
+                                    s->wt_d);
     MM_TRY(OPS->route(CTX, &rp, s->rl, E, n, s->ids_d, wts_d));
-    return OPS->route_plan(CTX, s->ids_d, wts_d, n, K, E, s->offs_d, s->src_d, s->dst_d,
-                           s->wt_d);
+    return OPS->route_plan(CTX, s->ids_d, wts_d, n, K, E, offs_d, src_d, dst_d, s->wt_d);
 }
 
 // experts_plan: the routed experts of layer L on nk plan slots: sorted slot p reads x row
@@ -1294,7 +1307,7 @@ static mm_err moe_layer_dev(const mm_model *m, mm_model_scratch *s, int l, int64
                             const mm_weight *norm_w, float *norm_y) {
     const struct layer *L = &m->layers[l];
     const int K = m->c.top_k;
-    MM_TRY(gate_plan(m, s, l, s->x, n));
+    MM_TRY(gate_plan(m, s, l, s->x, n, s->offs_d, s->src_d, s->dst_d));
     MM_TRY(experts_plan(m, s, L, s->offs_d, s->x, s->src_d, s->dst_d, n * K, s->eo));
     if (L->has_shared)
         MM_TRY(mm_model_shared_forward(m, s, l, s->x, n, s->sh));
@@ -1305,14 +1318,21 @@ static mm_err moe_layer_dev(const mm_model *m, mm_model_scratch *s, int l, int64
 // ---- the mesh's device path (mm/model.h) ------------------------------------------------------
 mm_err mm_model_gate_plan(const mm_model *m, mm_model_scratch *s, int layer, const float *x,
                           int64_t n, mm_model_plan *plan) {
+    return mm_model_gate_plan_at(m, s, layer, x, n, NULL, plan);
+}
+
+mm_err mm_model_gate_plan_at(const mm_model *m, mm_model_scratch *s, int layer, const float *x,
+                             int64_t n, int32_t *at, mm_model_plan *plan) {
     if (!mm_model_layer_is_moe(m, layer) || !plan || n <= 0)
         return MM_EINVAL;
     MM_TRY(check_rows(s, n));
     if (!s->dev)
         return MM_EUNSUPP;
-    MM_TRY(gate_plan(m, s, layer, x, n));
-    *plan = (mm_model_plan){.ids = s->ids_d, .offs = s->offs_d, .src = s->src_d,
-                            .dst = s->dst_d, .wt = s->wt_d};
+    const int64_t E = m->c.n_experts, nk = n * m->c.top_k;
+    int32_t *offs = at ? at : s->offs_d, *src = at ? at + E + 1 : s->src_d;
+    int32_t *dst = at ? at + E + 1 + nk : s->dst_d;
+    MM_TRY(gate_plan(m, s, layer, x, n, offs, src, dst));
+    *plan = (mm_model_plan){.ids = s->ids_d, .offs = offs, .src = src, .dst = dst, .wt = s->wt_d};
     return MM_OK;
 }
 
@@ -1362,7 +1382,7 @@ static mm_err forward_dev_ops(const mm_model *m, mm_model_scratch *s, mm_kv_cach
         // the residual add of the attention output and the FFN norm in one op where the
         // backend has it (same bits as axpy then rmsnorm)
         const bool fuse = OPS->add_rmsnorm != NULL;
-        MM_TRY(attn_core(m, s, l, kv, n, s->h, fuse, normed));
+        MM_TRY(attn_core(m, s, l, kv, n, s->h, fuse, normed, s->h));
         if (fuse)
             MM_TRY(OPS->add_rmsnorm(CTX, s->tmp, D, s->h, D, &m->layers[l].ffn_norm, m->c.eps,
                                     s->x, D, n));

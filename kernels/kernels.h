@@ -377,6 +377,13 @@ struct mm_backend_ops {
     // report does not clear it: later fetches report it too until a get or synchronize does.
     mm_err (*fetch)(void *ctx, const void *src, size_t n_bytes, uint64_t *ticket);
     mm_err (*fetch_wait)(void *ctx, uint64_t ticket, void *dst);
+    // matmul_res (optional; NULL or MM_EUNSUPP, then nothing was issued: matmul into a scratch,
+    // then axpy of it onto the residual): y[i, :] = matmul(w, x[i, :]) (no bias) + res[i, :],
+    // the residual added after the product as axpy adds it, so the bits of matmul into t then
+    // y = res + t. y may be res (in place); neither may alias x.
+    mm_err (*matmul_res)(void *ctx, const mm_weight *w, const float *x, int64_t x_stride,
+                         const float *res, int64_t res_stride, float *y, int64_t y_stride,
+                         int64_t n_rows);
 };
 #define MM_FETCH_BYTES 4096
 #define MM_FETCH_SLOTS 4

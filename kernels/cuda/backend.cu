@@ -610,6 +610,20 @@ static mm_err gpu_matmul(void *ctx, const mm_weight *w, const float *bias, const
                         x_stride, y, y_stride, (int)n_rows, MM_GPU_PATH_AUTO));
 }
 
+static mm_err gpu_matmul_res(void *ctx, const mm_weight *w, const float *x, int64_t x_stride,
+                             const float *res, int64_t res_stride, float *y, int64_t y_stride,
+                             int64_t n_rows) {
+    CTX(ctx);
+    if (!weight_ok(w) || x == NULL || y == NULL || res == NULL || n_rows < 0 ||
+        n_rows > INT32_MAX)
+        return MM_EINVAL;
+    ON_DEVICE();
+    char nm[OT_NAME];
+    TIMED(OT_NAMES(g) ? shape_name(nm, "matmul_res", w->rows, w->cols) : "",
+          mm_gpu_matmul_res(g->stream, w->dtype, w->data, (int)w->rows, (int)w->cols, x, x_stride,
+                            res, res_stride, y, y_stride, (int)n_rows));
+}
+
 // Grows the staging to hold n experts; allocates only when a layer has more experts than
 // any before (once per model in practice), after draining the stream (slots may be in use).
 static mm_err moe_staging(struct gpu_ctx *g, int n) {
@@ -1077,6 +1091,7 @@ static const struct mm_backend_ops gpu_ops = {
     .kv_dtype = gpu_kv_dtype,
     .fetch = gpu_fetch,
     .fetch_wait = gpu_fetch_wait,
+    .matmul_res = gpu_matmul_res,
 };
 
 extern "C" mm_err mm_cuda_backend_open(mm_backend *be, const mm_backend_params *p,
@@ -1146,6 +1161,9 @@ extern "C" mm_err mm_cuda_backend_open(mm_backend *be, const mm_backend_params *
         g->ops_table.fetch = NULL;
         g->ops_table.fetch_wait = NULL;
     }
+    const char *mr = getenv("MM_GPU_MATMUL_RES"); // 0: no residual in o_proj's epilogue (A/B)
+    if (mr != NULL && strcmp(mr, "0") == 0)
+        g->ops_table.matmul_res = NULL;
     const char *old = getenv("MM_GPU_OLD_DECODE"); // A/B: same results, earlier kernels
     g->old_kernels = old != NULL && old[0] != '\0' && strcmp(old, "0") != 0;
     const char *fu = getenv("MM_GPU_OLD_FUSIONS"); // A/B of the fused ops alone

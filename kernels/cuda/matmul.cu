@@ -147,6 +147,8 @@ struct mm_mat_args {
     const float *x_up;        // GEMV v2 only: x is swiglu(x, x_up) (same stride and rows), or NULL
     int xcap;                 // GEMV v3 grouped: x rows staged at a time (0: 8, a whole tile)
     int pdl;                  // GEMV v3 grouped: 0 as every kernel; PDL_LATE, PDL_EARLY (below)
+    const float *res;         // GEMV v2/v3 only: y row r = product + res row r (mm_gpu_matmul_res)
+    int64_t res_stride;
 };
 // GEMV v3 grouped's programmatic-launch modes (mm_gpu_moe_ffn_rows at decode): PDL_LATE lets the
 // next kernel launch only after this one's griddepcontrol.wait (so once the kernel before this
@@ -461,7 +463,10 @@ __device__ __forceinline__ void mv_store_y(const mm_mat_args &a, const float *pa
             v = v + part[(tl * S + sg) * (16 * 8) + rem];
         if (a.bias)
             v = v + a.bias[o];
-        a.y[(size_t)yrow(tok) * a.y_stride + o] = v;
+        const int yr = yrow(tok);
+        if (a.res) // the residual after the product, as axpy adds it (res + v: the same bits)
+            v = a.res[(size_t)yr * a.res_stride + o] + v;
+        a.y[(size_t)yr * a.y_stride + o] = v;
     }
 }
 
@@ -2367,7 +2372,7 @@ static mm_err launch(cudaStream_t st, int path, int dtype, mm_mat_args a, int pe
             MM_GPU_CHECK(cudaLaunchKernelEx(&cfg, gemv_x_kernel<GROUPED>, a, wpt, ty));
             return MM_OK;
         }
-        if (a.x_idx || a.y_idx || a.x_up)
+        if (a.x_idx || a.y_idx || a.x_up || a.res)
             return MM_EUNSUPP; // only v2 takes these (mm_gpu_moe_matmul_rows checks first)
         switch (ng) {
         case 1: MM_GPU_CHECK(cudaLaunchKernelEx(&cfg, gemv_mma_kernel<1, GROUPED>, a, wpt)); break;
@@ -2491,6 +2496,35 @@ extern "C" mm_err mm_gpu_matmul(void *stream, int dtype, const void *d_w, int n_
     if (path < 0)
         path = auto_path(dtype, n_rows, a);
     return launch<false>((cudaStream_t)stream, path, dtype, a, n_rows);
+}
+
+// mm_gpu_matmul_res: mm_gpu_matmul (bf16, no bias) whose rows get the residual res added after
+// the product in GEMV v2/v3's epilogue; MM_EUNSUPP (nothing issued) where the product would
+// take another path.
+extern "C" mm_err mm_gpu_matmul_res(void *stream, int dtype, const void *d_w, int n_out, int n_in,
+                                    const float *d_x, int64_t x_stride, const float *d_res,
+                                    int64_t res_stride, float *d_y, int64_t y_stride, int n_rows) {
+    if (d_w == NULL || d_x == NULL || d_y == NULL || d_res == NULL || n_rows < 0 || n_in <= 0 ||
+        n_out <= 0 || !dtype_ok(dtype) || x_stride < n_in || y_stride < n_out ||
+        res_stride < n_out)
+        return MM_EINVAL;
+    if (n_rows == 0)
+        return MM_OK;
+#if MM_GPU_HAVE_WMMA
+    mm_mat_args a = {d_x, x_stride, d_w, NULL, NULL, 1, n_rows, n_in, n_out, NULL, d_y, y_stride,
+                     0, NULL, NULL, NULL};
+    a.vec = n_in % 8 == 0 && x_stride % 4 == 0 && aligned16(d_x) && aligned16(d_w);
+    a.res = d_res;
+    a.res_stride = res_stride;
+    // launch<false>'s GEMV v2/v3 condition: only their epilogue (mv_store_y) adds res
+    if (dtype != MM_DTYPE_BF16 || auto_path(dtype, n_rows, a) != MM_GPU_PATH_GEMV ||
+        n_rows > MV2_DENSE_ROWS || gemv_x_smem(a, min(n_rows, 8)) == 0)
+        return MM_EUNSUPP;
+    return launch<false>((cudaStream_t)stream, MM_GPU_PATH_GEMV, dtype, a, n_rows);
+#else
+    (void)stream, (void)res_stride, (void)y_stride;
+    return MM_EUNSUPP;
+#endif
 }
 
 extern "C" mm_err mm_gpu_moe_matmul(void *stream, int dtype, const void *const *d_w,

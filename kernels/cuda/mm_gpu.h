@@ -68,6 +68,12 @@ enum mm_gpu_path {
 mm_err mm_gpu_matmul(void *stream, int dtype, const void *d_w, int n_out, int n_in,
                      const float *d_bias, const float *d_x, int64_t x_stride, float *d_y,
                      int64_t y_stride, int n_rows, int path);
+// mm_gpu_matmul_res: y = the product (bf16 W, no bias) + res, row by row, the residual added in
+// the GEMV's epilogue after the product (the bits of the product then axpy onto res); y may be
+// res. MM_EUNSUPP, nothing issued, where the product would not run on GEMV v2/v3.
+mm_err mm_gpu_matmul_res(void *stream, int dtype, const void *d_w, int n_out, int n_in,
+                         const float *d_x, int64_t x_stride, const float *d_res,
+                         int64_t res_stride, float *d_y, int64_t y_stride, int n_rows);
 
 // Grouped expert product, all of a layer's routed rows in one launch. Rows of d_x are sorted
 // by expert: expert e owns rows [d_offs[e], d_offs[e+1]) (d_offs: n_experts+1 int32 on the

@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "attention.h"
+#include "mm/config.h"
 #include "mm/dataserv.h"
 #include "mm/log.h"
 #include "mm/mesh_graph.h"
@@ -48,6 +49,7 @@ static struct attn {
     int n_cur, n_rows;
     uint64_t step_id;
     uint32_t next_layer;     // the layer whose rows come next
+    bool reply_ring;         // views, MM_MESH_INPLACE and MM_SHARD_REPLY_RING (on unless 0)
     bool have_step;
     mm_err step_err;
     char step_msg[200];
@@ -189,10 +191,17 @@ static mm_err on_frame(void *arg, mm_conn *c, const mm_wire_hdr *h, void *payloa
     const bool on_dev = A.d_h != NULL && (payload == (void *)A.d_h || mm_dataserv_on_dev(payload));
     float *hd = on_dev ? (float *)payload : A.d_h; // the rows attention works on (device)
     const size_t nb = (size_t)A.n_rows * (size_t)A.d_model * 4;
+    // a device frame's reply written straight into its place in the router's ring where the
+    // link gives one (views and MM_MESH_INPLACE: no copy at the send; with the backend's
+    // matmul_res the residual is added by o_proj itself, so the shard's stage ends in o_proj)
+    void *out = NULL;
+    if (on_dev && payload != (void *)A.d_h && A.reply_ring &&
+        mm_conn_reserve_dev(c, nb, &out, mm_deadline_in_ms(2000)) != MM_OK)
+        out = NULL; // (a send from the view reports whatever is wrong with the link)
     mm_err rv = A.d_h && !on_dev ? A.be->ops->set(A.be->ctx, A.d_h, payload, nb) : MM_OK;
     if (rv == MM_OK)
-        rv = mm_model_attn_forward(A.model, A.scratch, (int)h->layer, A.kv, &rows,
-                                   hd ? hd : (float *)payload);
+        rv = mm_model_attn_forward_to(A.model, A.scratch, (int)h->layer, A.kv, &rows,
+                                      hd ? hd : (float *)payload, out ? (float *)out : NULL);
     if (rv == MM_OK && A.d_h && !on_dev)
         rv = A.be->ops->get(A.be->ctx, payload, A.d_h, nb);
     if (rv != MM_OK) {
@@ -209,7 +218,7 @@ static mm_err on_frame(void *arg, mm_conn *c, const mm_wire_hdr *h, void *payloa
                             h->row_dim));
     r.row_base = h->row_base;
     if (on_dev) {
-        struct iovec dv = {.iov_base = hd, .iov_len = nb};
+        struct iovec dv = {.iov_base = out ? out : hd, .iov_len = nb};
         rv = mm_conn_sendv_dev(c, &r, &dv, 1, mm_deadline_in_ms(2000));
         mm_mesh_trace(h->step_id, (int)h->layer, "tx");
         if (h->layer + 1 == (uint32_t)A.n_layers) {
@@ -276,6 +285,7 @@ mm_err attention_start(mm_daemon *d, void *arg, char err[MM_ERRLEN]) {
     // device frames handed over in place (no copy out of the ring; MM_MESH_VIEWS=0: copied into
     // d_h as before)
     const bool views = dev_frames && mm_mesh_views_env();
+    A.reply_ring = views && mm_mesh_inplace_env() && !mm_env_off("MM_SHARD_REPLY_RING");
     for (int i = 0; i < s_max_seqs; i++)
         A.map[i].slot = -1;
     size_t cap = (size_t)s_max_tokens * (size_t)A.d_model * 4;

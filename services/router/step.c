@@ -149,6 +149,8 @@ struct mm_step_engine {
                               // unless 0)
     bool plan_ctrl;           // plan frames announced by a CTRL frame (MM_MESH_PLAN_CTRL=1);
                               // else the shape rides in the device frame's header
+    bool plan_direct;         // MM_MESH_PLAN_DIRECT (on unless 0): a layer's plan made in its
+                              // one serving owner's share (plan_layer)
     bool inplace;             // MM_MESH_INPLACE (mm/mesh_graph.h): a lone owner's frame written
                               // in its ring; a lone shard's reply read in place (h_view)
     const void *h_view;       // this layer's h rows in the shard link's ring (valid until the
@@ -529,6 +531,7 @@ mm_err mm_step_engine_open(mm_step_engine **out, const mm_step_conf *c, mm_regis
             }
             e->views = mm_mesh_views_env();
             e->inplace = mm_mesh_inplace_env();
+            e->plan_direct = !mm_env_off("MM_MESH_PLAN_DIRECT");
             const char *pc = getenv("MM_MESH_PLAN_CTRL");
             e->plan_ctrl = pc && strcmp(pc, "1") == 0;
         }
@@ -979,12 +982,19 @@ static mm_err plan_layer(mm_step_engine *e, uint64_t step, int L, int64_t R, boo
     }
     int32_t *shares = (int32_t *)(xr + R * D);
     const bool one = e->plan_nserve[L] == 1;
+    // one serving owner (it serves every expert of the layer): the plan is made in its share's
+    // place (MM_MESH_PLAN_DIRECT, on unless 0; no split launch)
+    int32_t *plan_at = NULL;
+    for (int o = 0; o < N && one && e->plan_direct; o++)
+        if (e->plan_serve[(size_t)L * N + o])
+            plan_at = shares + o * e->plan_stride;
     // FFN norm, router product, route and plan, the owners' shares (step_dev.c).
     // h: a lone shard's reply where it sits in its link's ring (h_view), else d_h
     mm_step_dev_layer dl = {.m = e->model, .s = e->scratch, .stream = e->stream, .L = L, .R = R,
                             .nk = nk, .E = E, .N = N,
                             .h = e->h_view ? (float *)e->h_view : e->d_h, .x = xr, .of = of,
-                            .shares = shares, .stride = e->plan_stride, .one = one,
+                            .shares = shares, .stride = e->plan_stride, .plan_at = plan_at,
+                            .one = one,
                             .ysn = e->d_ysn, .ysn_rows = TK, .eo = e->d_eo,
                             .sh = shared ? e->d_sh : NULL};
     mm_err rv = mm_step_dev_route(&dl);

@@ -15,9 +15,13 @@ mm_err mm_step_dev_route(mm_step_dev_layer *a) {
         return rv;
     a->normed = true;
     a->failed = "router product and routing (mm_model_gate_plan)";
-    rv = mm_model_gate_plan(a->m, a->s, a->L, a->x, a->R, &a->pl);
+    rv = mm_model_gate_plan_at(a->m, a->s, a->L, a->x, a->R, a->plan_at, &a->pl);
     if (rv != MM_OK)
         return rv;
+    if (a->plan_at) { // the one serving owner's share is the plan itself
+        a->failed = NULL;
+        return MM_OK;
+    }
     a->failed = "the owners' shares (mm_gpu_mesh_plan_split)";
     rv = mm_gpu_mesh_plan_split(a->stream, a->pl.offs, a->pl.src, a->pl.dst, a->of, a->E,
                                 (int)a->nk, a->N, a->shares, a->stride);

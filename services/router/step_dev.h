@@ -37,6 +37,9 @@ typedef struct mm_step_dev_layer {
     const int32_t *of;       // (E) serving owner of each expert, device
     int32_t *shares;         // owners' shares of the plan (owner o at + o * stride)
     int64_t stride;
+    int32_t *plan_at;        // one serving owner: its share's place, where the plan is made
+                             // (no split: the share of the owner of every expert is the plan);
+                             // NULL: plan in the scratch, then split
     // after the owners
     bool one;                // one serving owner: its reply is in eo already
     const float *ysn;        // several: owner o's reply at ysn + o * ysn_rows * D
@@ -50,7 +53,7 @@ typedef struct mm_step_dev_layer {
 } mm_step_dev_layer;
 
 // mm_step_dev_route: x = FFN norm of h, then the gate, route and plan (mm_model_gate_plan) and
-// every owner's share (mm_gpu_mesh_plan_split). MM_EUNSUPP: the model has no device path (x
+// every owner's share (mm_gpu_mesh_plan_split), or the plan made at plan_at (one serving owner). MM_EUNSUPP: the model has no device path (x
 // is made; the plan is not).
 mm_err mm_step_dev_route(mm_step_dev_layer *a);
 // mm_step_dev_combine: each slot's row from its owner's reply (several owners), then combine

@@ -1037,6 +1037,71 @@ static void test_add_rmsnorm_bits(void) {
     gpu_close(NULL);
 }
 
+// matmul_res (the residual in the GEMV's epilogue: a mesh shard's o_proj) against matmul then
+// axpy onto a copy of the residual, bit for bit, out of place (res untouched, y's padding
+// untouched) and in place (y == res); refused, with nothing written, where the product does not
+// run on GEMV v2/v3 (more than 64 rows).
+static void test_matmul_res_bits(void) {
+    open_gpu();
+    if (!gpu->ops->matmul_res)
+        MM_SKIP("matmul_res not in the table");
+    const int shapes[][2] = {{2048, 4096}, {2048, 4096}, {136, 264}, {64, 24}};
+    const int rows[] = {1, 3, 8, 40};
+    int taken = 0;
+    for (size_t a = 0; a < 4; a++)
+        for (size_t b = 0; b < 4; b++) {
+            const int no = shapes[a][0], ni = shapes[a][1], n = rows[b];
+            const int64_t xs = ni + (a == 1 ? 3 : 0), rs = no + 1, ys = no + 5;
+            uint16_t *hw = rand_w((size_t)no * ni);
+            float *x = malloc((size_t)(n * xs) * 4), *r = malloc((size_t)(n * rs) * 4);
+            for (int64_t i = 0; i < n * xs; i++)
+                x[i] = frand();
+            for (int64_t i = 0; i < n * rs; i++)
+                r[i] = frand() * 4.0f;
+            r[0] = -0.0f;
+            void *dw = dev_copy(hw, (size_t)no * ni * 2);
+            mm_weight w = {.data = dw, .dtype = MM_DTYPE_BF16, .rows = no, .cols = ni};
+            float *dx = dev_copy(x, (size_t)(n * xs) * 4), *dr = dev_copy(r, (size_t)(n * rs) * 4);
+            float *dr2 = dev_copy(r, (size_t)(n * rs) * 4), *dr3 = dev_copy(r, (size_t)(n * rs) * 4);
+            float *dt = dev_copy(NULL, (size_t)(n * no) * 4);
+            float *dy = dev_copy(NULL, (size_t)(n * ys) * 4);
+            MM_PASS(gpu->ops->fill(gpu->ctx, dy, 7.0f, n * ys));
+            // reference: the product, then axpy onto the residual (in dr2)
+            MM_PASS(gpu->ops->matmul(gpu->ctx, &w, NULL, dx, xs, dt, no, n));
+            MM_PASS(gpu->ops->axpy(gpu->ctx, NULL, dt, no, dr2, rs, n, no));
+            const mm_err rv = gpu->ops->matmul_res(gpu->ctx, &w, dx, xs, dr, rs, dy, ys, n);
+            float *ref = dev_get(dr2, (size_t)(n * rs) * 4), *y = dev_get(dy, (size_t)(n * ys) * 4);
+            float *r1 = dev_get(dr, (size_t)(n * rs) * 4);
+            MM_TRUE(memcmp(r1, r, (size_t)(n * rs) * 4) == 0); // res untouched
+            if (rv == MM_EUNSUPP) {
+                MM_TRUE(!(no == 2048 && n <= 8)); // (o_proj's shape at decode is taken)
+                for (int64_t i = 0; i < n * ys; i++)
+                    MM_TRUE(y[i] == 7.0f); // nothing written
+            } else {
+                MM_PASS(rv);
+                taken++;
+                for (int i = 0; i < n; i++) {
+                    MM_TRUE(memcmp(y + i * ys, ref + i * rs, (size_t)no * 4) == 0);
+                    for (int j = no; j < ys && i + 1 < n; j++)
+                        MM_TRUE(y[i * ys + j] == 7.0f);
+                }
+                // in place: y == res
+                MM_PASS(gpu->ops->matmul_res(gpu->ctx, &w, dx, xs, dr3, rs, dr3, rs, n));
+                float *r3 = dev_get(dr3, (size_t)(n * rs) * 4);
+                MM_TRUE(memcmp(r3, ref, (size_t)(n * rs) * 4) == 0);
+                free(r3);
+            }
+            free(hw), free(x), free(r), free(ref), free(y), free(r1);
+            void *bufs[] = {dw, dx, dr, dr2, dr3, dt, dy};
+            for (size_t i = 0; i < 7; i++)
+                gpu->ops->buffer_free(gpu->ctx, bufs[i]);
+        }
+    MM_TRUE(taken >= 6); // (at least o_proj's shape at 1, 3 and 8 rows, both strides)
+    printf("matmul_res == matmul then axpy, bit for bit, in and out of place (%d cases taken)\n",
+           taken);
+    gpu_close(NULL);
+}
+
 // MM_GPU_OPTIME=1: the backend offers no graphs and its ops give the same results.
 static void optime_case(const char *mode, bool split) {
     setenv("MM_GPU_OPTIME", mode, 1);
@@ -1085,5 +1150,6 @@ MM_TESTS = {
     {"add_rmsnorm == axpy then rmsnorm bits", test_add_rmsnorm_bits},
     {"gemv v3 grouped, x in passes of 1, 2 or 8 rows == v1 bits", test_gemv_bulk_xcap},
     {"moe_ffn_rows at decode (down's W before its wait) == the two products' bits", test_ffn_decode_bits},
+    {"matmul_res (residual in the GEMV epilogue) == matmul then axpy", test_matmul_res_bits},
     {NULL, NULL},
 };

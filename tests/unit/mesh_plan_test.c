@@ -7,7 +7,11 @@
 // experts on its share (mm_model_experts_plan, worst-case slot count), the pick of each slot's
 // row from its owner's reply, and combine with the plan's weights (mm_model_combine_plan) must
 // give the host path's bits (mm_model_gate, one expert at a time, mm_model_combine) for 1, 2
-// and 3 owners, on models with and without shared experts.
+// and 3 owners, on models with and without shared experts. With one owner the plan made straight
+// in its share's place (mm_model_gate_plan_at, the router's MM_MESH_PLAN_DIRECT) is the share.
+// The shard's out-of-place attention (mm_model_attn_forward_to: its reply written in the
+// router's ring) gives mm_model_attn_forward's bits and leaves its input alone, through the
+// backend's matmul_res (the residual in o_proj's epilogue) and without it.
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -171,6 +175,16 @@ static void check_model(const char *name) {
             for (int t = 0; t < nk; t++)
                 MM_EQ(pl.ids[t], ids[t]);
             plan_split(pl.offs, pl.src, pl.dst, owner_of, E, nk, N, shares, stride);
+            if (N == 1) { // the plan made in the lone owner's share: the same int32s
+                int32_t *at = shares + 2 * stride;
+                for (int64_t i = 0; i < stride; i++)
+                    at[i] = -7;
+                mm_model_plan pa;
+                MM_PASS(mm_model_gate_plan_at(m, s, L, x, n, at, &pa));
+                MM_TRUE(pa.offs == at && pa.src == at + E + 1 && pa.dst == at + E + 1 + nk);
+                MM_TRUE(memcmp(at, shares, (size_t)(E + 1 + 2 * nk) * 4) == 0);
+                MM_TRUE(memcmp(pa.wt, pl.wt, (size_t)nk * 4) == 0);
+            }
             for (int i = 0; i < 3 * R * K * D; i++)
                 outs[i] = NAN; // an owner's other slots: whatever it leaves there
             for (int o = 0; o < N; o++) {
@@ -200,6 +214,82 @@ static void check_model(const char *name) {
     free(ids), free(owner_of), free(shares);
     mm_model_scratch_free(so);
     mm_model_scratch_free(s);
+    mm_model_close(m);
+    be->ops = g_cpu;
+    mm_backend_close(be);
+}
+
+// matmul_res as the CUDA table's contract says: the product, then res + it
+static mm_err h_matmul_res(void *ctx, const mm_weight *w, const float *x, int64_t xs,
+                           const float *res, int64_t rs, float *y, int64_t ys, int64_t n) {
+    float t[4096];
+    if (w->rows > 4096)
+        return MM_EUNSUPP;
+    for (int64_t i = 0; i < n; i++) {
+        MM_TRY(g_cpu->matmul(ctx, w, NULL, x + i * xs, xs, t, w->rows, 1));
+        for (int64_t j = 0; j < w->rows; j++)
+            y[i * ys + j] = res[i * rs + j] + t[j];
+    }
+    return MM_OK;
+}
+
+// mm_model_attn_forward_to (out of place) == mm_model_attn_forward on a copy, bit for bit, its
+// input untouched; with and without matmul_res in the table.
+static void t_attn_to(void) {
+    char err[MM_ERRLEN] = "";
+    mm_backend *be = NULL;
+    mm_backend_params bp = {.n_threads = 1};
+    MM_PASS(mm_backend_open(&be, "cpu", &bp, err));
+    g_cpu = be->ops;
+    struct mm_backend_ops dev;
+    dev_table(&dev);
+    be->ops = &dev;
+    mm_model *m = NULL;
+    MM_PASS(mm_model_open(&m, "tests/fixtures/models/qwen3moe-tiny", be, err));
+    const int D = mm_model_cfg(m)->d_model, R = 6;
+    for (int with_res = 0; with_res < 2; with_res++) {
+        dev.matmul_res = with_res ? h_matmul_res : NULL;
+        mm_kv_params kp;
+        mm_model_kv_params(m, &kp);
+        kp.max_seqs = 2, kp.max_ctx = 64, kp.budget_bytes = 1 << 20;
+        mm_kv_cache *kv1 = NULL, *kv2 = NULL;
+        MM_PASS(mm_kv_cache_new(&kv1, &kp, be, err));
+        MM_PASS(mm_kv_cache_new(&kv2, &kp, be, err));
+        int32_t s1 = 0, s2 = 0;
+        MM_PASS(mm_kv_cache_seq_new(kv1, &s1));
+        MM_PASS(mm_kv_cache_seq_new(kv2, &s2));
+        MM_EQ(s1, s2);
+        MM_PASS(mm_kv_cache_reserve(kv1, s1, 2 * R));
+        MM_PASS(mm_kv_cache_reserve(kv2, s2, 2 * R));
+        mm_model_scratch *sa = NULL, *sb = NULL;
+        MM_PASS(mm_model_scratch_new(&sa, m, R, err));
+        MM_PASS(mm_model_scratch_new(&sb, m, R, err));
+        float *h = calloc((size_t)R * D, 4), *h0 = calloc((size_t)R * D, 4);
+        float *out = calloc((size_t)R * D, 4);
+        MM_TRUE(h && h0 && out);
+        int32_t seq[8], pos[8];
+        for (int step = 0; step < 2; step++) { // a prompt of R rows, then R more
+            for (int i = 0; i < R; i++)
+                seq[i] = s1, pos[i] = step * R + i;
+            for (int i = 0; i < R * D; i++)
+                h0[i] = frand();
+            mm_model_rows rows = {.n_rows = R, .seq = seq, .pos = pos};
+            for (int l = 0; l < mm_model_cfg(m)->n_layers; l++) {
+                memcpy(h, h0, (size_t)R * D * 4);
+                MM_PASS(mm_model_attn_forward(m, sa, l, kv1, &rows, h));
+                for (int i = 0; i < R * D; i++)
+                    out[i] = NAN;
+                MM_PASS(mm_model_attn_forward_to(m, sb, l, kv2, &rows, h0, out));
+                MM_TRUE(memcmp(out, h, (size_t)R * D * 4) == 0);
+                memcpy(h, h0, (size_t)R * D * 4); // (h0 is not written: the next layer's input)
+            }
+        }
+        free(h), free(h0), free(out);
+        mm_model_scratch_free(sa);
+        mm_model_scratch_free(sb);
+        mm_kv_cache_free(kv1);
+        mm_kv_cache_free(kv2);
+    }
     mm_model_close(m);
     be->ops = g_cpu;
     mm_backend_close(be);
@@ -235,5 +325,6 @@ MM_TESTS = {
     {"device routing plan with shared experts == host path (qwen2moe)", t_qwen2},
     {"device routing plan, grouped sigmoid routing == host path (deepseekv3)", t_deepseek},
     {"no device path: plan calls refused", t_plain},
+    {"attention out of place == in place, input untouched, with and without matmul_res", t_attn_to},
     {NULL, NULL},
 };

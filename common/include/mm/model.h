@@ -146,6 +146,12 @@ mm_err mm_model_embed(const mm_model *m, mm_model_scratch *s, const int32_t *ids
 // h += o_proj(attention(input_norm(h))) for layer; stores the rows' K/V in kv first.
 mm_err mm_model_attn_forward(const mm_model *m, mm_model_scratch *s, int layer, mm_kv_cache *kv,
                              const mm_model_rows *rows, float *h);
+// mm_model_attn_forward out of place: out = h + o_proj(attention(input_norm(h))), the same bits
+// as mm_model_attn_forward on a copy of h; h is not written (out may be h). On a backend with
+// matmul_res the residual is added in o_proj's own epilogue (no add of its own, and no copy of
+// h): a mesh shard writes its reply straight into the router's ring this way.
+mm_err mm_model_attn_forward_to(const mm_model *m, mm_model_scratch *s, int layer,
+                                mm_kv_cache *kv, const mm_model_rows *rows, float *h, float *out);
 // x = post_attention_layernorm(h), (n, d_model).
 mm_err mm_model_ffn_norm(const mm_model *m, mm_model_scratch *s, int layer, const float *h,
                          int64_t n, float *x);
@@ -211,6 +217,11 @@ static inline int64_t mm_model_plan_rows(int64_t n_experts, int64_t n_slots, int
 // route_plan of layer on x (n, d_model) on the device.
 mm_err mm_model_gate_plan(const mm_model *m, mm_model_scratch *s, int layer, const float *x,
                           int64_t n, mm_model_plan *plan);
+// mm_model_gate_plan with the plan's offs, src and dst written at `at` (backend memory, int32s:
+// offs (n_experts + 1), src (n x top_k), dst (n x top_k), the plan frame's share layout) instead
+// of the scratch; at NULL: mm_model_gate_plan. The same values.
+mm_err mm_model_gate_plan_at(const mm_model *m, mm_model_scratch *s, int layer, const float *x,
+                             int64_t n, int32_t *at, mm_model_plan *plan);
 // mm_model_experts_plan: the routed experts of layer on n_slots plan slots (all backend
 // memory): sorted slot p reads x row src[p] and its output goes to out row dst[p], expert e's
 // slots being [offs[e], offs[e+1]). offs[n_experts] may be below n_slots (an owner's share of

@@ -637,6 +637,7 @@ struct mm_model_scratch {
     int n_bufs;
     // backend f32 buffers
     float *xn, *q, *k, *v, *ao, *tmp;       // attention
+    const float *xa; // the input-norm rows attention reads (s->xn, or a caller's: attn_core)
     float *qkv;                             // fused q/k/v rows (device backends) or NULL
     float *qa, *ckv, *kvn, *kvb;            // MLA
     float *g, *u, *f;                       // FFN (rows, ff_max)
@@ -829,15 +830,15 @@ static mm_err attn_mla(const mm_model *m, mm_model_scratch *s, const struct laye
     const int64_t H = c->n_heads, nope = c->qk_nope, rope = c->qk_rope, vd = c->v_head_dim;
     const int64_t qk = nope + rope, ckv_w = c->kv_lora_rank + rope;
     if (c->q_lora_rank > 0) { // q = q_b(q_a_norm(q_a(x)))
-        MM_TRY(OPS->matmul(CTX, &L->wq_a, NULL, s->xn, c->d_model, s->qa, c->q_lora_rank, n));
+        MM_TRY(OPS->matmul(CTX, &L->wq_a, NULL, s->xa, c->d_model, s->qa, c->q_lora_rank, n));
         MM_TRY(OPS->rmsnorm(CTX, &L->q_a_norm, c->eps, s->qa, c->q_lora_rank, s->qa,
                             c->q_lora_rank, n));
         MM_TRY(OPS->matmul(CTX, &L->wq_b, NULL, s->qa, c->q_lora_rank, s->q, H * qk, n));
     } else {
-        MM_TRY(OPS->matmul(CTX, &L->wq, NULL, s->xn, c->d_model, s->q, H * qk, n));
+        MM_TRY(OPS->matmul(CTX, &L->wq, NULL, s->xa, c->d_model, s->q, H * qk, n));
     }
     // compressed kv = [kv_lora | k_rope]; k_pass, v = kv_b(kv_a_norm(kv_lora part))
-    MM_TRY(OPS->matmul(CTX, &L->wkv_a, NULL, s->xn, c->d_model, s->ckv, ckv_w, n));
+    MM_TRY(OPS->matmul(CTX, &L->wkv_a, NULL, s->xa, c->d_model, s->ckv, ckv_w, n));
     MM_TRY(OPS->rmsnorm(CTX, &L->kv_a_norm, c->eps, s->ckv, ckv_w, s->kvn, c->kv_lora_rank, n));
     MM_TRY(OPS->matmul(CTX, &L->wkv_b, NULL, s->kvn, c->kv_lora_rank, s->kvb, H * (nope + vd),
                        n));
@@ -878,7 +879,7 @@ static mm_err attn_std(const mm_model *m, mm_model_scratch *s, const struct laye
     const int64_t H = c->n_heads, KV = c->n_kv_heads, hd = c->head_dim, D = c->d_model;
     if (L->wqkv.data && s->qkv && OPS->head_norm_rope) {
         const int64_t W = (H + 2 * KV) * hd;
-        MM_TRY(OPS->matmul(CTX, &L->wqkv, L->bq, s->xn, D, s->qkv, W, n));
+        MM_TRY(OPS->matmul(CTX, &L->wqkv, L->bq, s->xa, D, s->qkv, W, n));
         struct mm_rope_args ra = {.rot_offset = 0, .rot_dim = c->rot_dim, .pos = s->pos_d,
                                   .inv_freq = m->inv_freq, .mscale = c->rope_mscale,
                                   .style = c->rope_style};
@@ -898,9 +899,9 @@ static mm_err attn_std(const mm_model *m, mm_model_scratch *s, const struct laye
     }
     *q = s->q, *k = s->k, *v = s->v;
     *qs = H * hd, *kvs = KV * hd;
-    MM_TRY(OPS->matmul(CTX, &L->wq, L->bq, s->xn, D, s->q, H * hd, n));
-    MM_TRY(OPS->matmul(CTX, &L->wk, L->bk, s->xn, D, s->k, KV * hd, n));
-    MM_TRY(OPS->matmul(CTX, &L->wv, L->bv, s->xn, D, s->v, KV * hd, n));
+    MM_TRY(OPS->matmul(CTX, &L->wq, L->bq, s->xa, D, s->q, H * hd, n));
+    MM_TRY(OPS->matmul(CTX, &L->wk, L->bk, s->xa, D, s->k, KV * hd, n));
+    MM_TRY(OPS->matmul(CTX, &L->wv, L->bv, s->xa, D, s->v, KV * hd, n));
     if (c->qk_norm) { // per-head RMSNorm: one row per head
         MM_TRY(OPS->rmsnorm(CTX, &L->q_norm, c->eps, s->q, hd, s->q, hd, n * H));
         MM_TRY(OPS->rmsnorm(CTX, &L->k_norm, c->eps, s->k, hd, s->k, hd, n * KV));
@@ -945,15 +946,17 @@ static int long_ctx(const mm_model_rows *rows) {
 // may be h; h itself is not written) = h + the output, through the backend's matmul_res where
 // it takes the product (the residual in o_proj's epilogue), else o_proj into s->tmp and an axpy.
 static mm_err attn_core(const mm_model *m, mm_model_scratch *s, int layer, mm_kv_cache *kv,
-                        int64_t n, float *h, bool defer_residual, bool normed, float *out);
+                        int64_t n, float *h, bool defer_residual, bool normed, float *out,
+                        const float *xn);
 
 mm_err mm_model_attn_forward(const mm_model *m, mm_model_scratch *s, int layer, mm_kv_cache *kv,
                              const mm_model_rows *rows, float *h) {
-    return mm_model_attn_forward_to(m, s, layer, kv, rows, h, h);
+    return mm_model_attn_forward_to(m, s, layer, kv, rows, h, NULL, h);
 }
 
 mm_err mm_model_attn_forward_to(const mm_model *m, mm_model_scratch *s, int layer,
-                                mm_kv_cache *kv, const mm_model_rows *rows, float *h, float *out) {
+                                mm_kv_cache *kv, const mm_model_rows *rows, float *h,
+                                const float *xn, float *out) {
     const mm_model_config *c = &m->c;
     const int64_t n = rows->n_rows;
     if (layer < 0 || layer >= c->n_layers || !kv)
@@ -975,16 +978,18 @@ mm_err mm_model_attn_forward_to(const mm_model *m, mm_model_scratch *s, int laye
         s->rows_n = n;
         s->long_ctx = long_ctx(rows);
     }
-    return attn_core(m, s, layer, kv, n, h, false, false, out ? out : h);
+    return attn_core(m, s, layer, kv, n, h, false, false, out ? out : h, xn);
 }
 
 static mm_err attn_core(const mm_model *m, mm_model_scratch *s, int layer, mm_kv_cache *kv,
-                        int64_t n, float *h, bool defer_residual, bool normed, float *out) {
+                        int64_t n, float *h, bool defer_residual, bool normed, float *out,
+                        const float *xn) {
     const mm_model_config *c = &m->c;
     const struct layer *L = &m->layers[layer];
     const int64_t D = c->d_model, H = c->n_heads;
-    if (!normed)
+    if (!normed && !xn)
         MM_TRY(OPS->rmsnorm(CTX, &L->attn_norm, c->eps, h, D, s->xn, D, n));
+    s->xa = xn ? xn : s->xn;
     float *q = s->q, *k = s->k, *v = s->v;
     int64_t qs = H * c->head_dim, ks = (int64_t)c->n_kv_heads * c->head_dim;
     int64_t vs = (int64_t)c->n_kv_heads * c->head_dim_v;
@@ -1349,6 +1354,19 @@ mm_err mm_model_experts_plan(const mm_model *m, mm_model_scratch *s, int layer,
     return experts_plan(m, s, &m->layers[layer], offs, x, src, dst, n_slots, out);
 }
 
+mm_err mm_model_combine_plan_next(const mm_model *m, mm_model_scratch *s, int layer, float *h,
+                                  int64_t n, const float *wt, const float *expert_out,
+                                  const float *shared, float *xn) {
+    if (!mm_model_layer_is_moe(m, layer) || !wt || !expert_out || !xn ||
+        layer + 1 >= m->c.n_layers)
+        return MM_EINVAL;
+    MM_TRY(check_rows(s, n));
+    if (n == 0)
+        return MM_OK;
+    return combine_norm(m, s, h, n, m->c.top_k, wt, expert_out, shared,
+                        &m->layers[layer + 1].attn_norm, xn);
+}
+
 mm_err mm_model_combine_plan(const mm_model *m, mm_model_scratch *s, int layer, float *h,
                              int64_t n, const float *wt, const float *expert_out,
                              const float *shared) {
@@ -1382,7 +1400,7 @@ static mm_err forward_dev_ops(const mm_model *m, mm_model_scratch *s, mm_kv_cach
         // the residual add of the attention output and the FFN norm in one op where the
         // backend has it (same bits as axpy then rmsnorm)
         const bool fuse = OPS->add_rmsnorm != NULL;
-        MM_TRY(attn_core(m, s, l, kv, n, s->h, fuse, normed, s->h));
+        MM_TRY(attn_core(m, s, l, kv, n, s->h, fuse, normed, s->h, NULL));
         if (fuse)
             MM_TRY(OPS->add_rmsnorm(CTX, s->tmp, D, s->h, D, &m->layers[l].ffn_norm, m->c.eps,
                                     s->x, D, n));

@@ -170,13 +170,19 @@ static mm_err on_frame(void *arg, mm_conn *c, const mm_wire_hdr *h, void *payloa
                                        "about (no CTRL frame)");
     if (A.step_err != MM_OK)
         return mm_dataserv_reply_error(c, h, A.step_err, A.step_msg);
+    // MM_MODEL_NORMED_FLAG: the frame holds the rows, then their input norm (a device frame)
+    const bool normed = (h->flags & MM_MODEL_NORMED_FLAG) != 0;
+    const bool dev_frame = A.d_h != NULL && (payload == (void *)A.d_h || mm_dataserv_on_dev(payload));
     if (h->layer != A.next_layer || h->layer >= (uint32_t)A.n_layers ||
-        h->n_rows != (uint32_t)A.n_rows || h->row_dim != (uint32_t)A.d_model ||
-        h->format != MM_WIRE_F32) {
-        char msg[160];
-        snprintf(msg, sizeof(msg), "step %llu: rows for layer %u (%u x %u), expected layer %u "
-                 "(%d x %d f32)", (unsigned long long)h->step_id, h->layer, h->n_rows,
-                 h->row_dim, A.next_layer, A.n_rows, A.d_model);
+        h->n_rows != (uint32_t)A.n_rows * (normed ? 2u : 1u) ||
+        h->row_dim != (uint32_t)A.d_model || h->format != MM_WIRE_F32 ||
+        (h->flags & ~MM_MODEL_NORMED_FLAG) != 0 || (normed && !dev_frame)) {
+        char msg[200];
+        snprintf(msg, sizeof(msg), "step %llu: rows for layer %u (%u x %u%s, flags %u), expected "
+                 "layer %u (%d x %d f32, or twice the rows as a device frame with flag %u)",
+                 (unsigned long long)h->step_id, h->layer, h->n_rows, h->row_dim,
+                 dev_frame ? ", device" : "", h->flags, A.next_layer, A.n_rows, A.d_model,
+                 MM_MODEL_NORMED_FLAG);
         A.step_err = MM_EPROTO;
         snprintf(A.step_msg, sizeof(A.step_msg), "%s", msg);
         return mm_dataserv_reply_error(c, h, MM_EPROTO, msg);
@@ -188,9 +194,10 @@ static mm_err on_frame(void *arg, mm_conn *c, const mm_wire_hdr *h, void *payloa
     // device frame (cudaipc://) already landed in d_h and its reply leaves from there
     // (a device frame's rows are handed over in the conn's ring (MM_MESH_VIEWS, on unless 0) and
     // attention runs on them there, the reply leaving from there: no copy in)
-    const bool on_dev = A.d_h != NULL && (payload == (void *)A.d_h || mm_dataserv_on_dev(payload));
+    const bool on_dev = dev_frame;
     float *hd = on_dev ? (float *)payload : A.d_h; // the rows attention works on (device)
     const size_t nb = (size_t)A.n_rows * (size_t)A.d_model * 4;
+    const float *xn = normed ? hd + (size_t)A.n_rows * (size_t)A.d_model : NULL;
     // a device frame's reply written straight into its place in the router's ring where the
     // link gives one (views and MM_MESH_INPLACE: no copy at the send; with the backend's
     // matmul_res the residual is added by o_proj itself, so the shard's stage ends in o_proj)
@@ -201,7 +208,8 @@ static mm_err on_frame(void *arg, mm_conn *c, const mm_wire_hdr *h, void *payloa
     mm_err rv = A.d_h && !on_dev ? A.be->ops->set(A.be->ctx, A.d_h, payload, nb) : MM_OK;
     if (rv == MM_OK)
         rv = mm_model_attn_forward_to(A.model, A.scratch, (int)h->layer, A.kv, &rows,
-                                      hd ? hd : (float *)payload, out ? (float *)out : NULL);
+                                      hd ? hd : (float *)payload, xn,
+                                      out ? (float *)out : NULL);
     if (rv == MM_OK && A.d_h && !on_dev)
         rv = A.be->ops->get(A.be->ctx, payload, A.d_h, nb);
     if (rv != MM_OK) {
@@ -214,8 +222,8 @@ static mm_err on_frame(void *arg, mm_conn *c, const mm_wire_hdr *h, void *payloa
     mm_mesh_trace(h->step_id, (int)h->layer, "enq");
     mm_mesh_gstamp(h->step_id, (int)h->layer, "enq");
     mm_wire_hdr r;
-    MM_TRY(mm_wire_hdr_init(&r, MM_WIRE_REPLY, MM_WIRE_F32, h->step_id, h->layer, h->n_rows,
-                            h->row_dim));
+    MM_TRY(mm_wire_hdr_init(&r, MM_WIRE_REPLY, MM_WIRE_F32, h->step_id, h->layer,
+                            (uint32_t)A.n_rows, h->row_dim)); // (a normed frame: half its rows)
     r.row_base = h->row_base;
     if (on_dev) {
         struct iovec dv = {.iov_base = out ? out : hd, .iov_len = nb};
@@ -272,7 +280,8 @@ mm_err attention_start(mm_daemon *d, void *arg, char err[MM_ERRLEN]) {
     A.row_pos = calloc((size_t)s_max_tokens, sizeof(int32_t));
     if (!A.map || !A.cur || !A.row_seq || !A.row_pos)
         return MM_ENOMEM;
-    const size_t d_cap = (size_t)s_max_tokens * (size_t)A.d_model * 4;
+    // (twice the rows: a frame of rows and their input norm, MM_MODEL_NORMED_FLAG)
+    const size_t d_cap = 2 * (size_t)s_max_tokens * (size_t)A.d_model * 4;
     bool dev_frames = false;
     if (!A.be->ops->host_memory) {
         MM_TRY(A.be->ops->buffer_alloc(A.be->ctx, d_cap, (void **)&A.d_h));

@@ -149,6 +149,9 @@ struct mm_step_engine {
                               // unless 0)
     bool plan_ctrl;           // plan frames announced by a CTRL frame (MM_MESH_PLAN_CTRL=1);
                               // else the shape rides in the device frame's header
+    bool normed_rows;         // MM_ROUTER_NORMED_ROWS (on unless 0, with views and in place): a
+                              // lone shard's next frame made by the combine, h and its norm
+    float *next_frame;        // that frame, made: attn_send sends it (NULL: none)
     bool plan_direct;         // MM_MESH_PLAN_DIRECT (on unless 0): a layer's plan made in its
                               // one serving owner's share (plan_layer)
     bool inplace;             // MM_MESH_INPLACE (mm/mesh_graph.h): a lone owner's frame written
@@ -532,6 +535,7 @@ mm_err mm_step_engine_open(mm_step_engine **out, const mm_step_conf *c, mm_regis
             e->views = mm_mesh_views_env();
             e->inplace = mm_mesh_inplace_env();
             e->plan_direct = !mm_env_off("MM_MESH_PLAN_DIRECT");
+            e->normed_rows = e->views && e->inplace && !mm_env_off("MM_ROUTER_NORMED_ROWS");
             const char *pc = getenv("MM_MESH_PLAN_CTRL");
             e->plan_ctrl = pc && strcmp(pc, "1") == 0;
         }
@@ -1055,7 +1059,26 @@ static mm_err plan_layer(mm_step_engine *e, uint64_t step, int L, int64_t R, boo
     if (shared && !(in_ring && o0->conn == NULL))
         PLAN_TRY("shared experts",
                  mm_model_shared_forward(e->model, e->scratch, L, xr, R, e->d_sh));
-    PLAN_TRY("h from the shard's reply", h_from_view(e, R));
+    // a lone shard's next frame (MM_ROUTER_NORMED_ROWS): its place reserved in the shard's ring,
+    // the reply copied there (instead of into d_h; off the chain, as that copy), the combine run
+    // there and the next layer's input norm written after it, so the send copies nothing and
+    // the shard runs no norm. d_h is not updated then: the next reply lands there before anything
+    // reads it (the last layer never takes this path); a layer that ends on the host path still
+    // copies the reply into d_h (run_layers' h_from_view: e->h_view is kept until the combine).
+    float *nf = NULL;
+    struct peer *s0 = &e->shards[0];
+    if (e->normed_rows && e->h_view && e->c.shards == 1 && L + 1 < e->cfg->n_layers &&
+        s0->live && s0->gpu && s0->conn && s0->n == R) {
+        void *at = NULL;
+        if (mm_conn_reserve_dev(s0->conn, (size_t)(2 * R * D) * 4, &at,
+                                mm_deadline_in_ms((uint64_t)tmo)) == MM_OK)
+            nf = at;
+    }
+    if (nf)
+        PLAN_TRY("h from the shard's reply",
+                 e->be->ops->copy_rows(e->be->ctx, e->h_view, D, NULL, nf, D, NULL, R, D));
+    else
+        PLAN_TRY("h from the shard's reply", h_from_view(e, R));
     mm_err grv = gather(e, e->owners, N, step, (uint32_t)L, e->ys, true, msg);
     if (grv == MM_EUNSUPP) {
         // an owner that cannot run plan frames (no device path in its process: its
@@ -1086,8 +1109,16 @@ static mm_err plan_layer(mm_step_engine *e, uint64_t step, int L, int64_t R, boo
             reply = e->owners[o].view;
     if (reply)
         dl.eo = (float *)reply;
+    if (nf) {
+        dl.h = nf;
+        dl.xn_next = nf + R * D;
+    }
     rv = mm_step_dev_combine(&dl);
     PLAN_TRY(dl.failed ? dl.failed : "picking and combining the owners' rows", rv);
+    if (nf) { // h is in the frame: nothing to copy into d_h
+        e->h_view = NULL;
+        e->next_frame = nf;
+    }
     *done = true;
     return MM_OK;
 }
@@ -1142,8 +1173,19 @@ static mm_err attn_send(mm_step_engine *e, const Mmctl__StepPlan *p, int L, char
         if (!sp->live || sp->n == 0)
             continue;
         if (sp->gpu) {
-            MM_TRY(send_frame_dev(sp, MM_WIRE_ROWS, step, (uint32_t)L, (uint32_t)sp->n,
-                                  (uint32_t)D, 0, 0, tmo, msg));
+            // the frame the combine made (h and its norm, in the shard's ring: no copy)
+            float *nf = M == 1 ? e->next_frame : NULL;
+            e->next_frame = NULL;
+            struct iovec *iov0 = sp->iov, one = {.iov_base = nf,
+                                                 .iov_len = (size_t)(2 * sp->n * D) * 4};
+            const int n0 = sp->n_iov;
+            if (nf)
+                sp->iov = &one, sp->n_iov = 1;
+            const mm_err srv = send_frame_dev(sp, MM_WIRE_ROWS, step, (uint32_t)L,
+                                              (uint32_t)(nf ? 2 * sp->n : sp->n), (uint32_t)D,
+                                              nf ? MM_MODEL_NORMED_FLAG : 0, 0, tmo, msg);
+            sp->iov = iov0, sp->n_iov = n0;
+            MM_TRY(srv);
             sp->pending = true;
             // a lone shard's reply read in place where the layer's MoE goes through the
             // device plan (plan_layer reads h there; h_from_view copies it into d_h)
@@ -1178,6 +1220,7 @@ static mm_err run_start(mm_step_engine *e, const Mmctl__StepPlan *p, int64_t R, 
     const uint64_t step = p->step_id;
     const int D = e->D, M = e->c.shards;
     e->h_view = NULL;
+    e->next_frame = NULL;
     // Per shard: CTRL with its seqs and the releases; then its rows' region in `stage`.
     int64_t off = 0;
     int n_iov = 0;

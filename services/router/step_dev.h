@@ -46,6 +46,8 @@ typedef struct mm_step_dev_layer {
     int64_t ysn_rows;
     float *eo;               // (nk, D) expert output of every (row, rank) slot
     const float *sh;         // shared experts' output (NULL: none)
+    float *xn_next;          // non-NULL: the combine also writes the next layer's input norm of
+                             // h here (mm_model_combine_plan_next)
     // out
     mm_model_plan pl;        // the plan's buffers (valid after route)
     bool normed;             // x holds the FFN norm (route got that far)

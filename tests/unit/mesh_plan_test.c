@@ -11,7 +11,9 @@
 // in its share's place (mm_model_gate_plan_at, the router's MM_MESH_PLAN_DIRECT) is the share.
 // The shard's out-of-place attention (mm_model_attn_forward_to: its reply written in the
 // router's ring) gives mm_model_attn_forward's bits and leaves its input alone, through the
-// backend's matmul_res (the residual in o_proj's epilogue) and without it.
+// backend's matmul_res (the residual in o_proj's epilogue) and without it; the router's combine
+// that also makes the next layer's input norm (mm_model_combine_plan_next) gives the combine's h,
+// and the attention on that norm the attention's own bits.
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -279,11 +281,40 @@ static void t_attn_to(void) {
                 MM_PASS(mm_model_attn_forward(m, sa, l, kv1, &rows, h));
                 for (int i = 0; i < R * D; i++)
                     out[i] = NAN;
-                MM_PASS(mm_model_attn_forward_to(m, sb, l, kv2, &rows, h0, out));
+                MM_PASS(mm_model_attn_forward_to(m, sb, l, kv2, &rows, h0, NULL, out));
                 MM_TRUE(memcmp(out, h, (size_t)R * D * 4) == 0);
                 memcpy(h, h0, (size_t)R * D * 4); // (h0 is not written: the next layer's input)
             }
         }
+        // the router's combine making the next layer's input norm (MM_MODEL_NORMED_FLAG frames):
+        // the same h as mm_model_combine_plan, and the shard's attention on it with that norm ==
+        // with its own
+        const int K = mm_model_cfg(m)->top_k, Lm = 0;
+        MM_TRUE(mm_model_layer_is_moe(m, Lm) && mm_model_cfg(m)->n_layers > 1);
+        float *wt = malloc((size_t)K * R * 4), *eo = malloc((size_t)R * K * D * 4);
+        float *h2 = malloc((size_t)R * D * 4), *xn = malloc((size_t)R * D * 4);
+        float *o1 = malloc((size_t)R * D * 4), *o2 = malloc((size_t)R * D * 4);
+        MM_TRUE(wt && eo && h2 && xn && o1 && o2);
+        for (int i = 0; i < K * R; i++)
+            wt[i] = frand();
+        for (int i = 0; i < R * K * D; i++)
+            eo[i] = frand();
+        memcpy(h, h0, (size_t)R * D * 4);
+        memcpy(h2, h0, (size_t)R * D * 4);
+        MM_PASS(mm_model_combine_plan(m, sa, Lm, h, R, wt, eo, NULL));
+        MM_PASS(mm_model_combine_plan_next(m, sb, Lm, h2, R, wt, eo, NULL, xn));
+        MM_TRUE(memcmp(h, h2, (size_t)R * D * 4) == 0);
+        MM_EQ(mm_model_combine_plan_next(m, sb, mm_model_cfg(m)->n_layers - 1, h2, R, wt, eo, NULL,
+                                         xn), MM_EINVAL); // (no next layer)
+        for (int i = 0; i < R; i++)
+            pos[i] = 2 * R + i;
+        mm_model_rows rows2 = {.n_rows = R, .seq = seq, .pos = pos};
+        MM_PASS(mm_kv_cache_reserve(kv1, s1, 3 * R));
+        MM_PASS(mm_kv_cache_reserve(kv2, s2, 3 * R));
+        MM_PASS(mm_model_attn_forward_to(m, sa, Lm + 1, kv1, &rows2, h, NULL, o1));
+        MM_PASS(mm_model_attn_forward_to(m, sb, Lm + 1, kv2, &rows2, h2, xn, o2));
+        MM_TRUE(memcmp(o1, o2, (size_t)R * D * 4) == 0);
+        free(wt), free(eo), free(h2), free(xn), free(o1), free(o2);
         free(h), free(h0), free(out);
         mm_model_scratch_free(sa);
         mm_model_scratch_free(sb);

@@ -147,11 +147,13 @@ mm_err mm_model_embed(const mm_model *m, mm_model_scratch *s, const int32_t *ids
 mm_err mm_model_attn_forward(const mm_model *m, mm_model_scratch *s, int layer, mm_kv_cache *kv,
                              const mm_model_rows *rows, float *h);
 // mm_model_attn_forward out of place: out = h + o_proj(attention(input_norm(h))), the same bits
-// as mm_model_attn_forward on a copy of h; h is not written (out may be h). On a backend with
+// as mm_model_attn_forward on a copy of h; h is not written (out may be h). xn: input_norm(h)
+// made already (the router's combine made it: MM_MODEL_NORMED_FLAG), or NULL. On a backend with
 // matmul_res the residual is added in o_proj's own epilogue (no add of its own, and no copy of
 // h): a mesh shard writes its reply straight into the router's ring this way.
 mm_err mm_model_attn_forward_to(const mm_model *m, mm_model_scratch *s, int layer,
-                                mm_kv_cache *kv, const mm_model_rows *rows, float *h, float *out);
+                                mm_kv_cache *kv, const mm_model_rows *rows, float *h,
+                                const float *xn, float *out);
 // x = post_attention_layernorm(h), (n, d_model).
 mm_err mm_model_ffn_norm(const mm_model *m, mm_model_scratch *s, int layer, const float *h,
                          int64_t n, float *x);
@@ -210,6 +212,9 @@ typedef struct mm_model_plan { // backend memory, in the scratch: valid until it
 // frame as before): the device frame alone, its header's flags MM_MODEL_PLAN_FLAG and aux the
 // slots; rows = n_rows - mm_model_plan_rows(n_experts, slots, d_model).
 #define MM_MODEL_PLAN_FLAG 0x1u
+// A shard's rows frame whose header flags carry MM_MODEL_NORMED_FLAG holds 2 x its rows: h, then
+// the layer's input norm of h (the router's combine made both: mm_model_combine_plan_next).
+#define MM_MODEL_NORMED_FLAG 0x2u
 static inline int64_t mm_model_plan_rows(int64_t n_experts, int64_t n_slots, int64_t d_model) {
     return (n_experts + 1 + 2 * n_slots + d_model - 1) / d_model;
 }
@@ -237,6 +242,11 @@ mm_err mm_model_experts_plan(const mm_model *m, mm_model_scratch *s, int layer,
 mm_err mm_model_combine_plan(const mm_model *m, mm_model_scratch *s, int layer, float *h,
                              int64_t n, const float *wt, const float *expert_out,
                              const float *shared);
+// mm_model_combine_plan, then xn = layer + 1's input norm of the new h (one op where the backend
+// has combine_rmsnorm, the same bits as the two): the router sends a lone shard both.
+mm_err mm_model_combine_plan_next(const mm_model *m, mm_model_scratch *s, int layer, float *h,
+                                  int64_t n, const float *wt, const float *expert_out,
+                                  const float *shared, float *xn);
 
 // ---- the in-process engine -------------------------------------------------------------------
 // mm_model_forward runs the whole model on n rows (ids host; rows as for attention) and writes

@@ -14,9 +14,10 @@ bool mm_mesh_views_env(void);
 
 // mm_mesh_inplace_env: whether a stage writes the rows it sends straight into the receiver's
 // ring (mm_conn_reserve_dev: no copy at the send) where it can: the owner's expert outputs,
-// the router's x rows and plan share for a lone owner, and whether the router reads a lone
-// shard's reply in place (the copy into its h array enqueued later, off the chain). Needs
-// views; MM_MESH_INPLACE=0 turns it off. Read once.
+// the router's x rows and plan share for a lone owner, a shard's reply (MM_SHARD_REPLY_RING),
+// a lone shard's next frame made by the router's combine (MM_ROUTER_NORMED_ROWS), and whether
+// the router reads a lone shard's reply in place (the copy into its h array enqueued later,
+// off the chain). Needs views; MM_MESH_INPLACE=0 turns it off. Read once.
 bool mm_mesh_inplace_env(void);
 
 #endif

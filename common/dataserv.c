@@ -116,8 +116,12 @@ static void *serve(void *arg) {
             tl_view = view;
             mm_err hr = s->fn(s->arg, c, &h, payload);
             tl_view = NULL;
-            if (hr != MM_OK)
+            if (hr != MM_OK) { // (a protocol violation, or a send that failed: named here)
+                mm_log_warn("data %s: a %s frame (step %llu, layer %d) ended the conn: %s",
+                            s->url, mm_wire_kind_name(h.kind), (unsigned long long)h.step_id,
+                            h.layer == MM_WIRE_NO_LAYER ? -1 : (int)h.layer, mm_strerror(hr));
                 break;
+            }
         }
         mm_conn_close(c);
         mm_log_info("data %s: router disconnected; accepting again", s->url);

@@ -126,18 +126,32 @@ static float frand(void) {
     return ((float)(g_rng >> 8) / 16777216.0f - 0.5f) * 2.0f;
 }
 
-static void check_model(const char *name) {
+// open_dev: fixture model `name` on the CPU backend dressed as a device (*dev, the caller's: it
+// must outlive the model); close with close_dev.
+static mm_model *open_dev(const char *name, mm_backend **be, struct mm_backend_ops *dev) {
     char dir[256], err[MM_ERRLEN] = "";
     snprintf(dir, sizeof dir, "tests/fixtures/models/%s", name);
-    mm_backend *be = NULL;
     mm_backend_params bp = {.n_threads = 1};
-    MM_PASS(mm_backend_open(&be, "cpu", &bp, err));
-    g_cpu = be->ops;
-    struct mm_backend_ops dev;
-    dev_table(&dev);
-    be->ops = &dev;
+    MM_PASS(mm_backend_open(be, "cpu", &bp, err));
+    g_cpu = (*be)->ops;
+    dev_table(dev);
+    (*be)->ops = dev;
     mm_model *m = NULL;
-    MM_PASS(mm_model_open(&m, dir, be, err));
+    MM_PASS(mm_model_open(&m, dir, *be, err));
+    return m;
+}
+
+static void close_dev(mm_model *m, mm_backend *be) {
+    mm_model_close(m);
+    be->ops = g_cpu;
+    mm_backend_close(be);
+}
+
+static void check_model(const char *name) {
+    char err[MM_ERRLEN] = "";
+    mm_backend *be = NULL;
+    struct mm_backend_ops dev;
+    mm_model *m = open_dev(name, &be, &dev);
     const mm_model_config *c = mm_model_cfg(m);
     const int D = c->d_model, K = c->top_k, E = c->n_experts, R = 8;
     mm_model_scratch *s = NULL, *so = NULL;
@@ -216,9 +230,7 @@ static void check_model(const char *name) {
     free(ids), free(owner_of), free(shares);
     mm_model_scratch_free(so);
     mm_model_scratch_free(s);
-    mm_model_close(m);
-    be->ops = g_cpu;
-    mm_backend_close(be);
+    close_dev(m, be);
 }
 
 // matmul_res as the CUDA table's contract says: the product, then res + it
@@ -240,14 +252,8 @@ static mm_err h_matmul_res(void *ctx, const mm_weight *w, const float *x, int64_
 static void t_attn_to(void) {
     char err[MM_ERRLEN] = "";
     mm_backend *be = NULL;
-    mm_backend_params bp = {.n_threads = 1};
-    MM_PASS(mm_backend_open(&be, "cpu", &bp, err));
-    g_cpu = be->ops;
     struct mm_backend_ops dev;
-    dev_table(&dev);
-    be->ops = &dev;
-    mm_model *m = NULL;
-    MM_PASS(mm_model_open(&m, "tests/fixtures/models/qwen3moe-tiny", be, err));
+    mm_model *m = open_dev("qwen3moe-tiny", &be, &dev);
     const int D = mm_model_cfg(m)->d_model, R = 6;
     for (int with_res = 0; with_res < 2; with_res++) {
         dev.matmul_res = with_res ? h_matmul_res : NULL;
@@ -321,9 +327,7 @@ static void t_attn_to(void) {
         mm_kv_cache_free(kv1);
         mm_kv_cache_free(kv2);
     }
-    mm_model_close(m);
-    be->ops = g_cpu;
-    mm_backend_close(be);
+    close_dev(m, be);
 }
 
 static void t_qwen3(void) { check_model("qwen3moe-tiny"); }

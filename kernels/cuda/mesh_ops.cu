@@ -22,10 +22,33 @@
 #define MAX_E 1024
 #define SPLIT_THREADS 256
 
-// out + o * out_stride: offs_o (E+1) | src_o (n) | dst_o (n), int32.
+// The owners' frames (mm_gpu_mesh_plan_split_to), by value: owner o's x rows and share, or NULL.
+#define SPLIT_MAX_OWNERS 16
+struct split_places {
+    float *x[SPLIT_MAX_OWNERS];
+    int32_t *share[SPLIT_MAX_OWNERS];
+};
+
+// out + o * out_stride (places.share[o] where the places are given, that owner skipped where it
+// is NULL): offs_o (E+1) | src_o (n) | dst_o (n), int32. Blocks (o, y > 0), with the places
+// given: slice y - 1 of the x_n floats of x_src copied to places.x[o] (gridDim.y - 1 slices).
 __global__ void mesh_plan_split_kernel(const int32_t *offs, const int32_t *src,
                                        const int32_t *dst, const int32_t *owner_of, int E,
-                                       int n, int32_t *out, int64_t out_stride) {
+                                       int n, int32_t *out, int64_t out_stride,
+                                       split_places places, int use_places,
+                                       const float *x_src, int64_t x_n) {
+    if (use_places && blockIdx.y > 0) { // the x rows into the owner's frame
+        float *xo = places.x[blockIdx.x];
+        if (xo == NULL)
+            return;
+        const int64_t per = (x_n + gridDim.y - 2) / (gridDim.y - 1), a = (blockIdx.y - 1) * per;
+        const int64_t b = a + per < x_n ? a + per : x_n;
+        for (int64_t i = a + threadIdx.x; i < b; i += blockDim.x)
+            xo[i] = x_src[i];
+        return;
+    }
+    if (use_places && places.share[blockIdx.x] == NULL)
+        return;
     __shared__ int32_t s_offs[MAX_E + 1];
     __shared__ int32_t s_own[MAX_E + 1];  // owned-slot offsets of each expert (scan)
     __shared__ int32_t s_not[MAX_E + 1];  // not-owned-slot offsets of each expert (scan)
@@ -51,7 +74,8 @@ __global__ void mesh_plan_split_kernel(const int32_t *offs, const int32_t *src,
         s_not[E] = b;
     }
     __syncthreads();
-    int32_t *offs_o = out + (int64_t)o * out_stride, *src_o = offs_o + E + 1, *dst_o = src_o + n;
+    int32_t *offs_o = use_places ? places.share[o] : out + (int64_t)o * out_stride;
+    int32_t *src_o = offs_o + E + 1, *dst_o = src_o + n;
     const int n_own = s_own[E];
     for (int e = threadIdx.x; e <= E; e += blockDim.x) // another owner's expert: no slots
         offs_o[e] = s_own[e];
@@ -149,8 +173,37 @@ extern "C" mm_err mm_gpu_mesh_plan_split(void *stream, const int32_t *d_offs,
         n_experts > MAX_E || n_slots < 0 || n_owners < 1 ||
         out_stride < (int64_t)n_experts + 1 + 2 * (int64_t)n_slots)
         return MM_EINVAL;
+    split_places none = {};
     mesh_plan_split_kernel<<<n_owners, SPLIT_THREADS, 0, (cudaStream_t)stream>>>(
-        d_offs, d_src, d_dst, d_owner_of, n_experts, n_slots, d_out, out_stride);
+        d_offs, d_src, d_dst, d_owner_of, n_experts, n_slots, d_out, out_stride, none, 0, NULL, 0);
+    MM_GPU_CHECK(cudaGetLastError());
+    return MM_OK;
+}
+
+// mm_gpu_mesh_plan_split_to: mm_gpu_mesh_plan_split with each owner's share written straight into
+// its frame: d_frames[o] (device; NULL: owner o gets no frame) holds x_rows x dim floats, copied
+// from d_x, then owner o's share (offs, src, dst as above), so the router sends each frame as
+// it lies (in the owner's ring: no copy at the send). One launch for every owner's share and x.
+// n_owners at most 16 (MM_EINVAL beyond).
+extern "C" mm_err mm_gpu_mesh_plan_split_to(void *stream, const int32_t *d_offs,
+                                            const int32_t *d_src, const int32_t *d_dst,
+                                            const int32_t *d_owner_of, int n_experts, int n_slots,
+                                            int n_owners, const float *d_x, int64_t x_rows,
+                                            int dim, float *const *d_frames) {
+    if (!d_offs || !d_src || !d_dst || !d_owner_of || !d_x || !d_frames || n_experts < 1 ||
+        n_experts > MAX_E || n_slots < 0 || n_owners < 1 || n_owners > SPLIT_MAX_OWNERS ||
+        x_rows < 1 || dim < 1)
+        return MM_EINVAL;
+    split_places pl = {};
+    for (int o = 0; o < n_owners; o++) {
+        pl.x[o] = d_frames[o];
+        pl.share[o] = d_frames[o] ? (int32_t *)(d_frames[o] + x_rows * dim) : NULL;
+    }
+    const int64_t x_n = x_rows * dim;
+    const int64_t slices = (x_n + SPLIT_THREADS * 8 - 1) / (SPLIT_THREADS * 8);
+    const dim3 grid((unsigned)n_owners, (unsigned)(1 + (slices < 64 ? slices : 64)));
+    mesh_plan_split_kernel<<<grid, SPLIT_THREADS, 0, (cudaStream_t)stream>>>(
+        d_offs, d_src, d_dst, d_owner_of, n_experts, n_slots, NULL, 0, pl, 1, d_x, x_n);
     MM_GPU_CHECK(cudaGetLastError());
     return MM_OK;
 }

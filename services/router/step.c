@@ -152,6 +152,8 @@ struct mm_step_engine {
     bool normed_rows;         // MM_ROUTER_NORMED_ROWS (on unless 0, with views and in place): a
                               // lone shard's next frame made by the combine, h and its norm
     float *next_frame;        // that frame, made: attn_send sends it (NULL: none)
+    bool owner_frames;        // MM_MESH_OWNER_FRAMES (on unless 0): several owners' frames made
+                              // in their rings by the split (plan_layer)
     bool plan_direct;         // MM_MESH_PLAN_DIRECT (on unless 0): a layer's plan made in its
                               // one serving owner's share (plan_layer)
     bool inplace;             // MM_MESH_INPLACE (mm/mesh_graph.h): a lone owner's frame written
@@ -535,6 +537,7 @@ mm_err mm_step_engine_open(mm_step_engine **out, const mm_step_conf *c, mm_regis
             e->views = mm_mesh_views_env();
             e->inplace = mm_mesh_inplace_env();
             e->plan_direct = !mm_env_off("MM_MESH_PLAN_DIRECT");
+            e->owner_frames = !mm_env_off("MM_MESH_OWNER_FRAMES");
             e->normed_rows = e->views && e->inplace && !mm_env_off("MM_ROUTER_NORMED_ROWS");
             const char *pc = getenv("MM_MESH_PLAN_CTRL");
             e->plan_ctrl = pc && strcmp(pc, "1") == 0;
@@ -986,10 +989,26 @@ static mm_err plan_layer(mm_step_engine *e, uint64_t step, int L, int64_t R, boo
     }
     int32_t *shares = (int32_t *)(xr + R * D);
     const bool one = e->plan_nserve[L] == 1;
+    // several owners (MM_MESH_OWNER_FRAMES, on unless 0, with in-place frames): each serving
+    // owner's frame reserved in its ring, and the split writes every share and copies the x
+    // rows there in one launch, so the sends copy nothing (else: from d_x, 2 copies an owner)
+    float *frames[16] = {NULL};
+    bool direct = e->inplace && e->owner_frames && N > 1 && N <= 16 &&
+                  mm_gpu_mesh_plan_split_to != NULL;
+    for (int o = 0; o < N && direct; o++) {
+        struct peer *op = &e->owners[o];
+        if (!e->plan_serve[(size_t)L * N + o])
+            continue;
+        void *at = NULL;
+        direct = op->live && op->gpu && op->conn &&
+                 mm_conn_reserve_dev(op->conn, (size_t)((R + P) * D) * 4, &at,
+                                     mm_deadline_in_ms((uint64_t)tmo)) == MM_OK;
+        frames[o] = at; // (a reservation left unused is no harm: the next send takes its place)
+    }
     // one serving owner (it serves every expert of the layer): the plan is made in its share's
     // place (MM_MESH_PLAN_DIRECT, on unless 0; no split launch)
     int32_t *plan_at = NULL;
-    for (int o = 0; o < N && one && e->plan_direct; o++)
+    for (int o = 0; o < N && one && e->plan_direct && !direct; o++)
         if (e->plan_serve[(size_t)L * N + o])
             plan_at = shares + o * e->plan_stride;
     // FFN norm, router product, route and plan, the owners' shares (step_dev.c).
@@ -998,6 +1017,7 @@ static mm_err plan_layer(mm_step_engine *e, uint64_t step, int L, int64_t R, boo
                             .nk = nk, .E = E, .N = N,
                             .h = e->h_view ? (float *)e->h_view : e->d_h, .x = xr, .of = of,
                             .shares = shares, .stride = e->plan_stride, .plan_at = plan_at,
+                            .frames = direct ? frames : NULL,
                             .one = one,
                             .ysn = e->d_ysn, .ysn_rows = TK, .eo = e->d_eo,
                             .sh = shared ? e->d_sh : NULL};
@@ -1024,12 +1044,12 @@ static mm_err plan_layer(mm_step_engine *e, uint64_t step, int L, int64_t R, boo
                                        sizeof(c4), c4, tmo, msg)
                           : MM_OK;
         if (rv == MM_OK) { // owner 0: rows and share in one piece
-            op->seg[0] = (struct iovec){.iov_base = xr,
-                                        .iov_len = (size_t)((o ? R : R + P) * D) * 4};
+            op->seg[0] = (struct iovec){.iov_base = direct ? frames[o] : xr,
+                                        .iov_len = (size_t)((o && !direct ? R : R + P) * D) * 4};
             op->seg[1] = (struct iovec){.iov_base = shares + o * e->plan_stride,
                                         .iov_len = (size_t)(P * D) * 4};
             op->iov = op->seg;
-            op->n_iov = o ? 2 : 1;
+            op->n_iov = o && !direct ? 2 : 1;
             rv = send_frame_dev(op, MM_WIRE_ROWS, step, (uint32_t)L, (uint32_t)(R + P),
                                 (uint32_t)D, e->plan_ctrl ? 0 : MM_MODEL_PLAN_FLAG,
                                 e->plan_ctrl ? 0 : (uint32_t)nk, tmo, msg);

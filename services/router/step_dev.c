@@ -23,8 +23,11 @@ mm_err mm_step_dev_route(mm_step_dev_layer *a) {
         return MM_OK;
     }
     a->failed = "the owners' shares (mm_gpu_mesh_plan_split)";
-    rv = mm_gpu_mesh_plan_split(a->stream, a->pl.offs, a->pl.src, a->pl.dst, a->of, a->E,
-                                (int)a->nk, a->N, a->shares, a->stride);
+    rv = a->frames ? mm_gpu_mesh_plan_split_to(a->stream, a->pl.offs, a->pl.src, a->pl.dst, a->of,
+                                               a->E, (int)a->nk, a->N, a->x, a->R,
+                                               mm_model_cfg(a->m)->d_model, a->frames)
+                   : mm_gpu_mesh_plan_split(a->stream, a->pl.offs, a->pl.src, a->pl.dst, a->of,
+                                            a->E, (int)a->nk, a->N, a->shares, a->stride);
     if (rv == MM_OK)
         a->failed = NULL;
     return rv;

@@ -19,6 +19,11 @@ extern mm_err mm_gpu_mesh_plan_split(void *stream, const int32_t *d_offs, const 
                                      const int32_t *d_dst, const int32_t *d_owner_of,
                                      int n_experts, int n_slots, int n_owners, int32_t *d_out,
                                      int64_t out_stride) MM_STEP_DEV_WEAK;
+extern mm_err mm_gpu_mesh_plan_split_to(void *stream, const int32_t *d_offs,
+                                        const int32_t *d_src, const int32_t *d_dst,
+                                        const int32_t *d_owner_of, int n_experts, int n_slots,
+                                        int n_owners, const float *d_x, int64_t x_rows, int dim,
+                                        float *const *d_frames) MM_STEP_DEV_WEAK;
 extern mm_err mm_gpu_mesh_pick(void *stream, const float *d_ys, int64_t ys_owner_rows,
                                const int32_t *d_ids, const int32_t *d_owner_of, int n_slots,
                                int dim, float *d_eo) MM_STEP_DEV_WEAK;
@@ -37,6 +42,9 @@ typedef struct mm_step_dev_layer {
     const int32_t *of;       // (E) serving owner of each expert, device
     int32_t *shares;         // owners' shares of the plan (owner o at + o * stride)
     int64_t stride;
+    float *const *frames;    // several owners (MM_MESH_OWNER_FRAMES): owner o's frame in its
+                             // ring (x rows, then its share) or NULL; the split writes them
+                             // (mm_gpu_mesh_plan_split_to); NULL: shares at shares + o * stride
     int32_t *plan_at;        // one serving owner: its share's place, where the plan is made
                              // (no split: the share of the owner of every expert is the plan);
                              // NULL: plan in the scratch, then split

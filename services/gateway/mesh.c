@@ -9,6 +9,10 @@
 // - Step calls complete in the order they were started (pipelined plans: the scheduler has up
 //   to 2 in flight and reads their results in plan order): a step call that completes before
 //   an earlier one is held until that one has completed.
+// - MM_MESH_TRACE (docs/MESH.md): step calls stamp "queue" (handed to the sender thread, when
+//   there is one), "send" and "sent" (around the pack and send), "recv" (nng completed) and "done" (the
+//   scheduler's callback returned: tokens delivered, the next plan handed over), role
+//   "gateway"; kernels/cuda/bench/mesh_trace.py sums them.
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
@@ -16,6 +20,7 @@
 
 #include "gateway.h"
 #include "mm/log.h"
+#include "mm/mesh_trace.h"
 #include "mm/time.h"
 
 struct gw_call {
@@ -55,11 +60,19 @@ struct gw_mesh {
     int n_steps;
 };
 
+static uint64_t call_step(const gw_call *c) {
+    return c->plan && c->plan->body_case == MMCTL__ENVELOPE__BODY_STEP_PLAN && c->plan->step_plan
+               ? c->plan->step_plan->step_id
+               : 0;
+}
+
 static void on_nng_done(mm_ctl_async *a, void *arg) {
     (void)a;
     gw_call *c = arg;
     gw_mesh *m = c->mesh;
     c->t_done_ns = mm_now_ns();
+    if (c->step_cb)
+        mm_mesh_trace(call_step(c), -1, "recv");
     pthread_mutex_lock(&m->mu);
     c->next = m->done;
     m->done = c;
@@ -75,7 +88,10 @@ static void finish(gw_call *c) {
     if (!c->async)
         snprintf(err, sizeof(err), "%s", c->start_err);
     if (!c->detached && c->step_cb) {
+        const uint64_t step = call_step(c); // (the callback may free the plan)
         c->step_cb(c->arg, rv, rv == MM_OK ? reply : NULL, err, c->t_done_ns);
+        mm_mesh_trace(step, -1, "done");
+        mm_mesh_trace_flush();
     } else if (!c->detached) {
         if (rv == MM_OK && reply->body_case != MMCTL__ENVELOPE__BODY_STATUS_REPLY) {
             rv = MM_EPROTO;
@@ -131,9 +147,12 @@ static void *sender_main(void *arg) {
             m->to_send_tail = NULL;
         c->next = NULL;
         pthread_mutex_unlock(&m->mu);
+        const uint64_t step = call_step(c);
+        mm_mesh_trace(step, -1, "send");
         c->start_rv = m->sender_stop ? MM_ECLOSED
                                      : mm_ctl_call_start(m->client, c->plan, c->timeout_ms,
                                                          on_nng_done, c, &c->async, c->start_err);
+        mm_mesh_trace(step, -1, "sent");
         if (c->start_rv != MM_OK) {
             if (m->sender_stop)
                 snprintf(c->start_err, sizeof(c->start_err), "the gateway is shutting down");
@@ -153,6 +172,7 @@ mm_err gw_mesh_open(gw_mesh **out, uv_loop_t *loop, const char *router_url, char
         return MM_ENOMEM;
     m->loop = loop;
     pthread_mutex_init(&m->mu, NULL);
+    mm_mesh_trace_open("gateway"); // MM_MESH_TRACE: the step calls' hops
     mm_err rv = mm_ctl_client_open(&m->client, router_url, err);
     if (rv != MM_OK) {
         pthread_mutex_destroy(&m->mu);
@@ -208,13 +228,16 @@ mm_err gw_mesh_step(gw_mesh *m, mm_ctl_msg *plan, int timeout_ms, gw_step_cb cb,
     c->plan = plan;
     c->timeout_ms = timeout_ms;
     if (!m->sender_running) {
+        mm_mesh_trace(call_step(c), -1, "send");
         mm_err rv = mm_ctl_call_start(m->client, plan, timeout_ms, on_nng_done, c, &c->async,
                                       err);
+        mm_mesh_trace(call_step(c), -1, "sent"); // (c is not freed before the loop runs)
         if (rv != MM_OK) {
             free(c);
             return rv;
         }
     } else {
+        mm_mesh_trace(call_step(c), -1, "queue");
         pthread_mutex_lock(&m->mu);
         c->next = NULL; // (pipelined plans: the next may queue behind the one being sent)
         if (m->to_send_tail)

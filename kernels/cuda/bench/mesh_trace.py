@@ -9,7 +9,9 @@
 # receiver's wake-up and the descriptor), over the steps whose event sequence is the most
 # common one (decode steps of one shape), skipping the first N steps (default 3: prefill).
 # With MM_MESH_TRACE_GPU=1 (PREFIX.g-<role>.<pid>: GPU stamps) it also prints the GPU time line:
-# each stage's time on the GPU and the GPU's time between the daemons' stages.
+# each stage's time on the GPU and the GPU's time between the daemons' stages. With a gateway's
+# file (PREFIX.gateway.<pid>: its step calls) it prints the gateway's cycle: its hops around each
+# step call and the period between results, beside the control server's and router's stamps.
 import collections
 import glob
 import os
@@ -250,8 +252,54 @@ def gpu_group(rf, gname, steps, order, full, chain, names):
           mean(tail))
 
 
+def med(v):
+    v = sorted(v)
+    return v[len(v) // 2] if v else float("nan")
+
+
+def gateway_report(prefix, skip):
+    files = {f: load(f) for f in sorted(glob.glob(prefix + ".*"))
+             if not os.path.basename(f).startswith(os.path.basename(prefix) + ".g-")}
+    gws = [f for f in files if ".gateway." in f and files[f]]
+    for gf in gws:
+        ev = files[gf]
+        t0, t1 = ev[0][0], ev[-1][0]
+        for f, e in files.items():
+            if f != gf and (".ctl." in f or ".router." in f):
+                ev = ev + [x for x in e if t0 <= x[0] <= t1]
+        st = collections.defaultdict(dict)
+        for t, role, step, layer, tag in ev:
+            if layer < 0:
+                k = (role, tag)
+                st[step][k] = max(st[step].get(k, t), t) if tag != "queue" else t
+        steps = sorted((s for s in st if ("gateway", "recv") in st[s]),
+                       key=lambda s: st[s][("gateway", "recv")])[skip:]
+        if len(steps) < 2:
+            continue
+        hops = [("gateway", "queue"), ("gateway", "send"), ("gateway", "sent"), ("ctl", "rx"),
+                ("ctl", "unpacked"), ("router", "run"), ("router", "taken"), ("router", "start"),
+                ("router", "picked"), ("router", "reply"), ("ctl", "sent"), ("gateway", "recv"),
+                ("gateway", "done")]
+        print("== %s: %d step calls (the first %d skipped); medians over the calls" %
+              (gf, len(steps), skip))
+        seg = collections.defaultdict(list)
+        for s in steps:
+            d = st[s]
+            pts = [(k, d[k]) for k in hops if k in d]
+            for (ka, ta), (kb, tb) in zip(pts, pts[1:]):
+                seg[(ka, kb)].append(tb - ta)
+        for (ka, kb), v in sorted(seg.items(), key=lambda kv: hops.index(kv[0][0])):
+            if len(v) * 2 >= len(steps):
+                print("   %8.1f us  %s.%s -> %s.%s" % (med(v), ka[0], ka[1], kb[0], kb[1]))
+        rec = [st[s][("gateway", "recv")] for s in steps]
+        print("   %8.1f us  between results (the gateway's period)" %
+              med([b - a for a, b in zip(rec, rec[1:])]))
+
+
 if __name__ == "__main__":
     main()
+    gateway_report(sys.argv[1], int(sys.argv[sys.argv.index("--skip") + 1])
+                   if "--skip" in sys.argv else 3)
     if glob.glob(sys.argv[1] + ".g-*"):
         gpu_report(sys.argv[1], int(sys.argv[sys.argv.index("--skip") + 1])
                    if "--skip" in sys.argv else 3)

@@ -34,6 +34,7 @@
 #define PEN_SLOTS 256 // most running seqs with penalties (penalty.h)
 #define MAX_SAMPLE_WORKERS 7 // sampling threads besides the step's own
 #define POOL_MIN_SEQS 4      // fewer sampling seqs than this are sampled inline
+#define HANDOFF_MIN_CPUS 4   // the hand-over's spin is on by default from this many CPUs
 
 // GPU entry point of the device routing plan (kernels/cuda/backend.cu), weak: NULL in a build
 // without GPU support (then no plan mode); the plan's own (mesh_ops.cu) are in step_dev.h.
@@ -89,7 +90,8 @@ struct sample_pool {
 
 struct mm_step_engine {
     pthread_mutex_t mu;
-    // the hand-over to a waiting plan (engine_lock; MM_ROUTER_HANDOFF, on unless 0)
+    // the hand-over to a waiting plan (engine_lock; MM_ROUTER_HANDOFF: 0 off, 1 on; unset: on
+    // with at least HANDOFF_MIN_CPUS online CPUs)
     bool handoff;
     atomic_bool in_tail;     // the running step has picked: its lock is free soon
     pthread_mutex_t tail_mu;
@@ -432,8 +434,12 @@ mm_err mm_step_engine_open(mm_step_engine **out, const mm_step_conf *c, mm_regis
     pthread_mutex_init(&e->mu, NULL);
     pthread_mutex_init(&e->tail_mu, NULL);
     pthread_cond_init(&e->tail_cv, NULL);
+    // the hand-over's spin pays where the host has cores to spare; on a small one the spinning
+    // thread takes the core the replying step needs (2-vCPU VM, gateway c=1: often ~2x the
+    // tokens/s without it), so there it is off unless asked for
     const char *ho = getenv("MM_ROUTER_HANDOFF");
-    e->handoff = !(ho && strcmp(ho, "0") == 0);
+    e->handoff = ho && ho[0] ? strcmp(ho, "0") != 0
+                             : sysconf(_SC_NPROCESSORS_ONLN) >= HANDOFF_MIN_CPUS;
     e->early = !mm_env_off("MM_ROUTER_EARLY");
     pthread_cond_init(&e->begun_cv, NULL);
     atomic_init(&e->wait_p, NULL);
@@ -1553,7 +1559,8 @@ void mm_step_engine_status_hook(void *arg) {
 // put 30-54 us between one step's reply and the next one's start (06:45 UTC trace). Instead it
 // sleeps until the running step has picked its tokens (what is left is its results and reply,
 // ~20 us), then spins on the lock (at most HANDOFF_SPIN_NS, then blocks). MM_ROUTER_HANDOFF=0:
-// the plain lock.
+// the plain lock; unset, the plain lock on hosts of fewer than HANDOFF_MIN_CPUS CPUs (there the
+// spinning thread takes the replying step's core).
 #define HANDOFF_SPIN_NS 2000000ull
 
 static inline void cpu_relax(void) {

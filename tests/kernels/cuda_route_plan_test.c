@@ -9,7 +9,10 @@
 // then route_with_plan with the parallel plan (route, then the plan in its own launch) against
 // the one-launch form: ids, weights and the plan, calls in a row. And an expert owner's check
 // of the plan share it receives (mesh_ops.cu mm_gpu_mesh_plan_check): a good share is left as it
-// is, a bad one (each way the contract can break) is emptied in place and flagged.
+// is, a bad one (each way the contract can break) is emptied in place and flagged. And the
+// router's split straight into the owners' frames (mm_gpu_mesh_plan_split_to) against the split
+// into its staging (mm_gpu_mesh_plan_split): every share word for word, each frame's x rows the
+// source's, frames left NULL untouched.
 // Without the GPU backend (plain `make`) or without a GPU, every case skips and says why.
 #include <math.h>
 #include <stdint.h>
@@ -29,6 +32,15 @@ extern mm_err mm_gpu_mesh_plan_check(void *stream, int32_t *d_plan, int n_expert
                                      int rows, uint32_t tag, uint32_t step_lo, uint32_t *h_flag,
                                      uint64_t *d_counts) __attribute__((weak));
 extern mm_err mm_gpu_host_pinned(void **p, size_t n_bytes) __attribute__((weak));
+extern mm_err mm_gpu_mesh_plan_split(void *stream, const int32_t *d_offs, const int32_t *d_src,
+                                     const int32_t *d_dst, const int32_t *d_owner_of,
+                                     int n_experts, int n_slots, int n_owners, int32_t *d_out,
+                                     int64_t out_stride) __attribute__((weak));
+extern mm_err mm_gpu_mesh_plan_split_to(void *stream, const int32_t *d_offs,
+                                        const int32_t *d_src, const int32_t *d_dst,
+                                        const int32_t *d_owner_of, int n_experts, int n_slots,
+                                        int n_owners, const float *d_x, int64_t x_rows, int dim,
+                                        float *const *d_frames) __attribute__((weak));
 extern void mm_gpu_host_pinned_free(void *p) __attribute__((weak));
 
 static void open_gpu(void) {
@@ -317,9 +329,81 @@ static void test_mesh_plan_check(void) {
     gpu_close(NULL);
 }
 
+// mm_gpu_mesh_plan_split_to == mm_gpu_mesh_plan_split share for share, plus the x rows copied
+// into each frame; owners whose frame is NULL get nothing written.
+static void test_mesh_split_to(void) {
+    open_gpu();
+    void *st = NULL;
+    int dev = 0;
+    if (!mm_gpu_mesh_plan_split || !mm_gpu_mesh_plan_split_to || !mm_gpu_backend_stream ||
+        mm_gpu_backend_stream(gpu->ctx, &st, &dev) != MM_OK) {
+        gpu_close(NULL);
+        MM_SKIP("no GPU backend stream or no mesh plan split in this build");
+    }
+    const int shapes[][4] = {{128, 8, 1, 2048}, {128, 512, 3, 2048}, {60, 7, 5, 64},
+                             {8, 16, 2, 24}, {128, 2048, 16, 2048}}; // E, slots, owners, dim
+    for (size_t si = 0; si < sizeof(shapes) / sizeof(shapes[0]); si++) {
+        const int E = shapes[si][0], n = shapes[si][1], N = shapes[si][2], D = shapes[si][3];
+        const int R = (n + 7) / 8; // x rows (any count: the split copies them)
+        const int64_t share = (int64_t)E + 1 + 2 * n, P = (share + D - 1) / D;
+        int32_t *offs = calloc((size_t)E + 1, 4), *src = malloc((size_t)n * 4);
+        int32_t *dst = malloc((size_t)n * 4), *of = malloc((size_t)E * 4);
+        float *x = malloc((size_t)R * D * 4);
+        MM_TRUE(offs && src && dst && of && x);
+        for (int p = 0; p < n; p++)
+            offs[urand((uint32_t)E) + 1]++;
+        for (int e = 0; e < E; e++)
+            offs[e + 1] += offs[e], of[e] = (int32_t)urand((uint32_t)N);
+        for (int p = 0; p < n; p++)
+            src[p] = (int32_t)urand((uint32_t)R), dst[p] = (int32_t)((p * 7 + 3) % n);
+        for (int i = 0; i < R * D; i++)
+            x[i] = (float)urand(1000) - 500.0f;
+        int32_t *d_offs = dev_copy(offs, (size_t)(E + 1) * 4), *d_src = dev_copy(src, (size_t)n * 4);
+        int32_t *d_dst = dev_copy(dst, (size_t)n * 4), *d_of = dev_copy(of, (size_t)E * 4);
+        float *d_x = dev_copy(x, (size_t)R * D * 4);
+        int32_t *d_ref = dev_copy(NULL, (size_t)(N * share) * 4);
+        MM_PASS(mm_gpu_mesh_plan_split(st, d_offs, d_src, d_dst, d_of, E, n, N, d_ref, share));
+        float *frames[16] = {NULL}, *fill = malloc((size_t)(R + P) * D * 4);
+        MM_TRUE(fill != NULL);
+        for (int i = 0; i < (R + P) * D; i++)
+            fill[i] = -7.0f;
+        for (int o = 0; o < N; o++)
+            frames[o] = o % 3 == 2 ? NULL : dev_copy(fill, (size_t)(R + P) * D * 4);
+        MM_PASS(mm_gpu_mesh_plan_split_to(st, d_offs, d_src, d_dst, d_of, E, n, N, d_x, R, D,
+                                          frames));
+        MM_PASS(gpu->ops->synchronize(gpu->ctx));
+        int32_t *ref = dev_get(d_ref, (size_t)(N * share) * 4);
+        for (int o = 0; o < N; o++) {
+            if (!frames[o])
+                continue;
+            float *f = dev_get(frames[o], (size_t)(R + P) * D * 4);
+            if (memcmp(f, x, (size_t)R * D * 4) != 0)
+                MM_TEST_FAIL_("split_to E %d, %d slots, owner %d of %d: x rows differ", E, n, o,
+                              N);
+            if (memcmp(f + (size_t)R * D, ref + o * share, (size_t)share * 4) != 0)
+                MM_TEST_FAIL_("split_to E %d, %d slots, owner %d of %d: share differs from "
+                              "the split's", E, n, o, N);
+            for (int64_t i = (int64_t)R * D + share; i < (int64_t)(R + P) * D; i++)
+                MM_TRUE(f[i] == -7.0f); // (past the share: untouched)
+            free(f);
+            dev_free(frames[o]);
+        }
+        free(ref), free(offs), free(src), free(dst), free(of), free(x), free(fill);
+        void *bufs[] = {d_offs, d_src, d_dst, d_of, d_x, d_ref};
+        for (size_t i = 0; i < 6; i++)
+            dev_free(bufs[i]);
+    }
+    float *none[17] = {NULL};
+    MM_FAIL(mm_gpu_mesh_plan_split_to(st, (int32_t *)none, (int32_t *)none, (int32_t *)none,
+                                      (int32_t *)none, 8, 8, 17, (float *)none, 1, 8, none),
+            MM_EINVAL); // more than 16 owners
+    gpu_close(NULL);
+}
+
 MM_TESTS = {
     {"route_plan by many blocks == one block == host plan", test_route_plan_par},
     {"route_with_plan with the parallel plan == one launch bits", test_route_with_plan_par},
     {"mesh plan check: good shares unchanged, bad ones emptied and flagged", test_mesh_plan_check},
+    {"mesh plan split into the owners' frames == the split into staging, x rows copied", test_mesh_split_to},
     {0},
 };

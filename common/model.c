@@ -637,7 +637,6 @@ struct mm_model_scratch {
     int n_bufs;
     // backend f32 buffers
     float *xn, *q, *k, *v, *ao, *tmp;       // attention
-    const float *xa; // the input-norm rows attention reads (s->xn, or a caller's: attn_core)
     float *qkv;                             // fused q/k/v rows (device backends) or NULL
     float *qa, *ckv, *kvn, *kvb;            // MLA
     float *g, *u, *f;                       // FFN (rows, ff_max)
@@ -824,21 +823,21 @@ mm_err mm_model_embed(const mm_model *m, mm_model_scratch *s, const int32_t *ids
 }
 
 static mm_err attn_mla(const mm_model *m, mm_model_scratch *s, const struct layer *L,
-                       int64_t n, float **q_out, float **k_out, float **v_out,
+                       const float *xn, int64_t n, float **q_out, float **k_out, float **v_out,
                        int64_t *q_stride) {
     const mm_model_config *c = &m->c;
     const int64_t H = c->n_heads, nope = c->qk_nope, rope = c->qk_rope, vd = c->v_head_dim;
     const int64_t qk = nope + rope, ckv_w = c->kv_lora_rank + rope;
     if (c->q_lora_rank > 0) { // q = q_b(q_a_norm(q_a(x)))
-        MM_TRY(OPS->matmul(CTX, &L->wq_a, NULL, s->xa, c->d_model, s->qa, c->q_lora_rank, n));
+        MM_TRY(OPS->matmul(CTX, &L->wq_a, NULL, xn, c->d_model, s->qa, c->q_lora_rank, n));
         MM_TRY(OPS->rmsnorm(CTX, &L->q_a_norm, c->eps, s->qa, c->q_lora_rank, s->qa,
                             c->q_lora_rank, n));
         MM_TRY(OPS->matmul(CTX, &L->wq_b, NULL, s->qa, c->q_lora_rank, s->q, H * qk, n));
     } else {
-        MM_TRY(OPS->matmul(CTX, &L->wq, NULL, s->xa, c->d_model, s->q, H * qk, n));
+        MM_TRY(OPS->matmul(CTX, &L->wq, NULL, xn, c->d_model, s->q, H * qk, n));
     }
     // compressed kv = [kv_lora | k_rope]; k_pass, v = kv_b(kv_a_norm(kv_lora part))
-    MM_TRY(OPS->matmul(CTX, &L->wkv_a, NULL, s->xa, c->d_model, s->ckv, ckv_w, n));
+    MM_TRY(OPS->matmul(CTX, &L->wkv_a, NULL, xn, c->d_model, s->ckv, ckv_w, n));
     MM_TRY(OPS->rmsnorm(CTX, &L->kv_a_norm, c->eps, s->ckv, ckv_w, s->kvn, c->kv_lora_rank, n));
     MM_TRY(OPS->matmul(CTX, &L->wkv_b, NULL, s->kvn, c->kv_lora_rank, s->kvb, H * (nope + vd),
                        n));
@@ -872,14 +871,15 @@ static mm_err attn_mla(const mm_model *m, mm_model_scratch *s, const struct laye
 // layer's fused q/k/v weight and the backend's head_norm_rope: one product and one launch,
 // q, k and v side by side in s->qkv; with its head_norm_rope_kv the same launch also stores
 // k and v into the cache as st (its view and rows set by the caller) says, and *stored is set.
-static mm_err attn_std(const mm_model *m, mm_model_scratch *s, const struct layer *L, int64_t n,
-                       float **q, float **k, float **v, int64_t *qs, int64_t *kvs,
+static mm_err attn_std(const mm_model *m, mm_model_scratch *s, const struct layer *L,
+                       const float *xn, int64_t n, float **q, float **k, float **v, int64_t *qs,
+                       int64_t *kvs,
                        struct mm_kv_store_args *st, bool *stored) {
     const mm_model_config *c = &m->c;
     const int64_t H = c->n_heads, KV = c->n_kv_heads, hd = c->head_dim, D = c->d_model;
     if (L->wqkv.data && s->qkv && OPS->head_norm_rope) {
         const int64_t W = (H + 2 * KV) * hd;
-        MM_TRY(OPS->matmul(CTX, &L->wqkv, L->bq, s->xa, D, s->qkv, W, n));
+        MM_TRY(OPS->matmul(CTX, &L->wqkv, L->bq, xn, D, s->qkv, W, n));
         struct mm_rope_args ra = {.rot_offset = 0, .rot_dim = c->rot_dim, .pos = s->pos_d,
                                   .inv_freq = m->inv_freq, .mscale = c->rope_mscale,
                                   .style = c->rope_style};
@@ -899,9 +899,9 @@ static mm_err attn_std(const mm_model *m, mm_model_scratch *s, const struct laye
     }
     *q = s->q, *k = s->k, *v = s->v;
     *qs = H * hd, *kvs = KV * hd;
-    MM_TRY(OPS->matmul(CTX, &L->wq, L->bq, s->xa, D, s->q, H * hd, n));
-    MM_TRY(OPS->matmul(CTX, &L->wk, L->bk, s->xa, D, s->k, KV * hd, n));
-    MM_TRY(OPS->matmul(CTX, &L->wv, L->bv, s->xa, D, s->v, KV * hd, n));
+    MM_TRY(OPS->matmul(CTX, &L->wq, L->bq, xn, D, s->q, H * hd, n));
+    MM_TRY(OPS->matmul(CTX, &L->wk, L->bk, xn, D, s->k, KV * hd, n));
+    MM_TRY(OPS->matmul(CTX, &L->wv, L->bv, xn, D, s->v, KV * hd, n));
     if (c->qk_norm) { // per-head RMSNorm: one row per head
         MM_TRY(OPS->rmsnorm(CTX, &L->q_norm, c->eps, s->q, hd, s->q, hd, n * H));
         MM_TRY(OPS->rmsnorm(CTX, &L->k_norm, c->eps, s->k, hd, s->k, hd, n * KV));
@@ -941,12 +941,13 @@ static int long_ctx(const mm_model_rows *rows) {
 
 // attn_core: the attention of layer on n rows whose positions and sequences are in s->pos_d
 // and s->seq_d already. defer_residual: the output projection stays in s->tmp and h is not
-// updated (the caller adds it with the backend's add_rmsnorm). normed: s->xn already holds
-// the layer's input norm of h (the previous layer's combine_rmsnorm wrote it). Else out (which
+// updated (the caller adds it with the backend's add_rmsnorm). xn: the layer's input norm of h,
+// made already (the previous layer's combine_rmsnorm wrote it), or NULL (made here into s->xn).
+// Else out (which
 // may be h; h itself is not written) = h + the output, through the backend's matmul_res where
 // it takes the product (the residual in o_proj's epilogue), else o_proj into s->tmp and an axpy.
 static mm_err attn_core(const mm_model *m, mm_model_scratch *s, int layer, mm_kv_cache *kv,
-                        int64_t n, float *h, bool defer_residual, bool normed, float *out,
+                        int64_t n, float *h, bool defer_residual, float *out,
                         const float *xn);
 
 mm_err mm_model_attn_forward(const mm_model *m, mm_model_scratch *s, int layer, mm_kv_cache *kv,
@@ -978,18 +979,19 @@ mm_err mm_model_attn_forward_to(const mm_model *m, mm_model_scratch *s, int laye
         s->rows_n = n;
         s->long_ctx = long_ctx(rows);
     }
-    return attn_core(m, s, layer, kv, n, h, false, false, out ? out : h, xn);
+    return attn_core(m, s, layer, kv, n, h, false, out ? out : h, xn);
 }
 
 static mm_err attn_core(const mm_model *m, mm_model_scratch *s, int layer, mm_kv_cache *kv,
-                        int64_t n, float *h, bool defer_residual, bool normed, float *out,
+                        int64_t n, float *h, bool defer_residual, float *out,
                         const float *xn) {
     const mm_model_config *c = &m->c;
     const struct layer *L = &m->layers[layer];
     const int64_t D = c->d_model, H = c->n_heads;
-    if (!normed && !xn)
+    if (!xn) {
         MM_TRY(OPS->rmsnorm(CTX, &L->attn_norm, c->eps, h, D, s->xn, D, n));
-    s->xa = xn ? xn : s->xn;
+        xn = s->xn;
+    }
     float *q = s->q, *k = s->k, *v = s->v;
     int64_t qs = H * c->head_dim, ks = (int64_t)c->n_kv_heads * c->head_dim;
     int64_t vs = (int64_t)c->n_kv_heads * c->head_dim_v;
@@ -997,9 +999,9 @@ static mm_err attn_core(const mm_model *m, mm_model_scratch *s, int layer, mm_kv
     mm_kv_cache_view(kv, layer, &st.kv);
     bool stored = false;
     if (c->mla) {
-        MM_TRY(attn_mla(m, s, L, n, &q, &k, &v, &qs));
+        MM_TRY(attn_mla(m, s, L, xn, n, &q, &k, &v, &qs));
     } else {
-        MM_TRY(attn_std(m, s, L, n, &q, &k, &v, &qs, &ks, &st, &stored));
+        MM_TRY(attn_std(m, s, L, xn, n, &q, &k, &v, &qs, &ks, &st, &stored));
         vs = ks;
     }
     st.k = k, st.k_stride = ks, st.v = v, st.v_stride = vs;
@@ -1357,25 +1359,20 @@ mm_err mm_model_experts_plan(const mm_model *m, mm_model_scratch *s, int layer,
 mm_err mm_model_combine_plan_next(const mm_model *m, mm_model_scratch *s, int layer, float *h,
                                   int64_t n, const float *wt, const float *expert_out,
                                   const float *shared, float *xn) {
-    if (!mm_model_layer_is_moe(m, layer) || !wt || !expert_out || !xn ||
-        layer + 1 >= m->c.n_layers)
+    if (!mm_model_layer_is_moe(m, layer) || !wt || !expert_out ||
+        (xn && layer + 1 >= m->c.n_layers))
         return MM_EINVAL;
     MM_TRY(check_rows(s, n));
     if (n == 0)
         return MM_OK;
     return combine_norm(m, s, h, n, m->c.top_k, wt, expert_out, shared,
-                        &m->layers[layer + 1].attn_norm, xn);
+                        xn ? &m->layers[layer + 1].attn_norm : NULL, xn);
 }
 
 mm_err mm_model_combine_plan(const mm_model *m, mm_model_scratch *s, int layer, float *h,
                              int64_t n, const float *wt, const float *expert_out,
                              const float *shared) {
-    if (!mm_model_layer_is_moe(m, layer) || !wt || !expert_out)
-        return MM_EINVAL;
-    MM_TRY(check_rows(s, n));
-    if (n == 0)
-        return MM_OK;
-    return combine_core(m, s, h, n, m->c.top_k, wt, expert_out, shared);
+    return mm_model_combine_plan_next(m, s, layer, h, n, wt, expert_out, shared, NULL);
 }
 
 // forward_dev_ops: the whole step from the inputs in s->in_d; issues ops only (no set, get
@@ -1400,7 +1397,7 @@ static mm_err forward_dev_ops(const mm_model *m, mm_model_scratch *s, mm_kv_cach
         // the residual add of the attention output and the FFN norm in one op where the
         // backend has it (same bits as axpy then rmsnorm)
         const bool fuse = OPS->add_rmsnorm != NULL;
-        MM_TRY(attn_core(m, s, l, kv, n, s->h, fuse, normed, s->h, NULL));
+        MM_TRY(attn_core(m, s, l, kv, n, s->h, fuse, s->h, normed ? s->xn : NULL));
         if (fuse)
             MM_TRY(OPS->add_rmsnorm(CTX, s->tmp, D, s->h, D, &m->layers[l].ffn_norm, m->c.eps,
                                     s->x, D, n));

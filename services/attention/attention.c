@@ -172,16 +172,20 @@ static mm_err on_frame(void *arg, mm_conn *c, const mm_wire_hdr *h, void *payloa
         return mm_dataserv_reply_error(c, h, A.step_err, A.step_msg);
     // MM_MODEL_NORMED_FLAG: the frame holds the rows, then their input norm (a device frame)
     const bool normed = (h->flags & MM_MODEL_NORMED_FLAG) != 0;
-    const bool dev_frame = A.d_h != NULL && (payload == (void *)A.d_h || mm_dataserv_on_dev(payload));
+    // device backends: the rows go through the backend copy d_h and come back in place; a
+    // device frame (cudaipc://) already landed in d_h and its reply leaves from there
+    // (a device frame's rows are handed over in the conn's ring (MM_MESH_VIEWS, on unless 0) and
+    // attention runs on them there, the reply leaving from there: no copy in)
+    const bool on_dev = A.d_h != NULL && (payload == (void *)A.d_h || mm_dataserv_on_dev(payload));
     if (h->layer != A.next_layer || h->layer >= (uint32_t)A.n_layers ||
         h->n_rows != (uint32_t)A.n_rows * (normed ? 2u : 1u) ||
         h->row_dim != (uint32_t)A.d_model || h->format != MM_WIRE_F32 ||
-        (h->flags & ~MM_MODEL_NORMED_FLAG) != 0 || (normed && !dev_frame)) {
+        (h->flags & ~MM_MODEL_NORMED_FLAG) != 0 || (normed && !on_dev)) {
         char msg[200];
         snprintf(msg, sizeof(msg), "step %llu: rows for layer %u (%u x %u%s, flags %u), expected "
                  "layer %u (%d x %d f32, or twice the rows as a device frame with flag %u)",
                  (unsigned long long)h->step_id, h->layer, h->n_rows, h->row_dim,
-                 dev_frame ? ", device" : "", h->flags, A.next_layer, A.n_rows, A.d_model,
+                 on_dev ? ", device" : "", h->flags, A.next_layer, A.n_rows, A.d_model,
                  MM_MODEL_NORMED_FLAG);
         A.step_err = MM_EPROTO;
         snprintf(A.step_msg, sizeof(A.step_msg), "%s", msg);
@@ -190,11 +194,6 @@ static mm_err on_frame(void *arg, mm_conn *c, const mm_wire_hdr *h, void *payloa
     mm_mesh_trace(h->step_id, (int)h->layer, "rx");
     mm_mesh_gstamp(h->step_id, (int)h->layer, "rx");
     mm_model_rows rows = {.n_rows = A.n_rows, .seq = A.row_seq, .pos = A.row_pos};
-    // device backends: the rows go through the backend copy d_h and come back in place; a
-    // device frame (cudaipc://) already landed in d_h and its reply leaves from there
-    // (a device frame's rows are handed over in the conn's ring (MM_MESH_VIEWS, on unless 0) and
-    // attention runs on them there, the reply leaving from there: no copy in)
-    const bool on_dev = dev_frame;
     float *hd = on_dev ? (float *)payload : A.d_h; // the rows attention works on (device)
     const size_t nb = (size_t)A.n_rows * (size_t)A.d_model * 4;
     const float *xn = normed ? hd + (size_t)A.n_rows * (size_t)A.d_model : NULL;

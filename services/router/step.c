@@ -998,8 +998,8 @@ static mm_err plan_layer(mm_step_engine *e, uint64_t step, int L, int64_t R, boo
     // several owners (MM_MESH_OWNER_FRAMES, on unless 0, with in-place frames): each serving
     // owner's frame reserved in its ring, and the split writes every share and copies the x
     // rows there in one launch, so the sends copy nothing (else: from d_x, 2 copies an owner)
-    float *frames[16] = {NULL};
-    bool direct = e->inplace && e->owner_frames && N > 1 && N <= 16 &&
+    float *frames[MM_STEP_DEV_MAX_FRAMES] = {NULL};
+    bool direct = e->inplace && e->owner_frames && N > 1 && N <= MM_STEP_DEV_MAX_FRAMES &&
                   mm_gpu_mesh_plan_split_to != NULL;
     for (int o = 0; o < N && direct; o++) {
         struct peer *op = &e->owners[o];

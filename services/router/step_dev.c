@@ -47,9 +47,8 @@ mm_err mm_step_dev_combine(mm_step_dev_layer *a) {
             return rv;
     }
     a->failed = "combine (mm_model_combine_plan)";
-    rv = a->xn_next ? mm_model_combine_plan_next(a->m, a->s, a->L, a->h, a->R, a->pl.wt, a->eo,
-                                                 a->sh, a->xn_next)
-                    : mm_model_combine_plan(a->m, a->s, a->L, a->h, a->R, a->pl.wt, a->eo, a->sh);
+    rv = mm_model_combine_plan_next(a->m, a->s, a->L, a->h, a->R, a->pl.wt, a->eo, a->sh,
+                                    a->xn_next);
     if (rv == MM_OK)
         a->failed = NULL;
     return rv;

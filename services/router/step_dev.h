@@ -19,6 +19,8 @@ extern mm_err mm_gpu_mesh_plan_split(void *stream, const int32_t *d_offs, const 
                                      const int32_t *d_dst, const int32_t *d_owner_of,
                                      int n_experts, int n_slots, int n_owners, int32_t *d_out,
                                      int64_t out_stride) MM_STEP_DEV_WEAK;
+// the most owners mm_gpu_mesh_plan_split_to takes (mesh_ops.cu SPLIT_MAX_OWNERS)
+#define MM_STEP_DEV_MAX_FRAMES 16
 extern mm_err mm_gpu_mesh_plan_split_to(void *stream, const int32_t *d_offs,
                                         const int32_t *d_src, const int32_t *d_dst,
                                         const int32_t *d_owner_of, int n_experts, int n_slots,

@@ -243,7 +243,8 @@ mm_err mm_model_combine_plan(const mm_model *m, mm_model_scratch *s, int layer, 
                              int64_t n, const float *wt, const float *expert_out,
                              const float *shared);
 // mm_model_combine_plan, then xn = layer + 1's input norm of the new h (one op where the backend
-// has combine_rmsnorm, the same bits as the two): the router sends a lone shard both.
+// has combine_rmsnorm, the same bits as the two): the router sends a lone shard both. xn NULL:
+// mm_model_combine_plan.
 mm_err mm_model_combine_plan_next(const mm_model *m, mm_model_scratch *s, int layer, float *h,
                                   int64_t n, const float *wt, const float *expert_out,
                                   const float *shared, float *xn);

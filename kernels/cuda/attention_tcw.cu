@@ -52,6 +52,13 @@ extern "C" void mm_gpu_set_attention_tcw_diag(int mode) { g_att_tcw_diag = mode;
 // to MM_GPU_ATT_TCW (default on). Process-wide.
 extern "C" void mm_gpu_set_attention_tcw(int mode);
 extern "C" void mm_gpu_set_attention_tcw(int mode) { g_att_tcw = mode < 0 ? -1 : mode != 0; }
+// S = Q K^T with Q as wgmma's register operand (loaded once per block from the Q tile) instead of
+// from shared memory: each m64n64k16 then reads only K's 2 KiB from shared memory, not Q's too
+// (the S products read shared memory as fast as they compute otherwise). Same products, same
+// order. g_att_tcw_qr: -1 from MM_GPU_ATT_TCW_QR at first use (off only when "0"); 0; 1.
+static int g_att_tcw_qr = -1;
+extern "C" void mm_gpu_set_attention_tcw_qr(int mode);
+extern "C" void mm_gpu_set_attention_tcw_qr(int mode) { g_att_tcw_qr = mode < 0 ? -1 : mode != 0; }
 
 #if MM_GPU_HAVE_WMMA
 #define TCW_THREADS 256
@@ -114,6 +121,26 @@ __device__ __forceinline__ void tcw_qk(float (&d)[32], uint64_t da, uint64_t db)
                    "+f"(d[30]), "+f"(d[31])
                  : "l"(da), "l"(db), "r"(1));
 }
+// S (64 x 64 f32) += Q (64 x 16, registers: mma.sync's A fragment) K^T (16 x 64, shared, K-major)
+__device__ __forceinline__ void tcw_qk_r(float (&d)[32], const uint32_t (&a)[4], uint64_t db) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
+                 " %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+                 "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+                   "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+                   "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
+                   "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+                   "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+                   "+f"(d[30]), "+f"(d[31])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+}
+__device__ __forceinline__ void tcw_pin_q(uint32_t (&a)[8][4]) {
+#pragma unroll
+    for (int i = 0; i < 32; i++)
+        asm volatile("" : "+r"(a[i >> 2][i & 3])::"memory");
+}
 // O (64 x 128 f32) += P (64 x 16, registers: mma.sync's A fragment) V (16 x 128, shared, MN-major)
 __device__ __forceinline__ void tcw_pv(float (&d)[64], const uint32_t (&a)[4], uint64_t db) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
@@ -146,8 +173,8 @@ __device__ __forceinline__ uint32_t tcw_off(int r, int p) {
 // One 64-key block for the warpgroup's 64 units: tc_block's operations (same elements, same
 // order) with S and P V on wgmma. qd: the warpgroup's Q tile; kb: the block's K tile (V at
 // + TCW_TILE), shared addresses.
-template <bool DIAG>
-__device__ __forceinline__ void tcw_block(uint32_t qa, uint32_t kb, int32_t c0,
+template <bool DIAG, bool QR>
+__device__ __forceinline__ void tcw_block(uint32_t qa, uint32_t (&qr)[8][4], uint32_t kb, int32_t c0,
                                           const int32_t (&first)[2], const int32_t (&pos)[2],
                                           float cs, float (&m)[2], float (&l)[2],
                                           float (&acc)[64], int kind) {
@@ -159,10 +186,16 @@ __device__ __forceinline__ void tcw_block(uint32_t qa, uint32_t kb, int32_t c0,
     {
         const uint64_t qd = tcw_desc_k(qa), kd = tcw_desc_k(kb);
         tcw_pin<32>(s); // the zeros written before the fence (else nvcc sinks them past it)
+        if (QR)
+            tcw_pin_q(qr);
         tcw_fence();
 #pragma unroll
-        for (int ks = 0; ks < 8; ks++) // dims 16 ks..: half ks / 4, +32 bytes per step inside it
-            tcw_qk(s, qd + (ks >> 2) * 512 + (ks & 3) * 2, kd + (ks >> 2) * 512 + (ks & 3) * 2);
+        for (int ks = 0; ks < 8; ks++) { // dims 16 ks..: half ks / 4, +32 bytes per step inside it
+            if (QR)
+                tcw_qk_r(s, qr[ks], kd + (ks >> 2) * 512 + (ks & 3) * 2);
+            else
+                tcw_qk(s, qd + (ks >> 2) * 512 + (ks & 3) * 2, kd + (ks >> 2) * 512 + (ks & 3) * 2);
+        }
         tcw_commit();
         tcw_wait0();
         tcw_pin<32>(s);
@@ -273,7 +306,7 @@ __device__ __forceinline__ void tcw_block(uint32_t qa, uint32_t kb, int32_t c0,
 }
 #endif // __CUDA_ARCH_FEAT_SM90_ALL
 
-template <bool DIAG>
+template <bool DIAG, bool QR>
 __global__ void __launch_bounds__(TCW_THREADS, 1)
     attention_tcw_kernel(struct mm_attn_args a, int gsub, int rows_pb, int *d_err, int diag) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -332,6 +365,20 @@ __global__ void __launch_bounds__(TCW_THREADS, 1)
     }
     // this thread's units: rows g and g + 8 of its warp's 16 in its warpgroup's 64
     auto unit = [&](int i) { return warp * 16 + g + 8 * i; };
+    // QR: the thread's Q fragments (mma.sync's A fragment of dims 16 ks.. for rows g, g + 8 of
+    // its warp's 16), read once from the tile written above; the units keep them for every pass
+    uint32_t qr[8][4];
+    if (QR) {
+        __syncthreads();
+        const unsigned char *qt = gbase + wg * TCW_TILE;
+        const int qrow = (warp & 3) * 16 + g;
+#pragma unroll
+        for (int ks = 0; ks < 8; ks++)
+#pragma unroll
+            for (int j = 0; j < 4; j++)
+                qr[ks][j] = *(const uint32_t *)(qt + tcw_off(qrow + 8 * (j & 1), 2 * ks + (j >> 1)) +
+                                                4 * tq);
+    }
     auto uin = [&](int i) { return unit(i) < n_units && r0 + unit(i) / gsub < a.n_rows; };
     const float cs = a.scale * 1.4426950408889634f;
     // key block b's copies of key skey (blk, r from tc_blk_kb), 4 of its 16 pieces of K and V
@@ -419,7 +466,7 @@ __global__ void __launch_bounds__(TCW_THREADS, 1)
             }
             if (DIAG && diag % 10 >= 5) { // full attention, variants 5..8
                 if (diag % 10 == 7 || (c0 <= wmax && c0 + TC_KEYS - 1 >= wmin))
-                    tcw_block<true>(sbase + wg * TCW_TILE, kvs + bi * 2 * TCW_TILE, c0, first, pos,
+                    tcw_block<true, false>(sbase + wg * TCW_TILE, qr, kvs + bi * 2 * TCW_TILE, c0, first, pos,
                                     cs, m, l, acc, diag % 10);
                 if (diag % 10 == 8) {
                     tc_wait<0>();
@@ -427,10 +474,10 @@ __global__ void __launch_bounds__(TCW_THREADS, 1)
                 }
             } else if (DIAG) {
                 if (c0 == c_lo + (diag / 10) * TC_KEYS)
-                    tcw_block<true>(sbase + wg * TCW_TILE, kvs + bi * 2 * TCW_TILE, c0, first, pos,
+                    tcw_block<true, false>(sbase + wg * TCW_TILE, qr, kvs + bi * 2 * TCW_TILE, c0, first, pos,
                                     cs, m, l, acc, diag % 10);
             } else if (c0 <= wmax && c0 + TC_KEYS - 1 >= wmin) {
-                tcw_block<false>(sbase + wg * TCW_TILE, kvs + bi * 2 * TCW_TILE, c0, first, pos,
+                tcw_block<false, QR>(sbase + wg * TCW_TILE, qr, kvs + bi * 2 * TCW_TILE, c0, first, pos,
                                  cs, m, l, acc, 0);
             }
             bi = bi == TCW_BUFS - 1 ? 0 : bi + 1;
@@ -485,10 +532,14 @@ extern "C" mm_err mm_gpu_attention_tcw(void *stream, const struct mm_attn_args *
 #if MM_GPU_HAVE_WMMA
     if (!mm_gpu_cc90())
         return MM_OK;
-    static uint64_t attr_set, attr_set_diag;
-    const int diag = g_att_tcw_diag;
-    const mm_err rv = diag ? tc_allow_shmem(attention_tcw_kernel<true>, &attr_set_diag, TCW_SHMEM)
-                           : tc_allow_shmem(attention_tcw_kernel<false>, &attr_set, TCW_SHMEM);
+    if (g_att_tcw_qr < 0)
+        g_att_tcw_qr = !tc_env_is("MM_GPU_ATT_TCW_QR", "0");
+    static uint64_t attr_set, attr_set_qr, attr_set_diag;
+    const int diag = g_att_tcw_diag, qr = g_att_tcw_qr;
+    const mm_err rv =
+        diag ? tc_allow_shmem(attention_tcw_kernel<true, false>, &attr_set_diag, TCW_SHMEM)
+        : qr ? tc_allow_shmem(attention_tcw_kernel<false, true>, &attr_set_qr, TCW_SHMEM)
+             : tc_allow_shmem(attention_tcw_kernel<false, false>, &attr_set, TCW_SHMEM);
     if (rv != MM_OK)
         return rv;
     const int group = a->n_heads / a->kv.n_kv_heads;
@@ -496,11 +547,15 @@ extern "C" mm_err mm_gpu_attention_tcw(void *stream, const struct mm_attn_args *
     dim3 grid((unsigned)((a->n_rows + rows_pb - 1) / rows_pb),
               (unsigned)(a->kv.n_kv_heads * (group / gsub)));
     if (diag)
-        MM_GPU_CHECK(mm_launch_dep(attention_tcw_kernel<true>, grid, dim3(TCW_THREADS),
+        MM_GPU_CHECK(mm_launch_dep(attention_tcw_kernel<true, false>, grid, dim3(TCW_THREADS),
                                    (size_t)TCW_SHMEM, (cudaStream_t)stream, *a, gsub, rows_pb,
                                    d_err, diag));
+    else if (qr)
+        MM_GPU_CHECK(mm_launch_dep(attention_tcw_kernel<false, true>, grid, dim3(TCW_THREADS),
+                                   (size_t)TCW_SHMEM, (cudaStream_t)stream, *a, gsub, rows_pb,
+                                   d_err, 0));
     else
-        MM_GPU_CHECK(mm_launch_dep(attention_tcw_kernel<false>, grid, dim3(TCW_THREADS),
+        MM_GPU_CHECK(mm_launch_dep(attention_tcw_kernel<false, false>, grid, dim3(TCW_THREADS),
                                    (size_t)TCW_SHMEM, (cudaStream_t)stream, *a, gsub, rows_pb,
                                    d_err, 0));
     MM_GPU_CHECK(cudaGetLastError());

@@ -44,6 +44,7 @@ static struct drafter {
     pthread_mutex_t mu;
     mm_daemon *d;
     bool ngram, ready;
+    bool off; // started without a draft model: requests get DraftReply.off
     mm_engine *eng;
     int32_t max_ctx;
     struct dseq *seqs; // (max_seqs)
@@ -351,8 +352,17 @@ void drafter_handle(void *arg, const mm_ctl_msg *req, const char *peer, struct n
         return;
     }
     pthread_mutex_lock(&D.mu);
-    if (!D.ready)
-        *reply = mm_ctl_reply_ack(false, "drafter: no draft model (drafting off)");
+    if (D.off) { // a reply the router keeps: it stops asking until this drafter restarts
+        Mmctl__DraftReply dr = MMCTL__DRAFT_REPLY__INIT;
+        dr.step_id = req->draft_request->step_id;
+        dr.off = true;
+        mm_ctl_msg env = MMCTL__ENVELOPE__INIT;
+        env.body_case = MMCTL__ENVELOPE__BODY_DRAFT_REPLY;
+        env.draft_reply = &dr;
+        env.seq = req->seq;
+        *reply = mm_ctl_reply(&env);
+    } else if (!D.ready)
+        *reply = mm_ctl_reply_ack(false, "drafter: no draft model loaded");
     else
         *reply = on_draft(req->draft_request, req->seq);
     pthread_mutex_unlock(&D.mu);
@@ -368,6 +378,9 @@ mm_err drafter_start(mm_daemon *d, void *arg, char err[MM_ERRLEN]) {
         return mm_errf(err, MM_EINVAL, "--max-seqs must be >= 1 and --max-ctx >= 16");
     const mm_daemon_conf *c = mm_daemon_get_conf(d);
     if (!s_draft_model) {
+        pthread_mutex_lock(&D.mu);
+        D.off = true;
+        pthread_mutex_unlock(&D.mu);
         snprintf(detail, sizeof(detail), "no draft model (drafting off)");
         mm_log_info("%s", detail);
         mm_daemon_set_health(d, MMCTL__HEALTH__HEALTH_READY, detail);

@@ -1650,12 +1650,22 @@ static mm_err step_begin(mm_step_engine *e, const Mmctl__StepPlan **pp, bool ear
     if (rv == MM_OK) {
         p = mm_follow_resolve(e->fl, p, e->c.max_ctx);
         *pp = p;
-        for (size_t i = 0; early && i < p->n_seqs; i++)
-            if (p->seqs[i]->max_draft != 0) // (no draft rows: row i is seq i's one token)
+        // (the trace names why an early begin was refused: docs/MESH.md)
+        // (no draft rows: row i is seq i's one token; a plan that allows drafts is begun early
+        // only while no drafter could give it any: the gateway allows them in every plan)
+        const bool may_draft = early && mm_draft_may_draft(e->dr);
+        for (size_t i = 0; may_draft && i < p->n_seqs; i++)
+            if (p->seqs[i]->max_draft != 0) {
+                mm_mesh_trace(p->step_id, -1, "early_no_draft");
                 return MM_EBUSY;
-        if (early && mm_follow_n_pending(e->fl) == 0)
+            }
+        if (early && mm_follow_n_pending(e->fl) == 0) {
+            mm_mesh_trace(p->step_id, -1, "early_no_pending");
             return MM_EBUSY;
+        }
         rv = check_plan(e, p, early, msg);
+        if (rv != MM_OK && early)
+            mm_mesh_trace(p->step_id, -1, "early_no_check");
     }
     if (rv != MM_OK)
         return early ? MM_EBUSY : rv;
@@ -1672,8 +1682,10 @@ static mm_err step_begin(mm_step_engine *e, const Mmctl__StepPlan **pp, bool ear
         const struct peer *sp = &e->shards[p->seqs[i]->seq_id % (uint64_t)M];
         mm_sampling sp_i;
         mm_step_sampling_from_pb(p->seqs[i]->sampling, &sp_i);
-        if (!sp->live || mm_sampling_has_penalty(&sp_i))
+        if (!sp->live || mm_sampling_has_penalty(&sp_i)) {
+            mm_mesh_trace(p->step_id, -1, "early_no_shard");
             return MM_EBUSY;
+        }
     }
     for (size_t i = 0; i < p->n_release; i++)
         mm_pen_table_release(e->pen, p->release[i]);
@@ -1692,7 +1704,8 @@ static mm_err step_begin(mm_step_engine *e, const Mmctl__StepPlan **pp, bool ear
             R += (int64_t)q->n_tokens;
     }
     mm_mesh_trace(p->step_id, -1, "linked");
-    mm_draft_begin(e->dr, p, e->active, (int64_t)e->c.max_tokens - R, e->n_draft, e->draft);
+    mm_draft_begin(e->dr, p, e->active, early ? 0 : (int64_t)e->c.max_tokens - R, e->n_draft,
+                   e->draft);
     mm_mesh_trace(p->step_id, -1, "drafted");
     R = 0;
     for (size_t i = 0; i < p->n_seqs; i++) {

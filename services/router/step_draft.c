@@ -62,6 +62,8 @@ struct mm_draft {
     uint64_t cl_inc;
     uint64_t backoff_until, backoff_ms;
     bool warned;
+    bool off;         // the drafter of incarnation off_inc answered DraftReply.off: not asked
+    uint64_t off_inc; // again until another incarnation registers
     // the request (sized at open)
     Mmctl__DraftSeq *dq;
     Mmctl__DraftSeq **dqp;
@@ -211,6 +213,22 @@ static void forget(mm_draft *d, uint64_t id) {
 
 static void ahead_drop(mm_draft *d);
 
+bool mm_draft_may_draft(mm_draft *d) {
+    char url[MM_ADDR_LEN];
+    uint64_t inc = 0;
+    if (d->c.max_k <= 0 || !mm_registry_peer_ctl(d->reg, "drafter", 0, url, &inc) || !url[0])
+        return false;
+    return !(d->off && inc == d->off_inc);
+}
+
+// drafter_off: the drafter answered that it has no draft model (DraftReply.off)
+static void drafter_off(mm_draft *d) {
+    if (!d->off || d->off_inc != d->cl_inc)
+        mm_log_info("the drafter has no draft model: steps go on without drafts until it restarts");
+    d->off = true;
+    d->off_inc = d->cl_inc;
+}
+
 // drafter_link: the client for the drafter's current incarnation, or NULL (down, backing off).
 static mm_ctl_client *drafter_link(mm_draft *d) {
     char url[MM_ADDR_LEN], err[MM_ERRLEN] = "";
@@ -226,6 +244,7 @@ static mm_ctl_client *drafter_link(mm_draft *d) {
             return NULL;
         }
         d->cl_inc = inc;
+        d->off = false;
         d->backoff_until = 0;
         d->backoff_ms = 250;
         d->warned = false;
@@ -235,7 +254,7 @@ static mm_ctl_client *drafter_link(mm_draft *d) {
         d->ah_nrel = 0;
         mm_log_info("drafting with the drafter at %s", url);
     }
-    if (mm_now_ns() < d->backoff_until)
+    if (mm_now_ns() < d->backoff_until || (d->off && d->off_inc == d->cl_inc))
         return NULL;
     return d->cl;
 }
@@ -336,6 +355,12 @@ static void ahead_collect(mm_draft *d, int wait_ms) {
     mm_err rv = done ? mm_ctl_async_result(d->ah, &rep, err) : MM_ETIMEDOUT;
     const Mmctl__DraftReply *dr = rv == MM_OK && rep->body_case == MMCTL__ENVELOPE__BODY_DRAFT_REPLY
                                       ? rep->draft_reply : NULL;
+    if (dr && dr->off) {
+        mm_ctl_msg_free(rep);
+        ahead_drop(d);
+        drafter_off(d);
+        return;
+    }
     if (rv != MM_OK || !dr || dr->n_seqs != d->ah_nq || dr->step_id != d->ah_step_id ||
         rep->seq != d->ah_req) {
         if (rv != MM_OK)
@@ -600,6 +625,13 @@ static void draft_sync(mm_draft *d, uint64_t step_id, size_t nq, uint32_t *n_dra
         drafter_failed(d, why);
         d->step_ok = false;
         d->step_cost = false;
+        return;
+    }
+    if (rep->body_case == MMCTL__ENVELOPE__BODY_DRAFT_REPLY && rep->draft_reply->off) {
+        drafter_off(d);
+        for (size_t j = 0; j < nq; j++) // as with no drafter: these seqs draft nothing
+            find(d, d->dq[j].seq_id)->asked = 0;
+        mm_ctl_msg_free(rep);
         return;
     }
     if (rep->body_case != MMCTL__ENVELOPE__BODY_DRAFT_REPLY ||

@@ -96,6 +96,10 @@ void mm_draft_close(mm_draft *d); // accepts NULL
 void mm_draft_begin(mm_draft *d, const Mmctl__StepPlan *p, const bool *active, int64_t room,
                     uint32_t *n_draft, int32_t *draft);
 
+// mm_draft_may_draft: whether a step could get drafts now (drafting on and a drafter
+// registered); a step begun early (step.c) must have none, and is only begun without one.
+bool mm_draft_may_draft(mm_draft *d);
+
 // mm_draft_ctrl_tail writes shard s's pending truncations as the CTRL tail (u32 n, n x {u64
 // seq, i32 len, i32 0}) at buf and returns its bytes (0 when none). mm_draft_ctrl_sent marks
 // them sent once the frame went out.

@@ -39,6 +39,8 @@ extern void mm_gpu_set_attention_tcd_gsub(int n) __attribute__((weak));
 extern void mm_gpu_set_attention_tcw(int mode) __attribute__((weak));
 // its diagnostic modes (kind + 10 * key block; attention_tcw.cu's g_att_tcw_diag): 0 off
 extern void mm_gpu_set_attention_tcw_diag(int mode) __attribute__((weak));
+// S with Q as the register operand (1) or from shared memory (0); < 0: MM_GPU_ATT_TCW_QR
+extern void mm_gpu_set_attention_tcw_qr(int mode) __attribute__((weak));
 
 static mm_backend *cpu;
 
@@ -624,9 +626,17 @@ static void test_tcw(void) {
         MM_SKIP("no attention_tcw.cu in this build");
     }
     const int lens[7] = {1, 15, 64, 65, 200, 517, 1100}, two[2] = {300, 77};
-    tcw_case(32, 4, 0, lens, 7); // Qwen3-30B-A3B's heads
-    tcw_case(6, 3, 40, two, 2);  // sliding window, GQA 2
-    tcw_case(16, 16, 0, two, 2); // no GQA: 128 rows per block
+    for (int qr = 0; qr < (mm_gpu_set_attention_tcw_qr ? 2 : 1); qr++) {
+        if (mm_gpu_set_attention_tcw_qr) {
+            mm_gpu_set_attention_tcw_qr(qr);
+            printf("Q from %s:\n", qr ? "registers" : "shared memory");
+        }
+        tcw_case(32, 4, 0, lens, 7); // Qwen3-30B-A3B's heads
+        tcw_case(6, 3, 40, two, 2);  // sliding window, GQA 2
+        tcw_case(16, 16, 0, two, 2); // no GQA: 128 rows per block
+    }
+    if (mm_gpu_set_attention_tcw_qr)
+        mm_gpu_set_attention_tcw_qr(-1);
     close_backends();
 }
 

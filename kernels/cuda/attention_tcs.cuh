@@ -79,6 +79,15 @@
 #define TCS_LDV 40              // bf16 per value row of a warp's 32 dims (80 B: no conflicts)
 #define TCS_SLOT (TCS_REC * 4 + TC_KEYS * TCS_LDV * 2) // bytes of one ring slot (9216)
 #define TCS_TAB 4096            // cache blocks per sequence at most (table in shared memory)
+// phase B with a softmax warp (MM_GPU_ATT_SPLITK_PB): its ring of score records, the
+// P ring it hands the value warps (per lane: 16 words of P fragments, 2 alphas, 2 spare), their
+// value rings
+#define TCS_PR 8                           // score records in flight
+#define TCS_PS 4                           // P slots
+#define TCS_PSLOT (32 * 20 * 4)            // bytes of one P slot (20 words a lane: 16-byte aligned)
+#define TCS_VR 7                           // a value warp's ring (6 key blocks in flight)
+#define TCS_VSLOT (TC_KEYS * TCS_LDV * 2)  // bytes of one value slot (5120)
+
 #define TCS_MAX_CTAS 16         // phase A blocks per (row, tile) at most (8 key blocks each)
 #define TCS_MAX_ROWS 8          // calls of at most this many rows
 #define TCS_MAX_WS (1ull << 30) // workspace bytes at most (larger: attention_tcd_kernel)
@@ -88,6 +97,7 @@
 
 static int g_tcs = -1;     // -1: from MM_GPU_ATT_SPLITK at first use; 0 off; 1 on; 2 auto
 static int g_tcs_min = -1; // -1: from MM_GPU_ATT_SPLITK_MIN at first use
+static int g_tcs_pb = -1;  // -1: from MM_GPU_ATT_SPLITK_PB at first use (off only when "0")
 
 #if MM_GPU_HAVE_WMMA
 #define TCS_HAVE 1
@@ -100,7 +110,213 @@ __device__ __forceinline__ void tcs_prefetch_l2(const void *p) {
 // grid (G, tiles = n_kv_heads x (group / gsub), rows); ws: [rows][tiles][max_kb] records; cnt:
 // [rows][tiles] counters (0 between calls). DKM, DVM: attention_tcd_kernel's (64 when both
 // head dims are at most 64, else 128).
-template <int DKM, int DVM>
+// named barriers of phase B's second form (0 is __syncthreads)
+__device__ __forceinline__ void tcs_bar_sync(int id, int n) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory");
+}
+__device__ __forceinline__ void tcs_bar_arrive(int id, int n) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory");
+}
+
+// Phase B, second form (MM_GPU_ATT_SPLITK_PB, default): the softmax chain in one warp, the out
+// chains in the value warps. Warp TCS_PBW (the softmax warp) walks the key blocks in order: its
+// ring of score records (TCS_PR - 1 in flight), tc_softmax on each (the same operands and order as phase B's
+// first form, whose every warp ran it), then its lanes' P fragments and alphas into slot
+// jb % TCS_PS of the P ring, released by a named barrier (full); it waits for the slot to be
+// free (empty) from block TCS_PS on. Value warp w (32 w < dv) walks the same blocks with its own
+// ring of value columns (TCS_VR - 1 in flight), takes block jb's P and alphas from the ring
+// (lane for lane: the fragments are per lane, as the first form's), frees the slot, and runs the
+// first form's out * alpha and P V. At the end the softmax warp leaves each lane's l (after the
+// row's butterfly) for the value warps' stores. Only the softmax work leaves the value warps, so
+// every rounded operation has the first form's operands: the same bits. The value warps no
+// longer wait on the scores and the softmax, the softmax warp not on the P V chain.
+// Measured (H200, 2026-12-01 01:47-02:05 UTC, decode after a 4096-token prompt, 4-layer
+// Qwen3-30B-A3B shape): 72-73 us per call against 78 for the first form, decode 1299-1313 vs
+// 1255-1269 tok/s. Two softmax warps (one per 8 units) were slower (76.8 us); value rows
+// brought by a loader warp's bulk copies much slower (152 us: 64 small bulk copies per key
+// block), by two loader warps' cp.async no better (71.6 us): neither kept. Phase B still takes
+// ~1 us per key block; its bound is not established (ncu: the value warps mostly wait at the
+// P ring's barrier; one warp issues an instruction every ~10 cycles).
+__device__ __forceinline__ void tcs_phase_b2(const struct mm_attn_args &a, const struct mm_kv_view &kv,
+                                             const float *rec0, const int32_t *tab, int64_t r,
+                                             int h0, int32_t first, int32_t pos, int32_t c_lo,
+                                             int nkb, int32_t e0, float cs, const bool (&uin)[2],
+                                             int64_t v_off, int *d_err) {
+    extern __shared__ __align__(16) unsigned char tcs_sh[];
+    const int dv = kv.head_dim_v, dvp = (dv + 15) & ~15;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tq = lane & 3;
+    const int nv = (dvp + 31) / 32; // value warps
+    const int nb = 32 * (nv + 1);   // threads at each named barrier
+    unsigned char *const recr = tcs_sh + TCS_TAB * 4;    // the softmax warp's record ring
+    unsigned char *const pring = recr + TCS_PR * TCS_REC * 4; // P slots
+    float *const lfin = (float *)(pring + TCS_PS * TCS_PSLOT); // 32 lanes x 2: final l
+    unsigned char *const vring0 = (unsigned char *)(lfin + 64);
+    // barrier ids: full[s] 1 + s, empty[s] 1 + TCS_PS + s, the final l 1 + 2 TCS_PS
+    if (warp == TCS_PBW) {
+        auto issue = [&](int jb, int sl) { // block jb's record: this lane's own pieces
+            unsigned char *p = recr + sl * TCS_REC * 4;
+            const float *src = rec0 + (int64_t)jb * TCS_REC;
+#pragma unroll
+            for (int jn = 0; jn < TC_KEYS / 8; jn++)
+                tc_cp16(p + (jn * 32 + lane) * 16, src + (jn * 32 + lane) * 4);
+            tc_commit();
+        };
+#pragma unroll
+        for (int b = 0; b < TCS_PR - 1; b++) {
+            if (b < nkb)
+                issue(b, b);
+            else
+                tc_commit();
+        }
+        float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+        for (int jb = 0; jb < nkb; jb++) {
+            const int nx = jb + TCS_PR - 1;
+            if (nx < nkb)
+                issue(nx, nx % TCS_PR); // into block jb - 1's slot (read by this lane only)
+            else
+                tc_commit();
+            tc_wait<TCS_PR - 1>(); // this lane's pieces of block jb landed
+            const unsigned char *p = recr + (jb % TCS_PR) * TCS_REC * 4;
+            float sc[TC_KEYS / 8][4];
+#pragma unroll
+            for (int jn = 0; jn < TC_KEYS / 8; jn++) {
+                const float4 x = *(const float4 *)(p + (jn * 32 + lane) * 16);
+                sc[jn][0] = x.x, sc[jn][1] = x.y, sc[jn][2] = x.z, sc[jn][3] = x.w;
+            }
+            const int ps = jb % TCS_PS;
+            uint32_t *dst = (uint32_t *)(pring + ps * TCS_PSLOT) + lane * 20;
+            float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+            for (int i = 0; i < 2; i++)
+#pragma unroll
+                for (int jn = 0; jn < TC_KEYS / 8; jn++)
+                    mx[i] = fmaxf(mx[i], fmaxf(sc[jn][2 * i], sc[jn][2 * i + 1]));
+            uint32_t px[TC_KEYS / 16][4];
+            float ax[2];
+            tc_softmax(sc, mx, cs, m, l, px, ax);
+            if (jb >= TCS_PS)
+                tcs_bar_sync(1 + TCS_PS + ps, nb); // the value warps are done with jb - PS
+#pragma unroll
+            for (int kk = 0; kk < TC_KEYS / 16; kk++)
+                *(uint4 *)(dst + 4 * kk) = make_uint4(px[kk][0], px[kk][1], px[kk][2], px[kk][3]);
+            dst[16] = __float_as_uint(ax[0]), dst[17] = __float_as_uint(ax[1]);
+            __threadfence_block();
+            tcs_bar_arrive(1 + ps, nb);
+        }
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            l[i] = tc_quad_sum(l[i]);
+        }
+        lfin[2 * lane] = l[0], lfin[2 * lane + 1] = l[1];
+        __threadfence_block();
+        tcs_bar_arrive(1 + 2 * TCS_PS, nb);
+        tc_wait<0>();
+        return;
+    }
+    if (warp >= nv)
+        return;
+    // value warp: dims 32 warp .. 32 warp + 31
+    unsigned char *const ring = vring0 + warp * TCS_VR * TCS_VSLOT;
+    const uint16_t *const vbase = (const uint16_t *)kv.base + v_off + 32 * warp;
+    const int bs = kv.block_size;
+    const bool bs2 = (bs & (bs - 1)) == 0;
+    const int bsh = __ffs(bs) - 1;
+    auto issue = [&](int jb, int sl) { // block jb's value columns (keys lane, lane + 32)
+        uint16_t *vd = (uint16_t *)(ring + sl * TCS_VSLOT);
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int key = lane + 32 * h;
+            const int32_t t = c_lo + jb * TC_KEYS + key;
+            uint16_t *row = vd + key * TCS_LDV;
+            const uint16_t *vs = NULL;
+            if (t >= first && t <= pos) {
+                const int32_t q = bs2 ? t >> bsh : t / bs, kr = t - q * bs;
+                const int32_t blk = tab[q - e0];
+                if (blk >= 0)
+                    vs = vbase + (int64_t)blk * kv.block_stride + (int64_t)kr * kv.slot_stride;
+                else
+                    tc_flag(d_err);
+            }
+#pragma unroll
+            for (int pc = 0; pc < 4; pc++) {
+                if (vs != NULL && 32 * warp + 8 * pc < dv)
+                    tc_cp16(row + 8 * pc, vs + 8 * pc);
+                else
+                    *(uint4 *)(row + 8 * pc) = make_uint4(0u, 0u, 0u, 0u);
+            }
+        }
+        tc_commit();
+    };
+#pragma unroll
+    for (int b = 0; b < TCS_VR - 1; b++) {
+        if (b < nkb)
+            issue(b, b);
+        else
+            tc_commit();
+    }
+    float acc[4][4];
+#pragma unroll
+    for (int n = 0; n < 4; n++)
+        acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+    const int mt = lane >> 3;
+    const int voff = ((mt & 1) * 8 + (lane & 7)) * TCS_LDV + (mt >> 1) * 8;
+    for (int jb = 0; jb < nkb; jb++) {
+        __syncwarp(); // every lane done with block jb - 1's slot
+        const int nx = jb + TCS_VR - 1;
+        if (nx < nkb)
+            issue(nx, nx % TCS_VR);
+        else
+            tc_commit();
+        tc_wait<TCS_VR - 1>(); // this lane's copies of block jb landed
+        __syncwarp();          // every lane's
+        const int ps = jb % TCS_PS;
+        tcs_bar_sync(1 + ps, nb); // block jb's P and alphas are in slot ps
+        const uint32_t *src = (const uint32_t *)(pring + ps * TCS_PSLOT) + lane * 20;
+        uint32_t px[TC_KEYS / 16][4];
+#pragma unroll
+        for (int kk = 0; kk < TC_KEYS / 16; kk++) {
+            const uint4 u = *(const uint4 *)(src + 4 * kk);
+            px[kk][0] = u.x, px[kk][1] = u.y, px[kk][2] = u.z, px[kk][3] = u.w;
+        }
+        const float ax0 = __uint_as_float(src[16]), ax1 = __uint_as_float(src[17]);
+        if (jb + TCS_PS < nkb) // the softmax warp waits for this slot again
+            tcs_bar_arrive(1 + TCS_PS + ps, nb);
+#pragma unroll
+        for (int n = 0; n < 4; n++) {
+            acc[n][0] = __fmul_rn(acc[n][0], ax0);
+            acc[n][1] = __fmul_rn(acc[n][1], ax0);
+            acc[n][2] = __fmul_rn(acc[n][2], ax1);
+            acc[n][3] = __fmul_rn(acc[n][3], ax1);
+        }
+        const uint16_t *vp = (const uint16_t *)(ring + (jb % TCS_VR) * TCS_VSLOT) + voff;
+#pragma unroll
+        for (int kk = 0; kk < TC_KEYS / 16; kk++) {
+#pragma unroll
+            for (int dp = 0; dp < 2; dp++) {
+                uint32_t b[4];
+                tc_ldsm4t(b, vp + kk * 16 * TCS_LDV + 16 * dp);
+                tc_mma(acc[2 * dp], px[kk], b[0], b[1]);
+                tc_mma(acc[2 * dp + 1], px[kk], b[2], b[3]);
+            }
+        }
+    }
+    tcs_bar_sync(1 + 2 * TCS_PS, nb); // the softmax warp's final l
+    tc_wait<0>();
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        if (!uin[i])
+            continue;
+        const float inv = 1.0f / lfin[2 * lane + i];
+        float *o = a.out + r * a.out_stride + (int64_t)(h0 + g + 8 * i) * dv;
+#pragma unroll
+        for (int n = 0; n < 4; n++) {
+            const int d = 32 * warp + 8 * n + 2 * tq;
+            tc_store2(o, d, dv, acc[n][2 * i], acc[n][2 * i + 1], inv);
+        }
+    }
+}
+
+template <int DKM, int DVM, bool PB>
 __global__ void __launch_bounds__(TCD_THREADS, 1)
     attention_tcs_kernel(struct mm_attn_args a, int gsub, int max_kb, int min_kb, float *ws,
                          unsigned *cnt, int *d_err) {
@@ -230,6 +446,10 @@ __global__ void __launch_bounds__(TCD_THREADS, 1)
     for (int i = tid; i < ne; i += TCD_THREADS)
         tab[i] = kv.block_tables[(int64_t)sq * kv.max_blocks + e0 + i];
     __syncthreads();
+    if (PB) {
+        tcs_phase_b2(a, kv, rec0, tab, r, h0, first, pos, c_lo, nkb, e0, cs, uin, v_off, d_err);
+        return;
+    }
     // warp w: dims 32 w .. 32 w + 31 over every key block in order
     if (warp >= TCS_PBW || 32 * warp >= dvp)
         return;
@@ -375,8 +595,11 @@ static size_t tcs_shmem(int dk, int dv) {
     const size_t sh = tcd_shmem(dk, dv, 1, TCS_SHORT_NB);
     const size_t pa = (size_t)TCS_WARPS * TC_KEYS * (dkp + 8) * 2;
     const size_t pb = (size_t)TCS_TAB * 4 + (size_t)((dvp + 31) / 32) * TCS_RING * TCS_SLOT;
-    const size_t x = sh > pa ? sh : pa;
-    return x > pb ? x : pb;
+    const size_t pb2 = (size_t)TCS_TAB * 4 + (size_t)TCS_PR * TCS_REC * 4 +
+                       (size_t)TCS_PS * TCS_PSLOT + 64 * 4 +
+                       (size_t)((dvp + 31) / 32) * TCS_VR * TCS_VSLOT;
+    const size_t x = sh > pa ? sh : pa, y = pb > pb2 ? pb : pb2;
+    return x > y ? x : y;
 }
 
 // The workspace of one (device, stream): score records and counters (see the head).
@@ -442,11 +665,11 @@ static mm_err tcs_workspace(cudaStream_t st, size_t rec_n, size_t cnt_n, size_t 
     return MM_OK;
 }
 
-template <int DKM, int DVM>
+template <int DKM, int DVM, bool PB>
 static mm_err tcs_launch(void *stream, const struct mm_attn_args *a, int gsub, int max_kb,
                          int min_kb, float *rec, unsigned *cnt, int *d_err) {
     static uint64_t attr_set; // tc_allow_shmem's: this kernel's devices
-    const mm_err rv = tc_allow_shmem(attention_tcs_kernel<DKM, DVM>, &attr_set,
+    const mm_err rv = tc_allow_shmem(attention_tcs_kernel<DKM, DVM, PB>, &attr_set,
                                      tcs_shmem(DKM, DVM));
     if (rv != MM_OK)
         return rv;
@@ -454,7 +677,7 @@ static mm_err tcs_launch(void *stream, const struct mm_attn_args *a, int gsub, i
     const int tiles = a->kv.n_kv_heads * (group / gsub);
     const int gx = min((max_kb + TCS_WARPS - 1) / TCS_WARPS, TCS_MAX_CTAS);
     dim3 grid((unsigned)gx, (unsigned)tiles, (unsigned)a->n_rows);
-    MM_GPU_CHECK(mm_launch_dep(attention_tcs_kernel<DKM, DVM>, grid, dim3(TCD_THREADS),
+    MM_GPU_CHECK(mm_launch_dep(attention_tcs_kernel<DKM, DVM, PB>, grid, dim3(TCD_THREADS),
                                tcs_shmem(a->kv.head_dim_k, a->kv.head_dim_v), (cudaStream_t)stream,
                                *a, gsub, max_kb, min_kb, rec, cnt, d_err));
     MM_GPU_CHECK(cudaGetLastError());
@@ -505,6 +728,12 @@ extern "C" void mm_gpu_set_attention_splitk(int mode) {
 extern "C" void mm_gpu_set_attention_splitk_min(int n);
 extern "C" void mm_gpu_set_attention_splitk_min(int n) { g_tcs_min = n < 0 ? -1 : n; }
 
+// mm_gpu_set_attention_splitk_pb: phase B of the split kernel with a softmax warp feeding the
+// value warps (1), or every value warp running the softmax itself (0); < 0: back to
+// MM_GPU_ATT_SPLITK_PB (default 1). Same bits. Process-wide.
+extern "C" void mm_gpu_set_attention_splitk_pb(int mode);
+extern "C" void mm_gpu_set_attention_splitk_pb(int mode) { g_tcs_pb = mode < 0 ? -1 : mode != 0; }
+
 // mm_gpu_attention_tcs: runs a decode call of the contract split over the key blocks and sets
 // *done when on and it takes a (bf16 cache, at most TCS_MAX_ROWS rows, at most TCS_TAB cache
 // blocks per sequence, a workspace to hand); *done 0 otherwise. mm_gpu_attention_tcd calls it
@@ -539,9 +768,14 @@ extern "C" mm_err mm_gpu_attention_tcs(void *stream, const struct mm_attn_args *
         return MM_OK;
     const bool small = a->kv.head_dim_k <= 64 && a->kv.head_dim_v <= 64; // tcd's forms
     const int mk = tcs_min();
-    const mm_err rv = small ? tcs_launch<64, 64>(stream, a, gsub, (int)max_kb, mk, rec, cnt, d_err)
-                            : tcs_launch<128, 128>(stream, a, gsub, (int)max_kb, mk, rec, cnt,
-                                                   d_err);
+    if (g_tcs_pb < 0)
+        g_tcs_pb = !tc_env_is("MM_GPU_ATT_SPLITK_PB", "0");
+    const mm_err rv =
+        g_tcs_pb ? (small ? tcs_launch<64, 64, true>(stream, a, gsub, (int)max_kb, mk, rec, cnt, d_err)
+                          : tcs_launch<128, 128, true>(stream, a, gsub, (int)max_kb, mk, rec, cnt, d_err))
+                 : (small ? tcs_launch<64, 64, false>(stream, a, gsub, (int)max_kb, mk, rec, cnt, d_err)
+                          : tcs_launch<128, 128, false>(stream, a, gsub, (int)max_kb, mk, rec, cnt,
+                                                        d_err));
     if (rv == MM_OK)
         *done = 1;
     return rv;

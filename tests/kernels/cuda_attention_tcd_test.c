@@ -42,6 +42,8 @@ extern mm_err mm_gpu_attention_tcs(void *stream, const struct mm_attn_args *a, i
                                    int *d_err, int *done) __attribute__((weak));
 extern void mm_gpu_set_attention_splitk(int mode) __attribute__((weak));
 extern void mm_gpu_set_attention_splitk_min(int n) __attribute__((weak));
+// phase B with a softmax warp feeding the value warps (1) or every warp's own softmax (0)
+extern void mm_gpu_set_attention_splitk_pb(int mode) __attribute__((weak));
 
 #define BS 16         // cache block size (tokens)
 #define MAX_BLOCKS 72 // per sequence: 1152 positions
@@ -366,14 +368,22 @@ static void test_split_bits(void) {
     if (!mm_gpu_attention_tcs || !mm_gpu_set_attention_splitk || !mm_gpu_set_attention_splitk_min)
         MM_SKIP("GPU kernels not linked (plain build; `make cuda` builds this test with them)");
     open_tc(1);
-    split_case(32, 4, 128, 128, 0, 1);    // Qwen3-30B-A3B: GQA 8
-    split_case(32, 4, 128, 128, 1000, 1); // a sliding window over several key blocks
-    split_case(16, 16, 64, 64, 0, 1);     // GQA 1, head dim 64
-    split_case(6, 3, 128, 128, 40, 1);    // GQA 2, a window inside one block
-    split_case(12, 4, 64, 128, 0, 1);     // GQA 3, dk != dv
-    split_case(64, 2, 128, 128, 0, 1);    // GQA 32: two tiles per kv head
-    split_case(8, 2, 40, 24, 100, 1);     // dims padded to 16 (multiples of 8), a window
-    split_case(32, 4, 128, 128, 0, 0);    // an f32 cache: refused, the fallback's bits
+    for (int pb = 0; pb < (mm_gpu_set_attention_splitk_pb ? 2 : 1); pb++) {
+        if (mm_gpu_set_attention_splitk_pb) {
+            mm_gpu_set_attention_splitk_pb(pb);
+            printf("phase B %s:\n", pb ? "with a softmax warp" : "every warp's own softmax");
+        }
+        split_case(32, 4, 128, 128, 0, 1);    // Qwen3-30B-A3B: GQA 8
+        split_case(32, 4, 128, 128, 1000, 1); // a sliding window over several key blocks
+        split_case(16, 16, 64, 64, 0, 1);     // GQA 1, head dim 64
+        split_case(6, 3, 128, 128, 40, 1);    // GQA 2, a window inside one block
+        split_case(12, 4, 64, 128, 0, 1);     // GQA 3, dk != dv
+        split_case(64, 2, 128, 128, 0, 1);    // GQA 32: two tiles per kv head
+        split_case(8, 2, 40, 24, 100, 1);     // dims padded to 16 (multiples of 8), a window
+    }
+    if (mm_gpu_set_attention_splitk_pb)
+        mm_gpu_set_attention_splitk_pb(-1);
+    split_case(32, 4, 128, 128, 0, 0); // an f32 cache: refused, the fallback's bits
     close_tc();
 }
 

@@ -252,7 +252,7 @@ static mm_ctl_client *drafter_link(mm_draft *d) {
             d->t[i].dr_from = 0; // a new drafter process holds nothing
         d->n_rel = 0;
         d->ah_nrel = 0;
-        mm_log_info("drafting with the drafter at %s", url);
+        mm_log_info("linked to the drafter at %s", url);
     }
     if (mm_now_ns() < d->backoff_until || (d->off && d->off_inc == d->cl_inc))
         return NULL;

@@ -118,6 +118,80 @@ __device__ __forceinline__ void tcs_bar_arrive(int id, int n) {
     asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory");
 }
 
+// Phase B's pieces that both forms run in their value warps (warp w: value dims 32 w ..):
+// tcs_vcopy: block jb's value columns (keys lane and lane + 32: zeros outside [first, pos],
+// past dv, or for a missing table entry) into vd ([key][TCS_LDV] bf16), cp.async, uncommitted.
+__device__ __forceinline__ void tcs_vcopy(uint16_t *vd, const struct mm_kv_view &kv,
+                                          const uint16_t *vbase, const int32_t *tab, int32_t e0,
+                                          int32_t c_lo, int jb, int32_t first, int32_t pos,
+                                          int dv, int warp, int lane, int *d_err) {
+    const int bs = kv.block_size;
+    const bool bs2 = (bs & (bs - 1)) == 0;
+    const int bsh = __ffs(bs) - 1;
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int key = lane + 32 * h;
+        const int32_t t = c_lo + jb * TC_KEYS + key;
+        uint16_t *row = vd + key * TCS_LDV;
+        const uint16_t *vs = NULL;
+        if (t >= first && t <= pos) {
+            const int32_t q = bs2 ? t >> bsh : t / bs, kr = t - q * bs;
+            const int32_t blk = tab[q - e0];
+            if (blk >= 0)
+                vs = vbase + (int64_t)blk * kv.block_stride + (int64_t)kr * kv.slot_stride;
+            else
+                tc_flag(d_err);
+        }
+#pragma unroll
+        for (int pc = 0; pc < 4; pc++) {
+            if (vs != NULL && 32 * warp + 8 * pc < dv)
+                tc_cp16(row + 8 * pc, vs + 8 * pc);
+            else
+                *(uint4 *)(row + 8 * pc) = make_uint4(0u, 0u, 0u, 0u);
+        }
+    }
+}
+// tcs_pv: out = out * alpha (ax0: row g, ax1: row g + 8), then P V of the warp's four n-tiles
+// from the value columns at vp (this lane's ldmatrix row already added)
+__device__ __forceinline__ void tcs_pv(float (&acc)[4][4], const uint16_t *vp,
+                                       const uint32_t (&px)[TC_KEYS / 16][4], float ax0,
+                                       float ax1) {
+#pragma unroll
+    for (int n = 0; n < 4; n++) {
+        acc[n][0] = __fmul_rn(acc[n][0], ax0);
+        acc[n][1] = __fmul_rn(acc[n][1], ax0);
+        acc[n][2] = __fmul_rn(acc[n][2], ax1);
+        acc[n][3] = __fmul_rn(acc[n][3], ax1);
+    }
+#pragma unroll
+    for (int kk = 0; kk < TC_KEYS / 16; kk++) {
+#pragma unroll
+        for (int dp = 0; dp < 2; dp++) {
+            uint32_t b[4];
+            tc_ldsm4t(b, vp + kk * 16 * TCS_LDV + 16 * dp);
+            tc_mma(acc[2 * dp], px[kk], b[0], b[1]);
+            tc_mma(acc[2 * dp + 1], px[kk], b[2], b[3]);
+        }
+    }
+}
+// tcs_store: the warp's dims of its rows' outputs, out / l (lr: the row's l after the butterfly)
+__device__ __forceinline__ void tcs_store(const struct mm_attn_args &a, int64_t r, int h0, int dv,
+                                          const bool (&uin)[2], const float (&acc)[4][4],
+                                          const float (&lr)[2], int warp, int g, int tq) {
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        if (!uin[i])
+            continue;
+        const float inv = 1.0f / lr[i];
+        float *o = a.out + r * a.out_stride + (int64_t)(h0 + g + 8 * i) * dv;
+#pragma unroll
+        for (int n = 0; n < 4; n++) {
+            const int d = 32 * warp + 8 * n + 2 * tq;
+            tc_store2(o, d, dv, acc[n][2 * i], acc[n][2 * i + 1], inv);
+        }
+    }
+}
+
 // Phase B, second form (MM_GPU_ATT_SPLITK_PB, default): the softmax chain in one warp, the out
 // chains in the value warps. Warp TCS_PBW (the softmax warp) walks the key blocks in order: its
 // ring of score records (TCS_PR - 1 in flight), tc_softmax on each (the same operands and order as phase B's
@@ -218,33 +292,9 @@ __device__ __forceinline__ void tcs_phase_b2(const struct mm_attn_args &a, const
     // value warp: dims 32 warp .. 32 warp + 31
     unsigned char *const ring = vring0 + warp * TCS_VR * TCS_VSLOT;
     const uint16_t *const vbase = (const uint16_t *)kv.base + v_off + 32 * warp;
-    const int bs = kv.block_size;
-    const bool bs2 = (bs & (bs - 1)) == 0;
-    const int bsh = __ffs(bs) - 1;
-    auto issue = [&](int jb, int sl) { // block jb's value columns (keys lane, lane + 32)
-        uint16_t *vd = (uint16_t *)(ring + sl * TCS_VSLOT);
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            const int key = lane + 32 * h;
-            const int32_t t = c_lo + jb * TC_KEYS + key;
-            uint16_t *row = vd + key * TCS_LDV;
-            const uint16_t *vs = NULL;
-            if (t >= first && t <= pos) {
-                const int32_t q = bs2 ? t >> bsh : t / bs, kr = t - q * bs;
-                const int32_t blk = tab[q - e0];
-                if (blk >= 0)
-                    vs = vbase + (int64_t)blk * kv.block_stride + (int64_t)kr * kv.slot_stride;
-                else
-                    tc_flag(d_err);
-            }
-#pragma unroll
-            for (int pc = 0; pc < 4; pc++) {
-                if (vs != NULL && 32 * warp + 8 * pc < dv)
-                    tc_cp16(row + 8 * pc, vs + 8 * pc);
-                else
-                    *(uint4 *)(row + 8 * pc) = make_uint4(0u, 0u, 0u, 0u);
-            }
-        }
+    auto issue = [&](int jb, int sl) { // block jb's value columns
+        tcs_vcopy((uint16_t *)(ring + sl * TCS_VSLOT), kv, vbase, tab, e0, c_lo, jb, first, pos,
+                  dv, warp, lane, d_err);
         tc_commit();
     };
 #pragma unroll
@@ -281,39 +331,12 @@ __device__ __forceinline__ void tcs_phase_b2(const struct mm_attn_args &a, const
         const float ax0 = __uint_as_float(src[16]), ax1 = __uint_as_float(src[17]);
         if (jb + TCS_PS < nkb) // the softmax warp waits for this slot again
             tcs_bar_arrive(1 + TCS_PS + ps, nb);
-#pragma unroll
-        for (int n = 0; n < 4; n++) {
-            acc[n][0] = __fmul_rn(acc[n][0], ax0);
-            acc[n][1] = __fmul_rn(acc[n][1], ax0);
-            acc[n][2] = __fmul_rn(acc[n][2], ax1);
-            acc[n][3] = __fmul_rn(acc[n][3], ax1);
-        }
-        const uint16_t *vp = (const uint16_t *)(ring + (jb % TCS_VR) * TCS_VSLOT) + voff;
-#pragma unroll
-        for (int kk = 0; kk < TC_KEYS / 16; kk++) {
-#pragma unroll
-            for (int dp = 0; dp < 2; dp++) {
-                uint32_t b[4];
-                tc_ldsm4t(b, vp + kk * 16 * TCS_LDV + 16 * dp);
-                tc_mma(acc[2 * dp], px[kk], b[0], b[1]);
-                tc_mma(acc[2 * dp + 1], px[kk], b[2], b[3]);
-            }
-        }
+        tcs_pv(acc, (const uint16_t *)(ring + (jb % TCS_VR) * TCS_VSLOT) + voff, px, ax0, ax1);
     }
     tcs_bar_sync(1 + 2 * TCS_PS, nb); // the softmax warp's final l
     tc_wait<0>();
-#pragma unroll
-    for (int i = 0; i < 2; i++) {
-        if (!uin[i])
-            continue;
-        const float inv = 1.0f / lfin[2 * lane + i];
-        float *o = a.out + r * a.out_stride + (int64_t)(h0 + g + 8 * i) * dv;
-#pragma unroll
-        for (int n = 0; n < 4; n++) {
-            const int d = 32 * warp + 8 * n + 2 * tq;
-            tc_store2(o, d, dv, acc[n][2 * i], acc[n][2 * i + 1], inv);
-        }
-    }
+    const float lr[2] = {lfin[2 * lane], lfin[2 * lane + 1]};
+    tcs_store(a, r, h0, dv, uin, acc, lr, warp, g, tq);
 }
 
 template <int DKM, int DVM, bool PB>
@@ -439,8 +462,6 @@ __global__ void __launch_bounds__(TCD_THREADS, 1)
     // ---- phase B
     // the row's cache table entries (blocks e0 ..) into shared memory, for the value copies
     const int bs = kv.block_size;
-    const bool bs2 = (bs & (bs - 1)) == 0;
-    const int bsh = __ffs(bs) - 1;
     const int32_t e0 = c_lo / bs, ne = pos / bs - e0 + 1; // ne <= max_blocks <= TCS_TAB
     int32_t *const tab = (int32_t *)tcs_sh;
     for (int i = tid; i < ne; i += TCD_THREADS)
@@ -463,29 +484,8 @@ __global__ void __launch_bounds__(TCD_THREADS, 1)
 #pragma unroll
         for (int jn = 0; jn < TC_KEYS / 8; jn++)
             tc_cp16(p + (jn * 32 + lane) * 16, src + (jn * 32 + lane) * 4);
-        uint16_t *vd = (uint16_t *)(p + TCS_REC * 4);
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            const int key = lane + 32 * h;
-            const int32_t t = c_lo + jb * TC_KEYS + key;
-            uint16_t *row = vd + key * TCS_LDV;
-            const uint16_t *vs = NULL;
-            if (t >= first && t <= pos) {
-                const int32_t q = bs2 ? t >> bsh : t / bs, kr = t - q * bs;
-                const int32_t blk = tab[q - e0];
-                if (blk >= 0)
-                    vs = vbase + (int64_t)blk * kv.block_stride + (int64_t)kr * kv.slot_stride;
-                else
-                    tc_flag(d_err);
-            }
-#pragma unroll
-            for (int pc = 0; pc < 4; pc++) {
-                if (vs != NULL && 32 * warp + 8 * pc < dv)
-                    tc_cp16(row + 8 * pc, vs + 8 * pc);
-                else
-                    *(uint4 *)(row + 8 * pc) = make_uint4(0u, 0u, 0u, 0u);
-            }
-        }
+        tcs_vcopy((uint16_t *)(p + TCS_REC * 4), kv, vbase, tab, e0, c_lo, jb, first, pos, dv, warp,
+                  lane, d_err);
         tc_commit();
     };
 #pragma unroll
@@ -522,24 +522,8 @@ __global__ void __launch_bounds__(TCD_THREADS, 1)
     const int mt = lane >> 3;
     const int voff = ((mt & 1) * 8 + (lane & 7)) * TCS_LDV + (mt >> 1) * 8;
     auto pv = [&](int sl, const uint32_t (&px)[TC_KEYS / 16][4], const float (&ax)[2]) {
-#pragma unroll
-        for (int n = 0; n < 4; n++) {
-            acc[n][0] = __fmul_rn(acc[n][0], ax[0]);
-            acc[n][1] = __fmul_rn(acc[n][1], ax[0]);
-            acc[n][2] = __fmul_rn(acc[n][2], ax[1]);
-            acc[n][3] = __fmul_rn(acc[n][3], ax[1]);
-        }
-        const uint16_t *vp = (const uint16_t *)(ring + sl * TCS_SLOT + TCS_REC * 4) + voff;
-#pragma unroll
-        for (int kk = 0; kk < TC_KEYS / 16; kk++) {
-#pragma unroll
-            for (int dp = 0; dp < 2; dp++) {
-                uint32_t b[4];
-                tc_ldsm4t(b, vp + kk * 16 * TCS_LDV + 16 * dp);
-                tc_mma(acc[2 * dp], px[kk], b[0], b[1]);
-                tc_mma(acc[2 * dp + 1], px[kk], b[2], b[3]);
-            }
-        }
+        tcs_pv(acc, (const uint16_t *)(ring + sl * TCS_SLOT + TCS_REC * 4) + voff, px, ax[0],
+               ax[1]);
     };
     // software pipelined: iteration jb runs block jb's P V (the out chain) and block jb + 1's
     // softmax (independent of out) in one stretch of code
@@ -574,18 +558,7 @@ __global__ void __launch_bounds__(TCD_THREADS, 1)
     for (int i = 0; i < 2; i++) {
         l[i] = tc_quad_sum(l[i]);
     }
-#pragma unroll
-    for (int i = 0; i < 2; i++) {
-        if (!uin[i])
-            continue;
-        const float inv = 1.0f / l[i];
-        float *o = a.out + r * a.out_stride + (int64_t)(h0 + g + 8 * i) * dv;
-#pragma unroll
-        for (int n = 0; n < 4; n++) {
-            const int d = 32 * warp + 8 * n + 2 * tq;
-            tc_store2(o, d, dv, acc[n][2 * i], acc[n][2 * i + 1], inv);
-        }
-    }
+    tcs_store(a, r, h0, dv, uin, acc, l, warp, g, tq);
 }
 
 // dynamic shared memory: tcd_block's key buffers, phase A's 8 warps' K rows, or phase B's

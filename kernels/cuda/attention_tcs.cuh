@@ -209,8 +209,10 @@ __device__ __forceinline__ void tcs_store(const struct mm_attn_args &a, int64_t 
 // 1255-1269 tok/s. Two softmax warps (one per 8 units) were slower (76.8 us); value rows
 // brought by a loader warp's bulk copies much slower (152 us: 64 small bulk copies per key
 // block), by two loader warps' cp.async no better (71.6 us): neither kept. Phase B still takes
-// ~1 us per key block; its bound is not established (ncu: the value warps mostly wait at the
-// P ring's barrier; one warp issues an instruction every ~10 cycles).
+// ~1.05 us per key block (globaltimer stamps in a diagnostic build); read with the forms tried
+// (docs/BENCHMARKS.md), its warps are bound by their own instruction streams (one warp per
+// scheduler, ~10 cycles an instruction), the softmax warp's ~200 instructions a block and the
+// value warps' ~140 alike: two softmax warps and loader warps together are the next form.
 __device__ __forceinline__ void tcs_phase_b2(const struct mm_attn_args &a, const struct mm_kv_view &kv,
                                              const float *rec0, const int32_t *tab, int64_t r,
                                              int h0, int32_t first, int32_t pos, int32_t c_lo,

@@ -1650,9 +1650,9 @@ static mm_err step_begin(mm_step_engine *e, const Mmctl__StepPlan **pp, bool ear
     if (rv == MM_OK) {
         p = mm_follow_resolve(e->fl, p, e->c.max_ctx);
         *pp = p;
-        // (the trace names why an early begin was refused: docs/MESH.md)
         // (no draft rows: row i is seq i's one token; a plan that allows drafts is begun early
-        // only while no drafter could give it any: the gateway allows them in every plan)
+        // only while no drafter could give it any: the gateway allows them in every plan; the
+        // trace names why an early begin was refused, docs/MESH.md)
         const bool may_draft = early && mm_draft_may_draft(e->dr);
         for (size_t i = 0; may_draft && i < p->n_seqs; i++)
             if (p->seqs[i]->max_draft != 0) {

@@ -62,8 +62,8 @@ struct mm_draft {
     uint64_t cl_inc;
     uint64_t backoff_until, backoff_ms;
     bool warned;
-    bool off;         // the drafter of incarnation off_inc answered DraftReply.off: not asked
-    uint64_t off_inc; // again until another incarnation registers
+    bool off; // the drafter of incarnation cl_inc answered DraftReply.off: not asked again until
+              // another incarnation registers (drafter_link clears it with the new client)
     // the request (sized at open)
     Mmctl__DraftSeq *dq;
     Mmctl__DraftSeq **dqp;
@@ -218,15 +218,14 @@ bool mm_draft_may_draft(mm_draft *d) {
     uint64_t inc = 0;
     if (d->c.max_k <= 0 || !mm_registry_peer_ctl(d->reg, "drafter", 0, url, &inc) || !url[0])
         return false;
-    return !(d->off && inc == d->off_inc);
+    return !(d->off && inc == d->cl_inc);
 }
 
 // drafter_off: the drafter answered that it has no draft model (DraftReply.off)
 static void drafter_off(mm_draft *d) {
-    if (!d->off || d->off_inc != d->cl_inc)
+    if (!d->off)
         mm_log_info("the drafter has no draft model: steps go on without drafts until it restarts");
     d->off = true;
-    d->off_inc = d->cl_inc;
 }
 
 // drafter_link: the client for the drafter's current incarnation, or NULL (down, backing off).
@@ -254,7 +253,7 @@ static mm_ctl_client *drafter_link(mm_draft *d) {
         d->ah_nrel = 0;
         mm_log_info("linked to the drafter at %s", url);
     }
-    if (mm_now_ns() < d->backoff_until || (d->off && d->off_inc == d->cl_inc))
+    if (mm_now_ns() < d->backoff_until || d->off)
         return NULL;
     return d->cl;
 }

@@ -26,6 +26,13 @@
 // 546.0 vs 966.5 us per 4096-row call (4K forward 9.04 vs 10.6 ms). The wrong outputs of the
 // earlier runs came from the test's block table (not a permutation), not from this kernel.
 // On by default since (the 4K forward in the session's side-by-side run: docs/BENCHMARKS.md).
+// Pipelined form (default; MM_GPU_ATT_TCW_PIPE=0: the loop above): per warpgroup, S of block
+// j + 1 and P V of block j are issued back to back and block j + 1's softmax runs while that P V
+// is on the tensor cores (tcwp_step); the next key copies are issued between the P V issue and
+// the wait for S, into 4 buffers; every block of a pass is computed by both warpgroups (no
+// wgmma in a branch). The Q tile's loads all go out before the first pack and the outputs are
+// stored in pairs, in both forms. Same bits (cuda_attention_tc_test, every form); 415 vs 506 us
+// per 4096-row call (docs/BENCHMARKS.md "Prefill attention pipelined per warpgroup").
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -59,6 +66,15 @@ extern "C" void mm_gpu_set_attention_tcw(int mode) { g_att_tcw = mode < 0 ? -1 :
 static int g_att_tcw_qr = -1;
 extern "C" void mm_gpu_set_attention_tcw_qr(int mode);
 extern "C" void mm_gpu_set_attention_tcw_qr(int mode) { g_att_tcw_qr = mode < 0 ? -1 : mode != 0; }
+// The key blocks software-pipelined per warpgroup (tcwp_step): block j + 1's softmax runs while
+// block j's P V is on the tensor cores, four key buffers. Same operations per
+// element, same order: 415 vs 464 us per 4096-row call on the H200 (docs/BENCHMARKS.md).
+// g_att_tcw_pipe: -1 from MM_GPU_ATT_TCW_PIPE at first use (off only when "0"); 0; 1.
+static int g_att_tcw_pipe = -1;
+extern "C" void mm_gpu_set_attention_tcw_pipe(int mode);
+extern "C" void mm_gpu_set_attention_tcw_pipe(int mode) {
+    g_att_tcw_pipe = mode < 0 ? -1 : mode != 0;
+}
 
 #if MM_GPU_HAVE_WMMA
 #define TCW_THREADS 256
@@ -66,6 +82,8 @@ extern "C" void mm_gpu_set_attention_tcw_qr(int mode) { g_att_tcw_qr = mode < 0 
 #define TCW_BUFS 3
 #define TCW_TILE 16384 // bytes of one 64 x 128 bf16 operand tile: two 8 KiB halves of 64 dims
 #define TCW_SHMEM (2 * TCW_TILE + TCW_BUFS * 2 * TCW_TILE + 1024) // + 1024-byte alignment slack
+#define TCWP_BUFS 4 // the pipelined loop: blocks j .. j + 3 (j + 2, j + 3: copies in flight)
+#define TCWP_SHMEM (2 * TCW_TILE + TCWP_BUFS * 2 * TCW_TILE + 1024)
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 // K-major, 128-byte swizzle, 8-row atoms 1024 bytes apart (gemm_wg.cuh's wg_desc)
@@ -93,6 +111,12 @@ __device__ __forceinline__ void tcw_commit(void) {
 __device__ __forceinline__ void tcw_wait0(void) {
     asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
 }
+__device__ __forceinline__ void tcw_wait1(void) {
+    asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+}
+__device__ __forceinline__ void tcw_wait2(void) {
+    asm volatile("wgmma.wait_group.sync.aligned 2;\n" ::: "memory");
+}
 // Pins registers in place (no instruction): every write to them stays before the next asm
 // volatile (wgmma.fence: the PTX rule for accumulator and A registers written before a
 // wgmma), and every read after the last one (wgmma.wait_group).
@@ -107,7 +131,8 @@ __device__ __forceinline__ void tcw_pin_a(uint32_t (&a)[4][4]) {
         asm volatile("" : "+r"(a[i >> 2][i & 3])::"memory");
 }
 // S (64 x 64 f32) += Q (64 x 16) K^T (16 x 64), both from shared memory, K-major
-__device__ __forceinline__ void tcw_qk(float (&d)[32], uint64_t da, uint64_t db) {
+// (sd 0: D = Q K^T, the accumulator's old value ignored: wgmma's scale-d)
+__device__ __forceinline__ void tcw_qk(float (&d)[32], uint64_t da, uint64_t db, int sd = 1) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
                  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
@@ -119,10 +144,11 @@ __device__ __forceinline__ void tcw_qk(float (&d)[32], uint64_t da, uint64_t db)
                    "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
                    "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
                    "+f"(d[30]), "+f"(d[31])
-                 : "l"(da), "l"(db), "r"(1));
+                 : "l"(da), "l"(db), "r"(sd));
 }
 // S (64 x 64 f32) += Q (64 x 16, registers: mma.sync's A fragment) K^T (16 x 64, shared, K-major)
-__device__ __forceinline__ void tcw_qk_r(float (&d)[32], const uint32_t (&a)[4], uint64_t db) {
+__device__ __forceinline__ void tcw_qk_r(float (&d)[32], const uint32_t (&a)[4], uint64_t db,
+                                         int sd = 1) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
                  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
@@ -134,7 +160,7 @@ __device__ __forceinline__ void tcw_qk_r(float (&d)[32], const uint32_t (&a)[4],
                    "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
                    "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
                    "+f"(d[30]), "+f"(d[31])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(sd));
 }
 __device__ __forceinline__ void tcw_pin_q(uint32_t (&a)[8][4]) {
 #pragma unroll
@@ -168,6 +194,68 @@ __device__ __forceinline__ void tcw_pv(float (&d)[64], const uint32_t (&a)[4], u
 // operand tile: half p / 8, the 128-byte swizzle inside it (piece p % 8 at (p % 8) ^ (r % 8)).
 __device__ __forceinline__ uint32_t tcw_off(int r, int p) {
     return (uint32_t)((p >> 3) * 8192 + r * 128 + (((p & 7) ^ (r & 7)) << 4));
+}
+
+// tc_block's mask, max, exp2 and sum steps on the 64-key block at c0 of S (s[4 j + e]:
+// tc_block's s[j][e], keys c0 + 8 j + 2 tq + (e & 1), rows g (e < 2), g + 8): masked elements
+// of s become -inf, m moves on (tc_max_step: al, ms), P is packed as wgmma's A fragments (pa),
+// ps gets this thread's p sums per row. Shared by tcw_block and the pipelined loop (tcwp_step).
+__device__ __forceinline__ void tcw_soft(float (&s)[32], int32_t c0, const int32_t (&first)[2],
+                                         const int32_t (&pos)[2], float cs, float (&m)[2],
+                                         float (&al)[2], uint32_t (&pa)[TC_KEYS / 16][4],
+                                         float (&ps)[2]) {
+    const int tq = threadIdx.x & 3;
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        if (c0 >= first[i] && c0 + TC_KEYS - 1 <= pos[i]) {
+#pragma unroll
+            for (int j = 0; j < TC_KEYS / 8; j++)
+                mx[i] = fmaxf(mx[i], fmaxf(s[4 * j + 2 * i], s[4 * j + 2 * i + 1]));
+        } else {
+#pragma unroll
+            for (int j = 0; j < TC_KEYS / 8; j++)
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    const int32_t t = c0 + 8 * j + 2 * tq + e;
+                    if (!(t >= first[i] && t <= pos[i]))
+                        s[4 * j + 2 * i + e] = -INFINITY;
+                    mx[i] = fmaxf(mx[i], s[4 * j + 2 * i + e]);
+                }
+        }
+    }
+    float ms[2];
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        tc_max_step(mx[i], cs, m[i], al[i], ms[i]);
+    }
+    ps[0] = ps[1] = 0.0f;
+#pragma unroll
+    for (int j = 0; j < TC_KEYS / 8; j++) {
+        const float p0 = tc_ex2(__fmaf_rn(s[4 * j + 0], cs, ms[0]));
+        const float p1 = tc_ex2(__fmaf_rn(s[4 * j + 1], cs, ms[0]));
+        const float p2 = tc_ex2(__fmaf_rn(s[4 * j + 2], cs, ms[1]));
+        const float p3 = tc_ex2(__fmaf_rn(s[4 * j + 3], cs, ms[1]));
+        ps[0] = __fadd_rn(__fadd_rn(ps[0], p0), p1);
+        ps[1] = __fadd_rn(__fadd_rn(ps[1], p2), p3);
+        pa[j >> 1][(j & 1) * 2 + 0] = tc_pack(p0, p1);
+        pa[j >> 1][(j & 1) * 2 + 1] = tc_pack(p2, p3);
+    }
+}
+
+// l and O rescaled by alpha, then l += the block's p sums (tc_block's operations)
+__device__ __forceinline__ void tcw_rescale(float (&acc)[64], float (&l)[2], const float (&al)[2],
+                                            const float (&ps)[2]) {
+#pragma unroll
+    for (int i = 0; i < 2; i++)
+        l[i] = __fmaf_rn(l[i], al[i], ps[i]);
+#pragma unroll
+    for (int n = 0; n < 16; n++) {
+        acc[4 * n + 0] = __fmul_rn(acc[4 * n + 0], al[0]);
+        acc[4 * n + 1] = __fmul_rn(acc[4 * n + 1], al[0]);
+        acc[4 * n + 2] = __fmul_rn(acc[4 * n + 2], al[1]);
+        acc[4 * n + 3] = __fmul_rn(acc[4 * n + 3], al[1]);
+    }
 }
 
 // One 64-key block for the warpgroup's 64 units: tc_block's operations (same elements, same
@@ -236,54 +324,10 @@ __device__ __forceinline__ void tcw_block(uint32_t qa, uint32_t (&qr)[8][4], uin
         tcw_pin<64>(acc);
         return;
     }
-    // s[4 j + e]: tc_block's s[j][e] (keys c0 + 8 j + 2 tq + (e & 1), rows g (e < 2), g + 8)
-    float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-    for (int i = 0; i < 2; i++) {
-        if (c0 >= first[i] && c0 + TC_KEYS - 1 <= pos[i]) {
-#pragma unroll
-            for (int j = 0; j < TC_KEYS / 8; j++)
-                mx[i] = fmaxf(mx[i], fmaxf(s[4 * j + 2 * i], s[4 * j + 2 * i + 1]));
-        } else {
-#pragma unroll
-            for (int j = 0; j < TC_KEYS / 8; j++)
-#pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    const int32_t t = c0 + 8 * j + 2 * tq + e;
-                    if (!(t >= first[i] && t <= pos[i]))
-                        s[4 * j + 2 * i + e] = -INFINITY;
-                    mx[i] = fmaxf(mx[i], s[4 * j + 2 * i + e]);
-                }
-        }
-    }
-    float al[2], ms[2];
-#pragma unroll
-    for (int i = 0; i < 2; i++) {
-        tc_max_step(mx[i], cs, m[i], al[i], ms[i]);
-    }
+    float al[2], ps[2];
     uint32_t pa[TC_KEYS / 16][4];
-    float ps[2] = {0.0f, 0.0f};
-#pragma unroll
-    for (int j = 0; j < TC_KEYS / 8; j++) {
-        const float p0 = tc_ex2(__fmaf_rn(s[4 * j + 0], cs, ms[0]));
-        const float p1 = tc_ex2(__fmaf_rn(s[4 * j + 1], cs, ms[0]));
-        const float p2 = tc_ex2(__fmaf_rn(s[4 * j + 2], cs, ms[1]));
-        const float p3 = tc_ex2(__fmaf_rn(s[4 * j + 3], cs, ms[1]));
-        ps[0] = __fadd_rn(__fadd_rn(ps[0], p0), p1);
-        ps[1] = __fadd_rn(__fadd_rn(ps[1], p2), p3);
-        pa[j >> 1][(j & 1) * 2 + 0] = tc_pack(p0, p1);
-        pa[j >> 1][(j & 1) * 2 + 1] = tc_pack(p2, p3);
-    }
-#pragma unroll
-    for (int i = 0; i < 2; i++)
-        l[i] = __fmaf_rn(l[i], al[i], ps[i]);
-#pragma unroll
-    for (int n = 0; n < 16; n++) {
-        acc[4 * n + 0] = __fmul_rn(acc[4 * n + 0], al[0]);
-        acc[4 * n + 1] = __fmul_rn(acc[4 * n + 1], al[0]);
-        acc[4 * n + 2] = __fmul_rn(acc[4 * n + 2], al[1]);
-        acc[4 * n + 3] = __fmul_rn(acc[4 * n + 3], al[1]);
-    }
+    tcw_soft(s, c0, first, pos, cs, m, al, pa, ps);
+    tcw_rescale(acc, l, al, ps);
     if (DIAG && kind == 6)
 #pragma unroll
         for (int kk = 0; kk < TC_KEYS / 16; kk++) {
@@ -304,9 +348,86 @@ __device__ __forceinline__ void tcw_block(uint32_t qa, uint32_t (&qr)[8][4], uin
         tcw_pin<64>(acc);
     }
 }
+
+// S of the 64-key block at kb into s: 8 wgmma m64n64k16 (Q from the tile at qa, or from qr),
+// the first with scale-d 0 (the accumulator's old values ignored: no zeroing write, which would
+// have to wait for wgmmas in flight), then the group's commit. Dims in ascending 16-wide steps as
+// tcw_block's chain; the only difference, D = A B instead of 0 + A B, is the sign of a zero sum,
+// which no later operation tells apart (exp2 of +-0 and max with it give the same values).
+template <bool QR>
+__device__ __forceinline__ void tcwp_s(uint32_t qa, uint32_t (&qr)[8][4], uint32_t kb,
+                                       float (&s)[32]) {
+    const uint64_t qd = tcw_desc_k(qa), kd = tcw_desc_k(kb);
+    tcw_pin<32>(s);
+    if (QR)
+        tcw_pin_q(qr);
+    tcw_fence();
+#pragma unroll
+    for (int ks = 0; ks < 8; ks++) {
+        if (QR)
+            tcw_qk_r(s, qr[ks], kd + (ks >> 2) * 512 + (ks & 3) * 2, ks != 0);
+        else
+            tcw_qk(s, qd + (ks >> 2) * 512 + (ks & 3) * 2, kd + (ks >> 2) * 512 + (ks & 3) * 2,
+                   ks != 0);
+    }
+}
+
+// One step of the pipelined loop (MM_GPU_ATT_TCW_PIPE), for the block at c0 (buffer kb) whose
+// softmax ran a step ago (P in pa, alpha and the p sums in al, ps) and the next block (buffer kn,
+// at c0 + 64): S of the next block is issued into s, O and l are rescaled (no wgmma in flight),
+// P V of this block is issued, and the next block's softmax (its P into pn, the m, al, ps it
+// moves on) runs while that P V is on the tensor cores (wait_group 1: the older group, S, done).
+// copies() issues the key copies of a later block between the P V issue and that wait.
+// Each element sees tcw_block's operations in its order. Nothing in it is conditional (a wgmma
+// in flight across a branch makes ptxas serialise them): every block of the pass is computed for
+// both warpgroups, where tcw_block skips a block that masks all of a warpgroup's units; such a
+// block leaves the state as it was (al 1, p 0, l + 0, O + 0 V).
+template <bool QR, class CopyF>
+__device__ __forceinline__ void tcwp_step(CopyF copies, uint32_t qa, uint32_t (&qr)[8][4], uint32_t kb,
+                                          uint32_t kn, int32_t c0, const int32_t (&first)[2],
+                                          const int32_t (&pos)[2], float cs, float (&m)[2],
+                                          float (&l)[2], float (&acc)[64], float (&s)[32],
+                                          float (&al)[2], float (&ps)[2],
+                                          uint32_t (&pa)[TC_KEYS / 16][4],
+                                          uint32_t (&pn)[TC_KEYS / 16][4]) {
+    tcwp_s<QR>(qa, qr, kn, s);
+    tcw_commit();
+    tcw_rescale(acc, l, al, ps);
+    const uint64_t vd = tcw_desc_mn(kb + TCW_TILE);
+    tcw_pin<64>(acc);
+    tcw_pin_a(pa);
+    tcw_fence();
+#pragma unroll
+    for (int kk = 0; kk < TC_KEYS / 16; kk++)
+        tcw_pv(acc, pa[kk], vd + kk * 128);
+    tcw_commit();
+    copies(); // the key copies of a later block, issued while both groups run
+    tcw_wait1();
+    tcw_pin<32>(s);
+    tcw_soft(s, c0 + TC_KEYS, first, pos, cs, m, al, pn, ps);
+    tcw_wait0();
+    tcw_pin<64>(acc);
+}
+
+// The last block of a pass (buffer kb, its softmax done: pa, al, ps): O and l rescaled, P V.
+__device__ __forceinline__ void tcwp_last(uint32_t kb, float (&l)[2], float (&acc)[64],
+                                          const float (&al)[2], const float (&ps)[2],
+                                          uint32_t (&pa)[TC_KEYS / 16][4]) {
+    tcw_rescale(acc, l, al, ps);
+    const uint64_t vd = tcw_desc_mn(kb + TCW_TILE);
+    tcw_pin<64>(acc);
+    tcw_pin_a(pa);
+    tcw_fence();
+#pragma unroll
+    for (int kk = 0; kk < TC_KEYS / 16; kk++)
+        tcw_pv(acc, pa[kk], vd + kk * 128);
+    tcw_commit();
+    tcw_wait0();
+    tcw_pin<64>(acc);
+}
 #endif // __CUDA_ARCH_FEAT_SM90_ALL
 
-template <bool DIAG, bool QR>
+template <bool DIAG, bool QR, bool PIPE>
 __global__ void __launch_bounds__(TCW_THREADS, 1)
     attention_tcw_kernel(struct mm_attn_args a, int gsub, int rows_pb, int *d_err, int diag) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -350,18 +471,36 @@ __global__ void __launch_bounds__(TCW_THREADS, 1)
     // q as bf16 (tc_pack of the pairs tc_block's qf holds; zeros for units without a row) into
     // the warpgroups' swizzled tiles; visible to wgmma after the fence and barrier of the
     // first key block
-    for (int i = tid; i < TCW_UNITS * 16; i += TCW_THREADS) {
-        const int u = i >> 4, p = i & 15;
-        uint32_t w[4] = {0u, 0u, 0u, 0u};
-        if (u < n_units && r0 + u / gsub < a.n_rows) {
-            const float *qp =
-                a.q + (r0 + u / gsub) * a.q_stride + (int64_t)(h0 + u % gsub) * 128 + 8 * p;
+    // (every load of the thread's 8 pieces issued before the first pack: one memory round trip;
+    // 16-byte loads where q and its row stride allow them)
+    {
+        constexpr int QI = TCW_UNITS * 16 / TCW_THREADS;
+        const bool qv4 = ((uintptr_t)a.q & 15) == 0 && (a.q_stride & 3) == 0;
+        float4 qv[QI][2];
 #pragma unroll
-            for (int j = 0; j < 4; j++)
-                w[j] = tc_pack(qp[2 * j], qp[2 * j + 1]);
+        for (int it = 0; it < QI; it++) {
+            const int i = tid + it * TCW_THREADS, u = i >> 4, p = i & 15;
+            qv[it][0] = qv[it][1] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            if (u < n_units && r0 + u / gsub < a.n_rows) {
+                const float *qp =
+                    a.q + (r0 + u / gsub) * a.q_stride + (int64_t)(h0 + u % gsub) * 128 + 8 * p;
+                if (qv4) {
+                    qv[it][0] = *(const float4 *)qp;
+                    qv[it][1] = *(const float4 *)(qp + 4);
+                } else {
+                    qv[it][0] = make_float4(qp[0], qp[1], qp[2], qp[3]);
+                    qv[it][1] = make_float4(qp[4], qp[5], qp[6], qp[7]);
+                }
+            }
         }
-        *(uint4 *)(gbase + (u >> 6) * TCW_TILE + tcw_off(u & 63, p)) =
-            make_uint4(w[0], w[1], w[2], w[3]);
+#pragma unroll
+        for (int it = 0; it < QI; it++) {
+            const int i = tid + it * TCW_THREADS, u = i >> 4, p = i & 15;
+            const float4 lo = qv[it][0], hi = qv[it][1];
+            *(uint4 *)(gbase + (u >> 6) * TCW_TILE + tcw_off(u & 63, p)) =
+                make_uint4(tc_pack(lo.x, lo.y), tc_pack(lo.z, lo.w), tc_pack(hi.x, hi.y),
+                           tc_pack(hi.z, hi.w));
+        }
     }
     // this thread's units: rows g and g + 8 of its warp's 16 in its warpgroup's 64
     auto unit = [&](int i) { return warp * 16 + g + 8 * i; };
@@ -444,11 +583,74 @@ __global__ void __launch_bounds__(TCW_THREADS, 1)
 #pragma unroll
         for (int i = 0; i < 64; i++)
             acc[i] = 0.0f;
+        int32_t r;
+        int32_t blk = tc_blk_kb(kv, sq, c_lo + skey, t_lo, t_hi, r, d_err);
+        if (PIPE && !DIAG) {
+            // blocks 0..2 into buffers 0..2; at step j (block c_lo + 64 j in buffer j % 4):
+            // blocks <= j + 1 landed, block j + 3's copies into the buffer block j - 1 left
+            // (its P V was waited for in step j - 1, before this step's barrier)
+            issue(blk, r, 0);
+            blk = tc_blk_kb(kv, sq, c_lo + TC_KEYS + skey, t_lo, t_hi, r, d_err);
+            issue(blk, r, 1);
+            blk = tc_blk_kb(kv, sq, c_lo + 2 * TC_KEYS + skey, t_lo, t_hi, r, d_err);
+            issue(blk, r, 2);
+            blk = tc_blk_kb(kv, sq, c_lo + 3 * TC_KEYS + skey, t_lo, t_hi, r, d_err);
+            tc_wait<2>();
+            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+            __syncthreads();
+            const uint32_t qa = sbase + wg * TCW_TILE;
+            float s[32], al[2], ps[2];
+            uint32_t pa0[TC_KEYS / 16][4], pa1[TC_KEYS / 16][4];
+#pragma unroll
+            for (int i = 0; i < 32; i++)
+                s[i] = 0.0f;
+            tcwp_s<QR>(qa, qr, kvs, s);
+            tcw_commit();
+            tcw_wait0();
+            tcw_pin<32>(s);
+            tcw_soft(s, c_lo, first, pos, cs, m, al, pa0, ps);
+            int bi = 0;
+            // step j's barrier and copies, then tcwp_step (pa: block j's P, pn: block j + 1's)
+            auto step = [&](int32_t c0, uint32_t(&pa)[TC_KEYS / 16][4],
+                            uint32_t(&pn)[TC_KEYS / 16][4]) {
+                tc_wait<1>();
+                asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+                __syncthreads();
+                auto copies = [&]() {
+                    if (c0 + 3 * TC_KEYS <= t_hi) {
+                        issue(blk, r, (bi + 3) & (TCWP_BUFS - 1));
+                        blk = tc_blk_kb(kv, sq, c0 + 4 * TC_KEYS + skey, t_lo, t_hi, r, d_err);
+                    } else {
+                        tc_commit();
+                    }
+                };
+                const int bn = (bi + 1) & (TCWP_BUFS - 1);
+                tcwp_step<QR>(copies, qa, qr, kvs + bi * 2 * TCW_TILE, kvs + bn * 2 * TCW_TILE, c0, first,
+                              pos, cs, m, l, acc, s, al, ps, pa, pn);
+                bi = bn;
+            };
+            int32_t c0 = c_lo;
+            bool odd = false; // the last block's P is in pa1
+            for (;;) {
+                if (c0 + TC_KEYS > t_hi)
+                    break;
+                step(c0, pa0, pa1);
+                c0 += TC_KEYS;
+                if (c0 + TC_KEYS > t_hi) {
+                    odd = true;
+                    break;
+                }
+                step(c0, pa1, pa0);
+                c0 += TC_KEYS;
+            }
+            if (odd)
+                tcwp_last(kvs + bi * 2 * TCW_TILE, l, acc, al, ps, pa1);
+            else
+                tcwp_last(kvs + bi * 2 * TCW_TILE, l, acc, al, ps, pa0);
+        } else {
         // tc_kb_pass's pipeline: block j into buffer j % 3 two blocks ahead, one barrier per
         // block; the cp.async (and zero) writes are made visible to wgmma's async proxy by each
         // writer's fence before the barrier
-        int32_t r;
-        int32_t blk = tc_blk_kb(kv, sq, c_lo + skey, t_lo, t_hi, r, d_err);
         issue(blk, r, 0);
         blk = tc_blk_kb(kv, sq, c_lo + TC_KEYS + skey, t_lo, t_hi, r, d_err);
         issue(blk, r, 1);
@@ -482,6 +684,7 @@ __global__ void __launch_bounds__(TCW_THREADS, 1)
             }
             bi = bi == TCW_BUFS - 1 ? 0 : bi + 1;
         }
+        }
         if (DIAG && diag % 10 <= 4)
             l[0] = l[1] = 0.25f; // the four threads' sum below: 1
 #pragma unroll
@@ -489,17 +692,26 @@ __global__ void __launch_bounds__(TCW_THREADS, 1)
             l[i] = tc_quad_sum(l[i]);
         }
 #pragma unroll
+        const bool ov2 = ((uintptr_t)a.out & 7) == 0 && (a.out_stride & 1) == 0;
         for (int i = 0; i < 2; i++) {
             if (!on[i])
                 continue;
             const float inv = 1.0f / l[i];
             const int u = unit(i);
             float *o = a.out + (r0 + u / gsub) * a.out_stride + (int64_t)(h0 + u % gsub) * 128;
+            if (ov2) { // the two adjacent outputs as one 8-byte store
 #pragma unroll
-            for (int n = 0; n < 16; n++) {
-                const int d = 8 * n + 2 * tq;
-                o[d] = __fmul_rn(acc[4 * n + 2 * i], inv);
-                o[d + 1] = __fmul_rn(acc[4 * n + 2 * i + 1], inv);
+                for (int n = 0; n < 16; n++)
+                    *(float2 *)(o + 8 * n + 2 * tq) =
+                        make_float2(__fmul_rn(acc[4 * n + 2 * i], inv),
+                                    __fmul_rn(acc[4 * n + 2 * i + 1], inv));
+            } else {
+#pragma unroll
+                for (int n = 0; n < 16; n++) {
+                    const int d = 8 * n + 2 * tq;
+                    o[d] = __fmul_rn(acc[4 * n + 2 * i], inv);
+                    o[d + 1] = __fmul_rn(acc[4 * n + 2 * i + 1], inv);
+                }
             }
         }
         __syncthreads(); // every r_state read of this pass done
@@ -534,30 +746,31 @@ extern "C" mm_err mm_gpu_attention_tcw(void *stream, const struct mm_attn_args *
         return MM_OK;
     if (g_att_tcw_qr < 0)
         g_att_tcw_qr = !tc_env_is("MM_GPU_ATT_TCW_QR", "0");
-    static uint64_t attr_set, attr_set_qr, attr_set_diag;
-    const int diag = g_att_tcw_diag, qr = g_att_tcw_qr;
-    const mm_err rv =
-        diag ? tc_allow_shmem(attention_tcw_kernel<true, false>, &attr_set_diag, TCW_SHMEM)
-        : qr ? tc_allow_shmem(attention_tcw_kernel<false, true>, &attr_set_qr, TCW_SHMEM)
-             : tc_allow_shmem(attention_tcw_kernel<false, false>, &attr_set, TCW_SHMEM);
-    if (rv != MM_OK)
-        return rv;
+    if (g_att_tcw_pipe < 0)
+        g_att_tcw_pipe = !tc_env_is("MM_GPU_ATT_TCW_PIPE", "0");
+    static uint64_t attr_set[5];
+    const int diag = g_att_tcw_diag, qr = g_att_tcw_qr, pipe = g_att_tcw_pipe;
     const int group = a->n_heads / a->kv.n_kv_heads;
     const int gsub = tc_group_sub(group, TCW_UNITS), rows_pb = TCW_UNITS / gsub;
     dim3 grid((unsigned)((a->n_rows + rows_pb - 1) / rows_pb),
               (unsigned)(a->kv.n_kv_heads * (group / gsub)));
-    if (diag)
-        MM_GPU_CHECK(mm_launch_dep(attention_tcw_kernel<true, false>, grid, dim3(TCW_THREADS),
-                                   (size_t)TCW_SHMEM, (cudaStream_t)stream, *a, gsub, rows_pb,
-                                   d_err, diag));
-    else if (qr)
-        MM_GPU_CHECK(mm_launch_dep(attention_tcw_kernel<false, true>, grid, dim3(TCW_THREADS),
-                                   (size_t)TCW_SHMEM, (cudaStream_t)stream, *a, gsub, rows_pb,
-                                   d_err, 0));
-    else
-        MM_GPU_CHECK(mm_launch_dep(attention_tcw_kernel<false, false>, grid, dim3(TCW_THREADS),
-                                   (size_t)TCW_SHMEM, (cudaStream_t)stream, *a, gsub, rows_pb,
-                                   d_err, 0));
+    // the form's kernel, its attribute flag and shared memory
+    auto run = [&](auto kern, uint64_t *set, size_t shmem, int dg) -> mm_err {
+        const mm_err rv = tc_allow_shmem(kern, set, shmem);
+        if (rv != MM_OK)
+            return rv;
+        MM_GPU_CHECK(mm_launch_dep(kern, grid, dim3(TCW_THREADS), shmem, (cudaStream_t)stream,
+                                   *a, gsub, rows_pb, d_err, dg));
+        return MM_OK;
+    };
+    const mm_err rv =
+        diag         ? run(attention_tcw_kernel<true, false, false>, &attr_set[0], TCW_SHMEM, diag)
+        : pipe && qr ? run(attention_tcw_kernel<false, true, true>, &attr_set[1], TCWP_SHMEM, 0)
+        : pipe       ? run(attention_tcw_kernel<false, false, true>, &attr_set[2], TCWP_SHMEM, 0)
+        : qr         ? run(attention_tcw_kernel<false, true, false>, &attr_set[3], TCW_SHMEM, 0)
+                     : run(attention_tcw_kernel<false, false, false>, &attr_set[4], TCW_SHMEM, 0);
+    if (rv != MM_OK)
+        return rv;
     MM_GPU_CHECK(cudaGetLastError());
     *done = 1;
     return MM_OK;

@@ -41,6 +41,9 @@ extern void mm_gpu_set_attention_tcw(int mode) __attribute__((weak));
 extern void mm_gpu_set_attention_tcw_diag(int mode) __attribute__((weak));
 // S with Q as the register operand (1) or from shared memory (0); < 0: MM_GPU_ATT_TCW_QR
 extern void mm_gpu_set_attention_tcw_qr(int mode) __attribute__((weak));
+// the key blocks software-pipelined per warpgroup (1) or one after the other (0); < 0:
+// MM_GPU_ATT_TCW_PIPE
+extern void mm_gpu_set_attention_tcw_pipe(int mode) __attribute__((weak));
 
 static mm_backend *cpu;
 
@@ -626,17 +629,24 @@ static void test_tcw(void) {
         MM_SKIP("no attention_tcw.cu in this build");
     }
     const int lens[7] = {1, 15, 64, 65, 200, 517, 1100}, two[2] = {300, 77};
-    for (int qr = 0; qr < (mm_gpu_set_attention_tcw_qr ? 2 : 1); qr++) {
-        if (mm_gpu_set_attention_tcw_qr) {
+    for (int form = 0; form < 4; form++) {
+        const int qr = form & 1, pipe = form >> 1;
+        if ((qr && !mm_gpu_set_attention_tcw_qr) || (pipe && !mm_gpu_set_attention_tcw_pipe))
+            continue;
+        if (mm_gpu_set_attention_tcw_qr)
             mm_gpu_set_attention_tcw_qr(qr);
-            printf("Q from %s:\n", qr ? "registers" : "shared memory");
-        }
+        if (mm_gpu_set_attention_tcw_pipe)
+            mm_gpu_set_attention_tcw_pipe(pipe);
+        printf("Q from %s, key blocks %s:\n", qr ? "registers" : "shared memory",
+               pipe ? "pipelined" : "one after the other");
         tcw_case(32, 4, 0, lens, 7); // Qwen3-30B-A3B's heads
         tcw_case(6, 3, 40, two, 2);  // sliding window, GQA 2
         tcw_case(16, 16, 0, two, 2); // no GQA: 128 rows per block
     }
     if (mm_gpu_set_attention_tcw_qr)
         mm_gpu_set_attention_tcw_qr(-1);
+    if (mm_gpu_set_attention_tcw_pipe)
+        mm_gpu_set_attention_tcw_pipe(-1);
     close_backends();
 }
 

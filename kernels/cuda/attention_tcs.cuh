@@ -54,7 +54,8 @@
 //   recorded decode step, so the kernel chooses per row on the device; the caller's long_ctx
 //   (common/model.c: some row at position >= MM_ATT_LONG_POS = 12 key blocks, the recorded
 //   steps keyed by it) keeps calls of short rows only on attention_tcd_kernel, where the split
-//   kernel lost 4-6% (below).
+//   kernel lost 4-6% (below). MM_GPU_ATT_SPLITK_PB picks phase B's form (tcs_phase_b3, the
+//   default, tcs_phase_b2, or the one below).
 // - Measured (H200, 2026-11-30 12:15 UTC, 4-layer synthetic Qwen3-30B-A3B, bf16 cache, batch 1;
 //   docs/BENCHMARKS.md): per call after a 4096-token prompt 90.4 us against 139.6 for
 //   attention_tcd_kernel (per-op timer), decode 1054 / 1060 tok/s against 871 / 868 (+21.5%);
@@ -75,6 +76,11 @@
 #define TCS_WARPS 8             // phase A: one key block per warp
 #define TCS_PBW 4               // phase B: 32 value dims per warp
 #define TCS_REC (TC_KEYS * 16)  // floats of one score record (16 units x 64 keys)
+// third phase-B form: a record is the scores, the block's 16 raw row maxima, then its value
+// rows as 4 slices of 32 dims (TCS_VSLOT3 bytes each, swizzled: tcs_vswz); TCS_RS3 floats apart
+// (the other forms' records are TCS_REC floats apart)
+#define TCS_VWS (TCS_REC + 16)
+#define TCS_RS3 (TCS_VWS + 4 * TC_KEYS * 16)
 #define TCS_RING 5              // phase B: key blocks in a warp's ring (4 in flight)
 #define TCS_LDV 40              // bf16 per value row of a warp's 32 dims (80 B: no conflicts)
 #define TCS_SLOT (TCS_REC * 4 + TC_KEYS * TCS_LDV * 2) // bytes of one ring slot (9216)
@@ -97,7 +103,8 @@
 
 static int g_tcs = -1;     // -1: from MM_GPU_ATT_SPLITK at first use; 0 off; 1 on; 2 auto
 static int g_tcs_min = -1; // -1: from MM_GPU_ATT_SPLITK_MIN at first use
-static int g_tcs_pb = -1;  // -1: from MM_GPU_ATT_SPLITK_PB at first use (off only when "0")
+static int g_tcs_pb = -1;  // -1: from MM_GPU_ATT_SPLITK_PB at first use ("0", "1", "2")
+#define TCS_PB_DEFAULT 2   // MM_GPU_ATT_SPLITK_PB unset or another value
 
 #if MM_GPU_HAVE_WMMA
 #define TCS_HAVE 1
@@ -341,7 +348,183 @@ __device__ __forceinline__ void tcs_phase_b2(const struct mm_attn_args &a, const
     tcs_store(a, r, h0, dv, uin, acc, lr, warp, g, tq);
 }
 
-template <int DKM, int DVM, bool PB>
+
+// Phase B, third form (MM_GPU_ATT_SPLITK_PB=2): the softmax of every key block at once, the
+// value rows read back contiguous. Of the contract's chains only out (C of the P V mmas) needs
+// the blocks in order: the running max is a fold of the blocks' raw row maxima, and given it,
+// each block's alpha, p and p sums depend on that block alone; l is a cheap fma chain. Phase A
+// leaves after each block's scores its raw row maxima and its value rows, gathered 256
+// contiguous bytes a load, as 4 slices of 32 dims (tcs_vswz's layout). Then: (1) the maxima
+// into shared memory, and lanes 0..15 of warp 0 fold them in block order (m' = max(m, fmul(max,
+// cs)), tc_max_step's expression) into the running max after every block; (2) the 8 warps take
+// the blocks in turn: from the record's scores and the running maxima before and after the
+// block, tc_max_step's alpha and -m', tc_softmax's p (ex2 of the fma), its per-thread sums in
+// n-tile order and the P fragments, written over the lane's own first 5 pieces of the record
+// (P words, then the p sums and alphas); (3) value warp w (dims 32 w ..) walks the blocks in
+// order with a ring of its value slice and the P pieces (TCS_VR3 - 1 blocks in flight, every
+// copy 512 contiguous bytes an instruction, where the other forms gather 16 bytes a key): l =
+// fma(l, alpha, ps), then tcs_pv's out * alpha and P V. Every rounded operation has the other
+// forms' operands in their order: the same bits. Default (TCS_PB_DEFAULT).
+// Measured (H200, 2026-12-01 03:52-03:59 UTC, decode after a 4096-token prompt, 4-layer
+// Qwen3-30B-A3B shape; docs/BENCHMARKS.md): 51.6 us per call against 74.3 for the second form,
+// decode 1458-1461 vs 1281-1282 tok/s. What had held phase B: the value copies, 16 bytes a key
+// per lane from rows 2 KB apart (a diagnostic build without them: 36.7 us instead of 73.0),
+// not the softmax (this form without the value copies' change: 73.0 us); 8 value warps of 16
+// dims with 3 blocks in flight: 82.8 us.
+#define TCS_VR3 6                           // a value warp's ring (5 blocks in flight)
+#define TCS_VSLOT3 (TC_KEYS * 64)           // a value warp's slice of a block: 64 keys x 32 dims
+#define TCS_PSLOT3 (5 * 32 * 16)            // the P pieces of a block (5 x 16 bytes a lane)
+#define TCS_SLOT3 (TCS_VSLOT3 + TCS_PSLOT3) // one slot of a value warp's ring
+// Byte offset of dims 8 c .. 8 c + 7 (c < 4) of key k in a value slice: rows of 64 bytes, the
+// 16-byte pieces swizzled by key bits 1..2, so that ldmatrix's 8 rows of a piece fall in 8
+// different bank groups
+__device__ __forceinline__ uint32_t tcs_vswz(int k, int c) {
+    return (uint32_t)(k * 64 + 16 * (c ^ ((k >> 1) & 3)));
+}
+__device__ __forceinline__ void tcs_phase_b3(const struct mm_attn_args &a, const struct mm_kv_view &kv,
+                                             float *rec0, int64_t r, int h0, int nkb, float cs,
+                                             const bool (&uin)[2]) {
+    extern __shared__ __align__(16) unsigned char tcs_sh[];
+    const int dv = kv.head_dim_v, dvp = (dv + 15) & ~15;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tq = lane & 3;
+    const int nv = (dvp + 31) / 32; // value warps
+    float *const mrun = (float *)(tcs_sh + TCS_TAB * 4); // [nkb][16]: maxima, then running max
+    // (1) the maxima, one round, then the fold
+    for (int i = tid; i < nkb * 16; i += TCD_THREADS)
+        mrun[i] = rec0[(int64_t)(i >> 4) * TCS_RS3 + TCS_REC + (i & 15)];
+    __syncthreads();
+    if (warp == 0 && lane < 16) {
+        float m = -INFINITY;
+        for (int jb = 0; jb < nkb; jb++) {
+            m = fmaxf(m, __fmul_rn(mrun[jb * 16 + lane], cs));
+            mrun[jb * 16 + lane] = m;
+        }
+    }
+    __syncthreads();
+    // (2) every block's P, p sums and alphas (the warp's next block's scores loaded while it
+    // computes this one's)
+    float4 nxs[TC_KEYS / 8];
+    if (warp < nkb)
+#pragma unroll
+        for (int jn = 0; jn < TC_KEYS / 8; jn++)
+            nxs[jn] = ((const float4 *)(rec0 + (int64_t)warp * TCS_RS3))[jn * 32 + lane];
+    for (int jb = warp; jb < nkb; jb += TCS_WARPS) {
+        float4 *rp = (float4 *)(rec0 + (int64_t)jb * TCS_RS3);
+        float sc[TC_KEYS / 8][4];
+#pragma unroll
+        for (int jn = 0; jn < TC_KEYS / 8; jn++) {
+            const float4 x = nxs[jn];
+            sc[jn][0] = x.x, sc[jn][1] = x.y, sc[jn][2] = x.z, sc[jn][3] = x.w;
+        }
+        if (jb + TCS_WARPS < nkb)
+#pragma unroll
+            for (int jn = 0; jn < TC_KEYS / 8; jn++)
+                nxs[jn] = ((const float4 *)(rec0 + (int64_t)(jb + TCS_WARPS) * TCS_RS3))[jn * 32 + lane];
+        float al[2], ms[2];
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            const float mp = jb > 0 ? mrun[(jb - 1) * 16 + g + 8 * i] : -INFINITY;
+            const float mn = mrun[jb * 16 + g + 8 * i];
+            al[i] = mn == mp ? 1.0f : tc_ex2(__fsub_rn(mp, mn));
+            ms[i] = mn == -INFINITY ? 0.0f : -mn;
+        }
+        float ps[2] = {0.0f, 0.0f};
+        uint32_t px[TC_KEYS / 16][4];
+#pragma unroll
+        for (int j = 0; j < TC_KEYS / 8; j++) {
+            const float p0 = tc_ex2(__fmaf_rn(sc[j][0], cs, ms[0]));
+            const float p1 = tc_ex2(__fmaf_rn(sc[j][1], cs, ms[0]));
+            const float p2 = tc_ex2(__fmaf_rn(sc[j][2], cs, ms[1]));
+            const float p3 = tc_ex2(__fmaf_rn(sc[j][3], cs, ms[1]));
+            ps[0] = __fadd_rn(__fadd_rn(ps[0], p0), p1);
+            ps[1] = __fadd_rn(__fadd_rn(ps[1], p2), p3);
+            px[j >> 1][(j & 1) * 2 + 0] = tc_pack(p0, p1);
+            px[j >> 1][(j & 1) * 2 + 1] = tc_pack(p2, p3);
+        }
+#pragma unroll
+        for (int kk = 0; kk < TC_KEYS / 16; kk++)
+            rp[kk * 32 + lane] = make_float4(__uint_as_float(px[kk][0]), __uint_as_float(px[kk][1]),
+                                             __uint_as_float(px[kk][2]), __uint_as_float(px[kk][3]));
+        rp[4 * 32 + lane] = make_float4(ps[0], ps[1], al[0], al[1]);
+    }
+    __syncthreads(); // every block's pieces written (and the running maxima no longer read)
+    if (warp >= nv)
+        return;
+    // (3) value warp: dims 32 warp .. 32 warp + 31
+    unsigned char *const ring = tcs_sh + TCS_TAB * 4 + warp * TCS_VR3 * TCS_SLOT3;
+    auto issue = [&](int jb, int sl) { // block jb's value slice and P pieces
+        unsigned char *p = ring + sl * TCS_SLOT3;
+        const float *src = rec0 + (int64_t)jb * TCS_RS3;
+        const unsigned char *vs = (const unsigned char *)(src + TCS_VWS) + warp * TCS_VSLOT3;
+#pragma unroll
+        for (int i = 0; i < TCS_VSLOT3 / 512; i++)
+            tc_cp16(p + (i * 32 + lane) * 16, vs + (i * 32 + lane) * 16);
+#pragma unroll
+        for (int c = 0; c < 5; c++)
+            tc_cp16(p + TCS_VSLOT3 + (c * 32 + lane) * 16, src + (c * 32 + lane) * 4);
+        tc_commit();
+    };
+#pragma unroll
+    for (int b = 0; b < TCS_VR3 - 1; b++) {
+        if (b < nkb)
+            issue(b, b);
+        else
+            tc_commit();
+    }
+    float acc[4][4], l[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int n = 0; n < 4; n++)
+        acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+    const int mt = lane >> 3;
+    for (int jb = 0; jb < nkb; jb++) {
+        __syncwarp(); // every lane done with block jb - 1's slot
+        const int nx = jb + TCS_VR3 - 1;
+        if (nx < nkb)
+            issue(nx, nx % TCS_VR3);
+        else
+            tc_commit();
+        tc_wait<TCS_VR3 - 1>(); // this lane's copies of block jb landed
+        __syncwarp();           // every lane's
+        const unsigned char *sp = ring + (jb % TCS_VR3) * TCS_SLOT3;
+        uint32_t px[TC_KEYS / 16][4];
+#pragma unroll
+        for (int kk = 0; kk < TC_KEYS / 16; kk++) {
+            const uint4 u = *(const uint4 *)(sp + TCS_VSLOT3 + (kk * 32 + lane) * 16);
+            px[kk][0] = u.x, px[kk][1] = u.y, px[kk][2] = u.z, px[kk][3] = u.w;
+        }
+        const float4 pa = *(const float4 *)(sp + TCS_VSLOT3 + (4 * 32 + lane) * 16);
+        l[0] = __fmaf_rn(l[0], pa.z, pa.x);
+        l[1] = __fmaf_rn(l[1], pa.w, pa.y);
+        // tcs_pv's operations: out * alpha, then the P V mmas of the four n-tiles, the value
+        // columns read by ldmatrix from the swizzled slice (tcs_vswz)
+#pragma unroll
+        for (int n = 0; n < 4; n++) {
+            acc[n][0] = __fmul_rn(acc[n][0], pa.z);
+            acc[n][1] = __fmul_rn(acc[n][1], pa.z);
+            acc[n][2] = __fmul_rn(acc[n][2], pa.w);
+            acc[n][3] = __fmul_rn(acc[n][3], pa.w);
+        }
+#pragma unroll
+        for (int kk = 0; kk < TC_KEYS / 16; kk++) {
+            const int key = kk * 16 + (mt & 1) * 8 + (lane & 7);
+#pragma unroll
+            for (int dp = 0; dp < 2; dp++) {
+                uint32_t b[4];
+                tc_ldsm4t(b, (const uint16_t *)(sp + tcs_vswz(key, (mt >> 1) + 2 * dp)));
+                tc_mma(acc[2 * dp], px[kk], b[0], b[1]);
+                tc_mma(acc[2 * dp + 1], px[kk], b[2], b[3]);
+            }
+        }
+    }
+    tc_wait<0>();
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        l[i] = tc_quad_sum(l[i]);
+    }
+    tcs_store(a, r, h0, dv, uin, acc, l, warp, g, tq);
+}
+
+template <int DKM, int DVM, int PB>
 __global__ void __launch_bounds__(TCD_THREADS, 1)
     attention_tcs_kernel(struct mm_attn_args a, int gsub, int max_kb, int min_kb, float *ws,
                          unsigned *cnt, int *d_err) {
@@ -378,7 +561,8 @@ __global__ void __launch_bounds__(TCD_THREADS, 1)
     if ((int)blockIdx.x >= nct)
         return;
     const int64_t unit = r * gridDim.y + blockIdx.y;
-    float *const rec0 = ws + unit * max_kb * TCS_REC;
+    constexpr int RS = PB == 2 ? TCS_RS3 : TCS_REC; // floats between records
+    float *const rec0 = ws + unit * max_kb * RS;
     bool uin[2];
 #pragma unroll
     for (int i = 0; i < 2; i++)
@@ -401,6 +585,7 @@ __global__ void __launch_bounds__(TCD_THREADS, 1)
         for (int jb = blockIdx.x * TCS_WARPS + warp; jb < nkb; jb += gridDim.x * TCS_WARPS) {
             const int32_t c0 = c_lo + jb * TC_KEYS;
             __syncwarp(); // the last block's ldmatrix reads done before the copies overwrite
+            const uint16_t *vrow[2] = {NULL, NULL}; // keys lane, lane + 32: their value rows
 #pragma unroll
             for (int h = 0; h < 2; h++) {
                 const int key = lane + 32 * h;
@@ -413,9 +598,12 @@ __global__ void __launch_bounds__(TCD_THREADS, 1)
                                            (int64_t)kr * kv.slot_stride;
                     for (int i = 0; i < dk / 8; i++)
                         tc_cp16(krow + 8 * i, slot + k_off + 8 * i);
-                    const uintptr_t v0 = (uintptr_t)(slot + v_off), v1 = v0 + 2 * (uintptr_t)dv;
-                    for (uintptr_t ln = v0 & ~(uintptr_t)127; ln < v1; ln += 128)
-                        tcs_prefetch_l2((const void *)ln);
+                    vrow[h] = slot + v_off;
+                    if (PB != 2) { // phase B reads the value rows soon
+                        const uintptr_t v0 = (uintptr_t)(slot + v_off), v1 = v0 + 2 * (uintptr_t)dv;
+                        for (uintptr_t ln = v0 & ~(uintptr_t)127; ln < v1; ln += 128)
+                            tcs_prefetch_l2((const void *)ln);
+                    }
                 } else {
                     if (blk != TC_NO_KEY) // in range, but the table has no block
                         tc_flag(d_err);
@@ -428,7 +616,7 @@ __global__ void __launch_bounds__(TCD_THREADS, 1)
             __syncwarp(); // every lane's rows visible to the warp
             float s[TC_KEYS / 8][4];
             tc_scores<DKM>(qf, kw, ldk, dkp, s);
-            float4 *rec = (float4 *)(rec0 + (int64_t)jb * TCS_REC);
+            float4 *rec = (float4 *)(rec0 + (int64_t)jb * RS);
 #pragma unroll
             for (int jn = 0; jn < TC_KEYS / 8; jn++) {
 #pragma unroll
@@ -440,6 +628,43 @@ __global__ void __launch_bounds__(TCD_THREADS, 1)
                             s[jn][2 * i + e] = -INFINITY;
                     }
                 rec[jn * 32 + lane] = make_float4(s[jn][0], s[jn][1], s[jn][2], s[jn][3]);
+            }
+            if (PB == 2) { // the block's raw row maxima as tc_softmax's callers take them
+                float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+                for (int i = 0; i < 2; i++) {
+#pragma unroll
+                    for (int jn = 0; jn < TC_KEYS / 8; jn++)
+                        mx[i] = fmaxf(mx[i], fmaxf(s[jn][2 * i], s[jn][2 * i + 1]));
+                    mx[i] = tc_quad_max(mx[i]);
+                }
+                float *bm = rec0 + (int64_t)jb * RS + TCS_REC;
+                if (tq == 0)
+                    bm[g] = mx[0], bm[g + 8] = mx[1];
+                // the block's value rows into its slices (zeros for keys outside [first,
+                // pos], missing entries and dims past dv, as tcs_vcopy): 16 lanes a row, two
+                // rows an instruction, so each load reads 256 contiguous bytes
+                unsigned char *vws = (unsigned char *)(rec0 + (int64_t)jb * RS + TCS_VWS);
+                const int pc = lane & 15, vw = pc >> 2, vc = pc & 3;
+                const bool pin = vw < (dvp + 31) / 32, pdv = 8 * pc < dv;
+#pragma unroll
+                for (int rd = 0; rd < 4; rd++) {
+                    uint4 v[8];
+#pragma unroll
+                    for (int i = 0; i < 8; i++) {
+                        const int key = 2 * (rd * 8 + i) + (lane >> 4);
+                        const uint16_t *vp = (const uint16_t *)__shfl_sync(
+                            0xffffffffu, (unsigned long long)vrow[rd >= 2], key & 31);
+                        v[i] = vp != NULL && pdv ? *(const uint4 *)(vp + 8 * pc)
+                                                 : make_uint4(0u, 0u, 0u, 0u);
+                    }
+#pragma unroll
+                    for (int i = 0; i < 8; i++) {
+                        const int key = 2 * (rd * 8 + i) + (lane >> 4);
+                        if (pin)
+                            *(uint4 *)(vws + vw * TCS_VSLOT3 + tcs_vswz(key, vc)) = v[i];
+                    }
+                }
             }
         }
     }
@@ -466,10 +691,15 @@ __global__ void __launch_bounds__(TCD_THREADS, 1)
     const int bs = kv.block_size;
     const int32_t e0 = c_lo / bs, ne = pos / bs - e0 + 1; // ne <= max_blocks <= TCS_TAB
     int32_t *const tab = (int32_t *)tcs_sh;
-    for (int i = tid; i < ne; i += TCD_THREADS)
-        tab[i] = kv.block_tables[(int64_t)sq * kv.max_blocks + e0 + i];
+    if (PB != 2) // (the third form reads the value rows phase A left in the records)
+        for (int i = tid; i < ne; i += TCD_THREADS)
+            tab[i] = kv.block_tables[(int64_t)sq * kv.max_blocks + e0 + i];
     __syncthreads();
-    if (PB) {
+    if (PB == 2) {
+        tcs_phase_b3(a, kv, rec0, r, h0, nkb, cs, uin);
+        return;
+    }
+    if (PB == 1) {
         tcs_phase_b2(a, kv, rec0, tab, r, h0, first, pos, c_lo, nkb, e0, cs, uin, v_off, d_err);
         return;
     }
@@ -573,7 +803,8 @@ static size_t tcs_shmem(int dk, int dv) {
     const size_t pb2 = (size_t)TCS_TAB * 4 + (size_t)TCS_PR * TCS_REC * 4 +
                        (size_t)TCS_PS * TCS_PSLOT + 64 * 4 +
                        (size_t)((dvp + 31) / 32) * TCS_VR * TCS_VSLOT;
-    const size_t x = sh > pa ? sh : pa, y = pb > pb2 ? pb : pb2;
+    const size_t pb3 = (size_t)TCS_TAB * 4 + (size_t)((dvp + 31) / 32) * TCS_VR3 * TCS_SLOT3;
+    const size_t x = sh > pa ? sh : pa, y0 = pb > pb2 ? pb : pb2, y = y0 > pb3 ? y0 : pb3;
     return x > y ? x : y;
 }
 
@@ -640,7 +871,7 @@ static mm_err tcs_workspace(cudaStream_t st, size_t rec_n, size_t cnt_n, size_t 
     return MM_OK;
 }
 
-template <int DKM, int DVM, bool PB>
+template <int DKM, int DVM, int PB>
 static mm_err tcs_launch(void *stream, const struct mm_attn_args *a, int gsub, int max_kb,
                          int min_kb, float *rec, unsigned *cnt, int *d_err) {
     static uint64_t attr_set; // tc_allow_shmem's: this kernel's devices
@@ -703,11 +934,14 @@ extern "C" void mm_gpu_set_attention_splitk(int mode) {
 extern "C" void mm_gpu_set_attention_splitk_min(int n);
 extern "C" void mm_gpu_set_attention_splitk_min(int n) { g_tcs_min = n < 0 ? -1 : n; }
 
-// mm_gpu_set_attention_splitk_pb: phase B of the split kernel with a softmax warp feeding the
-// value warps (1), or every value warp running the softmax itself (0); < 0: back to
-// MM_GPU_ATT_SPLITK_PB (default 1). Same bits. Process-wide.
+// mm_gpu_set_attention_splitk_pb: phase B of the split kernel with every block's softmax at
+// once before the value warps' chain (2), a softmax warp feeding the value warps (1), or every
+// value warp running the softmax itself (0); < 0: back to MM_GPU_ATT_SPLITK_PB (default
+// TCS_PB_DEFAULT). Same bits. Process-wide.
 extern "C" void mm_gpu_set_attention_splitk_pb(int mode);
-extern "C" void mm_gpu_set_attention_splitk_pb(int mode) { g_tcs_pb = mode < 0 ? -1 : mode != 0; }
+extern "C" void mm_gpu_set_attention_splitk_pb(int mode) {
+    g_tcs_pb = mode < 0 ? -1 : mode > 2 ? TCS_PB_DEFAULT : mode;
+}
 
 // mm_gpu_attention_tcs: runs a decode call of the contract split over the key blocks and sets
 // *done when on and it takes a (bf16 cache, at most TCS_MAX_ROWS rows, at most TCS_TAB cache
@@ -731,7 +965,19 @@ extern "C" mm_err mm_gpu_attention_tcs(void *stream, const struct mm_attn_args *
     const size_t tiles = (size_t)a->kv.n_kv_heads * (size_t)(group / gsub);
     const int64_t keys = (int64_t)a->kv.max_blocks * a->kv.block_size;
     const size_t max_kb = (size_t)((keys + TC_KEYS - 1) / TC_KEYS);
-    const size_t per_row = tiles * max_kb * TCS_REC;
+    if (g_tcs_pb < 0)
+        g_tcs_pb = tc_env_is("MM_GPU_ATT_SPLITK_PB", "0")   ? 0
+                   : tc_env_is("MM_GPU_ATT_SPLITK_PB", "1") ? 1
+                   : tc_env_is("MM_GPU_ATT_SPLITK_PB", "2") ? 2
+                                                            : TCS_PB_DEFAULT;
+    // the third form keeps the running maxima of every key block in its rings' shared memory,
+    // and the value rows in its records (TCS_RS3 floats a record): else the second form
+    const int dvp = (a->kv.head_dim_v + 15) & ~15;
+    int pb = g_tcs_pb;
+    if (pb == 2 && (max_kb * 16 * 4 > (size_t)((dvp + 31) / 32) * TCS_VR3 * TCS_SLOT3 ||
+                    tiles * max_kb * TCS_RS3 * TCS_MAX_ROWS * 4 > TCS_MAX_WS))
+        pb = 1;
+    const size_t per_row = tiles * max_kb * (pb == 2 ? TCS_RS3 : TCS_REC);
     if (per_row * TCS_MAX_ROWS * 4 > TCS_MAX_WS || max_kb > 0x7fffffff)
         return MM_OK;
     float *rec = NULL;
@@ -743,14 +989,15 @@ extern "C" mm_err mm_gpu_attention_tcs(void *stream, const struct mm_attn_args *
         return MM_OK;
     const bool small = a->kv.head_dim_k <= 64 && a->kv.head_dim_v <= 64; // tcd's forms
     const int mk = tcs_min();
-    if (g_tcs_pb < 0)
-        g_tcs_pb = !tc_env_is("MM_GPU_ATT_SPLITK_PB", "0");
+    const int M = (int)max_kb;
+
     const mm_err rv =
-        g_tcs_pb ? (small ? tcs_launch<64, 64, true>(stream, a, gsub, (int)max_kb, mk, rec, cnt, d_err)
-                          : tcs_launch<128, 128, true>(stream, a, gsub, (int)max_kb, mk, rec, cnt, d_err))
-                 : (small ? tcs_launch<64, 64, false>(stream, a, gsub, (int)max_kb, mk, rec, cnt, d_err)
-                          : tcs_launch<128, 128, false>(stream, a, gsub, (int)max_kb, mk, rec, cnt,
-                                                        d_err));
+        pb == 2   ? (small ? tcs_launch<64, 64, 2>(stream, a, gsub, M, mk, rec, cnt, d_err)
+                           : tcs_launch<128, 128, 2>(stream, a, gsub, M, mk, rec, cnt, d_err))
+        : pb == 1 ? (small ? tcs_launch<64, 64, 1>(stream, a, gsub, M, mk, rec, cnt, d_err)
+                           : tcs_launch<128, 128, 1>(stream, a, gsub, M, mk, rec, cnt, d_err))
+                  : (small ? tcs_launch<64, 64, 0>(stream, a, gsub, M, mk, rec, cnt, d_err)
+                           : tcs_launch<128, 128, 0>(stream, a, gsub, M, mk, rec, cnt, d_err));
     if (rv == MM_OK)
         *done = 1;
     return rv;

@@ -368,10 +368,12 @@ static void test_split_bits(void) {
     if (!mm_gpu_attention_tcs || !mm_gpu_set_attention_splitk || !mm_gpu_set_attention_splitk_min)
         MM_SKIP("GPU kernels not linked (plain build; `make cuda` builds this test with them)");
     open_tc(1);
-    for (int pb = 0; pb < (mm_gpu_set_attention_splitk_pb ? 2 : 1); pb++) {
+    for (int pb = 0; pb < (mm_gpu_set_attention_splitk_pb ? 3 : 1); pb++) {
         if (mm_gpu_set_attention_splitk_pb) {
             mm_gpu_set_attention_splitk_pb(pb);
-            printf("phase B %s:\n", pb ? "with a softmax warp" : "every warp's own softmax");
+            printf("phase B %s:\n", pb == 2   ? "with every block's softmax at once"
+                                     : pb == 1 ? "with a softmax warp"
+                                               : "every warp's own softmax");
         }
         split_case(32, 4, 128, 128, 0, 1);    // Qwen3-30B-A3B: GQA 8
         split_case(32, 4, 128, 128, 1000, 1); // a sliding window over several key blocks

@@ -370,7 +370,8 @@ __device__ __forceinline__ void tcs_phase_b2(const struct mm_attn_args &a, const
 // decode 1458-1461 vs 1281-1282 tok/s. What had held phase B: the value copies, 16 bytes a key
 // per lane from rows 2 KB apart (a diagnostic build without them: 36.7 us instead of 73.0),
 // not the softmax (this form without the value copies' change: 73.0 us); 8 value warps of 16
-// dims with 3 blocks in flight: 82.8 us.
+// dims with 3 blocks in flight: 82.8 us. Phase A's key rows in this form are also copied 16
+// lanes a row (256 contiguous bytes a copy): 49.9 vs 51.6 us (04:05 UTC).
 #define TCS_VR3 6                           // a value warp's ring (5 blocks in flight)
 #define TCS_VSLOT3 (TC_KEYS * 64)           // a value warp's slice of a block: 64 keys x 32 dims
 #define TCS_PSLOT3 (5 * 32 * 16)            // the P pieces of a block (5 x 16 bytes a lane)
@@ -586,6 +587,7 @@ __global__ void __launch_bounds__(TCD_THREADS, 1)
             const int32_t c0 = c_lo + jb * TC_KEYS;
             __syncwarp(); // the last block's ldmatrix reads done before the copies overwrite
             const uint16_t *vrow[2] = {NULL, NULL}; // keys lane, lane + 32: their value rows
+            const uint16_t *krw[2] = {NULL, NULL};  // ... and key rows
 #pragma unroll
             for (int h = 0; h < 2; h++) {
                 const int key = lane + 32 * h;
@@ -596,8 +598,10 @@ __global__ void __launch_bounds__(TCD_THREADS, 1)
                     const uint16_t *slot = (const uint16_t *)kv.base +
                                            (int64_t)blk * kv.block_stride +
                                            (int64_t)kr * kv.slot_stride;
-                    for (int i = 0; i < dk / 8; i++)
-                        tc_cp16(krow + 8 * i, slot + k_off + 8 * i);
+                    if (PB != 2)
+                        for (int i = 0; i < dk / 8; i++)
+                            tc_cp16(krow + 8 * i, slot + k_off + 8 * i);
+                    krw[h] = slot + k_off;
                     vrow[h] = slot + v_off;
                     if (PB != 2) { // phase B reads the value rows soon
                         const uintptr_t v0 = (uintptr_t)(slot + v_off), v1 = v0 + 2 * (uintptr_t)dv;
@@ -607,8 +611,25 @@ __global__ void __launch_bounds__(TCD_THREADS, 1)
                 } else {
                     if (blk != TC_NO_KEY) // in range, but the table has no block
                         tc_flag(d_err);
-                    for (int i = 0; i < dk / 8; i++)
-                        *(uint4 *)(krow + 8 * i) = make_uint4(0u, 0u, 0u, 0u);
+                    if (PB != 2)
+                        for (int i = 0; i < dk / 8; i++)
+                            *(uint4 *)(krow + 8 * i) = make_uint4(0u, 0u, 0u, 0u);
+                }
+            }
+            if (PB == 2) { // the key rows 16 lanes a row: each copy 256 contiguous bytes
+                const int pc = lane & 15;
+#pragma unroll 8
+                for (int i = 0; i < TC_KEYS / 2; i++) {
+                    const int key = 2 * i + (lane >> 4);
+                    const uint16_t *kp = (const uint16_t *)__shfl_sync(
+                        0xffffffffu, (unsigned long long)krw[i >= 16], key & 31);
+                    uint16_t *dst = kw + key * ldk + 8 * pc;
+                    if (pc >= dk / 8)
+                        continue;
+                    if (kp != NULL)
+                        tc_cp16(dst, kp + 8 * pc);
+                    else
+                        *(uint4 *)dst = make_uint4(0u, 0u, 0u, 0u);
                 }
             }
             tc_commit();

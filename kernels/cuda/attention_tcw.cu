@@ -691,8 +691,8 @@ __global__ void __launch_bounds__(TCW_THREADS, 1)
         for (int i = 0; i < 2; i++) {
             l[i] = tc_quad_sum(l[i]);
         }
-#pragma unroll
         const bool ov2 = ((uintptr_t)a.out & 7) == 0 && (a.out_stride & 1) == 0;
+#pragma unroll
         for (int i = 0; i < 2; i++) {
             if (!on[i])
                 continue;

@@ -622,7 +622,7 @@ __global__ void __launch_bounds__(TCD_THREADS, 1)
                 for (int i = 0; i < TC_KEYS / 2; i++) {
                     const int key = 2 * i + (lane >> 4);
                     const uint16_t *kp = (const uint16_t *)__shfl_sync(
-                        0xffffffffu, (unsigned long long)krw[i >= 16], key & 31);
+                        0xffffffffu, (unsigned long long)(i >= 16 ? krw[1] : krw[0]), key & 31);
                     uint16_t *dst = kw + key * ldk + 8 * pc;
                     if (pc >= dk / 8)
                         continue;
@@ -675,7 +675,7 @@ __global__ void __launch_bounds__(TCD_THREADS, 1)
                     for (int i = 0; i < 8; i++) {
                         const int key = 2 * (rd * 8 + i) + (lane >> 4);
                         const uint16_t *vp = (const uint16_t *)__shfl_sync(
-                            0xffffffffu, (unsigned long long)vrow[rd >= 2], key & 31);
+                            0xffffffffu, (unsigned long long)(rd >= 2 ? vrow[1] : vrow[0]), key & 31);
                         v[i] = vp != NULL && pdv ? *(const uint4 *)(vp + 8 * pc)
                                                  : make_uint4(0u, 0u, 0u, 0u);
                     }

@@ -39,7 +39,8 @@
 //   as attention_tcd_kernel. Each rounded operation has attention_tcd's operands, so the
 //   outputs are the same bits (cuda_attention_tcd_test).
 // - Workspace: per (device, stream) a buffer of rows x tiles x key blocks score records (4 KB
-//   each: 16 units x 64 keys f32) and the counters, made (cudaMalloc, counters zeroed on the
+//   each: 16 units x 64 keys f32; 20.5 KB with phase B's third form, which also keeps the
+//   block's row maxima and value rows there) and the counters, made (cudaMalloc, counters zeroed on the
 //   stream) by an uncaptured call for calls of up to TCS_MAX_ROWS rows of that cache shape (a
 //   decode step's first run is uncaptured: common/model.c records a shape the second time it
 //   runs); a call that finds it too small while the stream is capturing, a cache that is not

@@ -372,6 +372,22 @@ __device__ __forceinline__ void tcwp_s(uint32_t qa, uint32_t (&qr)[8][4], uint32
     }
 }
 
+// O and l rescaled by the block's alphas (no wgmma in flight on O), then P V of the block at
+// kb (its V tile at kb + TCW_TILE) issued as one wgmma group: tcwp_step's and tcwp_last's.
+__device__ __forceinline__ void tcwp_pv(uint32_t kb, float (&l)[2], float (&acc)[64],
+                                        const float (&al)[2], const float (&ps)[2],
+                                        uint32_t (&pa)[TC_KEYS / 16][4]) {
+    tcw_rescale(acc, l, al, ps);
+    const uint64_t vd = tcw_desc_mn(kb + TCW_TILE);
+    tcw_pin<64>(acc);
+    tcw_pin_a(pa);
+    tcw_fence();
+#pragma unroll
+    for (int kk = 0; kk < TC_KEYS / 16; kk++)
+        tcw_pv(acc, pa[kk], vd + kk * 128);
+    tcw_commit();
+}
+
 // One step of the pipelined loop (MM_GPU_ATT_TCW_PIPE), for the block at c0 (buffer kb) whose
 // softmax ran a step ago (P in pa, alpha and the p sums in al, ps) and the next block (buffer kn,
 // at c0 + 64): S of the next block is issued into s, O and l are rescaled (no wgmma in flight),
@@ -392,15 +408,7 @@ __device__ __forceinline__ void tcwp_step(CopyF copies, uint32_t qa, uint32_t (&
                                           uint32_t (&pn)[TC_KEYS / 16][4]) {
     tcwp_s<QR>(qa, qr, kn, s);
     tcw_commit();
-    tcw_rescale(acc, l, al, ps);
-    const uint64_t vd = tcw_desc_mn(kb + TCW_TILE);
-    tcw_pin<64>(acc);
-    tcw_pin_a(pa);
-    tcw_fence();
-#pragma unroll
-    for (int kk = 0; kk < TC_KEYS / 16; kk++)
-        tcw_pv(acc, pa[kk], vd + kk * 128);
-    tcw_commit();
+    tcwp_pv(kb, l, acc, al, ps, pa);
     copies(); // the key copies of a later block, issued while both groups run
     tcw_wait1();
     tcw_pin<32>(s);
@@ -413,15 +421,7 @@ __device__ __forceinline__ void tcwp_step(CopyF copies, uint32_t qa, uint32_t (&
 __device__ __forceinline__ void tcwp_last(uint32_t kb, float (&l)[2], float (&acc)[64],
                                           const float (&al)[2], const float (&ps)[2],
                                           uint32_t (&pa)[TC_KEYS / 16][4]) {
-    tcw_rescale(acc, l, al, ps);
-    const uint64_t vd = tcw_desc_mn(kb + TCW_TILE);
-    tcw_pin<64>(acc);
-    tcw_pin_a(pa);
-    tcw_fence();
-#pragma unroll
-    for (int kk = 0; kk < TC_KEYS / 16; kk++)
-        tcw_pv(acc, pa[kk], vd + kk * 128);
-    tcw_commit();
+    tcwp_pv(kb, l, acc, al, ps, pa);
     tcw_wait0();
     tcw_pin<64>(acc);
 }

@@ -377,6 +377,26 @@ __device__ __forceinline__ void tc_scores(const uint32_t (&qf)[DKM / 16][4], con
     }
 }
 
+// tc_p: p = 2^(fma(x, c, ms)) of a block's masked scores s (ms: -m' per row, 0 while m' is
+// -inf) as the P V A fragments (pa), and p summed per thread in j order (ps): tc_softmax's p
+// step, also attention_tcs.cuh's third phase-B form's.
+__device__ __forceinline__ void tc_p(const float (&s)[TC_KEYS / 8][4], float cs,
+                                     const float (&ms)[2], uint32_t (&pa)[TC_KEYS / 16][4],
+                                     float (&ps)[2]) {
+    ps[0] = ps[1] = 0.0f;
+#pragma unroll
+    for (int j = 0; j < TC_KEYS / 8; j++) {
+        const float p0 = tc_ex2(__fmaf_rn(s[j][0], cs, ms[0]));
+        const float p1 = tc_ex2(__fmaf_rn(s[j][1], cs, ms[0]));
+        const float p2 = tc_ex2(__fmaf_rn(s[j][2], cs, ms[1]));
+        const float p3 = tc_ex2(__fmaf_rn(s[j][3], cs, ms[1]));
+        ps[0] = __fadd_rn(__fadd_rn(ps[0], p0), p1);
+        ps[1] = __fadd_rn(__fadd_rn(ps[1], p2), p3);
+        pa[j >> 1][(j & 1) * 2 + 0] = tc_pack(p0, p1);
+        pa[j >> 1][(j & 1) * 2 + 1] = tc_pack(p2, p3);
+    }
+}
+
 // tc_softmax: the contract's online softmax step on one block's masked scores s, given this
 // thread's raw row maxima mx (over its own scores): the row max over the row's 4 threads (a
 // fixed butterfly), m' = max(m, c * max x), alpha (al), p = 2^(fma(x, c, -m')) as the P V A
@@ -391,18 +411,8 @@ __device__ __forceinline__ void tc_softmax(const float (&s)[TC_KEYS / 8][4], flo
     for (int i = 0; i < 2; i++) {
         tc_max_step(mx[i], cs, m[i], al[i], ms[i]);
     }
-    float ps[2] = {0.0f, 0.0f};
-#pragma unroll
-    for (int j = 0; j < TC_KEYS / 8; j++) {
-        const float p0 = tc_ex2(__fmaf_rn(s[j][0], cs, ms[0]));
-        const float p1 = tc_ex2(__fmaf_rn(s[j][1], cs, ms[0]));
-        const float p2 = tc_ex2(__fmaf_rn(s[j][2], cs, ms[1]));
-        const float p3 = tc_ex2(__fmaf_rn(s[j][3], cs, ms[1]));
-        ps[0] = __fadd_rn(__fadd_rn(ps[0], p0), p1);
-        ps[1] = __fadd_rn(__fadd_rn(ps[1], p2), p3);
-        pa[j >> 1][(j & 1) * 2 + 0] = tc_pack(p0, p1);
-        pa[j >> 1][(j & 1) * 2 + 1] = tc_pack(p2, p3);
-    }
+    float ps[2];
+    tc_p(s, cs, ms, pa, ps);
 #pragma unroll
     for (int i = 0; i < 2; i++)
         l[i] = __fmaf_rn(l[i], al[i], ps[i]);

@@ -430,19 +430,9 @@ __device__ __forceinline__ void tcs_phase_b3(const struct mm_attn_args &a, const
             al[i] = mn == mp ? 1.0f : tc_ex2(__fsub_rn(mp, mn));
             ms[i] = mn == -INFINITY ? 0.0f : -mn;
         }
-        float ps[2] = {0.0f, 0.0f};
+        float ps[2];
         uint32_t px[TC_KEYS / 16][4];
-#pragma unroll
-        for (int j = 0; j < TC_KEYS / 8; j++) {
-            const float p0 = tc_ex2(__fmaf_rn(sc[j][0], cs, ms[0]));
-            const float p1 = tc_ex2(__fmaf_rn(sc[j][1], cs, ms[0]));
-            const float p2 = tc_ex2(__fmaf_rn(sc[j][2], cs, ms[1]));
-            const float p3 = tc_ex2(__fmaf_rn(sc[j][3], cs, ms[1]));
-            ps[0] = __fadd_rn(__fadd_rn(ps[0], p0), p1);
-            ps[1] = __fadd_rn(__fadd_rn(ps[1], p2), p3);
-            px[j >> 1][(j & 1) * 2 + 0] = tc_pack(p0, p1);
-            px[j >> 1][(j & 1) * 2 + 1] = tc_pack(p2, p3);
-        }
+        tc_p(sc, cs, ms, px, ps);
 #pragma unroll
         for (int kk = 0; kk < TC_KEYS / 16; kk++)
             rp[kk * 32 + lane] = make_float4(__uint_as_float(px[kk][0]), __uint_as_float(px[kk][1]),

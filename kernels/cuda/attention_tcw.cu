@@ -41,6 +41,7 @@
 #include "gpu_common.cuh"
 #include "kernels.h"
 #include "mm_gpu.h"
+#include "wgmma.cuh"
 
 static int g_att_tcw = -1; // -1: from MM_GPU_ATT_TCW at first use (off only when "0"); 0; 1
 // Diagnostic mode (tests only, set by mm_gpu_set_attention_tcw_diag, never from the environment,
@@ -86,11 +87,6 @@ extern "C" void mm_gpu_set_attention_tcw_pipe(int mode) {
 #define TCWP_SHMEM (2 * TCW_TILE + TCWP_BUFS * 2 * TCW_TILE + 1024)
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-// K-major, 128-byte swizzle, 8-row atoms 1024 bytes apart (gemm_wg.cuh's wg_desc)
-__device__ __forceinline__ uint64_t tcw_desc_k(uint32_t saddr) {
-    return (uint64_t)((saddr & 0x3ffff) >> 4) | ((uint64_t)(16 >> 4) << 16) |
-           ((uint64_t)(1024 >> 4) << 32) | (1ull << 62);
-}
 // MN-major (B = V as [key][dim]), 128-byte swizzle: 64 dims per 128-byte row, the two 64-dim
 // halves 8 KiB apart (leading byte offset), 8-key atoms 1024 bytes apart (stride byte offset)
 __device__ __forceinline__ uint64_t tcw_desc_mn(uint32_t saddr) {
@@ -102,49 +98,11 @@ __device__ __forceinline__ uint64_t tcw_desc_mn_swap(uint32_t saddr) {
     return (uint64_t)((saddr & 0x3ffff) >> 4) | ((uint64_t)(1024 >> 4) << 16) |
            ((uint64_t)(8192 >> 4) << 32) | (1ull << 62);
 }
-__device__ __forceinline__ void tcw_fence(void) {
-    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ void tcw_commit(void) {
-    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ void tcw_wait0(void) {
-    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-}
-__device__ __forceinline__ void tcw_wait1(void) {
-    asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
-}
-__device__ __forceinline__ void tcw_wait2(void) {
-    asm volatile("wgmma.wait_group.sync.aligned 2;\n" ::: "memory");
-}
-// Pins registers in place (no instruction): every write to them stays before the next asm
-// volatile (wgmma.fence: the PTX rule for accumulator and A registers written before a
-// wgmma), and every read after the last one (wgmma.wait_group).
-template <int N> __device__ __forceinline__ void tcw_pin(float (&d)[N]) {
-#pragma unroll
-    for (int i = 0; i < N; i++)
-        asm volatile("" : "+f"(d[i])::"memory");
-}
+// (wg_desc, wg_fence, wg_commit, wg_wait, wg_fence_regs, wgmma_m64n64k16: wgmma.cuh)
 __device__ __forceinline__ void tcw_pin_a(uint32_t (&a)[4][4]) {
 #pragma unroll
     for (int i = 0; i < 16; i++)
         asm volatile("" : "+r"(a[i >> 2][i & 3])::"memory");
-}
-// S (64 x 64 f32) += Q (64 x 16) K^T (16 x 64), both from shared memory, K-major
-// (sd 0: D = Q K^T, the accumulator's old value ignored: wgmma's scale-d)
-__device__ __forceinline__ void tcw_qk(float (&d)[32], uint64_t da, uint64_t db, int sd = 1) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
-                 " %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-                 "%32, %33, p, 1, 1, 0, 0;\n}\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
-                   "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
-                   "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
-                   "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-                   "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
-                   "+f"(d[30]), "+f"(d[31])
-                 : "l"(da), "l"(db), "r"(sd));
 }
 // S (64 x 64 f32) += Q (64 x 16, registers: mma.sync's A fragment) K^T (16 x 64, shared, K-major)
 __device__ __forceinline__ void tcw_qk_r(float (&d)[32], const uint32_t (&a)[4], uint64_t db,
@@ -272,21 +230,22 @@ __device__ __forceinline__ void tcw_block(uint32_t qa, uint32_t (&qr)[8][4], uin
     for (int i = 0; i < 32; i++)
         s[i] = 0.0f;
     {
-        const uint64_t qd = tcw_desc_k(qa), kd = tcw_desc_k(kb);
-        tcw_pin<32>(s); // the zeros written before the fence (else nvcc sinks them past it)
+        const uint64_t qd = wg_desc(qa), kd = wg_desc(kb);
+        wg_fence_regs<32>(s); // the zeros written before the fence (else nvcc sinks them past it)
         if (QR)
             tcw_pin_q(qr);
-        tcw_fence();
+        wg_fence();
 #pragma unroll
         for (int ks = 0; ks < 8; ks++) { // dims 16 ks..: half ks / 4, +32 bytes per step inside it
             if (QR)
                 tcw_qk_r(s, qr[ks], kd + (ks >> 2) * 512 + (ks & 3) * 2);
             else
-                tcw_qk(s, qd + (ks >> 2) * 512 + (ks & 3) * 2, kd + (ks >> 2) * 512 + (ks & 3) * 2);
+                wgmma_m64n64k16(s, qd + (ks >> 2) * 512 + (ks & 3) * 2,
+                                kd + (ks >> 2) * 512 + (ks & 3) * 2, 1);
         }
-        tcw_commit();
-        tcw_wait0();
-        tcw_pin<32>(s);
+        wg_commit();
+        wg_wait<0>();
+        wg_fence_regs<32>(s);
     }
     if (DIAG && kind == 1) { // raw S into dims 0..63
 #pragma unroll
@@ -313,15 +272,15 @@ __device__ __forceinline__ void tcw_block(uint32_t qa, uint32_t (&qr)[8][4], uin
             }
         const uint64_t vd =
             kind == 3 ? tcw_desc_mn_swap(kb + TCW_TILE) : tcw_desc_mn(kb + TCW_TILE);
-        tcw_pin<64>(acc);
+        wg_fence_regs<64>(acc);
         tcw_pin_a(pd);
-        tcw_fence();
+        wg_fence();
 #pragma unroll
         for (int kk = 0; kk < TC_KEYS / 16; kk++)
             tcw_pv(acc, pd[kk], vd + kk * 128);
-        tcw_commit();
-        tcw_wait0();
-        tcw_pin<64>(acc);
+        wg_commit();
+        wg_wait<0>();
+        wg_fence_regs<64>(acc);
         return;
     }
     float al[2], ps[2];
@@ -337,15 +296,15 @@ __device__ __forceinline__ void tcw_block(uint32_t qa, uint32_t (&qr)[8][4], uin
     {
         const uint64_t vd = DIAG && kind == 5 ? tcw_desc_mn_swap(kb + TCW_TILE)
                                               : tcw_desc_mn(kb + TCW_TILE);
-        tcw_pin<64>(acc); // the rescaled O and P written before the fence
+        wg_fence_regs<64>(acc); // the rescaled O and P written before the fence
         tcw_pin_a(pa);
-        tcw_fence();
+        wg_fence();
 #pragma unroll
         for (int kk = 0; kk < TC_KEYS / 16; kk++) // keys 16 kk..: two 8-key atoms, 2048 bytes
             tcw_pv(acc, pa[kk], vd + kk * 128);
-        tcw_commit();
-        tcw_wait0();
-        tcw_pin<64>(acc);
+        wg_commit();
+        wg_wait<0>();
+        wg_fence_regs<64>(acc);
     }
 }
 
@@ -357,18 +316,18 @@ __device__ __forceinline__ void tcw_block(uint32_t qa, uint32_t (&qr)[8][4], uin
 template <bool QR>
 __device__ __forceinline__ void tcwp_s(uint32_t qa, uint32_t (&qr)[8][4], uint32_t kb,
                                        float (&s)[32]) {
-    const uint64_t qd = tcw_desc_k(qa), kd = tcw_desc_k(kb);
-    tcw_pin<32>(s);
+    const uint64_t qd = wg_desc(qa), kd = wg_desc(kb);
+    wg_fence_regs<32>(s);
     if (QR)
         tcw_pin_q(qr);
-    tcw_fence();
+    wg_fence();
 #pragma unroll
     for (int ks = 0; ks < 8; ks++) {
         if (QR)
             tcw_qk_r(s, qr[ks], kd + (ks >> 2) * 512 + (ks & 3) * 2, ks != 0);
         else
-            tcw_qk(s, qd + (ks >> 2) * 512 + (ks & 3) * 2, kd + (ks >> 2) * 512 + (ks & 3) * 2,
-                   ks != 0);
+            wgmma_m64n64k16(s, qd + (ks >> 2) * 512 + (ks & 3) * 2,
+                            kd + (ks >> 2) * 512 + (ks & 3) * 2, ks != 0);
     }
 }
 
@@ -379,13 +338,13 @@ __device__ __forceinline__ void tcwp_pv(uint32_t kb, float (&l)[2], float (&acc)
                                         uint32_t (&pa)[TC_KEYS / 16][4]) {
     tcw_rescale(acc, l, al, ps);
     const uint64_t vd = tcw_desc_mn(kb + TCW_TILE);
-    tcw_pin<64>(acc);
+    wg_fence_regs<64>(acc);
     tcw_pin_a(pa);
-    tcw_fence();
+    wg_fence();
 #pragma unroll
     for (int kk = 0; kk < TC_KEYS / 16; kk++)
         tcw_pv(acc, pa[kk], vd + kk * 128);
-    tcw_commit();
+    wg_commit();
 }
 
 // One step of the pipelined loop (MM_GPU_ATT_TCW_PIPE), for the block at c0 (buffer kb) whose
@@ -407,14 +366,14 @@ __device__ __forceinline__ void tcwp_step(CopyF copies, uint32_t qa, uint32_t (&
                                           uint32_t (&pa)[TC_KEYS / 16][4],
                                           uint32_t (&pn)[TC_KEYS / 16][4]) {
     tcwp_s<QR>(qa, qr, kn, s);
-    tcw_commit();
+    wg_commit();
     tcwp_pv(kb, l, acc, al, ps, pa);
     copies(); // the key copies of a later block, issued while both groups run
-    tcw_wait1();
-    tcw_pin<32>(s);
+    wg_wait<1>();
+    wg_fence_regs<32>(s);
     tcw_soft(s, c0 + TC_KEYS, first, pos, cs, m, al, pn, ps);
-    tcw_wait0();
-    tcw_pin<64>(acc);
+    wg_wait<0>();
+    wg_fence_regs<64>(acc);
 }
 
 // The last block of a pass (buffer kb, its softmax done: pa, al, ps): O and l rescaled, P V.
@@ -422,8 +381,8 @@ __device__ __forceinline__ void tcwp_last(uint32_t kb, float (&l)[2], float (&ac
                                           const float (&al)[2], const float (&ps)[2],
                                           uint32_t (&pa)[TC_KEYS / 16][4]) {
     tcwp_pv(kb, l, acc, al, ps, pa);
-    tcw_wait0();
-    tcw_pin<64>(acc);
+    wg_wait<0>();
+    wg_fence_regs<64>(acc);
 }
 #endif // __CUDA_ARCH_FEAT_SM90_ALL
 
@@ -605,9 +564,9 @@ __global__ void __launch_bounds__(TCW_THREADS, 1)
             for (int i = 0; i < 32; i++)
                 s[i] = 0.0f;
             tcwp_s<QR>(qa, qr, kvs, s);
-            tcw_commit();
-            tcw_wait0();
-            tcw_pin<32>(s);
+            wg_commit();
+            wg_wait<0>();
+            wg_fence_regs<32>(s);
             tcw_soft(s, c_lo, first, pos, cs, m, al, pa0, ps);
             int bi = 0;
             // step j's barrier and copies, then tcwp_step (pa: block j's P, pn: block j + 1's)

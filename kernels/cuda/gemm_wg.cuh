@@ -26,6 +26,8 @@
 #ifndef MM_GEMM_WG_CUH
 #define MM_GEMM_WG_CUH
 
+#include "wgmma.cuh"
+
 #define WG_LDX 128    // workspace rows are padded to a multiple of this (>= any stage's k)
 // A stage holds KB (64 or 128) of k as KB/64 sub-tiles of one 128-byte swizzle row per matrix
 // row: [W sub 0 | W sub 1 | x sub 0 | x sub 1]; the ring is ST stages deep and loads run ST - 2
@@ -102,28 +104,7 @@ __global__ void wg_convert_x_kernel(const float *x, int64_t xs, int n_rows, int 
 }
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-// Shared-memory matrix descriptor: K-major, 128-byte swizzle, 8-row atoms 1024 bytes apart.
-__device__ __forceinline__ uint64_t wg_desc(uint32_t saddr) {
-    return (uint64_t)((saddr & 0x3ffff) >> 4) | ((uint64_t)(16 >> 4) << 16) |
-           ((uint64_t)(1024 >> 4) << 32) | (1ull << 62);
-}
-__device__ __forceinline__ void wg_fence(void) {
-    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ void wg_commit(void) {
-    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-}
-template <int N>
-__device__ __forceinline__ void wg_wait(void) {
-    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
-// Keeps the compiler from moving accumulator reads/writes across the asynchronous wgmma.
-template <int N>
-__device__ __forceinline__ void wg_fence_regs(float (&d)[N]) {
-#pragma unroll
-    for (int i = 0; i < N; i++)
-        asm volatile("" : "+f"(d[i])::"memory");
-}
+// (wg_desc, wg_fence, wg_commit, wg_wait, wg_fence_regs: wgmma.cuh)
 // D (64 x BN, f32) += A (64 x 16, bf16) * B (16 x BN, bf16), both from shared memory.
 __device__ __forceinline__ void wgmma_m64n128k16(float d[64], uint64_t da, uint64_t db,
                                                  int scale_d = 1) {

@@ -392,25 +392,11 @@ __global__ void wg_convert_w_kernel(const uint16_t *w, int n_out, int n_in, uint
 }
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-// The m64n64k16 and m64n32k16 forms of gemm_wg.cuh's wgmma_m64n128k16 (both operands from shared
-// memory, the same descriptors: an N-row x tile is its first N rows). d[4j + 2h + c] is output
+// The m64n64k16 (wgmma.cuh) and m64n32k16 forms of gemm_wg.cuh's wgmma_m64n128k16 (both operands
+// from shared memory, the same descriptors: an N-row x tile is its first N rows). d[4j + 2h + c] is output
 // row 16 * (warp % 4) + g + 8h, token 8j + 2t + c, as in the 128-token form, so the first N / 2
 // registers of a 128-token accumulator array hold the same elements. An output element depends
 // only on its A row, its B column and its old value: the same bits whatever N is.
-__device__ __forceinline__ void wgmma_m64n64k16(float *d, uint64_t da, uint64_t db, int scale_d) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
-                 " %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-                 "%32, %33, p, 1, 1, 0, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
-          "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
-          "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
-          "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
-          "+f"(d[30]), "+f"(d[31])
-        : "l"(da), "l"(db), "r"(scale_d));
-}
 __device__ __forceinline__ void wgmma_m64n32k16(float *d, uint64_t da, uint64_t db, int scale_d) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "

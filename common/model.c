@@ -941,11 +941,11 @@ static int long_ctx(const mm_model_rows *rows) {
 
 // attn_core: the attention of layer on n rows whose positions and sequences are in s->pos_d
 // and s->seq_d already. defer_residual: the output projection stays in s->tmp and h is not
-// updated (the caller adds it with the backend's add_rmsnorm). xn: the layer's input norm of h,
-// made already (the previous layer's combine_rmsnorm wrote it), or NULL (made here into s->xn).
-// Else out (which
-// may be h; h itself is not written) = h + the output, through the backend's matmul_res where
-// it takes the product (the residual in o_proj's epilogue), else o_proj into s->tmp and an axpy.
+// updated (the caller adds it with the backend's add_rmsnorm); else out (which may be h; h
+// itself is not written) = h + the output, through the backend's matmul_res where it takes the
+// product (the residual in o_proj's epilogue), else o_proj into s->tmp and an axpy. xn: the
+// layer's input norm of h, made already (the previous layer's combine_rmsnorm wrote it), or NULL
+// (made here into s->xn).
 static mm_err attn_core(const mm_model *m, mm_model_scratch *s, int layer, mm_kv_cache *kv,
                         int64_t n, float *h, bool defer_residual, float *out,
                         const float *xn);

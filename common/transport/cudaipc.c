@@ -25,7 +25,12 @@
 //           turn by the receiver) into a u32 just past the receiver's ring, and the receiver's
 //           stream waits until the word reaches it (cyclic >=): a waiting stream wakes sooner
 //           than on an event's record, and the receiver owns the word, so closing a conn first
-//           sets it to the last value waited for, releasing a wait whose writer died.
+//           sets it to the last value waited for, releasing a wait whose writer died. A frame
+//           of at most MM_CUDAIPC_SPIN_BYTES (default 128 KB: a batch-1 step's rows) is waited
+//           for by a polling kernel instead of cuStreamWaitValue32 (mm_gpu_flag_wait's spin):
+//           its stream's next kernel starts ~1.6 us sooner, which the latency-bound chain of a
+//           small step gains (mesh batch 1 -5%); larger frames keep the stream wait, whose
+//           extra launch batch 64 did not pay back (+2-3%) (docs/BENCHMARKS.md).
 //     free: the receiver records it on its stream after its copy-out is enqueued, then
 //           advances `freed` (bytes of the device ring it is done with) in the shm control
 //           page; before writing over ring bytes it has used before, the sender's stream waits
@@ -98,7 +103,7 @@ extern void mm_gpu_free(void *d) W;
 extern mm_err mm_gpu_backend_stream(void *backend_ctx, void **stream, int *dev) W;
 extern bool mm_gpu_flags_ok(void) W;
 extern mm_err mm_gpu_flag_write(void *stream, void *d_flag, uint32_t v) W;
-extern mm_err mm_gpu_flag_wait(void *stream, const void *d_flag, uint32_t v) W;
+extern mm_err mm_gpu_flag_wait(void *stream, const void *d_flag, uint32_t v, bool spin) W;
 extern mm_err mm_gpu_flag_set(void *d_flag, uint32_t v) W;
 #undef W
 
@@ -121,6 +126,29 @@ static const char *const NO_GPU = "this build has no GPU support (build with mak
 static bool have_flags(void) {
     return mm_gpu_flags_ok && mm_gpu_flag_write && mm_gpu_flag_wait && mm_gpu_flag_set &&
            mm_gpu_flags_ok();
+}
+
+// MM_CUDAIPC_SPIN_BYTES: the largest frame waited for by the polling kernel (0: none);
+// read once.
+static uint64_t g_spin_bytes = UINT64_MAX;
+static uint64_t spin_bytes(void) {
+    uint64_t v = __atomic_load_n(&g_spin_bytes, __ATOMIC_RELAXED);
+    if (v != UINT64_MAX)
+        return v;
+    v = 128u << 10;
+    const char *env = getenv("MM_CUDAIPC_SPIN_BYTES");
+    if (env && *env) {
+        char *end = NULL;
+        errno = 0;
+        const unsigned long long x = strtoull(env, &end, 10);
+        if (errno || *end || *env == '-' || x >= UINT64_MAX)
+            mm_log_warn("cudaipc: MM_CUDAIPC_SPIN_BYTES=%s is not a byte count: %llu used", env,
+                        (unsigned long long)v);
+        else
+            v = x;
+    }
+    __atomic_store_n(&g_spin_bytes, v, __ATOMIC_RELAXED);
+    return v;
 }
 
 static bool have_gpu_code(void) {
@@ -686,7 +714,8 @@ static mm_err ipc_sendv_dev(void *ctx, const mm_wire_hdr *hdr, const struct iove
 static mm_err rx_wait(struct ipc_conn *c, const struct desc *d) {
     if (!c->flags)
         return mm_gpu_stream_wait_event(c->stream, c->rx_ev_data);
-    MM_TRY(mm_gpu_flag_wait(c->stream, (uint8_t *)c->rx_ring + c->rx_bytes, d->seq));
+    MM_TRY(mm_gpu_flag_wait(c->stream, (uint8_t *)c->rx_ring + c->rx_bytes, d->seq,
+                            d->hdr.payload_bytes <= spin_bytes()));
     c->rx_seq = d->seq;
     return MM_OK;
 }

@@ -354,12 +354,15 @@ mm_err mm_gpu_event_sync(void *ev); // blocks until ev's latest record has run
 // the runtime's driver entry points; HIP: not yet); MM_CUDAIPC_FLAGS=0 says no.
 // mm_gpu_flag_write: *d_flag = v once the stream's earlier work is done (and visible);
 // mm_gpu_flag_wait: the stream waits until (int32_t)(*d_flag - v) >= 0 (a cyclic compare, so
-// the sequence may wrap); mm_gpu_flag_set: *d_flag = v now, from the host, by a stream of its
+// the sequence may wrap): with spin, by a one-thread kernel polling the word that lets the
+// stream's next kernel launch once it has its value (~2.3 us from the write to that kernel's
+// start against ~3.9 behind cuStreamWaitValue32, H200 under MPS, at the cost of a launch: the
+// caller picks it for latency-bound frames); mm_gpu_flag_set: *d_flag = v now, from the host, by a stream of its
 // own (not behind the callers' streams, which may be waiting for it): releases a wait whose
 // writer died.
 bool mm_gpu_flags_ok(void);
 mm_err mm_gpu_flag_write(void *stream, void *d_flag, uint32_t v);
-mm_err mm_gpu_flag_wait(void *stream, const void *d_flag, uint32_t v);
+mm_err mm_gpu_flag_wait(void *stream, const void *d_flag, uint32_t v, bool spin);
 mm_err mm_gpu_flag_set(void *d_flag, uint32_t v);
 
 // mm_gpu_memcpy_any: stream-ordered copy between any device pointers (also IPC-mapped ones of

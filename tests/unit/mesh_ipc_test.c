@@ -140,8 +140,8 @@ mm_err mm_gpu_flag_write(void *stream, void *d_flag, uint32_t v) {
     log_op((struct op){.k = OP_FWRITE, .dst = d_flag, .n = v});
     return MM_OK;
 }
-mm_err mm_gpu_flag_wait(void *stream, const void *d_flag, uint32_t v) {
-    (void)stream;
+mm_err mm_gpu_flag_wait(void *stream, const void *d_flag, uint32_t v, bool spin) {
+    (void)stream, (void)spin;
     uint32_t cur;
     memcpy(&cur, d_flag, 4);
     if ((int32_t)(cur - v) < 0)

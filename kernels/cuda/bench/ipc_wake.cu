@@ -12,7 +12,9 @@
 // cuStreamWriteValue32, 2 a flag kernel, 3 the busy kernel writing the flag itself as it ends),
 // W the wait (0 event wait, 1 cuStreamWaitValue32, 2 a spin kernel then the stamp, 3 a spin
 // kernel that lets its dependents launch at once, the stamp launched as a programmatic
-// dependent waiting at griddepcontrol.wait).
+// dependent waiting at griddepcontrol.wait, 4 a spin kernel that lets its dependents launch only
+// once it has seen the flag, the stamp a programmatic dependent as in 3: nothing after the wait
+// is resident before the flag, so a waiting daemon holds one block, not its next stage).
 #include <cuda.h>
 #include <cuda_runtime.h>
 #include <cudaTypedefs.h>
@@ -30,6 +32,7 @@ __global__ void busy(unsigned long long ns, unsigned long long *end, volatile un
     if (f) { __threadfence_system(); *f = v; } }
 __global__ void stamp_pdl(unsigned long long *out) { asm volatile("griddepcontrol.wait;" ::: "memory"); *out = gtime(); }
 __global__ void spinwait_pdl(volatile unsigned *f, unsigned v) { asm volatile("griddepcontrol.launch_dependents;"); while (*f < v) {} }
+__global__ void spinwait_late(volatile unsigned *f, unsigned v) { while (*f < v) {} asm volatile("griddepcontrol.launch_dependents;"); }
 __global__ void stamp(unsigned long long *out) { *out = gtime(); }
 __global__ void setflag(volatile unsigned *f, unsigned v) { __threadfence_system(); *f = v; }
 __global__ void spinwait(volatile unsigned *f, unsigned v) { while (*f < v) { __nanosleep(100); } }
@@ -63,8 +66,9 @@ int main(int argc, char **argv) {
             if (wt == 0) CK(cudaStreamWaitEvent(st, ev, 0));
             else if (wt == 1) { CUresult r = waitv((CUstream)st, (CUdeviceptr)flag, (cuuint32_t)(i + 1), CU_STREAM_WAIT_VALUE_GEQ); if (r) { fprintf(stderr, "waitv %d\n", r); exit(1);} }
             else if (wt == 2) spinwait<<<1, 1, 0, st>>>(flag, i + 1);
-            else spinwait_pdl<<<1, 1, 0, st>>>(flag, i + 1);
-            if (wt == 3) {
+            else if (wt == 3) spinwait_pdl<<<1, 1, 0, st>>>(flag, i + 1);
+            else spinwait_late<<<1, 1, 0, st>>>(flag, i + 1);
+            if (wt >= 3) {
                 cudaLaunchConfig_t cfg = {};
                 cfg.gridDim = dim3(1); cfg.blockDim = dim3(1); cfg.stream = st;
                 cudaLaunchAttribute at[1];
@@ -85,9 +89,10 @@ int main(int argc, char **argv) {
         // median
         for (int i = 0; i < n; i++) for (int j = i + 1; j < n; j++) if (lat[j] < lat[i]) { double t = lat[i]; lat[i] = lat[j]; lat[j] = t; }
         static const char *const sn[] = {"event record", "cuStreamWriteValue32", "flag kernel", "flag by the busy kernel"};
-        static const char *const wn[] = {"event wait", "cuStreamWaitValue32", "spin kernel", "spin kernel + dependent launch"};
+        static const char *const wn[] = {"event wait", "cuStreamWaitValue32", "spin kernel", "spin kernel + dependent launch",
+                                         "spin kernel, dependents launched after the flag"};
         printf("signal %d / wait %d (%s / %s): wake-up latency mean %.2f us, median %.2f us, p90 %.2f us, min %.2f\n", sig, wt,
-               sn[sig & 3], wn[wt & 3],
+               sn[sig & 3], wn[wt > 4 ? 0 : wt],
                sum / n, lat[n / 2], lat[n * 9 / 10], lat[0]);
         S->stop = 1;
         return 0;

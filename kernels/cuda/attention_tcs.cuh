@@ -104,7 +104,7 @@
 
 static int g_tcs = -1;     // -1: from MM_GPU_ATT_SPLITK at first use; 0 off; 1 on; 2 auto
 static int g_tcs_min = -1; // -1: from MM_GPU_ATT_SPLITK_MIN at first use
-static int g_tcs_pb = -1;  // -1: from MM_GPU_ATT_SPLITK_PB at first use ("0", "1", "2")
+static int g_tcs_pb = -1;  // -1: from MM_GPU_ATT_SPLITK_PB at first use ("0" .. "3")
 #define TCS_PB_DEFAULT 2   // MM_GPU_ATT_SPLITK_PB unset or another value
 
 #if MM_GPU_HAVE_WMMA
@@ -383,13 +383,10 @@ __device__ __forceinline__ void tcs_phase_b2(const struct mm_attn_args &a, const
 __device__ __forceinline__ uint32_t tcs_vswz(int k, int c) {
     return (uint32_t)(k * 64 + 16 * (c ^ ((k >> 1) & 3)));
 }
-__device__ __forceinline__ void tcs_phase_b3(const struct mm_attn_args &a, const struct mm_kv_view &kv,
-                                             float *rec0, int64_t r, int h0, int nkb, float cs,
-                                             const bool (&uin)[2]) {
+// steps (1) and (2), by the whole block
+__device__ __forceinline__ void tcs_b3_soft(float *rec0, int nkb, float cs) {
     extern __shared__ __align__(16) unsigned char tcs_sh[];
-    const int dv = kv.head_dim_v, dvp = (dv + 15) & ~15;
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tq = lane & 3;
-    const int nv = (dvp + 31) / 32; // value warps
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2;
     float *const mrun = (float *)(tcs_sh + TCS_TAB * 4); // [nkb][16]: maxima, then running max
     // (1) the maxima, one round, then the fold
     for (int i = tid; i < nkb * 16; i += TCD_THREADS)
@@ -440,10 +437,15 @@ __device__ __forceinline__ void tcs_phase_b3(const struct mm_attn_args &a, const
         rp[4 * 32 + lane] = make_float4(ps[0], ps[1], al[0], al[1]);
     }
     __syncthreads(); // every block's pieces written (and the running maxima no longer read)
-    if (warp >= nv)
-        return;
-    // (3) value warp: dims 32 warp .. 32 warp + 31
-    unsigned char *const ring = tcs_sh + TCS_TAB * 4 + warp * TCS_VR3 * TCS_SLOT3;
+}
+// step (3) for value dims 32 q .. 32 q + 31, by one warp, its ring of VR slots at ring
+template <int VR>
+__device__ __forceinline__ void tcs_b3_pv(const struct mm_attn_args &a, const float *rec0,
+                                          int64_t r, int h0, int nkb, const bool (&uin)[2], int q,
+                                          unsigned char *ring) {
+    const int dv = a.kv.head_dim_v;
+    const int lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
+    const int warp = q; // (the slice and the dims stored: tcs_store's warp)
     auto issue = [&](int jb, int sl) { // block jb's value slice and P pieces
         unsigned char *p = ring + sl * TCS_SLOT3;
         const float *src = rec0 + (int64_t)jb * TCS_RS3;
@@ -457,7 +459,7 @@ __device__ __forceinline__ void tcs_phase_b3(const struct mm_attn_args &a, const
         tc_commit();
     };
 #pragma unroll
-    for (int b = 0; b < TCS_VR3 - 1; b++) {
+    for (int b = 0; b < VR - 1; b++) {
         if (b < nkb)
             issue(b, b);
         else
@@ -470,14 +472,14 @@ __device__ __forceinline__ void tcs_phase_b3(const struct mm_attn_args &a, const
     const int mt = lane >> 3;
     for (int jb = 0; jb < nkb; jb++) {
         __syncwarp(); // every lane done with block jb - 1's slot
-        const int nx = jb + TCS_VR3 - 1;
+        const int nx = jb + VR - 1;
         if (nx < nkb)
-            issue(nx, nx % TCS_VR3);
+            issue(nx, nx % VR);
         else
             tc_commit();
-        tc_wait<TCS_VR3 - 1>(); // this lane's copies of block jb landed
-        __syncwarp();           // every lane's
-        const unsigned char *sp = ring + (jb % TCS_VR3) * TCS_SLOT3;
+        tc_wait<VR - 1>(); // this lane's copies of block jb landed
+        __syncwarp();      // every lane's
+        const unsigned char *sp = ring + (jb % VR) * TCS_SLOT3;
         uint32_t px[TC_KEYS / 16][4];
 #pragma unroll
         for (int kk = 0; kk < TC_KEYS / 16; kk++) {
@@ -514,6 +516,53 @@ __device__ __forceinline__ void tcs_phase_b3(const struct mm_attn_args &a, const
         l[i] = tc_quad_sum(l[i]);
     }
     tcs_store(a, r, h0, dv, uin, acc, l, warp, g, tq);
+}
+__device__ __forceinline__ void tcs_phase_b3(const struct mm_attn_args &a, float *rec0, int64_t r,
+                                             int h0, int nkb, float cs, const bool (&uin)[2]) {
+    extern __shared__ __align__(16) unsigned char tcs_sh[];
+    const int dvp = (a.kv.head_dim_v + 15) & ~15, warp = threadIdx.x >> 5;
+    tcs_b3_soft(rec0, nkb, cs);
+    if (warp < (dvp + 31) / 32)
+        tcs_b3_pv<TCS_VR3>(a, rec0, r, h0, nkb, uin, warp,
+                           tcs_sh + TCS_TAB * 4 + warp * TCS_VR3 * TCS_SLOT3);
+}
+
+// Phase B, fourth form (MM_GPU_ATT_SPLITK_PB=3): the third form with its step (3) in a second
+// kernel, attention_tcs_pv_kernel, one block of one warp per 32 value dims of each (row, tile),
+// so the value slices and P pieces of a row stream into (dvp / 32) multiprocessors instead of
+// one (the third form's value chain ran at ~0.5 us a key block: ~26 KB a block, the four value
+// warps' slices and each one's copy of the P pieces, through one SM's link to the L2). The
+// first kernel's last block of each (row, tile) runs steps (1) and (2) and stops; the second,
+// a programmatic dependent, waits for it (griddepcontrol.wait) and runs tcs_b3_pv with a
+// deeper ring (TCS_VR4 slots). The same operations on the same operands: the same bits.
+#define TCS_VR4 12 // the second kernel's ring (11 blocks in flight)
+__global__ void __launch_bounds__(32)
+    attention_tcs_pv_kernel(struct mm_attn_args a, int gsub, int max_kb, int min_kb, float *ws) {
+    mm_dep_signal();
+    mm_dep_wait();
+    extern __shared__ __align__(16) unsigned char tcs_sh[];
+    const struct mm_kv_view &kv = a.kv;
+    const int lane = threadIdx.x & 31, g = lane >> 2;
+    const int group = a.n_heads / kv.n_kv_heads, per_kv = group / gsub;
+    const int kvh = blockIdx.y / per_kv, h0 = kvh * group + (blockIdx.y % per_kv) * gsub;
+    const int64_t r = blockIdx.z;
+    const int32_t sq = a.row_seq[r], pos = a.row_pos[r];
+    if (pos < 0 || sq < 0 || pos / kv.block_size >= kv.max_blocks)
+        return; // (flagged by the first kernel)
+    int32_t first = 0;
+    if (a.window > 0 && pos - a.window + 1 > 0)
+        first = pos - a.window + 1;
+    const int32_t c_lo = (first / TC_KEYS) * TC_KEYS;
+    const int nkb = pos / TC_KEYS - c_lo / TC_KEYS + 1;
+    if (nkb <= min_kb) // done by tcd_block in the first kernel
+        return;
+    const int64_t unit = r * gridDim.y + blockIdx.y;
+    const float *rec0 = ws + unit * max_kb * TCS_RS3;
+    bool uin[2];
+#pragma unroll
+    for (int i = 0; i < 2; i++)
+        uin[i] = g + 8 * i < gsub;
+    tcs_b3_pv<TCS_VR4>(a, rec0, r, h0, nkb, uin, (int)blockIdx.x, tcs_sh);
 }
 
 template <int DKM, int DVM, int PB>
@@ -553,7 +602,7 @@ __global__ void __launch_bounds__(TCD_THREADS, 1)
     if ((int)blockIdx.x >= nct)
         return;
     const int64_t unit = r * gridDim.y + blockIdx.y;
-    constexpr int RS = PB == 2 ? TCS_RS3 : TCS_REC; // floats between records
+    constexpr int RS = PB >= 2 ? TCS_RS3 : TCS_REC; // floats between records
     float *const rec0 = ws + unit * max_kb * RS;
     bool uin[2];
 #pragma unroll
@@ -589,12 +638,12 @@ __global__ void __launch_bounds__(TCD_THREADS, 1)
                     const uint16_t *slot = (const uint16_t *)kv.base +
                                            (int64_t)blk * kv.block_stride +
                                            (int64_t)kr * kv.slot_stride;
-                    if (PB != 2)
+                    if (PB < 2)
                         for (int i = 0; i < dk / 8; i++)
                             tc_cp16(krow + 8 * i, slot + k_off + 8 * i);
                     krw[h] = slot + k_off;
                     vrow[h] = slot + v_off;
-                    if (PB != 2) { // phase B reads the value rows soon
+                    if (PB < 2) { // phase B reads the value rows soon
                         const uintptr_t v0 = (uintptr_t)(slot + v_off), v1 = v0 + 2 * (uintptr_t)dv;
                         for (uintptr_t ln = v0 & ~(uintptr_t)127; ln < v1; ln += 128)
                             tcs_prefetch_l2((const void *)ln);
@@ -602,12 +651,12 @@ __global__ void __launch_bounds__(TCD_THREADS, 1)
                 } else {
                     if (blk != TC_NO_KEY) // in range, but the table has no block
                         tc_flag(d_err);
-                    if (PB != 2)
+                    if (PB < 2)
                         for (int i = 0; i < dk / 8; i++)
                             *(uint4 *)(krow + 8 * i) = make_uint4(0u, 0u, 0u, 0u);
                 }
             }
-            if (PB == 2) { // the key rows 16 lanes a row: each copy 256 contiguous bytes
+            if (PB >= 2) { // the key rows 16 lanes a row: each copy 256 contiguous bytes
                 const int pc = lane & 15;
 #pragma unroll 8
                 for (int i = 0; i < TC_KEYS / 2; i++) {
@@ -641,7 +690,7 @@ __global__ void __launch_bounds__(TCD_THREADS, 1)
                     }
                 rec[jn * 32 + lane] = make_float4(s[jn][0], s[jn][1], s[jn][2], s[jn][3]);
             }
-            if (PB == 2) { // the block's raw row maxima as tc_softmax's callers take them
+            if (PB >= 2) { // the block's raw row maxima as tc_softmax's callers take them
                 float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
                 for (int i = 0; i < 2; i++) {
@@ -703,12 +752,16 @@ __global__ void __launch_bounds__(TCD_THREADS, 1)
     const int bs = kv.block_size;
     const int32_t e0 = c_lo / bs, ne = pos / bs - e0 + 1; // ne <= max_blocks <= TCS_TAB
     int32_t *const tab = (int32_t *)tcs_sh;
-    if (PB != 2) // (the third form reads the value rows phase A left in the records)
+    if (PB < 2) // (the third form reads the value rows phase A left in the records)
         for (int i = tid; i < ne; i += TCD_THREADS)
             tab[i] = kv.block_tables[(int64_t)sq * kv.max_blocks + e0 + i];
     __syncthreads();
+    if (PB == 3) { // steps (1), (2); (3) in attention_tcs_pv_kernel
+        tcs_b3_soft(rec0, nkb, cs);
+        return;
+    }
     if (PB == 2) {
-        tcs_phase_b3(a, kv, rec0, r, h0, nkb, cs, uin);
+        tcs_phase_b3(a, rec0, r, h0, nkb, cs, uin);
         return;
     }
     if (PB == 1) {
@@ -899,6 +952,16 @@ static mm_err tcs_launch(void *stream, const struct mm_attn_args *a, int gsub, i
                                tcs_shmem(a->kv.head_dim_k, a->kv.head_dim_v), (cudaStream_t)stream,
                                *a, gsub, max_kb, min_kb, rec, cnt, d_err));
     MM_GPU_CHECK(cudaGetLastError());
+    if (PB == 3) {
+        static uint64_t attr_pv;
+        const size_t sh = (size_t)TCS_VR4 * TCS_SLOT3;
+        MM_TRY(tc_allow_shmem(attention_tcs_pv_kernel, &attr_pv, sh));
+        const int dvp = (a->kv.head_dim_v + 15) & ~15;
+        dim3 g2((unsigned)((dvp + 31) / 32), (unsigned)tiles, (unsigned)a->n_rows);
+        MM_GPU_CHECK(mm_launch_dep(attention_tcs_pv_kernel, g2, dim3(32), sh, (cudaStream_t)stream,
+                                   *a, gsub, max_kb, min_kb, rec));
+        MM_GPU_CHECK(cudaGetLastError());
+    }
     return MM_OK;
 }
 #else
@@ -952,7 +1015,7 @@ extern "C" void mm_gpu_set_attention_splitk_min(int n) { g_tcs_min = n < 0 ? -1 
 // TCS_PB_DEFAULT). Same bits. Process-wide.
 extern "C" void mm_gpu_set_attention_splitk_pb(int mode);
 extern "C" void mm_gpu_set_attention_splitk_pb(int mode) {
-    g_tcs_pb = mode < 0 ? -1 : mode > 2 ? TCS_PB_DEFAULT : mode;
+    g_tcs_pb = mode < 0 ? -1 : mode > 3 ? TCS_PB_DEFAULT : mode;
 }
 
 // mm_gpu_attention_tcs: runs a decode call of the contract split over the key blocks and sets
@@ -981,15 +1044,16 @@ extern "C" mm_err mm_gpu_attention_tcs(void *stream, const struct mm_attn_args *
         g_tcs_pb = tc_env_is("MM_GPU_ATT_SPLITK_PB", "0")   ? 0
                    : tc_env_is("MM_GPU_ATT_SPLITK_PB", "1") ? 1
                    : tc_env_is("MM_GPU_ATT_SPLITK_PB", "2") ? 2
+                   : tc_env_is("MM_GPU_ATT_SPLITK_PB", "3") ? 3
                                                             : TCS_PB_DEFAULT;
     // the third form keeps the running maxima of every key block in its rings' shared memory,
     // and the value rows in its records (TCS_RS3 floats a record): else the second form
     const int dvp = (a->kv.head_dim_v + 15) & ~15;
     int pb = g_tcs_pb;
-    if (pb == 2 && (max_kb * 16 * 4 > (size_t)((dvp + 31) / 32) * TCS_VR3 * TCS_SLOT3 ||
+    if (pb >= 2 && (max_kb * 16 * 4 > (size_t)((dvp + 31) / 32) * TCS_VR3 * TCS_SLOT3 ||
                     tiles * max_kb * TCS_RS3 * TCS_MAX_ROWS * 4 > TCS_MAX_WS))
         pb = 1;
-    const size_t per_row = tiles * max_kb * (pb == 2 ? TCS_RS3 : TCS_REC);
+    const size_t per_row = tiles * max_kb * (pb >= 2 ? TCS_RS3 : TCS_REC);
     if (per_row * TCS_MAX_ROWS * 4 > TCS_MAX_WS || max_kb > 0x7fffffff)
         return MM_OK;
     float *rec = NULL;
@@ -1004,7 +1068,9 @@ extern "C" mm_err mm_gpu_attention_tcs(void *stream, const struct mm_attn_args *
     const int M = (int)max_kb;
 
     const mm_err rv =
-        pb == 2   ? (small ? tcs_launch<64, 64, 2>(stream, a, gsub, M, mk, rec, cnt, d_err)
+        pb == 3   ? (small ? tcs_launch<64, 64, 3>(stream, a, gsub, M, mk, rec, cnt, d_err)
+                           : tcs_launch<128, 128, 3>(stream, a, gsub, M, mk, rec, cnt, d_err))
+        : pb == 2 ? (small ? tcs_launch<64, 64, 2>(stream, a, gsub, M, mk, rec, cnt, d_err)
                            : tcs_launch<128, 128, 2>(stream, a, gsub, M, mk, rec, cnt, d_err))
         : pb == 1 ? (small ? tcs_launch<64, 64, 1>(stream, a, gsub, M, mk, rec, cnt, d_err)
                            : tcs_launch<128, 128, 1>(stream, a, gsub, M, mk, rec, cnt, d_err))

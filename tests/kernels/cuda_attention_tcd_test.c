@@ -368,10 +368,11 @@ static void test_split_bits(void) {
     if (!mm_gpu_attention_tcs || !mm_gpu_set_attention_splitk || !mm_gpu_set_attention_splitk_min)
         MM_SKIP("GPU kernels not linked (plain build; `make cuda` builds this test with them)");
     open_tc(1);
-    for (int pb = 0; pb < (mm_gpu_set_attention_splitk_pb ? 3 : 1); pb++) {
+    for (int pb = 0; pb < (mm_gpu_set_attention_splitk_pb ? 4 : 1); pb++) {
         if (mm_gpu_set_attention_splitk_pb) {
             mm_gpu_set_attention_splitk_pb(pb);
-            printf("phase B %s:\n", pb == 2   ? "with every block's softmax at once"
+            printf("phase B %s:\n", pb == 3   ? "with its value chains in a second kernel"
+                                     : pb == 2 ? "with every block's softmax at once"
                                      : pb == 1 ? "with a softmax warp"
                                                : "every warp's own softmax");
         }

@@ -55,8 +55,9 @@
 //   recorded decode step, so the kernel chooses per row on the device; the caller's long_ctx
 //   (common/model.c: some row at position >= MM_ATT_LONG_POS = 12 key blocks, the recorded
 //   steps keyed by it) keeps calls of short rows only on attention_tcd_kernel, where the split
-//   kernel lost 4-6% (below). MM_GPU_ATT_SPLITK_PB picks phase B's form (tcs_phase_b3, the
-//   default, tcs_phase_b2, or the one below).
+//   kernel lost 4-6% (below). MM_GPU_ATT_SPLITK_PB picks phase B's form (3, the default:
+//   attention_tcs_pv_kernel after phase A alone; 2: tcs_phase_b3; 1: tcs_phase_b2; 0: the one
+//   below).
 // - Measured (H200, 2026-11-30 12:15 UTC, 4-layer synthetic Qwen3-30B-A3B, bf16 cache, batch 1;
 //   docs/BENCHMARKS.md): per call after a 4096-token prompt 90.4 us against 139.6 for
 //   attention_tcd_kernel (per-op timer), decode 1054 / 1060 tok/s against 871 / 868 (+21.5%);
@@ -105,7 +106,7 @@
 static int g_tcs = -1;     // -1: from MM_GPU_ATT_SPLITK at first use; 0 off; 1 on; 2 auto
 static int g_tcs_min = -1; // -1: from MM_GPU_ATT_SPLITK_MIN at first use
 static int g_tcs_pb = -1;  // -1: from MM_GPU_ATT_SPLITK_PB at first use ("0" .. "3")
-#define TCS_PB_DEFAULT 2   // MM_GPU_ATT_SPLITK_PB unset or another value
+#define TCS_PB_DEFAULT 3   // MM_GPU_ATT_SPLITK_PB unset or another value
 
 #if MM_GPU_HAVE_WMMA
 #define TCS_HAVE 1
@@ -527,22 +528,43 @@ __device__ __forceinline__ void tcs_phase_b3(const struct mm_attn_args &a, float
                            tcs_sh + TCS_TAB * 4 + warp * TCS_VR3 * TCS_SLOT3);
 }
 
-// Phase B, fourth form (MM_GPU_ATT_SPLITK_PB=3): the third form with its step (3) in a second
-// kernel, attention_tcs_pv_kernel, one block of one warp per 32 value dims of each (row, tile),
-// so the value slices and P pieces of a row stream into (dvp / 32) multiprocessors instead of
-// one (the third form's value chain ran at ~0.5 us a key block: ~26 KB a block, the four value
-// warps' slices and each one's copy of the P pieces, through one SM's link to the L2). The
-// first kernel's last block of each (row, tile) runs steps (1) and (2) and stops; the second,
-// a programmatic dependent, waits for it (griddepcontrol.wait) and runs tcs_b3_pv with a
-// deeper ring (TCS_VR4 slots). The same operations on the same operands: the same bits.
-#define TCS_VR4 12 // the second kernel's ring (11 blocks in flight)
-__global__ void __launch_bounds__(32)
+// Phase B, fourth form (MM_GPU_ATT_SPLITK_PB=3): all of phase B in a second kernel,
+// attention_tcs_pv_kernel, a programmatic dependent of the first (which runs phase A alone and
+// needs no hand-off: the second waits for it at griddepcontrol.wait). One block of TCS4_NP + 1 warps per
+// 32 value dims of each (row, tile), so a row's records stream into (dvp / 32) multiprocessors,
+// where the third form's last block took them all through one SM's link to the L2 (~26 KB a key
+// block: four value slices and four copies of the P pieces; ~0.5 us a block). In each block:
+// the third form's step (1) (the maxima folded in block order by lanes 0..15), then warps
+// 0..TCS4_NP - 1 compute the key blocks' P, p sums and alphas (step (2)'s expressions; warp w
+// the blocks w, w + TCS4_NP, .., from its own ring of score records) into P slot w, which warp
+// TCS4_NP, the value warp, takes in block order (full and empty named barriers of two warps,
+// the second form's protocol) for step (3)'s out and l chains over its ring of value slices.
+// The same operations on the same operands as the third form: the same bits. Shared memory:
+// max_kb x 16 running maxima, then the rings (tcs_pv_shmem); more than TCS_PV_SHMEM_MAX (a
+// cache of more than ~2000 key blocks a sequence) takes the third form. Default.
+// Measured (H200, 2026-12-01 05:58 UTC, 4-layer Qwen3-30B-A3B shape, batch 1; docs/BENCHMARKS.md):
+// per call after a 4096-token prompt 40.1 us against 49.9 for the third form (per-op timer),
+// decode 1640-1645 vs 1490-1495 tok/s; after 8192 tokens 1388 vs 1162; batch 8 after 1024
+// tokens 1849 vs 1780. ncu (L2 flushed between kernels, so an upper bound): phase A 13.3 us,
+// the second kernel ~25 us; what bounds the second is not established: six P warps instead of
+// four gave +0.7%, and the value warp's next block's loads placed between its mma k-steps lost
+// 6% (its wait for the next P slot then sits inside the current block's chain).
+#define TCS4_SR 3  // a P warp's ring of score records (its next 2 blocks in flight)
+#define TCS4_NP 4  // P warps, one P slot each
+#define TCS4_VR 10 // the value warp's ring of value slices (9 in flight)
+#define TCS_PV_SHMEM_MAX (200u << 10) // larger (max_kb past ~2000): the third form
+static size_t tcs_pv_shmem(int max_kb) {
+    return (size_t)max_kb * 16 * 4 + (size_t)TCS4_NP * TCS4_SR * TCS_REC * 4 +
+           (size_t)TCS4_NP * TCS_PSLOT3 +
+           (size_t)TCS4_VR * TCS_VSLOT3;
+}
+__global__ void __launch_bounds__(32 * (TCS4_NP + 1))
     attention_tcs_pv_kernel(struct mm_attn_args a, int gsub, int max_kb, int min_kb, float *ws) {
     mm_dep_signal();
     mm_dep_wait();
     extern __shared__ __align__(16) unsigned char tcs_sh[];
     const struct mm_kv_view &kv = a.kv;
-    const int lane = threadIdx.x & 31, g = lane >> 2;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tq = lane & 3;
     const int group = a.n_heads / kv.n_kv_heads, per_kv = group / gsub;
     const int kvh = blockIdx.y / per_kv, h0 = kvh * group + (blockIdx.y % per_kv) * gsub;
     const int64_t r = blockIdx.z;
@@ -557,12 +579,158 @@ __global__ void __launch_bounds__(32)
     if (nkb <= min_kb) // done by tcd_block in the first kernel
         return;
     const int64_t unit = r * gridDim.y + blockIdx.y;
-    const float *rec0 = ws + unit * max_kb * TCS_RS3;
+    const float *const rec0 = ws + unit * max_kb * TCS_RS3;
+    const float cs = a.scale * 1.4426950408889634f;
+    const int q = blockIdx.x; // value dims 32 q .. 32 q + 31
+    float *const mrun = (float *)tcs_sh; // [nkb][16]: maxima, then the running max
+    unsigned char *const sring = tcs_sh + (size_t)max_kb * 16 * 4;
+    unsigned char *const pring = sring + TCS4_NP * TCS4_SR * TCS_REC * 4;
+    unsigned char *const vring = pring + TCS4_NP * TCS_PSLOT3;
+    // (1) the maxima, one round, then the fold (the third form's)
+    for (int i = tid; i < nkb * 16; i += 32 * (TCS4_NP + 1))
+        mrun[i] = rec0[(int64_t)(i >> 4) * TCS_RS3 + TCS_REC + (i & 15)];
+    __syncthreads();
+    if (warp == 0 && lane < 16) {
+        float m = -INFINITY;
+        for (int jb = 0; jb < nkb; jb++) {
+            m = fmaxf(m, __fmul_rn(mrun[jb * 16 + lane], cs));
+            mrun[jb * 16 + lane] = m;
+        }
+    }
+    __syncthreads();
+    // barrier ids: full[w] 1 + w, empty[w] 1 + TCS4_NP + w (P warp w and the value warp)
+    if (warp < TCS4_NP) { // (2) blocks warp, warp + TCS4_NP, ..: their P pieces into slot warp
+        unsigned char *const myring = sring + warp * TCS4_SR * TCS_REC * 4;
+        auto issue = [&](int jb, int sl) { // block jb's scores: this lane's own pieces
+            unsigned char *p = myring + sl * TCS_REC * 4;
+            const float *src = rec0 + (int64_t)jb * TCS_RS3;
+#pragma unroll
+            for (int jn = 0; jn < TC_KEYS / 8; jn++)
+                tc_cp16(p + (jn * 32 + lane) * 16, src + (jn * 32 + lane) * 4);
+            tc_commit();
+        };
+#pragma unroll
+        for (int b = 0; b < TCS4_SR - 1; b++) {
+            if (warp + b * TCS4_NP < nkb)
+                issue(warp + b * TCS4_NP, b);
+            else
+                tc_commit();
+        }
+        for (int it = 0, jb = warp; jb < nkb; it++, jb += TCS4_NP) {
+            const int nx = jb + (TCS4_SR - 1) * TCS4_NP;
+            if (nx < nkb)
+                issue(nx, (it + TCS4_SR - 1) % TCS4_SR); // into its previous block's slot
+            else
+                tc_commit();
+            tc_wait<TCS4_SR - 1>(); // this lane's pieces of block jb landed
+            const unsigned char *sp = myring + (it % TCS4_SR) * TCS_REC * 4;
+            float sc[TC_KEYS / 8][4];
+#pragma unroll
+            for (int jn = 0; jn < TC_KEYS / 8; jn++) {
+                const float4 x = *(const float4 *)(sp + (jn * 32 + lane) * 16);
+                sc[jn][0] = x.x, sc[jn][1] = x.y, sc[jn][2] = x.z, sc[jn][3] = x.w;
+            }
+            float al[2], ms[2];
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                const float mp = jb > 0 ? mrun[(jb - 1) * 16 + g + 8 * i] : -INFINITY;
+                const float mn = mrun[jb * 16 + g + 8 * i];
+                al[i] = mn == mp ? 1.0f : tc_ex2(__fsub_rn(mp, mn));
+                ms[i] = mn == -INFINITY ? 0.0f : -mn;
+            }
+            float ps[2];
+            uint32_t px[TC_KEYS / 16][4];
+            tc_p(sc, cs, ms, px, ps);
+            const int sl = warp; // (= jb % TCS4_NP)
+            if (jb >= TCS4_NP)
+                tcs_bar_sync(1 + TCS4_NP + sl, 64); // the value warp is done with block jb - TCS4_NP
+            uint4 *dst = (uint4 *)(pring + sl * TCS_PSLOT3);
+#pragma unroll
+            for (int kk = 0; kk < TC_KEYS / 16; kk++)
+                dst[kk * 32 + lane] = make_uint4(px[kk][0], px[kk][1], px[kk][2], px[kk][3]);
+            dst[4 * 32 + lane] = make_uint4(__float_as_uint(ps[0]), __float_as_uint(ps[1]),
+                                            __float_as_uint(al[0]), __float_as_uint(al[1]));
+            __threadfence_block();
+            tcs_bar_arrive(1 + sl, 64);
+        }
+        tc_wait<0>();
+        return;
+    }
+    // (3) the value warp: the out and l chains of dims 32 q .., the value slices by its own ring
     bool uin[2];
 #pragma unroll
     for (int i = 0; i < 2; i++)
         uin[i] = g + 8 * i < gsub;
-    tcs_b3_pv<TCS_VR4>(a, rec0, r, h0, nkb, uin, (int)blockIdx.x, tcs_sh);
+    auto issue = [&](int jb, int sl) { // block jb's value slice
+        unsigned char *p = vring + sl * TCS_VSLOT3;
+        const unsigned char *vs =
+            (const unsigned char *)(rec0 + (int64_t)jb * TCS_RS3 + TCS_VWS) + q * TCS_VSLOT3;
+#pragma unroll
+        for (int i = 0; i < TCS_VSLOT3 / 512; i++)
+            tc_cp16(p + (i * 32 + lane) * 16, vs + (i * 32 + lane) * 16);
+        tc_commit();
+    };
+#pragma unroll
+    for (int b = 0; b < TCS4_VR - 1; b++) {
+        if (b < nkb)
+            issue(b, b);
+        else
+            tc_commit();
+    }
+    float acc[4][4], l[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int n = 0; n < 4; n++)
+        acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+    const int mt = lane >> 3;
+    for (int jb = 0; jb < nkb; jb++) {
+        __syncwarp(); // every lane done with block jb - 1's slot
+        const int nx = jb + TCS4_VR - 1;
+        if (nx < nkb)
+            issue(nx, nx % TCS4_VR);
+        else
+            tc_commit();
+        tc_wait<TCS4_VR - 1>(); // this lane's copies of block jb landed
+        __syncwarp();           // every lane's
+        const int sl = jb % TCS4_NP;
+        tcs_bar_sync(1 + sl, 64); // block jb's P pieces are in slot sl
+        const uint4 *src = (const uint4 *)(pring + sl * TCS_PSLOT3);
+        uint32_t px[TC_KEYS / 16][4];
+#pragma unroll
+        for (int kk = 0; kk < TC_KEYS / 16; kk++) {
+            const uint4 u = src[kk * 32 + lane];
+            px[kk][0] = u.x, px[kk][1] = u.y, px[kk][2] = u.z, px[kk][3] = u.w;
+        }
+        const float4 pa = *(const float4 *)(src + 4 * 32 + lane);
+        if (jb + TCS4_NP < nkb) // its P warp waits for this slot again
+            tcs_bar_arrive(1 + TCS4_NP + sl, 64);
+        const unsigned char *vp = vring + (jb % TCS4_VR) * TCS_VSLOT3;
+        l[0] = __fmaf_rn(l[0], pa.z, pa.x);
+        l[1] = __fmaf_rn(l[1], pa.w, pa.y);
+#pragma unroll
+        for (int n = 0; n < 4; n++) {
+            acc[n][0] = __fmul_rn(acc[n][0], pa.z);
+            acc[n][1] = __fmul_rn(acc[n][1], pa.z);
+            acc[n][2] = __fmul_rn(acc[n][2], pa.w);
+            acc[n][3] = __fmul_rn(acc[n][3], pa.w);
+        }
+#pragma unroll
+        for (int kk = 0; kk < TC_KEYS / 16; kk++) {
+            const int key = kk * 16 + (mt & 1) * 8 + (lane & 7);
+#pragma unroll
+            for (int dp = 0; dp < 2; dp++) {
+                uint32_t b[4];
+                tc_ldsm4t(b, (const uint16_t *)(vp + tcs_vswz(key, (mt >> 1) + 2 * dp)));
+                tc_mma(acc[2 * dp], px[kk], b[0], b[1]);
+                tc_mma(acc[2 * dp + 1], px[kk], b[2], b[3]);
+            }
+        }
+    }
+    tc_wait<0>();
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        l[i] = tc_quad_sum(l[i]);
+    }
+    tcs_store(a, r, h0, kv.head_dim_v, uin, acc, l, q, g, tq);
 }
 
 template <int DKM, int DVM, int PB>
@@ -730,6 +898,8 @@ __global__ void __launch_bounds__(TCD_THREADS, 1)
         }
     }
 
+    if (PB == 3) // phase B: attention_tcs_pv_kernel, after this kernel
+        return;
     // ---- hand-off: the last block of the (row, tile) goes on
     __threadfence();
     __syncthreads(); // also: every warp's phase-A reads of shared memory done
@@ -756,10 +926,6 @@ __global__ void __launch_bounds__(TCD_THREADS, 1)
         for (int i = tid; i < ne; i += TCD_THREADS)
             tab[i] = kv.block_tables[(int64_t)sq * kv.max_blocks + e0 + i];
     __syncthreads();
-    if (PB == 3) { // steps (1), (2); (3) in attention_tcs_pv_kernel
-        tcs_b3_soft(rec0, nkb, cs);
-        return;
-    }
     if (PB == 2) {
         tcs_phase_b3(a, rec0, r, h0, nkb, cs, uin);
         return;
@@ -954,12 +1120,12 @@ static mm_err tcs_launch(void *stream, const struct mm_attn_args *a, int gsub, i
     MM_GPU_CHECK(cudaGetLastError());
     if (PB == 3) {
         static uint64_t attr_pv;
-        const size_t sh = (size_t)TCS_VR4 * TCS_SLOT3;
+        const size_t sh = tcs_pv_shmem(max_kb);
         MM_TRY(tc_allow_shmem(attention_tcs_pv_kernel, &attr_pv, sh));
         const int dvp = (a->kv.head_dim_v + 15) & ~15;
         dim3 g2((unsigned)((dvp + 31) / 32), (unsigned)tiles, (unsigned)a->n_rows);
-        MM_GPU_CHECK(mm_launch_dep(attention_tcs_pv_kernel, g2, dim3(32), sh, (cudaStream_t)stream,
-                                   *a, gsub, max_kb, min_kb, rec));
+        MM_GPU_CHECK(mm_launch_dep(attention_tcs_pv_kernel, g2, dim3(32 * (TCS4_NP + 1)), sh,
+                                   (cudaStream_t)stream, *a, gsub, max_kb, min_kb, rec));
         MM_GPU_CHECK(cudaGetLastError());
     }
     return MM_OK;
@@ -1009,10 +1175,10 @@ extern "C" void mm_gpu_set_attention_splitk(int mode) {
 extern "C" void mm_gpu_set_attention_splitk_min(int n);
 extern "C" void mm_gpu_set_attention_splitk_min(int n) { g_tcs_min = n < 0 ? -1 : n; }
 
-// mm_gpu_set_attention_splitk_pb: phase B of the split kernel with every block's softmax at
-// once before the value warps' chain (2), a softmax warp feeding the value warps (1), or every
-// value warp running the softmax itself (0); < 0: back to MM_GPU_ATT_SPLITK_PB (default
-// TCS_PB_DEFAULT). Same bits. Process-wide.
+// mm_gpu_set_attention_splitk_pb: phase B of the split kernel in a second kernel, one block per
+// 32 value dims (3), with every block's softmax at once before the value warps' chain (2), a
+// softmax warp feeding the value warps (1), or every value warp running the softmax itself
+// (0); < 0: back to MM_GPU_ATT_SPLITK_PB (default TCS_PB_DEFAULT). Same bits. Process-wide.
 extern "C" void mm_gpu_set_attention_splitk_pb(int mode);
 extern "C" void mm_gpu_set_attention_splitk_pb(int mode) {
     g_tcs_pb = mode < 0 ? -1 : mode > 3 ? TCS_PB_DEFAULT : mode;
@@ -1053,6 +1219,8 @@ extern "C" mm_err mm_gpu_attention_tcs(void *stream, const struct mm_attn_args *
     if (pb >= 2 && (max_kb * 16 * 4 > (size_t)((dvp + 31) / 32) * TCS_VR3 * TCS_SLOT3 ||
                     tiles * max_kb * TCS_RS3 * TCS_MAX_ROWS * 4 > TCS_MAX_WS))
         pb = 1;
+    if (pb == 3 && tcs_pv_shmem((int)max_kb) > TCS_PV_SHMEM_MAX)
+        pb = 2;
     const size_t per_row = tiles * max_kb * (pb >= 2 ? TCS_RS3 : TCS_REC);
     if (per_row * TCS_MAX_ROWS * 4 > TCS_MAX_WS || max_kb > 0x7fffffff)
         return MM_OK;

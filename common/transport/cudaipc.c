@@ -26,11 +26,13 @@
 //           stream waits until the word reaches it (cyclic >=): a waiting stream wakes sooner
 //           than on an event's record, and the receiver owns the word, so closing a conn first
 //           sets it to the last value waited for, releasing a wait whose writer died. A frame
-//           of at most MM_CUDAIPC_SPIN_BYTES (default 128 KB: a batch-1 step's rows) is waited
-//           for by a polling kernel instead of cuStreamWaitValue32 (mm_gpu_flag_wait's spin):
-//           its stream's next kernel starts ~1.6 us sooner, which the latency-bound chain of a
-//           small step gains (mesh batch 1 -5%); larger frames keep the stream wait, whose
-//           extra launch batch 64 did not pay back (+2-3%) (docs/BENCHMARKS.md).
+//           of at most MM_CUDAIPC_SPIN_BYTES (default 64 KB: every frame of a batch-1 step,
+//           the owner's reply of 8 routed rows the largest) is waited for by a polling kernel
+//           instead of cuStreamWaitValue32 (mm_gpu_flag_wait's spin): its stream's next kernel
+//           starts ~1.6 us sooner, which the latency-bound chain of a small step gains (mesh
+//           batch 1 -5%, gateway c=1 +8%); larger frames keep the stream wait (with every
+//           frame spun, 64 sequences lost 2-3%; with frames to 128 KB, the gateway at c=16 3%)
+//           (docs/BENCHMARKS.md).
 //     free: the receiver records it on its stream after its copy-out is enqueued, then
 //           advances `freed` (bytes of the device ring it is done with) in the shm control
 //           page; before writing over ring bytes it has used before, the sender's stream waits
@@ -135,7 +137,7 @@ static uint64_t spin_bytes(void) {
     uint64_t v = __atomic_load_n(&g_spin_bytes, __ATOMIC_RELAXED);
     if (v != UINT64_MAX)
         return v;
-    v = 128u << 10;
+    v = 64u << 10;
     const char *env = getenv("MM_CUDAIPC_SPIN_BYTES");
     if (env && *env) {
         char *end = NULL;

@@ -384,6 +384,44 @@ __device__ __forceinline__ void tcs_phase_b2(const struct mm_attn_args &a, const
 __device__ __forceinline__ uint32_t tcs_vswz(int k, int c) {
     return (uint32_t)(k * 64 + 16 * (c ^ ((k >> 1) & 3)));
 }
+// One key block of the value chain of the third and fourth forms: this lane's P pieces at pp
+// (the P fragments, then (p sums, alphas) 128 pieces on) into px and pa (tcs_b3_take); then
+// l = fma(l, alpha, ps), tcs_pv's out * alpha and the P V mmas of the four n-tiles, the value
+// columns read by ldmatrix from the swizzled slice vp (tcs_vswz) (tcs_b3_chain)
+__device__ __forceinline__ void tcs_b3_take(const uint4 *pp, int lane, uint32_t (&px)[TC_KEYS / 16][4],
+                                            float4 &pa) {
+#pragma unroll
+    for (int kk = 0; kk < TC_KEYS / 16; kk++) {
+        const uint4 u = pp[kk * 32 + lane];
+        px[kk][0] = u.x, px[kk][1] = u.y, px[kk][2] = u.z, px[kk][3] = u.w;
+    }
+    pa = *(const float4 *)(pp + 4 * 32 + lane);
+}
+__device__ __forceinline__ void tcs_b3_chain(float (&acc)[4][4], float (&l)[2],
+                                             const uint32_t (&px)[TC_KEYS / 16][4], float4 pa,
+                                             const unsigned char *vp, int lane) {
+    const int mt = lane >> 3;
+    l[0] = __fmaf_rn(l[0], pa.z, pa.x);
+    l[1] = __fmaf_rn(l[1], pa.w, pa.y);
+#pragma unroll
+    for (int n = 0; n < 4; n++) {
+        acc[n][0] = __fmul_rn(acc[n][0], pa.z);
+        acc[n][1] = __fmul_rn(acc[n][1], pa.z);
+        acc[n][2] = __fmul_rn(acc[n][2], pa.w);
+        acc[n][3] = __fmul_rn(acc[n][3], pa.w);
+    }
+#pragma unroll
+    for (int kk = 0; kk < TC_KEYS / 16; kk++) {
+        const int key = kk * 16 + (mt & 1) * 8 + (lane & 7);
+#pragma unroll
+        for (int dp = 0; dp < 2; dp++) {
+            uint32_t b[4];
+            tc_ldsm4t(b, (const uint16_t *)(vp + tcs_vswz(key, (mt >> 1) + 2 * dp)));
+            tc_mma(acc[2 * dp], px[kk], b[0], b[1]);
+            tc_mma(acc[2 * dp + 1], px[kk], b[2], b[3]);
+        }
+    }
+}
 // steps (1) and (2), by the whole block
 __device__ __forceinline__ void tcs_b3_soft(float *rec0, int nkb, float cs) {
     extern __shared__ __align__(16) unsigned char tcs_sh[];
@@ -470,7 +508,6 @@ __device__ __forceinline__ void tcs_b3_pv(const struct mm_attn_args &a, const fl
 #pragma unroll
     for (int n = 0; n < 4; n++)
         acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
-    const int mt = lane >> 3;
     for (int jb = 0; jb < nkb; jb++) {
         __syncwarp(); // every lane done with block jb - 1's slot
         const int nx = jb + VR - 1;
@@ -482,34 +519,9 @@ __device__ __forceinline__ void tcs_b3_pv(const struct mm_attn_args &a, const fl
         __syncwarp();      // every lane's
         const unsigned char *sp = ring + (jb % VR) * TCS_SLOT3;
         uint32_t px[TC_KEYS / 16][4];
-#pragma unroll
-        for (int kk = 0; kk < TC_KEYS / 16; kk++) {
-            const uint4 u = *(const uint4 *)(sp + TCS_VSLOT3 + (kk * 32 + lane) * 16);
-            px[kk][0] = u.x, px[kk][1] = u.y, px[kk][2] = u.z, px[kk][3] = u.w;
-        }
-        const float4 pa = *(const float4 *)(sp + TCS_VSLOT3 + (4 * 32 + lane) * 16);
-        l[0] = __fmaf_rn(l[0], pa.z, pa.x);
-        l[1] = __fmaf_rn(l[1], pa.w, pa.y);
-        // tcs_pv's operations: out * alpha, then the P V mmas of the four n-tiles, the value
-        // columns read by ldmatrix from the swizzled slice (tcs_vswz)
-#pragma unroll
-        for (int n = 0; n < 4; n++) {
-            acc[n][0] = __fmul_rn(acc[n][0], pa.z);
-            acc[n][1] = __fmul_rn(acc[n][1], pa.z);
-            acc[n][2] = __fmul_rn(acc[n][2], pa.w);
-            acc[n][3] = __fmul_rn(acc[n][3], pa.w);
-        }
-#pragma unroll
-        for (int kk = 0; kk < TC_KEYS / 16; kk++) {
-            const int key = kk * 16 + (mt & 1) * 8 + (lane & 7);
-#pragma unroll
-            for (int dp = 0; dp < 2; dp++) {
-                uint32_t b[4];
-                tc_ldsm4t(b, (const uint16_t *)(sp + tcs_vswz(key, (mt >> 1) + 2 * dp)));
-                tc_mma(acc[2 * dp], px[kk], b[0], b[1]);
-                tc_mma(acc[2 * dp + 1], px[kk], b[2], b[3]);
-            }
-        }
+        float4 pa;
+        tcs_b3_take((const uint4 *)(sp + TCS_VSLOT3), lane, px, pa);
+        tcs_b3_chain(acc, l, px, pa, sp, lane);
     }
     tc_wait<0>();
 #pragma unroll
@@ -681,7 +693,6 @@ __global__ void __launch_bounds__(32 * (TCS4_NP + 1))
 #pragma unroll
     for (int n = 0; n < 4; n++)
         acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
-    const int mt = lane >> 3;
     for (int jb = 0; jb < nkb; jb++) {
         __syncwarp(); // every lane done with block jb - 1's slot
         const int nx = jb + TCS4_VR - 1;
@@ -693,37 +704,12 @@ __global__ void __launch_bounds__(32 * (TCS4_NP + 1))
         __syncwarp();           // every lane's
         const int sl = jb % TCS4_NP;
         tcs_bar_sync(1 + sl, 64); // block jb's P pieces are in slot sl
-        const uint4 *src = (const uint4 *)(pring + sl * TCS_PSLOT3);
         uint32_t px[TC_KEYS / 16][4];
-#pragma unroll
-        for (int kk = 0; kk < TC_KEYS / 16; kk++) {
-            const uint4 u = src[kk * 32 + lane];
-            px[kk][0] = u.x, px[kk][1] = u.y, px[kk][2] = u.z, px[kk][3] = u.w;
-        }
-        const float4 pa = *(const float4 *)(src + 4 * 32 + lane);
+        float4 pa;
+        tcs_b3_take((const uint4 *)(pring + sl * TCS_PSLOT3), lane, px, pa);
         if (jb + TCS4_NP < nkb) // its P warp waits for this slot again
             tcs_bar_arrive(1 + TCS4_NP + sl, 64);
-        const unsigned char *vp = vring + (jb % TCS4_VR) * TCS_VSLOT3;
-        l[0] = __fmaf_rn(l[0], pa.z, pa.x);
-        l[1] = __fmaf_rn(l[1], pa.w, pa.y);
-#pragma unroll
-        for (int n = 0; n < 4; n++) {
-            acc[n][0] = __fmul_rn(acc[n][0], pa.z);
-            acc[n][1] = __fmul_rn(acc[n][1], pa.z);
-            acc[n][2] = __fmul_rn(acc[n][2], pa.w);
-            acc[n][3] = __fmul_rn(acc[n][3], pa.w);
-        }
-#pragma unroll
-        for (int kk = 0; kk < TC_KEYS / 16; kk++) {
-            const int key = kk * 16 + (mt & 1) * 8 + (lane & 7);
-#pragma unroll
-            for (int dp = 0; dp < 2; dp++) {
-                uint32_t b[4];
-                tc_ldsm4t(b, (const uint16_t *)(vp + tcs_vswz(key, (mt >> 1) + 2 * dp)));
-                tc_mma(acc[2 * dp], px[kk], b[0], b[1]);
-                tc_mma(acc[2 * dp + 1], px[kk], b[2], b[3]);
-            }
-        }
+        tcs_b3_chain(acc, l, px, pa, vring + (jb % TCS4_VR) * TCS_VSLOT3, lane);
     }
     tc_wait<0>();
 #pragma unroll

@@ -717,7 +717,7 @@ static mm_err rx_wait(struct ipc_conn *c, const struct desc *d) {
     if (!c->flags)
         return mm_gpu_stream_wait_event(c->stream, c->rx_ev_data);
     MM_TRY(mm_gpu_flag_wait(c->stream, (uint8_t *)c->rx_ring + c->rx_bytes, d->seq,
-                            d->hdr.payload_bytes <= spin_bytes()));
+                            spin_bytes() > 0 && d->hdr.payload_bytes <= spin_bytes()));
     c->rx_seq = d->seq;
     return MM_OK;
 }

@@ -1106,8 +1106,9 @@ static mm_err tcs_launch(void *stream, const struct mm_attn_args *a, int gsub, i
     MM_GPU_CHECK(cudaGetLastError());
     if (PB == 3) {
         static uint64_t attr_pv;
-        const size_t sh = tcs_pv_shmem(max_kb);
-        MM_TRY(tc_allow_shmem(attention_tcs_pv_kernel, &attr_pv, sh));
+        const size_t sh = tcs_pv_shmem(max_kb); // (at most TCS_PV_SHMEM_MAX: the caller's check)
+        // the allowance is set once per device: the most any call may ask (its caches differ)
+        MM_TRY(tc_allow_shmem(attention_tcs_pv_kernel, &attr_pv, TCS_PV_SHMEM_MAX));
         const int dvp = (a->kv.head_dim_v + 15) & ~15;
         dim3 g2((unsigned)((dvp + 31) / 32), (unsigned)tiles, (unsigned)a->n_rows);
         MM_GPU_CHECK(mm_launch_dep(attention_tcs_pv_kernel, g2, dim3(32 * (TCS4_NP + 1)), sh,

@@ -210,6 +210,7 @@ static void test_wide_bits(void) {
 // the entry point's fallback (attention_tcd_kernel) gives the same bits. Then a call with a bad
 // row: the error flag set as attention_tcd_kernel sets it, the good rows' bits kept.
 #define SK_BLOCKS 570 // per sequence: 9120 positions
+static int sk_blocks = SK_BLOCKS; // the cache's table length (a larger one in the last case)
 #define SK_POOL 1200  // cache blocks in the pool
 #define SK_SEQS 8
 static const int32_t sk_lens[SK_SEQS] = {1, 63, 64, 65, 200, 1000, 4097, 9000};
@@ -224,11 +225,11 @@ static int sk_gsub(int group) { // attention_tcd's default: the largest divisor 
 
 static void split_case(int n_heads, int n_kv, int dk, int dv, int window, int bf16) {
     const int64_t slot = (int64_t)n_kv * (dk + dv), pool_n = (int64_t)SK_POOL * BS * slot;
-    int32_t *tables = malloc((size_t)SK_SEQS * SK_BLOCKS * 4);
+    int32_t *tables = malloc((size_t)SK_SEQS * sk_blocks * 4);
     MM_TRUE(tables != NULL);
     for (int s = 0; s < SK_SEQS; s++)
-        for (int i = 0; i < SK_BLOCKS; i++)
-            tables[s * SK_BLOCKS + i] = (int32_t)(((int64_t)i * 7 + 3 + s * 131) % SK_POOL);
+        for (int i = 0; i < sk_blocks; i++)
+            tables[s * sk_blocks + i] = (int32_t)(((int64_t)i * 7 + 3 + s * 131) % SK_POOL);
     float *pool = rand_f32(pool_n, 1.0f);
     uint16_t *pool16 = malloc((size_t)pool_n * 2);
     MM_TRUE(pool16 != NULL);
@@ -252,8 +253,8 @@ static void split_case(int n_heads, int n_kv, int dk, int dv, int window, int bf
                .n_kv_heads = n_kv,
                .head_dim_k = dk,
                .head_dim_v = dv,
-               .block_tables = dev_copy(tables, (size_t)SK_SEQS * SK_BLOCKS * 4),
-               .max_blocks = SK_BLOCKS,
+               .block_tables = dev_copy(tables, (size_t)SK_SEQS * sk_blocks * 4),
+               .max_blocks = sk_blocks,
                .dtype = bf16 ? MM_DTYPE_BF16 : MM_DTYPE_F32},
         .q = dev_copy(q, (size_t)max_rows * n_heads * dk * 4),
         .q_stride = (int64_t)n_heads * dk,
@@ -386,6 +387,12 @@ static void test_split_bits(void) {
     }
     if (mm_gpu_set_attention_splitk_pb)
         mm_gpu_set_attention_splitk_pb(-1);
+    // a cache of four times the table after the others (the default form): the split kernels'
+    // shared memory, sized by the cache, above what the first calls of this process asked
+    printf("a larger cache, the default form:\n");
+    sk_blocks = 4 * SK_BLOCKS;
+    split_case(32, 4, 128, 128, 0, 1);
+    sk_blocks = SK_BLOCKS;
     split_case(32, 4, 128, 128, 0, 0); // an f32 cache: refused, the fallback's bits
     close_tc();
 }

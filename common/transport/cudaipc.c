@@ -130,29 +130,6 @@ static bool have_flags(void) {
            mm_gpu_flags_ok();
 }
 
-// MM_CUDAIPC_SPIN_BYTES: the largest frame waited for by the polling kernel (0: none);
-// read once.
-static uint64_t g_spin_bytes = UINT64_MAX;
-static uint64_t spin_bytes(void) {
-    uint64_t v = __atomic_load_n(&g_spin_bytes, __ATOMIC_RELAXED);
-    if (v != UINT64_MAX)
-        return v;
-    v = 64u << 10;
-    const char *env = getenv("MM_CUDAIPC_SPIN_BYTES");
-    if (env && *env) {
-        char *end = NULL;
-        errno = 0;
-        const unsigned long long x = strtoull(env, &end, 10);
-        if (errno || *end || *env == '-' || x >= UINT64_MAX)
-            mm_log_warn("cudaipc: MM_CUDAIPC_SPIN_BYTES=%s is not a byte count: %llu used", env,
-                        (unsigned long long)v);
-        else
-            v = x;
-    }
-    __atomic_store_n(&g_spin_bytes, v, __ATOMIC_RELAXED);
-    return v;
-}
-
 static bool have_gpu_code(void) {
     return mm_gpu_ipc_mem_export && mm_gpu_ipc_mem_open && mm_gpu_ipc_mem_close &&
            mm_gpu_ipc_event_new && mm_gpu_ipc_event_open && mm_gpu_event_free &&
@@ -169,6 +146,9 @@ static void *g_stream;
 static char g_pci[32];
 static uint64_t g_ring_min; // bytes: twice the largest frame the process expects (0: none)
 static bool g_eager_free;   // MM_CUDAIPC_EAGER_FREE=1 (read at mm_transport_gpu_use)
+#define SPIN_BYTES_DEFAULT (64u << 10)
+static uint64_t g_spin_bytes = SPIN_BYTES_DEFAULT; // MM_CUDAIPC_SPIN_BYTES (likewise): the
+                                                   // largest frame the polling kernel waits for
 
 mm_err mm_transport_gpu_use(int dev, void *stream, char err[MM_ERRLEN]) {
     if (!have_gpu_code())
@@ -182,6 +162,18 @@ mm_err mm_transport_gpu_use(int dev, void *stream, char err[MM_ERRLEN]) {
     g_set = true;
     const char *ef = getenv("MM_CUDAIPC_EAGER_FREE");
     g_eager_free = ef && strcmp(ef, "1") == 0;
+    const char *sb = getenv("MM_CUDAIPC_SPIN_BYTES");
+    g_spin_bytes = SPIN_BYTES_DEFAULT;
+    if (sb && *sb) {
+        char *end = NULL;
+        errno = 0;
+        const unsigned long long x = strtoull(sb, &end, 10);
+        if (errno || *end || *sb == '-')
+            mm_log_warn("cudaipc: MM_CUDAIPC_SPIN_BYTES=%s is not a byte count: %u used", sb,
+                        SPIN_BYTES_DEFAULT);
+        else
+            g_spin_bytes = x;
+    }
     g_dev = dev;
     g_stream = stream;
     snprintf(g_pci, sizeof(g_pci), "%s", pci);
@@ -717,7 +709,7 @@ static mm_err rx_wait(struct ipc_conn *c, const struct desc *d) {
     if (!c->flags)
         return mm_gpu_stream_wait_event(c->stream, c->rx_ev_data);
     MM_TRY(mm_gpu_flag_wait(c->stream, (uint8_t *)c->rx_ring + c->rx_bytes, d->seq,
-                            spin_bytes() > 0 && d->hdr.payload_bytes <= spin_bytes()));
+                            g_spin_bytes > 0 && d->hdr.payload_bytes <= g_spin_bytes));
     c->rx_seq = d->seq;
     return MM_OK;
 }

@@ -133,25 +133,10 @@ tc_block(const uint32_t (&qf)[DKM / 16][4], const uint16_t *kb, const uint16_t *
     tc_scores<DKM>(qf, kb, ldk, dkp, s);
     // mask (keys outside [first, pos]: -inf; blocks wholly inside skip the tests), row
     // max of the raw scores over the row's 4 threads (a fixed butterfly)
-    float mx[2] = {-INFINITY, -INFINITY};
+    float mx[2];
 #pragma unroll
-    for (int i = 0; i < 2; i++) {
-        if (c0 >= first[i] && c0 + TC_KEYS - 1 <= pos[i]) {
-#pragma unroll
-            for (int j = 0; j < TC_KEYS / 8; j++)
-                mx[i] = fmaxf(mx[i], fmaxf(s[j][2 * i], s[j][2 * i + 1]));
-        } else {
-#pragma unroll
-            for (int j = 0; j < TC_KEYS / 8; j++)
-#pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    const int32_t t = c0 + 8 * j + 2 * tq + e;
-                    if (!(t >= first[i] && t <= pos[i]))
-                        s[j][2 * i + e] = -INFINITY;
-                    mx[i] = fmaxf(mx[i], s[j][2 * i + e]);
-                }
-        }
-    }
+    for (int i = 0; i < 2; i++)
+        mx[i] = tc_mask_max(s, i, c0, first[i], pos[i], tq);
     // the online softmax step: m, alpha, P (the A fragments of P V), l
     uint32_t pa[TC_KEYS / 16][4];
     float al[2];
@@ -404,28 +389,12 @@ tc_block2(const uint16_t *qs, int ldq, const uint16_t *kb, const uint16_t *vb, i
         }
     }
     // rows: k = 2 t + i is tile t's row g + 8 i (s[t][j][2 i + e])
-    float mx[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
+    float mx[4];
 #pragma unroll
     for (int t = 0; t < 2; t++)
 #pragma unroll
-        for (int i = 0; i < 2; i++) {
-            const int k = 2 * t + i;
-            if (c0 >= first[k] && c0 + TC_KEYS - 1 <= pos[k]) {
-#pragma unroll
-                for (int j = 0; j < TC_KEYS / 8; j++)
-                    mx[k] = fmaxf(mx[k], fmaxf(s[t][j][2 * i], s[t][j][2 * i + 1]));
-            } else {
-#pragma unroll
-                for (int j = 0; j < TC_KEYS / 8; j++)
-#pragma unroll
-                    for (int e = 0; e < 2; e++) {
-                        const int32_t key = c0 + 8 * j + 2 * tq + e;
-                        if (!(key >= first[k] && key <= pos[k]))
-                            s[t][j][2 * i + e] = -INFINITY;
-                        mx[k] = fmaxf(mx[k], s[t][j][2 * i + e]);
-                    }
-            }
-        }
+        for (int i = 0; i < 2; i++)
+            mx[2 * t + i] = tc_mask_max(s[t], i, c0, first[2 * t + i], pos[2 * t + i], tq);
     float al[4], ms[4];
 #pragma unroll
     for (int k = 0; k < 4; k++) {

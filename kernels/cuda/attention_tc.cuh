@@ -81,6 +81,30 @@ __device__ __forceinline__ void tc_max_step(float &mx, float cs, float &m, float
     m = mn;
 }
 
+// The contract's mask and this thread's raw max for row i (0: g, 1: g + 8) of a 64-key block
+// at c0 (s[j][2 i + e]: key c0 + 8 j + 2 tq + e): keys outside [first, pos] become -inf (a
+// block wholly inside skips the tests); returns the max over this thread's scores of the row.
+__device__ __forceinline__ float tc_mask_max(float (&s)[TC_KEYS / 8][4], int i, int32_t c0,
+                                             int32_t first, int32_t pos, int tq) {
+    float mx = -INFINITY;
+    if (c0 >= first && c0 + TC_KEYS - 1 <= pos) {
+#pragma unroll
+        for (int j = 0; j < TC_KEYS / 8; j++)
+            mx = fmaxf(mx, fmaxf(s[j][2 * i], s[j][2 * i + 1]));
+    } else {
+#pragma unroll
+        for (int j = 0; j < TC_KEYS / 8; j++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                const int32_t t = c0 + 8 * j + 2 * tq + e;
+                if (!(t >= first && t <= pos))
+                    s[j][2 * i + e] = -INFINITY;
+                mx = fmaxf(mx, s[j][2 * i + e]);
+            }
+    }
+    return mx;
+}
+
 // Two adjacent outputs o[d], o[d + 1] = a0 / l, a1 / l (as a0 * inv, inv = 1 / l), each only
 // below dv.
 __device__ __forceinline__ void tc_store2(float *o, int d, int dv, float a0, float a1, float inv) {

@@ -422,23 +422,48 @@ __device__ __forceinline__ void tcs_b3_chain(float (&acc)[4][4], float (&l)[2],
         }
     }
 }
-// steps (1) and (2), by the whole block
-__device__ __forceinline__ void tcs_b3_soft(float *rec0, int nkb, float cs) {
-    extern __shared__ __align__(16) unsigned char tcs_sh[];
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2;
-    float *const mrun = (float *)(tcs_sh + TCS_TAB * 4); // [nkb][16]: maxima, then running max
-    // (1) the maxima, one round, then the fold
-    for (int i = tid; i < nkb * 16; i += TCD_THREADS)
+// Step (1), by the whole block: block jb's raw row maxima from the records into mrun[jb][16],
+// then lanes 0..15 of warp 0 fold them in block order into the running max after each block
+// (m' = max(m, fmul(max, cs)), tc_max_step's expression). NT: the block's threads.
+template <int NT>
+__device__ __forceinline__ void tcs_b3_fold(float *mrun, const float *rec0, int nkb, float cs) {
+    const int tid = threadIdx.x;
+    for (int i = tid; i < nkb * 16; i += NT)
         mrun[i] = rec0[(int64_t)(i >> 4) * TCS_RS3 + TCS_REC + (i & 15)];
     __syncthreads();
-    if (warp == 0 && lane < 16) {
+    if (tid < 16) {
         float m = -INFINITY;
         for (int jb = 0; jb < nkb; jb++) {
-            m = fmaxf(m, __fmul_rn(mrun[jb * 16 + lane], cs));
-            mrun[jb * 16 + lane] = m;
+            m = fmaxf(m, __fmul_rn(mrun[jb * 16 + tid], cs));
+            mrun[jb * 16 + tid] = m;
         }
     }
     __syncthreads();
+}
+// Step (2) for key block jb: from its masked scores sc and the running maxima before and after
+// it, tc_max_step's alpha (al) and -m', then tc_softmax's p (tc_p: the P fragments px, the p
+// sums ps).
+__device__ __forceinline__ void tcs_b3_p(const float *mrun, int jb, float cs,
+                                         const float (&sc)[TC_KEYS / 8][4],
+                                         uint32_t (&px)[TC_KEYS / 16][4], float (&ps)[2],
+                                         float (&al)[2]) {
+    const int g = (threadIdx.x & 31) >> 2;
+    float ms[2];
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        const float mp = jb > 0 ? mrun[(jb - 1) * 16 + g + 8 * i] : -INFINITY;
+        const float mn = mrun[jb * 16 + g + 8 * i];
+        al[i] = mn == mp ? 1.0f : tc_ex2(__fsub_rn(mp, mn));
+        ms[i] = mn == -INFINITY ? 0.0f : -mn;
+    }
+    tc_p(sc, cs, ms, px, ps);
+}
+// steps (1) and (2), by the whole block
+__device__ __forceinline__ void tcs_b3_soft(float *rec0, int nkb, float cs) {
+    extern __shared__ __align__(16) unsigned char tcs_sh[];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    float *const mrun = (float *)(tcs_sh + TCS_TAB * 4); // [nkb][16]: maxima, then running max
+    tcs_b3_fold<TCD_THREADS>(mrun, rec0, nkb, cs);
     // (2) every block's P, p sums and alphas (the warp's next block's scores loaded while it
     // computes this one's)
     float4 nxs[TC_KEYS / 8];
@@ -458,17 +483,9 @@ __device__ __forceinline__ void tcs_b3_soft(float *rec0, int nkb, float cs) {
 #pragma unroll
             for (int jn = 0; jn < TC_KEYS / 8; jn++)
                 nxs[jn] = ((const float4 *)(rec0 + (int64_t)(jb + TCS_WARPS) * TCS_RS3))[jn * 32 + lane];
-        float al[2], ms[2];
-#pragma unroll
-        for (int i = 0; i < 2; i++) {
-            const float mp = jb > 0 ? mrun[(jb - 1) * 16 + g + 8 * i] : -INFINITY;
-            const float mn = mrun[jb * 16 + g + 8 * i];
-            al[i] = mn == mp ? 1.0f : tc_ex2(__fsub_rn(mp, mn));
-            ms[i] = mn == -INFINITY ? 0.0f : -mn;
-        }
-        float ps[2];
+        float al[2], ps[2];
         uint32_t px[TC_KEYS / 16][4];
-        tc_p(sc, cs, ms, px, ps);
+        tcs_b3_p(mrun, jb, cs, sc, px, ps, al);
 #pragma unroll
         for (int kk = 0; kk < TC_KEYS / 16; kk++)
             rp[kk * 32 + lane] = make_float4(__uint_as_float(px[kk][0]), __uint_as_float(px[kk][1]),
@@ -477,24 +494,30 @@ __device__ __forceinline__ void tcs_b3_soft(float *rec0, int nkb, float cs) {
     }
     __syncthreads(); // every block's pieces written (and the running maxima no longer read)
 }
-// step (3) for value dims 32 q .. 32 q + 31, by one warp, its ring of VR slots at ring
-template <int VR>
+// step (3) for value dims 32 q .. 32 q + 31, by one warp, its ring of VR slots at ring. NPR 0
+// (the third form): each slot holds a block's value slice and its P pieces, both copied from
+// the record. NPR > 0 (the fourth form): the slots hold the value slices alone, and block jb's
+// P pieces are taken from slot jb % NPR of pring, which its P warp fills (full barrier 1 + s,
+// empty barrier 1 + NPR + s, two warps each).
+template <int VR, int NPR>
 __device__ __forceinline__ void tcs_b3_pv(const struct mm_attn_args &a, const float *rec0,
                                           int64_t r, int h0, int nkb, const bool (&uin)[2], int q,
-                                          unsigned char *ring) {
+                                          unsigned char *ring, const unsigned char *pring) {
+    constexpr int SLOT = NPR ? TCS_VSLOT3 : TCS_SLOT3;
     const int dv = a.kv.head_dim_v;
     const int lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
     const int warp = q; // (the slice and the dims stored: tcs_store's warp)
-    auto issue = [&](int jb, int sl) { // block jb's value slice and P pieces
-        unsigned char *p = ring + sl * TCS_SLOT3;
+    auto issue = [&](int jb, int sl) { // block jb's value slice (and P pieces)
+        unsigned char *p = ring + sl * SLOT;
         const float *src = rec0 + (int64_t)jb * TCS_RS3;
         const unsigned char *vs = (const unsigned char *)(src + TCS_VWS) + warp * TCS_VSLOT3;
 #pragma unroll
         for (int i = 0; i < TCS_VSLOT3 / 512; i++)
             tc_cp16(p + (i * 32 + lane) * 16, vs + (i * 32 + lane) * 16);
+        if (!NPR)
 #pragma unroll
-        for (int c = 0; c < 5; c++)
-            tc_cp16(p + TCS_VSLOT3 + (c * 32 + lane) * 16, src + (c * 32 + lane) * 4);
+            for (int c = 0; c < 5; c++)
+                tc_cp16(p + TCS_VSLOT3 + (c * 32 + lane) * 16, src + (c * 32 + lane) * 4);
         tc_commit();
     };
 #pragma unroll
@@ -517,10 +540,18 @@ __device__ __forceinline__ void tcs_b3_pv(const struct mm_attn_args &a, const fl
             tc_commit();
         tc_wait<VR - 1>(); // this lane's copies of block jb landed
         __syncwarp();      // every lane's
-        const unsigned char *sp = ring + (jb % VR) * TCS_SLOT3;
+        const unsigned char *sp = ring + (jb % VR) * SLOT;
         uint32_t px[TC_KEYS / 16][4];
         float4 pa;
-        tcs_b3_take((const uint4 *)(sp + TCS_VSLOT3), lane, px, pa);
+        if (NPR) {
+            const int sl = jb % (NPR ? NPR : 1);
+            tcs_bar_sync(1 + sl, 64); // block jb's P pieces are in slot sl
+            tcs_b3_take((const uint4 *)(pring + sl * TCS_PSLOT3), lane, px, pa);
+            if (jb + NPR < nkb) // its P warp waits for this slot again
+                tcs_bar_arrive(1 + NPR + sl, 64);
+        } else {
+            tcs_b3_take((const uint4 *)(sp + TCS_VSLOT3), lane, px, pa);
+        }
         tcs_b3_chain(acc, l, px, pa, sp, lane);
     }
     tc_wait<0>();
@@ -536,8 +567,8 @@ __device__ __forceinline__ void tcs_phase_b3(const struct mm_attn_args &a, float
     const int dvp = (a.kv.head_dim_v + 15) & ~15, warp = threadIdx.x >> 5;
     tcs_b3_soft(rec0, nkb, cs);
     if (warp < (dvp + 31) / 32)
-        tcs_b3_pv<TCS_VR3>(a, rec0, r, h0, nkb, uin, warp,
-                           tcs_sh + TCS_TAB * 4 + warp * TCS_VR3 * TCS_SLOT3);
+        tcs_b3_pv<TCS_VR3, 0>(a, rec0, r, h0, nkb, uin, warp,
+                              tcs_sh + TCS_TAB * 4 + warp * TCS_VR3 * TCS_SLOT3, NULL);
 }
 
 // Phase B, fourth form (MM_GPU_ATT_SPLITK_PB=3): all of phase B in a second kernel,
@@ -576,7 +607,7 @@ __global__ void __launch_bounds__(32 * (TCS4_NP + 1))
     mm_dep_wait();
     extern __shared__ __align__(16) unsigned char tcs_sh[];
     const struct mm_kv_view &kv = a.kv;
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tq = lane & 3;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2;
     const int group = a.n_heads / kv.n_kv_heads, per_kv = group / gsub;
     const int kvh = blockIdx.y / per_kv, h0 = kvh * group + (blockIdx.y % per_kv) * gsub;
     const int64_t r = blockIdx.z;
@@ -598,18 +629,7 @@ __global__ void __launch_bounds__(32 * (TCS4_NP + 1))
     unsigned char *const sring = tcs_sh + (size_t)max_kb * 16 * 4;
     unsigned char *const pring = sring + TCS4_NP * TCS4_SR * TCS_REC * 4;
     unsigned char *const vring = pring + TCS4_NP * TCS_PSLOT3;
-    // (1) the maxima, one round, then the fold (the third form's)
-    for (int i = tid; i < nkb * 16; i += 32 * (TCS4_NP + 1))
-        mrun[i] = rec0[(int64_t)(i >> 4) * TCS_RS3 + TCS_REC + (i & 15)];
-    __syncthreads();
-    if (warp == 0 && lane < 16) {
-        float m = -INFINITY;
-        for (int jb = 0; jb < nkb; jb++) {
-            m = fmaxf(m, __fmul_rn(mrun[jb * 16 + lane], cs));
-            mrun[jb * 16 + lane] = m;
-        }
-    }
-    __syncthreads();
+    tcs_b3_fold<32 * (TCS4_NP + 1)>(mrun, rec0, nkb, cs); // (1), the third form's
     // barrier ids: full[w] 1 + w, empty[w] 1 + TCS4_NP + w (P warp w and the value warp)
     if (warp < TCS4_NP) { // (2) blocks warp, warp + TCS4_NP, ..: their P pieces into slot warp
         unsigned char *const myring = sring + warp * TCS4_SR * TCS_REC * 4;
@@ -642,17 +662,9 @@ __global__ void __launch_bounds__(32 * (TCS4_NP + 1))
                 const float4 x = *(const float4 *)(sp + (jn * 32 + lane) * 16);
                 sc[jn][0] = x.x, sc[jn][1] = x.y, sc[jn][2] = x.z, sc[jn][3] = x.w;
             }
-            float al[2], ms[2];
-#pragma unroll
-            for (int i = 0; i < 2; i++) {
-                const float mp = jb > 0 ? mrun[(jb - 1) * 16 + g + 8 * i] : -INFINITY;
-                const float mn = mrun[jb * 16 + g + 8 * i];
-                al[i] = mn == mp ? 1.0f : tc_ex2(__fsub_rn(mp, mn));
-                ms[i] = mn == -INFINITY ? 0.0f : -mn;
-            }
-            float ps[2];
+            float al[2], ps[2];
             uint32_t px[TC_KEYS / 16][4];
-            tc_p(sc, cs, ms, px, ps);
+            tcs_b3_p(mrun, jb, cs, sc, px, ps, al);
             const int sl = warp; // (= jb % TCS4_NP)
             if (jb >= TCS4_NP)
                 tcs_bar_sync(1 + TCS4_NP + sl, 64); // the value warp is done with block jb - TCS4_NP
@@ -673,50 +685,7 @@ __global__ void __launch_bounds__(32 * (TCS4_NP + 1))
 #pragma unroll
     for (int i = 0; i < 2; i++)
         uin[i] = g + 8 * i < gsub;
-    auto issue = [&](int jb, int sl) { // block jb's value slice
-        unsigned char *p = vring + sl * TCS_VSLOT3;
-        const unsigned char *vs =
-            (const unsigned char *)(rec0 + (int64_t)jb * TCS_RS3 + TCS_VWS) + q * TCS_VSLOT3;
-#pragma unroll
-        for (int i = 0; i < TCS_VSLOT3 / 512; i++)
-            tc_cp16(p + (i * 32 + lane) * 16, vs + (i * 32 + lane) * 16);
-        tc_commit();
-    };
-#pragma unroll
-    for (int b = 0; b < TCS4_VR - 1; b++) {
-        if (b < nkb)
-            issue(b, b);
-        else
-            tc_commit();
-    }
-    float acc[4][4], l[2] = {0.0f, 0.0f};
-#pragma unroll
-    for (int n = 0; n < 4; n++)
-        acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
-    for (int jb = 0; jb < nkb; jb++) {
-        __syncwarp(); // every lane done with block jb - 1's slot
-        const int nx = jb + TCS4_VR - 1;
-        if (nx < nkb)
-            issue(nx, nx % TCS4_VR);
-        else
-            tc_commit();
-        tc_wait<TCS4_VR - 1>(); // this lane's copies of block jb landed
-        __syncwarp();           // every lane's
-        const int sl = jb % TCS4_NP;
-        tcs_bar_sync(1 + sl, 64); // block jb's P pieces are in slot sl
-        uint32_t px[TC_KEYS / 16][4];
-        float4 pa;
-        tcs_b3_take((const uint4 *)(pring + sl * TCS_PSLOT3), lane, px, pa);
-        if (jb + TCS4_NP < nkb) // its P warp waits for this slot again
-            tcs_bar_arrive(1 + TCS4_NP + sl, 64);
-        tcs_b3_chain(acc, l, px, pa, vring + (jb % TCS4_VR) * TCS_VSLOT3, lane);
-    }
-    tc_wait<0>();
-#pragma unroll
-    for (int i = 0; i < 2; i++) {
-        l[i] = tc_quad_sum(l[i]);
-    }
-    tcs_store(a, r, h0, kv.head_dim_v, uin, acc, l, q, g, tq);
+    tcs_b3_pv<TCS4_VR, TCS4_NP>(a, rec0, r, h0, nkb, uin, q, vring, pring);
 }
 
 template <int DKM, int DVM, int PB>

@@ -156,49 +156,21 @@ __device__ __forceinline__ uint32_t tcw_off(int r, int p) {
 
 // tc_block's mask, max, exp2 and sum steps on the 64-key block at c0 of S (s[4 j + e]:
 // tc_block's s[j][e], keys c0 + 8 j + 2 tq + (e & 1), rows g (e < 2), g + 8): masked elements
-// of s become -inf, m moves on (tc_max_step: al, ms), P is packed as wgmma's A fragments (pa),
-// ps gets this thread's p sums per row. Shared by tcw_block and the pipelined loop (tcwp_step).
+// of s become -inf (tc_mask_max), m moves on (tc_max_step: al, ms), P is packed as wgmma's A
+// fragments (pa) and ps gets this thread's p sums per row (tc_p). Shared by tcw_block and the pipelined loop (tcwp_step).
 __device__ __forceinline__ void tcw_soft(float (&s)[32], int32_t c0, const int32_t (&first)[2],
                                          const int32_t (&pos)[2], float cs, float (&m)[2],
                                          float (&al)[2], uint32_t (&pa)[TC_KEYS / 16][4],
                                          float (&ps)[2]) {
     const int tq = threadIdx.x & 3;
-    float mx[2] = {-INFINITY, -INFINITY};
+    float(&sj)[TC_KEYS / 8][4] = *reinterpret_cast<float(*)[TC_KEYS / 8][4]>(&s); // s[j][e]
+    float mx[2], ms[2];
 #pragma unroll
     for (int i = 0; i < 2; i++) {
-        if (c0 >= first[i] && c0 + TC_KEYS - 1 <= pos[i]) {
-#pragma unroll
-            for (int j = 0; j < TC_KEYS / 8; j++)
-                mx[i] = fmaxf(mx[i], fmaxf(s[4 * j + 2 * i], s[4 * j + 2 * i + 1]));
-        } else {
-#pragma unroll
-            for (int j = 0; j < TC_KEYS / 8; j++)
-#pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    const int32_t t = c0 + 8 * j + 2 * tq + e;
-                    if (!(t >= first[i] && t <= pos[i]))
-                        s[4 * j + 2 * i + e] = -INFINITY;
-                    mx[i] = fmaxf(mx[i], s[4 * j + 2 * i + e]);
-                }
-        }
-    }
-    float ms[2];
-#pragma unroll
-    for (int i = 0; i < 2; i++) {
+        mx[i] = tc_mask_max(sj, i, c0, first[i], pos[i], tq);
         tc_max_step(mx[i], cs, m[i], al[i], ms[i]);
     }
-    ps[0] = ps[1] = 0.0f;
-#pragma unroll
-    for (int j = 0; j < TC_KEYS / 8; j++) {
-        const float p0 = tc_ex2(__fmaf_rn(s[4 * j + 0], cs, ms[0]));
-        const float p1 = tc_ex2(__fmaf_rn(s[4 * j + 1], cs, ms[0]));
-        const float p2 = tc_ex2(__fmaf_rn(s[4 * j + 2], cs, ms[1]));
-        const float p3 = tc_ex2(__fmaf_rn(s[4 * j + 3], cs, ms[1]));
-        ps[0] = __fadd_rn(__fadd_rn(ps[0], p0), p1);
-        ps[1] = __fadd_rn(__fadd_rn(ps[1], p2), p3);
-        pa[j >> 1][(j & 1) * 2 + 0] = tc_pack(p0, p1);
-        pa[j >> 1][(j & 1) * 2 + 1] = tc_pack(p2, p3);
-    }
+    tc_p(sj, cs, ms, pa, ps);
 }
 
 // l and O rescaled by alpha, then l += the block's p sums (tc_block's operations)

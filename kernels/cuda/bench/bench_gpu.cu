@@ -6,6 +6,7 @@
 //             than the L2 so every call streams from HBM; fraction of the copy bandwidth
 //   layer     one MoE layer's decode products at batch 1 (q, k, v, o, router, grouped gate/up/down
 //             of 8 routed experts out of 128), replayed from a CUDA graph; bytes read / time
+//   ffn       a decode step's MoE FFN (mm_gpu_moe_ffn_rows) against its routed experts, 1..8
 //   moe64     grouped expert products at batch 64 (512 routed rows over 128 experts)
 //   prefill   4096-token GEMMs in TFLOP/s per path (wgmma tiles, two block sizes; mma.sync
 //             tiles; FMA), and the default path's bits against the decode GEMV; the bf16 peak
@@ -288,6 +289,89 @@ static void bench_layer(double copy_gbs) {
     mm_gpu_free(rows), mm_gpu_free(h), mm_gpu_free(out);
 }
 
+// ---- a decode step's MoE FFN against the number of routed experts --------------------------------
+// mm_gpu_moe_ffn_rows at Qwen3-30B-A3B's shape ([gate; up] 1536 x 2048 and down 2048 x 768 per
+// expert, bf16), k = 1..8 routed experts of one row each (batch 1 routes 8), 8 layers rotated so
+// every call reads HBM; eager and replayed from a CUDA graph of all 8 layers. The time per
+// expert shows how the products scale with their block count (the SMs' waves of blocks).
+static void bench_ffn(double copy_gbs) {
+    const int D = 2048, E = 128, F = 768, NL = 8;
+    const int ks[] = {1, 2, 3, 4, 5, 6, 7, 8};
+    std::vector<void **> d_gu(NL), d_dn(NL);
+    std::vector<uint16_t *> gu(NL), dn(NL);
+    for (int l = 0; l < NL; l++) {
+        gu[l] = rand_bf16((size_t)E * 2 * F * D, 300 + l);
+        dn[l] = rand_bf16((size_t)E * D * F, 400 + l);
+        void *hg[128], *hd[128];
+        for (int e = 0; e < E; e++) {
+            hg[e] = gu[l] + (size_t)e * 2 * F * D;
+            hd[e] = dn[l] + (size_t)e * D * F;
+        }
+        d_gu[l] = (void **)dalloc(E * sizeof(void *));
+        d_dn[l] = (void **)dalloc(E * sizeof(void *));
+        MK(mm_gpu_memcpy_h2d(g_stream, d_gu[l], hg, sizeof(hg)));
+        MK(mm_gpu_memcpy_h2d(g_stream, d_dn[l], hd, sizeof(hd)));
+    }
+    float *x = rand_f32(D, 11), *y = (float *)dalloc((size_t)16 * D * 4);
+    int32_t *d_offs = (int32_t *)dalloc((size_t)NL * 129 * 4);
+    int32_t *idx = (int32_t *)dalloc(16 * 4);
+    {
+        int32_t h[16];
+        for (int i = 0; i < 16; i++)
+            h[i] = 0; // every slot reads the one token's row
+        MK(mm_gpu_memcpy_h2d(g_stream, idx, h, sizeof(h)));
+    }
+    int32_t *yidx = (int32_t *)dalloc(16 * 4);
+    {
+        int32_t h[16];
+        for (int i = 0; i < 16; i++)
+            h[i] = i;
+        MK(mm_gpu_memcpy_h2d(g_stream, yidx, h, sizeof(h)));
+    }
+    printf("\nffn       decode MoE FFN (mm_gpu_moe_ffn_rows), k routed experts of one row each, "
+           "%d layers rotated\n", NL);
+    printf("ffn       %2s %9s %10s %10s %9s %9s\n", "k", "MB", "eager us", "graph us", "GB/s",
+           "of copy");
+    for (int k : ks) {
+        for (int l = 0; l < NL; l++) {
+            int32_t offs[129];
+            int chosen[128] = {0};
+            for (int t = 0; t < k; t++)
+                chosen[(t * 37 + l * 11 + 5) % E] = 1;
+            offs[0] = 0;
+            for (int e = 0; e < E; e++)
+                offs[e + 1] = offs[e] + chosen[e];
+            MK(mm_gpu_memcpy_h2d(g_stream, d_offs + l * 129, offs, sizeof(offs)));
+        }
+        MK(mm_gpu_stream_sync(g_stream));
+        auto run = [&](int i) {
+            const int l = i % NL;
+            MK(mm_gpu_moe_ffn_rows(g_stream, MM_DTYPE_BF16, (const void *const *)d_gu[l],
+                                   (const void *const *)d_dn[l], d_offs + l * 129, E, F, D, x, D,
+                                   idx, y, D, yidx, k));
+        };
+        const double us_eager = time_us(run, 20 * NL);
+        cudaGraph_t graph;
+        cudaGraphExec_t exec;
+        CK(cudaStreamBeginCapture(g_stream, cudaStreamCaptureModeGlobal));
+        for (int l = 0; l < NL; l++)
+            run(l);
+        CK(cudaStreamEndCapture(g_stream, &graph));
+        CK(cudaGraphInstantiate(&exec, graph, 0));
+        const double us_graph = time_us([&](int) { CK(cudaGraphLaunch(exec, g_stream)); }, 20) / NL;
+        CK(cudaGraphExecDestroy(exec));
+        CK(cudaGraphDestroy(graph));
+        const double mb = k * 3.0 * F * D * 2 / 1e6;
+        printf("ffn       %2d %9.1f %10.2f %10.2f %9.0f %8.1f%%\n", k, mb, us_eager, us_graph,
+               mb * 1e3 / us_graph, 100.0 * mb * 1e3 / us_graph / copy_gbs);
+    }
+    for (int l = 0; l < NL; l++) {
+        mm_gpu_free(gu[l]), mm_gpu_free(dn[l]);
+        mm_gpu_free(d_gu[l]), mm_gpu_free(d_dn[l]);
+    }
+    mm_gpu_free(x), mm_gpu_free(y), mm_gpu_free(d_offs), mm_gpu_free(idx), mm_gpu_free(yidx);
+}
+
 // Elements whose bits differ between a and b, counted on the device into *cnt.
 __global__ void count_diff(const uint32_t *a, const uint32_t *b, size_t n, unsigned long long *cnt) {
     unsigned long long c = 0;
@@ -425,7 +509,8 @@ static void bench_moe(double copy_gbs, double peak, int n_tok, const char *tag) 
 
 static void bench_prefill(double peak) {
     const int M = 4096;
-    const shape shapes[] = {{"q_proj", 4096, 2048}, {"o_proj", 2048, 4096}, {"square 4096", 4096, 4096},
+    const shape shapes[] = {{"router", 128, 2048}, {"q_proj", 4096, 2048}, {"o_proj", 2048, 4096},
+                            {"square 4096", 4096, 4096},
                             {"lm_head slice", 16384, 2048}};
     printf("\nprefill   dense GEMM, %d tokens, f32 x and y; wgmma times include converting x to bf16\n", M);
     printf("%-16s %6s %6s %10s %9s %8s   %s\n", "shape", "n_out", "n_in", "us", "TFLOP/s", "of peak", "path");
@@ -433,7 +518,9 @@ static void bench_prefill(double peak) {
         int path, tile;
         const char *name;
     };
-    const variant vs[] = {{MM_GPU_PATH_WG, 2, "wgmma 128 out x 128 tok"},
+    const variant vs[] = {{MM_GPU_PATH_AUTO, 0, "AUTO"},
+                          {MM_GPU_PATH_GEMV, 0, "decode GEMV (few outputs only)"},
+                          {MM_GPU_PATH_WG, 2, "wgmma 128 out x 128 tok"},
                           {MM_GPU_PATH_WG, 3, "wgmma 192 out x 128 tok"},
                           {MM_GPU_PATH_WG, 4, "wgmma 128 out x 192 tok (AUTO for few rows)"},
                           {MM_GPU_PATH_WG, 5, "wgmma 128 x 128, k 128 per stage"},
@@ -467,7 +554,7 @@ static void bench_prefill(double peak) {
         for (const variant &v : vs) {
             if (g_quick && v.path == MM_GPU_PATH_FMA)
                 continue;
-            if (v.path == MM_GPU_PATH_FMA && s.n_out > 4096)
+            if ((v.path == MM_GPU_PATH_FMA && s.n_out > 4096) || (v.path == MM_GPU_PATH_GEMV && s.n_out > 1024))
                 continue;
             mm_gpu_set_gemm_tile(v.tile < 0 ? -v.tile : v.tile);
             mm_gpu_set_wperm_mb(v.tile < 0 ? 0 : -1); // < 0: without the permuted-W cache
@@ -536,7 +623,7 @@ int main(int argc, char **argv) {
         } else if (strcmp(argv[i], "--only") == 0 && i + 1 < argc) {
             g_only = argv[++i];
         } else {
-            fprintf(stderr, "usage: %s [--device N] [--peak-tflops F] [--quick] [--only gemv|layer|moe|prefill]\n", argv[0]);
+            fprintf(stderr, "usage: %s [--device N] [--peak-tflops F] [--quick] [--only gemv|layer|ffn|moe|prefill]\n", argv[0]);
             return 2;
         }
     }
@@ -560,6 +647,8 @@ int main(int argc, char **argv) {
         bench_gemv(copy_gbs);
     if (want("layer"))
         bench_layer(copy_gbs);
+    if (want("ffn"))
+        bench_ffn(copy_gbs);
     if (want("moe")) {
         bench_moe(copy_gbs, peak, 1, "moe1");
         bench_moe(copy_gbs, peak, 64, "moe64");

@@ -108,6 +108,21 @@ static double time_us(F fn, int iters) {
     return t[t.size() / 2];
 }
 
+// What record() issues, recorded once as a CUDA graph and replayed: time_us of a replay.
+template <class F>
+static double graph_us(F record, int iters) {
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    CK(cudaStreamBeginCapture(g_stream, cudaStreamCaptureModeGlobal));
+    record();
+    CK(cudaStreamEndCapture(g_stream, &graph));
+    CK(cudaGraphInstantiate(&exec, graph, 0));
+    const double us = time_us([&](int) { CK(cudaGraphLaunch(exec, g_stream)); }, iters);
+    CK(cudaGraphExecDestroy(exec));
+    CK(cudaGraphDestroy(graph));
+    return us;
+}
+
 // ---- copy bandwidth ----------------------------------------------------------------------------
 static double bench_copy(void) {
     const size_t n = (size_t)2 << 30; // 2 GiB each way
@@ -171,6 +186,19 @@ static void bench_gemv(double copy_gbs) {
     }
 }
 
+// Routing offsets (E + 1, E <= 128) of k distinct experts with one row each, a different set per
+// layer l, copied to the device at d_offs (stream-ordered).
+static void routed_offs(int32_t *d_offs, int E, int k, int l) {
+    int32_t offs[129];
+    int chosen[128] = {0};
+    for (int t = 0; t < k; t++)
+        chosen[(t * 37 + l * 11 + 5) % E] = 1;
+    offs[0] = 0;
+    for (int e = 0; e < E; e++)
+        offs[e + 1] = offs[e] + chosen[e];
+    MK(mm_gpu_memcpy_h2d(g_stream, d_offs, offs, (size_t)(E + 1) * sizeof(int32_t)));
+}
+
 // ---- one MoE layer's decode products, batch 1, from a CUDA graph ----------------------------------
 // Qwen3-30B-A3B: d_model 2048, 32 q heads x 128, 4 kv heads x 128, 128 experts (768) top-8.
 struct layer {
@@ -215,15 +243,8 @@ static void bench_layer(double copy_gbs) {
     // Routing offsets: 8 distinct experts with one row each (a different set per layer).
     std::vector<int32_t *> d_offs(n_layers);
     for (int l = 0; l < n_layers; l++) {
-        int32_t offs[129];
-        int chosen[128] = {0};
-        for (int t = 0; t < TOPK; t++)
-            chosen[(t * 37 + l * 11 + 5) % E] = 1;
-        offs[0] = 0;
-        for (int e = 0; e < E; e++)
-            offs[e + 1] = offs[e] + chosen[e];
-        d_offs[l] = (int32_t *)dalloc(sizeof(offs));
-        MK(mm_gpu_memcpy_h2d(g_stream, d_offs[l], offs, sizeof(offs)));
+        d_offs[l] = (int32_t *)dalloc(129 * sizeof(int32_t));
+        routed_offs(d_offs[l], E, TOPK, l);
     }
     MK(mm_gpu_stream_sync(g_stream));
     auto run_layer = [&](int l) {
@@ -246,14 +267,11 @@ static void bench_layer(double copy_gbs) {
     double us_eager = time_us([&](int i) { run_layer(i % n_layers); }, 40 * n_layers);
     printf("\nlayer     eager without PDL: %.2f us/layer\n", us_nopdl);
     // Graph of all layers, replayed.
-    cudaGraph_t graph;
-    cudaGraphExec_t exec;
-    CK(cudaStreamBeginCapture(g_stream, cudaStreamCaptureModeGlobal));
-    for (int l = 0; l < n_layers; l++)
-        run_layer(l);
-    CK(cudaStreamEndCapture(g_stream, &graph));
-    CK(cudaGraphInstantiate(&exec, graph, 0));
-    double us_graph = time_us([&](int) { CK(cudaGraphLaunch(exec, g_stream)); }, 40) / n_layers;
+    auto all_layers = [&]() {
+        for (int l = 0; l < n_layers; l++)
+            run_layer(l);
+    };
+    const double us_graph = graph_us(all_layers, 40) / n_layers;
     printf("\nlayer     decode batch 1, one Qwen3-30B-A3B MoE layer's products (8 launches: q k v o "
            "router + grouped gate/up/down of 8/128 experts), %.1f MB of weights\n", bytes / 1e6);
     printf("layer     eager: %.2f us/layer -> %.0f GB/s = %.1f%% of copy\n", us_eager,
@@ -264,21 +282,12 @@ static void bench_layer(double copy_gbs) {
     printf("layer     => 48 layers + lm_head: %.2f GB/token; at the graph rate %.0f tokens/s "
            "(matmuls only; attention, norms, routing excluded)\n", model_bytes / 1e9,
            1e6 / (48 * us_graph + 2.0 * 151936 * 2048 / (bytes / us_graph)));
-    CK(cudaGraphExecDestroy(exec));
-    CK(cudaGraphDestroy(graph));
     // the same graph with the earlier GEMV (v1) beside it
     mm_gpu_set_gemv_version(1);
-    CK(cudaStreamBeginCapture(g_stream, cudaStreamCaptureModeGlobal));
-    for (int l = 0; l < n_layers; l++)
-        run_layer(l);
-    CK(cudaStreamEndCapture(g_stream, &graph));
-    CK(cudaGraphInstantiate(&exec, graph, 0));
-    const double us_graph1 = time_us([&](int) { CK(cudaGraphLaunch(exec, g_stream)); }, 40) / n_layers;
+    const double us_graph1 = graph_us(all_layers, 40) / n_layers;
     mm_gpu_set_gemv_version(2);
     printf("layer     graph, GEMV v1: %.2f us/layer -> %.1f%% of copy\n", us_graph1,
            100.0 * bytes / (us_graph1 * 1e-6) / 1e9 / copy_gbs);
-    CK(cudaGraphExecDestroy(exec));
-    CK(cudaGraphDestroy(graph));
     for (int l = 0; l < n_layers; l++) {
         layer &y = L[l];
         mm_gpu_free(y.q), mm_gpu_free(y.k), mm_gpu_free(y.v), mm_gpu_free(y.o), mm_gpu_free(y.router);
@@ -333,16 +342,8 @@ static void bench_ffn(double copy_gbs) {
     printf("ffn       %2s %9s %10s %10s %9s %9s\n", "k", "MB", "eager us", "graph us", "GB/s",
            "of copy");
     for (int k : ks) {
-        for (int l = 0; l < NL; l++) {
-            int32_t offs[129];
-            int chosen[128] = {0};
-            for (int t = 0; t < k; t++)
-                chosen[(t * 37 + l * 11 + 5) % E] = 1;
-            offs[0] = 0;
-            for (int e = 0; e < E; e++)
-                offs[e + 1] = offs[e] + chosen[e];
-            MK(mm_gpu_memcpy_h2d(g_stream, d_offs + l * 129, offs, sizeof(offs)));
-        }
+        for (int l = 0; l < NL; l++)
+            routed_offs(d_offs + l * 129, E, k, l);
         MK(mm_gpu_stream_sync(g_stream));
         auto run = [&](int i) {
             const int l = i % NL;
@@ -350,17 +351,11 @@ static void bench_ffn(double copy_gbs) {
                                    (const void *const *)d_dn[l], d_offs + l * 129, E, F, D, x, D,
                                    idx, y, D, yidx, k));
         };
-        const double us_eager = time_us(run, 20 * NL);
-        cudaGraph_t graph;
-        cudaGraphExec_t exec;
-        CK(cudaStreamBeginCapture(g_stream, cudaStreamCaptureModeGlobal));
-        for (int l = 0; l < NL; l++)
-            run(l);
-        CK(cudaStreamEndCapture(g_stream, &graph));
-        CK(cudaGraphInstantiate(&exec, graph, 0));
-        const double us_graph = time_us([&](int) { CK(cudaGraphLaunch(exec, g_stream)); }, 20) / NL;
-        CK(cudaGraphExecDestroy(exec));
-        CK(cudaGraphDestroy(graph));
+        const double us_eager = time_us(run, 20 * NL); // (also makes the stream's FFN buffer)
+        const double us_graph = graph_us([&]() {
+            for (int l = 0; l < NL; l++)
+                run(l);
+        }, 20) / NL;
         const double mb = k * 3.0 * F * D * 2 / 1e6;
         printf("ffn       %2d %9.1f %10.2f %10.2f %9.0f %8.1f%%\n", k, mb, us_eager, us_graph,
                mb * 1e3 / us_graph, 100.0 * mb * 1e3 / us_graph / copy_gbs);

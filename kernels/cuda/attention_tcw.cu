@@ -157,7 +157,8 @@ __device__ __forceinline__ uint32_t tcw_off(int r, int p) {
 // tc_block's mask, max, exp2 and sum steps on the 64-key block at c0 of S (s[4 j + e]:
 // tc_block's s[j][e], keys c0 + 8 j + 2 tq + (e & 1), rows g (e < 2), g + 8): masked elements
 // of s become -inf (tc_mask_max), m moves on (tc_max_step: al, ms), P is packed as wgmma's A
-// fragments (pa) and ps gets this thread's p sums per row (tc_p). Shared by tcw_block and the pipelined loop (tcwp_step).
+// fragments (pa) and ps gets this thread's p sums per row (tc_p). Shared by tcw_block and the
+// pipelined loop (tcwp_step).
 __device__ __forceinline__ void tcw_soft(float (&s)[32], int32_t c0, const int32_t (&first)[2],
                                          const int32_t (&pos)[2], float cs, float (&m)[2],
                                          float (&al)[2], uint32_t (&pa)[TC_KEYS / 16][4],

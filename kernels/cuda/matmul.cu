@@ -1058,6 +1058,116 @@ __global__ void __launch_bounds__(MV_WARPS * 32, MINB) gemv_bulk_kernel(mm_mat_a
     }
 }
 
+
+// ---- dense products of 9..64 rows with the segments split over blocks --------------------------
+// A batch-decode product of few output tiles (o_proj at 64 rows: 16 tiles of 128 outputs) keeps
+// few SMs streaming W. gemm_seg_kernel gives each (128-output tile, token tile of up to 64 rows,
+// k segment) its own block: the segment's chain of mma steps, the GEMV's operands and order
+// (gemv_bulk_kernel's inner loop: W rows g and g + 8 at k = kc + 8t, two m16n8k16 steps a
+// 32-wide chunk, from zero), parked as that segment's sum in a workspace [S][n_rows][n_out];
+// gemm_seg_fold_kernel adds the sums in segment order, 0 + p0 + p1 + ..., then bias, then the
+// residual, as mv_store_y does: the GEMV's bits. W goes from global memory straight into each
+// warp's registers (every element is used by one warp), issued before the wait for the kernel
+// before (W is never written by it); x's segment is staged in shared memory as bf16 (pack_bf16)
+// after it.
+#define SEG_WARPS 8  // a block: 8 warps of 16 outputs
+#define SEG_TN 64    // tokens per block, at most
+#define SEG_CH 8     // 32-wide k chunks held in registers at a time (256 of k)
+template <int NT> // token groups of 8 (tokens of the tile: <= 8 NT)
+__global__ void __launch_bounds__(SEG_WARPS * 32, 2) gemm_seg_kernel(mm_mat_args a, float *ws, int tn) {
+    extern __shared__ __align__(16) uint16_t sxs[]; // [8 NT][sl + 8] bf16
+    asm volatile("griddepcontrol.launch_dependents;\n" ::);
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int g = lane >> 2, t = lane & 3;
+    const int sl = seg_len(a.n_in), sg = blockIdx.z;
+    const int k0 = sg * sl, k1 = min(a.n_in, k0 + sl);
+    const int o0 = blockIdx.x * (SEG_WARPS * 16) + warp * 16;
+    const int m0 = blockIdx.y * tn, ml = min(min(tn, 8 * NT), a.n_rows - m0);
+    const int ldx = sl + 8;
+    const uint16_t *w = (const uint16_t *)a.w0;
+    const uint16_t *wa = w + (size_t)min(o0 + g, a.n_out - 1) * a.n_in;
+    const uint16_t *wb = w + (size_t)min(o0 + g + 8, a.n_out - 1) * a.n_in;
+    uint4 w0[SEG_CH], w1[SEG_CH];
+    auto load_w = [&](int kb) {
+#pragma unroll
+        for (int i = 0; i < SEG_CH; i++) {
+            const int k = kb + 32 * i + 8 * t;
+            if (kb + 32 * i < k1) {
+                w0[i] = __ldg((const uint4 *)(wa + k));
+                w1[i] = __ldg((const uint4 *)(wb + k));
+            }
+        }
+    };
+    load_w(k0);
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+    // x's rows m0.. of this segment as bf16 (rows past ml: zeros, never stored)
+    const int per_row = (k1 - k0) / 8;
+    for (int p = threadIdx.x; p < 8 * NT * per_row; p += SEG_WARPS * 32) {
+        const int m = p / per_row, k = (p % per_row) * 8;
+        uint4 v = make_uint4(0u, 0u, 0u, 0u);
+        if (m < ml) {
+            float4 lo, hi;
+            load_x8f(a.x + (size_t)(m0 + m) * a.x_stride, k0 + k, a.n_in, a.vec != 0, lo, hi);
+            v = make_uint4(pack_bf16(lo.x, lo.y), pack_bf16(lo.z, lo.w), pack_bf16(hi.x, hi.y),
+                           pack_bf16(hi.z, hi.w));
+        }
+        *(uint4 *)&sxs[m * ldx + k] = v;
+    }
+    __syncthreads();
+    float acc[NT][4];
+#pragma unroll
+    for (int j = 0; j < NT; j++)
+        acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+    for (int kb = k0; kb < k1; kb += 32 * SEG_CH) {
+        if (kb > k0)
+            load_w(kb);
+#pragma unroll
+        for (int i = 0; i < SEG_CH; i++) {
+            if (kb + 32 * i >= k1)
+                break;
+            const int kx = kb - k0 + 32 * i + 8 * t;
+            const uint32_t A0[4] = {w0[i].x, w1[i].x, w0[i].y, w1[i].y};
+            const uint32_t A1[4] = {w0[i].z, w1[i].z, w0[i].w, w1[i].w};
+#pragma unroll
+            for (int j = 0; j < NT; j++) {
+                const uint4 xv = *(const uint4 *)&sxs[(8 * j + g) * ldx + kx];
+                const uint32_t B0[2] = {xv.x, xv.y}, B1[2] = {xv.z, xv.w};
+                mma16816(acc[j], A0, B0);
+                mma16816(acc[j], A1, B1);
+            }
+        }
+    }
+    // acc[j][0..1]: output o0 + g, tokens 8j + 2t, + 1; acc[j][2..3]: output o0 + g + 8
+    float *wsg = ws + (size_t)sg * a.n_rows * a.n_out;
+#pragma unroll
+    for (int j = 0; j < NT; j++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int o = o0 + g + (i >> 1) * 8, tok = 8 * j + 2 * t + (i & 1);
+            if (o < a.n_out && tok < ml)
+                wsg[(size_t)(m0 + tok) * a.n_out + o] = acc[j][i];
+        }
+}
+
+// y row r, output o = 0 + the S segment sums in order (+ bias) (res + that), as mv_store_y.
+__global__ void __launch_bounds__(256) gemm_seg_fold_kernel(mm_mat_args a, const float *ws, int S) {
+    asm volatile("griddepcontrol.launch_dependents;\n" ::);
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+    const int64_t i = (int64_t)blockIdx.x * 256 + threadIdx.x;
+    if (i >= (int64_t)a.n_rows * a.n_out)
+        return;
+    const int r = (int)(i / a.n_out), o = (int)(i % a.n_out);
+    const size_t plane = (size_t)a.n_rows * a.n_out;
+    float v = 0.0f;
+    for (int sg = 0; sg < S; sg++)
+        v = v + ws[(size_t)sg * plane + i];
+    if (a.bias)
+        v = v + a.bias[o];
+    if (a.res)
+        v = a.res[(size_t)r * a.res_stride + o] + v;
+    a.y[(size_t)r * a.y_stride + o] = v;
+}
+
 #endif // MM_GPU_HAVE_WMMA
 
 // ---- tiled FMA GEMM (any dtype, any vendor) ------------------------------------------------------
@@ -1567,6 +1677,7 @@ static bool wperm_fits(const mm_mat_args &a, int64_t ldx) {
 // while the stream lives, so recorded graphs stay valid.
 #define CWS_BYTES (2u << 20) // x of 64 rows of up to 16384 k (bf16)
 #define FFD_G_BYTES (4u << 20) // after it: the [gate | up] rows of a decode MoE FFN (f32)
+#define SEG_WS_BYTES (16u << 20) // after that: gemm_seg_kernel's segment sums (f32)
 #define CWS_MAX 64
 struct cws_entry {
     int dev;
@@ -1585,7 +1696,7 @@ static void *cws_get(cudaStream_t st, int dev, bool alloc) {
         if (g_cws[i].dev == dev && g_cws[i].st == st)
             out = g_cws[i].buf;
     if (out == NULL && alloc && g_cws_n < CWS_MAX) {
-        if (cudaMalloc(&out, CWS_BYTES + FFD_G_BYTES) != cudaSuccess) {
+        if (cudaMalloc(&out, (size_t)CWS_BYTES + FFD_G_BYTES + SEG_WS_BYTES) != cudaSuccess) {
             (void)cudaGetLastError();
             out = NULL;
         } else {
@@ -1594,6 +1705,112 @@ static void *cws_get(cudaStream_t st, int dev, bool alloc) {
     }
     pthread_mutex_unlock(&g_cws_mu);
     return out;
+}
+
+// MM_GPU_SEGSPLIT (read once; mm_gpu_set_segsplit): 1 (default) runs dense bf16 products of
+// SEG_ROWS_MIN..SEG_TN rows as seg_auto says (batch decode's o_proj, and its q/k/v up to 32
+// rows; not the router, not the LM head) as gemm_seg_kernel + gemm_seg_fold_kernel, their
+// segment sums in the stream's buffer (cws_get; inside a capture only once an eager call made
+// it); 0 as before (gemm_ws 29/30 or GEMV v2). Same bits. H200, 2026-12-02, engine decode
+// with every such product on it (before seg_auto's rule): batch 16 10904 vs 10092 tok/s, 32
+// 20866 vs 19322, 64 31149 vs 30774; batch 8 with MM_GPU_SEGSPLIT_MIN=1 6970 vs 6906, batch 1
+// 1919 vs 2015 (so not below 9 rows).
+#define SEG_ROWS_MIN 9
+static int g_segsplit = -1; // -1: not read yet
+static unsigned long long g_seg_n;
+
+// Whether gemm_seg takes the product (its shape; the buffer is checked by launch_seg).
+static bool seg_shape_ok(const mm_mat_args &a) {
+    const int sl = seg_len(a.n_in), S = (a.n_in + sl - 1) / sl;
+    return a.wg == NULL && a.x_idx == NULL && a.y_idx == NULL && a.x_up == NULL &&
+           a.n_rows >= 1 && a.n_rows <= SEG_TN && a.n_in % 32 == 0 && aligned16(a.w0) &&
+           (size_t)S * a.n_rows * a.n_out * 4 <= SEG_WS_BYTES;
+}
+
+// MM_GPU_SEGSPLIT_MIN (A/B, read once): the fewest rows AUTO gives gemm_seg (1..64; default
+// SEG_ROWS_MIN: up to 8 rows GEMV v3 streams W over enough blocks).
+static int seg_rows_min(void) {
+    static int v = -1;
+    if (v < 0) {
+        const char *e = getenv("MM_GPU_SEGSPLIT_MIN");
+        const int n = e && e[0] ? atoi(e) : SEG_ROWS_MIN;
+        v = n >= 1 && n <= SEG_TN ? n : SEG_ROWS_MIN;
+    }
+    return v;
+}
+
+// AUTO's rule (H200, 2026-12-02, per-op GPU time at 32 / 64 rows, gemm_seg against the paths
+// before it): o_proj 2048 x 4096 15.8 vs 33.5 / 21.5 vs 33.7 us, q/k/v 5120 x 2048 19.7 vs 21.6
+// / 28.9 vs 21.9 (gemm_ws 30's 80 tiles of 64 outputs stream it well at 64 rows), the router 128
+// x 2048 (8 blocks) 9.2 vs 9.4 / 12.5 vs 9.4. So: at least SEG_BLOCKS_MIN blocks, and above 32
+// rows only products of fewer than SEG_WIDE_OUT outputs.
+#define SEG_BLOCKS_MIN 132
+#define SEG_WIDE_OUT 4096
+static bool seg_auto(const mm_mat_args &a) {
+    const int sl = seg_len(a.n_in), S = (a.n_in + sl - 1) / sl;
+    const long long blocks = (long long)mm_div_up(a.n_out, SEG_WARPS * 16) * S;
+    return switch_on(&g_segsplit, "MM_GPU_SEGSPLIT") && a.n_rows >= seg_rows_min() &&
+           blocks >= SEG_BLOCKS_MIN && (a.n_rows <= 32 || a.n_out < SEG_WIDE_OUT) &&
+           seg_shape_ok(a);
+}
+
+// MM_GPU_SEG_TN (A/B, read once): tokens per gemm_seg block, 16, 32 or 64 (default SEG_TN);
+// a product of more rows takes several token tiles, each reading its W (the same bits).
+static int seg_tn(void) {
+    static int v = -1;
+    if (v < 0) {
+        const char *e = getenv("MM_GPU_SEG_TN");
+        const int n = e && e[0] ? atoi(e) : SEG_TN;
+        v = n == 16 || n == 32 || n == 64 ? n : SEG_TN;
+    }
+    return v;
+}
+
+// Runs the product as gemm_seg (*ran set) where its shape and the stream's buffer allow.
+static mm_err launch_seg(cudaStream_t st, const mm_mat_args &a, bool *ran) {
+    *ran = false;
+    if (!seg_shape_ok(a))
+        return MM_OK;
+    int dev = 0;
+    MM_GPU_CHECK(cudaGetDevice(&dev));
+    cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+    MM_GPU_CHECK(cudaStreamIsCapturing(st, &cs));
+    char *buf = (char *)cws_get(st, dev, cs == cudaStreamCaptureStatusNone);
+    if (buf == NULL)
+        return MM_OK;
+    float *ws = (float *)(buf + CWS_BYTES + FFD_G_BYTES);
+    const int sl = seg_len(a.n_in), S = (a.n_in + sl - 1) / sl;
+    const int tn = seg_tn(), nt = (min(a.n_rows, tn) + 7) / 8;
+    const size_t smem = (size_t)8 * (nt <= 2 ? 2 : nt <= 4 ? 4 : 8) * (sl + 8) * 2;
+    static uint64_t attr_set; // harmlessly racy, as for the other kernels
+    if (!(attr_set & (1ull << (dev & 63)))) {
+        MM_GPU_CHECK(cudaFuncSetAttribute(gemm_seg_kernel<2>, cudaFuncAttributeMaxDynamicSharedMemorySize, MV3_SMEM_MAX));
+        MM_GPU_CHECK(cudaFuncSetAttribute(gemm_seg_kernel<4>, cudaFuncAttributeMaxDynamicSharedMemorySize, MV3_SMEM_MAX));
+        MM_GPU_CHECK(cudaFuncSetAttribute(gemm_seg_kernel<8>, cudaFuncAttributeMaxDynamicSharedMemorySize, MV3_SMEM_MAX));
+        attr_set |= 1ull << (dev & 63);
+    }
+    if (smem > MV3_SMEM_MAX)
+        return MM_OK;
+    cudaLaunchConfig_t cfg = {};
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.gridDim = dim3(mm_div_up(a.n_out, SEG_WARPS * 16), mm_div_up(a.n_rows, tn), S);
+    cfg.blockDim = dim3(SEG_WARPS * 32);
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = st;
+    cfg.attrs = attr;
+    cfg.numAttrs = g_pdl ? 1 : 0; // as the GEMVs
+    MM_GPU_CHECK(cudaLaunchKernelEx(&cfg, nt <= 2 ? gemm_seg_kernel<2> : nt <= 4 ? gemm_seg_kernel<4>
+                                                                          : gemm_seg_kernel<8>, a, ws, tn));
+    cfg.gridDim = dim3(mm_div_up((int64_t)a.n_rows * a.n_out, 256));
+    cfg.blockDim = dim3(256);
+    cfg.dynamicSmemBytes = 0;
+    MM_GPU_CHECK(cudaLaunchKernelEx(&cfg, gemm_seg_fold_kernel, a, (const float *)ws, S));
+    MM_GPU_CHECK(cudaGetLastError());
+    __atomic_fetch_add(&g_seg_n, 1ull, __ATOMIC_RELAXED);
+    *ran = true;
+    return MM_OK;
 }
 #endif // MM_GPU_HAVE_WMMA
 
@@ -2493,6 +2710,16 @@ extern "C" mm_err mm_gpu_matmul(void *stream, int dtype, const void *d_w, int n_
     mm_mat_args a = {d_x, x_stride, d_w, NULL, NULL, 1, n_rows, n_in, n_out, d_bias, d_y, y_stride,
                      0, NULL, NULL, NULL};
     a.vec = n_in % 8 == 0 && x_stride % 4 == 0 && aligned16(d_x) && aligned16(d_w);
+#if MM_GPU_HAVE_WMMA
+    if (dtype == MM_DTYPE_BF16 && (path == MM_GPU_PATH_SEG || (path < 0 && seg_auto(a)))) {
+        bool ran = false;
+        MM_TRY(launch_seg((cudaStream_t)stream, a, &ran));
+        if (ran)
+            return MM_OK;
+    }
+#endif
+    if (path == MM_GPU_PATH_SEG)
+        return MM_EUNSUPP;
     if (path < 0)
         path = auto_path(dtype, n_rows, a);
     return launch<false>((cudaStream_t)stream, path, dtype, a, n_rows);
@@ -2516,6 +2743,12 @@ extern "C" mm_err mm_gpu_matmul_res(void *stream, int dtype, const void *d_w, in
     a.vec = n_in % 8 == 0 && x_stride % 4 == 0 && aligned16(d_x) && aligned16(d_w);
     a.res = d_res;
     a.res_stride = res_stride;
+    if (dtype == MM_DTYPE_BF16 && seg_auto(a)) { // gemm_seg's fold adds res as mv_store_y does
+        bool ran = false;
+        MM_TRY(launch_seg((cudaStream_t)stream, a, &ran));
+        if (ran)
+            return MM_OK;
+    }
     // launch<false>'s GEMV v2/v3 condition: only their epilogue (mv_store_y) adds res
     if (dtype != MM_DTYPE_BF16 || auto_path(dtype, n_rows, a) != MM_GPU_PATH_GEMV ||
         n_rows > MV2_DENSE_ROWS || gemv_x_smem(a, min(n_rows, 8)) == 0)
@@ -2779,6 +3012,22 @@ extern "C" void mm_gpu_set_ws_small(int mode) {
     g_ws_small = mode >= 0 && mode <= 2 ? mode : -1;
 #else
     (void)mode;
+#endif
+}
+
+extern "C" void mm_gpu_set_segsplit(int on) {
+#if MM_GPU_HAVE_WMMA
+    g_segsplit = on < 0 ? -1 : on ? 1 : 0;
+#else
+    (void)on;
+#endif
+}
+
+extern "C" unsigned long long mm_gpu_segsplit_launches(void) {
+#if MM_GPU_HAVE_WMMA
+    return __atomic_load_n(&g_seg_n, __ATOMIC_RELAXED);
+#else
+    return 0;
 #endif
 }
 

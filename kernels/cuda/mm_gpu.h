@@ -59,6 +59,10 @@ enum mm_gpu_path {
                           // there); x goes through a stream-ordered workspace (cudaMallocAsync
                           // on `stream`, freed on it; MMA when none can be had or the
                           // stream is capturing). Same bits.
+    MM_GPU_PATH_SEG = 4,  // CUDA, bf16, dense, 1..64 rows, n_in % 32 == 0: a block per (128
+                          // outputs, k segment), the segment sums added in order by a second
+                          // kernel (the stream's buffer; MM_EUNSUPP where it cannot run).
+                          // AUTO's choice for 9..64 rows of few output tiles. Same bits.
 };
 
 // d_y[i, j] = sum_k d_x[i, k] * W[j, k] (+ d_bias[j]) for i < n_rows, j < n_out, k < n_in.
@@ -205,6 +209,12 @@ void mm_gpu_set_ws_small_bn64(int on);
 // MM_GPU_WS_SMALL_HALF (default 1). Same bits.
 void mm_gpu_set_ws_small_half(int on);
 unsigned long long mm_gpu_ws_small_launches(int variant);
+// mm_gpu_set_segsplit: 1 lets AUTO run dense bf16 products of 9..64 rows with fewer than 132
+// tiles of 128 outputs (batch decode's q/k/v, o_proj, router) on MM_GPU_PATH_SEG, 0 not, -1 the
+// environment's MM_GPU_SEGSPLIT (default 1). Same bits. mm_gpu_segsplit_launches counts its
+// products (recorded ones when they are recorded).
+void mm_gpu_set_segsplit(int on);
+unsigned long long mm_gpu_segsplit_launches(void);
 // mm_gpu_wperm_epoch moves whenever a permuted-W copy is dropped (a weight written or freed,
 // the bound lowered): graphs recorded before may point at it (variants 28-30), so the backend
 // replays only graphs recorded in the current epoch.

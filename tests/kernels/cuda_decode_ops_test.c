@@ -57,6 +57,7 @@ extern mm_err mm_gpu_moe_matmul_rows(void *stream, int dtype, const void *const 
 extern void mm_gpu_set_gemv_version(int v) __attribute__((weak));
 extern void mm_gpu_set_gemv_bulk(int mode) __attribute__((weak));
 extern unsigned long long mm_gpu_gemv_bulk_launches(void) __attribute__((weak));
+extern void mm_gpu_set_segsplit(int on) __attribute__((weak)); // 9..64 rows: gemm_seg
 extern void mm_gpu_optime_report(void *backend_ctx) __attribute__((weak));
 extern void mm_gpu_set_gemv_xcap(int cap) __attribute__((weak));
 extern void mm_gpu_set_gemv_gtpb(int t) __attribute__((weak));
@@ -700,6 +701,8 @@ static void test_gemv_bulk_bits(void) {
         !mm_gpu_set_gemv_bulk || !mm_gpu_gemv_bulk_launches)
         MM_SKIP("GEMV v3 not linked");
     setvbuf(stdout, NULL, _IOLBF, 0); // each shape's line before a failure in the next one
+    if (mm_gpu_set_segsplit)
+        mm_gpu_set_segsplit(0); // the dense shapes of 9..64 rows would take gemm_seg
     // n_out, n_in, rows, bias, x pad, taken by v3
     const int dense[][6] = {{37, 264, 1, 1, 0, 1},     {100, 776, 2, 0, 4, 1},
                             {5, 8, 3, 1, 0, 1},        {1000, 1016, 4, 0, 0, 1},
@@ -742,6 +745,8 @@ static void test_gemv_bulk_bits(void) {
     for (int e = 0; e < 160; e++)
         c150[e] = e % 16 != 3;
     MM_EQ(gemv_grouped_case(24, 64, 150, 160, c150, false, 0, 0), 3);
+    if (mm_gpu_set_segsplit)
+        mm_gpu_set_segsplit(-1);
     gpu_close(NULL);
 }
 

@@ -50,6 +50,13 @@ extern void mm_gpu_set_ws_small(int mode) __attribute__((weak));
 extern unsigned long long mm_gpu_ws_small_launches(int variant) __attribute__((weak));
 extern void mm_gpu_set_ws_small_bn64(int on) __attribute__((weak));
 extern void mm_gpu_set_ws_small_half(int on) __attribute__((weak));
+// Dense products of 9..64 rows with the k segments split over blocks (kernels/cuda/mm_gpu.h).
+extern void mm_gpu_set_segsplit(int on) __attribute__((weak));
+extern unsigned long long mm_gpu_segsplit_launches(void) __attribute__((weak));
+extern mm_err mm_gpu_matmul_res(void *stream, int dtype, const void *d_w, int n_out, int n_in,
+                                const float *d_x, int64_t x_stride, const float *d_res,
+                                int64_t res_stride, float *d_y, int64_t y_stride, int n_rows)
+    __attribute__((weak));
 
 static mm_backend *cpu;
 
@@ -335,6 +342,8 @@ static void test_ws_small_graph(void) {
         !mm_gpu_set_gemm_tile || !mm_gpu_set_ws_small_bn64 || !mm_gpu_set_ws_small_half ||
         !gpu->ops->capture_begin)
         MM_SKIP("mm_gpu_set_ws_small not linked");
+    if (mm_gpu_set_segsplit)
+        mm_gpu_set_segsplit(0); // these shapes would take gemm_seg
     { // wgmma at all?
         float *dx = dev_copy((float[16 * 16]){0}, 16 * 16 * 4), *dy = NULL;
         void *hw = NULL;
@@ -439,8 +448,124 @@ static void test_ws_small_graph(void) {
         dev_free(dw), dev_free(dx), dev_free(dy), dev_free(dg);
         free(hw), free(x);
     }
+    if (mm_gpu_set_segsplit)
+        mm_gpu_set_segsplit(-1);
     if (bad)
         MM_TEST_FAIL_("gemm_ws 28, 29 or 30 gave other bits than the GEMV (see above)");
+    gpu_close(NULL);
+}
+
+// Dense products of 1..64 rows on gemm_seg (MM_GPU_PATH_SEG: a block per 128 outputs and k
+// segment, the segment sums added in order by a second kernel): the GEMV's bits, forced and as
+// AUTO's choice, with a bias, with the residual (mm_gpu_matmul_res, in place as o_proj runs),
+// eagerly and recorded then replayed on new x; the launch count shows that it ran.
+static void test_segsplit(void) {
+    gpu_open(NULL);
+    if (!mm_gpu_matmul || !mm_gpu_matmul_res || !mm_gpu_stream_sync || !mm_gpu_set_segsplit ||
+        !mm_gpu_segsplit_launches || !gpu->ops->capture_begin)
+        MM_SKIP("mm_gpu_set_segsplit not linked");
+    // take: whether AUTO gives it gemm_seg (>= 132 blocks; above 32 rows < 4096 outputs)
+    const struct { int rows, n_in, n_out; bool bias, take; } cs[] = {
+        {64, 4096, 2048, false, true},  // o_proj at batch 64: 16 segments
+        {32, 2048, 5120, true, true},   // q/k/v at batch 32: 8 segments, a bias
+        {9, 4096, 2048, false, true},   // the fewest rows AUTO gives it
+        {33, 8192, 2176, false, true},  // 512-long segments: two register loads of W a segment
+        {40, 4160, 2100, false, true},  // segments of 288, the last one 128 long
+        {64, 2048, 5120, true, false},  // q/k/v at batch 64: gemm_ws 30 streams it better
+        {9, 2048, 128, false, false},   // the router: 8 blocks
+        {17, 768, 300, true, false},    // 3 segments, outputs off the 128 tile, rows off 8
+        {1, 2048, 512, false, false},   // AUTO leaves <= 8 rows to GEMV v3
+    };
+    int bad = 0;
+    mm_gpu_set_segsplit(1);
+    for (size_t c = 0; c < sizeof(cs) / sizeof(cs[0]); c++) {
+        const int R = cs[c].rows, K = cs[c].n_in, N = cs[c].n_out;
+        void *hw = NULL;
+        (void)make_weight(MM_DTYPE_BF16, N, K, &hw);
+        void *dw = dev_copy(hw, (size_t)N * K * 2);
+        float *x = rand_f32((int64_t)R * K, 2.0f), *dx = dev_copy(x, (size_t)R * K * 4);
+        float *b = cs[c].bias ? rand_f32(N, 1.0f) : NULL;
+        float *db = b ? dev_copy(b, (size_t)N * 4) : NULL;
+        float *res = rand_f32((int64_t)R * N, 3.0f);
+        float *dy = NULL, *dg = NULL, *dr = NULL;
+        MM_PASS(gpu->ops->buffer_alloc(gpu->ctx, (size_t)R * N * 4, (void **)&dy));
+        MM_PASS(gpu->ops->buffer_alloc(gpu->ctx, (size_t)R * N * 4, (void **)&dg));
+        MM_PASS(gpu->ops->buffer_alloc(gpu->ctx, (size_t)R * N * 4, (void **)&dr));
+        const mm_weight w = {.dtype = MM_DTYPE_BF16, .rows = N, .cols = K, .data = dw};
+        for (int round = 0; round < 4; round++) { // forced, AUTO eager, AUTO recorded, residual
+            if (round > 1 && !cs[c].take)
+                break;
+            MM_PASS(gpu->ops->fill(gpu->ctx, dy, NAN, (int64_t)R * N));
+            MM_PASS(gpu->ops->synchronize(gpu->ctx));
+            const unsigned long long n0 = mm_gpu_segsplit_launches();
+            void *graph = NULL;
+            if (round == 0) {
+                MM_PASS(mm_gpu_matmul(NULL, MM_DTYPE_BF16, dw, N, K, db, dx, K, dy, N, R, 4));
+                MM_PASS(mm_gpu_stream_sync(NULL));
+            } else if (round == 1) {
+                MM_PASS(mm_gpu_matmul(NULL, MM_DTYPE_BF16, dw, N, K, db, dx, K, dy, N, R, -1));
+                MM_PASS(mm_gpu_stream_sync(NULL));
+            } else if (round == 2) { // recorded, replayed on new x
+                MM_PASS(gpu->ops->matmul(gpu->ctx, &w, NULL, dx, K, dy, N, R)); // the buffer
+                MM_PASS(gpu->ops->capture_begin(gpu->ctx));
+                MM_PASS(gpu->ops->matmul(gpu->ctx, &w, NULL, dx, K, dy, N, R));
+                MM_PASS(gpu->ops->capture_end(gpu->ctx, &graph));
+                free(x);
+                x = rand_f32((int64_t)R * K, 2.0f);
+                MM_PASS(gpu->ops->set(gpu->ctx, dx, x, (size_t)R * K * 4));
+                MM_PASS(gpu->ops->fill(gpu->ctx, dy, NAN, (int64_t)R * N));
+                MM_PASS(gpu->ops->graph_launch(gpu->ctx, graph));
+                MM_PASS(gpu->ops->synchronize(gpu->ctx));
+            } else { // y = product + res, y the residual's own rows
+                MM_PASS(gpu->ops->set(gpu->ctx, dy, res, (size_t)R * N * 4));
+                MM_PASS(gpu->ops->synchronize(gpu->ctx));
+                MM_PASS(mm_gpu_matmul_res(NULL, MM_DTYPE_BF16, dw, N, K, dx, K, dy, N, dy, N, R));
+                MM_PASS(mm_gpu_stream_sync(NULL));
+            }
+            const unsigned long long ran = mm_gpu_segsplit_launches() - n0;
+            const float *bias = round == 2 || round == 3 ? NULL : db;
+            MM_PASS(mm_gpu_matmul(NULL, MM_DTYPE_BF16, dw, N, K, bias, dx, K, dg, N, R, 0));
+            MM_PASS(mm_gpu_stream_sync(NULL));
+            if (graph)
+                gpu->ops->graph_free(gpu->ctx, graph);
+            float *y = dev_get(dy, (size_t)R * N * 4), *g = dev_get(dg, (size_t)R * N * 4);
+            if (round == 3)
+                for (int64_t i = 0; i < (int64_t)R * N; i++)
+                    g[i] = res[i] + g[i]; // the residual after the product, as axpy adds it
+            char what[96];
+            snprintf(what, sizeof(what), "gemm_seg %s %dx%d -> %d%s",
+                     round == 0 ? "forced" : round == 1 ? (cs[c].take ? "auto" : "auto, not taken") : round == 2 ? "recorded" : "residual",
+                     R, K, N, bias ? " +bias" : "");
+            bad |= bits_compare(what, y, g, R, N, N);
+            const unsigned long long want = round == 1 && !cs[c].take ? 0 : round == 2 ? 2 : 1;
+            if (ran != want)
+                MM_TEST_FAIL_("%s: gemm_seg ran %llu times, not %llu", what, ran, want);
+            free(y), free(g);
+        }
+        dev_free(dw), dev_free(dx), dev_free(dy), dev_free(dg), dev_free(dr);
+        if (db)
+            dev_free(db);
+        free(hw), free(x), free(b), free(res);
+    }
+    { // the switch off: AUTO does not take it
+        mm_gpu_set_segsplit(0);
+        void *hw = NULL;
+        (void)make_weight(MM_DTYPE_BF16, 256, 256, &hw);
+        void *dw = dev_copy(hw, 256 * 256 * 2);
+        float *x = rand_f32(32 * 256, 1.0f), *dx = dev_copy(x, 32 * 256 * 4), *dy = NULL;
+        MM_PASS(gpu->ops->buffer_alloc(gpu->ctx, 32 * 256 * 4, (void **)&dy));
+        const unsigned long long n0 = mm_gpu_segsplit_launches();
+        MM_PASS(mm_gpu_matmul(NULL, MM_DTYPE_BF16, dw, 256, 256, NULL, dx, 256, dy, 256, 32, -1));
+        MM_PASS(mm_gpu_stream_sync(NULL));
+        MM_EQ(mm_gpu_segsplit_launches(), n0);
+        MM_FAIL(mm_gpu_matmul(NULL, MM_DTYPE_BF16, dw, 256, 250, NULL, dx, 256, dy, 256, 32, 4),
+                MM_EUNSUPP); // n_in % 32 != 0: forced, it refuses
+        dev_free(dw), dev_free(dx), dev_free(dy);
+        free(hw), free(x);
+    }
+    mm_gpu_set_segsplit(-1);
+    if (bad)
+        MM_TEST_FAIL_("gemm_seg gave other bits than the GEMV (see above)");
     gpu_close(NULL);
 }
 
@@ -1042,6 +1167,7 @@ MM_TESTS = {
     {"matmul paths bits equal gemv", test_matmul_paths_bits},
     {"grouped expert matmul equals per-expert", test_moe_matmul_grouped},
     {"small dense products on gemm_ws, eager and recorded", test_ws_small_graph},
+    {"dense products of 1..64 rows with split segments == gemv bits", test_segsplit},
     {"permuted-W cache follows weight writes", test_wperm_cache},
     {"permuted-W cache follows expert and table writes", test_wperm_cache_grouped},
     {"rmsnorm vs cpu", test_rmsnorm},

@@ -2,6 +2,7 @@
 // Chat output splitting: reasoning, tool calls, content; see parse.h.
 #include "parse.h"
 
+#include <ctype.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -67,9 +68,69 @@ static size_t tag_hold(const char *t, size_t n, const char *tag) {
     return 0;
 }
 
+// A GLM-4.5/4.6 block's body: NAME, then <arg_key>K</arg_key><arg_value>V</arg_value> pairs
+// (whitespace between them), as those templates write an assistant's tool_calls (a value that
+// is not a string as JSON, a string as it is). Returns {"name", "arguments": {K: V}} (V: its
+// JSON where it reads as JSON, else the string), or NULL where the body is not that form.
+static json_t *glm_tool_call(const char *s, size_t n) {
+    static const char *const KO = "<arg_key>", *const KC = "</arg_key>", *const VO = "<arg_value>",
+                             *const VC = "</arg_value>";
+    const char *e = s + n;
+    while (s < e && (*s == ' ' || *s == '\n' || *s == '\r' || *s == '\t'))
+        s++;
+    const char *nb = s;
+    while (s < e && (isalnum((unsigned char)*s) || *s == '_' || *s == '-' || *s == '.'))
+        s++;
+    if (s == nb)
+        return NULL;
+    const size_t nlen = (size_t)(s - nb);
+    json_t *args = json_object(), *out = NULL;
+    char *key = NULL;
+    for (;;) {
+        while (s < e && (*s == ' ' || *s == '\n' || *s == '\r' || *s == '\t'))
+            s++;
+        if (s == e) {
+            out = json_pack("{s:s%, s:O}", "name", nb, nlen, "arguments", args);
+            break;
+        }
+        const size_t ko = strlen(KO), kc = strlen(KC), vo = strlen(VO), vc = strlen(VC);
+        if ((size_t)(e - s) < ko || memcmp(s, KO, ko) != 0)
+            break;
+        s += ko;
+        const char *k_end = memmem(s, (size_t)(e - s), KC, kc);
+        if (!k_end)
+            break;
+        free(key);
+        key = strndup(s, (size_t)(k_end - s));
+        s = k_end + kc;
+        while (s < e && (*s == ' ' || *s == '\n' || *s == '\r' || *s == '\t'))
+            s++;
+        if (!key || (size_t)(e - s) < vo || memcmp(s, VO, vo) != 0)
+            break;
+        s += vo;
+        const char *v_end = memmem(s, (size_t)(e - s), VC, vc);
+        if (!v_end)
+            break;
+        json_error_t je;
+        json_t *v = json_loadb(s, (size_t)(v_end - s), JSON_DECODE_ANY, &je);
+        if (!v)
+            v = json_stringn(s, (size_t)(v_end - s));
+        if (!v || json_object_set_new(args, key, v) != 0)
+            break;
+        s = v_end + vc;
+    }
+    free(key);
+    json_decref(args);
+    return out;
+}
+
 static void add_tool_call(gw_chat_parse *p, const char *s, size_t n) {
     json_error_t je;
     json_t *j = json_loadb(s, n, 0, &je);
+    if (!json_is_object(j)) {
+        json_decref(j);
+        j = glm_tool_call(s, n);
+    }
     const char *name = json_is_object(j) ? json_string_value(json_object_get(j, "name")) : NULL;
     if (!name) {
         // Not a tool call we can read: keep it as content, as the model wrote it.

@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: MIT
 // Splitting a chat model's output text (parse.c): reasoning inside <think>...</think>, tool
-// calls in Qwen3's (Hermes) <tool_call>{"name": ..., "arguments": ...}</tool_call> blocks, and
-// the rest as content. Incremental: text arrives in pieces (streaming) and a tag prefix at the
+// calls in Qwen3's (Hermes) <tool_call>{"name": ..., "arguments": ...}</tool_call> blocks or
+// GLM-4.5/4.6's <tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value>...</tool_call>
+// blocks, and the rest as content. Incremental: text arrives in pieces (streaming) and a tag prefix at the
 // end of what is known is held back until the next piece or the end says what it is.
 // Depends only on jansson and libc, so tests include parse.c directly.
 #ifndef MM_GATEWAY_PARSE_H

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: MIT
 // The gateway's chat output splitting (services/gateway/parse.c): reasoning out of <think>
-// blocks, Qwen3 <tool_call> blocks into OpenAI tool_calls, the same result whether the text
+// blocks, Qwen3 and GLM <tool_call> blocks into OpenAI tool_calls, the same result whether the text
 // arrives whole or one byte at a time (streaming), and malformed blocks kept as text.
 #include <string.h>
 
@@ -97,6 +97,50 @@ static void test_tools_off_and_malformed(void) {
     gw_chat_parse_fini(&p);
 }
 
+// GLM-4.5/4.6 blocks (their chat templates write an assistant's calls so): the name, then
+// <arg_key>/<arg_value> pairs; a value that reads as JSON is that JSON, else a string. Whole
+// and streamed; a call without arguments; forms that are neither kept as text.
+static void test_glm_tools(void) {
+    const char *t = "Let me check.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>"
+                    "New York</arg_value>\n<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n"
+                    "<arg_key>opts</arg_key>\n<arg_value>{\"units\": \"C\", \"hourly\": true}"
+                    "</arg_value>\n</tool_call>\n<tool_call>now</tool_call>";
+    for (size_t step = 0; step <= 7; step++) {
+        gw_chat_parse p;
+        run(&p, t, step, false, true);
+        MM_STREQ(str(&p.content), "Let me check.\n\n");
+        MM_EQ(json_array_size(p.tool_calls), 2);
+        json_t *f = json_object_get(json_array_get(p.tool_calls, 0), "function");
+        MM_STREQ(json_string_value(json_object_get(f, "name")), "get_weather");
+        json_error_t je;
+        json_t *a = json_loads(json_string_value(json_object_get(f, "arguments")), 0, &je);
+        MM_TRUE(json_is_object(a));
+        MM_STREQ(json_string_value(json_object_get(a, "city")), "New York");
+        MM_EQ(json_integer_value(json_object_get(a, "days")), 3);
+        MM_STREQ(json_string_value(json_object_get(json_object_get(a, "opts"), "units")), "C");
+        MM_TRUE(json_is_true(json_object_get(json_object_get(a, "opts"), "hourly")));
+        json_decref(a);
+        f = json_object_get(json_array_get(p.tool_calls, 1), "function");
+        MM_STREQ(json_string_value(json_object_get(f, "name")), "now");
+        MM_STREQ(json_string_value(json_object_get(f, "arguments")), "{}");
+        MM_STREQ(json_string_value(json_object_get(json_array_get(p.tool_calls, 1), "id")),
+                 "call_x_1");
+        gw_chat_parse_fini(&p);
+    }
+    // Neither form: a key without its value, text after the name, an unclosed key.
+    const char *bad[] = {"<tool_call>f\n<arg_key>a</arg_key>\n</tool_call>",
+                         "<tool_call>f(x=1)</tool_call>",
+                         "<tool_call>f <arg_key>a<arg_value>1</arg_value></tool_call>",
+                         "<tool_call>\n</tool_call>"};
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        gw_chat_parse p;
+        run(&p, bad[i], 2, false, true);
+        MM_STREQ(str(&p.content), bad[i]);
+        MM_TRUE(p.tool_calls == NULL);
+        gw_chat_parse_fini(&p);
+    }
+}
+
 // tool_choice: the prompt wrote "<tool_call>" and the call's head; the output is the rest of
 // that call (then maybe more calls). Whole and streamed; a named function, "required" (the
 // model writes the name), a second call after it, and an unterminated forced call kept as
@@ -149,5 +193,6 @@ MM_TESTS = {
     {"tool_call blocks become tool_calls (whole and streamed)", test_tools},
     {"tool blocks without tools, malformed, unterminated", test_tools_off_and_malformed},
     {"a tool call the prompt opened (tool_choice) is read with its head", test_forced_tool},
+    {"GLM-4.5/4.6 tool_call blocks (arg_key/arg_value) become tool_calls", test_glm_tools},
     {NULL, NULL},
 };

@@ -344,7 +344,9 @@ mm_err mm_chat_template_render(const mm_chat_template *ct, const json_t *message
     return rv;
 }
 
-bool mm_chat_template_hermes_tools(const mm_chat_template *ct) {
+// tools_probe: whether a render of one tool and one plain user message holds both needles
+// (the second may be NULL).
+static bool tools_probe(const mm_chat_template *ct, const char *needle, const char *needle2) {
     if (!ct)
         return false;
     json_t *msgs = json_pack("[{s:s, s:s}]", "role", "user", "content", "x");
@@ -355,9 +357,18 @@ bool mm_chat_template_hermes_tools(const mm_chat_template *ct) {
     size_t n = 0;
     bool yes = false;
     if (msgs && tools && mm_chat_template_render(ct, msgs, &ro, &out, &n, err) == MM_OK)
-        yes = memmem(out, n, "<tool_call>\n{\"name\"", 19) != NULL;
+        yes = memmem(out, n, needle, strlen(needle)) != NULL &&
+              (!needle2 || memmem(out, n, needle2, strlen(needle2)) != NULL);
     free(out);
     json_decref(msgs);
     json_decref(tools);
     return yes;
+}
+
+bool mm_chat_template_hermes_tools(const mm_chat_template *ct) {
+    return tools_probe(ct, "<tool_call>\n{\"name\"", NULL);
+}
+
+bool mm_chat_template_glm_tools(const mm_chat_template *ct) {
+    return tools_probe(ct, "<tool_call>", "<arg_key>");
 }

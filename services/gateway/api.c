@@ -107,6 +107,7 @@ struct gw_api {
     mm_chat_template *ct;
     char ct_err[MM_ERRLEN];
     bool hermes_tools; // the template's tools prompt asks for <tool_call>\n{"name": ...} blocks
+    bool glm_tools;    // ... or for GLM's <tool_call>NAME\n<arg_key>... blocks
     int32_t eos[MAX_EOS];
     int n_eos;
     int max_ctx;
@@ -1476,25 +1477,38 @@ static bool check_tools(const json_t *tools, const json_t *choice, struct perr *
 // Qwen3's (Hermes) <tool_call> blocks (mm_chat_template_hermes_tools): the prompt opens the
 // call itself, "<tool_call>\n{\"name\": " and, for a named function, its name and ", \"arguments\": "
 // (closing a <think> block the template opened first), so the model writes the rest of that
-// call; *head (owned) gets what follows "<tool_call>" for the output parser. Other templates:
-// nothing changes (*head NULL; the model is not constrained). False out of memory.
-static bool force_tool_call(const json_t *choice, bool *think_open, char **out, size_t *out_len,
-                            char **head) {
+// call; *head (owned) gets what follows "<tool_call>" for the output parser. glm: GLM's blocks
+// (mm_chat_template_glm_tools): "<tool_call>" and, for a named function, its name, so the model
+// writes the name (required) or the arguments. Other templates: nothing changes (*head NULL; the
+// model is not constrained). False out of memory.
+static bool force_tool_call(const json_t *choice, bool glm, bool *think_open, char **out,
+                            size_t *out_len, char **head) {
     *head = NULL;
     const bool required = json_is_string(choice) && !strcmp(json_string_value(choice), "required");
     if (!required && !json_is_object(choice))
         return true;
+    const json_t *fn = json_object_get(json_object_get(choice, "function"), "name");
+    const char *fname = required ? NULL : json_string_value(fn);
+    static const char *const NAME_CHARS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+                                          "0123456789_-.";
+    if (glm && fname && (!fname[0] || fname[strspn(fname, NAME_CHARS)]))
+        return true; // a name GLM's block cannot hold as it is: the model is not constrained
     gw_buf h = {0};
-    gw_buf_adds(&h, "\n{\"name\": ");
-    if (required) {
-        gw_buf_adds(&h, "\"");
+    if (!gw_buf_reserve(&h, 0))
+        return false;
+    h.p[0] = 0; // (GLM, required: an empty head)
+    if (glm) {
+        if (fname)
+            gw_buf_adds(&h, fname);
+    } else if (required) {
+        gw_buf_adds(&h, "\n{\"name\": \"");
     } else {
-        json_t *nm = json_object_get(json_object_get(choice, "function"), "name");
-        char *q = json_dumps(nm, JSON_ENCODE_ANY); // the name as a JSON string, escaped
+        char *q = json_dumps(fn, JSON_ENCODE_ANY); // the name as a JSON string, escaped
         if (!q) {
             free(h.p);
             return false;
         }
+        gw_buf_adds(&h, "\n{\"name\": ");
         gw_buf_adds(&h, q);
         gw_buf_adds(&h, ", \"arguments\": ");
         free(q);
@@ -1568,8 +1582,8 @@ static bool render_chat(gw_api *a, const json_t *body, bool *think_open, char **
         n--;
     *think_open = n >= 7 && memcmp(*out + n - 7, "<think>", 7) == 0;
     // (only where an assistant turn was opened, and the template writes Hermes blocks)
-    if (ro.tools && choice && ag && a->hermes_tools &&
-        !force_tool_call(choice, think_open, out, out_len, tool_head)) {
+    if (ro.tools && choice && ag && (a->hermes_tools || a->glm_tools) &&
+        !force_tool_call(choice, a->glm_tools, think_open, out, out_len, tool_head)) {
         free(*out);
         *out = NULL;
         return bad(e, 500, "tool_choice", "out of memory");
@@ -1873,6 +1887,7 @@ mm_err gw_api_open(gw_api **out, uv_loop_t *loop, gw_mesh *mesh, const gw_api_co
         a->ct = NULL;
     } else {
         a->hermes_tools = mm_chat_template_hermes_tools(a->ct);
+        a->glm_tools = !a->hermes_tools && mm_chat_template_glm_tools(a->ct);
     }
     add_eos(a, cfg.eos_id);
     static const char *names[] = {"<|im_end|>", "<|endoftext|>", "<|eot_id|>",

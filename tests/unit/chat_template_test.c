@@ -348,8 +348,9 @@ static void test_concurrent_renders(void) {
     mm_chat_template_close(ct);
 }
 
-// mm_chat_template_hermes_tools: the gateway forces a tool call's head (tool_choice) only for
-// templates whose tools prompt asks for Qwen3's <tool_call>\n{"name": ...} blocks.
+// mm_chat_template_hermes_tools, _glm_tools: the gateway forces a tool call's head (tool_choice)
+// only for templates whose tools prompt asks for Qwen3's <tool_call>\n{"name": ...} blocks or
+// GLM's <tool_call>NAME\n<arg_key> ones.
 static void test_hermes_tools(void) {
     char err[MM_ERRLEN] = "";
     const char *no[] = {"tests/fixtures/templates/glm-4.6", "tests/fixtures/templates/deepseek-v3",
@@ -368,7 +369,16 @@ static void test_hermes_tools(void) {
     mm_chat_template *ct = NULL;
     MM_PASS(mm_chat_template_open(dir, &ct, err));
     MM_TRUE(mm_chat_template_hermes_tools(ct));
+    MM_TRUE(!mm_chat_template_glm_tools(ct));
     mm_chat_template_close(ct);
+    // GLM's <tool_call>NAME\n<arg_key> blocks: glm-4.6's template only
+    for (size_t i = 0; i < sizeof(no) / sizeof(no[0]); i++) {
+        MM_PASS(mm_chat_template_open(no[i], &ct, err));
+        if (mm_chat_template_glm_tools(ct) != (i == 0))
+            MM_TEST_FAIL_("%s: GLM tools template %s", no[i], i == 0 ? "not found" : "found");
+        mm_chat_template_close(ct);
+    }
+    MM_TRUE(!mm_chat_template_glm_tools(NULL));
 }
 
 MM_TESTS = {

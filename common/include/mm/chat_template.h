@@ -64,5 +64,9 @@ mm_err mm_chat_template_render(const mm_chat_template *ct, const json_t *message
 // message (no request's text decides it; GLM's <tool_call>NAME\n<arg_key> blocks and templates
 // that ignore tools do not match). False when the probe does not render.
 bool mm_chat_template_hermes_tools(const mm_chat_template *ct);
+// mm_chat_template_glm_tools: whether ct's tools prompt asks for GLM-4.5/4.6's blocks,
+// <tool_call>NAME\n<arg_key>K</arg_key>\n<arg_value>V</arg_value>...</tool_call> (the same probe
+// render holds "<tool_call>" and "<arg_key>"). False when the probe does not render.
+bool mm_chat_template_glm_tools(const mm_chat_template *ct);
 
 #endif

@@ -72,6 +72,7 @@ struct greq {
     h2o_generator_t gen;       // stream
     int kind;
     bool stream, include_usage, echo, want_lp, return_ids, ignore_eos, parse_tools;
+    int skip_special; // skip_special_tokens: 1, 0, or -1 (not given: 0 when tools are parsed)
     uint32_t n_top;
     int n_choices, n_prompts, n;
     struct choice *ch;
@@ -853,7 +854,7 @@ static bool on_token(void *arg, gw_seq *s, const Mmctl__SeqResult *r, uint64_t t
                 c->text.p[c->text.len] = 0;
                 c->finish = FIN_STOP;
                 mm_detok_stream_fini(&c->ds);
-                mm_detok_stream_init(&c->ds, a->tk, true);
+                mm_detok_stream_init(&c->ds, a->tk, g->skip_special);
                 choice_end(g, c);
                 mark_dirty(g);
                 return false;
@@ -998,6 +999,7 @@ struct common {
     double temperature, top_p, min_p, presence, frequency, repetition;
     long long top_k, n, seed;
     bool has_seed, stream, include_usage, ignore_eos, return_ids;
+    int skip_special; // -1: not given
 };
 
 // parse_common reads the sampling and output fields both endpoints share.
@@ -1005,7 +1007,7 @@ static bool parse_common(gw_api *a, struct greq *g, const json_t *body, struct c
                          struct perr *e) {
     (void)a;
     *o = (struct common){.max_tokens = -1, .temperature = 1.0, .top_p = 1.0, .top_k = 0,
-                         .n = 1, .repetition = 1.0};
+                         .n = 1, .repetition = 1.0, .skip_special = -1};
     json_t *model = json_object_get(body, "model");
     if (model && !json_is_null(model)) {
         if (!json_is_string(model))
@@ -1029,6 +1031,13 @@ static bool parse_common(gw_api *a, struct greq *g, const json_t *body, struct c
         !get_bool(body, "ignore_eos", &o->ignore_eos, e) ||
         !get_bool(body, "return_token_ids", &o->return_ids, e))
         return false;
+    json_t *ss = json_object_get(body, "skip_special_tokens");
+    if (ss && !json_is_null(ss)) {
+        bool v = true;
+        if (!get_bool(body, "skip_special_tokens", &v, e))
+            return false;
+        o->skip_special = v;
+    }
     json_t *seed = json_object_get(body, "seed");
     if (seed && !json_is_null(seed)) {
         if (!json_is_integer(seed))
@@ -1156,6 +1165,9 @@ static void submit(gw_api *a, struct greq *g, const struct common *o, struct per
     g->include_usage = o->include_usage;
     g->ignore_eos = o->ignore_eos;
     g->return_ids = o->return_ids;
+    // special tokens stay in the text where the request parses tool calls (a tokenizer may mark
+    // the call's tags special), unless it says otherwise
+    g->skip_special = o->skip_special >= 0 ? o->skip_special : !g->parse_tools;
     g->n = (int)o->n;
     if ((long long)g->n_prompts * o->n > MAX_CHOICES) {
         bad(e, 400, "n", "%d prompts x n=%lld choices: at most %d", g->n_prompts, o->n,
@@ -1219,7 +1231,7 @@ static void submit(gw_api *a, struct greq *g, const struct common *o, struct per
                                         .repetition_penalty = (float)o->repetition,
                                         .seed = o->has_seed ? (uint64_t)o->seed + (uint64_t)(i % g->n)
                                                             : random_seed()};
-        mm_detok_stream_init(&c->ds, a->tk, true);
+        mm_detok_stream_init(&c->ds, a->tk, g->skip_special);
         if (g->want_lp) {
             c->lp = calloc((size_t)max_gen, sizeof(float));
             c->n_top = calloc((size_t)max_gen, sizeof(uint32_t));

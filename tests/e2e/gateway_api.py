@@ -115,6 +115,25 @@ if d["prompt"] != g["choices"][0]["text"]:
     fail("completion text %r != /detokenize of its ids %r" % (g["choices"][0]["text"], d["prompt"]))
 full = g["choices"][0]["text"]
 
+# skip_special_tokens (vLLM's field): the greedy continuation of "a b c" holds <|im_end|>
+# (special) within 200 tokens; dropped from the text by default, kept with false (as /detokenize
+# keeps it), the same tokens either way; not a boolean: 400 naming the field.
+SP = {"prompt": "a b c", "max_tokens": 200, "temperature": 0, "ignore_eos": True,
+      "return_token_ids": True}
+dropped = expect(200, post("/v1/completions", SP), "skip_special_tokens default")["choices"][0]
+kept = expect(200, post("/v1/completions", dict(SP, skip_special_tokens=False)),
+              "skip_special_tokens false")["choices"][0]
+if kept["token_ids"] != dropped["token_ids"]:
+    fail("skip_special_tokens changed the tokens")
+if "<|im_end|>" not in kept["text"] or "<|im_end|>" in dropped["text"]:
+    fail("skip_special_tokens: kept %r, dropped %r" % (kept["text"][-80:], dropped["text"][-80:]))
+d = expect(200, post("/detokenize", {"tokens": kept["token_ids"]}), "detokenize")
+if d["prompt"] != kept["text"]:
+    fail("skip_special_tokens false: text %r != /detokenize %r" % (kept["text"], d["prompt"]))
+st, j, _ = post("/v1/completions", dict(SP, skip_special_tokens="no"))
+if st != 400 or j["error"].get("param") != "skip_special_tokens":
+    fail("skip_special_tokens 'no': %s %s" % (st, j))
+
 # A prompt longer than one step's token budget (256): chunked prefill, still equal to generate.
 LONG = [(i * 37 + 11) % 500 + 3 for i in range(300)]
 want = subprocess.run([os.environ["BIN"] + "/moemesh", "generate", "--model", os.environ["MODEL"],

@@ -33,6 +33,13 @@ void gw_buf_adds(gw_buf *b, const char *s) { gw_buf_add(b, s, strlen(s)); }
 
 static const char *const T_OPEN = "<think>", *const T_CLOSE = "</think>",
                          *const C_OPEN = "<tool_call>", *const C_CLOSE = "</tool_call>";
+// DeepSeek-V3 / V3.1 (their chat templates write an assistant's calls so): the calls between
+// DS_CALLS_OPEN and DS_CALLS_CLOSE (dropped from the text), each DS_OPEN BODY DS_CLOSE, BODY
+// "function<sep>NAME\n```json\nARGS\n```" (V3) or "NAME<sep>ARGS" (V3.1).
+static const char *const DS_CALLS_OPEN = "<｜tool▁calls▁begin｜>",
+                         *const DS_CALLS_CLOSE = "<｜tool▁calls▁end｜>",
+                         *const DS_OPEN = "<｜tool▁call▁begin｜>",
+                         *const DS_CLOSE = "<｜tool▁call▁end｜>", *const DS_SEP = "<｜tool▁sep｜>";
 
 void gw_chat_parse_init(gw_chat_parse *p, bool think_open, bool tools, const char *id_prefix) {
     memset(p, 0, sizeof(*p));
@@ -68,6 +75,8 @@ static size_t tag_hold(const char *t, size_t n, const char *tag) {
     return 0;
 }
 
+static bool is_space(char c) { return c == ' ' || c == '\n' || c == '\r' || c == '\t'; }
+
 // A GLM-4.5/4.6 block's body: NAME, then <arg_key>K</arg_key><arg_value>V</arg_value> pairs
 // (whitespace between them), as those templates write an assistant's tool_calls (a value that
 // is not a string as JSON, a string as it is). Returns {"name", "arguments": {K: V}} (V: its
@@ -76,7 +85,7 @@ static json_t *glm_tool_call(const char *s, size_t n) {
     static const char *const KO = "<arg_key>", *const KC = "</arg_key>", *const VO = "<arg_value>",
                              *const VC = "</arg_value>";
     const char *e = s + n;
-    while (s < e && (*s == ' ' || *s == '\n' || *s == '\r' || *s == '\t'))
+    while (s < e && is_space(*s))
         s++;
     const char *nb = s;
     while (s < e && (isalnum((unsigned char)*s) || *s == '_' || *s == '-' || *s == '.'))
@@ -124,19 +133,69 @@ static json_t *glm_tool_call(const char *s, size_t n) {
     return out;
 }
 
-static void add_tool_call(gw_chat_parse *p, const char *s, size_t n) {
+// A DeepSeek block's body (see DS_OPEN): {"name", "arguments"} (ARGS parsed as JSON), or NULL.
+static json_t *ds_tool_call(const char *s, size_t n) {
+    const char *e = s + n, *sep = memmem(s, n, DS_SEP, strlen(DS_SEP));
+    if (!sep)
+        return NULL;
+    const char *a = s, *b = sep; // the part before the separator, trimmed
+    while (a < b && is_space(*a))
+        a++;
+    while (b > a && is_space(b[-1]))
+        b--;
+    const char *r = sep + strlen(DS_SEP), *nb, *ne;
+    if (b - a == 8 && memcmp(a, "function", 8) == 0) { // V3: the name on the line after
+        nb = r;
+        ne = memchr(r, '\n', (size_t)(e - r));
+        if (!ne)
+            return NULL;
+        r = ne + 1;
+        if ((size_t)(e - r) >= 7 && memcmp(r, "```json", 7) == 0) {
+            r += 7;
+            const char *f = e; // the closing fence
+            while (f > r && is_space(f[-1]))
+                f--;
+            if (f - r < 3 || memcmp(f - 3, "```", 3) != 0)
+                return NULL;
+            e = f - 3;
+        }
+    } else { // V3.1: the name before the separator
+        nb = a, ne = b;
+    }
+    while (nb < ne && is_space(*nb))
+        nb++;
+    while (ne > nb && is_space(ne[-1]))
+        ne--;
+    if (ne == nb)
+        return NULL;
     json_error_t je;
-    json_t *j = json_loadb(s, n, 0, &je);
-    if (!json_is_object(j)) {
-        json_decref(j);
-        j = glm_tool_call(s, n);
+    json_t *args = json_loadb(r, (size_t)(e - r), JSON_DECODE_ANY, &je);
+    if (!json_is_object(args)) {
+        json_decref(args);
+        return NULL;
+    }
+    return json_pack("{s:s%, s:o}", "name", nb, (size_t)(ne - nb), "arguments", args);
+}
+
+// add_tool_call: a block's body between open and close; ds: a DeepSeek block.
+static void add_tool_call(gw_chat_parse *p, const char *s, size_t n, bool ds) {
+    json_t *j = NULL;
+    if (ds) {
+        j = ds_tool_call(s, n);
+    } else {
+        json_error_t je;
+        j = json_loadb(s, n, 0, &je);
+        if (!json_is_object(j)) {
+            json_decref(j);
+            j = glm_tool_call(s, n);
+        }
     }
     const char *name = json_is_object(j) ? json_string_value(json_object_get(j, "name")) : NULL;
     if (!name) {
         // Not a tool call we can read: keep it as content, as the model wrote it.
-        gw_buf_adds(&p->content, C_OPEN);
+        gw_buf_adds(&p->content, ds ? DS_OPEN : C_OPEN);
         gw_buf_add(&p->content, s, n);
-        gw_buf_adds(&p->content, C_CLOSE);
+        gw_buf_adds(&p->content, ds ? DS_CLOSE : C_CLOSE);
         json_decref(j);
         return;
     }
@@ -188,10 +247,11 @@ void gw_chat_parse_feed(gw_chat_parse *p, const char *t, size_t limit, bool fina
             return;
         }
         if (p->mode == GW_PARSE_TOOL) {
-            const char *e = memmem(s, n, C_CLOSE, strlen(C_CLOSE));
+            const char *close = p->ds ? DS_CLOSE : C_CLOSE;
+            const char *e = memmem(s, n, close, strlen(close));
             if (!e) {
                 if (final) { // unterminated: the text as it is (with the prompt's head)
-                    gw_buf_adds(&p->content, C_OPEN);
+                    gw_buf_adds(&p->content, p->ds ? DS_OPEN : C_OPEN);
                     if (p->forced)
                         gw_buf_adds(&p->content, p->forced);
                     gw_buf_add(&p->content, s, n);
@@ -203,37 +263,49 @@ void gw_chat_parse_feed(gw_chat_parse *p, const char *t, size_t limit, bool fina
                 gw_buf b = {0};
                 gw_buf_adds(&b, p->forced);
                 gw_buf_add(&b, s, (size_t)(e - s));
-                add_tool_call(p, b.p ? b.p : "", b.len);
+                add_tool_call(p, b.p ? b.p : "", b.len, false);
                 free(b.p);
                 free(p->forced);
                 p->forced = NULL;
             } else {
-                add_tool_call(p, s, (size_t)(e - s));
+                add_tool_call(p, s, (size_t)(e - s), p->ds);
             }
-            p->parsed += (size_t)(e - s) + strlen(C_CLOSE);
+            p->parsed += (size_t)(e - s) + strlen(close);
             p->mode = GW_PARSE_CONTENT;
+            if (p->ds) // the newline between DeepSeek's calls
+                skip_newlines(p, t, limit);
             continue;
         }
-        const char *th = memmem(s, n, T_OPEN, strlen(T_OPEN));
-        const char *tc = p->tools ? memmem(s, n, C_OPEN, strlen(C_OPEN)) : NULL;
-        const char *e = th && (!tc || th < tc) ? th : tc;
+        // the first of the tags that open something here (tools: the tool-call tags too)
+        const char *const tags[] = {T_OPEN, C_OPEN, DS_OPEN, DS_CALLS_OPEN, DS_CALLS_CLOSE};
+        const int n_tags = p->tools ? 5 : 1;
+        const char *e = NULL;
+        int which = -1;
+        for (int k = 0; k < n_tags; k++) {
+            const char *m = memmem(s, n, tags[k], strlen(tags[k]));
+            if (m && (!e || m < e))
+                e = m, which = k;
+        }
         if (e) {
             gw_buf_add(&p->content, s, (size_t)(e - s));
-            bool think = e == th;
-            p->parsed += (size_t)(e - s) + strlen(think ? T_OPEN : C_OPEN);
-            p->mode = think ? GW_PARSE_THINK : GW_PARSE_TOOL;
-            if (think)
+            p->parsed += (size_t)(e - s) + strlen(tags[which]);
+            if (which >= 3) { // DeepSeek's wrapper around its calls: dropped
+                if (which == 3)
+                    skip_newlines(p, t, limit);
+                continue;
+            }
+            p->mode = which == 0 ? GW_PARSE_THINK : GW_PARSE_TOOL;
+            p->ds = which == 2;
+            if (which == 0)
                 skip_newlines(p, t, limit);
             continue;
         }
         size_t hold = 0;
-        if (!final) {
-            hold = tag_hold(s, n, T_OPEN);
-            if (p->tools) {
-                size_t h2 = tag_hold(s, n, C_OPEN);
+        if (!final)
+            for (int k = 0; k < n_tags; k++) {
+                size_t h2 = tag_hold(s, n, tags[k]);
                 hold = h2 > hold ? h2 : hold;
             }
-        }
         gw_buf_add(&p->content, s, n - hold);
         p->parsed += n - hold;
         return;

@@ -2,7 +2,8 @@
 // Splitting a chat model's output text (parse.c): reasoning inside <think>...</think>, tool
 // calls in Qwen3's (Hermes) <tool_call>{"name": ..., "arguments": ...}</tool_call> blocks or
 // GLM-4.5/4.6's <tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value>...</tool_call>
-// blocks, and the rest as content. Incremental: text arrives in pieces (streaming) and a tag prefix at the
+// blocks, or DeepSeek-V3/V3.1's <｜tool▁call▁begin｜>...<｜tool▁call▁end｜> blocks (the
+// <｜tool▁calls▁begin｜>/<｜tool▁calls▁end｜> around them dropped), and the rest as content. Incremental: text arrives in pieces (streaming) and a tag prefix at the
 // end of what is known is held back until the next piece or the end says what it is.
 // Depends only on jansson and libc, so tests include parse.c directly.
 #ifndef MM_GATEWAY_PARSE_H
@@ -28,6 +29,7 @@ typedef struct gw_chat_parse {
     size_t parsed;        // bytes of the text consumed
     bool tools;           // parse <tool_call> blocks (the request offered tools)
     bool skip_nl;         // drop newlines that open a block (they may arrive later)
+    bool ds;              // GW_PARSE_TOOL: the block is DeepSeek's (DS_OPEN ... DS_CLOSE)
     gw_buf reasoning, content;
     json_t *tool_calls;   // owned array of {"id", "type": "function", "function": {...}}
     char id_prefix[64];   // tool call ids: <prefix>_<n>

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: MIT
 // The gateway's chat output splitting (services/gateway/parse.c): reasoning out of <think>
-// blocks, Qwen3 and GLM <tool_call> blocks into OpenAI tool_calls, the same result whether the text
+// blocks, Qwen3, GLM and DeepSeek tool call blocks into OpenAI tool_calls, the same result whether the text
 // arrives whole or one byte at a time (streaming), and malformed blocks kept as text.
 #include <string.h>
 
@@ -141,6 +141,56 @@ static void test_glm_tools(void) {
     }
 }
 
+// DeepSeek-V3 / V3.1 blocks (their chat templates write an assistant's calls so): the wrapper
+// tags dropped, V3's "function<sep>NAME\n```json\nARGS\n```" and V3.1's "NAME<sep>ARGS", whole
+// and streamed in pieces that split the tags' multi-byte characters; malformed and unterminated
+// blocks kept as text.
+static void test_deepseek_tools(void) {
+    const char *v3 = "Checking.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>"
+                     "get_weather\n```json\n{\"city\": \"Paris\", \"days\": 2}\n```<｜tool▁call▁end｜>"
+                     "\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>now\n```json\n{}\n```"
+                     "<｜tool▁call▁end｜><｜tool▁calls▁end｜>";
+    const char *v31 = "Checking.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>"
+                      "{\"city\": \"Paris\", \"days\": 2}<｜tool▁call▁end｜><｜tool▁call▁begin｜>now"
+                      "<｜tool▁sep｜>{}<｜tool▁call▁end｜><｜tool▁calls▁end｜>";
+    const char *texts[] = {v3, v31};
+    for (int v = 0; v < 2; v++)
+        for (size_t step = 0; step <= 7; step++) {
+            gw_chat_parse p;
+            run(&p, texts[v], step, false, true);
+            MM_STREQ(str(&p.content), "Checking.");
+            MM_EQ(json_array_size(p.tool_calls), 2);
+            json_t *f = json_object_get(json_array_get(p.tool_calls, 0), "function");
+            MM_STREQ(json_string_value(json_object_get(f, "name")), "get_weather");
+            MM_STREQ(json_string_value(json_object_get(f, "arguments")),
+                     "{\"city\":\"Paris\",\"days\":2}");
+            f = json_object_get(json_array_get(p.tool_calls, 1), "function");
+            MM_STREQ(json_string_value(json_object_get(f, "name")), "now");
+            MM_STREQ(json_string_value(json_object_get(f, "arguments")), "{}");
+            gw_chat_parse_fini(&p);
+        }
+    // Not a call: no separator, arguments not a JSON object, V3 without the name's line end,
+    // an unclosed fence; then an unterminated block.
+    const char *bad[] = {"<｜tool▁call▁begin｜>get_weather {}<｜tool▁call▁end｜>",
+                         "<｜tool▁call▁begin｜>f<｜tool▁sep｜>[1]<｜tool▁call▁end｜>",
+                         "<｜tool▁call▁begin｜>function<｜tool▁sep｜>f<｜tool▁call▁end｜>",
+                         "<｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{}<｜tool▁call▁end｜>",
+                         "x<｜tool▁call▁begin｜>f<｜tool▁sep｜>{\"a\""};
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        gw_chat_parse p;
+        run(&p, bad[i], 3, false, true);
+        MM_STREQ(str(&p.content), bad[i]);
+        MM_TRUE(p.tool_calls == NULL);
+        gw_chat_parse_fini(&p);
+    }
+    // Without tools in the request the tags are text.
+    gw_chat_parse p;
+    run(&p, v31, 2, false, false);
+    MM_STREQ(str(&p.content), v31);
+    MM_TRUE(p.tool_calls == NULL);
+    gw_chat_parse_fini(&p);
+}
+
 // tool_choice: the prompt wrote "<tool_call>" and the call's head; the output is the rest of
 // that call (then maybe more calls). Whole and streamed; a named function, "required" (the
 // model writes the name), a second call after it, and an unterminated forced call kept as
@@ -194,5 +244,6 @@ MM_TESTS = {
     {"tool blocks without tools, malformed, unterminated", test_tools_off_and_malformed},
     {"a tool call the prompt opened (tool_choice) is read with its head", test_forced_tool},
     {"GLM-4.5/4.6 tool_call blocks (arg_key/arg_value) become tool_calls", test_glm_tools},
+    {"DeepSeek-V3/V3.1 tool call blocks become tool_calls", test_deepseek_tools},
     {NULL, NULL},
 };

@@ -1720,12 +1720,13 @@ static void *cws_get(cudaStream_t st, int dev, bool alloc) {
 static int g_segsplit = -1; // -1: not read yet
 static unsigned long long g_seg_n;
 
+static int seg_count(int n_in) { return (n_in + seg_len(n_in) - 1) / seg_len(n_in); }
+
 // Whether gemm_seg takes the product (its shape; the buffer is checked by launch_seg).
 static bool seg_shape_ok(const mm_mat_args &a) {
-    const int sl = seg_len(a.n_in), S = (a.n_in + sl - 1) / sl;
     return a.wg == NULL && a.x_idx == NULL && a.y_idx == NULL && a.x_up == NULL &&
            a.n_rows >= 1 && a.n_rows <= SEG_TN && a.n_in % 32 == 0 && aligned16(a.w0) &&
-           (size_t)S * a.n_rows * a.n_out * 4 <= SEG_WS_BYTES;
+           (size_t)seg_count(a.n_in) * a.n_rows * a.n_out * 4 <= SEG_WS_BYTES;
 }
 
 // MM_GPU_SEGSPLIT_MIN (A/B, read once): the fewest rows AUTO gives gemm_seg (1..64; default
@@ -1748,8 +1749,7 @@ static int seg_rows_min(void) {
 #define SEG_BLOCKS_MIN 132
 #define SEG_WIDE_OUT 4096
 static bool seg_auto(const mm_mat_args &a) {
-    const int sl = seg_len(a.n_in), S = (a.n_in + sl - 1) / sl;
-    const long long blocks = (long long)mm_div_up(a.n_out, SEG_WARPS * 16) * S;
+    const long long blocks = (long long)mm_div_up(a.n_out, SEG_WARPS * 16) * seg_count(a.n_in);
     return switch_on(&g_segsplit, "MM_GPU_SEGSPLIT") && a.n_rows >= seg_rows_min() &&
            blocks >= SEG_BLOCKS_MIN && (a.n_rows <= 32 || a.n_out < SEG_WIDE_OUT) &&
            seg_shape_ok(a);
@@ -1780,14 +1780,17 @@ static mm_err launch_seg(cudaStream_t st, const mm_mat_args &a, bool *ran) {
     if (buf == NULL)
         return MM_OK;
     float *ws = (float *)(buf + CWS_BYTES + FFD_G_BYTES);
-    const int sl = seg_len(a.n_in), S = (a.n_in + sl - 1) / sl;
+    const int sl = seg_len(a.n_in), S = seg_count(a.n_in);
     const int tn = seg_tn(), nt = (min(a.n_rows, tn) + 7) / 8;
-    const size_t smem = (size_t)8 * (nt <= 2 ? 2 : nt <= 4 ? 4 : 8) * (sl + 8) * 2;
+    const int ki = nt <= 2 ? 0 : nt <= 4 ? 1 : 2; // the form: NT = 2 << ki token groups
+    const size_t smem = (size_t)8 * (2 << ki) * (sl + 8) * 2;
+    void (*const ks[3])(mm_mat_args, float *, int) = {gemm_seg_kernel<2>, gemm_seg_kernel<4>,
+                                                      gemm_seg_kernel<8>};
     static uint64_t attr_set; // harmlessly racy, as for the other kernels
     if (!(attr_set & (1ull << (dev & 63)))) {
-        MM_GPU_CHECK(cudaFuncSetAttribute(gemm_seg_kernel<2>, cudaFuncAttributeMaxDynamicSharedMemorySize, MV3_SMEM_MAX));
-        MM_GPU_CHECK(cudaFuncSetAttribute(gemm_seg_kernel<4>, cudaFuncAttributeMaxDynamicSharedMemorySize, MV3_SMEM_MAX));
-        MM_GPU_CHECK(cudaFuncSetAttribute(gemm_seg_kernel<8>, cudaFuncAttributeMaxDynamicSharedMemorySize, MV3_SMEM_MAX));
+        for (int i = 0; i < 3; i++)
+            MM_GPU_CHECK(cudaFuncSetAttribute(ks[i], cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                              MV3_SMEM_MAX));
         attr_set |= 1ull << (dev & 63);
     }
     if (smem > MV3_SMEM_MAX)
@@ -1802,8 +1805,7 @@ static mm_err launch_seg(cudaStream_t st, const mm_mat_args &a, bool *ran) {
     cfg.stream = st;
     cfg.attrs = attr;
     cfg.numAttrs = g_pdl ? 1 : 0; // as the GEMVs
-    MM_GPU_CHECK(cudaLaunchKernelEx(&cfg, nt <= 2 ? gemm_seg_kernel<2> : nt <= 4 ? gemm_seg_kernel<4>
-                                                                          : gemm_seg_kernel<8>, a, ws, tn));
+    MM_GPU_CHECK(cudaLaunchKernelEx(&cfg, ks[ki], a, ws, tn));
     cfg.gridDim = dim3(mm_div_up((int64_t)a.n_rows * a.n_out, 256));
     cfg.blockDim = dim3(256);
     cfg.dynamicSmemBytes = 0;

@@ -72,7 +72,7 @@ struct greq {
     h2o_generator_t gen;       // stream
     int kind;
     bool stream, include_usage, echo, want_lp, return_ids, ignore_eos, parse_tools;
-    int skip_special; // skip_special_tokens: 1, 0, or -1 (not given: 0 when tools are parsed)
+    bool skip_special; // skip_special_tokens (not given: false where tools are parsed)
     uint32_t n_top;
     int n_choices, n_prompts, n;
     struct choice *ch;
@@ -1501,9 +1501,7 @@ static bool force_tool_call(const json_t *choice, bool glm, bool *think_open, ch
         return true;
     const json_t *fn = json_object_get(json_object_get(choice, "function"), "name");
     const char *fname = required ? NULL : json_string_value(fn);
-    static const char *const NAME_CHARS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
-                                          "0123456789_-.";
-    if (glm && fname && (!fname[0] || fname[strspn(fname, NAME_CHARS)]))
+    if (glm && fname && (!fname[0] || gw_tool_name_len(fname, strlen(fname)) != strlen(fname)))
         return true; // a name GLM's block cannot hold as it is: the model is not constrained
     gw_buf h = {0};
     if (!gw_buf_reserve(&h, 0))

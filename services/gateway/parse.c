@@ -77,6 +77,13 @@ static size_t tag_hold(const char *t, size_t n, const char *tag) {
 
 static bool is_space(char c) { return c == ' ' || c == '\n' || c == '\r' || c == '\t'; }
 
+size_t gw_tool_name_len(const char *s, size_t n) {
+    size_t k = 0;
+    while (k < n && (isalnum((unsigned char)s[k]) || s[k] == '_' || s[k] == '-' || s[k] == '.'))
+        k++;
+    return k;
+}
+
 // A GLM-4.5/4.6 block's body: NAME, then <arg_key>K</arg_key><arg_value>V</arg_value> pairs
 // (whitespace between them), as those templates write an assistant's tool_calls (a value that
 // is not a string as JSON, a string as it is). Returns {"name", "arguments": {K: V}} (V: its
@@ -88,15 +95,14 @@ static json_t *glm_tool_call(const char *s, size_t n) {
     while (s < e && is_space(*s))
         s++;
     const char *nb = s;
-    while (s < e && (isalnum((unsigned char)*s) || *s == '_' || *s == '-' || *s == '.'))
-        s++;
-    if (s == nb)
+    const size_t nlen = gw_tool_name_len(s, (size_t)(e - s));
+    if (nlen == 0)
         return NULL;
-    const size_t nlen = (size_t)(s - nb);
+    s += nlen;
     json_t *args = json_object(), *out = NULL;
     char *key = NULL;
     for (;;) {
-        while (s < e && (*s == ' ' || *s == '\n' || *s == '\r' || *s == '\t'))
+        while (s < e && is_space(*s))
             s++;
         if (s == e) {
             out = json_pack("{s:s%, s:O}", "name", nb, nlen, "arguments", args);
@@ -112,7 +118,7 @@ static json_t *glm_tool_call(const char *s, size_t n) {
         free(key);
         key = strndup(s, (size_t)(k_end - s));
         s = k_end + kc;
-        while (s < e && (*s == ' ' || *s == '\n' || *s == '\r' || *s == '\t'))
+        while (s < e && is_space(*s))
             s++;
         if (!key || (size_t)(e - s) < vo || memcmp(s, VO, vo) != 0)
             break;

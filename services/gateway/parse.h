@@ -47,5 +47,8 @@ bool gw_chat_parse_force_tool(gw_chat_parse *p, const char *head);
 // no more text will come, so held-back tag prefixes and an unterminated block are text.
 void gw_chat_parse_feed(gw_chat_parse *p, const char *text, size_t limit, bool final);
 void gw_chat_parse_fini(gw_chat_parse *p);
+// gw_tool_name_len: how many bytes from s (of n) a GLM block's function name takes (letters,
+// digits, '_', '-', '.'); a name is read only where that is all of it.
+size_t gw_tool_name_len(const char *s, size_t n);
 
 #endif

@@ -82,6 +82,30 @@ expect() { # expect STATUS WHAT
     [ "$CODE" = "$1" ] || fail "$2: status $CODE, want $1: $(head -c 400 "$RUN/out.json")"
 }
 
+# prompt_text CHOICE: the rendered prompt of chat $MSG with tools $TOOLS and tool_choice CHOICE,
+# as /tokenize then /detokenize see it (a JSON string).
+prompt_text() {
+    post /tokenize "{\"messages\":$MSG,\"tools\":$TOOLS,\"tool_choice\":$1}"
+    expect 200 "tokenize with tool_choice $1"
+    local ids; ids=$(jq_out 'json.dumps(j["tokens"])')
+    post /detokenize "{\"tokens\":$ids}"
+    expect 200 "detokenize"
+    jq_out 'json.dumps(j["prompt"])'
+}
+
+# sse_content FILE: the content deltas of a chat stream saved in FILE, joined (a JSON string).
+sse_content() {
+    python3 - "$1" <<'PY'
+import json, sys
+out = ""
+for line in open(sys.argv[1]):
+    if line.startswith("data: ") and line.strip() != "data: [DONE]":
+        for c in json.loads(line[6:]).get("choices", []):
+            out += c.get("delta", {}).get("content") or ""
+print(json.dumps(out))
+PY
+}
+
 # hjson EXPR: a python expression over the last /health body (bound to h).
 hjson() { python3 -c "import json,sys; h=json.load(open('$RUN/health.json')); print($1)"; }
 

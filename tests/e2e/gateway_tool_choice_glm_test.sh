@@ -23,15 +23,6 @@ mesh_start
 TOOLS='[{"type":"function","function":{"name":"get_weather","parameters":{"type":"object"}}},{"type":"function","function":{"name":"now","parameters":{"type":"object"}}},{"type":"function","function":{"name":"a b","parameters":{"type":"object"}}}]'
 MSG='[{"role":"user","content":"weather in Paris?"}]'
 
-# prompt_text CHOICE: the rendered prompt as /tokenize then /detokenize see it
-prompt_text() {
-    post /tokenize "{\"messages\":$MSG,\"tools\":$TOOLS,\"tool_choice\":$1}"
-    expect 200 "tokenize with tool_choice $1"
-    local ids; ids=$(jq_out 'json.dumps(j["tokens"])')
-    post /detokenize "{\"tokens\":$ids}"
-    expect 200 "detokenize"
-    jq_out 'json.dumps(j["prompt"])'
-}
 p=$(prompt_text '{"type":"function","function":{"name":"get_weather"}}')
 case "$p" in *'<|assistant|>\n<tool_call>get_weather"') ;; *) fail "named: the prompt does not end with the call's head: $p" ;; esac
 p=$(prompt_text '"required"')
@@ -50,16 +41,7 @@ whole=$(jq_out 'json.dumps(j["choices"][0]["message"]["content"])')
 case "$whole" in '"<tool_call>get_weather'*) ;; *) fail "the unterminated call's text lacks its head: $whole" ;; esac
 curl -s -N --max-time 30 "$BASE/v1/chat/completions" -H 'Content-Type: application/json' \
     -d "$(body '{"type":"function","function":{"name":"get_weather"}}' ',"stream":true')" > "$RUN/sse.txt"
-streamed=$(python3 - "$RUN/sse.txt" <<'PY'
-import json, sys
-out = ""
-for line in open(sys.argv[1]):
-    if line.startswith("data: ") and line.strip() != "data: [DONE]":
-        for c in json.loads(line[6:]).get("choices", []):
-            out += c.get("delta", {}).get("content") or ""
-print(json.dumps(out))
-PY
-)
+streamed=$(sse_content "$RUN/sse.txt")
 [ "$streamed" = "$whole" ] || fail "streamed text $streamed differs from the whole answer $whole"
 echo "ok named tool_choice: the answer is the call's text with its head, streamed and whole"
 echo "PASS: tool_choice opens GLM's call in the prompt"

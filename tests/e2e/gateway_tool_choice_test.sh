@@ -24,15 +24,6 @@ TOOLS='[{"type":"function","function":{"name":"get_weather","parameters":{"type"
 MSG='[{"role":"user","content":"weather in Paris?"}]'
 HEAD='<tool_call>\n{"name": "get_weather", "arguments": '
 
-# prompt_text CHOICE: the rendered prompt as /tokenize then /detokenize see it
-prompt_text() {
-    post /tokenize "{\"messages\":$MSG,\"tools\":$TOOLS,\"tool_choice\":$1}"
-    expect 200 "tokenize with tool_choice $1"
-    local ids; ids=$(jq_out 'json.dumps(j["tokens"])')
-    post /detokenize "{\"tokens\":$ids}"
-    expect 200 "detokenize"
-    jq_out 'json.dumps(j["prompt"])'
-}
 p=$(prompt_text '{"type":"function","function":{"name":"get_weather"}}')
 case "$p" in *'assistant\n'"$(printf '%s' "$HEAD" | sed 's/"/\\"/g')\"") ;; *) fail "named: the prompt does not end with the call's head: $p" ;; esac
 p=$(prompt_text '"required"')
@@ -50,16 +41,7 @@ case "$whole" in "\"$(printf '%s' "$HEAD" | sed 's/"/\\"/g')"*) ;; *) fail "the 
 # streamed: the same text
 curl -s -N --max-time 30 "$BASE/v1/chat/completions" -H 'Content-Type: application/json' \
     -d "$(body '{"type":"function","function":{"name":"get_weather"}}' ',"stream":true')" > "$RUN/sse.txt"
-streamed=$(python3 - "$RUN/sse.txt" <<'PY'
-import json, sys
-out = ""
-for line in open(sys.argv[1]):
-    if line.startswith("data: ") and line.strip() != "data: [DONE]":
-        for c in json.loads(line[6:]).get("choices", []):
-            out += c.get("delta", {}).get("content") or ""
-print(json.dumps(out))
-PY
-)
+streamed=$(sse_content "$RUN/sse.txt")
 [ "$streamed" = "$whole" ] || fail "streamed text $streamed differs from the whole answer $whole"
 echo "ok named tool_choice: the answer is the call's text with its head, streamed and whole"
 

@@ -19,6 +19,17 @@ static void run(gw_chat_parse *p, const char *text, size_t step, bool think_open
 
 static const char *str(const gw_buf *b) { return b->p ? b->p : ""; }
 
+// kept_as_text: each text (fed in pieces of step bytes, tools offered) is content as it is.
+static void kept_as_text(const char *const *texts, size_t n, size_t step) {
+    for (size_t i = 0; i < n; i++) {
+        gw_chat_parse p;
+        run(&p, texts[i], step, false, true);
+        MM_STREQ(str(&p.content), texts[i]);
+        MM_TRUE(p.tool_calls == NULL);
+        gw_chat_parse_fini(&p);
+    }
+}
+
 static void test_think(void) {
     const char *t = "<think>\nLet me see.\n</think>\n\nThe answer is 4.";
     for (size_t step = 0; step <= 3; step++) {
@@ -132,13 +143,7 @@ static void test_glm_tools(void) {
                          "<tool_call>f(x=1)</tool_call>",
                          "<tool_call>f <arg_key>a<arg_value>1</arg_value></tool_call>",
                          "<tool_call>\n</tool_call>"};
-    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
-        gw_chat_parse p;
-        run(&p, bad[i], 2, false, true);
-        MM_STREQ(str(&p.content), bad[i]);
-        MM_TRUE(p.tool_calls == NULL);
-        gw_chat_parse_fini(&p);
-    }
+    kept_as_text(bad, sizeof(bad) / sizeof(bad[0]), 2);
 }
 
 // DeepSeek-V3 / V3.1 blocks (their chat templates write an assistant's calls so): the wrapper
@@ -176,13 +181,7 @@ static void test_deepseek_tools(void) {
                          "<｜tool▁call▁begin｜>function<｜tool▁sep｜>f<｜tool▁call▁end｜>",
                          "<｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{}<｜tool▁call▁end｜>",
                          "x<｜tool▁call▁begin｜>f<｜tool▁sep｜>{\"a\""};
-    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
-        gw_chat_parse p;
-        run(&p, bad[i], 3, false, true);
-        MM_STREQ(str(&p.content), bad[i]);
-        MM_TRUE(p.tool_calls == NULL);
-        gw_chat_parse_fini(&p);
-    }
+    kept_as_text(bad, sizeof(bad) / sizeof(bad[0]), 3);
     // Without tools in the request the tags are text.
     gw_chat_parse p;
     run(&p, v31, 2, false, false);

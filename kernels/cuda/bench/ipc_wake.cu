@@ -9,7 +9,9 @@
 // median of 190 iterations (10 warm-up). Run it with and without MPS:
 //     nvcc -O2 -arch=sm_90 -o ipc_wake kernels/cuda/bench/ipc_wake.cu && for m in 0 1 2; do ./ipc_wake $m; done
 // Two arguments pick the two sides apart: `ipc_wake P W`, P the signal (0 event record, 1
-// cuStreamWriteValue32, 2 a flag kernel, 3 the busy kernel writing the flag itself as it ends),
+// cuStreamWriteValue32, 2 a flag kernel, 3 the busy kernel writing the flag itself as it ends,
+// 4 a flag kernel launched as the busy kernel's programmatic dependent (the busy kernel lets it
+// launch at its start; it waits at griddepcontrol.wait, then stores the flag with release),
 // W the wait (0 event wait, 1 cuStreamWaitValue32, 2 a spin kernel then the stamp, 3 a spin
 // kernel that lets its dependents launch at once, the stamp launched as a programmatic
 // dependent waiting at griddepcontrol.wait, 4 a spin kernel that lets its dependents launch only
@@ -27,7 +29,8 @@
 
 #define CK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); exit(1);} } while (0)
 __device__ __forceinline__ unsigned long long gtime() { unsigned long long t; asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t)); return t; }
-__global__ void busy(unsigned long long ns, unsigned long long *end, volatile unsigned *f, unsigned v) {
+__global__ void busy(unsigned long long ns, unsigned long long *end, volatile unsigned *f, unsigned v, int trig) {
+    if (trig) asm volatile("griddepcontrol.launch_dependents;");
     unsigned long long t0 = gtime(); while (gtime() - t0 < ns) {} if (end) *end = gtime();
     if (f) { __threadfence_system(); *f = v; } }
 __global__ void stamp_pdl(unsigned long long *out) { asm volatile("griddepcontrol.wait;" ::: "memory"); *out = gtime(); }
@@ -35,6 +38,9 @@ __global__ void spinwait_pdl(volatile unsigned *f, unsigned v) { asm volatile("g
 __global__ void spinwait_late(volatile unsigned *f, unsigned v) { while (*f < v) {} asm volatile("griddepcontrol.launch_dependents;"); }
 __global__ void stamp(unsigned long long *out) { *out = gtime(); }
 __global__ void setflag(volatile unsigned *f, unsigned v) { __threadfence_system(); *f = v; }
+__global__ void setflag_pdl(unsigned *f, unsigned v) {
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("st.release.sys.global.u32 [%0], %1;" :: "l"(f), "r"(v) : "memory"); }
 __global__ void spinwait(volatile unsigned *f, unsigned v) { while (*f < v) { __nanosleep(100); } }
 
 struct shm { cudaIpcMemHandle_t mh; cudaIpcEventHandle_t eh; volatile int go, ready, stop; volatile int iter; };
@@ -88,11 +94,11 @@ int main(int argc, char **argv) {
         for (int i = 0; i < n; i++) sum += lat[i];
         // median
         for (int i = 0; i < n; i++) for (int j = i + 1; j < n; j++) if (lat[j] < lat[i]) { double t = lat[i]; lat[i] = lat[j]; lat[j] = t; }
-        static const char *const sn[] = {"event record", "cuStreamWriteValue32", "flag kernel", "flag by the busy kernel"};
+        static const char *const sn[] = {"event record", "cuStreamWriteValue32", "flag kernel", "flag by the busy kernel", "flag kernel as a programmatic dependent"};
         static const char *const wn[] = {"event wait", "cuStreamWaitValue32", "spin kernel", "spin kernel + dependent launch",
                                          "spin kernel, dependents launched after the flag"};
         printf("signal %d / wait %d (%s / %s): wake-up latency mean %.2f us, median %.2f us, p90 %.2f us, min %.2f\n", sig, wt,
-               sn[sig & 3], wn[wt > 4 ? 0 : wt],
+               sn[sig > 4 ? 0 : sig], wn[wt > 4 ? 0 : wt],
                sum / n, lat[n / 2], lat[n * 9 / 10], lat[0]);
         S->stop = 1;
         return 0;
@@ -114,8 +120,17 @@ int main(int argc, char **argv) {
     S->ready = 1;
     for (int i = 0; i < N; i++) {
         while (S->iter != i) {}
-        busy<<<1, 1, 0, st>>>(200000, aend + i, sig == 3 ? flag : NULL, (unsigned)(i + 1));
+        busy<<<1, 1, 0, st>>>(200000, aend + i, sig == 3 ? flag : NULL, (unsigned)(i + 1), sig == 4);
         if (sig == 3) {}
+        else if (sig == 4) {
+            cudaLaunchConfig_t cfg = {};
+            cfg.gridDim = dim3(1); cfg.blockDim = dim3(1); cfg.stream = st;
+            cudaLaunchAttribute at[1];
+            at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+            at[0].val.programmaticStreamSerializationAllowed = 1;
+            cfg.attrs = at; cfg.numAttrs = 1;
+            CK(cudaLaunchKernelEx(&cfg, setflag_pdl, flag, (unsigned)(i + 1)));
+        }
         else if (mode == 0) CK(cudaEventRecord(ev, st));
         else if (mode == 1) { CUresult r = writev((CUstream)st, (CUdeviceptr)flag, (cuuint32_t)(i + 1), CU_STREAM_WRITE_VALUE_DEFAULT); if (r) { fprintf(stderr, "writev %d\n", r); exit(1);} }
         else setflag<<<1, 1, 0, st>>>(flag, i + 1);

@@ -425,13 +425,12 @@ __device__ __forceinline__ float mv2_swiglu(float g, float u) { return g / (1.0f
 // The tile's mlen x rows into shared memory (row stride ldx) as bf16 pairs (pack_bf16, as every
 // path rounds x), zeros past n_in; row m read from x row xrow(m); with a.x_up the value is
 // swiglu(x, x_up) of the same row and column. GEMV v2 and v3.
-// (tid, nth: this thread among the nth that stage the rows; the block's threads by default)
 template <class RowF>
 __device__ __forceinline__ void mv_stage_x(const mm_mat_args &a, uint16_t *xsm, int ldx, int mlen,
-                                           bool vec, RowF xrow, int tid = -1, int nth = MV_WARPS * 32) {
+                                           bool vec, RowF xrow) {
     const int kp = (a.n_in + 31) / 32 * 32, per_row = kp / 8;
     const bool aligned_up = ((uintptr_t)a.x_up & 15) == 0;
-    for (int p = tid < 0 ? (int)threadIdx.x : tid; p < mlen * per_row; p += nth) {
+    for (int p = threadIdx.x; p < mlen * per_row; p += MV_WARPS * 32) {
         const int m = p / per_row, k = (p % per_row) * 8;
         const int xr = xrow(m);
         float4 lo, hi;
@@ -453,9 +452,8 @@ __device__ __forceinline__ void mv_stage_x(const mm_mat_args &a, uint16_t *xsm, 
 // (part[(tile * S + segment) * 128 + row * 8 + token]) + bias, stored to y row yrow(tok).
 template <class RowF>
 __device__ __forceinline__ void mv_store_y(const mm_mat_args &a, const float *part, int S, int tpb,
-                                           int bx, int mlen, RowF yrow, int tid = -1,
-                                           int nth = MV_WARPS * 32) {
-    for (int i = tid < 0 ? (int)threadIdx.x : tid; i < tpb * 16 * 8; i += nth) {
+                                           int bx, int mlen, RowF yrow) {
+    for (int i = threadIdx.x; i < tpb * 16 * 8; i += MV_WARPS * 32) {
         const int tl = i / (16 * 8), rem = i % (16 * 8);
         const int o = (bx * tpb + tl) * 16 + rem / 8, tok = rem % 8;
         if (o >= a.n_out || tok >= mlen)
@@ -1060,329 +1058,6 @@ __global__ void __launch_bounds__(MV_WARPS * 32, MINB) gemv_bulk_kernel(mm_mat_a
     }
 }
 
-// ---- a decode step's MoE FFN in one persistent kernel (ffn_persist) -----------------------------
-// launch_ffn_dec's two GEMV v3 launches leave the SMs idle at each launch's ramp and tail: a
-// block looks its tile up, asks for its W, waits for all of it, runs its mma steps and exits,
-// and the next block on that SM starts from nothing; [gate; up]'s 768 blocks at batch 1 are
-// ~2 waves, down's blocks stream their W early only once [gate; up]'s last wave is resident.
-// ffn_persist_kernel runs both products as one list of items, [gate; up]'s 16-row output tiles
-// of every row tile (expert-major), then down's tpb_dn * 16-row tiles, over one block per SM
-// that takes the next item from a counter (atomicAdd) and keeps ns items' W in flight in a
-// ring of stages (one bulk copy per W row, completing on the stage's mbarrier), so each SM
-// streams W from its first item to its last. A down item of a row tile waits (one thread
-// polling, acquire) until all gi of that row tile's [gate; up] items have stored their rows
-// (each adds 1 to the tile's count after its stores and a fence). Items are taken in list
-// order, so every [gate; up] item taken before a down item is held by a running block that
-// never waits: no block waits on work that is not under way, however many blocks are resident.
-// The block that finishes last zeroes the counters for the next launch. Per item: the tile
-// lookup, W rows and zeros, x staging (down: swiglu of the [gate | up] rows, read through the
-// L2), mma sequence, segment order and epilogue of gemv_bulk_kernel: the same bits as the two
-// launches. Taken by launch_ffn_dec where MM_GPU_FFN_PERSIST is not 0.
-#define FFP_NS_MAX 4
-#define FFP_G_DEFAULT 2 // consumer groups (MM_GPU_FFN_PERSIST_G)
-#define FFP_SMEM_MAX (220 << 10) // dynamic shared memory: the static ~4 KB beside it fit 227 KiB
-#define FFP_CTR_BYTES 4096 // the counters, after SEG_WS_BYTES in the stream's buffer
-
-struct ffp_args {
-    mm_mat_args gu, dn; // launch_ffn_dec's two products (gu.y = dn.x = the [gate | up] rows)
-    int n_tiles;        // row tiles of 8 (an upper bound: tiles without rows are skipped)
-    int gi, di;         // items per row tile: [gate; up] 16-row tiles, down tpb_dn * 16-row ones
-    int tpb_dn;         // 16-row tiles per down item (1 or 2)
-    int ns;             // stages in the ring
-    int slot;           // bytes per stage
-    int xr;             // x rows staged per pass
-    int part_bytes;     // a group's segment sums
-    int pf;             // the producer asks the L2 for the next item's W (MM_GPU_FFN_PERSIST_PF)
-    unsigned *ctr;      // [0] next item, [1] blocks done, [2 + t] row tile t's [gate; up] items done
-};
-
-#define FFP_TILES_MAX 32 // row tiles a launch may have (n_rows / 8 + min(n_experts, n_rows))
-
-struct ffp_tile { // a row tile of the plan, as the producer found it at the start
-    const uint16_t *wgu, *wdn; // the expert's W (either NULL: the tile is skipped)
-    int e, m0, mlen;           // mlen 0: no rows
-    int gx[8], dy[8];          // [gate; up]'s x rows, down's y rows (past mlen: the last row's)
-};
-
-struct ffp_item {
-    const uint16_t *w; // the item's W (NULL with mlen 0: nothing to do)
-    int kind;          // 0 [gate; up], 1 down, -1 the list is done
-    int tile, ox, m0, mlen, ok;
-    int xrow[8], yrow[8];
-};
-
-// The down item's x rows: swiglu(gate, up) of [gate | up] rows that other blocks of this kernel
-// stored (so through the L2, never the read-only path), as mv_stage_x computes them.
-__device__ __forceinline__ void ffp_stage_glu(const mm_mat_args &a, uint16_t *xsm, int ldx, int ml,
-                                              const int *rows, int tid, int nth) {
-    const int kp = (a.n_in + 31) / 32 * 32, per_row = kp / 8;
-    for (int p = tid; p < ml * per_row; p += nth) {
-        const int m = p / per_row, k = (p % per_row) * 8;
-        const float *xr = a.x + (size_t)rows[m] * a.x_stride, *ur = a.x_up + (size_t)rows[m] * a.x_stride;
-        float v[8];
-        if (k + 8 <= a.n_in) {
-            const float4 x0 = __ldcg((const float4 *)(xr + k)), x1 = __ldcg((const float4 *)(xr + k + 4));
-            const float4 u0 = __ldcg((const float4 *)(ur + k)), u1 = __ldcg((const float4 *)(ur + k + 4));
-            v[0] = mv2_swiglu(x0.x, u0.x), v[1] = mv2_swiglu(x0.y, u0.y);
-            v[2] = mv2_swiglu(x0.z, u0.z), v[3] = mv2_swiglu(x0.w, u0.w);
-            v[4] = mv2_swiglu(x1.x, u1.x), v[5] = mv2_swiglu(x1.y, u1.y);
-            v[6] = mv2_swiglu(x1.z, u1.z), v[7] = mv2_swiglu(x1.w, u1.w);
-        } else {
-#pragma unroll
-            for (int j = 0; j < 8; j++) // past n_in: silu(0) * 0 = +0, as mv_stage_x has it
-                v[j] = mv2_swiglu(k + j < a.n_in ? __ldcg(xr + k + j) : 0.0f,
-                                  k + j < a.n_in ? __ldcg(ur + k + j) : 0.0f);
-        }
-        *(uint4 *)&xsm[m * ldx + k] = make_uint4(pack_bf16(v[0], v[1]), pack_bf16(v[2], v[3]),
-                                                 pack_bf16(v[4], v[5]), pack_bf16(v[6], v[7]));
-    }
-}
-
-template <int G> // consumer groups of MV_WARPS / G warps, each taking every G-th item
-__global__ void __launch_bounds__((MV_WARPS + 1) * 32, 1) ffn_persist_kernel(ffp_args f) {
-    extern __shared__ __align__(128) uint8_t fsm[]; // ns stages, per group x rows and sums
-    __shared__ __align__(8) uint64_t full[FFP_NS_MAX], empty[FFP_NS_MAX];
-    __shared__ ffp_item items[FFP_NS_MAX];
-    __shared__ ffp_tile tab[FFP_TILES_MAX];
-    constexpr int CW = MV_WARPS / G; // warps per consumer group
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    const int ldx_max = max(mv2_ldx(f.gu.n_in), mv2_ldx(f.dn.n_in));
-    const int grp = warp / CW, cw = warp % CW, ctid = threadIdx.x - grp * CW * 32;
-    uint16_t *xsm = (uint16_t *)(fsm + (size_t)f.ns * f.slot +
-                                 (size_t)grp * ((size_t)f.xr * ldx_max * 2 + f.part_bytes));
-    float *part = (float *)(xsm + (size_t)f.xr * ldx_max);
-    const uint32_t full0 = (uint32_t)__cvta_generic_to_shared(full);
-    const uint32_t empty0 = (uint32_t)__cvta_generic_to_shared(empty);
-    if (threadIdx.x == 0) {
-        for (int i = 0; i < f.ns; i++) {
-            mv3_bar_init(full0 + 8 * i, 1);
-            mv3_bar_init(empty0 + 8 * i, CW);
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    }
-    asm volatile("griddepcontrol.wait;\n" ::: "memory"); // x and the plan: the kernels before
-    asm volatile("griddepcontrol.launch_dependents;\n" ::);
-    if (warp == MV_WARPS) { // the plan's row tiles, once (tile t as mm_tile_find(.., 8, t) has it)
-        const int E = f.gu.n_experts;
-        int base = 0;
-        for (int eb = 0; eb < E; eb += TF_BATCH * 32) {
-            int lo_b[TF_BATCH], hi_b[TF_BATCH];
-#pragma unroll
-            for (int i = 0; i < TF_BATCH; i++) { // one round of loads for 128 experts
-                const int e = eb + i * 32 + lane;
-                lo_b[i] = e < E ? f.gu.offs[e] : 0;
-                hi_b[i] = e < E ? f.gu.offs[e + 1] : 0;
-            }
-#pragma unroll
-            for (int i = 0; i < TF_BATCH; i++) {
-                const int e = eb + i * 32 + lane, cnt = hi_b[i] - lo_b[i];
-                const int nt = cnt > 0 ? (cnt + 7) / 8 : 0;
-                int incl = nt;
-#pragma unroll
-                for (int d = 1; d < 32; d <<= 1) {
-                    const int v = __shfl_up_sync(0xffffffffu, incl, d);
-                    if (lane >= d)
-                        incl += v;
-                }
-                for (int j = 0; j < nt; j++) {
-                    const int tt = base + incl - nt + j;
-                    if (tt < f.n_tiles)
-                        tab[tt].e = e, tab[tt].m0 = lo_b[i] + 8 * j, tab[tt].mlen = min(8, cnt - 8 * j);
-                }
-                base += __shfl_sync(0xffffffffu, incl, 31);
-            }
-        }
-        for (int tt = base + lane; tt < f.n_tiles; tt += 32)
-            tab[tt].mlen = 0;
-        __syncwarp();
-        for (int i = lane; i < f.n_tiles * 8; i += 32) { // the tiles' W and rows: one round
-            ffp_tile &T = tab[i / 8];
-            const int m = i % 8;
-            if (T.mlen > 0) {
-                const int p = T.m0 + min(m, T.mlen - 1);
-                T.gx[m] = f.gu.x_idx ? f.gu.x_idx[p] : p;
-                T.dy[m] = f.dn.y_idx ? f.dn.y_idx[p] : p;
-                if (m == 0)
-                    T.wgu = (const uint16_t *)f.gu.wg[T.e], T.wdn = (const uint16_t *)f.dn.wg[T.e];
-            }
-        }
-    }
-    __syncthreads();
-    if (warp == MV_WARPS) { // the producer: items into the stages as they free up
-        const unsigned total = (unsigned)f.n_tiles * (unsigned)(f.gi + f.di);
-        const unsigned ngu = (unsigned)f.n_tiles * (unsigned)f.gi;
-        int ends = 0; // items past the list published: one for each group
-        unsigned nxt = 0; // lane 0: the next item's index, asked for one item ahead
-        if (lane == 0)
-            nxt = atomicAdd(f.ctr, 1u);
-#pragma unroll 1
-        for (int n = 0;; n++) {
-            const int s = n % f.ns;
-            if (n >= f.ns) // the consumers are done with the stage's item before
-                mv3_bar_wait(empty0 + 8 * s, (uint32_t)(n / f.ns - 1) & 1u);
-            const unsigned idx = __shfl_sync(0xffffffffu, nxt, 0);
-            if (lane == 0 && idx < total)
-                nxt = atomicAdd(f.ctr, 1u);
-            int kind = -1, tile = 0, ox = 0;
-            if (idx < ngu)
-                kind = 0, tile = (int)(idx / (unsigned)f.gi), ox = (int)(idx % (unsigned)f.gi);
-            else if (idx < total)
-                kind = 1, tile = (int)((idx - ngu) / (unsigned)f.di), ox = (int)((idx - ngu) % (unsigned)f.di);
-            const mm_mat_args &a = kind == 1 ? f.dn : f.gu;
-            const ffp_tile &T = tab[tile];
-            const uint16_t *w = NULL;
-            if (kind >= 0 && T.mlen > 0 && T.wgu != NULL) // (down: its [gate; up] ran)
-                w = kind == 1 ? T.wdn : T.wgu;
-            const int tpb = kind == 1 ? f.tpb_dn : 1, rb = ox * tpb * 16;
-            const int nrw = w != NULL ? min(tpb * 16, a.n_out - rb) : 0;
-            const int ok = w != NULL && ((uintptr_t)w & 15) == 0;
-            ffp_item &it = items[s];
-            if (lane == 0) {
-                it.w = w, it.kind = kind, it.tile = tile, it.ox = ox, it.m0 = T.m0;
-                it.mlen = w != NULL ? T.mlen : 0, it.ok = ok;
-            }
-            if (lane < 8 && w != NULL) {
-                const int p = T.m0 + min(lane, T.mlen - 1);
-                it.xrow[lane] = kind == 1 ? p : T.gx[lane];
-                it.yrow[lane] = kind == 1 ? T.dy[lane] : p;
-            }
-            __syncwarp(); // the item is written: then the arrival that publishes it
-            if (lane == 0)
-                mv3_bar_expect(full0 + 8 * s, ok ? (uint32_t)nrw * (uint32_t)a.n_in * 2u : 0u);
-            __syncwarp();
-            if (ok) {
-                // (the stage's item before may have written it through the generic proxy)
-                asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-                const int ldx = mv2_ldx(a.n_in);
-                const uint32_t dst = (uint32_t)__cvta_generic_to_shared(fsm + (size_t)s * f.slot);
-                for (int i = lane; i < nrw; i += 32)
-                    mv3_bulk(dst + (uint32_t)i * (uint32_t)ldx * 2u, w + (size_t)(rb + i) * a.n_in,
-                             (uint32_t)a.n_in * 2u, full0 + 8 * s);
-            }
-            if (kind < 0 && ++ends == G)
-                break; // each group stops at one of these items
-            if (f.pf) { // the next item's W rows into the L2 while it waits for a stage
-                const unsigned pi = __shfl_sync(0xffffffffu, nxt, 0);
-                if (pi < total) {
-                    const int pk = pi < ngu ? 0 : 1;
-                    const int pt = pk == 0 ? (int)(pi / (unsigned)f.gi) : (int)((pi - ngu) / (unsigned)f.di);
-                    const int po = pk == 0 ? (int)(pi % (unsigned)f.gi) : (int)((pi - ngu) % (unsigned)f.di);
-                    const mm_mat_args &pa = pk == 1 ? f.dn : f.gu;
-                    const ffp_tile &PT = tab[pt];
-                    const uint16_t *pw = PT.mlen > 0 && PT.wgu != NULL ? (pk == 1 ? PT.wdn : PT.wgu) : NULL;
-                    const int prb = po * (pk == 1 ? f.tpb_dn : 1) * 16;
-                    const int pn = pw != NULL ? min((pk == 1 ? f.tpb_dn : 1) * 16, pa.n_out - prb) : 0;
-                    if (pw != NULL && ((uintptr_t)pw & 15) == 0)
-                        for (int i = lane; i < pn; i += 32)
-                            asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(pw + (size_t)(prb + i) * pa.n_in),
-                                         "r"((uint32_t)pa.n_in * 2u) : "memory");
-                }
-            }
-        }
-    } else { // the consumers: warps 0..MV_WARPS - 1, group grp taking items grp, grp + G, ...
-        const int g = lane >> 2, t = lane & 3;
-        // bar.sync 1 + grp over the group's threads (the producer never joins)
-        auto csync = [grp] { asm volatile("bar.sync %0, %1;\n" ::"r"(1 + grp), "n"(CW * 32) : "memory"); };
-#pragma unroll 1
-        for (int n = grp;; n += G) {
-            const int s = n % f.ns;
-            mv3_bar_wait(full0 + 8 * s, (uint32_t)(n / f.ns) & 1u); // the item and its W
-            const ffp_item &it = items[s];
-            const int kind = it.kind, mlen = it.mlen;
-            if (kind < 0)
-                break;
-            const bool dn = kind == 1;
-            const mm_mat_args &a = dn ? f.dn : f.gu;
-            if (mlen > 0) {
-                const int tpb = dn ? f.tpb_dn : 1, wpt = max(1, CW / tpb), tib = cw / wpt, wit = cw % wpt;
-                const int sl = seg_len(a.n_in), S = (a.n_in + sl - 1) / sl;
-                const int ldx = mv2_ldx(a.n_in);
-                uint16_t *wsm = (uint16_t *)(fsm + (size_t)s * f.slot);
-                const int rb = it.ox * tpb * 16, r0 = rb + tib * 16;
-                const int nrw = min(tpb * 16, a.n_out - rb);
-                const int kp = (a.n_in + 31) / 32 * 32, zp = kp - a.n_in; // W's zeros past n_in
-                for (int p = ctid; p < tpb * 16 * zp; p += CW * 32)
-                    wsm[(size_t)(p / zp) * ldx + a.n_in + p % zp] = 0;
-                if (!it.ok)
-                    for (int p = ctid; p < nrw * a.n_in; p += CW * 32)
-                        wsm[(size_t)(p / a.n_in) * ldx + p % a.n_in] =
-                            it.w[(size_t)(rb + p / a.n_in) * a.n_in + p % a.n_in];
-                if (dn && ctid == 0) { // every [gate; up] item of the row tile has stored
-                    const unsigned *c = f.ctr + 2 + it.tile, want = (unsigned)f.gi * CW;
-                    unsigned v, polls = 0;
-                    for (;;) {
-                        asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(c) : "memory");
-                        if (v >= want)
-                            break;
-                        if (++polls == (1u << 26))
-                            __trap(); // [gate; up] items that never end: a bug, not a hang
-                        __nanosleep(64);
-                    }
-                }
-#pragma unroll 1
-                for (int s0 = 0; s0 < mlen; s0 += f.xr) {
-                    const int ml = min(f.xr, mlen - s0);
-                    csync(); // W's zeros and copies; the item or pass before has read part and x
-                    if (dn)
-                        ffp_stage_glu(a, xsm, ldx, ml, it.xrow + s0, ctid, CW * 32);
-                    else
-                        mv_stage_x(a, xsm, ldx, ml, a.vec != 0, [&](int m) { return it.xrow[s0 + m]; },
-                                   ctid, CW * 32);
-                    csync();
-                    if (r0 < a.n_out) {
-                        const uint16_t *xg = xsm + min(g, ml - 1) * ldx;
-                        const uint16_t *wa = wsm + (size_t)(tib * 16 + g) * ldx, *wb = wa + 8 * ldx;
-                        for (int sg = wit; sg < S; sg += wpt) {
-                            const int k_end = min(a.n_in, (sg + 1) * sl);
-                            float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll 8
-                            for (int kc = sg * sl; kc < k_end; kc += 32) {
-                                const int k = kc + 8 * t;
-                                const uint4 xv = *(const uint4 *)(xg + k);
-                                const uint4 w0v = *(const uint4 *)(wa + k), w1v = *(const uint4 *)(wb + k);
-                                const uint32_t A0[4] = {w0v.x, w1v.x, w0v.y, w1v.y};
-                                const uint32_t B0[2] = {xv.x, xv.y};
-                                mma16816(acc, A0, B0);
-                                const uint32_t A1[4] = {w0v.z, w1v.z, w0v.w, w1v.w};
-                                const uint32_t B1[2] = {xv.z, xv.w};
-                                mma16816(acc, A1, B1);
-                            }
-                            float *pp = part + (tib * S + sg) * (16 * 8);
-#pragma unroll
-                            for (int i = 0; i < 4; i++)
-                                pp[(g + (i >> 1) * 8) * 8 + 2 * t + (i & 1)] = acc[i];
-                        }
-                    }
-                    csync();
-                    mv_store_y(a, part, S, tpb, it.ox, ml, [&](int tok) { return it.yrow[s0 + tok]; },
-                               ctid, CW * 32);
-                }
-                if (!dn) { // this warp's [gate | up] stores are done: count them for down's items
-                    __syncwarp();
-                    if (lane == 0)
-                        asm volatile("red.release.gpu.global.add.u32 [%0], 1;\n" ::"l"(f.ctr + 2 + it.tile)
-                                     : "memory");
-                }
-            }
-            __syncwarp(); // the warp is done with the stage (W, the item): it may be refilled
-            if (lane == 0)
-                asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(empty0 + 8 * s) : "memory");
-        }
-    }
-    // the last block out zeroes the counters for the next launch (every other block is done
-    // with them: it has taken its last item and waits for no tile)
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        __threadfence();
-        if (atomicAdd(f.ctr + 1, 1u) == gridDim.x - 1) {
-            for (int i = 0; i < f.n_tiles; i++)
-                f.ctr[2 + i] = 0;
-            f.ctr[0] = 0;
-            f.ctr[1] = 0;
-            __threadfence();
-        }
-    }
-}
 
 // ---- dense products of 9..64 rows with the segments split over blocks --------------------------
 // A batch-decode product of few output tiles (o_proj at 64 rows: 16 tiles of 128 outputs) keeps
@@ -2002,8 +1677,7 @@ static bool wperm_fits(const mm_mat_args &a, int64_t ldx) {
 // while the stream lives, so recorded graphs stay valid.
 #define CWS_BYTES (2u << 20) // x of 64 rows of up to 16384 k (bf16)
 #define FFD_G_BYTES (4u << 20) // after it: the [gate | up] rows of a decode MoE FFN (f32)
-#define SEG_WS_BYTES (16u << 20) // after that: gemm_seg_kernel's segment sums (f32), then
-                                 // FFP_CTR_BYTES of ffn_persist_kernel's counters (zeroed here)
+#define SEG_WS_BYTES (16u << 20) // after that: gemm_seg_kernel's segment sums (f32)
 #define CWS_MAX 64
 struct cws_entry {
     int dev;
@@ -2022,12 +1696,8 @@ static void *cws_get(cudaStream_t st, int dev, bool alloc) {
         if (g_cws[i].dev == dev && g_cws[i].st == st)
             out = g_cws[i].buf;
     if (out == NULL && alloc && g_cws_n < CWS_MAX) {
-        const size_t n = (size_t)CWS_BYTES + FFD_G_BYTES + SEG_WS_BYTES + FFP_CTR_BYTES;
-        if (cudaMalloc(&out, n) != cudaSuccess ||
-            cudaMemsetAsync((char *)out + n - FFP_CTR_BYTES, 0, FFP_CTR_BYTES, st) != cudaSuccess) {
+        if (cudaMalloc(&out, (size_t)CWS_BYTES + FFD_G_BYTES + SEG_WS_BYTES) != cudaSuccess) {
             (void)cudaGetLastError();
-            if (out != NULL)
-                (void)cudaFree(out);
             out = NULL;
         } else {
             g_cws[g_cws_n++] = cws_entry{dev, st, out};
@@ -3161,84 +2831,6 @@ extern "C" mm_err mm_gpu_moe_matmul_rows(void *stream, int dtype, const void *co
 // 4-16 (once each) 1-2% below the two calls.
 static int g_ffd = -1;
 static unsigned long long g_ffd_n;
-// MM_GPU_FFN_PERSIST (read once unless mm_gpu_set_ffn_persist set it): 0 runs launch_ffn_dec's
-// FFN as the two GEMV v3 launches instead of ffn_persist_kernel (same bits). g_ffp_n counts
-// ffn_persist_kernel's launches (tests).
-static int g_ffp = -1;
-static unsigned long long g_ffp_n;
-
-// ffn_persist_kernel for launch_ffn_dec's two products (gu, dn with their buffers set) over the
-// counters at ctr; *ran false where its stages do not fit (nothing issued).
-static mm_err launch_ffn_persist(cudaStream_t st, const mm_mat_args &gu, const mm_mat_args &dn,
-                                 unsigned *ctr, bool *ran) {
-    *ran = false;
-    static uint64_t attr_set[3]; // harmlessly racy, as for the other kernels
-    static int sms[64];
-    static int groups = 0;
-    if (groups == 0) { // MM_GPU_FFN_PERSIST_G (A/B, read once): consumer groups, 1, 2 or 4
-        const char *e = getenv("MM_GPU_FFN_PERSIST_G");
-        const int v = e && e[0] ? atoi(e) : FFP_G_DEFAULT;
-        groups = v == 1 || v == 2 || v == 4 ? v : FFP_G_DEFAULT;
-    }
-    const int G = groups, gk = G == 1 ? 0 : G == 2 ? 1 : 2;
-    void (*kern)(ffp_args) = G == 1 ? ffn_persist_kernel<1> : G == 2 ? ffn_persist_kernel<2>
-                                                                     : ffn_persist_kernel<4>;
-    int dev = 0;
-    MM_GPU_CHECK(cudaGetDevice(&dev));
-    const uint64_t bit = 1ull << (dev & 63);
-    if (!(attr_set[gk] & bit)) {
-        MM_GPU_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          FFP_SMEM_MAX));
-        MM_GPU_CHECK(cudaDeviceGetAttribute(&sms[dev & 63], cudaDevAttrMultiProcessorCount, dev));
-        attr_set[gk] |= bit;
-    }
-    ffp_args f;
-    f.gu = gu;
-    f.dn = dn;
-    f.n_tiles = gu.n_rows / 8 + min(gu.n_experts, gu.n_rows);
-    const int sg = seg_count(gu.n_in), sd = seg_count(dn.n_in);
-    f.tpb_dn = sd * 2 <= MV_WARPS / G ? 2 : 1;
-    f.gi = mm_div_up(gu.n_out, 16);
-    f.di = mm_div_up(dn.n_out, 16 * f.tpb_dn);
-    const size_t sgu = (size_t)16 * mv2_ldx(gu.n_in) * 2;
-    const size_t sdn = (size_t)16 * f.tpb_dn * mv2_ldx(dn.n_in) * 2;
-    f.slot = (int)((max(sgu, sdn) + 127) / 128 * 128);
-    const size_t xrow = (size_t)max(mv2_ldx(gu.n_in), mv2_ldx(dn.n_in)) * 2;
-    f.part_bytes = max(sg, f.tpb_dn * sd) * 16 * 8 * 4;
-    const int want = min(8, gu.n_rows);
-    if (f.n_tiles > FFP_TILES_MAX)
-        return MM_OK;
-    for (f.ns = FFP_NS_MAX; f.ns >= 2; f.ns--) {
-        const size_t fixed = (size_t)f.ns * f.slot + (size_t)G * f.part_bytes;
-        if (fixed + (size_t)G * xrow <= FFP_SMEM_MAX) {
-            f.xr = (int)min((size_t)want, (FFP_SMEM_MAX - fixed) / ((size_t)G * xrow));
-            break;
-        }
-    }
-    if (f.ns < 2)
-        return MM_OK;
-    f.ctr = ctr;
-    static int pf = -1;
-    if (pf < 0) {
-        const char *e = getenv("MM_GPU_FFN_PERSIST_PF");
-        pf = e && strcmp(e, "1") == 0;
-    }
-    f.pf = pf;
-    cudaLaunchConfig_t cfg = {};
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.gridDim = dim3((unsigned)max(1, sms[dev & 63]));
-    cfg.blockDim = dim3((MV_WARPS + 1) * 32); // the consumers and the producer warp
-    cfg.dynamicSmemBytes = (size_t)f.ns * f.slot + (size_t)G * ((size_t)f.xr * xrow + f.part_bytes);
-    cfg.stream = st;
-    cfg.attrs = attr;
-    cfg.numAttrs = g_pdl ? 1 : 0;
-    MM_GPU_CHECK(cudaLaunchKernelEx(&cfg, kern, f));
-    __atomic_fetch_add(&g_ffp_n, 1ull, __ATOMIC_RELAXED);
-    *ran = true;
-    return MM_OK;
-}
 
 // A decode step's MoE FFN (at most 16 rows, both products on GEMV v3, the stream's
 // buffer for the [gate | up] rows: inside a capture only once an eager call made it): [gate; up]
@@ -3279,16 +2871,6 @@ static mm_err launch_ffn_dec(cudaStream_t st, const void *const *wgu, const void
     gu.y = g;
     dn.x = g;
     dn.x_up = g + F;
-    if (switch_on(&g_ffp, "MM_GPU_FFN_PERSIST")) {
-        bool pr = false;
-        MM_TRY(launch_ffn_persist(st, gu, dn, (unsigned *)(buf + CWS_BYTES + FFD_G_BYTES + SEG_WS_BYTES),
-                                  &pr));
-        if (pr) {
-            __atomic_fetch_add(&g_ffd_n, 1ull, __ATOMIC_RELAXED);
-            *ran = true;
-            return MM_OK;
-        }
-    }
     MM_TRY(launch<true>(st, MM_GPU_PATH_GEMV, MM_DTYPE_BF16, gu, 1));
     MM_TRY(launch<true>(st, MM_GPU_PATH_GEMV, MM_DTYPE_BF16, dn, 1));
     __atomic_fetch_add(&g_ffd_n, 1ull, __ATOMIC_RELAXED);
@@ -3343,22 +2925,6 @@ extern "C" void mm_gpu_set_ffn_dec(int on) {
     g_ffd = on < 0 ? -1 : on ? 1 : 0;
 #else
     (void)on;
-#endif
-}
-
-extern "C" void mm_gpu_set_ffn_persist(int on) {
-#if MM_GPU_HAVE_WMMA
-    g_ffp = on < 0 ? -1 : on ? 1 : 0;
-#else
-    (void)on;
-#endif
-}
-
-extern "C" unsigned long long mm_gpu_ffn_persist_launches(void) {
-#if MM_GPU_HAVE_WMMA
-    return __atomic_load_n(&g_ffp_n, __ATOMIC_RELAXED);
-#else
-    return 0;
 #endif
 }
 

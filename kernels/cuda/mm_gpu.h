@@ -130,11 +130,6 @@ void mm_gpu_set_pf_swiglu_epi(int on);
 // CUDA only (0 elsewhere).
 void mm_gpu_set_ffn_dec(int on);
 unsigned long long mm_gpu_ffn_dec_launches(void);
-// mm_gpu_set_ffn_persist: 1 (default; env MM_GPU_FFN_PERSIST=0 starts it at 0) runs that decode
-// FFN as one persistent kernel; 0 as the two GEMV v3 launches; -1 back to the environment's
-// choice. Same bits. mm_gpu_ffn_persist_launches counts its launches. CUDA only.
-void mm_gpu_set_ffn_persist(int on);
-unsigned long long mm_gpu_ffn_persist_launches(void);
 // mm_gpu_set_gemv_xcap: x rows a grouped GEMV v3 block stages at a time (1, 2, 4 or 8; any
 // other value: back to MM_GPU_GEMV_XCAP or the default, 1 for products of at most 16 rows, else
 // 8); a tile of more rows runs in passes. Same bits. Process-wide; CUDA only.

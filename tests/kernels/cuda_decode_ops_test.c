@@ -68,8 +68,6 @@ extern mm_err mm_gpu_moe_ffn_rows(void *stream, int dtype, const void *const *d_
                                   const int32_t *d_y_idx, int n_rows) __attribute__((weak));
 extern void mm_gpu_set_ffn_dec(int on) __attribute__((weak));
 extern unsigned long long mm_gpu_ffn_dec_launches(void) __attribute__((weak));
-extern void mm_gpu_set_ffn_persist(int on) __attribute__((weak));
-extern unsigned long long mm_gpu_ffn_persist_launches(void) __attribute__((weak));
 
 static void open_gpu(void) {
     if (!mm_gpu_argmax_ws || !mm_gpu_stream_sync)
@@ -771,7 +769,6 @@ static bool ffd_taken(void) {
 // its wait) on the NULL stream twice, and through the backend's op eagerly and recorded in a
 // graph replayed twice: every y element bit for bit, rows never written keep their fill. fused:
 // whether it must take the FFN (false: it must refuse and write nothing).
-static bool g_ffp_on; // ffd_case: the persistent form is on (mm_gpu_set_ffn_persist)
 static void ffd_case(int D, int F, int E, const int *cnt, int n_src, int xpad, int wmis, bool fused) {
     int offs[257] = {0};
     for (int e = 0; e < E; e++)
@@ -833,7 +830,6 @@ static void ffd_case(int D, int F, int E, const int *cnt, int n_src, int xpad, i
     MM_PASS(gpu->ops->synchronize(gpu->ctx));
     MM_TRUE(!ffd_taken());
     mm_gpu_set_ffn_dec(1);
-    const unsigned long long p0 = mm_gpu_ffn_persist_launches ? mm_gpu_ffn_persist_launches() : 0;
     mm_err rf[2];
     bool took[3];
     for (int i = 0; i < 2; i++) {
@@ -866,8 +862,6 @@ static void ffd_case(int D, int F, int E, const int *cnt, int n_src, int xpad, i
     MM_PASS(gpu->ops->synchronize(gpu->ctx));
     gpu->ops->graph_free(gpu->ctx, graph);
     mm_gpu_set_ffn_dec(-1);
-    const unsigned long long np =
-        mm_gpu_ffn_persist_launches ? mm_gpu_ffn_persist_launches() - p0 : 0;
     float *h[NY];
     for (int i = 0; i < NY; i++)
         h[i] = dev_get(y[i], (size_t)(yfull * ys) * 4);
@@ -876,15 +870,12 @@ static void ffd_case(int D, int F, int E, const int *cnt, int n_src, int xpad, i
         written += h[0][i] != -5.0f;
     for (int v = 1; v < NY; v++)
         d[v] = n_diff(h[v], h[0], yfull * ys);
-    printf("ffn decode D %d F %d, %d slots over %d experts, x pad %d, W %d bytes off: %s (%llu "
-           "persistent launches); %lld / %lld / %lld / %lld / %lld of %lld elements differ from "
-           "the two products' (%lld written)\n", D, F, n, E, xpad, wmis,
-           rf[0] == MM_OK ? "taken" : "refused", np, (long long)d[1], (long long)d[2],
-           (long long)d[3], (long long)d[4], (long long)d[5], (long long)(yfull * ys),
-           (long long)written);
+    printf("ffn decode D %d F %d, %d slots over %d experts, x pad %d, W %d bytes off: %s; %lld / "
+           "%lld / %lld / %lld / %lld of %lld elements differ from the two products' (%lld "
+           "written)\n", D, F, n, E, xpad, wmis, rf[0] == MM_OK ? "taken" : "refused",
+           (long long)d[1], (long long)d[2], (long long)d[3], (long long)d[4], (long long)d[5],
+           (long long)(yfull * ys), (long long)written);
     MM_TRUE(written > 0);
-    if (fused) // the NULL stream twice, the backend eagerly and recorded: 4 with the persistent form
-        MM_EQ(np, g_ffp_on ? 4ull : 0ull);
     if (fused) {
         MM_PASS(rf[0]);
         MM_PASS(rf[1]);
@@ -927,23 +918,6 @@ static void test_ffn_decode_bits(void) {
     const int c16[16] = {[0] = 8, [15] = 8};                              // two 8-row tiles
     const int c40[64] = {[0] = 9, [5] = 1, [17] = 12, [40] = 2, [63] = 16}; // 40 rows
     const int c6[4] = {3, 0, 3, 0};                                       // more slots than experts
-    // the persistent form (the default), then the two launches: the same bits as the products
-    g_ffp_on = mm_gpu_set_ffn_persist != NULL && mm_gpu_ffn_persist_launches != NULL;
-    if (g_ffp_on) {
-        mm_gpu_set_ffn_persist(1);
-        ffd_case(2048, 768, 16, c8, 1, 0, 0, true);
-        ffd_case(2048, 768, 16, c13, 4, 0, 0, true);
-        ffd_case(2048, 768, 16, c16, 2, 0, 0, true); // 8-row tiles staged in passes
-        ffd_case(264, 136, 16, c13, 5, 3, 0, true);
-        ffd_case(264, 136, 16, c13, 5, 1, 8, true);
-        ffd_case(520, 200, 16, c16, 2, 0, 0, true);
-        int c160p[160] = {0};
-        for (int e = 3; e < 160; e += 13)
-            c160p[e] = 1;
-        ffd_case(64, 24, 160, c160p, 9, 0, 0, true);
-        mm_gpu_set_ffn_persist(0);
-        g_ffp_on = false;
-    }
     ffd_case(2048, 768, 16, c8, 1, 0, 0, true);    // Qwen3-30B-A3B's shape at batch 1
     ffd_case(2048, 768, 16, c13, 4, 0, 0, true);
     ffd_case(264, 136, 16, c13, 5, 3, 0, true);    // odd stride: scalar x loads; W tail zeroed
@@ -976,8 +950,6 @@ static void test_ffn_decode_bits(void) {
     ffd_case(520, 100, 16, c13, 5, 0, 0, false);   // d_ff % 8 != 0: refused
     ffd_case(264, 136, 4, c6, 2, 0, 0, false);     // 6 slots over 4 experts: refused
     ffd_case(520, 200, 64, c40, 7, 0, 0, false);   // 40 slots (> 16): refused
-    if (mm_gpu_set_ffn_persist)
-        mm_gpu_set_ffn_persist(-1);
     gpu_close(NULL);
 }
 
@@ -1182,7 +1154,7 @@ MM_TESTS = {
     {"gemv v3 (W by bulk copies into shared memory) == v2 == v1 bits", test_gemv_bulk_bits},
     {"add_rmsnorm == axpy then rmsnorm bits", test_add_rmsnorm_bits},
     {"gemv v3 grouped, x in passes of 1, 2 or 8 rows == v1 bits", test_gemv_bulk_xcap},
-    {"moe_ffn_rows at decode (persistent; down's W before its wait) == the two products' bits", test_ffn_decode_bits},
+    {"moe_ffn_rows at decode (down's W before its wait) == the two products' bits", test_ffn_decode_bits},
     {"matmul_res (residual in the GEMV epilogue) == matmul then axpy", test_matmul_res_bits},
     {NULL, NULL},
 };

@@ -5,6 +5,7 @@
 // apply_chat_template: the special tokens map (set tokens only, as strings), then the caller's
 // extra kwargs, then messages, tools (None when absent), documents (None) and
 // add_generation_prompt. enable_thinking is an ordinary kwarg, passed only when set.
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -87,7 +88,7 @@ mm_err mm_chat_template_open_source(const char *src, const json_t *special_token
 static mm_err read_file(const char *path, char **out, size_t *n, char *err) {
     FILE *f = fopen(path, "rb");
     if (f == NULL)
-        return mm_errf(err, MM_ENOENT, "%s: cannot open", path);
+        return mm_errf(err, MM_ENOENT, "%s: cannot open: %s", path, strerror(errno));
     char *buf = NULL;
     size_t cap = 0, len = 0;
     for (;;) {
@@ -154,7 +155,10 @@ static mm_err collect_specials(const json_t *cfg, json_t *specials, const char *
     return MM_OK;
 }
 
-mm_err mm_chat_template_open(const char *dir, mm_chat_template **out, char err[MM_ERRLEN]) {
+// open_impl: mm_chat_template_open, or with tmpl_path the template read from that file instead
+// (the directory's special tokens kept).
+static mm_err open_impl(const char *dir, const char *tmpl_path, mm_chat_template **out,
+                        char err[MM_ERRLEN]) {
     *out = NULL;
     char path[4096];
     mm_err rv = MM_OK;
@@ -177,10 +181,17 @@ mm_err mm_chat_template_open(const char *dir, mm_chat_template **out, char err[M
 
     char jpath[4096];
     snprintf(jpath, sizeof jpath, "%s/chat_template.jinja", dir);
-    rv = read_file(jpath, &jinja, &jinja_n, err);
+    rv = read_file(tmpl_path ? tmpl_path : jpath, &jinja, &jinja_n, err);
     if (rv == MM_OK) {
-        MM_TRY_GOTO(rv, add_tmpl(ct, "default", jinja, jinja_n, err), fail);
-    } else if (rv != MM_ENOENT) {
+        rv = add_tmpl(ct, "default", jinja, jinja_n, err);
+        if (rv != MM_OK && tmpl_path) { // name the file the user gave
+            char why[MM_ERRLEN];
+            snprintf(why, sizeof why, "%s", err);
+            mm_errf(err, rv, "%s: %s", tmpl_path, why);
+        }
+        if (rv != MM_OK)
+            goto fail;
+    } else if (rv != MM_ENOENT || tmpl_path) {
         goto fail;
     } else {
         json_t *tv = cfg ? json_object_get(cfg, "chat_template") : NULL;
@@ -220,6 +231,18 @@ fail:
     json_decref(cfg);
     mm_chat_template_close(ct);
     return rv;
+}
+
+mm_err mm_chat_template_open(const char *dir, mm_chat_template **out, char err[MM_ERRLEN]) {
+    return open_impl(dir, NULL, out, err);
+}
+
+mm_err mm_chat_template_open_file(const char *dir, const char *path, mm_chat_template **out,
+                                  char err[MM_ERRLEN]) {
+    *out = NULL;
+    if (path == NULL || path[0] == 0)
+        return mm_errf(err, MM_EINVAL, "chat template: no file named");
+    return open_impl(dir, path, out, err);
 }
 
 static const named_tmpl *pick(const mm_chat_template *ct, const mm_chat_render_opts *o,

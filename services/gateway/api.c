@@ -1892,10 +1892,15 @@ mm_err gw_api_open(gw_api **out, uv_loop_t *loop, gw_mesh *mesh, const gw_api_co
     mm_model_config cfg;
     MM_TRY_GOTO(rv, mm_model_config_read(c->model_dir, &cfg, err), fail);
     MM_TRY_GOTO(rv, mm_tokenizer_open(&a->tk, c->model_dir, err), fail);
-    if (mm_chat_template_open(c->model_dir, &a->ct, a->ct_err) != MM_OK) {
+    if (c->chat_template && c->chat_template[0]) { // asked for: a file that fails stops us
+        MM_TRY_GOTO(rv, mm_chat_template_open_file(c->model_dir, c->chat_template, &a->ct, err),
+                    fail);
+        mm_log_info("chat template from %s", c->chat_template);
+    } else if (mm_chat_template_open(c->model_dir, &a->ct, a->ct_err) != MM_OK) {
         mm_log_warn("no chat template: %s (POST /v1/chat/completions answers 400)", a->ct_err);
         a->ct = NULL;
-    } else {
+    }
+    if (a->ct) {
         a->hermes_tools = mm_chat_template_hermes_tools(a->ct);
         a->glm_tools = !a->hermes_tools && mm_chat_template_glm_tools(a->ct);
     }

@@ -53,10 +53,13 @@ typedef struct gw_api_conf {
                              // sizes a shard that states none (0: 64 MiB)
     const char *kv_dtype;    // with it, for a shard that states no capacity: "f32" (NULL too)
                              // or "bf16" (bytes per element of that shard's cache)
+    const char *chat_template; // --chat-template: a template file instead of the checkpoint's
+                               // (NULL or "": the checkpoint's, optional)
 } gw_api_conf;
 
-// gw_api_open loads the tokenizer, the chat template (optional) and the model config, sizes
-// the scheduler and starts the timers. Returns owned *out. Errors: the tokenizer's, config's,
+// gw_api_open loads the tokenizer, the chat template (the checkpoint's: optional; a
+// --chat-template file: required) and the model config, sizes the scheduler and starts the
+// timers. Returns owned *out. Errors: the tokenizer's, config's, the named template file's,
 // MM_EINVAL.
 mm_err gw_api_open(gw_api **out, uv_loop_t *loop, gw_mesh *mesh, const gw_api_conf *c,
                    char err[MM_ERRLEN]);

@@ -10,7 +10,7 @@
 #include "gateway.h"
 #include "mm/log.h"
 
-static char *s_host, *s_model_name, *s_api_key, *s_kv_dtype;
+static char *s_host, *s_model_name, *s_api_key, *s_kv_dtype, *s_chat_template;
 static long long s_port, s_max_body_bytes, s_health_timeout_ms, s_max_waiting, s_max_step_seqs,
     s_max_batch_tokens, s_shards, s_shard_max_seqs, s_max_ctx, s_step_timeout_ms, s_keepalive_ms,
     s_health_ms;
@@ -24,6 +24,9 @@ static mm_opt s_gateway_opts[] = {
      "deadline of the router query behind GET /health"},
     {"served-model-name", MM_OPT_STR, &s_model_name, "", "model name of the API (default: the "
      "--model directory's name)"},
+    {"chat-template", MM_OPT_STR, &s_chat_template, "", "a Jinja chat template file used instead "
+     "of the checkpoint's (its special tokens kept), e.g. one that offers tools; one that cannot "
+     "be read or compiled stops the gateway at start"},
     {"api-key", MM_OPT_STR, &s_api_key, "", "require Authorization: Bearer KEY (empty: none)"},
     {"max-waiting", MM_OPT_INT, &s_max_waiting, "256",
      "sequences waiting for admission beyond which requests get 429"},
@@ -130,6 +133,7 @@ int main(int argc, char **argv) {
             .health_timeout_ms = (int)s_health_timeout_ms,
             .kv_mb = s_kv_mb,
             .kv_dtype = s_kv_dtype,
+            .chat_template = s_chat_template,
             .sched = {.max_waiting = (int)s_max_waiting,
                       .max_step_seqs = (int)s_max_step_seqs,
                       .max_step_tokens = (int)s_max_batch_tokens,

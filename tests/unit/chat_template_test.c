@@ -275,6 +275,55 @@ static void test_open_errors(void) {
     MM_EQ(system(cmd), 0);
 }
 
+// A template file given by name (the gateway's --chat-template) replaces the checkpoint's, even
+// its chat_template.jinja, and keeps its special tokens; a file that is missing or malformed is
+// an error naming the file.
+static void test_open_file(void) {
+    char err[MM_ERRLEN] = "";
+    mm_chat_template *ct = NULL;
+    const char *dir = "/tmp/mm_chat_template_test_file";
+    char cmd[256], path[512], tp[512];
+    snprintf(cmd, sizeof cmd, "rm -rf %s && mkdir -p %s", dir, dir);
+    MM_EQ(system(cmd), 0);
+    snprintf(path, sizeof path, "%s/tokenizer_config.json", dir);
+    write_file(path, "{\"eos_token\": \"</s>\", \"chat_template\": \"from-config\"}");
+    snprintf(path, sizeof path, "%s/chat_template.jinja", dir);
+    write_file(path, "from-jinja-file");
+    snprintf(tp, sizeof tp, "%s/mine.jinja", dir);
+    write_file(tp, "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}"
+                   "{% if add_generation_prompt %}[assistant]{% endif %}{{ eos_token }}");
+    MM_PASS(mm_chat_template_open_file(dir, tp, &ct, err));
+    mm_chat_render_opts o = {.enable_thinking = -1, .add_generation_prompt = true};
+    char *out = render_str(ct, "[{\"role\":\"user\",\"content\":\"hi\"}]", &o, MM_OK, err);
+    MM_STREQ(out, "[user]hi[assistant]</s>");
+    free(out);
+    mm_chat_template_close(ct);
+    // a checkpoint without any template of its own takes the file too
+    snprintf(path, sizeof path, "%s/chat_template.jinja", dir);
+    MM_EQ(remove(path), 0);
+    snprintf(path, sizeof path, "%s/tokenizer_config.json", dir);
+    write_file(path, "{\"eos_token\": \"<e>\"}");
+    MM_PASS(mm_chat_template_open_file(dir, tp, &ct, err));
+    out = render_str(ct, "[]", &o, MM_OK, err);
+    MM_STREQ(out, "[assistant]<e>");
+    free(out);
+    mm_chat_template_close(ct);
+    // errors name the file
+    char missing[600];
+    snprintf(missing, sizeof missing, "%s/missing.jinja", dir);
+    MM_FAIL(mm_chat_template_open_file(dir, missing, &ct, err), MM_ENOENT);
+    MM_NULL(ct);
+    MM_TRUE(strstr(err, "missing.jinja") != NULL);
+    write_file(tp, "x\n{% if %}");
+    MM_FAIL(mm_chat_template_open_file(dir, tp, &ct, err), MM_EFORMAT);
+    MM_TRUE(strstr(err, "mine.jinja") && strstr(err, "line 2"));
+    printf("a malformed file: %s\n", err);
+    MM_FAIL(mm_chat_template_open_file(dir, "", &ct, err), MM_EINVAL);
+    MM_FAIL(mm_chat_template_open_file(dir, NULL, &ct, err), MM_EINVAL);
+    snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+    MM_EQ(system(cmd), 0);
+}
+
 // The command prints the prompt with no trailing newline added.
 static void test_cli(void) {
     const char *build = getenv("BUILD") ? getenv("BUILD") : "build";
@@ -389,6 +438,7 @@ MM_TESTS = {
     {"chat_template_content_parts_and_bad_messages", test_content_parts_and_bad_messages},
     {"chat_template_named_templates_and_specials", test_named_templates_and_specials},
     {"chat_template_open_errors", test_open_errors},
+    {"chat_template_open_file", test_open_file},
     {"chat_template_cli", test_cli},
     {"chat_template_concurrent_renders", test_concurrent_renders},
     {"chat_template_hermes_tools", test_hermes_tools},

@@ -48,7 +48,7 @@ struct child {
 };
 
 static char *s_model, *s_drafter, *s_host, *s_run_dir, *s_router, *s_placement, *s_device,
-    *s_log_level;
+    *s_log_level, *s_chat_template;
 static long long s_owners, s_shards, s_port, s_heartbeat_ms, s_restart_max_ms, s_ready_timeout_ms;
 static mm_opt s_opts[] = {
     {"model", MM_OPT_STR, &s_model, NULL, "model directory (config.json + *.safetensors)"},
@@ -58,6 +58,8 @@ static mm_opt s_opts[] = {
      "drafting: a draft model directory (same tokenizer as --model) or 'ngram' (prompt lookup)"},
     {"host", MM_OPT_STR, &s_host, "127.0.0.1", "gateway HTTP address"},
     {"port", MM_OPT_INT, &s_port, "8000", "gateway HTTP port"},
+    {"chat-template", MM_OPT_STR, &s_chat_template, NULL,
+     "a Jinja chat template file the gateway uses instead of the checkpoint's"},
     {"run-dir", MM_OPT_STR, &s_run_dir, "/tmp/moemesh", "directory of the ipc sockets"},
     {"router", MM_OPT_STR, &s_router, NULL, "router control address (default ipc://RUN-DIR/router.ctl)"},
     {"placement", MM_OPT_STR, &s_placement, NULL, "placement JSON file (default uniform)"},
@@ -110,6 +112,8 @@ static int add_child(const char *bindir, const char *role, int instance, char *e
     ARG("--heartbeat-ms"), ARG("%lld", s_heartbeat_ms);
     if (!strcmp(role, "gateway"))
         ARG("--host"), ARG("%s", s_host), ARG("--port"), ARG("%lld", s_port);
+    if (!strcmp(role, "gateway") && s_chat_template && s_chat_template[0])
+        ARG("--chat-template"), ARG("%s", s_chat_template);
     if (!strcmp(role, "attention"))
         ARG("--shards"), ARG("%lld", s_shards);
     if (!strcmp(role, "router") || !strcmp(role, "gateway"))

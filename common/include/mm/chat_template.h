@@ -35,6 +35,13 @@ typedef struct mm_chat_render_opts {
 // subset), MM_ENOMEM. Blocks on file reads; thread-safe.
 mm_err mm_chat_template_open(const char *dir, mm_chat_template **out, char err[MM_ERRLEN]);
 
+// mm_chat_template_open_file: as mm_chat_template_open, with the template read from the file
+// path instead of dir's (as vLLM's --chat-template); dir's special tokens are kept. Errors name
+// the file: MM_ENOENT (it cannot be opened), MM_EFORMAT / MM_EUNSUPP (its syntax, with the
+// line), MM_EINVAL (no path).
+mm_err mm_chat_template_open_file(const char *dir, const char *path, mm_chat_template **out,
+                                  char err[MM_ERRLEN]);
+
 // mm_chat_template_open_source compiles one template from text. special_tokens (borrowed,
 // may be NULL) is a JSON object of name -> string passed to the template (e.g.
 // {"bos_token": "<s>", "eos_token": "</s>"}). Same errors as mm_chat_template_open.

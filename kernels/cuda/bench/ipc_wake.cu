@@ -43,6 +43,18 @@ __global__ void setflag_pdl(unsigned *f, unsigned v) {
     asm volatile("st.release.sys.global.u32 [%0], %1;" :: "l"(f), "r"(v) : "memory"); }
 __global__ void spinwait(volatile unsigned *f, unsigned v) { while (*f < v) { __nanosleep(100); } }
 
+// k on one thread, as the programmatic dependent of the stream's last kernel
+template <typename... P, typename... A>
+static void launch_pdl1(cudaStream_t st, void (*k)(P...), A... args) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(1); cfg.blockDim = dim3(1); cfg.stream = st;
+    cudaLaunchAttribute at[1];
+    at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    at[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = at; cfg.numAttrs = 1;
+    CK(cudaLaunchKernelEx(&cfg, k, args...));
+}
+
 struct shm { cudaIpcMemHandle_t mh; cudaIpcEventHandle_t eh; volatile int go, ready, stop; volatile int iter; };
 
 int main(int argc, char **argv) {
@@ -74,15 +86,9 @@ int main(int argc, char **argv) {
             else if (wt == 2) spinwait<<<1, 1, 0, st>>>(flag, i + 1);
             else if (wt == 3) spinwait_pdl<<<1, 1, 0, st>>>(flag, i + 1);
             else spinwait_late<<<1, 1, 0, st>>>(flag, i + 1);
-            if (wt >= 3) {
-                cudaLaunchConfig_t cfg = {};
-                cfg.gridDim = dim3(1); cfg.blockDim = dim3(1); cfg.stream = st;
-                cudaLaunchAttribute at[1];
-                at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-                at[0].val.programmaticStreamSerializationAllowed = 1;
-                cfg.attrs = at; cfg.numAttrs = 1;
-                CK(cudaLaunchKernelEx(&cfg, stamp_pdl, bst + i));
-            } else
+            if (wt >= 3)
+                launch_pdl1(st, stamp_pdl, bst + i);
+            else
                 stamp<<<1, 1, 0, st>>>(bst + i);
             CK(cudaStreamSynchronize(st));
             S->iter = i + 1;
@@ -122,15 +128,8 @@ int main(int argc, char **argv) {
         while (S->iter != i) {}
         busy<<<1, 1, 0, st>>>(200000, aend + i, sig == 3 ? flag : NULL, (unsigned)(i + 1), sig == 4);
         if (sig == 3) {}
-        else if (sig == 4) {
-            cudaLaunchConfig_t cfg = {};
-            cfg.gridDim = dim3(1); cfg.blockDim = dim3(1); cfg.stream = st;
-            cudaLaunchAttribute at[1];
-            at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-            at[0].val.programmaticStreamSerializationAllowed = 1;
-            cfg.attrs = at; cfg.numAttrs = 1;
-            CK(cudaLaunchKernelEx(&cfg, setflag_pdl, flag, (unsigned)(i + 1)));
-        }
+        else if (sig == 4)
+            launch_pdl1(st, setflag_pdl, flag, (unsigned)(i + 1));
         else if (mode == 0) CK(cudaEventRecord(ev, st));
         else if (mode == 1) { CUresult r = writev((CUstream)st, (CUdeviceptr)flag, (cuuint32_t)(i + 1), CU_STREAM_WRITE_VALUE_DEFAULT); if (r) { fprintf(stderr, "writev %d\n", r); exit(1);} }
         else setflag<<<1, 1, 0, st>>>(flag, i + 1);

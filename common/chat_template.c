@@ -395,3 +395,12 @@ bool mm_chat_template_hermes_tools(const mm_chat_template *ct) {
 bool mm_chat_template_glm_tools(const mm_chat_template *ct) {
     return tools_probe(ct, "<tool_call>", "<arg_key>");
 }
+
+int mm_chat_template_deepseek_tools(const mm_chat_template *ct) {
+    static const char *const OPEN = "<｜tool▁call▁begin｜>", *const SEP = "<｜tool▁sep｜>";
+    char v3[128];
+    snprintf(v3, sizeof v3, "%sfunction%s", OPEN, SEP);
+    if (tools_probe(ct, v3, NULL))
+        return 1;
+    return tools_probe(ct, OPEN, SEP) ? 2 : 0;
+}

@@ -109,6 +109,7 @@ struct gw_api {
     char ct_err[MM_ERRLEN];
     bool hermes_tools; // the template's tools prompt asks for <tool_call>\n{"name": ...} blocks
     bool glm_tools;    // ... or for GLM's <tool_call>NAME\n<arg_key>... blocks
+    int ds_tools;      // ... or for DeepSeek's blocks: 1 V3's, 2 V3.1's (0: none of these)
     int32_t eos[MAX_EOS];
     int n_eos;
     int max_ctx;
@@ -1194,7 +1195,7 @@ static void submit(gw_api *a, struct greq *g, const struct common *o, struct per
         char idp[64];
         snprintf(idp, sizeof(idp), "call_%s_%d", g->id + 9, i);
         gw_chat_parse_init(&c->cp, g->think_open, g->parse_tools, idp);
-        if (g->tool_head && !gw_chat_parse_force_tool(&c->cp, g->tool_head)) {
+        if (g->tool_head && !gw_chat_parse_force_tool(&c->cp, g->tool_head, g->api->ds_tools > 0)) {
             bad(e, 500, "tool_choice", "out of memory");
             goto fail;
         }
@@ -1485,31 +1486,52 @@ static bool check_tools(const json_t *tools, const json_t *choice, struct perr *
     return true;
 }
 
-// force_tool_call: tool_choice "required" or a named function, with a template that writes
-// Qwen3's (Hermes) <tool_call> blocks (mm_chat_template_hermes_tools): the prompt opens the
-// call itself, "<tool_call>\n{\"name\": " and, for a named function, its name and ", \"arguments\": "
-// (closing a <think> block the template opened first), so the model writes the rest of that
-// call; *head (owned) gets what follows "<tool_call>" for the output parser. glm: GLM's blocks
-// (mm_chat_template_glm_tools): "<tool_call>" and, for a named function, its name, so the model
-// writes the name (required) or the arguments. Other templates: nothing changes (*head NULL; the
+// force_tool_call: tool_choice "required" or a named function, with a template whose tools
+// prompt asks for one of the call forms the output parser reads: the prompt opens the call
+// itself, so the model writes the rest of it; *head (owned) gets what follows the call's
+// opening tag, for the output parser. style TS_HERMES, Qwen3's <tool_call> blocks
+// (mm_chat_template_hermes_tools): "<tool_call>\n{\"name\": " and, for a named function, its
+// name and ", \"arguments\": " (closing a <think> block the template opened first). TS_GLM
+// (mm_chat_template_glm_tools): "<tool_call>" and, for a named function, its name. TS_DS3 and
+// TS_DS31, DeepSeek V3's and V3.1's blocks (mm_chat_template_deepseek_tools): the calls' and
+// the call's opening tags, then V3's "function<｜tool▁sep｜>" and for a named function its
+// name and the opening of the JSON fence, or for V3.1 a named function's name and
+// "<｜tool▁sep｜>". GLM and DeepSeek do not force a name of other characters than letters,
+// digits, '_', '-' and '.' (gw_tool_name_len). Other templates: nothing changes (*head NULL; the
 // model is not constrained). False out of memory.
-static bool force_tool_call(const json_t *choice, bool glm, bool *think_open, char **out,
+enum { TS_HERMES, TS_GLM, TS_DS3, TS_DS31 };
+static bool force_tool_call(const json_t *choice, int style, bool *think_open, char **out,
                             size_t *out_len, char **head) {
+    static const char *const DS_OPENS = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>",
+                             *const DS_SEP = "<｜tool▁sep｜>";
     *head = NULL;
     const bool required = json_is_string(choice) && !strcmp(json_string_value(choice), "required");
     if (!required && !json_is_object(choice))
         return true;
     const json_t *fn = json_object_get(json_object_get(choice, "function"), "name");
     const char *fname = required ? NULL : json_string_value(fn);
-    if (glm && fname && (!fname[0] || gw_tool_name_len(fname, strlen(fname)) != strlen(fname)))
-        return true; // a name GLM's block cannot hold as it is: the model is not constrained
+    if (style != TS_HERMES && fname &&
+        (!fname[0] || gw_tool_name_len(fname, strlen(fname)) != strlen(fname)))
+        return true; // a name the block cannot hold as it is: the model is not constrained
     gw_buf h = {0};
     if (!gw_buf_reserve(&h, 0))
         return false;
-    h.p[0] = 0; // (GLM, required: an empty head)
-    if (glm) {
+    h.p[0] = 0; // (GLM or V3.1, required: an empty head)
+    if (style == TS_GLM) {
         if (fname)
             gw_buf_adds(&h, fname);
+    } else if (style == TS_DS3) {
+        gw_buf_adds(&h, "function");
+        gw_buf_adds(&h, DS_SEP);
+        if (fname) {
+            gw_buf_adds(&h, fname);
+            gw_buf_adds(&h, "\n```json\n");
+        }
+    } else if (style == TS_DS31) {
+        if (fname) {
+            gw_buf_adds(&h, fname);
+            gw_buf_adds(&h, DS_SEP);
+        }
     } else if (required) {
         gw_buf_adds(&h, "\n{\"name\": \"");
     } else {
@@ -1526,15 +1548,16 @@ static bool force_tool_call(const json_t *choice, bool glm, bool *think_open, ch
     if (!h.p)
         return false;
     const char *close = *think_open ? "\n</think>\n\n" : "";
-    const size_t nc = strlen(close), n = *out_len + nc + 11 + h.len;
+    const char *open = style == TS_DS3 || style == TS_DS31 ? DS_OPENS : "<tool_call>";
+    const size_t nc = strlen(close), no = strlen(open), n = *out_len + nc + no + h.len;
     char *o = realloc(*out, n + 1);
     if (!o) {
         free(h.p);
         return false;
     }
     memcpy(o + *out_len, close, nc);
-    memcpy(o + *out_len + nc, "<tool_call>", 11);
-    memcpy(o + *out_len + nc + 11, h.p, h.len);
+    memcpy(o + *out_len + nc, open, no);
+    memcpy(o + *out_len + nc + no, h.p, h.len);
     o[n] = 0;
     *out = o;
     *out_len = n;
@@ -1591,9 +1614,11 @@ static bool render_chat(gw_api *a, const json_t *body, bool *think_open, char **
     while (n > 0 && ((*out)[n - 1] == '\n' || (*out)[n - 1] == ' '))
         n--;
     *think_open = n >= 7 && memcmp(*out + n - 7, "<think>", 7) == 0;
-    // (only where an assistant turn was opened, and the template writes Hermes blocks)
-    if (ro.tools && choice && ag && (a->hermes_tools || a->glm_tools) &&
-        !force_tool_call(choice, a->glm_tools, think_open, out, out_len, tool_head)) {
+    // (only where an assistant turn was opened, and the template writes blocks the parser reads)
+    const int style = a->glm_tools ? TS_GLM : a->ds_tools == 1 ? TS_DS3
+                                             : a->ds_tools == 2 ? TS_DS31 : TS_HERMES;
+    if (ro.tools && choice && ag && (a->hermes_tools || a->glm_tools || a->ds_tools) &&
+        !force_tool_call(choice, style, think_open, out, out_len, tool_head)) {
         free(*out);
         *out = NULL;
         return bad(e, 500, "tool_choice", "out of memory");
@@ -1903,6 +1928,7 @@ mm_err gw_api_open(gw_api **out, uv_loop_t *loop, gw_mesh *mesh, const gw_api_co
     if (a->ct) {
         a->hermes_tools = mm_chat_template_hermes_tools(a->ct);
         a->glm_tools = !a->hermes_tools && mm_chat_template_glm_tools(a->ct);
+        a->ds_tools = a->hermes_tools || a->glm_tools ? 0 : mm_chat_template_deepseek_tools(a->ct);
     }
     add_eos(a, cfg.eos_id);
     static const char *names[] = {"<|im_end|>", "<|endoftext|>", "<|eot_id|>",

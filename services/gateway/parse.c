@@ -48,13 +48,14 @@ void gw_chat_parse_init(gw_chat_parse *p, bool think_open, bool tools, const cha
     snprintf(p->id_prefix, sizeof(p->id_prefix), "%s", id_prefix ? id_prefix : "call");
 }
 
-bool gw_chat_parse_force_tool(gw_chat_parse *p, const char *head) {
+bool gw_chat_parse_force_tool(gw_chat_parse *p, const char *head, bool ds) {
     free(p->forced);
     p->forced = strdup(head);
     if (!p->forced)
         return false;
     p->tools = true;
     p->mode = GW_PARSE_TOOL;
+    p->ds = ds;
     return true;
 }
 
@@ -269,7 +270,7 @@ void gw_chat_parse_feed(gw_chat_parse *p, const char *t, size_t limit, bool fina
                 gw_buf b = {0};
                 gw_buf_adds(&b, p->forced);
                 gw_buf_add(&b, s, (size_t)(e - s));
-                add_tool_call(p, b.p ? b.p : "", b.len, false);
+                add_tool_call(p, b.p ? b.p : "", b.len, p->ds);
                 free(b.p);
                 free(p->forced);
                 p->forced = NULL;

@@ -40,9 +40,11 @@ typedef struct gw_chat_parse {
 // gw_chat_parse_init: think_open when the prompt itself opened a <think> block.
 void gw_chat_parse_init(gw_chat_parse *p, bool think_open, bool tools, const char *id_prefix);
 // gw_chat_parse_force_tool: the prompt ended inside a tool call it opened (tool_choice: the
-// gateway wrote "<tool_call>" and `head`, e.g. "\n{\"name\": \"f\", \"arguments\": "): the
-// output starts in that block, and head is read in front of it. Returns false out of memory.
-bool gw_chat_parse_force_tool(gw_chat_parse *p, const char *head);
+// gateway wrote "<tool_call>" and `head`, e.g. "\n{\"name\": \"f\", \"arguments\": ", or with
+// ds DeepSeek's calls' and call's opening tags and `head`, e.g. "function<｜tool▁sep｜>f\n"):
+// the output starts in that block, and head is read in front of it. Returns false out of
+// memory.
+bool gw_chat_parse_force_tool(gw_chat_parse *p, const char *head, bool ds);
 // gw_chat_parse_feed consumes text[p->parsed, limit) (text: the whole output so far). final:
 // no more text will come, so held-back tag prefixes and an unterminated block are text.
 void gw_chat_parse_feed(gw_chat_parse *p, const char *text, size_t limit, bool final);

@@ -428,6 +428,41 @@ static void test_hermes_tools(void) {
         mm_chat_template_close(ct);
     }
     MM_TRUE(!mm_chat_template_glm_tools(NULL));
+    // DeepSeek's blocks: the shipped V3 and V3.1 templates of the fixtures render no tool list
+    // (0); templates whose tools prompt shows V3's or V3.1's call form are found (1, 2)
+    for (size_t i = 0; i < sizeof(no) / sizeof(no[0]); i++) {
+        MM_PASS(mm_chat_template_open(no[i], &ct, err));
+        if (mm_chat_template_deepseek_tools(ct) != 0)
+            MM_TEST_FAIL_("%s: a DeepSeek tools template found", no[i]);
+        mm_chat_template_close(ct);
+    }
+    MM_PASS(mm_chat_template_open(dir, &ct, err));
+    MM_EQ(mm_chat_template_deepseek_tools(ct), 0);
+    mm_chat_template_close(ct);
+    const char *tdir = "/tmp/mm_chat_template_test_ds";
+    char cmd[256], path[512];
+    snprintf(cmd, sizeof cmd, "rm -rf %s && mkdir -p %s", tdir, tdir);
+    MM_EQ(system(cmd), 0);
+    snprintf(path, sizeof path, "%s/tokenizer_config.json", tdir);
+    write_file(path, "{\"eos_token\": \"</s>\"}");
+    snprintf(path, sizeof path, "%s/chat_template.jinja", tdir);
+    write_file(path, "{% if tools %}Tools: {{ tools | tojson }}. Call as <｜tool▁calls▁begin｜>"
+                     "<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\nARGS\n```"
+                     "<｜tool▁call▁end｜><｜tool▁calls▁end｜>{% endif %}"
+                     "{% for m in messages %}{{ m.content }}{% endfor %}");
+    MM_PASS(mm_chat_template_open(tdir, &ct, err));
+    MM_EQ(mm_chat_template_deepseek_tools(ct), 1);
+    MM_TRUE(!mm_chat_template_hermes_tools(ct) && !mm_chat_template_glm_tools(ct));
+    mm_chat_template_close(ct);
+    write_file(path, "{% if tools %}Call as <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>"
+                     "tool_call_name<｜tool▁sep｜>tool_call_arguments<｜tool▁call▁end｜>"
+                     "<｜tool▁calls▁end｜>{% endif %}{% for m in messages %}{{ m.content }}{% endfor %}");
+    MM_PASS(mm_chat_template_open(tdir, &ct, err));
+    MM_EQ(mm_chat_template_deepseek_tools(ct), 2);
+    mm_chat_template_close(ct);
+    MM_EQ(mm_chat_template_deepseek_tools(NULL), 0);
+    snprintf(cmd, sizeof cmd, "rm -rf %s", tdir);
+    MM_EQ(system(cmd), 0);
 }
 
 MM_TESTS = {
@@ -441,6 +476,6 @@ MM_TESTS = {
     {"chat_template_open_file", test_open_file},
     {"chat_template_cli", test_cli},
     {"chat_template_concurrent_renders", test_concurrent_renders},
-    {"chat_template_hermes_tools", test_hermes_tools},
+    {"chat_template_tool_call_forms", test_hermes_tools},
     {NULL, NULL},
 };

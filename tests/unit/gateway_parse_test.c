@@ -194,14 +194,27 @@ static void test_deepseek_tools(void) {
 // that call (then maybe more calls). Whole and streamed; a named function, "required" (the
 // model writes the name), a second call after it, and an unterminated forced call kept as
 // the text with its head.
-static void forced(gw_chat_parse *p, const char *head, const char *text, size_t step) {
+static void forced_as(gw_chat_parse *p, const char *head, const char *text, size_t step,
+                      bool ds) {
     gw_chat_parse_init(p, false, false, "call_x");
-    MM_TRUE(gw_chat_parse_force_tool(p, head));
+    MM_TRUE(gw_chat_parse_force_tool(p, head, ds));
     size_t n = strlen(text);
     if (step)
         for (size_t k = step; k < n; k += step)
             gw_chat_parse_feed(p, text, k, false);
     gw_chat_parse_feed(p, text, n, true);
+}
+
+static void forced(gw_chat_parse *p, const char *head, const char *text, size_t step) {
+    forced_as(p, head, text, step, false);
+}
+
+// call i of p's tool_calls: its name, and its arguments (a JSON string) unless args is NULL
+static void expect_call(const gw_chat_parse *p, size_t i, const char *name, const char *args) {
+    json_t *f = json_object_get(json_array_get(p->tool_calls, i), "function");
+    MM_STREQ(json_string_value(json_object_get(f, "name")), name);
+    if (args)
+        MM_STREQ(json_string_value(json_object_get(f, "arguments")), args);
 }
 
 static void test_forced_tool(void) {
@@ -212,17 +225,12 @@ static void test_forced_tool(void) {
                           "\"now\", \"arguments\": {}}\n</tool_call>", step);
         MM_STREQ(str(&p.content), "\n");
         MM_EQ(json_array_size(p.tool_calls), 2);
-        json_t *f = json_object_get(json_array_get(p.tool_calls, 0), "function");
-        MM_STREQ(json_string_value(json_object_get(f, "name")), "get_weather");
-        MM_STREQ(json_string_value(json_object_get(f, "arguments")), "{\"city\":\"Paris\"}");
-        f = json_object_get(json_array_get(p.tool_calls, 1), "function");
-        MM_STREQ(json_string_value(json_object_get(f, "name")), "now");
+        expect_call(&p, 0, "get_weather", "{\"city\":\"Paris\"}");
+        expect_call(&p, 1, "now", NULL);
         gw_chat_parse_fini(&p);
         forced(&p, "\n{\"name\": \"", "now\", \"arguments\": {\"tz\": \"UTC\"}}\n</tool_call>", step);
         MM_EQ(json_array_size(p.tool_calls), 1);
-        f = json_object_get(json_array_get(p.tool_calls, 0), "function");
-        MM_STREQ(json_string_value(json_object_get(f, "name")), "now");
-        MM_STREQ(json_string_value(json_object_get(f, "arguments")), "{\"tz\":\"UTC\"}");
+        expect_call(&p, 0, "now", "{\"tz\":\"UTC\"}");
         MM_STREQ(str(&p.content), "");
         gw_chat_parse_fini(&p);
     }
@@ -237,6 +245,46 @@ static void test_forced_tool(void) {
     gw_chat_parse_fini(&p);
 }
 
+// tool_choice with DeepSeek's blocks: the prompt wrote the calls' and the call's opening tags
+// and the call's head (V3: "function<｜tool▁sep｜>NAME\n```json\n", or for "required" only
+// "function<｜tool▁sep｜>"; V3.1: "NAME<｜tool▁sep｜>" or nothing); the output is the rest.
+static void test_forced_deepseek(void) {
+    const char *v3 = "function<｜tool▁sep｜>get_weather\n```json\n";
+    for (size_t step = 0; step <= 5; step++) {
+        gw_chat_parse p;
+        forced_as(&p, v3, "{\"city\": \"Paris\"}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>"
+                          "function<｜tool▁sep｜>now\n```json\n{}\n```<｜tool▁call▁end｜>"
+                          "<｜tool▁calls▁end｜>", step, true);
+        MM_STREQ(str(&p.content), "");
+        MM_EQ(json_array_size(p.tool_calls), 2);
+        expect_call(&p, 0, "get_weather", "{\"city\":\"Paris\"}");
+        expect_call(&p, 1, "now", NULL);
+        gw_chat_parse_fini(&p);
+        forced_as(&p, "function<｜tool▁sep｜>", "now\n```json\n{\"tz\": \"UTC\"}\n```"
+                  "<｜tool▁call▁end｜><｜tool▁calls▁end｜>", step, true); // required, V3
+        MM_EQ(json_array_size(p.tool_calls), 1);
+        expect_call(&p, 0, "now", "{\"tz\":\"UTC\"}");
+        gw_chat_parse_fini(&p);
+        forced_as(&p, "get_weather<｜tool▁sep｜>", "{\"city\": \"Oslo\"}<｜tool▁call▁end｜>"
+                  "<｜tool▁calls▁end｜>", step, true); // named, V3.1
+        MM_EQ(json_array_size(p.tool_calls), 1);
+        expect_call(&p, 0, "get_weather", "{\"city\":\"Oslo\"}");
+        MM_STREQ(str(&p.content), "");
+        gw_chat_parse_fini(&p);
+        forced_as(&p, "", "now<｜tool▁sep｜>{}<｜tool▁call▁end｜><｜tool▁calls▁end｜>", step,
+                  true); // required, V3.1
+        MM_EQ(json_array_size(p.tool_calls), 1);
+        expect_call(&p, 0, "now", NULL);
+        gw_chat_parse_fini(&p);
+    }
+    gw_chat_parse p;
+    forced_as(&p, v3, "{\"city\": \"Par", 2, true); // max_tokens hit inside the call
+    MM_STREQ(str(&p.content), "<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
+                              "{\"city\": \"Par");
+    MM_TRUE(p.tool_calls == NULL);
+    gw_chat_parse_fini(&p);
+}
+
 MM_TESTS = {
     {"think blocks become reasoning (whole and streamed)", test_think},
     {"tool_call blocks become tool_calls (whole and streamed)", test_tools},
@@ -244,5 +292,6 @@ MM_TESTS = {
     {"a tool call the prompt opened (tool_choice) is read with its head", test_forced_tool},
     {"GLM-4.5/4.6 tool_call blocks (arg_key/arg_value) become tool_calls", test_glm_tools},
     {"DeepSeek-V3/V3.1 tool call blocks become tool_calls", test_deepseek_tools},
+    {"a DeepSeek tool call the prompt opened (tool_choice) is read with its head", test_forced_deepseek},
     {NULL, NULL},
 };

@@ -75,5 +75,12 @@ bool mm_chat_template_hermes_tools(const mm_chat_template *ct);
 // <tool_call>NAME\n<arg_key>K</arg_key>\n<arg_value>V</arg_value>...</tool_call> (the same probe
 // render holds "<tool_call>" and "<arg_key>"). False when the probe does not render.
 bool mm_chat_template_glm_tools(const mm_chat_template *ct);
+// mm_chat_template_deepseek_tools: whether ct's tools prompt asks for DeepSeek's blocks: 1
+// V3's, <｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\nARGS\n```<｜tool▁call▁end｜>
+// (the probe render holds "<｜tool▁call▁begin｜>function<｜tool▁sep｜>"); 2 V3.1's,
+// <｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS<｜tool▁call▁end｜> (it holds both tags, not V3's
+// form); 0 neither (as DeepSeek's shipped V3 template, which renders no tool list), or when the
+// probe does not render.
+int mm_chat_template_deepseek_tools(const mm_chat_template *ct);
 
 #endif

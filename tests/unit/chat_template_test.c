@@ -324,6 +324,58 @@ static void test_open_file(void) {
     MM_EQ(system(cmd), 0);
 }
 
+// deploy/templates/deepseek-v3-tools.jinja (for --chat-template): without tools it renders as
+// DeepSeek's shipped V3 template; with tools its system part lists them and shows V3's call form
+// (the probe finds it), and an assistant turn of two calls is closed once, after the second.
+static void test_deepseek_tools_template(void) {
+    char err[MM_ERRLEN] = "";
+    const char *dir = "tests/fixtures/templates/deepseek-v3";
+    mm_chat_template *mine = NULL, *shipped = NULL;
+    MM_PASS(mm_chat_template_open_file(dir, "deploy/templates/deepseek-v3-tools.jinja", &mine, err));
+    MM_PASS(mm_chat_template_open(dir, &shipped, err));
+    MM_EQ(mm_chat_template_deepseek_tools(mine), 1);
+    MM_EQ(mm_chat_template_deepseek_tools(shipped), 0);
+    const char *convs[] = {
+        "[{\"role\":\"system\",\"content\":\"be brief\"},{\"role\":\"user\",\"content\":\"hi\"},"
+        "{\"role\":\"assistant\",\"content\":\"hello\"},{\"role\":\"user\",\"content\":\"more\"}]",
+        "[{\"role\":\"user\",\"content\":\"a\"}]",
+        "[{\"role\":\"system\",\"content\":\"s1\"},{\"role\":\"system\",\"content\":\"s2\"},"
+        "{\"role\":\"user\",\"content\":\"q\"},{\"role\":\"assistant\",\"content\":\"r\"}]"};
+    for (size_t i = 0; i < sizeof(convs) / sizeof(convs[0]); i++)
+        for (int ag = 0; ag < 2; ag++) {
+            mm_chat_render_opts o = {.enable_thinking = -1, .add_generation_prompt = ag};
+            char *a = render_str(mine, convs[i], &o, MM_OK, err);
+            char *b = render_str(shipped, convs[i], &o, MM_OK, err);
+            if (strcmp(a, b) != 0)
+                MM_TEST_FAIL_("conversation %zu (generation prompt %d): %s != %s", i, ag, a, b);
+            free(a), free(b);
+        }
+    json_t *tools = json_loads("[{\"type\":\"function\",\"function\":{\"name\":\"get_weather\","
+                               "\"parameters\":{\"type\":\"object\"}}}]", 0, NULL);
+    MM_TRUE(tools != NULL);
+    mm_chat_render_opts o = {.enable_thinking = -1, .add_generation_prompt = true, .tools = tools};
+    char *out = render_str(mine,
+        "[{\"role\":\"user\",\"content\":\"w?\"},{\"role\":\"assistant\",\"content\":null,"
+        "\"tool_calls\":[{\"id\":\"a\",\"type\":\"function\",\"function\":{\"name\":\"get_weather\","
+        "\"arguments\":\"{}\"}},{\"id\":\"b\",\"type\":\"function\",\"function\":{\"name\":"
+        "\"get_weather\",\"arguments\":\"{\\\"city\\\": \\\"Oslo\\\"}\"}}]},"
+        "{\"role\":\"tool\",\"content\":\"sun\"},{\"role\":\"tool\",\"content\":\"rain\"}]",
+        &o, MM_OK, err);
+    MM_TRUE(strstr(out, "\"name\": \"get_weather\"") != NULL); // the tool's JSON, in the system part
+    MM_TRUE(strstr(out, "<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\n") != NULL);
+    MM_TRUE(strstr(out, "<｜Assistant｜><｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>"
+                        "get_weather\n```json\n{}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>") != NULL);
+    const char *end = "```<｜tool▁call▁end｜><｜tool▁calls▁end｜><｜end▁of▁sentence｜><｜tool▁outputs▁begin｜>"
+                      "<｜tool▁output▁begin｜>sun<｜tool▁output▁end｜>\n<｜tool▁output▁begin｜>rain"
+                      "<｜tool▁output▁end｜><｜tool▁outputs▁end｜>";
+    MM_TRUE(strstr(out, end) != NULL);
+    MM_TRUE(strlen(out) >= strlen(end) && strcmp(out + strlen(out) - strlen(end), end) == 0);
+    free(out);
+    json_decref(tools);
+    mm_chat_template_close(mine);
+    mm_chat_template_close(shipped);
+}
+
 // The command prints the prompt with no trailing newline added.
 static void test_cli(void) {
     const char *build = getenv("BUILD") ? getenv("BUILD") : "build";
@@ -474,6 +526,7 @@ MM_TESTS = {
     {"chat_template_named_templates_and_specials", test_named_templates_and_specials},
     {"chat_template_open_errors", test_open_errors},
     {"chat_template_open_file", test_open_file},
+    {"chat_template_deepseek_v3_tools_file", test_deepseek_tools_template},
     {"chat_template_cli", test_cli},
     {"chat_template_concurrent_renders", test_concurrent_renders},
     {"chat_template_tool_call_forms", test_hermes_tools},

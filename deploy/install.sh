@@ -36,7 +36,7 @@ done
 [ -x "$BIN/moemesh" ] || die "$BIN/moemesh is missing: run make first"
 
 install -d "$DESTDIR$PREFIX/bin" "$DESTDIR$UNITDIR" "$DESTDIR$SYSUSERSDIR" \
-    "$DESTDIR$PREFIX/share/doc/moemesh" "$DESTDIR$CONFDIR"
+    "$DESTDIR$PREFIX/share/doc/moemesh" "$DESTDIR$PREFIX/share/moemesh/templates" "$DESTDIR$CONFDIR"
 for d in "${daemons[@]}"; do
     install -m 0755 "$BIN/moemesh-$d" "$DESTDIR$PREFIX/bin/moemesh-$d"
 done
@@ -51,6 +51,9 @@ for u in "$here"/systemd/*.service "$here"/systemd/*.target; do
 done
 install -m 0644 "$here/systemd/moemesh.sysusers.conf" "$DESTDIR$SYSUSERSDIR/moemesh.conf"
 install -m 0644 "$root/docs/OPERATIONS.md" "$DESTDIR$PREFIX/share/doc/moemesh/OPERATIONS.md"
+for t in "$here"/templates/*.jinja; do # chat templates for the gateway's --chat-template
+    install -m 0644 "$t" "$DESTDIR$PREFIX/share/moemesh/templates/$(basename "$t")"
+done
 for e in "$here"/env/*.env.example; do
     install -m 0644 "$e" "$DESTDIR$CONFDIR/$(basename "$e")"
 done

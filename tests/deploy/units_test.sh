@@ -55,6 +55,8 @@ for b in moemesh moemesh-launch moemesh-gateway moemesh-router moemesh-attention
     [ -x "$prefix/bin/$b" ] || bad "install did not put an executable $prefix/bin/$b"
 done
 [ -f "$prefix/share/doc/moemesh/OPERATIONS.md" ] || bad "install did not put OPERATIONS.md into share/doc"
+[ -f "$prefix/share/moemesh/templates/deepseek-v3-tools.jinja" ] ||
+    bad "install did not put the chat templates into share/moemesh/templates"
 [ -f "$tmp/etc/moemesh.env.example" ] || bad "install did not put moemesh.env.example into CONFDIR"
 
 # 2. Settings every service must carry (the hardening list, restart, memlock, env files).

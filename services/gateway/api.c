@@ -97,6 +97,11 @@ struct greq {
     struct greq *dnext;        // dirty list
 };
 
+// The tool call forms a template's tools prompt may ask for (gw_api.tool_style, found by the
+// probes of mm/chat_template.h): none the output parser reads, Qwen3's (Hermes) <tool_call>
+// JSON, GLM's <tool_call>NAME<arg_key>..., DeepSeek V3's and V3.1's blocks.
+enum { TS_NONE, TS_HERMES, TS_GLM, TS_DS3, TS_DS31 };
+
 struct gw_api {
     uv_loop_t *loop;
     gw_mesh *mesh;
@@ -107,9 +112,7 @@ struct gw_api {
     mm_tokenizer *tk;
     mm_chat_template *ct;
     char ct_err[MM_ERRLEN];
-    bool hermes_tools; // the template's tools prompt asks for <tool_call>\n{"name": ...} blocks
-    bool glm_tools;    // ... or for GLM's <tool_call>NAME\n<arg_key>... blocks
-    int ds_tools;      // ... or for DeepSeek's blocks: 1 V3's, 2 V3.1's (0: none of these)
+    int tool_style;    // TS_*: the call form the template's tools prompt asks for (at open)
     int32_t eos[MAX_EOS];
     int n_eos;
     int max_ctx;
@@ -1195,7 +1198,8 @@ static void submit(gw_api *a, struct greq *g, const struct common *o, struct per
         char idp[64];
         snprintf(idp, sizeof(idp), "call_%s_%d", g->id + 9, i);
         gw_chat_parse_init(&c->cp, g->think_open, g->parse_tools, idp);
-        if (g->tool_head && !gw_chat_parse_force_tool(&c->cp, g->tool_head, g->api->ds_tools > 0)) {
+        if (g->tool_head &&
+            !gw_chat_parse_force_tool(&c->cp, g->tool_head, g->api->tool_style >= TS_DS3)) {
             bad(e, 500, "tool_choice", "out of memory");
             goto fail;
         }
@@ -1499,11 +1503,8 @@ static bool check_tools(const json_t *tools, const json_t *choice, struct perr *
 // "<｜tool▁sep｜>". GLM and DeepSeek do not force a name of other characters than letters,
 // digits, '_', '-' and '.' (gw_tool_name_len). Other templates: nothing changes (*head NULL; the
 // model is not constrained). False out of memory.
-enum { TS_HERMES, TS_GLM, TS_DS3, TS_DS31 };
 static bool force_tool_call(const json_t *choice, int style, bool *think_open, char **out,
                             size_t *out_len, char **head) {
-    static const char *const DS_OPENS = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>",
-                             *const DS_SEP = "<｜tool▁sep｜>";
     *head = NULL;
     const bool required = json_is_string(choice) && !strcmp(json_string_value(choice), "required");
     if (!required && !json_is_object(choice))
@@ -1522,7 +1523,7 @@ static bool force_tool_call(const json_t *choice, int style, bool *think_open, c
             gw_buf_adds(&h, fname);
     } else if (style == TS_DS3) {
         gw_buf_adds(&h, "function");
-        gw_buf_adds(&h, DS_SEP);
+        gw_buf_adds(&h, GW_DS_SEP);
         if (fname) {
             gw_buf_adds(&h, fname);
             gw_buf_adds(&h, "\n```json\n");
@@ -1530,7 +1531,7 @@ static bool force_tool_call(const json_t *choice, int style, bool *think_open, c
     } else if (style == TS_DS31) {
         if (fname) {
             gw_buf_adds(&h, fname);
-            gw_buf_adds(&h, DS_SEP);
+            gw_buf_adds(&h, GW_DS_SEP);
         }
     } else if (required) {
         gw_buf_adds(&h, "\n{\"name\": \"");
@@ -1548,7 +1549,7 @@ static bool force_tool_call(const json_t *choice, int style, bool *think_open, c
     if (!h.p)
         return false;
     const char *close = *think_open ? "\n</think>\n\n" : "";
-    const char *open = style == TS_DS3 || style == TS_DS31 ? DS_OPENS : "<tool_call>";
+    const char *open = style >= TS_DS3 ? GW_DS_CALLS_OPEN GW_DS_OPEN : "<tool_call>";
     const size_t nc = strlen(close), no = strlen(open), n = *out_len + nc + no + h.len;
     char *o = realloc(*out, n + 1);
     if (!o) {
@@ -1615,10 +1616,8 @@ static bool render_chat(gw_api *a, const json_t *body, bool *think_open, char **
         n--;
     *think_open = n >= 7 && memcmp(*out + n - 7, "<think>", 7) == 0;
     // (only where an assistant turn was opened, and the template writes blocks the parser reads)
-    const int style = a->glm_tools ? TS_GLM : a->ds_tools == 1 ? TS_DS3
-                                             : a->ds_tools == 2 ? TS_DS31 : TS_HERMES;
-    if (ro.tools && choice && ag && (a->hermes_tools || a->glm_tools || a->ds_tools) &&
-        !force_tool_call(choice, style, think_open, out, out_len, tool_head)) {
+    if (ro.tools && choice && ag && a->tool_style != TS_NONE &&
+        !force_tool_call(choice, a->tool_style, think_open, out, out_len, tool_head)) {
         free(*out);
         *out = NULL;
         return bad(e, 500, "tool_choice", "out of memory");
@@ -1926,9 +1925,14 @@ mm_err gw_api_open(gw_api **out, uv_loop_t *loop, gw_mesh *mesh, const gw_api_co
         a->ct = NULL;
     }
     if (a->ct) {
-        a->hermes_tools = mm_chat_template_hermes_tools(a->ct);
-        a->glm_tools = !a->hermes_tools && mm_chat_template_glm_tools(a->ct);
-        a->ds_tools = a->hermes_tools || a->glm_tools ? 0 : mm_chat_template_deepseek_tools(a->ct);
+        if (mm_chat_template_hermes_tools(a->ct)) {
+            a->tool_style = TS_HERMES;
+        } else if (mm_chat_template_glm_tools(a->ct)) {
+            a->tool_style = TS_GLM;
+        } else {
+            const int ds = mm_chat_template_deepseek_tools(a->ct);
+            a->tool_style = ds == 1 ? TS_DS3 : ds == 2 ? TS_DS31 : TS_NONE;
+        }
     }
     add_eos(a, cfg.eos_id);
     static const char *names[] = {"<|im_end|>", "<|endoftext|>", "<|eot_id|>",

@@ -33,13 +33,10 @@ void gw_buf_adds(gw_buf *b, const char *s) { gw_buf_add(b, s, strlen(s)); }
 
 static const char *const T_OPEN = "<think>", *const T_CLOSE = "</think>",
                          *const C_OPEN = "<tool_call>", *const C_CLOSE = "</tool_call>";
-// DeepSeek-V3 / V3.1 (their chat templates write an assistant's calls so): the calls between
-// DS_CALLS_OPEN and DS_CALLS_CLOSE (dropped from the text), each DS_OPEN BODY DS_CLOSE, BODY
-// "function<sep>NAME\n```json\nARGS\n```" (V3) or "NAME<sep>ARGS" (V3.1).
-static const char *const DS_CALLS_OPEN = "<｜tool▁calls▁begin｜>",
-                         *const DS_CALLS_CLOSE = "<｜tool▁calls▁end｜>",
-                         *const DS_OPEN = "<｜tool▁call▁begin｜>",
-                         *const DS_CLOSE = "<｜tool▁call▁end｜>", *const DS_SEP = "<｜tool▁sep｜>";
+// DeepSeek's tags (parse.h); the calls' wrapper is dropped from the text
+static const char *const DS_CALLS_OPEN = GW_DS_CALLS_OPEN, *const DS_CALLS_CLOSE = GW_DS_CALLS_CLOSE,
+                         *const DS_OPEN = GW_DS_OPEN, *const DS_CLOSE = GW_DS_CLOSE,
+                         *const DS_SEP = GW_DS_SEP;
 
 void gw_chat_parse_init(gw_chat_parse *p, bool think_open, bool tools, const char *id_prefix) {
     memset(p, 0, sizeof(*p));

@@ -3,8 +3,9 @@
 // calls in Qwen3's (Hermes) <tool_call>{"name": ..., "arguments": ...}</tool_call> blocks or
 // GLM-4.5/4.6's <tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value>...</tool_call>
 // blocks, or DeepSeek-V3/V3.1's <｜tool▁call▁begin｜>...<｜tool▁call▁end｜> blocks (the
-// <｜tool▁calls▁begin｜>/<｜tool▁calls▁end｜> around them dropped), and the rest as content. Incremental: text arrives in pieces (streaming) and a tag prefix at the
-// end of what is known is held back until the next piece or the end says what it is.
+// <｜tool▁calls▁begin｜>/<｜tool▁calls▁end｜> around them dropped), and the rest as content.
+// Incremental: text arrives in pieces (streaming) and a tag prefix at the end of what is known
+// is held back until the next piece or the end says what it is.
 // Depends only on jansson and libc, so tests include parse.c directly.
 #ifndef MM_GATEWAY_PARSE_H
 #define MM_GATEWAY_PARSE_H
@@ -12,6 +13,15 @@
 #include <jansson.h>
 #include <stdbool.h>
 #include <stddef.h>
+
+// DeepSeek-V3 / V3.1's tool call tags (their chat templates write an assistant's calls so): the
+// calls between GW_DS_CALLS_OPEN and GW_DS_CALLS_CLOSE, each GW_DS_OPEN BODY GW_DS_CLOSE, BODY
+// "function<sep>NAME\n```json\nARGS\n```" (V3) or "NAME<sep>ARGS" (V3.1), <sep> GW_DS_SEP.
+#define GW_DS_CALLS_OPEN "<｜tool▁calls▁begin｜>"
+#define GW_DS_CALLS_CLOSE "<｜tool▁calls▁end｜>"
+#define GW_DS_OPEN "<｜tool▁call▁begin｜>"
+#define GW_DS_CLOSE "<｜tool▁call▁end｜>"
+#define GW_DS_SEP "<｜tool▁sep｜>"
 
 typedef struct gw_buf { // growable byte buffer, NUL-terminated when non-empty
     char *p;

@@ -93,17 +93,34 @@ prompt_text() {
     jq_out 'json.dumps(j["prompt"])'
 }
 
-# sse_content FILE: the content deltas of a chat stream saved in FILE, joined (a JSON string).
+# sse_content FILE: the content deltas of a chat stream saved in FILE, joined (a JSON string,
+# characters beyond ASCII as they are).
 sse_content() {
     python3 - "$1" <<'PY'
 import json, sys
 out = ""
-for line in open(sys.argv[1]):
+for line in open(sys.argv[1], encoding="utf-8"):
     if line.startswith("data: ") and line.strip() != "data: [DONE]":
         for c in json.loads(line[6:]).get("choices", []):
             out += c.get("delta", {}).get("content") or ""
-print(json.dumps(out))
+print(json.dumps(out, ensure_ascii=False))
 PY
+}
+
+# forced_answer TOOL_CHOICE: a chat of $MSG offering $TOOLS with that tool_choice, 6 tokens
+# greedy, whole then streamed: the call the prompt opened is cut by max_tokens (finish_reason
+# length) and the streamed text is the whole one. Sets WHOLE: the content as a JSON string
+# (characters beyond ASCII as they are).
+forced_answer() {
+    local body="{\"messages\":$MSG,\"tools\":$TOOLS,\"tool_choice\":$1,\"max_tokens\":6,\"temperature\":0"
+    post /v1/chat/completions "$body}"
+    expect 200 "chat with tool_choice $1"
+    [ "$(jq_out 'j["choices"][0]["finish_reason"]')" = length ] || fail "finish_reason: $(cat "$RUN/out.json")"
+    WHOLE=$(jq_out 'json.dumps(j["choices"][0]["message"]["content"], ensure_ascii=False)')
+    curl -s -N --max-time 30 "$BASE/v1/chat/completions" -H 'Content-Type: application/json' \
+        -d "$body,\"stream\":true}" > "$RUN/sse.txt"
+    local streamed; streamed=$(sse_content "$RUN/sse.txt")
+    [ "$streamed" = "$WHOLE" ] || fail "streamed text $streamed differs from the whole answer $WHOLE"
 }
 
 # hjson EXPR: a python expression over the last /health body (bound to h).

@@ -53,6 +53,14 @@ static void test_think(void) {
     gw_chat_parse_fini(&p);
 }
 
+// call i of p's tool_calls: its name, and its arguments (a JSON string) unless args is NULL
+static void expect_call(const gw_chat_parse *p, size_t i, const char *name, const char *args) {
+    json_t *f = json_object_get(json_array_get(p->tool_calls, i), "function");
+    MM_STREQ(json_string_value(json_object_get(f, "name")), name);
+    if (args)
+        MM_STREQ(json_string_value(json_object_get(f, "arguments")), args);
+}
+
 static void test_tools(void) {
     const char *t = "I will call it.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": "
                     "{\"city\": \"Paris\", \"days\": 2}}\n</tool_call>\n<tool_call>\n{\"name\": "
@@ -131,9 +139,7 @@ static void test_glm_tools(void) {
         MM_STREQ(json_string_value(json_object_get(json_object_get(a, "opts"), "units")), "C");
         MM_TRUE(json_is_true(json_object_get(json_object_get(a, "opts"), "hourly")));
         json_decref(a);
-        f = json_object_get(json_array_get(p.tool_calls, 1), "function");
-        MM_STREQ(json_string_value(json_object_get(f, "name")), "now");
-        MM_STREQ(json_string_value(json_object_get(f, "arguments")), "{}");
+        expect_call(&p, 1, "now", "{}");
         MM_STREQ(json_string_value(json_object_get(json_array_get(p.tool_calls, 1), "id")),
                  "call_x_1");
         gw_chat_parse_fini(&p);
@@ -165,13 +171,8 @@ static void test_deepseek_tools(void) {
             run(&p, texts[v], step, false, true);
             MM_STREQ(str(&p.content), "Checking.");
             MM_EQ(json_array_size(p.tool_calls), 2);
-            json_t *f = json_object_get(json_array_get(p.tool_calls, 0), "function");
-            MM_STREQ(json_string_value(json_object_get(f, "name")), "get_weather");
-            MM_STREQ(json_string_value(json_object_get(f, "arguments")),
-                     "{\"city\":\"Paris\",\"days\":2}");
-            f = json_object_get(json_array_get(p.tool_calls, 1), "function");
-            MM_STREQ(json_string_value(json_object_get(f, "name")), "now");
-            MM_STREQ(json_string_value(json_object_get(f, "arguments")), "{}");
+            expect_call(&p, 0, "get_weather", "{\"city\":\"Paris\",\"days\":2}");
+            expect_call(&p, 1, "now", "{}");
             gw_chat_parse_fini(&p);
         }
     // Not a call: no separator, arguments not a JSON object, V3 without the name's line end,
@@ -207,14 +208,6 @@ static void forced_as(gw_chat_parse *p, const char *head, const char *text, size
 
 static void forced(gw_chat_parse *p, const char *head, const char *text, size_t step) {
     forced_as(p, head, text, step, false);
-}
-
-// call i of p's tool_calls: its name, and its arguments (a JSON string) unless args is NULL
-static void expect_call(const gw_chat_parse *p, size_t i, const char *name, const char *args) {
-    json_t *f = json_object_get(json_array_get(p->tool_calls, i), "function");
-    MM_STREQ(json_string_value(json_object_get(f, "name")), name);
-    if (args)
-        MM_STREQ(json_string_value(json_object_get(f, "arguments")), args);
 }
 
 static void test_forced_tool(void) {

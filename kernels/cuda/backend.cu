@@ -328,13 +328,11 @@ static bool ot_open(struct gpu_ctx *g) {
 // environment's MM_GPU_DIAG_SKIP=name,name,... drops the ops of those per-op timer names
 // ("attention", "matmul 5120x2048", "moe_ffn_rows", ...) from every step, so that a benchmark
 // shows each op's marginal cost inside the recorded step. The results are wrong.
-static bool diag_skip(const char *name) {
-    static const char *s = NULL;
-    static int read = 0;
-    if (!read) {
-        s = getenv("MM_GPU_DIAG_SKIP");
-        read = 1;
-    }
+// MM_GPU_DIAG_TWICE=name,... issues those ops twice instead (for ops that cannot be dropped
+// without changing the step's work, such as routing, whose plan sizes the expert products:
+// issued twice, an idempotent op's second issue is its cost in the chain).
+static bool diag_listed(const char *var, const char *name) {
+    const char *s = getenv(var);
     if (s == NULL || name == NULL || name[0] == 0)
         return false;
     const size_t n = strlen(name);
@@ -343,9 +341,12 @@ static bool diag_skip(const char *name) {
             return true;
     return false;
 }
+static bool diag_skip(const char *name) { return diag_listed("MM_GPU_DIAG_SKIP", name); }
+static bool diag_twice(const char *name) { return diag_listed("MM_GPU_DIAG_TWICE", name); }
 #define OT_NAMES(g) true
 #else
 #define diag_skip(name) false
+#define diag_twice(name) false
 #define OT_NAMES(g) ((g)->ot != NULL)
 #endif
 
@@ -353,6 +354,8 @@ static bool diag_skip(const char *name) {
     do {                                                                                   \
         if (diag_skip(name))                                                               \
             return MM_OK;                                                                  \
+        if (diag_twice(name))                                                              \
+            (void)(call);                                                                  \
         ot_begin(g);                                                                       \
         const mm_err rv_ = (call);                                                         \
         ot_end(g, (name));                                                                 \

@@ -657,12 +657,14 @@ struct mm_model_scratch {
     int64_t picks; // ids at in_d that mm_model_pick_async left for mm_model_forward_next
     int64_t rows_n; // rows whose pos/seq mm_model_attn_forward last set (h_in holds them), -1
     int long_ctx;   // the staged rows reach MM_ATT_LONG_POS (mm_attn_args long_ctx; step key)
+    int solo;       // each staged row is its sequence's only row (mm_attn_args keys_early;
+                    // step key)
     int32_t *offs_d, *src_d, *dst_d, *tok_d; // routing plan (E+1, R*K, R*K), argmax (R)
     float *wt_d;                             // rank-major routing weights (K, R)
     // recorded steps, keyed by shape and the buffers baked into them
     struct step_graph {
         int64_t n, nw;
-        int long_ctx; // baked into the attention calls
+        int long_ctx, solo; // baked into the attention calls
         const void *kv, *pool, *tables, *logits; // the cache, and its buffers (a cache freed
                                                  // and another made at the same address)
         void *graph;
@@ -939,6 +941,19 @@ static int long_ctx(const mm_model_rows *rows) {
     return 0;
 }
 
+// solo: 1 when no two rows share a sequence (a decode step without drafts), so that every key
+// below a row's position was stored by an earlier step (mm_attn_args keys_early). Calls of
+// more than 64 rows (prefill chunks, not recorded) are not checked: 0.
+static int solo(const mm_model_rows *rows) {
+    if (rows->n_rows > 64)
+        return 0;
+    for (int64_t i = 1; i < rows->n_rows; i++)
+        for (int64_t j = 0; j < i; j++)
+            if (rows->seq[i] == rows->seq[j])
+                return 0;
+    return 1;
+}
+
 // attn_core: the attention of layer on n rows whose positions and sequences are in s->pos_d
 // and s->seq_d already. defer_residual: the output projection stays in s->tmp and h is not
 // updated (the caller adds it with the backend's add_rmsnorm); else out (which may be h; h
@@ -978,6 +993,7 @@ mm_err mm_model_attn_forward_to(const mm_model *m, mm_model_scratch *s, int laye
         MM_TRY(OPS->set(CTX, s->pos_d, s->h_in + R, (size_t)(R + n) * 4));
         s->rows_n = n;
         s->long_ctx = long_ctx(rows);
+        s->solo = solo(rows);
     }
     return attn_core(m, s, layer, kv, n, h, false, out ? out : h, xn);
 }
@@ -1011,7 +1027,7 @@ static mm_err attn_core(const mm_model *m, mm_model_scratch *s, int layer, mm_kv
                               .out_stride = H * c->head_dim_v, .n_rows = n,
                               .row_seq = s->seq_d, .row_pos = s->pos_d, .n_heads = (int)H,
                               .scale = c->attn_scale, .window = c->window,
-                              .long_ctx = s->long_ctx};
+                              .long_ctx = s->long_ctx, .keys_early = s->solo};
     MM_TRY(OPS->attention(CTX, &aa));
     if (!defer_residual && OPS->matmul_res) { // the residual in o_proj's epilogue: same bits
         const mm_err rv = OPS->matmul_res(CTX, &L->wo, s->ao, H * c->head_dim_v, h, D, out, D, n);
@@ -1428,11 +1444,12 @@ static mm_err forward_dev_ops(const mm_model *m, mm_model_scratch *s, mm_kv_cach
     return mm_model_head(m, s, s->hn, nw, logits);
 }
 
-static struct step_graph step_key(int64_t n, int64_t nw, int long_ctx, const mm_kv_cache *kv,
-                                  const void *logits) {
+static struct step_graph step_key(int64_t n, int64_t nw, int long_ctx, int solo_rows,
+                                  const mm_kv_cache *kv, const void *logits) {
     struct mm_kv_view v;
     mm_kv_cache_view(kv, 0, &v);
-    return (struct step_graph){.n = n, .nw = nw, .long_ctx = long_ctx, .kv = kv, .pool = v.base,
+    return (struct step_graph){.n = n, .nw = nw, .long_ctx = long_ctx, .solo = solo_rows,
+                               .kv = kv, .pool = v.base,
                                .tables = v.block_tables, .logits = logits};
 }
 
@@ -1451,7 +1468,8 @@ static mm_err replay(const mm_model *m, mm_model_scratch *s, mm_kv_cache *kv,
 }
 
 static bool same_key(const struct step_graph *g, const struct step_graph *k) {
-    return g->n == k->n && g->nw == k->nw && g->long_ctx == k->long_ctx && g->kv == k->kv &&
+    return g->n == k->n && g->nw == k->nw && g->long_ctx == k->long_ctx && g->solo == k->solo &&
+           g->kv == k->kv &&
            g->pool == k->pool &&
            g->tables == k->tables && g->logits == k->logits;
 }
@@ -1482,6 +1500,7 @@ static mm_err forward_dev(const mm_model *m, mm_model_scratch *s, mm_kv_cache *k
     }
     s->rows_n = -1; // pos_d/seq_d rewritten: mm_model_attn_forward sets its rows again
     s->long_ctx = long_ctx(rows);
+    s->solo = solo(rows);
     if (ids) {
         s->picks = 0; // the ids' place is rewritten
         MM_TRY(OPS->set(CTX, s->in_d, s->h_in, (size_t)(3 * R + (nw > 0 ? nw : 0)) * 4));
@@ -1494,7 +1513,7 @@ static mm_err forward_dev(const mm_model *m, mm_model_scratch *s, mm_kv_cache *k
     if (s->no_graphs || m->c.mla || n > 64)
         return forward_dev_ops(m, s, kv, n, nw, logits);
     s->tick++;
-    const struct step_graph key = step_key(n, nw, s->long_ctx, kv, logits);
+    const struct step_graph key = step_key(n, nw, s->long_ctx, s->solo, kv, logits);
     for (int i = 0; i < MM_MODEL_GRAPHS; i++) {
         struct step_graph *g = &s->graphs[i];
         if (g->graph && same_key(g, &key)) {

@@ -136,6 +136,12 @@ struct mm_attn_args {
     int long_ctx;           // 1: some row's position is >= MM_ATT_LONG_POS (as the caller knows
                             // it on the host); a backend may then take a form made for long
                             // contexts; the same results either way (0: not known or short)
+    int keys_early;         // 1: each row is the only row of its sequence in this call, and
+                            // row_seq, row_pos and the cache tables were copied from the host
+                            // (set) before this step's first op, so every key below a row's
+                            // position was stored by ops that ended before that copy: a
+                            // backend may read them before the op before this one has ended
+                            // (only the key at the position may be that op's); 0: not known
 };
 
 // MM_ATT_LONG_POS: the position from which a row counts as a long context (mm_attn_args

@@ -72,10 +72,13 @@ static int g_tcd_gsub = -1;    // -1: from MM_GPU_ATT_TCD_GSUB at first use (1..
 // while block j - NB + 1 is computed (NB - 1 blocks in flight; NST unused, the launcher gives 1).
 // NB 0: an f32 cache (NST stages, two buffers).
 // tcd_block: the block of row rb and tile ty (blockIdx.x and .y of attention_tcd_kernel's
-// grid; attention_tcs.cuh's kernel runs it for rows of few key blocks), after mm_dep_wait.
+// grid; attention_tcs.cuh's kernel runs it for rows of few key blocks), after mm_dep_wait, or
+// with early (a.keys_early: the caller has not waited) before it: a bf16 cache's copies of the
+// keys below the row's position (stored by earlier steps) are issued first, then the wait,
+// then the rest (the key at the position is the kernel before's).
 template <int DKM, int DVM, int NST, int NB>
 __device__ __forceinline__ void tcd_block(const struct mm_attn_args &a, int gsub, int *d_err,
-                                          unsigned rb, unsigned ty) {
+                                          unsigned rb, unsigned ty, bool early = false) {
     static_assert(NST == 1 || NST == 2, "stages");
     static_assert(NB == 0 || NB >= 3, "bf16 buffers");
     constexpr bool KB = NB > 0;
@@ -103,6 +106,8 @@ __device__ __forceinline__ void tcd_block(const struct mm_attn_args &a, int gsub
             tc_flag(d_err);
         return;
     }
+    if (!KB && early)
+        mm_dep_wait(); // an f32 cache: everything after the wait
     int32_t first = 0;
     if (a.window > 0 && pos - a.window + 1 > 0)
         first = pos - a.window + 1;
@@ -129,8 +134,16 @@ __device__ __forceinline__ void tcd_block(const struct mm_attn_args &a, int gsub
     unsigned okm = blk >= 0 ? 1u : 0u; // bit s: stage row s's key staged
     if constexpr (KB) { // blocks 0 .. NB - 2 into buffers 0 .. NB - 2 (one group each)
         tc_zero_pads(kb, NB, kvsz, dk, dv, ldk, ldv);
-#pragma unroll
-        for (int b = 0; b < NB - 1; b++) {
+        int b = 0;
+        // early: this thread's keys of blocks before the one holding the row's position first
+        // (in block order, so its commit groups keep their order)
+        for (; early && b < NB - 1 && c_lo + b * TC_KEYS + skey != pos; b++) {
+            kb_issue(blk, b);
+            blk = tc_blk_kb(kv, sq, c_lo + (b + 1) * TC_KEYS + skey, first, pos, kr, d_err);
+        }
+        if (early)
+            mm_dep_wait();
+        for (; b < NB - 1; b++) {
             kb_issue(blk, b);
             blk = tc_blk_kb(kv, sq, c_lo + (b + 1) * TC_KEYS + skey, first, pos, kr, d_err);
         }
@@ -312,8 +325,9 @@ template <int DKM, int DVM, int NST, int NB>
 __global__ void __launch_bounds__(TCD_THREADS, 1)
     attention_tcd_kernel(struct mm_attn_args a, int gsub, int *d_err) {
     mm_dep_signal();
-    mm_dep_wait();
-    tcd_block<DKM, DVM, NST, NB>(a, gsub, d_err, blockIdx.x, blockIdx.y);
+    if (!a.keys_early)
+        mm_dep_wait();
+    tcd_block<DKM, DVM, NST, NB>(a, gsub, d_err, blockIdx.x, blockIdx.y, a.keys_early != 0);
 }
 
 // dynamic shared memory: NST stages and two buffers (f32 cache, nb 0), nb buffers (bf16)

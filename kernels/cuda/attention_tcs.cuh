@@ -693,7 +693,8 @@ __global__ void __launch_bounds__(TCD_THREADS, 1)
     attention_tcs_kernel(struct mm_attn_args a, int gsub, int max_kb, int min_kb, float *ws,
                          unsigned *cnt, int *d_err) {
     mm_dep_signal();
-    mm_dep_wait();
+    if (!a.keys_early) // else the rows of few key blocks wait inside tcd_block, the others below
+        mm_dep_wait();
     extern __shared__ __align__(16) unsigned char tcs_sh[];
     __shared__ int last;
     const struct mm_kv_view &kv = a.kv;
@@ -718,9 +719,12 @@ __global__ void __launch_bounds__(TCD_THREADS, 1)
     const int nkb = pos / TC_KEYS - c_lo / TC_KEYS + 1; // the row's key blocks
     if (nkb <= min_kb) { // few key blocks: attention_tcd_kernel's block
         if (blockIdx.x == 0)
-            tcd_block<DKM, DVM, 1, TCS_SHORT_NB>(a, gsub, d_err, blockIdx.z, blockIdx.y);
+            tcd_block<DKM, DVM, 1, TCS_SHORT_NB>(a, gsub, d_err, blockIdx.z, blockIdx.y,
+                                                 a.keys_early != 0);
         return;
     }
+    if (a.keys_early)
+        mm_dep_wait();
     const int nct = min((nkb + TCS_WARPS - 1) / TCS_WARPS, (int)gridDim.x); // blocks with work
     if ((int)blockIdx.x >= nct)
         return;

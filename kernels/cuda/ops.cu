@@ -1696,7 +1696,21 @@ extern "C" void mm_gpu_set_attention_prefill(int mode) { g_att_pf = mode < 0 ? 0
 // attention_tc.cu: the tensor-core contract (MM_GPU_ATT_TC=1) for every call it takes
 extern "C" mm_err mm_gpu_attention_tc(void *stream, const struct mm_attn_args *a, int *d_err, int *done);
 
+// MM_GPU_ATT_EARLY (read at first use): 0 clears mm_attn_args keys_early (A/B: every copy of
+// the cache after the kernel's wait); unset or 1: as the caller says. The same bits either way.
+static int g_att_early = -1;
+
 extern "C" mm_err mm_gpu_attention(void *stream, const struct mm_attn_args *a, int *d_err) {
+    if (g_att_early < 0) {
+        const char *e = getenv("MM_GPU_ATT_EARLY");
+        g_att_early = !(e && e[0] == '0' && e[1] == 0);
+    }
+    struct mm_attn_args late;
+    if (a != NULL && a->keys_early && !g_att_early) {
+        late = *a;
+        late.keys_early = 0;
+        a = &late;
+    }
     int tc = 0;
     const mm_err trv = mm_gpu_attention_tc(stream, a, d_err, &tc);
     if (trv != MM_OK || tc)

@@ -262,8 +262,8 @@ static void split_case(int n_heads, int n_kv, int dk, int dv, int window, int bf
         .n_heads = n_heads,
         .scale = 1.0f / sqrtf((float)dk),
         .window = window};
-    float *o[4];
-    for (int i = 0; i < 4; i++)
+    float *o[6];
+    for (int i = 0; i < 6; i++)
         o[i] = dev_copy(NULL, (size_t)on * 4);
     int *d_err = dev_copy(NULL, 4);
     const int gsub = sk_gsub(n_heads / n_kv);
@@ -277,7 +277,7 @@ static void split_case(int n_heads, int n_kv, int dk, int dv, int window, int bf
         at.n_rows = n;
         at.row_seq = dev_copy(rs, (size_t)n * 4);
         at.row_pos = dev_copy(rp, (size_t)n * 4);
-        for (int i = 0; i < 4; i++)
+        for (int i = 0; i < 6; i++)
             MM_PASS(gpu->ops->set(gpu->ctx, o[i], fill, (size_t)on * 4));
         MM_PASS(gpu->ops->synchronize(gpu->ctx));
         int done = 0;
@@ -300,10 +300,24 @@ static void split_case(int n_heads, int n_kv, int dk, int dv, int window, int bf
         mm_gpu_set_attention_tcd(-1);
         at.out = o[3];
         MM_PASS(mm_gpu_attention(NULL, &at, NULL)); // the entry point, split on
+        // keys_early (the rows' sequences differ, the rows and the cache were copied before):
+        // the keys below each position copied before the kernel's wait, the same bits
+        at.keys_early = 1;
+        at.out = o[4];
+        MM_PASS(mm_gpu_attention(NULL, &at, NULL));
+        mm_gpu_set_attention_splitk(0);
+        mm_gpu_set_attention_tcd(1);
+        at.out = o[5];
+        MM_PASS(mm_gpu_attention_tcd(NULL, &at, NULL, &done));
+        MM_TRUE(done == 1);
+        mm_gpu_set_attention_splitk(1);
+        mm_gpu_set_attention_tcd(-1);
+        at.keys_early = 0;
         MM_PASS(mm_gpu_stream_sync(NULL));
         const int64_t m = (int64_t)n * ost;
         diffs += diff_dev(o[0], o[1], m) + diff_dev(o[0], o[3], m);
-        outputs += 2 * m;
+        diffs += diff_dev(o[0], o[4], m) + diff_dev(o[0], o[5], m);
+        outputs += 4 * m;
         if (bf16) {
             diffs += diff_dev(o[0], o[2], m);
             outputs += m;
@@ -359,7 +373,7 @@ static void split_case(int n_heads, int n_kv, int dk, int dv, int window, int bf
     fflush(stdout);
     MM_EQ(diffs, 0);
     void *b[] = {at.kv.base, (void *)at.kv.block_tables, (void *)at.q, o[0], o[1], o[2], o[3],
-                 d_err};
+                 o[4], o[5], d_err};
     for (size_t i = 0; i < sizeof(b) / sizeof(b[0]); i++)
         dev_free(b[i]);
     free(pool), free(pool16), free(q), free(fill), free(tables);

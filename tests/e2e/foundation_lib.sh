@@ -10,7 +10,14 @@ mkdir -p "$RUN/bin"
 cp "$BIN"/moemesh "$BIN"/moemesh-{gateway,router,attention,expert,drafter} "$RUN/bin/" || exit 1
 BIN="$RUN/bin"
 
-fail() { echo "FAIL: $*"; for f in "$RUN"/*.log; do [ -f "$f" ] && { echo "--- $f"; tail -n 25 "$f"; }; done; exit 1; }
+# fail MSG: the message, each log's tail, then the message again (the test runner shows only a
+# failure's last lines)
+fail() {
+    echo "FAIL: $*"
+    for f in "$RUN"/*.log; do [ -f "$f" ] && { echo "--- $f"; tail -n 25 "$f"; }; done
+    echo "FAIL: $*"
+    exit 1
+}
 
 cleanup() {
     for p in "${PIDS[@]}"; do kill -TERM "$p" 2>/dev/null; done

@@ -454,12 +454,25 @@ try:
     res = [None] * 4
 
     def run2(i):
-        st, j, r = post(C, {"prompt": "x", "max_tokens": 200, "ignore_eos": True}, port=port2,
-                        headers=AUTH)
+        st, j, r = post(C, {"prompt": "x", "max_tokens": 400 if i == 0 else 200,
+                            "ignore_eos": True}, port=port2, headers=AUTH)
         res[i] = (st, r.getheader("Retry-After"), j)
 
+    def gauge2(name):
+        for line in req("GET", "/metrics", port=port2)[1].splitlines():
+            if line.startswith("moemesh:" + name + " ") or line.startswith("moemesh:" + name + "{"):
+                return float(line.rsplit(" ", 1)[1])
+        return None
+
+    # one request seen running first, then three at once: one waits, two are refused (started
+    # together, a slow machine could let the first finish before the last arrived)
     ts = [threading.Thread(target=run2, args=(i,)) for i in range(4)]
-    for t in ts:
+    ts[0].start()
+    for _ in range(500):
+        if (gauge2("num_requests_running") or 0) >= 1 or res[0] is not None:
+            break
+        time.sleep(0.01)
+    for t in ts[1:]:
         t.start()
     for t in ts:
         t.join()

@@ -9,8 +9,11 @@
 
 mesh_start --max-body-bytes 65536
 BASE=$BASE BIN=$BIN MODEL=$MODEL RUN=$RUN ROUTER=$ROUTER OWNERS=$OWNERS DATA_E1=$DATA_E1 \
-    PID_EXPERT1=$PID_expert1 python3 tests/e2e/gateway_api.py \
-    || fail "gateway_api.py"
+    PID_EXPERT1=$PID_expert1 python3 tests/e2e/gateway_api.py >"$RUN/api_py.out" 2>&1
+rc=$?
+cat "$RUN/api_py.out" # (a file: gateways the script starts keep their output open)
+[ $rc = 0 ] ||
+    fail "gateway_api.py: $(grep -m1 '^FAIL' "$RUN/api_py.out" || tail -n 3 "$RUN/api_py.out")"
 
 # The same endpoints with curl, as operators call them (status codes and a word of each body).
 curl_is() { # curl_is STATUS PATTERN METHOD PATH [BODY]

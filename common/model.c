@@ -873,10 +873,13 @@ static mm_err attn_mla(const mm_model *m, mm_model_scratch *s, const struct laye
 // layer's fused q/k/v weight and the backend's head_norm_rope: one product and one launch,
 // q, k and v side by side in s->qkv; with its head_norm_rope_kv the same launch also stores
 // k and v into the cache as st (its view and rows set by the caller) says, and *stored is set.
+// pp non-NULL (a decode call the backend may prepare inside its attention): where it would
+// issue head_norm_rope_kv, the arguments go to *pp instead (pp->x set; nothing issued) and the
+// caller issues them with the attention (attention_prep).
 static mm_err attn_std(const mm_model *m, mm_model_scratch *s, const struct layer *L,
                        const float *xn, int64_t n, float **q, float **k, float **v, int64_t *qs,
-                       int64_t *kvs,
-                       struct mm_kv_store_args *st, bool *stored) {
+                       int64_t *kvs, struct mm_kv_store_args *st, bool *stored,
+                       struct mm_attn_prep *pp) {
     const mm_model_config *c = &m->c;
     const int64_t H = c->n_heads, KV = c->n_kv_heads, hd = c->head_dim, D = c->d_model;
     if (L->wqkv.data && s->qkv && OPS->head_norm_rope) {
@@ -891,9 +894,16 @@ static mm_err attn_std(const mm_model *m, mm_model_scratch *s, const struct laye
         if (OPS->head_norm_rope_kv) { // and kv_store, the same bits
             st->k = *k, st->v = *v;
             st->k_stride = st->v_stride = W;
+            *stored = true;
+            if (pp) {
+                *pp = (struct mm_attn_prep){.x = s->qkv, .stride = W, .n_a = (int)H,
+                                            .n_b = (int)KV, .b_off = H * hd, .head_dim = (int)hd,
+                                            .wa = wa, .wb = wb, .eps = c->eps, .rope = ra,
+                                            .st = *st};
+                return MM_OK;
+            }
             MM_TRY(OPS->head_norm_rope_kv(CTX, s->qkv, n, W, (int)H, (int)KV, H * hd, (int)hd, wa,
                                           wb, c->eps, &ra, st));
-            *stored = true;
             return MM_OK;
         }
         return OPS->head_norm_rope(CTX, s->qkv, n, W, (int)H, (int)KV, H * hd, (int)hd, wa, wb,
@@ -1014,10 +1024,15 @@ static mm_err attn_core(const mm_model *m, mm_model_scratch *s, int layer, mm_kv
     struct mm_kv_store_args st = {.n_rows = n, .row_seq = s->seq_d, .row_pos = s->pos_d};
     mm_kv_cache_view(kv, layer, &st.kv);
     bool stored = false;
+    // a decode call (one row a sequence, short contexts): the q/k preparation may go into the
+    // attention's launch (attention_prep)
+    struct mm_attn_prep prep = {.x = NULL};
+    const bool prep_ok = OPS->attention_prep && s->solo && !s->long_ctx && n <= 8;
     if (c->mla) {
         MM_TRY(attn_mla(m, s, L, xn, n, &q, &k, &v, &qs));
     } else {
-        MM_TRY(attn_std(m, s, L, xn, n, &q, &k, &v, &qs, &ks, &st, &stored));
+        MM_TRY(attn_std(m, s, L, xn, n, &q, &k, &v, &qs, &ks, &st, &stored,
+                        prep_ok ? &prep : NULL));
         vs = ks;
     }
     st.k = k, st.k_stride = ks, st.v = v, st.v_stride = vs;
@@ -1028,7 +1043,15 @@ static mm_err attn_core(const mm_model *m, mm_model_scratch *s, int layer, mm_kv
                               .row_seq = s->seq_d, .row_pos = s->pos_d, .n_heads = (int)H,
                               .scale = c->attn_scale, .window = c->window,
                               .long_ctx = s->long_ctx, .keys_early = s->solo};
-    MM_TRY(OPS->attention(CTX, &aa));
+    mm_err arv = prep.x ? OPS->attention_prep(CTX, &prep, &aa) : MM_EUNSUPP;
+    if (arv == MM_EUNSUPP) {
+        if (prep.x) // not taken: the preparation, then the attention
+            MM_TRY(OPS->head_norm_rope_kv(CTX, prep.x, n, prep.stride, prep.n_a, prep.n_b,
+                                          prep.b_off, prep.head_dim, prep.wa, prep.wb, prep.eps,
+                                          &prep.rope, &prep.st));
+        arv = OPS->attention(CTX, &aa);
+    }
+    MM_TRY(arv);
     if (!defer_residual && OPS->matmul_res) { // the residual in o_proj's epilogue: same bits
         const mm_err rv = OPS->matmul_res(CTX, &L->wo, s->ao, H * c->head_dim_v, h, D, out, D, n);
         if (rv != MM_EUNSUPP)

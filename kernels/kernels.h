@@ -144,6 +144,22 @@ struct mm_attn_args {
                             // (only the key at the position may be that op's); 0: not known
 };
 
+// The q/k preparation attention_prep does before the attention (head_norm_rope_kv's
+// arguments): x (rows of stride) holds n_a query heads from its start and n_b key heads from
+// b_off, each of head_dim, normed by wa / wb (NULL: none) and rotated by rope; st stores the
+// keys (x's group b) and the values into the cache.
+struct mm_attn_prep {
+    float *x;
+    int64_t stride;
+    int n_a, n_b;
+    int64_t b_off;
+    int head_dim;
+    const mm_weight *wa, *wb;
+    float eps;
+    struct mm_rope_args rope;
+    struct mm_kv_store_args st;
+};
+
 // MM_ATT_LONG_POS: the position from which a row counts as a long context (mm_attn_args
 // long_ctx): 12 of the contract's 64-key blocks (kernels/cuda/attention_tcs.cuh).
 #define MM_ATT_LONG_POS 768
@@ -390,6 +406,12 @@ struct mm_backend_ops {
     mm_err (*matmul_res)(void *ctx, const mm_weight *w, const float *x, int64_t x_stride,
                          const float *res, int64_t res_stride, float *y, int64_t y_stride,
                          int64_t n_rows);
+    // attention_prep (optional; NULL or MM_EUNSUPP with nothing issued: head_norm_rope_kv with
+    // p's arguments, then attention(a)): the two in one, with exactly their bits (a's q is p's
+    // x before the norms; a device may prepare each kv head's queries and store its key and
+    // value inside that head's attention block). Backends take it for decode calls only (a's
+    // keys_early: every other key was stored before).
+    mm_err (*attention_prep)(void *ctx, const struct mm_attn_prep *p, const struct mm_attn_args *a);
 };
 #define MM_FETCH_BYTES 4096
 #define MM_FETCH_SLOTS 4

@@ -71,14 +71,119 @@ static int g_tcd_gsub = -1;    // -1: from MM_GPU_ATT_TCD_GSUB at first use (1..
 // NB > 0: a bf16 cache: no stage, NB key buffers, block j copied straight into buffer j % NB
 // while block j - NB + 1 is computed (NB - 1 blocks in flight; NST unused, the launcher gives 1).
 // NB 0: an f32 cache (NST stages, two buffers).
+// attention_prep's preparation inside the attention (attention_tcd_prep_kernel): the block of
+// (row, kv head) norms and rotates its kv head's queries in x and its key, writes the key and
+// the value to the row's cache slot, with head_norm_rope_kv_row_kernel's operations per element
+// (ops.cu: lane l holds elements l + 32 j of a 128-dim head, the lane-strided sum of squares
+// and the warp's butterfly, the NeoX pairs (j, j + 2) with rope_kernel's expressions), so the
+// same bits; then the block's attention reads them after a barrier. Device copy of
+// struct mm_attn_prep's fields.
+struct tcd_prep {
+    float *x;
+    int64_t stride, b_off;
+    const void *wa, *wb; // norm weights or NULL
+    int wa_f32, wb_f32;  // 1: f32 weights, 0: bf16
+    float eps;
+    const float *inv_freq;
+    float mscale;
+    const float *v; // the values' rows
+    int64_t v_stride;
+};
+#define TCD_PREP_HD 128
+
+__device__ __forceinline__ float tcd_prep_w(const void *w, int f32, int k) {
+    return f32 ? ((const float *)w)[k] : mm_gpu_bf16_to_f32(((const uint16_t *)w)[k]);
+}
+
+// Before the wait (none of it is the kernel before's): this lane's norm weights (q, k), the
+// rotation's cos and sin of its pairs at position pos.
+__device__ __forceinline__ void tcd_prep_pre(const tcd_prep &p, int32_t pos, int lane,
+                                             float wq[4], float wk[4], float cs[2], float sn[2]) {
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        wq[j] = p.wa != NULL ? tcd_prep_w(p.wa, p.wa_f32, lane + 32 * j) : 0.0f;
+        wk[j] = p.wb != NULL ? tcd_prep_w(p.wb, p.wb_f32, lane + 32 * j) : 0.0f;
+    }
+#pragma unroll
+    for (int j = 0; j < 2; j++) {
+        const float ang = (float)pos * p.inv_freq[lane + 32 * j];
+        cs[j] = cosf(ang) * p.mscale;
+        sn[j] = sinf(ang) * p.mscale;
+    }
+}
+
+// After the wait: units u = warp, warp + TCD_WARPS, ..: the group's query heads h0 + u (u <
+// group), the key (u == group), the value (u == group + 1); slot: the element offset of the
+// row's cache slot in the bf16 pool (< 0: none, flagged by the table lookup).
+__device__ __forceinline__ void tcd_prep_run(const tcd_prep &p, const struct mm_attn_args &a,
+                                             int64_t r, int kvh, int h0, int group, int64_t slot,
+                                             int warp, int lane, const float wq[4],
+                                             const float wk[4], const float cs[2],
+                                             const float sn[2]) {
+    const struct mm_kv_view &kv = a.kv;
+    uint16_t *const sb = slot >= 0 ? (uint16_t *)kv.base + slot : NULL;
+    for (int u = warp; u < group + 2; u += TCD_WARPS) {
+        if (u == group + 1) { // the value: a copy
+            if (sb != NULL) {
+                const float *vr = p.v + r * p.v_stride + (int64_t)kvh * TCD_PREP_HD;
+                uint16_t *sv = sb + (int64_t)kv.n_kv_heads * kv.head_dim_k + (int64_t)kvh * TCD_PREP_HD;
+#pragma unroll
+                for (int j = 0; j < 4; j++)
+                    sv[lane + 32 * j] =
+                        (uint16_t)(mm_gpu_pack_bf16x2(vr[lane + 32 * j], 0.0f) & 0xffffu);
+            }
+            continue;
+        }
+        const bool isk = u == group;
+        float *xr = p.x + r * p.stride +
+                    (isk ? p.b_off + (int64_t)kvh * TCD_PREP_HD : (int64_t)(h0 + u) * TCD_PREP_HD);
+        float v[4];
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+            v[j] = xr[lane + 32 * j];
+        if ((isk ? p.wb : p.wa) != NULL) {
+            float ss = 0.0f;
+#pragma unroll
+            for (int j = 0; j < 4; j++)
+                ss += v[j] * v[j];
+            ss = mm_warp_sum(ss);
+            const float rs = 1.0f / sqrtf(ss / (float)TCD_PREP_HD + p.eps);
+#pragma unroll
+            for (int j = 0; j < 4; j++)
+                v[j] = (isk ? wk[j] : wq[j]) * (v[j] * rs);
+        }
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+            const float c = cs[j], s = sn[j];
+            const float x0 = v[j], x1 = v[j + 2];
+            const float y0 = x0 * c - x1 * s, y1 = x1 * c + x0 * s;
+            v[j] = y0;
+            v[j + 2] = y1;
+        }
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+            xr[lane + 32 * j] = v[j];
+        if (isk && sb != NULL) {
+            uint16_t *sk = sb + (int64_t)kvh * TCD_PREP_HD;
+#pragma unroll
+            for (int j = 0; j < 4; j++)
+                sk[lane + 32 * j] = (uint16_t)(mm_gpu_pack_bf16x2(v[j], 0.0f) & 0xffffu);
+        }
+    }
+}
+
 // tcd_block: the block of row rb and tile ty (blockIdx.x and .y of attention_tcd_kernel's
 // grid; attention_tcs.cuh's kernel runs it for rows of few key blocks), after mm_dep_wait, or
 // with early (a.keys_early: the caller has not waited) before it: a bf16 cache's copies of the
 // keys below the row's position (stored by earlier steps) are issued first, then the wait,
 // then the rest (the key at the position is the kernel before's).
-template <int DKM, int DVM, int NST, int NB>
+// PREP (attention_tcd_prep_kernel, early, a bf16 cache, one block per kv head, 128-dim heads):
+// pp's preparation of the block's heads first (tcd_prep_pre before the wait, tcd_prep_run and
+// a barrier after it), so the block's own q and its key at the position are read after it.
+template <int DKM, int DVM, int NST, int NB, bool PREP = false>
 __device__ __forceinline__ void tcd_block(const struct mm_attn_args &a, int gsub, int *d_err,
-                                          unsigned rb, unsigned ty, bool early = false) {
+                                          unsigned rb, unsigned ty, bool early = false,
+                                          const tcd_prep *pp = NULL) {
     static_assert(NST == 1 || NST == 2, "stages");
     static_assert(NB == 0 || NB >= 3, "bf16 buffers");
     constexpr bool KB = NB > 0;
@@ -141,8 +246,20 @@ __device__ __forceinline__ void tcd_block(const struct mm_attn_args &a, int gsub
             kb_issue(blk, b);
             blk = tc_blk_kb(kv, sq, c_lo + (b + 1) * TC_KEYS + skey, first, pos, kr, d_err);
         }
-        if (early)
+        if constexpr (PREP) {
+            float wq[4], wk[4], cs[2], sn[2];
+            tcd_prep_pre(*pp, pos, lane, wq, wk, cs, sn);
+            int32_t rs_ = 0; // the row's own slot (its table entry: a copy from the host)
+            const int32_t pb = tc_blk_kb(kv, sq, pos, pos, pos, rs_, d_err);
+            const int64_t slot = pb >= 0 ? (int64_t)pb * kv.block_stride + (int64_t)rs_ * kv.slot_stride
+                                         : -1;
             mm_dep_wait();
+            tcd_prep_run(*pp, a, r, kvh, h0, group, slot, warp, lane, wq, wk, cs, sn);
+            __threadfence_block();
+            __syncthreads(); // q and the key at the position, as the attention below reads them
+        } else if (early) {
+            mm_dep_wait();
+        }
         for (; b < NB - 1; b++) {
             kb_issue(blk, b);
             blk = tc_blk_kb(kv, sq, c_lo + (b + 1) * TC_KEYS + skey, first, pos, kr, d_err);
@@ -330,6 +447,15 @@ __global__ void __launch_bounds__(TCD_THREADS, 1)
     tcd_block<DKM, DVM, NST, NB>(a, gsub, d_err, blockIdx.x, blockIdx.y, a.keys_early != 0);
 }
 
+// attention_prep on the device: attention_tcd_kernel's blocks with the preparation first
+template <int NB>
+__global__ void __launch_bounds__(TCD_THREADS, 1)
+    attention_tcd_prep_kernel(struct mm_attn_args a, struct tcd_prep p, int gsub, int *d_err) {
+    mm_dep_signal();
+    tcd_block<TCD_PREP_HD, TCD_PREP_HD, 1, NB, true>(a, gsub, d_err, blockIdx.x, blockIdx.y, true,
+                                                     &p);
+}
+
 // dynamic shared memory: NST stages and two buffers (f32 cache, nb 0), nb buffers (bf16)
 static size_t tcd_shmem(int dk, int dv, int nst, int nb) {
     return nb > 0 ? tc_stage_shmem(dk, dv, 0, nb) : tc_stage_shmem(dk, dv, nst, 2);
@@ -471,4 +597,74 @@ extern "C" mm_err mm_gpu_attention_tcd(void *stream, const struct mm_attn_args *
     (void)stream, (void)a, (void)d_err;
     return MM_OK;
 #endif
+}
+
+// MM_GPU_ATT_PREP (read at first use): 0 leaves attention_prep to the two launches (A/B).
+static int g_att_prep = -1;
+
+// mm_gpu_attention_prep: attention_prep (kernels.h) on attention_tcd_prep_kernel where it takes
+// the call (*done 1): a decode call (keys_early, not long_ctx, at most TCD_AUTO_ROWS rows) of
+// 128-dim heads over a bf16 cache, one block per kv head (a group of at most 16 query heads),
+// NeoX rotation of whole heads, bf16 or f32 norm weights, and p's layout the one
+// head_norm_rope_kv takes in one launch (the keys x's group b, the same rows and cache); else
+// nothing is issued and *done is 0.
+extern "C" mm_err mm_gpu_attention_prep(void *stream, const struct mm_attn_prep *p,
+                                        const struct mm_attn_args *a, int *d_err, int *done);
+extern "C" mm_err mm_gpu_attention_prep(void *stream, const struct mm_attn_prep *p,
+                                        const struct mm_attn_args *a, int *d_err, int *done) {
+    *done = 0;
+#if TCD_HAVE
+    if (g_att_prep < 0)
+        g_att_prep = !tc_env_is("MM_GPU_ATT_PREP", "0");
+    if (!g_att_prep || p == NULL || a == NULL || !a->keys_early || a->long_ctx || a->n_rows <= 0 ||
+        a->n_rows > TCD_AUTO_ROWS || tcd_mode() == 0 || tcd_kb_bufs() != 4)
+        return MM_OK;
+    const struct mm_kv_view &kv = a->kv;
+    if (kv.dtype != MM_DTYPE_BF16 || kv.base == NULL || kv.block_tables == NULL ||
+        kv.head_dim_k != TCD_PREP_HD || kv.head_dim_v != TCD_PREP_HD || kv.block_size <= 0 ||
+        ((uintptr_t)kv.base & 15) != 0 || kv.block_stride % 8 != 0 || kv.slot_stride % 8 != 0 ||
+        a->n_heads <= 0 || kv.n_kv_heads <= 0 || a->n_heads % kv.n_kv_heads != 0 ||
+        a->q == NULL || a->out == NULL || a->row_seq == NULL || a->row_pos == NULL)
+        return MM_OK;
+    const int group = a->n_heads / kv.n_kv_heads;
+    if (group > 16 || tc_group_sub(group, tcd_gsub()) != group)
+        return MM_OK;
+    const struct mm_rope_args &ra = p->rope;
+    const struct mm_kv_store_args &st = p->st;
+    auto w_ok = [](const mm_weight *w) {
+        return w == NULL || (w->data != NULL && w->cols == TCD_PREP_HD &&
+                             (w->dtype == MM_DTYPE_BF16 || w->dtype == MM_DTYPE_F32));
+    };
+    if (p->head_dim != TCD_PREP_HD || p->n_a != a->n_heads || p->n_b != kv.n_kv_heads ||
+        p->x == NULL || p->x != a->q || p->stride != a->q_stride || !w_ok(p->wa) || !w_ok(p->wb) ||
+        ra.style != MM_ROPE_NEOX || ra.rot_offset != 0 || ra.rot_dim != TCD_PREP_HD ||
+        ra.pos != a->row_pos || ra.inv_freq == NULL || st.k != p->x + p->b_off ||
+        st.k_stride != p->stride || st.v == NULL || st.kv.base != kv.base ||
+        st.kv.block_tables != kv.block_tables || st.row_pos != a->row_pos ||
+        st.row_seq != a->row_seq || st.n_rows != a->n_rows)
+        return MM_OK;
+    const tcd_prep dp = {p->x,
+                         p->stride,
+                         p->b_off,
+                         p->wa ? p->wa->data : NULL,
+                         p->wb ? p->wb->data : NULL,
+                         p->wa ? p->wa->dtype == MM_DTYPE_F32 : 0,
+                         p->wb ? p->wb->dtype == MM_DTYPE_F32 : 0,
+                         p->eps,
+                         ra.inv_freq,
+                         ra.mscale,
+                         st.v,
+                         st.v_stride};
+    static uint64_t attr_set;
+    const size_t shmem = tcd_shmem(TCD_PREP_HD, TCD_PREP_HD, 1, 4);
+    MM_TRY(tc_allow_shmem(attention_tcd_prep_kernel<4>, &attr_set, shmem));
+    const dim3 grid((unsigned)a->n_rows, (unsigned)kv.n_kv_heads);
+    MM_GPU_CHECK(mm_launch_dep(attention_tcd_prep_kernel<4>, grid, dim3(TCD_THREADS), shmem,
+                               (cudaStream_t)stream, *a, dp, group, d_err));
+    MM_GPU_CHECK(cudaGetLastError());
+    *done = 1;
+#else
+    (void)stream, (void)p, (void)a, (void)d_err;
+#endif
+    return MM_OK;
 }

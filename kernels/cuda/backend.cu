@@ -727,6 +727,25 @@ static mm_err gpu_attention(void *ctx, const struct mm_attn_args *a) {
     TIMED("attention", mm_gpu_attention(g->stream, a, g->d_err));
 }
 
+// attention_tcd.cu: attention_prep's one launch where it takes the call
+extern "C" mm_err mm_gpu_attention_prep(void *stream, const struct mm_attn_prep *p,
+                                        const struct mm_attn_args *a, int *d_err, int *done);
+
+static mm_err gpu_attention_prep(void *ctx, const struct mm_attn_prep *p,
+                                 const struct mm_attn_args *a) {
+    CTX(ctx);
+    ON_DEVICE();
+    if (g->old_kernels)
+        return MM_EUNSUPP;
+    int done = 0;
+    ot_begin(g);
+    const mm_err rv = mm_gpu_attention_prep(g->stream, p, a, g->d_err, &done);
+    if (rv == MM_OK && !done)
+        return MM_EUNSUPP; // nothing issued: the caller runs the two ops
+    ot_end(g, "attention_prep");
+    return rv;
+}
+
 // attention_tc.cu: bf16 where every read of the cache goes through the tensor-core contract
 extern "C" enum mm_dtype mm_gpu_kv_dtype(int n_kv_heads, int head_dim_k, int head_dim_v);
 
@@ -1095,6 +1114,7 @@ static const struct mm_backend_ops gpu_ops = {
     .fetch = gpu_fetch,
     .fetch_wait = gpu_fetch_wait,
     .matmul_res = gpu_matmul_res,
+    .attention_prep = gpu_attention_prep,
 };
 
 extern "C" mm_err mm_cuda_backend_open(mm_backend *be, const mm_backend_params *p,
@@ -1195,6 +1215,7 @@ extern "C" mm_err mm_cuda_backend_open(mm_backend *be, const mm_backend_params *
     const char *oc = getenv("MM_GPU_OLD_CHAIN"); // A/B of the per-layer chain fusions alone
     if (no_fusions || (oc != NULL && oc[0] != '\0' && strcmp(oc, "0") != 0)) {
         g->ops_table.head_norm_rope_kv = NULL;
+        g->ops_table.attention_prep = NULL;
         g->ops_table.route_with_plan = NULL;
         g->ops_table.combine_rmsnorm = NULL;
         g->ops_table.embed_rmsnorm = NULL;

@@ -629,6 +629,111 @@ static void test_rowops_pf(void) {
     gpu_close(NULL);
 }
 
+// ---- attention_prep: head_norm_rope_kv and the decode attention in one launch -----------------
+// n rows of distinct sequences at positions pos[] over a bf16 cache whose other keys are
+// random; once as head_norm_rope_kv then attention, once as attention_prep (on copies of x and
+// of the cache): x (q, k, v), the whole cache and the output compared word for word. want:
+// the backend takes the call (else MM_EUNSUPP with nothing issued: the copies stay as made).
+static void prep_case(int n, const int32_t *pos, int H, int KV, bool norms, enum mm_dtype wdt,
+                      bool want) {
+    const int hd = 128, bs = 16, n_seqs = 8, max_blocks = 64, n_blocks = n_seqs * max_blocks;
+    const int64_t W = (int64_t)(H + 2 * KV) * hd, slot = (int64_t)KV * 2 * hd;
+    const size_t pool_b = (size_t)n_blocks * bs * slot * 2, xn = (size_t)n * W;
+    int32_t *tables = malloc((size_t)n_blocks * 4), rs[8], rp[8];
+    MM_TRUE(tables != NULL && n <= 8);
+    for (int i = 0; i < n_blocks; i++)
+        tables[i] = (i * 37 + 11) % n_blocks;
+    for (int r = 0; r < n; r++)
+        rs[r] = (r * 3 + 1) % n_seqs, rp[r] = pos[r];
+    uint16_t *pool = malloc(pool_b);
+    MM_TRUE(pool != NULL);
+    for (size_t i = 0; i < pool_b / 2; i++)
+        pool[i] = mm_f32_to_bf16(frand());
+    float *x = rand_f32((int64_t)xn, 3.0f), *inv = malloc((size_t)hd / 2 * 4);
+    for (int i = 0; i < hd / 2; i++)
+        inv[i] = powf(1e6f, -2.0f * (float)i / (float)hd);
+    void *wq = host_w(hd, wdt), *wk = host_w(hd, wdt);
+    const size_t wsz = wdt == MM_DTYPE_F32 ? 4 : 2;
+    mm_weight wa = {.data = dev_copy(wq, (size_t)hd * wsz), .dtype = wdt, .rows = 1, .cols = hd};
+    mm_weight wb = {.data = dev_copy(wk, (size_t)hd * wsz), .dtype = wdt, .rows = 1, .cols = hd};
+    const int32_t *dt = dev_copy(tables, (size_t)n_blocks * 4), *ds = dev_copy(rs, (size_t)n * 4);
+    const int32_t *dp = dev_copy(rp, (size_t)n * 4);
+    float *dinv = dev_copy(inv, (size_t)hd / 2 * 4);
+    float *dx[2], *out[2];
+    void *dpool[2];
+    const size_t on = (size_t)n * H * hd;
+    for (int j = 0; j < 2; j++) {
+        dx[j] = dev_copy(x, xn * 4);
+        dpool[j] = dev_copy(pool, pool_b);
+        out[j] = dev_copy(NULL, on * 4);
+        fill_dev(out[j], on * 4, 0x7f);
+    }
+    const mm_weight *pa = norms ? &wa : NULL, *pb = norms ? &wb : NULL;
+    for (int j = 0; j < 2; j++) {
+        struct mm_kv_view kv = {.base = dpool[j], .dtype = MM_DTYPE_BF16, .block_size = bs,
+                                .block_stride = bs * slot, .slot_stride = slot, .n_kv_heads = KV,
+                                .head_dim_k = hd, .head_dim_v = hd, .block_tables = dt,
+                                .max_blocks = max_blocks};
+        struct mm_kv_store_args st = {.kv = kv, .k = dx[j] + (int64_t)H * hd, .k_stride = W,
+                                      .v = dx[j] + (int64_t)(H + KV) * hd, .v_stride = W,
+                                      .n_rows = n, .row_seq = ds, .row_pos = dp};
+        struct mm_rope_args ra = {.rot_offset = 0, .rot_dim = hd, .pos = dp, .inv_freq = dinv,
+                                  .mscale = 1.0f, .style = MM_ROPE_NEOX};
+        struct mm_attn_args aa = {.kv = kv, .q = dx[j], .q_stride = W, .out = out[j],
+                                  .out_stride = (int64_t)H * hd, .n_rows = n, .row_seq = ds,
+                                  .row_pos = dp, .n_heads = H, .scale = 0.0883883f,
+                                  .keys_early = 1};
+        if (j == 0) {
+            MM_PASS(gpu->ops->head_norm_rope_kv(gpu->ctx, dx[0], n, W, H, KV, (int64_t)H * hd, hd,
+                                                pa, pb, 1e-6f, &ra, &st));
+            MM_PASS(gpu->ops->attention(gpu->ctx, &aa));
+        } else {
+            struct mm_attn_prep pp = {.x = dx[1], .stride = W, .n_a = H, .n_b = KV,
+                                      .b_off = (int64_t)H * hd, .head_dim = hd, .wa = pa,
+                                      .wb = pb, .eps = 1e-6f, .rope = ra, .st = st};
+            const mm_err rv = gpu->ops->attention_prep(gpu->ctx, &pp, &aa);
+            if (!want) {
+                MM_FAIL(rv, MM_EUNSUPP);
+                MM_PASS(gpu->ops->head_norm_rope_kv(gpu->ctx, dx[1], n, W, H, KV,
+                                                    (int64_t)H * hd, hd, pa, pb, 1e-6f, &ra, &st));
+                MM_PASS(gpu->ops->attention(gpu->ctx, &aa));
+            } else {
+                MM_PASS(rv);
+            }
+        }
+    }
+    MM_PASS(gpu->ops->synchronize(gpu->ctx));
+    same_dev("attention_prep x (q, k, v)", dx[1], dx[0], xn * 4);
+    same_dev("attention_prep cache", dpool[1], dpool[0], pool_b);
+    same_dev("attention_prep output", out[1], out[0], on * 4);
+    printf("attention_prep %d rows (positions %d..), %d/%d heads, %s, %s weights: %s, same bits\n",
+           n, rp[0], H, KV, norms ? "norms" : "no norms", dt_name(wdt),
+           want ? "one launch" : "refused, two launches");
+    void *b[] = {dx[0], dx[1], dpool[0], dpool[1], out[0], out[1], (void *)dt, (void *)ds,
+                 (void *)dp, dinv, (void *)wa.data, (void *)wb.data};
+    for (size_t i = 0; i < sizeof(b) / sizeof(b[0]); i++)
+        dev_free(b[i]);
+    free(tables), free(pool), free(x), free(inv), free(wq), free(wk);
+}
+
+static void test_attention_prep(void) {
+    open_gpu();
+    if (!gpu->ops->attention_prep)
+        MM_SKIP("the GPU table has no attention_prep (MM_GPU_OLD_CHAIN set?)");
+    const int32_t p1[] = {0}, p2[] = {63}, p3[] = {64}, p4[] = {130}, p5[] = {700};
+    const int32_t p8[] = {5, 64, 127, 128, 300, 0, 701, 66};
+    prep_case(1, p1, 32, 4, true, MM_DTYPE_BF16, true); // Qwen3-30B-A3B, the first token
+    prep_case(1, p2, 32, 4, true, MM_DTYPE_BF16, true); // the last key of a block
+    prep_case(1, p3, 32, 4, true, MM_DTYPE_BF16, true); // the first key of a block
+    prep_case(1, p4, 32, 4, true, MM_DTYPE_BF16, true);
+    prep_case(1, p5, 32, 4, true, MM_DTYPE_F32, true);
+    prep_case(8, p8, 32, 4, true, MM_DTYPE_BF16, true); // 8 sequences at once
+    prep_case(3, p8, 16, 2, false, MM_DTYPE_BF16, true); // no norms, GQA 8
+    prep_case(2, p8, 64, 4, true, MM_DTYPE_BF16, true); // a group of 16
+    prep_case(2, p8, 64, 2, true, MM_DTYPE_BF16, false); // a group of 32: refused
+    gpu_close(NULL);
+}
+
 MM_TESTS = {
     {"route_with_plan == route then route_plan bits", test_route_with_plan},
     {"head_norm_rope_kv == head_norm_rope then kv_store bits", test_head_norm_rope_kv},
@@ -636,5 +741,6 @@ MM_TESTS = {
     {"embed_rmsnorm == embed then rmsnorm bits", test_embed_rmsnorm},
     {"decode attention wide loads == earlier grouping bits", test_attention_wide},
     {"prefill row-op forms == the decode forms bits", test_rowops_pf},
+    {"attention_prep == head_norm_rope_kv then attention bits", test_attention_prep},
     {0},
 };

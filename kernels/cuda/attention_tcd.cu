@@ -49,6 +49,7 @@
 
 #include "attention_tc.cuh"
 #include "gpu_common.cuh"
+#include "head_rope.cuh"
 #include "kernels.h"
 #include "mm_gpu.h"
 
@@ -104,12 +105,11 @@ __device__ __forceinline__ void tcd_prep_pre(const tcd_prep &p, int32_t pos, int
         wq[j] = p.wa != NULL ? tcd_prep_w(p.wa, p.wa_f32, lane + 32 * j) : 0.0f;
         wk[j] = p.wb != NULL ? tcd_prep_w(p.wb, p.wb_f32, lane + 32 * j) : 0.0f;
     }
+    float fr[2];
 #pragma unroll
-    for (int j = 0; j < 2; j++) {
-        const float ang = (float)pos * p.inv_freq[lane + 32 * j];
-        cs[j] = cosf(ang) * p.mscale;
-        sn[j] = sinf(ang) * p.mscale;
-    }
+    for (int j = 0; j < 2; j++)
+        fr[j] = p.inv_freq[lane + 32 * j];
+    hr_angles<2>((float)pos, fr, p.mscale, cs, sn);
 }
 
 // After the wait: units u = warp, warp + TCD_WARPS, ..: the group's query heads h0 + u (u <
@@ -141,25 +141,9 @@ __device__ __forceinline__ void tcd_prep_run(const tcd_prep &p, const struct mm_
 #pragma unroll
         for (int j = 0; j < 4; j++)
             v[j] = xr[lane + 32 * j];
-        if ((isk ? p.wb : p.wa) != NULL) {
-            float ss = 0.0f;
-#pragma unroll
-            for (int j = 0; j < 4; j++)
-                ss += v[j] * v[j];
-            ss = mm_warp_sum(ss);
-            const float rs = 1.0f / sqrtf(ss / (float)TCD_PREP_HD + p.eps);
-#pragma unroll
-            for (int j = 0; j < 4; j++)
-                v[j] = (isk ? wk[j] : wq[j]) * (v[j] * rs);
-        }
-#pragma unroll
-        for (int j = 0; j < 2; j++) {
-            const float c = cs[j], s = sn[j];
-            const float x0 = v[j], x1 = v[j + 2];
-            const float y0 = x0 * c - x1 * s, y1 = x1 * c + x0 * s;
-            v[j] = y0;
-            v[j + 2] = y1;
-        }
+        if ((isk ? p.wb : p.wa) != NULL)
+            hr_norm<4>(v, isk ? wk : wq, TCD_PREP_HD, p.eps);
+        hr_rope<4>(v, cs, sn);
 #pragma unroll
         for (int j = 0; j < 4; j++)
             xr[lane + 32 * j] = v[j];

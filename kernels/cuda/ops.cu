@@ -29,6 +29,7 @@
 #include <stdlib.h>
 
 #include "gpu_common.cuh"
+#include "head_rope.cuh"
 #include "kernels.h"
 #include "mm_gpu.h"
 #include "route.cuh"
@@ -957,12 +958,7 @@ __global__ void __launch_bounds__(256) head_norm_rope_kv_row_kernel(
     const float pos = (float)ra.pos[r];
     const int64_t at = kvw ? kv_slot_at(st.kv, st.row_seq[r], st.row_pos[r], d_err) : -1;
     float cs[JH], sn[JH];
-#pragma unroll
-    for (int j = 0; j < JH; j++) {
-        const float ang = pos * fr[j];
-        cs[j] = cosf(ang) * ra.mscale;
-        sn[j] = sinf(ang) * ra.mscale;
-    }
+    hr_angles<JH>(pos, fr, ra.mscale, cs, sn);
 #pragma unroll
     for (int t = 0; t < UPW; t++) {
         const int h = warp + NW * t;
@@ -979,25 +975,9 @@ __global__ void __launch_bounds__(256) head_norm_rope_kv_row_kernel(
             }
             continue;
         }
-        if ((h < n_a ? wa : wb) != NULL) {
-            float ss = 0.0f;
-#pragma unroll
-            for (int j = 0; j < J; j++)
-                ss += v[t][j] * v[t][j];
-            ss = mm_warp_sum(ss);
-            const float rs = 1.0f / sqrtf(ss / (float)HD + eps);
-#pragma unroll
-            for (int j = 0; j < J; j++)
-                v[t][j] = (h < n_a ? wva[j] : wvb[j]) * (v[t][j] * rs);
-        }
-#pragma unroll
-        for (int j = 0; j < JH; j++) {
-            const float c = cs[j], s = sn[j];
-            const float x0 = v[t][j], x1 = v[t][j + JH];
-            const float y0 = x0 * c - x1 * s, y1 = x1 * c + x0 * s;
-            v[t][j] = y0;
-            v[t][j + JH] = y1;
-        }
+        if ((h < n_a ? wa : wb) != NULL)
+            hr_norm<J>(v[t], h < n_a ? wva : wvb, HD, eps);
+        hr_rope<J>(v[t], cs, sn);
         float *xr = x + r * stride + (h < n_a ? (int64_t)h * HD : b_off + (int64_t)(h - n_a) * HD);
 #pragma unroll
         for (int j = 0; j < J; j++)

@@ -737,6 +737,8 @@ static mm_err gpu_attention_prep(void *ctx, const struct mm_attn_prep *p,
     ON_DEVICE();
     if (g->old_kernels)
         return MM_EUNSUPP;
+    if (diag_skip("attention_prep"))
+        return MM_OK;
     int done = 0;
     ot_begin(g);
     const mm_err rv = mm_gpu_attention_prep(g->stream, p, a, g->d_err, &done);

@@ -873,9 +873,9 @@ static mm_err attn_mla(const mm_model *m, mm_model_scratch *s, const struct laye
 // layer's fused q/k/v weight and the backend's head_norm_rope: one product and one launch,
 // q, k and v side by side in s->qkv; with its head_norm_rope_kv the same launch also stores
 // k and v into the cache as st (its view and rows set by the caller) says, and *stored is set.
-// pp non-NULL (a decode call the backend may prepare inside its attention): where it would
-// issue head_norm_rope_kv, the arguments go to *pp instead (pp->x set; nothing issued) and the
-// caller issues them with the attention (attention_prep).
+// With the backend's head_norm_rope_kv, that launch is left to the caller: its arguments go
+// to *pp (pp->x set; *stored set), which the caller issues with or before the attention
+// (attention_prep where the backend takes it).
 static mm_err attn_std(const mm_model *m, mm_model_scratch *s, const struct layer *L,
                        const float *xn, int64_t n, float **q, float **k, float **v, int64_t *qs,
                        int64_t *kvs, struct mm_kv_store_args *st, bool *stored,
@@ -895,15 +895,9 @@ static mm_err attn_std(const mm_model *m, mm_model_scratch *s, const struct laye
             st->k = *k, st->v = *v;
             st->k_stride = st->v_stride = W;
             *stored = true;
-            if (pp) {
-                *pp = (struct mm_attn_prep){.x = s->qkv, .stride = W, .n_a = (int)H,
-                                            .n_b = (int)KV, .b_off = H * hd, .head_dim = (int)hd,
-                                            .wa = wa, .wb = wb, .eps = c->eps, .rope = ra,
-                                            .st = *st};
-                return MM_OK;
-            }
-            MM_TRY(OPS->head_norm_rope_kv(CTX, s->qkv, n, W, (int)H, (int)KV, H * hd, (int)hd, wa,
-                                          wb, c->eps, &ra, st));
+            *pp = (struct mm_attn_prep){.x = s->qkv, .stride = W, .n_a = (int)H, .n_b = (int)KV,
+                                        .b_off = H * hd, .head_dim = (int)hd, .wa = wa, .wb = wb,
+                                        .eps = c->eps, .rope = ra, .st = *st};
             return MM_OK;
         }
         return OPS->head_norm_rope(CTX, s->qkv, n, W, (int)H, (int)KV, H * hd, (int)hd, wa, wb,
@@ -1024,15 +1018,11 @@ static mm_err attn_core(const mm_model *m, mm_model_scratch *s, int layer, mm_kv
     struct mm_kv_store_args st = {.n_rows = n, .row_seq = s->seq_d, .row_pos = s->pos_d};
     mm_kv_cache_view(kv, layer, &st.kv);
     bool stored = false;
-    // a decode call (one row a sequence, short contexts): the q/k preparation may go into the
-    // attention's launch (attention_prep)
-    struct mm_attn_prep prep = {.x = NULL};
-    const bool prep_ok = OPS->attention_prep && s->solo && !s->long_ctx && n <= 8;
+    struct mm_attn_prep prep = {.x = NULL}; // head_norm_rope_kv's launch, left to below
     if (c->mla) {
         MM_TRY(attn_mla(m, s, L, xn, n, &q, &k, &v, &qs));
     } else {
-        MM_TRY(attn_std(m, s, L, xn, n, &q, &k, &v, &qs, &ks, &st, &stored,
-                        prep_ok ? &prep : NULL));
+        MM_TRY(attn_std(m, s, L, xn, n, &q, &k, &v, &qs, &ks, &st, &stored, &prep));
         vs = ks;
     }
     st.k = k, st.k_stride = ks, st.v = v, st.v_stride = vs;
@@ -1043,7 +1033,10 @@ static mm_err attn_core(const mm_model *m, mm_model_scratch *s, int layer, mm_kv
                               .row_seq = s->seq_d, .row_pos = s->pos_d, .n_heads = (int)H,
                               .scale = c->attn_scale, .window = c->window,
                               .long_ctx = s->long_ctx, .keys_early = s->solo};
-    mm_err arv = prep.x ? OPS->attention_prep(CTX, &prep, &aa) : MM_EUNSUPP;
+    // a decode call (one row a sequence, short contexts): the q/k preparation may go into the
+    // attention's launch (attention_prep)
+    const bool prep_ok = prep.x && OPS->attention_prep && s->solo && !s->long_ctx && n <= 8;
+    mm_err arv = prep_ok ? OPS->attention_prep(CTX, &prep, &aa) : MM_EUNSUPP;
     if (arv == MM_EUNSUPP) {
         if (prep.x) // not taken: the preparation, then the attention
             MM_TRY(OPS->head_norm_rope_kv(CTX, prep.x, n, prep.stride, prep.n_a, prep.n_b,

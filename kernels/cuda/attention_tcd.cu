@@ -66,18 +66,10 @@ static int g_tcd_gsub = -1;    // -1: from MM_GPU_ATT_TCD_GSUB at first use (1..
 #if MM_GPU_HAVE_WMMA
 #define TCD_HAVE 1
 
-// One block per (row, gsub query heads of one kv head); gsub <= 16 (one m16 tile: unit u =
-// head h0 + u is tile row u). Dynamic shared memory: two f32 stages [TC_KEYS][dk + dv + 4]
-// (two key blocks in flight), then two bf16 buffers of [TC_KEYS][ldk] keys and [ldv] values.
-// NB > 0: a bf16 cache: no stage, NB key buffers, block j copied straight into buffer j % NB
-// while block j - NB + 1 is computed (NB - 1 blocks in flight; NST unused, the launcher gives 1).
-// NB 0: an f32 cache (NST stages, two buffers).
 // attention_prep's preparation inside the attention (attention_tcd_prep_kernel): the block of
 // (row, kv head) norms and rotates its kv head's queries in x and its key, writes the key and
 // the value to the row's cache slot, with head_norm_rope_kv_row_kernel's operations per element
-// (ops.cu: lane l holds elements l + 32 j of a 128-dim head, the lane-strided sum of squares
-// and the warp's butterfly, the NeoX pairs (j, j + 2) with rope_kernel's expressions), so the
-// same bits; then the block's attention reads them after a barrier. Device copy of
+// (head_rope.cuh: lane l holds elements l + 32 j of a 128-dim head), so the same bits; then the block's attention reads them after a barrier. Device copy of
 // struct mm_attn_prep's fields.
 struct tcd_prep {
     float *x;
@@ -129,8 +121,7 @@ __device__ __forceinline__ void tcd_prep_run(const tcd_prep &p, const struct mm_
                 uint16_t *sv = sb + (int64_t)kv.n_kv_heads * kv.head_dim_k + (int64_t)kvh * TCD_PREP_HD;
 #pragma unroll
                 for (int j = 0; j < 4; j++)
-                    sv[lane + 32 * j] =
-                        (uint16_t)(mm_gpu_pack_bf16x2(vr[lane + 32 * j], 0.0f) & 0xffffu);
+                    kv_put(sv, true, lane + 32 * j, vr[lane + 32 * j]);
             }
             continue;
         }
@@ -151,11 +142,17 @@ __device__ __forceinline__ void tcd_prep_run(const tcd_prep &p, const struct mm_
             uint16_t *sk = sb + (int64_t)kvh * TCD_PREP_HD;
 #pragma unroll
             for (int j = 0; j < 4; j++)
-                sk[lane + 32 * j] = (uint16_t)(mm_gpu_pack_bf16x2(v[j], 0.0f) & 0xffffu);
+                kv_put(sk, true, lane + 32 * j, v[j]);
         }
     }
 }
 
+// One block per (row, gsub query heads of one kv head); gsub <= 16 (one m16 tile: unit u =
+// head h0 + u is tile row u). Dynamic shared memory: two f32 stages [TC_KEYS][dk + dv + 4]
+// (two key blocks in flight), then two bf16 buffers of [TC_KEYS][ldk] keys and [ldv] values.
+// NB > 0: a bf16 cache: no stage, NB key buffers, block j copied straight into buffer j % NB
+// while block j - NB + 1 is computed (NB - 1 blocks in flight; NST unused, the launcher gives 1).
+// NB 0: an f32 cache (NST stages, two buffers).
 // tcd_block: the block of row rb and tile ty (blockIdx.x and .y of attention_tcd_kernel's
 // grid; attention_tcs.cuh's kernel runs it for rows of few key blocks), after mm_dep_wait, or
 // with early (a.keys_early: the caller has not waited) before it: a bf16 cache's copies of the

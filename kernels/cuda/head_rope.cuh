@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: MIT
-// A query or key head's preparation in registers, shared by head_norm_rope_kv's row kernel
-// (ops.cu) and attention_prep's attention blocks (attention_tcd.cu), so both give the same bits
-// from one source: lane l of a warp holds elements l + W j (j < J, W the warp width) of a head
+// A query or key head's preparation in registers, and the store of a cache element, shared by
+// head_norm_rope_kv's kernels (ops.cu) and attention_prep's attention blocks (attention_tcd.cu),
+// so both give the same bits from one source: lane l of a warp holds elements l + W j (j < J, W the warp width) of a head
 // of J W dims; NeoX rotation pairs (j, j + J / 2) sit in one lane.
 #ifndef MM_GPU_HEAD_ROPE_CUH
 #define MM_GPU_HEAD_ROPE_CUH
@@ -47,6 +47,16 @@ __device__ __forceinline__ void hr_rope(float (&v)[J], const float *cs, const fl
         v[j] = y0;
         v[j + J / 2] = y1;
     }
+}
+
+// One element of a cache slot: f32, or bf16 (the low half of mm_gpu_pack_bf16x2: the rounding
+// the tensor-core attention applies to an f32 cache's K and V, so either cache gives it the
+// same bf16 operands).
+__device__ __forceinline__ void kv_put(void *slot, bool kb, int64_t i, float y) {
+    if (kb)
+        ((uint16_t *)slot)[i] = (uint16_t)(mm_gpu_pack_bf16x2(y, 0.0f) & 0xffffu);
+    else
+        ((float *)slot)[i] = y;
 }
 
 #endif

@@ -689,15 +689,7 @@ __device__ __forceinline__ float *kv_slot(const struct mm_kv_view &kv, int32_t s
 __device__ __forceinline__ int64_t kv_slot_at(const struct mm_kv_view &kv, int32_t seq,
                                               int32_t pos, int *d_err);
 
-// One element of a cache slot: f32, or bf16 (the low half of mm_gpu_pack_bf16x2: the rounding
-// the tensor-core attention applies to an f32 cache's K and V, so either cache gives it the
-// same bf16 operands).
-__device__ __forceinline__ void kv_put(void *slot, bool kb, int64_t i, float y) {
-    if (kb)
-        ((uint16_t *)slot)[i] = (uint16_t)(mm_gpu_pack_bf16x2(y, 0.0f) & 0xffffu);
-    else
-        ((float *)slot)[i] = y;
-}
+// kv_put (head_rope.cuh): one element of a cache slot, f32 or bf16.
 
 // STORE (head_norm_rope_kv_kernel): also kv_store's work for the row: group b's heads are the
 // keys (n_b == n_kv_heads, head_dim == head_dim_k) and each key warp writes every element of

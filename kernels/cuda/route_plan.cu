@@ -33,6 +33,7 @@
 //   the one-launch form: forced to the two launches (=2) it measured the same within noise.
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "gpu_common.cuh"
 #include "kernels.h"
@@ -373,6 +374,66 @@ extern "C" mm_err mm_gpu_route_plan(void *stream, const int32_t *d_ids, const fl
     return MM_OK;
 }
 
+// ---- one row: the weights' finish and the plan from shared memory ------------------------------
+// route_plan_fused_kernel's path for a decode call of one row (no arrival count): after the
+// picks (ids_sh, wk complete), thread t < K finishes weight t with route_finish_block's
+// operations (the renorm's sum over wk in pick order, here on each such thread: the same adds
+// in the same order, then its division and scale) and places slot t at plan_small's position
+// (the count of lower experts among the row's K picks; a row's picks are distinct); every
+// thread then counts offs as plan_small does, all from shared memory. The same outputs as
+// route_finish_block then plan_small, without their two barriers and the reads of ids and
+// weights back from global memory (the chain of this one-block op is its dependent steps:
+// docs/BENCHMARKS.md "The router product and its routing in one launch").
+// MM_GPU_ROUTE_ONE_ROW=0: the general path (A/B).
+__device__ __forceinline__ void plan_one_row(const struct mm_route_params &p, const int32_t *ids_sh,
+                                             const float *wk, float *weights, int32_t *offs,
+                                             int32_t *src_row, int32_t *dst_slot, float *wt,
+                                             int *d_err) {
+    const int E = p.n_experts, K = p.top_k, tid = threadIdx.x;
+    auto eid = [&](int t) { // plan_small's reading of an id: out of range counts as expert 0
+        const int e = ids_sh[t];
+        return e < 0 || e >= E ? 0 : e;
+    };
+    if (tid < K) {
+        float v = wk[tid];
+        if (p.renorm) {
+            float sum = 0.0f;
+            for (int t = 0; t < K; t++)
+                sum += wk[t];
+            sum += p.renorm_eps;
+            v /= sum;
+        }
+        if (p.scale != 1.0f && p.scale != 0.0f)
+            v *= p.scale;
+        weights[tid] = v;
+        if (wt != NULL)
+            wt[tid] = v;
+        const int raw = ids_sh[tid], e = eid(tid);
+        if ((raw < 0 || raw >= E) && d_err != NULL)
+            atomicOr(d_err, 1);
+        int pos = 0;
+        for (int t = 0; t < K; t++)
+            pos += eid(t) < e || (t < tid && eid(t) == e);
+        src_row[pos] = 0;
+        dst_slot[pos] = tid;
+    }
+    for (int e = tid; e <= E; e += blockDim.x) {
+        int c = 0;
+        for (int t = 0; t < K; t++)
+            c += eid(t) < e;
+        offs[e] = c;
+    }
+}
+
+static int g_one_row = -1;
+static bool one_row_on(void) {
+    if (g_one_row < 0) {
+        const char *e = getenv("MM_GPU_ROUTE_ONE_ROW");
+        g_one_row = e != NULL && strcmp(e, "0") == 0 ? 0 : 1;
+    }
+    return g_one_row > 0;
+}
+
 // ---- route + plan in one launch ------------------------------------------------------------------
 // A block of PLAN_THREADS per row routes it with route.cuh's steps (the picks by rank, or
 // one at a time when a choice score is NaN; the renorm's divisions one per thread: the same
@@ -384,7 +445,7 @@ extern "C" mm_err mm_gpu_route_plan(void *stream, const int32_t *d_ids, const fl
 __global__ void __launch_bounds__(PLAN_THREADS) route_plan_fused_kernel(
     struct mm_route_params p, const float *logits, int64_t ls, int n_rows, int32_t *ids,
     float *weights, int32_t *offs, int32_t *src_row, int32_t *dst_slot, float *wt, int *d_err,
-    unsigned *count, size_t plan_off, bool plan) {
+    unsigned *count, size_t plan_off, bool plan, bool one_row) {
     extern __shared__ float rsh[]; // route_shmem_bytes, then (at plan_off) the plan's base
     __shared__ int32_t ids_sh[ROUTE_MAX_EXPERTS];
     __shared__ int last, nan_sh;
@@ -414,6 +475,10 @@ __global__ void __launch_bounds__(PLAN_THREADS) route_plan_fused_kernel(
         route_pick_rank(p, prob, choice, wk, ids_sh);
     for (int t = tid; t < K; t += blockDim.x)
         ids[r * K + t] = ids_sh[t];
+    if (one_row && plan && n_rows == 1 && K <= (int)blockDim.x) { // the picks are complete
+        plan_one_row(p, ids_sh, wk, weights, offs, src_row, dst_slot, wt, d_err);
+        return;
+    }
     route_finish_block(p, wk, weights + r * K, &sum_sh); // ends with a barrier
     if (!plan)
         return;
@@ -611,7 +676,7 @@ extern "C" mm_err mm_gpu_route_with_plan(void *stream, const struct mm_route_par
     const size_t shmem = plan_off + (par ? 0 : (size_t)p->n_experts * sizeof(int32_t));
     MM_GPU_CHECK(mm_launch_dep(route_plan_fused_kernel, dim3((unsigned)n_rows), dim3(PLAN_THREADS),
         shmem, (cudaStream_t)stream, *p, d_logits, ls, (int)n_rows, d_ids, d_weights, d_offs,
-        d_src_row, d_dst_slot, d_wt, d_err, d_count, plan_off, !par));
+        d_src_row, d_dst_slot, d_wt, d_err, d_count, plan_off, !par, one_row_on()));
     MM_GPU_CHECK(cudaGetLastError());
     if (par)
         return plan_par_launch((cudaStream_t)stream, d_ids, d_weights, n_rows, p->top_k,

@@ -140,6 +140,11 @@ static void test_route_with_plan(void) {
     route_case(2, 256, 8, MM_ROUTE_SIGMOID, true, true, 2.5f, 8, 4, 5, -1);   // ties, groups
     route_case(33, 1000, 300, MM_ROUTE_SOFTMAX, false, true, 1.0f, 0, 0, 0, -1); // K > block
     route_case(1, 1024, 8, MM_ROUTE_SIGMOID, true, false, 1.0f, 0, 0, 0, -1);
+    // one row (the one-row finish and plan from shared memory): groups, ties and a scale; a
+    // NaN row; K past the block (the general path)
+    route_case(1, 256, 8, MM_ROUTE_SIGMOID, true, true, 2.5f, 8, 4, 5, -1);
+    route_case(1, 60, 4, MM_ROUTE_SOFTMAX, false, true, 1.0f, 0, 0, 3, 0);
+    route_case(1, 1000, 300, MM_ROUTE_SOFTMAX, false, true, 1.0f, 0, 0, 0, -1);
     gpu_close(NULL);
 }
 

@@ -239,6 +239,8 @@ static void test_route_with_plan_par(void) {
     rwp_case(129, 8, 2, false, 0, -1);   // Mixtral
     rwp_case(7, 128, 8, true, 0, -1);
     rwp_case(1, 128, 8, true, 0, -1); // one block: no arrival count either way
+    rwp_case(1, 60, 4, true, 3, 0);   // one row: ties, then a NaN row (the serial picks)
+    rwp_case(1, 8, 2, false, 0, -1);  // one row, no renorm
     rwp_case(300, 8, 1, false, 4, -1);
     gpu_close(NULL);
 }

@@ -215,48 +215,43 @@ __device__ __forceinline__ void route_pick_rank(const struct mm_route_params &p,
     route_pick_rank_by<route_block_group>(p, prob, choice, wk, ids_sh, 0);
 }
 
-// The whole block: route_finish's renorm and scale (the sum on thread 0 in pick order, then
-// each weight's division and scale on its own thread: the same operations per weight),
-// written to w (K). sum_sh: one float of shared memory. Starts and ends with a barrier.
+// The renorm's divisor: the K picked weights wk summed in pick order, plus renorm_eps.
+__device__ __forceinline__ float route_wsum(const struct mm_route_params &p, const float *wk) {
+    float sum = 0.0f;
+    for (int t = 0; t < p.top_k; t++)
+        sum += wk[t];
+    return sum + p.renorm_eps;
+}
+
+// One picked weight v finished: divided by sum (route_wsum) with renorm, then scaled.
+__device__ __forceinline__ float route_wfinish(const struct mm_route_params &p, float v, float sum) {
+    if (p.renorm)
+        v /= sum;
+    if (p.scale != 1.0f && p.scale != 0.0f)
+        v *= p.scale;
+    return v;
+}
+
+// The whole block: route_finish's renorm and scale (the sum on thread 0, then each weight's
+// division and scale on its own thread: the same operations per weight), written to w (K).
+// sum_sh: one float of shared memory. Starts and ends with a barrier.
 __device__ __forceinline__ void route_finish_block(const struct mm_route_params &p, float *wk,
                                                    float *w, float *sum_sh) {
-    const int K = p.top_k;
     __syncthreads(); // wk complete
-    if (p.renorm && threadIdx.x == 0) {
-        float sum = 0.0f;
-        for (int t = 0; t < K; t++)
-            sum += wk[t];
-        sum += p.renorm_eps;
-        *sum_sh = sum;
-    }
+    if (p.renorm && threadIdx.x == 0)
+        *sum_sh = route_wsum(p, wk);
     __syncthreads();
-    for (int t = threadIdx.x; t < K; t += blockDim.x) {
-        float v = wk[t];
-        if (p.renorm)
-            v /= *sum_sh;
-        if (p.scale != 1.0f && p.scale != 0.0f)
-            v *= p.scale;
-        w[t] = v;
-    }
+    for (int t = threadIdx.x; t < p.top_k; t += blockDim.x)
+        w[t] = route_wfinish(p, wk[t], p.renorm ? *sum_sh : 0.0f);
     __syncthreads();
 }
 
 // Lane 0: renorm and scale of the picked weights wk in pick order, written to w (K).
-__device__ __forceinline__ void route_finish(const struct mm_route_params &p, float *wk, float *w) {
-    const int K = p.top_k;
-    if (p.renorm) {
-        float sum = 0.0f;
-        for (int t = 0; t < K; t++)
-            sum += wk[t];
-        sum += p.renorm_eps;
-        for (int t = 0; t < K; t++)
-            wk[t] /= sum;
-    }
-    if (p.scale != 1.0f && p.scale != 0.0f)
-        for (int t = 0; t < K; t++)
-            wk[t] *= p.scale;
-    for (int t = 0; t < K; t++)
-        w[t] = wk[t];
+__device__ __forceinline__ void route_finish(const struct mm_route_params &p, const float *wk,
+                                             float *w) {
+    const float sum = p.renorm ? route_wsum(p, wk) : 0.0f;
+    for (int t = 0; t < p.top_k; t++)
+        w[t] = route_wfinish(p, wk[t], sum);
 }
 
 #endif

@@ -376,9 +376,8 @@ extern "C" mm_err mm_gpu_route_plan(void *stream, const int32_t *d_ids, const fl
 
 // ---- one row: the weights' finish and the plan from shared memory ------------------------------
 // route_plan_fused_kernel's path for a decode call of one row (no arrival count): after the
-// picks (ids_sh, wk complete), thread t < K finishes weight t with route_finish_block's
-// operations (the renorm's sum over wk in pick order, here on each such thread: the same adds
-// in the same order, then its division and scale) and places slot t at plan_small's position
+// picks (ids_sh, wk complete), thread t < K finishes weight t as route_finish_block does
+// (route_wsum here on each such thread, then route_wfinish) and places slot t at plan_small's position
 // (the count of lower experts among the row's K picks; a row's picks are distinct); every
 // thread then counts offs as plan_small does, all from shared memory. The same outputs as
 // route_finish_block then plan_small, without their two barriers and the reads of ids and
@@ -395,16 +394,7 @@ __device__ __forceinline__ void plan_one_row(const struct mm_route_params &p, co
         return e < 0 || e >= E ? 0 : e;
     };
     if (tid < K) {
-        float v = wk[tid];
-        if (p.renorm) {
-            float sum = 0.0f;
-            for (int t = 0; t < K; t++)
-                sum += wk[t];
-            sum += p.renorm_eps;
-            v /= sum;
-        }
-        if (p.scale != 1.0f && p.scale != 0.0f)
-            v *= p.scale;
+        const float v = route_wfinish(p, wk[tid], p.renorm ? route_wsum(p, wk) : 0.0f);
         weights[tid] = v;
         if (wt != NULL)
             wt[tid] = v;

@@ -1268,26 +1268,20 @@ static mm_err moe_layer(const mm_model *m, mm_model_scratch *s, int l, int64_t n
 // ---- the engine's device path -----------------------------------------------------------------
 // gate_plan: router product, route and route_plan of layer on n rows of x, into the
 // scratch's plan buffers (ids_d, offs_d, src_d, dst_d, wt_d); issues ops only.
-// route_plan_dev: route and route_plan of layer l's router logits in s->rl (n rows).
-static mm_err route_plan_dev(const mm_model *m, mm_model_scratch *s, int l, int64_t n,
-                             int32_t *offs_d, int32_t *src_d, int32_t *dst_d) {
+static mm_err gate_plan(const mm_model *m, mm_model_scratch *s, int l, const float *x,
+                        int64_t n, int32_t *offs_d, int32_t *src_d, int32_t *dst_d) {
     const mm_model_config *c = &m->c;
+    const struct layer *L = &m->layers[l];
     const int K = c->top_k, E = c->n_experts;
+    MM_TRY(OPS->matmul(CTX, &L->router, NULL, x, c->d_model, s->rl, E, n));
     struct mm_route_params rp = c->route;
-    rp.bias = m->layers[l].e_bias;
+    rp.bias = L->e_bias;
     float *wts_d = (float *)(s->ids_d + n * K);
     if (OPS->route_with_plan) // one op where the backend has it, the same outputs
         return OPS->route_with_plan(CTX, &rp, s->rl, E, n, s->ids_d, wts_d, offs_d, src_d, dst_d,
                                     s->wt_d);
     MM_TRY(OPS->route(CTX, &rp, s->rl, E, n, s->ids_d, wts_d));
     return OPS->route_plan(CTX, s->ids_d, wts_d, n, K, E, offs_d, src_d, dst_d, s->wt_d);
-}
-
-static mm_err gate_plan(const mm_model *m, mm_model_scratch *s, int l, const float *x,
-                        int64_t n, int32_t *offs_d, int32_t *src_d, int32_t *dst_d) {
-    const mm_model_config *c = &m->c;
-    MM_TRY(OPS->matmul(CTX, &m->layers[l].router, NULL, x, c->d_model, s->rl, c->n_experts, n));
-    return route_plan_dev(m, s, l, n, offs_d, src_d, dst_d);
 }
 
 // experts_plan: the routed experts of layer L on nk plan slots: sorted slot p reads x row
@@ -1351,30 +1345,9 @@ static mm_err experts_plan(const mm_model *m, mm_model_scratch *s, const struct 
 static mm_err moe_layer_dev(const mm_model *m, mm_model_scratch *s, int l, int64_t n,
                             const mm_weight *norm_w, float *norm_y) {
     const struct layer *L = &m->layers[l];
-    const mm_model_config *c = &m->c;
-    const int K = c->top_k;
-    const bool fused = OPS->route_ffn && L->gu_fused && L->eg[0].dtype == L->ed[0].dtype;
-    mm_err rv = MM_EUNSUPP;
-    if (fused) {
-        // the routing and the experts in one op where the backend takes it (decode rows: the
-        // products may start on picks of their own beside the routing); the same outputs
-        MM_TRY(OPS->matmul(CTX, &L->router, NULL, s->x, c->d_model, s->rl, c->n_experts, n));
-        struct mm_route_params rp = c->route;
-        rp.bias = L->e_bias;
-        rv = OPS->route_ffn(CTX, &rp, s->rl, c->n_experts, n, s->ids_d,
-                            (float *)(s->ids_d + n * K), s->offs_d, s->src_d, s->dst_d, s->wt_d,
-                            (const void *const *)L->egu_tab, (const void *const *)L->ed_tab,
-                            L->eg[0].dtype, c->d_ff_expert, c->d_model, s->x, c->d_model, s->eo,
-                            c->d_model);
-        if (rv == MM_EUNSUPP) // nothing issued: the router's logits are in s->rl
-            MM_TRY(route_plan_dev(m, s, l, n, s->offs_d, s->src_d, s->dst_d));
-    } else {
-        MM_TRY(gate_plan(m, s, l, s->x, n, s->offs_d, s->src_d, s->dst_d));
-    }
-    if (rv == MM_EUNSUPP)
-        MM_TRY(experts_plan(m, s, L, s->offs_d, s->x, s->src_d, s->dst_d, n * K, s->eo));
-    else
-        MM_TRY(rv);
+    const int K = m->c.top_k;
+    MM_TRY(gate_plan(m, s, l, s->x, n, s->offs_d, s->src_d, s->dst_d));
+    MM_TRY(experts_plan(m, s, L, s->offs_d, s->x, s->src_d, s->dst_d, n * K, s->eo));
     if (L->has_shared)
         MM_TRY(mm_model_shared_forward(m, s, l, s->x, n, s->sh));
     return combine_norm(m, s, s->h, n, K, s->wt_d, s->eo, L->has_shared ? s->sh : NULL, norm_w,

@@ -412,18 +412,6 @@ struct mm_backend_ops {
     // value inside that head's attention block). Backends take it for decode calls only (a's
     // keys_early: every other key was stored before).
     mm_err (*attention_prep)(void *ctx, const struct mm_attn_prep *p, const struct mm_attn_args *a);
-    // route_ffn (optional; NULL or MM_EUNSUPP with nothing issued: route_with_plan with these
-    // arguments, then moe_ffn_rows on its plan (offs, x_idx src_row, y_idx dst_slot, n_rows *
-    // p->top_k slots)): the two in one, with every output as they write it (ids, weights, the
-    // plan, wt and y's (row, rank) rows). A device may run the experts' products on picks it
-    // makes from the logits itself (the same routing steps), beside the routing, so that the
-    // products need not wait for the plan. Backends take it for decode calls only.
-    mm_err (*route_ffn)(void *ctx, const struct mm_route_params *p, const float *logits,
-                        int64_t logits_stride, int64_t n_rows, int32_t *ids, float *weights,
-                        int32_t *offs, int32_t *src_row, int32_t *dst_slot, float *wt,
-                        const void *const *experts_gu, const void *const *experts_down,
-                        enum mm_dtype dtype, int64_t d_ff, int64_t d_model, const float *x,
-                        int64_t x_stride, float *y, int64_t y_stride);
 };
 #define MM_FETCH_BYTES 4096
 #define MM_FETCH_SLOTS 4

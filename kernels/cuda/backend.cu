@@ -1045,29 +1045,6 @@ static mm_err gpu_route_with_plan(void *ctx, const struct mm_route_params *p,
                                                     g->d_err, g->d_count));
 }
 
-static mm_err gpu_route_ffn(void *ctx, const struct mm_route_params *p, const float *logits,
-                            int64_t ls, int64_t n_rows, int32_t *ids, float *weights,
-                            int32_t *offs, int32_t *src_row, int32_t *dst_slot, float *wt,
-                            const void *const *experts_gu, const void *const *experts_down,
-                            enum mm_dtype dtype, int64_t d_ff, int64_t d_model, const float *x,
-                            int64_t x_stride, float *y, int64_t y_stride) {
-    CTX(ctx);
-    if (d_ff <= 0 || d_ff >= INT32_MAX / 2 || d_model <= 0 || d_model >= INT32_MAX)
-        return MM_EINVAL;
-    ON_DEVICE();
-    if (diag_skip("route_ffn"))
-        return MM_EUNSUPP; // a diagnostic build: the two ops, each droppable by its own name
-    ot_begin(g);
-    const mm_err rv = mm_gpu_route_ffn(g->stream, p, logits, ls, n_rows, ids, weights, offs,
-                                       src_row, dst_slot, wt, g->d_err, g->d_count, dtype,
-                                       experts_gu, experts_down, (int)d_ff, (int)d_model, x,
-                                       x_stride, y, y_stride);
-    if (rv == MM_EUNSUPP) // nothing issued: the caller runs the two ops
-        return rv;
-    ot_end(g, g->ot ? "route_ffn" : "");
-    return rv;
-}
-
 static mm_err gpu_combine_rmsnorm(void *ctx, const float *alpha, int k, const float *x,
                                   int64_t xs, const float *shared, int64_t ss, float *h,
                                   int64_t hs, int64_t n_rows, const mm_weight *w, float eps,
@@ -1140,7 +1117,6 @@ static const struct mm_backend_ops gpu_ops = {
     .fetch_wait = gpu_fetch_wait,
     .matmul_res = gpu_matmul_res,
     .attention_prep = gpu_attention_prep,
-    .route_ffn = gpu_route_ffn,
 };
 
 extern "C" mm_err mm_cuda_backend_open(mm_backend *be, const mm_backend_params *p,
@@ -1243,7 +1219,6 @@ extern "C" mm_err mm_cuda_backend_open(mm_backend *be, const mm_backend_params *
         g->ops_table.head_norm_rope_kv = NULL;
         g->ops_table.attention_prep = NULL;
         g->ops_table.route_with_plan = NULL;
-        g->ops_table.route_ffn = NULL;
         g->ops_table.combine_rmsnorm = NULL;
         g->ops_table.embed_rmsnorm = NULL;
     }

@@ -34,7 +34,6 @@
 
 #include "gpu_common.cuh"
 #include "mm_gpu.h"
-#include "route.cuh"
 #if MM_GPU_HAVE_WMMA
 #include <cudaTypedefs.h> // cuTensorMapEncodeTiled's type (TMA maps for gemm_wp.cuh)
 #endif
@@ -150,13 +149,6 @@ struct mm_mat_args {
     int pdl;                  // GEMV v3 grouped: 0 as every kernel; PDL_LATE, PDL_EARLY (below)
     const float *res;         // GEMV v2/v3 only: y row r = product + res row r (mm_gpu_matmul_res)
     int64_t res_stride;
-    // GEMV v3 grouped, routed (mm_gpu_route_ffn): the one row's router logits (NULL: the tiles
-    // come from offs). Each block then routes the row itself with rp (route_with_plan's steps)
-    // and takes the pick at its tile's plan position; rxy bit 0: x row 0 (the row) instead of
-    // the position, bit 1: y row the pick's rank (its (row, rank) slot) instead of the position.
-    const float *rl;
-    struct mm_route_params rp;
-    int rxy;
 };
 // GEMV v3 grouped's programmatic-launch modes (mm_gpu_moe_ffn_rows at decode): PDL_LATE lets the
 // next kernel launch only after this one's griddepcontrol.wait (so once the kernel before this
@@ -935,76 +927,6 @@ __device__ __forceinline__ mm_tile mv3_tile_find(const mm_mat_args &a, const voi
     return t;
 }
 
-// The routed form's tile (a.rl: mm_gpu_route_ffn, one row, at most 128 experts), by warp 0
-// alone (the other warps go on to the block's barrier after the lookup): it routes the row from
-// its logits as route_with_plan's warp-per-row form does (route.cuh: route_scores on a copy of
-// the logits, the NaN check, the group limit on lane 0, then the picks one at a time from
-// registers or, with a NaN choice score, from shared memory; the same ids as the one-row
-// kernel's ranks, route.cuh) in rsh (shared memory free until x is staged: route_shmem_bytes,
-// then K ids at a 16-byte offset), takes the pick at plan position blockIdx.y (plan_one_row's
-// position: picks with a lower id first), issues its expert's W and fills info as
-// mv3_tile_find's caller does. The logits are the output of the kernel before the one this
-// block may wait for (griddepcontrol.wait of a PDL_LATE kernel, or complete before a PDL_EARLY
-// one launched): read through the L2.
-template <class IssueF>
-__device__ __forceinline__ void mv3_route_tile(const mm_mat_args &a, float *rsh, int *info,
-                                               const void **w_s, IssueF issue) {
-    const struct mm_route_params &p = a.rp;
-    const int E = p.n_experts, K = p.top_k, lane = threadIdx.x % 32;
-    if (threadIdx.x >= 32)
-        return;
-    float *prob = rsh, *choice = rsh + E, *wk = rsh + 2 * E;
-    unsigned char *taken = (unsigned char *)(rsh + 2 * E + K);
-    int32_t *ids_sh = (int32_t *)((char *)rsh + ((route_shmem_bytes(E, K) + 15) & ~(size_t)15));
-    unsigned long long wp[4]; // the expert table (never written by a kernel) while routing
-#pragma unroll
-    for (int i = 0; i < 4; i++)
-        wp[i] = lane + 32 * i < E ? (unsigned long long)a.wg[lane + 32 * i] : 0ull;
-    for (int e = lane; e < E; e += 32)
-        prob[e] = __ldcg(a.rl + e);
-    __syncwarp();
-    route_scores(p, prob, prob, choice, taken, lane); // each lane reads then writes its own
-    const int nan = route_warp_nan(p, choice, lane);
-    __syncwarp();
-    if (p.n_group > 1) {
-        if (lane == 0)
-            route_groups(p, choice);
-        __syncwarp();
-    }
-    if (nan)
-        route_pick_serial_warp(p, prob, choice, taken, wk, ids_sh, lane);
-    else
-        route_pick_serial_reg<4>(p, prob, choice, wk, ids_sh, lane); // both end with a sync
-    const int pos_want = blockIdx.y;
-    int e = -1, rk = 0;
-    if (lane < K) {
-        const int ei = ids_sh[lane];
-        int pos = 0;
-        for (int t = 0; t < K; t++)
-            pos += ids_sh[t] < ei || (t < lane && ids_sh[t] == ei);
-        if (pos == pos_want && ei >= 0 && ei < E)
-            e = ei, rk = lane;
-    }
-    const unsigned found = __ballot_sync(0xffffffffu, e >= 0);
-    const int from = found ? __ffs(found) - 1 : 0;
-    e = __shfl_sync(0xffffffffu, e, from);
-    rk = __shfl_sync(0xffffffffu, rk, from);
-    unsigned long long wv = 0;
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        const unsigned long long v = __shfl_sync(0xffffffffu, wp[i], e & 31);
-        if (e >= 0 && i == e >> 5)
-            wv = v;
-    }
-    const int ml = wv != 0 ? 1 : 0;
-    const int ok = ml > 0 ? issue((const uint16_t *)wv) : 0;
-    if (lane == 0) {
-        info[0] = pos_want, info[1] = ml, info[2] = ok, *w_s = (const void *)wv;
-        info[3] = (a.rxy & 1) ? 0 : pos_want;
-        info[11] = (a.rxy & 2) ? rk : pos_want;
-    }
-}
-
 template <bool GROUPED, int MINB, bool PASSES>
 __global__ void __launch_bounds__(MV_WARPS * 32, MINB) gemv_bulk_kernel(mm_mat_args a, int wpt, int ty) {
     // dynamic: tpb * 16 W rows, then min(cap, n_rows) x rows (both of mv2_ldx(n_in) bf16), then
@@ -1060,9 +982,7 @@ __global__ void __launch_bounds__(MV_WARPS * 32, MINB) gemv_bulk_kernel(mm_mat_a
     if (GROUPED && a.pdl == PDL_LATE)
         asm volatile("griddepcontrol.launch_dependents;\n" ::);
     if (GROUPED) {
-        if (a.rl != NULL) {
-            mv3_route_tile(a, (float *)xsm, info, &w_s, issue);
-        } else if (warp == 0) {
+        if (warp == 0) {
             const void *wv = NULL;
             int xr = 0, yr = 0;
             const mm_tile tt = early ? mv3_tile_find<true>(a, &wv, &xr, &yr)
@@ -2917,32 +2837,10 @@ static unsigned long long g_ffd_n;
 // with PDL_LATE, then down with PDL_EARLY, so down's blocks look their tiles up and stream their
 // W while [gate; up]'s last blocks run. The same launches as the caller's two calls otherwise:
 // the same bits. *ran false: nothing issued.
-// mm_gpu_route_ffn's routing beside the products (launch_ffn_dec's rt; NULL: the plan's offs)
-struct ffn_route {
-    const struct mm_route_params *p;
-    const float *logits;
-    int32_t *ids;
-    float *weights;
-    int32_t *offs, *src, *dst;
-    float *wt;
-    int *err;
-    unsigned *count;
-};
-
-// The routed form's shared memory (mv3_route_tile) fits in the x tile and segment sums of a
-// GEMV v3 block of bytes (wpt3 warps per tile) for a.
-static bool route_tile_fits(const mm_mat_args &a, int wpt3, size_t bytes) {
-    const int E = a.rp.n_experts, K = a.rp.top_k;
-    const size_t need = ((route_shmem_bytes(E, K) + 15) & ~(size_t)15) + (size_t)K * 4;
-    const size_t w = (size_t)(MV_WARPS / wpt3) * 16 * mv2_ldx(a.n_in) * 2;
-    return bytes > w && bytes - w >= need;
-}
-
 static mm_err launch_ffn_dec(cudaStream_t st, const void *const *wgu, const void *const *wd,
                              const int32_t *offs, int E, int F, int D, const float *x,
                              int64_t x_stride, const int32_t *x_idx, float *y, int64_t y_stride,
-                             const int32_t *y_idx, int n_rows, bool *ran,
-                             const struct ffn_route *rt = NULL) {
+                             const int32_t *y_idx, int n_rows, bool *ran) {
     *ran = false;
     // (v3 blocks of one 16-row tile: launch<true> then takes the warps per tile bulk_choice
     // takes below)
@@ -2958,18 +2856,10 @@ static mm_err launch_ffn_dec(cudaStream_t st, const void *const *wgu, const void
     dn.vec = 1; // the stream's rows: 16-byte aligned, stride 2 d_ff (d_ff % 8 == 0)
     // both must take GEMV v3 (launch<true>'s own choice, per tile rows 1): down's early reads rely
     // on [gate; up]'s late trigger
-    int w3 = 0, w3d = 0;
-    size_t bg = 0, bd = 0;
+    int w3 = 0;
     if (gemv_x_smem(gu, 1) == 0 || gemv_x_smem(dn, 1) == 0 ||
-        (bg = bulk_choice(&gu, MV_WARPS, &w3)) == 0 || (bd = bulk_choice(&dn, MV_WARPS, &w3d)) == 0)
+        bulk_choice(&gu, MV_WARPS, &w3) == 0 || bulk_choice(&dn, MV_WARPS, &w3) == 0)
         return MM_OK;
-    if (rt != NULL) { // both products route the row themselves: x row 0, down's y the rank slots
-        gu.rl = dn.rl = rt->logits;
-        gu.rp = dn.rp = *rt->p;
-        gu.rxy = 1, dn.rxy = 2;
-        if (!route_tile_fits(gu, w3, bg) || !route_tile_fits(dn, w3d, bd))
-            return MM_OK;
-    }
     cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
     MM_GPU_CHECK(cudaStreamIsCapturing(st, &cs));
     int dev = 0;
@@ -2982,72 +2872,12 @@ static mm_err launch_ffn_dec(cudaStream_t st, const void *const *wgu, const void
     dn.x = g;
     dn.x_up = g + F;
     MM_TRY(launch<true>(st, MM_GPU_PATH_GEMV, MM_DTYPE_BF16, gu, 1));
-    if (rt != NULL)
-        MM_TRY(mm__gpu_route_beside(st, rt->p, rt->logits, rt->ids, rt->weights, rt->offs,
-                                    rt->src, rt->dst, rt->wt, rt->err, rt->count));
     MM_TRY(launch<true>(st, MM_GPU_PATH_GEMV, MM_DTYPE_BF16, dn, 1));
     __atomic_fetch_add(&g_ffd_n, 1ull, __ATOMIC_RELAXED);
     *ran = true;
     return MM_OK;
 }
-
-// MM_GPU_ROUTE_FFN (read once unless mm_gpu_set_route_ffn set it): 0 makes mm_gpu_route_ffn
-// MM_EUNSUPP (the routing, then the products). g_rffn_n counts its calls run.
-static int g_rffn = -1;
-static unsigned long long g_rffn_n;
 #endif
-
-extern "C" mm_err mm_gpu_route_ffn(void *stream, const struct mm_route_params *p,
-                                   const float *d_logits, int64_t ls, int64_t n_rows,
-                                   int32_t *d_ids, float *d_weights, int32_t *d_offs,
-                                   int32_t *d_src_row, int32_t *d_dst_slot, float *d_wt,
-                                   int *d_err, unsigned *d_count, int dtype,
-                                   const void *const *d_wgu, const void *const *d_wd, int d_ff,
-                                   int d_model, const float *d_x, int64_t x_stride, float *d_y,
-                                   int64_t y_stride) {
-    if (p == NULL || d_logits == NULL || d_ids == NULL || d_weights == NULL || d_offs == NULL ||
-        d_src_row == NULL || d_dst_slot == NULL || d_count == NULL || d_wgu == NULL ||
-        d_wd == NULL || d_x == NULL || d_y == NULL || n_rows < 0 || d_ff <= 0 ||
-        d_ff > INT32_MAX / 2 || d_model <= 0 || !dtype_ok(dtype) || x_stride < d_model ||
-        y_stride < d_model || ls < p->n_experts) {
-        mm_log_error("gpu: route_ffn: bad arguments (n_rows=%lld d_ff=%d d_model=%d)",
-                     (long long)n_rows, d_ff, d_model);
-        return MM_EINVAL;
-    }
-#if MM_GPU_HAVE_WMMA
-    if (!switch_on(&g_rffn, "MM_GPU_ROUTE_FFN") || dtype != MM_DTYPE_BF16 ||
-        !mm__gpu_route_beside_ok(p, n_rows) || p->n_experts > 4 * 32 || p->top_k > XCAP1_ROWS)
-        return MM_EUNSUPP;
-    const struct ffn_route rt = {p, d_logits, d_ids, d_weights, d_offs, d_src_row, d_dst_slot,
-                                 d_wt, d_err, d_count};
-    bool ran = false;
-    MM_TRY(launch_ffn_dec((cudaStream_t)stream, d_wgu, d_wd, d_offs, p->n_experts, d_ff, d_model,
-                          d_x, x_stride, NULL, d_y, y_stride, NULL, p->top_k, &ran, &rt));
-    if (!ran)
-        return MM_EUNSUPP;
-    __atomic_fetch_add(&g_rffn_n, 1ull, __ATOMIC_RELAXED);
-    return MM_OK;
-#else
-    (void)d_err, (void)d_x, (void)d_y;
-    return MM_EUNSUPP;
-#endif
-}
-
-extern "C" void mm_gpu_set_route_ffn(int on) {
-#if MM_GPU_HAVE_WMMA
-    g_rffn = on < 0 ? -1 : on ? 1 : 0;
-#else
-    (void)on;
-#endif
-}
-
-extern "C" unsigned long long mm_gpu_route_ffn_launches(void) {
-#if MM_GPU_HAVE_WMMA
-    return __atomic_load_n(&g_rffn_n, __ATOMIC_RELAXED);
-#else
-    return 0;
-#endif
-}
 
 extern "C" mm_err mm_gpu_moe_ffn_rows(void *stream, int dtype, const void *const *d_wgu,
                                       const void *const *d_wd, const int32_t *d_offs, int n_experts,

@@ -130,33 +130,6 @@ void mm_gpu_set_pf_swiglu_epi(int on);
 // CUDA only (0 elsewhere).
 void mm_gpu_set_ffn_dec(int on);
 unsigned long long mm_gpu_ffn_dec_launches(void);
-// mm_gpu_route_ffn: kernels.h route_ffn for one decode row: mm_gpu_route_with_plan's outputs
-// and mm_gpu_moe_ffn_rows's y rows on its plan (x row 0, y rows d_dst_slot's (row, rank)
-// slots), in three launches: [gate; up] on GEMV v3 whose blocks route the row themselves from
-// the logits (route_with_plan's one-row steps: the same picks) and take the pick at their
-// tile's plan position; the routing and plan (route_with_plan's one-row kernel), which reads
-// the logits without waiting for [gate; up] and waits for it only before it ends; down, whose
-// blocks route the same way and stream their W before their wait. So the products do not wait
-// for the routing kernel. The same bits as the two calls. MM_EUNSUPP with nothing issued
-// unless: bf16, n_rows 1, at most 128 experts, the decode FFN would run (mm_gpu_moe_ffn_rows at
-// decode, d_ff % 8 == 0, top_k <= 16), the routing's one-row form (MM_GPU_ROUTE_ONE_ROW) and
-// MM_GPU_ROUTE_FFN (default 1; mm_gpu_set_route_ffn) on. mm_gpu_route_ffn_launches counts
-// the calls run. d_err, d_count as mm_gpu_route_with_plan's.
-mm_err mm_gpu_route_ffn(void *stream, const struct mm_route_params *p, const float *d_logits,
-                        int64_t ls, int64_t n_rows, int32_t *d_ids, float *d_weights,
-                        int32_t *d_offs, int32_t *d_src_row, int32_t *d_dst_slot, float *d_wt,
-                        int *d_err, unsigned *d_count, int dtype, const void *const *d_wgu,
-                        const void *const *d_wd, int d_ff, int d_model, const float *d_x,
-                        int64_t x_stride, float *d_y, int64_t y_stride);
-// mm_gpu_set_route_ffn: 1 / 0 / -1 (back to MM_GPU_ROUTE_FFN). Process-wide; CUDA only.
-void mm_gpu_set_route_ffn(int on);
-unsigned long long mm_gpu_route_ffn_launches(void);
-// internal (route_plan.cu, for mm_gpu_route_ffn): the one-row routing launched beside the
-// products; _ok: whether it takes p and n_rows.
-bool mm__gpu_route_beside_ok(const struct mm_route_params *p, int64_t n_rows);
-mm_err mm__gpu_route_beside(void *stream, const struct mm_route_params *p, const float *d_logits,
-                            int32_t *d_ids, float *d_weights, int32_t *d_offs, int32_t *d_src_row,
-                            int32_t *d_dst_slot, float *d_wt, int *d_err, unsigned *d_count);
 // mm_gpu_set_gemv_xcap: x rows a grouped GEMV v3 block stages at a time (1, 2, 4 or 8; any
 // other value: back to MM_GPU_GEMV_XCAP or the default, 1 for products of at most 16 rows, else
 // 8); a tile of more rows runs in passes. Same bits. Process-wide; CUDA only.

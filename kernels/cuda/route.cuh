@@ -51,7 +51,7 @@ static inline bool route_params_ok(const struct mm_route_params *p) {
 
 // Shared memory of one row's routing: prob (E) f32, choice (E) f32, wk (K) f32 (the picked
 // weights until final), taken (E) bytes.
-static inline __host__ __device__ size_t route_shmem_bytes(int E, int K) {
+static inline size_t route_shmem_bytes(int E, int K) {
     return (size_t)(2 * E + K) * sizeof(float) + (size_t)E;
 }
 
@@ -252,78 +252,6 @@ __device__ __forceinline__ void route_finish(const struct mm_route_params &p, co
     const float sum = p.renorm ? route_wsum(p, wk) : 0.0f;
     for (int t = 0; t < p.top_k; t++)
         w[t] = route_wfinish(p, wk[t], sum);
-}
-
-// ---- the picks by one warp alone (route_plan.cu's warp-per-row routing, matmul.cu's routed
-// GEMV v3 blocks) ----------------------------------------------------------------------------
-// A warp's barrier over its shared memory (HIP's wavefront runs in lockstep: a fence orders
-// its writes).
-__device__ __forceinline__ void rw_warp_sync(void) {
-#if MM_GPU_HAVE_WMMA
-    __syncwarp();
-#else
-    __threadfence_block();
-#endif
-}
-
-// route.cuh's pick steps by one warp alone (its lanes, its barrier)
-struct route_warp_group {
-    __device__ static int first(int lane) { return lane; }
-    __device__ static int stride() { return MM_WARP_SIZE; }
-    __device__ static void sync() { rw_warp_sync(); }
-};
-
-__device__ __forceinline__ void route_pick_serial_warp(const struct mm_route_params &p,
-                                                       const float *prob, const float *choice,
-                                                       unsigned char *taken, float *wk,
-                                                       int32_t *ids_out, int lane) {
-    route_pick_serial_by<route_warp_group>(p, prob, choice, taken, wk, ids_out, true, lane);
-}
-
-// route_pick_serial_warp with this lane's choice scores (experts lane + W j, j < EPL, E <= W
-// EPL) and taken flags in registers: the same scan order and warp argmax, each pick lane 0's
-// (with a NaN score the lanes' warp argmax can differ: route_pick_serial takes lane 0's), so
-// the same picks, and, without a NaN choice score, route_pick_rank's. ids_out and wk in shared
-// memory. route_rows_warp_kernel takes it for rows without a NaN choice score only (H200,
-// 12:02 UTC: the first form, without the broadcast, picked -1 on a NaN row; the NaN rows keep
-// route_pick_serial_warp, checked on the device at 11:50).
-template <int EPL>
-__device__ __forceinline__ void route_pick_serial_reg(const struct mm_route_params &p,
-                                                      const float *prob, const float *choice,
-                                                      float *wk, int32_t *ids_out, int lane) {
-    const int E = p.n_experts, K = p.top_k;
-    float cv[EPL];
-    unsigned tk = 0; // bit j: expert lane + W j taken
-#pragma unroll
-    for (int j = 0; j < EPL; j++)
-        cv[j] = lane + MM_WARP_SIZE * j < E ? choice[lane + MM_WARP_SIZE * j] : 0.0f;
-    for (int t = 0; t < K; t++) {
-        float bs = 0.0f;
-        int bid = -1;
-#pragma unroll
-        for (int j = 0; j < EPL; j++) {
-            const int e = lane + MM_WARP_SIZE * j;
-            if (e < E && !((tk >> j) & 1u) && (bid < 0 || better(cv[j], e, bs, bid))) {
-                bs = cv[j];
-                bid = e;
-            }
-        }
-        warp_best(bs, bid);
-        bid = mm_shfl(bid, 0); // lane 0's, as route_pick_serial (lanes may differ on NaN ties)
-        if (bid % MM_WARP_SIZE == lane)
-            tk |= 1u << (bid / MM_WARP_SIZE);
-        if (lane == 0) {
-            ids_out[t] = bid;
-            wk[t] = prob[bid];
-        }
-    }
-    rw_warp_sync();
-}
-
-__device__ __forceinline__ void route_pick_rank_warp(const struct mm_route_params &p,
-                                                     const float *prob, const float *choice,
-                                                     float *wk, int32_t *ids_sh, int lane) {
-    route_pick_rank_by<route_warp_group>(p, prob, choice, wk, ids_sh, lane);
 }
 
 #endif

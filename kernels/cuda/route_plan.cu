@@ -435,28 +435,20 @@ static bool one_row_on(void) {
 __global__ void __launch_bounds__(PLAN_THREADS) route_plan_fused_kernel(
     struct mm_route_params p, const float *logits, int64_t ls, int n_rows, int32_t *ids,
     float *weights, int32_t *offs, int32_t *src_row, int32_t *dst_slot, float *wt, int *d_err,
-    unsigned *count, size_t plan_off, bool plan, bool one_row, bool beside) {
+    unsigned *count, size_t plan_off, bool plan, bool one_row) {
     extern __shared__ float rsh[]; // route_shmem_bytes, then (at plan_off) the plan's base
     __shared__ int32_t ids_sh[ROUTE_MAX_EXPERTS];
     __shared__ int last, nan_sh;
     __shared__ float sum_sh;
     mm_dep_signal(); // the grouped product after it prefetches its weights meanwhile
-    if (!beside)
-        mm_dep_wait();
+    mm_dep_wait();
     const int E = p.n_experts, K = p.top_k, tid = threadIdx.x;
     const int lane = tid % MM_WARP_SIZE, warp = tid / MM_WARP_SIZE;
     float *prob = rsh, *choice = rsh + E, *wk = rsh + 2 * E;
     unsigned char *taken = (unsigned char *)(rsh + 2 * E + K);
     const int64_t r = blockIdx.x;
     if (warp == 0) {
-        const float *l = logits + r * ls;
-        if (beside) { // complete before the kernel this one follows started: through the L2
-            for (int e = lane; e < E; e += MM_WARP_SIZE)
-                prob[e] = __ldcg(l + e);
-            __syncwarp();
-            l = prob; // route_scores: each lane reads an element, then writes it
-        }
-        route_scores(p, l, prob, choice, taken, lane);
+        route_scores(p, logits + r * ls, prob, choice, taken, lane);
         const int nan = route_warp_nan(p, choice, lane);
         if (lane == 0)
             nan_sh = nan;
@@ -475,8 +467,6 @@ __global__ void __launch_bounds__(PLAN_THREADS) route_plan_fused_kernel(
         ids[r * K + t] = ids_sh[t];
     if (one_row && plan && n_rows == 1 && K <= (int)blockDim.x) { // the picks are complete
         plan_one_row(p, ids_sh, wk, weights, offs, src_row, dst_slot, wt, d_err);
-        if (beside) // complete only after the kernel before it: the one after waits for both
-            mm_dep_wait();
         return;
     }
     route_finish_block(p, wk, weights + r * K, &sum_sh); // ends with a barrier
@@ -525,6 +515,76 @@ __global__ void __launch_bounds__(PLAN_THREADS) route_plan_fused_kernel(
 #define RW_SHMEM_MAX (48u << 10)
 extern "C" int mm__gpu_rowops_pf(int64_t n_rows); // ops.cu
 extern "C" void mm__gpu_rowops_pf_count(void);     // ops.cu
+
+// A warp's barrier over its shared memory (HIP's wavefront runs in lockstep: a fence orders
+// its writes).
+__device__ __forceinline__ void rw_warp_sync(void) {
+#if MM_GPU_HAVE_WMMA
+    __syncwarp();
+#else
+    __threadfence_block();
+#endif
+}
+
+// route.cuh's pick steps by one warp alone (its lanes, its barrier)
+struct route_warp_group {
+    __device__ static int first(int lane) { return lane; }
+    __device__ static int stride() { return MM_WARP_SIZE; }
+    __device__ static void sync() { rw_warp_sync(); }
+};
+
+__device__ __forceinline__ void route_pick_serial_warp(const struct mm_route_params &p,
+                                                       const float *prob, const float *choice,
+                                                       unsigned char *taken, float *wk,
+                                                       int32_t *ids_out, int lane) {
+    route_pick_serial_by<route_warp_group>(p, prob, choice, taken, wk, ids_out, true, lane);
+}
+
+// route_pick_serial_warp with this lane's choice scores (experts lane + W j, j < EPL, E <= W
+// EPL) and taken flags in registers: the same scan order and warp argmax, each pick lane 0's
+// (with a NaN score the lanes' warp argmax can differ: route_pick_serial takes lane 0's), so
+// the same picks, and, without a NaN choice score, route_pick_rank's. ids_out and wk in shared
+// memory. route_rows_warp_kernel takes it for rows without a NaN choice score only (H200,
+// 12:02 UTC: the first form, without the broadcast, picked -1 on a NaN row; the NaN rows keep
+// route_pick_serial_warp, checked on the device at 11:50).
+template <int EPL>
+__device__ __forceinline__ void route_pick_serial_reg(const struct mm_route_params &p,
+                                                      const float *prob, const float *choice,
+                                                      float *wk, int32_t *ids_out, int lane) {
+    const int E = p.n_experts, K = p.top_k;
+    float cv[EPL];
+    unsigned tk = 0; // bit j: expert lane + W j taken
+#pragma unroll
+    for (int j = 0; j < EPL; j++)
+        cv[j] = lane + MM_WARP_SIZE * j < E ? choice[lane + MM_WARP_SIZE * j] : 0.0f;
+    for (int t = 0; t < K; t++) {
+        float bs = 0.0f;
+        int bid = -1;
+#pragma unroll
+        for (int j = 0; j < EPL; j++) {
+            const int e = lane + MM_WARP_SIZE * j;
+            if (e < E && !((tk >> j) & 1u) && (bid < 0 || better(cv[j], e, bs, bid))) {
+                bs = cv[j];
+                bid = e;
+            }
+        }
+        warp_best(bs, bid);
+        bid = mm_shfl(bid, 0); // lane 0's, as route_pick_serial (lanes may differ on NaN ties)
+        if (bid % MM_WARP_SIZE == lane)
+            tk |= 1u << (bid / MM_WARP_SIZE);
+        if (lane == 0) {
+            ids_out[t] = bid;
+            wk[t] = prob[bid];
+        }
+    }
+    rw_warp_sync();
+}
+
+__device__ __forceinline__ void route_pick_rank_warp(const struct mm_route_params &p,
+                                                     const float *prob, const float *choice,
+                                                     float *wk, int32_t *ids_sh, int lane) {
+    route_pick_rank_by<route_warp_group>(p, prob, choice, wk, ids_sh, lane);
+}
 
 // A warp's shared memory: route_shmem_bytes (prob, choice, wk, taken), then K ids; 16-byte
 // multiples so that every warp's choice is 16-byte aligned.
@@ -606,7 +666,7 @@ extern "C" mm_err mm_gpu_route_with_plan(void *stream, const struct mm_route_par
     const size_t shmem = plan_off + (par ? 0 : (size_t)p->n_experts * sizeof(int32_t));
     MM_GPU_CHECK(mm_launch_dep(route_plan_fused_kernel, dim3((unsigned)n_rows), dim3(PLAN_THREADS),
         shmem, (cudaStream_t)stream, *p, d_logits, ls, (int)n_rows, d_ids, d_weights, d_offs,
-        d_src_row, d_dst_slot, d_wt, d_err, d_count, plan_off, !par, one_row_on(), false));
+        d_src_row, d_dst_slot, d_wt, d_err, d_count, plan_off, !par, one_row_on()));
     MM_GPU_CHECK(cudaGetLastError());
     if (par)
         return plan_par_launch((cudaStream_t)stream, d_ids, d_weights, n_rows, p->top_k,
@@ -642,29 +702,6 @@ extern "C" mm_err mm_gpu_combine(void *stream, const float *d_alpha, int k, cons
         return MM_OK;
     MM_GPU_CHECK(mm_launch_dep(combine_kernel, dim3(mm_div_up(n_rows * dim, 256)), dim3(256), 0,
         (cudaStream_t)stream, d_alpha, k, d_x, xs, d_shared, ss, d_h, hs, n_rows, dim));
-    MM_GPU_CHECK(cudaGetLastError());
-    return MM_OK;
-}
-
-// ---- route_with_plan of one row beside the grouped products of its experts ---------------------
-// mm_gpu_route_ffn's routing (mm_gpu.h): route_plan_fused_kernel's one-row form launched after
-// [gate; up], which routes the row itself: it reads the logits without waiting for [gate; up]
-// (the router product before it is complete once [gate; up] passed its wait and let this launch)
-// and waits for [gate; up] only before it ends, so down, launched after it, waits for both.
-extern "C" bool mm__gpu_route_beside_ok(const struct mm_route_params *p, int64_t n_rows) {
-    return p != NULL && route_params_ok(p) && n_rows == 1 && p->top_k <= PLAN_THREADS &&
-           one_row_on() && !plan_par(p->top_k);
-}
-
-extern "C" mm_err mm__gpu_route_beside(void *stream, const struct mm_route_params *p,
-                                       const float *d_logits, int32_t *d_ids, float *d_weights,
-                                       int32_t *d_offs, int32_t *d_src_row, int32_t *d_dst_slot,
-                                       float *d_wt, int *d_err, unsigned *d_count) {
-    const size_t plan_off = (route_shmem_bytes(p->n_experts, p->top_k) + 15) & ~(size_t)15;
-    const size_t shmem = plan_off + (size_t)p->n_experts * sizeof(int32_t);
-    MM_GPU_CHECK(mm_launch_dep(route_plan_fused_kernel, dim3(1), dim3(PLAN_THREADS), shmem,
-        (cudaStream_t)stream, *p, d_logits, (int64_t)p->n_experts, 1, d_ids, d_weights, d_offs,
-        d_src_row, d_dst_slot, d_wt, d_err, d_count, plan_off, true, true, true));
     MM_GPU_CHECK(cudaGetLastError());
     return MM_OK;
 }

@@ -68,8 +68,6 @@ extern mm_err mm_gpu_moe_ffn_rows(void *stream, int dtype, const void *const *d_
                                   const int32_t *d_y_idx, int n_rows) __attribute__((weak));
 extern void mm_gpu_set_ffn_dec(int on) __attribute__((weak));
 extern unsigned long long mm_gpu_ffn_dec_launches(void) __attribute__((weak));
-extern unsigned long long mm_gpu_route_ffn_launches(void) __attribute__((weak));
-extern void mm_gpu_set_route_ffn(int on) __attribute__((weak));
 
 static void open_gpu(void) {
     if (!mm_gpu_argmax_ws || !mm_gpu_stream_sync)
@@ -955,142 +953,6 @@ static void test_ffn_decode_bits(void) {
     gpu_close(NULL);
 }
 
-// ---- route_ffn: the routing beside the decode FFN whose blocks route the row themselves --------
-// One row of router logits (levels > 0: many ties; nan: NaN at every third expert) over E
-// experts of [gate; up] (2F x D) and down (D x F): route_with_plan then moe_ffn_rows on its
-// plan (x_idx src_row, y_idx dst_slot), the ops the model runs without route_ffn, against
-// route_ffn eagerly and recorded in a graph replayed twice (outputs refilled between): ids,
-// weights, offs, src_row, dst_slot, wt and every y element word for word. want: the backend
-// must take it (counted), else refuse with nothing issued.
-static void rffn_case(int D, int F, int E, int K, enum mm_route_score score, bool bias,
-                      int n_group, int topk_group, int levels, bool nan, bool want) {
-    float *l = rand_logits(1, E, levels, nan ? 0 : -1), *bh = malloc((size_t)E * 4);
-    for (int e = 0; e < E; e++)
-        bh[e] = frand() * 0.1f;
-    struct mm_route_params p = {.n_experts = E, .top_k = K, .score = score,
-                                .bias = bias ? dev_copy(bh, (size_t)E * 4) : NULL,
-                                .n_group = n_group, .topk_group = topk_group, .renorm = true,
-                                .renorm_eps = bias ? 1e-20f : 0.0f, .scale = bias ? 2.5f : 1.0f};
-    float *dl = dev_copy(l, (size_t)E * 4), *xh = rand_f32(D, 2.0f), *dx = dev_copy(xh, (size_t)D * 4);
-    void *gu[128], *dn[128];
-    for (int e = 0; e < E; e++) {
-        uint16_t *a = rand_w((size_t)2 * F * D), *b = rand_w((size_t)D * F);
-        gu[e] = dev_copy(a, (size_t)2 * F * D * 2), dn[e] = dev_copy(b, (size_t)D * F * 2);
-        free(a), free(b);
-    }
-    void *dgu = dev_copy(gu, (size_t)E * sizeof(void *)), *ddn = dev_copy(dn, (size_t)E * sizeof(void *));
-    const void *const *wgu = (const void *const *)dgu, *const *wdn = (const void *const *)ddn;
-    enum { NB = 7, NV = 3 }; // ids, weights, offs, src, dst, wt, y; separate ops, eager, graph
-    const size_t sz[NB] = {(size_t)K * 4, (size_t)K * 4, (size_t)(E + 1) * 4, (size_t)K * 4,
-                           (size_t)K * 4, (size_t)K * 4, (size_t)K * D * 4};
-    const char *nm[NB] = {"ids", "weights", "offs", "src_row", "dst_slot", "wt", "y"};
-    void *b[NV][NB];
-    for (int v = 0; v < NV; v++)
-        for (int i = 0; i < NB; i++) {
-            b[v][i] = dev_copy(NULL, sz[i]);
-            MM_PASS(gpu->ops->fill(gpu->ctx, b[v][i], -5.0f, (int64_t)(sz[i] / 4)));
-        }
-#define RFFN_ARGS(v) &p, dl, E, 1, b[v][0], b[v][1], b[v][2], b[v][3], b[v][4], b[v][5], wgu, wdn, \
-                     MM_DTYPE_BF16, F, D, dx, D, b[v][6], D
-    MM_PASS(gpu->ops->route_with_plan(gpu->ctx, &p, dl, E, 1, b[0][0], b[0][1], b[0][2], b[0][3],
-                                      b[0][4], b[0][5]));
-    mm_err r0 = gpu->ops->moe_ffn_rows(gpu->ctx, wgu, wdn, MM_DTYPE_BF16, F, D, E, b[0][2], dx, D,
-                                       b[0][3], b[0][6], D, b[0][4], K);
-    if (r0 == MM_EUNSUPP) { // the two grouped products the model runs then
-        float *dg = dev_copy(NULL, (size_t)K * 2 * F * 4);
-        MM_PASS(mm_gpu_moe_matmul_rows(NULL, MM_DTYPE_BF16, wgu, b[0][2], E, 2 * F, D, dx, D,
-                                       b[0][3], NULL, dg, 2 * F, NULL, K));
-        MM_PASS(mm_gpu_moe_matmul_rows(NULL, MM_DTYPE_BF16, wdn, b[0][2], E, D, F, dg, 2 * F, NULL,
-                                       dg + F, b[0][6], D, b[0][4], K));
-        MM_PASS(mm_gpu_stream_sync(NULL));
-        dev_free(dg);
-    } else {
-        MM_PASS(r0);
-    }
-    MM_PASS(gpu->ops->synchronize(gpu->ctx));
-    const unsigned long long n0 = mm_gpu_route_ffn_launches();
-    const mm_err re = gpu->ops->route_ffn(gpu->ctx, RFFN_ARGS(1));
-    const bool took_e = mm_gpu_route_ffn_launches() > n0;
-    void *graph = NULL;
-    MM_PASS(gpu->ops->capture_begin(gpu->ctx));
-    const mm_err rg = gpu->ops->route_ffn(gpu->ctx, RFFN_ARGS(2));
-    MM_PASS(gpu->ops->capture_end(gpu->ctx, &graph));
-    const bool took_g = mm_gpu_route_ffn_launches() > n0 + 1;
-    MM_PASS(gpu->ops->synchronize(gpu->ctx));
-#undef RFFN_ARGS
-    int diff[NV][NB] = {{0}}, touched[NV] = {0};
-    for (int rep = 0; rep < 2; rep++) {
-        if (rg == MM_OK) {
-            for (int i = 0; rep == 1 && i < NB; i++) // the second replay into fresh outputs
-                MM_PASS(gpu->ops->fill(gpu->ctx, b[2][i], -5.0f, (int64_t)(sz[i] / 4)));
-            MM_PASS(gpu->ops->graph_launch(gpu->ctx, graph));
-        }
-        MM_PASS(gpu->ops->synchronize(gpu->ctx));
-        for (int v = 1; v < NV; v++)
-            for (int i = 0; i < NB; i++) {
-                uint32_t *ref = dev_get(b[0][i], sz[i]), *got = dev_get(b[v][i], sz[i]);
-                for (size_t w = 0; w < sz[i] / 4; w++) {
-                    diff[v][i] += got[w] != ref[w];
-                    touched[v] += got[w] != 0xc0a00000u; // -5.0f
-                }
-                free(ref), free(got);
-            }
-    }
-    gpu->ops->graph_free(gpu->ctx, graph);
-    printf("route_ffn D %d F %d, E %d K %d, %s%s, groups %d/%d, %s%s: %s; words differing from "
-           "route_with_plan then moe_ffn_rows (eager / graph): ids %d/%d weights %d/%d offs %d/%d "
-           "src %d/%d dst %d/%d wt %d/%d y %d/%d\n", D, F, E, K,
-           score == MM_ROUTE_SOFTMAX ? "softmax" : "sigmoid", bias ? " + bias" : "", n_group,
-           topk_group, levels > 0 ? "ties" : "no ties", nan ? ", NaN logits" : "",
-           re == MM_OK ? "taken" : "refused", diff[1][0], diff[2][0], diff[1][1], diff[2][1],
-           diff[1][2], diff[2][2], diff[1][3], diff[2][3], diff[1][4], diff[2][4], diff[1][5],
-           diff[2][5], diff[1][6], diff[2][6]);
-    if (want) {
-        MM_PASS(re);
-        MM_PASS(rg);
-        MM_TRUE(took_e && took_g);
-        for (int v = 1; v < NV; v++)
-            for (int i = 0; i < NB; i++)
-                if (diff[v][i] != 0)
-                    MM_TEST_FAIL_("route_ffn (%s): %s: %d words differ", v == 1 ? "eager" : "graph",
-                                  nm[i], diff[v][i]);
-    } else {
-        MM_EQ(re, MM_EUNSUPP);
-        MM_EQ(rg, MM_EUNSUPP);
-        MM_TRUE(!took_e && !took_g);
-        MM_EQ(touched[1], 0);
-        MM_EQ(touched[2], 0);
-    }
-    for (int e = 0; e < E; e++)
-        dev_free(gu[e]), dev_free(dn[e]);
-    for (int v = 0; v < NV; v++)
-        for (int i = 0; i < NB; i++)
-            dev_free(b[v][i]);
-    dev_free(dgu), dev_free(ddn), dev_free(dl), dev_free(dx), dev_free((void *)p.bias);
-    free(l), free(bh), free(xh);
-}
-
-static void test_route_ffn(void) {
-    open_gpu();
-    if (!gpu->ops->route_ffn || !mm_gpu_route_ffn_launches || !mm_gpu_set_route_ffn ||
-        !gpu->ops->route_with_plan || !gpu->ops->moe_ffn_rows || !gpu->ops->capture_begin)
-        MM_SKIP("the GPU table has no route_ffn (MM_GPU_OLD_CHAIN or MM_GPU_OLD_DECODE set?)");
-    setvbuf(stdout, NULL, _IOLBF, 0);
-    for (int rep = 0; rep < 3; rep++) // Qwen3-30B-A3B's shape at batch 1, three draws
-        rffn_case(2048, 768, 128, 8, MM_ROUTE_SOFTMAX, false, 0, 0, 0, false, true);
-    rffn_case(2048, 768, 128, 8, MM_ROUTE_SOFTMAX, false, 0, 0, 6, false, true); // ties
-    rffn_case(264, 136, 60, 4, MM_ROUTE_SOFTMAX, false, 0, 0, 3, true, true); // NaN: serial picks
-    rffn_case(264, 136, 30, 3, MM_ROUTE_SOFTMAX, false, 0, 0, 4, false, true); // E % 4 != 0
-    rffn_case(520, 200, 64, 6, MM_ROUTE_SIGMOID, true, 8, 3, 0, false, true);  // DeepSeek-like
-    rffn_case(520, 200, 128, 8, MM_ROUTE_SIGMOID, true, 8, 4, 5, false, true); // ties, groups
-    rffn_case(1024, 512, 8, 2, MM_ROUTE_SOFTMAX, false, 0, 0, 0, false, true); // Mixtral-like
-    rffn_case(264, 100, 16, 4, MM_ROUTE_SOFTMAX, false, 0, 0, 0, false, false); // d_ff % 8 != 0
-    mm_gpu_set_route_ffn(0); // the A/B switch: refused
-    rffn_case(2048, 768, 128, 8, MM_ROUTE_SOFTMAX, false, 0, 0, 0, false, false);
-    mm_gpu_set_route_ffn(-1);
-    gpu_close(NULL);
-}
-
 // GEMV v3 grouped with its x tile staged 1, 2 or 8 rows at a time (mm_gpu_set_gemv_xcap; the
 // default stages one row for products of up to 16 rows): tiles of more rows run in passes over
 // the W the block holds; every output bit for bit as v1's, and v3 must take every case
@@ -1293,7 +1155,6 @@ MM_TESTS = {
     {"add_rmsnorm == axpy then rmsnorm bits", test_add_rmsnorm_bits},
     {"gemv v3 grouped, x in passes of 1, 2 or 8 rows == v1 bits", test_gemv_bulk_xcap},
     {"moe_ffn_rows at decode (down's W before its wait) == the two products' bits", test_ffn_decode_bits},
-    {"route_ffn == route_with_plan then moe_ffn_rows bits", test_route_ffn},
     {"matmul_res (residual in the GEMV epilogue) == matmul then axpy", test_matmul_res_bits},
     {NULL, NULL},
 };

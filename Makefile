@@ -169,7 +169,7 @@ $(BUILD)/obj/%.cu.o: %.cu $(GPU_HDRS) | $(DEPS_STAMP)
 
 $(GPU_BENCH): kernels/cuda/bench/bench_gpu.cu $(GPU_HDRS) $(LIB)
 	@mkdir -p $(dir $@)
-	$(NVCC) $(GPU_FLAGS) $(CUDA_GENCODE) -o $@ $< $(LIB) -cudart static -lm
+	$(NVCC) $(GPU_FLAGS) $(CUDA_GENCODE) -o $@ $< $(LIB) -cudart static -ljansson -lm
 
 cuda:
 	@test -x $(NVCC) || { echo "cuda: $(NVCC) not found (set NVCC=/path/to/nvcc)"; exit 1; }

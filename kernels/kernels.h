@@ -412,6 +412,10 @@ struct mm_backend_ops {
     // value inside that head's attention block). Backends take it for decode calls only (a's
     // keys_early: every other key was stored before).
     mm_err (*attention_prep)(void *ctx, const struct mm_attn_prep *p, const struct mm_attn_args *a);
+    // copy (optional): n_bytes of backend memory from src to dst (not overlapping), in order
+    // with the other ops (a device's own copy engine or kernel; benchmarks time it as the
+    // device's copy bandwidth).
+    mm_err (*copy)(void *ctx, void *dst, const void *src, size_t n_bytes);
 };
 #define MM_FETCH_BYTES 4096
 #define MM_FETCH_SLOTS 4

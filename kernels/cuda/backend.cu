@@ -798,6 +798,16 @@ static mm_err gpu_copy_rows(void *ctx, const float *src, int64_t ss, const int32
     TIMED("copy_rows", mm_gpu_copy_rows(g->stream, src, ss, si, dst, ds, di, n_rows, dim, g->d_err));
 }
 
+static mm_err gpu_copy(void *ctx, void *dst, const void *src, size_t n_bytes) {
+    CTX(ctx);
+    if ((dst == NULL || src == NULL) && n_bytes > 0)
+        return MM_EINVAL;
+    if (n_bytes == 0)
+        return MM_OK;
+    ON_DEVICE();
+    TIMED("copy", mm_gpu_memcpy_d2d(g->stream, dst, src, n_bytes));
+}
+
 static mm_err gpu_fill(void *ctx, float *x, float value, int64_t n) {
     CTX(ctx);
     ON_DEVICE();
@@ -1117,6 +1127,7 @@ static const struct mm_backend_ops gpu_ops = {
     .fetch_wait = gpu_fetch_wait,
     .matmul_res = gpu_matmul_res,
     .attention_prep = gpu_attention_prep,
+    .copy = gpu_copy,
 };
 
 extern "C" mm_err mm_cuda_backend_open(mm_backend *be, const mm_backend_params *p,

@@ -1,7 +1,9 @@
 // SPDX-License-Identifier: MIT
 // `moemesh bench-model`: prompt and decode speed of the in-process engine, and decode's share
 // of the memory-bandwidth roofline: (weight bytes one decode token reads) x (tokens/s) divided
-// by the read bandwidth measured in the same run with all threads streaming a large buffer.
+// by the bandwidth measured in the same run: on the CPU the read bandwidth of all threads
+// streaming a large buffer; on a device (a backend with its own memory) the device's copy
+// bandwidth (bytes read + written by its copy of a buffer larger than its caches).
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -85,6 +87,27 @@ static double read_bandwidth(float *buf, float *dst, size_t bytes, int threads, 
     memcpy(dst, buf, bytes);
     *memcpy_bw = bytes / ((double)(mm_now_ns() - t0) / 1e9);
     return total / t_all;
+}
+
+// dev_copy_bandwidth: the device's copy rate (bytes read + written per second) over `seconds`
+// (at least 8 copies, issued 4 at a time between waits so that the device does not idle
+// between them) of bytes between a and b, both backend memory; 0 on a failed copy.
+static double dev_copy_bandwidth(const mm_backend *be, void *a, void *b, size_t bytes,
+                                 double seconds) {
+    if (be->ops->copy(be->ctx, b, a, bytes) != MM_OK || be->ops->synchronize(be->ctx) != MM_OK)
+        return 0; // (the first copy: warm-up)
+    int n = 0;
+    double t = 0;
+    const uint64_t t0 = mm_now_ns();
+    do {
+        for (int i = 0; i < 4; i++, n++)
+            if (be->ops->copy(be->ctx, n % 2 ? a : b, n % 2 ? b : a, bytes) != MM_OK)
+                return 0;
+        if (be->ops->synchronize(be->ctx) != MM_OK)
+            return 0;
+        t = (double)(mm_now_ns() - t0) / 1e9;
+    } while (n < 8 || t < seconds);
+    return 2.0 * (double)bytes * n / t;
 }
 
 // read_pass: one read of the whole buffer by all threads; returns seconds.
@@ -205,7 +228,7 @@ static int greedy_run(mm_engine *e, int32_t seq, int32_t *tok, long long n, int3
 static int run_bench_model(int argc, char **argv) {
     char *model = NULL, *device = NULL;
     long long threads = 0, prompt = 128, decode = 32, bw_mb = 1024, warm = 4, rounds = 3;
-    long long batch = 1, prefill_rows = 128, prompt_rounds = 1;
+    long long batch = 1, prefill_rows = 128, prompt_rounds = 1, dev_copy_mb = 2048;
     double bw_seconds = 2.0;
     bool paired = true;
     char *paired_s = NULL;
@@ -225,7 +248,10 @@ static int run_bench_model(int argc, char **argv) {
         {"bw-seconds", MM_OPT_DBL, &bw_seconds, "2", "unpaired: bandwidth time per round"},
         {"rounds", MM_OPT_INT, &rounds, "3", "decode rounds (each with a bandwidth pass)"},
         {"threads", MM_OPT_INT, &threads, "0", "CPU threads (0: all cores)"},
-        {"bw-mb", MM_OPT_INT, &bw_mb, "1024", "buffer for the bandwidth measurement (MiB)"},
+        {"bw-mb", MM_OPT_INT, &bw_mb, "1024", "buffer for the host bandwidth measurement (MiB)"},
+        {"dev-copy-mb", MM_OPT_INT, &dev_copy_mb, "2048",
+         "a device: each of the two buffers its copy bandwidth (the roofline) is measured "
+         "with (MiB; at least 64)"},
         {"device", MM_OPT_STR, &device, "cpu", "cpu, cuda:N or hip:N (cpu-dev: tests)"},
         {"batch", MM_OPT_INT, &batch, "1",
          "also decode this many sequences together (2..128: one forward pass per step)"},
@@ -248,8 +274,9 @@ static int run_bench_model(int argc, char **argv) {
         goto done;
     }
     if (!model || prompt < 1 || decode < 1 || bw_mb < 64 || rounds < 1 || rounds > 64 ||
-        batch < 1 || batch > 128) {
-        fprintf(stderr, "bench-model: --model DIR is required (--rounds 1..64, --batch 1..128)\n");
+        batch < 1 || batch > 128 || dev_copy_mb < 64 || dev_copy_mb > (1 << 20)) {
+        fprintf(stderr, "bench-model: --model DIR is required (--rounds 1..64, --batch 1..128, "
+                "--bw-mb >= 64, --dev-copy-mb 64..1048576)\n");
         goto done;
     }
     if (!strcasecmp(paired_s, "auto"))
@@ -340,11 +367,42 @@ static int run_bench_model(int argc, char **argv) {
     for (size_t i = 0; i < bwb / 4; i++)
         bwbuf[i] = (float)(i & 1023);
     memset(bwdst, 0, bwb);
+    // a device: its copy bandwidth is the roofline (the host's is not what its steps read at)
+    const mm_backend *be = e->be;
+    void *dva = NULL, *dvb = NULL;
+    size_t dvn = (size_t)dev_copy_mb << 20;
+    const bool dev = !be->ops->host_memory && be->ops->copy && be->ops->buffer_alloc &&
+                     be->ops->synchronize;
+    while (dev && dvn >= ((size_t)64 << 20)) {
+        if (be->ops->buffer_alloc(be->ctx, dvn, &dva) == MM_OK) {
+            if (be->ops->buffer_alloc(be->ctx, dvn, &dvb) == MM_OK)
+                break;
+            be->ops->buffer_free(be->ctx, dva);
+            dva = NULL;
+        }
+        dvn /= 2; // less device memory free than asked: a smaller buffer
+    }
+    if (dev && !dvb)
+        fprintf(stderr, "bench-model: no device memory for the copy bandwidth buffers; the "
+                "decode share is not measured\n");
+    if (dvb) {
+        if (be->ops->fill(be->ctx, (float *)dva, 1.0f, (int64_t)(dvn / 4)) != MM_OK ||
+            be->ops->fill(be->ctx, (float *)dvb, 0.0f, (int64_t)(dvn / 4)) != MM_OK) {
+            fprintf(stderr, "bench-model: device fill failed\n");
+            free(bwbuf), free(bwdst);
+            be->ops->buffer_free(be->ctx, dva), be->ops->buffer_free(be->ctx, dvb);
+            goto fail;
+        }
+        printf("roofline: the device's copy bandwidth (bytes read + written, two buffers of %zu "
+               "MiB), measured before each round\n", dvn >> 20);
+    }
     double fr[64];
     int n_fr = 0;
     for (long long r = 0; r < rounds; r++) {
         double cp_bw = 0, bw = 0;
-        if (!paired)
+        if (dvb)
+            bw = dev_copy_bandwidth(be, dva, dvb, dvn, bw_seconds);
+        else if (!paired)
             bw = read_bandwidth(bwbuf, bwdst, bwb, e->be->n_threads, bw_seconds, &cp_bw);
         if (mm_kv_cache_seq_len(e->kv, s) + decode > e->max_ctx) {
             mm_kv_cache_seq_free(e->kv, s); // start over: the same context length each round
@@ -373,12 +431,17 @@ static int run_bench_model(int argc, char **argv) {
             bw_bytes += (double)(((bwb / 4) / (size_t)e->be->n_threads) & ~(size_t)31) *
                         e->be->n_threads * 4;
         }
-        if (paired)
+        if (paired && !dvb)
             bw = bw_bytes / bw_t;
         double dtps = decode / dt;
-        printf("round %lld: read bandwidth %.2f GB/s%s; decode %lld tokens %.2f tok/s (%.1f "
-               "ms/token) = %.1f%% of that round's roofline\n", r + 1, bw / 1e9,
-               paired ? " (paired)" : "", decode, dtps, 1e3 / dtps, 100.0 * dtps * bytes / bw);
+        if (dvb)
+            printf("round %lld: device copy bandwidth %.1f GB/s; decode %lld tokens %.2f tok/s "
+                   "(%.3f ms/token) = %.1f%% of it\n", r + 1, bw / 1e9, decode, dtps,
+                   1e3 / dtps, 100.0 * dtps * bytes / bw);
+        else
+            printf("round %lld: read bandwidth %.2f GB/s%s; decode %lld tokens %.2f tok/s (%.1f "
+                   "ms/token) = %.1f%% of that round's roofline\n", r + 1, bw / 1e9,
+                   paired ? " (paired)" : "", decode, dtps, 1e3 / dtps, 100.0 * dtps * bytes / bw);
         if (n_fr < 64)
             fr[n_fr++] = dtps * bytes / bw;
         best_dtps = dtps > best_dtps ? dtps : best_dtps;
@@ -387,18 +450,24 @@ static int run_bench_model(int argc, char **argv) {
     }
     free(bwbuf);
     free(bwdst);
+    if (dvb)
+        be->ops->buffer_free(be->ctx, dva), be->ops->buffer_free(be->ctx, dvb);
     free(last);
     last = NULL;
     qsort(fr, (size_t)n_fr, sizeof(double), cmp_dbl);
-    printf("decode share of the same round's sustained bandwidth: median %.1f%% (min %.1f%%, "
-           "max %.1f%%) over %d rounds\n", 100 * fr[n_fr / 2], 100 * fr[0], 100 * fr[n_fr - 1],
-           n_fr);
+    printf("decode share of the same round's %s: median %.1f%% (min %.1f%%, max %.1f%%) over %d "
+           "rounds\n", dvb ? "device copy bandwidth" : "sustained bandwidth", 100 * fr[n_fr / 2],
+           100 * fr[0], 100 * fr[n_fr - 1], n_fr);
     printf("decode: best %.2f tok/s (%.1f ms/token)\n", best_dtps, 1e3 / best_dtps);
-    printf("memory read bandwidth (%d threads, %lld MiB buffer): best %.2f GB/s", e->be->n_threads,
-           bw_mb, best_bw / 1e9);
-    if (!paired)
-        printf("; memcpy %.2f GB/s", best_cp / 1e9);
-    printf("\n");
+    if (dvb) {
+        printf("device copy bandwidth: best %.1f GB/s\n", best_bw / 1e9);
+    } else {
+        printf("memory read bandwidth (%d threads, %lld MiB buffer): best %.2f GB/s",
+               e->be->n_threads, bw_mb, best_bw / 1e9);
+        if (!paired)
+            printf("; memcpy %.2f GB/s", best_cp / 1e9);
+        printf("\n");
+    }
     printf("decode roofline at the best bandwidth: %.2f tok/s; best decode %.1f%% of it (%.2f "
            "GB/s of weights)\n", best_bw / bytes, 100.0 * best_dtps * bytes / best_bw,
            best_dtps * bytes / 1e9);

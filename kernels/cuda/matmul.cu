@@ -985,7 +985,7 @@ __global__ void __launch_bounds__(MV_WARPS * 32, MINB) gemv_bulk_kernel(mm_mat_a
             for (int i = lane; i < nrw; i += 32)
                 mv3_bulk_pol(wsa + (uint32_t)i * (uint32_t)ldx * 2u, w + (size_t)(rb + i) * a.n_in,
                              (uint32_t)a.n_in * 2u, bar0 + 8 * (i / 16), pol);
-        } else if (ok) {
+        } else if (ok) { // (the form measured without the policy)
             for (int i = lane; i < nrw; i += 32)
                 mv3_bulk(wsa + (uint32_t)i * (uint32_t)ldx * 2u, w + (size_t)(rb + i) * a.n_in,
                         (uint32_t)a.n_in * 2u, bar0 + 8 * (i / 16));
@@ -2507,28 +2507,21 @@ static int gemv_bulk_mode(void) {
 // alone gave 4446-4451 / 6356-6370 / 9058-9078. A grouped form for 6 per SM (40 registers, 56
 // bytes of spills) was slower at batch 1 (1801-1826 tok/s) and not kept.
 //
-// Launches gemv_bulk_kernel<GROUPED, MINB, PASSES> with cfg (its shared-memory limit raised once
-// per device and form).
 // MM_GPU_W_EF (read once): 1 (default) gives GEMV v3's W copies an evict-first L2 policy, so
 // that the weights streamed once a step (over 1 GB at the Qwen3-30B-A3B shape, 20x the L2) do
 // not push out the small data the step's one-block ops read back (the residual, norm weights,
-// the KV cache, the plan): their dependent loads then hit the L2. The same bits. H200,
+// the KV cache, the plan; the reasoning: their L2 hit rates were not measured). The same bits. H200,
 // 2026-12-02 14:50 UTC, on / off in turn: decode batch 1 2221.1, 2226.5, 2209.4 against
 // 2118.8, 2115.0, 2135.8 tok/s (+4.6%); batch 64 31312 against 31627 (its products are
 // mostly not v3). 0: no policy.
 static int g_wef = -1;
-static int w_ef(void) {
-    if (g_wef < 0) {
-        const char *e = getenv("MM_GPU_W_EF");
-        g_wef = e != NULL && strcmp(e, "0") == 0 ? 0 : 1;
-    }
-    return g_wef;
-}
 
+// Launches gemv_bulk_kernel<GROUPED, MINB, PASSES> with cfg (its shared-memory limit raised once
+// per device and form).
 template <bool GROUPED, int MINB, bool PASSES>
 static mm_err launch_bulk(cudaLaunchConfig_t *cfg, const mm_mat_args &a0, int wpt, int ty) {
     mm_mat_args a = a0;
-    a.wef = w_ef();
+    a.wef = switch_on(&g_wef, "MM_GPU_W_EF");
     static uint64_t attr_set; // harmlessly racy, as for the other kernels
     int dev = 0;
     MM_GPU_CHECK(cudaGetDevice(&dev));

@@ -357,16 +357,6 @@ static int run_bench_model(int argc, char **argv) {
     printf("weights read per decode token: %.1f MB\n", bytes / 1e6);
     printf("decode steps overlapped (each issued before the previous pick is read): %s\n",
            mm_engine_overlaps(e) && !paired ? "yes" : "no");
-    float *bwbuf = NULL, *bwdst = NULL;
-    const size_t bwb = (size_t)bw_mb << 20;
-    if (posix_memalign((void **)&bwbuf, 64, bwb) || posix_memalign((void **)&bwdst, 64, bwb)) {
-        fprintf(stderr, "bench-model: no memory for the bandwidth buffer\n");
-        free(bwbuf);
-        goto fail;
-    }
-    for (size_t i = 0; i < bwb / 4; i++)
-        bwbuf[i] = (float)(i & 1023);
-    memset(bwdst, 0, bwb);
     // a device: its copy bandwidth is the roofline (the host's is not what its steps read at)
     const mm_backend *be = e->be;
     void *dva = NULL, *dvb = NULL;
@@ -384,17 +374,24 @@ static int run_bench_model(int argc, char **argv) {
     }
     if (dev && !dvb)
         fprintf(stderr, "bench-model: no device memory for the copy bandwidth buffers; the "
-                "decode share is not measured\n");
-    if (dvb) {
-        if (be->ops->fill(be->ctx, (float *)dva, 1.0f, (int64_t)(dvn / 4)) != MM_OK ||
-            be->ops->fill(be->ctx, (float *)dvb, 0.0f, (int64_t)(dvn / 4)) != MM_OK) {
-            fprintf(stderr, "bench-model: device fill failed\n");
-            free(bwbuf), free(bwdst);
-            be->ops->buffer_free(be->ctx, dva), be->ops->buffer_free(be->ctx, dvb);
-            goto fail;
-        }
+                "host's read bandwidth stands in\n");
+    if (dvb)
         printf("roofline: the device's copy bandwidth (bytes read + written, two buffers of %zu "
                "MiB), measured before each round\n", dvn >> 20);
+    // the host buffer: the host's roofline, or the paired read passes
+    float *bwbuf = NULL, *bwdst = NULL;
+    const size_t bwb = !dvb || paired ? (size_t)bw_mb << 20 : 0;
+    if (bwb > 0) {
+        if (posix_memalign((void **)&bwbuf, 64, bwb) || posix_memalign((void **)&bwdst, 64, bwb)) {
+            fprintf(stderr, "bench-model: no memory for the bandwidth buffer\n");
+            free(bwbuf);
+            if (dvb)
+                be->ops->buffer_free(be->ctx, dva), be->ops->buffer_free(be->ctx, dvb);
+            goto fail;
+        }
+        for (size_t i = 0; i < bwb / 4; i++)
+            bwbuf[i] = (float)(i & 1023);
+        memset(bwdst, 0, bwb);
     }
     double fr[64];
     int n_fr = 0;

@@ -147,6 +147,78 @@ __device__ __forceinline__ void tcd_prep_run(const tcd_prep &p, const struct mm_
     }
 }
 
+// tcd_prep_run with every unit's row loaded before the first is computed (one round of loads:
+// warps 0 and 1 hold two units at Qwen3's group of 8, the key among them), each result also
+// written where the block's attention reads it: the queries (f32) to qs[u][128], and, where ks
+// is not NULL, the key and the value (bf16, kv_put's rounding) to their rows of the key buffer
+// (the key's copy from the cache is not issued then). The same operations per element, so the
+// same bits in x and in the cache.
+__device__ __forceinline__ void tcd_prep_run2(const tcd_prep &p, const struct mm_attn_args &a,
+                                              int64_t r, int kvh, int h0, int group, int64_t slot,
+                                              int warp, int lane, const float wq[4],
+                                              const float wk[4], const float cs[2],
+                                              const float sn[2], float *qs, uint16_t *ks,
+                                              uint16_t *vs) {
+    const struct mm_kv_view &kv = a.kv;
+    uint16_t *const sb = slot >= 0 ? (uint16_t *)kv.base + slot : NULL;
+    float v[3][4]; // units warp, warp + 8, warp + 16 (group + 2 <= 18)
+#pragma unroll
+    for (int i = 0; i < 3; i++) {
+        const int u = warp + TCD_WARPS * i;
+        if (u < group + 2) {
+            const float *src =
+                u == group + 1 ? p.v + r * p.v_stride + (int64_t)kvh * TCD_PREP_HD
+                : u == group   ? p.x + r * p.stride + p.b_off + (int64_t)kvh * TCD_PREP_HD
+                               : p.x + r * p.stride + (int64_t)(h0 + u) * TCD_PREP_HD;
+#pragma unroll
+            for (int j = 0; j < 4; j++)
+                v[i][j] = src[lane + 32 * j];
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < 3; i++) {
+        const int u = warp + TCD_WARPS * i;
+        if (u >= group + 2)
+            break;
+        if (u == group + 1) { // the value: a copy
+            uint16_t *sv = sb != NULL ? sb + (int64_t)kv.n_kv_heads * kv.head_dim_k +
+                                            (int64_t)kvh * TCD_PREP_HD
+                                      : NULL;
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                if (sv != NULL)
+                    kv_put(sv, true, lane + 32 * j, v[i][j]);
+                if (vs != NULL)
+                    kv_put(vs, true, lane + 32 * j, v[i][j]);
+            }
+            continue;
+        }
+        const bool isk = u == group;
+        float *xr = p.x + r * p.stride +
+                    (isk ? p.b_off + (int64_t)kvh * TCD_PREP_HD : (int64_t)(h0 + u) * TCD_PREP_HD);
+        if ((isk ? p.wb : p.wa) != NULL)
+            hr_norm<4>(v[i], isk ? wk : wq, TCD_PREP_HD, p.eps);
+        hr_rope<4>(v[i], cs, sn);
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+            xr[lane + 32 * j] = v[i][j];
+        if (isk) {
+            uint16_t *sk = sb != NULL ? sb + (int64_t)kvh * TCD_PREP_HD : NULL;
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                if (sk != NULL)
+                    kv_put(sk, true, lane + 32 * j, v[i][j]);
+                if (ks != NULL)
+                    kv_put(ks, true, lane + 32 * j, v[i][j]);
+            }
+        } else {
+#pragma unroll
+            for (int j = 0; j < 4; j++)
+                qs[u * TCD_PREP_HD + lane + 32 * j] = v[i][j];
+        }
+    }
+}
+
 // One block per (row, gsub query heads of one kv head); gsub <= 16 (one m16 tile: unit u =
 // head h0 + u is tile row u). Dynamic shared memory: two f32 stages [TC_KEYS][dk + dv + 4]
 // (two key blocks in flight), then two bf16 buffers of [TC_KEYS][ldk] keys and [ldv] values.
@@ -161,7 +233,11 @@ __device__ __forceinline__ void tcd_prep_run(const tcd_prep &p, const struct mm_
 // PREP (attention_tcd_prep_kernel, early, a bf16 cache, one block per kv head, 128-dim heads):
 // pp's preparation of the block's heads first (tcd_prep_pre before the wait, tcd_prep_run and
 // a barrier after it), so the block's own q and its key at the position are read after it.
-template <int DKM, int DVM, int NST, int NB, bool PREP = false>
+// PSM (with PREP; MM_GPU_ATT_PREP_SM): tcd_prep_run2, the queries read from shared memory
+// (after the key buffers: [16][128] f32) and, when the row's key falls in the first NB - 1
+// blocks, its rows written into the key buffer by the preparation, so that every copy from the
+// cache is issued before the wait and none waits on the preparation's stores.
+template <int DKM, int DVM, int NST, int NB, bool PREP = false, bool PSM = false>
 __device__ __forceinline__ void tcd_block(const struct mm_attn_args &a, int gsub, int *d_err,
                                           unsigned rb, unsigned ty, bool early = false,
                                           const tcd_prep *pp = NULL) {
@@ -221,10 +297,17 @@ __device__ __forceinline__ void tcd_block(const struct mm_attn_args &a, int gsub
     if constexpr (KB) { // blocks 0 .. NB - 2 into buffers 0 .. NB - 2 (one group each)
         tc_zero_pads(kb, NB, kvsz, dk, dv, ldk, ldv);
         int b = 0;
+        // PSM: the row's key in the first NB - 1 blocks is written into its buffer row by the
+        // preparation (its copy is an empty commit group here)
+        const int32_t prel = pos - c_lo;
+        const bool pin = PSM && prel < (NB - 1) * TC_KEYS;
         // early: this thread's keys of blocks before the one holding the row's position first
         // (in block order, so its commit groups keep their order)
-        for (; early && b < NB - 1 && c_lo + b * TC_KEYS + skey != pos; b++) {
-            kb_issue(blk, b);
+        for (; early && b < NB - 1 && (pin || c_lo + b * TC_KEYS + skey != pos); b++) {
+            if (pin && c_lo + b * TC_KEYS + skey == pos)
+                tc_commit();
+            else
+                kb_issue(blk, b);
             blk = tc_blk_kb(kv, sq, c_lo + (b + 1) * TC_KEYS + skey, first, pos, kr, d_err);
         }
         if constexpr (PREP) {
@@ -235,7 +318,15 @@ __device__ __forceinline__ void tcd_block(const struct mm_attn_args &a, int gsub
             const int64_t slot = pb >= 0 ? (int64_t)pb * kv.block_stride + (int64_t)rs_ * kv.slot_stride
                                          : -1;
             mm_dep_wait();
-            tcd_prep_run(*pp, a, r, kvh, h0, group, slot, warp, lane, wq, wk, cs, sn);
+            if constexpr (PSM) {
+                uint16_t *const kbp = kb + (prel / TC_KEYS) * kvsz;
+                tcd_prep_run2(*pp, a, r, kvh, h0, group, slot, warp, lane, wq, wk, cs, sn,
+                              (float *)(kb + NB * kvsz),
+                              pin ? kbp + (prel % TC_KEYS) * ldk : NULL,
+                              pin ? kbp + TC_KEYS * ldk + (prel % TC_KEYS) * ldv : NULL);
+            } else {
+                tcd_prep_run(*pp, a, r, kvh, h0, group, slot, warp, lane, wq, wk, cs, sn);
+            }
             __threadfence_block();
             __syncthreads(); // q and the key at the position, as the attention below reads them
         } else if (early) {
@@ -260,7 +351,9 @@ __device__ __forceinline__ void tcd_block(const struct mm_attn_args &a, int gsub
         const float *q_row[2];
 #pragma unroll
         for (int i = 0; i < 2; i++)
-            q_row[i] = uin[i] ? a.q + r * a.q_stride + (int64_t)(h0 + g + 8 * i) * dk : NULL;
+            q_row[i] = !uin[i] ? NULL
+                       : PSM   ? (const float *)(kb + NB * kvsz) + (g + 8 * i) * TCD_PREP_HD
+                               : a.q + r * a.q_stride + (int64_t)(h0 + g + 8 * i) * dk;
         tc_q_frag<DKM>(q_row, dk, tq, qf);
     }
     const float cs = a.scale * 1.4426950408889634f;
@@ -429,12 +522,12 @@ __global__ void __launch_bounds__(TCD_THREADS, 1)
 }
 
 // attention_prep on the device: attention_tcd_kernel's blocks with the preparation first
-template <int NB>
+template <int NB, bool PSM>
 __global__ void __launch_bounds__(TCD_THREADS, 1)
     attention_tcd_prep_kernel(struct mm_attn_args a, struct tcd_prep p, int gsub, int *d_err) {
     mm_dep_signal();
-    tcd_block<TCD_PREP_HD, TCD_PREP_HD, 1, NB, true>(a, gsub, d_err, blockIdx.x, blockIdx.y, true,
-                                                     &p);
+    tcd_block<TCD_PREP_HD, TCD_PREP_HD, 1, NB, true, PSM>(a, gsub, d_err, blockIdx.x, blockIdx.y,
+                                                          true, &p);
 }
 
 // dynamic shared memory: NST stages and two buffers (f32 cache, nb 0), nb buffers (bf16)
@@ -582,6 +675,16 @@ extern "C" mm_err mm_gpu_attention_tcd(void *stream, const struct mm_attn_args *
 
 // MM_GPU_ATT_PREP (read at first use): 0 leaves attention_prep to the two launches (A/B).
 static int g_att_prep = -1;
+// MM_GPU_ATT_PREP_SM (read at first use): 1 (default) the kernel's PSM form (tcd_block), 0 the
+// form that reads its queries and the row's key back from global memory (A/B; same bits).
+// H200, 2026-12-02 16:42 UTC, in turn twice: decode batch 1 2277.3, 2284.3 tok/s against
+// 2214.8, 2201.8 (+3.3%).
+static int g_att_prep_sm = -1;
+
+// mm_gpu_set_attention_prep_sm: 1 the PSM form of attention_tcd_prep_kernel, 0 the earlier
+// one, < 0 back to MM_GPU_ATT_PREP_SM (read at the next call). Same bits. Process-wide.
+extern "C" void mm_gpu_set_attention_prep_sm(int on);
+extern "C" void mm_gpu_set_attention_prep_sm(int on) { g_att_prep_sm = on < 0 ? -1 : on != 0; }
 
 // mm_gpu_attention_prep: attention_prep (kernels.h) on attention_tcd_prep_kernel where it takes
 // the call (*done 1): a decode call (keys_early, not long_ctx, at most TCD_AUTO_ROWS rows) of
@@ -636,12 +739,21 @@ extern "C" mm_err mm_gpu_attention_prep(void *stream, const struct mm_attn_prep 
                          ra.mscale,
                          st.v,
                          st.v_stride};
-    static uint64_t attr_set;
-    const size_t shmem = tcd_shmem(TCD_PREP_HD, TCD_PREP_HD, 1, 4);
-    MM_TRY(tc_allow_shmem(attention_tcd_prep_kernel<4>, &attr_set, shmem));
+    if (g_att_prep_sm < 0)
+        g_att_prep_sm = !tc_env_is("MM_GPU_ATT_PREP_SM", "0");
+    static uint64_t attr_set[2];
+    const size_t shmem = tcd_shmem(TCD_PREP_HD, TCD_PREP_HD, 1, 4); // the 4 key buffers
     const dim3 grid((unsigned)a->n_rows, (unsigned)kv.n_kv_heads);
-    MM_GPU_CHECK(mm_launch_dep(attention_tcd_prep_kernel<4>, grid, dim3(TCD_THREADS), shmem,
-                               (cudaStream_t)stream, *a, dp, group, d_err));
+    if (g_att_prep_sm) { // the queries after the buffers
+        const size_t sm2 = shmem + (size_t)16 * TCD_PREP_HD * 4;
+        MM_TRY(tc_allow_shmem(attention_tcd_prep_kernel<4, true>, &attr_set[1], sm2));
+        MM_GPU_CHECK(mm_launch_dep(attention_tcd_prep_kernel<4, true>, grid, dim3(TCD_THREADS),
+                                   sm2, (cudaStream_t)stream, *a, dp, group, d_err));
+    } else {
+        MM_TRY(tc_allow_shmem(attention_tcd_prep_kernel<4, false>, &attr_set[0], shmem));
+        MM_GPU_CHECK(mm_launch_dep(attention_tcd_prep_kernel<4, false>, grid, dim3(TCD_THREADS),
+                                   shmem, (cudaStream_t)stream, *a, dp, group, d_err));
+    }
     MM_GPU_CHECK(cudaGetLastError());
     *done = 1;
 #else

@@ -721,21 +721,35 @@ static void prep_case(int n, const int32_t *pos, int H, int KV, bool norms, enum
     free(tables), free(pool), free(x), free(inv), free(wq), free(wk);
 }
 
+// attention_tcd.cu: 1 the kernel form that writes the row's key and queries into shared memory
+// (the default), 0 the form that reads them back from global memory; < 0 back to the default
+extern void mm_gpu_set_attention_prep_sm(int on) __attribute__((weak));
+
 static void test_attention_prep(void) {
     open_gpu();
     if (!gpu->ops->attention_prep)
         MM_SKIP("the GPU table has no attention_prep (MM_GPU_OLD_CHAIN set?)");
     const int32_t p1[] = {0}, p2[] = {63}, p3[] = {64}, p4[] = {130}, p5[] = {700};
+    const int32_t p6[] = {191}, p7[] = {192}; // the last key of the 3 buffers filled early, the next
     const int32_t p8[] = {5, 64, 127, 128, 300, 0, 701, 66};
-    prep_case(1, p1, 32, 4, true, MM_DTYPE_BF16, true); // Qwen3-30B-A3B, the first token
-    prep_case(1, p2, 32, 4, true, MM_DTYPE_BF16, true); // the last key of a block
-    prep_case(1, p3, 32, 4, true, MM_DTYPE_BF16, true); // the first key of a block
-    prep_case(1, p4, 32, 4, true, MM_DTYPE_BF16, true);
-    prep_case(1, p5, 32, 4, true, MM_DTYPE_F32, true);
-    prep_case(8, p8, 32, 4, true, MM_DTYPE_BF16, true); // 8 sequences at once
-    prep_case(3, p8, 16, 2, false, MM_DTYPE_BF16, true); // no norms, GQA 8
-    prep_case(2, p8, 64, 4, true, MM_DTYPE_BF16, true); // a group of 16
-    prep_case(2, p8, 64, 2, true, MM_DTYPE_BF16, false); // a group of 32: refused
+    for (int form = 1; form >= (mm_gpu_set_attention_prep_sm ? 0 : 1); form--) {
+        if (mm_gpu_set_attention_prep_sm)
+            mm_gpu_set_attention_prep_sm(form);
+        printf("attention_prep, the %s form:\n", form ? "shared-memory" : "global read-back");
+        prep_case(1, p1, 32, 4, true, MM_DTYPE_BF16, true); // Qwen3-30B-A3B, the first token
+        prep_case(1, p2, 32, 4, true, MM_DTYPE_BF16, true); // the last key of a block
+        prep_case(1, p3, 32, 4, true, MM_DTYPE_BF16, true); // the first key of a block
+        prep_case(1, p4, 32, 4, true, MM_DTYPE_BF16, true);
+        prep_case(1, p6, 32, 4, true, MM_DTYPE_BF16, true);
+        prep_case(1, p7, 32, 4, true, MM_DTYPE_BF16, true);
+        prep_case(1, p5, 32, 4, true, MM_DTYPE_F32, true);
+        prep_case(8, p8, 32, 4, true, MM_DTYPE_BF16, true); // 8 sequences at once
+        prep_case(3, p8, 16, 2, false, MM_DTYPE_BF16, true); // no norms, GQA 8
+        prep_case(2, p8, 64, 4, true, MM_DTYPE_BF16, true); // a group of 16
+        prep_case(2, p8, 64, 2, true, MM_DTYPE_BF16, false); // a group of 32: refused
+    }
+    if (mm_gpu_set_attention_prep_sm)
+        mm_gpu_set_attention_prep_sm(-1);
     gpu_close(NULL);
 }
 

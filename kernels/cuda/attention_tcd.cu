@@ -147,6 +147,18 @@ __device__ __forceinline__ void tcd_prep_run(const tcd_prep &p, const struct mm_
     }
 }
 
+// This lane's 4 elements of a 128-dim row as bf16 (kv_put's rounding) into a cache row and a key
+// buffer row (either may be NULL).
+__device__ __forceinline__ void tcd_put2(uint16_t *a, uint16_t *b, const float v[4], int lane) {
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        if (a != NULL)
+            kv_put(a, true, lane + 32 * j, v[j]);
+        if (b != NULL)
+            kv_put(b, true, lane + 32 * j, v[j]);
+    }
+}
+
 // tcd_prep_run with every unit's row loaded before the first is computed (one round of loads:
 // warps 0 and 1 hold two units at Qwen3's group of 8, the key among them), each result also
 // written where the block's attention reads it: the queries (f32) to qs[u][128], and, where ks
@@ -181,16 +193,10 @@ __device__ __forceinline__ void tcd_prep_run2(const tcd_prep &p, const struct mm
         if (u >= group + 2)
             break;
         if (u == group + 1) { // the value: a copy
-            uint16_t *sv = sb != NULL ? sb + (int64_t)kv.n_kv_heads * kv.head_dim_k +
-                                            (int64_t)kvh * TCD_PREP_HD
-                                      : NULL;
-#pragma unroll
-            for (int j = 0; j < 4; j++) {
-                if (sv != NULL)
-                    kv_put(sv, true, lane + 32 * j, v[i][j]);
-                if (vs != NULL)
-                    kv_put(vs, true, lane + 32 * j, v[i][j]);
-            }
+            tcd_put2(sb != NULL ? sb + (int64_t)kv.n_kv_heads * kv.head_dim_k +
+                                      (int64_t)kvh * TCD_PREP_HD
+                                : NULL,
+                     vs, v[i], lane);
             continue;
         }
         const bool isk = u == group;
@@ -203,14 +209,7 @@ __device__ __forceinline__ void tcd_prep_run2(const tcd_prep &p, const struct mm
         for (int j = 0; j < 4; j++)
             xr[lane + 32 * j] = v[i][j];
         if (isk) {
-            uint16_t *sk = sb != NULL ? sb + (int64_t)kvh * TCD_PREP_HD : NULL;
-#pragma unroll
-            for (int j = 0; j < 4; j++) {
-                if (sk != NULL)
-                    kv_put(sk, true, lane + 32 * j, v[i][j]);
-                if (ks != NULL)
-                    kv_put(ks, true, lane + 32 * j, v[i][j]);
-            }
+            tcd_put2(sb != NULL ? sb + (int64_t)kvh * TCD_PREP_HD : NULL, ks, v[i], lane);
         } else {
 #pragma unroll
             for (int j = 0; j < 4; j++)

@@ -254,6 +254,7 @@ __device__ __forceinline__ void tcd_block(const struct mm_attn_args &a, int gsub
     const int kvsz = TC_KEYS * (ldk + ldv);
     float *stage = (float *)tcd_sh; // [NST][TC_KEYS][sw] f32 (f32 cache only)
     uint16_t *kb = (uint16_t *)(stage + (KB ? 0 : NST * TC_KEYS * sw)); // buffer b: kb + b * kvsz
+    float *const qsm = PSM ? (float *)(kb + NB * kvsz) : NULL; // PSM: the prepared queries
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tq = lane & 3;
     const int skey = tid / TCD_TPK, part = tid % TCD_TPK; // the key this thread stages
     const int group = a.n_heads / kv.n_kv_heads, per_kv = group / gsub;
@@ -319,8 +320,7 @@ __device__ __forceinline__ void tcd_block(const struct mm_attn_args &a, int gsub
             mm_dep_wait();
             if constexpr (PSM) {
                 uint16_t *const kbp = kb + (prel / TC_KEYS) * kvsz;
-                tcd_prep_run2(*pp, a, r, kvh, h0, group, slot, warp, lane, wq, wk, cs, sn,
-                              (float *)(kb + NB * kvsz),
+                tcd_prep_run2(*pp, a, r, kvh, h0, group, slot, warp, lane, wq, wk, cs, sn, qsm,
                               pin ? kbp + (prel % TC_KEYS) * ldk : NULL,
                               pin ? kbp + TC_KEYS * ldk + (prel % TC_KEYS) * ldv : NULL);
             } else {
@@ -351,7 +351,7 @@ __device__ __forceinline__ void tcd_block(const struct mm_attn_args &a, int gsub
 #pragma unroll
         for (int i = 0; i < 2; i++)
             q_row[i] = !uin[i] ? NULL
-                       : PSM   ? (const float *)(kb + NB * kvsz) + (g + 8 * i) * TCD_PREP_HD
+                       : PSM   ? qsm + (g + 8 * i) * TCD_PREP_HD
                                : a.q + r * a.q_stride + (int64_t)(h0 + g + 8 * i) * dk;
         tc_q_frag<DKM>(q_row, dk, tq, qf);
     }

@@ -980,15 +980,16 @@ __global__ void __launch_bounds__(MV_WARPS * 32, MINB) gemv_bulk_kernel(mm_mat_a
                 mv3_bar_expect(bar0 + 8 * i,
                               ok ? (uint32_t)max(0, min(16, nrw - 16 * i)) * (uint32_t)a.n_in * 2u : 0u);
         __syncwarp();
-        if (ok && a.wef) {
-            const uint64_t pol = mv3_evict_first();
-            for (int i = lane; i < nrw; i += 32)
-                mv3_bulk_pol(wsa + (uint32_t)i * (uint32_t)ldx * 2u, w + (size_t)(rb + i) * a.n_in,
-                             (uint32_t)a.n_in * 2u, bar0 + 8 * (i / 16), pol);
-        } else if (ok) { // (the form measured without the policy)
-            for (int i = lane; i < nrw; i += 32)
-                mv3_bulk(wsa + (uint32_t)i * (uint32_t)ldx * 2u, w + (size_t)(rb + i) * a.n_in,
-                        (uint32_t)a.n_in * 2u, bar0 + 8 * (i / 16));
+        if (ok) {
+            const uint64_t pol = a.wef ? mv3_evict_first() : 0;
+            for (int i = lane; i < nrw; i += 32) {
+                const uint32_t dst = wsa + (uint32_t)i * (uint32_t)ldx * 2u;
+                const uint16_t *src = w + (size_t)(rb + i) * a.n_in;
+                if (a.wef)
+                    mv3_bulk_pol(dst, src, (uint32_t)a.n_in * 2u, bar0 + 8 * (i / 16), pol);
+                else
+                    mv3_bulk(dst, src, (uint32_t)a.n_in * 2u, bar0 + 8 * (i / 16));
+            }
         }
         return ok;
     };

@@ -528,7 +528,8 @@ __global__ void __launch_bounds__(TCD_THREADS, 1)
     tcd_block<DKM, DVM, NST, NB>(a, gsub, d_err, blockIdx.x, blockIdx.y, a.keys_early != 0);
 }
 
-// attention_prep on the device: attention_tcd_kernel's blocks with the preparation first
+// attention_prep on the device: attention_tcd_kernel's blocks with the preparation first; the
+// next kernel may launch from where p.signal says (tcd_block; at the start with 0)
 template <int NB, bool PSM>
 __global__ void __launch_bounds__(TCD_THREADS, 1)
     attention_tcd_prep_kernel(struct mm_attn_args a, struct tcd_prep p, int gsub, int *d_err) {

@@ -134,7 +134,9 @@ fi
 if ! skip invariance || ! skip meshstep; then
     BIN=$D
     source tests/e2e/mesh_lib.sh
-    trap 'mesh_stop; rm -rf "$RUN"; [ "${KEEP_MODEL:-0}" = 1 ] || rm -rf "$M"' EXIT
+    # (and MPS's daemon, when this script is ended before its quit at the end)
+    trap 'mesh_stop; rm -rf "$RUN"; [ "${KEEP_MODEL:-0}" = 1 ] || rm -rf "$M"
+          [ "${MPS_ON:-0}" = 1 ] && echo quit | nvidia-cuda-mps-control >/dev/null 2>&1' EXIT
     # the data plane of shards and owners (SCHEME): host (shm://NAME?gpu=0: rows through host
     # memory), shm (shm://NAME: device to device between GPU daemons), cudaipc (explicit)
     SCHEME=shm
@@ -184,6 +186,17 @@ if [ "${MPS:-0}" = 1 ] && { ! skip invariance || ! skip meshstep; }; then
     section "CUDA MPS for the mesh sections"
     export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
     mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    # a daemon left by an earlier run that was killed before its quit (2026-12-02: the next
+    # run's mesh steps took twice their time beside it): stopped first
+    if command -v nvidia-cuda-mps-control >/dev/null &&
+        ps -eo args | grep -qE '^(/[^ ]*/)?nvidia-cuda-mps-control'; then
+        echo quit | nvidia-cuda-mps-control >/dev/null 2>&1
+        for _ in 1 2 3 4 5 6 7 8 9 10; do
+            ps -eo args | grep -qE '^(/[^ ]*/)?nvidia-cuda-mps-control' || break
+            sleep 0.5
+        done
+        echo "an MPS control daemon left by an earlier run was stopped"
+    fi
     if command -v nvidia-cuda-mps-control >/dev/null && nvidia-cuda-mps-control -d; then
         MPS_ON=1; echo "MPS control daemon started"
     else
@@ -294,6 +307,7 @@ fi
 
 if [ $MPS_ON = 1 ]; then
     echo quit | nvidia-cuda-mps-control && echo "MPS control daemon stopped"
+    MPS_ON=0
 fi
 [ "${KEEP_MODEL:-0}" = 1 ] || rm -rf "$M" # KEEP_MODEL=1: left for a later script (drafting bench)
 echo
